@@ -1,0 +1,132 @@
+"""``recserve build``: train, write keyed tables and the ONNX net with manifests, generate configs."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import load_file, save_file
+
+from recserve.backends.artifacts import file_entry, read_manifest, save_array, verified_path, write_manifest
+from recserve.backends.dense_runner import OnnxDenseRunner
+from recserve.backends.errors import ArtifactError
+from recserve.backends.store import MANIFEST_FORMAT, EmbeddingTable
+from recserve.build import configs
+from recserve.build.export import example_inputs, export_onnx, torch_predict
+from recserve.build.network import CTRNet
+from recserve.build.train import Progress, stderr_progress, train
+from recserve.spec import ModelSpec
+
+DENSE_FORMAT = "recserve-dense/1"
+ONNX_FILE = "model.onnx"
+WEIGHTS_FILE = "weights.safetensors"
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    """What a build produced."""
+
+    repository: Path
+    holdout_auc: float
+    onnx_max_abs_diff: float
+
+
+def spec_digest(spec: ModelSpec) -> str:
+    """SHA-256 of the canonical spec; manifests record it so a changed spec forces a rebuild."""
+    return hashlib.sha256(spec.to_json().encode()).hexdigest()
+
+
+def version_dir(repository: Path, model: str, spec: ModelSpec) -> Path:
+    """Folder of the spec's version of one model."""
+    return repository / model / str(spec.version)
+
+
+def is_built(spec: ModelSpec, repository: Path) -> bool:
+    """True when both artifact manifests exist and were built from this spec."""
+    try:
+        return all(
+            read_manifest(version_dir(repository, model, spec)).get("spec_sha256") == spec_digest(spec)
+            for model in (configs.EMBEDDING_LOOKUP, configs.DENSE)
+        )
+    except ArtifactError:
+        return False
+
+
+def write_tables(spec: ModelSpec, tables: dict[str, EmbeddingTable], root: Path) -> None:
+    """Write each table as ``.npy`` key and vector arrays plus the manifest."""
+    entries = {}
+    for name, table in sorted(tables.items()):
+        entries[name] = {
+            "dim": table.dim,
+            "rows": len(table.keys),
+            "keys": save_array(root, f"tables/{name}.keys.npy", table.keys),
+            "vectors": save_array(root, f"tables/{name}.vectors.npy", table.vectors),
+        }
+    write_manifest(
+        root,
+        {"format": MANIFEST_FORMAT, "version": spec.version, "spec_sha256": spec_digest(spec), "tables": entries},
+    )
+
+
+def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float) -> float:
+    """Export ONNX, check it against PyTorch at every sequence bucket, write the manifest."""
+    path = root / ONNX_FILE
+    export_onnx(spec, net, path)
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(root / WEIGHTS_FILE))
+    runner = OnnxDenseRunner(spec, path)
+    worst = 0.0
+    for length in spec.sequence_buckets:
+        sample = example_inputs(spec, rows=7, length=length, seed=length)
+        worst = max(worst, float(np.abs(runner.predict(sample) - torch_predict(net, sample)).max()))
+    if worst > 1e-5:
+        raise ArtifactError(f"ONNX export differs from PyTorch by {worst:.2e}")
+    write_manifest(
+        root,
+        {
+            "format": DENSE_FORMAT,
+            "version": spec.version,
+            "spec_sha256": spec_digest(spec),
+            "holdout_auc": holdout_auc,
+            "files": {"model": file_entry(root, path), "weights": file_entry(root, root / WEIGHTS_FILE)},
+        },
+    )
+    return worst
+
+
+def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
+    """The trained PyTorch network of a built repository (checked weights, no pickle)."""
+    root = version_dir(repository, configs.DENSE, spec)
+    path = verified_path(root, read_manifest(root)["files"]["weights"])
+    net = CTRNet(spec)
+    net.load_state_dict(load_file(str(path)))
+    return net.eval()
+
+
+def install_adapters(spec: ModelSpec, repository: Path) -> None:
+    """Copy the thin ``model.py`` adapters into each step's version folder."""
+    source = resources.files("recserve.backends.triton_models")
+    for step in configs.STEPS:
+        target = version_dir(repository, step, spec) / "model.py"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(source.joinpath(f"{step}.py").read_text())
+
+
+def build_repository(spec: ModelSpec, repository: Path, progress: Progress = stderr_progress) -> BuildReport:
+    """Build every artifact and config of ``spec`` into ``repository``."""
+    trained = train(spec, progress)
+    tables_dir = version_dir(repository, configs.EMBEDDING_LOOKUP, spec)
+    dense_dir = version_dir(repository, configs.DENSE, spec)
+    for folder in (tables_dir, dense_dir):
+        shutil.rmtree(folder, ignore_errors=True)
+    progress(f"[build] writing {len(trained.tables)} tables to {tables_dir}")
+    write_tables(spec, trained.tables, tables_dir)
+    progress(f"[build] exporting ONNX to {dense_dir}")
+    diff = write_dense(spec, trained.net, dense_dir, trained.holdout_auc)
+    install_adapters(spec, repository)
+    configs.write_configs(spec, repository)
+    progress(f"[build] repository ready: {repository} (held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})")
+    return BuildReport(repository, trained.holdout_auc, diff)

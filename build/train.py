@@ -1,0 +1,186 @@
+"""Train the CTR model on synthetic data and turn its embeddings into key-addressed tables.
+
+Training uses row indices into per-table vocabularies built from the training keys (values seen
+fewer than ``min_count`` times share the out-of-vocabulary row); the exported tables are keyed by
+the same 64-bit keys the serving feature transform computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from recserve.backends import tensors
+from recserve.backends.features import FeatureTransform
+from recserve.backends.store import EmbeddingTable
+from recserve.build.network import CTRNet
+from recserve.build.synthetic import RawRows, generate, roc_auc
+from recserve.spec import ModelSpec
+
+LOGGER = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+def stderr_progress(message: str) -> None:
+    """Default progress sink: one line per step on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass
+class KeyedRows:
+    """Serving keys of a set of rows (what ``feature_transform`` would produce)."""
+
+    dense: np.ndarray
+    sparse: np.ndarray  # [N, F]
+    target: np.ndarray  # [N]
+    history: np.ndarray  # [N, max_length]
+    mask: np.ndarray  # [N, max_length]
+    labels: np.ndarray
+
+
+def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
+    """Run the serving feature transform's numeric steps over raw rows."""
+    transform = FeatureTransform(spec)
+    history = transform.history(rows.history, rows.lengths)
+    return KeyedRows(
+        dense=transform.dense_values(rows.dense, rows.dense_missing),
+        sparse=transform.categorical_keys(rows.categorical, rows.categorical_empty),
+        target=transform.target_keys(rows.target[:, None])[:, 0],
+        history=history[tensors.HISTORY_KEYS],
+        mask=history[tensors.HISTORY_MASK],
+        labels=rows.labels,
+    )
+
+
+class Vocabulary:
+    """Keys seen at least ``min_count`` times, mapped to rows; everything else to the OOV row."""
+
+    def __init__(self, keys: np.ndarray, min_count: int) -> None:
+        unique, counts = np.unique(keys, return_counts=True)
+        self.keys = unique[counts >= min_count]
+
+    @property
+    def oov(self) -> int:
+        """Row index shared by unknown keys."""
+        return len(self.keys)
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        """Row index of each key."""
+        pos = np.minimum(np.searchsorted(self.keys, keys), max(len(self.keys) - 1, 0))
+        return np.where(self.keys[pos] == keys, pos, self.oov)
+
+
+class TrainingModel(nn.Module):
+    """Embedding bags in front of :class:`CTRNet`, used for training only."""
+
+    def __init__(self, spec: ModelSpec, vocab: dict[str, Vocabulary]) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embeddings = nn.ModuleDict(
+            {name: nn.Embedding(v.oov + 1, spec.embedding_dim) for name, v in vocab.items()}
+        )
+        for table in self.embeddings.values():
+            nn.init.normal_(table.weight, std=0.05)
+        self.net = CTRNet(spec)
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor, target: torch.Tensor, history: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Probabilities from row indices (sparse [B, F], target [B], history [B, L])."""
+        columns = [
+            self.embeddings[f.table](sparse[:, i]) for i, f in enumerate(self.spec.categorical.features)
+        ]
+        items = self.embeddings[self.spec.sequence.table]
+        return self.net(dense, torch.stack(columns, dim=1), items(target), items(history), mask)
+
+
+@dataclass
+class TrainedModel:
+    """The outcome of training: the dense net, keyed tables and the held-out AUC."""
+
+    net: CTRNet
+    tables: dict[str, EmbeddingTable]
+    holdout_auc: float
+
+
+def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel:
+    """Generate data, train, evaluate on held-out rows and export keyed tables."""
+    cfg = spec.training
+    seed = int(cfg["seed"])
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    progress(f"[train] generating {cfg['rows']} training + {cfg['holdout_rows']} held-out rows")
+    data = keyed(spec, generate(spec, int(cfg["rows"]), seed))
+    holdout = keyed(spec, generate(spec, int(cfg["holdout_rows"]), seed + 1))
+
+    sparse_by_table = {f.table: data.sparse[:, i] for i, f in enumerate(spec.categorical.features)}
+    item_keys = np.concatenate([data.target, data.history[data.mask > 0]])
+    vocab = {name: Vocabulary(keys, int(cfg["min_count"])) for name, keys in sparse_by_table.items()}
+    vocab[spec.sequence.table] = Vocabulary(item_keys, int(cfg["min_count"]))
+
+    def index(rows: KeyedRows) -> dict[str, torch.Tensor]:
+        sparse = np.stack(
+            [vocab[f.table].rows(rows.sparse[:, i]) for i, f in enumerate(spec.categorical.features)], axis=1
+        )
+        items = vocab[spec.sequence.table]
+        return {
+            "dense": torch.from_numpy(rows.dense),
+            "sparse": torch.from_numpy(sparse),
+            "target": torch.from_numpy(items.rows(rows.target)),
+            "history": torch.from_numpy(items.rows(rows.history)),
+            "mask": torch.from_numpy(rows.mask),
+            "lengths": torch.from_numpy(rows.mask.sum(1).astype(np.int64)),
+        }
+
+    train_t, hold_t = index(data), index(holdout)
+    model = TrainingModel(spec, vocab)
+    optimizer = torch.optim.Adam(model.parameters(), lr=float(cfg["learning_rate"]))
+    loss_fn = nn.BCELoss()
+    labels = torch.from_numpy(data.labels)
+    batch = int(cfg["batch_size"])
+    n = len(labels)
+    for epoch in range(int(cfg["epochs"])):
+        model.train()
+        order = torch.randperm(n)
+        total = 0.0
+        for step, start in enumerate(range(0, n, batch)):
+            idx = order[start : start + batch]
+            width = spec.sequence_bucket(max(int(train_t["lengths"][idx].max()), 1))
+            pred = model(
+                train_t["dense"][idx],
+                train_t["sparse"][idx],
+                train_t["target"][idx],
+                train_t["history"][idx, :width],
+                train_t["mask"][idx, :width],
+            )[:, 0]
+            loss = loss_fn(pred, labels[idx])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            total += float(loss) * len(idx)
+            if step % 50 == 0:
+                progress(f"[train] epoch {epoch + 1} {min(start + batch, n)}/{n} rows, loss {float(loss):.4f}")
+        progress(f"[train] epoch {epoch + 1} done, mean loss {total / n:.4f}, {time.perf_counter() - started:.1f}s")
+
+    model.eval()
+    with torch.no_grad():
+        scores = torch.cat(
+            [
+                model(*(hold_t[k][s : s + 4096] for k in ("dense", "sparse", "target", "history", "mask")))[:, 0]
+                for s in range(0, len(holdout.labels), 4096)
+            ]
+        ).numpy()
+    auc = roc_auc(holdout.labels, scores)
+    progress(f"[train] held-out AUC {auc:.4f} after {time.perf_counter() - started:.1f}s")
+
+    tables = {}
+    for name, v in vocab.items():
+        weight = model.embeddings[name].weight.detach().numpy()
+        tables[name] = EmbeddingTable.from_arrays(name, v.keys, weight[: v.oov], weight[v.oov], version=spec.version)
+    return TrainedModel(model.net, tables, auc)

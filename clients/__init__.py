@@ -1,0 +1,1 @@
+"""Client SDK over tritonclient (HTTP and gRPC, sync and asyncio)."""

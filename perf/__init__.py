@@ -1,0 +1,1 @@
+"""Performance measurement with perf_analyzer."""

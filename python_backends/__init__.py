@@ -1,0 +1,1 @@
+"""Request handling that runs inside the Triton Python backend and in-process."""

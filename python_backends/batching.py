@@ -1,0 +1,57 @@
+"""Merge the requests of one dynamic batch into one array per tensor, and split results back.
+
+Triton hands a Python-backend model a list of requests; ragged tensors (sequence positions) may
+differ in width between requests. Merging zero-pads them to the widest request (padding positions
+carry mask 0 and never change a row's result), so one vectorised call serves the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+def merge(batch: Sequence[Mapping[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Concatenate per-request tensors along rows; pad axis 1 of ragged ones to the widest."""
+    sizes = [len(next(iter(item.values()))) for item in batch]
+    if len(batch) == 1:
+        return dict(batch[0]), sizes
+    merged = {}
+    for name in batch[0]:
+        parts = [item[name] for item in batch]
+        width = max(p.shape[1] for p in parts) if parts[0].ndim >= 2 else None
+        if width is not None and any(p.shape[1] != width for p in parts):
+            parts = [_pad_axis1(p, width) for p in parts]
+        merged[name] = np.concatenate(parts, axis=0)
+    return merged, sizes
+
+
+def _pad_axis1(array: np.ndarray, width: int) -> np.ndarray:
+    pad = [(0, 0)] * array.ndim
+    pad[1] = (0, width - array.shape[1])
+    return np.pad(array, pad)
+
+
+def split(
+    outputs: Mapping[str, np.ndarray], sizes: Sequence[int], widths: Mapping[str, Sequence[int]] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Split merged outputs back into per-request outputs.
+
+    Args:
+        outputs: merged tensors, rows first.
+        sizes: rows of each request, in order.
+        widths: for ragged outputs, each request's own width along axis 1 (padding is cut off).
+    """
+    widths = widths or {}
+    bounds = np.cumsum([0, *sizes])
+    result = []
+    for i in range(len(sizes)):
+        part = {}
+        for name, array in outputs.items():
+            piece = array[bounds[i] : bounds[i + 1]]
+            if name in widths:
+                piece = piece[:, : widths[name][i]]
+            part[name] = piece
+        result.append(part)
+    return result

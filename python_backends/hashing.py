@@ -1,0 +1,48 @@
+"""64-bit feature keys: ``splitmix64(salt(table) XOR value)``, vectorised over numpy arrays.
+
+Production dynamic embeddings are keyed by a hash of feature and raw value, not by dense row
+indices; the same functions run at build time (to key the trained tables) and at serving time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_MASK = (1 << 64) - 1
+
+
+def fnv1a64(text: str) -> int:
+    """FNV-1a 64-bit hash of a string (used once per table or feature, not per key)."""
+    h = _FNV_OFFSET
+    for byte in text.encode():
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK
+    return h
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser applied element-wise to a ``uint64`` array."""
+    z = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def table_salt(namespace: str, table: str) -> np.uint64:
+    """Salt that separates the key spaces of tables."""
+    return np.uint64(fnv1a64(f"{namespace}/{table}"))
+
+
+def keys_for(values: np.ndarray, salt: np.uint64) -> np.ndarray:
+    """Keys (int64 view of the 64-bit hash) for unsigned raw values of one table."""
+    return splitmix64(np.asarray(values, dtype=np.uint64) ^ salt).view(np.int64)
+
+
+def missing_key(namespace: str, feature: str) -> np.int64:
+    """The per-feature key served for an empty value."""
+    return splitmix64(np.array([fnv1a64(f"{namespace}/{feature}#missing")], dtype=np.uint64)).view(
+        np.int64
+    )[0]

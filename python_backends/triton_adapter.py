@@ -1,0 +1,134 @@
+"""The one place that speaks ``triton_python_backend_utils``: request loops and error mapping.
+
+``model.py`` files stay thin: they build a plain object from :mod:`recserve.backends` in
+``initialize`` and hand their requests to :func:`execute_each` or :func:`execute_merged`. Every
+request gets exactly one response; a :class:`~recserve.backends.errors.RequestError` fails its own
+request with its code; any other exception fails the requests it touched with a generic message
+(the details go to the server log, never to the client).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from recserve.backends import batching
+from recserve.backends.errors import RequestError
+from recserve.spec import ModelSpec, spec_from_json
+
+LOGGER = logging.getLogger(__name__)
+
+Arrays = dict[str, np.ndarray]
+
+
+
+def _triton_error(message: str, code: str) -> Any:
+    # TritonError is bound by the stub after this module is imported: resolve it per call.
+    error_type = pb_utils.TritonError
+    return error_type(message, getattr(error_type, code, error_type.INTERNAL))
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What ``initialize`` learns from Triton: the spec, the version folder, the instance."""
+
+    spec: ModelSpec
+    version_dir: Path
+    name: str
+    instance_count: int
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, str]) -> ModelContext:
+        """Parse the ``args`` of ``TritonPythonModel.initialize``."""
+        if int(np.__version__.split(".")[0]) >= 2:
+            raise RuntimeError(
+                f"numpy {np.__version__} is loaded in the Python backend; this Triton stub needs numpy<2 "
+                "(start tritonserver through 'recserve serve')"
+            )
+        config = json.loads(args["model_config"])
+        spec = spec_from_json(config["parameters"]["spec"]["string_value"])
+        count = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
+        version_dir = Path(args["model_repository"]) / args["model_version"]
+        return cls(spec, version_dir, args["model_name"], count)
+
+
+def error_response(exc: Exception) -> pb_utils.InferenceResponse:
+    """Map a domain error to its Triton code; anything else becomes a message without internals."""
+    if isinstance(exc, RequestError):
+        return pb_utils.InferenceResponse(error=_triton_error(str(exc), exc.code))
+    LOGGER.exception("request failed")
+    return pb_utils.InferenceResponse(
+        error=_triton_error(f"internal error ({type(exc).__name__}); see the server log", "INTERNAL")
+    )
+
+
+def read_inputs(request: Any, names: Sequence[str]) -> Arrays:
+    """The named input tensors of a request as numpy arrays (absent ones are left out)."""
+    arrays = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
+
+
+def respond(outputs: Mapping[str, np.ndarray]) -> pb_utils.InferenceResponse:
+    """A successful response carrying ``outputs``."""
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in outputs.items()]
+    )
+
+
+def execute_each(requests: Sequence[Any], input_names: Sequence[str], handle: Callable[[Arrays], Arrays]) -> list:
+    """Handle each request on its own (for steps whose cost is per request)."""
+    responses = []
+    for request in requests:
+        try:
+            responses.append(respond(handle(read_inputs(request, input_names))))
+        except Exception as exc:  # noqa: BLE001 - mapped per request
+            responses.append(error_response(exc))
+    return responses
+
+
+def execute_merged(
+    requests: Sequence[Any],
+    input_names: Sequence[str],
+    check: Callable[[Arrays], Arrays],
+    compute: Callable[[Arrays], Arrays],
+    ragged_outputs: Mapping[str, str] | None = None,
+) -> list:
+    """Check each request alone, then compute all valid ones in one call and split the results.
+
+    Args:
+        requests: the dynamic batch.
+        input_names: tensors to read.
+        check: validates one request's inputs (raises ``RequestError``), returns what to merge.
+        compute: runs on the merged arrays of all valid requests.
+        ragged_outputs: output name -> input name whose width (axis 1) the output keeps per request.
+    """
+    responses: list = [None] * len(requests)
+    valid, checked = [], []
+    for i, request in enumerate(requests):
+        try:
+            checked.append(check(read_inputs(request, input_names)))
+            valid.append(i)
+        except Exception as exc:  # noqa: BLE001 - mapped per request
+            responses[i] = error_response(exc)
+    if valid:
+        merged, sizes = batching.merge(checked)
+        widths = {out: [c[src].shape[1] for c in checked] for out, src in (ragged_outputs or {}).items()}
+        try:
+            parts = batching.split(compute(merged), sizes, widths)
+            for i, part in zip(valid, parts):
+                responses[i] = respond(part)
+        except Exception as exc:  # noqa: BLE001 - the merged call failed: each of its requests gets the error
+            for i in valid:
+                responses[i] = error_response(exc)
+    return responses

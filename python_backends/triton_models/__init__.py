@@ -1,0 +1,1 @@
+"""Thin ``model.py`` adapters, copied into the repository's version folders by ``recserve build``."""

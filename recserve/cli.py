@@ -1,0 +1,117 @@
+"""The ``recserve`` command: build, serve, predict, perf."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from recserve.spec import DEFAULT_SPEC, load_spec
+
+DEFAULT_REPOSITORY = Path("model_repository")
+
+
+def _build(args: argparse.Namespace) -> int:
+    from recserve.build.repository import build_repository, is_built
+
+    spec = load_spec(args.spec)
+    if args.if_missing and is_built(spec, args.repository):
+        print(f"[build] {args.repository} is already built from spec {spec.name!r}", file=sys.stderr)
+        return 0
+    build_repository(spec, args.repository)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from recserve.server import Ports, ServerError, server_command, server_env
+    import os
+
+    if not (args.repository / "dense").is_dir():
+        print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
+        return 2
+    try:
+        command = server_command(args.repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
+    os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from recserve.clients import CTRClient, RecserveClientError, read_rows
+
+    spec = load_spec(args.spec)
+    try:
+        rows = read_rows(args.input, spec)
+        with CTRClient(args.url, protocol=args.protocol, timeout_s=args.timeout, spec=spec) as client:
+            probabilities = client.predict(rows, batch_size=args.batch_size)
+    except (RecserveClientError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write("".join(f"{p:.6f}\n" for p in probabilities))
+    return 0
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from recserve.perf.analyzer import run_perf
+
+    return run_perf(
+        load_spec(args.spec),
+        url=args.url,
+        protocol=args.protocol,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        measurement_ms=args.measurement_ms,
+        output=args.output,
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``recserve``."""
+    top = argparse.ArgumentParser(prog="recserve", description=__doc__)
+    top.add_argument("--spec", default=DEFAULT_SPEC, help="bundled spec name or path to a spec .toml")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    build = sub.add_parser("build", help="train, export and write the model repository")
+    build.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    build.add_argument("--if-missing", action="store_true", help="skip when already built from this spec")
+    build.set_defaults(func=_build)
+
+    serve = sub.add_parser("serve", help="run tritonserver on the repository (foreground, Ctrl-C stops)")
+    serve.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.set_defaults(func=_serve)
+
+    predict = sub.add_parser("predict", help="score Criteo rows (TSV or CSV with header); one probability per line")
+    predict.add_argument("--input", type=Path, required=True)
+    predict.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 gRPC, :8000 HTTP)")
+    predict.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    predict.add_argument("--batch-size", type=int, default=64)
+    predict.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    predict.set_defaults(func=_predict)
+
+    perf = sub.add_parser("perf", help="run perf_analyzer against the ensemble with spec-derived data")
+    perf.add_argument("--url", default=None)
+    perf.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    perf.add_argument("--batch-size", type=int, default=1)
+    perf.add_argument("--concurrency", default="1:4", help="perf_analyzer concurrency range start:end[:step]")
+    perf.add_argument("--measurement-ms", type=int, default=3000)
+    perf.add_argument("--output", type=Path, default=None, help="also write perf_analyzer's CSV here")
+    perf.set_defaults(func=_perf)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``recserve`` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
