@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 from recserve.backends.artifacts import file_entry, read_manifest, save_array, verified_path, write_manifest
 from recserve.backends.dense_runner import OnnxDenseRunner
 from recserve.backends.errors import ArtifactError
-from recserve.backends.store import MANIFEST_FORMAT, EmbeddingTable
+from recserve.backends.pipeline import InProcessPipeline
+from recserve.backends.store import MANIFEST_FORMAT, EmbeddingStore, EmbeddingTable
 from recserve.build import configs
 from recserve.build.export import example_inputs, export_onnx, torch_predict
 from recserve.build.network import CTRNet
@@ -130,3 +131,17 @@ def build_repository(spec: ModelSpec, repository: Path, progress: Progress = std
     configs.write_configs(spec, repository)
     progress(f"[build] repository ready: {repository} (held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})")
     return BuildReport(repository, trained.holdout_auc, diff)
+
+
+def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch") -> InProcessPipeline:
+    """The in-process path over a built repository, with the PyTorch net or the ONNX Runtime one."""
+    store = EmbeddingStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
+    dense_dir = version_dir(repository, configs.DENSE, spec)
+    if runtime == "torch":
+        net = load_reference_net(spec, repository)
+        return InProcessPipeline(spec, store, lambda inputs: torch_predict(net, inputs))
+    if runtime == "onnx":
+        path = verified_path(dense_dir, read_manifest(dense_dir)["files"]["model"])
+        runner = OnnxDenseRunner(spec, path, threads=1)
+        return InProcessPipeline(spec, store, runner.predict)
+    raise ValueError(f"unknown runtime {runtime!r}; use 'torch' or 'onnx'")

@@ -1,0 +1,136 @@
+"""``recserve perf``: run the real perf_analyzer against the ``ctr`` ensemble and print its table."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from recserve.perf.input_data import write_input_data
+from recserve.spec import ModelSpec
+
+
+class PerfError(RuntimeError):
+    """perf_analyzer is missing or failed."""
+
+
+@dataclass(frozen=True)
+class PerfPoint:
+    """One concurrency level of a perf_analyzer run."""
+
+    concurrency: int
+    rows_per_s: float  # perf_analyzer's infer/sec counts rows (requests x batch size)
+    p50_us: float
+    p95_us: float
+    p99_us: float
+
+
+def perf_analyzer_binary() -> Path:
+    """The perf_analyzer installed by tritonclient 2.50 into this environment's ``bin/``."""
+    candidate = Path(sys.executable).parent / "perf_analyzer"
+    found = candidate if candidate.is_file() else shutil.which("perf_analyzer")
+    if not found:
+        raise PerfError("perf_analyzer not found; install tritonclient==2.50.0 (see README)")
+    return Path(found)
+
+
+def perf_env() -> dict[str, str]:
+    """Environment with the CUDA runtime perf_analyzer links against on LD_LIBRARY_PATH."""
+    import nvidia.cuda_runtime
+
+    lib = Path(next(iter(nvidia.cuda_runtime.__path__))) / "lib"
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(lib), env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def perf_command(
+    spec: ModelSpec, url: str, protocol: str, batch_size: int, concurrency: str, measurement_ms: int, data: Path, csv_path: Path
+) -> list[str]:
+    """The perf_analyzer command line."""
+    return [
+        str(perf_analyzer_binary()),
+        "-m", spec.name,
+        "-u", url,
+        "-i", protocol,
+        "-b", str(batch_size),
+        "--concurrency-range", concurrency,
+        "--input-data", str(data),
+        "--measurement-interval", str(measurement_ms),
+        "--percentile", "99",
+        "--max-trials", "5",
+        "--stability-percentage", "50",
+        "-f", str(csv_path),
+        "--verbose-csv",
+    ]  # fmt: skip
+
+
+def parse_csv(path: Path) -> list[PerfPoint]:
+    """Read perf_analyzer's ``-f`` CSV."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    return [
+        PerfPoint(
+            concurrency=int(row["Concurrency"]),
+            rows_per_s=float(row["Inferences/Second"]),
+            p50_us=float(row["p50 latency"]),
+            p95_us=float(row["p95 latency"]),
+            p99_us=float(row["p99 latency"]),
+        )
+        for row in rows
+    ]
+
+
+def measure(
+    spec: ModelSpec, url: str | None = None, protocol: str = "grpc", batch_size: int = 1, concurrency: str = "1:4",
+    measurement_ms: int = 3000, workdir: Path | None = None,
+) -> tuple[list[PerfPoint], str]:
+    """Run perf_analyzer once; return the parsed points and its printed output."""
+    url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = workdir or Path(tmp)
+        data = write_input_data(spec, root / "input_data.json")
+        csv_path = root / "perf.csv"
+        command = perf_command(spec, url, protocol, batch_size, concurrency, measurement_ms, data, csv_path)
+        done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise PerfError(f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        return parse_csv(csv_path), done.stdout
+
+
+def format_table(points: list[PerfPoint], batch_size: int) -> str:
+    """A compact table of throughput and latency percentiles."""
+    lines = [f"{'concurrency':>11} {'requests/s':>10} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}"]
+    for p in points:
+        lines.append(
+            f"{p.concurrency:>11} {p.rows_per_s / batch_size:>10.1f} {p.rows_per_s:>9.0f} "
+            f"{p.p50_us / 1e3:>8.2f} {p.p95_us / 1e3:>8.2f} {p.p99_us / 1e3:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def run_perf(
+    spec: ModelSpec, url: str | None, protocol: str, batch_size: int, concurrency: str, measurement_ms: int, output: Path | None
+) -> int:
+    """CLI body: measure, print perf_analyzer's own report and the summary table."""
+    try:
+        points, report = measure(spec, url, protocol, batch_size, concurrency, measurement_ms)
+    except PerfError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(report)
+    print(f"ctr over {protocol}, client batch {batch_size}:")
+    print(format_table(points, batch_size))
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with open(output, "w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["batch_size", "concurrency", "rows_per_s", "p50_us", "p95_us", "p99_us"])
+            for p in points:
+                writer.writerow([batch_size, p.concurrency, p.rows_per_s, p.p50_us, p.p95_us, p.p99_us])
+    return 0

@@ -1,0 +1,33 @@
+"""The whole ``ctr`` path in one process: feature transform, embedding lookup, dense network.
+
+Used as the reference in parity tests (with the PyTorch network) and as the no-server bound in
+benchmarks (with ONNX Runtime): the same code the Triton steps run, without the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from recserve.backends.features import FeatureTransform
+from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.store import EmbeddingStore
+from recserve.spec import ModelSpec
+
+DenseFn = Callable[[Mapping[str, np.ndarray]], np.ndarray]
+
+
+class InProcessPipeline:
+    """Raw request tensors in, probabilities ``[B]`` out."""
+
+    def __init__(self, spec: ModelSpec, store: EmbeddingStore, dense: DenseFn) -> None:
+        self.transform = FeatureTransform(spec)
+        self.lookup = EmbeddingLookup(spec, store)
+        self.dense = dense
+
+    def predict(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Probabilities for one batch of raw inputs (raises ``InvalidInput`` like the server)."""
+        features = self.transform.transform(inputs)
+        vectors = self.lookup.lookup(features)
+        return np.asarray(self.dense({**features, **vectors})).reshape(-1)
