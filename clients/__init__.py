@@ -1,1 +1,32 @@
-"""Client SDK over tritonclient (HTTP and gRPC, sync and asyncio)."""
+"""Client SDK over tritonclient (HTTP and gRPC, sync and asyncio).
+
+Read Criteo-style rows with :func:`read_rows` and score them with :class:`CTRClient` or
+:class:`AsyncCTRClient`; failures are raised as :class:`RecserveClientError` subclasses.
+"""
+
+from recserve.clients.errors import (
+    InvalidRequestError,
+    RecserveClientError,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+    map_exception,
+)
+from recserve.clients.rows import CriteoRows, RowFormatError, read_rows, write_csv, write_tsv
+from recserve.clients.sdk import AsyncCTRClient, CTRClient
+
+__all__ = [
+    "AsyncCTRClient",
+    "CTRClient",
+    "CriteoRows",
+    "InvalidRequestError",
+    "RecserveClientError",
+    "RequestTimeoutError",
+    "RowFormatError",
+    "ServerError",
+    "ServerUnavailableError",
+    "map_exception",
+    "read_rows",
+    "write_csv",
+    "write_tsv",
+]

@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO, cast
 
 import numpy as np
 
@@ -171,7 +171,7 @@ def read_rows(path_or_file: PathOrFile, spec: ModelSpec, max_rows: int | None = 
         RowFormatError: a line has the wrong number of columns or a malformed field.
     """
     with _TextSource(path_or_file) as text:
-        first = text.readline()
+        first = text.readline().lstrip("\ufeff")
         header = _header_fields(first, spec)
         if header is not None:
             delimiter, names = header
@@ -192,14 +192,15 @@ class _TextSource:
         if isinstance(path_or_file, (str, os.PathLike)):
             path = Path(path_or_file)
             if path.suffix == ".gz":
-                self._owned = gzip.open(path, "rt", encoding="utf-8", newline="")
+                self._owned = gzip.open(path, "rt", encoding="utf-8-sig", newline="")
             else:
-                self._owned = open(path, encoding="utf-8", newline="")  # noqa: SIM115
+                self._owned = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115
             self.stream: IO[str] = self._owned
         elif isinstance(path_or_file, io.TextIOBase) or isinstance(path_or_file.read(0), str):
             self.stream = path_or_file  # type: ignore[assignment]
         else:
-            self._wrapper = io.TextIOWrapper(path_or_file, encoding="utf-8", newline="")  # type: ignore[type-var]
+            binary = cast(BinaryIO, path_or_file)
+            self._wrapper = io.TextIOWrapper(binary, encoding="utf-8-sig", newline="")
             self.stream = self._wrapper
 
     def __enter__(self) -> IO[str]:
@@ -237,8 +238,9 @@ def _read_headed(
     if len(index) != len(names):
         duplicated = sorted({n for n in names if names.count(n) > 1})
         raise RowFormatError(f"duplicated column names {duplicated}", line=1)
-    required = [c.lower() for c in (*spec.dense.columns, *spec.categorical.columns)]
-    missing = [c for c in required if c not in index]
+    columns = (*spec.dense.columns, *spec.categorical.columns)
+    required = [c.lower() for c in columns]
+    missing = [c for c in columns if c.lower() not in index]
     if missing:
         raise RowFormatError(f"header lacks required columns {missing}", line=1)
     known = {*required, LABEL_COLUMN, spec.sequence.name.lower(), spec.target.name.lower()}
@@ -267,7 +269,9 @@ def _read_headed(
         if max_rows is not None and len(tokens.lines) >= max_rows:
             break
         if len(fields_) != len(names):
-            raise RowFormatError(f"expected {len(names)} columns as in the header, got {len(fields_)}", line=line)
+            raise RowFormatError(
+                f"expected {len(names)} columns as in the header, got {len(fields_)}", line=line
+            )
         tokens.lines.append(line)
         tokens.dense.append([fields_[i] for i in dense_idx])
         tokens.categorical.append([fields_[i] for i in cat_idx])
@@ -297,7 +301,8 @@ def _read_tsv(lines: Iterable[str], spec: ModelSpec, max_rows: int | None) -> _T
         if tokens is None:
             if len(parts) not in layouts:
                 raise RowFormatError(
-                    f"expected {', '.join(map(str, sorted(layouts)))} tab-separated columns, got {len(parts)}",
+                    f"expected {', '.join(map(str, sorted(layouts)))} tab-separated columns, "
+                    f"got {len(parts)}",
                     line=number,
                 )
             width = len(parts)
@@ -379,7 +384,9 @@ def _parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.n
                     raise ValueError(value)
                 int(value)
             except (ValueError, OverflowError):
-                raise RowFormatError(f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]) from None
+                raise RowFormatError(
+                    f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]
+                ) from None
         raise
 
 
@@ -422,7 +429,9 @@ def _parse_categorical(
     for (r, c), value in np.ndenumerate(text):
         if len(value) > digits or not all(ch in "0123456789abcdefABCDEF" for ch in value):
             raise RowFormatError(
-                f"{value!r} is not a hex string of at most {digits} digits", line=int(lines[r]), column=columns[c]
+                f"{value!r} is not a hex string of at most {digits} digits",
+                line=int(lines[r]),
+                column=columns[c],
             )
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -463,7 +472,9 @@ def _parse_history(
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool, history_separator: str) -> list[np.ndarray]:
+def _text_columns(
+    raw: RawRows, spec: ModelSpec, with_label: bool, history_separator: str
+) -> list[np.ndarray]:
     """String columns ``[N, K]`` in file order: label, dense, categorical, history, target."""
     dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
     dense[raw.dense_missing] = ""

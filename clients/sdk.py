@@ -1,0 +1,406 @@
+"""CTR client over tritonclient: gRPC or HTTP, blocking or asyncio.
+
+:class:`CTRClient` blocks, :class:`AsyncCTRClient` is its asyncio twin.
+
+Example::
+
+    from recserve.clients import CTRClient, read_rows
+    from recserve.spec import load_spec
+
+    spec = load_spec()
+    with CTRClient("127.0.0.1:8001", protocol="grpc", spec=spec) as client:
+        probabilities = client.predict(read_rows("rows.tsv", spec), batch_size=64)
+
+Inputs are the request tensors of the spec's ensemble (see :meth:`CriteoRows.to_inputs`); the output
+is the click probability per row. Every transport error is raised as a
+:class:`~recserve.clients.errors.RecserveClientError` subclass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+import numpy as np
+
+from recserve.backends.tensors import PROBABILITY
+from recserve.clients.errors import (
+    InvalidRequestError,
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+    map_exception,
+)
+from recserve.clients.rows import CriteoRows
+from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
+
+LOGGER = logging.getLogger(__name__)
+
+PROTOCOLS = ("grpc", "http")
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+
+
+def _normalise_url(url: str | None, protocol: str) -> tuple[str, bool]:
+    """``(host:port[/path], ssl)`` with any ``scheme://`` prefix removed."""
+    if url is None or not url.strip():
+        return DEFAULT_URLS[protocol], False
+    url = url.strip()
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rstrip("/"), False
+    return rest.rstrip("/"), scheme.lower() in ("https", "grpcs")
+
+
+def _check_protocol(protocol: str) -> str:
+    name = protocol.lower()
+    if name not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return name
+
+
+class _Base:
+    """Request building and response parsing shared by the blocking and asyncio clients."""
+
+    def __init__(
+        self,
+        url: str | None,
+        protocol: str,
+        timeout_s: float,
+        spec: ModelSpec | None,
+        model_name: str | None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.protocol = _check_protocol(protocol)
+        self.url, self._ssl = _normalise_url(url, self.protocol)
+        self.timeout_s = float(timeout_s)
+        self.spec = spec if spec is not None else load_spec()
+        self.model_name = model_name or self.spec.name
+
+    def _prepare(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Inputs cast to the wire dtypes, checked for names, rank and a common batch size."""
+        wire = self.spec.wire_inputs()
+        names = {w.name for w in wire}
+        unknown = sorted(set(inputs) - names)
+        if unknown:
+            raise InvalidRequestError(f"unknown inputs {unknown}; the model takes {sorted(names)}")
+        missing = [w.name for w in wire if w.name not in inputs or inputs[w.name] is None]
+        if missing:
+            raise InvalidRequestError(f"missing inputs {missing}")
+        arrays: dict[str, np.ndarray] = {}
+        for w in wire:
+            try:
+                array = np.ascontiguousarray(inputs[w.name], dtype=NUMPY_DTYPES[w.dtype])
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"input '{w.name}' cannot be converted to {w.dtype}: {exc}"
+                ) from exc
+            if array.ndim != 2:
+                raise InvalidRequestError(
+                    f"input '{w.name}' has shape {list(array.shape)}, expected [batch, ...]"
+                )
+            arrays[w.name] = array
+        rows = {a.shape[0] for a in arrays.values()}
+        if len(rows) != 1:
+            raise InvalidRequestError(f"inputs disagree on the batch size: {sorted(rows)}")
+        batch = rows.pop()
+        if batch > self.spec.max_batch_size:
+            raise InvalidRequestError(
+                f"batch of {batch} rows exceeds max_batch_size {self.spec.max_batch_size}; use predict()"
+            )
+        return arrays
+
+    def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``)."""
+        result = []
+        for w in self.spec.wire_inputs():
+            array = arrays[w.name]
+            infer_input = module.InferInput(w.name, list(array.shape), w.dtype)
+            try:
+                infer_input.set_data_from_numpy(array)
+            except Exception as exc:  # tritonclient raises InferenceServerException on bad data
+                raise InvalidRequestError(f"input '{w.name}': {exc}") from exc
+            result.append(infer_input)
+        return result
+
+    def _outputs(self, module: ModuleType) -> list[Any]:
+        if self.protocol == "http":
+            return [module.InferRequestedOutput(PROBABILITY, binary_data=True)]
+        return [module.InferRequestedOutput(PROBABILITY)]
+
+    def _probabilities(self, result: Any, rows: int) -> np.ndarray:
+        output = result.as_numpy(PROBABILITY)
+        if output is None:
+            raise ServerError(f"the response of model '{self.model_name}' has no output '{PROBABILITY}'")
+        values = np.asarray(output, dtype=np.float32).reshape(-1)
+        if values.shape[0] != rows:
+            raise ServerError(f"expected {rows} probabilities, got output of shape {list(output.shape)}")
+        return values
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if not 1 <= batch_size <= self.spec.max_batch_size:
+            raise ValueError(f"batch_size must be in 1..{self.spec.max_batch_size}, got {batch_size}")
+
+
+class CTRClient(_Base):
+    """Blocking client of the CTR ensemble.
+
+    Not thread-safe: use one client per thread (the HTTP transport is gevent based).
+
+    Args:
+        url: ``host:port`` of the server (an ``http://`` or ``https://`` prefix is accepted); None:
+            ``127.0.0.1:8001`` for gRPC, ``127.0.0.1:8000`` for HTTP.
+        protocol: ``"grpc"`` or ``"http"``.
+        timeout_s: deadline of each request (gRPC) or connection and network timeout (HTTP).
+        spec: the model spec; None loads the bundled default spec.
+        model_name: the served model; None uses ``spec.name``.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        protocol: str = "grpc",
+        timeout_s: float = 10.0,
+        spec: ModelSpec | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        super().__init__(url, protocol, timeout_s, spec, model_name)
+        self._module = self._import_module()
+        try:
+            if self.protocol == "grpc":
+                self._client = self._module.InferenceServerClient(self.url, ssl=self._ssl)
+            else:
+                self._client = self._module.InferenceServerClient(
+                    self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s, ssl=self._ssl
+                )
+        except Exception as exc:
+            raise map_exception(exc) from exc
+        self._closed = False
+
+    def _import_module(self) -> ModuleType:
+        if self.protocol == "grpc":
+            import tritonclient.grpc as module
+        else:
+            import tritonclient.http as module
+        return module
+
+    def __enter__(self) -> CTRClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the connection; later calls fail."""
+        if not self._closed:
+            self._closed = True
+            self._client.close()
+
+    def is_ready(self) -> bool:
+        """Whether the server answers and the model is ready.
+
+        Returns:
+            False when the server is unreachable, times out or reports the model not ready.
+
+        Raises:
+            RecserveClientError: any other failure.
+        """
+        try:
+            if self.protocol == "grpc":
+                return bool(self._client.is_model_ready(self.model_name, client_timeout=self.timeout_s))
+            return bool(self._client.is_model_ready(self.model_name))
+        except Exception as exc:
+            error = map_exception(exc)
+            if isinstance(error, (ServerUnavailableError, RequestTimeoutError)):
+                LOGGER.debug("model %s not ready: %s", self.model_name, error)
+                return False
+            raise error from exc
+
+    def predict_inputs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Send one request.
+
+        Args:
+            inputs: one array per wire input of the spec (see :meth:`CriteoRows.to_inputs`), at most
+                ``spec.max_batch_size`` rows.
+
+        Returns:
+            float32 ``[B]`` click probabilities.
+
+        Raises:
+            InvalidRequestError: the inputs are malformed (checked locally or by the server).
+            ServerUnavailableError: the server cannot be reached.
+            RequestTimeoutError: no answer within ``timeout_s``.
+            ServerError: any other failure.
+        """
+        arrays = self._prepare(inputs)
+        rows = next(iter(arrays.values())).shape[0]
+        if rows == 0:
+            return np.zeros(0, dtype=np.float32)
+        infer_inputs = self._infer_inputs(self._module, arrays)
+        outputs = self._outputs(self._module)
+        try:
+            if self.protocol == "grpc":
+                result = self._client.infer(
+                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                )
+            else:
+                result = self._client.infer(self.model_name, infer_inputs, outputs=outputs)
+        except Exception as exc:
+            raise map_exception(exc) from exc
+        return self._probabilities(result, rows)
+
+    def predict(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:
+        """Score all rows, sending them in batches of ``batch_size``.
+
+        Args:
+            rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
+            batch_size: rows per request, ``1..spec.max_batch_size``.
+
+        Returns:
+            float32 ``[N]`` probabilities in the order of ``rows``.
+
+        Raises:
+            ValueError: ``batch_size`` is out of range.
+            RecserveClientError: as :meth:`predict_inputs`; earlier batches' results are discarded.
+        """
+        self._check_batch_size(batch_size)
+        parts = [self.predict_inputs(batch.to_inputs(self.spec)) for batch in rows.batches(batch_size)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+class AsyncCTRClient(_Base):
+    """asyncio client of the CTR ensemble, same arguments as :class:`CTRClient`.
+
+    The transport is created on first use inside the running event loop; use ``async with`` or
+    ``await client.close()``.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        protocol: str = "grpc",
+        timeout_s: float = 10.0,
+        spec: ModelSpec | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        super().__init__(url, protocol, timeout_s, spec, model_name)
+        self._module = self._import_module()
+        self._client: Any = None
+        self._closed = False
+
+    def _import_module(self) -> ModuleType:
+        if self.protocol == "grpc":
+            import tritonclient.grpc.aio as module
+        else:
+            import tritonclient.http.aio as module
+        return module
+
+    def _transport(self) -> Any:
+        if self._closed:
+            raise ServerError("the client is closed")
+        if self._client is None:
+            try:
+                if self.protocol == "grpc":
+                    self._client = self._module.InferenceServerClient(self.url, ssl=self._ssl)
+                else:
+                    self._client = self._module.InferenceServerClient(
+                        self.url, conn_timeout=self.timeout_s, ssl=self._ssl
+                    )
+            except Exception as exc:
+                raise map_exception(exc) from exc
+        return self._client
+
+    async def __aenter__(self) -> AsyncCTRClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Release the connection; later calls fail."""
+        self._closed = True
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def is_ready(self) -> bool:
+        """Whether the server answers and the model is ready (see :meth:`CTRClient.is_ready`)."""
+        client = self._transport()
+        try:
+            if self.protocol == "grpc":
+                return bool(await client.is_model_ready(self.model_name, client_timeout=self.timeout_s))
+            return bool(await client.is_model_ready(self.model_name))
+        except Exception as exc:
+            error = map_exception(exc)
+            if isinstance(error, (ServerUnavailableError, RequestTimeoutError)):
+                LOGGER.debug("model %s not ready: %s", self.model_name, error)
+                return False
+            raise error from exc
+
+    async def predict_inputs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Send one request (see :meth:`CTRClient.predict_inputs`).
+
+        Returns:
+            float32 ``[B]`` click probabilities.
+        """
+        arrays = self._prepare(inputs)
+        rows = next(iter(arrays.values())).shape[0]
+        if rows == 0:
+            return np.zeros(0, dtype=np.float32)
+        client = self._transport()
+        infer_inputs = self._infer_inputs(self._module, arrays)
+        outputs = self._outputs(self._module)
+        try:
+            if self.protocol == "grpc":
+                result = await client.infer(
+                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                )
+            else:
+                result = await client.infer(self.model_name, infer_inputs, outputs=outputs)
+        except Exception as exc:
+            raise map_exception(exc) from exc
+        return self._probabilities(result, rows)
+
+    async def predict(self, rows: CriteoRows, batch_size: int = 64, max_in_flight: int = 4) -> np.ndarray:
+        """Score all rows in batches, up to ``max_in_flight`` requests at a time.
+
+        Args:
+            rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
+            batch_size: rows per request, ``1..spec.max_batch_size``.
+            max_in_flight: concurrent requests, at least 1.
+
+        Returns:
+            float32 ``[N]`` probabilities in the order of ``rows``.
+
+        Raises:
+            ValueError: ``batch_size`` or ``max_in_flight`` is out of range.
+            RecserveClientError: as :meth:`CTRClient.predict_inputs` (the first failure).
+        """
+        self._check_batch_size(batch_size)
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        limit = asyncio.Semaphore(max_in_flight)
+
+        async def one(batch: CriteoRows) -> np.ndarray:
+            async with limit:
+                return await self.predict_inputs(batch.to_inputs(self.spec))
+
+        tasks = [asyncio.ensure_future(one(batch)) for batch in rows.batches(batch_size)]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+__all__ = ["DEFAULT_URLS", "PROTOCOLS", "AsyncCTRClient", "CTRClient"]

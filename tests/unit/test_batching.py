@@ -1,0 +1,21 @@
+import numpy as np
+
+from recserve.backends.batching import merge, split
+
+
+def test_merge_pads_ragged_tensors_and_split_restores_each_request():
+    a = {"keys": np.ones((2, 3), np.int64), "dense": np.zeros((2, 4), np.float32)}
+    b = {"keys": np.full((1, 8), 2, np.int64), "dense": np.ones((1, 4), np.float32)}
+    merged, sizes = merge([a, b])
+    assert sizes == [2, 1]
+    assert merged["keys"].shape == (3, 8)
+    assert merged["keys"][:2, 3:].sum() == 0
+    parts = split({"out": merged["keys"] * 10, "dense": merged["dense"]}, sizes, {"out": [3, 8]})
+    assert parts[0]["out"].shape == (2, 3) and parts[1]["out"].shape == (1, 8)
+    assert (parts[1]["out"] == 20).all() and (parts[0]["dense"] == 0).all()
+
+
+def test_single_request_passes_through_unchanged():
+    a = {"x": np.arange(6).reshape(3, 2)}
+    merged, sizes = merge([a])
+    assert merged["x"] is a["x"] and sizes == [3]
