@@ -26,7 +26,7 @@ import gzip
 import io
 import logging
 import os
-import re
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -44,7 +44,7 @@ LOGGER = logging.getLogger(__name__)
 #: Name of the optional label column in files with a header.
 LABEL_COLUMN = "label"
 
-_ID_SEPARATORS = re.compile(r"[\s,]+")
+_WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
 
 PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
 
@@ -261,7 +261,7 @@ def _read_headed(
         history=None if history_idx is None else [],
         target=None if target_idx is None else [],
     )
-    reader = csv.reader(text, delimiter=delimiter)
+    reader = csv.reader(text, delimiter=delimiter, skipinitialspace=True)
     for fields_ in reader:
         line = reader.line_num + 1  # the header was read before the reader started
         if not fields_ or (len(fields_) == 1 and not fields_[0].strip()):
@@ -340,7 +340,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
     dense_cols = list(spec.dense.columns)
     cat_cols = list(spec.categorical.columns)
 
-    dense_text = np.char.strip(np.asarray(tokens.dense, dtype=str).reshape(n, len(dense_cols)))
+    dense_text = _text_array(tokens.dense, (n, len(dense_cols)))
     dense_missing = dense_text == ""
     dense = _parse_ints(np.where(dense_missing, "0", dense_text), lines, dense_cols).astype(np.float32)
 
@@ -349,7 +349,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
     if tokens.target is None:
         target = np.full(n, ABSENT_ITEM, dtype=np.int64)
     else:
-        target_text = np.char.strip(np.asarray(tokens.target, dtype=str).reshape(n, 1))
+        target_text = _text_array(tokens.target, (n, 1))
         absent = target_text == ""
         target = _parse_ints(np.where(absent, str(ABSENT_ITEM), target_text), lines, [spec.target.name])[:, 0]
         bad = target < ABSENT_ITEM
@@ -365,29 +365,44 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
 
     labels = None
     if tokens.labels is not None:
-        label_text = np.char.strip(np.asarray(tokens.labels, dtype=str).reshape(n, 1))
+        label_text = _text_array(tokens.labels, (n, 1))
         labels = _parse_floats(label_text, lines, [LABEL_COLUMN])[:, 0]
 
     return CriteoRows(dense, dense_missing, categorical, target, history, lengths, labels)
 
 
+def _codepoints(text: np.ndarray) -> np.ndarray:
+    """Code points ``[..., chars]`` of a ``str`` array (0 past the end of each string)."""
+    return text.view(np.uint32).reshape(*text.shape, text.dtype.itemsize // 4)
+
+
+def _text_array(fields_: list[list[str]] | list[str], shape: tuple[int, ...]) -> np.ndarray:
+    """A ``str`` array of ``shape``, stripped of surrounding whitespace where there is any."""
+    text = np.asarray(fields_, dtype=str).reshape(shape)
+    if np.isin(_codepoints(text), _WHITESPACE).any():  # rare: skip the slow strip otherwise
+        text = np.char.strip(text)
+    return text
+
+
 def _parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
     """int64 values of a ``[N, K]`` string array; raises on the first malformed field."""
     try:
-        if text.size and (np.char.find(text, "_") >= 0).any():
+        if (_codepoints(text) == ord("_")).any():  # int() would accept "1_000"
             raise ValueError("underscore")
         return text.astype(np.int64)
     except (ValueError, OverflowError):
-        for (r, c), value in np.ndenumerate(text):
-            try:
-                if "_" in value:
-                    raise ValueError(value)
-                int(value)
-            except (ValueError, OverflowError):
-                raise RowFormatError(
-                    f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]
-                ) from None
-        raise
+        pass
+    values = np.zeros(text.shape, dtype=np.int64)
+    for (r, c), value in np.ndenumerate(text):  # slow path: find and name the offending field
+        try:
+            if "_" in value:
+                raise ValueError(value)
+            values[r, c] = int(value)
+        except (ValueError, OverflowError):
+            raise RowFormatError(
+                f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]
+            ) from None
+    return values
 
 
 def _parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
@@ -413,9 +428,9 @@ def _parse_categorical(
 ) -> np.ndarray:
     """Object array ``[N, C]`` of ASCII ``bytes``, checked to be hex strings the server accepts."""
     n = len(rows)
-    text = np.char.strip(np.asarray(rows, dtype=str).reshape(n, len(columns)))
+    text = _text_array(rows, (n, len(columns)))
     try:
-        encoded = np.char.encode(text, "ascii") if text.size else np.zeros(text.shape, dtype="S1")
+        encoded: np.ndarray | None = text.astype(bytes)  # ASCII only
     except UnicodeEncodeError:
         encoded = None
     if encoded is not None:
@@ -443,20 +458,21 @@ def _parse_history(
     name, max_length = spec.sequence.name, spec.sequence.max_length
     if fields_ is None:
         return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
-    ids: list[list[str]] = []
-    for r, field in enumerate(fields_):
-        items = [t for t in _ID_SEPARATORS.split(field.strip()) if t]
-        if len(items) > max_length:
-            raise RowFormatError(
-                f"history of {len(items)} items is longer than the maximum {max_length}",
-                line=int(lines[r]),
-                column=name,
-            )
-        ids.append(items)
-    lengths = np.fromiter((len(items) for items in ids), dtype=np.int32, count=n)
-    flat_text = np.asarray([t for items in ids for t in items], dtype=str)
+    normalised = [field.replace(",", " ") for field in fields_]
+    lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
+    too_long = np.flatnonzero(lengths > max_length)
+    if too_long.size:
+        r = int(too_long[0])
+        raise RowFormatError(
+            f"history of {int(lengths[r])} items is longer than the maximum {max_length}",
+            line=int(lines[r]),
+            column=name,
+        )
     row_of = np.repeat(np.arange(n), lengths)
-    flat = _parse_ints(flat_text.reshape(-1, 1), lines[row_of], [name])[:, 0]
+    flat = _parse_id_text(" ".join(normalised), int(lengths.sum()))
+    if flat is None:  # something other than plain ids: parse token by token to name the line
+        tokens = np.asarray([t for field in normalised for t in field.split()], dtype=str)
+        flat = _parse_ints(tokens.reshape(-1, 1), lines[row_of], [name])[:, 0]
     negative = flat < 0
     if negative.any():
         k = int(np.flatnonzero(negative)[0])
@@ -467,6 +483,27 @@ def _parse_history(
     history = np.zeros((n, width), dtype=np.int64)
     history[np.arange(width)[None, :] < lengths[:, None]] = flat
     return history, lengths
+
+
+def _parse_id_text(text: str, count: int) -> np.ndarray | None:
+    """Fast path: ``count`` non-negative ids separated by whitespace, or None if ``text`` is anything else."""
+    if not text.isascii():
+        return None
+    data = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    digit = (data >= ord("0")) & (data <= ord("9"))
+    if not (digit | np.isin(data, _WHITESPACE.astype(np.uint8))).all():
+        return None
+    # Longest run of digits: anything beyond 18 digits might not fit int64.
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], digit.view(np.int8), [0]))))
+    if edges.size and (edges[1::2] - edges[::2]).max() > 18:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            values = np.fromstring(text, dtype=np.int64, sep=" ") if count else np.zeros(0, np.int64)
+        except (ValueError, DeprecationWarning):
+            return None
+    return values if values.shape[0] == count else None
 
 
 # ---- writing ---------------------------------------------------------------------------------

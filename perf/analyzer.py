@@ -115,9 +115,16 @@ def format_table(points: list[PerfPoint], batch_size: int) -> str:
 
 
 def run_perf(
-    spec: ModelSpec, url: str | None, protocol: str, batch_size: int, concurrency: str, measurement_ms: int, output: Path | None
+    spec: ModelSpec,
+    url: str | None,
+    protocol: str,
+    batch_size: int,
+    concurrency: str,
+    measurement_ms: int,
+    output: Path | None,
+    inprocess_repository: Path | None = None,
 ) -> int:
-    """CLI body: measure, print perf_analyzer's own report and the summary table."""
+    """CLI body: measure, print perf_analyzer's own report, the summary table and the in-process rate."""
     try:
         points, report = measure(spec, url, protocol, batch_size, concurrency, measurement_ms)
     except PerfError as exc:
@@ -126,6 +133,14 @@ def run_perf(
     print(report)
     print(f"ctr over {protocol}, client batch {batch_size}:")
     print(format_table(points, batch_size))
+    if inprocess_repository is not None:
+        from recserve.perf.inprocess import measure_inprocess
+
+        rate = measure_inprocess(spec, inprocess_repository, batch_size, seconds=measurement_ms / 1000)
+        print(
+            f"in-process (no server, 1 thread), batch {batch_size}: {rate.rows_per_s:.0f} rows/s, "
+            f"p50 {rate.p50_ms:.2f} ms, p99 {rate.p99_ms:.2f} ms per batch"
+        )
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         with open(output, "w", newline="") as fh:

@@ -65,6 +65,7 @@ def _perf(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         measurement_ms=args.measurement_ms,
         output=args.output,
+        inprocess_repository=None if args.no_inprocess else args.repository,
     )
 
 
@@ -101,7 +102,9 @@ def parser() -> argparse.ArgumentParser:
     perf.add_argument("--batch-size", type=int, default=1)
     perf.add_argument("--concurrency", default="1:4", help="perf_analyzer concurrency range start:end[:step]")
     perf.add_argument("--measurement-ms", type=int, default=3000)
-    perf.add_argument("--output", type=Path, default=None, help="also write perf_analyzer's CSV here")
+    perf.add_argument("--output", type=Path, default=None, help="also write the measured points as CSV here")
+    perf.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="for the in-process comparison")
+    perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
     perf.set_defaults(func=_perf)
     return top
 

@@ -1,0 +1,86 @@
+"""The SDK and the `recserve predict` / `recserve perf` commands against the live server."""
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from recserve.build.repository import reference_pipeline
+from recserve.build.synthetic import generate
+from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows
+from recserve.clients.rows import write_csv, write_tsv
+
+
+@pytest.fixture(scope="module")
+def raw(spec):
+    return generate(spec, 150, seed=2024)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_sync_and_async_clients_agree_with_the_reference(server, spec, repository, raw, tmp_path, protocol):
+    rows = read_rows(write_tsv(tmp_path / "rows.tsv", raw, spec), spec)
+    expected = reference_pipeline(spec, repository, runtime="torch").predict(rows.to_inputs(spec))
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    with CTRClient(url, protocol=protocol, timeout_s=30, spec=spec) as client:
+        assert client.is_ready()
+        served = client.predict(rows, batch_size=64)
+
+    async def run_async():
+        async with AsyncCTRClient(url, protocol=protocol, timeout_s=30, spec=spec) as client:
+            return await client.predict(rows, batch_size=32)
+
+    served_async = asyncio.run(run_async())
+    np.testing.assert_allclose(served, expected, atol=1e-5)
+    np.testing.assert_array_equal(served_async, served)
+
+
+def test_sdk_raises_a_typed_error_naming_the_input(server, spec, raw):
+    inputs = raw.take(slice(0, 2)).to_wire(spec)
+    inputs[spec.dense.name][0, 0], inputs[spec.dense_missing_input][0, 0] = np.inf, False
+    with CTRClient(server.grpc_url, spec=spec) as client:
+        with pytest.raises(InvalidRequestError, match="input 'dense'"):
+            client.predict_inputs(inputs)
+
+
+@pytest.mark.parametrize(("fmt", "protocol"), [("tsv", "grpc"), ("csv", "http")])
+def test_predict_command_prints_one_probability_per_row_in_order(server, spec, raw, tmp_path, fmt, protocol):
+    writer = write_tsv if fmt == "tsv" else write_csv
+    path = writer(tmp_path / f"rows.{fmt}", raw, spec, with_label=(fmt == "csv"))
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    done = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "predict", "--input", str(path), "--url", url, "--protocol", protocol, "--batch-size", "64"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed = np.array([float(line) for line in done.stdout.splitlines()])
+    assert len(printed) == len(raw)
+    with CTRClient(server.grpc_url, spec=spec) as client:
+        direct = client.predict(read_rows(path, spec))
+    np.testing.assert_allclose(printed, direct, atol=1e-6)
+
+
+def test_predict_command_reports_a_bad_file_without_a_traceback(server, tmp_path):
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("1\tx\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "predict", "--input", str(bad), "--url", server.grpc_url],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("error:") and "Traceback" not in done.stderr
+
+
+def test_perf_command_runs_perf_analyzer_and_prints_its_table(server, tmp_path):
+    out = tmp_path / "perf.csv"
+    done = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "perf", "--url", server.grpc_url, "--batch-size", "8",
+         "--concurrency", "1:2", "--measurement-ms", "1500", "--output", str(out), "--no-inprocess"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Composing models" in done.stdout and "feature_transform" in done.stdout
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("batch_size,concurrency,rows_per_s") and len(lines) == 3
+    assert all(float(line.split(",")[2]) > 0 for line in lines[1:])
