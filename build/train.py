@@ -163,9 +163,9 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            total += float(loss) * len(idx)
+            total += loss.item() * len(idx)
             if step % 50 == 0:
-                progress(f"[train] epoch {epoch + 1} {min(start + batch, n)}/{n} rows, loss {float(loss):.4f}")
+                progress(f"[train] epoch {epoch + 1} {min(start + batch, n)}/{n} rows, loss {loss.item():.4f}")
         progress(f"[train] epoch {epoch + 1} done, mean loss {total / n:.4f}, {time.perf_counter() - started:.1f}s")
 
     model.eval()
