@@ -548,15 +548,7 @@ def write_tsv(
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
-    columns = _text_columns(raw_rows, spec, with_label, " ")
-    if not with_sequence:
-        columns = columns[:-2]
-    table = np.concatenate(columns, axis=1)
-    out = Path(path)
-    opener = gzip.open if out.suffix == ".gz" else open
-    with opener(out, "wt", encoding="utf-8", newline="") as fh:  # type: ignore[operator]
-        fh.writelines("\t".join(row) + "\n" for row in table)
-    return out
+    return _write_table(path, raw_rows, spec, with_label, with_sequence, delimiter="\t", header=False)
 
 
 def write_csv(
@@ -578,18 +570,31 @@ def write_csv(
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
     """
+    return _write_table(path, raw_rows, spec, with_label, with_sequence, delimiter=",", header=True)
+
+
+def _write_table(
+    path: str | os.PathLike[str],
+    raw_rows: RawRows,
+    spec: ModelSpec,
+    with_label: bool,
+    with_sequence: bool,
+    delimiter: str,
+    header: bool,
+) -> Path:
     columns = _text_columns(raw_rows, spec, with_label, " ")
-    header = [*spec.dense.columns, *spec.categorical.columns, spec.sequence.name, spec.target.name]
+    names = [*spec.dense.columns, *spec.categorical.columns, spec.sequence.name, spec.target.name]
     if with_label:
-        header.insert(0, LABEL_COLUMN)
+        names.insert(0, LABEL_COLUMN)
     if not with_sequence:
-        columns, header = columns[:-2], header[:-2]
+        columns, names = columns[:-2], names[:-2]
     table = np.concatenate(columns, axis=1)
     out = Path(path)
     opener = gzip.open if out.suffix == ".gz" else open
     with opener(out, "wt", encoding="utf-8", newline="") as fh:  # type: ignore[operator]
-        writer = csv.writer(fh, lineterminator="\n")
-        writer.writerow(header)
+        writer = csv.writer(fh, delimiter=delimiter, lineterminator="\n")
+        if header:
+            writer.writerow(names)
         writer.writerows(table.tolist())
     return out
 

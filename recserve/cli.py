@@ -54,6 +54,17 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sample(args: argparse.Namespace) -> int:
+    from recserve.build.synthetic import generate
+    from recserve.clients.rows import write_csv, write_tsv
+
+    spec = load_spec(args.spec)
+    writer = write_csv if args.output.suffix == ".csv" else write_tsv
+    writer(args.output, generate(spec, args.rows, args.seed), spec, with_label=not args.no_label)
+    print(f"wrote {args.rows} rows to {args.output}", file=sys.stderr)
+    return 0
+
+
 def _perf(args: argparse.Namespace) -> int:
     from recserve.perf.analyzer import run_perf
 
@@ -95,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
     predict.set_defaults(func=_predict)
+
+    sample = sub.add_parser("sample", help="write synthetic rows in the spec's schema (.csv with header, else TSV)")
+    sample.add_argument("--output", type=Path, required=True)
+    sample.add_argument("--rows", type=int, default=20)
+    sample.add_argument("--seed", type=int, default=1)
+    sample.add_argument("--no-label", action="store_true")
+    sample.set_defaults(func=_sample)
 
     perf = sub.add_parser("perf", help="run perf_analyzer against the ensemble with spec-derived data")
     perf.add_argument("--url", default=None)

@@ -61,6 +61,16 @@ def test_predict_command_prints_one_probability_per_row_in_order(server, spec, r
     np.testing.assert_allclose(printed, direct, atol=1e-6)
 
 
+def test_sample_then_predict_as_the_readme_says(server, tmp_path):
+    rows = tmp_path / "rows.csv"
+    cli = [sys.executable, "-m", "recserve.cli"]
+    assert subprocess.run([*cli, "sample", "--rows", "20", "--output", str(rows)], timeout=60).returncode == 0
+    done = subprocess.run([*cli, "predict", "--input", str(rows), "--url", server.grpc_url], capture_output=True, text=True, timeout=60)
+    probabilities = [float(line) for line in done.stdout.split()]
+    assert done.returncode == 0 and len(probabilities) == 20
+    assert all(0 < p < 1 for p in probabilities) and len(set(probabilities)) > 10
+
+
 def test_predict_command_reports_a_bad_file_without_a_traceback(server, tmp_path):
     bad = tmp_path / "bad.tsv"
     bad.write_text("1\tx\n")
