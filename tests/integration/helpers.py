@@ -5,24 +5,24 @@ from __future__ import annotations
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import np_to_triton_dtype
 
 from recserve.spec import ModelSpec
 
 
-def _dtype(array: np.ndarray) -> str:
-    return {"f": "FP32" if array.dtype == np.float32 else "FP64", "b": "BOOL", "O": "BYTES", "S": "BYTES"}.get(
-        array.dtype.kind, {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32"}.get(array.dtype, "INT8")
-    )
+def infer_inputs(module, inputs: dict[str, np.ndarray]) -> list:
+    """``InferInput`` objects carrying the arrays as they are (names, dtypes and shapes unchecked)."""
+    tensors = []
+    for name, array in inputs.items():
+        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
 
 
 def infer_raw(module, client, spec: ModelSpec, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
-    """Send ``inputs`` as they are (names, dtypes and shapes unchecked) and return ``probability``."""
-    tensors = []
-    for name, array in inputs.items():
-        tensor = module.InferInput(name, list(array.shape), _dtype(array))
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    result = client.infer(spec.name, tensors, **kwargs)
+    """Send ``inputs`` as they are and return ``probability``."""
+    result = client.infer(spec.name, infer_inputs(module, inputs), **kwargs)
     return result.as_numpy("probability").reshape(-1)
 
 

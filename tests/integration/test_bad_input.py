@@ -8,7 +8,7 @@ from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
 
-from .helpers import grpc_client, http_client, infer_raw
+from .helpers import grpc_client, http_client, infer_inputs, infer_raw
 
 
 def _cases(spec):
@@ -76,13 +76,7 @@ def _fire(client, model, requests):
         return record
 
     for i, inputs in enumerate(requests):
-        tensors = []
-        for name, array in inputs.items():
-            dtype = {"f": "FP32", "b": "BOOL", "O": "BYTES"}.get(array.dtype.kind) or {8: "INT64", 4: "INT32"}[array.itemsize]
-            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-            tensor.set_data_from_numpy(array)
-            tensors.append(tensor)
-        client.async_infer(model, tensors, callback(i))
+        client.async_infer(model, infer_inputs(grpcclient, inputs), callback(i))
     for _ in requests:
         assert done.acquire(timeout=60)
     return results
