@@ -15,7 +15,7 @@ from recserve.backends.artifacts import file_entry, read_manifest, save_array, v
 from recserve.backends.dense_runner import OnnxDenseRunner
 from recserve.backends.errors import ArtifactError
 from recserve.backends.pipeline import InProcessPipeline
-from recserve.backends.store import MANIFEST_FORMAT, EmbeddingStore, EmbeddingTable
+from recserve.backends.store import MANIFEST_FORMAT, StoreOptions, TableArrays, TieredStore, write_shards
 from recserve.build import configs
 from recserve.build.export import example_inputs, export_onnx, torch_predict
 from recserve.build.network import CTRNet
@@ -57,19 +57,12 @@ def is_built(spec: ModelSpec, repository: Path) -> bool:
         return False
 
 
-def write_tables(spec: ModelSpec, tables: dict[str, EmbeddingTable], root: Path) -> None:
-    """Write each table as ``.npy`` key and vector arrays plus the manifest."""
-    entries = {}
-    for name, table in sorted(tables.items()):
-        entries[name] = {
-            "dim": table.dim,
-            "rows": len(table.keys),
-            "keys": save_array(root, f"tables/{name}.keys.npy", table.keys),
-            "vectors": save_array(root, f"tables/{name}.vectors.npy", table.vectors),
-        }
+def write_tables(spec: ModelSpec, tables: dict[str, TableArrays], root: Path) -> None:
+    """Write the tables as memory-mappable shards (keys, vectors, hash index) plus the manifest."""
+    shards = write_shards(root, tables, StoreOptions.from_spec(spec).table_dtypes)
     write_manifest(
         root,
-        {"format": MANIFEST_FORMAT, "version": spec.version, "spec_sha256": spec_digest(spec), "tables": entries},
+        {"format": MANIFEST_FORMAT, "version": spec.version, "spec_sha256": spec_digest(spec), **shards},
     )
 
 
@@ -135,7 +128,7 @@ def build_repository(spec: ModelSpec, repository: Path, progress: Progress = std
 
 def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch") -> InProcessPipeline:
     """The in-process path over a built repository, with the PyTorch net or the ONNX Runtime one."""
-    store = EmbeddingStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
+    store = TieredStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
     dense_dir = version_dir(repository, configs.DENSE, spec)
     if runtime == "torch":
         net = load_reference_net(spec, repository)

@@ -19,7 +19,7 @@ from torch import nn
 
 from recserve.backends import tensors
 from recserve.backends.features import FeatureTransform
-from recserve.backends.store import EmbeddingTable
+from recserve.backends.store import TableArrays
 from recserve.build.network import CTRNet
 from recserve.build.synthetic import RawRows, generate, roc_auc
 from recserve.spec import ModelSpec
@@ -105,7 +105,7 @@ class TrainedModel:
     """The outcome of training: the dense net, keyed tables and the held-out AUC."""
 
     net: CTRNet
-    tables: dict[str, EmbeddingTable]
+    tables: dict[str, TableArrays]
     holdout_auc: float
 
 
@@ -182,5 +182,5 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel
     tables = {}
     for name, v in vocab.items():
         weight = model.embeddings[name].weight.detach().numpy()
-        tables[name] = EmbeddingTable.from_arrays(name, v.keys, weight[: v.oov], weight[v.oov], version=spec.version)
+        tables[name] = TableArrays(name, np.asarray(v.keys, np.int64), weight[: v.oov], weight[v.oov])
     return TrainedModel(model.net, tables, auc)

@@ -1,4 +1,4 @@
-"""The ``embedding_lookup`` step: keys of all features to vectors, as plain numpy."""
+"""The ``embedding_lookup`` step: keys of all features to vectors in one store call per batch."""
 
 from __future__ import annotations
 
@@ -8,23 +8,29 @@ import numpy as np
 
 from recserve.backends import tensors
 from recserve.backends.features import require
-from recserve.backends.store import EmbeddingStore
+from recserve.backends.store import Lookup, TieredStore
 from recserve.spec import ModelSpec
 
 
 class EmbeddingLookup:
-    """Map the keys produced by :class:`~recserve.backends.features.FeatureTransform` to vectors."""
+    """Map the keys produced by :class:`~recserve.backends.features.FeatureTransform` to vectors.
 
-    def __init__(self, spec: ModelSpec, store: EmbeddingStore) -> None:
+    The sparse keys ``[B, F]``, the target key ``[B, 1]`` and the history keys ``[B, L]`` are laid
+    side by side as one ``[B, F + 1 + L]`` key matrix with a matching table-id matrix, so the store
+    serves every key of the batch in one vectorised call.
+    """
+
+    def __init__(self, spec: ModelSpec, store: TieredStore) -> None:
         self.spec = spec
         self.store = store
-        self._sparse_tables = [store.tables[f.table] for f in spec.categorical.features]
-        self._target_table = store.tables[spec.target.table]
-        self._sequence_table = store.tables[spec.sequence.table]
+        self.column_tables = np.array(
+            [store.table_id(f.table) for f in spec.categorical.features] + [store.table_id(spec.target.table)], np.int16
+        )
+        self.sequence_table = store.table_id(spec.sequence.table)
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's key tensors."""
-        sparse = require(inputs, tensors.SPARSE_KEYS, "INT64", None, len(self._sparse_tables))
+        sparse = require(inputs, tensors.SPARSE_KEYS, "INT64", None, self.spec.num_sparse)
         rows = sparse.shape[0]
         return {
             tensors.SPARSE_KEYS: sparse,
@@ -32,17 +38,28 @@ class EmbeddingLookup:
             tensors.HISTORY_KEYS: require(inputs, tensors.HISTORY_KEYS, "INT64", rows, None),
         }
 
+    def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The ``[B, F + 1 + L]`` key and table-id matrices of checked inputs."""
+        sparse, target, history = (inputs[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS))
+        keys = np.concatenate([sparse, target, history], axis=1)
+        table_ids = np.empty(keys.shape, np.int16)
+        table_ids[:, : len(self.column_tables)] = self.column_tables
+        table_ids[:, len(self.column_tables) :] = self.sequence_table
+        return keys, table_ids
+
+    def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup:
+        """The store's answer for every key of a checked batch (vectors, tiers, snapshot)."""
+        keys, table_ids = self.keys_and_tables(inputs)
+        return self.store.lookup(keys, table_ids)
+
     def lookup(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history."""
         checked = self.check(inputs)
-        sparse, target, history = (checked[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS))
-        rows = sparse.shape[0]
-        dim = self.spec.embedding_dim
-        sparse_out = np.empty((rows, len(self._sparse_tables), dim), dtype=np.float32)
-        for column, table in enumerate(self._sparse_tables):  # one vectorised lookup per table
-            sparse_out[:, column, :] = table.lookup(sparse[:, column])
+        rows, width = checked[tensors.HISTORY_KEYS].shape
+        features = self.spec.num_sparse
+        vectors = self.lookup_keys(checked).vectors.reshape(rows, features + 1 + width, self.store.dim)
         return {
-            tensors.SPARSE_EMBEDDINGS: sparse_out,
-            tensors.TARGET_EMBEDDING: self._target_table.lookup(target[:, 0]),
-            tensors.HISTORY_EMBEDDINGS: self._sequence_table.lookup(history),
+            tensors.SPARSE_EMBEDDINGS: vectors[:, :features],
+            tensors.TARGET_EMBEDDING: vectors[:, features],
+            tensors.HISTORY_EMBEDDINGS: vectors[:, features + 1 :],
         }

@@ -12,7 +12,7 @@ import numpy as np
 
 from recserve.backends.features import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup
-from recserve.backends.store import EmbeddingStore
+from recserve.backends.store import TieredStore
 from recserve.spec import ModelSpec
 
 DenseFn = Callable[[Mapping[str, np.ndarray]], np.ndarray]
@@ -21,7 +21,7 @@ DenseFn = Callable[[Mapping[str, np.ndarray]], np.ndarray]
 class InProcessPipeline:
     """Raw request tensors in, probabilities ``[B]`` out."""
 
-    def __init__(self, spec: ModelSpec, store: EmbeddingStore, dense: DenseFn) -> None:
+    def __init__(self, spec: ModelSpec, store: TieredStore, dense: DenseFn) -> None:
         self.transform = FeatureTransform(spec)
         self.lookup = EmbeddingLookup(spec, store)
         self.dense = dense

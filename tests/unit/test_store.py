@@ -5,37 +5,154 @@ import pytest
 
 from recserve.backends.artifacts import load_array, read_manifest, save_array, write_manifest
 from recserve.backends.errors import ArtifactError
-from recserve.backends.store import EmbeddingStore, EmbeddingTable
+from recserve.backends.hashing import keys_for, table_salt
+from recserve.backends.keyindex import KeyIndex
+from recserve.backends.store import (
+    DEFAULT,
+    DELTA,
+    L1,
+    L2,
+    MANIFEST_FORMAT,
+    FrequencyTracker,
+    RowBlock,
+    StoreOptions,
+    TableArrays,
+    TieredStore,
+    write_shards,
+)
+
+DIM = 4
 
 
-@pytest.fixture
-def table():
-    keys = np.array([30, -10, 20], dtype=np.int64)
-    vectors = np.array([[3, 3], [1, 1], [2, 2]], dtype=np.float32)
-    return EmbeddingTable.from_arrays("t", keys, vectors, default=np.array([9, 9], np.float32))
+def make_tables(seed=0, rows=(500, 300)):
+    rng = np.random.default_rng(seed)
+    keys = rng.choice(np.iinfo(np.int64).max, size=sum(rows), replace=False) * rng.choice([-1, 1], size=sum(rows))
+    tables, start = {}, 0
+    for number, count in enumerate(rows):
+        name = f"t{number}"
+        tables[name] = TableArrays(
+            name,
+            keys[start : start + count].astype(np.int64),
+            rng.normal(size=(count, DIM)).astype(np.float32),
+            np.full(DIM, 100 + number, np.float32),
+        )
+        start += count
+    return tables
 
 
-def test_lookup_returns_vectors_by_key_and_default_for_unknown(table):
-    out = table.lookup(np.array([[20, 99], [-10, 30]], dtype=np.int64))
-    assert out.shape == (2, 2, 2)
-    assert out[:, :, 0].tolist() == [[2, 9], [1, 3]]
-    assert (table.stats.lookups, table.stats.unknown) == (4, 1)
+def expected(tables, name, keys):
+    table = tables[name]
+    where = {int(k): i for i, k in enumerate(table.keys)}
+    return np.stack([table.vectors[where[int(k)]] if int(k) in where else table.default for k in keys])
 
 
-def test_lookup_of_keys_beyond_the_largest_is_unknown(table):
-    assert table.lookup(np.array([10**12, -(10**12)]))[:, 0].tolist() == [9, 9]
+def test_key_index_finds_every_key_and_only_them():
+    rng = np.random.default_rng(1)
+    keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=50_000, dtype=np.int64)
+    keys = np.unique(keys)
+    index = KeyIndex.build(keys, rows=np.arange(len(keys)))
+    assert index.slot_keys.size >= len(keys) / 0.6 and index.overflow_keys.size < len(keys) * 0.05
+    assert np.array_equal(index.find(keys), np.arange(len(keys)))
+    absent = rng.integers(0, 1 << 62, size=1000, dtype=np.int64)
+    absent = absent[~np.isin(absent, keys)]
+    assert (index.find(absent) == -1).all()
+    assert index.find(keys[:6].reshape(2, 3)).shape == (2, 3)
 
 
-@pytest.mark.parametrize(("mode", "expected"), [("sum", [5, 9]), ("mean", [2.5, 9])])
-def test_pooling_over_multi_valued_features(table, mode, expected):
-    keys = np.array([[20, 30, 0], [77, 0, 0]], dtype=np.int64)
-    mask = np.array([[1, 1, 0], [1, 0, 0]], dtype=np.float32)
-    assert table.lookup_pooled(keys, mask, mode)[:, 0].tolist() == expected
+def test_key_index_refuses_duplicates():
+    with pytest.raises(ValueError, match="unique"):
+        KeyIndex.build(np.array([5, 5], np.int64))
 
 
-def test_duplicate_keys_are_refused():
-    with pytest.raises(ArtifactError, match="duplicate"):
-        EmbeddingTable.from_arrays("t", np.array([1, 1]), np.zeros((2, 2)), np.zeros(2))
+def test_lookup_serves_each_table_and_its_own_default_for_unknown_keys():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables)
+    keys = np.concatenate([tables["t0"].keys[:5], [12345], tables["t1"].keys[:3], [12345]])
+    ids = np.array([store.table_id("t0")] * 6 + [store.table_id("t1")] * 4)
+    result = store.lookup(keys, ids)
+    want = np.concatenate([expected(tables, "t0", keys[:6]), expected(tables, "t1", keys[6:])])
+    assert np.array_equal(result.vectors, want)
+    assert result.tiers.tolist() == [L2] * 5 + [DEFAULT] + [L2] * 3 + [DEFAULT]
+    assert store.stats.by_table_tier[store.table_id("t0"), DEFAULT] == 1
+
+
+def test_hot_keys_move_to_l1_with_identical_vectors():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=50 * (DIM * 4 + 32)))
+    ids = np.zeros(40, np.int16) + store.table_id("t0")
+    hot = tables["t0"].keys[:40]
+    before = store.lookup(hot, ids).vectors
+    for _ in range(3):
+        store.lookup(hot[:10], ids[:10])
+    cached = store.refresh_cache()
+    assert cached == 40  # within the 50-row budget
+    after = store.lookup(hot, ids)
+    assert (after.tiers == L1).all() and np.array_equal(after.vectors, before)
+    assert set(store.hot_keys()[:10].tolist()) == set(hot[:10].tolist())  # most frequent first
+
+
+def test_cache_is_bounded_in_bytes():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=10 * (DIM * 4 + 32)))
+    store.lookup(tables["t0"].keys, np.zeros(500, np.int16))
+    assert store.refresh_cache() == 10 == store.cache_capacity
+
+
+def test_installed_delta_wins_over_l2_and_l1_is_rebuilt_for_it():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables)
+    keys = tables["t1"].keys[:4]
+    ids = np.full(4, store.table_id("t1"))
+    store.refresh_cache(seed=keys)
+    delta = RowBlock.of(keys[:2], np.full((2, DIM), 7, np.float32))
+    snapshot = store.install({"t1": 2}, delta)
+    result = store.lookup(keys, ids)
+    assert (result.vectors[:2] == 7).all() and np.array_equal(result.vectors[2:], expected(tables, "t1", keys[2:]))
+    assert (result.tiers == L1).all()  # the rebuilt cache holds the new rows
+    assert store.version_of("t1", snapshot) == 2 and store.version_of("t0") == 1
+    store.refresh_cache(seed=np.empty(0, np.int64))
+    assert store.lookup(keys, ids).tiers.tolist() == [DELTA, DELTA, L2, L2]
+
+
+def test_float16_tables_are_served_as_float32_within_half_precision():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables, dtypes={"t1": "float16"})
+    keys = np.concatenate([tables["t0"].keys[:50], tables["t1"].keys[:50]])
+    ids = np.repeat([store.table_id("t0"), store.table_id("t1")], 50)
+    got = store.lookup(keys, ids).vectors
+    assert got.dtype == np.float32
+    assert np.array_equal(got[:50], tables["t0"].vectors[:50])
+    assert np.allclose(got[50:], tables["t1"].vectors[:50], atol=2e-3)
+    assert {s.dtype for s in store.shards} == {"float32", "float16"}
+
+
+def test_keys_shared_between_tables_are_refused():
+    tables = make_tables()
+    clash = TableArrays("t2", tables["t0"].keys[:1], np.zeros((1, DIM), np.float32), np.zeros(DIM, np.float32))
+    with pytest.raises(ArtifactError, match="share a key"):
+        TieredStore.from_tables({**tables, "t2": clash})
+
+
+def test_frequency_tracker_ranks_by_decayed_counts():
+    tracker = FrequencyTracker(budget=1000, decay=0.5)
+    tracker.record(np.array([1, 1, 1, 2, 2, 3]))
+    assert tracker.hottest(2).tolist() == [1, 2]
+    tracker.record(np.array([3, 3, 3, 3]))  # 3: 0.5 + 4 beats 1: 1.5
+    assert tracker.hottest(1).tolist() == [3]
+
+
+def test_shards_load_memory_mapped_and_serve_the_same_rows(spec, tmp_path):
+    rng = np.random.default_rng(3)
+    tables = {}
+    for name in spec.tables:
+        keys = np.unique(keys_for(rng.integers(0, 10**9, size=20), table_salt(spec.hash_namespace, name)))
+        tables[name] = TableArrays(name, keys, rng.normal(size=(len(keys), spec.embedding_dim)).astype(np.float32), np.zeros(spec.embedding_dim, np.float32))
+    write_manifest(tmp_path, {"format": MANIFEST_FORMAT, "version": 3, **write_shards(tmp_path, tables, {})})
+    store = TieredStore.load(tmp_path, spec)
+    assert isinstance(store.shards[0].vectors, np.memmap) and store.base_version == 3
+    probe = tables["C7"].keys
+    got = store.lookup(probe, np.full(len(probe), store.table_id("C7"))).vectors
+    assert np.array_equal(got, tables["C7"].vectors)
 
 
 def test_checksum_mismatch_is_refused(tmp_path):
@@ -66,7 +183,10 @@ def test_missing_manifest_says_how_to_build(tmp_path):
         read_manifest(tmp_path)
 
 
-def test_store_refuses_a_manifest_without_a_spec_table(spec, tmp_path):
+def test_store_refuses_an_old_format_and_a_manifest_without_a_spec_table(spec, tmp_path):
     write_manifest(tmp_path, {"format": "recserve-embeddings/1", "version": 1, "tables": {}})
+    with pytest.raises(ArtifactError, match="rebuild"):
+        TieredStore.load(tmp_path, spec)
+    write_manifest(tmp_path, {"format": MANIFEST_FORMAT, "version": 1, "shards": [], "tables": {}})
     with pytest.raises(ArtifactError, match="not in the manifest"):
-        EmbeddingStore.load(tmp_path, spec)
+        TieredStore.load(tmp_path, spec)

@@ -1,0 +1,104 @@
+"""A bucketed hash index from 64-bit keys to row numbers, built and probed with numpy.
+
+Layout: ``buckets`` (a power of two) rows of ``BUCKET`` slots, stored flat as ``slot_keys`` (int64)
+and ``slot_rows`` (int32, ``-1`` for an empty slot); a key lives in the bucket given by the top bits
+of ``key * 0x9E3779B97F4A7C15`` (Fibonacci hashing). The few keys whose bucket is full go to a small
+sorted overflow list. A lookup is one gather of each key's bucket (its slots share a cache line or
+two), one compare, and a ``searchsorted`` in the overflow list for keys whose bucket was full: whole
+arrays at a time, no loop per key or per probe step. The arrays are plain ``.npy`` files,
+memory-mapped by every process serving the table, so model instances share one copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+EMPTY_ROW = -1
+BUCKET = 8  # slots per bucket: 64 bytes of keys
+MAX_LOAD = 0.6
+
+
+def buckets_for(count: int, max_load: float = MAX_LOAD) -> int:
+    """Power-of-two bucket count that keeps the slot load at or below ``max_load``."""
+    return 1 << max(1, int(np.ceil(np.log2(max(count, 1) / (max_load * BUCKET)))))
+
+
+@dataclass(frozen=True)
+class KeyIndex:
+    """Read-only key -> row index (see the module docstring for the layout)."""
+
+    slot_keys: np.ndarray  # int64 [buckets * BUCKET]
+    slot_rows: np.ndarray  # int32 [buckets * BUCKET]; -1 marks an empty slot
+    overflow_keys: np.ndarray  # int64 [m], sorted
+    overflow_rows: np.ndarray  # int32 [m]
+
+    @property
+    def buckets(self) -> int:
+        """Number of buckets."""
+        return int(self.slot_keys.shape[0] // BUCKET)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all index arrays."""
+        return int(sum(a.nbytes for a in (self.slot_keys, self.slot_rows, self.overflow_keys, self.overflow_rows)))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The index arrays by name (how they are saved)."""
+        return {
+            "slot_keys": self.slot_keys,
+            "slot_rows": self.slot_rows,
+            "overflow_keys": self.overflow_keys,
+            "overflow_rows": self.overflow_rows,
+        }
+
+    @staticmethod
+    def bucket_of(keys: np.ndarray, buckets: int) -> np.ndarray:
+        """Bucket number of each key."""
+        shift = np.uint64(64 - (buckets.bit_length() - 1))
+        return ((keys.view(np.uint64) * _GOLDEN) >> shift).astype(np.int64)
+
+    @classmethod
+    def build(cls, keys: np.ndarray, rows: np.ndarray | None = None, buckets: int | None = None) -> KeyIndex:
+        """Index ``keys`` (unique int64) to ``rows`` (default: their positions).
+
+        Raises:
+            ValueError: ``keys`` holds duplicates.
+        """
+        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        rows = np.arange(len(keys), dtype=np.int32) if rows is None else np.asarray(rows, dtype=np.int32)
+        buckets = buckets or buckets_for(len(keys))
+        bucket = cls.bucket_of(keys, buckets)
+        order = np.lexsort((keys, bucket))
+        sorted_keys, sorted_bucket = keys[order], bucket[order]
+        if np.any((sorted_keys[1:] == sorted_keys[:-1]) & (sorted_bucket[1:] == sorted_bucket[:-1])):
+            raise ValueError("keys must be unique")
+        first = np.searchsorted(sorted_bucket, sorted_bucket, side="left")
+        rank = np.arange(len(keys)) - first  # position of each key inside its bucket
+        fits = rank < BUCKET
+        slot_keys = np.zeros(buckets * BUCKET, np.int64)
+        slot_rows = np.full(buckets * BUCKET, EMPTY_ROW, np.int32)
+        slots = sorted_bucket[fits] * BUCKET + rank[fits]
+        slot_keys[slots] = sorted_keys[fits]
+        slot_rows[slots] = rows[order[fits]]
+        spill = order[~fits]
+        spill = spill[np.argsort(keys[spill], kind="stable")]
+        return cls(slot_keys, slot_rows, keys[spill], rows[spill])
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Row of each key, ``-1`` where the key is absent; same shape as ``keys``."""
+        flat = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        bucket = self.bucket_of(flat, self.buckets)
+        slot_keys = self.slot_keys.reshape(-1, BUCKET).take(bucket, axis=0)
+        slot_rows = self.slot_rows.reshape(-1, BUCKET).take(bucket, axis=0)
+        # at most one slot of a bucket matches; empty slots hold row -1, so they add (row + 1) = 0
+        result = ((slot_keys == flat[:, None]) * (slot_rows + 1)).sum(axis=1, dtype=np.int32) - 1
+        if self.overflow_keys.size:
+            spilled = np.flatnonzero((result == EMPTY_ROW) & (slot_rows[:, -1] != EMPTY_ROW))
+            if spilled.size:
+                pos = np.minimum(np.searchsorted(self.overflow_keys, flat[spilled]), self.overflow_keys.size - 1)
+                found = self.overflow_keys[pos] == flat[spilled]
+                result[spilled[found]] = self.overflow_rows[pos[found]]
+        return result.reshape(np.shape(keys))
