@@ -6,11 +6,11 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 BIN := $(VENV)/bin
-APT_PACKAGES := libb64-0d
+APT_PACKAGES := libb64-0d redis-server
 
 .PHONY: install system-packages build serve test unit integration clean
 
-# Debian packages: libb64 for perf_analyzer.
+# Debian packages: libb64 for perf_analyzer, redis-server (and redis-cli) for the L3 tier tests.
 system-packages:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \

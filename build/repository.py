@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file, save_file
 
-from recserve.backends.artifacts import file_entry, read_manifest, save_array, verified_path, write_manifest
+from recserve.backends.artifacts import file_entry, load_array, read_manifest, save_array, verified_path, write_manifest
 from recserve.backends.dense_runner import OnnxDenseRunner
 from recserve.backends.errors import ArtifactError
 from recserve.backends.pipeline import InProcessPipeline
@@ -58,12 +58,38 @@ def is_built(spec: ModelSpec, repository: Path) -> bool:
 
 
 def write_tables(spec: ModelSpec, tables: dict[str, TableArrays], root: Path) -> None:
-    """Write the tables as memory-mappable shards (keys, vectors, hash index) plus the manifest."""
-    shards = write_shards(root, tables, StoreOptions.from_spec(spec).table_dtypes)
+    """Write the tables as memory-mappable shards (keys, vectors, hash index) plus the manifest.
+
+    Tables named in ``[store] remote_tables`` keep only their default row locally; their rows are
+    written under ``remote/`` for ``recserve redis-load`` to put into the L3 Redis Cluster.
+    """
+    options = StoreOptions.from_spec(spec)
+    local, remote = dict(tables), {}
+    for name in options.remote_tables:
+        table = tables[name]
+        local[name] = TableArrays(name, np.empty(0, np.int64), np.empty((0, table.default.shape[0]), np.float32), table.default)
+        remote[name] = {
+            "keys": save_array(root, f"remote/{name}.keys.npy", table.keys),
+            "vectors": save_array(root, f"remote/{name}.vectors.npy", np.asarray(table.vectors, np.float32)),
+        }
+    shards = write_shards(root, local, options.table_dtypes)
     write_manifest(
         root,
-        {"format": MANIFEST_FORMAT, "version": spec.version, "spec_sha256": spec_digest(spec), **shards},
+        {"format": MANIFEST_FORMAT, "version": spec.version, "spec_sha256": spec_digest(spec), **shards, "remote": remote},
     )
+
+
+def remote_table_arrays(spec: ModelSpec, root: Path, include_local: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Rows meant for L3 (``(keys, vectors)`` by table), checked; with ``include_local``, every table."""
+    manifest = read_manifest(root)
+    rows = {name: (load_array(root, entry["keys"]), load_array(root, entry["vectors"])) for name, entry in manifest.get("remote", {}).items()}
+    if include_local:
+        store = TieredStore.load(root, spec)
+        for name in store.table_names:
+            if name not in rows:
+                table = store.table_arrays(name)
+                rows[name] = (table.keys, table.vectors)
+    return rows
 
 
 def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float) -> float:

@@ -32,6 +32,7 @@ import numpy as np
 from recserve.backends.artifacts import load_array, read_manifest, save_array
 from recserve.backends.errors import ArtifactError
 from recserve.backends.keyindex import KeyIndex
+from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -123,6 +124,9 @@ class RemoteTier(Protocol):
     def healthy(self) -> bool:
         """False while the tier is known to be failing (breaker open)."""
 
+    def samples(self) -> list[MetricSample]:
+        """The tier's metrics (errors, breaker state)."""
+
 
 @dataclass(frozen=True)
 class Lookup:
@@ -140,7 +144,14 @@ class StoreStats:
     by_table_tier: np.ndarray
     calls: int = 0
     seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # since the last drain, at most MAX_LATENCIES
+
+    MAX_LATENCIES = 100_000
+
+    def drain_latencies(self) -> list[float]:
+        """Latencies recorded since the last call."""
+        taken, self.latencies = self.latencies, []
+        return taken
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,7 @@ class StoreOptions:
     update_poll_s: float = 1.0  # how often a server looks for new table versions
     table_dtypes: Mapping[str, str] = field(default_factory=dict)  # storage dtype by table (default float32)
     redis_nodes: tuple[str, ...] = ()  # "host:port" seeds of the L3 Redis Cluster; empty: no L3
+    remote_tables: tuple[str, ...] = ()  # tables whose rows live only in L3 (not in the local shards)
     redis_deadline_ms: float = 5.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 2.0
@@ -162,15 +174,19 @@ class StoreOptions:
     def from_spec(cls, spec: ModelSpec) -> StoreOptions:
         """Options from ``spec.source['store']`` (defaults where absent)."""
         raw = spec.source.get("store", {})
-        unknown = sorted(set(raw.get("float16_tables", [])) - set(spec.tables))
-        if unknown:
-            raise ArtifactError(f"[store] float16_tables names unknown tables {unknown}")
+        for setting in ("float16_tables", "remote_tables"):
+            unknown = sorted(set(raw.get(setting, [])) - set(spec.tables))
+            if unknown:
+                raise ArtifactError(f"[store] {setting} names unknown tables {unknown}")
+        if raw.get("remote_tables") and not raw.get("redis_nodes"):
+            raise ArtifactError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
         return cls(
             cache_bytes=int(float(raw.get("cache_mib", 64)) * (1 << 20)),
             cache_refresh_s=float(raw.get("cache_refresh_s", 5.0)),
             update_poll_s=float(raw.get("update_poll_s", 1.0)),
             table_dtypes={name: "float16" for name in raw.get("float16_tables", [])},
             redis_nodes=tuple(raw.get("redis_nodes", [])),
+            remote_tables=tuple(raw.get("remote_tables", [])),
             redis_deadline_ms=float(raw.get("redis_deadline_ms", 5.0)),
             breaker_failures=int(raw.get("breaker_failures", 3)),
             breaker_cooldown_s=float(raw.get("breaker_cooldown_s", 2.0)),
@@ -298,7 +314,7 @@ class TieredStore:
         self.stats.by_table_tier += np.bincount(flat, minlength=self.stats.by_table_tier.size).reshape(self.stats.by_table_tier.shape)
         self.stats.calls += 1
         self.stats.seconds += seconds
-        if len(self.stats.latencies) < 100_000:
+        if len(self.stats.latencies) < self.stats.MAX_LATENCIES:
             self.stats.latencies.append(seconds)
 
     # ---- state changes ---------------------------------------------------------------------------
@@ -372,10 +388,21 @@ class TieredStore:
         return np.empty(0, np.int64) if cache is None else cache.keys
 
     def healthy(self) -> bool:
-        """Tier health: the local shards are mapped and the remote tier (if any) is not failing."""
-        return bool(self.shards) and (self.remote is None or self.remote.healthy())
+        """Readiness: the local shards are mapped. A failing L3 only degrades (see ``remote.healthy``)."""
+        return bool(self.shards)
 
     # ---- facts ---------------------------------------------------------------------------------
+    def table_arrays(self, name: str) -> TableArrays:
+        """The base rows of one table as stored locally (float32)."""
+        info = self.tables[name]
+        shard = self.shards[info.shard]
+        return TableArrays(
+            name,
+            np.asarray(shard.keys[info.row_start : info.row_end]),
+            np.asarray(shard.vectors[info.row_start : info.row_end], np.float32),
+            np.asarray(shard.vectors[info.default_row], np.float32),
+        )
+
     @property
     def key_count(self) -> int:
         """Keys stored locally."""

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from recserve.backends import batching
 from recserve.backends.errors import RequestError
+from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec, spec_from_json
 
 LOGGER = logging.getLogger(__name__)
@@ -132,3 +133,36 @@ def execute_merged(
             for i in valid:
                 responses[i] = error_response(exc)
     return responses
+
+
+class MetricsPublisher:
+    """Publishes :class:`~recserve.backends.metrics.MetricSample` lists through ``pb_utils.MetricFamily``.
+
+    Counters arrive as running totals and are published as increments; only changed values are
+    sent, because every update is a message from the stub to the server.
+    """
+
+    def __init__(self) -> None:
+        self.families: dict[str, Any] = {}  # keep references: metrics of a deleted family fail
+        self.metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
+        self.published: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def publish(self, samples: Sequence[MetricSample]) -> None:
+        """Send what changed since the last call."""
+        for sample in samples:
+            key = (sample.name, sample.labels)
+            previous = self.published.get(key, 0.0 if sample.kind == "counter" else None)
+            if sample.value == previous:
+                continue
+            metric = self.metrics.get(key)
+            if metric is None:
+                family = self.families.get(sample.name)
+                if family is None:
+                    kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
+                    family = self.families[sample.name] = pb_utils.MetricFamily(name=sample.name, description=sample.description, kind=kind)
+                metric = self.metrics[key] = family.Metric(labels=dict(sample.labels))
+            if sample.kind == "counter":
+                metric.increment(sample.value - previous)
+            else:
+                metric.set(sample.value)
+            self.published[key] = sample.value

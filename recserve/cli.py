@@ -124,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
     perf.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="for the in-process comparison")
     perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
     perf.set_defaults(func=_perf)
+
+    from recserve.store_cli import add_commands
+
+    add_commands(sub)
     return top
 
 
@@ -131,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``recserve`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    from recserve.backends.errors import ArtifactError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ArtifactError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,40 +1,29 @@
-"""Triton model ``embedding_lookup``: keys to vectors (see recserve.backends.lookup)."""
+"""Triton model ``embedding_lookup``: keys to vectors through the tiered store (see recserve.backends.store)."""
 
 import time
 
-import triton_python_backend_utils as pb_utils
-
 from recserve.backends import tensors
 from recserve.backends.lookup import EmbeddingLookup
-from recserve.backends.store import EmbeddingStore
-from recserve.backends.triton_adapter import ModelContext, execute_merged
+from recserve.backends.served_store import ServedStore
+from recserve.backends.triton_adapter import MetricsPublisher, ModelContext, execute_merged
 
 INPUTS = (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS)
-METRICS_INTERVAL_S = 1.0  # each increment is a message to the server: publish at most this often
+METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
 
 
 class TritonPythonModel:
-    """Looks up the keys of a whole dynamic batch at once; counts unknown keys per table."""
+    """Looks up the keys of a whole dynamic batch at once; online updates are applied in the background."""
 
     def initialize(self, args: dict) -> None:
-        """Load and verify the tables of this model version."""
+        """Map and verify the shards, apply published updates, warm the hot cache up."""
         context = ModelContext.from_args(args)
-        self.lookup = EmbeddingLookup(context.spec, EmbeddingStore.load(context.version_dir, context.spec))
-        self.metric_family = pb_utils.MetricFamily(
-            name="recserve_embedding_keys_total",
-            description="Keys looked up per table and outcome (hit, or unknown: served the default vector)",
-            kind=pb_utils.MetricFamily.COUNTER,
-        )
-        self.metrics = {
-            (name, outcome): self.metric_family.Metric(labels={"table": name, "outcome": outcome})
-            for name in self.lookup.store.tables
-            for outcome in ("hit", "unknown")
-        }
-        self.reported = {name: (0, 0) for name in self.lookup.store.tables}
+        self.served = ServedStore.open(context.spec, context.version_dir)
+        self.lookup = EmbeddingLookup(context.spec, self.served.store)
+        self.metrics = MetricsPublisher()
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:
-        """Vectors for every valid request; per-table counters published at most once a second."""
+        """Vectors for every valid request; metrics published at most once a second."""
         responses = execute_merged(
             requests,
             INPUTS,
@@ -43,18 +32,15 @@ class TritonPythonModel:
             ragged_outputs={tensors.HISTORY_EMBEDDINGS: tensors.HISTORY_KEYS},
         )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
-            self.publish_metrics()
+            self.published_at = time.monotonic()
+            self.metrics.publish(self.served.samples())
         return responses
 
-    def publish_metrics(self) -> None:
-        """Add the counts since the last publication to the Triton counters."""
-        self.published_at = time.monotonic()
-        for name, table in self.lookup.store.tables.items():
-            lookups, unknown = self.reported[name]
-            self.metrics[(name, "hit")].increment((table.stats.lookups - table.stats.unknown) - (lookups - unknown))
-            self.metrics[(name, "unknown")].increment(table.stats.unknown - unknown)
-            self.reported[name] = (table.stats.lookups, table.stats.unknown)
+    def is_ready(self) -> bool:
+        """Readiness (Python backends that support it): the local tiers are mapped."""
+        return self.served.store.healthy()
 
     def finalize(self) -> None:
-        """Publish the last counts before the model unloads."""
-        self.publish_metrics()
+        """Stop the upkeep thread; publish the last counts."""
+        self.served.close()
+        self.metrics.publish(self.served.samples())

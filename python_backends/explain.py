@@ -1,0 +1,59 @@
+"""Why a row scored as it did: every feature's raw value, key, table, tier and table version."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from recserve.backends.features import FeatureTransform
+from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.store import TIERS, TieredStore
+from recserve.spec import ModelSpec
+
+FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
+
+
+def explain(spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray]) -> Iterator[dict[str, Any]]:
+    """One record per row and feature (and per history position) of a batch of raw inputs.
+
+    The keys go through the same transform and the same store lookup as served requests (without
+    counting them), so ``tier`` is the tier this store serves each key from right now.
+    """
+    features = FeatureTransform(spec).transform(inputs)
+    lookup = EmbeddingLookup(spec, store)
+    keys, table_ids = lookup.keys_and_tables(features)
+    result = store.lookup(keys, table_ids, record=False)
+    tiers = result.tiers.reshape(keys.shape)
+    names = [f.name for f in spec.categorical.features] + [spec.target.name]
+    raw_categorical = inputs[spec.categorical.name]
+    lengths = inputs[spec.sequence_length_input][:, 0]
+    for row in range(keys.shape[0]):
+        values: list[tuple[str, Any, int]] = [
+            (name, _text(raw_categorical[row, column]), column) for column, name in enumerate(names[:-1])
+        ]
+        values.append((spec.target.name, int(inputs[spec.target.name][row, 0]), len(names) - 1))
+        values += [
+            (f"{spec.sequence.name}[{position}]", int(inputs[spec.sequence.name][row, position]), len(names) + position)
+            for position in range(int(lengths[row]))
+        ]
+        for feature, value, column in values:
+            table = store.table_names[int(table_ids[row, column])]
+            yield {
+                "row": row,
+                "feature": feature,
+                "value": value,
+                "key": int(keys[row, column]),
+                "table": table,
+                "dim": store.dim,
+                "tier": TIERS[int(tiers[row, column])],
+                "version": store.version_of(table, result.snapshot),
+            }
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+__all__ = ["FIELDS", "explain"]

@@ -1,0 +1,103 @@
+"""``recserve update``, ``rollback``, ``explain`` and ``redis-load``: the parameter store from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from recserve.spec import load_spec
+
+DEFAULT_REPOSITORY = Path("model_repository")
+
+
+def _open(args: argparse.Namespace, start: bool = False):  # noqa: ANN202 - returns (spec, ServedStore)
+    from recserve.backends.served_store import ServedStore
+    from recserve.build.configs import EMBEDDING_LOOKUP
+
+    spec = load_spec(args.spec)
+    return spec, ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=start)
+
+
+def _update(args: argparse.Namespace) -> int:
+    from recserve.backends.updates import check_ownership, read_delta_file
+
+    spec, served = _open(args)
+    keys, vectors = read_delta_file(args.delta)
+    if args.table not in served.store.tables:
+        raise ValueError(f"unknown table {args.table!r}; tables: {', '.join(served.store.table_names)}")
+    check_ownership(served.store, args.table, keys)
+    version = served.updater.log.publish(args.table, keys, vectors, served.store.dim)
+    print(f"published {len(keys)} rows as version {version} of table {args.table!r}; "
+          f"servers apply it within {served.maintainer.interval_s:g} s", file=sys.stderr)
+    return 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    _, served = _open(args)
+    if args.table not in served.store.tables:
+        raise ValueError(f"unknown table {args.table!r}")
+    version = served.updater.log.rollback(args.table, args.to)
+    print(f"table {args.table!r}: version {version} restores version {args.to}", file=sys.stderr)
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from recserve.backends.explain import FIELDS, explain
+    from recserve.clients.rows import read_rows
+
+    spec, served = _open(args)
+    inputs = read_rows(args.input, spec).to_inputs(spec)
+    for record in explain(spec, served.store, inputs):
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print("\t".join(str(record[f]) for f in FIELDS))
+    return 0
+
+
+def _redis_load(args: argparse.Namespace) -> int:
+    from recserve.backends.redis_tier import RedisTier
+    from recserve.backends.store import StoreOptions
+    from recserve.build.configs import EMBEDDING_LOOKUP
+    from recserve.build.repository import remote_table_arrays
+
+    spec = load_spec(args.spec)
+    options = StoreOptions.from_spec(spec)
+    if args.nodes:
+        options = StoreOptions(**{**options.__dict__, "redis_nodes": tuple(args.nodes.split(","))})
+    if not options.redis_nodes:
+        raise ValueError("no Redis Cluster: set [store] redis_nodes in the spec or pass --nodes host:port,...")
+    tier = RedisTier.connect(StoreOptions(**{**options.__dict__, "redis_deadline_ms": 10_000.0}))
+    root = args.repository / EMBEDDING_LOOKUP / str(spec.version)
+    total = sum(tier.upload(keys, vectors) for keys, vectors in remote_table_arrays(spec, root, args.all).values())
+    print(f"wrote {total} rows to the Redis Cluster at {','.join(options.redis_nodes)}", file=sys.stderr)
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add the store commands to ``recserve``'s sub-command parser."""
+    update = sub.add_parser("update", help="publish an embedding delta (.npz/.safetensors: keys int64, vectors float32)")
+    update.add_argument("--table", required=True)
+    update.add_argument("--delta", type=Path, required=True)
+    update.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    update.set_defaults(func=_update)
+
+    rollback = sub.add_parser("rollback", help="serve an earlier version of a table again (as a new version)")
+    rollback.add_argument("--table", required=True)
+    rollback.add_argument("--to", type=int, required=True, help="the version whose content to restore")
+    rollback.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    rollback.set_defaults(func=_rollback)
+
+    explain = sub.add_parser("explain", help="per row and feature: value, key, table, dim, tier, version")
+    explain.add_argument("--input", type=Path, required=True, help="Criteo TSV or headed CSV rows")
+    explain.add_argument("--json", action="store_true", help="one JSON object per line")
+    explain.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    explain.set_defaults(func=_explain)
+
+    redis_load = sub.add_parser("redis-load", help="write the L3 tables ([store] remote_tables) into the Redis Cluster")
+    redis_load.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    redis_load.add_argument("--nodes", default="", help="host:port,... (default: the spec's [store] redis_nodes)")
+    redis_load.add_argument("--all", action="store_true", help="also write the locally stored tables")
+    redis_load.set_defaults(func=_redis_load)

@@ -1,0 +1,107 @@
+"""L3 against a real Redis Cluster on loopback (3 masters + 3 replicas, Debian's redis-server)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from recserve.backends.redis_tier import RedisTier
+from recserve.backends.store import DEFAULT, L2, L3, StoreOptions, TableArrays, TieredStore
+from tests.redis_cluster import RedisCluster
+from tests.unit.test_store import DIM, make_tables
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with RedisCluster(tmp_path / "redis") as running:
+        yield running
+
+
+def stores(cluster, deadline_ms=200.0, cooldown_s=0.5):
+    """The same tables twice: all in L2, and with ``t1`` only in L3."""
+    tables = make_tables(rows=(400, 3000))
+    options = StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s)
+    tier = RedisTier.connect(options)
+    t1 = tables["t1"]
+    assert tier.upload(t1.keys, t1.vectors) == len(t1.keys)
+    local = {**tables, "t1": TableArrays("t1", np.empty(0, np.int64), np.empty((0, DIM), np.float32), t1.default)}
+    return tables, TieredStore.from_tables(tables), TieredStore.from_tables(local, remote=tier), tier
+
+
+def batch(store, tables, rng, size=256):
+    keys = np.concatenate([rng.choice(tables["t0"].keys, 32), rng.choice(tables["t1"].keys, size - 40), rng.integers(1, 1 << 60, 8)])
+    ids = np.array([store.table_id("t0")] * 32 + [store.table_id("t1")] * (size - 32))
+    return keys, ids
+
+
+def test_lookups_through_l3_equal_l2(cluster):
+    tables, full, remote, tier = stores(cluster)
+    keys, ids = batch(full, tables, np.random.default_rng(0))
+    want, got = full.lookup(keys, ids), remote.lookup(keys, ids)
+    assert np.array_equal(got.vectors, want.vectors)
+    assert (got.tiers[:32] == L2).all() and (got.tiers[32:-8] == L3).all() and (got.tiers[-8:] == DEFAULT).all()
+    assert tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
+
+
+def test_killing_a_master_mid_traffic_fails_no_lookup_and_recovers(cluster):
+    tables, full, remote, tier = stores(cluster)
+    rng = np.random.default_rng(1)
+    outcomes, failures, stop = [], [], threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            keys, ids = batch(full, tables, rng)
+            try:
+                got = remote.lookup(keys, ids)
+            except Exception as exc:  # noqa: BLE001 - a lookup must never fail for L3
+                failures.append(repr(exc))
+                continue
+            served = got.tiers == L3
+            # every key is either the right row from L3 or its table's default: never a wrong row
+            right = np.all(got.vectors == full.lookup(keys, ids, record=False).vectors, axis=1)
+            outcomes.append((time.monotonic(), bool(np.all(right | ~served)), int((got.tiers[32:-8] == DEFAULT).sum())))
+            time.sleep(0.005)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    victim = cluster.masters()[0]
+    cluster.kill(victim)
+    deadline = time.monotonic() + 30
+    while victim in cluster.masters() and time.monotonic() < deadline:  # until a replica is promoted
+        time.sleep(0.1)
+    cluster.wait_ok(timeout_s=30)
+    recovered_at = time.monotonic()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and (not outcomes or outcomes[-1][0] < recovered_at or outcomes[-1][2] > 0):
+        time.sleep(0.2)
+    stop.set()
+    worker.join()
+    timeline = [(round(at - killed_at, 2), missed) for at, _, missed in outcomes]
+    assert failures == [], timeline
+    assert all(ok for _, ok, _ in outcomes)
+    during = [missed for at, _, missed in outcomes if killed_at <= at <= recovered_at]
+    assert sum(during) > 0 and sum(tier.errors.values()) > 0  # the outage was seen and counted
+    assert outcomes[-1][2] == 0, "L3 did not recover after the replica took over"
+
+
+def test_all_redis_down_opens_the_breaker_and_stops_paying_the_deadline(cluster):
+    tables, full, remote, tier = stores(cluster, deadline_ms=50.0, cooldown_s=60.0)
+    keys, ids = batch(full, tables, np.random.default_rng(2))
+    remote.lookup(keys, ids)
+    for port in list(cluster.processes):
+        cluster.kill(port)
+    for _ in range(tier.breaker.failures):
+        got = remote.lookup(keys, ids)  # each pays at most the deadline, then serves defaults
+        assert (got.tiers[32:-8] == DEFAULT).all()
+    assert not tier.healthy() and tier.breaker.state == "open", tier.errors
+    calls = tier.calls
+    started = time.perf_counter()
+    for _ in range(20):
+        got = remote.lookup(keys, ids)
+    assert tier.calls == calls  # the open breaker sends nothing to Redis
+    assert tier.errors["breaker_open"] == 20
+    assert np.array_equal(got.vectors[:32], full.lookup(keys[:32], ids[:32]).vectors)  # L2 keys unaffected
+    assert (time.perf_counter() - started) / 20 < tier.deadline_s  # not paying the deadline any more

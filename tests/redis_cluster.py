@@ -1,0 +1,141 @@
+"""A real Redis Cluster on loopback for tests: Debian's redis-server, 3 masters + 3 replicas."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+LOOPBACK = "127.0.0.1"
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_ports(count: int) -> list[int]:
+    """Ports free together with their cluster-bus ports (port + 10000)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randint(20000, 29999)
+        if port not in ports and _free(port) and _free(port + 10000):
+            ports.append(port)
+    return ports
+
+
+class RedisCluster:
+    """Start with ``with RedisCluster(folder) as cluster:``; every node is stopped at exit."""
+
+    def __init__(self, folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+        if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+            raise RuntimeError("redis-server and redis-cli are needed (make installs Debian's redis-server)")
+        self.folder = folder
+        self.ports = free_cluster_ports(masters * (1 + replicas))
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.processes: dict[int, subprocess.Popen] = {}
+
+    @property
+    def nodes(self) -> list[str]:
+        """``host:port`` of every node."""
+        return [f"{LOOPBACK}:{port}" for port in self.ports]
+
+    def __enter__(self) -> RedisCluster:
+        try:
+            for port in self.ports:
+                node_dir = self.folder / str(port)
+                node_dir.mkdir(parents=True, exist_ok=True)
+                self.processes[port] = subprocess.Popen(
+                    ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--cluster-enabled", "yes",
+                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+                     "--cluster-replica-validity-factor", "0",
+                     "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            for port in self.ports:
+                self._wait(lambda p=port: redis.Redis(LOOPBACK, p, socket_timeout=1).ping(), f"node {port} to start")
+            subprocess.run(
+                ["redis-cli", "--cluster", "create", *self.nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=60,
+            )
+            self.wait_ok()
+            self._wait(self._replicas_synced, "replicas to sync with their masters")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait(self, probe, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if probe():
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+            time.sleep(0.1)
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Wait until every live node reports ``cluster_state:ok`` and sees all slots served."""
+
+        def ok() -> bool:
+            for port, process in self.processes.items():
+                if process.poll() is None:
+                    if "cluster_state:ok" not in self.cli(port, "cluster", "info"):
+                        return False
+            return True
+
+        self._wait(ok, "cluster_state:ok", timeout_s)
+
+    def _replicas_synced(self) -> bool:
+        roles = [self.cli(port, "info", "replication") for port in self.ports]
+        replicas = [text for text in roles if "role:slave" in text]
+        return len(replicas) == len(self.ports) - len(self.ports) // (1 + self.replicas) and all(
+            "master_link_status:up" in text for text in replicas
+        )
+
+    def masters(self) -> list[int]:
+        """Ports of the live masters that serve slots."""
+        live = next(p for p, proc in self.processes.items() if proc.poll() is None)
+        text = self.cli(live, "cluster", "nodes")
+        ports = []
+        for line in text.splitlines():
+            fields = line.split()
+            if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
+                ports.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
+        return sorted(ports)
+
+    @staticmethod
+    def cli(port: int, *command: str) -> str:
+        """Output of ``redis-cli -p port command...``."""
+        return subprocess.run(["redis-cli", "-h", LOOPBACK, "-p", str(port), *command], capture_output=True, text=True, timeout=10).stdout
+
+    def kill(self, port: int) -> None:
+        """``kill -9`` one node."""
+        self.processes[port].kill()
+        self.processes[port].wait()
+
+    def stop(self) -> None:
+        """Kill every node."""
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
