@@ -254,14 +254,17 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
 def spec_path(name: str = DEFAULT_SPEC) -> Path:
     """Path of a bundled spec (``build/specs/<name>.toml``) or of a file given by path."""
     candidate = Path(name)
-    if candidate.suffix == ".toml" and candidate.exists():
+    if candidate.suffix in (".toml", ".json") and candidate.exists():
         return candidate
     return Path(str(resources.files("recserve.build").joinpath("specs", f"{name}.toml")))
 
 
 def load_spec(name: str | Path = DEFAULT_SPEC) -> ModelSpec:
-    """Load and check a spec by bundled name or by path."""
-    with open(spec_path(str(name)), "rb") as fh:
+    """Load and check a spec by bundled name or by path (``.toml``, or ``.json`` as served models get it)."""
+    path = spec_path(str(name))
+    if path.suffix == ".json":
+        return spec_from_json(path.read_text())
+    with open(path, "rb") as fh:
         return parse_spec(tomllib.load(fh))
 
 

@@ -1,0 +1,170 @@
+"""The tiered store behind a real tritonserver: online updates, rollback, explain, L3 on Redis Cluster."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from recserve.backends import tensors
+from recserve.backends.features import FeatureTransform
+from recserve.backends.store import TieredStore
+from recserve.build import configs
+from recserve.build.repository import reference_pipeline, version_dir, write_tables
+from recserve.build.synthetic import generate
+from recserve.clients.rows import write_csv
+from recserve.server import Ports, TritonServer
+from recserve.spec import parse_spec
+from tests.redis_cluster import RedisCluster
+
+from .helpers import grpc_client, infer_raw
+
+
+def copy_repository(repository: Path, target: Path) -> Path:
+    shutil.copytree(repository, target, ignore=shutil.ignore_patterns("updates"))
+    return target
+
+
+def recserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recserve.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def predict(server, spec, wire) -> np.ndarray:
+    with grpc_client(server) as client:
+        return infer_raw(grpcclient, client, spec, wire)
+
+
+def wait_for(condition, timeout_s: float) -> float:
+    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def private(repository, tmp_path_factory):
+    """A server on a private copy of the repository, so its update log is this module's own."""
+    root = copy_repository(repository, tmp_path_factory.mktemp("store") / "repository")
+    with TritonServer(root, Ports.free(), log_path=root.parent / "server.log") as running:
+        yield root, running
+
+
+def test_a_delta_changes_the_rows_using_its_keys_and_rollback_restores_them_exactly(private, spec, tmp_path):
+    root, server = private
+    wire = generate(spec, 24, seed=11).to_wire(spec)
+    wire[spec.target.name][:4] = -1  # rows without items (no target, empty history) keep their score
+    wire[spec.sequence_length_input][:4] = 0
+    before = predict(server, spec, wire)
+    target_keys = FeatureTransform(spec).transform(wire)[tensors.TARGET_KEY][4:, 0]
+    keys = np.unique(target_keys)
+    np.savez(tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.5, np.float32))
+    published = recserve("update", "--table", spec.target.table, "--delta", str(tmp_path / "delta.npz"), "--repository", str(root))
+    assert published.returncode == 0, published.stderr
+    assert "version 2" in published.stderr
+    lag = wait_for(lambda: not np.array_equal(predict(server, spec, wire)[4:], before[4:]), timeout_s=10)
+    after = predict(server, spec, wire)
+    assert np.array_equal(after[:4], before[:4]) and (after[4:] != before[4:]).all()
+
+    rolled = recserve("rollback", "--table", spec.target.table, "--to", "1", "--repository", str(root))
+    assert rolled.returncode == 0, rolled.stderr
+    wait_for(lambda: np.array_equal(predict(server, spec, wire), before), timeout_s=10)
+    print(f"delta served {lag:.2f} s after publication")
+
+    def version_metric() -> bool:
+        predict(server, spec, wire)  # metrics are published from the request path
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
+        return f'recserve_table_version{{table="{spec.target.table}"}} 3' in text and 'tier="l2"' in text
+
+    wait_for(version_metric, timeout_s=10)
+
+
+def test_malformed_delta_is_refused_with_a_clear_message_and_nothing_is_published(private, spec, tmp_path):
+    root, _ = private
+    np.savez(tmp_path / "bad.npz", keys=np.array([1, 2], np.int64), vectors=np.zeros((2, spec.embedding_dim + 1), np.float32))
+    result = recserve("update", "--table", "C1", "--delta", str(tmp_path / "bad.npz"), "--repository", str(root))
+    assert result.returncode == 1
+    assert f"expected [2, {spec.embedding_dim}]" in result.stderr
+    assert not (root / "embedding_lookup" / "updates" / "C1").exists() or not any(
+        p.name.startswith("v") for p in (root / "embedding_lookup" / "updates" / "C1").iterdir()
+    )
+
+
+def test_explain_shows_value_key_table_tier_and_version_per_feature(private, spec, tmp_path):
+    root, _ = private
+    rows = generate(spec, 3, seed=4)
+    write_csv(tmp_path / "rows.csv", rows, spec, with_label=False)
+    result = recserve("explain", "--input", str(tmp_path / "rows.csv"), "--json", "--repository", str(root))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    history = int(rows.lengths.sum())
+    assert len(records) == 3 * (spec.num_sparse + 1) + history
+    keys = FeatureTransform(spec).transform(rows.to_wire(spec))[tensors.SPARSE_KEYS]
+    c1 = [r for r in records if r["feature"] == "C1"]
+    assert [r["key"] for r in c1] == keys[:, 0].tolist()
+    for record in records:
+        assert set(record) >= {"row", "feature", "value", "key", "table", "dim", "tier", "version"}
+        assert record["tier"] in {"l1", "delta", "l2", "default"} and record["dim"] == spec.embedding_dim
+
+
+def l3_repository(spec, repository: Path, target: Path, nodes: list[str]):
+    """A copy of the repository whose ``item`` table lives only in the Redis Cluster."""
+    doc = copy.deepcopy(spec.source)
+    doc["store"] = {**doc.get("store", {}), "redis_nodes": nodes, "remote_tables": [spec.target.table], "redis_deadline_ms": 200.0}
+    variant = parse_spec(doc)
+    copy_repository(repository, target)
+    source = TieredStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
+    tables = {name: source.table_arrays(name) for name in source.table_names}
+    root = version_dir(target, configs.EMBEDDING_LOOKUP, spec)
+    shutil.rmtree(root / "shards")
+    write_tables(variant, tables, root)
+    configs.write_configs(variant, target)
+    return variant
+
+
+def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec, repository, tmp_path):
+    reference = reference_pipeline(spec, repository, runtime="torch")
+    wire = generate(spec, 16, seed=21).to_wire(spec)
+    expected = reference.predict(wire)
+    with RedisCluster(tmp_path / "redis") as cluster:
+        variant = l3_repository(spec, repository, tmp_path / "repository", cluster.nodes)
+        spec_file = tmp_path / "variant.json"
+        spec_file.write_text(json.dumps(variant.source))
+        loaded = recserve("--spec", str(spec_file), "redis-load", "--repository", str(tmp_path / "repository"))
+        assert loaded.returncode == 0, loaded.stderr
+        with TritonServer(tmp_path / "repository", Ports.free(), log_path=tmp_path / "server.log") as server:
+            wait_for(lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20)
+            failures, served, stop = [], [], threading.Event()
+
+            def traffic() -> None:
+                with grpc_client(server) as client:
+                    while not stop.is_set():
+                        try:
+                            served.append(infer_raw(grpcclient, client, spec, wire))
+                        except Exception as exc:  # noqa: BLE001 - collected: no inference may fail
+                            failures.append(repr(exc))
+
+            worker = threading.Thread(target=traffic)
+            worker.start()
+            time.sleep(1.0)
+            victim = cluster.masters()[0]
+            cluster.kill(victim)
+            wait_for(lambda: victim not in cluster.masters(), timeout_s=30)
+            cluster.wait_ok(timeout_s=30)
+            wait_for(lambda: np.allclose(served[-1], expected, rtol=0, atol=1e-5), timeout_s=20)
+            stop.set()
+            worker.join()
+    assert failures == []
+    assert len(served) > 10
