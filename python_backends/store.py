@@ -31,7 +31,7 @@ import numpy as np
 
 from recserve.backends.artifacts import load_array, read_manifest, save_array
 from recserve.backends.errors import ArtifactError
-from recserve.backends.keyindex import KeyIndex
+from recserve.backends.keyindex import _GOLDEN, KeyIndex
 from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec
 
@@ -107,12 +107,55 @@ class RowBlock:
 
 
 @dataclass(frozen=True)
+class HotCache:
+    """L1: a direct-mapped cache of hot rows in private memory.
+
+    Each key has exactly one slot, ``(top 32 bits of key * 0x9E3779B97F4A7C15) * slots >> 32``; a
+    slot holds one key and its float32 vector. A lookup is one gather of slot keys, one compare and
+    one gather of vectors: no probing. Admission is by frequency: when two hot keys want the same
+    slot, the more frequent one gets it.
+    """
+
+    slot_keys: np.ndarray  # int64 [slots]
+    vectors: np.ndarray  # float32 [slots, dim]; zero in empty slots
+    keys: np.ndarray  # int64: the cached keys, hottest first
+
+    @staticmethod
+    def slot_of(keys: np.ndarray, slots: int) -> np.ndarray:
+        """Slot of each key."""
+        high = (keys.view(np.uint64) * _GOLDEN) >> np.uint64(32)
+        return ((high * np.uint64(slots)) >> np.uint64(32)).astype(np.intp)
+
+    @classmethod
+    def of(cls, slots: int, keys: np.ndarray, vectors: np.ndarray) -> HotCache:
+        """Place ``keys`` (hottest first) and their vectors; a slot keeps its hottest claimant.
+
+        Empty slots hold a key that maps to another slot, so no lookup can match them.
+        """
+        slot = cls.slot_of(np.asarray(keys, np.int64), slots)
+        _, first = np.unique(slot, return_index=True)
+        first.sort()
+        slot_keys = np.zeros(slots, np.int64)
+        home_of_zero = int(cls.slot_of(np.zeros(1, np.int64), slots)[0])
+        slot_keys[home_of_zero] = next(k for k in range(1, 64) if cls.slot_of(np.array([k], np.int64), slots)[0] != home_of_zero)
+        cache = cls(slot_keys, np.zeros((slots, vectors.shape[1]), np.float32), keys[first])
+        cache.slot_keys[slot[first]] = keys[first]
+        cache.vectors[slot[first]] = vectors[first]
+        return cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache."""
+        return int(self.slot_keys.nbytes + self.vectors.nbytes + self.keys.nbytes)
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One consistent state of every table: versions, delta rows, and the L1 cache built for them."""
 
     versions: tuple[int, ...]  # by table id
     delta: RowBlock | None = None
-    cache: RowBlock | None = None
+    cache: HotCache | None = None
 
 
 class RemoteTier(Protocol):
@@ -271,12 +314,19 @@ class TieredStore:
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
         table_ids = np.asarray(table_ids, dtype=np.int16).reshape(-1)
         snapshot = self.snapshot  # read once: the whole batch uses one version of everything
-        vectors = np.empty((keys.size, self.dim), np.float32)
-        tiers = np.full(keys.size, DEFAULT, np.int8)
-        todo = np.arange(keys.size)
-        for tier, block in ((L1, snapshot.cache), (DELTA, snapshot.delta)):
-            if block is not None and todo.size:
-                todo = self._take_block(block, keys, todo, vectors, tiers, tier)
+        cache = snapshot.cache
+        if cache is not None:
+            slots = HotCache.slot_of(keys, len(cache.slot_keys))
+            hit = cache.slot_keys.take(slots) == keys
+            vectors = cache.vectors.take(slots, axis=0)  # one gather for the whole batch; misses overwritten below
+            tiers = np.where(hit, np.int8(L1), np.int8(DEFAULT))
+            todo = np.flatnonzero(~hit)
+        else:
+            vectors = np.empty((keys.size, self.dim), np.float32)
+            tiers = np.full(keys.size, DEFAULT, np.int8)
+            todo = np.arange(keys.size)
+        if snapshot.delta is not None and todo.size:
+            todo = self._take_block(snapshot.delta, keys, todo, vectors, tiers, DELTA)
         if todo.size:
             todo = self._take_local(keys, table_ids, todo, vectors, tiers)
         if todo.size and self.remote is not None:
@@ -284,7 +334,8 @@ class TieredStore:
             vectors[todo[found]] = found_vectors[found]
             tiers[todo[found]] = L3
             todo = todo[~found]
-        vectors[todo] = self._defaults[table_ids[todo]]
+        if todo.size:
+            vectors[todo] = self._defaults[table_ids[todo]]
         if record:
             self.tracker.record(keys)
             self._count(table_ids, tiers, time.perf_counter() - started)
@@ -294,7 +345,7 @@ class TieredStore:
     def _take_block(block: RowBlock, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int) -> np.ndarray:
         rows = block.index.find(keys[todo])
         hit = rows >= 0
-        out[todo[hit]] = block.vectors[rows[hit]]
+        out[todo[hit]] = block.vectors.take(rows[hit], axis=0)
         tiers[todo[hit]] = tier
         return todo[~hit]
 
@@ -304,7 +355,7 @@ class TieredStore:
             part = todo if len(self.shards) == 1 else todo[self._table_shard[table_ids[todo]] == number]
             rows = shard.index.find(keys[part])
             hit = rows >= 0
-            out[part[hit]] = shard.vectors[rows[hit]]
+            out[part[hit]] = shard.vectors.take(rows[hit], axis=0)
             tiers[part[hit]] = L2
             missing.append(part[~hit])
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
@@ -339,19 +390,19 @@ class TieredStore:
             tiers[todo[found]] = L3
         return vectors, tiers != DEFAULT
 
-    def build_cache(self, hot_keys: np.ndarray, delta: RowBlock | None) -> RowBlock | None:
-        """An L1 block of the hottest keys (as many as fit the byte budget), resolved for ``delta``."""
-        capacity = self.cache_capacity
-        if capacity == 0 or len(hot_keys) == 0:
+    def build_cache(self, hot_keys: np.ndarray, delta: RowBlock | None) -> HotCache | None:
+        """An L1 cache of the hottest keys that fit the byte budget, resolved for ``delta``."""
+        slots = self.cache_slots
+        if slots == 0 or len(hot_keys) == 0:
             return None
-        keys = np.asarray(hot_keys[:capacity], np.int64)
+        keys = np.asarray(hot_keys[: 2 * slots], np.int64)  # twice the slots: conflicts leave some out
         vectors, found = self.resolve(keys, delta)
-        return RowBlock.of(keys[found], vectors[found])
+        return HotCache.of(slots, keys[found], vectors[found])
 
     @property
-    def cache_capacity(self) -> int:
-        """Rows that fit L1's byte budget (vector, key and about two index slots per row)."""
-        return int(self.options.cache_bytes // (self.dim * 4 + 8 + 24))
+    def cache_slots(self) -> int:
+        """L1 slots that fit the byte budget (vector, slot key and cached-key list per slot)."""
+        return int(self.options.cache_bytes // (self.dim * 4 + 16))
 
     def install(self, versions: Mapping[str, int], delta: RowBlock | None) -> Snapshot:
         """Swap in new table versions and delta rows, with L1 rebuilt for them before the swap."""
@@ -371,7 +422,7 @@ class TieredStore:
                 self.tracker.seed(seed)
                 hot = np.asarray(seed, np.int64)
             else:
-                hot = self.tracker.hottest(self.cache_capacity)
+                hot = self.tracker.hottest(2 * self.cache_slots)
             current = self.snapshot
             cache = self.build_cache(hot, current.delta)
             self.snapshot = Snapshot(current.versions, current.delta, cache)
@@ -444,6 +495,12 @@ class TieredStore:
     @classmethod
     def load(cls, root: Path, spec: ModelSpec, remote: RemoteTier | None = None) -> TieredStore:
         """Memory-map and verify the shards under ``root`` (a model version folder) for ``spec``."""
+        dims = {name: table.dim for name, table in spec.tables.items()}
+        return cls.map(root, dims, StoreOptions.from_spec(spec), remote)
+
+    @classmethod
+    def map(cls, root: Path, dims: Mapping[str, int], options: StoreOptions = StoreOptions(), remote: RemoteTier | None = None) -> TieredStore:
+        """Memory-map and verify the shards under ``root``; ``dims`` names the expected tables."""
         manifest = read_manifest(root)
         if manifest.get("format") != MANIFEST_FORMAT:
             raise ArtifactError(f"manifest format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}; rebuild with 'recserve build'")
@@ -453,15 +510,15 @@ class TieredStore:
             index = KeyIndex(**{name: load_array(root, entry[name], mmap=True) for name in INDEX_ARRAYS})
             shards.append(Shard(entry["dtype"], load_array(root, entry["keys"], mmap=True), vectors, index))
         infos = []
-        for name, table_spec in spec.tables.items():
+        for name, dim in dims.items():
             entry = manifest["tables"].get(name)
             if entry is None:
-                raise ArtifactError(f"table {name!r} of spec {spec.name!r} is not in the manifest")
-            if int(entry["dim"]) != table_spec.dim:
-                raise ArtifactError(f"table {name!r} has dim {entry['dim']}, the spec says {table_spec.dim}")
+                raise ArtifactError(f"table {name!r} is not in the manifest")
+            if int(entry["dim"]) != dim:
+                raise ArtifactError(f"table {name!r} has dim {entry['dim']}, the spec says {dim}")
             infos.append(TableInfo(name, int(entry["table_id"]), int(entry["shard"]), int(entry["row_start"]), int(entry["row_end"]), int(entry["default_row"])))
         LOGGER.info("mapped %d tables in %d shards, version %s", len(infos), len(shards), manifest["version"])
-        return cls(infos, shards, int(manifest["version"]), StoreOptions.from_spec(spec), remote)
+        return cls(infos, shards, int(manifest["version"]), options, remote)
 
 
 def layout_shards(tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]) -> tuple[list[TableInfo], list[Shard]]:

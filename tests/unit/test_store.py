@@ -78,14 +78,13 @@ def test_lookup_serves_each_table_and_its_own_default_for_unknown_keys():
 
 def test_hot_keys_move_to_l1_with_identical_vectors():
     tables = make_tables()
-    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=50 * (DIM * 4 + 32)))
+    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=1 << 24))  # no slot conflicts among 40 keys
     ids = np.zeros(40, np.int16) + store.table_id("t0")
     hot = tables["t0"].keys[:40]
     before = store.lookup(hot, ids).vectors
     for _ in range(3):
         store.lookup(hot[:10], ids[:10])
-    cached = store.refresh_cache()
-    assert cached == 40  # within the 50-row budget
+    assert store.refresh_cache() == 40
     after = store.lookup(hot, ids)
     assert (after.tiers == L1).all() and np.array_equal(after.vectors, before)
     assert set(store.hot_keys()[:10].tolist()) == set(hot[:10].tolist())  # most frequent first
@@ -93,9 +92,14 @@ def test_hot_keys_move_to_l1_with_identical_vectors():
 
 def test_cache_is_bounded_in_bytes():
     tables = make_tables()
-    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=10 * (DIM * 4 + 32)))
+    budget = 64 * (DIM * 4 + 16)
+    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=budget))
     store.lookup(tables["t0"].keys, np.zeros(500, np.int16))
-    assert store.refresh_cache() == 10 == store.cache_capacity
+    cached = store.refresh_cache()
+    assert store.cache_slots == 64 and 0.5 * 64 < cached <= 64  # direct-mapped: some slots stay empty
+    assert store.snapshot.cache.nbytes <= budget
+    result = store.lookup(tables["t0"].keys, np.zeros(500, np.int16))
+    assert (result.tiers == L1).sum() == cached and np.array_equal(result.vectors, tables["t0"].vectors)
 
 
 def test_installed_delta_wins_over_l2_and_l1_is_rebuilt_for_it():
@@ -190,3 +194,11 @@ def test_store_refuses_an_old_format_and_a_manifest_without_a_spec_table(spec, t
     write_manifest(tmp_path, {"format": MANIFEST_FORMAT, "version": 1, "shards": [], "tables": {}})
     with pytest.raises(ArtifactError, match="not in the manifest"):
         TieredStore.load(tmp_path, spec)
+
+
+def test_empty_l1_slots_never_match():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=64 * (DIM * 4 + 16)))
+    store.refresh_cache(seed=tables["t0"].keys[:3])
+    probe = np.arange(0, 64, dtype=np.int64)  # 0 is what empty slots would hold without care
+    assert (store.lookup(probe, np.zeros(64, np.int16)).tiers == DEFAULT).all()

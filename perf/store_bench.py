@@ -1,0 +1,241 @@
+"""``recserve bench-store``: the parameter store against the speed and size of the memory it reads.
+
+One run, on one machine, side by side:
+
+* **lookups/s** of batches of 64 rows x 26 features (1,664 keys) with Zipf(1.05) keys over a table of
+  10M keys x 64 dims through L1 + L2 (``TieredStore.lookup``: hash probe, cache, gather), against
+  the **floor**: numpy ``take`` of the same number of rows at known row indices from the contiguous
+  vector array. Batches alternate between the two so that machine noise hits both alike.
+* **hit rates** per tier and **bytes per key** (fp32, and fp16 storage).
+* **resident memory** of 2 processes serving the same shard files (PSS summed, so shared pages
+  count once) against the raw size of keys + vectors.
+* **warm-up**: p99 of the first batches after a restart with L1 preloaded from the recorded hot keys,
+  and without, against the steady state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recserve.backends.artifacts import write_manifest
+from recserve.backends.hashing import splitmix64
+from recserve.backends.store import MANIFEST_FORMAT, TIERS, StoreOptions, TableArrays, TieredStore, write_shards
+from recserve.build.synthetic import zipf_ranks
+
+TABLE = "bench"
+
+
+@dataclass(frozen=True)
+class StoreBenchReport:
+    """Figures of one run."""
+
+    keys: int
+    dim: int
+    batch_keys: int
+    store_keys_per_s: float
+    floor_keys_per_s: float
+    ratio_to_floor: float
+    store_p99_us: float
+    floor_p99_us: float
+    hit_rates: dict[str, float]
+    bytes_per_key: float
+    bytes_per_key_fp16: float
+    raw_bytes: int
+    resident_bytes_two_processes: int
+    resident_ratio: float
+    steady_p99_us: float
+    restart_warm_p99_us: float
+    restart_cold_p99_us: float
+
+
+def make_table(keys: int, dim: int, seed: int = 0) -> TableArrays:
+    """A synthetic table: hashed keys (as the feature step makes them), random vectors."""
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((keys, dim), dtype=np.float32)
+    return TableArrays(TABLE, splitmix64(np.arange(keys, dtype=np.uint64)).view(np.int64), vectors, np.zeros(dim, np.float32))
+
+
+def write_table(folder: Path, table: TableArrays, dtype: str) -> Path:
+    """Shard files and manifest of one table under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_manifest(folder, {"format": MANIFEST_FORMAT, "version": 1, **write_shards(folder, {TABLE: table}, {TABLE: dtype})})
+    return folder
+
+
+def query_rows(keys: int, batches: int, batch_keys: int, exponent: float, seed: int = 1) -> np.ndarray:
+    """Row numbers of Zipf-distributed keys, ``[batches, batch_keys]``; hot rows scattered over the table."""
+    rng = np.random.default_rng(seed)
+    ranks = zipf_ranks(rng, keys, exponent, (batches, batch_keys))
+    return rng.permutation(keys)[ranks]
+
+
+def _p99_us(seconds: list[float]) -> float:
+    return float(np.percentile(np.asarray(seconds) * 1e6, 99))
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process (shared pages divided among the processes sharing them)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no Pss for process {pid}")
+
+
+def serve_child(folder: Path, dim: int) -> None:
+    """Child process: map the shards, touch every row through lookups, report, wait for the parent."""
+    import os
+
+    baseline = pss_bytes(os.getpid())
+    store = TieredStore.map(folder, {TABLE: dim}, StoreOptions(cache_bytes=64 << 20))
+    keys = np.asarray(store.shards[0].keys)
+    ids = np.zeros(1 << 16, np.int16)
+    for start in range(0, len(keys), 1 << 16):
+        chunk = keys[start : start + (1 << 16)]
+        store.lookup(chunk, ids[: len(chunk)])
+    store.refresh_cache()
+    print(json.dumps({"baseline": baseline}), flush=True)
+    sys.stdin.readline()
+
+
+def resident_two_processes(folder: Path, dim: int) -> int:
+    """PSS summed over two serving processes, less their interpreter baseline."""
+    command = [sys.executable, "-m", "recserve.perf.store_bench", "--child", str(folder), "--dim", str(dim)]
+    children = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        baselines = [json.loads(child.stdout.readline())["baseline"] for child in children]
+        total = sum(pss_bytes(child.pid) for child in children) - sum(baselines)
+    finally:
+        for child in children:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            child.wait(timeout=60)
+    return total
+
+
+def timed_lookups(store: TieredStore, keys: np.ndarray) -> list[float]:
+    """Seconds of each batch lookup."""
+    ids = np.zeros(keys.shape[1], np.int16)
+    seconds = []
+    for batch in keys:
+        started = time.perf_counter()
+        store.lookup(batch, ids)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def run(keys: int = 10_000_000, dim: int = 64, batch_keys: int = 64 * 26, batches: int = 3000, exponent: float = 1.05, cache_mib: float = 64.0, folder: Path | None = None) -> StoreBenchReport:
+    """Measure everything in the module docstring; ``folder`` receives the shard files (temporary by default)."""
+    with tempfile.TemporaryDirectory(prefix="recserve-store-bench-") as scratch:
+        root = folder or Path(scratch)
+        table = make_table(keys, dim)
+        fp32 = write_table(root / "fp32", table, "float32")
+        fp16 = write_table(root / "fp16", table, "float16")
+        del table
+        options = StoreOptions(cache_bytes=int(cache_mib * (1 << 20)))
+        store = TieredStore.map(fp32, {TABLE: dim}, options)
+        rows = query_rows(keys, batches * 2, batch_keys, exponent)
+        all_keys = np.asarray(store.shards[0].keys)
+        queries = all_keys[rows]
+        vectors = store.shards[0].vectors
+
+        # warm the page cache and the frequency counts, then build L1 as a running server does
+        timed_lookups(store, queries[:batches])
+        store.refresh_cache()
+        store.stats.by_table_tier[:] = 0
+
+        store_s, floor_s = [], []
+        ids = np.zeros(batch_keys, np.int16)
+        for batch_rows, batch in zip(rows[batches:], queries[batches:]):
+            started = time.perf_counter()
+            np.take(vectors, batch_rows, axis=0)
+            middle = time.perf_counter()
+            store.lookup(batch, ids)
+            store_s.append(time.perf_counter() - middle)
+            floor_s.append(middle - started)
+        counts = store.stats.by_table_tier.sum(axis=0)
+        hit_rates = {tier: float(counts[i] / counts.sum()) for i, tier in enumerate(TIERS)}
+        steady = _p99_us(store_s[-500:])
+
+        # restart: a new store over the same (page-cached) files, with and without the recorded hot keys
+        hot = store.hot_keys()
+        probe = queries[batches : batches + 200]
+        cold_store = TieredStore(list(store.tables.values()), store.shards, 1, options)
+        cold = _p99_us(timed_lookups(cold_store, probe))
+        warm_store = TieredStore(list(store.tables.values()), store.shards, 1, options)
+        warm_store.refresh_cache(seed=hot)
+        warm = _p99_us(timed_lookups(warm_store, probe))
+
+        bytes16 = TieredStore.map(fp16, {TABLE: dim}).bytes_per_key
+        raw = keys * (8 + dim * 4)
+        resident = resident_two_processes(fp32, dim)
+        store_rate = batch_keys * len(store_s) / sum(store_s)
+        floor_rate = batch_keys * len(floor_s) / sum(floor_s)
+        return StoreBenchReport(
+            keys=keys,
+            dim=dim,
+            batch_keys=batch_keys,
+            store_keys_per_s=store_rate,
+            floor_keys_per_s=floor_rate,
+            ratio_to_floor=store_rate / floor_rate,
+            store_p99_us=_p99_us(store_s),
+            floor_p99_us=_p99_us(floor_s),
+            hit_rates=hit_rates,
+            bytes_per_key=store.bytes_per_key,
+            bytes_per_key_fp16=bytes16,
+            raw_bytes=raw,
+            resident_bytes_two_processes=resident,
+            resident_ratio=resident / raw,
+            steady_p99_us=steady,
+            restart_warm_p99_us=warm,
+            restart_cold_p99_us=cold,
+        )
+
+
+def format_report(report: StoreBenchReport) -> str:
+    """A short human-readable table."""
+    hits = ", ".join(f"{tier} {rate:.1%}" for tier, rate in report.hit_rates.items() if rate)
+    return "\n".join(
+        [
+            f"table: {report.keys:,} keys x {report.dim} dims; batches of {report.batch_keys} keys (64 rows x 26 features), Zipf keys",
+            f"store L1+L2   {report.store_keys_per_s:>12,.0f} keys/s   p99 {report.store_p99_us:7.1f} us",
+            f"floor (take)  {report.floor_keys_per_s:>12,.0f} keys/s   p99 {report.floor_p99_us:7.1f} us",
+            f"ratio to floor: {report.ratio_to_floor:.2f}",
+            f"hit rates: {hits}",
+            f"bytes per key: {report.bytes_per_key:.1f} (fp32), {report.bytes_per_key_fp16:.1f} (fp16)",
+            f"resident, 2 processes: {report.resident_bytes_two_processes / 2**20:,.0f} MiB = {report.resident_ratio:.2f} x raw ({report.raw_bytes / 2**20:,.0f} MiB)",
+            f"p99 after restart: {report.restart_warm_p99_us:.1f} us with warm-up, {report.restart_cold_p99_us:.1f} us cold; steady {report.steady_p99_us:.1f} us",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line of the benchmark (also run as a child process for the memory figure)."""
+    parser = argparse.ArgumentParser(prog="recserve bench-store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--keys", type=int, default=10_000_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=3000)
+    parser.add_argument("--cache-mib", type=float, default=64.0)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        serve_child(args.child, args.dim)
+        return 0
+    report = run(keys=args.keys, dim=args.dim, batches=args.batches, cache_mib=args.cache_mib)
+    print(format_report(report))
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
