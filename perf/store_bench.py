@@ -217,24 +217,34 @@ def format_report(report: StoreBenchReport) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Command line of the benchmark (also run as a child process for the memory figure)."""
-    parser = argparse.ArgumentParser(prog="recserve bench-store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options (shared by ``recserve bench-store`` and ``python -m``)."""
     parser.add_argument("--keys", type=int, default=10_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batches", type=int, default=3000)
-    parser.add_argument("--cache-mib", type=float, default=64.0)
+    parser.add_argument("--cache-mib", type=float, default=8.0, help="L1 budget")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child is not None:
-        serve_child(args.child, args.dim)
-        return 0
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run with parsed options and print the table."""
     report = run(keys=args.keys, dim=args.dim, batches=args.batches, cache_mib=args.cache_mib)
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line of the benchmark (also run as a child process for the memory figure)."""
+    parser = argparse.ArgumentParser(prog="python -m recserve.perf.store_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        serve_child(args.child, args.dim)
+        return 0
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

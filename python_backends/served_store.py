@@ -46,8 +46,14 @@ class ServedStore:
             remote = RedisTier.connect(options)
         store = TieredStore.load(version_dir, spec, remote=remote)
         log_dir = updates_dir(version_dir)
-        updater = StoreUpdater(store, UpdateLog(log_dir, store.base_version))
-        maintainer = Maintainer(store, updater, log_dir, options.update_poll_s)
+        log = UpdateLog(log_dir, store.base_version)
+        stream = None
+        if remote is not None:
+            from recserve.backends.update_stream import UpdateStream
+
+            stream = UpdateStream(remote.client, log)
+        updater = StoreUpdater(store, log)
+        maintainer = Maintainer(store, updater, log_dir, options.update_poll_s, stream)
         cached = maintainer.warm_up()
         LOGGER.info("store ready: versions %s, %d hot rows preloaded", updater.applied, cached)
         served = cls(store, updater, maintainer)

@@ -192,6 +192,26 @@ class UpdateLog:
             self._write_head(table, version)
             return version
 
+    def import_version(self, table: str, manifest: dict[str, Any], files: Mapping[str, bytes]) -> bool:
+        """Write a version published elsewhere (same layout); False when it is already here.
+
+        The head moves to it when it is newer; its checksums are verified when it is applied.
+        """
+        version = int(manifest["version"])
+        if manifest.get("format") != DELTA_FORMAT or manifest.get("table") != table:
+            raise DeltaError(f"version {version} of table {table!r} arrived with a mismatched manifest")
+        with self._locked(table):
+            if self._folder(table, version).exists():
+                return False
+            staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root / table))
+            for name, entry in manifest.get("files", {}).items():
+                (staging / Path(entry["path"]).name).write_bytes(files[name])
+            (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            os.rename(staging, self._folder(table, version))
+            if version > self.head(table):
+                self._write_head(table, version)
+            return True
+
     def _write_head(self, table: str, version: int) -> None:
         tmp = self.root / table / f".{HEAD_FILE}.tmp"
         tmp.write_text(json.dumps({"version": version}) + "\n")
@@ -302,16 +322,27 @@ def load_hot_keys(folder: Path) -> np.ndarray:
 class Maintainer:
     """Background upkeep of a served store: apply updates, rebuild L1, record hot keys."""
 
-    def __init__(self, store: TieredStore, updater: StoreUpdater, state_dir: Path, interval_s: float) -> None:
+    def __init__(
+        self, store: TieredStore, updater: StoreUpdater, state_dir: Path, interval_s: float, stream: Any | None = None
+    ) -> None:
         self.store = store
         self.updater = updater
+        self.stream = stream  # an UpdateStream to mirror before each poll (Redis transport), or None
         self.state_dir = state_dir
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recserve-store", daemon=True)
 
+    def _mirror(self) -> None:
+        if self.stream is not None:
+            try:
+                self.stream.mirror()
+            except Exception as exc:  # noqa: BLE001 - the directory transport keeps working
+                LOGGER.warning("update stream unavailable: %s", type(exc).__name__)
+
     def warm_up(self) -> int:
         """Apply the current heads and preload L1 from the recorded hot keys; rows cached."""
+        self._mirror()
         self.updater.poll()
         return self.store.refresh_cache(seed=load_hot_keys(self.state_dir))
 
@@ -322,6 +353,7 @@ class Maintainer:
 
     def step(self) -> None:
         """One round of upkeep (what the thread does every ``interval_s``)."""
+        self._mirror()
         self.updater.poll()
         if self.store.refresh_due():
             self.store.refresh_cache()

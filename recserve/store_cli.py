@@ -20,6 +20,13 @@ def _open(args: argparse.Namespace, start: bool = False):  # noqa: ANN202 - retu
     return spec, ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=start)
 
 
+def _announce(served, table: str, version: int) -> None:  # noqa: ANN001
+    """Also send the version through the Redis stream when the store has an L3 cluster."""
+    if served.maintainer.stream is not None:
+        entry = served.maintainer.stream.publish(table, version)
+        print(f"sent version {version} of {table!r} to the update stream ({entry})", file=sys.stderr)
+
+
 def _update(args: argparse.Namespace) -> int:
     from recserve.backends.updates import check_ownership, read_delta_file
 
@@ -29,6 +36,7 @@ def _update(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown table {args.table!r}; tables: {', '.join(served.store.table_names)}")
     check_ownership(served.store, args.table, keys)
     version = served.updater.log.publish(args.table, keys, vectors, served.store.dim)
+    _announce(served, args.table, version)
     print(f"published {len(keys)} rows as version {version} of table {args.table!r}; "
           f"servers apply it within {served.maintainer.interval_s:g} s", file=sys.stderr)
     return 0
@@ -39,6 +47,7 @@ def _rollback(args: argparse.Namespace) -> int:
     if args.table not in served.store.tables:
         raise ValueError(f"unknown table {args.table!r}")
     version = served.updater.log.rollback(args.table, args.to)
+    _announce(served, args.table, version)
     print(f"table {args.table!r}: version {version} restores version {args.to}", file=sys.stderr)
     return 0
 
@@ -101,3 +110,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     redis_load.add_argument("--nodes", default="", help="host:port,... (default: the spec's [store] redis_nodes)")
     redis_load.add_argument("--all", action="store_true", help="also write the locally stored tables")
     redis_load.set_defaults(func=_redis_load)
+
+    from recserve.perf import store_bench
+
+    bench = sub.add_parser("bench-store", help="store lookups/s vs the numpy take floor, hit rates, memory, warm-up")
+    store_bench.add_arguments(bench)
+    bench.set_defaults(func=store_bench.run_from_args)

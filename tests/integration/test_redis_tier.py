@@ -105,3 +105,26 @@ def test_all_redis_down_opens_the_breaker_and_stops_paying_the_deadline(cluster)
     assert tier.errors["breaker_open"] == 20
     assert np.array_equal(got.vectors[:32], full.lookup(keys[:32], ids[:32]).vectors)  # L2 keys unaffected
     assert (time.perf_counter() - started) / 20 < tier.deadline_s  # not paying the deadline any more
+
+
+def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster, tmp_path):
+    from recserve.backends.update_stream import UpdateStream
+    from recserve.backends.updates import StoreUpdater, UpdateLog
+
+    tables = make_tables()
+    tier = RedisTier.connect(StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=500.0))
+    here, there = UpdateLog(tmp_path / "here", 1), UpdateLog(tmp_path / "there", 1)
+    sender, receiver = UpdateStream(tier.client, here), UpdateStream(tier.client, there)
+    remote_store = TieredStore.from_tables(tables)
+    updater = StoreUpdater(remote_store, there)
+    keys = tables["t0"].keys[:5]
+    ids = np.full(5, remote_store.table_id("t0"))
+    original = remote_store.lookup(keys, ids).vectors
+    sender.publish("t0", here.publish("t0", keys, np.full((5, DIM), 3, np.float32), DIM))
+    assert receiver.mirror() == 1 and updater.poll()
+    assert (remote_store.lookup(keys, ids).vectors == 3).all() and remote_store.version_of("t0") == 2
+    sender.publish("t0", here.rollback("t0", 1))
+    assert receiver.mirror() == 1 and updater.poll()
+    assert np.array_equal(remote_store.lookup(keys, ids).vectors, original) and remote_store.version_of("t0") == 3
+    assert receiver.mirror() == 0  # nothing new; versions already here are not written twice
+    assert UpdateStream(tier.client, there).mirror() == 0
