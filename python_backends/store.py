@@ -317,10 +317,10 @@ class TieredStore:
         cache = snapshot.cache
         if cache is not None:
             slots = HotCache.slot_of(keys, len(cache.slot_keys))
-            hit = cache.slot_keys.take(slots) == keys
+            miss = cache.slot_keys.take(slots) != keys
             vectors = cache.vectors.take(slots, axis=0)  # one gather for the whole batch; misses overwritten below
-            tiers = np.where(hit, np.int8(L1), np.int8(DEFAULT))
-            todo = np.flatnonzero(~hit)
+            tiers = miss.view(np.int8) * np.int8(DEFAULT)  # L1 is tier 0
+            todo = np.flatnonzero(miss)
         else:
             vectors = np.empty((keys.size, self.dim), np.float32)
             tiers = np.full(keys.size, DEFAULT, np.int8)

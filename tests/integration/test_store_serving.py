@@ -62,8 +62,43 @@ def private(repository, tmp_path_factory):
         yield root, running
 
 
+class Traffic:
+    """Requests in a loop on another connection while a test changes the store; collects failures."""
+
+    def __init__(self, server, spec) -> None:
+        self.wire = generate(spec, 8, seed=99).to_wire(spec)
+        self.server, self.spec = server, spec
+        self.failures: list[str] = []
+        self.served = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        with grpc_client(self.server) as client:
+            while not self._stop.is_set():
+                try:
+                    infer_raw(grpcclient, client, self.spec, self.wire)
+                    self.served += 1
+                except Exception as exc:  # noqa: BLE001 - collected: no request may fail
+                    self.failures.append(repr(exc))
+
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def test_a_delta_changes_the_rows_using_its_keys_and_rollback_restores_them_exactly(private, spec, tmp_path):
     root, server = private
+    with Traffic(server, spec) as traffic:
+        check_update_and_rollback(root, server, spec, tmp_path)
+    assert traffic.failures == [] and traffic.served > 10  # updates under load lose no request
+
+
+def check_update_and_rollback(root, server, spec, tmp_path):
     wire = generate(spec, 24, seed=11).to_wire(spec)
     wire[spec.target.name][:4] = -1  # rows without items (no target, empty history) keep their score
     wire[spec.sequence_length_input][:4] = 0
@@ -146,25 +181,11 @@ def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec
         assert loaded.returncode == 0, loaded.stderr
         with TritonServer(tmp_path / "repository", Ports.free(), log_path=tmp_path / "server.log") as server:
             wait_for(lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20)
-            failures, served, stop = [], [], threading.Event()
-
-            def traffic() -> None:
-                with grpc_client(server) as client:
-                    while not stop.is_set():
-                        try:
-                            served.append(infer_raw(grpcclient, client, spec, wire))
-                        except Exception as exc:  # noqa: BLE001 - collected: no inference may fail
-                            failures.append(repr(exc))
-
-            worker = threading.Thread(target=traffic)
-            worker.start()
-            time.sleep(1.0)
-            victim = cluster.masters()[0]
-            cluster.kill(victim)
-            wait_for(lambda: victim not in cluster.masters(), timeout_s=30)
-            cluster.wait_ok(timeout_s=30)
-            wait_for(lambda: np.allclose(served[-1], expected, rtol=0, atol=1e-5), timeout_s=20)
-            stop.set()
-            worker.join()
-    assert failures == []
-    assert len(served) > 10
+            with Traffic(server, spec) as traffic:
+                time.sleep(1.0)
+                victim = cluster.masters()[0]
+                cluster.kill(victim)
+                wait_for(lambda: victim not in cluster.masters(), timeout_s=30)
+                cluster.wait_ok(timeout_s=30)
+                wait_for(lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20)
+    assert traffic.failures == [] and traffic.served > 10
