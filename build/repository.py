@@ -47,9 +47,10 @@ def version_dir(repository: Path, model: str, spec: ModelSpec) -> Path:
 
 
 def is_built(spec: ModelSpec, repository: Path) -> bool:
-    """True when both artifact manifests exist and were built from this spec."""
+    """True when both artifact manifests exist, were built from this spec and the tables have the current format."""
     try:
-        return all(
+        tables = read_manifest(version_dir(repository, configs.EMBEDDING_LOOKUP, spec))
+        return tables.get("format") == MANIFEST_FORMAT and all(
             read_manifest(version_dir(repository, model, spec)).get("spec_sha256") == spec_digest(spec)
             for model in (configs.EMBEDDING_LOOKUP, configs.DENSE)
         )

@@ -1,11 +1,12 @@
 """A bucketed hash index from 64-bit keys to row numbers, built and probed with numpy.
 
-Layout: ``buckets`` (a power of two) rows of ``BUCKET`` slots, stored flat as ``slot_keys`` (int64)
-and ``slot_rows`` (int32, ``-1`` for an empty slot); a key lives in the bucket given by the top bits
-of ``key * 0x9E3779B97F4A7C15`` (Fibonacci hashing). The few keys whose bucket is full go to a small
-sorted overflow list. A lookup is one gather of each key's bucket (its slots share a cache line or
-two), one compare, and a ``searchsorted`` in the overflow list for keys whose bucket was full: whole
-arrays at a time, no loop per key or per probe step. The arrays are plain ``.npy`` files,
+Layout: ``buckets`` is an int64 matrix with one row per bucket (a power of two of them): ``BUCKET``
+slot keys, then the ``BUCKET`` int32 row numbers of those slots packed in ``BUCKET // 2`` words
+(``-1`` for an empty slot), 96 contiguous bytes. A key lives in the bucket given by the top bits of
+``key * 0x9E3779B97F4A7C15`` (Fibonacci hashing). The few keys whose bucket is full go to a small
+sorted overflow list. A lookup is one gather of each key's bucket row (keys and rows together, so
+one random memory access per key), one compare, and a ``searchsorted`` in the overflow list for
+keys whose bucket was full: whole arrays at a time, no loop per key or per probe step. The arrays are plain ``.npy`` files,
 memory-mapped by every process serving the table, so model instances share one copy.
 """
 
@@ -30,29 +31,28 @@ def buckets_for(count: int, max_load: float = MAX_LOAD) -> int:
 class KeyIndex:
     """Read-only key -> row index (see the module docstring for the layout)."""
 
-    slot_keys: np.ndarray  # int64 [buckets * BUCKET]
-    slot_rows: np.ndarray  # int32 [buckets * BUCKET]; -1 marks an empty slot
+    buckets: np.ndarray  # int64 [buckets, BUCKET + BUCKET // 2]: slot keys, then packed int32 rows
     overflow_keys: np.ndarray  # int64 [m], sorted
     overflow_rows: np.ndarray  # int32 [m]
 
     @property
-    def buckets(self) -> int:
-        """Number of buckets."""
-        return int(self.slot_keys.shape[0] // BUCKET)
+    def slot_keys(self) -> np.ndarray:
+        """Slot keys ``[buckets, BUCKET]`` (a view)."""
+        return self.buckets[:, :BUCKET]
+
+    @property
+    def slot_rows(self) -> np.ndarray:
+        """Slot rows ``[buckets, BUCKET]``, -1 where empty (a view)."""
+        return self.buckets[:, BUCKET:].view(np.int32)
 
     @property
     def nbytes(self) -> int:
         """Bytes of all index arrays."""
-        return int(sum(a.nbytes for a in (self.slot_keys, self.slot_rows, self.overflow_keys, self.overflow_rows)))
+        return int(sum(a.nbytes for a in (self.buckets, self.overflow_keys, self.overflow_rows)))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The index arrays by name (how they are saved)."""
-        return {
-            "slot_keys": self.slot_keys,
-            "slot_rows": self.slot_rows,
-            "overflow_keys": self.overflow_keys,
-            "overflow_rows": self.overflow_rows,
-        }
+        return {"buckets": self.buckets, "overflow_keys": self.overflow_keys, "overflow_rows": self.overflow_rows}
 
     @staticmethod
     def bucket_of(keys: np.ndarray, buckets: int) -> np.ndarray:
@@ -78,21 +78,19 @@ class KeyIndex:
         first = np.searchsorted(sorted_bucket, sorted_bucket, side="left")
         rank = np.arange(len(keys)) - first  # position of each key inside its bucket
         fits = rank < BUCKET
-        slot_keys = np.zeros(buckets * BUCKET, np.int64)
-        slot_rows = np.full(buckets * BUCKET, EMPTY_ROW, np.int32)
-        slots = sorted_bucket[fits] * BUCKET + rank[fits]
-        slot_keys[slots] = sorted_keys[fits]
-        slot_rows[slots] = rows[order[fits]]
+        table = np.zeros((buckets, BUCKET + BUCKET // 2), np.int64)
+        table[:, BUCKET:].view(np.int32)[:] = EMPTY_ROW
+        table[:, :BUCKET][sorted_bucket[fits], rank[fits]] = sorted_keys[fits]
+        table[:, BUCKET:].view(np.int32)[sorted_bucket[fits], rank[fits]] = rows[order[fits]]
         spill = order[~fits]
         spill = spill[np.argsort(keys[spill], kind="stable")]
-        return cls(slot_keys, slot_rows, keys[spill], rows[spill])
+        return cls(table, keys[spill], rows[spill])
 
     def find(self, keys: np.ndarray) -> np.ndarray:
         """Row of each key, ``-1`` where the key is absent; same shape as ``keys``."""
         flat = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-        bucket = self.bucket_of(flat, self.buckets)
-        slot_keys = self.slot_keys.reshape(-1, BUCKET).take(bucket, axis=0)
-        slot_rows = self.slot_rows.reshape(-1, BUCKET).take(bucket, axis=0)
+        gathered = self.buckets.take(self.bucket_of(flat, len(self.buckets)), axis=0)
+        slot_keys, slot_rows = gathered[:, :BUCKET], gathered[:, BUCKET:].view(np.int32)
         # at most one slot of a bucket matches; empty slots hold row -1, so they add (row + 1) = 0
         result = ((slot_keys == flat[:, None]) * (slot_rows + 1)).sum(axis=1, dtype=np.int32) - 1
         if self.overflow_keys.size:

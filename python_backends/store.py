@@ -37,11 +37,11 @@ from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = "recserve-embeddings/2"
+MANIFEST_FORMAT = "recserve-embeddings/3"
 TIERS = ("l1", "delta", "l2", "l3", "default")
 L1, DELTA, L2, L3, DEFAULT = range(len(TIERS))
 STORAGE_DTYPES = ("float32", "float16")
-INDEX_ARRAYS = ("slot_keys", "slot_rows", "overflow_keys", "overflow_rows")
+INDEX_ARRAYS = ("buckets", "overflow_keys", "overflow_rows")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ def test_key_index_finds_every_key_and_only_them():
     keys = np.unique(keys)
     index = KeyIndex.build(keys, rows=np.arange(len(keys)))
     assert index.slot_keys.size >= len(keys) / 0.6 and index.overflow_keys.size < len(keys) * 0.05
+    assert index.buckets.shape[1] * 8 == 96  # keys and rows of a bucket in one 96-byte row
     assert np.array_equal(index.find(keys), np.arange(len(keys)))
     absent = rng.integers(0, 1 << 62, size=1000, dtype=np.int64)
     absent = absent[~np.isin(absent, keys)]
