@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 EMPTY_ROW = -1
 BUCKET = 8  # slots per bucket: 64 bytes of keys
 MAX_LOAD = 0.6
@@ -58,7 +58,7 @@ class KeyIndex:
     def bucket_of(keys: np.ndarray, buckets: int) -> np.ndarray:
         """Bucket number of each key."""
         shift = np.uint64(64 - (buckets.bit_length() - 1))
-        return ((keys.view(np.uint64) * _GOLDEN) >> shift).astype(np.int64)
+        return ((keys.view(np.uint64) * GOLDEN) >> shift).astype(np.int64)
 
     @classmethod
     def build(cls, keys: np.ndarray, rows: np.ndarray | None = None, buckets: int | None = None) -> KeyIndex:

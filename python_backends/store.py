@@ -31,7 +31,7 @@ import numpy as np
 
 from recserve.backends.artifacts import load_array, read_manifest, save_array
 from recserve.backends.errors import ArtifactError
-from recserve.backends.keyindex import _GOLDEN, KeyIndex
+from recserve.backends.keyindex import GOLDEN, KeyIndex
 from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec
 
@@ -89,7 +89,7 @@ class Shard:
 
 @dataclass(frozen=True)
 class RowBlock:
-    """Rows held in private memory (L1 cache or delta overlay): an index and float32 vectors."""
+    """Rows held in private memory (the delta overlay): a key index and float32 vectors."""
 
     index: KeyIndex
     vectors: np.ndarray  # float32 [rows, dim]
@@ -99,11 +99,6 @@ class RowBlock:
     def of(cls, keys: np.ndarray, vectors: np.ndarray) -> RowBlock:
         """Index ``keys`` (unique) over ``vectors``."""
         return cls(KeyIndex.build(keys), np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(keys, np.int64))
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the block (index and vectors)."""
-        return int(self.index.nbytes + self.vectors.nbytes + self.keys.nbytes)
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ class HotCache:
     @staticmethod
     def slot_of(keys: np.ndarray, slots: int) -> np.ndarray:
         """Slot of each key."""
-        high = (keys.view(np.uint64) * _GOLDEN) >> np.uint64(32)
+        high = (keys.view(np.uint64) * GOLDEN) >> np.uint64(32)
         return ((high * np.uint64(slots)) >> np.uint64(32)).astype(np.intp)
 
     @classmethod
