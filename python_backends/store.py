@@ -350,13 +350,19 @@ class TieredStore:
             part = todo if len(self.shards) == 1 else todo[self._table_shard[table_ids[todo]] == number]
             rows = shard.index.find(keys[part])
             hit = rows >= 0
+            if hit.all():  # the common case: no masks to apply
+                out[part] = shard.vectors.take(rows, axis=0)
+                tiers[part] = L2
+                continue
             out[part[hit]] = shard.vectors.take(rows[hit], axis=0)
             tiers[part[hit]] = L2
             missing.append(part[~hit])
+        if not missing:
+            return todo[:0]
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
 
     def _count(self, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
-        flat = table_ids.astype(np.int64) * len(TIERS) + tiers
+        flat = table_ids * np.int16(len(TIERS)) + tiers  # stays int16: no widening copy
         self.stats.by_table_tier += np.bincount(flat, minlength=self.stats.by_table_tier.size).reshape(self.stats.by_table_tier.shape)
         self.stats.calls += 1
         self.stats.seconds += seconds
