@@ -6,18 +6,26 @@ Nothing here is written as text by hand: each config is a ``ModelConfig`` messag
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.backends import tensors
+from recserve.backends.buckets import spec_buckets
 from recserve.spec import ModelSpec, WireTensor
 
 FEATURE_TRANSFORM = "feature_transform"
 EMBEDDING_LOOKUP = "embedding_lookup"
 DENSE = "dense"
 STEPS = (FEATURE_TRANSFORM, EMBEDDING_LOOKUP, DENSE)
+#: Config profiles: ``cpu`` (Python backends, ONNX Runtime buckets), ``gpu`` (``dense`` as a
+#: TensorRT engine on Triton's TensorRT backend) and ``cuda`` (the Python ``dense`` on GPU instances:
+#: the engine's profiles where TensorRT is installed, else CUDA graphs). The variants are written as
+#: ``<model>/configs/<profile>.pbtxt``, which tritonserver picks with ``--model-config-name=<profile>``.
+PROFILES = ("cpu", "gpu", "cuda")
+TENSORRT_PLAN = "model.plan"
 
 _DTYPES = {
     "FP32": mc.TYPE_FP32,
@@ -69,18 +77,75 @@ def _output(t: WireTensor) -> mc.ModelOutput:
     return mc.ModelOutput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims))
 
 
-def step_config(spec: ModelSpec, step: str) -> mc.ModelConfig:
-    """Config of one Python-backend step: dynamic batching, CPU instances, the spec as parameter."""
+def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
+    """One ``model_warmup`` sample per bucket of the spec's grid (zeros; mask 0 attends to nothing)."""
+    inputs = step_io(spec)[DENSE][0]
+    return [
+        mc.ModelWarmup(
+            name=f"bucket_{bucket.rows}x{bucket.length}",
+            batch_size=bucket.rows,
+            count=1,
+            inputs={
+                t.name: mc.ModelWarmup.Input(
+                    data_type=_DTYPES[t.dtype], dims=[bucket.length if d == -1 else d for d in t.dims], zero_data=True
+                )
+                for t in inputs
+            },
+        )
+        for bucket in spec_buckets(spec)
+    ]
+
+
+def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
+    """The GPU ``dense``: a TensorRT plan with one optimisation profile per bucket, batched to bucket sizes.
+
+    Requests of one sequence bucket batch together (the feature step pads every request to a sequence
+    bucket, so no ragged batching); the dynamic batcher prefers the batch buckets' sizes.
+    """
+    inputs, outputs = step_io(spec)[DENSE]
+    return mc.ModelConfig(
+        name=DENSE,
+        platform="tensorrt_plan",
+        default_model_filename=TENSORRT_PLAN,
+        max_batch_size=spec.max_batch_size,
+        input=[_input(dataclasses.replace(t, ragged=False)) for t in inputs],
+        output=[_output(t) for t in outputs],
+        instance_group=[mc.ModelInstanceGroup(count=spec.instances[DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)],
+        dynamic_batching=mc.ModelDynamicBatching(
+            preferred_batch_size=list(spec.batch_buckets),
+            max_queue_delay_microseconds=spec.max_queue_delay_microseconds,
+        ),
+        model_warmup=dense_warmup(spec),
+    )
+
+
+def step_config(spec: ModelSpec, step: str, profile: str = "cpu") -> mc.ModelConfig:
+    """Config of one step: Python backend with dynamic batching, instances, the spec as parameter.
+
+    Args:
+        spec: the model spec.
+        step: one of :data:`STEPS`.
+        profile: ``cpu``; ``gpu`` for the TensorRT ``dense``; ``cuda`` for the Python ``dense`` on
+            GPU instances (the other steps are the same in every profile).
+    """
+    if profile not in PROFILES:
+        raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
+    if step == DENSE and profile == "gpu":
+        return dense_tensorrt_config(spec)
     inputs, outputs = step_io(spec)[step]
+    on_gpu = step == DENSE and profile == "cuda"
+    kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     config = mc.ModelConfig(
         name=step,
         backend="python",
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in inputs],
         output=[_output(t) for t in outputs],
-        instance_group=[mc.ModelInstanceGroup(count=spec.instances[step], kind=mc.ModelInstanceGroup.KIND_CPU)],
+        instance_group=[mc.ModelInstanceGroup(count=spec.instances[step], kind=kind)],
         dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=spec.max_queue_delay_microseconds),
     )
+    if step == DENSE:
+        config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
     return config
 
@@ -109,11 +174,27 @@ def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
     )
 
 
-def all_configs(spec: ModelSpec) -> dict[str, mc.ModelConfig]:
-    """Every model of the repository by name."""
-    configs = {step: step_config(spec, step) for step in STEPS}
+def all_configs(spec: ModelSpec, profile: str = "cpu") -> dict[str, mc.ModelConfig]:
+    """Every model of the repository by name, in one config profile."""
+    configs = {step: step_config(spec, step, profile) for step in STEPS}
     configs[spec.name] = ensemble_config(spec)
     return configs
+
+
+def config_path(repository: Path, name: str, profile: str = "cpu") -> Path:
+    """Where a model's config of a profile lives: ``config.pbtxt``, or ``configs/<profile>.pbtxt``."""
+    return repository / name / ("config.pbtxt" if profile == "cpu" else f"configs/{profile}.pbtxt")
+
+
+def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
+    """Every config file of the repository, relative to it: the ``cpu`` ones and the differing others."""
+    cpu = all_configs(spec)
+    files = {config_path(Path(), name): config for name, config in cpu.items()}
+    for profile in PROFILES[1:]:
+        for name, config in all_configs(spec, profile).items():
+            if config != cpu[name]:
+                files[config_path(Path(), name, profile)] = config
+    return files
 
 
 def render(config: mc.ModelConfig) -> str:
@@ -122,10 +203,10 @@ def render(config: mc.ModelConfig) -> str:
 
 
 def write_configs(spec: ModelSpec, repository: Path) -> list[Path]:
-    """Write every ``config.pbtxt`` (and the ensemble's empty version folder)."""
+    """Write every ``config.pbtxt`` and profile variant (and the ensemble's empty version folder)."""
     written = []
-    for name, config in all_configs(spec).items():
-        path = repository / name / "config.pbtxt"
+    for relative, config in profile_configs(spec).items():
+        path = repository / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(config))
         written.append(path)

@@ -9,14 +9,15 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from recserve.backends.artifacts import file_entry, load_array, read_manifest, save_array, verified_path, write_manifest
-from recserve.backends.dense_runner import OnnxDenseRunner
+from recserve.backends.dense_runner import OnnxDenseRunner, bucketed_onnx_runner
 from recserve.backends.errors import ArtifactError
 from recserve.backends.pipeline import InProcessPipeline
 from recserve.backends.store import MANIFEST_FORMAT, StoreOptions, TableArrays, TieredStore, write_shards
-from recserve.build import configs
+from recserve.backends.torch_runners import load_net
+from recserve.build import configs, tensorrt_engine
 from recserve.build.export import example_inputs, export_onnx, torch_predict
 from recserve.build.network import CTRNet
 from recserve.build.train import Progress, stderr_progress, train
@@ -25,6 +26,7 @@ from recserve.spec import ModelSpec
 DENSE_FORMAT = "recserve-dense/1"
 ONNX_FILE = "model.onnx"
 WEIGHTS_FILE = "weights.safetensors"
+TIMING_CACHE_FILE = "tensorrt.timing-cache"
 
 
 @dataclass(frozen=True)
@@ -118,13 +120,36 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float) ->
     return worst
 
 
+def add_tensorrt_engine(
+    spec: ModelSpec, repository: Path, precision: str = "fp32", progress: Progress = stderr_progress
+) -> Path | None:
+    """Build the dense TensorRT engine (one profile per bucket) next to the ONNX file.
+
+    Returns the plan's path, or None (after one line saying so) where TensorRT is not installed:
+    the repository keeps its CPU path.
+    """
+    if not tensorrt_engine.tensorrt_available():
+        progress("[build] TensorRT is not installed: no engine built; the dense step keeps the CPU path (ONNX Runtime)")
+        return None
+    root = version_dir(repository, configs.DENSE, spec)
+    manifest = read_manifest(root)
+    profiles = tensorrt_engine.spec_profiles(spec)
+    options = tensorrt_engine.EngineOptions(precision=precision, timing_cache=root / TIMING_CACHE_FILE)
+    progress(f"[build] building the TensorRT engine: {len(profiles)} profiles, {precision}")
+    plan = tensorrt_engine.build_engine(verified_path(root, manifest["files"]["model"]), profiles, options)
+    path = root / configs.TENSORRT_PLAN
+    path.write_bytes(plan)
+    manifest["files"]["plan"] = file_entry(root, path)
+    manifest["tensorrt"] = {"precision": precision, "profiles": [[p.bucket.rows, p.bucket.length] for p in profiles]}
+    write_manifest(root, manifest)
+    progress(f"[build] TensorRT engine ready: {path} (serve with tritonserver --model-config-name=gpu)")
+    return path
+
+
 def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
     """The trained PyTorch network of a built repository (checked weights, no pickle)."""
     root = version_dir(repository, configs.DENSE, spec)
-    path = verified_path(root, read_manifest(root)["files"]["weights"])
-    net = CTRNet(spec)
-    net.load_state_dict(load_file(str(path)))
-    return net.eval()
+    return load_net(spec, verified_path(root, read_manifest(root)["files"]["weights"]))
 
 
 def install_adapters(spec: ModelSpec, repository: Path) -> None:
@@ -154,7 +179,7 @@ def build_repository(spec: ModelSpec, repository: Path, progress: Progress = std
 
 
 def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch") -> InProcessPipeline:
-    """The in-process path over a built repository, with the PyTorch net or the ONNX Runtime one."""
+    """The in-process path over a built repository: the PyTorch net, or ONNX Runtime as served (buckets)."""
     store = TieredStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
     dense_dir = version_dir(repository, configs.DENSE, spec)
     if runtime == "torch":
@@ -162,6 +187,5 @@ def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch"
         return InProcessPipeline(spec, store, lambda inputs: torch_predict(net, inputs))
     if runtime == "onnx":
         path = verified_path(dense_dir, read_manifest(dense_dir)["files"]["model"])
-        runner = OnnxDenseRunner(spec, path, threads=1)
-        return InProcessPipeline(spec, store, runner.predict)
+        return InProcessPipeline(spec, store, bucketed_onnx_runner(spec, path, threads=1).predict)
     raise ValueError(f"unknown runtime {runtime!r}; use 'torch' or 'onnx'")

@@ -60,6 +60,13 @@ class ModelContext:
         return cls(spec, version_dir, args["model_name"], count)
 
 
+def instance_device(args: Mapping[str, str]) -> str:
+    """``cpu``, or ``cuda:N`` for a KIND_GPU instance (from ``initialize``'s ``args``)."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{int(args.get('model_instance_device_id', 0))}"
+    return "cpu"
+
+
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     """Map a domain error to its Triton code; anything else becomes a message without internals."""
     if isinstance(exc, RequestError):

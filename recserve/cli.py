@@ -7,19 +7,22 @@ import logging
 import sys
 from pathlib import Path
 
+from recserve.build.tensorrt_engine import PRECISIONS
 from recserve.spec import DEFAULT_SPEC, load_spec
 
 DEFAULT_REPOSITORY = Path("model_repository")
 
 
 def _build(args: argparse.Namespace) -> int:
-    from recserve.build.repository import build_repository, is_built
+    from recserve.build.repository import add_tensorrt_engine, build_repository, is_built
 
     spec = load_spec(args.spec)
     if args.if_missing and is_built(spec, args.repository):
         print(f"[build] {args.repository} is already built from spec {spec.name!r}", file=sys.stderr)
-        return 0
-    build_repository(spec, args.repository)
+    else:
+        build_repository(spec, args.repository)
+    if args.profile == "gpu":
+        add_tensorrt_engine(spec, args.repository, args.precision)
     return 0
 
 
@@ -80,6 +83,18 @@ def _perf(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_dense(args: argparse.Namespace) -> int:
+    from recserve.perf.dense_bench import run_dense_bench
+
+    print(
+        run_dense_bench(
+            load_spec(args.spec), args.repository, device=args.device, threads=args.threads, rounds=args.rounds,
+            budget_s=args.budget_ms / 1e3, output=args.output,
+        )
+    )  # fmt: skip
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``recserve``."""
     top = argparse.ArgumentParser(prog="recserve", description=__doc__)
@@ -89,6 +104,10 @@ def parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build", help="train, export and write the model repository")
     build.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
     build.add_argument("--if-missing", action="store_true", help="skip when already built from this spec")
+    build.add_argument(
+        "--profile", choices=("cpu", "gpu"), default="cpu", help="gpu: also build the dense TensorRT engine"
+    )
+    build.add_argument("--precision", choices=PRECISIONS, default="fp32", help="TensorRT engine precision")
     build.set_defaults(func=_build)
 
     serve = sub.add_parser("serve", help="run tritonserver on the repository (foreground, Ctrl-C stops)")
@@ -128,6 +147,15 @@ def parser() -> argparse.ArgumentParser:
     from recserve.store_cli import add_commands
 
     add_commands(sub)
+
+    bench = sub.add_parser("bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)")
+    bench.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: ONNX Runtime; cuda: CUDA graphs")
+    bench.add_argument("--threads", type=int, default=1, help="intra-op threads per ONNX Runtime session")
+    bench.add_argument("--rounds", type=int, default=30, help="interleaved rounds per shape (the best is kept)")
+    bench.add_argument("--budget-ms", type=float, default=10.0, help="time per variant per round")
+    bench.add_argument("--output", type=Path, default=None, help="also write the per-bucket table as CSV here")
+    bench.set_defaults(func=_bench_dense)
     return top
 
 

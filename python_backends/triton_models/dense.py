@@ -1,23 +1,33 @@
-"""Triton model ``dense``: the exported network on ONNX Runtime (see recserve.backends.dense_runner)."""
+"""Triton model ``dense``: the network behind the bucket policy (see recserve.backends.dense_runner)."""
+
+import time
 
 from recserve.backends import tensors
-from recserve.backends.artifacts import read_manifest, verified_path
-from recserve.backends.dense_runner import OnnxDenseRunner, session_threads
-from recserve.backends.triton_adapter import ModelContext, execute_merged
+from recserve.backends.dense_runner import DenseStep
+from recserve.backends.triton_adapter import MetricsPublisher, ModelContext, execute_merged, instance_device
+
+METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
 
 
 class TritonPythonModel:
-    """Runs one ONNX Runtime call per dynamic batch."""
+    """One bucketed call per dynamic batch; bucket and padding counters on the metrics endpoint."""
 
     def initialize(self, args: dict) -> None:
-        """Verify the ONNX file against its manifest and open a session."""
+        """Verify the artifacts and compile every bucket of the spec's grid (warmed before READY)."""
         context = ModelContext.from_args(args)
-        manifest = read_manifest(context.version_dir)
-        model_path = verified_path(context.version_dir, manifest["files"]["model"])
-        self.runner = OnnxDenseRunner(context.spec, model_path, session_threads(context.instance_count))
+        self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, instance_device(args))
+        self.metrics = MetricsPublisher()
+        self.published_at = 0.0
 
     def execute(self, requests: list) -> list:
-        """Probabilities for every valid request."""
-        return execute_merged(
-            requests, tensors.DENSE_NET_INPUTS, self.runner.check, lambda merged: {tensors.PROBABILITY: self.runner.predict(merged)}
-        )
+        """Probabilities for every valid request; counters published at most once a second."""
+        responses = execute_merged(requests, tensors.DENSE_NET_INPUTS, self.step.check, self.step.compute)
+        if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
+            self.published_at = time.monotonic()
+            self.metrics.publish(self.step.runner.counters.samples())
+        return responses
+
+    def finalize(self) -> None:
+        """Stop background compiles; publish the last counts."""
+        self.step.close()
+        self.metrics.publish(self.step.runner.counters.samples())

@@ -7,14 +7,14 @@ from tests.conftest import REPOSITORY
 
 def test_committed_configs_match_the_spec(spec):
     """Drift test: regenerate every config.pbtxt from the spec and compare bytes."""
-    for name, config in configs.all_configs(spec).items():
-        committed = (REPOSITORY / name / "config.pbtxt").read_text()
-        assert committed == configs.render(config), f"{name}/config.pbtxt drifted: run 'recserve build'"
+    for relative, config in configs.profile_configs(spec).items():
+        committed = (REPOSITORY / relative).read_text()
+        assert committed == configs.render(config), f"{relative} drifted: run 'recserve build'"
 
 
 def test_configs_round_trip_through_protobuf(spec):
-    for name, config in configs.all_configs(spec).items():
-        parsed = text_format.Parse((REPOSITORY / name / "config.pbtxt").read_text(), mc.ModelConfig())
+    for relative, config in configs.profile_configs(spec).items():
+        parsed = text_format.Parse((REPOSITORY / relative).read_text(), mc.ModelConfig())
         assert parsed == config
 
 

@@ -1,0 +1,53 @@
+"""The served dense step: a missed shape is answered at once, compiled in the background, then hits."""
+
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from recserve.build.repository import reference_pipeline
+from recserve.build.synthetic import generate
+
+from .helpers import grpc_client, infer_raw
+
+DEADLINE_S = 60.0
+
+
+def dense_metrics(server) -> dict[str, float]:
+    """The dense step's counters from the metrics endpoint, keyed ``family{label}``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(r'^(recserve_dense_\w+)\{\w+="(\w+)"\} (\S+)$', text, flags=re.MULTILINE)
+    return {f"{family}{{{label}}}": float(value) for family, label, value in found}
+
+
+def test_a_missed_shape_is_served_then_compiled_and_then_hits(server, spec, repository):
+    reference = reference_pipeline(spec, repository, runtime="torch")
+    rows = generate(spec, 41, seed=41)  # 41 rows pad to 64 (36% waste): a miss, compiles 48 rows
+    rows.lengths[:] = 20
+    rows.history[:, :20] = np.random.default_rng(41).integers(0, 50000, size=(41, 20))
+    wire = rows.to_wire(spec)
+    expected = reference.predict(wire)
+    deadline = time.monotonic() + DEADLINE_S
+    with grpc_client(server) as client:
+        first = dense_metrics(server)
+        np.testing.assert_allclose(infer_raw(grpcclient, client, spec, wire), expected, rtol=0, atol=1e-5)
+        while True:  # counters are published at most once a second; compiles finish in the background
+            np.testing.assert_allclose(infer_raw(grpcclient, client, spec, wire), expected, rtol=0, atol=1e-5)
+            now = dense_metrics(server)
+            grew = {k: now.get(k, 0) - first.get(k, 0) for k in now}
+            if (
+                grew.get("recserve_dense_bucket_requests_total{compile}", 0) >= 1
+                and grew["recserve_dense_bucket_requests_total{hit}"] >= 1
+            ):
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"no compile and hit within {DEADLINE_S:.0f} s: {grew}")
+            time.sleep(0.3)
+    assert grew["recserve_dense_bucket_requests_total{miss}"] >= 1
+    assert grew["recserve_dense_bucket_requests_total{fallback}"] >= 1
+    assert grew["recserve_dense_padding_total{padding_rows}"] >= 7
+    assert now["recserve_dense_padding_total{real_rows}"] > 0

@@ -1,0 +1,114 @@
+"""TensorRT profiles from the bucket grid, the GPU dense config, and the build without TensorRT."""
+
+import subprocess
+import sys
+
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from recserve.backends.buckets import Bucket, spec_buckets
+from recserve.build import configs
+from recserve.build.tensorrt_engine import (
+    EngineOptions,
+    OptimizationProfile,
+    ShapeRange,
+    TensorRTUnavailable,
+    build_engine,
+    spec_profiles,
+    tensorrt_available,
+)
+from tests.conftest import REPOSITORY
+
+
+def test_one_profile_per_bucket_tuned_for_the_bucket(spec):
+    profiles = spec_profiles(spec)
+    assert [p.bucket for p in profiles] == list(spec_buckets(spec))
+    for profile in profiles:
+        for name, shape in profile.bucket.input_shapes(spec).items():
+            assert profile[name].opt == profile[name].max == shape
+
+
+@pytest.mark.parametrize("length", [1, 8, 9, 32, 100, 256])
+def test_profiles_tile_every_shape_exactly_once(spec, length):
+    profiles = spec_profiles(spec)
+    for rows in range(1, spec.max_batch_size + 1):
+        shapes = Bucket(rows, length).input_shapes(spec)
+        holding = [p.bucket for p in profiles if p.holds(shapes)]
+        assert holding == [Bucket(spec.batch_bucket(rows), spec.sequence_bucket(length))], (rows, length)
+
+
+def test_a_missed_bucket_gets_a_profile_of_its_own_shape(spec):
+    profile = OptimizationProfile.for_bucket(spec, Bucket(48, 32))
+    assert profile["history_embeddings"] == ShapeRange((48, 32, 16), (48, 32, 16), (48, 32, 16))
+
+
+def test_shape_ranges_and_options_are_checked():
+    with pytest.raises(ValueError, match="min <= opt <= max"):
+        ShapeRange((4, 8), (2, 8), (8, 8))
+    with pytest.raises(ValueError, match="precision"):
+        EngineOptions(precision="int4")
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="checks the message where TensorRT is absent")
+def test_building_without_tensorrt_says_so(spec, tmp_path):
+    with pytest.raises(TensorRTUnavailable, match="not installed"):
+        build_engine(tmp_path / "model.onnx", spec_profiles(spec), EngineOptions())
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="checks the message where TensorRT is absent")
+def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(repository):
+    before = (repository / "dense" / "config.pbtxt").read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "build", "--if-missing", "--profile", "gpu", "--repository", str(repository)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "TensorRT" in line]
+    assert len(lines) == 1 and "not installed" in lines[0] and "CPU path" in lines[0]
+    assert (repository / "dense" / "config.pbtxt").read_text() == before
+    assert not list((repository / "dense").glob("*/model.plan"))
+
+
+def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
+    config = configs.step_config(spec, configs.DENSE, profile="gpu")
+    assert config.platform == "tensorrt_plan" and config.default_model_filename == configs.TENSORRT_PLAN
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert config.instance_group[0].count == spec.instances["dense"]
+    assert list(config.dynamic_batching.preferred_batch_size) == list(spec.batch_buckets)
+    assert config.max_batch_size == max(spec.batch_buckets)
+    assert not any(i.allow_ragged_batch for i in config.input)
+    assert [w.name for w in config.model_warmup] == [
+        f"bucket_{b.rows}x{b.length}" for b in spec_buckets(spec)
+    ]
+    assert (REPOSITORY / "dense" / "configs" / "gpu.pbtxt").read_text() == configs.render(config)
+
+
+def test_cpu_dense_config_warms_every_bucket_at_load(spec):
+    config = configs.step_config(spec, configs.DENSE)
+    assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+    for warmup, bucket in zip(config.model_warmup, spec_buckets(spec), strict=True):
+        assert warmup.batch_size == bucket.rows
+        assert list(warmup.inputs["history_embeddings"].dims) == [bucket.length, spec.embedding_dim]
+        assert list(warmup.inputs["history_mask"].dims) == [bucket.length]
+        assert all(i.zero_data for i in warmup.inputs.values())
+
+
+def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
+    config = configs.step_config(spec, configs.DENSE, profile="cuda")
+    cpu = configs.step_config(spec, configs.DENSE)
+    assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    cpu.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
+    assert config == cpu
+    assert (REPOSITORY / "dense" / "configs" / "cuda.pbtxt").read_text() == configs.render(config)
+
+
+def test_other_steps_are_the_same_in_every_profile(spec):
+    for step in (configs.FEATURE_TRANSFORM, configs.EMBEDDING_LOOKUP):
+        for profile in configs.PROFILES:
+            assert configs.step_config(spec, step, profile) == configs.step_config(spec, step)
+    assert sorted(p.as_posix() for p in configs.profile_configs(spec) if "configs/" in p.as_posix()) == [
+        "dense/configs/cuda.pbtxt",
+        "dense/configs/gpu.pbtxt",
+    ]
+    with pytest.raises(ValueError, match="profile"):
+        configs.step_config(spec, configs.DENSE, profile="tpu")
