@@ -20,7 +20,14 @@ import numpy as np
 
 from recserve.backends import tensors
 from recserve.backends.artifacts import read_manifest, verified_path
-from recserve.backends.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
+from recserve.backends.buckets import (
+    Arrays,
+    Bucket,
+    BucketedRunner,
+    BucketPolicy,
+    pad_to_bucket,
+    spec_buckets,
+)
 from recserve.backends.errors import ArtifactError, InvalidInput
 from recserve.backends.features import require
 from recserve.spec import ModelSpec

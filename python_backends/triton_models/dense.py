@@ -15,7 +15,8 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         """Verify the artifacts and compile every bucket of the spec's grid (warmed before READY)."""
         context = ModelContext.from_args(args)
-        self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, instance_device(args))
+        device = instance_device(args)
+        self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
         self.metrics = MetricsPublisher()
         self.published_at = 0.0
 
