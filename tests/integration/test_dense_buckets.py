@@ -26,9 +26,9 @@ def dense_metrics(server) -> dict[str, float]:
 
 def test_a_missed_shape_is_served_then_compiled_and_then_hits(server, spec, repository):
     reference = reference_pipeline(spec, repository, runtime="torch")
-    rows = generate(spec, 41, seed=41)  # 41 rows pad to 64 (36% waste): a miss, compiles 48 rows
-    rows.lengths[:] = 20
-    rows.history[:, :20] = np.random.default_rng(41).integers(0, 50000, size=(41, 20))
+    rows = generate(spec, 97, seed=97)  # 97 rows would pad to 128 (24% waste): a miss, compiles 104 rows
+    rows.lengths[:] = 20  # one sequence bucket (32) for the whole batch
+    rows.history[:, :20] = np.random.default_rng(97).integers(0, 50000, size=(97, 20))
     wire = rows.to_wire(spec)
     expected = reference.predict(wire)
     deadline = time.monotonic() + DEADLINE_S
