@@ -117,9 +117,8 @@ class BucketPolicy:
     def tight_bucket(self, rows: int, length: int) -> Bucket:
         """The bucket a miss compiles: rows rounded up to the granularity, the nearest sequence bucket."""
         fitting = [b for b in self.sequence_buckets if b >= length]
-        return Bucket(
-            math.ceil(rows / self.row_granularity) * self.row_granularity, fitting[0] if fitting else length
-        )
+        granularity = self.row_granularity
+        return Bucket(math.ceil(max(rows, 1) / granularity) * granularity, fitting[0] if fitting else length)
 
     def plan(self, rows: int, length: int, compiled: Iterable[Bucket], pending: int = 0) -> Plan:
         """Decide for a ``[rows, length]`` request given the buckets compiled so far.

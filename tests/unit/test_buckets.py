@@ -41,6 +41,7 @@ def test_the_grid_is_every_batch_bucket_times_every_sequence_bucket(spec):
         (9, 32, None, Bucket(16, 32)),  # 72% padding: miss, compile a tight bucket
         (129, 128, None, Bucket(136, 128)),
         (3, 300, None, Bucket(8, 300)),  # beyond the largest sequence bucket
+        (0, 8, Bucket(1, 8), None),  # an empty batch pads to the smallest bucket
     ],
 )
 def test_plan_pads_to_the_nearest_bucket_or_misses(spec, rows, length, bucket, compile):
