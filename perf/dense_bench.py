@@ -1,6 +1,6 @@
 """``recserve bench-dense``: the dense step's bucketed runner against the bare graphs, side by side.
 
-Three tables, each measured in one run so that only ratios are compared (the CI machine is shared):
+Four tables, each measured in one run so that only ratios are compared (the CI machine is shared):
 
 1. per bucket of the grid: rows/s of today's single dynamic-shape graph, of the bare compiled graph
    at that bucket (no runner), and of the runner (policy, padding, counters); the runner's overhead
@@ -8,7 +8,9 @@ Three tables, each measured in one run so that only ratios are compared (the CI 
    runner around graphs that do nothing) as a share of its time; its speed-up is runner vs dynamic;
 2. off-bucket shapes: the runner (padding to its buckets, compiling tight ones) vs the dynamic
    graph at the exact shape;
-3. an unseen shape: first-request latency (the generic graph) vs the bucketed steady state, and the
+3. generated requests (the spec's history-length distribution, through the feature and lookup
+   code) per client batch size: the runner vs the dynamic graph on the same batches;
+4. an unseen shape: first-request latency (the generic graph) vs the bucketed steady state, and the
    time from the first miss until the compiled bucket takes over.
 
 Variants are interleaved round by round (neighbouring rounds share the machine's load) and the
@@ -29,7 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from recserve.backends import tensors
-from recserve.backends.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
+from recserve.backends.buckets import (
+    Arrays,
+    Bucket,
+    BucketedRunner,
+    BucketPolicy,
+    pad_to_bucket,
+    spec_buckets,
+)
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
 from recserve.spec import ModelSpec
@@ -178,6 +187,62 @@ def off_bucket_table(
     return table
 
 
+REALISTIC_BATCH_SIZES = (1, 64, 256)
+REALISTIC_BATCHES = 16
+
+
+def realistic_inputs(spec: ModelSpec, repository: Path, batch_size: int) -> list[dict[str, np.ndarray]]:
+    """Dense-step inputs of generated requests (spec's length distribution) through features and lookup."""
+    from recserve.build.repository import reference_pipeline
+    from recserve.build.synthetic import generate
+
+    pipeline = reference_pipeline(spec, repository, runtime="torch")
+    rows = generate(spec, batch_size * REALISTIC_BATCHES, seed=batch_size)
+    batches = []
+    for i in range(REALISTIC_BATCHES):
+        features = pipeline.transform.transform(
+            rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec)
+        )
+        merged = {**features, **pipeline.lookup.lookup(features)}
+        batches.append({name: merged[name] for name in tensors.DENSE_NET_INPUTS})
+    return batches
+
+
+def realistic_table(
+    spec: ModelSpec, repository: Path, runners: Runners, rounds: int, budget_s: float
+) -> list[dict[str, float]]:
+    """Table 4: generated requests (history lengths as the spec says) per client batch size."""
+    runner = runners.make_runner()
+    table = []
+    try:
+        for batch_size in REALISTIC_BATCH_SIZES:
+            batches = realistic_inputs(spec, repository, batch_size)
+            for batch in batches:  # misses compile their buckets before the clock starts
+                runner.predict(batch)
+            runner.wait_compiled()
+            times = interleaved(
+                {
+                    "dynamic": lambda b=batches: [runners.generic(x) for x in b],
+                    "runner": lambda b=batches: [runner.predict(x) for x in b],
+                },
+                rounds,
+                budget_s,
+            )
+            rows = batch_size * len(batches)
+            table.append(
+                {
+                    "batch_size": batch_size,
+                    "mean_positions": float(np.mean([b[tensors.HISTORY_MASK].shape[1] for b in batches])),
+                    "dynamic_rows_per_s": rows / best(times["dynamic"]),
+                    "runner_rows_per_s": rows / best(times["runner"]),
+                    "speedup": best(times["dynamic"]) / best(times["runner"]),
+                }
+            )
+    finally:
+        runner.close()
+    return table
+
+
 def unseen_shape(
     spec: ModelSpec, runners: Runners, steady_calls: int = 50, timeout_s: float = 60.0
 ) -> dict[str, float]:
@@ -253,9 +318,13 @@ def cuda_graph_runners(spec: ModelSpec, repository: Path) -> Runners:
 
 
 def format_report(
-    name: str, buckets: list[BucketRow], off: list[dict[str, float]], unseen: dict[str, float]
+    name: str,
+    buckets: list[BucketRow],
+    off: list[dict[str, float]],
+    realistic: list[dict[str, float]],
+    unseen: dict[str, float],
 ) -> str:
-    """The three tables as Markdown."""
+    """The four tables as Markdown."""
     lines = [
         f"## dense step: {name}",
         "",
@@ -289,6 +358,16 @@ def format_report(
         )
     lines += [
         "",
+        "| generated requests, client batch | mean positions | dynamic graph rows/s | runner rows/s | runner speed-up |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for row in realistic:
+        lines.append(
+            f"| {row['batch_size']} | {row['mean_positions']:.0f} | {row['dynamic_rows_per_s']:,.0f} | "
+            f"{row['runner_rows_per_s']:,.0f} | {row['speedup']:.2f}x |"
+        )
+    lines += [
+        "",
         f"| unseen shape {unseen['rows']}x{unseen['length']} | ms |",
         "| --- | ---: |",
         f"| first request (generic graph, compile scheduled) | {unseen['first_request_ms']:.2f} |",
@@ -304,12 +383,13 @@ def run_dense_bench(
     spec: ModelSpec, repository: Path, device: str = "cpu", threads: int = 1, rounds: int = 30, budget_s: float = 0.01,
     output: Path | None = None,
 ) -> str:  # fmt: skip
-    """Run all three tables; print-ready Markdown (and table 1 as CSV to ``output``)."""
+    """Run all four tables; print-ready Markdown (and table 1 as CSV to ``output``)."""
     runners = (
         onnx_runners(spec, repository, threads) if device == "cpu" else cuda_graph_runners(spec, repository)
     )
     buckets = bucket_table(spec, runners, rounds, budget_s)
     off = off_bucket_table(spec, runners, rounds, budget_s)
+    realistic = realistic_table(spec, repository, runners, rounds, budget_s)
     unseen = unseen_shape(spec, runners)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -317,4 +397,4 @@ def run_dense_bench(
             writer = csv.DictWriter(fh, fieldnames=list(asdict(buckets[0])))
             writer.writeheader()
             writer.writerows(asdict(row) for row in buckets)
-    return format_report(runners.name, buckets, off, unseen)
+    return format_report(runners.name, buckets, off, realistic, unseen)
