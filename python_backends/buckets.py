@@ -7,8 +7,8 @@ positions with mask 0, which never change the real rows' results) and its output
 
 A shape that no compiled bucket holds without wasting more than ``max_padding_waste`` of its rows
 is a *miss*: it is served at once by the generic dynamic-shape graph, and a tighter bucket
-(rows rounded up to ``row_granularity``) is compiled in the background and swapped in atomically,
-so later requests of that shape take the fast path::
+(rows rounded up to ``row_granularity``, exact below it) is compiled in the background and
+swapped in atomically, so later requests of that shape take the fast path::
 
     request [rows, length] ──plan──▶ hit:  pad to bucket ─▶ compiled[bucket] ─▶ cut rows
                                    └▶ miss: generic(request)   + compile(tight bucket) in background
@@ -100,7 +100,8 @@ class BucketPolicy:
     Attributes:
         sequence_buckets: the spec's sequence buckets; a miss compiles at the nearest one.
         max_padding_waste: largest fraction of padded rows a hit may carry.
-        row_granularity: rows of a bucket compiled on a miss are rounded up to this multiple.
+        row_granularity: rows of a bucket compiled on a miss are rounded up to this multiple (batches
+            smaller than it get buckets of their own size).
         max_buckets: compiled buckets at most (the grid included); beyond, misses stay generic.
     """
 
@@ -115,10 +116,15 @@ class BucketPolicy:
         return cls(spec.sequence_buckets, **overrides)  # type: ignore[arg-type]
 
     def tight_bucket(self, rows: int, length: int) -> Bucket:
-        """The bucket a miss compiles: rows rounded up to the granularity, the nearest sequence bucket."""
+        """The bucket a miss compiles: the nearest sequence bucket, rows rounded up to the granularity.
+
+        Batches smaller than the granularity get buckets of their own size: on a CPU a small batch's
+        cost grows with every padded row.
+        """
         fitting = [b for b in self.sequence_buckets if b >= length]
         granularity = self.row_granularity
-        return Bucket(math.ceil(max(rows, 1) / granularity) * granularity, fitting[0] if fitting else length)
+        tight_rows = max(rows, 1) if rows < granularity else math.ceil(rows / granularity) * granularity
+        return Bucket(tight_rows, fitting[0] if fitting else length)
 
     def plan(self, rows: int, length: int, compiled: Iterable[Bucket], pending: int = 0) -> Plan:
         """Decide for a ``[rows, length]`` request given the buckets compiled so far.

@@ -40,7 +40,8 @@ def test_the_grid_is_every_batch_bucket_times_every_sequence_bucket(spec):
         (64, 20, Bucket(64, 32), None),  # sequence positions pad to the sequence bucket
         (9, 32, None, Bucket(16, 32)),  # 72% padding: miss, compile a tight bucket
         (129, 128, None, Bucket(136, 128)),
-        (3, 300, None, Bucket(8, 300)),  # beyond the largest sequence bucket
+        (5, 32, None, Bucket(5, 32)),  # 37% padding: small batches get buckets of their own size
+        (3, 300, None, Bucket(3, 300)),  # beyond the largest sequence bucket
         (0, 8, Bucket(1, 8), None),  # an empty batch pads to the smallest bucket
     ],
 )
