@@ -106,6 +106,15 @@ def best(samples: list[float]) -> float:
     return min(samples)
 
 
+def runner_vs_dynamic(rows: int, times: dict[str, list[float]]) -> dict[str, float]:
+    """Rows/s of the dynamic graph and of the runner (best rounds) and their ratio."""
+    return {
+        "dynamic_rows_per_s": rows / best(times["dynamic"]),
+        "runner_rows_per_s": rows / best(times["runner"]),
+        "speedup": best(times["dynamic"]) / best(times["runner"]),
+    }
+
+
 def bookkeeping_runner(spec: ModelSpec, policy: BucketPolicy) -> BucketedRunner:
     """The runner around graphs that do nothing: what the policy, counters and padding cost per call."""
 
@@ -170,16 +179,14 @@ def off_bucket_table(
             sample = example_inputs(spec, rows, length, seed=rows * length)
             runner.predict(sample)
             runner.wait_compiled()
-            times = interleaved(on(sample, dynamic=runners.generic, runner=runner.predict), rounds, budget_s)  # noqa: B023
+            times = interleaved(on(sample, dynamic=runners.generic, runner=runner.predict), rounds, budget_s)
             plan = runner.policy.plan(rows, length, runner.buckets)
             table.append(
                 {
                     "rows": rows,
                     "length": length,
                     "bucket": f"{plan.bucket.rows}x{plan.bucket.length}" if plan.bucket else "generic",
-                    "dynamic_rows_per_s": rows / best(times["dynamic"]),
-                    "runner_rows_per_s": rows / best(times["runner"]),
-                    "speedup": best(times["dynamic"]) / best(times["runner"]),
+                    **runner_vs_dynamic(rows, times),
                 }
             )
     finally:
@@ -233,9 +240,7 @@ def realistic_table(
                 {
                     "batch_size": batch_size,
                     "mean_positions": float(np.mean([b[tensors.HISTORY_MASK].shape[1] for b in batches])),
-                    "dynamic_rows_per_s": rows / best(times["dynamic"]),
-                    "runner_rows_per_s": rows / best(times["runner"]),
-                    "speedup": best(times["dynamic"]) / best(times["runner"]),
+                    **runner_vs_dynamic(rows, times),
                 }
             )
     finally:
