@@ -7,6 +7,9 @@ Nothing here is written as text by hand: each config is a ``ModelConfig`` messag
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -25,6 +28,9 @@ STEPS = (FEATURE_TRANSFORM, EMBEDDING_LOOKUP, DENSE)
 #: the engine's profiles where TensorRT is installed, else CUDA graphs). The variants are written as
 #: ``<model>/configs/<profile>.pbtxt``, which tritonserver picks with ``--model-config-name=<profile>``.
 PROFILES = ("cpu", "gpu", "cuda")
+#: Profiles whose Python steps (``feature_transform``, ``embedding_lookup``) run as KIND_GPU instances:
+#: each instance its own process and CUDA stream; inputs may stay on the GPU (read through DLPack).
+GPU_PROFILES = ("gpu", "cuda")
 TENSORRT_PLAN = "model.plan"
 
 _DTYPES = {
@@ -119,21 +125,47 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
     )
 
 
-def step_config(spec: ModelSpec, step: str, profile: str = "cpu") -> mc.ModelConfig:
-    """Config of one step: Python backend with dynamic batching, instances, the spec as parameter.
+@dataclass(frozen=True)
+class ServingPlan:
+    """How the steps are scheduled: dynamic batching, preferred batch sizes, instances per step.
+
+    The spec's ``[serving]`` section gives the tuned plan (:meth:`from_spec`); benchmarks compare it
+    with :meth:`naive` and the tuning sweep tries others. ``max_queue_delay_microseconds=None``
+    turns dynamic batching off: each request is executed alone.
+    """
+
+    max_queue_delay_microseconds: int | None
+    preferred_batch_sizes: tuple[int, ...] = ()
+    instances: Mapping[str, int] = field(default_factory=lambda: {step: 1 for step in STEPS})
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ServingPlan:
+        """The plan written in the spec."""
+        return cls(spec.max_queue_delay_microseconds, spec.preferred_batch_sizes, dict(spec.instances))
+
+    @classmethod
+    def naive(cls) -> ServingPlan:
+        """No dynamic batching, one instance per step: Triton as configured without tuning."""
+        return cls(None)
+
+
+def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingPlan | None = None) -> mc.ModelConfig:
+    """Config of one step: Python backend, batching and instances from ``plan``, the spec as parameter.
 
     Args:
         spec: the model spec.
         step: one of :data:`STEPS`.
         profile: ``cpu``; ``gpu`` for the TensorRT ``dense``; ``cuda`` for the Python ``dense`` on
-            GPU instances (the other steps are the same in every profile).
+            GPU instances. In both GPU profiles the other two steps run as KIND_GPU instances.
+        plan: scheduling of the Python steps; None uses the spec's ``[serving]`` values.
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
     if step == DENSE and profile == "gpu":
         return dense_tensorrt_config(spec)
+    plan = plan or ServingPlan.from_spec(spec)
     inputs, outputs = step_io(spec)[step]
-    on_gpu = step == DENSE and profile == "cuda"
+    on_gpu = profile in GPU_PROFILES and (step != DENSE or profile == "cuda")
     kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     config = mc.ModelConfig(
         name=step,
@@ -141,12 +173,16 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu") -> mc.ModelCon
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in inputs],
         output=[_output(t) for t in outputs],
-        instance_group=[mc.ModelInstanceGroup(count=spec.instances[step], kind=kind)],
-        dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=spec.max_queue_delay_microseconds),
+        instance_group=[mc.ModelInstanceGroup(count=plan.instances[step], kind=kind)],
     )
+    if plan.max_queue_delay_microseconds is not None:
+        config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds
+        config.dynamic_batching.preferred_batch_size.extend(plan.preferred_batch_sizes)
     if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
+    if on_gpu and step != DENSE:
+        config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
     return config
 
 
@@ -174,9 +210,9 @@ def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
     )
 
 
-def all_configs(spec: ModelSpec, profile: str = "cpu") -> dict[str, mc.ModelConfig]:
-    """Every model of the repository by name, in one config profile."""
-    configs = {step: step_config(spec, step, profile) for step in STEPS}
+def all_configs(spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None) -> dict[str, mc.ModelConfig]:
+    """Every model of the repository by name, in one config profile (``plan`` as in :func:`step_config`)."""
+    configs = {step: step_config(spec, step, profile, plan) for step in STEPS}
     configs[spec.name] = ensemble_config(spec)
     return configs
 
@@ -212,3 +248,29 @@ def write_configs(spec: ModelSpec, repository: Path) -> list[Path]:
         written.append(path)
     (repository / spec.name / str(spec.version)).mkdir(parents=True, exist_ok=True)
     return written
+
+
+def write_variant(
+    spec: ModelSpec, source: Path, target: Path, profile: str = "cpu", plan: ServingPlan | None = None
+) -> Path:
+    """A repository serving the built artifacts of ``source`` under other configs.
+
+    Each step's version folder in ``target`` links to the one in ``source`` (nothing is copied);
+    only the ``config.pbtxt`` files (of ``profile``, scheduled by ``plan``) differ. An existing
+    ``target`` is replaced.
+    """
+    if target.resolve() == source.resolve():
+        raise ValueError("a variant repository needs its own folder")
+    shutil.rmtree(target, ignore_errors=True)
+    for step in STEPS:
+        built = (source / step / str(spec.version)).resolve()
+        if not built.is_dir():
+            raise FileNotFoundError(f"{built} is missing; run 'recserve build' first")
+        (target / step).mkdir(parents=True)
+        (target / step / str(spec.version)).symlink_to(built, target_is_directory=True)
+    for name, config in all_configs(spec, profile, plan).items():
+        path = target / name / "config.pbtxt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(config))
+    (target / spec.name / str(spec.version)).mkdir(parents=True, exist_ok=True)
+    return target

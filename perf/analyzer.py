@@ -50,9 +50,10 @@ def perf_env() -> dict[str, str]:
 
 
 def perf_command(
-    spec: ModelSpec, url: str, protocol: str, batch_size: int, concurrency: str, measurement_ms: int, data: Path, csv_path: Path
+    spec: ModelSpec, url: str, protocol: str, batch_size: int, concurrency: str, measurement_ms: int, data: Path, csv_path: Path,
+    shared_memory: str = "none",
 ) -> list[str]:
-    """The perf_analyzer command line."""
+    """The perf_analyzer command line (``shared_memory``: ``none`` or ``system``, ``cuda`` on a GPU)."""
     return [
         str(perf_analyzer_binary()),
         "-m", spec.name,
@@ -67,6 +68,7 @@ def perf_command(
         "--stability-percentage", "50",
         "-f", str(csv_path),
         "--verbose-csv",
+        "--shared-memory", shared_memory,
     ]  # fmt: skip
 
 
@@ -88,15 +90,20 @@ def parse_csv(path: Path) -> list[PerfPoint]:
 
 def measure(
     spec: ModelSpec, url: str | None = None, protocol: str = "grpc", batch_size: int = 1, concurrency: str = "1:4",
-    measurement_ms: int = 3000, workdir: Path | None = None,
+    measurement_ms: int = 3000, workdir: Path | None = None, data: Path | None = None, shared_memory: str = "none",
 ) -> tuple[list[PerfPoint], str]:
-    """Run perf_analyzer once; return the parsed points and its printed output."""
+    """Run perf_analyzer once; return the parsed points and its printed output.
+
+    ``data`` reuses an input-data file written by :func:`write_input_data` (else one is written).
+    """
     url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)
-        data = write_input_data(spec, root / "input_data.json")
+        data = data or write_input_data(spec, root / "input_data.json")
         csv_path = root / "perf.csv"
-        command = perf_command(spec, url, protocol, batch_size, concurrency, measurement_ms, data, csv_path)
+        command = perf_command(
+            spec, url, protocol, batch_size, concurrency, measurement_ms, data, csv_path, shared_memory
+        )
         done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise PerfError(f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")

@@ -27,19 +27,31 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from recserve.server import Ports, ServerError, server_command, server_env
     import os
+
+    from recserve.build.configs import write_variant
+    from recserve.server import MpsDaemon, Ports, ServerError, require_gpu, run_foreground, server_command, server_env
 
     if not (args.repository / "dense").is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
+    if args.mps and args.profile != "gpu":
+        print("error: --mps shares a GPU between instances; use it with --profile gpu", file=sys.stderr)
+        return 2
+    repository = args.repository
     try:
-        command = server_command(args.repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host)
+        if args.profile == "gpu":
+            print(f"GPUs: {', '.join(require_gpu())}", file=sys.stderr)
+            repository = write_variant(load_spec(args.spec), args.repository, Path(f"{args.repository}-gpu"), profile="gpu")
+        command = server_command(repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host)
+        print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
+        if not args.mps:
+            os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
+        with MpsDaemon(repository.resolve() / ".mps") as mps:
+            return run_foreground(command, mps.env(server_env()))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
-    os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
 
 
 def _predict(args: argparse.Namespace) -> int:
@@ -95,6 +107,58 @@ def _bench_dense(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from recserve.build.repository import is_built
+    from recserve.perf.bench import Grid, format_result, run_bench
+
+    spec = load_spec(args.spec)
+    if not is_built(spec, args.repository):
+        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
+        return 2
+    grid = Grid.quick() if args.quick else Grid.full()
+    overrides = {
+        "client_batches": args.batch_sizes, "concurrencies": args.concurrency, "measurement_ms": args.measurement_ms,
+    }  # fmt: skip
+    grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None}, torchserve=not args.no_torchserve)
+    run, points, summary = run_bench(spec, args.spec, args.repository, args.output, grid, args.run_name)
+    print(format_result(points, summary))
+    print(f"\nresults in {run}")
+    return 0
+
+
+def _workloads(text: str) -> tuple[tuple[int, int], ...]:
+    return tuple((int(b), int(c)) for b, c in (item.split("x") for item in text.split(",") if item.strip()))
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from recserve.build.repository import is_built
+    from recserve.perf.tune import run_tune
+    from recserve.spec import spec_path
+
+    spec = load_spec(args.spec)
+    if not is_built(spec, args.repository):
+        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
+        return 2
+    best, trials = run_tune(
+        spec, spec_path(args.spec), args.repository, args.p99_ms, args.workloads, args.measurement_ms,
+        write=not args.no_write, progress=lambda m: print(m, file=sys.stderr),
+    )  # fmt: skip
+    for trial in trials:
+        marker = "*" if best is not None and trial.plan == best.plan else " "
+        print(f"{marker} score {trial.score(args.p99_ms):9.0f}  rows/s {[round(r) for r in trial.rows_per_s]}  "
+              f"p99 ms {[round(p, 1) for p in trial.p99_ms]}  {trial.plan}")  # fmt: skip
+    if best is None:
+        print(f"no plan kept p99 <= {args.p99_ms} ms at every workload; the spec is unchanged", file=sys.stderr)
+        return 1
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``recserve``."""
     top = argparse.ArgumentParser(prog="recserve", description=__doc__)
@@ -116,6 +180,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--profile", choices=("cpu", "gpu"), default="cpu",
+                       help="gpu: KIND_GPU instances, served from '<repository>-gpu' (configs regenerated, artifacts linked)")
+    serve.add_argument("--mps", action="store_true", help="run the NVIDIA MPS control daemon for the server's lifetime")
     serve.set_defaults(func=_serve)
 
     predict = sub.add_parser("predict", help="score Criteo rows (TSV or CSV with header); one probability per line")
@@ -156,6 +223,25 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget-ms", type=float, default=10.0, help="time per variant per round")
     bench.add_argument("--output", type=Path, default=None, help="also write the per-bucket table as CSV here")
     bench.set_defaults(func=_bench_dense)
+
+    bench = sub.add_parser("bench", help="in-process bound, naive and tuned Triton, TorchServe: measured in one run")
+    bench.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    bench.add_argument("--output", type=Path, default=Path("perf/results"), help="a run folder is created in here")
+    bench.add_argument("--run-name", default=None, help="folder name of this run (default: UTC time)")
+    bench.add_argument("--quick", action="store_true", help="a smaller grid that still yields every ratio (< 5 min)")
+    bench.add_argument("--batch-sizes", type=_ints, default=None, help="client batch sizes, e.g. 1,16,64")
+    bench.add_argument("--concurrency", type=_ints, default=None, help="requests in flight, e.g. 1,2,4,8,16,32")
+    bench.add_argument("--measurement-ms", type=int, default=None, help="perf_analyzer measurement window")
+    bench.add_argument("--no-torchserve", action="store_true", help="skip TorchServe (no install, no peer rows)")
+    bench.set_defaults(func=_bench)
+
+    tune = sub.add_parser("tune", help="sweep queue delay, preferred batch size and instances; write the best to the spec")
+    tune.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    tune.add_argument("--p99-ms", type=float, default=50.0, help="p99 target every workload must meet")
+    tune.add_argument("--workloads", type=_workloads, default=((1, 16), (64, 4)), help="client batch x concurrency, e.g. 1x16,64x4")
+    tune.add_argument("--measurement-ms", type=int, default=2000)
+    tune.add_argument("--no-write", action="store_true", help="report only; leave the spec and configs alone")
+    tune.set_defaults(func=_tune)
     return top
 
 

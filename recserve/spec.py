@@ -116,6 +116,7 @@ class ModelSpec:
     tables: dict[str, TableSpec]
     training: dict[str, Any]
     hash_namespace: str
+    preferred_batch_sizes: tuple[int, ...] = ()
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     # ---- derived names -------------------------------------------------------------------
@@ -226,6 +227,9 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError(
             f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
         )
+    preferred = tuple(sorted(int(x) for x in serving.get("preferred_batch_size", ())))
+    if any(not 1 <= size <= max_batch for size in preferred):
+        raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")
     if dim % int(net["attention_heads"]):
         raise SpecError("embedding_dim must be divisible by attention_heads")
     return ModelSpec(
@@ -247,6 +251,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         tables=tables,
         training=dict(doc.get("training", {})),
         hash_namespace=doc.get("hashing", {}).get("namespace", "recserve"),
+        preferred_batch_sizes=preferred,
         source=doc,
     )
 

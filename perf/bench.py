@@ -1,0 +1,198 @@
+"""``recserve bench``: the serving core measured side by side, in one run on one machine.
+
+In order, each alone on the machine:
+
+1. the in-process bound: feature -> lookup -> dense called directly (ONNX Runtime), every batch
+   bucket up to ``max_batch_size``;
+2. Triton configured naively (no dynamic batching, one instance per step), perf_analyzer over gRPC;
+3. Triton with the spec's tuned ``[serving]`` plan: perf_analyzer over gRPC on the same grid, plus
+   the overhead probes (HTTP instead of gRPC, system shared memory) and the shared HTTP load
+   generator;
+4. TorchServe serving the same model, driven by the same HTTP load generator.
+
+Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
+Results go to ``<output>/<run>/``: ``points.csv``, ``points.json``, ``summary.json``, PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from recserve.build import configs
+from recserve.perf import report
+from recserve.perf.analyzer import measure
+from recserve.perf.inprocess import measure_inprocess
+from recserve.perf.input_data import write_input_data
+from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
+from recserve.perf.report import Point
+from recserve.perf.stats import difference, snapshot
+from recserve.server import Ports, TritonServer
+from recserve.spec import ModelSpec, spec_path
+
+LOGGER = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to measure and for how long."""
+
+    client_batches: tuple[int, ...] = (1, 16, 64)
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    measurement_ms: int = 2000
+    inprocess_batches: tuple[int, ...] | None = None  # None: every batch bucket of the spec
+    inprocess_s: float = 2.0
+    loadgen_batches: tuple[int, ...] = (1, 64)
+    loadgen_concurrencies: tuple[int, ...] = (1, 4, 16, 32)
+    loadgen_s: float = 5.0
+    overhead_points: tuple[tuple[int, int], ...] = ((1, 16), (64, 4))  # (client batch, concurrency)
+    torchserve: bool = True
+
+    @classmethod
+    def full(cls) -> Grid:
+        """The whole grid (about 10 minutes on 2 cores)."""
+        return cls()
+
+    @classmethod
+    def quick(cls) -> Grid:
+        """Enough for every headline ratio in a few minutes."""
+        return cls(
+            client_batches=(1, 64),
+            concurrencies=(1, 16),
+            measurement_ms=1000,
+            inprocess_batches=(1, 64, 256),
+            inprocess_s=1.0,
+            loadgen_batches=(64,),
+            loadgen_concurrencies=(4, 16),
+            loadgen_s=3.0,
+            overhead_points=((64, 4),),
+        )
+
+
+def _stderr(message: str) -> None:
+    LOGGER.info("%s", message)
+
+
+def _perf_point(
+    spec: ModelSpec, server: TritonServer, system: str, protocol: str, batch: int, concurrency: int, grid: Grid, data: Path,
+    shared_memory: str = "none",
+) -> Point:
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    before = snapshot(server.http_url)
+    points, _ = measure(
+        spec, url, protocol, batch, str(concurrency), grid.measurement_ms, data=data, shared_memory=shared_memory
+    )
+    steps = difference(before, snapshot(server.http_url), configs.STEPS)
+    p = points[-1]
+    return Point(
+        system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3, p.p95_us / 1e3,
+        p.p99_us / 1e3, shared_memory, steps=tuple(s.as_dict() for s in steps),
+    )  # fmt: skip
+
+
+def _load_points(system: str, target: HttpTarget, grid: Grid, http_url: str | None = None) -> list[Point]:
+    points = []
+    for concurrency in grid.loadgen_concurrencies:
+        before = snapshot(http_url) if http_url else None
+        result = run_load(target, concurrency, grid.loadgen_s)
+        steps = difference(before, snapshot(http_url), configs.STEPS) if http_url and before else []
+        points.append(
+            Point(
+                system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
+                result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures,
+                steps=tuple(s.as_dict() for s in steps),
+            )  # fmt: skip
+        )
+    return points
+
+
+def _triton_grid(
+    spec: ModelSpec, server: TritonServer, system: str, grid: Grid, data: Path, progress: Progress
+) -> list[Point]:
+    points = []
+    for batch in grid.client_batches:
+        for concurrency in grid.concurrencies:
+            point = _perf_point(spec, server, system, "grpc", batch, concurrency, grid, data)
+            progress(f"[bench] {system} grpc batch {batch} x {concurrency}: {point.rows_per_s:.0f} rows/s, p99 {point.p99_ms:.1f} ms")
+            points.append(point)
+    return points
+
+
+def run_bench(
+    spec: ModelSpec,
+    spec_name: str,
+    repository: Path,
+    output: Path,
+    grid: Grid,
+    run_name: str | None = None,
+    progress: Progress = _stderr,
+) -> tuple[Path, list[Point], dict[str, Any]]:
+    """Measure every configuration, write the results folder, return it, the points and the summary."""
+    run = output / (run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    run.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="recserve-bench-") as tmp:
+        work = Path(tmp)
+        data = write_input_data(spec, work / "input_data.json")
+
+        for batch in grid.inprocess_batches or spec.batch_buckets:
+            rate = measure_inprocess(spec, repository, batch, seconds=grid.inprocess_s)
+            points.append(Point(report.INPROCESS, report.DIRECT, "none", batch, 1, rate.rows_per_s, rate.p50_ms, rate.p50_ms, rate.p99_ms))
+            progress(f"[bench] in-process batch {batch}: {rate.rows_per_s:.0f} rows/s, p99 {rate.p99_ms:.1f} ms")
+
+        for system, plan in ((report.NAIVE, configs.ServingPlan.naive()), (report.TUNED, configs.ServingPlan.from_spec(spec))):
+            variant = configs.write_variant(spec, repository, work / system, plan=plan)
+            with TritonServer(variant, Ports.free(), log_path=work / f"{system}.log") as server:
+                points += _triton_grid(spec, server, system, grid, data, progress)
+                if system != report.TUNED:
+                    continue
+                for batch, concurrency in grid.overhead_points:
+                    for protocol, shm in (("http", "none"), ("grpc", "system")):
+                        point = _perf_point(spec, server, system, protocol, batch, concurrency, grid, data, shm)
+                        progress(f"[bench] {point.configuration} batch {batch} x {concurrency}: {point.rows_per_s:.0f} rows/s")
+                        points.append(point)
+                    if batch not in grid.client_batches or concurrency not in grid.concurrencies:  # the gRPC baseline
+                        points.append(_perf_point(spec, server, system, "grpc", batch, concurrency, grid, data))
+                for batch in grid.loadgen_batches:
+                    target = triton_target(server.http_url, spec, sample_batches(spec, batch))
+                    points += _load_points(system, target, grid, server.http_url)
+                    progress(f"[bench] {system} http load generator, batch {batch}: done")
+
+        if grid.torchserve:
+            from recserve.perf.torchserve import TorchServe
+
+            with TorchServe(spec_path(spec_name), repository, work / "torchserve") as torchserve:
+                for batch in grid.loadgen_batches:
+                    target = torchserve_target(torchserve.inference_url, "ctr", spec, sample_batches(spec, batch))
+                    points += _load_points(report.TORCHSERVE, target, grid)
+                    progress(f"[bench] torchserve http load generator, batch {batch}: done")
+
+    summary = report.summarize(points)
+    summary["overheads"] = report.overheads(points)
+    summary["run"] = {
+        "name": run.name,
+        "seconds": round(time.monotonic() - started, 1),
+        "grid": asdict(grid),
+        "tuned_plan": {k: v for k, v in asdict(configs.ServingPlan.from_spec(spec)).items()},
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+    }
+    report.write_points(points, run)
+    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    report.plot(points, run)
+    return run, points, summary
+
+
+def format_result(points: Sequence[Point], summary: dict[str, Any]) -> str:
+    """The short table and the ratios, as printed at the end of a run."""
+    return f"{report.table(points)}\n\n{report.describe_summary(summary)}"

@@ -1,0 +1,181 @@
+"""``recserve tune``: sweep the step scheduling with perf_analyzer under a p99 target, keep the best.
+
+The sweep is coordinate-wise, one restart of tritonserver per candidate plan (each alone on the
+machine): first ``max_queue_delay_microseconds``, then ``preferred_batch_size`` at the best delay,
+then the instance count of each step in turn. A plan scores the geometric mean of its rows/s over
+the workloads (client batch, concurrency); a plan whose p99 exceeds the target at any workload is
+out. The best plan is written back into the spec's ``[serving]`` section and its configs are
+regenerated.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from recserve.build import configs
+from recserve.build.configs import ServingPlan
+from recserve.perf.analyzer import measure
+from recserve.perf.input_data import write_input_data
+from recserve.server import Ports, TritonServer
+from recserve.spec import ModelSpec
+
+LOGGER = logging.getLogger(__name__)
+
+DEFAULT_WORKLOADS = ((1, 16), (64, 4))
+DEFAULT_DELAYS = (100, 500, 1000, 2000, 4000)
+DEFAULT_INSTANCES = (1, 2)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One plan measured at every workload."""
+
+    plan: ServingPlan
+    rows_per_s: tuple[float, ...]
+    p99_ms: tuple[float, ...]
+
+    def score(self, p99_target_ms: float) -> float:
+        """Geometric mean of rows/s; 0 when any workload misses the p99 target."""
+        if any(p > p99_target_ms for p in self.p99_ms) or not self.rows_per_s:
+            return 0.0
+        return math.exp(sum(math.log(max(r, 1e-9)) for r in self.rows_per_s) / len(self.rows_per_s))
+
+
+def best_trial(trials: Sequence[Trial], p99_target_ms: float) -> Trial | None:
+    """The best-scoring trial that meets the target at every workload (None if none does)."""
+    scored = [t for t in trials if t.score(p99_target_ms) > 0]
+    return max(scored, key=lambda t: t.score(p99_target_ms), default=None)
+
+
+def preferred_candidates(spec: ModelSpec) -> list[tuple[int, ...]]:
+    """Preferred batch sizes worth trying: none, and each batch bucket of at least 8 rows below the max."""
+    return [(), *((b,) for b in spec.batch_buckets if 8 <= b < spec.max_batch_size)]
+
+
+Measure = Callable[[ServingPlan], Trial]
+
+
+def sweep(
+    spec: ModelSpec,
+    measure_plan: Measure,
+    p99_target_ms: float,
+    delays: Sequence[int] = DEFAULT_DELAYS,
+    instance_counts: Sequence[int] = DEFAULT_INSTANCES,
+    progress: Callable[[str], None] = LOGGER.info,
+) -> tuple[Trial | None, list[Trial]]:
+    """Coordinate-wise search from the spec's plan; returns the best trial and all trials."""
+    trials: list[Trial] = []
+    current = ServingPlan.from_spec(spec)
+
+    def try_all(plans: Sequence[ServingPlan]) -> None:
+        nonlocal current
+        for plan in plans:
+            if any(t.plan == plan for t in trials):
+                continue
+            trial = measure_plan(plan)
+            trials.append(trial)
+            progress(f"[tune] {plan}: rows/s {[round(r) for r in trial.rows_per_s]}, p99 ms {[round(p, 1) for p in trial.p99_ms]}")
+        best = best_trial(trials, p99_target_ms)
+        if best is not None:
+            current = best.plan
+
+    try_all([replace(current, max_queue_delay_microseconds=d) for d in delays])
+    try_all([replace(current, preferred_batch_sizes=p) for p in preferred_candidates(spec)])
+    for step in configs.STEPS:
+        try_all([replace(current, instances={**current.instances, step: n}) for n in instance_counts])
+    return best_trial(trials, p99_target_ms), trials
+
+
+def perf_analyzer_measure(
+    spec: ModelSpec, repository: Path, workdir: Path, workloads: Sequence[tuple[int, int]], measurement_ms: int
+) -> Measure:
+    """A :data:`Measure` that serves each plan from a variant repository and runs perf_analyzer (gRPC)."""
+    data = write_input_data(spec, workdir / "input_data.json")
+
+    def run(plan: ServingPlan) -> Trial:
+        variant = configs.write_variant(spec, repository, workdir / "variant", plan=plan)
+        rows, p99 = [], []
+        with TritonServer(variant, Ports.free(), log_path=workdir / "server.log") as server:
+            for batch, concurrency in workloads:
+                point = measure(spec, server.grpc_url, "grpc", batch, str(concurrency), measurement_ms, data=data)[0][-1]
+                rows.append(point.rows_per_s)
+                p99.append(point.p99_us / 1e3)
+        return Trial(plan, tuple(rows), tuple(p99))
+
+    return run
+
+
+def _toml_value(value: int | Sequence[int]) -> str:
+    return f"[{', '.join(str(v) for v in value)}]" if isinstance(value, (tuple, list)) else str(value)
+
+
+def write_back(spec_file: Path, plan: ServingPlan) -> None:
+    """Set the plan's values in the ``[serving]`` and ``[serving.instances]`` tables of a spec file.
+
+    Lines are edited in place (comments and layout are kept); a missing key is added at the end of
+    its table. A plan without dynamic batching cannot be written (the spec always batches).
+    """
+    if plan.max_queue_delay_microseconds is None:
+        raise ValueError("the spec always enables dynamic batching; this plan has none")
+    wanted = {
+        "serving": {
+            "max_queue_delay_microseconds": plan.max_queue_delay_microseconds,
+            "preferred_batch_size": tuple(plan.preferred_batch_sizes),
+        },
+        "serving.instances": dict(plan.instances),
+    }
+    lines = spec_file.read_text().splitlines()
+    section, last_key_line, seen = None, {}, set()
+    header = re.compile(r"^\s*\[+\s*([^\]]+?)\s*\]+")
+    assignment = re.compile(r"^(\s*)([A-Za-z0-9_]+)(\s*=\s*)([^#]*?)(\s*#.*)?$")
+    for i, line in enumerate(lines):
+        if match := header.match(line):
+            section = match.group(1)
+            continue
+        if section in wanted and (match := assignment.match(line)):
+            key = match.group(2)
+            last_key_line[section] = i
+            if key in wanted[section]:
+                indent, _, eq, _, comment = match.groups()
+                lines[i] = f"{indent}{key}{eq}{_toml_value(wanted[section][key])}{comment or ''}"
+                seen.add((section, key))
+    inserts = []
+    for section, values in wanted.items():
+        if section not in last_key_line:
+            raise ValueError(f"{spec_file} has no [{section}] table")
+        missing = [f"{k} = {_toml_value(v)}" for k, v in values.items() if (section, k) not in seen]
+        inserts.append((last_key_line[section] + 1, missing))
+    for at, new_lines in sorted(inserts, reverse=True):
+        lines[at:at] = new_lines
+    spec_file.write_text("\n".join(lines) + "\n")
+
+
+def run_tune(
+    spec: ModelSpec,
+    spec_file: Path,
+    repository: Path,
+    p99_target_ms: float,
+    workloads: Sequence[tuple[int, int]] = DEFAULT_WORKLOADS,
+    measurement_ms: int = 2000,
+    delays: Sequence[int] = DEFAULT_DELAYS,
+    instance_counts: Sequence[int] = DEFAULT_INSTANCES,
+    write: bool = True,
+    progress: Callable[[str], None] = LOGGER.info,
+) -> tuple[Trial | None, list[Trial]]:
+    """Sweep, then (``write``) store the best plan in ``spec_file`` and regenerate ``repository``'s configs."""
+    from recserve.spec import load_spec
+
+    with tempfile.TemporaryDirectory(prefix="recserve-tune-") as tmp:
+        measure_plan = perf_analyzer_measure(spec, repository, Path(tmp), workloads, measurement_ms)
+        best, trials = sweep(spec, measure_plan, p99_target_ms, delays, instance_counts, progress)
+    if best is not None and write:
+        write_back(spec_file, best.plan)
+        configs.write_configs(load_spec(spec_file), repository)
+        progress(f"[tune] wrote {best.plan} to {spec_file} and regenerated the configs in {repository}")
+    return best, trials
