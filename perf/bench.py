@@ -1,15 +1,17 @@
 """``recserve bench``: the serving core measured side by side, in one run on one machine.
 
-In order, each alone on the machine:
+Four configurations serve the same model on the same inputs:
 
-1. the in-process bound: feature -> lookup -> dense called directly (ONNX Runtime), every batch
-   bucket up to ``max_batch_size``;
-2. Triton configured naively (no dynamic batching, one instance per step), perf_analyzer over gRPC;
-3. Triton with the spec's tuned ``[serving]`` plan: perf_analyzer over gRPC on the same grid, plus
-   the overhead probes (HTTP instead of gRPC, system shared memory) and the shared HTTP load
-   generator;
-4. TorchServe serving the same model, driven by the same HTTP load generator.
+* the in-process bound: feature -> lookup -> dense called directly (ONNX Runtime, one thread), at
+  every batch bucket up to ``max_batch_size``;
+* Triton configured naively: no dynamic batching, one instance per step;
+* Triton with the spec's tuned ``[serving]`` plan;
+* TorchServe with a handler running the PyTorch network and TorchServe's batching.
 
+Both Triton configurations are measured with perf_analyzer over gRPC on the grid of client batch
+sizes and concurrencies, alternating at each point; the tuned one also with HTTP and with system
+shared memory (the overhead probes). Triton's HTTP endpoint and TorchServe are measured with the
+same HTTP load generator (:mod:`recserve.perf.loadgen`): those two rows are the fair comparison.
 Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
 Results go to ``<output>/<run>/``: ``points.csv``, ``points.json``, ``summary.json``, PNG plots.
 """
@@ -23,13 +25,14 @@ import platform
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from recserve.build import configs
 from recserve.perf import report
-from recserve.perf.analyzer import measure
+from recserve.perf.analyzer import LOOSE_STABILITY, measure
 from recserve.perf.inprocess import measure_inprocess
 from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
@@ -90,7 +93,8 @@ def _perf_point(
     url = server.grpc_url if protocol == "grpc" else server.http_url
     before = snapshot(server.http_url)
     points, _ = measure(
-        spec, url, protocol, batch, str(concurrency), grid.measurement_ms, data=data, shared_memory=shared_memory
+        spec, url, protocol, batch, str(concurrency), grid.measurement_ms, data=data, shared_memory=shared_memory,
+        stability_percentage=LOOSE_STABILITY,
     )
     steps = difference(before, snapshot(server.http_url), configs.STEPS)
     p = points[-1]
@@ -100,32 +104,14 @@ def _perf_point(
     )  # fmt: skip
 
 
-def _load_points(system: str, target: HttpTarget, grid: Grid, http_url: str | None = None) -> list[Point]:
-    points = []
-    for concurrency in grid.loadgen_concurrencies:
-        before = snapshot(http_url) if http_url else None
-        result = run_load(target, concurrency, grid.loadgen_s)
-        steps = difference(before, snapshot(http_url), configs.STEPS) if http_url and before else []
-        points.append(
-            Point(
-                system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
-                result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures,
-                steps=tuple(s.as_dict() for s in steps),
-            )  # fmt: skip
-        )
-    return points
-
-
-def _triton_grid(
-    spec: ModelSpec, server: TritonServer, system: str, grid: Grid, data: Path, progress: Progress
-) -> list[Point]:
-    points = []
-    for batch in grid.client_batches:
-        for concurrency in grid.concurrencies:
-            point = _perf_point(spec, server, system, "grpc", batch, concurrency, grid, data)
-            progress(f"[bench] {system} grpc batch {batch} x {concurrency}: {point.rows_per_s:.0f} rows/s, p99 {point.p99_ms:.1f} ms")
-            points.append(point)
-    return points
+def _load_point(system: str, target: HttpTarget, concurrency: int, seconds: float, http_url: str | None = None) -> Point:
+    before = snapshot(http_url) if http_url else None
+    result = run_load(target, concurrency, seconds)
+    steps = difference(before, snapshot(http_url), configs.STEPS) if http_url and before else []
+    return Point(
+        system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
+        result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures, steps=tuple(s.as_dict() for s in steps),
+    )  # fmt: skip
 
 
 def run_bench(
@@ -137,46 +123,64 @@ def run_bench(
     run_name: str | None = None,
     progress: Progress = _stderr,
 ) -> tuple[Path, list[Point], dict[str, Any]]:
-    """Measure every configuration, write the results folder, return it, the points and the summary."""
+    """Measure every configuration, write the results folder, return it, the points and the summary.
+
+    All servers are started first and stay up (idle ones cost memory, not CPU); the configurations
+    are then measured in turn at each load point, so that a slow phase of a shared machine hits
+    them alike and the ratios stay meaningful.
+    """
     run = output / (run_name or time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     run.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     points: list[Point] = []
-    with tempfile.TemporaryDirectory(prefix="recserve-bench-") as tmp:
+
+    def add(point: Point) -> None:
+        points.append(point)
+        progress(
+            f"[bench] {point.configuration}, batch {point.client_batch} x {point.concurrency}: "
+            f"{point.rows_per_s:.0f} rows/s, p99 {point.p99_ms:.1f} ms"
+        )
+
+    with tempfile.TemporaryDirectory(prefix="recserve-bench-") as tmp, ExitStack() as stack:
         work = Path(tmp)
         data = write_input_data(spec, work / "input_data.json")
-
-        for batch in grid.inprocess_batches or spec.batch_buckets:
-            rate = measure_inprocess(spec, repository, batch, seconds=grid.inprocess_s)
-            points.append(Point(report.INPROCESS, report.DIRECT, "none", batch, 1, rate.rows_per_s, rate.p50_ms, rate.p50_ms, rate.p99_ms))
-            progress(f"[bench] in-process batch {batch}: {rate.rows_per_s:.0f} rows/s, p99 {rate.p99_ms:.1f} ms")
-
+        servers: dict[str, TritonServer] = {}
         for system, plan in ((report.NAIVE, configs.ServingPlan.naive()), (report.TUNED, configs.ServingPlan.from_spec(spec))):
             variant = configs.write_variant(spec, repository, work / system, plan=plan)
-            with TritonServer(variant, Ports.free(), log_path=work / f"{system}.log") as server:
-                points += _triton_grid(spec, server, system, grid, data, progress)
-                if system != report.TUNED:
-                    continue
-                for batch, concurrency in grid.overhead_points:
-                    for protocol, shm in (("http", "none"), ("grpc", "system")):
-                        point = _perf_point(spec, server, system, protocol, batch, concurrency, grid, data, shm)
-                        progress(f"[bench] {point.configuration} batch {batch} x {concurrency}: {point.rows_per_s:.0f} rows/s")
-                        points.append(point)
-                    if batch not in grid.client_batches or concurrency not in grid.concurrencies:  # the gRPC baseline
-                        points.append(_perf_point(spec, server, system, "grpc", batch, concurrency, grid, data))
-                for batch in grid.loadgen_batches:
-                    target = triton_target(server.http_url, spec, sample_batches(spec, batch))
-                    points += _load_points(system, target, grid, server.http_url)
-                    progress(f"[bench] {system} http load generator, batch {batch}: done")
-
+            servers[system] = stack.enter_context(TritonServer(variant, Ports.free(), log_path=work / f"{system}.log"))
+        torchserve = None
         if grid.torchserve:
             from recserve.perf.torchserve import TorchServe
 
-            with TorchServe(spec_path(spec_name), repository, work / "torchserve") as torchserve:
-                for batch in grid.loadgen_batches:
-                    target = torchserve_target(torchserve.inference_url, "ctr", spec, sample_batches(spec, batch))
-                    points += _load_points(report.TORCHSERVE, target, grid)
-                    progress(f"[bench] torchserve http load generator, batch {batch}: done")
+            torchserve = stack.enter_context(TorchServe(spec_path(spec_name), repository, work / "torchserve"))
+        progress(f"[bench] servers ready after {time.monotonic() - started:.0f} s")
+
+        def inprocess() -> None:
+            for batch in grid.inprocess_batches or spec.batch_buckets:
+                rate = measure_inprocess(spec, repository, batch, seconds=grid.inprocess_s)
+                add(Point(report.INPROCESS, report.DIRECT, "none", batch, 1, rate.rows_per_s, rate.p50_ms, rate.p95_ms, rate.p99_ms))
+
+        inprocess()  # measured again after the Triton grid: the bound is the better of the two
+        tuned = servers[report.TUNED]
+        for batch in grid.client_batches:
+            for concurrency in grid.concurrencies:
+                for system, server in servers.items():
+                    add(_perf_point(spec, server, system, "grpc", batch, concurrency, grid, data))
+        inprocess()
+        for batch, concurrency in grid.overhead_points:
+            if batch not in grid.client_batches or concurrency not in grid.concurrencies:  # the gRPC baseline
+                add(_perf_point(spec, tuned, report.TUNED, "grpc", batch, concurrency, grid, data))
+            for protocol, shm in (("http", "none"), ("grpc", "system")):
+                add(_perf_point(spec, tuned, report.TUNED, protocol, batch, concurrency, grid, data, shm))
+
+        for batch in grid.loadgen_batches:
+            batches = sample_batches(spec, batch)
+            targets = {report.TUNED: (triton_target(tuned.http_url, spec, batches), tuned.http_url)}
+            if torchserve is not None:
+                targets[report.TORCHSERVE] = (torchserve_target(torchserve.inference_url, "ctr", spec, batches), None)
+            for concurrency in grid.loadgen_concurrencies:
+                for system, (target, stats_url) in targets.items():
+                    add(_load_point(system, target, concurrency, grid.loadgen_s, stats_url))
 
     summary = report.summarize(points)
     summary["overheads"] = report.overheads(points)
@@ -184,8 +188,13 @@ def run_bench(
         "name": run.name,
         "seconds": round(time.monotonic() - started, 1),
         "grid": asdict(grid),
-        "tuned_plan": {k: v for k, v in asdict(configs.ServingPlan.from_spec(spec)).items()},
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "tuned_plan": asdict(configs.ServingPlan.from_spec(spec)),
+        "machine": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "load_average_at_end": os.getloadavg(),
+        },
     }
     report.write_points(points, run)
     (run / "summary.json").write_text(json.dumps(summary, indent=1))

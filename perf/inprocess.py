@@ -20,6 +20,7 @@ class InProcessRate:
     batch_size: int
     rows_per_s: float
     p50_ms: float
+    p95_ms: float
     p99_ms: float
 
 
@@ -38,4 +39,5 @@ def measure_inprocess(spec: ModelSpec, repository: Path, batch_size: int, second
         latencies.append(time.perf_counter() - t0)
     elapsed = time.perf_counter() - started
     ms = np.asarray(latencies) * 1e3
-    return InProcessRate(batch_size, len(latencies) * batch_size / elapsed, float(np.percentile(ms, 50)), float(np.percentile(ms, 99)))
+    p50, p95, p99 = (float(v) for v in np.percentile(ms, [50, 95, 99]))
+    return InProcessRate(batch_size, len(latencies) * batch_size / elapsed, p50, p95, p99)

@@ -128,10 +128,14 @@ async def _closed_loop(target: HttpTarget, concurrency: int, seconds: float, war
                 started = time.perf_counter()
                 try:
                     async with session.post(target.url, data=request.body, headers=request.headers) as response:
-                        await response.read()
+                        body = await response.read()
                         ok = response.status == 200
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                        if not ok and measuring and not failures:
+                            LOGGER.warning("%s answered %d: %s", target.url, response.status, body[:300])
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     ok = False
+                    if measuring and not failures:
+                        LOGGER.warning("%s failed: %r", target.url, exc)
                 if measuring:
                     if ok:
                         latencies.append(time.perf_counter() - started)

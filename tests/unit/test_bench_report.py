@@ -1,0 +1,95 @@
+import json
+import math
+
+import pytest
+
+from recserve.perf import report
+from recserve.perf.report import Point
+
+
+def point(system, generator, protocol, batch, conc, rows, p99, shm="none", failures=0):
+    return Point(system, generator, protocol, batch, conc, rows, p99 / 2, p99 * 0.9, p99, shm, failures)
+
+
+GRPC = (report.PERF_ANALYZER, "grpc")
+HTTP = (report.HTTP_LOADGEN, "http")
+
+
+def sample_points():
+    return [
+        point(report.INPROCESS, report.DIRECT, "none", 64, 1, 10_000, 5),
+        point(report.INPROCESS, report.DIRECT, "none", 256, 1, 12_000, 60),  # over the bound: not the bound
+        point(report.TUNED, *GRPC, 64, 4, 8_000, 30),
+        point(report.TUNED, *GRPC, 64, 16, 9_500, 80),  # over the bound
+        point(report.TUNED, *GRPC, 1, 16, 1_500, 20),
+        point(report.NAIVE, *GRPC, 1, 16, 500, 40),
+        point(report.TUNED, *HTTP, 64, 4, 6_000, 25),
+        point(report.TUNED, *HTTP, 64, 16, 7_000, 45),
+        point(report.TORCHSERVE, *HTTP, 64, 4, 2_000, 50),
+        point(report.TORCHSERVE, *HTTP, 64, 16, 2_400, 120),
+    ]
+
+
+def test_best_under_respects_the_p99_bound_and_failures():
+    points = [
+        point(report.TUNED, *GRPC, 64, 1, 100, 10),
+        point(report.TUNED, *GRPC, 64, 2, 300, 50),  # on the bound counts
+        point(report.TUNED, *GRPC, 64, 4, 900, 51),
+        point(report.TUNED, *GRPC, 64, 8, 800, 10, failures=1),
+        point(report.TUNED, *GRPC, 64, 16, 1000, math.nan),
+    ]
+    assert report.best_under(points, 50.0).concurrency == 2
+    assert report.best_under(points[2:], 50.0) is None
+
+
+def test_summary_ratios_come_from_the_right_points():
+    summary = report.summarize(sample_points())
+    assert summary["ensemble_vs_inprocess"] == pytest.approx(8_000 / 10_000)
+    assert summary["dynamic_batching_gain"] == pytest.approx(3.0)
+    assert summary["dynamic_batching_p99_ratio"] == pytest.approx(0.5)
+    assert summary["vs_torchserve_throughput"] == pytest.approx(7_000 / 2_000)
+    # Triton's p99 at TorchServe's best point (batch 64, 4 in flight)
+    assert summary["vs_torchserve_p99"] == pytest.approx(25 / 50)
+    assert summary["targets"]["ensemble_vs_inprocess"]["met"] is True
+    assert summary["targets"]["dynamic_batching_gain"]["met"] is True
+    assert summary["points"]["torchserve_best"]["concurrency"] == 4
+    json.dumps(summary)  # plain JSON
+
+
+def test_missing_configurations_give_none_not_errors():
+    points = [p for p in sample_points() if p.system != report.TORCHSERVE]
+    summary = report.summarize(points)
+    assert summary["vs_torchserve_throughput"] is None and summary["vs_torchserve_p99"] is None
+    assert summary["targets"]["vs_torchserve_throughput"]["met"] is None
+    assert "not measured" in report.describe_summary(summary)
+
+
+def test_missed_target_is_reported():
+    points = [p for p in sample_points() if not (p.system == report.TUNED and p.client_batch == 1)]
+    points.append(point(report.TUNED, *GRPC, 1, 16, 600, 20))
+    summary = report.summarize(points)
+    assert summary["dynamic_batching_gain"] == pytest.approx(1.2)
+    assert summary["targets"]["dynamic_batching_gain"]["met"] is False
+    assert "MISSED" in report.describe_summary(summary)
+
+
+def test_overheads_compare_same_load_points():
+    points = sample_points() + [
+        point(report.TUNED, report.PERF_ANALYZER, "http", 64, 4, 6_000, 45),
+        point(report.TUNED, report.PERF_ANALYZER, "grpc", 64, 4, 8_800, 27, shm="system"),
+    ]
+    overheads = report.overheads(points)
+    assert overheads["http_over_grpc"][0]["throughput_ratio"] == pytest.approx(0.75)
+    assert overheads["system_shm_over_grpc"][0]["p99_ratio"] == pytest.approx(0.9)
+
+
+def test_points_files_and_plots(tmp_path):
+    points = sample_points()
+    report.write_points(points, tmp_path)
+    header = (tmp_path / "points.csv").read_text().splitlines()[0].split(",")
+    assert header[:2] == ["configuration", "system"] and "p99_ms" in header
+    assert len(json.loads((tmp_path / "points.json").read_text())) == len(points)
+    plots = report.plot(points, tmp_path)
+    assert (tmp_path / "latency_vs_throughput.png") in plots
+    assert all(p.stat().st_size > 1000 for p in plots)
+    assert "triton-tuned grpc perf_analyzer" in report.table(points)

@@ -1,0 +1,68 @@
+import tomllib
+
+import pytest
+
+from recserve.build.configs import STEPS, ServingPlan
+from recserve.perf import tune
+from recserve.spec import load_spec, parse_spec, spec_path
+
+
+def test_score_is_zero_when_any_workload_misses_the_target():
+    plan = ServingPlan(500)
+    assert tune.Trial(plan, (100.0, 400.0), (10.0, 20.0)).score(50) == pytest.approx(200.0)
+    assert tune.Trial(plan, (100.0, 400.0), (10.0, 60.0)).score(50) == 0.0
+
+
+def test_best_trial_prefers_throughput_within_the_target():
+    fast_but_slow_tail = tune.Trial(ServingPlan(4000), (900.0,), (80.0,))
+    good = tune.Trial(ServingPlan(1000), (700.0,), (30.0,))
+    worse = tune.Trial(ServingPlan(100), (500.0,), (20.0,))
+    assert tune.best_trial([fast_but_slow_tail, good, worse], 50).plan == good.plan
+    assert tune.best_trial([fast_but_slow_tail], 50) is None
+
+
+def test_sweep_walks_delay_then_preferred_then_instances():
+    spec = load_spec()
+    seen = []
+
+    def measure(plan):  # a made-up response surface: 2000 us, preferred 32, two lookup instances win
+        seen.append(plan)
+        rows = 1000.0
+        rows *= 2 if plan.max_queue_delay_microseconds == 2000 else 1
+        rows *= 1.5 if plan.preferred_batch_sizes == (32,) else 1
+        rows *= 1.2 if plan.instances["embedding_lookup"] == 2 else 1
+        p99 = 100.0 if plan.instances["dense"] == 2 else 20.0  # two dense instances break the target
+        return tune.Trial(plan, (rows,), (p99,))
+
+    best, trials = tune.sweep(spec, measure, 50.0, delays=(500, 2000), instance_counts=(1, 2))
+    assert best.plan == ServingPlan(2000, (32,), {**{s: 1 for s in STEPS}, "embedding_lookup": 2})
+    assert len(trials) == len(seen) == len(set(map(repr, seen)))  # no plan measured twice
+
+
+def test_write_back_keeps_comments_and_round_trips(tmp_path):
+    target = tmp_path / "ctr.toml"
+    original = spec_path("ctr").read_text()
+    target.write_text(original)
+    plan = ServingPlan(1500, (32, 64), {"feature_transform": 2, "embedding_lookup": 1, "dense": 2})
+    tune.write_back(target, plan)
+    text = target.read_text()
+    document = tomllib.loads(text)
+    assert document["serving"]["max_queue_delay_microseconds"] == 1500
+    assert document["serving"]["preferred_batch_size"] == [32, 64]
+    assert document["serving"]["instances"] == {"feature_transform": 2, "embedding_lookup": 1, "dense": 2}
+    spec = parse_spec(document)
+    assert ServingPlan.from_spec(spec) == plan
+    # everything outside [serving] is untouched, comments included
+    assert [line for line in text.splitlines() if line.startswith("#")] == [
+        line for line in original.splitlines() if line.startswith("#")
+    ]
+    assert document["model"] == tomllib.loads(original)["model"]
+    tune.write_back(target, plan)  # idempotent: the added key is now edited in place
+    assert target.read_text() == text
+
+
+def test_write_back_refuses_a_plan_without_batching(tmp_path):
+    target = tmp_path / "ctr.toml"
+    target.write_text(spec_path("ctr").read_text())
+    with pytest.raises(ValueError, match="dynamic batching"):
+        tune.write_back(target, ServingPlan.naive())
