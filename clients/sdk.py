@@ -145,6 +145,88 @@ class _Base:
             raise ValueError(f"batch_size must be in 1..{self.spec.max_batch_size}, got {batch_size}")
 
 
+_ALIGN = 64
+
+
+class _SharedMemoryIO:
+    """One system shared-memory region holding a request's inputs and its output (same host only).
+
+    The region is sized for the largest request the spec allows, registered with the server once,
+    and reused by every request of its client: tensors are copied into it instead of being
+    serialised into the request message.
+    """
+
+    def __init__(self, client: Any, spec: ModelSpec) -> None:
+        from multiprocessing import shared_memory
+
+        rows = spec.max_batch_size
+        per_row = {
+            w.name: (4 + spec.categorical.max_hex_digits) * w.dims[0] if w.dtype == "BYTES"
+            else np.dtype(NUMPY_DTYPES[w.dtype]).itemsize * (spec.sequence.max_length if w.dims[0] == -1 else w.dims[0])
+            for w in spec.wire_inputs()
+        }  # fmt: skip
+        self.offsets: dict[str, int] = {}
+        size = 0
+        for name, row_bytes in per_row.items():
+            self.offsets[name] = size
+            size += -(-rows * row_bytes // _ALIGN) * _ALIGN
+        self.offsets[PROBABILITY] = size
+        size += rows * 4
+        self.capacity = {name: (self.offsets[name], rows * b) for name, b in per_row.items()}
+        self.region = shared_memory.SharedMemory(create=True, size=size)
+        self.name = f"recserve_{self.region.name}"
+        self.client = client
+        try:
+            client.register_system_shared_memory(self.name, f"/{self.region.name}", size)
+        except Exception:
+            self.region.close()
+            self.region.unlink()
+            raise
+
+    def place(self, module: ModuleType, spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        """Copy ``arrays`` into the region; ``InferInput`` objects that point at them."""
+        from tritonclient.utils import serialize_byte_tensor
+
+        result = []
+        for w in spec.wire_inputs():
+            array = arrays[w.name]
+            offset, capacity = self.capacity[w.name]
+            if w.dtype == "BYTES":
+                data = serialize_byte_tensor(array).item()
+                size = len(data)
+            else:
+                size = array.nbytes
+            if size > capacity:
+                raise InvalidRequestError(f"input '{w.name}' of {size} bytes exceeds the shared-memory slot of {capacity}")
+            if w.dtype == "BYTES":
+                self.region.buf[offset : offset + size] = data
+            else:
+                np.ndarray(array.shape, array.dtype, buffer=self.region.buf, offset=offset)[...] = array
+            infer_input = module.InferInput(w.name, list(array.shape), w.dtype)
+            infer_input.set_shared_memory(self.name, size, offset=offset)
+            result.append(infer_input)
+        return result
+
+    def output(self, module: ModuleType, rows: int) -> list[Any]:
+        """The requested output, written by the server into the region."""
+        requested = module.InferRequestedOutput(PROBABILITY)
+        requested.set_shared_memory(self.name, rows * 4, offset=self.offsets[PROBABILITY])
+        return [requested]
+
+    def probabilities(self, rows: int) -> np.ndarray:
+        """The output of the last request, copied out of the region."""
+        return np.frombuffer(self.region.buf, np.float32, count=rows, offset=self.offsets[PROBABILITY]).copy()
+
+    def close(self) -> None:
+        """Unregister and remove the region."""
+        try:
+            self.client.unregister_system_shared_memory(self.name)
+        except Exception as exc:  # the server may be gone already; the region is ours to remove anyway
+            LOGGER.debug("unregistering %s: %s", self.name, exc)
+        self.region.close()
+        self.region.unlink()
+
+
 class CTRClient(_Base):
     """Blocking client of the CTR ensemble.
 
@@ -157,6 +239,8 @@ class CTRClient(_Base):
         timeout_s: deadline of each request (gRPC) or connection and network timeout (HTTP).
         spec: the model spec; None loads the bundled default spec.
         model_name: the served model; None uses ``spec.name``.
+        shared_memory: pass tensors through a system shared-memory region instead of the request
+            message (opt-in; the server must run on the same host).
     """
 
     def __init__(
@@ -166,8 +250,10 @@ class CTRClient(_Base):
         timeout_s: float = 10.0,
         spec: ModelSpec | None = None,
         model_name: str | None = None,
+        shared_memory: bool = False,
     ) -> None:
         super().__init__(url, protocol, timeout_s, spec, model_name)
+        self._shm: _SharedMemoryIO | None = None
         self._module = self._import_module()
         try:
             if self.protocol == "grpc":
@@ -176,6 +262,8 @@ class CTRClient(_Base):
                 self._client = self._module.InferenceServerClient(
                     self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s, ssl=self._ssl
                 )
+            if shared_memory:
+                self._shm = _SharedMemoryIO(self._client, self.spec)
         except Exception as exc:
             raise map_exception(exc) from exc
         self._closed = False
@@ -199,6 +287,8 @@ class CTRClient(_Base):
         """Release the connection; later calls fail."""
         if not self._closed:
             self._closed = True
+            if self._shm is not None:
+                self._shm.close()
             self._client.close()
 
     def is_ready(self) -> bool:
@@ -241,8 +331,12 @@ class CTRClient(_Base):
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
             return np.zeros(0, dtype=np.float32)
-        infer_inputs = self._infer_inputs(self._module, arrays)
-        outputs = self._outputs(self._module)
+        if self._shm is not None:
+            infer_inputs = self._shm.place(self._module, self.spec, arrays)
+            outputs = self._shm.output(self._module, rows)
+        else:
+            infer_inputs = self._infer_inputs(self._module, arrays)
+            outputs = self._outputs(self._module)
         try:
             if self.protocol == "grpc":
                 result = self._client.infer(
@@ -252,6 +346,8 @@ class CTRClient(_Base):
                 result = self._client.infer(self.model_name, infer_inputs, outputs=outputs)
         except Exception as exc:
             raise map_exception(exc) from exc
+        if self._shm is not None:
+            return self._shm.probabilities(rows)
         return self._probabilities(result, rows)
 
     def predict(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:

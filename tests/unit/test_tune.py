@@ -34,9 +34,18 @@ def test_sweep_walks_delay_then_preferred_then_instances():
         p99 = 100.0 if plan.instances["dense"] == 2 else 20.0  # two dense instances break the target
         return tune.Trial(plan, (rows,), (p99,))
 
-    best, trials = tune.sweep(spec, measure, 50.0, delays=(500, 2000), instance_counts=(1, 2))
+    best, trials = tune.sweep(spec, measure, 50.0, delays=(500, 2000), instance_counts=(1, 2), confirm=2)
     assert best.plan == ServingPlan(2000, (32,), {**{s: 1 for s in STEPS}, "embedding_lookup": 2})
-    assert len(trials) == len(seen) == len(set(map(repr, seen)))  # no plan measured twice
+    explored = seen[:-2]
+    assert len(explored) == len(set(map(repr, explored)))  # no plan explored twice
+    assert seen[-2:] == [best.plan, *[p for p in seen[-2:] if p != best.plan]]  # the finalists, best first
+    assert len(trials) == len(seen)
+
+
+def test_combine_is_conservative():
+    plan = ServingPlan(500)
+    merged = tune.combine(tune.Trial(plan, (100.0, 10.0), (5.0, 70.0)), tune.Trial(plan, (300.0, 30.0), (9.0, 20.0)))
+    assert merged.rows_per_s == (200.0, 20.0) and merged.p99_ms == (9.0, 70.0)
 
 
 def test_write_back_keeps_comments_and_round_trips(tmp_path):

@@ -1,0 +1,76 @@
+"""``recserve bench`` machinery on a tiny grid, and a short locust run through the client SDK."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recserve.build.configs import STEPS
+from recserve.perf import report
+from recserve.perf.bench import Grid, run_bench
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = Grid(
+    client_batches=(1,),
+    concurrencies=(1, 16),
+    measurement_ms=500,
+    inprocess_batches=(1, 8),
+    inprocess_s=0.3,
+    loadgen_batches=(8,),
+    loadgen_concurrencies=(2,),
+    loadgen_s=1.0,
+    overhead_points=((8, 2),),
+    torchserve=False,
+)
+
+
+def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
+    started = time.monotonic()
+    run, points, summary = run_bench(spec, "ctr", repository, tmp_path, TINY, run_name="tiny")
+    assert time.monotonic() - started < 150
+    assert {p.name for p in run.iterdir()} >= {"points.csv", "points.json", "summary.json", "latency_vs_throughput.png"}
+    written = json.loads((run / "summary.json").read_text())
+    for key in ("ensemble_vs_inprocess", "dynamic_batching_gain", "vs_torchserve_throughput", "vs_torchserve_p99"):
+        assert key in written and key in written["targets"]
+    assert written["ensemble_vs_inprocess"] > 0 and written["dynamic_batching_gain"] > 0
+    assert written["vs_torchserve_throughput"] is None  # TorchServe was left out of this run
+    assert written["overheads"]["http_over_grpc"] and written["overheads"]["system_shm_over_grpc"]
+    configurations = {p.configuration for p in points}
+    assert {"inprocess", "triton-naive grpc perf_analyzer", "triton-tuned grpc perf_analyzer",
+            "triton-tuned http http-loadgen", "triton-tuned http perf_analyzer",
+            "triton-tuned grpc perf_analyzer shm=system"} <= configurations  # fmt: skip
+    for p in points:
+        assert p.rows_per_s > 0 and p.failures == 0 and p.p50_ms <= p.p99_ms, p
+        if p.system in (report.NAIVE, report.TUNED):
+            assert {s["model"] for s in p.steps} == set(STEPS), p
+    naive = [s for p in points if p.system == report.NAIVE for s in p.steps]
+    assert all(s["requests_per_execution"] == 1.0 for s in naive)  # no dynamic batching there
+    rows = (run / "points.csv").read_text().splitlines()
+    assert len(rows) == len(points) + 1
+
+
+def locust(server, *extra):
+    command = [
+        str(Path(sys.executable).parent / "locust"), "-f", str(ROOT / "perf" / "locustfile.py"), "--headless",
+        "-u", "3", "-r", "3", "--run-time", "4s", "--only-summary", "--ctr-url", server.http_url, *extra,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_locust_run_reports_p99_and_failures_and_fails_over_threshold(server):
+    ok = locust(server, "--p99-ms", "5000")
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert "failure ratio 0.0000" in ok.stdout
+    strict = locust(server, "--p99-ms", "0.001")
+    assert strict.returncode != 0
+    assert "p99" in strict.stdout
+
+
+@pytest.mark.parametrize("command", [["bench", "--help"], ["tune", "--help"]])
+def test_bench_and_tune_commands_exist(command):
+    done = subprocess.run([str(Path(sys.executable).parent / "recserve"), *command], capture_output=True, text=True)
+    assert done.returncode == 0 and "--repository" in done.stdout
