@@ -30,10 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from recserve.build import configs
+from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.analyzer import LOOSE_STABILITY, measure
-from recserve.perf.inprocess import measure_inprocess
+from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
 from recserve.perf.report import Point
@@ -59,6 +62,7 @@ class Grid:
     loadgen_concurrencies: tuple[int, ...] = (1, 4, 16, 32)
     loadgen_s: float = 5.0
     overhead_points: tuple[tuple[int, int], ...] = ((1, 16), (64, 4))  # (client batch, concurrency)
+    sdk_batches: tuple[int, ...] = (1, 64)  # one SDK client, with and without system shared memory
     torchserve: bool = True
 
     @classmethod
@@ -79,6 +83,7 @@ class Grid:
             loadgen_concurrencies=(4, 16),
             loadgen_s=3.0,
             overhead_points=((64, 4),),
+            sdk_batches=(64,),
         )
 
 
@@ -112,6 +117,18 @@ def _load_point(system: str, target: HttpTarget, concurrency: int, seconds: floa
         system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
         result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures, steps=tuple(s.as_dict() for s in steps),
     )  # fmt: skip
+
+
+def _sdk_point(spec: ModelSpec, server: TritonServer, batch: int, shared_memory: bool, seconds: float) -> Point:
+    """One blocking SDK client (gRPC) in a closed loop: the cost of the client path itself."""
+    batches = sample_batches(spec, batch)
+    with CTRClient(server.grpc_url, "grpc", spec=spec, shared_memory=shared_memory) as client:
+        for inputs in batches[:2]:
+            client.predict_inputs(inputs)  # warm-up
+        latencies_ms, elapsed = time_calls(client.predict_inputs, batches, seconds)
+    p50, p95, p99 = (float(v) for v in np.percentile(latencies_ms, [50, 95, 99]))
+    shm = "system" if shared_memory else "none"
+    return Point(report.TUNED, report.SDK, "grpc", batch, 1, len(latencies_ms) * batch / elapsed, p50, p95, p99, shm)
 
 
 def run_bench(
@@ -172,6 +189,9 @@ def run_bench(
                 add(_perf_point(spec, tuned, report.TUNED, "grpc", batch, concurrency, grid, data))
             for protocol, shm in (("http", "none"), ("grpc", "system")):
                 add(_perf_point(spec, tuned, report.TUNED, protocol, batch, concurrency, grid, data, shm))
+        for batch in grid.sdk_batches:
+            for shared_memory in (False, True):
+                add(_sdk_point(spec, tuned, batch, shared_memory, grid.loadgen_s))
 
         for batch in grid.loadgen_batches:
             batches = sample_batches(spec, batch)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,13 +33,21 @@ def measure_inprocess(spec: ModelSpec, repository: Path, batch_size: int, second
     batches = [rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec) for i in range(16)]
     for batch in batches[:4]:
         pipeline.predict(batch)  # warm-up
+    latencies_ms, elapsed = time_calls(pipeline.predict, batches, seconds)
+    p50, p95, p99 = (float(v) for v in np.percentile(latencies_ms, [50, 95, 99]))
+    return InProcessRate(batch_size, len(latencies_ms) * batch_size / elapsed, p50, p95, p99)
+
+
+def time_calls(call: Callable[[Any], object], items: Sequence[Any], seconds: float) -> tuple[np.ndarray, float]:
+    """Call ``call`` on ``items`` in turn, one at a time, for ``seconds``.
+
+    Returns:
+        each call's latency in milliseconds, and the seconds that all calls took.
+    """
     latencies = []
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         t0 = time.perf_counter()
-        pipeline.predict(batches[len(latencies) % len(batches)])
+        call(items[len(latencies) % len(items)])
         latencies.append(time.perf_counter() - t0)
-    elapsed = time.perf_counter() - started
-    ms = np.asarray(latencies) * 1e3
-    p50, p95, p99 = (float(v) for v in np.percentile(ms, [50, 95, 99]))
-    return InProcessRate(batch_size, len(latencies) * batch_size / elapsed, p50, p95, p99)
+    return np.asarray(latencies) * 1e3, time.perf_counter() - started

@@ -28,6 +28,7 @@ TORCHSERVE = "torchserve"
 PERF_ANALYZER = "perf_analyzer"
 HTTP_LOADGEN = "http-loadgen"
 DIRECT = "direct-call"
+SDK = "sdk"
 
 #: Targets of the headline ratios: (comparison, value).
 TARGETS = {
@@ -147,7 +148,11 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
 
 
 def overheads(points: Sequence[Point]) -> dict[str, Any]:
-    """Same load, one thing changed: HTTP vs gRPC and system shared memory vs none (perf_analyzer)."""
+    """Throughput and latency ratios at the same load with one thing changed.
+
+    HTTP over gRPC and system shared memory over none (perf_analyzer), and the client SDK with
+    system shared memory over without (one client, closed loop).
+    """
     result: dict[str, Any] = {}
     grpc = {(p.client_batch, p.concurrency): p for p in select(points, system=TUNED, generator=PERF_ANALYZER, protocol="grpc", shared_memory="none")}
     for label, match in (
@@ -164,6 +169,15 @@ def overheads(points: Sequence[Point]) -> dict[str, Any]:
                     "p99_ratio": p.p99_ms / base.p99_ms,
                 })  # fmt: skip
         result[label] = rows
+    sdk = {(p.client_batch, p.shared_memory): p for p in select(points, generator=SDK)}
+    result["sdk_system_shm_over_wire"] = [
+        {
+            "client_batch": batch, "concurrency": 1,
+            "throughput_ratio": shm.rows_per_s / wire.rows_per_s, "p50_ratio": shm.p50_ms / wire.p50_ms,
+            "p99_ratio": shm.p99_ms / wire.p99_ms,
+        }
+        for (batch, mode), shm in sorted(sdk.items()) if mode == "system" and (wire := sdk.get((batch, "none")))
+    ]  # fmt: skip
     return result
 
 

@@ -2,9 +2,10 @@
 
 The sweep is coordinate-wise, one restart of tritonserver per candidate plan (each alone on the
 machine): first ``max_queue_delay_microseconds``, then ``preferred_batch_size`` at the best delay,
-then the instance count of each step in turn. A plan scores the geometric mean of its rows/s over
-the workloads (client batch, concurrency); a plan whose p99 exceeds the target at any workload is
-out. The ``confirm`` best plans are then measured a second time and judged on both measurements (mean
+then the instance count of each step in turn. Each plan is measured at a ladder of concurrencies
+per client batch size; its capacity at a batch size is the highest rows/s whose p99 meets the
+target (the same rule ``recserve bench`` reads its ratios by), and it scores the geometric mean of
+its capacities (0, out, when a batch size meets the target at no concurrency). The ``confirm`` best plans are then measured a second time and judged on both measurements (mean
 rows/s, worst p99), so that one lucky window on a shared machine does not decide. The best plan is
 written back into the spec's ``[serving]`` section and its configs are regenerated.
 """
@@ -28,30 +29,40 @@ from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
-DEFAULT_WORKLOADS = ((1, 16), (64, 4))
+DEFAULT_WORKLOADS = ((1, 4), (1, 8), (1, 16), (64, 1), (64, 2), (64, 4))
 DEFAULT_DELAYS = (100, 500, 1000, 2000, 4000)
 DEFAULT_INSTANCES = (1, 2)
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One plan measured at every workload."""
+    """One plan measured at every workload ``(client batch, concurrency)``."""
 
     plan: ServingPlan
+    workloads: tuple[tuple[int, int], ...]
     rows_per_s: tuple[float, ...]
     p99_ms: tuple[float, ...]
 
+    def capacity(self, p99_target_ms: float) -> dict[int, float]:
+        """Per client batch size: the highest rows/s among its concurrencies whose p99 meets the target."""
+        best: dict[int, float] = {}
+        for (batch, _), rows, p99 in zip(self.workloads, self.rows_per_s, self.p99_ms):
+            best[batch] = max(best.get(batch, 0.0), rows if p99 <= p99_target_ms else 0.0)
+        return best
+
     def score(self, p99_target_ms: float) -> float:
-        """Geometric mean of rows/s; 0 when any workload misses the p99 target."""
-        if any(p > p99_target_ms for p in self.p99_ms) or not self.rows_per_s:
+        """Geometric mean over client batch sizes of :meth:`capacity`; 0 when one has none."""
+        values = list(self.capacity(p99_target_ms).values())
+        if not values or min(values) <= 0:
             return 0.0
-        return math.exp(sum(math.log(max(r, 1e-9)) for r in self.rows_per_s) / len(self.rows_per_s))
+        return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def combine(first: Trial, second: Trial) -> Trial:
     """Two measurements of one plan as one: mean rows/s, worst p99 (noise does not flatter a plan)."""
     return Trial(
         first.plan,
+        first.workloads,
         tuple((a + b) / 2 for a, b in zip(first.rows_per_s, second.rows_per_s)),
         tuple(max(a, b) for a, b in zip(first.p99_ms, second.p99_ms)),
     )
@@ -104,7 +115,8 @@ def sweep(
     for step in configs.STEPS:
         try_all([replace(current, instances={**current.instances, step: n}) for n in instance_counts])
     # a shared machine is noisy: measure the finalists again and decide on both measurements
-    finalists = sorted(trials, key=lambda t: t.score(p99_target_ms), reverse=True)[:confirm]
+    ranked = sorted((t for t in trials if t.score(p99_target_ms) > 0), key=lambda t: t.score(p99_target_ms), reverse=True)
+    finalists = ranked[:confirm]
     confirmed = []
     for trial in finalists:
         again = combine(trial, measure_plan(trial.plan))
@@ -127,7 +139,7 @@ def perf_analyzer_measure(
                 point = measure(spec, server.grpc_url, "grpc", batch, str(concurrency), measurement_ms, data=data, stability_percentage=LOOSE_STABILITY)[0][-1]
                 rows.append(point.rows_per_s)
                 p99.append(point.p99_us / 1e3)
-        return Trial(plan, tuple(rows), tuple(p99))
+        return Trial(plan, tuple(workloads), tuple(rows), tuple(p99))
 
     return run
 

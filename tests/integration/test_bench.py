@@ -6,11 +6,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from recserve.build.configs import STEPS
+from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.bench import Grid, run_bench
+from recserve.perf.loadgen import sample_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,6 +27,7 @@ TINY = Grid(
     loadgen_concurrencies=(2,),
     loadgen_s=1.0,
     overhead_points=((8, 2),),
+    sdk_batches=(8,),
     torchserve=False,
 )
 
@@ -38,7 +42,8 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         assert key in written and key in written["targets"]
     assert written["ensemble_vs_inprocess"] > 0 and written["dynamic_batching_gain"] > 0
     assert written["vs_torchserve_throughput"] is None  # TorchServe was left out of this run
-    assert written["overheads"]["http_over_grpc"] and written["overheads"]["system_shm_over_grpc"]
+    for probe in ("http_over_grpc", "system_shm_over_grpc", "sdk_system_shm_over_wire"):
+        assert written["overheads"][probe], probe
     configurations = {p.configuration for p in points}
     assert {"inprocess", "triton-naive grpc perf_analyzer", "triton-tuned grpc perf_analyzer",
             "triton-tuned http http-loadgen", "triton-tuned http perf_analyzer",
@@ -51,6 +56,17 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
     assert all(s["requests_per_execution"] == 1.0 for s in naive)  # no dynamic batching there
     rows = (run / "points.csv").read_text().splitlines()
     assert len(rows) == len(points) + 1
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_sdk_shared_memory_gives_the_same_probabilities(server, spec, protocol):
+    batches = sample_batches(spec, 5, count=3) + sample_batches(spec, spec.max_batch_size, count=1)
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    with CTRClient(url, protocol, spec=spec) as wire, CTRClient(url, protocol, spec=spec, shared_memory=True) as shm:
+        for inputs in batches:
+            np.testing.assert_array_equal(shm.predict_inputs(inputs), wire.predict_inputs(inputs))
+        region = shm._shm.region.name
+    assert not Path("/dev/shm", region).exists()  # closed: unregistered and removed
 
 
 def locust(server, *extra):

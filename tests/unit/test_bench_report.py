@@ -77,8 +77,14 @@ def test_overheads_compare_same_load_points():
     points = sample_points() + [
         point(report.TUNED, report.PERF_ANALYZER, "http", 64, 4, 6_000, 45),
         point(report.TUNED, report.PERF_ANALYZER, "grpc", 64, 4, 8_800, 27, shm="system"),
+        point(report.TUNED, report.SDK, "grpc", 64, 1, 1_000, 10),
+        point(report.TUNED, report.SDK, "grpc", 64, 1, 1_100, 8, shm="system"),
     ]
     overheads = report.overheads(points)
+    assert overheads["sdk_system_shm_over_wire"] == [
+        {"client_batch": 64, "concurrency": 1, "throughput_ratio": pytest.approx(1.1), "p50_ratio": pytest.approx(0.8),
+         "p99_ratio": pytest.approx(0.8)}
+    ]
     assert overheads["http_over_grpc"][0]["throughput_ratio"] == pytest.approx(0.75)
     assert overheads["system_shm_over_grpc"][0]["p99_ratio"] == pytest.approx(0.9)
 

@@ -7,16 +7,20 @@ from recserve.perf import tune
 from recserve.spec import load_spec, parse_spec, spec_path
 
 
-def test_score_is_zero_when_any_workload_misses_the_target():
-    plan = ServingPlan(500)
-    assert tune.Trial(plan, (100.0, 400.0), (10.0, 20.0)).score(50) == pytest.approx(200.0)
-    assert tune.Trial(plan, (100.0, 400.0), (10.0, 60.0)).score(50) == 0.0
+LADDER = ((1, 4), (1, 16), (64, 1), (64, 4))
+
+
+def test_capacity_is_the_best_rate_within_the_target_per_batch_size():
+    trial = tune.Trial(ServingPlan(500), LADDER, (100.0, 300.0, 400.0, 900.0), (10.0, 70.0, 20.0, 45.0))
+    assert trial.capacity(50) == {1: 100.0, 64: 900.0}
+    assert trial.score(50) == pytest.approx(300.0)
+    assert trial.capacity(15) == {1: 100.0, 64: 0.0} and trial.score(15) == 0.0
 
 
 def test_best_trial_prefers_throughput_within_the_target():
-    fast_but_slow_tail = tune.Trial(ServingPlan(4000), (900.0,), (80.0,))
-    good = tune.Trial(ServingPlan(1000), (700.0,), (30.0,))
-    worse = tune.Trial(ServingPlan(100), (500.0,), (20.0,))
+    fast_but_slow_tail = tune.Trial(ServingPlan(4000), ((1, 16),), (900.0,), (80.0,))
+    good = tune.Trial(ServingPlan(1000), ((1, 16),), (700.0,), (30.0,))
+    worse = tune.Trial(ServingPlan(100), ((1, 16),), (500.0,), (20.0,))
     assert tune.best_trial([fast_but_slow_tail, good, worse], 50).plan == good.plan
     assert tune.best_trial([fast_but_slow_tail], 50) is None
 
@@ -32,7 +36,7 @@ def test_sweep_walks_delay_then_preferred_then_instances():
         rows *= 1.5 if plan.preferred_batch_sizes == (32,) else 1
         rows *= 1.2 if plan.instances["embedding_lookup"] == 2 else 1
         p99 = 100.0 if plan.instances["dense"] == 2 else 20.0  # two dense instances break the target
-        return tune.Trial(plan, (rows,), (p99,))
+        return tune.Trial(plan, ((1, 16),), (rows,), (p99,))
 
     best, trials = tune.sweep(spec, measure, 50.0, delays=(500, 2000), instance_counts=(1, 2), confirm=2)
     assert best.plan == ServingPlan(2000, (32,), {**{s: 1 for s in STEPS}, "embedding_lookup": 2})
@@ -44,7 +48,8 @@ def test_sweep_walks_delay_then_preferred_then_instances():
 
 def test_combine_is_conservative():
     plan = ServingPlan(500)
-    merged = tune.combine(tune.Trial(plan, (100.0, 10.0), (5.0, 70.0)), tune.Trial(plan, (300.0, 30.0), (9.0, 20.0)))
+    two = ((1, 4), (1, 8))
+    merged = tune.combine(tune.Trial(plan, two, (100.0, 10.0), (5.0, 70.0)), tune.Trial(plan, two, (300.0, 30.0), (9.0, 20.0)))
     assert merged.rows_per_s == (200.0, 20.0) and merged.p99_ms == (9.0, 70.0)
 
 
