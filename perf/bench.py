@@ -202,9 +202,7 @@ def run_bench(
                 for system, (target, stats_url) in targets.items():
                     add(_load_point(system, target, concurrency, grid.loadgen_s, stats_url))
 
-    summary = report.summarize(points)
-    summary["overheads"] = report.overheads(points)
-    summary["run"] = {
+    run_info = {
         "name": run.name,
         "seconds": round(time.monotonic() - started, 1),
         "grid": asdict(grid),
@@ -217,9 +215,19 @@ def run_bench(
         },
     }
     report.write_points(points, run)
+    (run / "run.json").write_text(json.dumps(run_info, indent=1))
+    return run, points, write_summary(run, points)
+
+
+def write_summary(run: Path, points: Sequence[Point]) -> dict[str, Any]:
+    """``summary.json`` and the plots of a results folder, from its points (and ``run.json``)."""
+    summary = report.summarize(points)
+    summary["overheads"] = report.overheads(points)
+    if (run / "run.json").exists():
+        summary["run"] = json.loads((run / "run.json").read_text())
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     report.plot(points, run)
-    return run, points, summary
+    return summary
 
 
 def format_result(points: Sequence[Point], summary: dict[str, Any]) -> str:

@@ -117,6 +117,13 @@ def _bench(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
     from recserve.perf.bench import Grid, format_result, run_bench
 
+    if args.summarize is not None:  # no measuring: recompute summary.json and plots of a finished run
+        from recserve.perf.bench import write_summary
+        from recserve.perf.report import read_points
+
+        points = read_points(args.summarize)
+        print(format_result(points, write_summary(args.summarize, points)))
+        return 0
     spec = load_spec(args.spec)
     if not is_built(spec, args.repository):
         print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
@@ -233,6 +240,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=_ints, default=None, help="requests in flight, e.g. 1,2,4,8,16,32")
     bench.add_argument("--measurement-ms", type=int, default=None, help="perf_analyzer measurement window")
     bench.add_argument("--no-torchserve", action="store_true", help="skip TorchServe (no install, no peer rows)")
+    bench.add_argument("--summarize", type=Path, default=None, metavar="RUN", help="only rewrite summary.json and plots of RUN")
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser("tune", help="sweep queue delay, preferred batch size and instances; write the best to the spec")

@@ -64,6 +64,18 @@ def test_missing_configurations_give_none_not_errors():
     assert "not measured" in report.describe_summary(summary)
 
 
+def test_torchserve_never_within_the_bound_is_compared_at_its_best_rate():
+    points = [p for p in sample_points() if p.system != report.TORCHSERVE] + [
+        point(report.TORCHSERVE, *HTTP, 64, 4, 1_000, 90),
+        point(report.TORCHSERVE, *HTTP, 64, 16, 1_400, 300),
+    ]
+    summary = report.summarize(points)
+    assert summary["torchserve_within_p99_bound"] is False
+    assert summary["vs_torchserve_throughput"] == pytest.approx(7_000 / 1_400)
+    assert summary["vs_torchserve_p99"] == pytest.approx(45 / 300)
+    assert report.summarize(sample_points())["torchserve_within_p99_bound"] is True
+
+
 def test_missed_target_is_reported():
     points = [p for p in sample_points() if not (p.system == report.TUNED and p.client_batch == 1)]
     points.append(point(report.TUNED, *GRPC, 1, 16, 600, 20))
@@ -92,6 +104,7 @@ def test_overheads_compare_same_load_points():
 def test_points_files_and_plots(tmp_path):
     points = sample_points()
     report.write_points(points, tmp_path)
+    assert report.read_points(tmp_path) == points
     header = (tmp_path / "points.csv").read_text().splitlines()[0].split(",")
     assert header[:2] == ["configuration", "system"] and "p99_ms" in header
     assert len(json.loads((tmp_path / "points.json").read_text())) == len(points)
