@@ -242,21 +242,22 @@ def plot(points: Sequence[Point], folder: Path, p99_bound_ms: float = P99_BOUND_
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     configurations = sorted({p.configuration for p in points})
-    batches = sorted({p.client_batch for p in points if p.system != INPROCESS})
+    colors = {name: f"C{i % 10}" for i, name in enumerate(configurations)}  # one colour per configuration
+    served = [p for p in points if p.system != INPROCESS]
+    batches = sorted({p.client_batch for p in served})
     fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(6 * max(len(batches), 1), 4.5), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for name in configurations:
-            curve = sorted(select(points, client_batch=batch), key=lambda p: p.concurrency)
-            curve = [p for p in curve if p.configuration == name]
+            curve = sorted((p for p in served if p.client_batch == batch and p.configuration == name), key=lambda p: p.concurrency)
             if curve:
-                ax.plot([p.rows_per_s for p in curve], [p.p99_ms for p in curve], marker="o", label=name)
+                ax.plot([p.rows_per_s for p in curve], [p.p99_ms for p in curve], marker="o", color=colors[name], label=name)
         bound = best_under(select(points, system=INPROCESS), p99_bound_ms)
         if bound:
             ax.axvline(bound.rows_per_s, color="grey", linestyle=":", label=f"in-process bound (batch {bound.client_batch})")
         ax.axhline(p99_bound_ms, color="red", linestyle="--", linewidth=0.8)
         ax.set(title=f"client batch {batch}", xlabel="rows/s", ylabel="p99 latency (ms)", yscale="log")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6)
     fig.tight_layout()
     overview = folder / "latency_vs_throughput.png"
     fig.savefig(overview, dpi=110)
