@@ -96,12 +96,13 @@ def parse_csv(path: Path) -> list[PerfPoint]:
 def measure(
     spec: ModelSpec, url: str | None = None, protocol: str = "grpc", batch_size: int = 1, concurrency: str = "1:4",
     measurement_ms: int = 3000, workdir: Path | None = None, data: Path | None = None, shared_memory: str = "none",
-    stability_percentage: int = 50,
+    stability_percentage: int = LOOSE_STABILITY,
 ) -> tuple[list[PerfPoint], str]:
     """Run perf_analyzer once; return the parsed points and its printed output.
 
     ``data`` reuses an input-data file written by :func:`write_input_data` (else one is written).
-    A large ``stability_percentage`` accepts the first three windows (for shared, noisy machines).
+    The default :data:`LOOSE_STABILITY` accepts the first three windows (shared, noisy machines);
+    pass e.g. 50 to let perf_analyzer insist on stable windows.
     """
     url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
     with tempfile.TemporaryDirectory() as tmp:

@@ -125,10 +125,15 @@ def _sdk_point(spec: ModelSpec, server: TritonServer, batch: int, shared_memory:
     with CTRClient(server.grpc_url, "grpc", spec=spec, shared_memory=shared_memory) as client:
         for inputs in batches[:2]:
             client.predict_inputs(inputs)  # warm-up
+        before = snapshot(server.http_url)
         latencies_ms, elapsed = time_calls(client.predict_inputs, batches, seconds)
+        steps = difference(before, snapshot(server.http_url), configs.STEPS)
     p50, p95, p99 = (float(v) for v in np.percentile(latencies_ms, [50, 95, 99]))
     shm = "system" if shared_memory else "none"
-    return Point(report.TUNED, report.SDK, "grpc", batch, 1, len(latencies_ms) * batch / elapsed, p50, p95, p99, shm)
+    return Point(
+        report.TUNED, report.SDK, "grpc", batch, 1, len(latencies_ms) * batch / elapsed, p50, p95, p99, shm,
+        steps=tuple(s.as_dict() for s in steps),
+    )  # fmt: skip
 
 
 def run_bench(
