@@ -220,10 +220,10 @@ def table(points: Sequence[Point]) -> str:
 
 def describe_summary(summary: dict[str, Any]) -> str:
     """The headline ratios against their targets, one per line."""
-    lines = []
+    lines = ["(n/a: not measured, or no point of that configuration within the p99 bound)"]
     for name, target in summary["targets"].items():
         value = target["value"]
-        shown = "not measured" if value is None else f"{value:.2f}"
+        shown = "n/a" if value is None else f"{value:.2f}"
         verdict = {True: "met", False: "MISSED", None: ""}[target["met"]]
         lines.append(f"{name:<26} {shown:>12}  (target {target['target']}) {verdict}")
     p99 = summary.get("dynamic_batching_p99_ratio")

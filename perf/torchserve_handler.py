@@ -38,8 +38,21 @@ def decode(spec: ModelSpec, body: Any) -> dict[str, np.ndarray]:
     return arrays
 
 
+def row_groups(rows: list[int], limit: int) -> list[list[int]]:
+    """Consecutive request indices grouped so that no group holds more than ``limit`` rows."""
+    groups: list[list[int]] = []
+    total = limit + 1
+    for i, n in enumerate(rows):
+        if total + n > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
+
+
 class CTRHandler:
-    """Scores a TorchServe batch of requests in one call of the in-process pipeline."""
+    """Scores a TorchServe batch of requests in as few calls of the in-process pipeline as ``max_batch_size`` allows."""
 
     def __init__(self) -> None:
         self.spec: ModelSpec | None = None
@@ -62,11 +75,11 @@ class CTRHandler:
                 valid.append(i)
             except (KeyError, TypeError, ValueError) as exc:
                 results[i] = {"error": f"bad request: {exc}"}
-        if valid:
-            merged, sizes = batching.merge(arrays)
+        for group in row_groups([len(a[self.spec.dense.name]) for a in arrays], self.spec.max_batch_size):
+            merged, sizes = batching.merge([arrays[g] for g in group])
             probabilities = self.pipeline.predict(merged)
-            for i, part in zip(valid, batching.split({"p": probabilities}, sizes)):
-                results[i] = part["p"].tolist()
+            for g, part in zip(group, batching.split({"p": probabilities}, sizes)):
+                results[valid[g]] = part["p"].tolist()
         return results
 
 

@@ -61,7 +61,7 @@ def test_missing_configurations_give_none_not_errors():
     summary = report.summarize(points)
     assert summary["vs_torchserve_throughput"] is None and summary["vs_torchserve_p99"] is None
     assert summary["targets"]["vs_torchserve_throughput"]["met"] is None
-    assert "not measured" in report.describe_summary(summary)
+    assert "n/a" in report.describe_summary(summary)
 
 
 def test_torchserve_never_within_the_bound_is_compared_at_its_best_rate():
@@ -112,3 +112,12 @@ def test_points_files_and_plots(tmp_path):
     assert (tmp_path / "latency_vs_throughput.png") in plots
     assert all(p.stat().st_size > 1000 for p in plots)
     assert "triton-tuned grpc perf_analyzer" in report.table(points)
+
+
+def test_torchserve_handler_groups_requests_within_max_batch():
+    from recserve.perf.torchserve_handler import row_groups
+
+    assert row_groups([64, 64, 64, 64, 64], 256) == [[0, 1, 2, 3], [4]]
+    assert row_groups([1, 255, 1], 256) == [[0, 1], [2]]
+    assert row_groups([256, 256], 256) == [[0], [1]]
+    assert row_groups([], 256) == []
