@@ -29,25 +29,24 @@ def _build(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from recserve.build.configs import write_variant
     from recserve.server import MpsDaemon, Ports, ServerError, require_gpu, run_foreground, server_command, server_env
 
     if not (args.repository / "dense").is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
-    if args.mps and args.profile != "gpu":
-        print("error: --mps shares a GPU between instances; use it with --profile gpu", file=sys.stderr)
+    if args.mps and args.profile == "cpu":
+        print("error: --mps shares a GPU between instances; use it with --profile gpu or cuda", file=sys.stderr)
         return 2
-    repository = args.repository
     try:
-        if args.profile == "gpu":
+        extra = []
+        if args.profile != "cpu":
             print(f"GPUs: {', '.join(require_gpu())}", file=sys.stderr)
-            repository = write_variant(load_spec(args.spec), args.repository, Path(f"{args.repository}-gpu"), profile="gpu")
-        command = server_command(repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host)
+            extra.append(f"--model-config-name={args.profile}")  # <model>/configs/<profile>.pbtxt where present
+        command = server_command(args.repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host, extra)
         print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
         if not args.mps:
             os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
-        with MpsDaemon(repository.resolve() / ".mps") as mps:
+        with MpsDaemon(args.repository.resolve() / ".mps") as mps:
             return run_foreground(command, mps.env(server_env()))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -187,8 +186,8 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--profile", choices=("cpu", "gpu"), default="cpu",
-                       help="gpu: KIND_GPU instances, served from '<repository>-gpu' (configs regenerated, artifacts linked)")
+    serve.add_argument("--profile", choices=("cpu", "gpu", "cuda"), default="cpu",
+                       help="gpu / cuda: serve the configs/<profile>.pbtxt variants (KIND_GPU instances; needs a GPU)")
     serve.add_argument("--mps", action="store_true", help="run the NVIDIA MPS control daemon for the server's lifetime")
     serve.set_defaults(func=_serve)
 

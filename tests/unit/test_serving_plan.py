@@ -31,18 +31,24 @@ def test_plan_sets_delay_preferred_sizes_and_instances(spec):
         assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
 
 
-def test_gpu_profile_asks_for_gpu_instances_and_gpu_inputs(spec):
-    for step in STEPS:
-        config = configs.step_config(spec, step, profile="gpu")
+@pytest.mark.parametrize("profile", ["gpu", "cuda"])
+def test_gpu_profiles_run_the_python_steps_on_gpu_instances_with_gpu_inputs(spec, profile):
+    for step in (configs.FEATURE_TRANSFORM, configs.EMBEDDING_LOOKUP):
+        config = configs.step_config(spec, step, profile=profile)
         assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
         assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+        assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
         assert "FORCE_CPU_ONLY_INPUT_TENSORS" not in configs.step_config(spec, step).parameters
+        assert configs.step_config(spec, step).instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+
+def test_unknown_profile_is_refused(spec):
     with pytest.raises(ValueError, match="profile"):
         configs.step_config(spec, STEPS[0], profile="tpu")
 
 
 def test_spec_plan_is_the_committed_one(spec):
-    assert configs.all_configs(spec) == configs.all_configs(spec, "cpu", ServingPlan.from_spec(spec))
+    for profile in configs.PROFILES:
+        assert configs.all_configs(spec, profile) == configs.all_configs(spec, profile, ServingPlan.from_spec(spec))
 
 
 def test_preferred_batch_sizes_must_fit_max_batch(spec):
@@ -56,12 +62,13 @@ def test_variant_links_artifacts_and_writes_its_own_configs(spec, tmp_path):
     for step in STEPS:
         (source / step / str(spec.version)).mkdir(parents=True)
         (source / step / str(spec.version) / "model.py").write_text(step)
-    variant = configs.write_variant(spec, source, tmp_path / "variant", profile="gpu", plan=ServingPlan.naive())
+    variant = configs.write_variant(spec, source, tmp_path / "variant", profile="cuda", plan=ServingPlan.naive())
     for step in STEPS:
         version = variant / step / str(spec.version)
         assert version.is_symlink() and (version / "model.py").read_text() == step
         parsed = text_format.Parse((variant / step / "config.pbtxt").read_text(), mc.ModelConfig())
         assert parsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+        assert not parsed.HasField("dynamic_batching")
     assert (variant / spec.name / "config.pbtxt").is_file()
     with pytest.raises(ValueError):
         configs.write_variant(spec, source, source)
@@ -91,7 +98,7 @@ def test_gpu_profile_and_mps_fail_clearly_without_a_gpu(repository, capsys, tmp_
     assert main(["serve", "--repository", str(repository), "--profile", "gpu"]) == 2
     assert "nvidia-smi lists none" in capsys.readouterr().err
     assert main(["serve", "--repository", str(repository), "--mps"]) == 2
-    assert "--profile gpu" in capsys.readouterr().err
+    assert "--profile gpu or cuda" in capsys.readouterr().err
     with pytest.raises(ServerError, match="nvidia-cuda-mps-control|nvidia-smi"):
         MpsDaemon(tmp_path).start()
 
