@@ -29,7 +29,9 @@ def _build(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from recserve.server import MpsDaemon, Ports, ServerError, require_gpu, run_foreground, server_command, server_env
+    from recserve.server import (
+        MpsDaemon, Ports, ServerError, require_gpu, run_foreground, runtime_dir, server_command, server_env,
+    )  # fmt: skip
 
     if not (args.repository / "dense").is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
@@ -46,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
         if not args.mps:
             os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
-        with MpsDaemon(args.repository.resolve() / ".mps") as mps:
+        with MpsDaemon(runtime_dir().parent / "mps") as mps:  # pipes and logs beside the server runtime
             return run_foreground(command, mps.env(server_env()))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
