@@ -49,12 +49,13 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
         WireTensor(tensors.TARGET_EMBEDDING, "FP32", (dim,)),
         WireTensor(tensors.HISTORY_EMBEDDINGS, "FP32", (-1, dim), ragged=True),
         WireTensor(tensors.PROBABILITY, "FP32", (1,)),
+        WireTensor(tensors.DENSE_VERSION, "INT64", (1,)),
     )
     return {t.name: t for t in items}
 
 
-def step_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
-    """Inputs and outputs of each ensemble step."""
+def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
+    """Inputs and outputs of each ensemble step (a TensorRT ``dense``, profile ``gpu``, has no version output)."""
     t = intermediate_tensors(spec)
     return {
         FEATURE_TRANSFORM: (
@@ -65,7 +66,10 @@ def step_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tuple[Wi
             tuple(t[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS)),
             tuple(t[n] for n in (tensors.SPARSE_EMBEDDINGS, tensors.TARGET_EMBEDDING, tensors.HISTORY_EMBEDDINGS)),
         ),
-        DENSE: (tuple(t[n] for n in tensors.DENSE_NET_INPUTS), (t[tensors.PROBABILITY],)),
+        DENSE: (
+            tuple(t[n] for n in tensors.DENSE_NET_INPUTS),
+            (t[tensors.PROBABILITY],) if profile == "gpu" else (t[tensors.PROBABILITY], t[tensors.DENSE_VERSION]),
+        ),
     }
 
 
@@ -75,6 +79,15 @@ def _input(t: WireTensor) -> mc.ModelInput:
 
 def _output(t: WireTensor) -> mc.ModelOutput:
     return mc.ModelOutput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims))
+
+
+def queue_policy(spec: ModelSpec) -> mc.ModelQueuePolicy:
+    """The spec's load-shedding policy for one step's queue."""
+    return mc.ModelQueuePolicy(
+        timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(spec.queue.timeout_action),
+        default_timeout_microseconds=spec.queue.default_timeout_microseconds,
+        max_queue_size=spec.queue.max_queue_size,
+    )
 
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
@@ -102,7 +115,7 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
     Requests of one sequence bucket batch together (the feature step pads every request to a sequence
     bucket, so no ragged batching); the dynamic batcher prefers the batch buckets' sizes.
     """
-    inputs, outputs = step_io(spec)[DENSE]
+    inputs, outputs = step_io(spec, "gpu")[DENSE]
     return mc.ModelConfig(
         name=DENSE,
         platform="tensorrt_plan",
@@ -142,7 +155,10 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu") -> mc.ModelCon
         input=[_input(t) for t in inputs],
         output=[_output(t) for t in outputs],
         instance_group=[mc.ModelInstanceGroup(count=spec.instances[step], kind=kind)],
-        dynamic_batching=mc.ModelDynamicBatching(max_queue_delay_microseconds=spec.max_queue_delay_microseconds),
+        dynamic_batching=mc.ModelDynamicBatching(
+            max_queue_delay_microseconds=spec.max_queue_delay_microseconds,
+            default_queue_policy=queue_policy(spec),
+        ),
     )
     if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
@@ -150,9 +166,9 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu") -> mc.ModelCon
     return config
 
 
-def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
-    """The ``ctr`` ensemble: raw features in, click probability out."""
-    io = step_io(spec)
+def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
+    """The ``ctr`` ensemble: raw features in, click probability (and the dense version) out."""
+    io = step_io(spec, profile)
     steps = []
     for step in STEPS:
         inputs, outputs = io[step]
@@ -169,7 +185,7 @@ def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in spec.wire_inputs()],
-        output=[_output(io[DENSE][1][0])],
+        output=[_output(t) for t in io[DENSE][1]],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 
@@ -177,7 +193,7 @@ def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
 def all_configs(spec: ModelSpec, profile: str = "cpu") -> dict[str, mc.ModelConfig]:
     """Every model of the repository by name, in one config profile."""
     configs = {step: step_config(spec, step, profile) for step in STEPS}
-    configs[spec.name] = ensemble_config(spec)
+    configs[spec.name] = ensemble_config(spec, profile)
     return configs
 
 

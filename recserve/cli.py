@@ -11,6 +11,7 @@ from recserve.build.tensorrt_engine import PRECISIONS
 from recserve.spec import DEFAULT_SPEC, load_spec
 
 DEFAULT_REPOSITORY = Path("model_repository")
+ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -27,14 +28,17 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from recserve.server import Ports, ServerError, server_command, server_env
     import os
+
+    from recserve.server import Ports, Security, ServerError, server_command, server_env
 
     if not (args.repository / "dense").is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
     try:
-        command = server_command(args.repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host)
+        security = Security(args.model_control, os.environ.get(ADMIN_KEY_ENV) or None, args.client_shared_memory)
+        ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+        command = server_command(args.repository, ports, args.host, security=security)
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -95,6 +99,18 @@ def _bench_dense(args: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from recserve.perf.soak import soak_command
+
+    return soak_command(load_spec(args.spec), args.repository, args.duration, args.update_every)
+
+
+def _overload(args: argparse.Namespace) -> int:
+    from recserve.perf.overload import overload_command
+
+    return overload_command(load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``recserve``."""
     top = argparse.ArgumentParser(prog="recserve", description=__doc__)
@@ -116,6 +132,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
     serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument(
+        "--model-control",
+        choices=("none", "explicit"),
+        default="none",
+        help=f"'explicit': models can be (re)loaded by callers sending the {ADMIN_KEY_ENV} value "
+        "in the recserve-admin-key header (required then)",
+    )
+    serve.add_argument(
+        "--client-shared-memory", action="store_true", help="let every client register shared memory (locked by default)"
+    )
     serve.set_defaults(func=_serve)
 
     predict = sub.add_parser("predict", help="score Criteo rows (TSV or CSV with header); one probability per line")
@@ -143,6 +169,21 @@ def parser() -> argparse.ArgumentParser:
     perf.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="for the in-process comparison")
     perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
     perf.set_defaults(func=_perf)
+
+    soak = sub.add_parser(
+        "soak", help="bounded mixed traffic with periodic dense updates on a private loopback server; fails on leaks"
+    )
+    soak.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; the copy gets the updates")
+    soak.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
+    soak.add_argument("--update-every", type=float, default=10.0, help="seconds between dense version updates")
+    soak.set_defaults(func=_soak)
+
+    overload = sub.add_parser("overload", help="open-loop spike above measured capacity on a private loopback server")
+    overload.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    overload.add_argument("--rows", type=int, default=8, help="rows per request")
+    overload.add_argument("--spike", type=float, default=2.0, help="spike rate as a multiple of capacity")
+    overload.add_argument("--seconds", type=float, default=5.0, help="length of the half-capacity and spike phases")
+    overload.set_defaults(func=_overload)
 
     from recserve.store_cli import add_commands
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -26,6 +27,14 @@ from types import TracebackType
 LOGGER = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+
+#: Request header that unlocks the restricted APIs (HTTP header / gRPC metadata key).
+ADMIN_HEADER = "recserve-admin-key"
+#: APIs only a caller holding the admin key may use: loading and unloading models, changing log and
+#: trace settings. Client shared memory is added unless it is asked for explicitly.
+RESTRICTED_APIS = ("model-repository", "logging", "trace")
+SHARED_MEMORY_API = "shared-memory"
+MODEL_CONTROL_MODES = ("none", "explicit")
 
 
 class ServerError(RuntimeError):
@@ -102,9 +111,58 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def server_command(repository: Path, ports: Ports, host: str = LOOPBACK, extra: list[str] | None = None) -> list[str]:
-    """The tritonserver command line: loopback by default, model control ``none``."""
+@dataclass(frozen=True)
+class Security:
+    """Who may do what on a served repository.
+
+    Attributes:
+        model_control: ``none`` (the repository is fixed at start) or ``explicit`` (models are loaded
+            and reloaded through the model-repository API, which needs the admin key).
+        admin_key: value of the ``recserve-admin-key`` header that unlocks the restricted APIs; when
+            None a random key is made and never shown, so those APIs stay closed to everyone.
+        client_shared_memory: leave the shared-memory registration API open to every client.
+    """
+
+    model_control: str = "none"
+    admin_key: str | None = None
+    client_shared_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model_control not in MODEL_CONTROL_MODES:
+            raise ServerError(f"model control must be one of {MODEL_CONTROL_MODES}, got {self.model_control!r}")
+        if self.model_control == "explicit" and not self.admin_key:
+            raise ServerError("model control 'explicit' needs an admin key (--admin-key or RECSERVE_ADMIN_KEY)")
+
+    @property
+    def restricted_apis(self) -> tuple[str, ...]:
+        """APIs behind the admin key."""
+        return RESTRICTED_APIS if self.client_shared_memory else (*RESTRICTED_APIS, SHARED_MEMORY_API)
+
+    def arguments(self) -> list[str]:
+        """tritonserver flags for model control and the key-restricted APIs (HTTP and gRPC alike)."""
+        key = self.admin_key or secrets.token_urlsafe(32)
+        restriction = f"{','.join(self.restricted_apis)}:{ADMIN_HEADER}={key}"
+        model_control = [f"--model-control-mode={self.model_control}"]
+        if self.model_control == "explicit":
+            model_control.append("--load-model=*")
+        return [*model_control, f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
+
+    def headers(self) -> dict[str, str]:
+        """Headers a client sends to use the restricted APIs."""
+        return {ADMIN_HEADER: self.admin_key} if self.admin_key else {}
+
+
+def server_command(
+    repository: Path,
+    ports: Ports,
+    host: str = LOOPBACK,
+    extra: list[str] | None = None,
+    security: Security | None = None,
+    exit_timeout_s: int = 30,
+) -> list[str]:
+    """The tritonserver command line: loopback by default, model control ``none``, admin APIs locked."""
     runtime = prepare_runtime()
+    security = security or Security()
     return [
         str(runtime / "bin" / "tritonserver"),
         f"--model-repository={repository.resolve()}",
@@ -116,8 +174,8 @@ def server_command(repository: Path, ports: Ports, host: str = LOOPBACK, extra: 
         f"--grpc-port={ports.grpc}",
         f"--metrics-address={host}",
         f"--metrics-port={ports.metrics}",
-        "--model-control-mode=none",
-        "--exit-timeout-secs=30",
+        *security.arguments(),
+        f"--exit-timeout-secs={exit_timeout_s}",
         "--log-verbose=0",
         *(extra or []),
     ]
@@ -136,11 +194,21 @@ class TritonServer:
     Use as a context manager. The server log goes to ``log_path`` (or is inherited when None).
     """
 
-    def __init__(self, repository: Path, ports: Ports | None = None, log_path: Path | None = None, host: str = LOOPBACK) -> None:
+    def __init__(
+        self,
+        repository: Path,
+        ports: Ports | None = None,
+        log_path: Path | None = None,
+        host: str = LOOPBACK,
+        security: Security | None = None,
+        exit_timeout_s: int = 30,
+    ) -> None:
         self.repository = repository
         self.ports = ports or Ports()
         self.log_path = log_path
         self.host = host
+        self.security = security or Security()
+        self.exit_timeout_s = exit_timeout_s
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -161,7 +229,10 @@ class TritonServer:
         log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
         self._log = log
         self.process = subprocess.Popen(
-            server_command(self.repository, self.ports, self.host), env=server_env(), stdout=log, stderr=subprocess.STDOUT if log else None
+            server_command(self.repository, self.ports, self.host, security=self.security, exit_timeout_s=self.exit_timeout_s),
+            env=server_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
         )
         self.wait_ready(timeout_s)
         return self
@@ -182,6 +253,10 @@ class TritonServer:
             time.sleep(0.25)
         self.stop()
         raise ServerError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stubs(self) -> dict[int, str]:
+        """Live Python-backend stub processes of this server: pid -> model name."""
+        return stub_processes(self.process.pid) if self.process is not None else {}
 
     def log_tail(self, lines: int = 60) -> str:
         """The last lines of the server log."""
@@ -209,3 +284,28 @@ class TritonServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(child) for child in text.split()]
+
+
+def stub_processes(server_pid: int) -> dict[int, str]:
+    """Python-backend stub processes started by tritonserver ``server_pid``: pid -> model name.
+
+    The stub is started with its ``model.py`` path as first argument
+    (``.../<model>/<version>/model.py``), which names the model.
+    """
+    stubs = {}
+    for pid in _children(server_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1:
+            stubs[pid] = Path(argv[1].decode(errors="replace")).parent.parent.name
+    return stubs

@@ -95,6 +95,18 @@ class SequenceFeature:
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """How each step's queue sheds load: at most ``max_queue_size`` waiting requests, each waiting at
+    most ``default_timeout_microseconds``; a request over either limit is refused (``REJECT``) with
+    UNAVAILABLE instead of waiting.
+    """
+
+    max_queue_size: int = 32
+    default_timeout_microseconds: int = 100_000
+    timeout_action: str = "REJECT"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything recserve needs to know about one model."""
 
@@ -116,6 +128,7 @@ class ModelSpec:
     tables: dict[str, TableSpec]
     training: dict[str, Any]
     hash_namespace: str
+    queue: QueuePolicy = field(default_factory=QueuePolicy)
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     # ---- derived names -------------------------------------------------------------------
@@ -226,6 +239,9 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError(
             f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
         )
+    queue = QueuePolicy(**serving.get("queue", {}))
+    if queue.max_queue_size < 1 or queue.default_timeout_microseconds < 1 or queue.timeout_action not in ("REJECT", "DELAY"):
+        raise SpecError(f"serving.queue needs positive limits and timeout_action REJECT or DELAY, got {queue}")
     if dim % int(net["attention_heads"]):
         raise SpecError("embedding_dim must be divisible by attention_heads")
     return ModelSpec(
@@ -247,6 +263,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         tables=tables,
         training=dict(doc.get("training", {})),
         hash_namespace=doc.get("hashing", {}).get("namespace", "recserve"),
+        queue=queue,
         source=doc,
     )
 
@@ -278,6 +295,7 @@ __all__ = [
     "DenseGroup",
     "HexGroup",
     "ModelSpec",
+    "QueuePolicy",
     "SequenceFeature",
     "SpecError",
     "TableSpec",
