@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from recserve.perf.soak import TrafficCounts, scratch_repository, traffic_worker
@@ -13,9 +13,17 @@ from recserve.server import Ports, Security, TritonServer
 
 
 @contextlib.contextmanager
-def private_server(repository: Path, scratch: Path, model_control: str = "explicit", exit_timeout_s: int = 30) -> Iterator[TritonServer]:
-    """Start a server over a copy of ``repository``; explicit model control with a random admin key."""
+def private_server(
+    repository: Path,
+    scratch: Path,
+    model_control: str = "explicit",
+    exit_timeout_s: int = 30,
+    prepare: Callable[[Path], None] | None = None,
+) -> Iterator[TritonServer]:
+    """Start a server over a copy of ``repository`` (changed by ``prepare`` first, when given)."""
     root = scratch_repository(repository, scratch / "repository")
+    if prepare is not None:
+        prepare(root)
     key = secrets.token_urlsafe(32) if model_control == "explicit" else None
     server = TritonServer(root, Ports.free(), log_path=scratch / "server.log", security=Security(model_control, key), exit_timeout_s=exit_timeout_s)
     with server:
