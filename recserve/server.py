@@ -30,6 +30,8 @@ LOOPBACK = "127.0.0.1"
 
 #: Request header that unlocks the restricted APIs (HTTP header / gRPC metadata key).
 ADMIN_HEADER = "recserve-admin-key"
+#: Triton expects restricted-protocol metadata on gRPC under this prefix.
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 #: APIs only a caller holding the admin key may use: loading and unloading models, changing log and
 #: trace settings. Client shared memory is added unless it is asked for explicitly.
 RESTRICTED_APIS = ("model-repository", "logging", "trace")
@@ -147,9 +149,11 @@ class Security:
             model_control.append("--load-model=*")
         return [*model_control, f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
 
-    def headers(self) -> dict[str, str]:
-        """Headers a client sends to use the restricted APIs."""
-        return {ADMIN_HEADER: self.admin_key} if self.admin_key else {}
+    def headers(self, protocol: str = "grpc") -> dict[str, str]:
+        """Headers a client sends to use the restricted APIs (gRPC metadata carries Triton's prefix)."""
+        if not self.admin_key:
+            return {}
+        return {(GRPC_HEADER_PREFIX if protocol == "grpc" else "") + ADMIN_HEADER: self.admin_key}
 
 
 def server_command(

@@ -1,6 +1,7 @@
 """Dense versions go live under load with no failed request; misfits and corrupt artifacts are refused."""
 
 import copy
+import shutil
 import time
 
 import pytest
@@ -34,7 +35,7 @@ def _load(server, model="dense"):
         client.load_model(model, headers=server.security.headers())
 
 
-def _write_misfit_dense(spec, folder):
+def _write_misfit_dense(spec, folder, adapter):
     """A dense model exported for embedding_dim 32: it does not fit the 16-wide embedding tables."""
     doc = copy.deepcopy(spec.source)
     doc["model"]["embedding_dim"] = 32
@@ -44,7 +45,7 @@ def _write_misfit_dense(spec, folder):
     other = parse_spec(doc)
     folder.mkdir()
     export_onnx(other, CTRNet(other).eval(), folder / "model.onnx")
-    (folder / "model.py").write_text((folder.parent / "1" / "model.py").read_text())
+    (folder / "model.py").write_text(adapter.read_text())
     write_manifest(folder, {"format": "recserve-dense/1", "version": int(folder.name), "files": {"model": file_entry(folder, folder / "model.onnx")}})
 
 
@@ -58,15 +59,17 @@ def test_restricted_apis_need_the_admin_key(swap_server):
         assert client.is_model_ready("dense", "1")
 
 
-def test_dense_versions_swap_under_load_and_bad_versions_are_refused(swap_server, spec):
+def test_dense_versions_swap_under_load_and_bad_versions_are_refused(swap_server, spec, tmp_path):
     root = swap_server.repository
+    misfit = tmp_path / "3"
+    _write_misfit_dense(spec, misfit, root / "dense" / "1" / "model.py")
     with background_traffic(swap_server, spec) as counts:
         _wait_for_version(counts, 1)
         assert add_version(root, "dense") == 2
         _load(swap_server)
         _wait_for_version(counts, 2)
 
-        _write_misfit_dense(spec, root / "dense" / "3")
+        shutil.move(misfit, root / "dense" / "3")
         with pytest.raises(InferenceServerException) as err:
             _load(swap_server)
         assert "does not fit" in err.value.message() and "'sparse_embeddings' is [26, 32]" in err.value.message()
@@ -75,8 +78,6 @@ def test_dense_versions_swap_under_load_and_bad_versions_are_refused(swap_server
         served_before = counts.valid_ok
         time.sleep(2)
         assert counts.valid_ok > served_before, "the old pair stopped serving after a refused load"
-
-        import shutil
 
         shutil.rmtree(root / "dense" / "3")
         add_version(root, "dense", source_version=2)

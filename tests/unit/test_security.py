@@ -45,7 +45,8 @@ def test_explicit_model_control_needs_a_key_and_loads_everything(tmp_path):
     flags = _flags(server_command(tmp_path, Ports(1, 2, 3), security=security))
     assert flags["--model-control-mode"] == ["explicit"] and flags["--load-model"] == ["*"]
     assert flags["--grpc-restricted-protocol"] == [f"model-repository,logging,trace:{ADMIN_HEADER}={'k' * 40}"]
-    assert security.headers() == {ADMIN_HEADER: "k" * 40}
+    assert security.headers("http") == {ADMIN_HEADER: "k" * 40}
+    assert security.headers("grpc") == {f"triton-grpc-protocol-{ADMIN_HEADER}": "k" * 40}
     with pytest.raises(ServerError, match="model control"):
         Security("poll")
 
