@@ -30,7 +30,7 @@ def _build(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from recserve.server import Ports, Security, ServerError, server_command, server_env
+    from recserve.server import Ports, Security, ServerError, TritonServer, run_foreground, server_command, server_env
 
     if not (args.repository / "dense").is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
@@ -43,6 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
+    if security.model_control == "explicit":  # stay as the parent: the stub watchdog needs the admin API
+        return run_foreground(TritonServer(args.repository, ports, host=args.host, security=security))
     os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
 
 
