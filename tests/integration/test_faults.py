@@ -85,12 +85,21 @@ def test_a_killed_stub_fails_only_requests_until_its_model_is_reloaded(fault_ser
     assert [pid for pid, name in fault_server.stubs().items() if name == model] not in ([], [victim])
 
 
-def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_memory(fault_server, spec):
-    """What ``recserve serve`` does on SIGTERM: drain (unload the ensemble), then SIGTERM tritonserver."""
+def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_memory(repository, spec, tmp_path):
+    """What ``recserve serve`` does on SIGTERM: drain (unload the ensemble), then SIGTERM tritonserver.
+
+    A server of its own: after a stub kill, the replaced instance never finishes unloading in this
+    Triton, so that server's exit would wait out its exit timeout.
+    """
+    with private_server(repository, tmp_path, exit_timeout_s=20) as server:
+        _drain_and_stop(server, spec)
+
+
+def _drain_and_stop(fault_server, spec):
     stubs = list(fault_server.stubs())
     regions = _shared_memory_regions(stubs)
     assert stubs and regions
-    requests = [generate(spec, 64, seed=200 + i).to_wire(spec) for i in range(24)]
+    requests = [generate(spec, 32, seed=200 + i).to_wire(spec) for i in range(16)]
     results, finished, done = [None] * len(requests), [0.0] * len(requests), threading.Semaphore(0)
 
     def record(index):
@@ -101,6 +110,8 @@ def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_mem
         return callback
 
     with grpcclient.InferenceServerClient(fault_server.grpc_url) as client:
+        for inputs in requests[:3]:  # warm: a cold first batch can outwait the queue timeout on 2 cores
+            infer_raw(grpcclient, client, spec, inputs)
         for i, inputs in enumerate(requests):
             client.async_infer(spec.name, infer_inputs(grpcclient, inputs), record(i))
         time.sleep(0.05)
