@@ -12,7 +12,7 @@ from .private_server import private_server
 SOAK_S = float(os.environ.get("RECSERVE_SOAK_S", "60"))
 LEAKING_S = 30.0
 
-#: Appended to the feature_transform adapter: a stub that keeps 6 MB and 6 descriptors per second.
+#: Appended to the feature_transform adapter: a stub that keeps 8 MB and 8 descriptors per second.
 LEAK = '''
 
 import os as _os
@@ -27,7 +27,7 @@ class TritonPythonModel(_Served):
         self.started, self.kept = _time.monotonic(), []
 
     def execute(self, requests):
-        due = min(400, int(6 * (_time.monotonic() - self.started)))
+        due = min(400, int(8 * (_time.monotonic() - self.started)))
         while len(self.kept) < due:
             self.kept.append((b"\\x01" * (1 << 20), _os.open(_os.devnull, _os.O_RDONLY)))
         return super().execute(requests)
