@@ -81,12 +81,12 @@ def _output(t: WireTensor) -> mc.ModelOutput:
     return mc.ModelOutput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims))
 
 
-def queue_policy(spec: ModelSpec) -> mc.ModelQueuePolicy:
-    """The spec's load-shedding policy for one step's queue."""
+def queue_policy(spec: ModelSpec, step: str) -> mc.ModelQueuePolicy:
+    """The spec's load-shedding policy for one step's queue (the first step is the admission gate)."""
     return mc.ModelQueuePolicy(
         timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(spec.queue.timeout_action),
         default_timeout_microseconds=spec.queue.default_timeout_microseconds,
-        max_queue_size=spec.queue.max_queue_size,
+        max_queue_size=spec.queue.entry_max_queue_size if step == STEPS[0] else spec.queue.max_queue_size,
     )
 
 
@@ -157,7 +157,7 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu") -> mc.ModelCon
         instance_group=[mc.ModelInstanceGroup(count=spec.instances[step], kind=kind)],
         dynamic_batching=mc.ModelDynamicBatching(
             max_queue_delay_microseconds=spec.max_queue_delay_microseconds,
-            default_queue_policy=queue_policy(spec),
+            default_queue_policy=queue_policy(spec, step),
         ),
     )
     if step == DENSE:

@@ -35,6 +35,7 @@ SERVED, SHED, FAILED = "served", "shed", "failed"
 class Outcome:
     """One request: when it was sent (s since the run began), its latency and how it ended."""
 
+    phase: int
     sent_s: float
     latency_ms: float
     result: str
@@ -88,7 +89,11 @@ def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], 
 
 
 def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases: list[tuple[float, float]]) -> list[Outcome]:
-    """Send requests at ``rate`` per second for ``seconds``, phase after phase, without waiting for answers."""
+    """Send requests at ``rate`` per second for ``seconds``, phase after phase, without waiting for answers.
+
+    A phase starts when the previous one has sent its last request, so a sender that fell behind
+    does not carry a burst into the next phase; the rate it really offered is in :class:`PhaseStats`.
+    """
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     pending = threading.Semaphore(0)
@@ -96,26 +101,23 @@ def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases:
     origin = time.monotonic()
     with grpcclient.InferenceServerClient(url) as client:
         inputs = _inputs(request)
-        phase_start = origin
-        for rate, seconds in phases:
-            interval, count = 1.0 / rate, int(rate * seconds)
-            for i in range(count):
-                due = phase_start + i * interval
-                delay = due - time.monotonic()
+        for phase, (rate, seconds) in enumerate(phases):
+            phase_start, interval = time.monotonic(), 1.0 / rate
+            for i in range(int(rate * seconds)):
+                delay = phase_start + i * interval - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
                 sent_at = time.monotonic()
 
-                def callback(result, error, sent_at=sent_at):
+                def callback(result, error, sent_at=sent_at, phase=phase):
                     latency = (time.monotonic() - sent_at) * 1e3
-                    outcome = Outcome(sent_at - origin, latency, _classify(error), "" if error is None else error.message()[:200])
+                    message = "" if error is None else error.message()[:200]
                     with lock:
-                        outcomes.append(outcome)
+                        outcomes.append(Outcome(phase, sent_at - origin, latency, _classify(error), message))
                     pending.release()
 
                 client.async_infer(spec.name, inputs, callback, client_timeout=30)
                 sent += 1
-            phase_start += seconds
         for _ in range(sent):
             pending.acquire(timeout=60)
     return sorted(outcomes, key=lambda o: o.sent_s)
@@ -127,6 +129,7 @@ class PhaseStats:
 
     name: str
     rate: float
+    offered: float
     sent: int
     served: int
     shed: int
@@ -144,8 +147,9 @@ def phase_stats(name: str, rate: float, outcomes: list[Outcome]) -> PhaseStats:
     """Counts and latency percentiles of the outcomes of one phase."""
     served = [o.latency_ms for o in outcomes if o.result == SERVED]
     shed = [o.latency_ms for o in outcomes if o.result == SHED]
+    span = outcomes[-1].sent_s - outcomes[0].sent_s if len(outcomes) > 1 else float("nan")
     return PhaseStats(
-        name, rate, len(outcomes), len(served), len(shed), sum(o.result == FAILED for o in outcomes),
+        name, rate, (len(outcomes) - 1) / span, len(outcomes), len(served), len(shed), sum(o.result == FAILED for o in outcomes),
         _p(served, 50), _p(served, 99), _p(shed, 99),
     )
 
@@ -170,18 +174,19 @@ class OverloadReport:
     phases: list[PhaseStats]
     recovery_s: float
     failures: list[str]
+    shed_reasons: dict[str, int]
 
     def table(self) -> str:
         """Markdown table plus the verdict against the targets."""
         lines = [
             f"capacity (closed loop) {self.capacity_rps:.0f} requests/s",
             "",
-            "| phase | offered req/s | sent | served | shed | failed | served p50 ms | served p99 ms | shed p99 ms |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| phase | target req/s | sent req/s | sent | served | shed | failed | served p50 ms | served p99 ms | shed p99 ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for s in self.phases:
             lines.append(
-                f"| {s.name} | {s.rate:.0f} | {s.sent} | {s.served} | {s.shed} | {s.failed} | "
+                f"| {s.name} | {s.rate:.0f} | {s.offered:.0f} | {s.sent} | {s.served} | {s.shed} | {s.failed} | "
                 f"{s.served_p50_ms:.1f} | {s.served_p99_ms:.1f} | {s.shed_p99_ms:.1f} |"
             )
         half, spike = self.phases[0], self.phases[1]
@@ -190,6 +195,7 @@ class OverloadReport:
             f"spike served p99 / half-capacity served p99 = {spike.served_p99_ms / half.served_p99_ms:.2f} (target <= 1.5)",
             f"spike shed p99 = {spike.shed_p99_ms:.1f} ms (target < 5)",
             f"back to normal {self.recovery_s:.1f} s after the spike (target <= 10)",
+            "shed because: " + ", ".join(f"{reason} ({count})" for reason, count in self.shed_reasons.items()),
         ]
         return "\n".join(lines)
 
@@ -202,14 +208,19 @@ def run_overload(
     capacity = measure_capacity(url, spec, request)
     half, spike = capacity / 2, capacity * spike_factor
     outcomes = open_loop(url, spec, request, [(half, seconds), (spike, seconds), (half, recovery_window_s)])
-    parts = [
-        ("half capacity", half, [o for o in outcomes if o.sent_s < seconds]),
-        (f"{spike_factor:g}x capacity", spike, [o for o in outcomes if seconds <= o.sent_s < 2 * seconds]),
-        ("half capacity, after", half, [o for o in outcomes if o.sent_s >= 2 * seconds]),
+    names = ("half capacity", f"{spike_factor:g}x capacity", "half capacity, after")
+    stats = [
+        phase_stats(name, rate, [o for o in outcomes if o.phase == phase])
+        for phase, (name, rate) in enumerate(zip(names, (half, spike, half)))
     ]
-    stats = [phase_stats(name, rate, part) for name, rate, part in parts]
-    back = recovery_s(outcomes, 2 * seconds, stats[0].served_p99_ms)
-    return OverloadReport(capacity, stats, back, [o.message for o in outcomes if o.result == FAILED][:5])
+    spike_end = max(o.sent_s for o in outcomes if o.phase == 1)
+    back = recovery_s(outcomes, spike_end, stats[0].served_p99_ms)
+    reasons: dict[str, int] = {}
+    for outcome in outcomes:
+        if outcome.result == SHED:
+            reason = outcome.message.split(", ")[-1]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return OverloadReport(capacity, stats, back, [o.message for o in outcomes if o.result == FAILED][:5], reasons)
 
 
 def overload_command(spec: ModelSpec, repository: Path, rows: int, spike_factor: float, seconds: float) -> int:

@@ -96,13 +96,17 @@ class SequenceFeature:
 
 @dataclass(frozen=True)
 class QueuePolicy:
-    """How each step's queue sheds load: at most ``max_queue_size`` waiting requests, each waiting at
-    most ``default_timeout_microseconds``; a request over either limit is refused (``REJECT``) with
-    UNAVAILABLE instead of waiting.
+    """How the steps' queues shed load.
+
+    The first step is the admission gate: at most ``entry_max_queue_size`` requests wait there and
+    the excess is refused at once (UNAVAILABLE), before any work is spent on it. Later steps hold
+    up to ``max_queue_size`` so that admitted work is rarely thrown away. On every step a request
+    waiting longer than ``default_timeout_microseconds`` is refused too (``REJECT``).
     """
 
-    max_queue_size: int = 32
-    default_timeout_microseconds: int = 100_000
+    entry_max_queue_size: int = 8
+    max_queue_size: int = 64
+    default_timeout_microseconds: int = 1_000_000
     timeout_action: str = "REJECT"
 
 
@@ -240,7 +244,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
             f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
         )
     queue = QueuePolicy(**serving.get("queue", {}))
-    if queue.max_queue_size < 1 or queue.default_timeout_microseconds < 1 or queue.timeout_action not in ("REJECT", "DELAY"):
+    limits = (queue.entry_max_queue_size, queue.max_queue_size, queue.default_timeout_microseconds)
+    if min(limits) < 1 or queue.timeout_action not in ("REJECT", "DELAY"):
         raise SpecError(f"serving.queue needs positive limits and timeout_action REJECT or DELAY, got {queue}")
     if dim % int(net["attention_heads"]):
         raise SpecError("embedding_dim must be divisible by attention_heads")

@@ -57,9 +57,11 @@ def test_serve_defaults_to_loopback_and_no_model_control():
 
 
 def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
+    assert spec.queue.entry_max_queue_size <= spec.queue.max_queue_size, "the first step must be the tightest gate"
     for step in configs.STEPS:
         policy = configs.step_config(spec, step).dynamic_batching.default_queue_policy
-        assert policy.max_queue_size == spec.queue.max_queue_size > 0
+        limit = spec.queue.entry_max_queue_size if step == "feature_transform" else spec.queue.max_queue_size
+        assert policy.max_queue_size == limit > 0
         assert policy.default_timeout_microseconds == spec.queue.default_timeout_microseconds > 0
         assert policy.timeout_action == policy.REJECT
 
