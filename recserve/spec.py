@@ -104,8 +104,8 @@ class QueuePolicy:
     waiting longer than ``default_timeout_microseconds`` is refused too (``REJECT``).
     """
 
-    entry_max_queue_size: int = 8
-    max_queue_size: int = 64
+    entry_max_queue_size: int = 32
+    max_queue_size: int = 128
     default_timeout_microseconds: int = 1_000_000
     timeout_action: str = "REJECT"
 

@@ -140,6 +140,44 @@ def _post(server, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
         connection.close()
 
 
+def _blob(array: np.ndarray) -> bytes:
+    """The raw bytes of a tensor as the binary protocols carry them (BYTES: length-prefixed)."""
+    return serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
+
+
+def test_grpc_byte_size_lies_are_refused_and_the_next_request_succeeds(server, spec):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    good = generate(spec, 3, seed=81).to_wire(spec)
+
+    def request(name, change):
+        message = service_pb2.ModelInferRequest(model_name=spec.name)
+        for key, array in good.items():
+            tensor = message.inputs.add(name=key, datatype=np_to_triton_dtype(array.dtype))
+            tensor.shape.extend(array.shape)
+            message.raw_input_contents.append(change(_blob(array)) if key == name else _blob(array))
+        return message
+
+    d, c = spec.dense.name, spec.categorical.name
+    lies = {
+        "dense 4 bytes short": (request(d, lambda b: b[:-4]), d),
+        "dense 4 bytes long": (request(d, lambda b: b + bytes(4)), d),
+        "categorical length prefix beyond the data": (request(c, lambda b: b"\xff\xff\x00\x00" + b[4:]), c),
+        "categorical cut inside a string": (request(c, lambda b: b[:-1]), c),
+    }
+    stubs = server.stubs()
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for label, (message, named) in lies.items():
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ModelInfer(message, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{label}: {err.value}"
+            _assert_clear(label, err.value.details(), named)
+            assert stub.ModelInfer(request(d, lambda b: b), timeout=30).outputs
+    _stubs_unchanged(server, stubs)
+
+
 def _raw_http_cases(spec, good):
     import json
 
@@ -149,7 +187,7 @@ def _raw_http_cases(spec, good):
     def binary(lie=0, shape=None):
         header_tensors, blobs = [], []
         for tensor, array in zip(tensors, good.values()):
-            blob = serialize_byte_tensor(array).tobytes() if array.dtype == object else array.tobytes()
+            blob = _blob(array)
             entry = dict(tensor, parameters={"binary_data_size": len(blob) + (lie if tensor["name"] == last else 0)})
             if shape and tensor["name"] == d:
                 entry["shape"] = shape
@@ -241,7 +279,7 @@ def test_one_bad_request_in_a_dynamic_batch_fails_alone(server, spec):
                 assert isinstance(result, InferenceServerException)
                 assert "input 'dense'" in result.message() and "nan" in result.message()
             else:
-                assert not isinstance(result, Exception), result
+                assert not isinstance(result, Exception), str(result)
                 np.testing.assert_allclose(
                     result.as_numpy("probability").reshape(-1), infer_raw(grpcclient, client, spec, requests[i]), atol=1e-6
                 )
