@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
-from recserve.perf.soak import scratch_repository
+from recserve.perf.soak import infer_inputs, scratch_repository
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
@@ -42,15 +42,6 @@ class Outcome:
     message: str = ""
 
 
-def _inputs(request: dict[str, np.ndarray]) -> list:
-    tensors = []
-    for name, array in request.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
-
-
 def _classify(error: InferenceServerException | None) -> str:
     if error is None:
         return SERVED
@@ -64,7 +55,7 @@ def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], 
 
     def loop() -> None:
         with grpcclient.InferenceServerClient(url) as client:
-            inputs = _inputs(request)
+            inputs = infer_inputs(grpcclient, request)
             while not stop.is_set():
                 try:
                     client.infer(spec.name, inputs)
@@ -100,7 +91,7 @@ def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases:
     sent = 0
     origin = time.monotonic()
     with grpcclient.InferenceServerClient(url) as client:
-        inputs = _inputs(request)
+        inputs = infer_inputs(grpcclient, request)
         for phase, (rate, seconds) in enumerate(phases):
             phase_start, interval = time.monotonic(), 1.0 / rate
             for i in range(int(rate * seconds)):

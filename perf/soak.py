@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -182,12 +183,18 @@ def malformed(spec: ModelSpec, request: dict[str, np.ndarray]) -> dict[str, np.n
     return bad
 
 
-def _send(module, client, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> int:
+def infer_inputs(module: Any, inputs: dict[str, np.ndarray]) -> list[Any]:
+    """``InferInput`` objects of ``module`` (tritonclient.grpc or .http) carrying the arrays as they are."""
     tensors = []
     for name, array in inputs.items():
         tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
+    return tensors
+
+
+def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> int:
+    tensors = infer_inputs(module, inputs)
     outputs = [module.InferRequestedOutput(PROBABILITY), module.InferRequestedOutput(DENSE_VERSION)]
     result = client.infer(spec.name, tensors, outputs=outputs)
     if result.as_numpy(PROBABILITY) is None:
