@@ -133,7 +133,7 @@ def _post(server, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
 
     connection = http.client.HTTPConnection(server.http_url, timeout=30)
     try:
-        connection.request("POST", f"/v2/models/ctr/infer", body=body, headers=headers)
+        connection.request("POST", "/v2/models/ctr/infer", body=body, headers=headers)
         response = connection.getresponse()
         return response.status, response.read().decode(errors="replace")
     finally:
