@@ -22,7 +22,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
-from recserve.perf.soak import infer_inputs, scratch_repository
+from recserve.perf.soak import infer_inputs, infer_request, scratch_repository
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
@@ -40,12 +40,6 @@ class Outcome:
     latency_ms: float
     result: str
     message: str = ""
-
-
-def _classify(error: InferenceServerException | None) -> str:
-    if error is None:
-        return SERVED
-    return SHED if "UNAVAILABLE" in str(error.status()).upper() else FAILED
 
 
 def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], seconds: float = 4.0, concurrency: int = 8) -> float:
@@ -82,16 +76,37 @@ def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], 
 def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases: list[tuple[float, float]]) -> list[Outcome]:
     """Send requests at ``rate`` per second for ``seconds``, phase after phase, without waiting for answers.
 
-    A phase starts when the previous one has sent its last request, so a sender that fell behind
-    does not carry a burst into the next phase; the rate it really offered is in :class:`PhaseStats`.
+    The request message is serialised once and sent with the raw gRPC stub, so that the sender
+    spends as little of the machine as it can. A phase starts when the previous one has sent its
+    last request, so a sender that fell behind does not carry a burst into the next phase; the rate
+    it really offered is in :class:`PhaseStats`.
     """
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
     outcomes: list[Outcome] = []
     lock = threading.Lock()
     pending = threading.Semaphore(0)
     sent = 0
     origin = time.monotonic()
-    with grpcclient.InferenceServerClient(url) as client:
-        inputs = infer_inputs(grpcclient, request)
+    message = infer_request(spec.name, request)
+
+    def record(future: grpc.Future, sent_at: float, phase: int) -> None:
+        latency = (time.monotonic() - sent_at) * 1e3
+        error = future.exception()
+        if error is None:
+            outcome = Outcome(phase, sent_at - origin, latency, SERVED)
+        else:
+            code = error.code() if isinstance(error, grpc.Call) else None
+            result = SHED if code == grpc.StatusCode.UNAVAILABLE else FAILED
+            details = error.details() if isinstance(error, grpc.Call) else str(error)
+            outcome = Outcome(phase, sent_at - origin, latency, result, (details or "")[:200])
+        with lock:
+            outcomes.append(outcome)
+        pending.release()
+
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for phase, (rate, seconds) in enumerate(phases):
             phase_start, interval = time.monotonic(), 1.0 / rate
             for i in range(int(rate * seconds)):
@@ -99,15 +114,8 @@ def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases:
                 if delay > 0:
                     time.sleep(delay)
                 sent_at = time.monotonic()
-
-                def callback(result, error, sent_at=sent_at, phase=phase):
-                    latency = (time.monotonic() - sent_at) * 1e3
-                    message = "" if error is None else error.message()[:200]
-                    with lock:
-                        outcomes.append(Outcome(phase, sent_at - origin, latency, _classify(error), message))
-                    pending.release()
-
-                client.async_infer(spec.name, inputs, callback, client_timeout=30)
+                future = stub.ModelInfer.future(message, timeout=30)
+                future.add_done_callback(lambda f, sent_at=sent_at, phase=phase: record(f, sent_at, phase))
                 sent += 1
         for _ in range(sent):
             pending.acquire(timeout=60)

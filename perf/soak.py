@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
 
 from recserve.backends.tensors import DENSE_VERSION, PROBABILITY
 from recserve.build.synthetic import generate
@@ -191,6 +191,18 @@ def infer_inputs(module: Any, inputs: dict[str, np.ndarray]) -> list[Any]:
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
     return tensors
+
+
+def infer_request(model: str, inputs: dict[str, np.ndarray]) -> Any:
+    """A ready-to-send gRPC ``ModelInferRequest`` (raw binary contents; BYTES length-prefixed), built once."""
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name=model)
+    for name, array in inputs.items():
+        tensor = message.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
+        tensor.shape.extend(array.shape)
+        message.raw_input_contents.append(serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes())
+    return message
 
 
 def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> int:

@@ -333,11 +333,14 @@ class TritonServer:
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(child) for child in text.split()]
+    """Child processes of ``pid``, forked by any of its threads (models load on worker threads)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
 
 
 def stub_processes(server_pid: int) -> dict[int, str]:

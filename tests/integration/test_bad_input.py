@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from recserve.build.synthetic import generate
+from recserve.perf.soak import infer_request
 
 from .helpers import grpc_client, http_client, infer_inputs, infer_raw
 
@@ -140,23 +141,16 @@ def _post(server, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
         connection.close()
 
 
-def _blob(array: np.ndarray) -> bytes:
-    """The raw bytes of a tensor as the binary protocols carry them (BYTES: length-prefixed)."""
-    return serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
-
-
 def test_grpc_byte_size_lies_are_refused_and_the_next_request_succeeds(server, spec):
     import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    from tritonclient.grpc import service_pb2_grpc
 
     good = generate(spec, 3, seed=81).to_wire(spec)
 
     def request(name, change):
-        message = service_pb2.ModelInferRequest(model_name=spec.name)
-        for key, array in good.items():
-            tensor = message.inputs.add(name=key, datatype=np_to_triton_dtype(array.dtype))
-            tensor.shape.extend(array.shape)
-            message.raw_input_contents.append(change(_blob(array)) if key == name else _blob(array))
+        message = infer_request(spec.name, good)
+        index = list(good).index(name)
+        message.raw_input_contents[index] = change(message.raw_input_contents[index])
         return message
 
     d, c = spec.dense.name, spec.categorical.name
@@ -187,7 +181,7 @@ def _raw_http_cases(spec, good):
     def binary(lie=0, shape=None):
         header_tensors, blobs = [], []
         for tensor, array in zip(tensors, good.values()):
-            blob = _blob(array)
+            blob = infer_request(spec.name, {tensor["name"]: array}).raw_input_contents[0]
             entry = dict(tensor, parameters={"binary_data_size": len(blob) + (lie if tensor["name"] == last else 0)})
             if shape and tensor["name"] == d:
                 entry["shape"] = shape
