@@ -32,7 +32,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype, ser
 
 from recserve.backends.tensors import DENSE_VERSION, PROBABILITY
 from recserve.build.synthetic import generate
-from recserve.server import Ports, Security, TritonServer
+from recserve.server import Ports, Security, TritonServer, expected_stubs
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -45,11 +45,16 @@ Updater = Callable[[], str]
 # ---- resources ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ResourceSample:
-    """Resident memory (MB) and open descriptors of tritonserver and of each model's stubs."""
+    """Resident memory (MB) and open descriptors of tritonserver and of each model's serving stubs.
+
+    ``replaced`` counts, per model, the stubs beyond its instance count: those of a version being
+    replaced, on their way out (they are not added to the model's memory).
+    """
 
     at_s: float
     rss_mb: dict[str, float]
     fds: dict[str, int]
+    replaced: dict[str, int] = field(default_factory=dict)
 
 
 def _rss_mb(pid: int) -> float:
@@ -59,12 +64,25 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def sample_resources(server: TritonServer, at_s: float) -> ResourceSample:
-    """Memory and descriptors now, summed per model over its live stubs."""
+def _started(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def sample_resources(server: TritonServer, at_s: float, instances: dict[str, int] | None = None) -> ResourceSample:
+    """Memory and descriptors now: tritonserver, and per model its newest ``instances[model]`` stubs."""
     assert server.process is not None
-    groups: dict[str, list[int]] = {SERVER: [server.process.pid]}
+    groups: dict[str, list[int]] = {}
     for pid, model in server.stubs().items():
         groups.setdefault(model, []).append(pid)
+    replaced = {}
+    for model, pids in groups.items():
+        keep = (instances or {}).get(model, len(pids))
+        pids.sort(key=_started, reverse=True)
+        groups[model], replaced[model] = pids[:keep], max(0, len(pids) - keep)
+    groups[SERVER] = [server.process.pid]
     rss: dict[str, float] = {}
     fds: dict[str, int] = {}
     for name, pids in groups.items():
@@ -73,9 +91,9 @@ def sample_resources(server: TritonServer, at_s: float) -> ResourceSample:
             try:
                 rss[name] += _rss_mb(pid)
                 fds[name] += len(os.listdir(f"/proc/{pid}/fd"))
-            except OSError:  # a stub that just exited (a version being replaced)
+            except OSError:  # a stub that just exited
                 continue
-    return ResourceSample(at_s, rss, fds)
+    return ResourceSample(at_s, rss, fds, replaced)
 
 
 def detect_leaks(
@@ -84,7 +102,8 @@ def detect_leaks(
     """Growth over the second half of a run, and what breaks the limits.
 
     The start and the end of the second half are each the median of ``window`` samples, so a short
-    spike (two stubs alive while a version is replaced) does not count as growth.
+    spike does not count as growth. Stubs of a replaced version are not part of a model's memory;
+    more than one of them still running through the last window is a problem of its own.
 
     Returns:
         ``({group: (rss growth MB, fd growth)}, [problems])``.
@@ -98,6 +117,9 @@ def detect_leaks(
         rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last) - statistics.median(s.rss_mb.get(name, 0.0) for s in first)
         fds = int(statistics.median(s.fds.get(name, 0) for s in last) - statistics.median(s.fds.get(name, 0) for s in first))
         growth[name] = (rss, fds)
+        lingering = min(s.replaced.get(name, 0) for s in last)
+        if lingering > 1:
+            problems.append(f"{name}: {lingering} replaced versions' stubs are still running at the end")
         if rss > max_rss_growth_mb:
             problems.append(f"{name}: resident memory grew {rss:.1f} MB over the second half (limit {max_rss_growth_mb:.0f})")
         if fds > max_fd_growth:
@@ -296,11 +318,12 @@ def run_soak(
         worker.start()
     samples: list[ResourceSample] = []
     updates: list[str] = []
+    instances = expected_stubs(server.repository)
     started = time.monotonic()
     next_update = started + update_every_s
     try:
         while (now := time.monotonic()) - started < duration_s:
-            samples.append(sample_resources(server, now - started))
+            samples.append(sample_resources(server, now - started, instances))
             if updater is not None and now >= next_update:
                 updates.append(updater())
                 LOGGER.info("%s", updates[-1])
@@ -317,6 +340,8 @@ def run_soak(
         problems.append(f"{counts.bad_accepted} malformed requests were not refused with INVALID_ARG")
     if counts.valid_ok == 0:
         problems.append("no valid request succeeded")
+    if server.watchdog is not None and server.watchdog.reloads:
+        problems.append(f"stub processes died and were replaced: {[model for _, model in server.watchdog.reloads]}")
     return SoakReport(time.monotonic() - started, counts, updates, samples, growth, problems)
 
 

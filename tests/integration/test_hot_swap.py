@@ -96,3 +96,4 @@ def test_dense_versions_swap_under_load_and_bad_versions_are_refused(swap_server
         assert counts.valid_ok > served_before
     assert counts.valid_failed == 0, counts.failures[:5]
     assert counts.versions == {1, 2}
+    assert swap_server.watchdog.reloads == [], "a version swap was taken for a dead stub"
