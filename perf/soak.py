@@ -237,9 +237,16 @@ def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarra
 
 
 def traffic_worker(
-    server: TritonServer, spec: ModelSpec, protocol: str, stop: threading.Event, counts: TrafficCounts, bad_fraction: float, seed: int
+    server: TritonServer,
+    spec: ModelSpec,
+    protocol: str,
+    stop: threading.Event,
+    counts: TrafficCounts,
+    bad_fraction: float,
+    seed: int,
+    pause_s: float = 0.005,
 ) -> None:
-    """Closed-loop requests until ``stop``; a short pause between requests keeps the load moderate."""
+    """Closed-loop requests until ``stop``; a pause of ``pause_s`` between requests keeps the load moderate."""
     rng = random.Random(seed)
     pool = request_pool(spec, seed=seed)
     if protocol == "grpc":
@@ -255,7 +262,7 @@ def traffic_worker(
                 counts.record(bad, None, version)
             except InferenceServerException as exc:
                 counts.record(bad, exc)
-            stop.wait(0.005)
+            stop.wait(pause_s)
 
 
 # ---- the soak ----------------------------------------------------------------------------------
@@ -307,11 +314,14 @@ def run_soak(
     protocols: tuple[str, ...] = ("grpc", "grpc", "http"),
     max_rss_growth_mb: float = 50.0,
     max_fd_growth: int = 16,
+    pause_s: float = 0.005,
 ) -> SoakReport:
     """Run traffic, updates and sampling for ``duration_s`` against a started server; judge the result."""
     stop, counts = threading.Event(), TrafficCounts()
     workers = [
-        threading.Thread(target=traffic_worker, args=(server, spec, p, stop, counts, bad_fraction, 100 + i), daemon=True)
+        threading.Thread(
+            target=traffic_worker, args=(server, spec, p, stop, counts, bad_fraction, 100 + i, pause_s), daemon=True
+        )
         for i, p in enumerate(protocols)
     ]
     for worker in workers:
