@@ -55,12 +55,13 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
         WireTensor(tensors.TARGET_EMBEDDING, "FP32", (dim,)),
         WireTensor(tensors.HISTORY_EMBEDDINGS, "FP32", (-1, dim), ragged=True),
         WireTensor(tensors.PROBABILITY, "FP32", (1,)),
+        WireTensor(tensors.DENSE_VERSION, "INT64", (1,)),
     )
     return {t.name: t for t in items}
 
 
-def step_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
-    """Inputs and outputs of each ensemble step."""
+def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
+    """Inputs and outputs of each ensemble step (a TensorRT ``dense``, profile ``gpu``, has no version output)."""
     t = intermediate_tensors(spec)
     return {
         FEATURE_TRANSFORM: (
@@ -71,7 +72,10 @@ def step_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tuple[Wi
             tuple(t[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS)),
             tuple(t[n] for n in (tensors.SPARSE_EMBEDDINGS, tensors.TARGET_EMBEDDING, tensors.HISTORY_EMBEDDINGS)),
         ),
-        DENSE: (tuple(t[n] for n in tensors.DENSE_NET_INPUTS), (t[tensors.PROBABILITY],)),
+        DENSE: (
+            tuple(t[n] for n in tensors.DENSE_NET_INPUTS),
+            (t[tensors.PROBABILITY],) if profile == "gpu" else (t[tensors.PROBABILITY], t[tensors.DENSE_VERSION]),
+        ),
     }
 
 
@@ -81,6 +85,15 @@ def _input(t: WireTensor) -> mc.ModelInput:
 
 def _output(t: WireTensor) -> mc.ModelOutput:
     return mc.ModelOutput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims))
+
+
+def queue_policy(spec: ModelSpec, step: str) -> mc.ModelQueuePolicy:
+    """The spec's load-shedding policy for one step's queue (the first step is the admission gate)."""
+    return mc.ModelQueuePolicy(
+        timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(spec.queue.timeout_action),
+        default_timeout_microseconds=spec.queue.default_timeout_microseconds,
+        max_queue_size=spec.queue.entry_max_queue_size if step == STEPS[0] else spec.queue.max_queue_size,
+    )
 
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
@@ -108,7 +121,7 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
     Requests of one sequence bucket batch together (the feature step pads every request to a sequence
     bucket, so no ragged batching); the dynamic batcher prefers the batch buckets' sizes.
     """
-    inputs, outputs = step_io(spec)[DENSE]
+    inputs, outputs = step_io(spec, "gpu")[DENSE]
     return mc.ModelConfig(
         name=DENSE,
         platform="tensorrt_plan",
@@ -175,9 +188,10 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
         output=[_output(t) for t in outputs],
         instance_group=[mc.ModelInstanceGroup(count=plan.instances[step], kind=kind)],
     )
-    if plan.max_queue_delay_microseconds is not None:
+    if plan.max_queue_delay_microseconds is not None:  # the naive plan has no dynamic batcher (and no queue)
         config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds
         config.dynamic_batching.preferred_batch_size.extend(plan.preferred_batch_sizes)
+        config.dynamic_batching.default_queue_policy.CopyFrom(queue_policy(spec, step))
     if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
@@ -186,9 +200,9 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
     return config
 
 
-def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
-    """The ``ctr`` ensemble: raw features in, click probability out."""
-    io = step_io(spec)
+def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
+    """The ``ctr`` ensemble: raw features in, click probability (and the dense version) out."""
+    io = step_io(spec, profile)
     steps = []
     for step in STEPS:
         inputs, outputs = io[step]
@@ -205,7 +219,7 @@ def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in spec.wire_inputs()],
-        output=[_output(io[DENSE][1][0])],
+        output=[_output(t) for t in io[DENSE][1]],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 
@@ -213,7 +227,7 @@ def ensemble_config(spec: ModelSpec) -> mc.ModelConfig:
 def all_configs(spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None) -> dict[str, mc.ModelConfig]:
     """Every model of the repository by name, in one config profile (``plan`` as in :func:`step_config`)."""
     configs = {step: step_config(spec, step, profile, plan) for step in STEPS}
-    configs[spec.name] = ensemble_config(spec)
+    configs[spec.name] = ensemble_config(spec, profile)
     return configs
 
 

@@ -18,6 +18,8 @@ TARGET_EMBEDDING = "target_embedding"
 HISTORY_EMBEDDINGS = "history_embeddings"
 
 PROBABILITY = "probability"
+#: Per row, the version of the ``dense`` model that scored it (hot swaps are visible to clients).
+DENSE_VERSION = "dense_version"
 
 #: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
 DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)

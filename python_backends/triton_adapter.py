@@ -68,6 +68,11 @@ class ModelContext:
         install_bytes_decoder()
         return cls(spec, version_dir, args["model_name"], count)
 
+    @property
+    def version(self) -> int:
+        """The model version being served (the name of its version folder)."""
+        return int(self.version_dir.name)
+
 
 def instance_device(args: Mapping[str, str]) -> str:
     """``cpu``, or ``cuda:N`` for a KIND_GPU instance (from ``initialize``'s ``args``)."""

@@ -11,6 +11,7 @@ from recserve.build.tensorrt_engine import PRECISIONS
 from recserve.spec import DEFAULT_SPEC, load_spec
 
 DEFAULT_REPOSITORY = Path("model_repository")
+ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -30,7 +31,8 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from recserve.server import (
-        MpsDaemon, Ports, ServerError, require_gpu, run_foreground, runtime_dir, server_command, server_env,
+        MpsDaemon, Ports, Security, ServerError, TritonServer, require_gpu, run_child, run_foreground, runtime_dir,
+        server_command, server_env,
     )  # fmt: skip
 
     if not (args.repository / "dense").is_dir():
@@ -40,16 +42,27 @@ def _serve(args: argparse.Namespace) -> int:
         print("error: --mps shares a GPU between instances; use it with --profile gpu or cuda", file=sys.stderr)
         return 2
     try:
+        security = Security(args.model_control, os.environ.get(ADMIN_KEY_ENV) or None, args.client_shared_memory)
+        ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
         extra = []
         if args.profile != "cpu":
             print(f"GPUs: {', '.join(require_gpu())}", file=sys.stderr)
             extra.append(f"--model-config-name={args.profile}")  # <model>/configs/<profile>.pbtxt where present
-        command = server_command(args.repository, Ports(args.http_port, args.grpc_port, args.metrics_port), args.host, extra)
-        print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
-        if not args.mps:
-            os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
+        command = server_command(args.repository, ports, args.host, extra, security=security)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if security.model_control == "explicit" and extra:
+        print("error: --model-control explicit serves the cpu profile only", file=sys.stderr)
+        return 2
+    print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
+    if security.model_control == "explicit":  # stay as the parent: the stub watchdog needs the admin API
+        return run_foreground(TritonServer(args.repository, ports, host=args.host, security=security))
+    if not args.mps:
+        os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
+    try:
         with MpsDaemon(runtime_dir().parent / "mps") as mps:  # pipes and logs beside the server runtime
-            return run_foreground(command, mps.env(server_env()))
+            return run_child(command, mps.env(server_env()))
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -165,6 +178,16 @@ def _tune(args: argparse.Namespace) -> int:
         print(f"no plan met p99 <= {args.p99_ms} ms at every client batch size; the spec is unchanged", file=sys.stderr)
         return 1
     return 0
+def _soak(args: argparse.Namespace) -> int:
+    from recserve.perf.soak import soak_command
+
+    return soak_command(load_spec(args.spec), args.repository, args.duration, args.update_every)
+
+
+def _overload(args: argparse.Namespace) -> int:
+    from recserve.perf.overload import overload_command
+
+    return overload_command(load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -191,6 +214,16 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--profile", choices=("cpu", "gpu", "cuda"), default="cpu",
                        help="gpu / cuda: serve the configs/<profile>.pbtxt variants (KIND_GPU instances; needs a GPU)")
     serve.add_argument("--mps", action="store_true", help="run the NVIDIA MPS control daemon for the server's lifetime")
+    serve.add_argument(
+        "--model-control",
+        choices=("none", "explicit"),
+        default="none",
+        help=f"'explicit': models can be (re)loaded by callers sending the {ADMIN_KEY_ENV} value "
+        "in the recserve-admin-key header (required then)",
+    )
+    serve.add_argument(
+        "--client-shared-memory", action="store_true", help="let every client register shared memory (locked by default)"
+    )
     serve.set_defaults(func=_serve)
 
     predict = sub.add_parser("predict", help="score Criteo rows (TSV or CSV with header); one probability per line")
@@ -218,6 +251,21 @@ def parser() -> argparse.ArgumentParser:
     perf.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="for the in-process comparison")
     perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
     perf.set_defaults(func=_perf)
+
+    soak = sub.add_parser(
+        "soak", help="bounded mixed traffic with periodic dense updates on a private loopback server; fails on leaks"
+    )
+    soak.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; the copy gets the updates")
+    soak.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
+    soak.add_argument("--update-every", type=float, default=10.0, help="seconds between dense version updates")
+    soak.set_defaults(func=_soak)
+
+    overload = sub.add_parser("overload", help="open-loop spike above measured capacity on a private loopback server")
+    overload.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    overload.add_argument("--rows", type=int, default=8, help="rows per request")
+    overload.add_argument("--spike", type=float, default=2.0, help="spike rate as a multiple of capacity")
+    overload.add_argument("--seconds", type=float, default=5.0, help="length of the half-capacity and spike phases")
+    overload.set_defaults(func=_overload)
 
     from recserve.store_cli import add_commands
 

@@ -95,6 +95,22 @@ class SequenceFeature:
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """How the steps' queues shed load.
+
+    The first step is the admission gate: at most ``entry_max_queue_size`` requests wait there and
+    the excess is refused at once (UNAVAILABLE), before any work is spent on it. Later steps hold
+    up to ``max_queue_size`` so that admitted work is rarely thrown away. On every step a request
+    waiting longer than ``default_timeout_microseconds`` is refused too (``REJECT``).
+    """
+
+    entry_max_queue_size: int = 32
+    max_queue_size: int = 128
+    default_timeout_microseconds: int = 1_000_000
+    timeout_action: str = "REJECT"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything recserve needs to know about one model."""
 
@@ -117,6 +133,7 @@ class ModelSpec:
     training: dict[str, Any]
     hash_namespace: str
     preferred_batch_sizes: tuple[int, ...] = ()
+    queue: QueuePolicy = field(default_factory=QueuePolicy)
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     # ---- derived names -------------------------------------------------------------------
@@ -230,6 +247,10 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     preferred = tuple(sorted(int(x) for x in serving.get("preferred_batch_size", ())))
     if any(not 1 <= size <= max_batch for size in preferred):
         raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")
+    queue = QueuePolicy(**serving.get("queue", {}))
+    limits = (queue.entry_max_queue_size, queue.max_queue_size, queue.default_timeout_microseconds)
+    if min(limits) < 1 or queue.timeout_action not in ("REJECT", "DELAY"):
+        raise SpecError(f"serving.queue needs positive limits and timeout_action REJECT or DELAY, got {queue}")
     if dim % int(net["attention_heads"]):
         raise SpecError("embedding_dim must be divisible by attention_heads")
     return ModelSpec(
@@ -252,6 +273,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         training=dict(doc.get("training", {})),
         hash_namespace=doc.get("hashing", {}).get("namespace", "recserve"),
         preferred_batch_sizes=preferred,
+        queue=queue,
         source=doc,
     )
 
@@ -283,6 +305,7 @@ __all__ = [
     "DenseGroup",
     "HexGroup",
     "ModelSpec",
+    "QueuePolicy",
     "SequenceFeature",
     "SpecError",
     "TableSpec",

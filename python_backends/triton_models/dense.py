@@ -2,7 +2,10 @@
 
 import time
 
+import numpy as np
+
 from recserve.backends import tensors
+from recserve.backends.compatibility import check_dense_fits, onnx_input_dims
 from recserve.backends.dense_runner import DenseStep
 from recserve.backends.triton_adapter import MetricsPublisher, ModelContext, execute_merged, instance_device
 
@@ -16,17 +19,25 @@ class TritonPythonModel:
         """Verify the artifacts and compile every bucket of the spec's grid (warmed before READY)."""
         context = ModelContext.from_args(args)
         device = instance_device(args)
+        check_dense_fits(context.spec, onnx_input_dims(context.version_dir))
         self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
+        self.version = context.version
         self.metrics = MetricsPublisher()
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:
         """Probabilities for every valid request; counters published at most once a second."""
-        responses = execute_merged(requests, tensors.DENSE_NET_INPUTS, self.step.check, self.step.compute)
+        responses = execute_merged(requests, tensors.DENSE_NET_INPUTS, self.step.check, self.score)
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
             self.metrics.publish(self.step.runner.counters.samples())
         return responses
+
+    def score(self, merged: dict) -> dict:
+        """The network's outputs and, per row, the version that computed them."""
+        outputs = self.step.compute(merged)
+        rows = outputs[tensors.PROBABILITY].shape[0]
+        return {**outputs, tensors.DENSE_VERSION: np.full((rows, 1), self.version, np.int64)}
 
     def finalize(self) -> None:
         """Stop background compiles; publish the last counts."""

@@ -5,19 +5,11 @@ from __future__ import annotations
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import np_to_triton_dtype
 
+from recserve.perf.soak import infer_inputs
 from recserve.spec import ModelSpec
 
-
-def infer_inputs(module, inputs: dict[str, np.ndarray]) -> list:
-    """``InferInput`` objects carrying the arrays as they are (names, dtypes and shapes unchecked)."""
-    tensors = []
-    for name, array in inputs.items():
-        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+__all__ = ["grpc_client", "http_client", "infer_inputs", "infer_raw"]
 
 
 def infer_raw(module, client, spec: ModelSpec, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:

@@ -1,0 +1,373 @@
+"""``recserve soak``: bounded mixed traffic with periodic updates, watched by a leak detector.
+
+The soak starts tritonserver on free loopback ports over a scratch copy of the repository, sends
+valid requests (gRPC and HTTP, batch 1..64) mixed with a small share of malformed ones, calls an
+*updater* every few seconds (by default: a new ``dense`` version goes live through the
+model-repository API), and samples the resident memory and open file descriptors of tritonserver
+and of each model's stub processes. The detector compares the start and the end of the second half:
+memory must grow by at most ``max_rss_growth_mb`` and descriptors by at most ``max_fd_growth`` per
+process group, and no valid request may fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import secrets
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
+
+from recserve.backends.tensors import DENSE_VERSION, PROBABILITY
+from recserve.build.synthetic import generate
+from recserve.server import Ports, Security, TritonServer, expected_stubs
+from recserve.spec import ModelSpec
+
+LOGGER = logging.getLogger(__name__)
+
+SERVER = "tritonserver"
+#: An updater makes one change to the served models and says what it did.
+Updater = Callable[[], str]
+
+
+# ---- resources ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ResourceSample:
+    """Resident memory (MB) and open descriptors of tritonserver and of each model's serving stubs.
+
+    ``replaced`` counts, per model, the stubs beyond its instance count: those of a version being
+    replaced, on their way out (they are not added to the model's memory).
+    """
+
+    at_s: float
+    rss_mb: dict[str, float]
+    fds: dict[str, int]
+    replaced: dict[str, int] = field(default_factory=dict)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _started(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def sample_resources(server: TritonServer, at_s: float, instances: dict[str, int] | None = None) -> ResourceSample:
+    """Memory and descriptors now: tritonserver, and per model its newest ``instances[model]`` stubs."""
+    assert server.process is not None
+    groups: dict[str, list[int]] = {}
+    for pid, model in server.stubs().items():
+        groups.setdefault(model, []).append(pid)
+    replaced = {}
+    for model, pids in groups.items():
+        keep = (instances or {}).get(model, len(pids))
+        pids.sort(key=_started, reverse=True)
+        groups[model], replaced[model] = pids[:keep], max(0, len(pids) - keep)
+    groups[SERVER] = [server.process.pid]
+    rss: dict[str, float] = {}
+    fds: dict[str, int] = {}
+    for name, pids in groups.items():
+        rss[name], fds[name] = 0.0, 0
+        for pid in pids:
+            try:
+                rss[name] += _rss_mb(pid)
+                fds[name] += len(os.listdir(f"/proc/{pid}/fd"))
+            except OSError:  # a stub that just exited
+                continue
+    return ResourceSample(at_s, rss, fds, replaced)
+
+
+def detect_leaks(
+    samples: list[ResourceSample], max_rss_growth_mb: float = 50.0, max_fd_growth: int = 16, window: int = 3
+) -> tuple[dict[str, tuple[float, int]], list[str]]:
+    """Growth over the second half of a run, and what breaks the limits.
+
+    The start and the end of the second half are each the median of ``window`` samples, so a short
+    spike does not count as growth. Stubs of a replaced version are not part of a model's memory;
+    more than one of them still running through the last window is a problem of its own.
+
+    Returns:
+        ``({group: (rss growth MB, fd growth)}, [problems])``.
+    """
+    half = [s for s in samples if s.at_s >= samples[-1].at_s / 2] if samples else []
+    if len(half) < 2 * window:
+        return {}, [f"too few samples in the second half ({len(half)}) to judge memory"]
+    first, last = half[:window], half[-window:]
+    growth, problems = {}, []
+    for name in sorted(set().union(*(s.rss_mb.keys() for s in half))):
+        rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last) - statistics.median(s.rss_mb.get(name, 0.0) for s in first)
+        fds = int(statistics.median(s.fds.get(name, 0) for s in last) - statistics.median(s.fds.get(name, 0) for s in first))
+        growth[name] = (rss, fds)
+        lingering = min(s.replaced.get(name, 0) for s in last)
+        if lingering > 1:
+            problems.append(f"{name}: {lingering} replaced versions' stubs are still running at the end")
+        if rss > max_rss_growth_mb:
+            problems.append(f"{name}: resident memory grew {rss:.1f} MB over the second half (limit {max_rss_growth_mb:.0f})")
+        if fds > max_fd_growth:
+            problems.append(f"{name}: {fds} more open file descriptors over the second half (limit {max_fd_growth})")
+    return growth, problems
+
+
+# ---- updates -----------------------------------------------------------------------------------
+def served_versions(repository: Path, model: str) -> list[int]:
+    """Version folders of ``model`` in the repository, ascending."""
+    return sorted(int(p.name) for p in (repository / model).iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def add_version(repository: Path, model: str, source_version: int | None = None) -> int:
+    """Copy a version folder (the newest by default) to the next version number; returns it."""
+    versions = served_versions(repository, model)
+    new = versions[-1] + 1
+    shutil.copytree(repository / model / str(source_version or versions[-1]), repository / model / str(new))
+    return new
+
+
+class DenseVersionUpdater:
+    """Each call puts a new ``dense`` version live (copy of the newest) and drops the replaced one."""
+
+    def __init__(self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = "dense") -> None:
+        self.repository = repository
+        self.grpc_url = grpc_url
+        self.headers = headers
+        self.model = model
+
+    def __call__(self) -> str:
+        """Load the next version through the model-repository API."""
+        old = served_versions(self.repository, self.model)
+        new = add_version(self.repository, self.model)
+        with grpcclient.InferenceServerClient(self.grpc_url) as client:
+            client.load_model(self.model, headers=self.headers)
+        for version in old:  # unloaded by the version policy (latest 1): keep the disk bounded
+            shutil.rmtree(self.repository / self.model / str(version), ignore_errors=True)
+        return f"{self.model} version {new} live"
+
+
+# ---- traffic -----------------------------------------------------------------------------------
+@dataclass
+class TrafficCounts:
+    """What the traffic threads saw."""
+
+    valid_ok: int = 0
+    valid_failed: int = 0
+    bad_refused: int = 0
+    bad_accepted: int = 0
+    failures: list[str] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, bad: bool, error: InferenceServerException | None, version: int | None = None) -> None:
+        """Count one response."""
+        with self.lock:
+            if bad:
+                refused = error is not None and (error.status() or "").upper() in ("400", "STATUSCODE.INVALID_ARGUMENT")
+                self.bad_refused += refused
+                self.bad_accepted += not refused
+                if not refused:
+                    self.failures.append(f"malformed request answered with {error!s}"[:300])
+            elif error is None:
+                self.valid_ok += 1
+                if version is not None:
+                    self.versions.add(version)
+            else:
+                self.valid_failed += 1
+                self.failures.append(f"valid request failed: {error!s}"[:300])
+
+
+def request_pool(spec: ModelSpec, count: int = 48, seed: int = 11) -> list[dict[str, np.ndarray]]:
+    """Valid requests of 1..64 rows."""
+    rng = np.random.default_rng(seed)
+    return [generate(spec, int(rng.choice([1, 4, 16, 64])), seed=seed + i).to_wire(spec) for i in range(count)]
+
+
+def malformed(spec: ModelSpec, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The same request with a NaN in a present dense value (refused with INVALID_ARG)."""
+    bad = {k: v.copy() for k, v in request.items()}
+    bad[spec.dense.name][0, 0], bad[spec.dense_missing_input][0, 0] = np.nan, False
+    return bad
+
+
+def infer_inputs(module: Any, inputs: dict[str, np.ndarray]) -> list[Any]:
+    """``InferInput`` objects of ``module`` (tritonclient.grpc or .http) carrying the arrays as they are."""
+    tensors = []
+    for name, array in inputs.items():
+        tensor = module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def infer_request(model: str, inputs: dict[str, np.ndarray]) -> Any:
+    """A ready-to-send gRPC ``ModelInferRequest`` (raw binary contents; BYTES length-prefixed), built once."""
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name=model)
+    for name, array in inputs.items():
+        tensor = message.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
+        tensor.shape.extend(array.shape)
+        message.raw_input_contents.append(serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes())
+    return message
+
+
+def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> int:
+    tensors = infer_inputs(module, inputs)
+    outputs = [module.InferRequestedOutput(PROBABILITY), module.InferRequestedOutput(DENSE_VERSION)]
+    result = client.infer(spec.name, tensors, outputs=outputs)
+    if result.as_numpy(PROBABILITY) is None:
+        raise InferenceServerException("response without probability")
+    return int(result.as_numpy(DENSE_VERSION).reshape(-1)[0])
+
+
+def traffic_worker(
+    server: TritonServer,
+    spec: ModelSpec,
+    protocol: str,
+    stop: threading.Event,
+    counts: TrafficCounts,
+    bad_fraction: float,
+    seed: int,
+    pause_s: float = 0.005,
+) -> None:
+    """Closed-loop requests until ``stop``; a pause of ``pause_s`` between requests keeps the load moderate."""
+    rng = random.Random(seed)
+    pool = request_pool(spec, seed=seed)
+    if protocol == "grpc":
+        module, client = grpcclient, grpcclient.InferenceServerClient(server.grpc_url)
+    else:
+        module, client = httpclient, httpclient.InferenceServerClient(server.http_url, network_timeout=30)
+    with client:
+        while not stop.is_set():
+            request = rng.choice(pool)
+            bad = rng.random() < bad_fraction
+            try:
+                version = _send(module, client, spec, malformed(spec, request) if bad else request)
+                counts.record(bad, None, version)
+            except InferenceServerException as exc:
+                counts.record(bad, exc)
+            stop.wait(pause_s)
+
+
+# ---- the soak ----------------------------------------------------------------------------------
+@dataclass
+class SoakReport:
+    """Outcome of one soak."""
+
+    duration_s: float
+    counts: TrafficCounts
+    updates: list[str]
+    samples: list[ResourceSample]
+    growth: dict[str, tuple[float, int]]
+    problems: list[str]
+
+    @property
+    def passed(self) -> bool:
+        """No leak and no failed valid request."""
+        return not self.problems
+
+    def table(self) -> str:
+        """Markdown summary."""
+        first, last = self.samples[0], self.samples[-1]
+        lines = [
+            f"soak {self.duration_s:.0f} s: {self.counts.valid_ok} valid ok, {self.counts.valid_failed} valid failed, "
+            f"{self.counts.bad_refused} malformed refused, {self.counts.bad_accepted} malformed not refused, "
+            f"{len(self.updates)} updates, dense versions served {sorted(self.counts.versions)}",
+            "",
+            "| process | RSS start MB | RSS end MB | RSS growth 2nd half MB | fds start | fds end | fd growth 2nd half |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for name, (rss, fds) in self.growth.items():
+            lines.append(
+                f"| {name} | {first.rss_mb.get(name, 0):.1f} | {last.rss_mb.get(name, 0):.1f} | {rss:+.1f} | "
+                f"{first.fds.get(name, 0)} | {last.fds.get(name, 0)} | {fds:+d} |"
+            )
+        lines.append("")
+        lines.append("PASS" if self.passed else "FAIL: " + "; ".join(self.problems))
+        return "\n".join(lines)
+
+
+def run_soak(
+    server: TritonServer,
+    spec: ModelSpec,
+    duration_s: float,
+    updater: Updater | None = None,
+    update_every_s: float = 10.0,
+    bad_fraction: float = 0.01,
+    sample_every_s: float = 1.0,
+    protocols: tuple[str, ...] = ("grpc", "grpc", "http"),
+    max_rss_growth_mb: float = 50.0,
+    max_fd_growth: int = 16,
+    pause_s: float = 0.005,
+) -> SoakReport:
+    """Run traffic, updates and sampling for ``duration_s`` against a started server; judge the result."""
+    stop, counts = threading.Event(), TrafficCounts()
+    workers = [
+        threading.Thread(
+            target=traffic_worker, args=(server, spec, p, stop, counts, bad_fraction, 100 + i, pause_s), daemon=True
+        )
+        for i, p in enumerate(protocols)
+    ]
+    for worker in workers:
+        worker.start()
+    samples: list[ResourceSample] = []
+    updates: list[str] = []
+    instances = expected_stubs(server.repository)
+    started = time.monotonic()
+    next_update = started + update_every_s
+    try:
+        while (now := time.monotonic()) - started < duration_s:
+            samples.append(sample_resources(server, now - started, instances))
+            if updater is not None and now >= next_update:
+                updates.append(updater())
+                LOGGER.info("%s", updates[-1])
+                next_update = time.monotonic() + update_every_s
+            time.sleep(max(0.0, sample_every_s - (time.monotonic() - now)))
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(60)
+    growth, problems = detect_leaks(samples, max_rss_growth_mb, max_fd_growth)
+    if counts.valid_failed:
+        problems.append(f"{counts.valid_failed} valid requests failed, first: {counts.failures[0]}")
+    if counts.bad_accepted:
+        problems.append(f"{counts.bad_accepted} malformed requests were not refused with INVALID_ARG")
+    if counts.valid_ok == 0:
+        problems.append("no valid request succeeded")
+    if server.watchdog is not None and server.watchdog.reloads:
+        problems.append(f"stub processes died and were replaced: {[model for _, model in server.watchdog.reloads]}")
+    return SoakReport(time.monotonic() - started, counts, updates, samples, growth, problems)
+
+
+def scratch_repository(source: Path, target: Path) -> Path:
+    """A private copy of a built repository that updates may change."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def soak_command(spec: ModelSpec, repository: Path, duration_s: float, update_every_s: float) -> int:
+    """``recserve soak``: a private server on free loopback ports; exit status 1 when the soak fails."""
+    with tempfile.TemporaryDirectory(prefix="recserve-soak-") as scratch:
+        root = scratch_repository(repository, Path(scratch) / "repository")
+        security = Security("explicit", admin_key=secrets.token_urlsafe(32))
+        with TritonServer(root, Ports.free(), log_path=Path(scratch) / "server.log", security=security) as server:
+            updater = DenseVersionUpdater(root, server.grpc_url, security.headers())
+            report = run_soak(server, spec, duration_s, updater, update_every_s)
+    print(report.table())
+    return 0 if report.passed else 1
