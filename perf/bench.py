@@ -41,7 +41,7 @@ from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
 from recserve.perf.report import Point
 from recserve.perf.stats import difference, snapshot
-from recserve.server import Ports, TritonServer
+from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
 
 LOGGER = logging.getLogger(__name__)
@@ -169,7 +169,9 @@ def run_bench(
         servers: dict[str, TritonServer] = {}
         for system, plan in ((report.NAIVE, configs.ServingPlan.naive()), (report.TUNED, configs.ServingPlan.from_spec(spec))):
             variant = configs.write_variant(spec, repository, work / system, plan=plan)
-            servers[system] = stack.enter_context(TritonServer(variant, Ports.free(), log_path=work / f"{system}.log"))
+            # the shared-memory probes register client regions: open that API on the bench's own servers
+            security = Security(client_shared_memory=True)
+            servers[system] = stack.enter_context(TritonServer(variant, Ports.free(), log_path=work / f"{system}.log", security=security))
         torchserve = None
         if grid.torchserve:
             from recserve.perf.torchserve import TorchServe

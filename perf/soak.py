@@ -11,6 +11,7 @@ process group, and no valid request may fail.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -159,6 +160,42 @@ class DenseVersionUpdater:
         for version in old:  # unloaded by the version policy (latest 1): keep the disk bounded
             shutil.rmtree(self.repository / self.model / str(version), ignore_errors=True)
         return f"{self.model} version {new} live"
+
+
+class EmbeddingDeltaUpdater:
+    """Each call publishes new rows for some keys of one table, or rolls the table back to its base.
+
+    Goes through the update log the servers watch (what ``recserve update``/``rollback`` write), so
+    the running store applies it without a restart.
+    """
+
+    def __init__(self, spec: ModelSpec, repository: Path, table: str | None = None, rows: int = 256) -> None:
+        from recserve.backends.served_store import updates_dir
+        from recserve.backends.store import TieredStore
+        from recserve.backends.updates import UpdateLog
+
+        folder = repository / "embedding_lookup" / str(spec.version)
+        store = TieredStore.load(folder, spec)
+        self.table = table or spec.target.table
+        self.keys = store.table_arrays(self.table).keys[:rows]
+        self.dim = store.dim
+        self.log = UpdateLog(updates_dir(folder), store.base_version)
+        self.rng = np.random.default_rng(0)
+        self.calls = 0
+
+    def __call__(self) -> str:
+        """Publish a delta (odd calls) or roll back to the base version (even calls)."""
+        self.calls += 1
+        if self.calls % 2:
+            vectors = self.rng.normal(0, 0.1, size=(len(self.keys), self.dim)).astype(np.float32)
+            return f"{self.table} version {self.log.publish(self.table, self.keys, vectors, self.dim)} published"
+        return f"{self.table} version {self.log.rollback(self.table, self.log.base_version)}: back to base"
+
+
+def alternate(*updaters: Updater) -> Updater:
+    """One updater that calls the given ones in turn."""
+    turn = itertools.cycle(updaters)
+    return lambda: next(turn)()
 
 
 # ---- traffic -----------------------------------------------------------------------------------
@@ -367,7 +404,7 @@ def soak_command(spec: ModelSpec, repository: Path, duration_s: float, update_ev
         root = scratch_repository(repository, Path(scratch) / "repository")
         security = Security("explicit", admin_key=secrets.token_urlsafe(32))
         with TritonServer(root, Ports.free(), log_path=Path(scratch) / "server.log", security=security) as server:
-            updater = DenseVersionUpdater(root, server.grpc_url, security.headers())
-            report = run_soak(server, spec, duration_s, updater, update_every_s)
+            dense = DenseVersionUpdater(root, server.grpc_url, security.headers())
+            report = run_soak(server, spec, duration_s, alternate(dense, EmbeddingDeltaUpdater(spec, root)), update_every_s)
     print(report.table())
     return 0 if report.passed else 1

@@ -14,6 +14,7 @@ from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.bench import Grid, run_bench
 from recserve.perf.loadgen import sample_batches
+from recserve.server import Ports, Security, TritonServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,8 +59,17 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
     assert len(rows) == len(points) + 1
 
 
+@pytest.fixture(scope="module")
+def shm_server(repository, tmp_path_factory):
+    """A server that lets clients register shared memory (locked by default)."""
+    log = tmp_path_factory.mktemp("shm") / "server.log"
+    with TritonServer(repository, Ports.free(), log_path=log, security=Security(client_shared_memory=True)) as running:
+        yield running
+
+
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_sdk_shared_memory_gives_the_same_probabilities(server, spec, protocol):
+def test_sdk_shared_memory_gives_the_same_probabilities(shm_server, spec, protocol):
+    server = shm_server
     batches = sample_batches(spec, 5, count=3) + sample_batches(spec, spec.max_batch_size, count=1)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     with CTRClient(url, protocol, spec=spec) as wire, CTRClient(url, protocol, spec=spec, shared_memory=True) as shm:

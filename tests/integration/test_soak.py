@@ -5,7 +5,7 @@ The same detector must catch a stub that leaks on purpose, or it proves nothing.
 
 import os
 
-from recserve.perf.soak import DenseVersionUpdater, run_soak
+from recserve.perf.soak import DenseVersionUpdater, EmbeddingDeltaUpdater, alternate, run_soak
 
 from .private_server import private_server
 
@@ -43,13 +43,16 @@ def _leaking_feature_transform(root):
 
 def test_soak_keeps_memory_and_descriptors_flat_through_updates(repository, spec, tmp_path):
     with private_server(repository, tmp_path) as server:
-        updater = DenseVersionUpdater(server.repository, server.grpc_url, server.security.headers())
-        # a dense load compiles every bucket: on 2 shared cores, one update per 15 s and a lighter load
-        report = run_soak(server, spec, SOAK_S, updater, update_every_s=SOAK_S / 4, pause_s=0.02)
+        dense = DenseVersionUpdater(server.repository, server.grpc_url, server.security.headers())
+        embeddings = EmbeddingDeltaUpdater(spec, server.repository)
+        # a dense load compiles every bucket: on 2 shared cores, one update per 10 s (dense and
+        # embedding versions in turn) and a lighter load
+        report = run_soak(server, spec, SOAK_S, alternate(dense, embeddings), update_every_s=SOAK_S / 6, pause_s=0.02)
     print(report.table())
     assert report.passed, report.table()
     assert report.counts.bad_refused > 0, "no malformed request was sent"
-    assert len(report.updates) >= 2 and len(report.counts.versions) >= 3, report.table()
+    assert len(report.updates) >= 4 and len(report.counts.versions) >= 3, report.table()
+    assert any("published" in u for u in report.updates) and any("back to base" in u for u in report.updates)
     assert {"tritonserver", "feature_transform", "embedding_lookup", "dense"} <= set(report.growth)
 
 
