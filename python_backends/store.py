@@ -196,7 +196,7 @@ class StoreStats:
 class StoreOptions:
     """Serving settings of the store, from the spec's ``[store]`` section."""
 
-    cache_bytes: int = 64 << 20  # L1 budget per model instance
+    cache_bytes: int = 8 << 20  # L1 budget per model instance
     cache_refresh_s: float = 5.0  # how often L1 is rebuilt from the key frequencies
     update_poll_s: float = 1.0  # how often a server looks for new table versions
     table_dtypes: Mapping[str, str] = field(default_factory=dict)  # storage dtype by table (default float32)
@@ -205,7 +205,7 @@ class StoreOptions:
     redis_deadline_ms: float = 5.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 2.0
-    track_keys_per_refresh: int = 1 << 20  # at most this many recent keys feed the frequency count
+    track_keys_per_refresh: int = 1 << 18  # at most this many recent keys feed the frequency count
     decay: float = 0.5  # weight of older counts at each refresh
 
     @classmethod
@@ -219,7 +219,7 @@ class StoreOptions:
         if raw.get("remote_tables") and not raw.get("redis_nodes"):
             raise ArtifactError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
         return cls(
-            cache_bytes=int(float(raw.get("cache_mib", 64)) * (1 << 20)),
+            cache_bytes=int(float(raw.get("cache_mib", 8)) * (1 << 20)),
             cache_refresh_s=float(raw.get("cache_refresh_s", 5.0)),
             update_poll_s=float(raw.get("update_poll_s", 1.0)),
             table_dtypes={name: "float16" for name in raw.get("float16_tables", [])},
