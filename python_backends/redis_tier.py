@@ -98,6 +98,7 @@ class RedisTier:
         self.calls = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recserve-l3")
         self._inflight: Future | None = None
+        self._refresh_topology = False  # after a failure: re-read the cluster's slot map first (failover)
 
     @classmethod
     def connect(cls, options: Any) -> RedisTier:
@@ -129,26 +130,35 @@ class RedisTier:
         if self._inflight is not None and not self._inflight.done():
             self.errors["busy"] += 1  # an earlier call is still stuck past its deadline: do not queue
             self.breaker.failure()
+            self._refresh_topology = True
             return vectors, found
         self.calls += 1
-        self._inflight = self._pool.submit(self.client.mget_nonatomic, redis_keys(keys, self.prefix))
+        self._inflight = self._pool.submit(self._mget, redis_keys(keys, self.prefix), self._refresh_topology)
         try:
             values = self._inflight.result(timeout=self.deadline_s)
         except FutureTimeout:
             self.errors["timeout"] += 1
             self.breaker.failure()
+            self._refresh_topology = True
             return vectors, found
         except Exception as exc:  # noqa: BLE001 - any client error means "not served by L3"
             self.errors["error"] += 1
             self.breaker.failure()
+            self._refresh_topology = True
             LOGGER.warning("L3 lookup failed: %s", type(exc).__name__)
             return vectors, found
         self.breaker.success()
+        self._refresh_topology = False
         values = np.array(values, dtype=object)
         found = values != None  # noqa: E711 - elementwise comparison
         if found.any():
             vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, dim)
         return vectors, found
+
+    def _mget(self, names: list[bytes], refresh_topology: bool) -> list:
+        if refresh_topology:  # a master may have failed over: learn the new slot owners first
+            self.client.nodes_manager.initialize()
+        return self.client.mget_nonatomic(names)
 
     def upload(self, keys: np.ndarray, vectors: np.ndarray, chunk: int = 10_000) -> int:
         """Write rows (float32) into the cluster; rows written."""
