@@ -18,6 +18,8 @@ from recserve.spec import ModelSpec
 #: A stability percentage that accepts perf_analyzer's first three windows: on a shared 2-core machine
 #: strict stability is rarely reached, so each point is the mean of three windows.
 LOOSE_STABILITY = 1000
+#: What perf_analyzer prints when its windows never agree (it is then rerun with longer windows).
+UNSTABLE = "Failed to obtain stable measurement"
 
 
 class PerfError(RuntimeError):
@@ -113,6 +115,12 @@ def measure(
             spec, url, protocol, batch_size, concurrency, measurement_ms, data, csv_path, shared_memory, stability_percentage
         )
         done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
+        for _ in range(2):  # perf_analyzer's own advice when windows disagree: measure longer
+            if done.returncode == 0 or UNSTABLE not in done.stdout:
+                break
+            measurement_ms *= 2
+            command[command.index("--measurement-interval") + 1] = str(measurement_ms)
+            done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise PerfError(f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
         return parse_csv(csv_path), done.stdout
