@@ -116,7 +116,7 @@ def measure(
         )
         done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
         for _ in range(2):  # perf_analyzer's own advice when windows disagree: measure longer
-            if done.returncode == 0 or UNSTABLE not in done.stdout:
+            if done.returncode == 0 or UNSTABLE not in done.stdout + done.stderr:
                 break
             measurement_ms *= 2
             command[command.index("--measurement-interval") + 1] = str(measurement_ms)
