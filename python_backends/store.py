@@ -325,10 +325,7 @@ class TieredStore:
         if todo.size:
             todo = self._take_local(keys, table_ids, todo, vectors, tiers)
         if todo.size and self.remote is not None:
-            found_vectors, found = self.remote.fetch(keys[todo], self.dim)
-            vectors[todo[found]] = found_vectors[found]
-            tiers[todo[found]] = L3
-            todo = todo[~found]
+            todo = self._take_remote(keys, todo, vectors, tiers)
         if todo.size:
             vectors[todo] = self._defaults[table_ids[todo]]
         if record:
@@ -348,18 +345,27 @@ class TieredStore:
         missing = []
         for number, shard in enumerate(self.shards):
             part = todo if len(self.shards) == 1 else todo[self._table_shard[table_ids[todo]] == number]
-            rows = shard.index.find(keys[part])
-            hit = rows >= 0
-            if hit.all():  # the common case: no masks to apply
-                out[part] = shard.vectors.take(rows, axis=0)
-                tiers[part] = L2
-                continue
-            out[part[hit]] = shard.vectors.take(rows[hit], axis=0)
-            tiers[part[hit]] = L2
-            missing.append(part[~hit])
-        if not missing:
-            return todo[:0]
+            missing.append(self._take_shard(shard, keys, part, out, tiers))
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
+
+    @staticmethod
+    def _take_shard(shard: Shard, keys: np.ndarray, part: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
+        """L2 rows of one shard for ``keys[part]``; the positions it does not hold."""
+        rows = shard.index.find(keys[part])
+        hit = rows >= 0
+        if hit.all():  # the common case: no masks to apply
+            out[part] = shard.vectors.take(rows, axis=0)
+            tiers[part] = L2
+            return part[:0]
+        out[part[hit]] = shard.vectors.take(rows[hit], axis=0)
+        tiers[part[hit]] = L2
+        return part[~hit]
+
+    def _take_remote(self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
+        found_vectors, found = self.remote.fetch(keys[todo], self.dim)
+        out[todo[found]] = found_vectors[found]
+        tiers[todo[found]] = L3
+        return todo[~found]
 
     def _count(self, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
         flat = table_ids * np.int16(len(TIERS)) + tiers  # stays int16: no widening copy
@@ -378,17 +384,11 @@ class TieredStore:
         todo = np.arange(keys.size)
         if delta is not None:
             todo = self._take_block(delta, keys, todo, vectors, tiers, DELTA)
-        if todo.size:
-            for shard in self.shards:
-                rows = shard.index.find(keys[todo])
-                hit = rows >= 0
-                vectors[todo[hit]] = shard.vectors[rows[hit]]
-                tiers[todo[hit]] = L2
-                todo = todo[~hit]
+        for shard in self.shards:  # no table ids here: each shard in turn
+            if todo.size:
+                todo = self._take_shard(shard, keys, todo, vectors, tiers)
         if todo.size and self.remote is not None:
-            found_vectors, found = self.remote.fetch(keys[todo], self.dim)
-            vectors[todo[found]] = found_vectors[found]
-            tiers[todo[found]] = L3
+            self._take_remote(keys, todo, vectors, tiers)
         return vectors, tiers != DEFAULT
 
     def build_cache(self, hot_keys: np.ndarray, delta: RowBlock | None) -> HotCache | None:

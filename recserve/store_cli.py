@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from recserve.spec import load_spec
@@ -75,10 +76,10 @@ def _redis_load(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     options = StoreOptions.from_spec(spec)
     if args.nodes:
-        options = StoreOptions(**{**options.__dict__, "redis_nodes": tuple(args.nodes.split(","))})
+        options = replace(options, redis_nodes=tuple(args.nodes.split(",")))
     if not options.redis_nodes:
         raise ValueError("no Redis Cluster: set [store] redis_nodes in the spec or pass --nodes host:port,...")
-    tier = RedisTier.connect(StoreOptions(**{**options.__dict__, "redis_deadline_ms": 10_000.0}))
+    tier = RedisTier.connect(replace(options, redis_deadline_ms=10_000.0))  # a bulk load, not a lookup
     root = args.repository / EMBEDDING_LOOKUP / str(spec.version)
     total = sum(tier.upload(keys, vectors) for keys, vectors in remote_table_arrays(spec, root, args.all).values())
     print(f"wrote {total} rows to the Redis Cluster at {','.join(options.redis_nodes)}", file=sys.stderr)
