@@ -5,7 +5,8 @@ One run, on one machine, side by side:
 * **lookups/s** of batches of 64 rows x 26 features (1,664 keys) with Zipf(1.05) keys over a table of
   10M keys x 64 dims through L1 + L2 (``TieredStore.lookup``: hash probe, cache, gather), against
   the **floor**: numpy ``take`` of the same number of rows at known row indices from the contiguous
-  vector array. Batches alternate between the two so that machine noise hits both alike.
+  vector array. The store runs both its compiled loops and its numpy path (same snapshot, same
+  batches). Batches rotate between the three so that machine noise hits them alike.
 * **hit rates** per tier and **bytes per key** (fp32, and fp16 storage).
 * **resident memory** of 2 processes serving the same shard files (PSS summed, so shared pages
   count once) against the raw size of keys + vectors.
@@ -41,11 +42,15 @@ class StoreBenchReport:
     keys: int
     dim: int
     batch_keys: int
+    compiled: bool  # whether the store's compiled loops were measured (else only its numpy path)
     store_keys_per_s: float
     floor_keys_per_s: float
     ratio_to_floor: float
     store_p99_us: float
     floor_p99_us: float
+    numpy_keys_per_s: float  # the store's numpy path
+    numpy_ratio_to_floor: float
+    numpy_p99_us: float
     hit_rates: dict[str, float]
     bytes_per_key: float
     bytes_per_key_fp16: float
@@ -152,14 +157,19 @@ def run(keys: int = 10_000_000, dim: int = 64, batch_keys: int = 64 * 26, batche
         store.refresh_cache()
         store.stats.by_table_tier[:] = 0
 
-        store_s, floor_s = [], []
+        numpy_store = TieredStore(list(store.tables.values()), store.shards, 1, options, compiled=False)
+        numpy_store.snapshot = store.snapshot  # the same L1
+        store_s, floor_s, numpy_s = [], [], []
         ids = np.zeros(batch_keys, np.int16)
         for batch_rows, batch in zip(rows[batches:], queries[batches:]):
             started = time.perf_counter()
             np.take(vectors, batch_rows, axis=0)
             middle = time.perf_counter()
             store.lookup(batch, ids)
-            store_s.append(time.perf_counter() - middle)
+            after_store = time.perf_counter()
+            numpy_store.lookup(batch, ids, record=False)
+            numpy_s.append(time.perf_counter() - after_store)
+            store_s.append(after_store - middle)
             floor_s.append(middle - started)
         counts = store.stats.by_table_tier.sum(axis=0)
         hit_rates = {tier: float(counts[i] / counts.sum()) for i, tier in enumerate(TIERS)}
@@ -179,15 +189,20 @@ def run(keys: int = 10_000_000, dim: int = 64, batch_keys: int = 64 * 26, batche
         resident = resident_two_processes(fp32, dim)
         store_rate = batch_keys * len(store_s) / sum(store_s)
         floor_rate = batch_keys * len(floor_s) / sum(floor_s)
+        numpy_rate = batch_keys * len(numpy_s) / sum(numpy_s)
         return StoreBenchReport(
             keys=keys,
             dim=dim,
             batch_keys=batch_keys,
+            compiled=store.compiled,
             store_keys_per_s=store_rate,
             floor_keys_per_s=floor_rate,
             ratio_to_floor=store_rate / floor_rate,
             store_p99_us=_p99_us(store_s),
             floor_p99_us=_p99_us(floor_s),
+            numpy_keys_per_s=numpy_rate,
+            numpy_ratio_to_floor=numpy_rate / floor_rate,
+            numpy_p99_us=_p99_us(numpy_s),
             hit_rates=hit_rates,
             bytes_per_key=store.bytes_per_key,
             bytes_per_key_fp16=bytes16,
@@ -206,9 +221,10 @@ def format_report(report: StoreBenchReport) -> str:
     return "\n".join(
         [
             f"table: {report.keys:,} keys x {report.dim} dims; batches of {report.batch_keys} keys (64 rows x 26 features), Zipf keys",
-            f"store L1+L2   {report.store_keys_per_s:>12,.0f} keys/s   p99 {report.store_p99_us:7.1f} us",
+            f"store L1+L2   {report.store_keys_per_s:>12,.0f} keys/s   p99 {report.store_p99_us:7.1f} us   ({'compiled loops' if report.compiled else 'numpy path: the compiled loops are not built'})",
+            f"  numpy path  {report.numpy_keys_per_s:>12,.0f} keys/s   p99 {report.numpy_p99_us:7.1f} us",
             f"floor (take)  {report.floor_keys_per_s:>12,.0f} keys/s   p99 {report.floor_p99_us:7.1f} us",
-            f"ratio to floor: {report.ratio_to_floor:.2f}",
+            f"ratio to floor: {report.ratio_to_floor:.2f} (numpy path {report.numpy_ratio_to_floor:.2f})",
             f"hit rates: {hits}",
             f"bytes per key: {report.bytes_per_key:.1f} (fp32), {report.bytes_per_key_fp16:.1f} (fp16)",
             f"resident, 2 processes: {report.resident_bytes_two_processes / 2**20:,.0f} MiB = {report.resident_ratio:.2f} x raw ({report.raw_bytes / 2**20:,.0f} MiB)",

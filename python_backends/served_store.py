@@ -91,6 +91,7 @@ class ServedStore:
             MetricSample("recserve_store_lookup_seconds_total", "counter", "Seconds spent in batch lookups", (), store.stats.seconds),
             MetricSample("recserve_store_lookup_p99_seconds", "gauge", "p99 batch lookup latency since the last publication", (), p99),
             MetricSample("recserve_store_l1_rows", "gauge", "Rows in the L1 hot cache", (), float(len(store.hot_keys()))),
+            MetricSample("recserve_store_compiled", "gauge", "1 when lookups run the compiled probe loops, 0 on the numpy path", (), float(store.compiled)),
             MetricSample("recserve_store_updates_rejected_total", "counter", "Published versions refused at apply", (), float(self.updater.rejected)),
             MetricSample(
                 "recserve_store_healthy",

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from recserve.backends.artifacts import load_array, read_manifest, save_array
 from recserve.backends.errors import ArtifactError
+from recserve.backends import kernels
 from recserve.backends.keyindex import GOLDEN, KeyIndex
 from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec
@@ -42,6 +44,7 @@ TIERS = ("l1", "delta", "l2", "l3", "default")
 L1, DELTA, L2, L3, DEFAULT = range(len(TIERS))
 STORAGE_DTYPES = ("float32", "float16")
 INDEX_ARRAYS = ("buckets", "overflow_keys", "overflow_rows")
+KERNELS = kernels.load()  # the compiled probe-and-gather loops; None: the numpy path below
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,11 @@ class Shard:
         """Bytes of the shard's arrays (keys, vectors, index)."""
         return int(self.keys.nbytes + self.vectors.nbytes + self.index.nbytes)
 
+    @cached_property
+    def probe(self) -> kernels.IndexProbe | None:
+        """The compiled probe of this shard (None without the kernels)."""
+        return _index_probe(self.index, self.vectors)
+
 
 @dataclass(frozen=True)
 class RowBlock:
@@ -99,6 +107,15 @@ class RowBlock:
     def of(cls, keys: np.ndarray, vectors: np.ndarray) -> RowBlock:
         """Index ``keys`` (unique) over ``vectors``."""
         return cls(KeyIndex.build(keys), np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(keys, np.int64))
+
+    @cached_property
+    def probe(self) -> kernels.IndexProbe | None:
+        """The compiled probe of these rows (None without the kernels)."""
+        return _index_probe(self.index, self.vectors)
+
+
+def _index_probe(index: KeyIndex, vectors: np.ndarray) -> kernels.IndexProbe | None:
+    return None if KERNELS is None else KERNELS.index_probe(index.buckets, index.overflow_keys, index.overflow_rows, vectors)
 
 
 @dataclass(frozen=True)
@@ -142,6 +159,11 @@ class HotCache:
     def nbytes(self) -> int:
         """Bytes of the cache."""
         return int(self.slot_keys.nbytes + self.vectors.nbytes + self.keys.nbytes)
+
+    @cached_property
+    def probe(self) -> kernels.CacheProbe | None:
+        """The compiled probe of this cache (None without the kernels)."""
+        return None if KERNELS is None else KERNELS.cache_probe(self.slot_keys, self.vectors)
 
 
 @dataclass(frozen=True)
@@ -281,6 +303,7 @@ class TieredStore:
         base_version: int,
         options: StoreOptions = StoreOptions(),
         remote: RemoteTier | None = None,
+        compiled: bool = True,
     ) -> None:
         self.tables = {t.name: t for t in tables}
         self.table_names = tuple(t.name for t in sorted(tables, key=lambda t: t.table_id))
@@ -289,6 +312,7 @@ class TieredStore:
         self.base_version = base_version
         self.options = options
         self.remote = remote
+        self.compiled = compiled and KERNELS is not None  # the compiled loops, else the numpy path
         ids = sorted(tables, key=lambda t: t.table_id)
         self._table_shard = np.array([t.shard for t in ids], np.int16)
         self._defaults = np.stack([self.shards[t.shard].vectors[t.default_row].astype(np.float32) for t in ids])
@@ -307,37 +331,48 @@ class TieredStore:
         """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length)."""
         started = time.perf_counter()
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-        table_ids = np.asarray(table_ids, dtype=np.int16).reshape(-1)
+        table_ids = np.ascontiguousarray(table_ids, dtype=np.int16).reshape(-1)
         snapshot = self.snapshot  # read once: the whole batch uses one version of everything
-        cache = snapshot.cache
-        if cache is not None:
-            slots = HotCache.slot_of(keys, len(cache.slot_keys))
-            miss = cache.slot_keys.take(slots) != keys
-            vectors = cache.vectors.take(slots, axis=0)  # one gather for the whole batch; misses overwritten below
-            tiers = miss.view(np.int8) * np.int8(DEFAULT)  # L1 is tier 0
-            todo = np.flatnonzero(miss)
-        else:
-            vectors = np.empty((keys.size, self.dim), np.float32)
-            tiers = np.full(keys.size, DEFAULT, np.int8)
-            todo = np.arange(keys.size)
+        vectors = np.empty((keys.size, self.dim), np.float32)  # every row is written by one tier below
+        tiers = np.empty(keys.size, np.int8)
+        todo = self._take_cache(snapshot.cache, keys, vectors, tiers) if snapshot.cache is not None else np.arange(keys.size)
         if snapshot.delta is not None and todo.size:
-            todo = self._take_block(snapshot.delta, keys, todo, vectors, tiers, DELTA)
+            todo = self._take_rows(snapshot.delta, keys, todo, vectors, tiers, DELTA)
         if todo.size:
             todo = self._take_local(keys, table_ids, todo, vectors, tiers)
         if todo.size and self.remote is not None:
             todo = self._take_remote(keys, todo, vectors, tiers)
         if todo.size:
             vectors[todo] = self._defaults[table_ids[todo]]
+            tiers[todo] = DEFAULT
         if record:
             self.tracker.record(keys)
             self._count(table_ids, tiers, time.perf_counter() - started)
         return Lookup(vectors, tiers, snapshot)
 
-    @staticmethod
-    def _take_block(block: RowBlock, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int) -> np.ndarray:
-        rows = block.index.find(keys[todo])
-        hit = rows >= 0
-        out[todo[hit]] = block.vectors.take(rows[hit], axis=0)
+    def _take_cache(self, cache: HotCache, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
+        """L1 rows of ``keys``; the positions it does not hold."""
+        if self.compiled:
+            misses = np.empty(keys.size, np.int64)
+            return misses[: cache.probe.take(keys, out, tiers, L1, misses)]
+        slots = HotCache.slot_of(keys, len(cache.slot_keys))
+        hit = cache.slot_keys.take(slots) == keys
+        cache.vectors.take(slots, axis=0, out=out)  # one gather for the whole batch; misses overwritten later
+        tiers[hit] = L1
+        return np.flatnonzero(~hit)
+
+    def _take_rows(self, rows: Shard | RowBlock, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int) -> np.ndarray:
+        """Rows of ``keys[todo]`` held by ``rows`` (a shard or the delta rows); the positions it does not hold."""
+        if self.compiled:
+            misses = np.empty(todo.size, np.int64)
+            return misses[: rows.probe.take(keys, todo, out, tiers, tier, misses)]
+        found = rows.index.find(keys[todo])
+        hit = found >= 0
+        if hit.all():  # the common case: no masks to apply
+            out[todo] = rows.vectors.take(found, axis=0)
+            tiers[todo] = tier
+            return todo[:0]
+        out[todo[hit]] = rows.vectors.take(found[hit], axis=0)
         tiers[todo[hit]] = tier
         return todo[~hit]
 
@@ -345,21 +380,8 @@ class TieredStore:
         missing = []
         for number, shard in enumerate(self.shards):
             part = todo if len(self.shards) == 1 else todo[self._table_shard[table_ids[todo]] == number]
-            missing.append(self._take_shard(shard, keys, part, out, tiers))
+            missing.append(self._take_rows(shard, keys, part, out, tiers, L2))
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
-
-    @staticmethod
-    def _take_shard(shard: Shard, keys: np.ndarray, part: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
-        """L2 rows of one shard for ``keys[part]``; the positions it does not hold."""
-        rows = shard.index.find(keys[part])
-        hit = rows >= 0
-        if hit.all():  # the common case: no masks to apply
-            out[part] = shard.vectors.take(rows, axis=0)
-            tiers[part] = L2
-            return part[:0]
-        out[part[hit]] = shard.vectors.take(rows[hit], axis=0)
-        tiers[part[hit]] = L2
-        return part[~hit]
 
     def _take_remote(self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
         found_vectors, found = self.remote.fetch(keys[todo], self.dim)
@@ -368,8 +390,11 @@ class TieredStore:
         return todo[~found]
 
     def _count(self, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
-        flat = table_ids * np.int16(len(TIERS)) + tiers  # stays int16: no widening copy
-        self.stats.by_table_tier += np.bincount(flat, minlength=self.stats.by_table_tier.size).reshape(self.stats.by_table_tier.shape)
+        if self.compiled:
+            KERNELS.count(table_ids, tiers, self.stats.by_table_tier)
+        else:
+            flat = table_ids * np.int16(len(TIERS)) + tiers  # stays int16: no widening copy
+            self.stats.by_table_tier += np.bincount(flat, minlength=self.stats.by_table_tier.size).reshape(self.stats.by_table_tier.shape)
         self.stats.calls += 1
         self.stats.seconds += seconds
         if len(self.stats.latencies) < self.stats.MAX_LATENCIES:
@@ -378,15 +403,15 @@ class TieredStore:
     # ---- state changes ---------------------------------------------------------------------------
     def resolve(self, keys: np.ndarray, delta: RowBlock | None) -> tuple[np.ndarray, np.ndarray]:
         """Vectors of keys through delta -> L2 -> L3 (no L1, no counting); found mask."""
-        keys = np.asarray(keys, np.int64)
+        keys = np.ascontiguousarray(keys, np.int64).reshape(-1)
         vectors = np.zeros((keys.size, self.dim), np.float32)
         tiers = np.full(keys.size, DEFAULT, np.int8)
         todo = np.arange(keys.size)
         if delta is not None:
-            todo = self._take_block(delta, keys, todo, vectors, tiers, DELTA)
+            todo = self._take_rows(delta, keys, todo, vectors, tiers, DELTA)
         for shard in self.shards:  # no table ids here: each shard in turn
             if todo.size:
-                todo = self._take_shard(shard, keys, todo, vectors, tiers)
+                todo = self._take_rows(shard, keys, todo, vectors, tiers, L2)
         if todo.size and self.remote is not None:
             self._take_remote(keys, todo, vectors, tiers)
         return vectors, tiers != DEFAULT

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from recserve.backends import tensors
+from recserve.backends import kernels, tensors
 from recserve.backends.features import FeatureTransform
 from recserve.backends.store import TieredStore
 from recserve.build import configs
@@ -189,3 +189,18 @@ def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec
                 cluster.wait_ok(timeout_s=30)
                 wait_for(lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20)
     assert traffic.failures == [] and traffic.served > 10
+
+
+def test_the_served_store_runs_the_compiled_loops(private, spec):
+    if kernels.load() is None:
+        pytest.skip("the compiled store kernels are not built here (no C compiler at install)")
+    _, server = private
+    wire = generate(spec, 4, seed=5).to_wire(spec)
+
+    def compiled_metric() -> bool:
+        with grpc_client(server) as client:
+            infer_raw(grpcclient, client, spec, wire)  # metrics are published from the request path
+        text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
+        return "\nrecserve_store_compiled 1" in text
+
+    wait_for(compiled_metric, timeout_s=10)
