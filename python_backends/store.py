@@ -30,9 +30,9 @@ from typing import Protocol
 
 import numpy as np
 
+from recserve.backends import kernels
 from recserve.backends.artifacts import load_array, read_manifest, save_array
 from recserve.backends.errors import ArtifactError
-from recserve.backends import kernels
 from recserve.backends.keyindex import GOLDEN, KeyIndex
 from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec
