@@ -125,12 +125,12 @@ class Kernels:
 def load() -> Kernels | None:
     """The compiled kernels, or ``None`` where they were not built (or ``RECSERVE_STORE_KERNELS=numpy``)."""
     if os.environ.get("RECSERVE_STORE_KERNELS", "").lower() == "numpy":
-        LOGGER.info("store kernels: numpy (RECSERVE_STORE_KERNELS=numpy)")
+        LOGGER.debug("store kernels: numpy (RECSERVE_STORE_KERNELS=numpy)")
         return None
     spec = importlib.util.find_spec(f"{__package__}._kernels")
     if spec is None or not spec.origin:
-        LOGGER.warning("store kernels: the compiled extension is not built; the store uses its numpy path")
+        LOGGER.debug("store kernels: the compiled extension is not built; the store uses its numpy path")
         return None
     kernels = Kernels(ctypes.CDLL(spec.origin))
-    LOGGER.info("store kernels: compiled (%s)", os.path.basename(spec.origin))
+    LOGGER.debug("store kernels: compiled (%s)", os.path.basename(spec.origin))
     return kernels

@@ -97,7 +97,8 @@ class RedisTier:
         self.errors = {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
         self.calls = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recserve-l3")
-        self._inflight: Future | None = None
+        self._inflight: Future | None = None  # the call or slot-map refresh running on the worker
+        self._refresh: Future | None = None  # the last slot-map refresh
         self._refresh_topology = False  # after a failure: re-read the cluster's slot map first (failover)
 
     @classmethod
@@ -128,12 +129,21 @@ class RedisTier:
             self.errors["breaker_open"] += 1
             return vectors, found
         if self._inflight is not None and not self._inflight.done():
-            self.errors["busy"] += 1  # an earlier call is still stuck past its deadline: do not queue
+            self.errors["busy"] += 1  # a call stuck past its deadline, or the slot-map refresh: do not queue
             self.breaker.failure()
-            self._refresh_topology = True
+            self._refresh_topology = self._refresh_topology or self._inflight is not self._refresh
+            return vectors, found
+        if self._refresh_topology:
+            # after a failure, re-read the slot map (a master may have failed over) before the next
+            # call, on the worker and outside any call's deadline: a slow refresh on a loaded machine
+            # must not time every call out. This batch's keys get defaults, as in any failure.
+            self._refresh_topology = False
+            self._inflight = self._refresh = self._pool.submit(self.client.nodes_manager.initialize)
+            self.errors["busy"] += 1
+            self.breaker.failure()
             return vectors, found
         self.calls += 1
-        self._inflight = self._pool.submit(self._mget, redis_keys(keys, self.prefix), self._refresh_topology)
+        self._inflight = self._pool.submit(self.client.mget_nonatomic, redis_keys(keys, self.prefix))
         try:
             values = self._inflight.result(timeout=self.deadline_s)
         except FutureTimeout:
@@ -148,17 +158,11 @@ class RedisTier:
             LOGGER.warning("L3 lookup failed: %s", type(exc).__name__)
             return vectors, found
         self.breaker.success()
-        self._refresh_topology = False
         values = np.array(values, dtype=object)
         found = values != None  # noqa: E711 - elementwise comparison
         if found.any():
             vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, dim)
         return vectors, found
-
-    def _mget(self, names: list[bytes], refresh_topology: bool) -> list:
-        if refresh_topology:  # a master may have failed over: learn the new slot owners first
-            self.client.nodes_manager.initialize()
-        return self.client.mget_nonatomic(names)
 
     def upload(self, keys: np.ndarray, vectors: np.ndarray, chunk: int = 10_000) -> int:
         """Write rows (float32) into the cluster; rows written."""

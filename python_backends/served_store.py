@@ -55,7 +55,12 @@ class ServedStore:
         updater = StoreUpdater(store, log)
         maintainer = Maintainer(store, updater, log_dir, options.update_poll_s, stream)
         cached = maintainer.warm_up()
-        LOGGER.info("store ready: versions %s, %d hot rows preloaded", updater.applied, cached)
+        LOGGER.info(
+            "store ready: versions %s, %d hot rows preloaded, %s",
+            updater.applied,
+            cached,
+            "compiled probe loops" if store.compiled else "numpy path (the compiled probe loops are not built)",
+        )
         served = cls(store, updater, maintainer)
         if start:
             maintainer.start()
