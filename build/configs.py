@@ -17,6 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.backends import tensors
 from recserve.backends.buckets import spec_buckets
+from recserve.backends.lookup import L1_DEVICE_PARAMETER
 from recserve.spec import ModelSpec, WireTensor
 
 FEATURE_TRANSFORM = "feature_transform"
@@ -169,7 +170,8 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
         spec: the model spec.
         step: one of :data:`STEPS`.
         profile: ``cpu``; ``gpu`` for the TensorRT ``dense``; ``cuda`` for the Python ``dense`` on
-            GPU instances. In both GPU profiles the other two steps run as KIND_GPU instances.
+            GPU instances, with ``embedding_lookup``'s L1 and output on the GPU (``l1_device``). In
+            both GPU profiles the other two steps run as KIND_GPU instances.
         plan: scheduling of the Python steps; None uses the spec's ``[serving]`` values.
     """
     if profile not in PROFILES:
@@ -195,8 +197,10 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
     if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
-    if on_gpu and step != DENSE:
+    if on_gpu:  # GPU-resident inputs reach the step (read through DLPack)
         config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
+    if step == EMBEDDING_LOOKUP and profile == "cuda":  # L1 and the looked-up vectors stay on the GPU for dense
+        config.parameters[L1_DEVICE_PARAMETER].string_value = "cuda"
     return config
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -11,6 +12,14 @@ from recserve.backends.features import require
 from recserve.backends.store import Lookup, TieredStore
 from recserve.spec import ModelSpec
 
+if TYPE_CHECKING:
+    import torch
+
+    from recserve.backends.device_cache import DeviceL1, DeviceLookup
+
+#: Config parameter of ``embedding_lookup`` that puts L1 and the result on a torch device
+#: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).
+L1_DEVICE_PARAMETER = "l1_device"
 
 class EmbeddingLookup:
     """Map the keys produced by :class:`~recserve.backends.features.FeatureTransform` to vectors.
@@ -18,15 +27,40 @@ class EmbeddingLookup:
     The sparse keys ``[B, F]``, the target key ``[B, 1]`` and the history keys ``[B, L]`` are laid
     side by side as one ``[B, F + 1 + L]`` key matrix with a matching table-id matrix, so the store
     serves every key of the batch in one vectorised call.
+
+    Args:
+        spec: the model spec.
+        store: the tiered store.
+        device_l1: when given, :meth:`lookup` reads L1 on its device and returns device tensors
+            (the ``cuda`` profile); otherwise numpy arrays from the host path.
     """
 
-    def __init__(self, spec: ModelSpec, store: TieredStore) -> None:
+    def __init__(self, spec: ModelSpec, store: TieredStore, device_l1: DeviceL1 | None = None) -> None:
         self.spec = spec
         self.store = store
+        self.device_l1 = device_l1
         self.column_tables = np.array(
             [store.table_id(f.table) for f in spec.categorical.features] + [store.table_id(spec.target.table)], np.int16
         )
         self.sequence_table = store.table_id(spec.sequence.table)
+
+    @classmethod
+    def for_instance(cls, spec: ModelSpec, store: TieredStore, l1_device: str = "", instance_device: str = "cpu") -> EmbeddingLookup:
+        """The step as a served instance runs it; with the device L1 when ``l1_device`` is set.
+
+        torch is imported only then: the default profile's step stays numpy.
+
+        Args:
+            spec: the model spec.
+            store: the tiered store.
+            l1_device: the :data:`L1_DEVICE_PARAMETER` of the config (``""``, ``cpu`` or ``cuda``).
+            instance_device: where Triton placed the instance (``cpu`` or ``cuda:N``).
+        """
+        if not l1_device:
+            return cls(spec, store)
+        from recserve.backends.device_cache import DeviceL1, resolve_device
+
+        return cls(spec, store, DeviceL1(store, resolve_device(l1_device, instance_device)))
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's key tensors."""
@@ -47,13 +81,16 @@ class EmbeddingLookup:
         table_ids[:, len(self.column_tables) :] = self.sequence_table
         return keys, table_ids
 
-    def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup:
+    def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup | DeviceLookup:
         """The store's answer for every key of a checked batch (vectors, tiers, snapshot)."""
         keys, table_ids = self.keys_and_tables(inputs)
-        return self.store.lookup(keys, table_ids)
+        return (self.device_l1 or self.store).lookup(keys, table_ids)
 
-    def lookup(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history."""
+    def lookup(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | dict[str, torch.Tensor]:
+        """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history.
+
+        numpy arrays, or tensors on the device of ``device_l1`` when it is set.
+        """
         checked = self.check(inputs)
         rows, width = checked[tensors.HISTORY_KEYS].shape
         features = self.spec.num_sparse

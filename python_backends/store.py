@@ -350,6 +350,11 @@ class TieredStore:
             self._count(table_ids, tiers, time.perf_counter() - started)
         return Lookup(vectors, tiers, snapshot)
 
+    def record_lookup(self, keys: np.ndarray, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
+        """Count a batch served partly outside :meth:`lookup` (the device L1) as ``lookup`` counts its own."""
+        self.tracker.record(keys)
+        self._count(table_ids, tiers, seconds)
+
     def _take_cache(self, cache: HotCache, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
         """L1 rows of ``keys``; the positions it does not hold."""
         if self.compiled:

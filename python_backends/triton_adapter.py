@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class ModelContext:
     version_dir: Path
     name: str
     instance_count: int
+    parameters: Mapping[str, str] = field(default_factory=dict)  # the config's string parameters
 
     @classmethod
     def from_args(cls, args: Mapping[str, str]) -> ModelContext:
@@ -66,7 +67,8 @@ class ModelContext:
         count = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
         version_dir = Path(args["model_repository"]) / args["model_version"]
         install_bytes_decoder()
-        return cls(spec, version_dir, args["model_name"], count)
+        parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        return cls(spec, version_dir, args["model_name"], count, parameters)
 
     @property
     def version(self) -> int:
@@ -112,11 +114,22 @@ def read_inputs(request: Any, names: Sequence[str]) -> Arrays:
     return arrays
 
 
-def respond(outputs: Mapping[str, np.ndarray]) -> pb_utils.InferenceResponse:
-    """A successful response carrying ``outputs``."""
-    return pb_utils.InferenceResponse(
-        output_tensors=[pb_utils.Tensor(name, np.ascontiguousarray(array)) for name, array in outputs.items()]
-    )
+def output_tensor(name: str, array: Any) -> pb_utils.Tensor:
+    """An output tensor from a numpy array, or from a torch tensor (on any device) through DLPack.
+
+    A device tensor stays where it is: the next step of the ensemble receives it there when its
+    config accepts GPU inputs (``FORCE_CPU_ONLY_INPUT_TENSORS: no``).
+    """
+    if isinstance(array, np.ndarray):
+        return pb_utils.Tensor(name, np.ascontiguousarray(array))
+    from torch.utils.dlpack import to_dlpack
+
+    return pb_utils.Tensor.from_dlpack(name, to_dlpack(array.contiguous()))
+
+
+def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
+    """A successful response carrying ``outputs`` (numpy arrays or torch tensors)."""
+    return pb_utils.InferenceResponse(output_tensors=[output_tensor(name, array) for name, array in outputs.items()])
 
 
 def _handle_one(handle: Callable[[Arrays], Arrays], inputs: Arrays) -> pb_utils.InferenceResponse:

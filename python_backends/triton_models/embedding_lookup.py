@@ -3,9 +3,9 @@
 import time
 
 from recserve.backends import tensors
-from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.lookup import L1_DEVICE_PARAMETER, EmbeddingLookup
 from recserve.backends.served_store import ServedStore
-from recserve.backends.triton_adapter import MetricsPublisher, ModelContext, execute_merged
+from recserve.backends.triton_adapter import MetricsPublisher, ModelContext, execute_merged, instance_device
 
 INPUTS = (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS)
 METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
@@ -15,10 +15,12 @@ class TritonPythonModel:
     """Looks up the keys of a whole dynamic batch at once; online updates are applied in the background."""
 
     def initialize(self, args: dict) -> None:
-        """Map and verify the shards, apply published updates, warm the hot cache up."""
+        """Map and verify the shards, apply published updates, warm the hot cache up (on the device: ``l1_device``)."""
         context = ModelContext.from_args(args)
         self.served = ServedStore.open(context.spec, context.version_dir)
-        self.lookup = EmbeddingLookup(context.spec, self.served.store)
+        self.lookup = EmbeddingLookup.for_instance(
+            context.spec, self.served.store, context.parameters.get(L1_DEVICE_PARAMETER, ""), instance_device(args)
+        )
         self.metrics = MetricsPublisher()
         self.published_at = 0.0
 

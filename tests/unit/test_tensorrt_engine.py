@@ -7,6 +7,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.backends.buckets import Bucket, spec_buckets
+from recserve.backends.lookup import L1_DEVICE_PARAMETER
 from recserve.build import configs
 from recserve.build.tensorrt_engine import (
     EngineOptions,
@@ -97,18 +98,25 @@ def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
     config = configs.step_config(spec, configs.DENSE, profile="cuda")
     cpu = configs.step_config(spec, configs.DENSE)
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"  # lookups arrive on the GPU
     cpu.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
+    cpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
     assert config == cpu
     assert (REPOSITORY / "dense" / "configs" / "cuda.pbtxt").read_text() == configs.render(config)
 
 
-def test_other_steps_differ_between_profiles_only_in_instance_kind(spec):
+def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_parameters(spec):
     for step in (configs.FEATURE_TRANSFORM, configs.EMBEDDING_LOOKUP):
         for profile in configs.PROFILES:
             config = configs.step_config(spec, step, profile)
             config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
             if profile != "cpu":
                 del config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
+            l1_device = ""
+            if L1_DEVICE_PARAMETER in config.parameters:
+                l1_device = config.parameters[L1_DEVICE_PARAMETER].string_value
+                del config.parameters[L1_DEVICE_PARAMETER]
+            assert l1_device == ("cuda" if (step, profile) == (configs.EMBEDDING_LOOKUP, "cuda") else "")
             assert config == configs.step_config(spec, step)
     # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
     assert sorted(p.as_posix() for p in configs.profile_configs(spec) if "configs/" in p.as_posix()) == [
