@@ -12,6 +12,8 @@ One run, on one machine, side by side:
   count once) against the raw size of keys + vectors.
 * **warm-up**: p99 of the first batches after a restart with L1 preloaded from the recorded hot keys,
   and without, against the steady state.
+* with ``--device cuda`` (or ``cpu``): the **device L1** (:class:`~recserve.backends.device_cache.DeviceL1`,
+  result left on the device) against the host path, the same batches interleaved.
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ class StoreBenchReport:
     steady_p99_us: float
     restart_warm_p99_us: float
     restart_cold_p99_us: float
+    device: DeviceFigures | None = None
+
+
+@dataclass(frozen=True)
+class DeviceFigures:
+    """The device L1 against the host path, same batches, interleaved (``--device``)."""
+
+    device: str
+    device_keys_per_s: float
+    host_keys_per_s: float
+    device_p99_us: float
+    host_p99_us: float
+    l1_hit_rate: float
 
 
 def make_table(keys: int, dim: int, seed: int = 0) -> TableArrays:
@@ -137,7 +152,45 @@ def timed_lookups(store: TieredStore, keys: np.ndarray) -> list[float]:
     return seconds
 
 
-def run(keys: int = 10_000_000, dim: int = 64, batch_keys: int = 64 * 26, batches: int = 3000, exponent: float = 1.05, cache_mib: float = 64.0, folder: Path | None = None) -> StoreBenchReport:
+def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> DeviceFigures:
+    """:class:`DeviceL1` lookups (synchronised: the result is complete on the device) against the host path."""
+    import torch
+
+    from recserve.backends.device_cache import DeviceL1
+
+    device_l1 = DeviceL1(store, device)
+    synchronize = torch.cuda.synchronize if device_l1.device.type == "cuda" else lambda: None
+    ids = np.zeros(queries.shape[1], np.int16)
+    on_device, on_host, l1 = [], [], 0
+    for batch in queries:
+        started = time.perf_counter()
+        result = device_l1.lookup(batch, ids)
+        synchronize()
+        middle = time.perf_counter()
+        store.lookup(batch, ids)
+        on_host.append(time.perf_counter() - middle)
+        on_device.append(middle - started)
+        l1 += int((result.tiers == 0).sum())
+    return DeviceFigures(
+        device=str(device_l1.device),
+        device_keys_per_s=queries.size / sum(on_device),
+        host_keys_per_s=queries.size / sum(on_host),
+        device_p99_us=_p99_us(on_device),
+        host_p99_us=_p99_us(on_host),
+        l1_hit_rate=l1 / queries.size,
+    )
+
+
+def run(
+    keys: int = 10_000_000,
+    dim: int = 64,
+    batch_keys: int = 64 * 26,
+    batches: int = 3000,
+    exponent: float = 1.05,
+    cache_mib: float = 64.0,
+    folder: Path | None = None,
+    device: str | None = None,
+) -> StoreBenchReport:
     """Measure everything in the module docstring; ``folder`` receives the shard files (temporary by default)."""
     with tempfile.TemporaryDirectory(prefix="recserve-store-bench-") as scratch:
         root = folder or Path(scratch)
@@ -172,6 +225,7 @@ def run(keys: int = 10_000_000, dim: int = 64, batch_keys: int = 64 * 26, batche
             store_s.append(after_store - middle)
             floor_s.append(middle - started)
         counts = store.stats.by_table_tier.sum(axis=0)
+        figures = compare_device(store, queries[batches:], device) if device else None
         hit_rates = {tier: float(counts[i] / counts.sum()) for i, tier in enumerate(TIERS)}
         steady = _p99_us(store_s[-500:])
 
@@ -212,6 +266,7 @@ def run(keys: int = 10_000_000, dim: int = 64, batch_keys: int = 64 * 26, batche
             steady_p99_us=steady,
             restart_warm_p99_us=warm,
             restart_cold_p99_us=cold,
+            device=figures,
         )
 
 
@@ -229,6 +284,18 @@ def format_report(report: StoreBenchReport) -> str:
             f"bytes per key: {report.bytes_per_key:.1f} (fp32), {report.bytes_per_key_fp16:.1f} (fp16)",
             f"resident, 2 processes: {report.resident_bytes_two_processes / 2**20:,.0f} MiB = {report.resident_ratio:.2f} x raw ({report.raw_bytes / 2**20:,.0f} MiB)",
             f"p99 after restart: {report.restart_warm_p99_us:.1f} us with warm-up, {report.restart_cold_p99_us:.1f} us cold; steady {report.steady_p99_us:.1f} us",
+            *([] if report.device is None else [format_device(report.device)]),
+        ]
+    )
+
+
+def format_device(figures: DeviceFigures) -> str:
+    """The ``--device`` lines."""
+    return "\n".join(
+        [
+            f"device L1 ({figures.device}) {figures.device_keys_per_s:>12,.0f} keys/s   p99 {figures.device_p99_us:7.1f} us",
+            f"host path, same batches {figures.host_keys_per_s:>12,.0f} keys/s   p99 {figures.host_p99_us:7.1f} us",
+            f"device / host: {figures.device_keys_per_s / figures.host_keys_per_s:.2f}; L1 hits {figures.l1_hit_rate:.1%}",
         ]
     )
 
@@ -240,11 +307,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=3000)
     parser.add_argument("--cache-mib", type=float, default=8.0, help="L1 budget")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--device", default=None, help="also measure the device L1 on this torch device (cuda, cuda:N, cpu)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the table."""
-    report = run(keys=args.keys, dim=args.dim, batches=args.batches, cache_mib=args.cache_mib)
+    report = run(keys=args.keys, dim=args.dim, batches=args.batches, cache_mib=args.cache_mib, device=args.device)
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
