@@ -159,6 +159,8 @@ def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> Devi
     from recserve.backends.device_cache import DeviceL1
 
     device_l1 = DeviceL1(store, device)
+    if device_l1.device.type == "cpu":
+        torch.set_num_threads(1)  # as the host path: one thread (two spinning threads lose on a shared machine)
     synchronize = torch.cuda.synchronize if device_l1.device.type == "cuda" else lambda: None
     ids = np.zeros(queries.shape[1], np.int16)
     on_device, on_host, l1 = [], [], 0

@@ -168,8 +168,8 @@ class DeviceL1:
             return DeviceLookup(torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot)
         device_keys = torch.from_numpy(keys).to(self.device)
         slots = slot_of(device_keys, mirror.slots)
-        hit = mirror.slot_keys[slots] == device_keys
-        vectors = mirror.vectors[slots]  # one gather for the batch; misses overwritten below
+        hit = mirror.slot_keys.index_select(0, slots) == device_keys
+        vectors = mirror.vectors.index_select(0, slots)  # one gather for the batch; misses overwritten below
         miss = np.flatnonzero(~hit.cpu().numpy())
         tiers = np.full(keys.size, L1, np.int8)
         if miss.size:
@@ -177,5 +177,5 @@ class DeviceL1:
             if rest.snapshot is not snapshot:
                 return None
             tiers[miss] = rest.tiers
-            vectors[torch.from_numpy(miss).to(self.device)] = torch.from_numpy(rest.vectors).to(self.device)
+            vectors.index_copy_(0, torch.from_numpy(miss).to(self.device), torch.from_numpy(rest.vectors).to(self.device))
         return DeviceLookup(vectors, tiers, snapshot)
