@@ -118,13 +118,13 @@ def output_tensor(name: str, array: Any) -> pb_utils.Tensor:
     """An output tensor from a numpy array, or from a torch tensor (on any device) through DLPack.
 
     A device tensor stays where it is: the next step of the ensemble receives it there when its
-    config accepts GPU inputs (``FORCE_CPU_ONLY_INPUT_TENSORS: no``).
+    config accepts GPU inputs (``FORCE_CPU_ONLY_INPUT_TENSORS: no``). The tensor itself is handed
+    over, not a capsule, so the stub asks it for the default stream (``__dlpack__(stream=1)``) and
+    the work queued on torch's stream is done before Triton reads it.
     """
     if isinstance(array, np.ndarray):
         return pb_utils.Tensor(name, np.ascontiguousarray(array))
-    from torch.utils.dlpack import to_dlpack
-
-    return pb_utils.Tensor.from_dlpack(name, to_dlpack(array.contiguous()))
+    return pb_utils.Tensor.from_dlpack(name, array.contiguous())
 
 
 def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
