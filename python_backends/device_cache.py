@@ -146,7 +146,7 @@ class DeviceL1:
         """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length), on the device."""
         started = time.perf_counter()
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
-        table_ids = np.asarray(table_ids, dtype=np.int16).reshape(-1)
+        table_ids = np.ascontiguousarray(table_ids, dtype=np.int16).reshape(-1)
         for _ in range(ATTEMPTS):
             served = self._serve(keys, table_ids)
             if served is not None:
