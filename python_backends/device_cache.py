@@ -153,8 +153,7 @@ class DeviceL1:
                 break
         else:  # updates kept landing mid-batch: the host path reads one snapshot by itself
             LOGGER.debug("snapshot changed %d times during one batch; served by the host path", ATTEMPTS)
-            result = self.store.lookup(keys, table_ids, record=False)
-            served = DeviceLookup(torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot)
+            served = self._host(keys, table_ids)
         if record:
             self.store.record_lookup(keys, table_ids, served.tiers, time.perf_counter() - started)
         return served
@@ -164,8 +163,7 @@ class DeviceL1:
         snapshot = self.store.snapshot
         mirror = self.mirror_for(snapshot.cache)
         if mirror is None:  # no L1 rows: every key is a miss
-            result = self.store.lookup(keys, table_ids, record=False)
-            return DeviceLookup(torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot)
+            return self._host(keys, table_ids)
         device_keys = torch.from_numpy(keys).to(self.device)
         slots = slot_of(device_keys, mirror.slots)
         hit = mirror.slot_keys.index_select(0, slots) == device_keys
@@ -179,3 +177,8 @@ class DeviceL1:
             tiers[miss] = rest.tiers
             vectors.index_copy_(0, torch.from_numpy(miss).to(self.device), torch.from_numpy(rest.vectors).to(self.device))
         return DeviceLookup(vectors, tiers, snapshot)
+
+    def _host(self, keys: np.ndarray, table_ids: np.ndarray) -> DeviceLookup:
+        """The whole batch through the host path (one snapshot), copied to the device."""
+        result = self.store.lookup(keys, table_ids, record=False)
+        return DeviceLookup(torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot)
