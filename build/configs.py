@@ -17,7 +17,6 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.backends import tensors
 from recserve.backends.buckets import spec_buckets
-from recserve.backends.lookup import L1_DEVICE_PARAMETER
 from recserve.spec import ModelSpec, WireTensor
 
 FEATURE_TRANSFORM = "feature_transform"
@@ -200,7 +199,7 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
     if on_gpu:  # GPU-resident inputs reach the step (read through DLPack)
         config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
     if step == EMBEDDING_LOOKUP and profile == "cuda":  # L1 and the looked-up vectors stay on the GPU for dense
-        config.parameters[L1_DEVICE_PARAMETER].string_value = "cuda"
+        config.parameters[tensors.L1_DEVICE_PARAMETER].string_value = "cuda"
     return config
 
 

@@ -36,7 +36,7 @@ GOLDEN_INT64 = int(np.array(GOLDEN, np.uint64).view(np.int64))
 LOW_32_BITS = 0xFFFFFFFF
 #: Attempts to serve a batch on one snapshot while updates land, before the host path serves it whole.
 ATTEMPTS = 3
-#: Values of the embedding step's ``l1_device`` config parameter (:data:`recserve.backends.lookup.L1_DEVICE_PARAMETER`).
+#: Values of the embedding step's ``l1_device`` config parameter (:data:`recserve.backends.tensors.L1_DEVICE_PARAMETER`).
 L1_DEVICES = ("cpu", "cuda")
 
 

@@ -17,9 +17,6 @@ if TYPE_CHECKING:
 
     from recserve.backends.device_cache import DeviceL1, DeviceLookup
 
-#: Config parameter of ``embedding_lookup`` that puts L1 and the result on a torch device
-#: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).
-L1_DEVICE_PARAMETER = "l1_device"
 
 class EmbeddingLookup:
     """Map the keys produced by :class:`~recserve.backends.features.FeatureTransform` to vectors.
@@ -53,7 +50,7 @@ class EmbeddingLookup:
         Args:
             spec: the model spec.
             store: the tiered store.
-            l1_device: the :data:`L1_DEVICE_PARAMETER` of the config (``""``, ``cpu`` or ``cuda``).
+            l1_device: the config's :data:`~recserve.backends.tensors.L1_DEVICE_PARAMETER` (``""``, ``cpu`` or ``cuda``).
             instance_device: where Triton placed the instance (``cpu`` or ``cuda:N``).
         """
         if not l1_device:

@@ -23,3 +23,7 @@ DENSE_VERSION = "dense_version"
 
 #: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
 DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+#: Config parameter of ``embedding_lookup``: the torch device of its L1 and of the vectors it returns
+#: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).
+L1_DEVICE_PARAMETER = "l1_device"

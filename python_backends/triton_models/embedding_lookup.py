@@ -3,7 +3,7 @@
 import time
 
 from recserve.backends import tensors
-from recserve.backends.lookup import L1_DEVICE_PARAMETER, EmbeddingLookup
+from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.served_store import ServedStore
 from recserve.backends.triton_adapter import MetricsPublisher, ModelContext, execute_merged, instance_device
 
@@ -19,7 +19,7 @@ class TritonPythonModel:
         context = ModelContext.from_args(args)
         self.served = ServedStore.open(context.spec, context.version_dir)
         self.lookup = EmbeddingLookup.for_instance(
-            context.spec, self.served.store, context.parameters.get(L1_DEVICE_PARAMETER, ""), instance_device(args)
+            context.spec, self.served.store, context.parameters.get(tensors.L1_DEVICE_PARAMETER, ""), instance_device(args)
         )
         self.metrics = MetricsPublisher()
         self.published_at = 0.0
