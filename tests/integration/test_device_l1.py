@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from recserve.backends import tensors
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
