@@ -50,7 +50,7 @@ def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repositor
             return infer_raw(grpcclient, client, spec, wire)
 
     with private_server(repository, tmp_path, model_control="none", prepare=device_l1) as server:
-        for got, want in zip(predict_all(server), expected):
+        for got, want in zip(predict_all(server), expected, strict=True):
             assert np.allclose(got, want, rtol=0, atol=1e-5)
         deadline = time.monotonic() + 30  # L1 is rebuilt every cache_refresh_s; metrics published once a second
         while l1_hits(server) == 0:
@@ -58,6 +58,6 @@ def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repositor
                 pytest.fail("no key was served from the device L1 within 30 s")
             predict_all(server)
             time.sleep(0.5)
-        for got, want in zip(predict_all(server), expected):
+        for got, want in zip(predict_all(server), expected, strict=True):
             assert np.allclose(got, want, rtol=0, atol=1e-5)
         assert "Traceback" not in server.log_tail(200)

@@ -7,7 +7,18 @@ import torch
 from recserve.backends.device_cache import DeviceL1, resolve_device, slot_of
 from recserve.backends.hashing import keys_for, table_salt
 from recserve.backends.lookup import EmbeddingLookup
-from recserve.backends.store import DEFAULT, DELTA, L1, L2, TIERS, HotCache, RowBlock, StoreOptions, TableArrays, TieredStore
+from recserve.backends.store import (
+    DEFAULT,
+    DELTA,
+    L1,
+    L2,
+    TIERS,
+    HotCache,
+    RowBlock,
+    StoreOptions,
+    TableArrays,
+    TieredStore,
+)
 from recserve.build.synthetic import zipf_ranks
 from tests.unit.test_store import DIM, make_tables
 
