@@ -74,6 +74,8 @@ class DeviceFigures:
     host_keys_per_s: float
     device_p99_us: float
     host_p99_us: float
+    device_median_us: float
+    host_median_us: float
     l1_hit_rate: float
 
 
@@ -179,6 +181,8 @@ def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> Devi
         host_keys_per_s=queries.size / sum(on_host),
         device_p99_us=_p99_us(on_device),
         host_p99_us=_p99_us(on_host),
+        device_median_us=float(np.median(on_device) * 1e6),
+        host_median_us=float(np.median(on_host) * 1e6),
         l1_hit_rate=l1 / queries.size,
     )
 
@@ -295,8 +299,8 @@ def format_device(figures: DeviceFigures) -> str:
     """The ``--device`` lines."""
     return "\n".join(
         [
-            f"device L1 ({figures.device}) {figures.device_keys_per_s:>12,.0f} keys/s   p99 {figures.device_p99_us:7.1f} us",
-            f"host path, same batches {figures.host_keys_per_s:>12,.0f} keys/s   p99 {figures.host_p99_us:7.1f} us",
+            f"device L1 ({figures.device}) {figures.device_keys_per_s:>12,.0f} keys/s   p99 {figures.device_p99_us:7.1f} us   median {figures.device_median_us:6.1f} us",
+            f"host path, same batches {figures.host_keys_per_s:>12,.0f} keys/s   p99 {figures.host_p99_us:7.1f} us   median {figures.host_median_us:6.1f} us",
             f"device / host: {figures.device_keys_per_s / figures.host_keys_per_s:.2f}; L1 hits {figures.l1_hit_rate:.1%}",
         ]
     )
