@@ -11,9 +11,10 @@ and are scattered into the device result, which stays on the device for the dens
                       │ miss positions (host)                                 ├─► [n, dim] on the device
                       └─► TieredStore.lookup(keys[miss]) ─► copy, scatter ───┘
 
-The mirror follows the store's snapshot: it is rebuilt, once, by the first lookup that finds a new
-cache object (after ``refresh_cache`` or ``install``). A batch uses one snapshot for its hits and its
-misses; if an update lands between the two, the batch is redone on the new one.
+The mirror follows the store's snapshot: :meth:`DeviceL1.follow` copies a new L1 (after
+``refresh_cache`` or ``install``) on the store's upkeep thread, right after the round that made it;
+a lookup that finds a new L1 before that copies it itself (once). A batch uses one snapshot for its
+hits and its misses; if an update lands between the two, the batch is redone on the new one.
 """
 
 from __future__ import annotations
@@ -141,6 +142,15 @@ class DeviceL1:
                 self._mirror = DeviceMirror.of(cache, self.device)
                 LOGGER.info("L1 mirrored to %s: %d rows, %d bytes", self.device, len(cache.keys), self._mirror.nbytes)
             return self._mirror
+
+    @property
+    def mirror(self) -> DeviceMirror | None:
+        """The device copy made last (None while the store has no L1 rows)."""
+        return self._mirror
+
+    def follow(self) -> None:
+        """Copy the store's current L1 to the device now (the upkeep thread calls this after each round)."""
+        self.mirror_for(self.store.snapshot.cache)
 
     def lookup(self, keys: np.ndarray, table_ids: np.ndarray, record: bool = True) -> DeviceLookup:
         """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length), on the device."""

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from recserve.backends.device_cache import DeviceL1, DeviceLookup
+    from recserve.backends.served_store import ServedStore
 
 
 class EmbeddingLookup:
@@ -42,22 +43,25 @@ class EmbeddingLookup:
         self.sequence_table = store.table_id(spec.sequence.table)
 
     @classmethod
-    def for_instance(cls, spec: ModelSpec, store: TieredStore, l1_device: str = "", instance_device: str = "cpu") -> EmbeddingLookup:
+    def for_instance(cls, spec: ModelSpec, served: ServedStore, l1_device: str = "", instance_device: str = "cpu") -> EmbeddingLookup:
         """The step as a served instance runs it; with the device L1 when ``l1_device`` is set.
 
-        torch is imported only then: the default profile's step stays numpy.
+        torch is imported only then: the default profile's step stays numpy. The device copy of L1
+        follows the store's upkeep rounds (rebuilds, updates) on the upkeep thread.
 
         Args:
             spec: the model spec.
-            store: the tiered store.
+            served: the instance's store with its upkeep.
             l1_device: the config's :data:`~recserve.backends.tensors.L1_DEVICE_PARAMETER` (``""``, ``cpu`` or ``cuda``).
             instance_device: where Triton placed the instance (``cpu`` or ``cuda:N``).
         """
         if not l1_device:
-            return cls(spec, store)
+            return cls(spec, served.store)
         from recserve.backends.device_cache import DeviceL1, resolve_device
 
-        return cls(spec, store, DeviceL1(store, resolve_device(l1_device, instance_device)))
+        device_l1 = DeviceL1(served.store, resolve_device(l1_device, instance_device))
+        served.maintainer.after_step.append(device_l1.follow)
+        return cls(spec, served.store, device_l1)
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's key tensors."""

@@ -330,6 +330,7 @@ class Maintainer:
         self.stream = stream  # an UpdateStream to mirror before each poll (Redis transport), or None
         self.state_dir = state_dir
         self.interval_s = interval_s
+        self.after_step: list[Callable[[], None]] = []  # run after each round, on the upkeep thread
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recserve-store", daemon=True)
 
@@ -358,6 +359,8 @@ class Maintainer:
         if self.store.refresh_due():
             self.store.refresh_cache()
             save_hot_keys(self.state_dir, self.store.hot_keys())
+        for hook in self.after_step:
+            hook()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

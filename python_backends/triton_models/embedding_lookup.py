@@ -19,7 +19,7 @@ class TritonPythonModel:
         context = ModelContext.from_args(args)
         self.served = ServedStore.open(context.spec, context.version_dir)
         self.lookup = EmbeddingLookup.for_instance(
-            context.spec, self.served.store, context.parameters.get(tensors.L1_DEVICE_PARAMETER, ""), instance_device(args)
+            context.spec, self.served, context.parameters.get(tensors.L1_DEVICE_PARAMETER, ""), instance_device(args)
         )
         self.metrics = MetricsPublisher()
         self.published_at = 0.0

@@ -7,6 +7,7 @@ import torch
 from recserve.backends.device_cache import DeviceL1, resolve_device, slot_of
 from recserve.backends.hashing import keys_for, table_salt
 from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.served_store import ServedStore
 from recserve.backends.store import (
     DEFAULT,
     DELTA,
@@ -19,6 +20,7 @@ from recserve.backends.store import (
     TableArrays,
     TieredStore,
 )
+from recserve.backends.updates import Maintainer, StoreUpdater, UpdateLog
 from recserve.build.synthetic import zipf_ranks
 from tests.unit.test_store import DIM, make_tables
 
@@ -185,6 +187,26 @@ def test_device_setting_is_checked():
         resolve_device("tpu", "cpu")
 
 
+def test_upkeep_copies_each_new_l1_to_the_device_before_any_lookup(tmp_path):
+    tables, _ = make_store()
+    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=150 * SLOT_BYTES, cache_refresh_s=0.0))
+    served = served_store(store, tmp_path)
+    device_l1 = DeviceL1(store, "cpu")
+    served.maintainer.after_step.append(device_l1.follow)
+    assert device_l1.mirror is None
+    store.lookup(*zipf_batch(tables, np.random.default_rng(1), 2000))
+    served.maintainer.step()  # rebuilds L1 from the recorded keys, then the hook copies it
+    assert store.snapshot.cache is not None and device_l1.mirror.source is store.snapshot.cache
+    before = device_l1.mirror
+    served.maintainer.step()
+    assert device_l1.mirror is not before and device_l1.mirror.source is store.snapshot.cache
+
+
+def served_store(store, tmp_path):
+    updater = StoreUpdater(store, UpdateLog(tmp_path / "log", 1))
+    return ServedStore(store, updater, Maintainer(store, updater, tmp_path / "state", 60.0))
+
+
 def spec_store(spec, rng):
     tables = {}
     for name in spec.tables:
@@ -196,9 +218,10 @@ def spec_store(spec, rng):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_served_step_lays_out_device_tensors_as_the_host_step_does(spec, device):
+def test_served_step_lays_out_device_tensors_as_the_host_step_does(spec, device, tmp_path):
     rng = np.random.default_rng(2)
     tables, store = spec_store(spec, rng)
+    served = served_store(store, tmp_path)
     rows, width = 5, 7
     sparse = np.stack([tables[f.table].keys[rng.integers(0, 40, rows)] for f in spec.categorical.features], axis=1)
     inputs = {
@@ -206,10 +229,11 @@ def test_served_step_lays_out_device_tensors_as_the_host_step_does(spec, device)
         "target_key": tables[spec.target.table].keys[rng.integers(0, 40, (rows, 1))],
         "history_keys": tables[spec.sequence.table].keys[rng.integers(0, 40, (rows, width))],
     }
-    host_step = EmbeddingLookup.for_instance(spec, store)
-    assert host_step.device_l1 is None
+    host_step = EmbeddingLookup.for_instance(spec, served)
+    assert host_step.device_l1 is None and served.maintainer.after_step == []
     store.refresh_cache(seed=np.concatenate([t.keys[:20] for t in tables.values()]))
-    device_step = EmbeddingLookup.for_instance(spec, store, "cpu" if device == "cpu" else "cuda", device)
+    device_step = EmbeddingLookup.for_instance(spec, served, "cpu" if device == "cpu" else "cuda", device)
+    assert served.maintainer.after_step == [device_step.device_l1.follow]  # the copy follows the upkeep
     want = host_step.lookup(inputs)
     got = device_step.lookup(inputs)
     assert got.keys() == want.keys()
