@@ -15,11 +15,12 @@ ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
 
 def _build(args: argparse.Namespace) -> int:
-    from recserve.build.repository import add_tensorrt_engine, build_repository, is_built
+    from recserve.build.repository import add_tensorrt_engine, build_repository, install_adapters, is_built
 
     spec = load_spec(args.spec)
     if args.if_missing and is_built(spec, args.repository):
-        print(f"[build] {args.repository} is already built from spec {spec.name!r}", file=sys.stderr)
+        install_adapters(spec, args.repository)  # code, not artifacts: always the installed version
+        print(f"[build] {args.repository} is already built from spec {spec.name!r}; adapters refreshed", file=sys.stderr)
     else:
         build_repository(spec, args.repository)
     if args.profile == "gpu":
