@@ -17,7 +17,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.backends import tensors
 from recserve.backends.buckets import spec_buckets
-from recserve.spec import ModelSpec, WireTensor
+from recserve.backends.priority import CPU_NICE_PARAMETER
+from recserve.spec import ModelSpec, QueuePolicy, WireTensor
 
 FEATURE_TRANSFORM = "feature_transform"
 EMBEDDING_LOOKUP = "embedding_lookup"
@@ -87,13 +88,27 @@ def _output(t: WireTensor) -> mc.ModelOutput:
     return mc.ModelOutput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims))
 
 
-def queue_policy(spec: ModelSpec, step: str) -> mc.ModelQueuePolicy:
-    """The spec's load-shedding policy for one step's queue (the first step is the admission gate)."""
-    return mc.ModelQueuePolicy(
-        timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(spec.queue.timeout_action),
-        default_timeout_microseconds=spec.queue.default_timeout_microseconds,
-        max_queue_size=spec.queue.entry_max_queue_size if step == STEPS[0] else spec.queue.max_queue_size,
+def queue_policy(policy: QueuePolicy, step: str) -> mc.ModelQueuePolicy | None:
+    """One step's load-shedding policy (the first step is the admission gate); None: no limit at all.
+
+    A step without a policy keeps Triton's payload prefetching, which any limit turns off.
+    """
+    entry = step == STEPS[0]
+    limits = mc.ModelQueuePolicy(
+        timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action),
+        default_timeout_microseconds=policy.entry_timeout if entry else policy.default_timeout_microseconds,
+        max_queue_size=policy.entry_max_queue_size if entry else policy.max_queue_size,
     )
+    return limits if limits.default_timeout_microseconds or limits.max_queue_size else None
+
+
+def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
+    """The spec's ``[serving.queue]`` (None) or one of its ``[serving.queue_profiles]``."""
+    if queue is None:
+        return spec.queue
+    if queue not in spec.queue_profiles:
+        raise ValueError(f"unknown queue profile {queue!r}; the spec has {sorted(spec.queue_profiles)}")
+    return spec.queue_profiles[queue]
 
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
@@ -162,7 +177,9 @@ class ServingPlan:
         return cls(None)
 
 
-def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingPlan | None = None) -> mc.ModelConfig:
+def step_config(
+    spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingPlan | None = None, queue: str | None = None
+) -> mc.ModelConfig:
     """Config of one step: Python backend, batching and instances from ``plan``, the spec as parameter.
 
     Args:
@@ -172,6 +189,7 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
             GPU instances, with ``embedding_lookup``'s L1 and output on the GPU (``l1_device``). In
             both GPU profiles the other two steps run as KIND_GPU instances.
         plan: scheduling of the Python steps; None uses the spec's ``[serving]`` values.
+        queue: a queue profile of the spec (``[serving.queue_profiles]``); None: ``[serving.queue]``.
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
@@ -192,7 +210,12 @@ def step_config(spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingP
     if plan.max_queue_delay_microseconds is not None:  # the naive plan has no dynamic batcher (and no queue)
         config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds
         config.dynamic_batching.preferred_batch_size.extend(plan.preferred_batch_sizes)
-        config.dynamic_batching.default_queue_policy.CopyFrom(queue_policy(spec, step))
+        policy = spec_queue(spec, queue)
+        limits = queue_policy(policy, step)
+        if limits is not None:
+            config.dynamic_batching.default_queue_policy.CopyFrom(limits)
+        if step == STEPS[0] and policy.entry_nice:
+            config.parameters[CPU_NICE_PARAMETER].string_value = str(policy.entry_nice)
     if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
@@ -240,13 +263,22 @@ def config_path(repository: Path, name: str, profile: str = "cpu") -> Path:
 
 
 def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
-    """Every config file of the repository, relative to it: the ``cpu`` ones and the differing others."""
+    """Every config file of the repository, relative to it: the ``cpu`` ones and the differing others.
+
+    Besides the hardware profiles, each queue profile of the spec is a variant of the ``cpu`` steps,
+    ``<step>/configs/<queue profile>.pbtxt`` (served with ``--model-config-name=<queue profile>``).
+    """
     cpu = all_configs(spec)
     files = {config_path(Path(), name): config for name, config in cpu.items()}
     for profile in PROFILES[1:]:
         for name, config in all_configs(spec, profile).items():
             if config != cpu[name]:
                 files[config_path(Path(), name, profile)] = config
+    for queue in spec.queue_profiles:
+        if queue in PROFILES:
+            raise ValueError(f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs")
+        for step in STEPS:
+            files[config_path(Path(), step, queue)] = step_config(spec, step, queue=queue)
     return files
 
 

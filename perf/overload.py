@@ -1,19 +1,27 @@
 """``recserve overload``: open-loop load at fractions and multiples of measured capacity.
 
-Capacity is measured closed-loop first (``concurrency`` requests in flight). Then requests are sent
-on a fixed schedule, whatever the server does (open loop, as real traffic arrives): half of
-capacity, then a spike at ``spike_factor`` times capacity, then half of capacity again. Each
-request ends as served, shed (UNAVAILABLE: the queue policy refused it) or failed (anything else).
-The report gives accepted and rejection latency percentiles per phase and the time the server
-takes after the spike to serve at its normal latency again.
+The server and the load generator get cores of their own where the machine has two or more:
+tritonserver (and every stub it starts) is pinned to the first core this process may use, the
+generator to the others, so that at twice capacity the generator is not starved by the server it
+measures (nor the server by it). Capacity is measured closed-loop (``concurrency`` requests in
+flight) on that same server, pinned the same way. Then requests are sent on a fixed schedule,
+whatever the server does (open loop, as real traffic arrives): half of capacity, then a spike at
+``spike_factor`` times capacity, then half of capacity again. Each request ends as served, shed
+(UNAVAILABLE: the queue policy refused it) or failed (anything else). The report gives accepted and
+rejection latency percentiles per phase, the time the server takes after the spike to serve at its
+normal latency again, the cores each side used and, from Triton's statistics, where the time went
+in each step during the spike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,21 +29,62 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.perf.soak import infer_inputs, infer_request, scratch_repository
+from recserve.perf.stats import Snapshot, StepTimes, difference, snapshot
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
 SERVED, SHED, FAILED = "served", "shed", "failed"
+#: A window after the spike counts as normal again when at most this share of it is shed.
+NORMAL_SHED_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Which CPU cores the server and the load generator may use (None: not pinned)."""
+
+    server: frozenset[int] | None
+    client: frozenset[int] | None
+
+    @classmethod
+    def split(cls, available: set[int] | None = None) -> Cores:
+        """The first available core for the server, the rest for the generator; unpinned on one core."""
+        cores = sorted(os.sched_getaffinity(0) if available is None else available)
+        if len(cores) < 2:
+            return cls(None, None)
+        return cls(frozenset(cores[:1]), frozenset(cores[1:]))
+
+    def describe(self) -> str:
+        """``server cores {0}, load generator cores {1}`` or that nothing is pinned."""
+        if self.server is None or self.client is None:
+            return "not pinned (fewer than 2 cores): server and load generator share the machine"
+        return f"server (tritonserver and its stubs) on cores {sorted(self.server)}, load generator on cores {sorted(self.client)}"
+
+
+@contextlib.contextmanager
+def pinned(cores: frozenset[int] | None) -> Iterator[None]:
+    """Run the block with the calling thread on ``cores`` (threads it starts inherit them); restore after."""
+    if cores is None:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """One request: when it was sent (s since the run began), its latency and how it ended."""
+    """One request: when it was due and sent (s since the run began), its latency and how it ended."""
 
     phase: int
+    due_s: float
     sent_s: float
     latency_ms: float
     result: str
@@ -43,7 +92,7 @@ class Outcome:
 
 
 def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], seconds: float = 4.0, concurrency: int = 8) -> float:
-    """Requests per second served closed-loop with ``concurrency`` requests in flight."""
+    """Requests per second served closed-loop with ``concurrency`` requests in flight (refused ones not counted)."""
     done, stop = [0], threading.Event()
     lock = threading.Lock()
 
@@ -73,13 +122,20 @@ def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], 
     return rate
 
 
-def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases: list[tuple[float, float]]) -> list[Outcome]:
+def open_loop(
+    url: str,
+    spec: ModelSpec,
+    request: dict[str, np.ndarray],
+    phases: list[tuple[float, float]],
+    on_phase: Callable[[int], None] | None = None,
+) -> list[Outcome]:
     """Send requests at ``rate`` per second for ``seconds``, phase after phase, without waiting for answers.
 
     The request message is serialised once and sent with the raw gRPC stub, so that the sender
-    spends as little of the machine as it can. A phase starts when the previous one has sent its
-    last request, so a sender that fell behind does not carry a burst into the next phase; the rate
-    it really offered is in :class:`PhaseStats`.
+    spends as little of the machine as it can; each outcome keeps when it was due and when it left,
+    so a sender that fell behind shows. A phase starts when the previous one has sent its last
+    request, so a late sender does not carry a burst into the next phase. ``on_phase(i)`` is called
+    before phase ``i`` starts and, with ``len(phases)``, after the last request has left.
     """
     import grpc
     from tritonclient.grpc import service_pb2_grpc
@@ -91,16 +147,17 @@ def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases:
     origin = time.monotonic()
     message = infer_request(spec.name, request)
 
-    def record(future: grpc.Future, sent_at: float, phase: int) -> None:
+    def record(future: grpc.Future, due: float, sent_at: float, phase: int) -> None:
         latency = (time.monotonic() - sent_at) * 1e3
         error = future.exception()
+        timing = (phase, due - origin, sent_at - origin, latency)
         if error is None:
-            outcome = Outcome(phase, sent_at - origin, latency, SERVED)
+            outcome = Outcome(*timing, SERVED)
         else:
             code = error.code() if isinstance(error, grpc.Call) else None
             result = SHED if code == grpc.StatusCode.UNAVAILABLE else FAILED
             details = error.details() if isinstance(error, grpc.Call) else str(error)
-            outcome = Outcome(phase, sent_at - origin, latency, result, (details or "")[:200])
+            outcome = Outcome(*timing, result, (details or "")[:200])
         with lock:
             outcomes.append(outcome)
         pending.release()
@@ -108,15 +165,20 @@ def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases:
     with grpc.insecure_channel(url) as channel:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for phase, (rate, seconds) in enumerate(phases):
+            if on_phase is not None:
+                on_phase(phase)
             phase_start, interval = time.monotonic(), 1.0 / rate
             for i in range(int(rate * seconds)):
-                delay = phase_start + i * interval - time.monotonic()
+                due = phase_start + i * interval
+                delay = due - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
                 sent_at = time.monotonic()
                 future = stub.ModelInfer.future(message, timeout=30)
-                future.add_done_callback(lambda f, sent_at=sent_at, phase=phase: record(f, sent_at, phase))
+                future.add_done_callback(lambda f, due=due, sent_at=sent_at, phase=phase: record(f, due, sent_at, phase))
                 sent += 1
+        if on_phase is not None:
+            on_phase(len(phases))
         for _ in range(sent):
             pending.acquire(timeout=60)
     return sorted(outcomes, key=lambda o: o.sent_s)
@@ -124,7 +186,7 @@ def open_loop(url: str, spec: ModelSpec, request: dict[str, np.ndarray], phases:
 
 @dataclass(frozen=True)
 class PhaseStats:
-    """Percentiles of one phase."""
+    """Counts and latency percentiles of one phase (``sender_late_p99_ms``: how late requests left)."""
 
     name: str
     rate: float
@@ -134,8 +196,11 @@ class PhaseStats:
     shed: int
     failed: int
     served_p50_ms: float
+    served_p90_ms: float
     served_p99_ms: float
+    shed_p50_ms: float
     shed_p99_ms: float
+    sender_late_p99_ms: float
 
 
 def _p(values: list[float], q: float) -> float:
@@ -147,19 +212,22 @@ def phase_stats(name: str, rate: float, outcomes: list[Outcome]) -> PhaseStats:
     served = [o.latency_ms for o in outcomes if o.result == SERVED]
     shed = [o.latency_ms for o in outcomes if o.result == SHED]
     span = outcomes[-1].sent_s - outcomes[0].sent_s if len(outcomes) > 1 else float("nan")
+    late = [(o.sent_s - o.due_s) * 1e3 for o in outcomes]
     return PhaseStats(
         name, rate, (len(outcomes) - 1) / span, len(outcomes), len(served), len(shed), sum(o.result == FAILED for o in outcomes),
-        _p(served, 50), _p(served, 99), _p(shed, 99),
+        _p(served, 50), _p(served, 90), _p(served, 99), _p(shed, 50), _p(shed, 99), _p(late, 99),
     )
 
 
 def recovery_s(outcomes: list[Outcome], spike_end_s: float, normal_p99_ms: float, window_s: float = 1.0) -> float:
-    """Seconds after the spike until a whole window is served, none shed, p99 within 1.5x normal."""
+    """Seconds after the spike until a whole window sheds at most 1% and its p99 is within 1.5x normal."""
     after = [o for o in outcomes if o.sent_s >= spike_end_s]
     start = spike_end_s
     while after and start < after[-1].sent_s:
         window = [o for o in after if start <= o.sent_s < start + window_s]
-        if window and all(o.result == SERVED for o in window) and _p([o.latency_ms for o in window], 99) <= 1.5 * normal_p99_ms:
+        served = [o.latency_ms for o in window if o.result == SERVED]
+        calm = window and sum(o.result != SERVED for o in window) <= NORMAL_SHED_SHARE * len(window)
+        if calm and _p(served, 99) <= 1.5 * normal_p99_ms:
             return start - spike_end_s
         start += window_s / 4
     return float("inf")
@@ -167,26 +235,31 @@ def recovery_s(outcomes: list[Outcome], spike_end_s: float, normal_p99_ms: float
 
 @dataclass(frozen=True)
 class OverloadReport:
-    """Capacity, per-phase statistics and the recovery time."""
+    """Capacity, per-phase statistics, the recovery time and the steps' times during the spike."""
 
     capacity_rps: float
     phases: list[PhaseStats]
     recovery_s: float
     failures: list[str]
     shed_reasons: dict[str, int]
+    spike_steps: list[StepTimes]
+    cores: str
+    queue: str
 
     def table(self) -> str:
-        """Markdown table plus the verdict against the targets."""
+        """Markdown tables plus the verdict against the targets."""
         lines = [
-            f"capacity (closed loop) {self.capacity_rps:.0f} requests/s",
+            f"queue profile: {self.queue or '[serving.queue]'}; {self.cores}",
+            f"capacity (closed loop, same server and cores) {self.capacity_rps:.0f} requests/s",
             "",
-            "| phase | target req/s | sent req/s | sent | served | shed | failed | served p50 ms | served p99 ms | shed p99 ms |",
+            "| phase | target req/s | sent req/s | sent | served | shed | failed | served p50 / p90 / p99 ms | shed p50 / p99 ms | sender late p99 ms |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for s in self.phases:
             lines.append(
                 f"| {s.name} | {s.rate:.0f} | {s.offered:.0f} | {s.sent} | {s.served} | {s.shed} | {s.failed} | "
-                f"{s.served_p50_ms:.1f} | {s.served_p99_ms:.1f} | {s.shed_p99_ms:.1f} |"
+                f"{s.served_p50_ms:.1f} / {s.served_p90_ms:.1f} / {s.served_p99_ms:.1f} | {s.shed_p50_ms:.1f} / {s.shed_p99_ms:.1f} | "
+                f"{s.sender_late_p99_ms:.1f} |"
             )
         half, spike = self.phases[0], self.phases[1]
         lines += [
@@ -194,19 +267,45 @@ class OverloadReport:
             f"spike served p99 / half-capacity served p99 = {spike.served_p99_ms / half.served_p99_ms:.2f} (target <= 1.5)",
             f"spike shed p99 = {spike.shed_p99_ms:.1f} ms (target < 5)",
             f"back to normal {self.recovery_s:.1f} s after the spike (target <= 10)",
-            "shed because: " + ", ".join(f"{reason} ({count})" for reason, count in self.shed_reasons.items()),
+            "shed because: " + (", ".join(f"{reason} ({count})" for reason, count in self.shed_reasons.items()) or "nothing shed"),
+            "",
+            "during the spike, per step (Triton statistics; queue and compute are means per served request):",
+            "",
+            "| step | served | refused | executions | requests / execution | queue ms | compute ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        lines += [
+            f"| {s.model} | {s.requests} | {s.failed} | {s.executions} | {s.requests_per_execution:.1f} | "
+            f"{s.queue_us / 1e3:.2f} | {s.compute_us / 1e3:.2f} |"
+            for s in self.spike_steps
         ]
         return "\n".join(lines)
 
 
 def run_overload(
-    url: str, spec: ModelSpec, rows: int = 8, spike_factor: float = 2.0, seconds: float = 5.0, recovery_window_s: float = 10.0
+    server: TritonServer,
+    spec: ModelSpec,
+    rows: int = 8,
+    spike_factor: float = 2.0,
+    seconds: float = 5.0,
+    recovery_window_s: float = 10.0,
+    client_cores: frozenset[int] | None = None,
 ) -> OverloadReport:
-    """Measure capacity, then half capacity, a spike and half capacity again, open loop."""
+    """Measure capacity, then half capacity, a spike and half capacity again, open loop.
+
+    The load generator runs in this process on ``client_cores`` (None: wherever it may run).
+    """
     request = generate(spec, rows, seed=5).to_wire(spec)
-    capacity = measure_capacity(url, spec, request)
-    half, spike = capacity / 2, capacity * spike_factor
-    outcomes = open_loop(url, spec, request, [(half, seconds), (spike, seconds), (half, recovery_window_s)])
+    snapshots: dict[int, Snapshot] = {}
+
+    def at_phase(phase: int) -> None:  # the steps' counters at the spike's start and end
+        if phase in (1, 2):
+            snapshots[phase] = snapshot(server.http_url)
+
+    with pinned(client_cores):
+        capacity = measure_capacity(server.grpc_url, spec, request)
+        half, spike = capacity / 2, capacity * spike_factor
+        outcomes = open_loop(server.grpc_url, spec, request, [(half, seconds), (spike, seconds), (half, recovery_window_s)], at_phase)
     names = ("half capacity", f"{spike_factor:g}x capacity", "half capacity, after")
     stats = [
         phase_stats(name, rate, [o for o in outcomes if o.phase == phase])
@@ -217,16 +316,29 @@ def run_overload(
     reasons: dict[str, int] = {}
     for outcome in outcomes:
         if outcome.result == SHED:
-            reason = outcome.message.split(", ")[-1]
+            reason = outcome.message.split("] ")[-1].split(", ")[-1]
             reasons[reason] = reasons.get(reason, 0) + 1
-    return OverloadReport(capacity, stats, back, [o.message for o in outcomes if o.result == FAILED][:5], reasons)
+    failures = [o.message for o in outcomes if o.result == FAILED][:5]
+    return OverloadReport(
+        capacity, stats, back, failures, reasons, difference(snapshots[1], snapshots[2], configs.STEPS),
+        Cores(server.cpus, client_cores).describe(), server.config_name or "",
+    )
 
 
-def overload_command(spec: ModelSpec, repository: Path, rows: int, spike_factor: float, seconds: float) -> int:
-    """``recserve overload``: a private server on free loopback ports; prints the table."""
+def overload_command(spec: ModelSpec, repository: Path, rows: int, spike_factor: float, seconds: float, queue: str | None = None) -> int:
+    """``recserve overload``: a private server on free loopback ports, pinned apart from the generator; prints the tables.
+
+    ``queue`` names a queue profile of the spec (its ``configs/<queue>.pbtxt``); None or ``default``
+    serves ``[serving.queue]``.
+    """
+    queue = None if queue in (None, "default") else queue
+    if queue is not None:
+        configs.spec_queue(spec, queue)  # refuses an unknown profile before anything starts
+    cores = Cores.split()
     with tempfile.TemporaryDirectory(prefix="recserve-overload-") as scratch:
         root = scratch_repository(repository, Path(scratch) / "repository")
-        with TritonServer(root, Ports.free(), log_path=Path(scratch) / "server.log") as server:
-            report = run_overload(server.grpc_url, spec, rows, spike_factor, seconds)
+        server = TritonServer(root, Ports.free(), log_path=Path(scratch) / "server.log", config_name=queue, cpus=cores.server)
+        with server:
+            report = run_overload(server, spec, rows, spike_factor, seconds, client_cores=cores.client)
     print(report.table())
     return 0 if not report.failures else 1

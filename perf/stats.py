@@ -29,6 +29,7 @@ class StepTimes:
     compute_input_us: float
     compute_infer_us: float
     compute_output_us: float
+    failed: int = 0
 
     @property
     def compute_us(self) -> float:
@@ -49,13 +50,17 @@ Snapshot = dict[str, dict[str, int]]
 
 
 def snapshot(http_url: str, timeout_s: float = 10.0) -> Snapshot:
-    """Cumulative counters of every model: ``{model: {"requests", "executions", "<duration>_ns"}}``."""
+    """Cumulative counters of every model: ``{model: {"requests", "failed", "executions", "<duration>_ns"}}``."""
     with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=timeout_s) as response:
         document = json.load(response)
     result: Snapshot = {}
     for model in document.get("model_stats", []):
         stats = model["inference_stats"]
-        entry = {"requests": int(stats["success"]["count"]), "executions": int(model.get("execution_count", 0))}
+        entry = {
+            "requests": int(stats["success"]["count"]),
+            "failed": int(stats["fail"]["count"]),
+            "executions": int(model.get("execution_count", 0)),
+        }
         for name in _DURATIONS:
             entry[f"{name}_ns"] = int(stats[name]["ns"])
         result[model["name"]] = entry
@@ -63,16 +68,18 @@ def snapshot(http_url: str, timeout_s: float = 10.0) -> Snapshot:
 
 
 def difference(before: Snapshot, after: Snapshot, models: tuple[str, ...]) -> list[StepTimes]:
-    """Mean times per request of ``models`` between two snapshots (models without requests are left out)."""
+    """Mean times per request of ``models`` between two snapshots (models that neither served nor failed are left out)."""
     steps = []
     for model in models:
         old, new = before.get(model), after.get(model)
         if old is None or new is None:
             continue
         requests = new["requests"] - old["requests"]
-        if requests <= 0:
+        failed = new["failed"] - old["failed"]
+        if requests <= 0 and failed <= 0:
             continue
-        per_request = {name: (new[f"{name}_ns"] - old[f"{name}_ns"]) / requests / 1e3 for name in _DURATIONS}
+        requests = max(requests, 0)
+        per_request = {name: (new[f"{name}_ns"] - old[f"{name}_ns"]) / max(requests, 1) / 1e3 for name in _DURATIONS}
         steps.append(
             StepTimes(
                 model=model,
@@ -82,6 +89,7 @@ def difference(before: Snapshot, after: Snapshot, models: tuple[str, ...]) -> li
                 compute_input_us=per_request["compute_input"],
                 compute_infer_us=per_request["compute_infer"],
                 compute_output_us=per_request["compute_output"],
+                failed=failed,
             )
         )
     return steps

@@ -46,19 +46,23 @@ def _serve(args: argparse.Namespace) -> int:
         security = Security(args.model_control, os.environ.get(ADMIN_KEY_ENV) or None, args.client_shared_memory)
         ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
         extra = []
+        if args.queue and (args.profile != "cpu" or not (args.repository / "feature_transform" / "configs" / f"{args.queue}.pbtxt").is_file()):
+            print(f"error: no queue profile {args.queue!r} in {args.repository} (queue profiles are cpu configs)", file=sys.stderr)
+            return 2
         if args.profile != "cpu":
             print(f"GPUs: {', '.join(require_gpu())}", file=sys.stderr)
-            extra.append(f"--model-config-name={args.profile}")  # <model>/configs/<profile>.pbtxt where present
+        if args.profile != "cpu" or args.queue:  # <model>/configs/<name>.pbtxt where present
+            extra.append(f"--model-config-name={args.queue or args.profile}")
         command = server_command(args.repository, ports, args.host, extra, security=security)
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if security.model_control == "explicit" and extra:
+    if security.model_control == "explicit" and args.profile != "cpu":
         print("error: --model-control explicit serves the cpu profile only", file=sys.stderr)
         return 2
     print(f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}", file=sys.stderr)
     if security.model_control == "explicit":  # stay as the parent: the stub watchdog needs the admin API
-        return run_foreground(TritonServer(args.repository, ports, host=args.host, security=security))
+        return run_foreground(TritonServer(args.repository, ports, host=args.host, security=security, config_name=args.queue))
     if not args.mps:
         os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
     try:
@@ -188,7 +192,7 @@ def _soak(args: argparse.Namespace) -> int:
 def _overload(args: argparse.Namespace) -> int:
     from recserve.perf.overload import overload_command
 
-    return overload_command(load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds)
+    return overload_command(load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds, args.queue)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -214,6 +218,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument("--profile", choices=("cpu", "gpu", "cuda"), default="cpu",
                        help="gpu / cuda: serve the configs/<profile>.pbtxt variants (KIND_GPU instances; needs a GPU)")
+    serve.add_argument("--queue", help="serve a queue profile of the spec ([serving.queue_profiles], e.g. latency_first)")
     serve.add_argument("--mps", action="store_true", help="run the NVIDIA MPS control daemon for the server's lifetime")
     serve.add_argument(
         "--model-control",
@@ -266,6 +271,7 @@ def parser() -> argparse.ArgumentParser:
     overload.add_argument("--rows", type=int, default=8, help="rows per request")
     overload.add_argument("--spike", type=float, default=2.0, help="spike rate as a multiple of capacity")
     overload.add_argument("--seconds", type=float, default=5.0, help="length of the half-capacity and spike phases")
+    overload.add_argument("--queue", default="latency_first", help="queue profile of the spec to serve; 'default': [serving.queue]")
     overload.set_defaults(func=_overload)
 
     from recserve.store_cli import add_commands

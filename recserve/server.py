@@ -198,6 +198,8 @@ class TritonServer:
     """A tritonserver child process: started, watched until ready, stopped with SIGINT.
 
     Use as a context manager. The server log goes to ``log_path`` (or is inherited when None).
+    ``config_name`` serves ``<model>/configs/<name>.pbtxt`` where a model has one (a hardware or
+    queue profile); ``cpus`` pins tritonserver, and with it every stub it starts, to those cores.
     """
 
     def __init__(
@@ -208,6 +210,8 @@ class TritonServer:
         host: str = LOOPBACK,
         security: Security | None = None,
         exit_timeout_s: int = 30,
+        config_name: str | None = None,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         self.repository = repository
         self.ports = ports or Ports()
@@ -215,6 +219,8 @@ class TritonServer:
         self.host = host
         self.security = security or Security()
         self.exit_timeout_s = exit_timeout_s
+        self.config_name = config_name
+        self.cpus = cpus
         self.process: subprocess.Popen[bytes] | None = None
         self.watchdog: StubWatchdog | None = None
 
@@ -235,11 +241,14 @@ class TritonServer:
                 raise ServerError(f"port {port} is already in use; is another tritonserver running?")
         log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
         self._log = log
+        extra = [f"--model-config-name={self.config_name}"] if self.config_name else None
+        cpus = self.cpus
         self.process = subprocess.Popen(
-            server_command(self.repository, self.ports, self.host, security=self.security, exit_timeout_s=self.exit_timeout_s),
+            server_command(self.repository, self.ports, self.host, extra, security=self.security, exit_timeout_s=self.exit_timeout_s),
             env=server_env(),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.wait_ready(timeout_s)
         if self.security.model_control == "explicit":

@@ -96,18 +96,34 @@ class SequenceFeature:
 
 @dataclass(frozen=True)
 class QueuePolicy:
-    """How the steps' queues shed load.
+    """How the steps' queues shed load (Triton's ``default_queue_policy`` of each step).
 
     The first step is the admission gate: at most ``entry_max_queue_size`` requests wait there and
-    the excess is refused at once (UNAVAILABLE), before any work is spent on it. Later steps hold
-    up to ``max_queue_size`` so that admitted work is rarely thrown away. On every step a request
-    waiting longer than ``default_timeout_microseconds`` is refused too (``REJECT``).
+    a request that waited ``entry_timeout_microseconds`` without starting is refused (UNAVAILABLE),
+    before any work is spent on it. Later steps hold up to ``max_queue_size`` requests for up to
+    ``default_timeout_microseconds``. 0 means no limit (and a step without any limit gets no
+    policy at all). ``entry_nice`` (0..19) lowers the CPU priority of the first step's processes, so
+    that on a busy machine admitted work drains through the later steps before new work is taken
+    in: the queue, and so the waiting and the refusing, stays at the entry.
     """
 
     entry_max_queue_size: int = 32
     max_queue_size: int = 128
     default_timeout_microseconds: int = 1_000_000
+    entry_timeout_microseconds: int | None = None  # None: default_timeout_microseconds
     timeout_action: str = "REJECT"
+    entry_nice: int = 0
+
+    @property
+    def entry_timeout(self) -> int:
+        """The first step's queue timeout in microseconds (0: none)."""
+        return self.default_timeout_microseconds if self.entry_timeout_microseconds is None else self.entry_timeout_microseconds
+
+    def check(self, name: str) -> None:
+        """Raise :class:`SpecError` on negative limits, an unknown action or a nice outside 0..19."""
+        limits = (self.entry_max_queue_size, self.max_queue_size, self.default_timeout_microseconds, self.entry_timeout)
+        if min(limits) < 0 or self.timeout_action not in ("REJECT", "DELAY") or not 0 <= self.entry_nice <= 19:
+            raise SpecError(f"{name} needs limits >= 0 (0: none), timeout_action REJECT or DELAY and entry_nice 0..19, got {self}")
 
 
 @dataclass(frozen=True)
@@ -134,6 +150,7 @@ class ModelSpec:
     hash_namespace: str
     preferred_batch_sizes: tuple[int, ...] = ()
     queue: QueuePolicy = field(default_factory=QueuePolicy)
+    queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     # ---- derived names -------------------------------------------------------------------
@@ -248,9 +265,12 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     if any(not 1 <= size <= max_batch for size in preferred):
         raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")
     queue = QueuePolicy(**serving.get("queue", {}))
-    limits = (queue.entry_max_queue_size, queue.max_queue_size, queue.default_timeout_microseconds)
-    if min(limits) < 1 or queue.timeout_action not in ("REJECT", "DELAY"):
-        raise SpecError(f"serving.queue needs positive limits and timeout_action REJECT or DELAY, got {queue}")
+    queue.check("serving.queue")
+    queue_profiles = {name: QueuePolicy(**raw) for name, raw in serving.get("queue_profiles", {}).items()}
+    for name, policy in queue_profiles.items():
+        if not name.isidentifier():
+            raise SpecError(f"serving.queue_profiles: {name!r} must be an identifier (it names config files)")
+        policy.check(f"serving.queue_profiles.{name}")
     if dim % int(net["attention_heads"]):
         raise SpecError("embedding_dim must be divisible by attention_heads")
     return ModelSpec(
@@ -274,6 +294,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         hash_namespace=doc.get("hashing", {}).get("namespace", "recserve"),
         preferred_batch_sizes=preferred,
         queue=queue,
+        queue_profiles=queue_profiles,
         source=doc,
     )
 

@@ -1,5 +1,5 @@
-"""Open-loop spike at 2x measured capacity: the excess is shed with UNAVAILABLE, nothing else fails,
-and the server serves normally again soon after.
+"""Open-loop spike above measured capacity on the latency-first queue profile: the excess is refused
+with UNAVAILABLE at the first step, nothing else fails, and the server serves normally again after.
 
 Latency ratios are printed, not asserted (a shared 2-core machine is too noisy for that); the
 ``recserve overload`` command reports them side by side in one run.
@@ -7,17 +7,23 @@ Latency ratios are printed, not asserted (a shared 2-core machine is too noisy f
 
 import tritonclient.grpc as grpcclient
 
+from recserve.build import configs
 from recserve.build.synthetic import generate
-from recserve.perf.overload import run_overload
+from recserve.perf.overload import Cores, run_overload
+from recserve.perf.soak import scratch_repository
+from recserve.server import Ports, TritonServer
 
 from .helpers import infer_raw
-from .private_server import private_server
+
+QUEUE = "latency_first"
 
 
-def test_a_spike_above_capacity_is_shed_and_the_server_recovers(repository, spec, tmp_path):
-    with private_server(repository, tmp_path, model_control="none") as server:
+def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(repository, spec, tmp_path):
+    cores = Cores.split()
+    root = scratch_repository(repository, tmp_path / "repository")
+    with TritonServer(root, Ports.free(), log_path=tmp_path / "server.log", config_name=QUEUE, cpus=cores.server) as server:
         # 3x rather than 2x: capacity measured on a shared machine may be low by a third
-        report = run_overload(server.grpc_url, spec, rows=8, spike_factor=3.0, seconds=4.0, recovery_window_s=6.0)
+        report = run_overload(server, spec, rows=8, spike_factor=3.0, seconds=4.0, recovery_window_s=6.0, client_cores=cores.client)
         print(report.table())
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             request = generate(spec, 8, seed=3).to_wire(spec)
@@ -25,6 +31,10 @@ def test_a_spike_above_capacity_is_shed_and_the_server_recovers(repository, spec
                 infer_raw(grpcclient, client, spec, request, client_timeout=10)
     half, spike, after = report.phases
     assert not report.failures and all(phase.failed == 0 for phase in report.phases), report.table()
-    assert spike.shed > 0, "nothing was shed above capacity: is the queue policy in the configs?"
+    assert spike.shed > 0, "nothing was shed above capacity: is the queue profile in the configs?"
     assert spike.served > 0 and after.served > 0
-    assert set(report.shed_reasons) and all("queue" in r or "timeout" in r for r in report.shed_reasons), report.shed_reasons
+    assert set(report.shed_reasons) <= {"Request timeout expired"}, report.shed_reasons
+    steps = {s.model: s for s in report.spike_steps}
+    assert steps[configs.FEATURE_TRANSFORM].failed > 0, report.table()
+    assert all(steps[step].failed == 0 for step in configs.STEPS[1:]), "refused after the entry: work was wasted\n" + report.table()
+    assert report.queue == QUEUE

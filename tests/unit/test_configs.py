@@ -1,3 +1,6 @@
+from pathlib import Path
+
+import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -35,3 +38,34 @@ def test_steps_batch_dynamically_with_spec_values(spec):
         assert config.instance_group[0].count == spec.instances[step]
         ragged = {i.name for i in config.input if i.allow_ragged_batch}
         assert ragged <= {"history_items", "history_keys", "history_mask", "history_embeddings"}
+
+
+def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
+    files = configs.profile_configs(spec)
+    for queue in spec.queue_profiles:
+        for step in configs.STEPS:
+            variant = files[configs.config_path(Path(), step, queue)]
+            default = configs.step_config(spec, step)
+            assert variant.dynamic_batching.max_queue_delay_microseconds == default.dynamic_batching.max_queue_delay_microseconds
+            assert variant.instance_group == default.instance_group and variant.input == default.input
+        assert configs.config_path(Path(), spec.name, queue) not in files  # the ensemble has no queue
+
+
+def test_latency_first_admits_by_time_at_the_entry_only(spec):
+    """The budget is a timeout at the first step; no size limit anywhere, no policy after the entry."""
+    policy = spec.queue_profiles["latency_first"]
+    entry = configs.step_config(spec, configs.FEATURE_TRANSFORM, queue="latency_first")
+    limits = entry.dynamic_batching.default_queue_policy
+    assert limits.default_timeout_microseconds == policy.entry_timeout > 0 and limits.max_queue_size == 0
+    assert limits.timeout_action == limits.REJECT
+    assert entry.parameters["cpu_nice"].string_value == str(policy.entry_nice) != "0"
+    for step in configs.STEPS[1:]:
+        later = configs.step_config(spec, step, queue="latency_first")
+        assert not later.dynamic_batching.HasField("default_queue_policy"), step
+        assert "cpu_nice" not in later.parameters
+    assert "cpu_nice" not in configs.step_config(spec, configs.FEATURE_TRANSFORM).parameters
+
+
+def test_an_unknown_queue_profile_is_refused(spec):
+    with pytest.raises(ValueError, match="unknown queue profile"):
+        configs.step_config(spec, configs.DENSE, queue="nope")
