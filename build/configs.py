@@ -17,7 +17,6 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.backends import tensors
 from recserve.backends.buckets import spec_buckets
-from recserve.backends.priority import CPU_NICE_PARAMETER
 from recserve.spec import ModelSpec, QueuePolicy, WireTensor
 
 FEATURE_TRANSFORM = "feature_transform"
@@ -214,8 +213,6 @@ def step_config(
         limits = queue_policy(policy, step)
         if limits is not None:
             config.dynamic_batching.default_queue_policy.CopyFrom(limits)
-        if step == STEPS[0] and policy.entry_nice:
-            config.parameters[CPU_NICE_PARAMETER].string_value = str(policy.entry_nice)
     if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()

@@ -23,7 +23,6 @@ from recserve.backends import batching
 from recserve.backends.bytes_codec import decode_bytes_tensor
 from recserve.backends.errors import RequestError
 from recserve.backends.metrics import MetricSample
-from recserve.backends.priority import CPU_NICE_PARAMETER, lower_process_priority
 from recserve.spec import ModelSpec, spec_from_json
 
 LOGGER = logging.getLogger(__name__)
@@ -57,7 +56,7 @@ class ModelContext:
 
     @classmethod
     def from_args(cls, args: Mapping[str, str]) -> ModelContext:
-        """Parse the ``args`` of ``TritonPythonModel.initialize``; lower this process's CPU priority when the config asks."""
+        """Parse the ``args`` of ``TritonPythonModel.initialize``."""
         if int(np.__version__.split(".")[0]) >= 2:
             raise RuntimeError(
                 f"numpy {np.__version__} is loaded in the Python backend; this Triton stub needs numpy<2 "
@@ -65,9 +64,6 @@ class ModelContext:
             )
         config = json.loads(args["model_config"])
         spec = spec_from_json(config["parameters"]["spec"]["string_value"])
-        nice = config["parameters"].get(CPU_NICE_PARAMETER, {}).get("string_value")
-        if nice:
-            lower_process_priority(int(nice))
         count = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
         version_dir = Path(args["model_repository"]) / args["model_version"]
         install_bytes_decoder()

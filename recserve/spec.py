@@ -102,9 +102,7 @@ class QueuePolicy:
     a request that waited ``entry_timeout_microseconds`` without starting is refused (UNAVAILABLE),
     before any work is spent on it. Later steps hold up to ``max_queue_size`` requests for up to
     ``default_timeout_microseconds``. 0 means no limit (and a step without any limit gets no
-    policy at all). ``entry_nice`` (0..19) lowers the CPU priority of the first step's processes, so
-    that on a busy machine admitted work drains through the later steps before new work is taken
-    in: the queue, and so the waiting and the refusing, stays at the entry.
+    policy at all).
     """
 
     entry_max_queue_size: int = 32
@@ -112,7 +110,6 @@ class QueuePolicy:
     default_timeout_microseconds: int = 1_000_000
     entry_timeout_microseconds: int | None = None  # None: default_timeout_microseconds
     timeout_action: str = "REJECT"
-    entry_nice: int = 0
 
     @property
     def entry_timeout(self) -> int:
@@ -120,10 +117,10 @@ class QueuePolicy:
         return self.default_timeout_microseconds if self.entry_timeout_microseconds is None else self.entry_timeout_microseconds
 
     def check(self, name: str) -> None:
-        """Raise :class:`SpecError` on negative limits, an unknown action or a nice outside 0..19."""
+        """Raise :class:`SpecError` on negative limits or an unknown action."""
         limits = (self.entry_max_queue_size, self.max_queue_size, self.default_timeout_microseconds, self.entry_timeout)
-        if min(limits) < 0 or self.timeout_action not in ("REJECT", "DELAY") or not 0 <= self.entry_nice <= 19:
-            raise SpecError(f"{name} needs limits >= 0 (0: none), timeout_action REJECT or DELAY and entry_nice 0..19, got {self}")
+        if min(limits) < 0 or self.timeout_action not in ("REJECT", "DELAY"):
+            raise SpecError(f"{name} needs limits >= 0 (0: none) and timeout_action REJECT or DELAY, got {self}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import tritonclient.grpc as grpcclient
 
 from recserve.build import configs
 from recserve.build.synthetic import generate
-from recserve.perf.overload import Cores, run_overload
+from recserve.perf.overload import Cores, pinned_capacity, run_overload
 from recserve.perf.soak import scratch_repository
 from recserve.server import Ports, TritonServer
 
@@ -21,9 +21,12 @@ QUEUE = "latency_first"
 def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(repository, spec, tmp_path):
     cores = Cores.split()
     root = scratch_repository(repository, tmp_path / "repository")
+    capacity = pinned_capacity(root, spec, 8, cores, tmp_path / "capacity.log")
     with TritonServer(root, Ports.free(), log_path=tmp_path / "server.log", config_name=QUEUE, cpus=cores.server) as server:
         # 3x rather than 2x: capacity measured on a shared machine may be low by a third
-        report = run_overload(server, spec, rows=8, spike_factor=3.0, seconds=4.0, recovery_window_s=6.0, client_cores=cores.client)
+        report = run_overload(
+            server, spec, rows=8, spike_factor=3.0, seconds=4.0, recovery_window_s=6.0, client_cores=cores.client, capacity_rps=capacity
+        )
         print(report.table())
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
             request = generate(spec, 8, seed=3).to_wire(spec)

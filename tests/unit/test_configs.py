@@ -58,12 +58,9 @@ def test_latency_first_admits_by_time_at_the_entry_only(spec):
     limits = entry.dynamic_batching.default_queue_policy
     assert limits.default_timeout_microseconds == policy.entry_timeout > 0 and limits.max_queue_size == 0
     assert limits.timeout_action == limits.REJECT
-    assert entry.parameters["cpu_nice"].string_value == str(policy.entry_nice) != "0"
     for step in configs.STEPS[1:]:
         later = configs.step_config(spec, step, queue="latency_first")
         assert not later.dynamic_batching.HasField("default_queue_policy"), step
-        assert "cpu_nice" not in later.parameters
-    assert "cpu_nice" not in configs.step_config(spec, configs.FEATURE_TRANSFORM).parameters
 
 
 def test_an_unknown_queue_profile_is_refused(spec):

@@ -52,7 +52,7 @@ def test_json_round_trip_is_lossless(spec):
         (lambda d: d["features"][2].__setitem__("table", "nope"), "undefined table"),
         (lambda d: d["features"][0].__setitem__("kind", "image"), "unknown feature kind"),
         (lambda d: d["serving"]["queue"].__setitem__("max_queue_size", -1), "serving.queue needs"),
-        (lambda d: d["serving"]["queue_profiles"]["latency_first"].__setitem__("entry_nice", 20), "entry_nice 0..19"),
+        (lambda d: d["serving"]["queue_profiles"]["latency_first"].__setitem__("timeout_action", "DROP"), "timeout_action"),
         (lambda d: d["serving"]["queue_profiles"].__setitem__("latency first", {}), "identifier"),
     ],
 )
