@@ -56,6 +56,12 @@ def test_serve_defaults_to_loopback_and_no_model_control():
     assert args.host == "127.0.0.1" and args.model_control == "none" and not args.client_shared_memory
 
 
+def test_serve_refuses_a_queue_profile_the_repository_lacks(repository, capsys):
+    args = parser().parse_args(["serve", "--repository", str(repository), "--queue", "nope"])
+    assert args.func(args) == 2
+    assert "no queue profile 'nope'" in capsys.readouterr().err
+
+
 def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
     assert spec.queue.entry_max_queue_size <= spec.queue.max_queue_size, "the first step must be the tightest gate"
     for step in configs.STEPS:
