@@ -56,6 +56,7 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
         WireTensor(tensors.HISTORY_EMBEDDINGS, "FP32", (-1, dim), ragged=True),
         WireTensor(tensors.PROBABILITY, "FP32", (1,)),
         WireTensor(tensors.DENSE_VERSION, "INT64", (1,)),
+        WireTensor(tensors.EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
     )
     return {t.name: t for t in items}
 
@@ -70,7 +71,9 @@ def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[Wire
         ),
         EMBEDDING_LOOKUP: (
             tuple(t[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS)),
-            tuple(t[n] for n in (tensors.SPARSE_EMBEDDINGS, tensors.TARGET_EMBEDDING, tensors.HISTORY_EMBEDDINGS)),
+            tuple(
+                t[n] for n in (tensors.SPARSE_EMBEDDINGS, tensors.TARGET_EMBEDDING, tensors.HISTORY_EMBEDDINGS, tensors.EMBEDDING_VERSION)
+            ),
         ),
         DENSE: (
             tuple(t[n] for n in tensors.DENSE_NET_INPUTS),
@@ -224,7 +227,11 @@ def step_config(
 
 
 def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
-    """The ``ctr`` ensemble: raw features in, click probability (and the dense version) out."""
+    """The ``ctr`` ensemble: raw features in; click probability and the versions that served each row out.
+
+    ``dense_version`` comes from ``dense`` (absent from a TensorRT ``dense``), ``embedding_version``
+    (every table's version, spec table order) from ``embedding_lookup``.
+    """
     io = step_io(spec, profile)
     steps = []
     for step in STEPS:
@@ -242,7 +249,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in spec.wire_inputs()],
-        output=[_output(t) for t in io[DENSE][1]],
+        output=[_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[tensors.EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 

@@ -13,7 +13,7 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows, RowFormatError, read_rows, write_csv, write_tsv
-from recserve.clients.sdk import AsyncCTRClient, CTRClient
+from recserve.clients.sdk import AsyncCTRClient, CTRClient, Scores
 
 __all__ = [
     "AsyncCTRClient",
@@ -23,6 +23,7 @@ __all__ = [
     "RecserveClientError",
     "RequestTimeoutError",
     "RowFormatError",
+    "Scores",
     "ServerError",
     "ServerUnavailableError",
     "map_exception",

@@ -12,8 +12,9 @@ Example::
         probabilities = client.predict(read_rows("rows.tsv", spec), batch_size=64)
 
 Inputs are the request tensors of the spec's ensemble (see :meth:`CriteoRows.to_inputs`); the output
-is the click probability per row. Every transport error is raised as a
-:class:`~recserve.clients.errors.RecserveClientError` subclass.
+is the click probability per row. :meth:`CTRClient.score_inputs` also returns, per row, the versions
+that served it (:class:`Scores`: the dense model's version and every embedding table's version).
+Every transport error is raised as a :class:`~recserve.clients.errors.RecserveClientError` subclass.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
 
-from recserve.backends.tensors import PROBABILITY
+from recserve.backends.tensors import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 from recserve.clients.errors import (
     InvalidRequestError,
     RequestTimeoutError,
@@ -52,6 +54,29 @@ def _normalise_url(url: str | None, protocol: str) -> tuple[str, bool]:
     if not sep:
         return url.rstrip("/"), False
     return rest.rstrip("/"), scheme.lower() in ("https", "grpcs")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One response with the versions that served it.
+
+    Attributes:
+        probabilities: float32 ``[B]`` click probabilities.
+        dense_version: int64 ``[B]``: the ``dense`` model version that scored each row.
+        embedding_version: int64 ``[B, T]``: per row, the version of each embedding table in the
+            store snapshot that served it, in the order of :attr:`tables`. A request is served by one
+            snapshot, so its rows agree.
+        tables: table names, the columns of ``embedding_version`` (the spec's ``table_names``).
+    """
+
+    probabilities: np.ndarray
+    dense_version: np.ndarray
+    embedding_version: np.ndarray
+    tables: tuple[str, ...]
+
+    def table_versions(self, row: int = 0) -> dict[str, int]:
+        """Table name -> version that served ``row``."""
+        return dict(zip(self.tables, (int(v) for v in self.embedding_version[row])))
 
 
 def _check_protocol(protocol: str) -> str:
@@ -126,19 +151,34 @@ class _Base:
             result.append(infer_input)
         return result
 
-    def _outputs(self, module: ModuleType) -> list[Any]:
+    def _outputs(self, module: ModuleType, names: tuple[str, ...]) -> list[Any]:
         if self.protocol == "http":
-            return [module.InferRequestedOutput(PROBABILITY, binary_data=True)]
-        return [module.InferRequestedOutput(PROBABILITY)]
+            return [module.InferRequestedOutput(name, binary_data=True) for name in names]
+        return [module.InferRequestedOutput(name) for name in names]
+
+    def _output(self, result: Any, name: str, rows: int, dtype: type) -> np.ndarray:
+        output = result.as_numpy(name)
+        if output is None:
+            raise ServerError(f"the response of model '{self.model_name}' has no output '{name}'")
+        values = np.asarray(output, dtype=dtype)
+        if values.ndim == 0 or values.shape[0] != rows:
+            raise ServerError(f"expected {rows} rows of '{name}', got output of shape {list(output.shape)}")
+        return values
 
     def _probabilities(self, result: Any, rows: int) -> np.ndarray:
-        output = result.as_numpy(PROBABILITY)
-        if output is None:
-            raise ServerError(f"the response of model '{self.model_name}' has no output '{PROBABILITY}'")
-        values = np.asarray(output, dtype=np.float32).reshape(-1)
-        if values.shape[0] != rows:
-            raise ServerError(f"expected {rows} probabilities, got output of shape {list(output.shape)}")
-        return values
+        return self._output(result, PROBABILITY, rows, np.float32).reshape(-1)
+
+    def _scores(self, result: Any, rows: int, probabilities: np.ndarray | None = None) -> Scores:
+        return Scores(
+            self._probabilities(result, rows) if probabilities is None else probabilities,
+            self._output(result, DENSE_VERSION, rows, np.int64).reshape(-1),
+            self._output(result, EMBEDDING_VERSION, rows, np.int64).reshape(rows, -1),
+            self.spec.table_names,
+        )
+
+    def _empty_scores(self) -> Scores:
+        tables = self.spec.table_names
+        return Scores(np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, len(tables)), np.int64), tables)
 
     def _check_batch_size(self, batch_size: int) -> None:
         if not 1 <= batch_size <= self.spec.max_batch_size:
@@ -207,11 +247,11 @@ class _SharedMemoryIO:
             result.append(infer_input)
         return result
 
-    def output(self, module: ModuleType, rows: int) -> list[Any]:
-        """The requested output, written by the server into the region."""
+    def output(self, module: ModuleType, rows: int) -> Any:
+        """The requested probabilities, written by the server into the region."""
         requested = module.InferRequestedOutput(PROBABILITY)
         requested.set_shared_memory(self.name, rows * 4, offset=self.offsets[PROBABILITY])
-        return [requested]
+        return requested
 
     def probabilities(self, rows: int) -> np.ndarray:
         """The output of the last request, copied out of the region."""
@@ -331,24 +371,45 @@ class CTRClient(_Base):
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
             return np.zeros(0, dtype=np.float32)
-        if self._shm is not None:
-            infer_inputs = self._shm.place(self._module, self.spec, arrays)
-            outputs = self._shm.output(self._module, rows)
-        else:
-            infer_inputs = self._infer_inputs(self._module, arrays)
-            outputs = self._outputs(self._module)
-        try:
-            if self.protocol == "grpc":
-                result = self._client.infer(
-                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
-                )
-            else:
-                result = self._client.infer(self.model_name, infer_inputs, outputs=outputs)
-        except Exception as exc:
-            raise map_exception(exc) from exc
+        result = self._infer(arrays, rows, ())
         if self._shm is not None:
             return self._shm.probabilities(rows)
         return self._probabilities(result, rows)
+
+    def score_inputs(self, inputs: Mapping[str, np.ndarray]) -> Scores:
+        """Send one request; the probabilities with the dense and embedding versions that served each row.
+
+        Args:
+            inputs: as for :meth:`predict_inputs`.
+
+        Returns:
+            :class:`Scores`.
+
+        Raises:
+            RecserveClientError: as :meth:`predict_inputs`; ``ServerError`` also when the served
+                model has no version outputs (a TensorRT ``dense`` has no ``dense_version``).
+        """
+        arrays = self._prepare(inputs)
+        rows = next(iter(arrays.values())).shape[0]
+        if rows == 0:
+            return self._empty_scores()
+        result = self._infer(arrays, rows, (DENSE_VERSION, EMBEDDING_VERSION))
+        return self._scores(result, rows, self._shm.probabilities(rows) if self._shm is not None else None)
+
+    def _infer(self, arrays: Mapping[str, np.ndarray], rows: int, extra_outputs: tuple[str, ...]) -> Any:
+        """One request of prepared arrays; the probabilities through shared memory when it is on."""
+        if self._shm is not None:
+            infer_inputs = self._shm.place(self._module, self.spec, arrays)
+            outputs = [self._shm.output(self._module, rows), *self._outputs(self._module, extra_outputs)]
+        else:
+            infer_inputs = self._infer_inputs(self._module, arrays)
+            outputs = self._outputs(self._module, (PROBABILITY, *extra_outputs))
+        try:
+            if self.protocol == "grpc":
+                return self._client.infer(self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s)
+            return self._client.infer(self.model_name, infer_inputs, outputs=outputs)
+        except Exception as exc:
+            raise map_exception(exc) from exc
 
     def predict(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:
         """Score all rows, sending them in batches of ``batch_size``.
@@ -450,19 +511,26 @@ class AsyncCTRClient(_Base):
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
             return np.zeros(0, dtype=np.float32)
+        return self._probabilities(await self._infer(arrays, (PROBABILITY,)), rows)
+
+    async def score_inputs(self, inputs: Mapping[str, np.ndarray]) -> Scores:
+        """Send one request; probabilities and the versions that served them (see :meth:`CTRClient.score_inputs`)."""
+        arrays = self._prepare(inputs)
+        rows = next(iter(arrays.values())).shape[0]
+        if rows == 0:
+            return self._empty_scores()
+        return self._scores(await self._infer(arrays, (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)), rows)
+
+    async def _infer(self, arrays: Mapping[str, np.ndarray], names: tuple[str, ...]) -> Any:
         client = self._transport()
         infer_inputs = self._infer_inputs(self._module, arrays)
-        outputs = self._outputs(self._module)
+        outputs = self._outputs(self._module, names)
         try:
             if self.protocol == "grpc":
-                result = await client.infer(
-                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
-                )
-            else:
-                result = await client.infer(self.model_name, infer_inputs, outputs=outputs)
+                return await client.infer(self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s)
+            return await client.infer(self.model_name, infer_inputs, outputs=outputs)
         except Exception as exc:
             raise map_exception(exc) from exc
-        return self._probabilities(result, rows)
 
     async def predict(self, rows: CriteoRows, batch_size: int = 64, max_in_flight: int = 4) -> np.ndarray:
         """Score all rows in batches, up to ``max_in_flight`` requests at a time.
@@ -499,4 +567,4 @@ class AsyncCTRClient(_Base):
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 
-__all__ = ["DEFAULT_URLS", "PROTOCOLS", "AsyncCTRClient", "CTRClient"]
+__all__ = ["DEFAULT_URLS", "PROTOCOLS", "AsyncCTRClient", "CTRClient", "Scores"]

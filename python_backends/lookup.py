@@ -9,7 +9,7 @@ import numpy as np
 
 from recserve.backends import tensors
 from recserve.backends.features import require
-from recserve.backends.store import Lookup, TieredStore
+from recserve.backends.store import Lookup, Snapshot, TieredStore
 from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -26,6 +26,10 @@ class EmbeddingLookup:
     side by side as one ``[B, F + 1 + L]`` key matrix with a matching table-id matrix, so the store
     serves every key of the batch in one vectorised call.
 
+    Each row also reports the store snapshot that served it: every table's version, in the spec's
+    table order (``embedding_version``). The store answers a whole batch from one snapshot, so all
+    rows of a batch carry the same versions.
+
     Args:
         spec: the model spec.
         store: the tiered store.
@@ -41,6 +45,8 @@ class EmbeddingLookup:
             [store.table_id(f.table) for f in spec.categorical.features] + [store.table_id(spec.target.table)], np.int16
         )
         self.sequence_table = store.table_id(spec.sequence.table)
+        self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
+        self._versions: tuple[tuple[int, ...], np.ndarray] = ((), np.empty(0, np.int64))  # (snapshot versions, in spec order)
 
     @classmethod
     def for_instance(cls, spec: ModelSpec, served: ServedStore, l1_device: str = "", instance_device: str = "cpu") -> EmbeddingLookup:
@@ -87,17 +93,33 @@ class EmbeddingLookup:
         keys, table_ids = self.keys_and_tables(inputs)
         return (self.device_l1 or self.store).lookup(keys, table_ids)
 
-    def lookup(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | dict[str, torch.Tensor]:
+    def table_versions(self, snapshot: Snapshot) -> np.ndarray:
+        """int64 ``[T]``: each table's version in ``snapshot``, in the spec's table order.
+
+        Computed once per set of versions (L1 refreshes keep the versions tuple), then reused.
+        """
+        cached = self._versions
+        if cached[0] is not snapshot.versions:
+            cached = (snapshot.versions, np.asarray(snapshot.versions, np.int64)[self.version_columns])
+            self._versions = cached  # one reference swap: safe with concurrent callers
+        return cached[1]
+
+    def lookup(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
         """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history.
 
-        numpy arrays, or tensors on the device of ``device_l1`` when it is set.
+        numpy arrays, or tensors on the device of ``device_l1`` when it is set. Also
+        ``embedding_version`` ``[B, T]`` (numpy, on the host): the table versions of the snapshot
+        that served the batch.
         """
         checked = self.check(inputs)
         rows, width = checked[tensors.HISTORY_KEYS].shape
         features = self.spec.num_sparse
-        vectors = self.lookup_keys(checked).vectors.reshape(rows, features + 1 + width, self.store.dim)
+        result = self.lookup_keys(checked)
+        vectors = result.vectors.reshape(rows, features + 1 + width, self.store.dim)
+        versions = self.table_versions(result.snapshot)
         return {
             tensors.SPARSE_EMBEDDINGS: vectors[:, :features],
             tensors.TARGET_EMBEDDING: vectors[:, features],
             tensors.HISTORY_EMBEDDINGS: vectors[:, features + 1 :],
+            tensors.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
         }

@@ -20,6 +20,9 @@ HISTORY_EMBEDDINGS = "history_embeddings"
 PROBABILITY = "probability"
 #: Per row, the version of the ``dense`` model that scored it (hot swaps are visible to clients).
 DENSE_VERSION = "dense_version"
+#: Per row, the version of every embedding table in the store snapshot that served it, in the order of
+#: :attr:`recserve.spec.ModelSpec.table_names` (one snapshot per batch: all rows of a request agree).
+EMBEDDING_VERSION = "embedding_version"
 
 #: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
 DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)

@@ -173,6 +173,14 @@ class ModelSpec:
         )
 
     @property
+    def table_names(self) -> tuple[str, ...]:
+        """Embedding tables in spec order: ``[tables.*]`` first, then one per categorical column.
+
+        The ``embedding_version`` output lists each table's served version in this order.
+        """
+        return tuple(self.tables)
+
+    @property
     def num_sparse(self) -> int:
         """Number of single-valued categorical embeddings fed to the interaction."""
         return len(self.categorical.features)

@@ -75,6 +75,10 @@ def test_sdk_shared_memory_gives_the_same_probabilities(shm_server, spec, protoc
     with CTRClient(url, protocol, spec=spec) as wire, CTRClient(url, protocol, spec=spec, shared_memory=True) as shm:
         for inputs in batches:
             np.testing.assert_array_equal(shm.predict_inputs(inputs), wire.predict_inputs(inputs))
+        scored, plain = shm.score_inputs(batches[0]), wire.score_inputs(batches[0])  # probabilities in the region, versions in the response
+        np.testing.assert_array_equal(scored.probabilities, plain.probabilities)
+        np.testing.assert_array_equal(scored.embedding_version, plain.embedding_version)
+        np.testing.assert_array_equal(scored.dense_version, plain.dense_version)
         region = shm._shm.region.name
     assert not Path("/dev/shm", region).exists()  # closed: unregistered and removed
 

@@ -22,6 +22,7 @@ from recserve.backends.store import TieredStore
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline, version_dir, write_tables
 from recserve.build.synthetic import generate
+from recserve.clients import CTRClient
 from recserve.clients.rows import write_csv
 from recserve.server import Ports, TritonServer
 from recserve.spec import parse_spec
@@ -124,6 +125,47 @@ def check_update_and_rollback(root, server, spec, tmp_path):
         return f'recserve_table_version{{table="{spec.target.table}"}} 3' in text and 'tier="l2"' in text
 
     wait_for(version_metric, timeout_s=10)
+
+
+def test_responses_name_the_embedding_versions_that_served_them(private, spec, tmp_path):
+    """Every row says which table versions served it; a batch is one snapshot; a delta moves only its table."""
+    root, server = private
+    wire = generate(spec, 8, seed=31).to_wire(spec)
+    item = spec.table_names.index(spec.target.table)
+    seen, stop = [], threading.Event()
+
+    def traffic() -> None:
+        with CTRClient(server.grpc_url, spec=spec, timeout_s=30) as client:
+            while not stop.is_set():
+                seen.append(client.score_inputs(wire))
+
+    with CTRClient(server.http_url, protocol="http", spec=spec, timeout_s=30) as client:
+        before = client.score_inputs(wire)
+        assert before.embedding_version.shape == (8, len(spec.table_names)) and (before.dense_version == 1).all()
+        old = int(before.embedding_version[0, item])
+        keys = np.unique(FeatureTransform(spec).transform(wire)[tensors.TARGET_KEY])
+        np.savez(tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.25, np.float32))
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            published = recserve("update", "--table", spec.target.table, "--delta", str(tmp_path / "delta.npz"), "--repository", str(root))
+            assert published.returncode == 0, published.stderr
+            wait_for(lambda: client.score_inputs(wire).embedding_version[0, item] == old + 1, timeout_s=10)
+            after = client.score_inputs(wire)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            thread.join()
+    assert after.table_versions()[spec.target.table] == old + 1
+    assert np.array_equal(np.delete(after.embedding_version, item, axis=1), np.delete(before.embedding_version, item, axis=1))
+    assert not np.allclose(after.probabilities, before.probabilities, rtol=0, atol=1e-4)
+    assert len(seen) > 5
+    for scores in seen:  # one snapshot per response; its probabilities are that version's
+        assert (scores.embedding_version == scores.embedding_version[0]).all()
+        reference = before if scores.embedding_version[0, item] == old else after
+        assert scores.embedding_version[0, item] in (old, old + 1)
+        np.testing.assert_allclose(scores.probabilities, reference.probabilities, rtol=0, atol=1e-5)
+    assert seen[-1].embedding_version[0, item] == old + 1
 
 
 def test_malformed_delta_is_refused_with_a_clear_message_and_nothing_is_published(private, spec, tmp_path):

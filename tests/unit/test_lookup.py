@@ -1,0 +1,49 @@
+import numpy as np
+
+from recserve.backends import tensors
+from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.store import RowBlock, TableArrays, TieredStore
+
+
+def spec_store(spec, base_version=1):
+    rng = np.random.default_rng(5)
+    tables, start = {}, 1
+    for name in spec.table_names:
+        keys = np.arange(start, start + 10, dtype=np.int64)
+        start += 10
+        tables[name] = TableArrays(name, keys, rng.normal(size=(10, spec.embedding_dim)).astype(np.float32), np.zeros(spec.embedding_dim, np.float32))
+    return tables, TieredStore.from_tables(tables, base_version=base_version)
+
+
+def key_inputs(spec, tables, rows=3, width=5):
+    rng = np.random.default_rng(6)
+    sparse = np.stack([rng.choice(tables[f.table].keys, rows) for f in spec.categorical.features], axis=1)
+    items = tables[spec.target.table].keys
+    return {
+        tensors.SPARSE_KEYS: sparse,
+        tensors.TARGET_KEY: rng.choice(items, (rows, 1)),
+        tensors.HISTORY_KEYS: rng.choice(items, (rows, width)),
+    }
+
+
+def test_every_row_reports_the_table_versions_of_one_snapshot_in_spec_order(spec):
+    tables, store = spec_store(spec, base_version=4)
+    lookup = EmbeddingLookup(spec, store)
+    inputs = key_inputs(spec, tables)
+    versions = lookup.lookup(inputs)[tensors.EMBEDDING_VERSION]
+    assert versions.shape == (3, len(spec.table_names)) and versions.dtype == np.int64
+    assert (versions == 4).all()
+
+    item = spec.target.table
+    store.install({item: 7}, RowBlock.of(tables[item].keys[:2], np.ones((2, spec.embedding_dim), np.float32)))
+    versions = lookup.lookup(inputs)[tensors.EMBEDDING_VERSION]
+    column = spec.table_names.index(item)
+    assert (versions[:, column] == 7).all()
+    assert (np.delete(versions, column, axis=1) == 4).all()
+    assert (versions == versions[0]).all()  # the whole batch: one snapshot
+
+
+def test_table_names_follow_the_spec_and_cover_every_table(spec):
+    assert spec.table_names[0] == spec.target.table  # [tables.*] first
+    assert spec.table_names[1:] == tuple(f.table for f in spec.categorical.features)
+    assert set(spec.table_names) == set(spec.tables)
