@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -93,6 +93,20 @@ def remote_table_arrays(spec: ModelSpec, root: Path, include_local: bool = False
                 table = store.table_arrays(name)
                 rows[name] = (table.keys, table.vectors)
     return rows
+
+
+def upload_remote_tables(spec: ModelSpec, root: Path, options: StoreOptions, include_local: bool = False) -> int:
+    """Write the L3 rows of a built version folder into the Redis Cluster of ``options``; rows written.
+
+    What ``recserve redis-load`` does: the ``[store] remote_tables`` (with ``include_local``, every table).
+    """
+    from recserve.backends.redis_tier import RedisTier
+
+    tier = RedisTier.connect(replace(options, redis_deadline_ms=10_000.0))  # a bulk load, not a lookup
+    try:
+        return sum(tier.upload(keys, vectors) for keys, vectors in remote_table_arrays(spec, root, include_local).values())
+    finally:
+        tier.close()
 
 
 def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float) -> float:

@@ -76,7 +76,7 @@ class Scores:
 
     def table_versions(self, row: int = 0) -> dict[str, int]:
         """Table name -> version that served ``row``."""
-        return dict(zip(self.tables, (int(v) for v in self.embedding_version[row])))
+        return dict(zip(self.tables, (int(v) for v in self.embedding_version[row]), strict=True))
 
 
 def _check_protocol(protocol: str) -> str:

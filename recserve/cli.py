@@ -195,6 +195,12 @@ def _overload(args: argparse.Namespace) -> int:
     return overload_command(load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds, args.queue)
 
 
+def _redis_outage(args: argparse.Namespace) -> int:
+    from recserve.perf.redis_outage import outage_command
+
+    return outage_command(load_spec(args.spec), args.repository, args.requests, args.batch_size, args.deadline_ms)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``recserve``."""
     top = argparse.ArgumentParser(prog="recserve", description=__doc__)
@@ -273,6 +279,15 @@ def parser() -> argparse.ArgumentParser:
     overload.add_argument("--seconds", type=float, default=5.0, help="length of the half-capacity and spike phases")
     overload.add_argument("--queue", default="latency_first", help="queue profile of the spec to serve; 'default': [serving.queue]")
     overload.set_defaults(func=_overload)
+
+    outage = sub.add_parser(
+        "redis-outage", help="ctr p50/p99 with the L3 Redis Cluster up, all of it killed, and back (private loopback servers)"
+    )
+    outage.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; its item table goes to Redis")
+    outage.add_argument("--requests", type=int, default=2000, help="requests per phase, one at a time")
+    outage.add_argument("--batch-size", type=int, default=16, help="rows per request")
+    outage.add_argument("--deadline-ms", type=float, default=None, help="L3 deadline (default: the spec's redis_deadline_ms)")
+    outage.set_defaults(func=_redis_outage)
 
     from recserve.store_cli import add_commands
 

@@ -68,10 +68,9 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _redis_load(args: argparse.Namespace) -> int:
-    from recserve.backends.redis_tier import RedisTier
     from recserve.backends.store import StoreOptions
     from recserve.build.configs import EMBEDDING_LOOKUP
-    from recserve.build.repository import remote_table_arrays
+    from recserve.build.repository import upload_remote_tables
 
     spec = load_spec(args.spec)
     options = StoreOptions.from_spec(spec)
@@ -79,9 +78,7 @@ def _redis_load(args: argparse.Namespace) -> int:
         options = replace(options, redis_nodes=tuple(args.nodes.split(",")))
     if not options.redis_nodes:
         raise ValueError("no Redis Cluster: set [store] redis_nodes in the spec or pass --nodes host:port,...")
-    tier = RedisTier.connect(replace(options, redis_deadline_ms=10_000.0))  # a bulk load, not a lookup
-    root = args.repository / EMBEDDING_LOOKUP / str(spec.version)
-    total = sum(tier.upload(keys, vectors) for keys, vectors in remote_table_arrays(spec, root, args.all).values())
+    total = upload_remote_tables(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), options, args.all)
     print(f"wrote {total} rows to the Redis Cluster at {','.join(options.redis_nodes)}", file=sys.stderr)
     return 0
 

@@ -8,7 +8,7 @@ import pytest
 
 from recserve.backends.redis_tier import RedisTier
 from recserve.backends.store import DEFAULT, L2, L3, StoreOptions, TableArrays, TieredStore
-from tests.redis_cluster import RedisCluster
+from recserve.perf.redis_cluster import RedisCluster
 from tests.unit.test_store import DIM, make_tables
 
 

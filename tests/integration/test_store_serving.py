@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import subprocess
@@ -18,15 +17,13 @@ import tritonclient.grpc as grpcclient
 
 from recserve.backends import kernels, tensors
 from recserve.backends.features import FeatureTransform
-from recserve.backends.store import TieredStore
-from recserve.build import configs
-from recserve.build.repository import reference_pipeline, version_dir, write_tables
+from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.clients.rows import write_csv
+from recserve.perf.redis_cluster import RedisCluster
+from recserve.perf.redis_outage import l3_repository
 from recserve.server import Ports, TritonServer
-from recserve.spec import parse_spec
-from tests.redis_cluster import RedisCluster
 
 from .helpers import grpc_client, infer_raw
 
@@ -196,27 +193,12 @@ def test_explain_shows_value_key_table_tier_and_version_per_feature(private, spe
         assert record["tier"] in {"l1", "delta", "l2", "default"} and record["dim"] == spec.embedding_dim
 
 
-def l3_repository(spec, repository: Path, target: Path, nodes: list[str]):
-    """A copy of the repository whose ``item`` table lives only in the Redis Cluster."""
-    doc = copy.deepcopy(spec.source)
-    doc["store"] = {**doc.get("store", {}), "redis_nodes": nodes, "remote_tables": [spec.target.table], "redis_deadline_ms": 200.0}
-    variant = parse_spec(doc)
-    copy_repository(repository, target)
-    source = TieredStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
-    tables = {name: source.table_arrays(name) for name in source.table_names}
-    root = version_dir(target, configs.EMBEDDING_LOOKUP, spec)
-    shutil.rmtree(root / "shards")
-    write_tables(variant, tables, root)
-    configs.write_configs(variant, target)
-    return variant
-
-
 def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec, repository, tmp_path):
     reference = reference_pipeline(spec, repository, runtime="torch")
     wire = generate(spec, 16, seed=21).to_wire(spec)
     expected = reference.predict(wire)
     with RedisCluster(tmp_path / "redis") as cluster:
-        variant = l3_repository(spec, repository, tmp_path / "repository", cluster.nodes)
+        variant = l3_repository(spec, repository, tmp_path / "repository", cluster.nodes, deadline_ms=200.0)
         spec_file = tmp_path / "variant.json"
         spec_file.write_text(json.dumps(variant.source))
         loaded = recserve("--spec", str(spec_file), "redis-load", "--repository", str(tmp_path / "repository"))

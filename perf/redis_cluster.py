@@ -1,4 +1,9 @@
-"""A real Redis Cluster on loopback for tests: Debian's redis-server, 3 masters + 3 replicas."""
+"""A real Redis Cluster on loopback: Debian's redis-server, 3 masters + 3 replicas.
+
+Used by the L3 tests and by ``recserve redis-outage``. Nodes keep no data on disk (no RDB, no AOF);
+each keeps its cluster configuration (``nodes.conf``) in its own folder, so a killed node started
+again with :meth:`RedisCluster.restart` rejoins the same cluster, empty.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -50,21 +56,27 @@ class RedisCluster:
         """``host:port`` of every node."""
         return [f"{LOOPBACK}:{port}" for port in self.ports]
 
+    def _spawn(self, port: int) -> None:
+        node_dir = self.folder / str(port)
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--cluster-enabled", "yes",
+             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+             "--cluster-replica-validity-factor", "0",
+             "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def _wait_started(self, port: int) -> None:
+        self._wait(lambda: redis.Redis(LOOPBACK, port, socket_timeout=1).ping(), f"node {port} to start")
+
     def __enter__(self) -> RedisCluster:
         try:
             for port in self.ports:
-                node_dir = self.folder / str(port)
-                node_dir.mkdir(parents=True, exist_ok=True)
-                self.processes[port] = subprocess.Popen(
-                    ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--cluster-enabled", "yes",
-                     "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
-                     "--cluster-replica-validity-factor", "0",
-                     "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log"],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                self._spawn(port)
             for port in self.ports:
-                self._wait(lambda p=port: redis.Redis(LOOPBACK, p, socket_timeout=1).ping(), f"node {port} to start")
+                self._wait_started(port)
             subprocess.run(
                 ["redis-cli", "--cluster", "create", *self.nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 check=True,
@@ -81,7 +93,7 @@ class RedisCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _wait(self, probe, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+    def _wait(self, probe: Callable[[], object], what: str, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -132,6 +144,23 @@ class RedisCluster:
         """``kill -9`` one node."""
         self.processes[port].kill()
         self.processes[port].wait()
+
+    def kill_all(self) -> None:
+        """``kill -9`` every node, masters and replicas: the whole cluster is gone."""
+        for port in self.ports:
+            self.kill(port)
+
+    def restart(self, ports: list[int] | None = None, timeout_s: float = 30.0) -> None:
+        """Start killed nodes again (all by default) and wait until the cluster serves every slot.
+
+        They come back without data: whatever L3 needs must be loaded again.
+        """
+        ports = [p for p in (ports or self.ports) if self.processes[p].poll() is not None]
+        for port in ports:
+            self._spawn(port)
+        for port in ports:
+            self._wait_started(port)
+        self.wait_ok(timeout_s)
 
     def stop(self) -> None:
         """Kill every node."""
