@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
 
-from recserve.backends.tensors import DENSE_VERSION, PROBABILITY
+from recserve.backends.tensors import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 from recserve.build.synthetic import generate
 from recserve.server import Ports, Security, TritonServer, expected_stubs
 from recserve.spec import ModelSpec
@@ -208,11 +208,18 @@ class TrafficCounts:
     bad_refused: int = 0
     bad_accepted: int = 0
     failures: list[str] = field(default_factory=list)
-    versions: set[int] = field(default_factory=set)
+    versions: set[int] = field(default_factory=set)  # dense versions seen
+    embedding_versions: set[tuple[int, ...]] = field(default_factory=set)  # store snapshots seen (table versions)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, bad: bool, error: InferenceServerException | None, version: int | None = None) -> None:
-        """Count one response."""
+    def record(
+        self,
+        bad: bool,
+        error: InferenceServerException | None,
+        version: int | None = None,
+        embedding_version: tuple[int, ...] | None = None,
+    ) -> None:
+        """Count one response (with the dense version and the table versions that served it)."""
         with self.lock:
             if bad:
                 refused = error is not None and (error.status() or "").upper() in ("400", "STATUSCODE.INVALID_ARGUMENT")
@@ -224,6 +231,8 @@ class TrafficCounts:
                 self.valid_ok += 1
                 if version is not None:
                     self.versions.add(version)
+                if embedding_version is not None:
+                    self.embedding_versions.add(embedding_version)
             else:
                 self.valid_failed += 1
                 self.failures.append(f"valid request failed: {error!s}"[:300])
@@ -264,13 +273,17 @@ def infer_request(model: str, inputs: dict[str, np.ndarray]) -> Any:
     return message
 
 
-def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> int:
+def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> tuple[int, tuple[int, ...]]:
+    """One request; the dense version and the table versions that served it (every row must agree)."""
     tensors = infer_inputs(module, inputs)
-    outputs = [module.InferRequestedOutput(PROBABILITY), module.InferRequestedOutput(DENSE_VERSION)]
+    outputs = [module.InferRequestedOutput(name) for name in (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)]
     result = client.infer(spec.name, tensors, outputs=outputs)
     if result.as_numpy(PROBABILITY) is None:
         raise InferenceServerException("response without probability")
-    return int(result.as_numpy(DENSE_VERSION).reshape(-1)[0])
+    embedding = result.as_numpy(EMBEDDING_VERSION)
+    if (embedding != embedding[0]).any():
+        raise InferenceServerException(f"the rows of one response name different embedding versions: {np.unique(embedding, axis=0)}")
+    return int(result.as_numpy(DENSE_VERSION).reshape(-1)[0]), tuple(int(v) for v in embedding[0])
 
 
 def traffic_worker(
@@ -295,8 +308,8 @@ def traffic_worker(
             request = rng.choice(pool)
             bad = rng.random() < bad_fraction
             try:
-                version = _send(module, client, spec, malformed(spec, request) if bad else request)
-                counts.record(bad, None, version)
+                version, embedding_version = _send(module, client, spec, malformed(spec, request) if bad else request)
+                counts.record(bad, None, version, embedding_version)
             except InferenceServerException as exc:
                 counts.record(bad, exc)
             stop.wait(pause_s)
@@ -325,7 +338,8 @@ class SoakReport:
         lines = [
             f"soak {self.duration_s:.0f} s: {self.counts.valid_ok} valid ok, {self.counts.valid_failed} valid failed, "
             f"{self.counts.bad_refused} malformed refused, {self.counts.bad_accepted} malformed not refused, "
-            f"{len(self.updates)} updates, dense versions served {sorted(self.counts.versions)}",
+            f"{len(self.updates)} updates, dense versions served {sorted(self.counts.versions)}, "
+            f"{len(self.counts.embedding_versions)} embedding snapshots (sets of table versions) served",
             "",
             "| process | RSS start MB | RSS end MB | RSS growth 2nd half MB | fds start | fds end | fd growth 2nd half |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -52,6 +52,7 @@ def test_soak_keeps_memory_and_descriptors_flat_through_updates(repository, spec
     assert report.passed, report.table()
     assert report.counts.bad_refused > 0, "no malformed request was sent"
     assert len(report.updates) >= 4 and len(report.counts.versions) >= 3, report.table()
+    assert len(report.counts.embedding_versions) >= 2, report.table()  # responses name the store snapshot too
     assert any("published" in u for u in report.updates) and any("back to base" in u for u in report.updates)
     assert {"tritonserver", "feature_transform", "embedding_lookup", "dense"} <= set(report.growth)
 
