@@ -9,11 +9,13 @@ bounded number per phase:
 2. **all redis down**: every node, masters and replicas, is killed; the phase is measured once the
    circuit breaker is open (the requests in between are reported on their own row);
 3. **redis back**: the nodes are started again, the rows loaded again, and the phase is measured
-   once the breaker has closed and L3 serves the same scores as in phase 1.
+   once the breaker has closed and a response has every item row found again.
 
-It reports p50/p99/max latency and failed requests per phase, the L3 counters (calls, errors by
-reason), readiness and ``recserve_store_healthy``, and the p99 difference down minus up (the goal:
-at most 1 ms; an open breaker answers item keys with their default rows without calling Redis).
+It reports p50/p99/max latency and failed requests per phase, responses with every item row found
+(equal to the in-process reference over the local tables), the L3 counters (calls, errors by reason;
+the store publishes them at most once a second, so a phase's counts are good to about a second),
+readiness and ``recserve_store_healthy``, and the p99 difference down minus up (the goal: at most
+1 ms; an open breaker answers item keys with their default rows without calling Redis).
 """
 
 from __future__ import annotations
@@ -135,13 +137,12 @@ class PhaseResult:
 class OutageProbe:
     """A closed loop of identical ``ctr`` requests over one gRPC channel, with the store's metrics."""
 
-    MODELS = ("ctr", configs.EMBEDDING_LOOKUP)
-
     def __init__(self, server: TritonServer, spec: ModelSpec, wire: dict[str, np.ndarray], reference: np.ndarray) -> None:
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
         self.server = server
+        self.models = (spec.name, configs.EMBEDDING_LOOKUP)  # readiness: the ensemble and the L3 step
         self.message = infer_request(spec.name, wire)
         self.message.outputs.add(name=PROBABILITY)
         self.channel = grpc.insecure_channel(server.grpc_url)
@@ -206,7 +207,7 @@ class OutageProbe:
         series = {"calls": "recserve_store_l3_calls_total"}
         series.update({reason: f'recserve_store_l3_errors_total{{reason="{reason}"}}' for reason in L3_REASONS})
         result.l3 = {name: after.get(key, 0.0) - before.get(key, 0.0) for name, key in series.items()}
-        result.ready = models_ready(self.server, self.MODELS)
+        result.ready = models_ready(self.server, self.models)
         result.store_healthy = after.get("recserve_store_healthy", float("nan"))
         result.breaker_open = after.get("recserve_store_l3_breaker_open", float("nan"))
 

@@ -107,6 +107,24 @@ def test_all_redis_down_opens_the_breaker_and_stops_paying_the_deadline(cluster)
     assert (time.perf_counter() - started) / 20 < tier.deadline_s  # not paying the deadline any more
 
 
+def test_l3_serves_again_after_the_whole_cluster_restarts_even_with_a_tight_deadline(cluster):
+    tables, full, remote, tier = stores(cluster, deadline_ms=5.0, cooldown_s=0.2)
+    keys, ids = batch(full, tables, np.random.default_rng(3), size=72)
+    cluster.kill_all()
+    for _ in range(tier.breaker.failures + 2):
+        remote.lookup(keys, ids)
+    assert tier.breaker.state != "closed", tier.errors
+    cluster.restart()
+    loader = RedisTier.connect(StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=10_000.0))
+    loader.upload(tables["t1"].keys, tables["t1"].vectors)  # the nodes came back empty
+    loader.close()
+    deadline = time.monotonic() + 30
+    while not (remote.lookup(keys, ids).tiers[32:-8] == L3).all():
+        assert time.monotonic() < deadline, f"L3 never served again: {tier.errors}"
+        time.sleep(0.05)
+    assert tier.healthy()
+
+
 def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster, tmp_path):
     from recserve.backends.update_stream import UpdateStream
     from recserve.backends.updates import StoreUpdater, UpdateLog
