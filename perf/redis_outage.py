@@ -7,9 +7,11 @@ bounded number per phase:
 
 1. **redis up**: every item key is served by L3;
 2. **all redis down**: every node, masters and replicas, is killed; the phase is measured once the
-   circuit breaker is open (the requests in between are reported on their own row);
-3. **redis back**: the nodes are started again, the rows loaded again, and the phase is measured
-   once the breaker has closed and a response has every item row found again.
+   circuit breaker is open (the requests in between are reported on their own row); then the nodes
+   are started again and the rows loaded again, and the next phase waits until the breaker has
+   closed and a response has every item row found again (also its own row);
+3. phases 1 and 2 alternate ``rounds`` times, so that a busy spell of a shared machine hits both
+   alike; **redis back** is a last up phase after the last restart.
 
 It reports p50/p99/max latency and failed requests per phase, responses with every item row found
 (equal to the in-process reference over the local tables), the L3 counters (calls, errors by reason;
@@ -113,7 +115,8 @@ def models_ready(server: TritonServer, models: tuple[str, ...]) -> bool:
 class PhaseResult:
     """One phase: latencies, failures, and the store's state at its end."""
 
-    name: str
+    kind: str  # UP, GOING_DOWN, DOWN, COMING_BACK, BACK, or a warm-up
+    round: int = 0  # 1.. for the repeated phases
     latencies_ms: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     # responses equal to the in-process reference, which finds every item row: served by L3 (or, while
@@ -125,9 +128,26 @@ class PhaseResult:
     breaker_open: float = float("nan")
 
     @property
+    def name(self) -> str:
+        """Kind and round, e.g. ``redis up 2``."""
+        return f"{self.kind} {self.round}" if self.round else self.kind
+
+    @property
     def requests(self) -> int:
         """Requests sent."""
         return len(self.latencies_ms) + len(self.failures)
+
+    @classmethod
+    def pooled(cls, kind: str, phases: list[PhaseResult]) -> PhaseResult:
+        """One result holding the requests of ``phases`` (the same kind over several rounds)."""
+        merged = cls(kind, ready=all(p.ready for p in phases))
+        for p in phases:
+            merged.latencies_ms += p.latencies_ms
+            merged.failures += p.failures
+            merged.all_rows_found += p.all_rows_found
+            for key, value in p.l3.items():
+                merged.l3[key] = merged.l3.get(key, 0.0) + value
+        return merged
 
     def percentile(self, q: float) -> float:
         """Latency percentile of the served requests, ms."""
@@ -174,18 +194,20 @@ class OutageProbe:
         """The store's metrics now."""
         return scrape(f"{LOOPBACK}:{self.server.ports.metrics}")
 
-    def run(self, name: str, requests: int) -> PhaseResult:
+    def run(self, kind: str, requests: int, round_: int = 0) -> PhaseResult:
         """``requests`` requests, one after the other; L3 counters and readiness around them."""
-        result = PhaseResult(name)
+        result = PhaseResult(kind, round_)
         before = self.metrics()
         for _ in range(requests):
             self.send(result)
         self._close_phase(result, before)
         return result
 
-    def until(self, name: str, condition: Callable[[dict[str, float], bool], bool], timeout_s: float) -> PhaseResult:
+    def until(
+        self, kind: str, condition: Callable[[dict[str, float], bool], bool], timeout_s: float, round_: int = 0
+    ) -> PhaseResult:
         """Requests until ``condition(metrics, all rows found in the last response)`` holds (checked every 0.25 s)."""
-        result = PhaseResult(name)
+        result = PhaseResult(kind, round_)
         before = self.metrics()
         checked = time.monotonic()
         deadline = checked + timeout_s
@@ -198,7 +220,7 @@ class OutageProbe:
                     break
                 if checked > deadline:
                     store = {k.removeprefix("recserve_store_"): v for k, v in metrics.items() if k.startswith("recserve_store_")}
-                    raise TimeoutError(f"{name}: not reached within {timeout_s:.0f} s ({len(result.failures)} failed); store metrics {store}")
+                    raise TimeoutError(f"{result.name}: not reached within {timeout_s:.0f} s ({len(result.failures)} failed); store metrics {store}")
         self._close_phase(result, before)
         return result
 
@@ -212,8 +234,18 @@ class OutageProbe:
         result.breaker_open = after.get("recserve_store_l3_breaker_open", float("nan"))
 
 
-def _healthy(metrics: dict[str, float]) -> bool:
-    return metrics.get("recserve_store_healthy") == 1.0 and metrics.get("recserve_store_l3_breaker_open") == 0.0
+def _serving(metrics: dict[str, float], all_rows_found: bool) -> bool:
+    """L3 serves: the store is healthy, the breaker closed, and the last response found every item row."""
+    healthy = metrics.get("recserve_store_healthy") == 1.0 and metrics.get("recserve_store_l3_breaker_open") == 0.0
+    return healthy and all_rows_found
+
+
+def _breaker_open(metrics: dict[str, float], all_rows_found: bool) -> bool:
+    return metrics.get("recserve_store_l3_breaker_open") == 1.0
+
+
+def _gauge(value: float) -> str:
+    return "" if np.isnan(value) else f"{value:.0f}"
 
 
 @dataclass
@@ -225,14 +257,18 @@ class OutageReport:
     phases: list[PhaseResult]
     load_average: tuple[float, float, float]
 
-    def phase(self, name: str) -> PhaseResult:
-        """A phase by name."""
-        return next(p for p in self.phases if p.name == name)
+    def of(self, kind: str) -> list[PhaseResult]:
+        """The phases of one kind, in order."""
+        return [p for p in self.phases if p.kind == kind]
+
+    def pooled(self, kind: str) -> PhaseResult:
+        """The requests of every phase of one kind together."""
+        return PhaseResult.pooled(kind, self.of(kind))
 
     @property
     def p99_down_minus_up_ms(self) -> float:
-        """p99 with all Redis down minus p99 with Redis up."""
-        return self.phase(DOWN).percentile(99) - self.phase(UP).percentile(99)
+        """p99 with all Redis down minus p99 with Redis up (each over all rounds)."""
+        return self.pooled(DOWN).percentile(99) - self.pooled(UP).percentile(99)
 
     @property
     def failed(self) -> int:
@@ -247,9 +283,11 @@ class OutageReport:
         """
         out = [f"{p.name}: {len(p.failures)} failed, first: {p.failures[0]}" for p in self.phases if p.failures]
         out += [f"{p.name}: the server or a model was not ready at the end of the phase" for p in self.phases if not p.ready]
-        down = self.phase(DOWN)
-        if down.store_healthy != 0.0 or down.breaker_open != 1.0:
-            out.append(f"{DOWN}: recserve_store_healthy {down.store_healthy}, breaker open {down.breaker_open} (expected 0 and 1)")
+        out += [
+            f"{p.name}: recserve_store_healthy {p.store_healthy}, breaker open {p.breaker_open} (expected 0 and 1)"
+            for p in self.of(DOWN)
+            if (p.store_healthy, p.breaker_open) != (0.0, 1.0)
+        ]
         return out
 
     @property
@@ -258,7 +296,7 @@ class OutageReport:
         return [
             f"{p.name}: {p.all_rows_found} of {len(p.latencies_ms)} responses found every item row; "
             f"{sum(p.l3.get(r, 0) for r in ('timeout', 'error', 'busy')):.0f} L3 calls failed (raise --deadline-ms?)"
-            for p in (self.phase(UP), self.phase(BACK))
+            for p in (*self.of(UP), *self.of(BACK))
             if p.all_rows_found != len(p.latencies_ms)
         ]
 
@@ -271,18 +309,20 @@ class OutageReport:
             "| phase | requests | failed | p50 ms | p99 ms | max ms | all item rows found | L3 calls | L3 errors (timeout/error/breaker_open/busy) | ready | store healthy | breaker open |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |",
         ]
-        for p in self.phases:
+        pooled = [self.pooled(kind) for kind in (UP, DOWN)] if len(self.of(UP)) > 1 else []
+        for p in (*self.phases, *pooled):
             errors = "/".join(f"{p.l3.get(reason, 0):.0f}" for reason in L3_REASONS)
             lines.append(
                 f"| {p.name} | {p.requests} | {len(p.failures)} | {p.percentile(50):.2f} | {p.percentile(99):.2f} | "
                 f"{max(p.latencies_ms, default=float('nan')):.2f} | {p.all_rows_found} | {p.l3.get('calls', 0):.0f} | {errors} | "
-                f"{'yes' if p.ready else 'NO'} | {p.store_healthy:.0f} | {p.breaker_open:.0f} |"
+                f"{'yes' if p.ready else 'NO'} | {_gauge(p.store_healthy)} | {_gauge(p.breaker_open)} |"
             )
         delta = self.p99_down_minus_up_ms
         lines += [
             "",
-            f"p99 all Redis down - p99 Redis up = {delta:+.2f} ms (goal <= {P99_GOAL_MS:g} ms: {'met' if delta <= P99_GOAL_MS else 'NOT met'})",
-            f"p99 Redis back - p99 Redis up = {self.phase(BACK).percentile(99) - self.phase(UP).percentile(99):+.2f} ms",
+            f"p99 all Redis down - p99 Redis up (all rounds) = {delta:+.2f} ms "
+            f"(goal <= {P99_GOAL_MS:g} ms: {'met' if delta <= P99_GOAL_MS else 'NOT met'})",
+            f"p99 Redis back - p99 Redis up = {self.pooled(BACK).percentile(99) - self.pooled(UP).percentile(99):+.2f} ms",
             f"failed requests over the run: {self.failed}",
             *(f"note: {note}" for note in self.notes),
             "PASS" if not self.problems else "FAIL: " + "; ".join(self.problems),
@@ -295,13 +335,18 @@ def run_outage(
     spec: ModelSpec,
     repository: Path,
     scratch: Path,
-    requests: int = 2000,
+    requests: int = 1000,
+    rounds: int = 3,
     batch_size: int = 16,
     deadline_ms: float | None = None,
     warmup: int = 200,
     settle_timeout_s: float = 60.0,
 ) -> OutageReport:
-    """Start the cluster and the server in ``scratch`` and run the three phases (see the module docstring)."""
+    """Start the cluster and the server in ``scratch`` and run the phases (see the module docstring).
+
+    Up and down alternate ``rounds`` times (``requests`` each), so that a busy spell of a shared
+    machine hits both alike; the back phase follows the last restart.
+    """
     wire = generate(spec, batch_size, seed=17).to_wire(spec)
     reference = reference_pipeline(spec, repository, runtime="torch").predict(wire)  # every item row found
     with RedisCluster(scratch / "redis") as cluster:
@@ -311,18 +356,20 @@ def run_outage(
         upload_remote_tables(variant, tables, options)
         with TritonServer(scratch / "repository", Ports.free(), log_path=scratch / "server.log") as server:
             probe = OutageProbe(server, spec, wire, reference)
+            phases = []
             try:
-                probe.until("warm-up", lambda metrics, found: found and _healthy(metrics), settle_timeout_s)
+                probe.until("warm-up", _serving, settle_timeout_s)
                 probe.run("warm-up", warmup)
-                phases = [probe.run(UP, requests)]
-                cluster.kill_all()
-                LOGGER.info("killed every Redis node")
-                phases.append(probe.until(GOING_DOWN, lambda metrics, _: metrics.get("recserve_store_l3_breaker_open") == 1.0, settle_timeout_s))
-                phases.append(probe.run(DOWN, requests))
-                cluster.restart()
-                upload_remote_tables(variant, tables, options)
-                LOGGER.info("Redis Cluster back and loaded")
-                phases.append(probe.until(COMING_BACK, lambda metrics, found: found and _healthy(metrics), settle_timeout_s))
+                for round_ in range(1, rounds + 1):
+                    phases.append(probe.run(UP, requests, round_))
+                    cluster.kill_all()
+                    LOGGER.info("round %d: killed every Redis node", round_)
+                    phases.append(probe.until(GOING_DOWN, _breaker_open, settle_timeout_s, round_))
+                    phases.append(probe.run(DOWN, requests, round_))
+                    cluster.restart()
+                    upload_remote_tables(variant, tables, options)
+                    LOGGER.info("round %d: Redis Cluster back and loaded", round_)
+                    phases.append(probe.until(COMING_BACK, _serving, settle_timeout_s, round_))
                 phases.append(probe.run(BACK, requests))
             finally:
                 probe.close()
@@ -330,9 +377,11 @@ def run_outage(
     return OutageReport(batch_size, options.redis_deadline_ms, phases, load)  # type: ignore[arg-type]
 
 
-def outage_command(spec: ModelSpec, repository: Path, requests: int, batch_size: int, deadline_ms: float | None) -> int:
+def outage_command(
+    spec: ModelSpec, repository: Path, requests: int, rounds: int, batch_size: int, deadline_ms: float | None
+) -> int:
     """``recserve redis-outage``: prints the table; exit status 1 on a failed request or a readiness problem."""
     with tempfile.TemporaryDirectory(prefix="recserve-redis-outage-") as scratch:
-        report = run_outage(spec, repository, Path(scratch), requests, batch_size, deadline_ms)
+        report = run_outage(spec, repository, Path(scratch), requests, rounds, batch_size, deadline_ms)
     print(report.table())
     return 0 if not report.problems else 1

@@ -198,7 +198,7 @@ def _overload(args: argparse.Namespace) -> int:
 def _redis_outage(args: argparse.Namespace) -> int:
     from recserve.perf.redis_outage import outage_command
 
-    return outage_command(load_spec(args.spec), args.repository, args.requests, args.batch_size, args.deadline_ms)
+    return outage_command(load_spec(args.spec), args.repository, args.requests, args.rounds, args.batch_size, args.deadline_ms)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -284,7 +284,8 @@ def parser() -> argparse.ArgumentParser:
         "redis-outage", help="ctr p50/p99 with the L3 Redis Cluster up, all of it killed, and back (private loopback servers)"
     )
     outage.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; its item table goes to Redis")
-    outage.add_argument("--requests", type=int, default=2000, help="requests per phase, one at a time")
+    outage.add_argument("--requests", type=int, default=1000, help="requests per phase and round, one at a time")
+    outage.add_argument("--rounds", type=int, default=3, help="times Redis goes down and comes back")
     outage.add_argument("--batch-size", type=int, default=16, help="rows per request")
     outage.add_argument("--deadline-ms", type=float, default=None, help="L3 deadline (default: the spec's redis_deadline_ms)")
     outage.set_defaults(func=_redis_outage)
