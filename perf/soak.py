@@ -388,7 +388,7 @@ def run_soak(
             if updater is not None and now >= next_update:
                 updates.append(updater())
                 LOGGER.info("%s", updates[-1])
-                next_update = time.monotonic() + update_every_s
+                next_update = now + update_every_s  # from the start of this update: a slow one does not thin the rest out
             time.sleep(max(0.0, sample_every_s - (time.monotonic() - now)))
     finally:
         stop.set()

@@ -29,11 +29,13 @@ def test_sync_and_async_clients_agree_with_the_reference(server, spec, repositor
 
     async def run_async():
         async with AsyncCTRClient(url, protocol=protocol, timeout_s=30, spec=spec) as client:
-            return await client.predict(rows, batch_size=32)
+            return await client.predict(rows, batch_size=32), await client.score_inputs(rows.take(slice(0, 5)).to_inputs(spec))
 
-    served_async = asyncio.run(run_async())
+    served_async, scored = asyncio.run(run_async())
     np.testing.assert_allclose(served, expected, atol=1e-5)
     np.testing.assert_array_equal(served_async, served)
+    np.testing.assert_allclose(scored.probabilities, served[:5], atol=1e-5)
+    assert scored.embedding_version.shape == (5, len(spec.table_names)) and scored.dense_version.shape == (5,)
 
 
 def test_sdk_raises_a_typed_error_naming_the_input(server, spec, raw):
