@@ -164,6 +164,27 @@ class RedisTier:
             vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, dim)
         return vectors, found
 
+    def fetch_bulk(self, keys: np.ndarray, dim: int, chunk: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`fetch`, for work off the serving path (the L1 rebuild): on the caller's thread, in
+        chunks, with no call deadline, so that a large read never holds the serving calls' worker.
+        Nothing is fetched while the breaker is not closed; a failure leaves the rest not found.
+        """
+        vectors = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        for start in range(0, keys.size, chunk):
+            if self.breaker.state != CLOSED:
+                break
+            try:
+                values = np.array(self.client.mget_nonatomic(redis_keys(keys[start : start + chunk], self.prefix)), dtype=object)
+            except Exception as exc:  # noqa: BLE001 - the serving calls detect and count failures
+                LOGGER.debug("L3 bulk read failed: %s", type(exc).__name__)
+                break
+            hit = values != None  # noqa: E711 - elementwise comparison
+            if hit.any():
+                vectors[start : start + chunk][hit] = np.frombuffer(b"".join(values[hit]), np.float32).reshape(-1, dim)
+            found[start : start + chunk] = hit
+        return vectors, found
+
     def upload(self, keys: np.ndarray, vectors: np.ndarray, chunk: int = 10_000) -> int:
         """Write rows (float32) into the cluster; rows written."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)

@@ -181,6 +181,9 @@ class RemoteTier(Protocol):
     def fetch(self, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
         """Vectors ``[n, dim]`` and a found mask ``[n]``; never raises (misses on failure)."""
 
+    def fetch_bulk(self, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """The same for work off the serving path (no call deadline, does not hold the serving calls)."""
+
     def healthy(self) -> bool:
         """False while the tier is known to be failing (breaker open)."""
 
@@ -388,8 +391,9 @@ class TieredStore:
             missing.append(self._take_rows(shard, keys, part, out, tiers, L2))
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
 
-    def _take_remote(self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
-        found_vectors, found = self.remote.fetch(keys[todo], self.dim)
+    def _take_remote(self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, bulk: bool = False) -> np.ndarray:
+        fetch = self.remote.fetch_bulk if bulk else self.remote.fetch
+        found_vectors, found = fetch(keys[todo], self.dim)
         out[todo[found]] = found_vectors[found]
         tiers[todo[found]] = L3
         return todo[~found]
@@ -418,7 +422,7 @@ class TieredStore:
             if todo.size:
                 todo = self._take_rows(shard, keys, todo, vectors, tiers, L2)
         if todo.size and self.remote is not None:
-            self._take_remote(keys, todo, vectors, tiers)
+            self._take_remote(keys, todo, vectors, tiers, bulk=True)  # the L1 rebuild: off the serving path
         return vectors, tiers != DEFAULT
 
     def build_cache(self, hot_keys: np.ndarray, delta: RowBlock | None) -> HotCache | None:

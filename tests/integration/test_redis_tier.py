@@ -44,6 +44,19 @@ def test_lookups_through_l3_equal_l2(cluster):
     assert tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
 
 
+def test_an_l1_rebuild_reads_l3_rows_in_bulk_off_the_serving_calls(cluster):
+    tables, full, remote, tier = stores(cluster, deadline_ms=5.0)
+    hot = tables["t1"].keys[:2500]  # one read far larger than a serving call's deadline allows
+    assert remote.refresh_cache(seed=hot) > 0
+    cache = remote.snapshot.cache
+    assert np.isin(cache.keys, hot).all() and len(cache.keys) > 1000
+    ids = np.full(len(cache.keys), remote.table_id("t1"))
+    assert np.array_equal(remote.resolve(cache.keys, None)[0], full.lookup(cache.keys, ids, record=False).vectors)
+    assert tier.calls == 0 and tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
+    got = remote.lookup(cache.keys, ids)  # served from L1: no L3 call at all
+    assert (got.tiers == 0).all() and tier.calls == 0
+
+
 def test_killing_a_master_mid_traffic_fails_no_lookup_and_recovers(cluster):
     tables, full, remote, tier = stores(cluster)
     rng = np.random.default_rng(1)
