@@ -114,16 +114,29 @@ def measure(
         command = perf_command(
             spec, url, protocol, batch_size, concurrency, measurement_ms, data, csv_path, shared_memory, stability_percentage
         )
-        done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
-        for _ in range(2):  # perf_analyzer's own advice when windows disagree: measure longer
-            if done.returncode == 0 or UNSTABLE not in done.stdout + done.stderr:
-                break
-            measurement_ms *= 2
-            command[command.index("--measurement-interval") + 1] = str(measurement_ms)
+        wanted = len(concurrency_levels(concurrency))
+        for attempt in range(3):
+            if attempt:  # perf_analyzer's own advice when windows disagree: measure longer
+                measurement_ms *= 2
+                command[command.index("--measurement-interval") + 1] = str(measurement_ms)
+            csv_path.unlink(missing_ok=True)
             done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise PerfError(f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
-        return parse_csv(csv_path), done.stdout
+            points = parse_csv(csv_path) if done.returncode == 0 and csv_path.exists() else []
+            if done.returncode == 0 and len(points) == wanted:
+                return points, done.stdout
+            # it may also end a sweep early with exit code 0 (fewer points than levels): retried alike
+            if done.returncode != 0 and UNSTABLE not in done.stdout + done.stderr:
+                break
+        if done.returncode == 0:
+            raise PerfError(f"perf_analyzer measured {len(points)} of {wanted} concurrency levels {concurrency}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+        raise PerfError(f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+
+
+def concurrency_levels(concurrency: str) -> list[int]:
+    """The levels of a ``--concurrency-range`` ``start[:end[:step]]`` (perf_analyzer's default step is 1)."""
+    parts = [int(part) for part in concurrency.split(":")]
+    start, end, step = parts[0], parts[1] if len(parts) > 1 else parts[0], parts[2] if len(parts) > 2 else 1
+    return list(range(start, end + 1, step))
 
 
 def format_table(points: list[PerfPoint], batch_size: int) -> str:

@@ -121,3 +121,11 @@ def test_torchserve_handler_groups_requests_within_max_batch():
     assert row_groups([1, 255, 1], 256) == [[0, 1], [2]]
     assert row_groups([256, 256], 256) == [[0], [1]]
     assert row_groups([], 256) == []
+
+
+def test_concurrency_levels_follow_perf_analyzers_range_syntax():
+    from recserve.perf.analyzer import concurrency_levels
+
+    assert concurrency_levels("1:2") == [1, 2]
+    assert concurrency_levels("4") == [4]
+    assert concurrency_levels("1:16:4") == [1, 5, 9, 13]
