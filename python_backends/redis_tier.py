@@ -158,10 +158,7 @@ class RedisTier:
             LOGGER.warning("L3 lookup failed: %s", type(exc).__name__)
             return vectors, found
         self.breaker.success()
-        values = np.array(values, dtype=object)
-        found = values != None  # noqa: E711 - elementwise comparison
-        if found.any():
-            vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, dim)
+        found[:] = _decode_into(values, vectors)
         return vectors, found
 
     def fetch_bulk(self, keys: np.ndarray, dim: int, chunk: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
@@ -175,14 +172,11 @@ class RedisTier:
             if self.breaker.state != CLOSED:
                 break
             try:
-                values = np.array(self.client.mget_nonatomic(redis_keys(keys[start : start + chunk], self.prefix)), dtype=object)
+                values = self.client.mget_nonatomic(redis_keys(keys[start : start + chunk], self.prefix))
             except Exception as exc:  # noqa: BLE001 - the serving calls detect and count failures
                 LOGGER.debug("L3 bulk read failed: %s", type(exc).__name__)
                 break
-            hit = values != None  # noqa: E711 - elementwise comparison
-            if hit.any():
-                vectors[start : start + chunk][hit] = np.frombuffer(b"".join(values[hit]), np.float32).reshape(-1, dim)
-            found[start : start + chunk] = hit
+            found[start : start + chunk] = _decode_into(values, vectors[start : start + chunk])
         return vectors, found
 
     def upload(self, keys: np.ndarray, vectors: np.ndarray, chunk: int = 10_000) -> int:
@@ -212,6 +206,15 @@ class RedisTier:
         """Release the worker thread and the connections."""
         self._pool.shutdown(wait=False)
         self.client.close()
+
+
+def _decode_into(values: list, vectors: np.ndarray) -> np.ndarray:
+    """Write the float32 rows of an MGET reply into ``vectors`` (absent keys untouched); found mask."""
+    values = np.array(values, dtype=object)
+    found = values != None  # noqa: E711 - elementwise comparison
+    if found.any():
+        vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, vectors.shape[1])
+    return found
 
 
 def _host_port(node: str) -> tuple[str, int]:

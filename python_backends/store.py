@@ -349,8 +349,7 @@ class TieredStore:
             vectors[todo] = self._defaults[table_ids[todo]]
             tiers[todo] = DEFAULT
         if record:
-            self.tracker.record(keys)
-            self._count(table_ids, tiers, time.perf_counter() - started)
+            self.record_lookup(keys, table_ids, tiers, time.perf_counter() - started)
         return Lookup(vectors, tiers, snapshot)
 
     def record_lookup(self, keys: np.ndarray, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
