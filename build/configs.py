@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
+from recserve.backends.dense.buckets import spec_buckets
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve.backends import tensors
-from recserve.backends.buckets import spec_buckets
+from recserve import wire
 from recserve.spec import ModelSpec, QueuePolicy, WireTensor
 
 FEATURE_TRANSFORM = "feature_transform"
@@ -46,17 +46,17 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
     """Per-row shapes of the tensors passed between steps."""
     dim = spec.embedding_dim
     items = (
-        WireTensor(tensors.DENSE_NORMALIZED, "FP32", (len(spec.dense.columns),)),
-        WireTensor(tensors.SPARSE_KEYS, "INT64", (spec.num_sparse,)),
-        WireTensor(tensors.TARGET_KEY, "INT64", (1,)),
-        WireTensor(tensors.HISTORY_KEYS, "INT64", (-1,), ragged=True),
-        WireTensor(tensors.HISTORY_MASK, "FP32", (-1,), ragged=True),
-        WireTensor(tensors.SPARSE_EMBEDDINGS, "FP32", (spec.num_sparse, dim)),
-        WireTensor(tensors.TARGET_EMBEDDING, "FP32", (dim,)),
-        WireTensor(tensors.HISTORY_EMBEDDINGS, "FP32", (-1, dim), ragged=True),
-        WireTensor(tensors.PROBABILITY, "FP32", (1,)),
-        WireTensor(tensors.DENSE_VERSION, "INT64", (1,)),
-        WireTensor(tensors.EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
+        WireTensor(wire.DENSE_NORMALIZED, "FP32", (len(spec.dense.columns),)),
+        WireTensor(wire.SPARSE_KEYS, "INT64", (spec.num_sparse,)),
+        WireTensor(wire.TARGET_KEY, "INT64", (1,)),
+        WireTensor(wire.HISTORY_KEYS, "INT64", (-1,), ragged=True),
+        WireTensor(wire.HISTORY_MASK, "FP32", (-1,), ragged=True),
+        WireTensor(wire.SPARSE_EMBEDDINGS, "FP32", (spec.num_sparse, dim)),
+        WireTensor(wire.TARGET_EMBEDDING, "FP32", (dim,)),
+        WireTensor(wire.HISTORY_EMBEDDINGS, "FP32", (-1, dim), ragged=True),
+        WireTensor(wire.PROBABILITY, "FP32", (1,)),
+        WireTensor(wire.DENSE_VERSION, "INT64", (1,)),
+        WireTensor(wire.EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
     )
     return {t.name: t for t in items}
 
@@ -67,17 +67,17 @@ def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[Wire
     return {
         FEATURE_TRANSFORM: (
             spec.wire_inputs(),
-            tuple(t[n] for n in (tensors.DENSE_NORMALIZED, tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS, tensors.HISTORY_MASK)),
+            tuple(t[n] for n in (wire.DENSE_NORMALIZED, wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS, wire.HISTORY_MASK)),
         ),
         EMBEDDING_LOOKUP: (
-            tuple(t[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS)),
+            tuple(t[n] for n in (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS)),
             tuple(
-                t[n] for n in (tensors.SPARSE_EMBEDDINGS, tensors.TARGET_EMBEDDING, tensors.HISTORY_EMBEDDINGS, tensors.EMBEDDING_VERSION)
+                t[n] for n in (wire.SPARSE_EMBEDDINGS, wire.TARGET_EMBEDDING, wire.HISTORY_EMBEDDINGS, wire.EMBEDDING_VERSION)
             ),
         ),
         DENSE: (
-            tuple(t[n] for n in tensors.DENSE_NET_INPUTS),
-            (t[tensors.PROBABILITY],) if profile == "gpu" else (t[tensors.PROBABILITY], t[tensors.DENSE_VERSION]),
+            tuple(t[n] for n in wire.DENSE_NET_INPUTS),
+            (t[wire.PROBABILITY],) if profile == "gpu" else (t[wire.PROBABILITY], t[wire.DENSE_VERSION]),
         ),
     }
 
@@ -222,7 +222,7 @@ def step_config(
     if on_gpu:  # GPU-resident inputs reach the step (read through DLPack)
         config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
     if step == EMBEDDING_LOOKUP and profile == "cuda":  # L1 and the looked-up vectors stay on the GPU for dense
-        config.parameters[tensors.L1_DEVICE_PARAMETER].string_value = "cuda"
+        config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cuda"
     return config
 
 
@@ -249,7 +249,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in spec.wire_inputs()],
-        output=[_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[tensors.EMBEDDING_VERSION])],
+        output=[_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[wire.EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 

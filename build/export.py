@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from recserve.backends.dense.network import CTRNet
 
-from recserve.backends import tensors
-from recserve.build.network import CTRNet
+from recserve import wire
 from recserve.spec import ModelSpec
 
 OPSET = 17
@@ -21,18 +21,18 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     dim = spec.embedding_dim
     lengths = rng.integers(0, length + 1, size=rows)
     return {
-        tensors.DENSE_NORMALIZED: rng.random((rows, len(spec.dense.columns)), dtype=np.float32) * 5,
-        tensors.SPARSE_EMBEDDINGS: rng.normal(0, 0.1, (rows, spec.num_sparse, dim)).astype(np.float32),
-        tensors.TARGET_EMBEDDING: rng.normal(0, 0.1, (rows, dim)).astype(np.float32),
-        tensors.HISTORY_EMBEDDINGS: rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32),
-        tensors.HISTORY_MASK: (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32),
+        wire.DENSE_NORMALIZED: rng.random((rows, len(spec.dense.columns)), dtype=np.float32) * 5,
+        wire.SPARSE_EMBEDDINGS: rng.normal(0, 0.1, (rows, spec.num_sparse, dim)).astype(np.float32),
+        wire.TARGET_EMBEDDING: rng.normal(0, 0.1, (rows, dim)).astype(np.float32),
+        wire.HISTORY_EMBEDDINGS: rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32),
+        wire.HISTORY_MASK: (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32),
     }
 
 
 def torch_predict(net: CTRNet, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The PyTorch reference on numpy inputs."""
     with torch.no_grad():
-        return net(*(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in tensors.DENSE_NET_INPUTS)).numpy()
+        return net(*(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in wire.DENSE_NET_INPUTS)).numpy()
 
 
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
@@ -40,22 +40,22 @@ def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     net.eval()
     example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
     dynamic = {
-        tensors.DENSE_NORMALIZED: {0: "batch"},
-        tensors.SPARSE_EMBEDDINGS: {0: "batch"},
-        tensors.TARGET_EMBEDDING: {0: "batch"},
-        tensors.HISTORY_EMBEDDINGS: {0: "batch", 1: "sequence"},
-        tensors.HISTORY_MASK: {0: "batch", 1: "sequence"},
-        tensors.PROBABILITY: {0: "batch"},
+        wire.DENSE_NORMALIZED: {0: "batch"},
+        wire.SPARSE_EMBEDDINGS: {0: "batch"},
+        wire.TARGET_EMBEDDING: {0: "batch"},
+        wire.HISTORY_EMBEDDINGS: {0: "batch", 1: "sequence"},
+        wire.HISTORY_MASK: {0: "batch", 1: "sequence"},
+        wire.PROBABILITY: {0: "batch"},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             net,
-            tuple(torch.from_numpy(example[n]) for n in tensors.DENSE_NET_INPUTS),
+            tuple(torch.from_numpy(example[n]) for n in wire.DENSE_NET_INPUTS),
             str(path),
-            input_names=list(tensors.DENSE_NET_INPUTS),
-            output_names=[tensors.PROBABILITY],
+            input_names=list(wire.DENSE_NET_INPUTS),
+            output_names=[wire.PROBABILITY],
             dynamic_axes=dynamic,
             opset_version=OPSET,
             dynamo=False,

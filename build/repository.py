@@ -9,18 +9,28 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from recserve.backends.artifacts import (
+    file_entry,
+    load_array,
+    read_manifest,
+    save_array,
+    verified_path,
+    write_manifest,
+)
+from recserve.backends.dense import tensorrt_engine
+from recserve.backends.dense.network import CTRNet
+from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
+from recserve.backends.dense.torch_runners import load_net
+from recserve.backends.pipeline import InProcessPipeline
+from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.tiered import StoreOptions, TieredStore
+from recserve.build import configs
+from recserve.build.export import example_inputs, export_onnx, torch_predict
+from recserve.build.train import Progress, stderr_progress, train
 from safetensors.torch import save_file
 
-from recserve.backends.artifacts import file_entry, load_array, read_manifest, save_array, verified_path, write_manifest
-from recserve.backends.dense_runner import OnnxDenseRunner, bucketed_onnx_runner
-from recserve.backends.errors import ArtifactError
-from recserve.backends.pipeline import InProcessPipeline
-from recserve.backends.store import MANIFEST_FORMAT, StoreOptions, TableArrays, TieredStore, write_shards
-from recserve.backends.torch_runners import load_net
-from recserve.build import configs, tensorrt_engine
-from recserve.build.export import example_inputs, export_onnx, torch_predict
-from recserve.build.network import CTRNet
-from recserve.build.train import Progress, stderr_progress, train
+from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec
 
 DENSE_FORMAT = "recserve-dense/1"
@@ -100,7 +110,7 @@ def upload_remote_tables(spec: ModelSpec, root: Path, options: StoreOptions, inc
 
     What ``recserve redis-load`` does: the ``[store] remote_tables`` (with ``include_local``, every table).
     """
-    from recserve.backends.redis_tier import RedisTier
+    from recserve.backends.store.redis_tier import RedisTier
 
     tier = RedisTier.connect(replace(options, redis_deadline_ms=10_000.0))  # a bulk load, not a lookup
     try:
@@ -168,7 +178,7 @@ def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
 
 def install_adapters(spec: ModelSpec, repository: Path) -> None:
     """Copy the thin ``model.py`` adapters into each step's version folder."""
-    source = resources.files("recserve.backends.triton_models")
+    source = resources.files("recserve.backends.triton.models")
     for step in configs.STEPS:
         target = version_dir(repository, step, spec) / "model.py"
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -7,51 +7,14 @@ Rows are kept numeric; :meth:`RawRows.to_wire` renders them as the ensemble's re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
+from recserve.backends.features.hashing import fnv1a64, splitmix64
 
-from recserve.backends.features import ABSENT_ITEM
-from recserve.backends.hashing import fnv1a64, splitmix64
 from recserve.spec import ModelSpec
+from recserve.wire import ABSENT_ITEM, RawRows
 
 ITEM_CLUSTERS = 20
 SIGNAL_COLUMNS = 8
-
-
-@dataclass
-class RawRows:
-    """Raw feature values of ``N`` rows, as a client would have them."""
-
-    dense: np.ndarray  # float32 [N, 13]
-    dense_missing: np.ndarray  # bool [N, 13]
-    categorical: np.ndarray  # uint64 [N, 26], the value each hex string encodes
-    categorical_empty: np.ndarray  # bool [N, 26]
-    target: np.ndarray  # int64 [N], -1 when absent
-    history: np.ndarray  # int64 [N, max_length], newest last, valid below ``lengths``
-    lengths: np.ndarray  # int32 [N]
-    labels: np.ndarray  # float32 [N]
-
-    def __len__(self) -> int:
-        return int(self.dense.shape[0])
-
-    def take(self, index: slice | np.ndarray) -> RawRows:
-        """Rows selected by a slice or an index array."""
-        return RawRows(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
-
-    def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
-        """Request tensors of the ``ctr`` ensemble for these rows (history width = longest row)."""
-        width = max(int(self.lengths.max(initial=0)), 1)
-        hex_digits = np.char.mod("%08x", self.categorical).astype(object)
-        hex_digits[self.categorical_empty] = ""
-        return {
-            spec.dense.name: self.dense.astype(np.float32),
-            spec.dense_missing_input: self.dense_missing.astype(bool),
-            spec.categorical.name: np.vectorize(str.encode, otypes=[object])(hex_digits),
-            spec.target.name: self.target.astype(np.int64)[:, None],
-            spec.sequence.name: np.ascontiguousarray(self.history[:, :width], dtype=np.int64),
-            spec.sequence_length_input: self.lengths.astype(np.int32)[:, None],
-        }
 
 
 def zipf_ranks(rng: np.random.Generator, cardinality: int, exponent: float, size: tuple[int, ...]) -> np.ndarray:

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from recserve.backends.dense.network import CTRNet
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.store.rows import TableArrays
+from recserve.build.synthetic import generate, roc_auc
 from torch import nn
 
-from recserve.backends import tensors
-from recserve.backends.features import FeatureTransform
-from recserve.backends.store import TableArrays
-from recserve.build.network import CTRNet
-from recserve.build.synthetic import RawRows, generate, roc_auc
+from recserve import wire
 from recserve.spec import ModelSpec
+from recserve.wire import RawRows
 
 LOGGER = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
         dense=transform.dense_values(rows.dense, rows.dense_missing),
         sparse=transform.categorical_keys(rows.categorical, rows.categorical_empty),
         target=transform.target_keys(rows.target[:, None])[:, 0],
-        history=history[tensors.HISTORY_KEYS],
-        mask=history[tensors.HISTORY_MASK],
+        history=history[wire.HISTORY_KEYS],
+        mask=history[wire.HISTORY_MASK],
         labels=rows.labels,
     )
 

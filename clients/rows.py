@@ -34,10 +34,9 @@ from typing import IO, BinaryIO, cast
 
 import numpy as np
 
-from recserve.backends.errors import InvalidInput
-from recserve.backends.features import ABSENT_ITEM, parse_hex
-from recserve.build.synthetic import RawRows
+from recserve.errors import InvalidInput
 from recserve.spec import NUMPY_DTYPES, ModelSpec
+from recserve.wire import ABSENT_ITEM, RawRows, parse_hex
 
 LOGGER = logging.getLogger(__name__)
 

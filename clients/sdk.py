@@ -27,8 +27,6 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
-
-from recserve.backends.tensors import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 from recserve.clients.errors import (
     InvalidRequestError,
     RequestTimeoutError,
@@ -37,7 +35,9 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows
+
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
+from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 
 LOGGER = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.perf.input_data import write_input_data
-from recserve.spec import ModelSpec
 
+from recserve.spec import ModelSpec
 
 #: A stability percentage that accepts perf_analyzer's first three windows: on a shared 2-core machine
 #: strict stability is rarely reached, so each point is the mean of three windows.

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.perf import report
@@ -41,6 +40,7 @@ from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
 from recserve.perf.report import Point
 from recserve.perf.stats import difference, snapshot
+
 from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
 

@@ -29,9 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
-from recserve.backends import tensors
-from recserve.backends.buckets import (
+from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
     BucketedRunner,
@@ -41,6 +39,8 @@ from recserve.backends.buckets import (
 )
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
+
+from recserve import wire
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def realistic_inputs(spec: ModelSpec, repository: Path, batch_size: int) -> list
             rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec)
         )
         merged = {**features, **pipeline.lookup.lookup(features)}
-        batches.append({name: merged[name] for name in tensors.DENSE_NET_INPUTS})
+        batches.append({name: merged[name] for name in wire.DENSE_NET_INPUTS})
     return batches
 
 
@@ -239,7 +239,7 @@ def realistic_table(
             table.append(
                 {
                     "batch_size": batch_size,
-                    "mean_positions": float(np.mean([b[tensors.HISTORY_MASK].shape[1] for b in batches])),
+                    "mean_positions": float(np.mean([b[wire.HISTORY_MASK].shape[1] for b in batches])),
                     **runner_vs_dynamic(rows, times),
                 }
             )
@@ -289,7 +289,7 @@ def unseen_shape(
 def onnx_runners(spec: ModelSpec, repository: Path, threads: int) -> Runners:
     """ONNX Runtime on the CPU: the dynamic session, sessions fixed per bucket, the bucketed runner."""
     from recserve.backends.artifacts import read_manifest, verified_path
-    from recserve.backends.dense_runner import OnnxBucket, OnnxDenseRunner, bucketed_onnx_runner
+    from recserve.backends.dense.runner import OnnxBucket, OnnxDenseRunner, bucketed_onnx_runner
 
     root = version_dir(repository, "dense", spec)
     model = verified_path(root, read_manifest(root)["files"]["model"])
@@ -297,7 +297,7 @@ def onnx_runners(spec: ModelSpec, repository: Path, threads: int) -> Runners:
 
     def bare(bucket: Bucket) -> Callable[[Arrays], object]:
         session = OnnxBucket(spec, model, bucket, threads).session
-        return lambda inputs: session.run([tensors.PROBABILITY], dict(inputs))
+        return lambda inputs: session.run([wire.PROBABILITY], dict(inputs))
 
     return Runners(
         f"onnxruntime-cpu ({threads} threads)",
@@ -309,7 +309,7 @@ def onnx_runners(spec: ModelSpec, repository: Path, threads: int) -> Runners:
 
 def cuda_graph_runners(spec: ModelSpec, repository: Path) -> Runners:
     """PyTorch on CUDA: eager (dynamic), one CUDA graph per bucket, the bucketed runner."""
-    from recserve.backends.torch_runners import CudaGraphBucket, TorchEager, bucketed_torch_runner
+    from recserve.backends.dense.torch_runners import CudaGraphBucket, TorchEager, bucketed_torch_runner
     from recserve.build.repository import load_reference_net
 
     net = load_reference_net(spec, repository)

@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-from recserve.backends.tensors import PROBABILITY
 from recserve.build.synthetic import generate
+
 from recserve.spec import ModelSpec
+from recserve.wire import PROBABILITY
 
 LOGGER = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@
 
 * BYTES decoding of one request's ``categorical`` tensor: the stub's own decoder (the same
   algorithm as ``tritonclient.utils.deserialize_bytes_tensor``) against
-  :func:`recserve.backends.bytes_codec.decode_bytes_tensor`;
-* the feature transform of a dynamic batch of batch-1 requests: one call per request (what
-  ``execute_each`` did) against one call on the merged batch (what ``execute_together`` does).
+  :func:`recserve.backends.triton.bytes_codec.decode_bytes_tensor`;
+* the feature transform of a dynamic batch of batch-1 requests: one call per request against
+  one call on the merged batch (what ``execute_merged_or_alone`` does).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.triton import batching
+from recserve.backends.triton.bytes_codec import decode_bytes_tensor
+from recserve.perf.loadgen import sample_batches
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from recserve.backends import batching
-from recserve.backends.bytes_codec import decode_bytes_tensor
-from recserve.backends.features import FeatureTransform
-from recserve.perf.loadgen import sample_batches
 from recserve.spec import ModelSpec, load_spec
 
 LOGGER = logging.getLogger(__name__)

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
-
 from recserve.build import configs
 from recserve.build.synthetic import generate
-from recserve.perf.soak import infer_inputs, infer_request, scratch_repository
 from recserve.perf.stats import Snapshot, StepTimes, difference, snapshot
+from recserve.perf.traffic import infer_inputs, infer_request, scratch_repository
+from tritonclient.utils import InferenceServerException
+
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 

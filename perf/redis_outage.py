@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from recserve.backends.store import StoreOptions, TieredStore
-from recserve.backends.tensors import PROBABILITY
+from recserve.backends.store.tiered import StoreOptions, TieredStore
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline, upload_remote_tables, version_dir, write_tables
 from recserve.build.synthetic import generate
 from recserve.perf.redis_cluster import RedisCluster
-from recserve.perf.soak import infer_request
+from recserve.perf.traffic import infer_request
+
 from recserve.server import LOOPBACK, Ports, TritonServer
 from recserve.spec import ModelSpec, parse_spec
+from recserve.wire import PROBABILITY
 
 LOGGER = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ One run, on one machine, side by side:
   count once) against the raw size of keys + vectors.
 * **warm-up**: p99 of the first batches after a restart with L1 preloaded from the recorded hot keys,
   and without, against the steady state.
-* with ``--device cuda`` (or ``cpu``): the **device L1** (:class:`~recserve.backends.device_cache.DeviceL1`,
+* with ``--device cuda`` (or ``cpu``): the **device L1** (:class:`~recserve.backends.store.device_cache.DeviceL1`,
   result left on the device) against the host path, the same batches interleaved.
 """
 
@@ -28,10 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-
 from recserve.backends.artifacts import write_manifest
-from recserve.backends.hashing import splitmix64
-from recserve.backends.store import MANIFEST_FORMAT, TIERS, StoreOptions, TableArrays, TieredStore, write_shards
+from recserve.backends.features.hashing import splitmix64
+from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.tiered import TIERS, StoreOptions, TieredStore
 from recserve.build.synthetic import zipf_ranks
 
 TABLE = "bench"
@@ -157,8 +158,7 @@ def timed_lookups(store: TieredStore, keys: np.ndarray) -> list[float]:
 def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> DeviceFigures:
     """:class:`DeviceL1` lookups (synchronised: the result is complete on the device) against the host path."""
     import torch
-
-    from recserve.backends.device_cache import DeviceL1
+    from recserve.backends.store.device_cache import DeviceL1
 
     device_l1 = DeviceL1(store, device)
     if device_l1.device.type == "cpu":

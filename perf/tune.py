@@ -24,6 +24,7 @@ from recserve.build import configs
 from recserve.build.configs import ServingPlan
 from recserve.perf.analyzer import LOOSE_STABILITY, measure
 from recserve.perf.input_data import write_input_data
+
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 

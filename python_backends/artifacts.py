@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.errors import ArtifactError
+from recserve.errors import ArtifactError
 
 MANIFEST = "manifest.json"
 

@@ -6,21 +6,20 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
+from recserve.backends.features.transform import require
+from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 
-from recserve.backends import tensors
-from recserve.backends.features import require
-from recserve.backends.store import Lookup, Snapshot, TieredStore
+from recserve import wire
 from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
-
-    from recserve.backends.device_cache import DeviceL1, DeviceLookup
-    from recserve.backends.served_store import ServedStore
+    from recserve.backends.store.device_cache import DeviceL1, DeviceLookup
+    from recserve.backends.store.served import ServedStore
 
 
 class EmbeddingLookup:
-    """Map the keys produced by :class:`~recserve.backends.features.FeatureTransform` to vectors.
+    """Map the keys produced by :class:`~recserve.backends.features.transform.FeatureTransform` to vectors.
 
     The sparse keys ``[B, F]``, the target key ``[B, 1]`` and the history keys ``[B, L]`` are laid
     side by side as one ``[B, F + 1 + L]`` key matrix with a matching table-id matrix, so the store
@@ -58,12 +57,12 @@ class EmbeddingLookup:
         Args:
             spec: the model spec.
             served: the instance's store with its upkeep.
-            l1_device: the config's :data:`~recserve.backends.tensors.L1_DEVICE_PARAMETER` (``""``, ``cpu`` or ``cuda``).
+            l1_device: the config's :data:`~recserve.wire.L1_DEVICE_PARAMETER` (``""``, ``cpu`` or ``cuda``).
             instance_device: where Triton placed the instance (``cpu`` or ``cuda:N``).
         """
         if not l1_device:
             return cls(spec, served.store)
-        from recserve.backends.device_cache import DeviceL1, resolve_device
+        from recserve.backends.store.device_cache import DeviceL1, resolve_device
 
         device_l1 = DeviceL1(served.store, resolve_device(l1_device, instance_device))
         served.maintainer.after_step.append(device_l1.follow)
@@ -71,17 +70,17 @@ class EmbeddingLookup:
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's key tensors."""
-        sparse = require(inputs, tensors.SPARSE_KEYS, "INT64", None, self.spec.num_sparse)
+        sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.spec.num_sparse)
         rows = sparse.shape[0]
         return {
-            tensors.SPARSE_KEYS: sparse,
-            tensors.TARGET_KEY: require(inputs, tensors.TARGET_KEY, "INT64", rows, 1),
-            tensors.HISTORY_KEYS: require(inputs, tensors.HISTORY_KEYS, "INT64", rows, None),
+            wire.SPARSE_KEYS: sparse,
+            wire.TARGET_KEY: require(inputs, wire.TARGET_KEY, "INT64", rows, 1),
+            wire.HISTORY_KEYS: require(inputs, wire.HISTORY_KEYS, "INT64", rows, None),
         }
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """The ``[B, F + 1 + L]`` key and table-id matrices of checked inputs."""
-        sparse, target, history = (inputs[n] for n in (tensors.SPARSE_KEYS, tensors.TARGET_KEY, tensors.HISTORY_KEYS))
+        sparse, target, history = (inputs[n] for n in (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS))
         keys = np.concatenate([sparse, target, history], axis=1)
         table_ids = np.empty(keys.shape, np.int16)
         table_ids[:, : len(self.column_tables)] = self.column_tables
@@ -112,14 +111,14 @@ class EmbeddingLookup:
         that served the batch.
         """
         checked = self.check(inputs)
-        rows, width = checked[tensors.HISTORY_KEYS].shape
+        rows, width = checked[wire.HISTORY_KEYS].shape
         features = self.spec.num_sparse
         result = self.lookup_keys(checked)
         vectors = result.vectors.reshape(rows, features + 1 + width, self.store.dim)
         versions = self.table_versions(result.snapshot)
         return {
-            tensors.SPARSE_EMBEDDINGS: vectors[:, :features],
-            tensors.TARGET_EMBEDDING: vectors[:, features],
-            tensors.HISTORY_EMBEDDINGS: vectors[:, features + 1 :],
-            tensors.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
+            wire.SPARSE_EMBEDDINGS: vectors[:, :features],
+            wire.TARGET_EMBEDDING: vectors[:, features],
+            wire.HISTORY_EMBEDDINGS: vectors[:, features + 1 :],
+            wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
         }

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from recserve.build.tensorrt_engine import PRECISIONS
+from recserve.backends.dense.tensorrt_engine import PRECISIONS
 from recserve.spec import DEFAULT_SPEC, load_spec
 
 DEFAULT_REPOSITORY = Path("model_repository")
@@ -32,8 +32,17 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from recserve.server import (
-        MpsDaemon, Ports, Security, ServerError, TritonServer, require_gpu, run_child, run_foreground, runtime_dir,
-        server_command, server_env,
+        MpsDaemon,
+        Ports,
+        Security,
+        ServerError,
+        TritonServer,
+        require_gpu,
+        run_child,
+        run_foreground,
+        runtime_dir,
+        server_command,
+        server_env,
     )  # fmt: skip
 
     if not (args.repository / "dense").is_dir():
@@ -330,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``recserve`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
-    from recserve.backends.errors import ArtifactError
+    from recserve.errors import ArtifactError
 
     try:
         return int(args.func(args) or 0)

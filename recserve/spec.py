@@ -8,11 +8,12 @@ from the objects below.
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 DEFAULT_SPEC = "ctr"
 

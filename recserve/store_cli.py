@@ -14,7 +14,7 @@ DEFAULT_REPOSITORY = Path("model_repository")
 
 
 def _open(args: argparse.Namespace, start: bool = False):  # noqa: ANN202 - returns (spec, ServedStore)
-    from recserve.backends.served_store import ServedStore
+    from recserve.backends.store.served import ServedStore
     from recserve.build.configs import EMBEDDING_LOOKUP
 
     spec = load_spec(args.spec)
@@ -29,7 +29,7 @@ def _announce(served, table: str, version: int) -> None:  # noqa: ANN001
 
 
 def _update(args: argparse.Namespace) -> int:
-    from recserve.backends.updates import check_ownership, read_delta_file
+    from recserve.backends.store.updates.versions import check_ownership, read_delta_file
 
     spec, served = _open(args)
     keys, vectors = read_delta_file(args.delta)
@@ -68,7 +68,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _redis_load(args: argparse.Namespace) -> int:
-    from recserve.backends.store import StoreOptions
+    from recserve.backends.store.tiered import StoreOptions
     from recserve.build.configs import EMBEDDING_LOOKUP
     from recserve.build.repository import upload_remote_tables
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from recserve.build.repository import build_repository, is_built
+
 from recserve.spec import ModelSpec, load_spec
 
 ROOT = Path(__file__).resolve().parent.parent

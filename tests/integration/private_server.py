@@ -8,7 +8,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from recserve.perf.soak import TrafficCounts, scratch_repository, traffic_worker
+from recserve.perf.traffic import TrafficCounts, scratch_repository, traffic_worker
+
 from recserve.server import Ports, Security, TritonServer
 
 

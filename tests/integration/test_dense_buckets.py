@@ -7,7 +7,6 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 

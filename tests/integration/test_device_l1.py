@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-
-from recserve.backends import tensors
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+
+from recserve import wire
 
 from .helpers import grpc_client, infer_raw
 from .private_server import private_server
@@ -34,7 +34,7 @@ def l1_hits(server) -> float:
 def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repository, tmp_path):
     def device_l1(root: Path) -> None:
         config = configs.step_config(spec, configs.EMBEDDING_LOOKUP)
-        config.parameters[tensors.L1_DEVICE_PARAMETER].string_value = "cpu"
+        config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cpu"
         (root / configs.EMBEDDING_LOOKUP / "config.pbtxt").write_text(configs.render(config))
 
     reference = reference_pipeline(spec, repository, runtime="torch")

@@ -6,11 +6,11 @@ Latency ratios are printed, not asserted (a shared 2-core machine is too noisy f
 """
 
 import tritonclient.grpc as grpcclient
-
 from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.perf.overload import Cores, pinned_capacity, run_overload
-from recserve.perf.soak import scratch_repository
+from recserve.perf.traffic import scratch_repository
+
 from recserve.server import Ports, TritonServer
 
 from .helpers import infer_raw

@@ -5,10 +5,11 @@ import time
 
 import numpy as np
 import pytest
-
-from recserve.backends.redis_tier import RedisTier
-from recserve.backends.store import DEFAULT, L2, L3, StoreOptions, TableArrays, TieredStore
+from recserve.backends.store.redis_tier import RedisTier
+from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.tiered import DEFAULT, L2, L3, StoreOptions, TieredStore
 from recserve.perf.redis_cluster import RedisCluster
+
 from tests.unit.test_store import DIM, make_tables
 
 
@@ -139,8 +140,8 @@ def test_l3_serves_again_after_the_whole_cluster_restarts_even_with_a_tight_dead
 
 
 def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster, tmp_path):
-    from recserve.backends.update_stream import UpdateStream
-    from recserve.backends.updates import StoreUpdater, UpdateLog
+    from recserve.backends.store.updates.stream import UpdateStream
+    from recserve.backends.store.updates.versions import StoreUpdater, UpdateLog
 
     tables = make_tables()
     tier = RedisTier.connect(StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=500.0))

@@ -1,6 +1,5 @@
 import numpy as np
-
-from recserve.backends.batching import merge, split
+from recserve.backends.triton.batching import merge, split
 
 
 def test_merge_pads_ragged_tensors_and_split_restores_each_request():

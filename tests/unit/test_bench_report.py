@@ -2,7 +2,6 @@ import json
 import math
 
 import pytest
-
 from recserve.perf import report
 from recserve.perf.report import Point
 

@@ -4,13 +4,13 @@ import threading
 
 import numpy as np
 import pytest
-
-from recserve.backends import tensors
 from recserve.backends.artifacts import read_manifest, verified_path
-from recserve.backends.buckets import Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
-from recserve.backends.dense_runner import OnnxDenseRunner, bucketed_onnx_runner
+from recserve.backends.dense.buckets import Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
+from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
+
+from recserve import wire
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +68,16 @@ def test_padding_fills_zeros_and_reused_buffers_forget_earlier_requests(spec):
     buffers = {name: np.empty(shape, np.float32) for name, shape in bucket.input_shapes(spec).items()}
     pad_to_bucket(big, bucket, buffers)
     padded = pad_to_bucket(small, bucket, buffers)
-    for name in tensors.DENSE_NET_INPUTS:
+    for name in wire.DENSE_NET_INPUTS:
         assert padded[name].shape == bucket.input_shapes(spec)[name]
         assert not padded[name][3:].any()
     assert (
-        not padded[tensors.HISTORY_EMBEDDINGS][:, 8:].any() and not padded[tensors.HISTORY_MASK][:, 8:].any()
+        not padded[wire.HISTORY_EMBEDDINGS][:, 8:].any() and not padded[wire.HISTORY_MASK][:, 8:].any()
     )
     np.testing.assert_array_equal(
-        padded[tensors.HISTORY_EMBEDDINGS][:3, :8], small[tensors.HISTORY_EMBEDDINGS]
+        padded[wire.HISTORY_EMBEDDINGS][:3, :8], small[wire.HISTORY_EMBEDDINGS]
     )
-    np.testing.assert_array_equal(padded[tensors.SPARSE_EMBEDDINGS][:3], small[tensors.SPARSE_EMBEDDINGS])
+    np.testing.assert_array_equal(padded[wire.SPARSE_EMBEDDINGS][:3], small[wire.SPARSE_EMBEDDINGS])
 
 
 def test_a_miss_is_served_by_the_generic_graph_then_compiled_and_swapped_in(spec, model_path, generic):

@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import text_format
+from recserve.build import configs
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve.build import configs
 from tests.conftest import REPOSITORY
 
 

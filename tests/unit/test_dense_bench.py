@@ -1,6 +1,6 @@
 """``recserve bench-dense`` runs end to end (one short round; figures are for the command, not asserted)."""
 
-from recserve.backends.buckets import spec_buckets
+from recserve.backends.dense.buckets import spec_buckets
 from recserve.perf.dense_bench import run_dense_bench
 
 

@@ -2,14 +2,13 @@
 
 import numpy as np
 import pytest
-
 from recserve.backends.artifacts import read_manifest, verified_path
-from recserve.backends.buckets import Bucket, BucketPolicy, grid_floors, spec_buckets
-from recserve.backends.dense_runner import bucketed_onnx_runner
-from recserve.backends.torch_runners import bucketed_torch_runner, cuda_available
+from recserve.backends.dense.buckets import Bucket, BucketPolicy, grid_floors, spec_buckets
+from recserve.backends.dense.runner import bucketed_onnx_runner
+from recserve.backends.dense.tensorrt_engine import tensorrt_available
+from recserve.backends.dense.torch_runners import bucketed_torch_runner, cuda_available
 from recserve.build.export import example_inputs, torch_predict
 from recserve.build.repository import load_reference_net, version_dir
-from recserve.build.tensorrt_engine import tensorrt_available
 
 needs_cuda = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU (none on this machine)")
 needs_tensorrt = pytest.mark.skipif(
@@ -119,8 +118,8 @@ def test_cuda_graph_buckets(spec, repository, net, precision, tolerance):
 @needs_tensorrt
 @pytest.mark.tensorrt
 def test_tensorrt_buckets(spec, repository, net, dense_dir, tmp_path):
-    from recserve.backends.tensorrt_runner import bucketed_tensorrt_runner
-    from recserve.build.tensorrt_engine import EngineOptions, build_engine, spec_profiles
+    from recserve.backends.dense.tensorrt_engine import EngineOptions, build_engine, spec_profiles
+    from recserve.backends.dense.tensorrt_runner import bucketed_tensorrt_runner
 
     model = verified_path(dense_dir, read_manifest(dense_dir)["files"]["model"])
     profiles = spec_profiles(spec)

@@ -3,26 +3,17 @@
 import numpy as np
 import pytest
 import torch
-
-from recserve.backends.device_cache import DeviceL1, resolve_device, slot_of
-from recserve.backends.hashing import keys_for, table_salt
+from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.lookup import EmbeddingLookup
-from recserve.backends.served_store import ServedStore
-from recserve.backends.tensors import EMBEDDING_VERSION
-from recserve.backends.store import (
-    DEFAULT,
-    DELTA,
-    L1,
-    L2,
-    TIERS,
-    HotCache,
-    RowBlock,
-    StoreOptions,
-    TableArrays,
-    TieredStore,
-)
-from recserve.backends.updates import Maintainer, StoreUpdater, UpdateLog
+from recserve.backends.store.device_cache import DeviceL1, resolve_device, slot_of
+from recserve.backends.store.hot_cache import HotCache
+from recserve.backends.store.rows import RowBlock, TableArrays
+from recserve.backends.store.served import ServedStore
+from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, StoreOptions, TieredStore
+from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.build.synthetic import zipf_ranks
+
+from recserve.wire import EMBEDDING_VERSION
 from tests.unit.test_store import DIM, make_tables
 
 DEVICES = [

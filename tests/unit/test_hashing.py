@@ -1,6 +1,5 @@
 import numpy as np
-
-from recserve.backends.hashing import fnv1a64, keys_for, missing_key, splitmix64, table_salt
+from recserve.backends.features.hashing import fnv1a64, keys_for, missing_key, splitmix64, table_salt
 
 
 def test_known_values_do_not_change():

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
-from recserve.backends import kernels
-from recserve.backends.keyindex import KeyIndex
-from recserve.backends.store import DEFAULT, DELTA, L1, L2, TIERS, RowBlock, StoreOptions, TableArrays, TieredStore
+from recserve.backends.store import kernels
+from recserve.backends.store.keyindex import KeyIndex
+from recserve.backends.store.rows import RowBlock, TableArrays
+from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, StoreOptions, TieredStore
 
 KERNELS = kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the compiled store kernels are not built (no C compiler at install)")

@@ -1,8 +1,9 @@
 import numpy as np
-
-from recserve.backends import tensors
 from recserve.backends.lookup import EmbeddingLookup
-from recserve.backends.store import RowBlock, TableArrays, TieredStore
+from recserve.backends.store.rows import RowBlock, TableArrays
+from recserve.backends.store.tiered import TieredStore
+
+from recserve import wire
 
 
 def spec_store(spec, base_version=1):
@@ -20,9 +21,9 @@ def key_inputs(spec, tables, rows=3, width=5):
     sparse = np.stack([rng.choice(tables[f.table].keys, rows) for f in spec.categorical.features], axis=1)
     items = tables[spec.target.table].keys
     return {
-        tensors.SPARSE_KEYS: sparse,
-        tensors.TARGET_KEY: rng.choice(items, (rows, 1)),
-        tensors.HISTORY_KEYS: rng.choice(items, (rows, width)),
+        wire.SPARSE_KEYS: sparse,
+        wire.TARGET_KEY: rng.choice(items, (rows, 1)),
+        wire.HISTORY_KEYS: rng.choice(items, (rows, width)),
     }
 
 
@@ -30,13 +31,13 @@ def test_every_row_reports_the_table_versions_of_one_snapshot_in_spec_order(spec
     tables, store = spec_store(spec, base_version=4)
     lookup = EmbeddingLookup(spec, store)
     inputs = key_inputs(spec, tables)
-    versions = lookup.lookup(inputs)[tensors.EMBEDDING_VERSION]
+    versions = lookup.lookup(inputs)[wire.EMBEDDING_VERSION]
     assert versions.shape == (3, len(spec.table_names)) and versions.dtype == np.int64
     assert (versions == 4).all()
 
     item = spec.target.table
     store.install({item: 7}, RowBlock.of(tables[item].keys[:2], np.ones((2, spec.embedding_dim), np.float32)))
-    versions = lookup.lookup(inputs)[tensors.EMBEDDING_VERSION]
+    versions = lookup.lookup(inputs)[wire.EMBEDDING_VERSION]
     column = spec.table_names.index(item)
     assert (versions[:, column] == 7).all()
     assert (np.delete(versions, column, axis=1) == 4).all()

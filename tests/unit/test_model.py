@@ -2,13 +2,13 @@
 
 import numpy as np
 import pytest
-
-from recserve.backends import tensors
 from recserve.backends.artifacts import read_manifest, verified_path
-from recserve.backends.dense_runner import OnnxDenseRunner
+from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.build.export import example_inputs, torch_predict
 from recserve.build.repository import load_reference_net, reference_pipeline, version_dir
 from recserve.build.synthetic import generate, roc_auc
+
+from recserve import wire
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +40,10 @@ def test_padding_never_changes_real_rows(spec, net, runner):
     sample = example_inputs(spec, rows=5, length=8, seed=3)
     base = runner.predict(sample)
     wider = {k: v.copy() for k, v in sample.items()}
-    wider[tensors.HISTORY_EMBEDDINGS] = np.concatenate(
-        [sample[tensors.HISTORY_EMBEDDINGS], np.random.default_rng(0).normal(size=(5, 24, spec.embedding_dim)).astype(np.float32)], axis=1
+    wider[wire.HISTORY_EMBEDDINGS] = np.concatenate(
+        [sample[wire.HISTORY_EMBEDDINGS], np.random.default_rng(0).normal(size=(5, 24, spec.embedding_dim)).astype(np.float32)], axis=1
     )
-    wider[tensors.HISTORY_MASK] = np.pad(sample[tensors.HISTORY_MASK], ((0, 0), (0, 24)))
+    wider[wire.HISTORY_MASK] = np.pad(sample[wire.HISTORY_MASK], ((0, 0), (0, 24)))
     np.testing.assert_allclose(runner.predict(wider), base, atol=1e-6)
     more_rows = {k: np.concatenate([v, np.random.default_rng(1).random(v.shape, dtype=np.float32)]) for k, v in sample.items()}
     np.testing.assert_allclose(runner.predict(more_rows)[:5], base, atol=1e-6)

@@ -1,5 +1,4 @@
 import pytest
-
 from recserve.perf.overload import SERVED, SHED, Cores, Outcome, phase_stats, recovery_s
 
 

@@ -4,8 +4,6 @@ import time
 
 import numpy as np
 import pytest
-from tritonclient.utils import InferenceServerException
-
 from recserve.build.synthetic import generate
 from recserve.clients import (
     AsyncCTRClient,
@@ -18,6 +16,7 @@ from recserve.clients import (
     ServerUnavailableError,
     map_exception,
 )
+from tritonclient.utils import InferenceServerException
 
 
 def _closed_port() -> int:

@@ -1,12 +1,12 @@
 """Secure defaults of the launcher, and the dense/embedding fit check."""
 
 import pytest
-
-from recserve.backends import tensors
-from recserve.backends.compatibility import check_dense_fits
-from recserve.backends.errors import ArtifactError
+from recserve.backends.dense.compatibility import check_dense_fits
 from recserve.build import configs
+
+from recserve import wire
 from recserve.cli import parser
+from recserve.errors import ArtifactError
 from recserve.server import ADMIN_HEADER, Ports, Security, ServerError, server_command
 
 
@@ -75,11 +75,11 @@ def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
 def _graph(spec, **overrides):
     dim, sparse = spec.embedding_dim, spec.num_sparse
     shapes = {
-        tensors.DENSE_NORMALIZED: ["batch", len(spec.dense.columns)],
-        tensors.SPARSE_EMBEDDINGS: ["batch", sparse, dim],
-        tensors.TARGET_EMBEDDING: ["batch", dim],
-        tensors.HISTORY_EMBEDDINGS: ["batch", "length", dim],
-        tensors.HISTORY_MASK: ["batch", "length"],
+        wire.DENSE_NORMALIZED: ["batch", len(spec.dense.columns)],
+        wire.SPARSE_EMBEDDINGS: ["batch", sparse, dim],
+        wire.TARGET_EMBEDDING: ["batch", dim],
+        wire.HISTORY_EMBEDDINGS: ["batch", "length", dim],
+        wire.HISTORY_MASK: ["batch", "length"],
     }
     shapes.update(overrides)
     return {k: v for k, v in shapes.items() if v is not None}
@@ -92,11 +92,11 @@ def test_a_dense_graph_built_for_the_spec_fits(spec):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({tensors.SPARSE_EMBEDDINGS: ["batch", 26, 32]}, "'sparse_embeddings' is [26, 32]"),
-        ({tensors.TARGET_EMBEDDING: ["batch", 8]}, "'target_embedding' is [8]"),
-        ({tensors.SPARSE_EMBEDDINGS: ["batch", 25, 16]}, "'sparse_embeddings' is [25, 16]"),
-        ({tensors.DENSE_NORMALIZED: ["batch", 12]}, "'dense_normalized' is [12]"),
-        ({tensors.HISTORY_MASK: None}, "no input 'history_mask'"),
+        ({wire.SPARSE_EMBEDDINGS: ["batch", 26, 32]}, "'sparse_embeddings' is [26, 32]"),
+        ({wire.TARGET_EMBEDDING: ["batch", 8]}, "'target_embedding' is [8]"),
+        ({wire.SPARSE_EMBEDDINGS: ["batch", 25, 16]}, "'sparse_embeddings' is [25, 16]"),
+        ({wire.DENSE_NORMALIZED: ["batch", 12]}, "'dense_normalized' is [12]"),
+        ({wire.HISTORY_MASK: None}, "no input 'history_mask'"),
     ],
 )
 def test_a_dense_graph_for_other_embeddings_is_refused_with_both_shapes(spec, overrides, named):

@@ -3,12 +3,12 @@ import shutil
 import numpy as np
 import pytest
 from google.protobuf import text_format
+from recserve.backends.triton.bytes_codec import decode_bytes_tensor
+from recserve.build import configs
+from recserve.build.configs import STEPS, ServingPlan
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from recserve.backends.bytes_codec import decode_bytes_tensor
-from recserve.build import configs
-from recserve.build.configs import STEPS, ServingPlan
 from recserve.cli import main
 from recserve.server import MpsDaemon, ServerError, visible_gpus
 from recserve.spec import SpecError, parse_spec

@@ -1,7 +1,7 @@
 import copy
-import tomllib
 
 import pytest
+import tomllib
 
 from recserve.spec import SpecError, parse_spec, spec_from_json, spec_path
 

@@ -2,24 +2,15 @@ import json
 
 import numpy as np
 import pytest
-
 from recserve.backends.artifacts import load_array, read_manifest, save_array, write_manifest
-from recserve.backends.errors import ArtifactError
-from recserve.backends.hashing import keys_for, table_salt
-from recserve.backends.keyindex import KeyIndex
-from recserve.backends.store import (
-    DEFAULT,
-    DELTA,
-    L1,
-    L2,
-    MANIFEST_FORMAT,
-    FrequencyTracker,
-    RowBlock,
-    StoreOptions,
-    TableArrays,
-    TieredStore,
-    write_shards,
-)
+from recserve.backends.features.hashing import keys_for, table_salt
+from recserve.backends.store.hot_cache import FrequencyTracker
+from recserve.backends.store.keyindex import KeyIndex
+from recserve.backends.store.rows import RowBlock, TableArrays
+from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, StoreOptions, TieredStore
+
+from recserve.errors import ArtifactError
 
 DIM = 4
 

@@ -4,12 +4,8 @@ import subprocess
 import sys
 
 import pytest
-from tritonclient.grpc import model_config_pb2 as mc
-
-from recserve.backends import tensors
-from recserve.backends.buckets import Bucket, spec_buckets
-from recserve.build import configs
-from recserve.build.tensorrt_engine import (
+from recserve.backends.dense.buckets import Bucket, spec_buckets
+from recserve.backends.dense.tensorrt_engine import (
     EngineOptions,
     OptimizationProfile,
     ShapeRange,
@@ -18,6 +14,10 @@ from recserve.build.tensorrt_engine import (
     spec_profiles,
     tensorrt_available,
 )
+from recserve.build import configs
+from tritonclient.grpc import model_config_pb2 as mc
+
+from recserve import wire
 from tests.conftest import REPOSITORY
 
 
@@ -113,9 +113,9 @@ def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_pa
             if profile != "cpu":
                 del config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
             l1_device = ""
-            if tensors.L1_DEVICE_PARAMETER in config.parameters:
-                l1_device = config.parameters[tensors.L1_DEVICE_PARAMETER].string_value
-                del config.parameters[tensors.L1_DEVICE_PARAMETER]
+            if wire.L1_DEVICE_PARAMETER in config.parameters:
+                l1_device = config.parameters[wire.L1_DEVICE_PARAMETER].string_value
+                del config.parameters[wire.L1_DEVICE_PARAMETER]
             assert l1_device == ("cuda" if (step, profile) == (configs.EMBEDDING_LOOKUP, "cuda") else "")
             assert config == configs.step_config(spec, step)
     # the ensemble differs on gpu only because a TensorRT plan has no dense_version output

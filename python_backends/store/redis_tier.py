@@ -1,0 +1,222 @@
+"""L3: embedding rows in a Redis Cluster, behind a per-call deadline and a circuit breaker.
+
+Each row is one Redis string: key ``<prefix>{<key mod 64>}:<key>``, value the float32 bytes of the
+vector. The hash tag spreads keys over 64 slot groups, so a batch is a few pipelined ``MGET`` per
+master (redis-py's ``mget_nonatomic``). A lookup never fails because of L3: on a timeout, an error
+or while the breaker is open, the keys are reported as not found (the store serves their defaults)
+and a counter goes up.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+from recserve.backends.metrics import MetricSample
+
+LOGGER = logging.getLogger(__name__)
+
+KEY_PREFIX = "rs:"
+SLOT_GROUPS = 64
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+class CircuitBreaker:
+    """Stops calling a failing dependency: opens after ``failures`` in a row, retries after ``cooldown_s``."""
+
+    def __init__(self, failures: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.failures = failures
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self.state = CLOSED
+        self.consecutive = 0
+        self.opened_at = 0.0
+        self.opened_total = 0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        """May a call go out now? (After the cooldown, one trial call goes out.)"""
+        with self._lock:
+            if self.state == OPEN and self.clock() - self.opened_at >= self.cooldown_s:
+                self.state = HALF_OPEN
+                return True
+            return self.state == CLOSED
+
+    def success(self) -> None:
+        """A call succeeded: close."""
+        with self._lock:
+            self.state, self.consecutive = CLOSED, 0
+
+    def failure(self) -> None:
+        """A call failed: open after enough failures in a row, or at once after a failed trial."""
+        with self._lock:
+            self.consecutive += 1
+            if self.state == HALF_OPEN or self.consecutive >= self.failures:
+                if self.state != OPEN:
+                    self.opened_total += 1
+                self.state, self.opened_at = OPEN, self.clock()
+
+
+def redis_keys(keys: np.ndarray, prefix: str = KEY_PREFIX) -> list[bytes]:
+    """Redis key names of embedding keys, built as one byte matrix: ``<prefix>{NN}<8 key bytes>!``.
+
+    ``{NN}`` (``key mod 64``, two digits) is the hash tag; the trailing ``!`` keeps key bytes that
+    end in zero from being cut off by numpy's fixed-width byte strings.
+    """
+    keys = np.asarray(keys, np.int64).reshape(-1)
+    head = prefix.encode()
+    width = len(head) + 4 + 8 + 1
+    raw = np.empty((keys.size, width), np.uint8)
+    raw[:, : len(head)] = np.frombuffer(head, np.uint8)
+    group = np.mod(keys, SLOT_GROUPS)
+    at = len(head)
+    raw[:, at] = ord("{")
+    raw[:, at + 1] = ord("0") + group // 10
+    raw[:, at + 2] = ord("0") + group % 10
+    raw[:, at + 3] = ord("}")
+    raw[:, at + 4 : at + 12] = keys.astype(">i8").view(np.uint8).reshape(-1, 8)
+    raw[:, -1] = ord("!")
+    return raw.view(f"S{width}").reshape(-1).tolist()
+
+
+class RedisTier:
+    """L3 over a Redis Cluster client (``redis.cluster.RedisCluster`` or anything with ``mget_nonatomic``)."""
+
+    def __init__(self, client: Any, deadline_s: float, breaker: CircuitBreaker, prefix: str = KEY_PREFIX) -> None:
+        self.client = client
+        self.deadline_s = deadline_s
+        self.breaker = breaker
+        self.prefix = prefix
+        self.errors = {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
+        self.calls = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recserve-l3")
+        self._inflight: Future | None = None  # the call or slot-map refresh running on the worker
+        self._refresh: Future | None = None  # the last slot-map refresh
+        self._refresh_topology = False  # after a failure: re-read the cluster's slot map first (failover)
+
+    @classmethod
+    def connect(cls, options: Any) -> RedisTier:
+        """A tier for ``StoreOptions`` (``redis_nodes``, ``redis_deadline_ms``, breaker settings)."""
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+
+        deadline = options.redis_deadline_ms / 1000.0
+        nodes = [ClusterNode(*_host_port(node)) for node in options.redis_nodes]
+        client = RedisCluster(
+            startup_nodes=nodes,
+            socket_timeout=max(deadline, 0.05),
+            socket_connect_timeout=max(deadline, 0.05),
+            require_full_coverage=False,
+            retry=Retry(NoBackoff(), 1),
+        )
+        return cls(client, deadline, CircuitBreaker(options.breaker_failures, options.breaker_cooldown_s))
+
+    def fetch(self, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """Vectors ``[n, dim]`` and a found mask; all not found on timeout, error or open breaker."""
+        vectors = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        if keys.size == 0:
+            return vectors, found
+        if not self.breaker.allow():
+            self.errors["breaker_open"] += 1
+            return vectors, found
+        if self._inflight is not None and not self._inflight.done():
+            self.errors["busy"] += 1  # a call stuck past its deadline, or the slot-map refresh: do not queue
+            self.breaker.failure()
+            self._refresh_topology = self._refresh_topology or self._inflight is not self._refresh
+            return vectors, found
+        if self._refresh_topology:
+            # after a failure, re-read the slot map (a master may have failed over) before the next
+            # call, on the worker and outside any call's deadline: a slow refresh on a loaded machine
+            # must not time every call out. This batch's keys get defaults, as in any failure.
+            self._refresh_topology = False
+            self._inflight = self._refresh = self._pool.submit(self.client.nodes_manager.initialize)
+            self.errors["busy"] += 1
+            self.breaker.failure()
+            return vectors, found
+        self.calls += 1
+        self._inflight = self._pool.submit(self.client.mget_nonatomic, redis_keys(keys, self.prefix))
+        try:
+            values = self._inflight.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self.errors["timeout"] += 1
+            self.breaker.failure()
+            self._refresh_topology = True
+            return vectors, found
+        except Exception as exc:  # noqa: BLE001 - any client error means "not served by L3"
+            self.errors["error"] += 1
+            self.breaker.failure()
+            self._refresh_topology = True
+            LOGGER.warning("L3 lookup failed: %s", type(exc).__name__)
+            return vectors, found
+        self.breaker.success()
+        found[:] = _decode_into(values, vectors)
+        return vectors, found
+
+    def fetch_bulk(self, keys: np.ndarray, dim: int, chunk: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`fetch`, for work off the serving path (the L1 rebuild): on the caller's thread, in
+        chunks, with no call deadline, so that a large read never holds the serving calls' worker.
+        Nothing is fetched while the breaker is not closed; a failure leaves the rest not found.
+        """
+        vectors = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        for start in range(0, keys.size, chunk):
+            if self.breaker.state != CLOSED:
+                break
+            try:
+                values = self.client.mget_nonatomic(redis_keys(keys[start : start + chunk], self.prefix))
+            except Exception as exc:  # noqa: BLE001 - the serving calls detect and count failures
+                LOGGER.debug("L3 bulk read failed: %s", type(exc).__name__)
+                break
+            found[start : start + chunk] = _decode_into(values, vectors[start : start + chunk])
+        return vectors, found
+
+    def upload(self, keys: np.ndarray, vectors: np.ndarray, chunk: int = 10_000) -> int:
+        """Write rows (float32) into the cluster; rows written."""
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        for start in range(0, len(keys), chunk):
+            names = redis_keys(keys[start : start + chunk], self.prefix)
+            block = vectors[start : start + chunk]
+            self.client.mset_nonatomic(dict(zip(names, (row.tobytes() for row in block))))
+        return len(keys)
+
+    def healthy(self) -> bool:
+        """False while the breaker is open."""
+        return self.breaker.state == CLOSED
+
+    def samples(self) -> list[MetricSample]:
+        """L3 calls, errors by reason, breaker state."""
+        out = [MetricSample("recserve_store_l3_calls_total", "counter", "Batch calls to L3", (), float(self.calls))]
+        out += [
+            MetricSample("recserve_store_l3_errors_total", "counter", "L3 calls not served (keys got defaults), by reason", (("reason", reason),), float(count))
+            for reason, count in self.errors.items()
+        ]
+        out.append(MetricSample("recserve_store_l3_breaker_open", "gauge", "1 while the L3 circuit breaker is open", (), float(self.breaker.state != CLOSED)))
+        return out
+
+    def close(self) -> None:
+        """Release the worker thread and the connections."""
+        self._pool.shutdown(wait=False)
+        self.client.close()
+
+
+def _decode_into(values: list, vectors: np.ndarray) -> np.ndarray:
+    """Write the float32 rows of an MGET reply into ``vectors`` (absent keys untouched); found mask."""
+    values = np.array(values, dtype=object)
+    found = values != None  # noqa: E711 - elementwise comparison
+    if found.any():
+        vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, vectors.shape[1])
+    return found
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, _, port = node.rpartition(":")
+    return host, int(port)
+

@@ -1,0 +1,1 @@
+"""Online updates of embedding tables: versions published on disk, and the Redis stream that announces them."""

@@ -1,0 +1,45 @@
+"""Triton model ``dense``: the network behind the bucket policy (see recserve.backends.dense.runner)."""
+
+import time
+
+import numpy as np
+from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
+from recserve.backends.dense.runner import DenseStep
+from recserve.backends.triton.adapter import MetricsPublisher, ModelContext, execute_checked_merged, instance_device
+
+from recserve import wire
+
+METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
+
+
+class TritonPythonModel:
+    """One bucketed call per dynamic batch; bucket and padding counters on the metrics endpoint."""
+
+    def initialize(self, args: dict) -> None:
+        """Verify the artifacts and compile every bucket of the spec's grid (warmed before READY)."""
+        context = ModelContext.from_args(args)
+        device = instance_device(args)
+        check_dense_fits(context.spec, onnx_input_dims(context.version_dir))
+        self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
+        self.version = context.version
+        self.metrics = MetricsPublisher()
+        self.published_at = 0.0
+
+    def execute(self, requests: list) -> list:
+        """Probabilities for every valid request; counters published at most once a second."""
+        responses = execute_checked_merged(requests, wire.DENSE_NET_INPUTS, self.step.check, self.score)
+        if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
+            self.published_at = time.monotonic()
+            self.metrics.publish(self.step.runner.counters.samples())
+        return responses
+
+    def score(self, merged: dict) -> dict:
+        """The network's outputs and, per row, the version that computed them."""
+        outputs = self.step.compute(merged)
+        rows = outputs[wire.PROBABILITY].shape[0]
+        return {**outputs, wire.DENSE_VERSION: np.full((rows, 1), self.version, np.int64)}
+
+    def finalize(self) -> None:
+        """Stop background compiles; publish the last counts."""
+        self.step.close()
+        self.metrics.publish(self.step.runner.counters.samples())

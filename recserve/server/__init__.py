@@ -1,0 +1,39 @@
+"""Run the real tritonserver over a repository: its runtime, security flags, process, MPS and stub watchdog."""
+
+from recserve.server.mps import MpsDaemon, require_gpu, visible_gpus
+from recserve.server.process import (
+    LOOPBACK,
+    Ports,
+    TritonServer,
+    port_in_use,
+    run_child,
+    run_foreground,
+    server_command,
+)
+from recserve.server.runtime import ServerError, prepare_runtime, runtime_dir, server_env
+from recserve.server.security import ADMIN_HEADER, GRPC_HEADER_PREFIX, Security
+from recserve.server.watchdog import StubWatchdog, ensemble_names, expected_stubs, stub_processes
+
+__all__ = [
+    "ADMIN_HEADER",
+    "GRPC_HEADER_PREFIX",
+    "LOOPBACK",
+    "MpsDaemon",
+    "Ports",
+    "Security",
+    "ServerError",
+    "StubWatchdog",
+    "TritonServer",
+    "ensemble_names",
+    "expected_stubs",
+    "port_in_use",
+    "prepare_runtime",
+    "require_gpu",
+    "run_child",
+    "run_foreground",
+    "runtime_dir",
+    "server_command",
+    "server_env",
+    "stub_processes",
+    "visible_gpus",
+]

@@ -1,0 +1,261 @@
+"""A tritonserver child process: command line, start, readiness, drain and stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from recserve.server.runtime import ServerError, prepare_runtime, server_env
+from recserve.server.security import Security
+from recserve.server.watchdog import StubWatchdog, ensemble_names, expected_stubs, stub_processes
+
+LOGGER = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Ports:
+    """The three ports tritonserver listens on."""
+
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> Ports:
+        """Three currently free loopback ports."""
+        sockets = [socket.socket() for _ in range(3)]
+        try:
+            for s in sockets:
+                s.bind((LOOPBACK, 0))
+            http, grpc, metrics = (s.getsockname()[1] for s in sockets)
+        finally:
+            for s in sockets:
+                s.close()
+        return cls(http, grpc, metrics)
+
+
+def server_command(
+    repository: Path,
+    ports: Ports,
+    host: str = LOOPBACK,
+    extra: list[str] | None = None,
+    security: Security | None = None,
+    exit_timeout_s: int = 30,
+) -> list[str]:
+    """The tritonserver command line: loopback by default, model control ``none``, admin APIs locked."""
+    runtime = prepare_runtime()
+    security = security or Security()
+    return [
+        str(runtime / "bin" / "tritonserver"),
+        f"--model-repository={repository.resolve()}",
+        f"--backend-directory={runtime / 'backends'}",
+        f"--cache-directory={runtime / 'caches'}",
+        f"--http-address={host}",
+        f"--http-port={ports.http}",
+        f"--grpc-address={host}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-address={host}",
+        f"--metrics-port={ports.metrics}",
+        *security.arguments(),
+        f"--exit-timeout-secs={exit_timeout_s}",
+        "--log-verbose=0",
+        *(extra or []),
+    ]
+
+
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """True when something already listens on ``host:port``."""
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class TritonServer:
+    """A tritonserver child process: started, watched until ready, stopped with SIGINT.
+
+    Use as a context manager. The server log goes to ``log_path`` (or is inherited when None).
+    ``config_name`` serves ``<model>/configs/<name>.pbtxt`` where a model has one (a hardware or
+    queue profile); ``cpus`` pins tritonserver, and with it every stub it starts, to those cores.
+    """
+
+    def __init__(
+        self,
+        repository: Path,
+        ports: Ports | None = None,
+        log_path: Path | None = None,
+        host: str = LOOPBACK,
+        security: Security | None = None,
+        exit_timeout_s: int = 30,
+        config_name: str | None = None,
+        cpus: frozenset[int] | None = None,
+    ) -> None:
+        self.repository = repository
+        self.ports = ports or Ports()
+        self.log_path = log_path
+        self.host = host
+        self.security = security or Security()
+        self.exit_timeout_s = exit_timeout_s
+        self.config_name = config_name
+        self.cpus = cpus
+        self.process: subprocess.Popen[bytes] | None = None
+        self.watchdog: StubWatchdog | None = None
+
+    @property
+    def http_url(self) -> str:
+        """``host:port`` of the HTTP endpoint."""
+        return f"{LOOPBACK}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` of the gRPC endpoint."""
+        return f"{LOOPBACK}:{self.ports.grpc}"
+
+    def start(self, timeout_s: float = 180.0) -> TritonServer:
+        """Start and wait until ``/v2/health/ready``; refuse to start over a busy port."""
+        for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
+            if port_in_use(port):
+                raise ServerError(f"port {port} is already in use; is another tritonserver running?")
+        log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
+        self._log = log
+        extra = [f"--model-config-name={self.config_name}"] if self.config_name else None
+        cpus = self.cpus
+        self.process = subprocess.Popen(
+            server_command(self.repository, self.ports, self.host, extra, security=self.security, exit_timeout_s=self.exit_timeout_s),
+            env=server_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
+        self.wait_ready(timeout_s)
+        if self.security.model_control == "explicit":
+            self.watchdog = StubWatchdog(self, expected_stubs(self.repository))
+            self.watchdog.start()
+        return self
+
+    def is_ready(self) -> bool:
+        """True when ``/v2/health/ready`` answers 200 now."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll readiness; raise with the log's tail if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise ServerError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def stubs(self) -> dict[int, str]:
+        """Live Python-backend stub processes of this server: pid -> model name."""
+        return stub_processes(self.process.pid) if self.process is not None else {}
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last lines of the server log."""
+        if not self.log_path or not self.log_path.exists():
+            return "(log not captured)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop taking ensemble requests and wait until the accepted ones have finished.
+
+        tritonserver alone, on SIGINT/SIGTERM, stops every model's scheduler at once, so an ensemble
+        request between two steps is refused by the next one. With model control ``explicit`` the
+        ensembles are unloaded first instead: new requests are refused at the door, the composing
+        models stay up until every accepted request is through. Returns False when nothing could
+        be drained (model control ``none``) or time ran out.
+        """
+        if self.security.model_control != "explicit" or self.process is None or self.process.poll() is not None:
+            return False
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        headers = self.security.headers("grpc")
+        ensembles = ensemble_names(self.repository)
+        deadline = time.monotonic() + timeout_s
+        try:
+            with grpcclient.InferenceServerClient(self.grpc_url) as client:
+                for name in ensembles:
+                    client.unload_model(name, headers=headers)
+                while time.monotonic() < deadline:
+                    index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
+                    if not any(m.get("name") in ensembles and m.get("state") in ("READY", "UNLOADING") for m in index):
+                        return True
+                    time.sleep(0.05)
+        except InferenceServerException as exc:
+            LOGGER.warning("draining failed, stopping anyway: %s", exc)
+        return False
+
+    def stop(self, timeout_s: float = 60.0, signum: int = signal.SIGINT) -> int | None:
+        """Drain (model control ``explicit``), signal, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.process.poll() is None:
+            self.drain()
+            self.process.send_signal(signum)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+        return self.process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def run_child(command: list[str], env: dict[str, str]) -> int:
+    """Run tritonserver as a child until it exits (``--mps``); SIGINT/SIGTERM are passed on to it."""
+    process = subprocess.Popen(command, env=env)
+
+    def forward(signum: int, frame: object) -> None:
+        process.send_signal(signal.SIGINT)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return process.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_foreground(server: TritonServer) -> int:
+    """Run ``server`` until it exits (``recserve serve``); SIGINT or SIGTERM drains, then stops it."""
+    stopping = threading.Event()
+
+    def request_stop(signum: int, frame: object) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    server.start()
+    assert server.process is not None
+    while server.process.poll() is None and not stopping.wait(0.5):
+        pass
+    return server.stop(timeout_s=server.exit_timeout_s + 10, signum=signal.SIGTERM) or 0

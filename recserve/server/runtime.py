@@ -1,0 +1,67 @@
+"""The real tritonserver shipped in the nvidia-pytriton wheel, run without a container.
+
+The wheel carries ``tritonserver``, the Python backend and one stub per Python version. The stub
+finds packages through the interpreter on ``PATH`` (it ignores ``PYTHONPATH``), so the server is
+started with this environment's ``bin/`` first on ``PATH`` and its ``LIBDIR`` on
+``LD_LIBRARY_PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """tritonserver could not be prepared, did not become ready, or died."""
+
+
+def _site_packages_of(package: str) -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ServerError(f"package {package!r} is not installed; run 'make install'")
+    return Path(spec.origin).parent.parent
+
+
+def runtime_dir() -> Path:
+    """Where the writable copy of the server lives (inside this environment)."""
+    return Path(sys.prefix) / "share" / "recserve" / "tritonserver"
+
+
+def prepare_runtime(target: Path | None = None) -> Path:
+    """Copy the wheel's server into a writable folder with the stub of this Python; idempotent."""
+    target = target or runtime_dir()
+    source = _site_packages_of("pytriton") / "pytriton" / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"no Python-backend stub for Python {version} in {source}")
+    installed_stub = target / "backends" / "python" / "triton_python_backend_stub"
+    if not installed_stub.is_file():
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
+        shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: this venv's interpreter first on PATH, its libs on LD_LIBRARY_PATH."""
+    env = dict(os.environ if base is None else base)
+    libs = [
+        str(_site_packages_of("pytriton") / "nvidia_pytriton.libs"),
+        str(sysconfig.get_config_var("LIBDIR")),
+    ]
+    if env.get("LD_LIBRARY_PATH"):
+        libs.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.pop("PYTHONPATH", None)
+    return env

@@ -1,0 +1,121 @@
+"""The stub processes of a running tritonserver, and the watchdog that reloads a model whose stub died.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recserve.server.process import TritonServer
+
+LOGGER = logging.getLogger(__name__)
+
+
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid``, forked by any of its threads (models load on worker threads)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return children
+
+
+def stub_processes(server_pid: int) -> dict[int, str]:
+    """Python-backend stub processes started by tritonserver ``server_pid``: pid -> model name.
+
+    The stub is started with its ``model.py`` path as first argument
+    (``.../<model>/<version>/model.py``), which names the model.
+    """
+    stubs = {}
+    for pid in _children(server_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 1:
+            stubs[pid] = Path(argv[1].decode(errors="replace")).parent.parent.name
+    return stubs
+
+
+def _configs(repository: Path) -> dict[str, Any]:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    configs = {}
+    for path in sorted(repository.glob("*/config.pbtxt")):
+        config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+        configs[config.name or path.parent.name] = config
+    return configs
+
+
+def expected_stubs(repository: Path) -> dict[str, int]:
+    """Python-backend models of a repository and how many stub processes (instances) each runs."""
+    return {
+        name: sum(g.count or 1 for g in config.instance_group) or 1
+        for name, config in _configs(repository).items()
+        if config.backend == "python"
+    }
+
+
+def ensemble_names(repository: Path) -> list[str]:
+    """The ensembles of a repository (what clients call)."""
+    return [name for name, config in _configs(repository).items() if config.platform == "ensemble"]
+
+
+class StubWatchdog(threading.Thread):
+    """Reload a model whose stub process died, so service returns without a server restart.
+
+    The bundled Python backend does not restart a killed stub: every later request to that model
+    fails ("Stub process ... is not healthy"). The watchdog polls the server's stub processes and,
+    when a model runs fewer than its instance count while the server is ready, reloads it through
+    the key-restricted model-repository API (model control ``explicit``).
+    """
+
+    def __init__(self, server: TritonServer, expected: dict[str, int], interval_s: float = 0.25, grace_s: float = 5.0) -> None:
+        super().__init__(name="stub-watchdog", daemon=True)
+        self.server = server
+        self.expected = expected
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.reloads: list[tuple[float, str]] = []
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        """Stop watching (before the server is stopped, so that its exit is not taken for a crash)."""
+        self._stop_event.set()
+        self.join(30)
+
+    def missing(self) -> list[str]:
+        """Models running fewer stubs than their instance count."""
+        counts: dict[str, int] = {}
+        for model in self.server.stubs().values():
+            counts[model] = counts.get(model, 0) + 1
+        return [model for model, count in self.expected.items() if counts.get(model, 0) < count]
+
+    def run(self) -> None:
+        """Poll until stopped; reload each model with a dead stub (at most once per grace period)."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        last: dict[str, float] = {}
+        while not self._stop_event.wait(self.interval_s):
+            process = self.server.process
+            if process is None or process.poll() is not None:
+                return
+            for model in self.missing():
+                if time.monotonic() - last.get(model, -self.grace_s) < self.grace_s or not self.server.is_ready():
+                    continue
+                last[model] = time.monotonic()
+                LOGGER.warning("a stub process of model %r died; reloading the model", model)
+                try:
+                    with grpcclient.InferenceServerClient(self.server.grpc_url) as client:
+                        client.load_model(model, headers=self.server.security.headers("grpc"))
+                    self.reloads.append((time.monotonic(), model))
+                except InferenceServerException as exc:
+                    LOGGER.error("reloading model %r failed: %s", model, exc)

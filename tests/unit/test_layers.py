@@ -1,0 +1,105 @@
+"""The dependency direction of the packages, checked on every import (lazy ones included).
+
+Bottom: the spec, the wire names and the domain errors. Above them the backends that run inside
+tritonserver, then the build; perf, the command line and the server process on top. The client SDK
+depends only on the bottom layer, so a client installs without the server's code paths.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
+    "recserve": "recserve",
+    "recserve.backends": "python_backends",
+    "recserve.build": "build",
+    "recserve.clients": "clients",
+    "recserve.perf": "perf",
+}
+BOTTOM = ("recserve.spec", "recserve.wire", "recserve.errors")
+BACKEND_BASE = ("recserve.backends.artifacts", "recserve.backends.metrics")
+#: module prefix -> the prefixes it may import (besides itself); the first matching prefix rules
+ALLOWED = {
+    "recserve.spec": (),
+    "recserve.errors": (),
+    "recserve.wire": BOTTOM,
+    "recserve.backends.artifacts": BOTTOM,
+    "recserve.backends.metrics": BOTTOM,
+    "recserve.backends.features": (*BOTTOM, *BACKEND_BASE),
+    "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
+    "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features"),
+    "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
+    "recserve.backends": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features", "recserve.backends.store",
+                          "recserve.backends.dense", "recserve.backends.lookup", "recserve.backends.pipeline"),
+    "recserve.build": (*BOTTOM, "recserve.backends"),
+    "recserve.clients": BOTTOM,
+    "recserve": ("recserve",),  # the top: cli, store_cli, server
+    "recserve.perf": ("recserve",),
+}
+
+
+def module_name(path: Path) -> str:
+    """Import name of a source file under one of the package folders."""
+    for package, folder in sorted(PACKAGE_DIRS.items(), key=lambda item: -len(item[1])):
+        base = ROOT / folder
+        if path.is_relative_to(base):
+            parts = [*package.split("."), *path.relative_to(base).with_suffix("").parts]
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    raise AssertionError(f"{path} is in no package folder")
+
+
+def sources() -> list[Path]:
+    """Every source file of the installed packages."""
+    files = [p for folder in set(PACKAGE_DIRS.values()) for p in (ROOT / folder).rglob("*.py")]
+    return sorted(p for p in files if "specs" not in p.parts)
+
+
+MODULES = {module_name(p) for p in sources()}
+
+
+def imported(path: Path) -> set[str]:
+    """recserve modules a file imports, at any depth (function-level imports too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("recserve"):
+            for alias in node.names:  # ``from recserve import wire`` imports the module recserve.wire
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if submodule in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("recserve"))
+    return names
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def rule_for(module: str) -> tuple[str, tuple[str, ...]]:
+    prefix = max((p for p in ALLOWED if within(module, p)), key=len)
+    return prefix, ALLOWED[prefix]
+
+
+def violations(module: str, imports: set[str]) -> list[str]:
+    """The imports of ``module`` that point up or sideways."""
+    own, allowed = rule_for(module)
+    return sorted(m for m in imports if not within(m, own) and not any(within(m, a) for a in allowed))
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path):
+    module = module_name(path)
+    wrong = violations(module, imported(path))
+    assert not wrong, f"{module} imports {wrong}, against the layers {rule_for(module)}"
+
+
+def test_upward_and_sideways_imports_are_caught():
+    assert violations("recserve.clients.rows", {"recserve.build.synthetic", "recserve.spec"}) == ["recserve.build.synthetic"]
+    assert violations("recserve.backends.store.tiered", {"recserve.backends.triton.adapter"}) == [
+        "recserve.backends.triton.adapter"
+    ]
+    assert violations("recserve.backends.dense.runner", {"recserve.build.network"}) == ["recserve.build.network"]
+    assert violations("recserve.spec", {"recserve.wire"}) == ["recserve.wire"]
+    assert violations("recserve.perf.bench", {"recserve.build.configs", "recserve.server"}) == []
+    assert not within("recserve.backends.storex", "recserve.backends.store")
