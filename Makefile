@@ -8,7 +8,7 @@ METRICS_PORT ?= 8002
 BIN := $(VENV)/bin
 APT_PACKAGES := libb64-0d redis-server gcc libc6-dev
 
-.PHONY: install system-packages build serve test unit integration clean
+.PHONY: install system-packages build serve test lint typecheck unit integration clean
 
 # Debian packages: libb64 for perf_analyzer, redis-server (and redis-cli) for the L3 tier tests,
 # gcc for the store's compiled probe loops (python_backends/store/_kernels.c, built by pip install).
@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml python_backends/store/_kernels.c
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU build of torch first, so that nothing pulls the CUDA wheels
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,lint]"
 	$(BIN)/python -c "from recserve.server import prepare_runtime; print('tritonserver runtime in', prepare_runtime())"
 	touch $@
 
@@ -37,8 +37,24 @@ build: install
 serve: build
 	$(BIN)/recserve serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-test: build
+test: lint build
 	$(BIN)/pytest -ra tests/unit tests/integration
+
+# ruff (rules and format) and mypy; the tree is kept clean of both.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(MAKE) typecheck
+
+# mypy sees the folders as the installed package through a tree of links (python_backends/ is
+# recserve.backends, build/ recserve.build, ...), rebuilt on every run.
+TYPECHECK_TREE := .typecheck
+typecheck: install
+	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/recserve
+	for f in recserve/*.py recserve/server; do ln -s ../../$$f $(TYPECHECK_TREE)/recserve/; done
+	ln -s ../../python_backends $(TYPECHECK_TREE)/recserve/backends
+	for d in build clients perf; do ln -s ../../$$d $(TYPECHECK_TREE)/recserve/$$d; done
+	cd $(TYPECHECK_TREE) && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p recserve
 
 unit: install
 	$(BIN)/pytest -ra tests/unit
@@ -47,4 +63,4 @@ integration: build
 	$(BIN)/pytest -ra tests/integration
 
 clean:
-	rm -rf $(REPOSITORY)/*/[0-9]*/ .pytest_cache
+	rm -rf $(REPOSITORY)/*/[0-9]*/ .pytest_cache .mypy_cache $(TYPECHECK_TREE)

@@ -13,16 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf import text_format
-from recserve.backends.dense.buckets import spec_buckets
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve import wire
+from recserve.backends.dense.buckets import spec_buckets
 from recserve.spec import ModelSpec, QueuePolicy, WireTensor
 
-FEATURE_TRANSFORM = "feature_transform"
-EMBEDDING_LOOKUP = "embedding_lookup"
-DENSE = "dense"
-STEPS = (FEATURE_TRANSFORM, EMBEDDING_LOOKUP, DENSE)
 #: Config profiles: ``cpu`` (Python backends, ONNX Runtime buckets), ``gpu`` (``dense`` as a
 #: TensorRT engine on Triton's TensorRT backend) and ``cuda`` (the Python ``dense`` on GPU instances:
 #: the engine's profiles where TensorRT is installed, else CUDA graphs). The variants are written as
@@ -65,17 +61,17 @@ def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[Wire
     """Inputs and outputs of each ensemble step (a TensorRT ``dense``, profile ``gpu``, has no version output)."""
     t = intermediate_tensors(spec)
     return {
-        FEATURE_TRANSFORM: (
+        wire.FEATURE_TRANSFORM: (
             spec.wire_inputs(),
             tuple(t[n] for n in (wire.DENSE_NORMALIZED, wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS, wire.HISTORY_MASK)),
         ),
-        EMBEDDING_LOOKUP: (
+        wire.EMBEDDING_LOOKUP: (
             tuple(t[n] for n in (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS)),
             tuple(
                 t[n] for n in (wire.SPARSE_EMBEDDINGS, wire.TARGET_EMBEDDING, wire.HISTORY_EMBEDDINGS, wire.EMBEDDING_VERSION)
             ),
         ),
-        DENSE: (
+        wire.DENSE: (
             tuple(t[n] for n in wire.DENSE_NET_INPUTS),
             (t[wire.PROBABILITY],) if profile == "gpu" else (t[wire.PROBABILITY], t[wire.DENSE_VERSION]),
         ),
@@ -95,7 +91,7 @@ def queue_policy(policy: QueuePolicy, step: str) -> mc.ModelQueuePolicy | None:
 
     A step without a policy keeps Triton's payload prefetching, which any limit turns off.
     """
-    entry = step == STEPS[0]
+    entry = step == wire.STEPS[0]
     limits = mc.ModelQueuePolicy(
         timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action),
         default_timeout_microseconds=policy.entry_timeout if entry else policy.default_timeout_microseconds,
@@ -115,7 +111,7 @@ def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
     """One ``model_warmup`` sample per bucket of the spec's grid (zeros; mask 0 attends to nothing)."""
-    inputs = step_io(spec)[DENSE][0]
+    inputs = step_io(spec)[wire.DENSE][0]
     return [
         mc.ModelWarmup(
             name=f"bucket_{bucket.rows}x{bucket.length}",
@@ -138,15 +134,15 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
     Requests of one sequence bucket batch together (the feature step pads every request to a sequence
     bucket, so no ragged batching); the dynamic batcher prefers the batch buckets' sizes.
     """
-    inputs, outputs = step_io(spec, "gpu")[DENSE]
+    inputs, outputs = step_io(spec, "gpu")[wire.DENSE]
     return mc.ModelConfig(
-        name=DENSE,
+        name=wire.DENSE,
         platform="tensorrt_plan",
         default_model_filename=TENSORRT_PLAN,
         max_batch_size=spec.max_batch_size,
         input=[_input(dataclasses.replace(t, ragged=False)) for t in inputs],
         output=[_output(t) for t in outputs],
-        instance_group=[mc.ModelInstanceGroup(count=spec.instances[DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)],
+        instance_group=[mc.ModelInstanceGroup(count=spec.instances[wire.DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)],
         dynamic_batching=mc.ModelDynamicBatching(
             preferred_batch_size=list(spec.batch_buckets),
             max_queue_delay_microseconds=spec.max_queue_delay_microseconds,
@@ -166,7 +162,7 @@ class ServingPlan:
 
     max_queue_delay_microseconds: int | None
     preferred_batch_sizes: tuple[int, ...] = ()
-    instances: Mapping[str, int] = field(default_factory=lambda: {step: 1 for step in STEPS})
+    instances: Mapping[str, int] = field(default_factory=lambda: {step: 1 for step in wire.STEPS})
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> ServingPlan:
@@ -186,7 +182,7 @@ def step_config(
 
     Args:
         spec: the model spec.
-        step: one of :data:`STEPS`.
+        step: one of :data:`wire.STEPS`.
         profile: ``cpu``; ``gpu`` for the TensorRT ``dense``; ``cuda`` for the Python ``dense`` on
             GPU instances, with ``embedding_lookup``'s L1 and output on the GPU (``l1_device``). In
             both GPU profiles the other two steps run as KIND_GPU instances.
@@ -195,11 +191,11 @@ def step_config(
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
-    if step == DENSE and profile == "gpu":
+    if step == wire.DENSE and profile == "gpu":
         return dense_tensorrt_config(spec)
     plan = plan or ServingPlan.from_spec(spec)
     inputs, outputs = step_io(spec)[step]
-    on_gpu = profile in GPU_PROFILES and (step != DENSE or profile == "cuda")
+    on_gpu = profile in GPU_PROFILES and (step != wire.DENSE or profile == "cuda")
     kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     config = mc.ModelConfig(
         name=step,
@@ -216,12 +212,12 @@ def step_config(
         limits = queue_policy(policy, step)
         if limits is not None:
             config.dynamic_batching.default_queue_policy.CopyFrom(limits)
-    if step == DENSE:
+    if step == wire.DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
     if on_gpu:  # GPU-resident inputs reach the step (read through DLPack)
         config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
-    if step == EMBEDDING_LOOKUP and profile == "cuda":  # L1 and the looked-up vectors stay on the GPU for dense
+    if step == wire.EMBEDDING_LOOKUP and profile == "cuda":  # L1 and the looked-up vectors stay on the GPU for dense
         config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cuda"
     return config
 
@@ -234,7 +230,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     """
     io = step_io(spec, profile)
     steps = []
-    for step in STEPS:
+    for step in wire.STEPS:
         inputs, outputs = io[step]
         steps.append(
             mc.ModelEnsembling.Step(
@@ -249,14 +245,14 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
         input=[_input(t) for t in spec.wire_inputs()],
-        output=[_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[wire.EMBEDDING_VERSION])],
+        output=[_output(t) for t in (*io[wire.DENSE][1], intermediate_tensors(spec)[wire.EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 
 
 def all_configs(spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None) -> dict[str, mc.ModelConfig]:
     """Every model of the repository by name, in one config profile (``plan`` as in :func:`step_config`)."""
-    configs = {step: step_config(spec, step, profile, plan) for step in STEPS}
+    configs = {step: step_config(spec, step, profile, plan) for step in wire.STEPS}
     configs[spec.name] = ensemble_config(spec, profile)
     return configs
 
@@ -281,7 +277,7 @@ def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
     for queue in spec.queue_profiles:
         if queue in PROFILES:
             raise ValueError(f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs")
-        for step in STEPS:
+        for step in wire.STEPS:
             files[config_path(Path(), step, queue)] = step_config(spec, step, queue=queue)
     return files
 
@@ -315,7 +311,7 @@ def write_variant(
     if target.resolve() == source.resolve():
         raise ValueError("a variant repository needs its own folder")
     shutil.rmtree(target, ignore_errors=True)
-    for step in STEPS:
+    for step in wire.STEPS:
         built = (source / step / str(spec.version)).resolve()
         if not built.is_dir():
             raise FileNotFoundError(f"{built} is missing; run 'recserve build' first")

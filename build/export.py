@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from recserve.backends.dense.network import CTRNet
 
 from recserve import wire
+from recserve.backends.dense.network import CTRNet
 from recserve.spec import ModelSpec
 
 OPSET = 17

@@ -9,6 +9,9 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from safetensors.torch import save_file
+
+from recserve import wire
 from recserve.backends.artifacts import (
     file_entry,
     load_array,
@@ -24,14 +27,12 @@ from recserve.backends.dense.torch_runners import load_net
 from recserve.backends.pipeline import InProcessPipeline
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
-from recserve.backends.store.tiered import StoreOptions, TieredStore
+from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.export import example_inputs, export_onnx, torch_predict
 from recserve.build.train import Progress, stderr_progress, train
-from safetensors.torch import save_file
-
 from recserve.errors import ArtifactError
-from recserve.spec import ModelSpec
+from recserve.spec import ModelSpec, StoreSection
 
 DENSE_FORMAT = "recserve-dense/1"
 ONNX_FILE = "model.onnx"
@@ -61,10 +62,10 @@ def version_dir(repository: Path, model: str, spec: ModelSpec) -> Path:
 def is_built(spec: ModelSpec, repository: Path) -> bool:
     """True when both artifact manifests exist, were built from this spec and the tables have the current format."""
     try:
-        tables = read_manifest(version_dir(repository, configs.EMBEDDING_LOOKUP, spec))
+        tables = read_manifest(version_dir(repository, wire.EMBEDDING_LOOKUP, spec))
         return tables.get("format") == MANIFEST_FORMAT and all(
             read_manifest(version_dir(repository, model, spec)).get("spec_sha256") == spec_digest(spec)
-            for model in (configs.EMBEDDING_LOOKUP, configs.DENSE)
+            for model in (wire.EMBEDDING_LOOKUP, wire.DENSE)
         )
     except ArtifactError:
         return False
@@ -76,7 +77,7 @@ def write_tables(spec: ModelSpec, tables: dict[str, TableArrays], root: Path) ->
     Tables named in ``[store] remote_tables`` keep only their default row locally; their rows are
     written under ``remote/`` for ``recserve redis-load`` to put into the L3 Redis Cluster.
     """
-    options = StoreOptions.from_spec(spec)
+    options = spec.store
     local, remote = dict(tables), {}
     for name in options.remote_tables:
         table = tables[name]
@@ -105,7 +106,7 @@ def remote_table_arrays(spec: ModelSpec, root: Path, include_local: bool = False
     return rows
 
 
-def upload_remote_tables(spec: ModelSpec, root: Path, options: StoreOptions, include_local: bool = False) -> int:
+def upload_remote_tables(spec: ModelSpec, root: Path, options: StoreSection, include_local: bool = False) -> int:
     """Write the L3 rows of a built version folder into the Redis Cluster of ``options``; rows written.
 
     What ``recserve redis-load`` does: the ``[store] remote_tables`` (with ``include_local``, every table).
@@ -155,7 +156,7 @@ def add_tensorrt_engine(
     if not tensorrt_engine.tensorrt_available():
         progress("[build] TensorRT is not installed: no engine built; the dense step keeps the CPU path (ONNX Runtime)")
         return None
-    root = version_dir(repository, configs.DENSE, spec)
+    root = version_dir(repository, wire.DENSE, spec)
     manifest = read_manifest(root)
     profiles = tensorrt_engine.spec_profiles(spec)
     options = tensorrt_engine.EngineOptions(precision=precision, timing_cache=root / TIMING_CACHE_FILE)
@@ -172,14 +173,14 @@ def add_tensorrt_engine(
 
 def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
     """The trained PyTorch network of a built repository (checked weights, no pickle)."""
-    root = version_dir(repository, configs.DENSE, spec)
+    root = version_dir(repository, wire.DENSE, spec)
     return load_net(spec, verified_path(root, read_manifest(root)["files"]["weights"]))
 
 
 def install_adapters(spec: ModelSpec, repository: Path) -> None:
     """Copy the thin ``model.py`` adapters into each step's version folder."""
     source = resources.files("recserve.backends.triton.models")
-    for step in configs.STEPS:
+    for step in wire.STEPS:
         target = version_dir(repository, step, spec) / "model.py"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(source.joinpath(f"{step}.py").read_text())
@@ -188,8 +189,8 @@ def install_adapters(spec: ModelSpec, repository: Path) -> None:
 def build_repository(spec: ModelSpec, repository: Path, progress: Progress = stderr_progress) -> BuildReport:
     """Build every artifact and config of ``spec`` into ``repository``."""
     trained = train(spec, progress)
-    tables_dir = version_dir(repository, configs.EMBEDDING_LOOKUP, spec)
-    dense_dir = version_dir(repository, configs.DENSE, spec)
+    tables_dir = version_dir(repository, wire.EMBEDDING_LOOKUP, spec)
+    dense_dir = version_dir(repository, wire.DENSE, spec)
     for folder in (tables_dir, dense_dir):
         shutil.rmtree(folder, ignore_errors=True)
     progress(f"[build] writing {len(trained.tables)} tables to {tables_dir}")
@@ -204,8 +205,8 @@ def build_repository(spec: ModelSpec, repository: Path, progress: Progress = std
 
 def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch") -> InProcessPipeline:
     """The in-process path over a built repository: the PyTorch net, or ONNX Runtime as served (buckets)."""
-    store = TieredStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
-    dense_dir = version_dir(repository, configs.DENSE, spec)
+    store = TieredStore.load(version_dir(repository, wire.EMBEDDING_LOOKUP, spec), spec)
+    dense_dir = version_dir(repository, wire.DENSE, spec)
     if runtime == "torch":
         net = load_reference_net(spec, repository)
         return InProcessPipeline(spec, store, lambda inputs: torch_predict(net, inputs))

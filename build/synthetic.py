@@ -8,8 +8,8 @@ Rows are kept numeric; :meth:`RawRows.to_wire` renders them as the ensemble's re
 from __future__ import annotations
 
 import numpy as np
-from recserve.backends.features.hashing import fnv1a64, splitmix64
 
+from recserve.backends.features.hashing import fnv1a64, splitmix64
 from recserve.spec import ModelSpec
 from recserve.wire import ABSENT_ITEM, RawRows
 
@@ -27,7 +27,7 @@ def zipf_ranks(rng: np.random.Generator, cardinality: int, exponent: float, size
 def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     """Generate ``rows`` rows; the same ``(spec, rows, seed)`` always gives the same data."""
     rng = np.random.default_rng(seed)
-    signal = np.random.default_rng(spec.training.get("seed", 0))  # the planted model, fixed per spec
+    signal = np.random.default_rng(spec.training.seed)  # the planted model, fixed per spec
     n_dense, features = len(spec.dense.columns), spec.categorical.features
 
     dense = np.floor(rng.lognormal(mean=1.0, sigma=1.5, size=(rows, n_dense))).astype(np.float32)

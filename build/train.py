@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
+
+from recserve import wire
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.rows import TableArrays
 from recserve.build.synthetic import generate, roc_auc
-from torch import nn
-
-from recserve import wire
 from recserve.spec import ModelSpec
 from recserve.wire import RawRows
 
@@ -113,17 +113,17 @@ class TrainedModel:
 def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel:
     """Generate data, train, evaluate on held-out rows and export keyed tables."""
     cfg = spec.training
-    seed = int(cfg["seed"])
+    seed = cfg.seed
     torch.manual_seed(seed)
     started = time.perf_counter()
-    progress(f"[train] generating {cfg['rows']} training + {cfg['holdout_rows']} held-out rows")
-    data = keyed(spec, generate(spec, int(cfg["rows"]), seed))
-    holdout = keyed(spec, generate(spec, int(cfg["holdout_rows"]), seed + 1))
+    progress(f"[train] generating {cfg.rows} training + {cfg.holdout_rows} held-out rows")
+    data = keyed(spec, generate(spec, cfg.rows, seed))
+    holdout = keyed(spec, generate(spec, cfg.holdout_rows, seed + 1))
 
     sparse_by_table = {f.table: data.sparse[:, i] for i, f in enumerate(spec.categorical.features)}
     item_keys = np.concatenate([data.target, data.history[data.mask > 0]])
-    vocab = {name: Vocabulary(keys, int(cfg["min_count"])) for name, keys in sparse_by_table.items()}
-    vocab[spec.sequence.table] = Vocabulary(item_keys, int(cfg["min_count"]))
+    vocab = {name: Vocabulary(keys, cfg.min_count) for name, keys in sparse_by_table.items()}
+    vocab[spec.sequence.table] = Vocabulary(item_keys, cfg.min_count)
 
     def index(rows: KeyedRows) -> dict[str, torch.Tensor]:
         sparse = np.stack(
@@ -141,12 +141,12 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel
 
     train_t, hold_t = index(data), index(holdout)
     model = TrainingModel(spec, vocab)
-    optimizer = torch.optim.Adam(model.parameters(), lr=float(cfg["learning_rate"]))
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.learning_rate)
     loss_fn = nn.BCELoss()
     labels = torch.from_numpy(data.labels)
-    batch = int(cfg["batch_size"])
+    batch = cfg.batch_size
     n = len(labels)
-    for epoch in range(int(cfg["epochs"])):
+    for epoch in range(cfg.epochs):
         model.train()
         order = torch.randperm(n)
         total = 0.0

@@ -27,6 +27,7 @@ from types import ModuleType, TracebackType
 from typing import Any
 
 import numpy as np
+
 from recserve.clients.errors import (
     InvalidRequestError,
     RequestTimeoutError,
@@ -35,7 +36,6 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows
-
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.perf.input_data import write_input_data
-
 from recserve.spec import ModelSpec
 
 #: A stability percentage that accepts perf_analyzer's first three windows: on a shared 2-core machine

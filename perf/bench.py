@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from recserve import wire
 from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.perf import report
@@ -40,7 +42,6 @@ from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
 from recserve.perf.report import Point
 from recserve.perf.stats import difference, snapshot
-
 from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
 
@@ -101,7 +102,7 @@ def _perf_point(
         spec, url, protocol, batch, str(concurrency), grid.measurement_ms, data=data, shared_memory=shared_memory,
         stability_percentage=LOOSE_STABILITY,
     )
-    steps = difference(before, snapshot(server.http_url), configs.STEPS)
+    steps = difference(before, snapshot(server.http_url), wire.STEPS)
     p = points[-1]
     return Point(
         system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3, p.p95_us / 1e3,
@@ -112,7 +113,7 @@ def _perf_point(
 def _load_point(system: str, target: HttpTarget, concurrency: int, seconds: float, http_url: str | None = None) -> Point:
     before = snapshot(http_url) if http_url else None
     result = run_load(target, concurrency, seconds)
-    steps = difference(before, snapshot(http_url), configs.STEPS) if http_url and before else []
+    steps = difference(before, snapshot(http_url), wire.STEPS) if http_url and before else []
     return Point(
         system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
         result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures, steps=tuple(s.as_dict() for s in steps),
@@ -127,7 +128,7 @@ def _sdk_point(spec: ModelSpec, server: TritonServer, batch: int, shared_memory:
             client.predict_inputs(inputs)  # warm-up
         before = snapshot(server.http_url)
         latencies_ms, elapsed = time_calls(client.predict_inputs, batches, seconds)
-        steps = difference(before, snapshot(server.http_url), configs.STEPS)
+        steps = difference(before, snapshot(server.http_url), wire.STEPS)
     p50, p95, p99 = (float(v) for v in np.percentile(latencies_ms, [50, 95, 99]))
     shm = "system" if shared_memory else "none"
     return Point(

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from recserve import wire
 from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
@@ -39,8 +41,6 @@ from recserve.backends.dense.buckets import (
 )
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
-
-from recserve import wire
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ def onnx_runners(spec: ModelSpec, repository: Path, threads: int) -> Runners:
     from recserve.backends.artifacts import read_manifest, verified_path
     from recserve.backends.dense.runner import OnnxBucket, OnnxDenseRunner, bucketed_onnx_runner
 
-    root = version_dir(repository, "dense", spec)
+    root = version_dir(repository, wire.DENSE, spec)
     model = verified_path(root, read_manifest(root)["files"]["model"])
     generic = OnnxDenseRunner(spec, model, threads)
 

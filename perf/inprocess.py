@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
-
 from recserve.spec import ModelSpec
 
 

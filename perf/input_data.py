@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from recserve.build.synthetic import generate
 
+from recserve.build.synthetic import generate
 from recserve.spec import ModelSpec
 
 DEFAULT_ROWS = 1024

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from recserve.build.synthetic import generate
 
+from recserve.build.synthetic import generate
 from recserve.spec import ModelSpec
 from recserve.wire import PROBABILITY
 

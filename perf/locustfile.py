@@ -23,9 +23,9 @@ from typing import Any
 import gevent
 import numpy as np
 from locust import User, events, task
+
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
-
 from recserve.spec import load_spec
 
 LOGGER = logging.getLogger(__name__)

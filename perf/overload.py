@@ -27,12 +27,13 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from recserve import wire
 from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.perf.stats import Snapshot, StepTimes, difference, snapshot
 from recserve.perf.traffic import infer_inputs, infer_request, scratch_repository
-from tritonclient.utils import InferenceServerException
-
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
@@ -336,7 +337,7 @@ def run_overload(
             reasons[reason] = reasons.get(reason, 0) + 1
     failures = [o.message for o in outcomes if o.result == FAILED][:5]
     return OverloadReport(
-        capacity, stats, back, failures, reasons, difference(snapshots[1], snapshots[2], configs.STEPS),
+        capacity, stats, back, failures, reasons, difference(snapshots[1], snapshots[2], wire.STEPS),
         Cores(server.cpus, client_cores).describe(), server.config_name or "",
     )
 

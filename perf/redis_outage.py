@@ -35,16 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from recserve.backends.store.tiered import StoreOptions, TieredStore
+
+from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline, upload_remote_tables, version_dir, write_tables
 from recserve.build.synthetic import generate
 from recserve.perf.redis_cluster import RedisCluster
 from recserve.perf.traffic import infer_request
-
 from recserve.server import LOOPBACK, Ports, TritonServer
 from recserve.spec import ModelSpec, parse_spec
-from recserve.wire import PROBABILITY
+from recserve.wire import EMBEDDING_LOOKUP, PROBABILITY
 
 LOGGER = logging.getLogger(__name__)
 
@@ -76,9 +76,9 @@ def l3_repository(spec: ModelSpec, repository: Path, target: Path, nodes: list[s
     doc["store"] = store
     variant = parse_spec(doc)
     shutil.copytree(repository, target, ignore=shutil.ignore_patterns("updates", "__pycache__"))
-    source = TieredStore.load(version_dir(repository, configs.EMBEDDING_LOOKUP, spec), spec)
+    source = TieredStore.load(version_dir(repository, EMBEDDING_LOOKUP, spec), spec)
     tables = {name: source.table_arrays(name) for name in source.table_names}
-    root = version_dir(target, configs.EMBEDDING_LOOKUP, spec)
+    root = version_dir(target, EMBEDDING_LOOKUP, spec)
     shutil.rmtree(root / "shards")
     write_tables(variant, tables, root)
     configs.write_configs(variant, target)
@@ -162,7 +162,7 @@ class OutageProbe:
         from tritonclient.grpc import service_pb2_grpc
 
         self.server = server
-        self.models = (spec.name, configs.EMBEDDING_LOOKUP)  # readiness: the ensemble and the L3 step
+        self.models = (spec.name, EMBEDDING_LOOKUP)  # readiness: the ensemble and the L3 step
         self.message = infer_request(spec.name, wire)
         self.message.outputs.add(name=PROBABILITY)
         self.channel = grpc.insecure_channel(server.grpc_url)
@@ -351,8 +351,8 @@ def run_outage(
     reference = reference_pipeline(spec, repository, runtime="torch").predict(wire)  # every item row found
     with RedisCluster(scratch / "redis") as cluster:
         variant = l3_repository(spec, repository, scratch / "repository", cluster.nodes, deadline_ms)
-        options = StoreOptions.from_spec(variant)
-        tables = version_dir(scratch / "repository", configs.EMBEDDING_LOOKUP, variant)
+        options = variant.store
+        tables = version_dir(scratch / "repository", EMBEDDING_LOOKUP, variant)
         upload_remote_tables(variant, tables, options)
         with TritonServer(scratch / "repository", Ports.free(), log_path=scratch / "server.log") as server:
             probe = OutageProbe(server, spec, wire, reference)

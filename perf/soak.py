@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+
+from recserve import wire
 from recserve.perf.traffic import (
     TrafficCounts,
     add_version,
@@ -33,7 +35,6 @@ from recserve.perf.traffic import (
     served_versions,
     traffic_worker,
 )
-
 from recserve.server import Ports, Security, TritonServer, expected_stubs
 from recserve.spec import ModelSpec
 
@@ -133,7 +134,7 @@ def detect_leaks(
 class DenseVersionUpdater:
     """Each call puts a new ``dense`` version live (copy of the newest) and drops the replaced one."""
 
-    def __init__(self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = "dense") -> None:
+    def __init__(self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = wire.DENSE) -> None:
         self.repository = repository
         self.grpc_url = grpc_url
         self.headers = headers
@@ -162,7 +163,7 @@ class EmbeddingDeltaUpdater:
         from recserve.backends.store.tiered import TieredStore
         from recserve.backends.store.updates.versions import UpdateLog
 
-        folder = repository / "embedding_lookup" / str(spec.version)
+        folder = repository / wire.EMBEDDING_LOOKUP / str(spec.version)
         store = TieredStore.load(folder, spec)
         self.table = table or spec.target.table
         self.keys = store.table_arrays(self.table).keys[:rows]

@@ -28,12 +28,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
 from recserve.backends.artifacts import write_manifest
 from recserve.backends.features.hashing import splitmix64
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
-from recserve.backends.store.tiered import TIERS, StoreOptions, TieredStore
+from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.build.synthetic import zipf_ranks
+from recserve.spec import StoreSection
 
 TABLE = "bench"
 
@@ -118,7 +120,7 @@ def serve_child(folder: Path, dim: int) -> None:
     import os
 
     baseline = pss_bytes(os.getpid())
-    store = TieredStore.map(folder, {TABLE: dim}, StoreOptions(cache_bytes=64 << 20))
+    store = TieredStore.map(folder, {TABLE: dim}, StoreSection(cache_mib=64))
     keys = np.asarray(store.shards[0].keys)
     ids = np.zeros(1 << 16, np.int16)
     for start in range(0, len(keys), 1 << 16):
@@ -158,6 +160,7 @@ def timed_lookups(store: TieredStore, keys: np.ndarray) -> list[float]:
 def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> DeviceFigures:
     """:class:`DeviceL1` lookups (synchronised: the result is complete on the device) against the host path."""
     import torch
+
     from recserve.backends.store.device_cache import DeviceL1
 
     device_l1 = DeviceL1(store, device)
@@ -204,7 +207,7 @@ def run(
         fp32 = write_table(root / "fp32", table, "float32")
         fp16 = write_table(root / "fp16", table, "float16")
         del table
-        options = StoreOptions(cache_bytes=int(cache_mib * (1 << 20)))
+        options = StoreSection(cache_mib=cache_mib)
         store = TieredStore.map(fp32, {TABLE: dim}, options)
         rows = query_rows(keys, batches * 2, batch_keys, exponent)
         all_keys = np.asarray(store.shards[0].keys)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from recserve.backends.triton import batching
 from recserve.build.repository import reference_pipeline
-
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
 
 LOGGER = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from recserve.build.synthetic import generate
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
 
+from recserve.build.synthetic import generate
 from recserve.server import TritonServer
 from recserve.spec import ModelSpec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY

@@ -20,11 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from recserve import wire
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
 from recserve.perf.analyzer import LOOSE_STABILITY, measure
 from recserve.perf.input_data import write_input_data
-
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
@@ -113,7 +113,7 @@ def sweep(
 
     try_all([replace(current, max_queue_delay_microseconds=d) for d in delays])
     try_all([replace(current, preferred_batch_sizes=p) for p in preferred_candidates(spec)])
-    for step in configs.STEPS:
+    for step in wire.STEPS:
         try_all([replace(current, instances={**current.instances, step: n}) for n in instance_counts])
     # a shared machine is noisy: measure the finalists again and decide on both measurements
     ranked = sorted((t for t in trials if t.score(p99_target_ms) > 0), key=lambda t: t.score(p99_target_ms), reverse=True)

@@ -6,10 +6,10 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TIERS, TieredStore
-
 from recserve.spec import ModelSpec
 
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")

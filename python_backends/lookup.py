@@ -6,14 +6,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
-from recserve.backends.features.transform import require
-from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 
 from recserve import wire
+from recserve.backends.features.transform import require
+from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
+
     from recserve.backends.store.device_cache import DeviceL1, DeviceLookup
     from recserve.backends.store.served import ServedStore
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
+
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TieredStore
-
 from recserve.spec import ModelSpec
 
 DenseFn = Callable[[Mapping[str, np.ndarray]], np.ndarray]

@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from recserve import wire
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
 from recserve.spec import DEFAULT_SPEC, load_spec
 
@@ -45,7 +46,7 @@ def _serve(args: argparse.Namespace) -> int:
         server_env,
     )  # fmt: skip
 
-    if not (args.repository / "dense").is_dir():
+    if not (args.repository / wire.DENSE).is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
     if args.mps and args.profile == "cpu":
@@ -55,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         security = Security(args.model_control, os.environ.get(ADMIN_KEY_ENV) or None, args.client_shared_memory)
         ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
         extra = []
-        if args.queue and (args.profile != "cpu" or not (args.repository / "feature_transform" / "configs" / f"{args.queue}.pbtxt").is_file()):
+        if args.queue and (args.profile != "cpu" or not (args.repository / wire.FEATURE_TRANSFORM / "configs" / f"{args.queue}.pbtxt").is_file()):
             print(f"error: no queue profile {args.queue!r} in {args.repository} (queue profiles are cpu configs)", file=sys.stderr)
             return 2
         if args.profile != "cpu":

@@ -8,6 +8,7 @@ from the objects below.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -15,11 +16,23 @@ from typing import Any
 
 import tomllib
 
+from recserve.sections import (
+    TOP_LEVEL_KEYS,
+    DenseNetSection,
+    HashingSection,
+    ModelSection,
+    QueuePolicy,
+    ServingSection,
+    SpecError,
+    StoreSection,
+    TableSection,
+    TrainingSection,
+    UnknownKeyError,
+    check_feature_keys,
+    parse_section,
+)
+
 DEFAULT_SPEC = "ctr"
-
-
-class SpecError(ValueError):
-    """The spec file is inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -96,35 +109,6 @@ class SequenceFeature:
 
 
 @dataclass(frozen=True)
-class QueuePolicy:
-    """How the steps' queues shed load (Triton's ``default_queue_policy`` of each step).
-
-    The first step is the admission gate: at most ``entry_max_queue_size`` requests wait there and
-    a request that waited ``entry_timeout_microseconds`` without starting is refused (UNAVAILABLE),
-    before any work is spent on it. Later steps hold up to ``max_queue_size`` requests for up to
-    ``default_timeout_microseconds``. 0 means no limit (and a step without any limit gets no
-    policy at all).
-    """
-
-    entry_max_queue_size: int = 32
-    max_queue_size: int = 128
-    default_timeout_microseconds: int = 1_000_000
-    entry_timeout_microseconds: int | None = None  # None: default_timeout_microseconds
-    timeout_action: str = "REJECT"
-
-    @property
-    def entry_timeout(self) -> int:
-        """The first step's queue timeout in microseconds (0: none)."""
-        return self.default_timeout_microseconds if self.entry_timeout_microseconds is None else self.entry_timeout_microseconds
-
-    def check(self, name: str) -> None:
-        """Raise :class:`SpecError` on negative limits or an unknown action."""
-        limits = (self.entry_max_queue_size, self.max_queue_size, self.default_timeout_microseconds, self.entry_timeout)
-        if min(limits) < 0 or self.timeout_action not in ("REJECT", "DELAY"):
-            raise SpecError(f"{name} needs limits >= 0 (0: none) and timeout_action REJECT or DELAY, got {self}")
-
-
-@dataclass(frozen=True)
 class ModelSpec:
     """Everything recserve needs to know about one model."""
 
@@ -144,11 +128,12 @@ class ModelSpec:
     target: CategoricalFeature
     sequence: SequenceFeature
     tables: dict[str, TableSpec]
-    training: dict[str, Any]
+    training: TrainingSection
     hash_namespace: str
     preferred_batch_sizes: tuple[int, ...] = ()
     queue: QueuePolicy = field(default_factory=QueuePolicy)
     queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
+    store: StoreSection = field(default_factory=StoreSection)
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     # ---- derived names -------------------------------------------------------------------
@@ -205,24 +190,29 @@ class ModelSpec:
         return json.dumps(self.source, sort_keys=True, separators=(",", ":"))
 
 
-def _table(name: str, raw: dict[str, Any], dim: int) -> TableSpec:
-    return TableSpec(
-        name=name,
-        dim=int(raw.get("dim", dim)),
-        cardinality=int(raw["cardinality"]),
-        zipf_exponent=float(raw.get("zipf_exponent", 1.05)),
-    )
-
-
 def parse_spec(doc: dict[str, Any]) -> ModelSpec:
-    """Build a :class:`ModelSpec` from a parsed TOML/JSON document, checking consistency."""
-    model = doc["model"]
-    dim = int(model["embedding_dim"])
-    tables: dict[str, TableSpec] = {
-        name: _table(name, raw, dim) for name, raw in doc.get("tables", {}).items()
-    }
+    """Build a :class:`ModelSpec` from a parsed TOML/JSON document, checking consistency.
+
+    Raises:
+        SpecError: a key is unknown or missing, a value has the wrong type, or parts disagree.
+    """
+    for key in doc:
+        if key not in TOP_LEVEL_KEYS:
+            raise UnknownKeyError("spec", str(key), sorted(TOP_LEVEL_KEYS))
+    for key in ("model", "dense_net", "serving", "features"):
+        if key not in doc:
+            raise SpecError(f"the spec needs a [{key}] section")
+    model = parse_section(ModelSection, doc["model"], "model")
+    net = parse_section(DenseNetSection, doc["dense_net"], "dense_net")
+    serving = parse_section(ServingSection, doc["serving"], "serving")
+    dim = model.embedding_dim
+    tables: dict[str, TableSpec] = {}
+    for name, raw in doc.get("tables", {}).items():
+        table = parse_section(TableSection, raw, f"tables.{name}")
+        tables[name] = TableSpec(name, table.dim or dim, table.cardinality, table.zipf_exponent)
     dense = categorical = target = sequence = None
-    for raw in doc["features"]:
+    for position, raw in enumerate(doc["features"]):
+        check_feature_keys(raw, position)
         kind = raw["kind"]
         if kind == "dense":
             cols = tuple(f"{raw['prefix']}{i + 1}" for i in range(int(raw["count"])))
@@ -240,12 +230,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
             categorical = HexGroup(raw["name"], tuple(feats), int(raw.get("max_hex_digits", 16)))
         elif kind == "categorical":
             target = CategoricalFeature(raw["name"], raw["table"], "int", raw.get("pooling", "sum"))
-        elif kind == "sequence":
-            sequence = SequenceFeature(
-                raw["name"], raw["table"], int(raw["max_length"]), float(raw["mean_length"])
-            )
         else:
-            raise SpecError(f"unknown feature kind {kind!r} for feature {raw.get('name')!r}")
+            sequence = SequenceFeature(raw["name"], raw["table"], int(raw["max_length"]), float(raw["mean_length"]))
     if dense is None or categorical is None or target is None or sequence is None:
         raise SpecError("a spec needs one dense, one hex categorical, one int categorical and one sequence feature")
     for feat in (target, sequence):
@@ -253,54 +239,50 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
             raise SpecError(f"feature {feat.name!r} uses undefined table {feat.table!r}")
     if any(t.dim != dim for t in tables.values()):
         raise SpecError(f"every table must have embedding_dim={dim} for the dot interaction")
-    net = doc["dense_net"]
-    bottom = tuple(int(x) for x in net["bottom_mlp"])
-    if bottom[-1] != dim:
-        raise SpecError(f"bottom_mlp must end at embedding_dim={dim}, got {bottom[-1]}")
-    serving = doc["serving"]
-    batch_buckets = tuple(sorted(int(x) for x in serving["batch_buckets"]))
-    seq_buckets = tuple(sorted(int(x) for x in serving["sequence_buckets"]))
-    max_batch = int(model["max_batch_size"])
+    if net.bottom_mlp[-1] != dim:
+        raise SpecError(f"bottom_mlp must end at embedding_dim={dim}, got {net.bottom_mlp[-1]}")
+    batch_buckets = tuple(sorted(serving.batch_buckets))
+    seq_buckets = tuple(sorted(serving.sequence_buckets))
+    max_batch = model.max_batch_size
     if batch_buckets[-1] != max_batch:
         raise SpecError(f"largest batch bucket {batch_buckets[-1]} must equal max_batch_size {max_batch}")
     if seq_buckets[-1] != sequence.max_length:
-        raise SpecError(
-            f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
-        )
-    preferred = tuple(sorted(int(x) for x in serving.get("preferred_batch_size", ())))
+        raise SpecError(f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}")
+    preferred = tuple(sorted(serving.preferred_batch_size))
     if any(not 1 <= size <= max_batch for size in preferred):
         raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")
-    queue = QueuePolicy(**serving.get("queue", {}))
-    queue.check("serving.queue")
-    queue_profiles = {name: QueuePolicy(**raw) for name, raw in serving.get("queue_profiles", {}).items()}
-    for name, policy in queue_profiles.items():
+    serving.queue.check("serving.queue")
+    for name, policy in serving.queue_profiles.items():
         if not name.isidentifier():
             raise SpecError(f"serving.queue_profiles: {name!r} must be an identifier (it names config files)")
         policy.check(f"serving.queue_profiles.{name}")
-    if dim % int(net["attention_heads"]):
+    if dim % net.attention_heads:
         raise SpecError("embedding_dim must be divisible by attention_heads")
+    store = parse_section(StoreSection, doc.get("store", {}), "store")
+    store.check(tables)
     return ModelSpec(
-        name=model["name"],
-        version=int(model.get("version", 1)),
+        name=model.name,
+        version=model.version,
         max_batch_size=max_batch,
         embedding_dim=dim,
-        bottom_mlp=bottom,
-        top_mlp=tuple(int(x) for x in net["top_mlp"]),
-        attention_heads=int(net["attention_heads"]),
+        bottom_mlp=net.bottom_mlp,
+        top_mlp=net.top_mlp,
+        attention_heads=net.attention_heads,
         batch_buckets=batch_buckets,
         sequence_buckets=seq_buckets,
-        max_queue_delay_microseconds=int(serving["max_queue_delay_microseconds"]),
-        instances={k: int(v) for k, v in serving["instances"].items()},
+        max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
+        instances=dict(serving.instances),
         dense=dense,
         categorical=categorical,
         target=target,
         sequence=sequence,
         tables=tables,
-        training=dict(doc.get("training", {})),
-        hash_namespace=doc.get("hashing", {}).get("namespace", "recserve"),
+        training=parse_section(TrainingSection, doc.get("training", {}), "training"),
+        hash_namespace=parse_section(HashingSection, doc.get("hashing", {}), "hashing").namespace,
         preferred_batch_sizes=preferred,
-        queue=queue,
-        queue_profiles=queue_profiles,
+        queue=serving.queue,
+        queue_profiles=dict(serving.queue_profiles),
+        store=store,
         source=doc,
     )
 
@@ -318,8 +300,37 @@ def load_spec(name: str | Path = DEFAULT_SPEC) -> ModelSpec:
     path = spec_path(str(name))
     if path.suffix == ".json":
         return spec_from_json(path.read_text())
-    with open(path, "rb") as fh:
-        return parse_spec(tomllib.load(fh))
+    text = path.read_text()
+    try:
+        return parse_spec(tomllib.loads(text))
+    except UnknownKeyError as exc:
+        line = key_line(text, exc.where, exc.key)
+        if line is None:
+            raise
+        raise SpecError(f"{path}, line {line}: {exc}") from None
+
+
+def key_line(text: str, where: str, key: str) -> int | None:
+    """The line (1-based) of a TOML text where ``key`` of table ``where`` is written, or None.
+
+    ``where`` is a table path (``store``, ``serving.queue``), ``features[N] (...)`` for the N-th
+    ``[[features]]`` entry, or ``spec`` for the top level.
+    """
+    array = re.match(r"(\w+)\[(\d+)\]", where)
+    seen, inside = -1, where == "spec"
+    for number, line in enumerate(text.splitlines(), 1):
+        header = re.match(r"^\s*(\[\[?)\s*([\w.]+)\s*\]", line)
+        if header:
+            if where == "spec" and header[2].split(".")[0] == key:
+                return number
+            if array and header[1] == "[[" and header[2] == array[1]:
+                seen += 1
+                inside = seen == int(array[2])
+            else:
+                inside = not array and header[1] == "[" and header[2] == where
+        elif inside and re.match(rf"^\s*{re.escape(key)}\s*=", line):
+            return number
+    return None
 
 
 def spec_from_json(text: str) -> ModelSpec:
@@ -335,7 +346,9 @@ __all__ = [
     "QueuePolicy",
     "SequenceFeature",
     "SpecError",
+    "StoreSection",
     "TableSpec",
+    "TrainingSection",
     "WireTensor",
     "NUMPY_DTYPES",
     "load_spec",

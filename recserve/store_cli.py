@@ -15,7 +15,7 @@ DEFAULT_REPOSITORY = Path("model_repository")
 
 def _open(args: argparse.Namespace, start: bool = False):  # noqa: ANN202 - returns (spec, ServedStore)
     from recserve.backends.store.served import ServedStore
-    from recserve.build.configs import EMBEDDING_LOOKUP
+    from recserve.wire import EMBEDDING_LOOKUP
 
     spec = load_spec(args.spec)
     return spec, ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=start)
@@ -68,12 +68,11 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _redis_load(args: argparse.Namespace) -> int:
-    from recserve.backends.store.tiered import StoreOptions
-    from recserve.build.configs import EMBEDDING_LOOKUP
     from recserve.build.repository import upload_remote_tables
+    from recserve.wire import EMBEDDING_LOOKUP
 
     spec = load_spec(args.spec)
-    options = StoreOptions.from_spec(spec)
+    options = spec.store
     if args.nodes:
         options = replace(options, redis_nodes=tuple(args.nodes.split(",")))
     if not options.redis_nodes:

@@ -15,6 +15,12 @@ import numpy as np
 from recserve.errors import InvalidInput
 from recserve.spec import ModelSpec
 
+#: The steps of the ensemble, in request order: each is a separately configured Triton model.
+FEATURE_TRANSFORM = "feature_transform"
+EMBEDDING_LOOKUP = "embedding_lookup"
+DENSE = "dense"
+STEPS = (FEATURE_TRANSFORM, EMBEDDING_LOOKUP, DENSE)
+
 DENSE_NORMALIZED = "dense_normalized"
 SPARSE_KEYS = "sparse_keys"
 TARGET_KEY = "target_key"

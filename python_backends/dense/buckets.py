@@ -29,9 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from recserve.backends.metrics import MetricSample
 
 from recserve import wire
+from recserve.backends.metrics import MetricSample
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)

@@ -11,9 +11,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from recserve.backends.artifacts import read_manifest, verified_path
-
 from recserve import wire
+from recserve.backends.artifacts import read_manifest, verified_path
 from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from recserve import wire
 from recserve.backends.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import (
     Arrays,
@@ -28,8 +30,6 @@ from recserve.backends.dense.buckets import (
     spec_buckets,
 )
 from recserve.backends.features.transform import require
-
-from recserve import wire
 from recserve.errors import ArtifactError, InvalidInput
 from recserve.spec import ModelSpec
 

@@ -16,9 +16,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from recserve.backends.dense.buckets import Bucket, grid_floors
-
 from recserve import wire
+from recserve.backends.dense.buckets import Bucket, grid_floors
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)

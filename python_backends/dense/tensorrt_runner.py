@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy
-from recserve.backends.dense.torch_runners import DeviceBuffers, TorchEager
 
 from recserve import wire
+from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy
+from recserve.backends.dense.torch_runners import DeviceBuffers, TorchEager
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy, pad_to_bucket
 
 from recserve import wire
+from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy, pad_to_bucket
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -26,8 +26,9 @@ WARMUP_ITERATIONS = 3  # eager runs on a side stream before capture (cuBLAS hand
 
 def load_net(spec: ModelSpec, weights: Path) -> torch.nn.Module:
     """The dense network with verified safetensors weights (no pickle)."""
-    from recserve.backends.dense.network import CTRNet
     from safetensors.torch import load_file
+
+    from recserve.backends.dense.network import CTRNet
 
     net = CTRNet(spec)
     net.load_state_dict(load_file(str(weights)))

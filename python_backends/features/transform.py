@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 
 from recserve import wire
+from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.errors import InvalidInput
 from recserve.spec import NUMPY_DTYPES, ModelSpec
 from recserve.wire import ABSENT_ITEM, parse_hex

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.keyindex import GOLDEN
 from recserve.backends.store.tiered import L1, Snapshot, TieredStore

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
+
 from recserve.backends.metrics import MetricSample
 
 LOGGER = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ LOGGER = logging.getLogger(__name__)
 KEY_PREFIX = "rs:"
 SLOT_GROUPS = 64
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+#: Reasons an L3 call is not served: the ``reason`` label of ``recserve_store_l3_errors_total``.
+L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY = "timeout", "error", "breaker_open", "busy"
+L3_ERROR_REASONS = (L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY)
 
 
 class CircuitBreaker:
@@ -93,7 +97,7 @@ class RedisTier:
         self.deadline_s = deadline_s
         self.breaker = breaker
         self.prefix = prefix
-        self.errors = {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
+        self.errors = dict.fromkeys(L3_ERROR_REASONS, 0)  # every reason, counted or not, is exported
         self.calls = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recserve-l3")
         self._inflight: Future | None = None  # the call or slot-map refresh running on the worker
@@ -102,7 +106,7 @@ class RedisTier:
 
     @classmethod
     def connect(cls, options: Any) -> RedisTier:
-        """A tier for ``StoreOptions`` (``redis_nodes``, ``redis_deadline_ms``, breaker settings)."""
+        """A tier for ``StoreSection`` (``redis_nodes``, ``redis_deadline_ms``, breaker settings)."""
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
         from redis.retry import Retry
@@ -125,10 +129,10 @@ class RedisTier:
         if keys.size == 0:
             return vectors, found
         if not self.breaker.allow():
-            self.errors["breaker_open"] += 1
+            self.errors[L3_BREAKER_OPEN] += 1
             return vectors, found
         if self._inflight is not None and not self._inflight.done():
-            self.errors["busy"] += 1  # a call stuck past its deadline, or the slot-map refresh: do not queue
+            self.errors[L3_BUSY] += 1  # a call stuck past its deadline, or the slot-map refresh: do not queue
             self.breaker.failure()
             self._refresh_topology = self._refresh_topology or self._inflight is not self._refresh
             return vectors, found
@@ -138,7 +142,7 @@ class RedisTier:
             # must not time every call out. This batch's keys get defaults, as in any failure.
             self._refresh_topology = False
             self._inflight = self._refresh = self._pool.submit(self.client.nodes_manager.initialize)
-            self.errors["busy"] += 1
+            self.errors[L3_BUSY] += 1
             self.breaker.failure()
             return vectors, found
         self.calls += 1
@@ -146,12 +150,12 @@ class RedisTier:
         try:
             values = self._inflight.result(timeout=self.deadline_s)
         except FutureTimeout:
-            self.errors["timeout"] += 1
+            self.errors[L3_TIMEOUT] += 1
             self.breaker.failure()
             self._refresh_topology = True
             return vectors, found
         except Exception as exc:  # noqa: BLE001 - any client error means "not served by L3"
-            self.errors["error"] += 1
+            self.errors[L3_ERROR] += 1
             self.breaker.failure()
             self._refresh_topology = True
             LOGGER.warning("L3 lookup failed: %s", type(exc).__name__)
@@ -195,8 +199,8 @@ class RedisTier:
         """L3 calls, errors by reason, breaker state."""
         out = [MetricSample("recserve_store_l3_calls_total", "counter", "Batch calls to L3", (), float(self.calls))]
         out += [
-            MetricSample("recserve_store_l3_errors_total", "counter", "L3 calls not served (keys got defaults), by reason", (("reason", reason),), float(count))
-            for reason, count in self.errors.items()
+            MetricSample("recserve_store_l3_errors_total", "counter", "L3 calls not served (keys got defaults), by reason", (("reason", reason),), float(self.errors.get(reason, 0)))
+            for reason in L3_ERROR_REASONS
         ]
         out.append(MetricSample("recserve_store_l3_breaker_open", "gauge", "1 while the L3 circuit breaker is open", (), float(self.breaker.state != CLOSED)))
         return out

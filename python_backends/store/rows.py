@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
 from recserve.backends.store import kernels
 from recserve.backends.store.keyindex import KeyIndex
-
 from recserve.errors import ArtifactError
 
 STORAGE_DTYPES = ("float32", "float16")

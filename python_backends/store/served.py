@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from recserve.backends.metrics import MetricSample
-from recserve.backends.store.tiered import TIERS, StoreOptions, TieredStore
-from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 
+from recserve.backends.metrics import MetricSample
+from recserve.backends.store.tiered import TIERS, TieredStore
+from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class ServedStore:
     @classmethod
     def open(cls, spec: ModelSpec, version_dir: Path, start: bool = True) -> ServedStore:
         """Map the shards, connect L3 if configured, apply published updates, warm L1 up."""
-        options = StoreOptions.from_spec(spec)
+        options = spec.store
         remote = None
         if options.redis_nodes:
             from recserve.backends.store.redis_tier import RedisTier

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
 from recserve.backends.artifacts import load_array, read_manifest, save_array
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import STORAGE_DTYPES, Shard, TableArrays, TableInfo
-
 from recserve.errors import ArtifactError
 
 LOGGER = logging.getLogger(__name__)

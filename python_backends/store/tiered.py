@@ -27,13 +27,17 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
 from recserve.backends.metrics import MetricSample
-from recserve.backends.store.hot_cache import FrequencyTracker, HotCache
+from recserve.backends.store.hot_cache import (
+    COUNT_DECAY,
+    TRACKED_KEYS_PER_REFRESH,
+    FrequencyTracker,
+    HotCache,
+)
 from recserve.backends.store.rows import KERNELS, RowBlock, Shard, TableArrays, TableInfo
 from recserve.backends.store.shards import layout_shards, map_shards
-
-from recserve.errors import ArtifactError
-from recserve.spec import ModelSpec
+from recserve.spec import ModelSpec, StoreSection
 
 LOGGER = logging.getLogger(__name__)
 
@@ -92,45 +96,6 @@ class StoreStats:
         return taken
 
 
-@dataclass(frozen=True)
-class StoreOptions:
-    """Serving settings of the store, from the spec's ``[store]`` section."""
-
-    cache_bytes: int = 8 << 20  # L1 budget per model instance
-    cache_refresh_s: float = 5.0  # how often L1 is rebuilt from the key frequencies
-    update_poll_s: float = 1.0  # how often a server looks for new table versions
-    table_dtypes: Mapping[str, str] = field(default_factory=dict)  # storage dtype by table (default float32)
-    redis_nodes: tuple[str, ...] = ()  # "host:port" seeds of the L3 Redis Cluster; empty: no L3
-    remote_tables: tuple[str, ...] = ()  # tables whose rows live only in L3 (not in the local shards)
-    redis_deadline_ms: float = 5.0
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 2.0
-    track_keys_per_refresh: int = 1 << 18  # at most this many recent keys feed the frequency count
-    decay: float = 0.5  # weight of older counts at each refresh
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec) -> StoreOptions:
-        """Options from ``spec.source['store']`` (defaults where absent)."""
-        raw = spec.source.get("store", {})
-        for setting in ("float16_tables", "remote_tables"):
-            unknown = sorted(set(raw.get(setting, [])) - set(spec.tables))
-            if unknown:
-                raise ArtifactError(f"[store] {setting} names unknown tables {unknown}")
-        if raw.get("remote_tables") and not raw.get("redis_nodes"):
-            raise ArtifactError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
-        return cls(
-            cache_bytes=int(float(raw.get("cache_mib", 8)) * (1 << 20)),
-            cache_refresh_s=float(raw.get("cache_refresh_s", 5.0)),
-            update_poll_s=float(raw.get("update_poll_s", 1.0)),
-            table_dtypes={name: "float16" for name in raw.get("float16_tables", [])},
-            redis_nodes=tuple(raw.get("redis_nodes", [])),
-            remote_tables=tuple(raw.get("remote_tables", [])),
-            redis_deadline_ms=float(raw.get("redis_deadline_ms", 5.0)),
-            breaker_failures=int(raw.get("breaker_failures", 3)),
-            breaker_cooldown_s=float(raw.get("breaker_cooldown_s", 2.0)),
-        )
-
-
 class TieredStore:
     """All embedding tables of a model behind L1 -> delta -> L2 -> L3 -> default."""
 
@@ -139,7 +104,7 @@ class TieredStore:
         tables: Sequence[TableInfo],
         shards: Sequence[Shard],
         base_version: int,
-        options: StoreOptions = StoreOptions(),
+        options: StoreSection = StoreSection(),
         remote: RemoteTier | None = None,
         compiled: bool = True,
     ) -> None:
@@ -154,7 +119,7 @@ class TieredStore:
         ids = sorted(tables, key=lambda t: t.table_id)
         self._table_shard = np.array([t.shard for t in ids], np.int16)
         self._defaults = np.stack([self.shards[t.shard].vectors[t.default_row].astype(np.float32) for t in ids])
-        self.tracker = FrequencyTracker(options.track_keys_per_refresh, options.decay)
+        self.tracker = FrequencyTracker(TRACKED_KEYS_PER_REFRESH, COUNT_DECAY)
         self.stats = StoreStats(np.zeros((len(ids), len(TIERS)), np.int64))
         self.snapshot = Snapshot(tuple(base_version for _ in ids))
         self._swap_lock = threading.Lock()
@@ -354,7 +319,7 @@ class TieredStore:
         tables: Mapping[str, TableArrays],
         dtypes: Mapping[str, str] | None = None,
         base_version: int = 1,
-        options: StoreOptions = StoreOptions(),
+        options: StoreSection = StoreSection(),
         remote: RemoteTier | None = None,
     ) -> TieredStore:
         """A store held in memory (tests, benchmarks, ``build``)."""
@@ -365,10 +330,10 @@ class TieredStore:
     def load(cls, root: Path, spec: ModelSpec, remote: RemoteTier | None = None) -> TieredStore:
         """Memory-map and verify the shards under ``root`` (a model version folder) for ``spec``."""
         dims = {name: table.dim for name, table in spec.tables.items()}
-        return cls.map(root, dims, StoreOptions.from_spec(spec), remote)
+        return cls.map(root, dims, spec.store, remote)
 
     @classmethod
-    def map(cls, root: Path, dims: Mapping[str, int], options: StoreOptions = StoreOptions(), remote: RemoteTier | None = None) -> TieredStore:
+    def map(cls, root: Path, dims: Mapping[str, int], options: StoreSection = StoreSection(), remote: RemoteTier | None = None) -> TieredStore:
         """Memory-map and verify the shards under ``root``; ``dims`` names the expected tables."""
         infos, shards, version = map_shards(root, dims)
         return cls(infos, shards, version, options, remote)

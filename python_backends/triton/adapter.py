@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
 from recserve.backends.metrics import MetricSample
 from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
-
 from recserve.errors import RequestError
 from recserve.spec import ModelSpec, spec_from_json
 
@@ -214,7 +214,9 @@ class MetricsPublisher:
     """Publishes :class:`~recserve.backends.metrics.MetricSample` lists through ``pb_utils.MetricFamily``.
 
     Counters arrive as running totals and are published as increments; only changed values are
-    sent, because every update is a message from the stub to the server.
+    sent, because every update is a message from the stub to the server. The first time a sample
+    is seen its metric is created even at 0 (a counter without an increment, a gauge set), so every
+    label combination a producer declares is on the endpoint from the first publication on.
     """
 
     def __init__(self) -> None:
@@ -227,17 +229,18 @@ class MetricsPublisher:
         for sample in samples:
             key = (sample.name, sample.labels)
             previous = self.published.get(key, 0.0 if sample.kind == "counter" else None)
-            if sample.value == previous:
-                continue
             metric = self.metrics.get(key)
-            if metric is None:
+            if sample.value == previous and metric is not None:
+                continue
+            if metric is None:  # first seen: created even at 0, so the series exists before it counts
                 family = self.families.get(sample.name)
                 if family is None:
                     kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
                     family = self.families[sample.name] = pb_utils.MetricFamily(name=sample.name, description=sample.description, kind=kind)
                 metric = self.metrics[key] = family.Metric(labels=dict(sample.labels))
             if sample.kind == "counter":
-                metric.increment(sample.value - previous)
+                if sample.value != previous:
+                    metric.increment(sample.value - previous)
             else:
                 metric.set(sample.value)
             self.published[key] = sample.value

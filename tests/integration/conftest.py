@@ -1,4 +1,4 @@
-"""One real tritonserver for the integration tests, on free loopback ports, stopped with SIGINT."""
+"""The built default repository, and one real tritonserver on free loopback ports, stopped with SIGINT."""
 
 from __future__ import annotations
 
@@ -6,9 +6,21 @@ from pathlib import Path
 
 import pytest
 
+from recserve.build.repository import build_repository, is_built
 from recserve.server import Ports, TritonServer
+from recserve.spec import ModelSpec
+from tests.conftest import ROOT
 
+REPOSITORY = ROOT / "model_repository"
 _SERVER: TritonServer | None = None
+
+
+@pytest.fixture(scope="session")
+def repository(spec: ModelSpec) -> Path:
+    """The default repository, built from the spec (``make build`` does this before the tests)."""
+    if not is_built(spec, REPOSITORY):
+        build_repository(spec, REPOSITORY)
+    return REPOSITORY
 
 
 @pytest.fixture(scope="session")

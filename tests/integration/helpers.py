@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from recserve.perf.traffic import infer_inputs
 
+from recserve.perf.traffic import infer_inputs
 from recserve.spec import ModelSpec
 
 __all__ = ["grpc_client", "http_client", "infer_inputs", "infer_raw"]

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from recserve.perf.traffic import TrafficCounts, scratch_repository, traffic_worker
-
 from recserve.server import Ports, Security, TritonServer
 
 

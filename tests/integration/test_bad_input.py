@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
 from recserve.build.synthetic import generate
 from recserve.perf.traffic import infer_request
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from .helpers import grpc_client, http_client, infer_inputs, infer_raw
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from recserve.build.configs import STEPS
+
 from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.bench import Grid, run_bench
 from recserve.perf.loadgen import sample_batches
-
 from recserve.server import Ports, Security, TritonServer
+from recserve.wire import STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows

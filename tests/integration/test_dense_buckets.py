@@ -7,8 +7,10 @@ import urllib.request
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.server import Ports, TritonServer
 
 from .helpers import grpc_client, infer_raw
 
@@ -50,3 +52,18 @@ def test_a_missed_shape_is_served_then_compiled_and_then_hits(server, spec, repo
     assert grew["recserve_dense_bucket_requests_total{fallback}"] >= 1
     assert grew["recserve_dense_padding_total{padding_rows}"] >= 7
     assert now["recserve_dense_padding_total{real_rows}"] > 0
+
+
+def test_counters_are_exported_at_zero_as_soon_as_the_server_is_ready(repository, tmp_path):
+    """Series a dashboard alerts on exist before their first event: zero is told apart from missing."""
+    with TritonServer(repository, Ports.free(), log_path=tmp_path / "server.log") as fresh:  # no request
+        url = f"http://127.0.0.1:{fresh.ports.metrics}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+    for series in (
+        r'recserve_dense_bucket_requests_total\{[^}]*event="fallback"[^}]*\}',
+        r'recserve_dense_bucket_requests_total\{[^}]*event="compile_failure"[^}]*\}',
+        r"recserve_store_updates_rejected_total",
+        r'recserve_embedding_keys_total\{[^}]*tier="l3"[^}]*\}',
+    ):
+        assert re.search(rf"^{series} 0$", text, flags=re.MULTILINE), f"{series} at 0 not exported:\n{text}"

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+
+from recserve import wire
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
-
-from recserve import wire
 
 from .helpers import grpc_client, infer_raw
 from .private_server import private_server
@@ -33,21 +33,21 @@ def l1_hits(server) -> float:
 
 def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repository, tmp_path):
     def device_l1(root: Path) -> None:
-        config = configs.step_config(spec, configs.EMBEDDING_LOOKUP)
+        config = configs.step_config(spec, wire.EMBEDDING_LOOKUP)
         config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cpu"
-        (root / configs.EMBEDDING_LOOKUP / "config.pbtxt").write_text(configs.render(config))
+        (root / wire.EMBEDDING_LOOKUP / "config.pbtxt").write_text(configs.render(config))
 
     reference = reference_pipeline(spec, repository, runtime="torch")
     wires = [generate(spec, rows, seed=40 + rows).to_wire(spec) for rows in (1, 3, 8, 17)]  # ragged histories
-    expected = [reference.predict(wire) for wire in wires]
+    expected = [reference.predict(request) for request in wires]
 
     def predict_all(server) -> list[np.ndarray]:
         with ThreadPoolExecutor(len(wires)) as pool:  # concurrent: the dynamic batcher merges some of them
-            return list(pool.map(lambda wire: predict(server, wire), wires))
+            return list(pool.map(lambda request: predict(server, request), wires))
 
-    def predict(server, wire) -> np.ndarray:
+    def predict(server, request) -> np.ndarray:
         with grpc_client(server) as client:
-            return infer_raw(grpcclient, client, spec, wire)
+            return infer_raw(grpcclient, client, spec, request)
 
     with private_server(repository, tmp_path, model_control="none", prepare=device_l1) as server:
         for got, want in zip(predict_all(server), expected, strict=True):

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from recserve.build.synthetic import generate
 from tritonclient.utils import InferenceServerException
+
+from recserve.build.synthetic import generate
 
 from .helpers import infer_inputs, infer_raw
 from .private_server import private_server

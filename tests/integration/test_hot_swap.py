@@ -6,12 +6,12 @@ import time
 
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
 from recserve.backends.artifacts import file_entry, write_manifest
 from recserve.backends.dense.network import CTRNet
 from recserve.build.export import export_onnx
 from recserve.perf.traffic import add_version
-from tritonclient.utils import InferenceServerException
-
 from recserve.spec import parse_spec
 
 from .private_server import background_traffic, private_server

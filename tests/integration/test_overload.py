@@ -6,11 +6,11 @@ Latency ratios are printed, not asserted (a shared 2-core machine is too noisy f
 """
 
 import tritonclient.grpc as grpcclient
-from recserve.build import configs
+
+from recserve import wire
 from recserve.build.synthetic import generate
 from recserve.perf.overload import Cores, pinned_capacity, run_overload
 from recserve.perf.traffic import scratch_repository
-
 from recserve.server import Ports, TritonServer
 
 from .helpers import infer_raw
@@ -38,6 +38,6 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
     assert spike.served > 0 and after.served > 0
     assert set(report.shed_reasons) <= {"Request timeout expired"}, report.shed_reasons
     steps = {s.model: s for s in report.spike_steps}
-    assert steps[configs.FEATURE_TRANSFORM].failed > 0, report.table()
-    assert all(steps[step].failed == 0 for step in configs.STEPS[1:]), "refused after the entry: work was wasted\n" + report.table()
+    assert steps[wire.FEATURE_TRANSFORM].failed > 0, report.table()
+    assert all(steps[step].failed == 0 for step in wire.STEPS[1:]), "refused after the entry: work was wasted\n" + report.table()
     assert report.queue == QUEUE

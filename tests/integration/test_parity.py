@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 

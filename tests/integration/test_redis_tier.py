@@ -5,11 +5,12 @@ import time
 
 import numpy as np
 import pytest
+
 from recserve.backends.store.redis_tier import RedisTier
 from recserve.backends.store.rows import TableArrays
-from recserve.backends.store.tiered import DEFAULT, L2, L3, StoreOptions, TieredStore
+from recserve.backends.store.tiered import DEFAULT, L2, L3, TieredStore
 from recserve.perf.redis_cluster import RedisCluster
-
+from recserve.spec import StoreSection
 from tests.unit.test_store import DIM, make_tables
 
 
@@ -22,7 +23,7 @@ def cluster(tmp_path):
 def stores(cluster, deadline_ms=200.0, cooldown_s=0.5):
     """The same tables twice: all in L2, and with ``t1`` only in L3."""
     tables = make_tables(rows=(400, 3000))
-    options = StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s)
+    options = StoreSection(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s)
     tier = RedisTier.connect(options)
     t1 = tables["t1"]
     assert tier.upload(t1.keys, t1.vectors) == len(t1.keys)
@@ -129,7 +130,7 @@ def test_l3_serves_again_after_the_whole_cluster_restarts_even_with_a_tight_dead
         remote.lookup(keys, ids)
     assert tier.breaker.state != "closed", tier.errors
     cluster.restart()
-    loader = RedisTier.connect(StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=10_000.0))
+    loader = RedisTier.connect(StoreSection(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=10_000.0))
     loader.upload(tables["t1"].keys, tables["t1"].vectors)  # the nodes came back empty
     loader.close()
     deadline = time.monotonic() + 30
@@ -144,7 +145,7 @@ def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster
     from recserve.backends.store.updates.versions import StoreUpdater, UpdateLog
 
     tables = make_tables()
-    tier = RedisTier.connect(StoreOptions(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=500.0))
+    tier = RedisTier.connect(StoreSection(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=500.0))
     here, there = UpdateLog(tmp_path / "here", 1), UpdateLog(tmp_path / "there", 1)
     sender, receiver = UpdateStream(tier.client, here), UpdateStream(tier.client, there)
     remote_store = TieredStore.from_tables(tables)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store import kernels
 from recserve.build.repository import reference_pipeline
@@ -22,9 +23,8 @@ from recserve.clients import CTRClient
 from recserve.clients.rows import write_csv
 from recserve.perf.redis_cluster import RedisCluster
 from recserve.perf.redis_outage import l3_repository
-
-from recserve import wire
 from recserve.server import Ports, TritonServer
+from recserve.wire import SPARSE_KEYS, TARGET_KEY
 
 from .helpers import grpc_client, infer_raw
 
@@ -102,7 +102,7 @@ def check_update_and_rollback(root, server, spec, tmp_path):
     wire[spec.target.name][:4] = -1  # rows without items (no target, empty history) keep their score
     wire[spec.sequence_length_input][:4] = 0
     before = predict(server, spec, wire)
-    target_keys = FeatureTransform(spec).transform(wire)[wire.TARGET_KEY][4:, 0]
+    target_keys = FeatureTransform(spec).transform(wire)[TARGET_KEY][4:, 0]
     keys = np.unique(target_keys)
     np.savez(tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.5, np.float32))
     published = recserve("update", "--table", spec.target.table, "--delta", str(tmp_path / "delta.npz"), "--repository", str(root))
@@ -141,7 +141,7 @@ def test_responses_name_the_embedding_versions_that_served_them(private, spec, t
         before = client.score_inputs(wire)
         assert before.embedding_version.shape == (8, len(spec.table_names)) and (before.dense_version == 1).all()
         old = int(before.embedding_version[0, item])
-        keys = np.unique(FeatureTransform(spec).transform(wire)[wire.TARGET_KEY])
+        keys = np.unique(FeatureTransform(spec).transform(wire)[TARGET_KEY])
         np.savez(tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.25, np.float32))
         thread = threading.Thread(target=traffic)
         thread.start()
@@ -186,7 +186,7 @@ def test_explain_shows_value_key_table_tier_and_version_per_feature(private, spe
     records = [json.loads(line) for line in result.stdout.splitlines()]
     history = int(rows.lengths.sum())
     assert len(records) == 3 * (spec.num_sparse + 1) + history
-    keys = FeatureTransform(spec).transform(rows.to_wire(spec))[wire.SPARSE_KEYS]
+    keys = FeatureTransform(spec).transform(rows.to_wire(spec))[SPARSE_KEYS]
     c1 = [r for r in records if r["feature"] == "C1"]
     assert [r["key"] for r in c1] == keys[:, 0].tolist()
     for record in records:

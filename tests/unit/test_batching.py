@@ -1,4 +1,5 @@
 import numpy as np
+
 from recserve.backends.triton.batching import merge, split
 
 

@@ -2,6 +2,7 @@ import json
 import math
 
 import pytest
+
 from recserve.perf import report
 from recserve.perf.report import Point
 

@@ -4,24 +4,25 @@ import threading
 
 import numpy as np
 import pytest
+
+from recserve import wire
 from recserve.backends.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
 
-from recserve import wire
-
 
 @pytest.fixture(scope="module")
-def model_path(spec, repository):
-    root = version_dir(repository, "dense", spec)
+def model_path(tiny_spec, tiny_repository):
+    """The tiny model's graph: its spec has ctr's batch buckets and the 8/32/128 sequence buckets."""
+    root = version_dir(tiny_repository, "dense", tiny_spec)
     return verified_path(root, read_manifest(root)["files"]["model"])
 
 
 @pytest.fixture(scope="module")
-def generic(spec, model_path):
-    return OnnxDenseRunner(spec, model_path)
+def generic(tiny_spec, model_path):
+    return OnnxDenseRunner(tiny_spec, model_path)
 
 
 def test_the_grid_is_every_batch_bucket_times_every_sequence_bucket(spec):
@@ -80,10 +81,10 @@ def test_padding_fills_zeros_and_reused_buffers_forget_earlier_requests(spec):
     np.testing.assert_array_equal(padded[wire.SPARSE_EMBEDDINGS][:3], small[wire.SPARSE_EMBEDDINGS])
 
 
-def test_a_miss_is_served_by_the_generic_graph_then_compiled_and_swapped_in(spec, model_path, generic):
-    runner = bucketed_onnx_runner(spec, model_path, prepare=spec_buckets(spec))
+def test_a_miss_is_served_by_the_generic_graph_then_compiled_and_swapped_in(tiny_spec, model_path, generic):
+    runner = bucketed_onnx_runner(tiny_spec, model_path, prepare=spec_buckets(tiny_spec))
     try:
-        sample = example_inputs(spec, 41, 32, seed=41)  # 64 would pad 36%: miss
+        sample = example_inputs(tiny_spec, 41, 32, seed=41)  # 64 would pad 36%: miss
         expected = generic.predict(sample)
         np.testing.assert_array_equal(runner.predict(sample), expected)
         assert runner.wait_compiled(timeout_s=60)
@@ -97,9 +98,9 @@ def test_a_miss_is_served_by_the_generic_graph_then_compiled_and_swapped_in(spec
         runner.close()
 
 
-def test_requests_keep_their_results_while_buckets_are_swapped_in(spec, model_path, generic):
-    runner = bucketed_onnx_runner(spec, model_path, prepare=(Bucket(256, 8),))
-    samples = [example_inputs(spec, rows, 8, seed=rows) for rows in (9, 17, 33, 65, 129)]
+def test_requests_keep_their_results_while_buckets_are_swapped_in(tiny_spec, model_path, generic):
+    runner = bucketed_onnx_runner(tiny_spec, model_path, prepare=(Bucket(256, 8),))
+    samples = [example_inputs(tiny_spec, rows, 8, seed=rows) for rows in (9, 17, 33, 65, 129)]
     expected = [generic.predict(s) for s in samples]
     try:
         for _ in range(20):  # misses schedule compiles; swaps happen while these run
@@ -117,12 +118,12 @@ def test_requests_keep_their_results_while_buckets_are_swapped_in(spec, model_pa
         runner.close()
 
 
-def test_a_failed_compile_is_not_retried_and_the_generic_graph_keeps_serving(spec, generic):
+def test_a_failed_compile_is_not_retried_and_the_generic_graph_keeps_serving(tiny_spec, generic):
     def refuse(bucket):
         raise RuntimeError(f"cannot compile {bucket}")
 
-    runner = BucketedRunner(BucketPolicy.from_spec(spec), refuse, generic.predict, background=False)
-    sample = example_inputs(spec, 5, 8, seed=5)
+    runner = BucketedRunner(BucketPolicy.from_spec(tiny_spec), refuse, generic.predict, background=False)
+    sample = example_inputs(tiny_spec, 5, 8, seed=5)
     for _ in range(3):
         np.testing.assert_array_equal(runner.predict(sample), generic.predict(sample))
     counts = runner.counters.snapshot()
@@ -130,7 +131,7 @@ def test_a_failed_compile_is_not_retried_and_the_generic_graph_keeps_serving(spe
     assert runner.buckets == ()
 
 
-def test_one_compile_per_bucket_under_concurrent_misses(spec, generic):
+def test_one_compile_per_bucket_under_concurrent_misses(tiny_spec, generic):
     calls, gate = [], threading.Event()
 
     def slow_compile(bucket):
@@ -138,8 +139,8 @@ def test_one_compile_per_bucket_under_concurrent_misses(spec, generic):
         gate.wait(10)
         return generic.predict
 
-    runner = BucketedRunner(BucketPolicy.from_spec(spec), slow_compile, generic.predict)
-    sample = example_inputs(spec, 9, 8, seed=9)
+    runner = BucketedRunner(BucketPolicy.from_spec(tiny_spec), slow_compile, generic.predict)
+    sample = example_inputs(tiny_spec, 9, 8, seed=9)
     threads = [threading.Thread(target=runner.predict, args=(sample,)) for _ in range(4)]
     for t in threads:
         t.start()

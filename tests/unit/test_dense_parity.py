@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from recserve.backends.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import Bucket, BucketPolicy, grid_floors, spec_buckets
 from recserve.backends.dense.runner import bucketed_onnx_runner
@@ -31,13 +32,19 @@ def bucket_edges(spec):
 
 
 @pytest.fixture(scope="module")
-def net(spec, repository):
-    return load_reference_net(spec, repository)
+def spec(tiny_spec):
+    """Parity holds for any built model: the tiny one (tests/unit/conftest.py), same serving grid as ctr."""
+    return tiny_spec
 
 
 @pytest.fixture(scope="module")
-def dense_dir(spec, repository):
-    return version_dir(repository, "dense", spec)
+def net(spec, tiny_repository):
+    return load_reference_net(spec, tiny_repository)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(spec, tiny_repository):
+    return version_dir(tiny_repository, "dense", spec)
 
 
 def always_pad(spec):
@@ -100,8 +107,8 @@ def test_generic_fallback_matches_too(spec, net, dense_dir):
 
 @needs_cuda
 @pytest.mark.parametrize(("precision", "tolerance"), [("fp32", FP32), ("fp16", FP16), ("bf16", BF16)])
-def test_cuda_graph_buckets(spec, repository, net, precision, tolerance):
-    gpu_net = load_reference_net(spec, repository)
+def test_cuda_graph_buckets(spec, tiny_repository, net, precision, tolerance):
+    gpu_net = load_reference_net(spec, tiny_repository)
     runner = bucketed_torch_runner(
         spec,
         gpu_net,
@@ -117,7 +124,7 @@ def test_cuda_graph_buckets(spec, repository, net, precision, tolerance):
 
 @needs_tensorrt
 @pytest.mark.tensorrt
-def test_tensorrt_buckets(spec, repository, net, dense_dir, tmp_path):
+def test_tensorrt_buckets(spec, tiny_repository, net, dense_dir, tmp_path):
     from recserve.backends.dense.tensorrt_engine import EngineOptions, build_engine, spec_profiles
     from recserve.backends.dense.tensorrt_runner import bucketed_tensorrt_runner
 
@@ -129,7 +136,7 @@ def test_tensorrt_buckets(spec, repository, net, dense_dir, tmp_path):
         plan,
         tuple(p.bucket for p in profiles),
         model,
-        load_reference_net(spec, repository),
+        load_reference_net(spec, tiny_repository),
         "cuda:0",
         policy=always_pad(spec),
     )

@@ -3,16 +3,17 @@
 import numpy as np
 import pytest
 import torch
+
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.device_cache import DeviceL1, resolve_device, slot_of
 from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.served import ServedStore
-from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, StoreOptions, TieredStore
+from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.build.synthetic import zipf_ranks
-
+from recserve.spec import StoreSection
 from recserve.wire import EMBEDDING_VERSION
 from tests.unit.test_store import DIM, make_tables
 
@@ -39,7 +40,7 @@ def zipf_batch(tables, rng, size, unknown=0.05):
 def make_store(cache_slots=150):
     """Two tables (float32 and float16 shards); L1 smaller than the hot set, so every tier serves."""
     tables = make_tables(rows=(2000, 1500))
-    store = TieredStore.from_tables(tables, dtypes={"t1": "float16"}, options=StoreOptions(cache_bytes=cache_slots * SLOT_BYTES))
+    store = TieredStore.from_tables(tables, dtypes={"t1": "float16"}, options=StoreSection(cache_mib=(cache_slots * SLOT_BYTES) / (1 << 20)))
     return tables, store
 
 
@@ -155,7 +156,7 @@ class SwapsMidBatch(TieredStore):
 @pytest.mark.parametrize("swaps", [1, 4])  # 4: every attempt loses, the host path serves it
 def test_a_batch_sees_one_snapshot_when_an_update_lands_mid_batch(swaps):
     tables = make_tables(rows=(2000, 1500))
-    store = SwapsMidBatch.from_tables(tables, options=StoreOptions(cache_bytes=100 * SLOT_BYTES))
+    store = SwapsMidBatch.from_tables(tables, options=StoreSection(cache_mib=(100 * SLOT_BYTES) / (1 << 20)))
     keys = tables["t0"].keys[:400]  # hot ones cached, the rest missed
     ids = np.zeros(len(keys), np.int16)
     store.rows = keys
@@ -181,7 +182,7 @@ def test_device_setting_is_checked():
 
 def test_upkeep_copies_each_new_l1_to_the_device_before_any_lookup(tmp_path):
     tables, _ = make_store()
-    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=150 * SLOT_BYTES, cache_refresh_s=0.0))
+    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=(150 * SLOT_BYTES) / (1 << 20), cache_refresh_s=0.0))
     served = served_store(store, tmp_path)
     device_l1 = DeviceL1(store, "cpu")
     served.maintainer.after_step.append(device_l1.follow)
@@ -205,7 +206,7 @@ def spec_store(spec, rng):
         keys = np.unique(keys_for(rng.integers(0, 10**6, size=300), table_salt(spec.hash_namespace, name)))
         vectors = rng.normal(size=(len(keys), spec.embedding_dim)).astype(np.float32)
         tables[name] = TableArrays(name, keys, vectors, np.zeros(spec.embedding_dim, np.float32))
-    options = StoreOptions(cache_bytes=2000 * (spec.embedding_dim * 4 + 16))
+    options = StoreSection(cache_mib=(2000 * (spec.embedding_dim * 4 + 16)) / (1 << 20))
     return tables, TieredStore.from_tables(tables, options=options)
 
 

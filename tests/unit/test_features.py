@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
+
+from recserve import wire as wire_names
 from recserve.backends.features.hashing import missing_key
 from recserve.backends.features.transform import FeatureTransform
 from recserve.build.synthetic import generate
-
-from recserve import wire as wire_names
 from recserve.errors import InvalidInput
 from recserve.wire import parse_hex
 

@@ -1,4 +1,5 @@
 import numpy as np
+
 from recserve.backends.features.hashing import fnv1a64, keys_for, missing_key, splitmix64, table_salt
 
 

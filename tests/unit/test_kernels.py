@@ -2,10 +2,12 @@
 
 import numpy as np
 import pytest
+
 from recserve.backends.store import kernels
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
-from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, StoreOptions, TieredStore
+from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
+from recserve.spec import StoreSection
 
 KERNELS = kernels.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the compiled store kernels are not built (no C compiler at install)")
@@ -66,7 +68,7 @@ def test_float16_rows_widen_exactly_for_every_half_value():
 
 def test_cache_probe_matches_the_numpy_slot_rule():
     rng = np.random.default_rng(4)
-    store = TieredStore.from_tables(tables_for(rng, random_keys(rng, 5000)), options=StoreOptions(cache_bytes=40 * (DIM * 4 + 16)))
+    store = TieredStore.from_tables(tables_for(rng, random_keys(rng, 5000)), options=StoreSection(cache_mib=(40 * (DIM * 4 + 16)) / (1 << 20)))
     hot = np.concatenate([t.keys[:30] for t in store_tables(store)])
     store.refresh_cache(seed=hot)
     cache = store.snapshot.cache
@@ -90,7 +92,7 @@ def test_lookup_is_identical_on_both_paths_across_every_tier(float16):
     rng = np.random.default_rng(5)
     tables = tables_for(rng, random_keys(rng, 30_000))
     dtypes = {"t1": "float16"} if float16 else {}  # two shards: one float32, one float16
-    options = StoreOptions(cache_bytes=2000 * (DIM * 4 + 16))
+    options = StoreSection(cache_mib=(2000 * (DIM * 4 + 16)) / (1 << 20))
     compiled = TieredStore.from_tables(tables, dtypes, options=options)
     numpy_path = TieredStore(list(compiled.tables.values()), compiled.shards, 1, options, compiled=False)
     assert compiled.compiled and not numpy_path.compiled

@@ -1,9 +1,9 @@
 import numpy as np
+
+from recserve import wire
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.tiered import TieredStore
-
-from recserve import wire
 
 
 def spec_store(spec, base_version=1):

@@ -1,4 +1,5 @@
 import pytest
+
 from recserve.perf.overload import SERVED, SHED, Cores, Outcome, phase_stats, recovery_s
 
 

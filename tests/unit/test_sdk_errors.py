@@ -4,6 +4,8 @@ import time
 
 import numpy as np
 import pytest
+from tritonclient.utils import InferenceServerException
+
 from recserve.build.synthetic import generate
 from recserve.clients import (
     AsyncCTRClient,
@@ -16,7 +18,6 @@ from recserve.clients import (
     ServerUnavailableError,
     map_exception,
 )
-from tritonclient.utils import InferenceServerException
 
 
 def _closed_port() -> int:

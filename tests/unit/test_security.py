@@ -1,10 +1,10 @@
 """Secure defaults of the launcher, and the dense/embedding fit check."""
 
 import pytest
-from recserve.backends.dense.compatibility import check_dense_fits
-from recserve.build import configs
 
 from recserve import wire
+from recserve.backends.dense.compatibility import check_dense_fits
+from recserve.build import configs
 from recserve.cli import parser
 from recserve.errors import ArtifactError
 from recserve.server import ADMIN_HEADER, Ports, Security, ServerError, server_command
@@ -56,15 +56,15 @@ def test_serve_defaults_to_loopback_and_no_model_control():
     assert args.host == "127.0.0.1" and args.model_control == "none" and not args.client_shared_memory
 
 
-def test_serve_refuses_a_queue_profile_the_repository_lacks(repository, capsys):
-    args = parser().parse_args(["serve", "--repository", str(repository), "--queue", "nope"])
+def test_serve_refuses_a_queue_profile_the_repository_lacks(tiny_repository, capsys):
+    args = parser().parse_args(["serve", "--repository", str(tiny_repository), "--queue", "nope"])
     assert args.func(args) == 2
     assert "no queue profile 'nope'" in capsys.readouterr().err
 
 
 def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
     assert spec.queue.entry_max_queue_size <= spec.queue.max_queue_size, "the first step must be the tightest gate"
-    for step in configs.STEPS:
+    for step in wire.STEPS:
         policy = configs.step_config(spec, step).dynamic_batching.default_queue_policy
         limit = spec.queue.entry_max_queue_size if step == "feature_transform" else spec.queue.max_queue_size
         assert policy.max_queue_size == limit > 0
@@ -105,8 +105,8 @@ def test_a_dense_graph_for_other_embeddings_is_refused_with_both_shapes(spec, ov
     assert named in str(err.value) and f"embedding_dim {spec.embedding_dim}" in str(err.value)
 
 
-def test_the_exported_dense_graph_fits(spec, repository):
+def test_the_exported_dense_graph_fits(tiny_spec, tiny_repository):
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(repository / "dense" / str(spec.version) / "model.onnx"))
-    check_dense_fits(spec, {i.name: i.shape for i in session.get_inputs()})
+    session = ort.InferenceSession(str(tiny_repository / "dense" / str(tiny_spec.version) / "model.onnx"))
+    check_dense_fits(tiny_spec, {i.name: i.shape for i in session.get_inputs()})

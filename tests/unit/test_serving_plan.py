@@ -3,15 +3,17 @@ import shutil
 import numpy as np
 import pytest
 from google.protobuf import text_format
-from recserve.backends.triton.bytes_codec import decode_bytes_tensor
-from recserve.build import configs
-from recserve.build.configs import STEPS, ServingPlan
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from recserve import wire
+from recserve.backends.triton.bytes_codec import decode_bytes_tensor
+from recserve.build import configs
+from recserve.build.configs import ServingPlan
 from recserve.cli import main
 from recserve.server import MpsDaemon, ServerError, visible_gpus
 from recserve.spec import SpecError, parse_spec
+from recserve.wire import STEPS
 
 
 def test_naive_plan_turns_dynamic_batching_off(spec):
@@ -33,7 +35,7 @@ def test_plan_sets_delay_preferred_sizes_and_instances(spec):
 
 @pytest.mark.parametrize("profile", ["gpu", "cuda"])
 def test_gpu_profiles_run_the_python_steps_on_gpu_instances_with_gpu_inputs(spec, profile):
-    for step in (configs.FEATURE_TRANSFORM, configs.EMBEDDING_LOOKUP):
+    for step in (wire.FEATURE_TRANSFORM, wire.EMBEDDING_LOOKUP):
         config = configs.step_config(spec, step, profile=profile)
         assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
         assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
@@ -94,10 +96,10 @@ def test_bytes_decoder_refuses_truncated_buffers():
 
 
 @pytest.mark.skipif(bool(visible_gpus()), reason="this machine has a GPU")
-def test_gpu_profile_and_mps_fail_clearly_without_a_gpu(repository, capsys, tmp_path):
-    assert main(["serve", "--repository", str(repository), "--profile", "gpu"]) == 2
+def test_gpu_profile_and_mps_fail_clearly_without_a_gpu(tiny_repository, capsys, tmp_path):
+    assert main(["serve", "--repository", str(tiny_repository), "--profile", "gpu"]) == 2
     assert "nvidia-smi lists none" in capsys.readouterr().err
-    assert main(["serve", "--repository", str(repository), "--mps"]) == 2
+    assert main(["serve", "--repository", str(tiny_repository), "--mps"]) == 2
     assert "--profile gpu or cuda" in capsys.readouterr().err
     with pytest.raises(ServerError, match="nvidia-cuda-mps-control|nvidia-smi"):
         MpsDaemon(tmp_path).start()

@@ -3,7 +3,15 @@ import copy
 import pytest
 import tomllib
 
-from recserve.spec import SpecError, parse_spec, spec_from_json, spec_path
+from recserve.spec import (
+    SpecError,
+    StoreSection,
+    TrainingSection,
+    load_spec,
+    parse_spec,
+    spec_from_json,
+    spec_path,
+)
 
 
 def _doc() -> dict:
@@ -61,3 +69,48 @@ def test_inconsistent_specs_are_refused(edit, message):
     edit(doc)
     with pytest.raises(SpecError, match=message):
         parse_spec(doc)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["store"].__setitem__("cache_mb", 8), r"\[store\] has an unknown key 'cache_mb'; known keys: .*cache_mib"),
+        (lambda d: d["training"].__setitem__("epoch", 3), r"\[training\] has an unknown key 'epoch'"),
+        (lambda d: d["serving"]["queue"].__setitem__("max_queue", 3), r"\[serving\.queue\] has an unknown key 'max_queue'"),
+        (lambda d: d["features"][2].__setitem__("max_len", 3), r"features\[2\] \(history_items\) has an unknown key 'max_len'"),
+        (lambda d: d["tables"]["item"].__setitem__("dims", 8), r"\[tables\.item\] has an unknown key 'dims'"),
+        (lambda d: d.__setitem__("hashin", {}), r"the spec has an unknown key 'hashin'"),
+        (lambda d: d["training"].__setitem__("epochs", 2.5), r"training\.epochs must be an integer, got 2\.5"),
+        (lambda d: d["store"].__setitem__("cache_refresh_s", "5"), r"store\.cache_refresh_s must be a number, got '5'"),
+        (lambda d: d["store"].__setitem__("float16_tables", ["C1", "nope"]), r"float16_tables names unknown tables \['nope'\]"),
+        (lambda d: d["store"].__setitem__("remote_tables", ["item"]), "remote_tables needs redis_nodes"),
+        (lambda d: d["model"].pop("embedding_dim"), r"\[model\] needs the key 'embedding_dim'"),
+    ],
+)
+def test_every_section_refuses_unknown_keys_and_wrong_types(edit, message):
+    doc = copy.deepcopy(_doc())
+    edit(doc)
+    with pytest.raises(SpecError, match=message):
+        parse_spec(doc)
+
+
+def test_sections_are_typed_with_defaults_in_one_place():
+    doc = copy.deepcopy(_doc())
+    del doc["store"], doc["training"]
+    spec = parse_spec(doc)
+    assert spec.store == StoreSection() and spec.store.cache_bytes == 8 << 20
+    assert spec.training == TrainingSection()
+    full = parse_spec(_doc())
+    assert full.store.cache_mib == 8.0 and isinstance(full.store.float16_tables, tuple)
+    assert full.training.rows == 120_000 and isinstance(full.training.learning_rate, float)
+
+
+def test_an_unknown_key_in_a_spec_file_names_its_line(tmp_path):
+    text = spec_path("ctr").read_text()
+    lines = text.splitlines()
+    typo = next(i for i, line in enumerate(lines) if line.startswith("cache_refresh_s"))
+    lines[typo] = lines[typo].replace("cache_refresh_s", "cache_refresh")
+    path = tmp_path / "typo.toml"
+    path.write_text("\n".join(lines))
+    with pytest.raises(SpecError, match=rf"typo\.toml, line {typo + 1}: \[store\] has an unknown key 'cache_refresh'"):
+        load_spec(path)

@@ -2,15 +2,16 @@ import json
 
 import numpy as np
 import pytest
+
 from recserve.backends.artifacts import load_array, read_manifest, save_array, write_manifest
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.store.hot_cache import FrequencyTracker
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
-from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, StoreOptions, TieredStore
-
+from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TieredStore
 from recserve.errors import ArtifactError
+from recserve.spec import StoreSection
 
 DIM = 4
 
@@ -70,7 +71,7 @@ def test_lookup_serves_each_table_and_its_own_default_for_unknown_keys():
 
 def test_hot_keys_move_to_l1_with_identical_vectors():
     tables = make_tables()
-    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=1 << 24))  # no slot conflicts among 40 keys
+    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=16))  # no slot conflicts among 40 keys
     ids = np.zeros(40, np.int16) + store.table_id("t0")
     hot = tables["t0"].keys[:40]
     before = store.lookup(hot, ids).vectors
@@ -85,7 +86,7 @@ def test_hot_keys_move_to_l1_with_identical_vectors():
 def test_cache_is_bounded_in_bytes():
     tables = make_tables()
     budget = 64 * (DIM * 4 + 16)
-    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=budget))
+    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=budget / (1 << 20)))
     store.lookup(tables["t0"].keys, np.zeros(500, np.int16))
     cached = store.refresh_cache()
     assert store.cache_slots == 64 and 0.5 * 64 < cached <= 64  # direct-mapped: some slots stay empty
@@ -190,7 +191,7 @@ def test_store_refuses_an_old_format_and_a_manifest_without_a_spec_table(spec, t
 
 def test_empty_l1_slots_never_match():
     tables = make_tables()
-    store = TieredStore.from_tables(tables, options=StoreOptions(cache_bytes=64 * (DIM * 4 + 16)))
+    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=(64 * (DIM * 4 + 16)) / (1 << 20)))
     store.refresh_cache(seed=tables["t0"].keys[:3])
     probe = np.arange(0, 64, dtype=np.int64)  # 0 is what empty slots would hold without care
     assert (store.lookup(probe, np.zeros(64, np.int16)).tiers == DEFAULT).all()

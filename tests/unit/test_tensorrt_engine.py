@@ -4,6 +4,9 @@ import subprocess
 import sys
 
 import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from recserve import wire
 from recserve.backends.dense.buckets import Bucket, spec_buckets
 from recserve.backends.dense.tensorrt_engine import (
     EngineOptions,
@@ -15,10 +18,7 @@ from recserve.backends.dense.tensorrt_engine import (
     tensorrt_available,
 )
 from recserve.build import configs
-from tritonclient.grpc import model_config_pb2 as mc
-
-from recserve import wire
-from tests.conftest import REPOSITORY
+from tests.unit.conftest import COMMITTED_CONFIGS, TINY_SPEC
 
 
 def test_one_profile_per_bucket_tuned_for_the_bucket(spec):
@@ -57,21 +57,22 @@ def test_building_without_tensorrt_says_so(spec, tmp_path):
 
 
 @pytest.mark.skipif(tensorrt_available(), reason="checks the message where TensorRT is absent")
-def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(repository):
-    before = (repository / "dense" / "config.pbtxt").read_text()
+def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(tiny_repository):
+    before = (tiny_repository / "dense" / "config.pbtxt").read_text()
     done = subprocess.run(
-        [sys.executable, "-m", "recserve.cli", "build", "--if-missing", "--profile", "gpu", "--repository", str(repository)],
+        [sys.executable, "-m", "recserve.cli", "--spec", TINY_SPEC,
+         "build", "--if-missing", "--profile", "gpu", "--repository", str(tiny_repository)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stderr.splitlines() if "TensorRT" in line]
     assert len(lines) == 1 and "not installed" in lines[0] and "CPU path" in lines[0]
-    assert (repository / "dense" / "config.pbtxt").read_text() == before
-    assert not list((repository / "dense").glob("*/model.plan"))
+    assert (tiny_repository / "dense" / "config.pbtxt").read_text() == before
+    assert not list((tiny_repository / "dense").glob("*/model.plan"))
 
 
 def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
-    config = configs.step_config(spec, configs.DENSE, profile="gpu")
+    config = configs.step_config(spec, wire.DENSE, profile="gpu")
     assert config.platform == "tensorrt_plan" and config.default_model_filename == configs.TENSORRT_PLAN
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.instance_group[0].count == spec.instances["dense"]
@@ -81,11 +82,11 @@ def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
     assert [w.name for w in config.model_warmup] == [
         f"bucket_{b.rows}x{b.length}" for b in spec_buckets(spec)
     ]
-    assert (REPOSITORY / "dense" / "configs" / "gpu.pbtxt").read_text() == configs.render(config)
+    assert (COMMITTED_CONFIGS / "dense" / "configs" / "gpu.pbtxt").read_text() == configs.render(config)
 
 
 def test_cpu_dense_config_warms_every_bucket_at_load(spec):
-    config = configs.step_config(spec, configs.DENSE)
+    config = configs.step_config(spec, wire.DENSE)
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     for warmup, bucket in zip(config.model_warmup, spec_buckets(spec), strict=True):
         assert warmup.batch_size == bucket.rows
@@ -95,18 +96,18 @@ def test_cpu_dense_config_warms_every_bucket_at_load(spec):
 
 
 def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
-    config = configs.step_config(spec, configs.DENSE, profile="cuda")
-    cpu = configs.step_config(spec, configs.DENSE)
+    config = configs.step_config(spec, wire.DENSE, profile="cuda")
+    cpu = configs.step_config(spec, wire.DENSE)
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"  # lookups arrive on the GPU
     cpu.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
     cpu.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
     assert config == cpu
-    assert (REPOSITORY / "dense" / "configs" / "cuda.pbtxt").read_text() == configs.render(config)
+    assert (COMMITTED_CONFIGS / "dense" / "configs" / "cuda.pbtxt").read_text() == configs.render(config)
 
 
 def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_parameters(spec):
-    for step in (configs.FEATURE_TRANSFORM, configs.EMBEDDING_LOOKUP):
+    for step in (wire.FEATURE_TRANSFORM, wire.EMBEDDING_LOOKUP):
         for profile in configs.PROFILES:
             config = configs.step_config(spec, step, profile)
             config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
@@ -116,7 +117,7 @@ def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_pa
             if wire.L1_DEVICE_PARAMETER in config.parameters:
                 l1_device = config.parameters[wire.L1_DEVICE_PARAMETER].string_value
                 del config.parameters[wire.L1_DEVICE_PARAMETER]
-            assert l1_device == ("cuda" if (step, profile) == (configs.EMBEDDING_LOOKUP, "cuda") else "")
+            assert l1_device == ("cuda" if (step, profile) == (wire.EMBEDDING_LOOKUP, "cuda") else "")
             assert config == configs.step_config(spec, step)
     # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
     hardware = [p.as_posix() for p in configs.profile_configs(spec) if p.parent.name == "configs" and p.stem in configs.PROFILES]
@@ -125,4 +126,4 @@ def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_pa
         *(f"{model}/configs/{profile}.pbtxt" for model in ("dense", "embedding_lookup", "feature_transform") for profile in ("cuda", "gpu")),
     ]
     with pytest.raises(ValueError, match="profile"):
-        configs.step_config(spec, configs.DENSE, profile="tpu")
+        configs.step_config(spec, wire.DENSE, profile="tpu")

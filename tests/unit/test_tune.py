@@ -1,9 +1,10 @@
 import pytest
 import tomllib
-from recserve.build.configs import STEPS, ServingPlan
-from recserve.perf import tune
 
+from recserve.build.configs import ServingPlan
+from recserve.perf import tune
 from recserve.spec import load_spec, parse_spec, spec_path
+from recserve.wire import STEPS
 
 LADDER = ((1, 4), (1, 16), (64, 1), (64, 4))
 

@@ -2,6 +2,8 @@ import threading
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
 from recserve.backends.store.tiered import DELTA, L1, TieredStore
 from recserve.backends.store.updates.versions import (
     DeltaError,
@@ -12,8 +14,6 @@ from recserve.backends.store.updates.versions import (
     read_delta_file,
     save_hot_keys,
 )
-from safetensors.numpy import save_file
-
 from tests.unit.test_store import DIM, make_tables
 
 

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from recserve.backends.artifacts import load_array, save_array
 from recserve.backends.store.rows import RowBlock
 from recserve.backends.store.tiered import TieredStore
-
 from recserve.errors import ArtifactError
 
 LOGGER = logging.getLogger(__name__)

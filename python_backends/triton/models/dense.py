@@ -3,11 +3,16 @@
 import time
 
 import numpy as np
-from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
-from recserve.backends.dense.runner import DenseStep
-from recserve.backends.triton.adapter import MetricsPublisher, ModelContext, execute_checked_merged, instance_device
 
 from recserve import wire
+from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
+from recserve.backends.dense.runner import DenseStep
+from recserve.backends.triton.adapter import (
+    MetricsPublisher,
+    ModelContext,
+    execute_checked_merged,
+    instance_device,
+)
 
 METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
 
@@ -23,6 +28,8 @@ class TritonPythonModel:
         self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
         self.version = context.version
         self.metrics = MetricsPublisher()
+        # every declared series exists (at 0) before the first request
+        self.metrics.publish(self.step.runner.counters.samples())
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:

@@ -2,11 +2,15 @@
 
 import time
 
+from recserve import wire
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.served import ServedStore
-from recserve.backends.triton.adapter import MetricsPublisher, ModelContext, execute_checked_merged, instance_device
-
-from recserve import wire
+from recserve.backends.triton.adapter import (
+    MetricsPublisher,
+    ModelContext,
+    execute_checked_merged,
+    instance_device,
+)
 
 INPUTS = (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS)
 METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
@@ -23,6 +27,8 @@ class TritonPythonModel:
             context.spec, self.served, context.parameters.get(wire.L1_DEVICE_PARAMETER, ""), instance_device(args)
         )
         self.metrics = MetricsPublisher()
+        # every declared series exists (at 0) before the first request
+        self.metrics.publish(self.served.samples())
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:

@@ -1,10 +1,10 @@
 """Triton model ``feature_transform``: raw features to keys (see recserve.backends.features.transform)."""
 
 import numpy as np
-from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.triton.adapter import ModelContext, execute_merged_or_alone
 
 from recserve import wire
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.triton.adapter import ModelContext, execute_merged_or_alone
 
 
 class TritonPythonModel:

@@ -1,0 +1,231 @@
+"""Typed sections of the spec: each TOML table parsed once into a dataclass, defaults in one place.
+
+:func:`parse_section` builds a section from its raw TOML table: it refuses keys the section does not
+have (naming the key and the section), requires the keys without a default, and converts values to
+the field types (``int``, ``float``, ``str``, ``bool``, tuples, nested sections and tables of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+Section = TypeVar("Section")
+
+
+class SpecError(ValueError):
+    """The spec file is inconsistent."""
+
+
+class UnknownKeyError(SpecError):
+    """A spec table holds a key that recserve does not know (a typo, or a key of another section)."""
+
+    def __init__(self, where: str, key: str, known: list[str]) -> None:
+        label = "the spec" if where == "spec" else where if "[" in where else f"[{where}]"
+        super().__init__(f"{label} has an unknown key {key!r}; known keys: {', '.join(known)}")
+        self.where = where
+        self.key = key
+
+
+def parse_section(cls: type[Section], raw: Any, where: str) -> Section:
+    """The section ``cls`` from its raw TOML table at ``where`` (e.g. ``store``, ``serving.queue``).
+
+    Raises:
+        SpecError: ``raw`` is not a table, a key is unknown or missing, or a value has the wrong type.
+    """
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"[{where}] must be a table, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for key in raw:
+        if key not in fields:
+            raise UnknownKeyError(where, str(key), sorted(fields))
+    for name, spec_field in fields.items():
+        required = spec_field.default is dataclasses.MISSING and spec_field.default_factory is dataclasses.MISSING
+        if required and name not in raw:
+            raise SpecError(f"[{where}] needs the key {name!r}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{key: _convert(hints[key], value, f"{where}.{key}") for key, value in raw.items()})
+
+
+def _convert(kind: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        return None if value is None and len(options) < len(args) else _convert(options[0], value, where)
+    if dataclasses.is_dataclass(kind):
+        return parse_section(kind, value, where)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise SpecError(f"{where} must be a list, got {value!r}")
+        return tuple(_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise SpecError(f"{where} must be a table, got {value!r}")
+        return {str(k): _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SpecError(f"{where} must be true or false, got {value!r}")
+        return value
+    if kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+            raise SpecError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        return kind(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise SpecError(f"{where} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"no conversion for {kind!r} at {where}")  # a section declared a field type not handled here
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``[model]``: the served model's name, version and limits."""
+
+    name: str
+    max_batch_size: int
+    embedding_dim: int  # every interacting embedding has this width (DLRM dot interaction)
+    version: int = 1
+
+
+@dataclass(frozen=True)
+class DenseNetSection:
+    """``[dense_net]``: sizes of the built-in network."""
+
+    bottom_mlp: tuple[int, ...]
+    top_mlp: tuple[int, ...]
+    attention_heads: int
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """How the steps' queues shed load (Triton's ``default_queue_policy`` of each step).
+
+    The first step is the admission gate: at most ``entry_max_queue_size`` requests wait there and
+    a request that waited ``entry_timeout_microseconds`` without starting is refused (UNAVAILABLE),
+    before any work is spent on it. Later steps hold up to ``max_queue_size`` requests for up to
+    ``default_timeout_microseconds``. 0 means no limit (and a step without any limit gets no
+    policy at all).
+    """
+
+    entry_max_queue_size: int = 32
+    max_queue_size: int = 128
+    default_timeout_microseconds: int = 1_000_000
+    entry_timeout_microseconds: int | None = None  # None: default_timeout_microseconds
+    timeout_action: str = "REJECT"
+
+    @property
+    def entry_timeout(self) -> int:
+        """The first step's queue timeout in microseconds (0: none)."""
+        if self.entry_timeout_microseconds is None:
+            return self.default_timeout_microseconds
+        return self.entry_timeout_microseconds
+
+    def check(self, name: str) -> None:
+        """Raise :class:`SpecError` on negative limits or an unknown action."""
+        limits = (self.entry_max_queue_size, self.max_queue_size, self.default_timeout_microseconds, self.entry_timeout)
+        if min(limits) < 0 or self.timeout_action not in ("REJECT", "DELAY"):
+            raise SpecError(f"{name} needs limits >= 0 (0: none) and timeout_action REJECT or DELAY, got {self}")
+
+
+@dataclass(frozen=True)
+class ServingSection:
+    """``[serving]``: shape buckets, dynamic batching, instances and queue policies."""
+
+    batch_buckets: tuple[int, ...]
+    sequence_buckets: tuple[int, ...]
+    max_queue_delay_microseconds: int
+    instances: dict[str, int]
+    preferred_batch_size: tuple[int, ...] = ()
+    queue: QueuePolicy = field(default_factory=QueuePolicy)
+    queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """``[training]``: how ``recserve build`` trains the built-in network on synthetic rows."""
+
+    seed: int = 0
+    rows: int = 120_000
+    holdout_rows: int = 20_000
+    epochs: int = 2
+    batch_size: int = 512
+    learning_rate: float = 0.003
+    min_count: int = 2  # values seen fewer times share the table's default (out-of-vocabulary) row
+
+
+@dataclass(frozen=True)
+class HashingSection:
+    """``[hashing]``: key = splitmix64(salt(table) XOR value), salt = FNV-1a 64 of ``<namespace>/<table>``."""
+
+    namespace: str = "recserve"
+
+
+@dataclass(frozen=True)
+class TableSection:
+    """``[tables.<name>]``: an embedding table that is not one categorical column's own."""
+
+    cardinality: int
+    dim: int | None = None  # None: the model's embedding_dim
+    zipf_exponent: float = 1.05
+
+
+@dataclass(frozen=True)
+class StoreSection:
+    """``[store]``: the sparse parameter store's serving settings."""
+
+    cache_mib: float = 8.0  # L1 hot-row cache per model instance
+    cache_refresh_s: float = 5.0  # how often L1 is rebuilt from the key frequencies
+    update_poll_s: float = 1.0  # how often a server looks for new table versions
+    float16_tables: tuple[str, ...] = ()  # tables stored as float16 (served as float32)
+    redis_nodes: tuple[str, ...] = ()  # "host:port" seeds of the L3 Redis Cluster; empty: no L3
+    redis_deadline_ms: float = 5.0  # every L3 call; on timeout or error the keys get default vectors
+    breaker_failures: int = 3  # consecutive L3 failures that open the circuit breaker
+    breaker_cooldown_s: float = 2.0  # open breaker: no L3 calls for this long, then one trial call
+    remote_tables: tuple[str, ...] = ()  # tables whose rows live only in L3 (not in the local shards)
+
+    @property
+    def cache_bytes(self) -> int:
+        """The L1 budget in bytes."""
+        return int(self.cache_mib * (1 << 20))
+
+    @property
+    def table_dtypes(self) -> dict[str, str]:
+        """Storage dtype of the tables that are not float32."""
+        return {name: "float16" for name in self.float16_tables}
+
+    def check(self, tables: typing.Iterable[str]) -> None:
+        """Raise :class:`SpecError` when the section names unknown tables or L3 tables without Redis."""
+        for setting in ("float16_tables", "remote_tables"):
+            unknown = sorted(set(getattr(self, setting)) - set(tables))
+            if unknown:
+                raise SpecError(f"[store] {setting} names unknown tables {unknown}")
+        if self.remote_tables and not self.redis_nodes:
+            raise SpecError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
+
+
+#: Keys of each ``[[features]]`` kind (``kind`` itself and ``name`` included).
+FEATURE_KEYS: dict[str, frozenset[str]] = {
+    "dense": frozenset({"name", "kind", "prefix", "count", "clip_min", "clip_max"}),
+    "categorical": frozenset(
+        {"name", "kind", "encoding", "prefix", "count", "max_hex_digits", "cardinalities", "zipf_exponent", "pooling",
+         "table"}
+    ),
+    "sequence": frozenset({"name", "kind", "table", "max_length", "mean_length"}),
+}
+#: The spec's top-level tables.
+TOP_LEVEL_KEYS = ("model", "dense_net", "serving", "training", "features", "tables", "hashing", "store")
+
+
+def check_feature_keys(raw: Mapping[str, Any], position: int) -> None:
+    """Refuse a ``[[features]]`` entry with a key its kind does not have."""
+    kind = raw.get("kind")
+    where = f"features[{position}] ({raw.get('name', '?')})"
+    if kind not in FEATURE_KEYS:
+        raise SpecError(f"{where}: unknown feature kind {kind!r}; known kinds: {', '.join(FEATURE_KEYS)}")
+    for key in raw:
+        if key not in FEATURE_KEYS[kind]:
+            raise UnknownKeyError(where, str(key), sorted(FEATURE_KEYS[kind]))
