@@ -57,18 +57,35 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
     return {t.name: t for t in items}
 
 
-def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
+def step_io(
+    spec: ModelSpec, profile: str = "cpu"
+) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
     """Inputs and outputs of each ensemble step (a TensorRT ``dense``, profile ``gpu``, has no version output)."""
     t = intermediate_tensors(spec)
     return {
         wire.FEATURE_TRANSFORM: (
             spec.wire_inputs(),
-            tuple(t[n] for n in (wire.DENSE_NORMALIZED, wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS, wire.HISTORY_MASK)),
+            tuple(
+                t[n]
+                for n in (
+                    wire.DENSE_NORMALIZED,
+                    wire.SPARSE_KEYS,
+                    wire.TARGET_KEY,
+                    wire.HISTORY_KEYS,
+                    wire.HISTORY_MASK,
+                )
+            ),
         ),
         wire.EMBEDDING_LOOKUP: (
             tuple(t[n] for n in (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS)),
             tuple(
-                t[n] for n in (wire.SPARSE_EMBEDDINGS, wire.TARGET_EMBEDDING, wire.HISTORY_EMBEDDINGS, wire.EMBEDDING_VERSION)
+                t[n]
+                for n in (
+                    wire.SPARSE_EMBEDDINGS,
+                    wire.TARGET_EMBEDDING,
+                    wire.HISTORY_EMBEDDINGS,
+                    wire.EMBEDDING_VERSION,
+                )
             ),
         ),
         wire.DENSE: (
@@ -79,7 +96,9 @@ def step_io(spec: ModelSpec, profile: str = "cpu") -> dict[str, tuple[tuple[Wire
 
 
 def _input(t: WireTensor) -> mc.ModelInput:
-    return mc.ModelInput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims), allow_ragged_batch=t.ragged)
+    return mc.ModelInput(
+        name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims), allow_ragged_batch=t.ragged
+    )
 
 
 def _output(t: WireTensor) -> mc.ModelOutput:
@@ -119,7 +138,9 @@ def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
             count=1,
             inputs={
                 t.name: mc.ModelWarmup.Input(
-                    data_type=_DTYPES[t.dtype], dims=[bucket.length if d == -1 else d for d in t.dims], zero_data=True
+                    data_type=_DTYPES[t.dtype],
+                    dims=[bucket.length if d == -1 else d for d in t.dims],
+                    zero_data=True,
                 )
                 for t in inputs
             },
@@ -142,7 +163,9 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
         max_batch_size=spec.max_batch_size,
         input=[_input(dataclasses.replace(t, ragged=False)) for t in inputs],
         output=[_output(t) for t in outputs],
-        instance_group=[mc.ModelInstanceGroup(count=spec.instances[wire.DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)],
+        instance_group=[
+            mc.ModelInstanceGroup(count=spec.instances[wire.DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
+        ],
         dynamic_batching=mc.ModelDynamicBatching(
             preferred_batch_size=list(spec.batch_buckets),
             max_queue_delay_microseconds=spec.max_queue_delay_microseconds,
@@ -176,7 +199,11 @@ class ServingPlan:
 
 
 def step_config(
-    spec: ModelSpec, step: str, profile: str = "cpu", plan: ServingPlan | None = None, queue: str | None = None
+    spec: ModelSpec,
+    step: str,
+    profile: str = "cpu",
+    plan: ServingPlan | None = None,
+    queue: str | None = None,
 ) -> mc.ModelConfig:
     """Config of one step: Python backend, batching and instances from ``plan``, the spec as parameter.
 
@@ -217,7 +244,9 @@ def step_config(
     config.parameters["spec"].string_value = spec.to_json()
     if on_gpu:  # GPU-resident inputs reach the step (read through DLPack)
         config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
-    if step == wire.EMBEDDING_LOOKUP and profile == "cuda":  # L1 and the looked-up vectors stay on the GPU for dense
+    if (
+        step == wire.EMBEDDING_LOOKUP and profile == "cuda"
+    ):  # L1 and the looked-up vectors stay on the GPU for dense
         config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cuda"
     return config
 
@@ -250,7 +279,9 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     )
 
 
-def all_configs(spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None) -> dict[str, mc.ModelConfig]:
+def all_configs(
+    spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None
+) -> dict[str, mc.ModelConfig]:
     """Every model of the repository by name, in one config profile (``plan`` as in :func:`step_config`)."""
     configs = {step: step_config(spec, step, profile, plan) for step in wire.STEPS}
     configs[spec.name] = ensemble_config(spec, profile)
@@ -276,7 +307,9 @@ def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
                 files[config_path(Path(), name, profile)] = config
     for queue in spec.queue_profiles:
         if queue in PROFILES:
-            raise ValueError(f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs")
+            raise ValueError(
+                f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs"
+            )
         for step in wire.STEPS:
             files[config_path(Path(), step, queue)] = step_config(spec, step, queue=queue)
     return files

@@ -32,7 +32,9 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
 def torch_predict(net: CTRNet, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The PyTorch reference on numpy inputs."""
     with torch.no_grad():
-        return net(*(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in wire.DENSE_NET_INPUTS)).numpy()
+        return net(
+            *(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in wire.DENSE_NET_INPUTS)
+        ).numpy()
 
 
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:

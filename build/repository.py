@@ -81,7 +81,9 @@ def write_tables(spec: ModelSpec, tables: dict[str, TableArrays], root: Path) ->
     local, remote = dict(tables), {}
     for name in options.remote_tables:
         table = tables[name]
-        local[name] = TableArrays(name, np.empty(0, np.int64), np.empty((0, table.default.shape[0]), np.float32), table.default)
+        local[name] = TableArrays(
+            name, np.empty(0, np.int64), np.empty((0, table.default.shape[0]), np.float32), table.default
+        )
         remote[name] = {
             "keys": save_array(root, f"remote/{name}.keys.npy", table.keys),
             "vectors": save_array(root, f"remote/{name}.vectors.npy", np.asarray(table.vectors, np.float32)),
@@ -89,14 +91,25 @@ def write_tables(spec: ModelSpec, tables: dict[str, TableArrays], root: Path) ->
     shards = write_shards(root, local, options.table_dtypes)
     write_manifest(
         root,
-        {"format": MANIFEST_FORMAT, "version": spec.version, "spec_sha256": spec_digest(spec), **shards, "remote": remote},
+        {
+            "format": MANIFEST_FORMAT,
+            "version": spec.version,
+            "spec_sha256": spec_digest(spec),
+            **shards,
+            "remote": remote,
+        },
     )
 
 
-def remote_table_arrays(spec: ModelSpec, root: Path, include_local: bool = False) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def remote_table_arrays(
+    spec: ModelSpec, root: Path, include_local: bool = False
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Rows meant for L3 (``(keys, vectors)`` by table), checked; with ``include_local``, every table."""
     manifest = read_manifest(root)
-    rows = {name: (load_array(root, entry["keys"]), load_array(root, entry["vectors"])) for name, entry in manifest.get("remote", {}).items()}
+    rows = {
+        name: (load_array(root, entry["keys"]), load_array(root, entry["vectors"]))
+        for name, entry in manifest.get("remote", {}).items()
+    }
     if include_local:
         store = TieredStore.load(root, spec)
         for name in store.table_names:
@@ -106,7 +119,9 @@ def remote_table_arrays(spec: ModelSpec, root: Path, include_local: bool = False
     return rows
 
 
-def upload_remote_tables(spec: ModelSpec, root: Path, options: StoreSection, include_local: bool = False) -> int:
+def upload_remote_tables(
+    spec: ModelSpec, root: Path, options: StoreSection, include_local: bool = False
+) -> int:
     """Write the L3 rows of a built version folder into the Redis Cluster of ``options``; rows written.
 
     What ``recserve redis-load`` does: the ``[store] remote_tables`` (with ``include_local``, every table).
@@ -115,7 +130,10 @@ def upload_remote_tables(spec: ModelSpec, root: Path, options: StoreSection, inc
 
     tier = RedisTier.connect(replace(options, redis_deadline_ms=10_000.0))  # a bulk load, not a lookup
     try:
-        return sum(tier.upload(keys, vectors) for keys, vectors in remote_table_arrays(spec, root, include_local).values())
+        return sum(
+            tier.upload(keys, vectors)
+            for keys, vectors in remote_table_arrays(spec, root, include_local).values()
+        )
     finally:
         tier.close()
 
@@ -154,7 +172,9 @@ def add_tensorrt_engine(
     the repository keeps its CPU path.
     """
     if not tensorrt_engine.tensorrt_available():
-        progress("[build] TensorRT is not installed: no engine built; the dense step keeps the CPU path (ONNX Runtime)")
+        progress(
+            "[build] TensorRT is not installed: no engine built; the dense step keeps the CPU path (ONNX Runtime)"
+        )
         return None
     root = version_dir(repository, wire.DENSE, spec)
     manifest = read_manifest(root)
@@ -165,7 +185,10 @@ def add_tensorrt_engine(
     path = root / configs.TENSORRT_PLAN
     path.write_bytes(plan)
     manifest["files"]["plan"] = file_entry(root, path)
-    manifest["tensorrt"] = {"precision": precision, "profiles": [[p.bucket.rows, p.bucket.length] for p in profiles]}
+    manifest["tensorrt"] = {
+        "precision": precision,
+        "profiles": [[p.bucket.rows, p.bucket.length] for p in profiles],
+    }
     write_manifest(root, manifest)
     progress(f"[build] TensorRT engine ready: {path} (serve with tritonserver --model-config-name=gpu)")
     return path
@@ -199,7 +222,9 @@ def build_repository(spec: ModelSpec, repository: Path, progress: Progress = std
     diff = write_dense(spec, trained.net, dense_dir, trained.holdout_auc)
     install_adapters(spec, repository)
     configs.write_configs(spec, repository)
-    progress(f"[build] repository ready: {repository} (held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})")
+    progress(
+        f"[build] repository ready: {repository} (held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})"
+    )
     return BuildReport(repository, trained.holdout_auc, diff)
 
 

@@ -17,7 +17,9 @@ ITEM_CLUSTERS = 20
 SIGNAL_COLUMNS = 8
 
 
-def zipf_ranks(rng: np.random.Generator, cardinality: int, exponent: float, size: tuple[int, ...]) -> np.ndarray:
+def zipf_ranks(
+    rng: np.random.Generator, cardinality: int, exponent: float, size: tuple[int, ...]
+) -> np.ndarray:
     """Ranks in ``[0, cardinality)`` with ``P(k) ∝ (k + 1) ** -exponent``."""
     weights = np.arange(1, cardinality + 1, dtype=np.float64) ** -exponent
     cdf = np.cumsum(weights)
@@ -44,7 +46,9 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
         values[:, col] = splitmix64(ranks[:, col].astype(np.uint64) ^ salt) & np.uint64(0xFFFFFFFF)
         if col < SIGNAL_COLUMNS:
             effects = signal.normal(0.0, 0.8, size=min(table.cardinality, 2000))
-            logit += np.where(ranks[:, col] < len(effects), effects[np.minimum(ranks[:, col], len(effects) - 1)], 0.0)
+            logit += np.where(
+                ranks[:, col] < len(effects), effects[np.minimum(ranks[:, col], len(effects) - 1)], 0.0
+            )
     empty = rng.random(values.shape) < 0.03
 
     items = spec.tables[spec.sequence.table]
@@ -55,7 +59,9 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
 
     def item_ids(shape: tuple[int, ...], prefer: float) -> np.ndarray:
         ids = zipf_ranks(rng, items.cardinality, items.zipf_exponent, shape)
-        clustered = (ids // ITEM_CLUSTERS) * ITEM_CLUSTERS + user_cluster.reshape((-1,) + (1,) * (len(shape) - 1))
+        clustered = (ids // ITEM_CLUSTERS) * ITEM_CLUSTERS + user_cluster.reshape(
+            (-1,) + (1,) * (len(shape) - 1)
+        )
         return np.where(rng.random(shape) < prefer, np.minimum(clustered, items.cardinality - 1), ids)
 
     history = item_ids((rows, max_len), 0.7)

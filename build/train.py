@@ -92,7 +92,14 @@ class TrainingModel(nn.Module):
             nn.init.normal_(table.weight, std=0.05)
         self.net = CTRNet(spec)
 
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor, target: torch.Tensor, history: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        dense: torch.Tensor,
+        sparse: torch.Tensor,
+        target: torch.Tensor,
+        history: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Probabilities from row indices (sparse [B, F], target [B], history [B, L])."""
         columns = [
             self.embeddings[f.table](sparse[:, i]) for i, f in enumerate(self.spec.categorical.features)
@@ -166,14 +173,20 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel
             optimizer.step()
             total += loss.item() * len(idx)
             if step % 50 == 0:
-                progress(f"[train] epoch {epoch + 1} {min(start + batch, n)}/{n} rows, loss {loss.item():.4f}")
-        progress(f"[train] epoch {epoch + 1} done, mean loss {total / n:.4f}, {time.perf_counter() - started:.1f}s")
+                progress(
+                    f"[train] epoch {epoch + 1} {min(start + batch, n)}/{n} rows, loss {loss.item():.4f}"
+                )
+        progress(
+            f"[train] epoch {epoch + 1} done, mean loss {total / n:.4f}, {time.perf_counter() - started:.1f}s"
+        )
 
     model.eval()
     with torch.no_grad():
         scores = torch.cat(
             [
-                model(*(hold_t[k][s : s + 4096] for k in ("dense", "sparse", "target", "history", "mask")))[:, 0]
+                model(*(hold_t[k][s : s + 4096] for k in ("dense", "sparse", "target", "history", "mask")))[
+                    :, 0
+                ]
                 for s in range(0, len(holdout.labels), 4096)
             ]
         ).numpy()

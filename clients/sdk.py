@@ -178,7 +178,9 @@ class _Base:
 
     def _empty_scores(self) -> Scores:
         tables = self.spec.table_names
-        return Scores(np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, len(tables)), np.int64), tables)
+        return Scores(
+            np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, len(tables)), np.int64), tables
+        )
 
     def _check_batch_size(self, batch_size: int) -> None:
         if not 1 <= batch_size <= self.spec.max_batch_size:
@@ -237,7 +239,9 @@ class _SharedMemoryIO:
             else:
                 size = array.nbytes
             if size > capacity:
-                raise InvalidRequestError(f"input '{w.name}' of {size} bytes exceeds the shared-memory slot of {capacity}")
+                raise InvalidRequestError(
+                    f"input '{w.name}' of {size} bytes exceeds the shared-memory slot of {capacity}"
+                )
             if w.dtype == "BYTES":
                 self.region.buf[offset : offset + size] = data
             else:
@@ -406,7 +410,9 @@ class CTRClient(_Base):
             outputs = self._outputs(self._module, (PROBABILITY, *extra_outputs))
         try:
             if self.protocol == "grpc":
-                return self._client.infer(self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s)
+                return self._client.infer(
+                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                )
             return self._client.infer(self.model_name, infer_inputs, outputs=outputs)
         except Exception as exc:
             raise map_exception(exc) from exc
@@ -527,7 +533,9 @@ class AsyncCTRClient(_Base):
         outputs = self._outputs(self._module, names)
         try:
             if self.protocol == "grpc":
-                return await client.infer(self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s)
+                return await client.infer(
+                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                )
             return await client.infer(self.model_name, infer_inputs, outputs=outputs)
         except Exception as exc:
             raise map_exception(exc) from exc

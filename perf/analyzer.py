@@ -56,8 +56,16 @@ def perf_env() -> dict[str, str]:
 
 
 def perf_command(
-    spec: ModelSpec, url: str, protocol: str, batch_size: int, concurrency: str, measurement_ms: int, data: Path, csv_path: Path,
-    shared_memory: str = "none", stability_percentage: int = 50,
+    spec: ModelSpec,
+    url: str,
+    protocol: str,
+    batch_size: int,
+    concurrency: str,
+    measurement_ms: int,
+    data: Path,
+    csv_path: Path,
+    shared_memory: str = "none",
+    stability_percentage: int = 50,
 ) -> list[str]:
     """The perf_analyzer command line (``shared_memory``: ``none`` or ``system``, ``cuda`` on a GPU)."""
     return [
@@ -95,8 +103,15 @@ def parse_csv(path: Path) -> list[PerfPoint]:
 
 
 def measure(
-    spec: ModelSpec, url: str | None = None, protocol: str = "grpc", batch_size: int = 1, concurrency: str = "1:4",
-    measurement_ms: int = 3000, workdir: Path | None = None, data: Path | None = None, shared_memory: str = "none",
+    spec: ModelSpec,
+    url: str | None = None,
+    protocol: str = "grpc",
+    batch_size: int = 1,
+    concurrency: str = "1:4",
+    measurement_ms: int = 3000,
+    workdir: Path | None = None,
+    data: Path | None = None,
+    shared_memory: str = "none",
     stability_percentage: int = LOOSE_STABILITY,
 ) -> tuple[list[PerfPoint], str]:
     """Run perf_analyzer once; return the parsed points and its printed output.
@@ -111,7 +126,16 @@ def measure(
         data = data or write_input_data(spec, root / "input_data.json")
         csv_path = root / "perf.csv"
         command = perf_command(
-            spec, url, protocol, batch_size, concurrency, measurement_ms, data, csv_path, shared_memory, stability_percentage
+            spec,
+            url,
+            protocol,
+            batch_size,
+            concurrency,
+            measurement_ms,
+            data,
+            csv_path,
+            shared_memory,
+            stability_percentage,
         )
         wanted = len(concurrency_levels(concurrency))
         for attempt in range(3):
@@ -127,8 +151,12 @@ def measure(
             if done.returncode != 0 and UNSTABLE not in done.stdout + done.stderr:
                 break
         if done.returncode == 0:
-            raise PerfError(f"perf_analyzer measured {len(points)} of {wanted} concurrency levels {concurrency}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
-        raise PerfError(f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}")
+            raise PerfError(
+                f"perf_analyzer measured {len(points)} of {wanted} concurrency levels {concurrency}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+            )
+        raise PerfError(
+            f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+        )
 
 
 def concurrency_levels(concurrency: str) -> list[int]:
@@ -140,7 +168,9 @@ def concurrency_levels(concurrency: str) -> list[int]:
 
 def format_table(points: list[PerfPoint], batch_size: int) -> str:
     """A compact table of throughput and latency percentiles."""
-    lines = [f"{'concurrency':>11} {'requests/s':>10} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}"]
+    lines = [
+        f"{'concurrency':>11} {'requests/s':>10} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}"
+    ]
     for p in points:
         lines.append(
             f"{p.concurrency:>11} {p.rows_per_s / batch_size:>10.1f} {p.rows_per_s:>9.0f} "

@@ -93,13 +93,27 @@ def _stderr(message: str) -> None:
 
 
 def _perf_point(
-    spec: ModelSpec, server: TritonServer, system: str, protocol: str, batch: int, concurrency: int, grid: Grid, data: Path,
+    spec: ModelSpec,
+    server: TritonServer,
+    system: str,
+    protocol: str,
+    batch: int,
+    concurrency: int,
+    grid: Grid,
+    data: Path,
     shared_memory: str = "none",
 ) -> Point:
     url = server.grpc_url if protocol == "grpc" else server.http_url
     before = snapshot(server.http_url)
     points, _ = measure(
-        spec, url, protocol, batch, str(concurrency), grid.measurement_ms, data=data, shared_memory=shared_memory,
+        spec,
+        url,
+        protocol,
+        batch,
+        str(concurrency),
+        grid.measurement_ms,
+        data=data,
+        shared_memory=shared_memory,
         stability_percentage=LOOSE_STABILITY,
     )
     steps = difference(before, snapshot(server.http_url), wire.STEPS)
@@ -110,7 +124,9 @@ def _perf_point(
     )  # fmt: skip
 
 
-def _load_point(system: str, target: HttpTarget, concurrency: int, seconds: float, http_url: str | None = None) -> Point:
+def _load_point(
+    system: str, target: HttpTarget, concurrency: int, seconds: float, http_url: str | None = None
+) -> Point:
     before = snapshot(http_url) if http_url else None
     result = run_load(target, concurrency, seconds)
     steps = difference(before, snapshot(http_url), wire.STEPS) if http_url and before else []
@@ -120,7 +136,9 @@ def _load_point(system: str, target: HttpTarget, concurrency: int, seconds: floa
     )  # fmt: skip
 
 
-def _sdk_point(spec: ModelSpec, server: TritonServer, batch: int, shared_memory: bool, seconds: float) -> Point:
+def _sdk_point(
+    spec: ModelSpec, server: TritonServer, batch: int, shared_memory: bool, seconds: float
+) -> Point:
     """One blocking SDK client (gRPC) in a closed loop: the cost of the client path itself."""
     batches = sample_batches(spec, batch)
     with CTRClient(server.grpc_url, "grpc", spec=spec, shared_memory=shared_memory) as client:
@@ -168,22 +186,41 @@ def run_bench(
         work = Path(tmp)
         data = write_input_data(spec, work / "input_data.json")
         servers: dict[str, TritonServer] = {}
-        for system, plan in ((report.NAIVE, configs.ServingPlan.naive()), (report.TUNED, configs.ServingPlan.from_spec(spec))):
+        for system, plan in (
+            (report.NAIVE, configs.ServingPlan.naive()),
+            (report.TUNED, configs.ServingPlan.from_spec(spec)),
+        ):
             variant = configs.write_variant(spec, repository, work / system, plan=plan)
             # the shared-memory probes register client regions: open that API on the bench's own servers
             security = Security(client_shared_memory=True)
-            servers[system] = stack.enter_context(TritonServer(variant, Ports.free(), log_path=work / f"{system}.log", security=security))
+            servers[system] = stack.enter_context(
+                TritonServer(variant, Ports.free(), log_path=work / f"{system}.log", security=security)
+            )
         torchserve = None
         if grid.torchserve:
             from recserve.perf.torchserve import TorchServe
 
-            torchserve = stack.enter_context(TorchServe(spec_path(spec_name), repository, work / "torchserve"))
+            torchserve = stack.enter_context(
+                TorchServe(spec_path(spec_name), repository, work / "torchserve")
+            )
         progress(f"[bench] servers ready after {time.monotonic() - started:.0f} s")
 
         def inprocess() -> None:
             for batch in grid.inprocess_batches or spec.batch_buckets:
                 rate = measure_inprocess(spec, repository, batch, seconds=grid.inprocess_s)
-                add(Point(report.INPROCESS, report.DIRECT, "none", batch, 1, rate.rows_per_s, rate.p50_ms, rate.p95_ms, rate.p99_ms))
+                add(
+                    Point(
+                        report.INPROCESS,
+                        report.DIRECT,
+                        "none",
+                        batch,
+                        1,
+                        rate.rows_per_s,
+                        rate.p50_ms,
+                        rate.p95_ms,
+                        rate.p99_ms,
+                    )
+                )
 
         inprocess()  # measured again after the Triton grid: the bound is the better of the two
         tuned = servers[report.TUNED]
@@ -205,7 +242,10 @@ def run_bench(
             batches = sample_batches(spec, batch)
             targets = {report.TUNED: (triton_target(tuned.http_url, spec, batches), tuned.http_url)}
             if torchserve is not None:
-                targets[report.TORCHSERVE] = (torchserve_target(torchserve.inference_url, "ctr", spec, batches), None)
+                targets[report.TORCHSERVE] = (
+                    torchserve_target(torchserve.inference_url, "ctr", spec, batches),
+                    None,
+                )
             for concurrency in grid.loadgen_concurrencies:
                 for system, (target, stats_url) in targets.items():
                     add(_load_point(system, target, concurrency, grid.loadgen_s, stats_url))

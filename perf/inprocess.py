@@ -26,7 +26,9 @@ class InProcessRate:
     p99_ms: float
 
 
-def measure_inprocess(spec: ModelSpec, repository: Path, batch_size: int, seconds: float = 3.0) -> InProcessRate:
+def measure_inprocess(
+    spec: ModelSpec, repository: Path, batch_size: int, seconds: float = 3.0
+) -> InProcessRate:
     """Call the ONNX Runtime pipeline on pre-built request tensors for ``seconds``."""
     pipeline = reference_pipeline(spec, repository, runtime="onnx")
     rows = generate(spec, batch_size * 16, seed=7)
@@ -38,7 +40,9 @@ def measure_inprocess(spec: ModelSpec, repository: Path, batch_size: int, second
     return InProcessRate(batch_size, len(latencies_ms) * batch_size / elapsed, p50, p95, p99)
 
 
-def time_calls(call: Callable[[Any], object], items: Sequence[Any], seconds: float) -> tuple[np.ndarray, float]:
+def time_calls(
+    call: Callable[[Any], object], items: Sequence[Any], seconds: float
+) -> tuple[np.ndarray, float]:
     """Call ``call`` on ``items`` in turn, one at a time, for ``seconds``.
 
     Returns:

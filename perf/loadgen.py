@@ -58,7 +58,9 @@ class LoadResult:
     failures: int
 
 
-def sample_batches(spec: ModelSpec, rows_per_request: int, count: int = 16, seed: int = 7) -> list[dict[str, np.ndarray]]:
+def sample_batches(
+    spec: ModelSpec, rows_per_request: int, count: int = 16, seed: int = 7
+) -> list[dict[str, np.ndarray]]:
     """``count`` request batches of synthetic rows (the same generator as training and perf data)."""
     rows = generate(spec, rows_per_request * count, seed)
     return [
@@ -94,13 +96,17 @@ def json_body(spec: ModelSpec, batch: Batch) -> bytes:
     for wire in spec.wire_inputs():
         array = batch[wire.name]
         if wire.dtype == "BYTES":
-            document[wire.name] = [[v.decode() if isinstance(v, bytes) else str(v) for v in row] for row in array]
+            document[wire.name] = [
+                [v.decode() if isinstance(v, bytes) else str(v) for v in row] for row in array
+            ]
         else:
             document[wire.name] = array.tolist()
     return json.dumps(document, separators=(",", ":")).encode()
 
 
-def torchserve_target(inference_url: str, model: str, spec: ModelSpec, batches: Sequence[Batch]) -> HttpTarget:
+def torchserve_target(
+    inference_url: str, model: str, spec: ModelSpec, batches: Sequence[Batch]
+) -> HttpTarget:
     """Requests to TorchServe's ``/predictions/<model>`` as JSON."""
     headers = {"Content-Type": "application/json"}
     requests = [Request(json_body(spec, batch), headers) for batch in batches]
@@ -108,7 +114,9 @@ def torchserve_target(inference_url: str, model: str, spec: ModelSpec, batches: 
     return HttpTarget(f"http://{inference_url}/predictions/{model}", requests, rows)
 
 
-async def _closed_loop(target: HttpTarget, concurrency: int, seconds: float, warmup_s: float, timeout_s: float) -> LoadResult:
+async def _closed_loop(
+    target: HttpTarget, concurrency: int, seconds: float, warmup_s: float, timeout_s: float
+) -> LoadResult:
     import aiohttp
 
     latencies: list[float] = []
@@ -127,7 +135,9 @@ async def _closed_loop(target: HttpTarget, concurrency: int, seconds: float, war
                 index += concurrency
                 started = time.perf_counter()
                 try:
-                    async with session.post(target.url, data=request.body, headers=request.headers) as response:
+                    async with session.post(
+                        target.url, data=request.body, headers=request.headers
+                    ) as response:
                         body = await response.read()
                         ok = response.status == 200
                         if not ok and measuring and not failures:

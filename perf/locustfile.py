@@ -40,11 +40,15 @@ def _arguments(parser: Any) -> None:
     parser.add_argument("--ctr-spec", default="ctr", help="bundled spec name or path")
     parser.add_argument("--p99-ms", type=float, default=200.0, help="fail the run when the p99 exceeds this")
     parser.add_argument("--max-failure-ratio", type=float, default=0.01, help="fail the run above this ratio")
-    parser.add_argument("--ctr-max-seconds", type=float, default=300.0, help="hard stop, whatever --run-time says")
+    parser.add_argument(
+        "--ctr-max-seconds", type=float, default=300.0, help="hard stop, whatever --run-time says"
+    )
     parser.add_argument("--ctr-seed", type=int, default=11)
 
 
-def long_tailed_batch_sizes(rng: np.random.Generator, count: int, max_batch: int, exponent: float = BATCH_TAIL_EXPONENT) -> np.ndarray:
+def long_tailed_batch_sizes(
+    rng: np.random.Generator, count: int, max_batch: int, exponent: float = BATCH_TAIL_EXPONENT
+) -> np.ndarray:
     """``count`` batch sizes in ``1..max_batch`` with ``P(n) ∝ n ** -exponent``."""
     sizes = np.arange(1, max_batch + 1)
     weights = sizes.astype(np.float64) ** -exponent
@@ -92,7 +96,9 @@ class CTRUser(User):
     def on_start(self) -> None:
         """Open an SDK client (HTTP) for this user."""
         options = self.environment.parsed_options
-        self.client = CTRClient(options.ctr_url, protocol="http", timeout_s=30.0, spec=load_spec(options.ctr_spec))
+        self.client = CTRClient(
+            options.ctr_url, protocol="http", timeout_s=30.0, spec=load_spec(options.ctr_spec)
+        )
         self.index = id(self) % POOL_REQUESTS
 
     def on_stop(self) -> None:

@@ -38,7 +38,9 @@ def per_call_us(call: Callable[[], object], repeat: int) -> float:
     return float(np.median(rounds))
 
 
-def adapter_gains(spec: ModelSpec, requests_per_batch: int = 8, rows: int = 64) -> list[tuple[str, float, float]]:
+def adapter_gains(
+    spec: ModelSpec, requests_per_batch: int = 8, rows: int = 64
+) -> list[tuple[str, float, float]]:
     """``(what, before µs, after µs)`` for each cut."""
     wide = sample_batches(spec, rows, count=1)[0][spec.categorical.name]
     encoded = np.frombuffer(serialize_byte_tensor(wide).item(), np.uint8)

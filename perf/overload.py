@@ -92,7 +92,9 @@ class Outcome:
     message: str = ""
 
 
-def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], seconds: float = 4.0, concurrency: int = 8) -> float:
+def measure_capacity(
+    url: str, spec: ModelSpec, request: dict[str, np.ndarray], seconds: float = 4.0, concurrency: int = 8
+) -> float:
     """Requests per second served closed-loop with ``concurrency`` requests in flight (refused ones not counted)."""
     done, stop = [0], threading.Event()
     lock = threading.Lock()
@@ -121,7 +123,9 @@ def measure_capacity(url: str, spec: ModelSpec, request: dict[str, np.ndarray], 
     for thread in threads:
         thread.join(30)
     if rate <= 0:
-        raise RuntimeError(f"no request was served in {seconds:.0f} s with {concurrency} in flight: no capacity to measure")
+        raise RuntimeError(
+            f"no request was served in {seconds:.0f} s with {concurrency} in flight: no capacity to measure"
+        )
     return rate
 
 
@@ -133,7 +137,10 @@ def pinned_capacity(root: Path, spec: ModelSpec, rows: int, cores: Cores, log_pa
     refuse none at this concurrency.
     """
     request = generate(spec, rows, seed=5).to_wire(spec)
-    with TritonServer(root, Ports.free(), log_path=log_path, cpus=cores.server) as server, pinned(cores.client):
+    with (
+        TritonServer(root, Ports.free(), log_path=log_path, cpus=cores.server) as server,
+        pinned(cores.client),
+    ):
         return measure_capacity(server.grpc_url, spec, request)
 
 
@@ -190,7 +197,9 @@ def open_loop(
                     time.sleep(delay)
                 sent_at = time.monotonic()
                 future = stub.ModelInfer.future(message, timeout=30)
-                future.add_done_callback(lambda f, due=due, sent_at=sent_at, phase=phase: record(f, due, sent_at, phase))
+                future.add_done_callback(
+                    lambda f, due=due, sent_at=sent_at, phase=phase: record(f, due, sent_at, phase)
+                )
                 sent += 1
         if on_phase is not None:
             on_phase(len(phases))
@@ -229,12 +238,25 @@ def phase_stats(name: str, rate: float, outcomes: list[Outcome]) -> PhaseStats:
     span = outcomes[-1].sent_s - outcomes[0].sent_s if len(outcomes) > 1 else float("nan")
     late = [(o.sent_s - o.due_s) * 1e3 for o in outcomes]
     return PhaseStats(
-        name, rate, (len(outcomes) - 1) / span, len(outcomes), len(served), len(shed), sum(o.result == FAILED for o in outcomes),
-        _p(served, 50), _p(served, 90), _p(served, 99), _p(shed, 50), _p(shed, 99), _p(late, 99),
+        name,
+        rate,
+        (len(outcomes) - 1) / span,
+        len(outcomes),
+        len(served),
+        len(shed),
+        sum(o.result == FAILED for o in outcomes),
+        _p(served, 50),
+        _p(served, 90),
+        _p(served, 99),
+        _p(shed, 50),
+        _p(shed, 99),
+        _p(late, 99),
     )
 
 
-def recovery_s(outcomes: list[Outcome], spike_end_s: float, normal_p99_ms: float, window_s: float = 1.0) -> float:
+def recovery_s(
+    outcomes: list[Outcome], spike_end_s: float, normal_p99_ms: float, window_s: float = 1.0
+) -> float:
     """Seconds after the spike until a whole window sheds at most 1% and its p99 is within 1.5x normal."""
     after = [o for o in outcomes if o.sent_s >= spike_end_s]
     start = spike_end_s
@@ -282,7 +304,11 @@ class OverloadReport:
             f"spike served p99 / half-capacity served p99 = {spike.served_p99_ms / half.served_p99_ms:.2f} (target <= 1.5)",
             f"spike shed p99 = {spike.shed_p99_ms:.1f} ms (target < 5)",
             f"back to normal {self.recovery_s:.1f} s after the spike (target <= 10)",
-            "shed because: " + (", ".join(f"{reason} ({count})" for reason, count in self.shed_reasons.items()) or "nothing shed"),
+            "shed because: "
+            + (
+                ", ".join(f"{reason} ({count})" for reason, count in self.shed_reasons.items())
+                or "nothing shed"
+            ),
             "",
             "during the spike, per step (Triton statistics; queue and compute are means per served request):",
             "",
@@ -322,7 +348,13 @@ def run_overload(
     with pinned(client_cores):
         capacity = capacity_rps or measure_capacity(server.grpc_url, spec, request)
         half, spike = capacity / 2, capacity * spike_factor
-        outcomes = open_loop(server.grpc_url, spec, request, [(half, seconds), (spike, seconds), (half, recovery_window_s)], at_phase)
+        outcomes = open_loop(
+            server.grpc_url,
+            spec,
+            request,
+            [(half, seconds), (spike, seconds), (half, recovery_window_s)],
+            at_phase,
+        )
     names = ("half capacity", f"{spike_factor:g}x capacity", "half capacity, after")
     stats = [
         phase_stats(name, rate, [o for o in outcomes if o.phase == phase])
@@ -337,12 +369,25 @@ def run_overload(
             reasons[reason] = reasons.get(reason, 0) + 1
     failures = [o.message for o in outcomes if o.result == FAILED][:5]
     return OverloadReport(
-        capacity, stats, back, failures, reasons, difference(snapshots[1], snapshots[2], wire.STEPS),
-        Cores(server.cpus, client_cores).describe(), server.config_name or "",
+        capacity,
+        stats,
+        back,
+        failures,
+        reasons,
+        difference(snapshots[1], snapshots[2], wire.STEPS),
+        Cores(server.cpus, client_cores).describe(),
+        server.config_name or "",
     )
 
 
-def overload_command(spec: ModelSpec, repository: Path, rows: int, spike_factor: float, seconds: float, queue: str | None = None) -> int:
+def overload_command(
+    spec: ModelSpec,
+    repository: Path,
+    rows: int,
+    spike_factor: float,
+    seconds: float,
+    queue: str | None = None,
+) -> int:
     """``recserve overload``: a private server on free loopback ports, pinned apart from the generator; prints the tables.
 
     ``queue`` names a queue profile of the spec (its ``configs/<queue>.pbtxt``); None or ``default``
@@ -355,8 +400,12 @@ def overload_command(spec: ModelSpec, repository: Path, rows: int, spike_factor:
     with tempfile.TemporaryDirectory(prefix="recserve-overload-") as scratch:
         root = scratch_repository(repository, Path(scratch) / "repository")
         capacity = pinned_capacity(root, spec, rows, cores, Path(scratch) / "capacity.log")
-        server = TritonServer(root, Ports.free(), log_path=Path(scratch) / "server.log", config_name=queue, cpus=cores.server)
+        server = TritonServer(
+            root, Ports.free(), log_path=Path(scratch) / "server.log", config_name=queue, cpus=cores.server
+        )
         with server:
-            report = run_overload(server, spec, rows, spike_factor, seconds, client_cores=cores.client, capacity_rps=capacity)
+            report = run_overload(
+                server, spec, rows, spike_factor, seconds, client_cores=cores.client, capacity_rps=capacity
+            )
     print(report.table())
     return 0 if not report.failures else 1

@@ -42,7 +42,9 @@ def free_cluster_ports(count: int) -> list[int]:
 class RedisCluster:
     """Start with ``with RedisCluster(folder) as cluster:``; every node is stopped at exit."""
 
-    def __init__(self, folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+    ) -> None:
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             raise RuntimeError("redis-server and redis-cli are needed (make installs Debian's redis-server)")
         self.folder = folder
@@ -78,7 +80,15 @@ class RedisCluster:
             for port in self.ports:
                 self._wait_started(port)
             subprocess.run(
-                ["redis-cli", "--cluster", "create", *self.nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                [
+                    "redis-cli",
+                    "--cluster",
+                    "create",
+                    *self.nodes,
+                    "--cluster-replicas",
+                    str(self.replicas),
+                    "--cluster-yes",
+                ],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 timeout=60,
@@ -138,7 +148,12 @@ class RedisCluster:
     @staticmethod
     def cli(port: int, *command: str) -> str:
         """Output of ``redis-cli -p port command...``."""
-        return subprocess.run(["redis-cli", "-h", LOOPBACK, "-p", str(port), *command], capture_output=True, text=True, timeout=10).stdout
+        return subprocess.run(
+            ["redis-cli", "-h", LOOPBACK, "-p", str(port), *command],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
 
     def kill(self, port: int) -> None:
         """``kill -9`` one node."""

@@ -56,7 +56,9 @@ L3_REASONS = ("timeout", "error", "breaker_open", "busy")
 _SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})?\s+(\S+)$")
 
 
-def l3_repository(spec: ModelSpec, repository: Path, target: Path, nodes: list[str], deadline_ms: float | None = None) -> ModelSpec:
+def l3_repository(
+    spec: ModelSpec, repository: Path, target: Path, nodes: list[str], deadline_ms: float | None = None
+) -> ModelSpec:
     """A copy of a built repository whose target-item table lives only in the Redis Cluster at ``nodes``.
 
     Args:
@@ -103,7 +105,9 @@ def models_ready(server: TritonServer, models: tuple[str, ...]) -> bool:
         return False
     for model in models:
         try:
-            with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/ready", timeout=5) as response:
+            with urllib.request.urlopen(
+                f"http://{server.http_url}/v2/models/{model}/ready", timeout=5
+            ) as response:
                 if response.status != 200:
                     return False
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -157,7 +161,9 @@ class PhaseResult:
 class OutageProbe:
     """A closed loop of identical ``ctr`` requests over one gRPC channel, with the store's metrics."""
 
-    def __init__(self, server: TritonServer, spec: ModelSpec, wire: dict[str, np.ndarray], reference: np.ndarray) -> None:
+    def __init__(
+        self, server: TritonServer, spec: ModelSpec, wire: dict[str, np.ndarray], reference: np.ndarray
+    ) -> None:
         import grpc
         from tritonclient.grpc import service_pb2_grpc
 
@@ -171,7 +177,9 @@ class OutageProbe:
 
     def all_rows_found(self, probabilities: np.ndarray | None) -> bool:
         """Whether a response has the scores of every item row found (none served its default)."""
-        return probabilities is not None and np.allclose(probabilities, self.reference, rtol=0, atol=REFERENCE_ATOL)
+        return probabilities is not None and np.allclose(
+            probabilities, self.reference, rtol=0, atol=REFERENCE_ATOL
+        )
 
     def close(self) -> None:
         """Close the channel."""
@@ -204,7 +212,11 @@ class OutageProbe:
         return result
 
     def until(
-        self, kind: str, condition: Callable[[dict[str, float], bool], bool], timeout_s: float, round_: int = 0
+        self,
+        kind: str,
+        condition: Callable[[dict[str, float], bool], bool],
+        timeout_s: float,
+        round_: int = 0,
     ) -> PhaseResult:
         """Requests until ``condition(metrics, all rows found in the last response)`` holds (checked every 0.25 s)."""
         result = PhaseResult(kind, round_)
@@ -219,15 +231,23 @@ class OutageProbe:
                 if condition(metrics, self.all_rows_found(last)):
                     break
                 if checked > deadline:
-                    store = {k.removeprefix("recserve_store_"): v for k, v in metrics.items() if k.startswith("recserve_store_")}
-                    raise TimeoutError(f"{result.name}: not reached within {timeout_s:.0f} s ({len(result.failures)} failed); store metrics {store}")
+                    store = {
+                        k.removeprefix("recserve_store_"): v
+                        for k, v in metrics.items()
+                        if k.startswith("recserve_store_")
+                    }
+                    raise TimeoutError(
+                        f"{result.name}: not reached within {timeout_s:.0f} s ({len(result.failures)} failed); store metrics {store}"
+                    )
         self._close_phase(result, before)
         return result
 
     def _close_phase(self, result: PhaseResult, before: dict[str, float]) -> None:
         after = self.metrics()
         series = {"calls": "recserve_store_l3_calls_total"}
-        series.update({reason: f'recserve_store_l3_errors_total{{reason="{reason}"}}' for reason in L3_REASONS})
+        series.update(
+            {reason: f'recserve_store_l3_errors_total{{reason="{reason}"}}' for reason in L3_REASONS}
+        )
         result.l3 = {name: after.get(key, 0.0) - before.get(key, 0.0) for name, key in series.items()}
         result.ready = models_ready(self.server, self.models)
         result.store_healthy = after.get("recserve_store_healthy", float("nan"))
@@ -236,7 +256,9 @@ class OutageProbe:
 
 def _serving(metrics: dict[str, float], all_rows_found: bool) -> bool:
     """L3 serves: the store is healthy, the breaker closed, and the last response found every item row."""
-    healthy = metrics.get("recserve_store_healthy") == 1.0 and metrics.get("recserve_store_l3_breaker_open") == 0.0
+    healthy = (
+        metrics.get("recserve_store_healthy") == 1.0 and metrics.get("recserve_store_l3_breaker_open") == 0.0
+    )
     return healthy and all_rows_found
 
 
@@ -281,8 +303,14 @@ class OutageReport:
 
         Latency is judged by :attr:`p99_down_minus_up_ms` separately (a timing, not a pass/fail).
         """
-        out = [f"{p.name}: {len(p.failures)} failed, first: {p.failures[0]}" for p in self.phases if p.failures]
-        out += [f"{p.name}: the server or a model was not ready at the end of the phase" for p in self.phases if not p.ready]
+        out = [
+            f"{p.name}: {len(p.failures)} failed, first: {p.failures[0]}" for p in self.phases if p.failures
+        ]
+        out += [
+            f"{p.name}: the server or a model was not ready at the end of the phase"
+            for p in self.phases
+            if not p.ready
+        ]
         out += [
             f"{p.name}: recserve_store_healthy {p.store_healthy}, breaker open {p.breaker_open} (expected 0 and 1)"
             for p in self.of(DOWN)
@@ -328,7 +356,6 @@ class OutageReport:
             "PASS" if not self.problems else "FAIL: " + "; ".join(self.problems),
         ]
         return "\n".join(lines)
-
 
 
 def run_outage(

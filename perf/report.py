@@ -113,17 +113,29 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
     served = best_under(grpc, p99_bound_ms)
     tuned_b1 = next(iter(select(grpc, client_batch=1, concurrency=16)), None)
     naive_b1 = next(
-        iter(select(points, system=NAIVE, generator=PERF_ANALYZER, protocol="grpc", client_batch=1, concurrency=16)), None
+        iter(
+            select(
+                points, system=NAIVE, generator=PERF_ANALYZER, protocol="grpc", client_batch=1, concurrency=16
+            )
+        ),
+        None,
     )
     triton_http = select(points, system=TUNED, generator=HTTP_LOADGEN)
     torchserve_points = select(points, system=TORCHSERVE, generator=HTTP_LOADGEN)
     torchserve = best_under(torchserve_points, p99_bound_ms)
     torchserve_within_bound = torchserve is not None
     if torchserve is None:  # never within the bound: compare with its best rate, whatever its p99
-        torchserve = max((p for p in torchserve_points if p.failures == 0), key=lambda p: p.rows_per_s, default=None)
+        torchserve = max(
+            (p for p in torchserve_points if p.failures == 0), key=lambda p: p.rows_per_s, default=None
+        )
     triton_best = best_under(triton_http, p99_bound_ms)
     matched = (
-        next(iter(select(triton_http, client_batch=torchserve.client_batch, concurrency=torchserve.concurrency)), None)
+        next(
+            iter(
+                select(triton_http, client_batch=torchserve.client_batch, concurrency=torchserve.concurrency)
+            ),
+            None,
+        )
         if torchserve
         else None
     )
@@ -167,7 +179,10 @@ def overheads(points: Sequence[Point]) -> dict[str, Any]:
     system shared memory over without (one client, closed loop).
     """
     result: dict[str, Any] = {}
-    grpc = {(p.client_batch, p.concurrency): p for p in select(points, system=TUNED, generator=PERF_ANALYZER, protocol="grpc", shared_memory="none")}
+    grpc = {
+        (p.client_batch, p.concurrency): p
+        for p in select(points, system=TUNED, generator=PERF_ANALYZER, protocol="grpc", shared_memory="none")
+    }
     for label, match in (
         ("http_over_grpc", {"protocol": "http", "shared_memory": "none"}),
         ("system_shm_over_grpc", {"protocol": "grpc", "shared_memory": "system"}),
@@ -197,7 +212,10 @@ def overheads(points: Sequence[Point]) -> dict[str, Any]:
 def read_points(folder: Path) -> list[Point]:
     """The points of a results folder, as :func:`write_points` wrote them."""
     rows = json.loads((folder / "points.json").read_text())
-    return [Point(**{**{k: v for k, v in row.items() if k != "configuration"}, "steps": tuple(row["steps"])}) for row in rows]
+    return [
+        Point(**{**{k: v for k, v in row.items() if k != "configuration"}, "steps": tuple(row["steps"])})
+        for row in rows
+    ]
 
 
 def write_points(points: Sequence[Point], folder: Path) -> None:
@@ -214,11 +232,14 @@ def write_points(points: Sequence[Point], folder: Path) -> None:
 
 def table(points: Sequence[Point]) -> str:
     """A short text table: every point, grouped by configuration."""
-    lines = [f"{'configuration':<44} {'batch':>5} {'conc':>4} {'rows/s':>9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7}"]
+    lines = [
+        f"{'configuration':<44} {'batch':>5} {'conc':>4} {'rows/s':>9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7}"
+    ]
     for p in sorted(points, key=lambda p: (p.configuration, p.client_batch, p.concurrency)):
         lines.append(
             f"{p.configuration:<44} {p.client_batch:>5} {p.concurrency:>4} {p.rows_per_s:>9.0f} "
-            f"{p.p50_ms:>7.2f} {p.p95_ms:>7.2f} {p.p99_ms:>7.2f}" + (f"  ({p.failures} failed)" if p.failures else "")
+            f"{p.p50_ms:>7.2f} {p.p95_ms:>7.2f} {p.p99_ms:>7.2f}"
+            + (f"  ({p.failures} failed)" if p.failures else "")
         )
     return "\n".join(lines)
 
@@ -233,7 +254,9 @@ def describe_summary(summary: dict[str, Any]) -> str:
         lines.append(f"{name:<26} {shown:>12}  (target {target['target']}) {verdict}")
     p99 = summary.get("dynamic_batching_p99_ratio")
     if p99 is not None:
-        lines.append(f"{'dynamic_batching_p99_ratio':<26} {p99:>12.2f}  (tuned p99 / naive p99 at batch 1, 16 in flight)")
+        lines.append(
+            f"{'dynamic_batching_p99_ratio':<26} {p99:>12.2f}  (tuned p99 / naive p99 at batch 1, 16 in flight)"
+        )
     return "\n".join(lines)
 
 
@@ -253,12 +276,26 @@ def plot(points: Sequence[Point], folder: Path, p99_bound_ms: float = P99_BOUND_
     fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(6 * max(len(batches), 1), 4.5), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         for name in configurations:
-            curve = sorted((p for p in served if p.client_batch == batch and p.configuration == name), key=lambda p: p.concurrency)
+            curve = sorted(
+                (p for p in served if p.client_batch == batch and p.configuration == name),
+                key=lambda p: p.concurrency,
+            )
             if curve:
-                ax.plot([p.rows_per_s for p in curve], [p.p99_ms for p in curve], marker="o", color=colors[name], label=name)
+                ax.plot(
+                    [p.rows_per_s for p in curve],
+                    [p.p99_ms for p in curve],
+                    marker="o",
+                    color=colors[name],
+                    label=name,
+                )
         bound = best_under(select(points, system=INPROCESS), p99_bound_ms)
         if bound:
-            ax.axvline(bound.rows_per_s, color="grey", linestyle=":", label=f"in-process bound (batch {bound.client_batch})")
+            ax.axvline(
+                bound.rows_per_s,
+                color="grey",
+                linestyle=":",
+                label=f"in-process bound (batch {bound.client_batch})",
+            )
         ax.axhline(p99_bound_ms, color="red", linestyle="--", linewidth=0.8)
         ax.set(title=f"client batch {batch}", xlabel="rows/s", ylabel="p99 latency (ms)", yscale="log")
         ax.grid(alpha=0.3)
@@ -273,8 +310,19 @@ def plot(points: Sequence[Point], folder: Path, p99_bound_ms: float = P99_BOUND_
         chosen = [p for p in points if p.configuration == name]
         for batch in sorted({p.client_batch for p in chosen}):
             curve = sorted((p for p in chosen if p.client_batch == batch), key=lambda p: p.concurrency)
-            line = ax.plot([p.rows_per_s for p in curve], [p.p99_ms for p in curve], marker="o", label=f"batch {batch} p99")
-            ax.plot([p.rows_per_s for p in curve], [p.p50_ms for p in curve], linestyle="--", color=line[0].get_color(), label=f"batch {batch} p50")
+            line = ax.plot(
+                [p.rows_per_s for p in curve],
+                [p.p99_ms for p in curve],
+                marker="o",
+                label=f"batch {batch} p99",
+            )
+            ax.plot(
+                [p.rows_per_s for p in curve],
+                [p.p50_ms for p in curve],
+                linestyle="--",
+                color=line[0].get_color(),
+                label=f"batch {batch} p50",
+            )
             for p in curve:
                 ax.annotate(str(p.concurrency), (p.rows_per_s, p.p99_ms), fontsize=6)
         ax.axhline(p99_bound_ms, color="red", linestyle="--", linewidth=0.8)

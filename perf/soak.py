@@ -74,7 +74,9 @@ def _started(pid: int) -> int:
         return 0
 
 
-def sample_resources(server: TritonServer, at_s: float, instances: dict[str, int] | None = None) -> ResourceSample:
+def sample_resources(
+    server: TritonServer, at_s: float, instances: dict[str, int] | None = None
+) -> ResourceSample:
     """Memory and descriptors now: tritonserver, and per model its newest ``instances[model]`` stubs."""
     assert server.process is not None
     groups: dict[str, list[int]] = {}
@@ -117,16 +119,25 @@ def detect_leaks(
     first, last = half[:window], half[-window:]
     growth, problems = {}, []
     for name in sorted(set().union(*(s.rss_mb.keys() for s in half))):
-        rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last) - statistics.median(s.rss_mb.get(name, 0.0) for s in first)
-        fds = int(statistics.median(s.fds.get(name, 0) for s in last) - statistics.median(s.fds.get(name, 0) for s in first))
+        rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last) - statistics.median(
+            s.rss_mb.get(name, 0.0) for s in first
+        )
+        fds = int(
+            statistics.median(s.fds.get(name, 0) for s in last)
+            - statistics.median(s.fds.get(name, 0) for s in first)
+        )
         growth[name] = (rss, fds)
         lingering = min(s.replaced.get(name, 0) for s in last)
         if lingering > 1:
             problems.append(f"{name}: {lingering} replaced versions' stubs are still running at the end")
         if rss > max_rss_growth_mb:
-            problems.append(f"{name}: resident memory grew {rss:.1f} MB over the second half (limit {max_rss_growth_mb:.0f})")
+            problems.append(
+                f"{name}: resident memory grew {rss:.1f} MB over the second half (limit {max_rss_growth_mb:.0f})"
+            )
         if fds > max_fd_growth:
-            problems.append(f"{name}: {fds} more open file descriptors over the second half (limit {max_fd_growth})")
+            problems.append(
+                f"{name}: {fds} more open file descriptors over the second half (limit {max_fd_growth})"
+            )
     return growth, problems
 
 
@@ -134,7 +145,9 @@ def detect_leaks(
 class DenseVersionUpdater:
     """Each call puts a new ``dense`` version live (copy of the newest) and drops the replaced one."""
 
-    def __init__(self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = wire.DENSE) -> None:
+    def __init__(
+        self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = wire.DENSE
+    ) -> None:
         self.repository = repository
         self.grpc_url = grpc_url
         self.headers = headers
@@ -177,7 +190,9 @@ class EmbeddingDeltaUpdater:
         self.calls += 1
         if self.calls % 2:
             vectors = self.rng.normal(0, 0.1, size=(len(self.keys), self.dim)).astype(np.float32)
-            return f"{self.table} version {self.log.publish(self.table, self.keys, vectors, self.dim)} published"
+            return (
+                f"{self.table} version {self.log.publish(self.table, self.keys, vectors, self.dim)} published"
+            )
         return f"{self.table} version {self.log.rollback(self.table, self.log.base_version)}: back to base"
 
 
@@ -243,7 +258,9 @@ def run_soak(
     stop, counts = threading.Event(), TrafficCounts()
     workers = [
         threading.Thread(
-            target=traffic_worker, args=(server, spec, p, stop, counts, bad_fraction, 100 + i, pause_s), daemon=True
+            target=traffic_worker,
+            args=(server, spec, p, stop, counts, bad_fraction, 100 + i, pause_s),
+            daemon=True,
         )
         for i, p in enumerate(protocols)
     ]
@@ -260,7 +277,9 @@ def run_soak(
             if updater is not None and now >= next_update:
                 updates.append(updater())
                 LOGGER.info("%s", updates[-1])
-                next_update = now + update_every_s  # from the start of this update: a slow one does not thin the rest out
+                next_update = (
+                    now + update_every_s
+                )  # from the start of this update: a slow one does not thin the rest out
             time.sleep(max(0.0, sample_every_s - (time.monotonic() - now)))
     finally:
         stop.set()
@@ -274,7 +293,9 @@ def run_soak(
     if counts.valid_ok == 0:
         problems.append("no valid request succeeded")
     if server.watchdog is not None and server.watchdog.reloads:
-        problems.append(f"stub processes died and were replaced: {[model for _, model in server.watchdog.reloads]}")
+        problems.append(
+            f"stub processes died and were replaced: {[model for _, model in server.watchdog.reloads]}"
+        )
     return SoakReport(time.monotonic() - started, counts, updates, samples, growth, problems)
 
 
@@ -283,8 +304,12 @@ def soak_command(spec: ModelSpec, repository: Path, duration_s: float, update_ev
     with tempfile.TemporaryDirectory(prefix="recserve-soak-") as scratch:
         root = scratch_repository(repository, Path(scratch) / "repository")
         security = Security("explicit", admin_key=secrets.token_urlsafe(32))
-        with TritonServer(root, Ports.free(), log_path=Path(scratch) / "server.log", security=security) as server:
+        with TritonServer(
+            root, Ports.free(), log_path=Path(scratch) / "server.log", security=security
+        ) as server:
             dense = DenseVersionUpdater(root, server.grpc_url, security.headers())
-            report = run_soak(server, spec, duration_s, alternate(dense, EmbeddingDeltaUpdater(spec, root)), update_every_s)
+            report = run_soak(
+                server, spec, duration_s, alternate(dense, EmbeddingDeltaUpdater(spec, root)), update_every_s
+            )
     print(report.table())
     return 0 if report.passed else 1

@@ -43,7 +43,11 @@ class StepTimes:
 
     def as_dict(self) -> dict[str, float | int | str]:
         """Plain dict with the derived values, for JSON."""
-        return {**asdict(self), "compute_us": self.compute_us, "requests_per_execution": self.requests_per_execution}
+        return {
+            **asdict(self),
+            "compute_us": self.compute_us,
+            "requests_per_execution": self.requests_per_execution,
+        }
 
 
 Snapshot = dict[str, dict[str, int]]
@@ -79,7 +83,9 @@ def difference(before: Snapshot, after: Snapshot, models: tuple[str, ...]) -> li
         if requests <= 0 and failed <= 0:
             continue
         requests = max(requests, 0)
-        per_request = {name: (new[f"{name}_ns"] - old[f"{name}_ns"]) / max(requests, 1) / 1e3 for name in _DURATIONS}
+        per_request = {
+            name: (new[f"{name}_ns"] - old[f"{name}_ns"]) / max(requests, 1) / 1e3 for name in _DURATIONS
+        }
         steps.append(
             StepTimes(
                 model=model,

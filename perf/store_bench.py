@@ -86,13 +86,18 @@ def make_table(keys: int, dim: int, seed: int = 0) -> TableArrays:
     """A synthetic table: hashed keys (as the feature step makes them), random vectors."""
     rng = np.random.default_rng(seed)
     vectors = rng.standard_normal((keys, dim), dtype=np.float32)
-    return TableArrays(TABLE, splitmix64(np.arange(keys, dtype=np.uint64)).view(np.int64), vectors, np.zeros(dim, np.float32))
+    return TableArrays(
+        TABLE, splitmix64(np.arange(keys, dtype=np.uint64)).view(np.int64), vectors, np.zeros(dim, np.float32)
+    )
 
 
 def write_table(folder: Path, table: TableArrays, dtype: str) -> Path:
     """Shard files and manifest of one table under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    write_manifest(folder, {"format": MANIFEST_FORMAT, "version": 1, **write_shards(folder, {TABLE: table}, {TABLE: dtype})})
+    write_manifest(
+        folder,
+        {"format": MANIFEST_FORMAT, "version": 1, **write_shards(folder, {TABLE: table}, {TABLE: dtype})},
+    )
     return folder
 
 
@@ -134,7 +139,9 @@ def serve_child(folder: Path, dim: int) -> None:
 def resident_two_processes(folder: Path, dim: int) -> int:
     """PSS summed over two serving processes, less their interpreter baseline."""
     command = [sys.executable, "-m", "recserve.perf.store_bench", "--child", str(folder), "--dim", str(dim)]
-    children = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    children = [
+        subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     try:
         baselines = [json.loads(child.stdout.readline())["baseline"] for child in children]
         total = sum(pss_bytes(child.pid) for child in children) - sum(baselines)
@@ -165,7 +172,9 @@ def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> Devi
 
     device_l1 = DeviceL1(store, device)
     if device_l1.device.type == "cpu":
-        torch.set_num_threads(1)  # as the host path: one thread (two spinning threads lose on a shared machine)
+        torch.set_num_threads(
+            1
+        )  # as the host path: one thread (two spinning threads lose on a shared machine)
     synchronize = torch.cuda.synchronize if device_l1.device.type == "cuda" else lambda: None
     ids = np.zeros(queries.shape[1], np.int16)
     on_device, on_host, l1 = [], [], 0
@@ -316,12 +325,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, default=3000)
     parser.add_argument("--cache-mib", type=float, default=8.0, help="L1 budget")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    parser.add_argument("--device", default=None, help="also measure the device L1 on this torch device (cuda, cuda:N, cpu)")
+    parser.add_argument(
+        "--device", default=None, help="also measure the device L1 on this torch device (cuda, cuda:N, cpu)"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options and print the table."""
-    report = run(keys=args.keys, dim=args.dim, batches=args.batches, cache_mib=args.cache_mib, device=args.device)
+    report = run(
+        keys=args.keys, dim=args.dim, batches=args.batches, cache_mib=args.cache_mib, device=args.device
+    )
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(asdict(report), indent=2) + "\n")
@@ -330,7 +343,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line of the benchmark (also run as a child process for the memory figure)."""
-    parser = argparse.ArgumentParser(prog="python -m recserve.perf.store_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m recserve.perf.store_bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -61,7 +61,9 @@ def ensure_installed() -> None:
     if shutil.which("java") is None:
         raise TorchServeError("TorchServe needs Java 17 ('java' is not on PATH)")
     LOGGER.info("installing %s", " ".join(PACKAGES))
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *PACKAGES], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", *PACKAGES], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise TorchServeError(f"pip install {' '.join(PACKAGES)} failed:\n{done.stderr[-2000:]}")
     importlib.invalidate_caches()
@@ -74,7 +76,9 @@ def _bin(name: str) -> str:
 class TorchServe:
     """A TorchServe process serving ``ctr`` from the built repository, on free loopback ports."""
 
-    def __init__(self, spec_path: Path, repository: Path, workdir: Path, settings: TorchServeSettings | None = None) -> None:
+    def __init__(
+        self, spec_path: Path, repository: Path, workdir: Path, settings: TorchServeSettings | None = None
+    ) -> None:
         self.spec_path = spec_path
         self.repository = repository
         self.workdir = workdir
@@ -92,7 +96,9 @@ class TorchServe:
         store = self.workdir / "model_store"
         store.mkdir(parents=True, exist_ok=True)
         settings = self.workdir / "recserve.json"
-        settings.write_text(json.dumps({"spec": str(self.spec_path.resolve()), "repository": str(self.repository.resolve())}))
+        settings.write_text(
+            json.dumps({"spec": str(self.spec_path.resolve()), "repository": str(self.repository.resolve())})
+        )
         model_config = self.workdir / "model-config.yaml"
         s = self.settings
         model_config.write_text(
@@ -129,7 +135,9 @@ class TorchServe:
         for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
             if port_in_use(port):
                 raise TorchServeError(f"port {port} is already in use")
-        env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+        env = dict(
+            os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        )
         env["LOG_LOCATION"] = str(self.workdir / "logs")
         env["METRICS_LOCATION"] = str(self.workdir / "logs")
         self._log = open(self.workdir / "torchserve.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -161,7 +169,9 @@ class TorchServe:
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of TorchServe's console log."""
         path = self.workdir / "torchserve.log"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+        return (
+            "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
+        )
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to the process group this object started, SIGKILL after ``timeout_s``."""
@@ -184,5 +194,7 @@ class TorchServe:
     def __enter__(self) -> TorchServe:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -71,7 +71,9 @@ class CTRHandler:
         valid, arrays = [], []
         for i, item in enumerate(data):
             try:
-                arrays.append(decode(self.spec, item.get("body") if item.get("body") is not None else item.get("data")))
+                arrays.append(
+                    decode(self.spec, item.get("body") if item.get("body") is not None else item.get("data"))
+                )
                 valid.append(i)
             except (KeyError, TypeError, ValueError) as exc:
                 results[i] = {"error": f"bad request: {exc}"}

@@ -35,7 +35,9 @@ class TrafficCounts:
     bad_accepted: int = 0
     failures: list[str] = field(default_factory=list)
     versions: set[int] = field(default_factory=set)  # dense versions seen
-    embedding_versions: set[tuple[int, ...]] = field(default_factory=set)  # store snapshots seen (table versions)
+    embedding_versions: set[tuple[int, ...]] = field(
+        default_factory=set
+    )  # store snapshots seen (table versions)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(
@@ -48,7 +50,10 @@ class TrafficCounts:
         """Count one response (with the dense version and the table versions that served it)."""
         with self.lock:
             if bad:
-                refused = error is not None and (error.status() or "").upper() in ("400", "STATUSCODE.INVALID_ARGUMENT")
+                refused = error is not None and (error.status() or "").upper() in (
+                    "400",
+                    "STATUSCODE.INVALID_ARGUMENT",
+                )
                 self.bad_refused += refused
                 self.bad_accepted += not refused
                 if not refused:
@@ -80,7 +85,9 @@ def add_version(repository: Path, model: str, source_version: int | None = None)
 def request_pool(spec: ModelSpec, count: int = 48, seed: int = 11) -> list[dict[str, np.ndarray]]:
     """Valid requests of 1..64 rows."""
     rng = np.random.default_rng(seed)
-    return [generate(spec, int(rng.choice([1, 4, 16, 64])), seed=seed + i).to_wire(spec) for i in range(count)]
+    return [
+        generate(spec, int(rng.choice([1, 4, 16, 64])), seed=seed + i).to_wire(spec) for i in range(count)
+    ]
 
 
 def malformed(spec: ModelSpec, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -108,11 +115,15 @@ def infer_request(model: str, inputs: dict[str, np.ndarray]) -> Any:
     for name, array in inputs.items():
         tensor = message.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
         tensor.shape.extend(array.shape)
-        message.raw_input_contents.append(serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes())
+        message.raw_input_contents.append(
+            serialize_byte_tensor(array).item() if array.dtype == object else array.tobytes()
+        )
     return message
 
 
-def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> tuple[int, tuple[int, ...]]:
+def _send(
+    module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]
+) -> tuple[int, tuple[int, ...]]:
     """One request; the dense version and the table versions that served it (every row must agree)."""
     tensors = infer_inputs(module, inputs)
     outputs = [module.InferRequestedOutput(name) for name in (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)]
@@ -121,7 +132,9 @@ def _send(module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarra
         raise InferenceServerException("response without probability")
     embedding = result.as_numpy(EMBEDDING_VERSION)
     if (embedding != embedding[0]).any():
-        raise InferenceServerException(f"the rows of one response name different embedding versions: {np.unique(embedding, axis=0)}")
+        raise InferenceServerException(
+            f"the rows of one response name different embedding versions: {np.unique(embedding, axis=0)}"
+        )
     return int(result.as_numpy(DENSE_VERSION).reshape(-1)[0]), tuple(int(v) for v in embedding[0])
 
 
@@ -147,7 +160,9 @@ def traffic_worker(
             request = rng.choice(pool)
             bad = rng.random() < bad_fraction
             try:
-                version, embedding_version = _send(module, client, spec, malformed(spec, request) if bad else request)
+                version, embedding_version = _send(
+                    module, client, spec, malformed(spec, request) if bad else request
+                )
                 counts.record(bad, None, version, embedding_version)
             except InferenceServerException as exc:
                 counts.record(bad, exc)

@@ -106,7 +106,9 @@ def sweep(
                 continue
             trial = measure_plan(plan)
             trials.append(trial)
-            progress(f"[tune] {plan}: rows/s {[round(r) for r in trial.rows_per_s]}, p99 ms {[round(p, 1) for p in trial.p99_ms]}")
+            progress(
+                f"[tune] {plan}: rows/s {[round(r) for r in trial.rows_per_s]}, p99 ms {[round(p, 1) for p in trial.p99_ms]}"
+            )
         best = best_trial(trials, p99_target_ms)
         if best is not None:
             current = best.plan
@@ -116,18 +118,26 @@ def sweep(
     for step in wire.STEPS:
         try_all([replace(current, instances={**current.instances, step: n}) for n in instance_counts])
     # a shared machine is noisy: measure the finalists again and decide on both measurements
-    ranked = sorted((t for t in trials if t.score(p99_target_ms) > 0), key=lambda t: t.score(p99_target_ms), reverse=True)
+    ranked = sorted(
+        (t for t in trials if t.score(p99_target_ms) > 0), key=lambda t: t.score(p99_target_ms), reverse=True
+    )
     finalists = ranked[:confirm]
     confirmed = []
     for trial in finalists:
         again = combine(trial, measure_plan(trial.plan))
-        progress(f"[tune] confirmed {trial.plan}: rows/s {[round(r) for r in again.rows_per_s]}, p99 ms {[round(p, 1) for p in again.p99_ms]}")
+        progress(
+            f"[tune] confirmed {trial.plan}: rows/s {[round(r) for r in again.rows_per_s]}, p99 ms {[round(p, 1) for p in again.p99_ms]}"
+        )
         confirmed.append(again)
     return best_trial(confirmed, p99_target_ms), trials + confirmed
 
 
 def perf_analyzer_measure(
-    spec: ModelSpec, repository: Path, workdir: Path, workloads: Sequence[tuple[int, int]], measurement_ms: int
+    spec: ModelSpec,
+    repository: Path,
+    workdir: Path,
+    workloads: Sequence[tuple[int, int]],
+    measurement_ms: int,
 ) -> Measure:
     """A :data:`Measure` that serves each plan from a variant repository and runs perf_analyzer (gRPC)."""
     data = write_input_data(spec, workdir / "input_data.json")
@@ -137,7 +147,16 @@ def perf_analyzer_measure(
         rows, p99 = [], []
         with TritonServer(variant, Ports.free(), log_path=workdir / "server.log") as server:
             for batch, concurrency in workloads:
-                point = measure(spec, server.grpc_url, "grpc", batch, str(concurrency), measurement_ms, data=data, stability_percentage=LOOSE_STABILITY)[0][-1]
+                point = measure(
+                    spec,
+                    server.grpc_url,
+                    "grpc",
+                    batch,
+                    str(concurrency),
+                    measurement_ms,
+                    data=data,
+                    stability_percentage=LOOSE_STABILITY,
+                )[0][-1]
                 rows.append(point.rows_per_s)
                 p99.append(point.p99_us / 1e3)
         return Trial(plan, tuple(workloads), tuple(rows), tuple(p99))

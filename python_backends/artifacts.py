@@ -29,7 +29,11 @@ def sha256_file(path: Path) -> str:
 
 def file_entry(root: Path, path: Path) -> dict[str, Any]:
     """Manifest entry for a file below ``root``."""
-    return {"path": path.relative_to(root).as_posix(), "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return {
+        "path": path.relative_to(root).as_posix(),
+        "sha256": sha256_file(path),
+        "bytes": path.stat().st_size,
+    }
 
 
 def save_array(root: Path, relative: str, array: np.ndarray) -> dict[str, Any]:

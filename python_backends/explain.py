@@ -15,7 +15,9 @@ from recserve.spec import ModelSpec
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
 
-def explain(spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray]) -> Iterator[dict[str, Any]]:
+def explain(
+    spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray]
+) -> Iterator[dict[str, Any]]:
     """One record per row and feature (and per history position) of a batch of raw inputs.
 
     The keys go through the same transform and the same store lookup as served requests (without
@@ -35,7 +37,11 @@ def explain(spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray
         ]
         values.append((spec.target.name, int(inputs[spec.target.name][row, 0]), len(names) - 1))
         values += [
-            (f"{spec.sequence.name}[{position}]", int(inputs[spec.sequence.name][row, position]), len(names) + position)
+            (
+                f"{spec.sequence.name}[{position}]",
+                int(inputs[spec.sequence.name][row, position]),
+                len(names) + position,
+            )
             for position in range(int(lengths[row]))
         ]
         for feature, value, column in values:

@@ -42,14 +42,21 @@ class EmbeddingLookup:
         self.store = store
         self.device_l1 = device_l1
         self.column_tables = np.array(
-            [store.table_id(f.table) for f in spec.categorical.features] + [store.table_id(spec.target.table)], np.int16
+            [store.table_id(f.table) for f in spec.categorical.features]
+            + [store.table_id(spec.target.table)],
+            np.int16,
         )
         self.sequence_table = store.table_id(spec.sequence.table)
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
-        self._versions: tuple[tuple[int, ...], np.ndarray] = ((), np.empty(0, np.int64))  # (snapshot versions, in spec order)
+        self._versions: tuple[tuple[int, ...], np.ndarray] = (
+            (),
+            np.empty(0, np.int64),
+        )  # (snapshot versions, in spec order)
 
     @classmethod
-    def for_instance(cls, spec: ModelSpec, served: ServedStore, l1_device: str = "", instance_device: str = "cpu") -> EmbeddingLookup:
+    def for_instance(
+        cls, spec: ModelSpec, served: ServedStore, l1_device: str = "", instance_device: str = "cpu"
+    ) -> EmbeddingLookup:
         """The step as a served instance runs it; with the device L1 when ``l1_device`` is set.
 
         torch is imported only then: the default profile's step stays numpy. The device copy of L1

@@ -44,7 +44,9 @@ def parse_section(cls: type[Section], raw: Any, where: str) -> Section:
         if key not in fields:
             raise UnknownKeyError(where, str(key), sorted(fields))
     for name, spec_field in fields.items():
-        required = spec_field.default is dataclasses.MISSING and spec_field.default_factory is dataclasses.MISSING
+        required = (
+            spec_field.default is dataclasses.MISSING and spec_field.default_factory is dataclasses.MISSING
+        )
         if required and name not in raw:
             raise SpecError(f"[{where}] needs the key {name!r}")
     hints = typing.get_type_hints(cls)
@@ -71,14 +73,20 @@ def _convert(kind: Any, value: Any, where: str) -> Any:
             raise SpecError(f"{where} must be true or false, got {value!r}")
         return value
     if kind in (int, float):
-        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or (kind is int and value != int(value))
+        ):
             raise SpecError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
         return kind(value)
     if kind is str:
         if not isinstance(value, str):
             raise SpecError(f"{where} must be a string, got {value!r}")
         return value
-    raise TypeError(f"no conversion for {kind!r} at {where}")  # a section declared a field type not handled here
+    raise TypeError(
+        f"no conversion for {kind!r} at {where}"
+    )  # a section declared a field type not handled here
 
 
 @dataclass(frozen=True)
@@ -126,9 +134,16 @@ class QueuePolicy:
 
     def check(self, name: str) -> None:
         """Raise :class:`SpecError` on negative limits or an unknown action."""
-        limits = (self.entry_max_queue_size, self.max_queue_size, self.default_timeout_microseconds, self.entry_timeout)
+        limits = (
+            self.entry_max_queue_size,
+            self.max_queue_size,
+            self.default_timeout_microseconds,
+            self.entry_timeout,
+        )
         if min(limits) < 0 or self.timeout_action not in ("REJECT", "DELAY"):
-            raise SpecError(f"{name} needs limits >= 0 (0: none) and timeout_action REJECT or DELAY, got {self}")
+            raise SpecError(
+                f"{name} needs limits >= 0 (0: none) and timeout_action REJECT or DELAY, got {self}"
+            )
 
 
 @dataclass(frozen=True)
@@ -211,8 +226,18 @@ class StoreSection:
 FEATURE_KEYS: dict[str, frozenset[str]] = {
     "dense": frozenset({"name", "kind", "prefix", "count", "clip_min", "clip_max"}),
     "categorical": frozenset(
-        {"name", "kind", "encoding", "prefix", "count", "max_hex_digits", "cardinalities", "zipf_exponent", "pooling",
-         "table"}
+        {
+            "name",
+            "kind",
+            "encoding",
+            "prefix",
+            "count",
+            "max_hex_digits",
+            "cardinalities",
+            "zipf_exponent",
+            "pooling",
+            "table",
+        }
     ),
     "sequence": frozenset({"name", "kind", "table", "max_length", "mean_length"}),
 }

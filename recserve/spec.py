@@ -231,9 +231,13 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         elif kind == "categorical":
             target = CategoricalFeature(raw["name"], raw["table"], "int", raw.get("pooling", "sum"))
         else:
-            sequence = SequenceFeature(raw["name"], raw["table"], int(raw["max_length"]), float(raw["mean_length"]))
+            sequence = SequenceFeature(
+                raw["name"], raw["table"], int(raw["max_length"]), float(raw["mean_length"])
+            )
     if dense is None or categorical is None or target is None or sequence is None:
-        raise SpecError("a spec needs one dense, one hex categorical, one int categorical and one sequence feature")
+        raise SpecError(
+            "a spec needs one dense, one hex categorical, one int categorical and one sequence feature"
+        )
     for feat in (target, sequence):
         if feat.table not in tables:
             raise SpecError(f"feature {feat.name!r} uses undefined table {feat.table!r}")
@@ -247,7 +251,9 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     if batch_buckets[-1] != max_batch:
         raise SpecError(f"largest batch bucket {batch_buckets[-1]} must equal max_batch_size {max_batch}")
     if seq_buckets[-1] != sequence.max_length:
-        raise SpecError(f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}")
+        raise SpecError(
+            f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
+        )
     preferred = tuple(sorted(serving.preferred_batch_size))
     if any(not 1 <= size <= max_batch for size in preferred):
         raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")

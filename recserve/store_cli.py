@@ -38,8 +38,11 @@ def _update(args: argparse.Namespace) -> int:
     check_ownership(served.store, args.table, keys)
     version = served.updater.log.publish(args.table, keys, vectors, served.store.dim)
     _announce(served, args.table, version)
-    print(f"published {len(keys)} rows as version {version} of table {args.table!r}; "
-          f"servers apply it within {served.maintainer.interval_s:g} s", file=sys.stderr)
+    print(
+        f"published {len(keys)} rows as version {version} of table {args.table!r}; "
+        f"servers apply it within {served.maintainer.interval_s:g} s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -76,15 +79,21 @@ def _redis_load(args: argparse.Namespace) -> int:
     if args.nodes:
         options = replace(options, redis_nodes=tuple(args.nodes.split(",")))
     if not options.redis_nodes:
-        raise ValueError("no Redis Cluster: set [store] redis_nodes in the spec or pass --nodes host:port,...")
-    total = upload_remote_tables(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), options, args.all)
+        raise ValueError(
+            "no Redis Cluster: set [store] redis_nodes in the spec or pass --nodes host:port,..."
+        )
+    total = upload_remote_tables(
+        spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), options, args.all
+    )
     print(f"wrote {total} rows to the Redis Cluster at {','.join(options.redis_nodes)}", file=sys.stderr)
     return 0
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add the store commands to ``recserve``'s sub-command parser."""
-    update = sub.add_parser("update", help="publish an embedding delta (.npz/.safetensors: keys int64, vectors float32)")
+    update = sub.add_parser(
+        "update", help="publish an embedding delta (.npz/.safetensors: keys int64, vectors float32)"
+    )
     update.add_argument("--table", required=True)
     update.add_argument("--delta", type=Path, required=True)
     update.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
@@ -102,14 +111,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     explain.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
     explain.set_defaults(func=_explain)
 
-    redis_load = sub.add_parser("redis-load", help="write the L3 tables ([store] remote_tables) into the Redis Cluster")
+    redis_load = sub.add_parser(
+        "redis-load", help="write the L3 tables ([store] remote_tables) into the Redis Cluster"
+    )
     redis_load.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
-    redis_load.add_argument("--nodes", default="", help="host:port,... (default: the spec's [store] redis_nodes)")
+    redis_load.add_argument(
+        "--nodes", default="", help="host:port,... (default: the spec's [store] redis_nodes)"
+    )
     redis_load.add_argument("--all", action="store_true", help="also write the locally stored tables")
     redis_load.set_defaults(func=_redis_load)
 
     from recserve.perf import store_bench
 
-    bench = sub.add_parser("bench-store", help="store lookups/s vs the numpy take floor, hit rates, memory, warm-up")
+    bench = sub.add_parser(
+        "bench-store", help="store lookups/s vs the numpy take floor, hit rates, memory, warm-up"
+    )
     store_bench.add_arguments(bench)
     bench.set_defaults(func=store_bench.run_from_args)

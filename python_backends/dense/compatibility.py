@@ -58,7 +58,9 @@ def check_dense_fits(spec: ModelSpec, graph_inputs: Mapping[str, Sequence[Dim]])
             want < 0 or got == want for got, want in zip(declared, expected)
         )
         if not fits:
-            problems.append(f"'{name}' is {_render(declared)} per row, the embeddings give {_render(expected)}")
+            problems.append(
+                f"'{name}' is {_render(declared)} per row, the embeddings give {_render(expected)}"
+            )
     if problems:
         raise ArtifactError(
             f"dense model does not fit spec '{spec.name}' (embedding_dim {spec.embedding_dim}, "
@@ -73,6 +75,9 @@ def onnx_input_dims(version_dir: Path) -> dict[str, list[Dim]]:
     path = verified_path(version_dir, read_manifest(version_dir)["files"]["model"])
     graph = onnx.load(str(path), load_external_data=False).graph
     return {
-        i.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in i.type.tensor_type.shape.dim]
+        i.name: [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+            for d in i.type.tensor_type.shape.dim
+        ]
         for i in graph.input
     }

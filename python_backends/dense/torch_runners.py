@@ -69,8 +69,7 @@ class TorchEager:
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[rows, 1]`` as float32."""
         feeds = [
-            torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device)
-            for n in wire.DENSE_NET_INPUTS
+            torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device) for n in wire.DENSE_NET_INPUTS
         ]
         return self.forward(*feeds).float().cpu().numpy()
 

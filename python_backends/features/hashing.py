@@ -43,6 +43,6 @@ def keys_for(values: np.ndarray, salt: np.uint64) -> np.ndarray:
 
 def missing_key(namespace: str, feature: str) -> np.int64:
     """The per-feature key served for an empty value."""
-    return splitmix64(np.array([fnv1a64(f"{namespace}/{feature}#missing")], dtype=np.uint64)).view(
-        np.int64
-    )[0]
+    return splitmix64(np.array([fnv1a64(f"{namespace}/{feature}#missing")], dtype=np.uint64)).view(np.int64)[
+        0
+    ]

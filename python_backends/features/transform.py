@@ -26,7 +26,9 @@ from recserve.spec import NUMPY_DTYPES, ModelSpec
 from recserve.wire import ABSENT_ITEM, parse_hex
 
 
-def require(inputs: Mapping[str, np.ndarray], name: str, dtype: str, rows: int | None, width: int | None) -> np.ndarray:
+def require(
+    inputs: Mapping[str, np.ndarray], name: str, dtype: str, rows: int | None, width: int | None
+) -> np.ndarray:
     """Fetch one input and check its dtype and 2-D shape ``[rows, width]`` (None: any)."""
     if name not in inputs or inputs[name] is None:
         raise InvalidInput(name, "is required but missing")
@@ -88,7 +90,8 @@ class FeatureTransform:
             r, c = (int(i) for i in np.argwhere(bad)[0])
             name = self.spec.dense.name
             raise InvalidInput(
-                name, f"{self.spec.dense.columns[c]} (row {r}) is {values[r, c]}; send missing values via {name}__missing"
+                name,
+                f"{self.spec.dense.columns[c]} (row {r}) is {values[r, c]}; send missing values via {name}__missing",
             )
         clipped = np.clip(np.where(missing, 0.0, values), self.spec.dense.clip_min, self.spec.dense.clip_max)
         return np.log1p(clipped).astype(np.float32)
@@ -103,7 +106,9 @@ class FeatureTransform:
         bad = target < ABSENT_ITEM
         if bad.any():
             r = int(np.argwhere(bad)[0][0])
-            raise InvalidInput(self.spec.target.name, f"row {r} is {int(target[r, 0])}; ids are >= 0, -1 means absent")
+            raise InvalidInput(
+                self.spec.target.name, f"row {r} is {int(target[r, 0])}; ids are >= 0, -1 means absent"
+            )
         keys = keys_for(target.astype(np.uint64), self._target_salt)
         return np.where(target == ABSENT_ITEM, self._target_missing, keys)
 

@@ -74,7 +74,9 @@ def resolve_device(setting: str, instance_device: str) -> str:
     if setting not in L1_DEVICES:
         raise ValueError(f"l1_device {setting!r} is not one of {L1_DEVICES}")
     if setting == "cuda" and not instance_device.startswith("cuda"):
-        raise ValueError("l1_device 'cuda' needs a KIND_GPU instance (serve with --profile cuda on a GPU machine)")
+        raise ValueError(
+            "l1_device 'cuda' needs a KIND_GPU instance (serve with --profile cuda on a GPU machine)"
+        )
     return instance_device if setting == "cuda" else "cpu"
 
 
@@ -89,7 +91,9 @@ class DeviceMirror:
     @classmethod
     def of(cls, cache: HotCache, device: torch.device) -> DeviceMirror:
         """Copy ``cache`` to ``device``."""
-        return cls(cache, torch.from_numpy(cache.slot_keys).to(device), torch.from_numpy(cache.vectors).to(device))
+        return cls(
+            cache, torch.from_numpy(cache.slot_keys).to(device), torch.from_numpy(cache.vectors).to(device)
+        )
 
     @property
     def slots(self) -> int:
@@ -99,7 +103,10 @@ class DeviceMirror:
     @property
     def nbytes(self) -> int:
         """Device bytes of the mirror."""
-        return self.slot_keys.numel() * self.slot_keys.element_size() + self.vectors.numel() * self.vectors.element_size()
+        return (
+            self.slot_keys.numel() * self.slot_keys.element_size()
+            + self.vectors.numel() * self.vectors.element_size()
+        )
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,9 @@ class DeviceL1:
             if self._mirror is None or self._mirror.source is not cache:
                 self._mirror = None  # release the old copy before making the new one
                 self._mirror = DeviceMirror.of(cache, self.device)
-                LOGGER.info("L1 mirrored to %s: %d rows, %d bytes", self.device, len(cache.keys), self._mirror.nbytes)
+                LOGGER.info(
+                    "L1 mirrored to %s: %d rows, %d bytes", self.device, len(cache.keys), self._mirror.nbytes
+                )
             return self._mirror
 
     @property
@@ -186,7 +195,9 @@ class DeviceL1:
             if rest.snapshot is not snapshot:
                 return None
             tiers[miss] = rest.tiers
-            vectors.index_copy_(0, torch.from_numpy(miss).to(self.device), torch.from_numpy(rest.vectors).to(self.device))
+            vectors.index_copy_(
+                0, torch.from_numpy(miss).to(self.device), torch.from_numpy(rest.vectors).to(self.device)
+            )
         return DeviceLookup(vectors, tiers, snapshot)
 
     def _host(self, keys: np.ndarray, table_ids: np.ndarray) -> DeviceLookup:

@@ -47,7 +47,9 @@ class HotCache:
         first.sort()
         slot_keys = np.zeros(slots, np.int64)
         home_of_zero = int(cls.slot_of(np.zeros(1, np.int64), slots)[0])
-        slot_keys[home_of_zero] = next(k for k in range(1, 64) if cls.slot_of(np.array([k], np.int64), slots)[0] != home_of_zero)
+        slot_keys[home_of_zero] = next(
+            k for k in range(1, 64) if cls.slot_of(np.array([k], np.int64), slots)[0] != home_of_zero
+        )
         cache = cls(slot_keys, np.zeros((slots, vectors.shape[1]), np.float32), keys[first])
         cache.slot_keys[slot[first]] = keys[first]
         cache.vectors[slot[first]] = vectors[first]

@@ -24,12 +24,36 @@ LOGGER = logging.getLogger(__name__)
 _POINTER, _SIZE, _SMALL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int8
 _SIGNATURES = {
     # keys, n, slot_keys, slots, vectors, dim, out, tiers, tier, misses
-    "recserve_cache_take": [_POINTER, _SIZE, _POINTER, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER, _SMALL, _POINTER],
+    "recserve_cache_take": [
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _POINTER,
+        _SMALL,
+        _POINTER,
+    ],
     # keys, positions, n, buckets, shift, overflow_keys, overflow_rows, overflow, vectors, dim, half,
     # out, tiers, tier, misses
     "recserve_index_take": [
-        _POINTER, _POINTER, _SIZE, _POINTER, _SIZE, _POINTER, _POINTER, _SIZE, _POINTER, _SIZE, ctypes.c_int32,
-        _POINTER, _POINTER, _SMALL, _POINTER,
+        _POINTER,
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _SIZE,
+        ctypes.c_int32,
+        _POINTER,
+        _POINTER,
+        _SMALL,
+        _POINTER,
     ],
     # table_ids, tiers, n, tier_count, counts
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
@@ -42,7 +66,9 @@ def _address(array: np.ndarray) -> int:
 
 def _contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
     if array.dtype != dtype or not array.flags.c_contiguous:
-        raise ValueError(f"expected a C-contiguous {np.dtype(dtype).name} array, got {array.dtype} {array.shape}")
+        raise ValueError(
+            f"expected a C-contiguous {np.dtype(dtype).name} array, got {array.dtype} {array.shape}"
+        )
     return array
 
 
@@ -55,43 +81,100 @@ class CacheProbe:
         self._slot_keys, self._slots = _address(_contiguous(slot_keys, np.int64)), slot_keys.size
         self._vectors, self._dim = _address(_contiguous(vectors, np.float32)), vectors.shape[1]
 
-    def take(self, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int, misses: np.ndarray) -> int:
+    def take(
+        self, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int, misses: np.ndarray
+    ) -> int:
         """Copy the cached rows of ``keys`` into ``out`` and mark them in ``tiers``; misses' positions go to ``misses``.
 
         Returns:
             How many keys missed (the first entries of ``misses``).
         """
-        _contiguous(keys, np.int64), _contiguous(out, np.float32), _contiguous(tiers, np.int8), _contiguous(misses, np.int64)
+        (
+            _contiguous(keys, np.int64),
+            _contiguous(out, np.float32),
+            _contiguous(tiers, np.int8),
+            _contiguous(misses, np.int64),
+        )
         return self._function(
-            _address(keys), keys.size, self._slot_keys, self._slots, self._vectors, self._dim,
-            _address(out), _address(tiers), tier, _address(misses),
+            _address(keys),
+            keys.size,
+            self._slot_keys,
+            self._slots,
+            self._vectors,
+            self._dim,
+            _address(out),
+            _address(tiers),
+            tier,
+            _address(misses),
         )
 
 
 class IndexProbe:
     """The compiled probe bound to one key index (``KeyIndex``) and its vectors (float32 or float16)."""
 
-    def __init__(self, function: ctypes._CFuncPtr, buckets: np.ndarray, overflow_keys: np.ndarray, overflow_rows: np.ndarray, vectors: np.ndarray) -> None:
+    def __init__(
+        self,
+        function: ctypes._CFuncPtr,
+        buckets: np.ndarray,
+        overflow_keys: np.ndarray,
+        overflow_rows: np.ndarray,
+        vectors: np.ndarray,
+    ) -> None:
         half = vectors.dtype == np.float16
         self._function = function
         self._arrays = (buckets, overflow_keys, overflow_rows, vectors)  # kept alive, as above
-        self._buckets, self._shift = _address(_contiguous(buckets, np.int64)), 64 - (len(buckets).bit_length() - 1)
-        self._overflow_keys, self._overflow = _address(_contiguous(overflow_keys, np.int64)), overflow_keys.size
+        self._buckets, self._shift = (
+            _address(_contiguous(buckets, np.int64)),
+            64 - (len(buckets).bit_length() - 1),
+        )
+        self._overflow_keys, self._overflow = (
+            _address(_contiguous(overflow_keys, np.int64)),
+            overflow_keys.size,
+        )
         self._overflow_rows = _address(_contiguous(overflow_rows, np.int32))
-        self._vectors, self._dim = _address(_contiguous(vectors, np.float16 if half else np.float32)), vectors.shape[1]
+        self._vectors, self._dim = (
+            _address(_contiguous(vectors, np.float16 if half else np.float32)),
+            vectors.shape[1],
+        )
         self._half = int(half)
 
-    def take(self, keys: np.ndarray, positions: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int, misses: np.ndarray) -> int:
+    def take(
+        self,
+        keys: np.ndarray,
+        positions: np.ndarray,
+        out: np.ndarray,
+        tiers: np.ndarray,
+        tier: int,
+        misses: np.ndarray,
+    ) -> int:
         """Copy the rows of ``keys[positions]`` into ``out[positions]``; positions not found go to ``misses``.
 
         Returns:
             How many positions were not found (the first entries of ``misses``).
         """
-        _contiguous(keys, np.int64), _contiguous(positions, np.int64), _contiguous(out, np.float32), _contiguous(tiers, np.int8), _contiguous(misses, np.int64)
+        (
+            _contiguous(keys, np.int64),
+            _contiguous(positions, np.int64),
+            _contiguous(out, np.float32),
+            _contiguous(tiers, np.int8),
+            _contiguous(misses, np.int64),
+        )
         return self._function(
-            _address(keys), _address(positions), positions.size, self._buckets, self._shift,
-            self._overflow_keys, self._overflow_rows, self._overflow, self._vectors, self._dim, self._half,
-            _address(out), _address(tiers), tier, _address(misses),
+            _address(keys),
+            _address(positions),
+            positions.size,
+            self._buckets,
+            self._shift,
+            self._overflow_keys,
+            self._overflow_rows,
+            self._overflow,
+            self._vectors,
+            self._dim,
+            self._half,
+            _address(out),
+            _address(tiers),
+            tier,
+            _address(misses),
         )
 
 
@@ -109,7 +192,9 @@ class Kernels:
         """Bind the L1 probe to one cache's arrays."""
         return CacheProbe(self.library.recserve_cache_take, slot_keys, vectors)
 
-    def index_probe(self, buckets: np.ndarray, overflow_keys: np.ndarray, overflow_rows: np.ndarray, vectors: np.ndarray) -> IndexProbe:
+    def index_probe(
+        self, buckets: np.ndarray, overflow_keys: np.ndarray, overflow_rows: np.ndarray, vectors: np.ndarray
+    ) -> IndexProbe:
         """Bind the index probe to one index and its vector array."""
         return IndexProbe(self.library.recserve_index_take, buckets, overflow_keys, overflow_rows, vectors)
 
@@ -117,7 +202,11 @@ class Kernels:
         """``counts[table, tier] += 1`` for every key (``counts`` int64 ``[tables, tiers]``, in place)."""
         _contiguous(counts, np.int64)
         self.library.recserve_count(
-            _address(_contiguous(table_ids, np.int16)), _address(_contiguous(tiers, np.int8)), tiers.size, counts.shape[1], _address(counts)
+            _address(_contiguous(table_ids, np.int16)),
+            _address(_contiguous(tiers, np.int8)),
+            tiers.size,
+            counts.shape[1],
+            _address(counts),
         )
 
 

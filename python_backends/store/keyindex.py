@@ -52,7 +52,11 @@ class KeyIndex:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The index arrays by name (how they are saved)."""
-        return {"buckets": self.buckets, "overflow_keys": self.overflow_keys, "overflow_rows": self.overflow_rows}
+        return {
+            "buckets": self.buckets,
+            "overflow_keys": self.overflow_keys,
+            "overflow_rows": self.overflow_rows,
+        }
 
     @staticmethod
     def bucket_of(keys: np.ndarray, buckets: int) -> np.ndarray:
@@ -96,7 +100,9 @@ class KeyIndex:
         if self.overflow_keys.size:
             spilled = np.flatnonzero((result == EMPTY_ROW) & (slot_rows[:, -1] != EMPTY_ROW))
             if spilled.size:
-                pos = np.minimum(np.searchsorted(self.overflow_keys, flat[spilled]), self.overflow_keys.size - 1)
+                pos = np.minimum(
+                    np.searchsorted(self.overflow_keys, flat[spilled]), self.overflow_keys.size - 1
+                )
                 found = self.overflow_keys[pos] == flat[spilled]
                 result[spilled[found]] = self.overflow_rows[pos[found]]
         return result.reshape(np.shape(keys))

@@ -92,7 +92,9 @@ def redis_keys(keys: np.ndarray, prefix: str = KEY_PREFIX) -> list[bytes]:
 class RedisTier:
     """L3 over a Redis Cluster client (``redis.cluster.RedisCluster`` or anything with ``mget_nonatomic``)."""
 
-    def __init__(self, client: Any, deadline_s: float, breaker: CircuitBreaker, prefix: str = KEY_PREFIX) -> None:
+    def __init__(
+        self, client: Any, deadline_s: float, breaker: CircuitBreaker, prefix: str = KEY_PREFIX
+    ) -> None:
         self.client = client
         self.deadline_s = deadline_s
         self.breaker = breaker
@@ -197,12 +199,30 @@ class RedisTier:
 
     def samples(self) -> list[MetricSample]:
         """L3 calls, errors by reason, breaker state."""
-        out = [MetricSample("recserve_store_l3_calls_total", "counter", "Batch calls to L3", (), float(self.calls))]
+        out = [
+            MetricSample(
+                "recserve_store_l3_calls_total", "counter", "Batch calls to L3", (), float(self.calls)
+            )
+        ]
         out += [
-            MetricSample("recserve_store_l3_errors_total", "counter", "L3 calls not served (keys got defaults), by reason", (("reason", reason),), float(self.errors.get(reason, 0)))
+            MetricSample(
+                "recserve_store_l3_errors_total",
+                "counter",
+                "L3 calls not served (keys got defaults), by reason",
+                (("reason", reason),),
+                float(self.errors.get(reason, 0)),
+            )
             for reason in L3_ERROR_REASONS
         ]
-        out.append(MetricSample("recserve_store_l3_breaker_open", "gauge", "1 while the L3 circuit breaker is open", (), float(self.breaker.state != CLOSED)))
+        out.append(
+            MetricSample(
+                "recserve_store_l3_breaker_open",
+                "gauge",
+                "1 while the L3 circuit breaker is open",
+                (),
+                float(self.breaker.state != CLOSED),
+            )
+        )
         return out
 
     def close(self) -> None:
@@ -223,4 +243,3 @@ def _decode_into(values: list, vectors: np.ndarray) -> np.ndarray:
 def _host_port(node: str) -> tuple[str, int]:
     host, _, port = node.rpartition(":")
     return host, int(port)
-

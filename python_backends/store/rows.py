@@ -32,7 +32,9 @@ class TableArrays:
         if len(np.unique(self.keys)) != len(self.keys):
             raise ArtifactError(f"table {self.name!r} has duplicate keys")
         if self.vectors.shape != (len(self.keys), self.default.shape[0]):
-            raise ArtifactError(f"table {self.name!r}: vectors {list(self.vectors.shape)} do not fit {len(self.keys)} keys")
+            raise ArtifactError(
+                f"table {self.name!r}: vectors {list(self.vectors.shape)} do not fit {len(self.keys)} keys"
+            )
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class RowBlock:
     @classmethod
     def of(cls, keys: np.ndarray, vectors: np.ndarray) -> RowBlock:
         """Index ``keys`` (unique) over ``vectors``."""
-        return cls(KeyIndex.build(keys), np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(keys, np.int64))
+        return cls(
+            KeyIndex.build(keys), np.ascontiguousarray(vectors, dtype=np.float32), np.asarray(keys, np.int64)
+        )
 
     @cached_property
     def probe(self) -> kernels.IndexProbe | None:
@@ -87,4 +91,8 @@ class RowBlock:
 
 
 def _index_probe(index: KeyIndex, vectors: np.ndarray) -> kernels.IndexProbe | None:
-    return None if KERNELS is None else KERNELS.index_probe(index.buckets, index.overflow_keys, index.overflow_rows, vectors)
+    return (
+        None
+        if KERNELS is None
+        else KERNELS.index_probe(index.buckets, index.overflow_keys, index.overflow_rows, vectors)
+    )

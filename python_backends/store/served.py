@@ -59,7 +59,9 @@ class ServedStore:
             "store ready: versions %s, %d hot rows preloaded, %s",
             updater.applied,
             cached,
-            "compiled probe loops" if store.compiled else "numpy path (the compiled probe loops are not built)",
+            "compiled probe loops"
+            if store.compiled
+            else "numpy path (the compiled probe loops are not built)",
         )
         served = cls(store, updater, maintainer)
         if start:
@@ -87,17 +89,65 @@ class ServedStore:
         snapshot, lags = store.snapshot, self.updater.lag_seconds()
         for name in store.table_names:
             labels = (("table", name),)
-            out.append(MetricSample("recserve_table_version", "gauge", "Version of each table being served", labels, float(store.version_of(name, snapshot))))
-            out.append(MetricSample("recserve_table_update_lag_seconds", "gauge", "Seconds since the served version of each table was published", labels, lags[name]))
+            out.append(
+                MetricSample(
+                    "recserve_table_version",
+                    "gauge",
+                    "Version of each table being served",
+                    labels,
+                    float(store.version_of(name, snapshot)),
+                )
+            )
+            out.append(
+                MetricSample(
+                    "recserve_table_update_lag_seconds",
+                    "gauge",
+                    "Seconds since the served version of each table was published",
+                    labels,
+                    lags[name],
+                )
+            )
         latencies = store.stats.drain_latencies()
         p99 = float(np.quantile(latencies, 0.99)) if latencies else 0.0
         out += [
-            MetricSample("recserve_store_lookups_total", "counter", "Batches looked up", (), float(store.stats.calls)),
-            MetricSample("recserve_store_lookup_seconds_total", "counter", "Seconds spent in batch lookups", (), store.stats.seconds),
-            MetricSample("recserve_store_lookup_p99_seconds", "gauge", "p99 batch lookup latency since the last publication", (), p99),
-            MetricSample("recserve_store_l1_rows", "gauge", "Rows in the L1 hot cache", (), float(len(store.hot_keys()))),
-            MetricSample("recserve_store_compiled", "gauge", "1 when lookups run the compiled probe loops, 0 on the numpy path", (), float(store.compiled)),
-            MetricSample("recserve_store_updates_rejected_total", "counter", "Published versions refused at apply", (), float(self.updater.rejected)),
+            MetricSample(
+                "recserve_store_lookups_total", "counter", "Batches looked up", (), float(store.stats.calls)
+            ),
+            MetricSample(
+                "recserve_store_lookup_seconds_total",
+                "counter",
+                "Seconds spent in batch lookups",
+                (),
+                store.stats.seconds,
+            ),
+            MetricSample(
+                "recserve_store_lookup_p99_seconds",
+                "gauge",
+                "p99 batch lookup latency since the last publication",
+                (),
+                p99,
+            ),
+            MetricSample(
+                "recserve_store_l1_rows",
+                "gauge",
+                "Rows in the L1 hot cache",
+                (),
+                float(len(store.hot_keys())),
+            ),
+            MetricSample(
+                "recserve_store_compiled",
+                "gauge",
+                "1 when lookups run the compiled probe loops, 0 on the numpy path",
+                (),
+                float(store.compiled),
+            ),
+            MetricSample(
+                "recserve_store_updates_rejected_total",
+                "counter",
+                "Published versions refused at apply",
+                (),
+                float(self.updater.rejected),
+            ),
             MetricSample(
                 "recserve_store_healthy",
                 "gauge",

@@ -24,7 +24,9 @@ MANIFEST_FORMAT = "recserve-embeddings/3"
 INDEX_ARRAYS = ("buckets", "overflow_keys", "overflow_rows")
 
 
-def layout_shards(tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]) -> tuple[list[TableInfo], list[Shard]]:
+def layout_shards(
+    tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]
+) -> tuple[list[TableInfo], list[Shard]]:
     """Group tables into one shard per storage dtype: rows of each table, then their default rows."""
     dims = {t.default.shape[0] for t in tables.values()}
     if len(dims) != 1:
@@ -47,11 +49,17 @@ def layout_shards(tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]) 
             index = KeyIndex.build(keys)
         except ValueError:
             raise ArtifactError(f"tables {members} share a key; keys must be unique across tables") from None
-        vectors = np.concatenate([*(tables[n].vectors for n in members), *(tables[n].default[None, :] for n in members)]).astype(dtype)
+        vectors = np.concatenate(
+            [*(tables[n].vectors for n in members), *(tables[n].default[None, :] for n in members)]
+        ).astype(dtype)
         shards.append(Shard(dtype, keys, vectors, index))
         for offset, name in enumerate(members):
             rows = len(tables[name].keys)
-            infos.append(TableInfo(name, names.index(name), shard_number, starts[name], starts[name] + rows, start + offset))
+            infos.append(
+                TableInfo(
+                    name, names.index(name), shard_number, starts[name], starts[name] + rows, start + offset
+                )
+            )
     return infos, shards
 
 
@@ -66,7 +74,10 @@ def write_shards(root: Path, tables: Mapping[str, TableArrays], dtypes: Mapping[
                 "dtype": shard.dtype,
                 "keys": save_array(root, f"{prefix}.keys.npy", shard.keys),
                 "vectors": save_array(root, f"{prefix}.vectors.npy", shard.vectors),
-                **{name: save_array(root, f"{prefix}.{name}.npy", array) for name, array in shard.index.arrays().items()},
+                **{
+                    name: save_array(root, f"{prefix}.{name}.npy", array)
+                    for name, array in shard.index.arrays().items()
+                },
             }
         )
     table_entries = {

@@ -118,7 +118,9 @@ class TieredStore:
         self.compiled = compiled and KERNELS is not None  # the compiled loops, else the numpy path
         ids = sorted(tables, key=lambda t: t.table_id)
         self._table_shard = np.array([t.shard for t in ids], np.int16)
-        self._defaults = np.stack([self.shards[t.shard].vectors[t.default_row].astype(np.float32) for t in ids])
+        self._defaults = np.stack(
+            [self.shards[t.shard].vectors[t.default_row].astype(np.float32) for t in ids]
+        )
         self.tracker = FrequencyTracker(TRACKED_KEYS_PER_REFRESH, COUNT_DECAY)
         self.stats = StoreStats(np.zeros((len(ids), len(TIERS)), np.int64))
         self.snapshot = Snapshot(tuple(base_version for _ in ids))
@@ -138,7 +140,11 @@ class TieredStore:
         snapshot = self.snapshot  # read once: the whole batch uses one version of everything
         vectors = np.empty((keys.size, self.dim), np.float32)  # every row is written by one tier below
         tiers = np.empty(keys.size, np.int8)
-        todo = self._take_cache(snapshot.cache, keys, vectors, tiers) if snapshot.cache is not None else np.arange(keys.size)
+        todo = (
+            self._take_cache(snapshot.cache, keys, vectors, tiers)
+            if snapshot.cache is not None
+            else np.arange(keys.size)
+        )
         if snapshot.delta is not None and todo.size:
             todo = self._take_rows(snapshot.delta, keys, todo, vectors, tiers, DELTA)
         if todo.size:
@@ -152,12 +158,16 @@ class TieredStore:
             self.record_lookup(keys, table_ids, tiers, time.perf_counter() - started)
         return Lookup(vectors, tiers, snapshot)
 
-    def record_lookup(self, keys: np.ndarray, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
+    def record_lookup(
+        self, keys: np.ndarray, table_ids: np.ndarray, tiers: np.ndarray, seconds: float
+    ) -> None:
         """Count a batch served partly outside :meth:`lookup` (the device L1) as ``lookup`` counts its own."""
         self.tracker.record(keys)
         self._count(table_ids, tiers, seconds)
 
-    def _take_cache(self, cache: HotCache, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
+    def _take_cache(
+        self, cache: HotCache, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray
+    ) -> np.ndarray:
         """L1 rows of ``keys``; the positions it does not hold."""
         if self.compiled:
             misses = np.empty(keys.size, np.int64)
@@ -168,7 +178,15 @@ class TieredStore:
         tiers[hit] = L1
         return np.flatnonzero(~hit)
 
-    def _take_rows(self, rows: Shard | RowBlock, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int) -> np.ndarray:
+    def _take_rows(
+        self,
+        rows: Shard | RowBlock,
+        keys: np.ndarray,
+        todo: np.ndarray,
+        out: np.ndarray,
+        tiers: np.ndarray,
+        tier: int,
+    ) -> np.ndarray:
         """Rows of ``keys[todo]`` held by ``rows`` (a shard or the delta rows); the positions it does not hold."""
         if self.compiled:
             misses = np.empty(todo.size, np.int64)
@@ -183,14 +201,18 @@ class TieredStore:
         tiers[todo[hit]] = tier
         return todo[~hit]
 
-    def _take_local(self, keys: np.ndarray, table_ids: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray) -> np.ndarray:
+    def _take_local(
+        self, keys: np.ndarray, table_ids: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray
+    ) -> np.ndarray:
         missing = []
         for number, shard in enumerate(self.shards):
             part = todo if len(self.shards) == 1 else todo[self._table_shard[table_ids[todo]] == number]
             missing.append(self._take_rows(shard, keys, part, out, tiers, L2))
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
 
-    def _take_remote(self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, bulk: bool = False) -> np.ndarray:
+    def _take_remote(
+        self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, bulk: bool = False
+    ) -> np.ndarray:
         fetch = self.remote.fetch_bulk if bulk else self.remote.fetch
         found_vectors, found = fetch(keys[todo], self.dim)
         out[todo[found]] = found_vectors[found]
@@ -202,7 +224,9 @@ class TieredStore:
             KERNELS.count(table_ids, tiers, self.stats.by_table_tier)
         else:
             flat = table_ids * np.int16(len(TIERS)) + tiers  # stays int16: no widening copy
-            self.stats.by_table_tier += np.bincount(flat, minlength=self.stats.by_table_tier.size).reshape(self.stats.by_table_tier.shape)
+            self.stats.by_table_tier += np.bincount(flat, minlength=self.stats.by_table_tier.size).reshape(
+                self.stats.by_table_tier.shape
+            )
         self.stats.calls += 1
         self.stats.seconds += seconds
         if len(self.stats.latencies) < self.stats.MAX_LATENCIES:
@@ -245,7 +269,9 @@ class TieredStore:
             ids = list(current.versions)
             for name, version in versions.items():
                 ids[self.table_id(name)] = version
-            cache = self.build_cache(current.cache.keys if current.cache is not None else np.empty(0, np.int64), delta)
+            cache = self.build_cache(
+                current.cache.keys if current.cache is not None else np.empty(0, np.int64), delta
+            )
             self.snapshot = Snapshot(tuple(ids), delta, cache)
             return self.snapshot
 
@@ -333,7 +359,13 @@ class TieredStore:
         return cls.map(root, dims, spec.store, remote)
 
     @classmethod
-    def map(cls, root: Path, dims: Mapping[str, int], options: StoreSection = StoreSection(), remote: RemoteTier | None = None) -> TieredStore:
+    def map(
+        cls,
+        root: Path,
+        dims: Mapping[str, int],
+        options: StoreSection = StoreSection(),
+        remote: RemoteTier | None = None,
+    ) -> TieredStore:
         """Memory-map and verify the shards under ``root``; ``dims`` names the expected tables."""
         infos, shards, version = map_shards(root, dims)
         return cls(infos, shards, version, options, remote)

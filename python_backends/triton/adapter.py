@@ -67,7 +67,9 @@ class ModelContext:
         count = sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or 1
         version_dir = Path(args["model_repository"]) / args["model_version"]
         install_bytes_decoder()
-        parameters = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        parameters = {
+            key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()
+        }
         return cls(spec, version_dir, args["model_name"], count, parameters)
 
     @property
@@ -129,7 +131,9 @@ def output_tensor(name: str, array: Any) -> pb_utils.Tensor:
 
 def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
     """A successful response carrying ``outputs`` (numpy arrays or torch tensors)."""
-    return pb_utils.InferenceResponse(output_tensors=[output_tensor(name, array) for name, array in outputs.items()])
+    return pb_utils.InferenceResponse(
+        output_tensors=[output_tensor(name, array) for name, array in outputs.items()]
+    )
 
 
 def _handle_one(handle: Callable[[Arrays], Arrays], inputs: Arrays) -> pb_utils.InferenceResponse:
@@ -169,7 +173,9 @@ def execute_merged_or_alone(
     except Exception:  # noqa: BLE001 - redone per request below, where each error is mapped
         LOGGER.debug("merged batch of %d requests refused; handling them one by one", len(inputs))
         return [_handle_one(handle, item) for item in inputs]
-    widths = {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
+    widths = (
+        {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
+    )
     return [respond(part) for part in batching.split(outputs, sizes, widths)]
 
 
@@ -235,8 +241,14 @@ class MetricsPublisher:
             if metric is None:  # first seen: created even at 0, so the series exists before it counts
                 family = self.families.get(sample.name)
                 if family is None:
-                    kind = pb_utils.MetricFamily.COUNTER if sample.kind == "counter" else pb_utils.MetricFamily.GAUGE
-                    family = self.families[sample.name] = pb_utils.MetricFamily(name=sample.name, description=sample.description, kind=kind)
+                    kind = (
+                        pb_utils.MetricFamily.COUNTER
+                        if sample.kind == "counter"
+                        else pb_utils.MetricFamily.GAUGE
+                    )
+                    family = self.families[sample.name] = pb_utils.MetricFamily(
+                        name=sample.name, description=sample.description, kind=kind
+                    )
                 metric = self.metrics[key] = family.Metric(labels=dict(sample.labels))
             if sample.kind == "counter":
                 if sample.value != previous:

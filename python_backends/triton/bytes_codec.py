@@ -33,7 +33,9 @@ def decode_bytes_tensor(encoded: np.ndarray | bytes | bytearray | memoryview) ->
         (length,) = unpack(buffer, offset)
         offset += 4
         if offset + length > size:
-            raise ValueError(f"truncated BYTES tensor: an element of {length} bytes at byte {offset} of {size}")
+            raise ValueError(
+                f"truncated BYTES tensor: an element of {length} bytes at byte {offset} of {size}"
+            )
         append(buffer[offset : offset + length])
         offset += length
     result = np.empty(len(elements), dtype=np.object_)

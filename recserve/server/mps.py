@@ -1,5 +1,4 @@
-"""GPUs on this machine and the NVIDIA MPS control daemon (``recserve serve --mps``).
-"""
+"""GPUs on this machine and the NVIDIA MPS control daemon (``recserve serve --mps``)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ LOGGER = logging.getLogger(__name__)
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
 
-
 def visible_gpus() -> list[str]:
     """The GPUs ``nvidia-smi -L`` lists (empty when there is no driver or no GPU)."""
     smi = shutil.which("nvidia-smi")
@@ -28,7 +26,9 @@ def visible_gpus() -> list[str]:
         done = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [line for line in done.stdout.splitlines() if line.startswith("GPU ")] if done.returncode == 0 else []
+    return (
+        [line for line in done.stdout.splitlines() if line.startswith("GPU ")] if done.returncode == 0 else []
+    )
 
 
 def require_gpu() -> list[str]:
@@ -62,11 +62,15 @@ class MpsDaemon:
     def start(self) -> MpsDaemon:
         """``nvidia-cuda-mps-control -d``; raise :class:`ServerError` when it is absent or fails."""
         if self.control is None:
-            raise ServerError(f"--mps needs {MPS_CONTROL} (NVIDIA driver utilities) on PATH; it is not installed here")
+            raise ServerError(
+                f"--mps needs {MPS_CONTROL} (NVIDIA driver utilities) on PATH; it is not installed here"
+            )
         require_gpu()
         for sub in ("pipe", "log"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([self.control, "-d"], env=self.env(), capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [self.control, "-d"], env=self.env(), capture_output=True, text=True, timeout=60
+        )
         if done.returncode != 0:
             raise ServerError(f"{MPS_CONTROL} -d failed ({done.returncode}): {done.stderr.strip()}")
         self.running = True
@@ -77,12 +81,16 @@ class MpsDaemon:
         """Send ``quit`` to the control daemon (it stops its server too)."""
         if not self.running or self.control is None:
             return
-        subprocess.run([self.control], input="quit\n", env=self.env(), capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [self.control], input="quit\n", env=self.env(), capture_output=True, text=True, timeout=60
+        )
         self.running = False
         LOGGER.info("MPS control daemon stopped")
 
     def __enter__(self) -> MpsDaemon:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -1,5 +1,4 @@
-"""A tritonserver child process: command line, start, readiness, drain and stop.
-"""
+"""A tritonserver child process: command line, start, readiness, drain and stop."""
 
 from __future__ import annotations
 
@@ -133,7 +132,14 @@ class TritonServer:
         extra = [f"--model-config-name={self.config_name}"] if self.config_name else None
         cpus = self.cpus
         self.process = subprocess.Popen(
-            server_command(self.repository, self.ports, self.host, extra, security=self.security, exit_timeout_s=self.exit_timeout_s),
+            server_command(
+                self.repository,
+                self.ports,
+                self.host,
+                extra,
+                security=self.security,
+                exit_timeout_s=self.exit_timeout_s,
+            ),
             env=server_env(),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
@@ -184,7 +190,11 @@ class TritonServer:
         models stay up until every accepted request is through. Returns False when nothing could
         be drained (model control ``none``) or time ran out.
         """
-        if self.security.model_control != "explicit" or self.process is None or self.process.poll() is not None:
+        if (
+            self.security.model_control != "explicit"
+            or self.process is None
+            or self.process.poll() is not None
+        ):
             return False
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
@@ -198,7 +208,9 @@ class TritonServer:
                     client.unload_model(name, headers=headers)
                 while time.monotonic() < deadline:
                     index = client.get_model_repository_index(headers=headers, as_json=True).get("models", [])
-                    if not any(m.get("name") in ensembles and m.get("state") in ("READY", "UNLOADING") for m in index):
+                    if not any(
+                        m.get("name") in ensembles and m.get("state") in ("READY", "UNLOADING") for m in index
+                    ):
                         return True
                     time.sleep(0.05)
         except InferenceServerException as exc:
@@ -226,7 +238,9 @@ class TritonServer:
     def __enter__(self) -> TritonServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 

@@ -1,5 +1,4 @@
-"""Who may do what on a served repository: model control and the key-restricted APIs.
-"""
+"""Who may do what on a served repository: model control and the key-restricted APIs."""
 
 from __future__ import annotations
 
@@ -37,9 +36,13 @@ class Security:
 
     def __post_init__(self) -> None:
         if self.model_control not in MODEL_CONTROL_MODES:
-            raise ServerError(f"model control must be one of {MODEL_CONTROL_MODES}, got {self.model_control!r}")
+            raise ServerError(
+                f"model control must be one of {MODEL_CONTROL_MODES}, got {self.model_control!r}"
+            )
         if self.model_control == "explicit" and not self.admin_key:
-            raise ServerError("model control 'explicit' needs an admin key (--admin-key or RECSERVE_ADMIN_KEY)")
+            raise ServerError(
+                "model control 'explicit' needs an admin key (--admin-key or RECSERVE_ADMIN_KEY)"
+            )
 
     @property
     def restricted_apis(self) -> tuple[str, ...]:
@@ -47,13 +50,17 @@ class Security:
         return RESTRICTED_APIS if self.client_shared_memory else (*RESTRICTED_APIS, SHARED_MEMORY_API)
 
     def arguments(self) -> list[str]:
-        """tritonserver flags for model control and the key-restricted APIs (HTTP and gRPC alike)."""
+        """Tritonserver flags for model control and the key-restricted APIs (HTTP and gRPC alike)."""
         key = self.admin_key or secrets.token_urlsafe(32)
         restriction = f"{','.join(self.restricted_apis)}:{ADMIN_HEADER}={key}"
         model_control = [f"--model-control-mode={self.model_control}"]
         if self.model_control == "explicit":
             model_control.append("--load-model=*")
-        return [*model_control, f"--http-restricted-api={restriction}", f"--grpc-restricted-protocol={restriction}"]
+        return [
+            *model_control,
+            f"--http-restricted-api={restriction}",
+            f"--grpc-restricted-protocol={restriction}",
+        ]
 
     def headers(self, protocol: str = "grpc") -> dict[str, str]:
         """Headers a client sends to use the restricted APIs (gRPC metadata carries Triton's prefix)."""

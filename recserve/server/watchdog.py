@@ -1,5 +1,4 @@
-"""The stub processes of a running tritonserver, and the watchdog that reloads a model whose stub died.
-"""
+"""The stub processes of a running tritonserver, and the watchdog that reloads a model whose stub died."""
 
 from __future__ import annotations
 
@@ -77,7 +76,9 @@ class StubWatchdog(threading.Thread):
     the key-restricted model-repository API (model control ``explicit``).
     """
 
-    def __init__(self, server: TritonServer, expected: dict[str, int], interval_s: float = 0.25, grace_s: float = 5.0) -> None:
+    def __init__(
+        self, server: TritonServer, expected: dict[str, int], interval_s: float = 0.25, grace_s: float = 5.0
+    ) -> None:
         super().__init__(name="stub-watchdog", daemon=True)
         self.server = server
         self.expected = expected
@@ -109,7 +110,10 @@ class StubWatchdog(threading.Thread):
             if process is None or process.poll() is not None:
                 return
             for model in self.missing():
-                if time.monotonic() - last.get(model, -self.grace_s) < self.grace_s or not self.server.is_ready():
+                if (
+                    time.monotonic() - last.get(model, -self.grace_s) < self.grace_s
+                    or not self.server.is_ready()
+                ):
                     continue
                 last[model] = time.monotonic()
                 LOGGER.warning("a stub process of model %r died; reloading the model", model)

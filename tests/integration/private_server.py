@@ -25,17 +25,27 @@ def private_server(
     if prepare is not None:
         prepare(root)
     key = secrets.token_urlsafe(32) if model_control == "explicit" else None
-    server = TritonServer(root, Ports.free(), log_path=scratch / "server.log", security=Security(model_control, key), exit_timeout_s=exit_timeout_s)
+    server = TritonServer(
+        root,
+        Ports.free(),
+        log_path=scratch / "server.log",
+        security=Security(model_control, key),
+        exit_timeout_s=exit_timeout_s,
+    )
     with server:
         yield server
 
 
 @contextlib.contextmanager
-def background_traffic(server: TritonServer, spec, protocols=("grpc", "grpc", "http")) -> Iterator[TrafficCounts]:
+def background_traffic(
+    server: TritonServer, spec, protocols=("grpc", "grpc", "http")
+) -> Iterator[TrafficCounts]:
     """Valid requests from one thread per protocol entry until the block ends."""
     stop, counts = threading.Event(), TrafficCounts()
     threads = [
-        threading.Thread(target=traffic_worker, args=(server, spec, p, stop, counts, 0.0, 500 + i), daemon=True)
+        threading.Thread(
+            target=traffic_worker, args=(server, spec, p, stop, counts, 0.0, 500 + i), daemon=True
+        )
         for i, p in enumerate(protocols)
     ]
     for thread in threads:

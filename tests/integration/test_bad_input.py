@@ -66,7 +66,10 @@ def _cases(spec):
         "missing target": (lambda w: w.pop(t), t),
         "missing history": (lambda w: w.pop(h), h),
         "missing history length": (lambda w: w.pop(hl), hl),
-        "extra input": (lambda w: w.__setitem__("user_secret", np.zeros((len(w[d]), 1), np.float32)), "user_secret"),
+        "extra input": (
+            lambda w: w.__setitem__("user_secret", np.zeros((len(w[d]), 1), np.float32)),
+            "user_secret",
+        ),
         # values
         "NaN in a dense value": (nan(np.nan), d),
         "+Inf in a dense value": (nan(np.inf), d),
@@ -176,13 +179,17 @@ def _raw_http_cases(spec, good):
     import json
 
     d, last = spec.dense.name, list(good)[-1]  # a size lie shows where the bytes run out: the last input
-    tensors = [{"name": k, "datatype": np_to_triton_dtype(v.dtype), "shape": list(v.shape)} for k, v in good.items()]
+    tensors = [
+        {"name": k, "datatype": np_to_triton_dtype(v.dtype), "shape": list(v.shape)} for k, v in good.items()
+    ]
 
     def binary(lie=0, shape=None):
         header_tensors, blobs = [], []
         for tensor, array in zip(tensors, good.values()):
             blob = infer_request(spec.name, {tensor["name"]: array}).raw_input_contents[0]
-            entry = dict(tensor, parameters={"binary_data_size": len(blob) + (lie if tensor["name"] == last else 0)})
+            entry = dict(
+                tensor, parameters={"binary_data_size": len(blob) + (lie if tensor["name"] == last else 0)}
+            )
             if shape and tensor["name"] == d:
                 entry["shape"] = shape
             header_tensors.append(entry)
@@ -193,7 +200,11 @@ def _raw_http_cases(spec, good):
     def json_body(replace):
         inputs = []
         for tensor, array in zip(tensors, good.values()):
-            data = [x.decode() for x in array.reshape(-1)] if array.dtype == object else array.reshape(-1).tolist()
+            data = (
+                [x.decode() for x in array.reshape(-1)]
+                if array.dtype == object
+                else array.reshape(-1).tolist()
+            )
             inputs.append(dict(tensor, data=data))
         return replace(json.dumps({"inputs": inputs}).encode()), {"Content-Type": "application/json"}
 
@@ -203,9 +214,17 @@ def _raw_http_cases(spec, good):
         "binary size smaller than sent": (binary(lie=-4), "additional input data", 400),
         "shape promising 2**40 elements": (binary(shape=[2**20, 2**20]), d, 400),
         "negative shape": (binary(shape=[-3, 13]), "shape", 500),
-        "non-UTF-8 bytes in the JSON body": (json_body(lambda b: b.replace(b'"dense"', b'"de\xffnse"', 1)), "", 400),
+        "non-UTF-8 bytes in the JSON body": (
+            json_body(lambda b: b.replace(b'"dense"', b'"de\xffnse"', 1)),
+            "",
+            400,
+        ),
         "JSON body cut short": (json_body(lambda b: b[: len(b) // 2]), "parse", 500),
-        "JSON data with too few elements": (json_body(lambda b: b.replace(b'"data": [', b'"data": [1.0, ', 1)), "data", 500),
+        "JSON data with too few elements": (
+            json_body(lambda b: b.replace(b'"data": [', b'"data": [1.0, ', 1)),
+            "data",
+            500,
+        ),
     }
 
 
@@ -225,7 +244,11 @@ def test_malformed_http_bodies_are_refused_and_the_next_request_succeeds(server,
 def test_an_oversized_http_body_is_refused(server, spec):
     good = generate(spec, 1, seed=80).to_wire(spec)
     """A 70 MB body claiming a [1, 13] tensor: refused (Triton 2.51 answers this parse error with 500)."""
-    body = b'{"inputs": [{"name": "dense", "datatype": "FP32", "shape": [1, 13], "data": [' + b"0.0, " * (14 << 20) + b"0.0]}]}"
+    body = (
+        b'{"inputs": [{"name": "dense", "datatype": "FP32", "shape": [1, 13], "data": ['
+        + b"0.0, " * (14 << 20)
+        + b"0.0]}]}"
+    )
     status, text = _post(server, body, {"Content-Type": "application/json"})
     assert status in (400, 500) and ("dense" in text or "data" in text), f"{status} {text[:300]}"
     _assert_clear("oversized body", text[:2000], "")
@@ -275,7 +298,9 @@ def test_one_bad_request_in_a_dynamic_batch_fails_alone(server, spec):
             else:
                 assert not isinstance(result, Exception), str(result)
                 np.testing.assert_allclose(
-                    result.as_numpy("probability").reshape(-1), infer_raw(grpcclient, client, spec, requests[i]), atol=1e-6
+                    result.as_numpy("probability").reshape(-1),
+                    infer_raw(grpcclient, client, spec, requests[i]),
+                    atol=1e-6,
                 )
     rows, executions = after[0] - before[0], after[1] - before[1]
     assert rows == 2 * 32 and executions < 32, "requests were not batched together"

@@ -37,9 +37,19 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
     started = time.monotonic()
     run, points, summary = run_bench(spec, "ctr", repository, tmp_path, TINY, run_name="tiny")
     assert time.monotonic() - started < 240  # tiny grid: about a minute on an idle 2-core machine
-    assert {p.name for p in run.iterdir()} >= {"points.csv", "points.json", "summary.json", "latency_vs_throughput.png"}
+    assert {p.name for p in run.iterdir()} >= {
+        "points.csv",
+        "points.json",
+        "summary.json",
+        "latency_vs_throughput.png",
+    }
     written = json.loads((run / "summary.json").read_text())
-    for key in ("ensemble_vs_inprocess", "dynamic_batching_gain", "vs_torchserve_throughput", "vs_torchserve_p99"):
+    for key in (
+        "ensemble_vs_inprocess",
+        "dynamic_batching_gain",
+        "vs_torchserve_throughput",
+        "vs_torchserve_p99",
+    ):
         assert key in written and key in written["targets"]
     assert written["ensemble_vs_inprocess"] > 0 and written["dynamic_batching_gain"] > 0
     assert written["vs_torchserve_throughput"] is None  # TorchServe was left out of this run
@@ -63,7 +73,9 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
 def shm_server(repository, tmp_path_factory):
     """A server that lets clients register shared memory (locked by default)."""
     log = tmp_path_factory.mktemp("shm") / "server.log"
-    with TritonServer(repository, Ports.free(), log_path=log, security=Security(client_shared_memory=True)) as running:
+    with TritonServer(
+        repository, Ports.free(), log_path=log, security=Security(client_shared_memory=True)
+    ) as running:
         yield running
 
 
@@ -72,10 +84,16 @@ def test_sdk_shared_memory_gives_the_same_probabilities(shm_server, spec, protoc
     server = shm_server
     batches = sample_batches(spec, 5, count=3) + sample_batches(spec, spec.max_batch_size, count=1)
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    with CTRClient(url, protocol, spec=spec) as wire, CTRClient(url, protocol, spec=spec, shared_memory=True) as shm:
+    with (
+        CTRClient(url, protocol, spec=spec) as wire,
+        CTRClient(url, protocol, spec=spec, shared_memory=True) as shm,
+    ):
         for inputs in batches:
             np.testing.assert_array_equal(shm.predict_inputs(inputs), wire.predict_inputs(inputs))
-        scored, plain = shm.score_inputs(batches[0]), wire.score_inputs(batches[0])  # probabilities in the region, versions in the response
+        scored, plain = (
+            shm.score_inputs(batches[0]),
+            wire.score_inputs(batches[0]),
+        )  # probabilities in the region, versions in the response
         np.testing.assert_array_equal(scored.probabilities, plain.probabilities)
         np.testing.assert_array_equal(scored.embedding_version, plain.embedding_version)
         np.testing.assert_array_equal(scored.dense_version, plain.dense_version)
@@ -102,5 +120,7 @@ def test_locust_run_reports_p99_and_failures_and_fails_over_threshold(server):
 
 @pytest.mark.parametrize("command", [["bench", "--help"], ["tune", "--help"]])
 def test_bench_and_tune_commands_exist(command):
-    done = subprocess.run([str(Path(sys.executable).parent / "recserve"), *command], capture_output=True, text=True)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "recserve"), *command], capture_output=True, text=True
+    )
     assert done.returncode == 0 and "--repository" in done.stdout

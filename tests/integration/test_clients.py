@@ -29,7 +29,9 @@ def test_sync_and_async_clients_agree_with_the_reference(server, spec, repositor
 
     async def run_async():
         async with AsyncCTRClient(url, protocol=protocol, timeout_s=30, spec=spec) as client:
-            return await client.predict(rows, batch_size=32), await client.score_inputs(rows.take(slice(0, 5)).to_inputs(spec))
+            return await client.predict(rows, batch_size=32), await client.score_inputs(
+                rows.take(slice(0, 5)).to_inputs(spec)
+            )
 
     served_async, scored = asyncio.run(run_async())
     np.testing.assert_allclose(served, expected, atol=1e-5)
@@ -67,7 +69,12 @@ def test_sample_then_predict_as_the_readme_says(server, tmp_path):
     rows = tmp_path / "rows.csv"
     cli = [sys.executable, "-m", "recserve.cli"]
     assert subprocess.run([*cli, "sample", "--rows", "20", "--output", str(rows)], timeout=60).returncode == 0
-    done = subprocess.run([*cli, "predict", "--input", str(rows), "--url", server.grpc_url], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [*cli, "predict", "--input", str(rows), "--url", server.grpc_url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     probabilities = [float(line) for line in done.stdout.split()]
     assert done.returncode == 0 and len(probabilities) == 20
     assert all(0 < p < 1 for p in probabilities) and len(set(probabilities)) > 10

@@ -27,8 +27,12 @@ from .private_server import private_server
 
 
 def l1_hits(server) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
-    return sum(float(v) for v in re.findall(r'recserve_embedding_keys_total\{[^}]*tier="l1"[^}]*\} (\S+)', text))
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
+    )
+    return sum(
+        float(v) for v in re.findall(r'recserve_embedding_keys_total\{[^}]*tier="l1"[^}]*\} (\S+)', text)
+    )
 
 
 def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repository, tmp_path):
@@ -52,7 +56,9 @@ def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repositor
     with private_server(repository, tmp_path, model_control="none", prepare=device_l1) as server:
         for got, want in zip(predict_all(server), expected, strict=True):
             assert np.allclose(got, want, rtol=0, atol=1e-5)
-        deadline = time.monotonic() + 30  # L1 is rebuilt every cache_refresh_s; metrics published once a second
+        deadline = (
+            time.monotonic() + 30
+        )  # L1 is rebuilt every cache_refresh_s; metrics published once a second
         while l1_hits(server) == 0:
             if time.monotonic() > deadline:
                 pytest.fail("no key was served from the device L1 within 30 s")

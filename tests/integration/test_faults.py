@@ -59,7 +59,9 @@ def _closed_loop(server, spec, stop, log, seed):
 def test_a_killed_stub_fails_only_requests_until_its_model_is_reloaded(fault_server, spec, model):
     stop, log, threads = threading.Event(), [], []
     for i in range(3):
-        threads.append(threading.Thread(target=_closed_loop, args=(fault_server, spec, stop, log, 40 + i), daemon=True))
+        threads.append(
+            threading.Thread(target=_closed_loop, args=(fault_server, spec, stop, log, 40 + i), daemon=True)
+        )
         threads[-1].start()
     time.sleep(3)
     (victim,) = [pid for pid, name in fault_server.stubs().items() if name == model]
@@ -76,17 +78,22 @@ def test_a_killed_stub_fails_only_requests_until_its_model_is_reloaded(fault_ser
     failures = [entry for entry in log if entry[2] is not None]
     print(f"{len(failures)} failed requests, model reloaded {reloaded_at - killed_at:.1f} s after the kill")
     assert failures, "the kill went unnoticed: is the right process killed?"
-    assert all(killed_at - 30 < sent <= reloaded_at for sent, _, _ in failures), "a request failed after the reload"
+    assert all(killed_at - 30 < sent <= reloaded_at for sent, _, _ in failures), (
+        "a request failed after the reload"
+    )
     # caught on the dead instance, or shed by the queue timeout while it was blocked there
     assert all(
-        ("is not healthy" in message or "Request timeout expired" in message) and "/" not in message for _, _, message in failures
+        ("is not healthy" in message or "Request timeout expired" in message) and "/" not in message
+        for _, _, message in failures
     ), failures[:3]
     recovered = [entry for entry in log if entry[0] > reloaded_at]
     assert len(recovered) > 10 and all(message is None for _, _, message in recovered)
     assert [pid for pid, name in fault_server.stubs().items() if name == model] not in ([], [victim])
 
 
-def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_memory(repository, spec, tmp_path):
+def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_memory(
+    repository, spec, tmp_path
+):
     """What ``recserve serve`` does on SIGTERM: drain (unload the ensemble), then SIGTERM tritonserver.
 
     A server of its own: after a stub kill, the replaced instance never finishes unloading in this
@@ -124,8 +131,12 @@ def _drain_and_stop(fault_server, spec):
         stopper.join(fault_server.exit_timeout_s + 30)
         with pytest.raises(InferenceServerException):  # nothing is accepted any more
             infer_raw(grpcclient, client, spec, requests[0], client_timeout=5)
-    assert all(not isinstance(r, Exception) for r in results), [str(r) for r in results if isinstance(r, Exception)][:3]
-    assert sum(t > signalled for t in finished) >= 4, "too few requests were still in flight when the stop began"
+    assert all(not isinstance(r, Exception) for r in results), [
+        str(r) for r in results if isinstance(r, Exception)
+    ][:3]
+    assert sum(t > signalled for t in finished) >= 4, (
+        "too few requests were still in flight when the stop began"
+    )
     returncode = fault_server.process.returncode
     exited_after = time.monotonic() - signalled
     assert exited_after <= fault_server.exit_timeout_s + 5, exited_after

@@ -46,7 +46,14 @@ def _write_misfit_dense(spec, folder, adapter):
     folder.mkdir()
     export_onnx(other, CTRNet(other).eval(), folder / "model.onnx")
     (folder / "model.py").write_text(adapter.read_text())
-    write_manifest(folder, {"format": "recserve-dense/1", "version": int(folder.name), "files": {"model": file_entry(folder, folder / "model.onnx")}})
+    write_manifest(
+        folder,
+        {
+            "format": "recserve-dense/1",
+            "version": int(folder.name),
+            "files": {"model": file_entry(folder, folder / "model.onnx")},
+        },
+    )
 
 
 def test_restricted_apis_need_the_admin_key(swap_server):
@@ -72,7 +79,9 @@ def test_dense_versions_swap_under_load_and_bad_versions_are_refused(swap_server
         shutil.move(misfit, root / "dense" / "3")
         with pytest.raises(InferenceServerException) as err:
             _load(swap_server)
-        assert "does not fit" in err.value.message() and "'sparse_embeddings' is [26, 32]" in err.value.message()
+        assert (
+            "does not fit" in err.value.message() and "'sparse_embeddings' is [26, 32]" in err.value.message()
+        )
         with grpcclient.InferenceServerClient(swap_server.grpc_url) as client:
             assert client.is_model_ready("dense", "2") and client.is_model_ready(spec.name)
         served_before = counts.valid_ok

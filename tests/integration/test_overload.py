@@ -22,10 +22,19 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
     cores = Cores.split()
     root = scratch_repository(repository, tmp_path / "repository")
     capacity = pinned_capacity(root, spec, 8, cores, tmp_path / "capacity.log")
-    with TritonServer(root, Ports.free(), log_path=tmp_path / "server.log", config_name=QUEUE, cpus=cores.server) as server:
+    with TritonServer(
+        root, Ports.free(), log_path=tmp_path / "server.log", config_name=QUEUE, cpus=cores.server
+    ) as server:
         # 3x rather than 2x: capacity measured on a shared machine may be low by a third
         report = run_overload(
-            server, spec, rows=8, spike_factor=3.0, seconds=4.0, recovery_window_s=6.0, client_cores=cores.client, capacity_rps=capacity
+            server,
+            spec,
+            rows=8,
+            spike_factor=3.0,
+            seconds=4.0,
+            recovery_window_s=6.0,
+            client_cores=cores.client,
+            capacity_rps=capacity,
         )
         print(report.table())
         with grpcclient.InferenceServerClient(server.grpc_url) as client:
@@ -39,5 +48,7 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
     assert set(report.shed_reasons) <= {"Request timeout expired"}, report.shed_reasons
     steps = {s.model: s for s in report.spike_steps}
     assert steps[wire.FEATURE_TRANSFORM].failed > 0, report.table()
-    assert all(steps[step].failed == 0 for step in wire.STEPS[1:]), "refused after the entry: work was wasted\n" + report.table()
+    assert all(steps[step].failed == 0 for step in wire.STEPS[1:]), (
+        "refused after the entry: work was wasted\n" + report.table()
+    )
     assert report.queue == QUEUE

@@ -19,7 +19,9 @@ def reference(spec, repository):
 def rows_with_length(spec, batch, length, seed):
     rows = generate(spec, batch, seed)
     rows.lengths[:] = length
-    rows.history[:, :length] = np.random.default_rng(seed).integers(0, 60000, size=(batch, length))  # some unknown ids too
+    rows.history[:, :length] = np.random.default_rng(seed).integers(
+        0, 60000, size=(batch, length)
+    )  # some unknown ids too
     return rows.to_wire(spec)
 
 

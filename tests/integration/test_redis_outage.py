@@ -7,7 +7,9 @@ from recserve.perf.redis_outage import BACK, COMING_BACK, DOWN, GOING_DOWN, UP, 
 
 
 def test_all_redis_down_fails_no_inference_and_the_model_stays_ready(spec, repository, tmp_path):
-    report = run_outage(spec, repository, tmp_path, requests=60, rounds=1, batch_size=8, deadline_ms=200.0, warmup=10)
+    report = run_outage(
+        spec, repository, tmp_path, requests=60, rounds=1, batch_size=8, deadline_ms=200.0, warmup=10
+    )
     assert [p.kind for p in report.phases] == [UP, GOING_DOWN, DOWN, COMING_BACK, BACK]
     assert report.failed == 0 and report.problems == [], report.table()
     up, down, back = (report.of(kind)[0] for kind in (UP, DOWN, BACK))

@@ -23,16 +23,27 @@ def cluster(tmp_path):
 def stores(cluster, deadline_ms=200.0, cooldown_s=0.5):
     """The same tables twice: all in L2, and with ``t1`` only in L3."""
     tables = make_tables(rows=(400, 3000))
-    options = StoreSection(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s)
+    options = StoreSection(
+        redis_nodes=tuple(cluster.nodes), redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s
+    )
     tier = RedisTier.connect(options)
     t1 = tables["t1"]
     assert tier.upload(t1.keys, t1.vectors) == len(t1.keys)
-    local = {**tables, "t1": TableArrays("t1", np.empty(0, np.int64), np.empty((0, DIM), np.float32), t1.default)}
+    local = {
+        **tables,
+        "t1": TableArrays("t1", np.empty(0, np.int64), np.empty((0, DIM), np.float32), t1.default),
+    }
     return tables, TieredStore.from_tables(tables), TieredStore.from_tables(local, remote=tier), tier
 
 
 def batch(store, tables, rng, size=256):
-    keys = np.concatenate([rng.choice(tables["t0"].keys, 32), rng.choice(tables["t1"].keys, size - 40), rng.integers(1, 1 << 60, 8)])
+    keys = np.concatenate(
+        [
+            rng.choice(tables["t0"].keys, 32),
+            rng.choice(tables["t1"].keys, size - 40),
+            rng.integers(1, 1 << 60, 8),
+        ]
+    )
     ids = np.array([store.table_id("t0")] * 32 + [store.table_id("t1")] * (size - 32))
     return keys, ids
 
@@ -42,7 +53,9 @@ def test_lookups_through_l3_equal_l2(cluster):
     keys, ids = batch(full, tables, np.random.default_rng(0))
     want, got = full.lookup(keys, ids), remote.lookup(keys, ids)
     assert np.array_equal(got.vectors, want.vectors)
-    assert (got.tiers[:32] == L2).all() and (got.tiers[32:-8] == L3).all() and (got.tiers[-8:] == DEFAULT).all()
+    assert (
+        (got.tiers[:32] == L2).all() and (got.tiers[32:-8] == L3).all() and (got.tiers[-8:] == DEFAULT).all()
+    )
     assert tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
 
 
@@ -53,7 +66,9 @@ def test_an_l1_rebuild_reads_l3_rows_in_bulk_off_the_serving_calls(cluster):
     cache = remote.snapshot.cache
     assert np.isin(cache.keys, hot).all() and len(cache.keys) > 1000
     ids = np.full(len(cache.keys), remote.table_id("t1"))
-    assert np.array_equal(remote.resolve(cache.keys, None)[0], full.lookup(cache.keys, ids, record=False).vectors)
+    assert np.array_equal(
+        remote.resolve(cache.keys, None)[0], full.lookup(cache.keys, ids, record=False).vectors
+    )
     assert tier.calls == 0 and tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
     got = remote.lookup(cache.keys, ids)  # served from L1: no L3 call at all
     assert (got.tiers == 0).all() and tier.calls == 0
@@ -75,7 +90,9 @@ def test_killing_a_master_mid_traffic_fails_no_lookup_and_recovers(cluster):
             served = got.tiers == L3
             # every key is either the right row from L3 or its table's default: never a wrong row
             right = np.all(got.vectors == full.lookup(keys, ids, record=False).vectors, axis=1)
-            outcomes.append((time.monotonic(), bool(np.all(right | ~served)), int((got.tiers[32:-8] == DEFAULT).sum())))
+            outcomes.append(
+                (time.monotonic(), bool(np.all(right | ~served)), int((got.tiers[32:-8] == DEFAULT).sum()))
+            )
             time.sleep(0.005)
 
     worker = threading.Thread(target=traffic)
@@ -90,7 +107,9 @@ def test_killing_a_master_mid_traffic_fails_no_lookup_and_recovers(cluster):
     cluster.wait_ok(timeout_s=30)
     recovered_at = time.monotonic()
     deadline = time.monotonic() + 45
-    while time.monotonic() < deadline and (not outcomes or outcomes[-1][0] < recovered_at or outcomes[-1][2] > 0):
+    while time.monotonic() < deadline and (
+        not outcomes or outcomes[-1][0] < recovered_at or outcomes[-1][2] > 0
+    ):
         time.sleep(0.2)
     stop.set()
     worker.join()
@@ -158,6 +177,9 @@ def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster
     assert (remote_store.lookup(keys, ids).vectors == 3).all() and remote_store.version_of("t0") == 2
     sender.publish("t0", here.rollback("t0", 1))
     assert receiver.mirror() == 1 and updater.poll()
-    assert np.array_equal(remote_store.lookup(keys, ids).vectors, original) and remote_store.version_of("t0") == 3
+    assert (
+        np.array_equal(remote_store.lookup(keys, ids).vectors, original)
+        and remote_store.version_of("t0") == 3
+    )
     assert receiver.mirror() == 0  # nothing new; versions already here are not written twice
     assert UpdateStream(tier.client, there).mirror() == 0

@@ -47,7 +47,9 @@ def test_soak_keeps_memory_and_descriptors_flat_through_updates(repository, spec
         embeddings = EmbeddingDeltaUpdater(spec, server.repository)
         # a dense load compiles every bucket: on 2 shared cores, one update per 10 s (dense and
         # embedding versions in turn) and a lighter load
-        report = run_soak(server, spec, SOAK_S, alternate(dense, embeddings), update_every_s=SOAK_S / 6, pause_s=0.02)
+        report = run_soak(
+            server, spec, SOAK_S, alternate(dense, embeddings), update_every_s=SOAK_S / 6, pause_s=0.02
+        )
     print(report.table())
     assert report.passed, report.table()
     assert report.counts.bad_refused > 0, "no malformed request was sent"
@@ -62,6 +64,12 @@ def test_the_same_detector_fails_a_leaking_stub(repository, spec, tmp_path):
         report = run_soak(server, spec, LEAKING_S)
     print(report.table())
     assert not report.passed
-    assert any(p.startswith("feature_transform: resident memory grew") for p in report.problems), report.problems
-    assert any(p.startswith("feature_transform:") and "file descriptors" in p for p in report.problems), report.problems
-    assert not any(p.startswith(("tritonserver", "dense", "embedding_lookup")) for p in report.problems), report.problems
+    assert any(p.startswith("feature_transform: resident memory grew") for p in report.problems), (
+        report.problems
+    )
+    assert any(p.startswith("feature_transform:") and "file descriptors" in p for p in report.problems), (
+        report.problems
+    )
+    assert not any(p.startswith(("tritonserver", "dense", "embedding_lookup")) for p in report.problems), (
+        report.problems
+    )

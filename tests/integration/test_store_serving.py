@@ -35,7 +35,9 @@ def copy_repository(repository: Path, target: Path) -> Path:
 
 
 def recserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "recserve.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "recserve.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def predict(server, spec, wire) -> np.ndarray:
@@ -104,8 +106,18 @@ def check_update_and_rollback(root, server, spec, tmp_path):
     before = predict(server, spec, wire)
     target_keys = FeatureTransform(spec).transform(wire)[TARGET_KEY][4:, 0]
     keys = np.unique(target_keys)
-    np.savez(tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.5, np.float32))
-    published = recserve("update", "--table", spec.target.table, "--delta", str(tmp_path / "delta.npz"), "--repository", str(root))
+    np.savez(
+        tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.5, np.float32)
+    )
+    published = recserve(
+        "update",
+        "--table",
+        spec.target.table,
+        "--delta",
+        str(tmp_path / "delta.npz"),
+        "--repository",
+        str(root),
+    )
     assert published.returncode == 0, published.stderr
     assert "version 2" in published.stderr
     lag = wait_for(lambda: not np.array_equal(predict(server, spec, wire)[4:], before[4:]), timeout_s=10)
@@ -119,7 +131,11 @@ def check_update_and_rollback(root, server, spec, tmp_path):
 
     def version_metric() -> bool:
         predict(server, spec, wire)  # metrics are published from the request path
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
         return f'recserve_table_version{{table="{spec.target.table}"}} 3' in text and 'tier="l2"' in text
 
     wait_for(version_metric, timeout_s=10)
@@ -139,14 +155,28 @@ def test_responses_name_the_embedding_versions_that_served_them(private, spec, t
 
     with CTRClient(server.http_url, protocol="http", spec=spec, timeout_s=30) as client:
         before = client.score_inputs(wire)
-        assert before.embedding_version.shape == (8, len(spec.table_names)) and (before.dense_version == 1).all()
+        assert (
+            before.embedding_version.shape == (8, len(spec.table_names)) and (before.dense_version == 1).all()
+        )
         old = int(before.embedding_version[0, item])
         keys = np.unique(FeatureTransform(spec).transform(wire)[TARGET_KEY])
-        np.savez(tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.25, np.float32))
+        np.savez(
+            tmp_path / "delta.npz",
+            keys=keys,
+            vectors=np.full((len(keys), spec.embedding_dim), 0.25, np.float32),
+        )
         thread = threading.Thread(target=traffic)
         thread.start()
         try:
-            published = recserve("update", "--table", spec.target.table, "--delta", str(tmp_path / "delta.npz"), "--repository", str(root))
+            published = recserve(
+                "update",
+                "--table",
+                spec.target.table,
+                "--delta",
+                str(tmp_path / "delta.npz"),
+                "--repository",
+                str(root),
+            )
             assert published.returncode == 0, published.stderr
             wait_for(lambda: client.score_inputs(wire).embedding_version[0, item] == old + 1, timeout_s=10)
             after = client.score_inputs(wire)
@@ -155,7 +185,9 @@ def test_responses_name_the_embedding_versions_that_served_them(private, spec, t
             stop.set()
             thread.join()
     assert after.table_versions()[spec.target.table] == old + 1
-    assert np.array_equal(np.delete(after.embedding_version, item, axis=1), np.delete(before.embedding_version, item, axis=1))
+    assert np.array_equal(
+        np.delete(after.embedding_version, item, axis=1), np.delete(before.embedding_version, item, axis=1)
+    )
     assert not np.allclose(after.probabilities, before.probabilities, rtol=0, atol=1e-4)
     assert len(seen) > 5
     for scores in seen:  # one snapshot per response; its probabilities are that version's
@@ -168,8 +200,14 @@ def test_responses_name_the_embedding_versions_that_served_them(private, spec, t
 
 def test_malformed_delta_is_refused_with_a_clear_message_and_nothing_is_published(private, spec, tmp_path):
     root, _ = private
-    np.savez(tmp_path / "bad.npz", keys=np.array([1, 2], np.int64), vectors=np.zeros((2, spec.embedding_dim + 1), np.float32))
-    result = recserve("update", "--table", "C1", "--delta", str(tmp_path / "bad.npz"), "--repository", str(root))
+    np.savez(
+        tmp_path / "bad.npz",
+        keys=np.array([1, 2], np.int64),
+        vectors=np.zeros((2, spec.embedding_dim + 1), np.float32),
+    )
+    result = recserve(
+        "update", "--table", "C1", "--delta", str(tmp_path / "bad.npz"), "--repository", str(root)
+    )
     assert result.returncode == 1
     assert f"expected [2, {spec.embedding_dim}]" in result.stderr
     assert not (root / "embedding_lookup" / "updates" / "C1").exists() or not any(
@@ -202,17 +240,24 @@ def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec
         variant = l3_repository(spec, repository, tmp_path / "repository", cluster.nodes, deadline_ms=200.0)
         spec_file = tmp_path / "variant.json"
         spec_file.write_text(json.dumps(variant.source))
-        loaded = recserve("--spec", str(spec_file), "redis-load", "--repository", str(tmp_path / "repository"))
+        loaded = recserve(
+            "--spec", str(spec_file), "redis-load", "--repository", str(tmp_path / "repository")
+        )
         assert loaded.returncode == 0, loaded.stderr
         with TritonServer(tmp_path / "repository", Ports.free(), log_path=tmp_path / "server.log") as server:
-            wait_for(lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20)
+            wait_for(
+                lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20
+            )
             with Traffic(server, spec) as traffic:
                 time.sleep(1.0)
                 victim = cluster.masters()[0]
                 cluster.kill(victim)
                 wait_for(lambda: victim not in cluster.masters(), timeout_s=30)
                 cluster.wait_ok(timeout_s=30)
-                wait_for(lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20)
+                wait_for(
+                    lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5),
+                    timeout_s=20,
+                )
     assert traffic.failures == [] and traffic.served > 10
 
 
@@ -225,7 +270,11 @@ def test_the_served_store_runs_the_compiled_loops(private, spec):
     def compiled_metric() -> bool:
         with grpc_client(server) as client:
             infer_raw(grpcclient, client, spec, wire)  # metrics are published from the request path
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
         return "\nrecserve_store_compiled 1" in text
 
     wait_for(compiled_metric, timeout_s=10)

@@ -94,8 +94,13 @@ def test_overheads_compare_same_load_points():
     ]
     overheads = report.overheads(points)
     assert overheads["sdk_system_shm_over_wire"] == [
-        {"client_batch": 64, "concurrency": 1, "throughput_ratio": pytest.approx(1.1), "p50_ratio": pytest.approx(0.8),
-         "p99_ratio": pytest.approx(0.8)}
+        {
+            "client_batch": 64,
+            "concurrency": 1,
+            "throughput_ratio": pytest.approx(1.1),
+            "p50_ratio": pytest.approx(0.8),
+            "p99_ratio": pytest.approx(0.8),
+        }
     ]
     assert overheads["http_over_grpc"][0]["throughput_ratio"] == pytest.approx(0.75)
     assert overheads["system_shm_over_grpc"][0]["p99_ratio"] == pytest.approx(0.9)

@@ -72,12 +72,8 @@ def test_padding_fills_zeros_and_reused_buffers_forget_earlier_requests(spec):
     for name in wire.DENSE_NET_INPUTS:
         assert padded[name].shape == bucket.input_shapes(spec)[name]
         assert not padded[name][3:].any()
-    assert (
-        not padded[wire.HISTORY_EMBEDDINGS][:, 8:].any() and not padded[wire.HISTORY_MASK][:, 8:].any()
-    )
-    np.testing.assert_array_equal(
-        padded[wire.HISTORY_EMBEDDINGS][:3, :8], small[wire.HISTORY_EMBEDDINGS]
-    )
+    assert not padded[wire.HISTORY_EMBEDDINGS][:, 8:].any() and not padded[wire.HISTORY_MASK][:, 8:].any()
+    np.testing.assert_array_equal(padded[wire.HISTORY_EMBEDDINGS][:3, :8], small[wire.HISTORY_EMBEDDINGS])
     np.testing.assert_array_equal(padded[wire.SPARSE_EMBEDDINGS][:3], small[wire.SPARSE_EMBEDDINGS])
 
 

@@ -47,7 +47,10 @@ def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
         for step in wire.STEPS:
             variant = files[configs.config_path(Path(), step, queue)]
             default = configs.step_config(spec, step)
-            assert variant.dynamic_batching.max_queue_delay_microseconds == default.dynamic_batching.max_queue_delay_microseconds
+            assert (
+                variant.dynamic_batching.max_queue_delay_microseconds
+                == default.dynamic_batching.max_queue_delay_microseconds
+            )
             assert variant.instance_group == default.instance_group and variant.input == default.input
         assert configs.config_path(Path(), spec.name, queue) not in files  # the ensemble has no queue
 

@@ -19,7 +19,12 @@ from tests.unit.test_store import DIM, make_tables
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")),
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+        ),
+    ),
 ]
 SLOT_BYTES = DIM * 4 + 16  # what one L1 slot costs in the byte budget
 
@@ -40,7 +45,11 @@ def zipf_batch(tables, rng, size, unknown=0.05):
 def make_store(cache_slots=150):
     """Two tables (float32 and float16 shards); L1 smaller than the hot set, so every tier serves."""
     tables = make_tables(rows=(2000, 1500))
-    store = TieredStore.from_tables(tables, dtypes={"t1": "float16"}, options=StoreSection(cache_mib=(cache_slots * SLOT_BYTES) / (1 << 20)))
+    store = TieredStore.from_tables(
+        tables,
+        dtypes={"t1": "float16"},
+        options=StoreSection(cache_mib=(cache_slots * SLOT_BYTES) / (1 << 20)),
+    )
     return tables, store
 
 
@@ -60,7 +69,9 @@ def assert_same(device_result, host_result):
 @pytest.mark.parametrize("device", DEVICES)
 def test_slot_function_is_bit_exact_with_the_host_one(device):
     rng = np.random.default_rng(7)
-    keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=200_000, dtype=np.int64, endpoint=True)
+    keys = rng.integers(
+        np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=200_000, dtype=np.int64, endpoint=True
+    )
     keys[:5] = [0, -1, 1, np.iinfo(np.int64).min, np.iinfo(np.int64).max]
     assert (keys < 0).mean() > 0.4
     on_device = torch.from_numpy(keys).to(device)
@@ -77,7 +88,9 @@ def test_device_lookup_equals_the_host_lookup_across_every_tier(device):
     warm(store, tables, rng)
     hot = store.hot_keys()
     delta_keys = np.concatenate([hot[:10], tables["t0"].keys[-40:]])  # some cached, some cold
-    store.install({"t0": 2}, RowBlock.of(delta_keys, rng.normal(size=(len(delta_keys), DIM)).astype(np.float32)))
+    store.install(
+        {"t0": 2}, RowBlock.of(delta_keys, rng.normal(size=(len(delta_keys), DIM)).astype(np.float32))
+    )
     device_l1 = DeviceL1(store, device)
     seen = np.zeros(len(TIERS), np.int64)
     for _ in range(10):
@@ -133,7 +146,9 @@ def test_counts_and_key_frequencies_match_the_host_path(device):
         device_l1.lookup(keys, ids)
     assert np.array_equal(on_device.stats.by_table_tier, host.stats.by_table_tier)
     assert on_device.stats.by_table_tier[:, L1].sum() > 0
-    assert on_device.stats.calls == host.stats.calls and len(on_device.stats.latencies) == len(host.stats.latencies)
+    assert on_device.stats.calls == host.stats.calls and len(on_device.stats.latencies) == len(
+        host.stats.latencies
+    )
     host.refresh_cache()
     on_device.refresh_cache()
     assert np.array_equal(on_device.hot_keys(), host.hot_keys())  # the device path fed the same frequencies
@@ -149,7 +164,9 @@ class SwapsMidBatch(TieredStore):
         if self.swaps:
             self.swaps -= 1
             version = self.version_of("t0") + 1
-            self.install({"t0": version}, RowBlock.of(self.rows, np.full((len(self.rows), DIM), version, np.float32)))
+            self.install(
+                {"t0": version}, RowBlock.of(self.rows, np.full((len(self.rows), DIM), version, np.float32))
+            )
         return super().lookup(keys, table_ids, record)
 
 
@@ -182,7 +199,9 @@ def test_device_setting_is_checked():
 
 def test_upkeep_copies_each_new_l1_to_the_device_before_any_lookup(tmp_path):
     tables, _ = make_store()
-    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=(150 * SLOT_BYTES) / (1 << 20), cache_refresh_s=0.0))
+    store = TieredStore.from_tables(
+        tables, options=StoreSection(cache_mib=(150 * SLOT_BYTES) / (1 << 20), cache_refresh_s=0.0)
+    )
     served = served_store(store, tmp_path)
     device_l1 = DeviceL1(store, "cpu")
     served.maintainer.after_step.append(device_l1.follow)
@@ -216,7 +235,9 @@ def test_served_step_lays_out_device_tensors_as_the_host_step_does(spec, device,
     tables, store = spec_store(spec, rng)
     served = served_store(store, tmp_path)
     rows, width = 5, 7
-    sparse = np.stack([tables[f.table].keys[rng.integers(0, 40, rows)] for f in spec.categorical.features], axis=1)
+    sparse = np.stack(
+        [tables[f.table].keys[rng.integers(0, 40, rows)] for f in spec.categorical.features], axis=1
+    )
     inputs = {
         "sparse_keys": sparse,
         "target_key": tables[spec.target.table].keys[rng.integers(0, 40, (rows, 1))],
@@ -230,7 +251,9 @@ def test_served_step_lays_out_device_tensors_as_the_host_step_does(spec, device,
     want = host_step.lookup(inputs)
     got = device_step.lookup(inputs)
     assert got.keys() == want.keys()
-    assert np.array_equal(got.pop(EMBEDDING_VERSION), want[EMBEDDING_VERSION])  # a few integers per row: on the host
+    assert np.array_equal(
+        got.pop(EMBEDDING_VERSION), want[EMBEDDING_VERSION]
+    )  # a few integers per row: on the host
     for name, tensor in got.items():
         assert isinstance(tensor, torch.Tensor) and tensor.device.type == device
         assert np.array_equal(tensor.cpu().numpy(), want[name]), name

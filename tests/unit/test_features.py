@@ -91,7 +91,12 @@ def _bad_cases(spec):
         ("negative history id", lambda w: w[hl].fill(1) or w[h].fill(-3), h, "-3"),
         ("non-hex categorical", lambda w: w[c].__setitem__((0, 0), b"zz"), c, "zz"),
         ("wide history", lambda w: w.__setitem__(h, np.ones((6, 300), np.int64)), h, "300"),
-        ("batch above max", lambda w: [w.__setitem__(k, np.repeat(v, 50, axis=0)) for k, v in list(w.items())], d, "300 rows"),
+        (
+            "batch above max",
+            lambda w: [w.__setitem__(k, np.repeat(v, 50, axis=0)) for k, v in list(w.items())],
+            d,
+            "300 rows",
+        ),
     ]
 
 

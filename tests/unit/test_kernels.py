@@ -10,7 +10,9 @@ from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, Tiered
 from recserve.spec import StoreSection
 
 KERNELS = kernels.load()
-pytestmark = pytest.mark.skipif(KERNELS is None, reason="the compiled store kernels are not built (no C compiler at install)")
+pytestmark = pytest.mark.skipif(
+    KERNELS is None, reason="the compiled store kernels are not built (no C compiler at install)"
+)
 
 DIM = 8
 
@@ -24,7 +26,12 @@ def tables_for(rng, keys, splits=(0.5, 0.8)):
     cut = (np.array(splits) * len(keys)).astype(int)
     parts = np.split(keys, cut)
     return {
-        f"t{n}": TableArrays(f"t{n}", part, rng.normal(size=(len(part), DIM)).astype(np.float32), np.full(DIM, 100 + n, np.float32))
+        f"t{n}": TableArrays(
+            f"t{n}",
+            part,
+            rng.normal(size=(len(part), DIM)).astype(np.float32),
+            np.full(DIM, 100 + n, np.float32),
+        )
         for n, part in enumerate(parts)
     }
 
@@ -56,7 +63,9 @@ def test_index_probe_matches_find_including_overflow_and_absent_keys():
 
 
 def test_float16_rows_widen_exactly_for_every_half_value():
-    every_half = np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 64)  # subnormals, inf, nan, -0
+    every_half = (
+        np.arange(1 << 16, dtype=np.uint16).view(np.float16).reshape(-1, 64)
+    )  # subnormals, inf, nan, -0
     keys = np.arange(1, len(every_half) + 1, dtype=np.int64) * 7919
     index = KeyIndex.build(keys)
     probe = KERNELS.index_probe(index.buckets, index.overflow_keys, index.overflow_rows, every_half)
@@ -68,7 +77,10 @@ def test_float16_rows_widen_exactly_for_every_half_value():
 
 def test_cache_probe_matches_the_numpy_slot_rule():
     rng = np.random.default_rng(4)
-    store = TieredStore.from_tables(tables_for(rng, random_keys(rng, 5000)), options=StoreSection(cache_mib=(40 * (DIM * 4 + 16)) / (1 << 20)))
+    store = TieredStore.from_tables(
+        tables_for(rng, random_keys(rng, 5000)),
+        options=StoreSection(cache_mib=(40 * (DIM * 4 + 16)) / (1 << 20)),
+    )
     hot = np.concatenate([t.keys[:30] for t in store_tables(store)])
     store.refresh_cache(seed=hot)
     cache = store.snapshot.cache
@@ -103,7 +115,9 @@ def test_lookup_is_identical_on_both_paths_across_every_tier(float16):
     unknown = rng.integers(1, 1 << 62, size=10_000, dtype=np.int64)
     keys = np.concatenate([known, unknown])
     delta_keys = known[:3000:3]  # rows that an update rewrote
-    delta = RowBlock.of(np.unique(delta_keys), rng.normal(size=(len(np.unique(delta_keys)), DIM)).astype(np.float32))
+    delta = RowBlock.of(
+        np.unique(delta_keys), rng.normal(size=(len(np.unique(delta_keys)), DIM)).astype(np.float32)
+    )
     compiled.install({}, delta)
     compiled.refresh_cache(seed=keys[:5000])
     numpy_path.snapshot = compiled.snapshot  # the same L1 and delta rows
@@ -120,7 +134,9 @@ def test_lookup_is_identical_on_both_paths_across_every_tier(float16):
 
 def test_non_contiguous_or_wrong_dtype_buffers_are_refused():
     index = KeyIndex.build(np.arange(1, 100, dtype=np.int64))
-    probe = KERNELS.index_probe(index.buckets, index.overflow_keys, index.overflow_rows, np.zeros((99, DIM), np.float32))
+    probe = KERNELS.index_probe(
+        index.buckets, index.overflow_keys, index.overflow_rows, np.zeros((99, DIM), np.float32)
+    )
     keys = np.arange(1, 200, dtype=np.int64)
     out, tiers, misses = np.empty((199, DIM), np.float32), np.empty(199, np.int8), np.empty(199, np.int64)
     with pytest.raises(ValueError, match="C-contiguous int64"):

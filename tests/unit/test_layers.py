@@ -32,8 +32,15 @@ ALLOWED = {
     "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features"),
     "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
-    "recserve.backends": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features", "recserve.backends.store",
-                          "recserve.backends.dense", "recserve.backends.lookup", "recserve.backends.pipeline"),
+    "recserve.backends": (
+        *BOTTOM,
+        *BACKEND_BASE,
+        "recserve.backends.features",
+        "recserve.backends.store",
+        "recserve.backends.dense",
+        "recserve.backends.lookup",
+        "recserve.backends.pipeline",
+    ),
     "recserve.build": (*BOTTOM, "recserve.backends"),
     "recserve.clients": BOTTOM,
     "recserve": ("recserve",),  # the top: cli, store_cli, server
@@ -96,11 +103,15 @@ def test_imports_point_down(path):
 
 
 def test_upward_and_sideways_imports_are_caught():
-    assert violations("recserve.clients.rows", {"recserve.build.synthetic", "recserve.spec"}) == ["recserve.build.synthetic"]
+    assert violations("recserve.clients.rows", {"recserve.build.synthetic", "recserve.spec"}) == [
+        "recserve.build.synthetic"
+    ]
     assert violations("recserve.backends.store.tiered", {"recserve.backends.triton.adapter"}) == [
         "recserve.backends.triton.adapter"
     ]
-    assert violations("recserve.backends.dense.runner", {"recserve.build.network"}) == ["recserve.build.network"]
+    assert violations("recserve.backends.dense.runner", {"recserve.build.network"}) == [
+        "recserve.build.network"
+    ]
     assert violations("recserve.spec", {"recserve.wire", "recserve.sections"}) == ["recserve.wire"]
     assert violations("recserve.perf.bench", {"recserve.build.configs", "recserve.server"}) == []
     assert not within("recserve.backends.storex", "recserve.backends.store")

@@ -12,7 +12,12 @@ def spec_store(spec, base_version=1):
     for name in spec.table_names:
         keys = np.arange(start, start + 10, dtype=np.int64)
         start += 10
-        tables[name] = TableArrays(name, keys, rng.normal(size=(10, spec.embedding_dim)).astype(np.float32), np.zeros(spec.embedding_dim, np.float32))
+        tables[name] = TableArrays(
+            name,
+            keys,
+            rng.normal(size=(10, spec.embedding_dim)).astype(np.float32),
+            np.zeros(spec.embedding_dim, np.float32),
+        )
     return tables, TieredStore.from_tables(tables, base_version=base_version)
 
 

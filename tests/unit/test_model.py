@@ -42,10 +42,17 @@ def test_padding_never_changes_real_rows(spec, net, runner):
     base = runner.predict(sample)
     wider = {k: v.copy() for k, v in sample.items()}
     wider[wire.HISTORY_EMBEDDINGS] = np.concatenate(
-        [sample[wire.HISTORY_EMBEDDINGS], np.random.default_rng(0).normal(size=(5, 24, spec.embedding_dim)).astype(np.float32)], axis=1
+        [
+            sample[wire.HISTORY_EMBEDDINGS],
+            np.random.default_rng(0).normal(size=(5, 24, spec.embedding_dim)).astype(np.float32),
+        ],
+        axis=1,
     )
     wider[wire.HISTORY_MASK] = np.pad(sample[wire.HISTORY_MASK], ((0, 0), (0, 24)))
     np.testing.assert_allclose(runner.predict(wider), base, atol=1e-6)
-    more_rows = {k: np.concatenate([v, np.random.default_rng(1).random(v.shape, dtype=np.float32)]) for k, v in sample.items()}
+    more_rows = {
+        k: np.concatenate([v, np.random.default_rng(1).random(v.shape, dtype=np.float32)])
+        for k, v in sample.items()
+    }
     np.testing.assert_allclose(runner.predict(more_rows)[:5], base, atol=1e-6)
     np.testing.assert_allclose(torch_predict(net, wider), torch_predict(net, sample), atol=1e-6)

@@ -19,7 +19,11 @@ TORCH_LOAD = re.compile(r"\btorch\.load\(([^()]|\([^()]*\))*\)", re.S)
 def pickle_uses(text: str) -> list[str]:
     """What in ``text`` would unpickle data."""
     found = [label for pattern, label in FORBIDDEN if pattern.search(text)]
-    found += [f"{m.group(0)!r} without weights_only=True" for m in TORCH_LOAD.finditer(text) if not re.search(r"weights_only\s*=\s*True", m.group(0))]
+    found += [
+        f"{m.group(0)!r} without weights_only=True"
+        for m in TORCH_LOAD.finditer(text)
+        if not re.search(r"weights_only\s*=\s*True", m.group(0))
+    ]
     return found
 
 
@@ -48,5 +52,7 @@ def test_the_scanner_finds_each_kind_of_pickle_use():
 def test_no_file_of_the_repository_uses_pickle():
     files = python_files()
     assert len(files) > 30, "the scan found too few files to be looking at the repository"
-    offenders = {str(p.relative_to(ROOT)): uses for p in files if (uses := pickle_uses(p.read_text(errors="replace")))}
+    offenders = {
+        str(p.relative_to(ROOT)): uses for p in files if (uses := pickle_uses(p.read_text(errors="replace")))
+    }
     assert not offenders, offenders

@@ -11,7 +11,10 @@ def test_the_server_gets_one_core_and_the_load_generator_the_rest():
 
 
 def _outcomes(start_s, seconds, rate, result, latency_ms):
-    return [Outcome(2, start_s + i / rate, start_s + i / rate, latency_ms, result) for i in range(int(seconds * rate))]
+    return [
+        Outcome(2, start_s + i / rate, start_s + i / rate, latency_ms, result)
+        for i in range(int(seconds * rate))
+    ]
 
 
 def test_recovery_is_the_first_calm_window_after_the_spike():

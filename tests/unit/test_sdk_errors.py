@@ -60,7 +60,7 @@ def test_map_inference_server_exception(status, message, kind):
         (ConnectionRefusedError(111, "Connection refused"), ServerUnavailableError),
         (ConnectionResetError(104, "Connection reset by peer"), ServerUnavailableError),
         (OSError(113, "No route to host"), ServerUnavailableError),
-        (socket.timeout("timed out"), RequestTimeoutError),
+        (TimeoutError("timed out"), RequestTimeoutError),
         (TimeoutError(), RequestTimeoutError),
         (asyncio.TimeoutError(), RequestTimeoutError),
         (RuntimeError("weird"), ServerError),

@@ -44,7 +44,9 @@ def test_explicit_model_control_needs_a_key_and_loads_everything(tmp_path):
     security = Security("explicit", admin_key="k" * 40, client_shared_memory=True)
     flags = _flags(server_command(tmp_path, Ports(1, 2, 3), security=security))
     assert flags["--model-control-mode"] == ["explicit"] and flags["--load-model"] == ["*"]
-    assert flags["--grpc-restricted-protocol"] == [f"model-repository,logging,trace:{ADMIN_HEADER}={'k' * 40}"]
+    assert flags["--grpc-restricted-protocol"] == [
+        f"model-repository,logging,trace:{ADMIN_HEADER}={'k' * 40}"
+    ]
     assert security.headers("http") == {ADMIN_HEADER: "k" * 40}
     assert security.headers("grpc") == {f"triton-grpc-protocol-{ADMIN_HEADER}": "k" * 40}
     with pytest.raises(ServerError, match="model control"):
@@ -63,7 +65,9 @@ def test_serve_refuses_a_queue_profile_the_repository_lacks(tiny_repository, cap
 
 
 def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
-    assert spec.queue.entry_max_queue_size <= spec.queue.max_queue_size, "the first step must be the tightest gate"
+    assert spec.queue.entry_max_queue_size <= spec.queue.max_queue_size, (
+        "the first step must be the tightest gate"
+    )
     for step in wire.STEPS:
         policy = configs.step_config(spec, step).dynamic_batching.default_queue_policy
         limit = spec.queue.entry_max_queue_size if step == "feature_transform" else spec.queue.max_queue_size

@@ -43,6 +43,7 @@ def test_gpu_profiles_run_the_python_steps_on_gpu_instances_with_gpu_inputs(spec
         assert "FORCE_CPU_ONLY_INPUT_TENSORS" not in configs.step_config(spec, step).parameters
         assert configs.step_config(spec, step).instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
 
+
 def test_unknown_profile_is_refused(spec):
     with pytest.raises(ValueError, match="profile"):
         configs.step_config(spec, STEPS[0], profile="tpu")
@@ -50,7 +51,9 @@ def test_unknown_profile_is_refused(spec):
 
 def test_spec_plan_is_the_committed_one(spec):
     for profile in configs.PROFILES:
-        assert configs.all_configs(spec, profile) == configs.all_configs(spec, profile, ServingPlan.from_spec(spec))
+        assert configs.all_configs(spec, profile) == configs.all_configs(
+            spec, profile, ServingPlan.from_spec(spec)
+        )
 
 
 def test_preferred_batch_sizes_must_fit_max_batch(spec):
@@ -64,7 +67,9 @@ def test_variant_links_artifacts_and_writes_its_own_configs(spec, tmp_path):
     for step in STEPS:
         (source / step / str(spec.version)).mkdir(parents=True)
         (source / step / str(spec.version) / "model.py").write_text(step)
-    variant = configs.write_variant(spec, source, tmp_path / "variant", profile="cuda", plan=ServingPlan.naive())
+    variant = configs.write_variant(
+        spec, source, tmp_path / "variant", profile="cuda", plan=ServingPlan.naive()
+    )
     for step in STEPS:
         version = variant / step / str(spec.version)
         assert version.is_symlink() and (version / "model.py").read_text() == step
@@ -79,11 +84,15 @@ def test_variant_links_artifacts_and_writes_its_own_configs(spec, tmp_path):
         configs.write_variant(spec, source, tmp_path / "again")
 
 
-@pytest.mark.parametrize("values", [[b"1a2b", b"", b"ffffffffffffffff"], [b""], [], ["x" * 300, "", "\u00e9"]])
+@pytest.mark.parametrize(
+    "values", [[b"1a2b", b"", b"ffffffffffffffff"], [b""], [], ["x" * 300, "", "\u00e9"]]
+)
 def test_bytes_decoder_matches_the_reference_decoder(values):
     array = np.array(values, dtype=object)
     serialized = serialize_byte_tensor(array)
-    buffer = np.frombuffer(serialized.item() if serialized.dtype == object and serialized.size else b"", np.uint8)
+    buffer = np.frombuffer(
+        serialized.item() if serialized.dtype == object and serialized.size else b"", np.uint8
+    )
     ours, reference = decode_bytes_tensor(buffer), deserialize_bytes_tensor(buffer)
     assert ours.dtype == object and ours.shape == reference.shape and (ours == reference).all()
 

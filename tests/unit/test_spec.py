@@ -29,7 +29,14 @@ def test_default_spec_follows_the_criteo_schema(spec):
 
 def test_wire_inputs_are_derived_from_feature_names(spec):
     names = [t.name for t in spec.wire_inputs()]
-    assert names == ["dense", "dense__missing", "categorical", "target_item", "history_items", "history_items__length"]
+    assert names == [
+        "dense",
+        "dense__missing",
+        "categorical",
+        "target_item",
+        "history_items",
+        "history_items__length",
+    ]
     ragged = [t.name for t in spec.wire_inputs() if t.ragged]
     assert ragged == ["history_items"]
 
@@ -60,7 +67,10 @@ def test_json_round_trip_is_lossless(spec):
         (lambda d: d["features"][2].__setitem__("table", "nope"), "undefined table"),
         (lambda d: d["features"][0].__setitem__("kind", "image"), "unknown feature kind"),
         (lambda d: d["serving"]["queue"].__setitem__("max_queue_size", -1), "serving.queue needs"),
-        (lambda d: d["serving"]["queue_profiles"]["latency_first"].__setitem__("timeout_action", "DROP"), "timeout_action"),
+        (
+            lambda d: d["serving"]["queue_profiles"]["latency_first"].__setitem__("timeout_action", "DROP"),
+            "timeout_action",
+        ),
         (lambda d: d["serving"]["queue_profiles"].__setitem__("latency first", {}), "identifier"),
     ],
 )
@@ -74,15 +84,33 @@ def test_inconsistent_specs_are_refused(edit, message):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda d: d["store"].__setitem__("cache_mb", 8), r"\[store\] has an unknown key 'cache_mb'; known keys: .*cache_mib"),
+        (
+            lambda d: d["store"].__setitem__("cache_mb", 8),
+            r"\[store\] has an unknown key 'cache_mb'; known keys: .*cache_mib",
+        ),
         (lambda d: d["training"].__setitem__("epoch", 3), r"\[training\] has an unknown key 'epoch'"),
-        (lambda d: d["serving"]["queue"].__setitem__("max_queue", 3), r"\[serving\.queue\] has an unknown key 'max_queue'"),
-        (lambda d: d["features"][2].__setitem__("max_len", 3), r"features\[2\] \(history_items\) has an unknown key 'max_len'"),
+        (
+            lambda d: d["serving"]["queue"].__setitem__("max_queue", 3),
+            r"\[serving\.queue\] has an unknown key 'max_queue'",
+        ),
+        (
+            lambda d: d["features"][2].__setitem__("max_len", 3),
+            r"features\[2\] \(history_items\) has an unknown key 'max_len'",
+        ),
         (lambda d: d["tables"]["item"].__setitem__("dims", 8), r"\[tables\.item\] has an unknown key 'dims'"),
         (lambda d: d.__setitem__("hashin", {}), r"the spec has an unknown key 'hashin'"),
-        (lambda d: d["training"].__setitem__("epochs", 2.5), r"training\.epochs must be an integer, got 2\.5"),
-        (lambda d: d["store"].__setitem__("cache_refresh_s", "5"), r"store\.cache_refresh_s must be a number, got '5'"),
-        (lambda d: d["store"].__setitem__("float16_tables", ["C1", "nope"]), r"float16_tables names unknown tables \['nope'\]"),
+        (
+            lambda d: d["training"].__setitem__("epochs", 2.5),
+            r"training\.epochs must be an integer, got 2\.5",
+        ),
+        (
+            lambda d: d["store"].__setitem__("cache_refresh_s", "5"),
+            r"store\.cache_refresh_s must be a number, got '5'",
+        ),
+        (
+            lambda d: d["store"].__setitem__("float16_tables", ["C1", "nope"]),
+            r"float16_tables names unknown tables \['nope'\]",
+        ),
         (lambda d: d["store"].__setitem__("remote_tables", ["item"]), "remote_tables needs redis_nodes"),
         (lambda d: d["model"].pop("embedding_dim"), r"\[model\] needs the key 'embedding_dim'"),
     ],
@@ -112,5 +140,7 @@ def test_an_unknown_key_in_a_spec_file_names_its_line(tmp_path):
     lines[typo] = lines[typo].replace("cache_refresh_s", "cache_refresh")
     path = tmp_path / "typo.toml"
     path.write_text("\n".join(lines))
-    with pytest.raises(SpecError, match=rf"typo\.toml, line {typo + 1}: \[store\] has an unknown key 'cache_refresh'"):
+    with pytest.raises(
+        SpecError, match=rf"typo\.toml, line {typo + 1}: \[store\] has an unknown key 'cache_refresh'"
+    ):
         load_spec(path)

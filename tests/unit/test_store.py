@@ -18,7 +18,9 @@ DIM = 4
 
 def make_tables(seed=0, rows=(500, 300)):
     rng = np.random.default_rng(seed)
-    keys = rng.choice(np.iinfo(np.int64).max, size=sum(rows), replace=False) * rng.choice([-1, 1], size=sum(rows))
+    keys = rng.choice(np.iinfo(np.int64).max, size=sum(rows), replace=False) * rng.choice(
+        [-1, 1], size=sum(rows)
+    )
     tables, start = {}, 0
     for number, count in enumerate(rows):
         name = f"t{number}"
@@ -71,7 +73,9 @@ def test_lookup_serves_each_table_and_its_own_default_for_unknown_keys():
 
 def test_hot_keys_move_to_l1_with_identical_vectors():
     tables = make_tables()
-    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=16))  # no slot conflicts among 40 keys
+    store = TieredStore.from_tables(
+        tables, options=StoreSection(cache_mib=16)
+    )  # no slot conflicts among 40 keys
     ids = np.zeros(40, np.int16) + store.table_id("t0")
     hot = tables["t0"].keys[:40]
     before = store.lookup(hot, ids).vectors
@@ -104,7 +108,9 @@ def test_installed_delta_wins_over_l2_and_l1_is_rebuilt_for_it():
     delta = RowBlock.of(keys[:2], np.full((2, DIM), 7, np.float32))
     snapshot = store.install({"t1": 2}, delta)
     result = store.lookup(keys, ids)
-    assert (result.vectors[:2] == 7).all() and np.array_equal(result.vectors[2:], expected(tables, "t1", keys[2:]))
+    assert (result.vectors[:2] == 7).all() and np.array_equal(
+        result.vectors[2:], expected(tables, "t1", keys[2:])
+    )
     assert (result.tiers == L1).all()  # the rebuilt cache holds the new rows
     assert store.version_of("t1", snapshot) == 2 and store.version_of("t0") == 1
     store.refresh_cache(seed=np.empty(0, np.int64))
@@ -125,7 +131,9 @@ def test_float16_tables_are_served_as_float32_within_half_precision():
 
 def test_keys_shared_between_tables_are_refused():
     tables = make_tables()
-    clash = TableArrays("t2", tables["t0"].keys[:1], np.zeros((1, DIM), np.float32), np.zeros(DIM, np.float32))
+    clash = TableArrays(
+        "t2", tables["t0"].keys[:1], np.zeros((1, DIM), np.float32), np.zeros(DIM, np.float32)
+    )
     with pytest.raises(ArtifactError, match="share a key"):
         TieredStore.from_tables({**tables, "t2": clash})
 
@@ -143,7 +151,12 @@ def test_shards_load_memory_mapped_and_serve_the_same_rows(spec, tmp_path):
     tables = {}
     for name in spec.tables:
         keys = np.unique(keys_for(rng.integers(0, 10**9, size=20), table_salt(spec.hash_namespace, name)))
-        tables[name] = TableArrays(name, keys, rng.normal(size=(len(keys), spec.embedding_dim)).astype(np.float32), np.zeros(spec.embedding_dim, np.float32))
+        tables[name] = TableArrays(
+            name,
+            keys,
+            rng.normal(size=(len(keys), spec.embedding_dim)).astype(np.float32),
+            np.zeros(spec.embedding_dim, np.float32),
+        )
     write_manifest(tmp_path, {"format": MANIFEST_FORMAT, "version": 3, **write_shards(tmp_path, tables, {})})
     store = TieredStore.load(tmp_path, spec)
     assert isinstance(store.shards[0].vectors, np.memmap) and store.base_version == 3

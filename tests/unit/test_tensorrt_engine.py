@@ -120,10 +120,18 @@ def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_pa
             assert l1_device == ("cuda" if (step, profile) == (wire.EMBEDDING_LOOKUP, "cuda") else "")
             assert config == configs.step_config(spec, step)
     # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
-    hardware = [p.as_posix() for p in configs.profile_configs(spec) if p.parent.name == "configs" and p.stem in configs.PROFILES]
+    hardware = [
+        p.as_posix()
+        for p in configs.profile_configs(spec)
+        if p.parent.name == "configs" and p.stem in configs.PROFILES
+    ]
     assert sorted(hardware) == [
         "ctr/configs/gpu.pbtxt",
-        *(f"{model}/configs/{profile}.pbtxt" for model in ("dense", "embedding_lookup", "feature_transform") for profile in ("cuda", "gpu")),
+        *(
+            f"{model}/configs/{profile}.pbtxt"
+            for model in ("dense", "embedding_lookup", "feature_transform")
+            for profile in ("cuda", "gpu")
+        ),
     ]
     with pytest.raises(ValueError, match="profile"):
         configs.step_config(spec, wire.DENSE, profile="tpu")

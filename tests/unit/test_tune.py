@@ -48,7 +48,9 @@ def test_sweep_walks_delay_then_preferred_then_instances():
 def test_combine_is_conservative():
     plan = ServingPlan(500)
     two = ((1, 4), (1, 8))
-    merged = tune.combine(tune.Trial(plan, two, (100.0, 10.0), (5.0, 70.0)), tune.Trial(plan, two, (300.0, 30.0), (9.0, 20.0)))
+    merged = tune.combine(
+        tune.Trial(plan, two, (100.0, 10.0), (5.0, 70.0)), tune.Trial(plan, two, (300.0, 30.0), (9.0, 20.0))
+    )
     assert merged.rows_per_s == (200.0, 20.0) and merged.p99_ms == (9.0, 70.0)
 
 

@@ -47,7 +47,9 @@ def test_publish_and_rollback_only_move_versions_forward(tmp_path, tables, store
     assert log.rollback("t0", 1) == 5
     updater.poll()
     assert np.array_equal(rows(store, "t0", keys).vectors, original)  # base restored exactly
-    assert log.publish("t0", keys[:1], np.full((1, DIM), 9, np.float32), DIM) == 6  # on top of the head (base)
+    assert (
+        log.publish("t0", keys[:1], np.full((1, DIM), 9, np.float32), DIM) == 6
+    )  # on top of the head (base)
     updater.poll()
     assert rows(store, "t0", keys).vectors[:, 0].tolist() == [9, original[1, 0], original[2, 0]]
     assert not updater.poll()  # nothing new
@@ -159,6 +161,8 @@ def test_warm_up_preloads_l1_from_recorded_hot_keys(tmp_path, tables):
     hot = tables["t0"].keys[:20]
     save_hot_keys(tmp_path / "state", hot)
     assert np.array_equal(load_hot_keys(tmp_path / "state"), hot)
-    maintainer = Maintainer(store, StoreUpdater(store, UpdateLog(tmp_path / "log", 1)), tmp_path / "state", 0.05)
+    maintainer = Maintainer(
+        store, StoreUpdater(store, UpdateLog(tmp_path / "log", 1)), tmp_path / "state", 0.05
+    )
     assert maintainer.warm_up() == 20
     assert (rows(store, "t0", hot).tiers == L1).all()

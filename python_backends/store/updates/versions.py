@@ -60,7 +60,9 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
             with np.load(path, allow_pickle=False) as archive:
                 arrays = {name: archive[name] for name in archive.files}
         except (OSError, ValueError) as exc:
-            raise DeltaError(f"delta {path.name}: not a readable .npz without pickled objects ({exc})") from None
+            raise DeltaError(
+                f"delta {path.name}: not a readable .npz without pickled objects ({exc})"
+            ) from None
     elif path.suffix == ".safetensors":
         from safetensors.numpy import load_file
 
@@ -72,7 +74,9 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DeltaError(f"delta {path.name}: use a .npz or .safetensors file")
     missing = {"keys", "vectors"} - set(arrays)
     if missing:
-        raise DeltaError(f"delta {path.name}: missing array(s) {sorted(missing)}; it needs 'keys' and 'vectors'")
+        raise DeltaError(
+            f"delta {path.name}: missing array(s) {sorted(missing)}; it needs 'keys' and 'vectors'"
+        )
     return arrays["keys"], arrays["vectors"]
 
 
@@ -83,7 +87,9 @@ def check_delta(table: str, keys: np.ndarray, vectors: np.ndarray, dim: int) -> 
     if vectors.dtype != np.float32:
         raise DeltaError(f"delta for {table!r}: vectors are {vectors.dtype}, expected float32")
     if vectors.shape != (len(keys), dim):
-        raise DeltaError(f"delta for {table!r}: vectors are {list(vectors.shape)}, expected [{len(keys)}, {dim}] (table dim {dim})")
+        raise DeltaError(
+            f"delta for {table!r}: vectors are {list(vectors.shape)}, expected [{len(keys)}, {dim}] (table dim {dim})"
+        )
     if len(keys) == 0:
         raise DeltaError(f"delta for {table!r} holds no rows")
     if len(np.unique(keys)) != len(keys):
@@ -101,7 +107,9 @@ def check_ownership(store: TieredStore, table: str, keys: np.ndarray) -> None:
         foreign = owners[owners != table_id]
         if foreign.size:
             bad = keys[rows >= 0][owners != table_id][0]
-            raise DeltaError(f"delta for {table!r}: key {int(bad)} belongs to table {store.table_names[int(foreign[0])]!r}")
+            raise DeltaError(
+                f"delta for {table!r}: key {int(bad)} belongs to table {store.table_names[int(foreign[0])]!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,9 @@ class UpdateLog:
         folder = self.root / table
         if not folder.is_dir():
             return []
-        return sorted(int(p.name[1:]) for p in folder.iterdir() if p.name.startswith("v") and p.name[1:].isdigit())
+        return sorted(
+            int(p.name[1:]) for p in folder.iterdir() if p.name.startswith("v") and p.name[1:].isdigit()
+        )
 
     def head(self, table: str) -> int:
         """The version servers must serve (the base version until something is published)."""
@@ -156,9 +166,21 @@ class UpdateLog:
             manifest = json.loads((folder / "manifest.json").read_text())
         except (OSError, ValueError) as exc:
             raise ArtifactError(f"version {version} of table {table!r} is unreadable: {exc}") from None
-        if manifest.get("format") != DELTA_FORMAT or manifest.get("table") != table or manifest.get("version") != version:
+        if (
+            manifest.get("format") != DELTA_FORMAT
+            or manifest.get("table") != table
+            or manifest.get("version") != version
+        ):
             raise ArtifactError(f"version {version} of table {table!r} has a mismatched manifest")
-        return DeltaRecord(table, version, int(manifest["parent"]), float(manifest["created"]), manifest["kind"], folder, manifest.get("files", {}))
+        return DeltaRecord(
+            table,
+            version,
+            int(manifest["parent"]),
+            float(manifest["created"]),
+            manifest["kind"],
+            folder,
+            manifest.get("files", {}),
+        )
 
     def chain(self, table: str, version: int) -> list[DeltaRecord]:
         """Records from the base version up to ``version``, oldest first."""
@@ -166,7 +188,9 @@ class UpdateLog:
         while version != self.base_version:
             record = self.record(table, version)
             if record.parent >= version:
-                raise ArtifactError(f"version {version} of table {table!r} names a later parent {record.parent}")
+                raise ArtifactError(
+                    f"version {version} of table {table!r} names a later parent {record.parent}"
+                )
             records.append(record)
             version = record.parent
         return records[::-1]
@@ -187,7 +211,15 @@ class UpdateLog:
             version = max([self.base_version, *self.versions(table)]) + 1
             staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root / table))
             files = write(staging)
-            manifest = {"format": DELTA_FORMAT, "table": table, "version": version, "parent": parent, "created": time.time(), "kind": kind, "files": files}
+            manifest = {
+                "format": DELTA_FORMAT,
+                "table": table,
+                "version": version,
+                "parent": parent,
+                "created": time.time(),
+                "kind": kind,
+                "files": files,
+            }
             (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
             os.rename(staging, self._folder(table, version))
             self._write_head(table, version)
@@ -223,7 +255,10 @@ class UpdateLog:
         check_delta(table, keys, vectors, dim)
 
         def write(folder: Path) -> dict[str, Any]:
-            return {"keys": save_array(folder, "keys.npy", keys), "vectors": save_array(folder, "vectors.npy", vectors)}
+            return {
+                "keys": save_array(folder, "keys.npy", keys),
+                "vectors": save_array(folder, "vectors.npy", vectors),
+            }
 
         return self._publish(table, self.head(table), "delta", write)
 
@@ -300,7 +335,9 @@ class StoreUpdater:
     def lag_seconds(self) -> dict[str, float]:
         """Seconds between publishing each table's served version and now (0 for base versions)."""
         now = time.time()
-        return {name: now - self.created[name] if name in self.created else 0.0 for name in self.store.table_names}
+        return {
+            name: now - self.created[name] if name in self.created else 0.0 for name in self.store.table_names
+        }
 
 
 def save_hot_keys(folder: Path, keys: np.ndarray) -> None:
@@ -324,7 +361,12 @@ class Maintainer:
     """Background upkeep of a served store: apply updates, rebuild L1, record hot keys."""
 
     def __init__(
-        self, store: TieredStore, updater: StoreUpdater, state_dir: Path, interval_s: float, stream: Any | None = None
+        self,
+        store: TieredStore,
+        updater: StoreUpdater,
+        state_dir: Path,
+        interval_s: float,
+        stream: Any | None = None,
     ) -> None:
         self.store = store
         self.updater = updater

@@ -24,7 +24,10 @@ class TritonPythonModel:
         context = ModelContext.from_args(args)
         self.served = ServedStore.open(context.spec, context.version_dir)
         self.lookup = EmbeddingLookup.for_instance(
-            context.spec, self.served, context.parameters.get(wire.L1_DEVICE_PARAMETER, ""), instance_device(args)
+            context.spec,
+            self.served,
+            context.parameters.get(wire.L1_DEVICE_PARAMETER, ""),
+            instance_device(args),
         )
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
