@@ -60,7 +60,10 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
 def step_io(
     spec: ModelSpec, profile: str = "cpu"
 ) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
-    """Inputs and outputs of each ensemble step (a TensorRT ``dense``, profile ``gpu``, has no version output)."""
+    """Inputs and outputs of each ensemble step.
+
+    A TensorRT ``dense``, profile ``gpu``, has no version output.
+    """
     t = intermediate_tensors(spec)
     return {
         wire.FEATURE_TRANSFORM: (

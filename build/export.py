@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     }
 
 
-def torch_predict(net: CTRNet, inputs: dict[str, np.ndarray]) -> np.ndarray:
+def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """The PyTorch reference on numpy inputs."""
     with torch.no_grad():
         return net(

@@ -60,7 +60,10 @@ def version_dir(repository: Path, model: str, spec: ModelSpec) -> Path:
 
 
 def is_built(spec: ModelSpec, repository: Path) -> bool:
-    """True when both artifact manifests exist, were built from this spec and the tables have the current format."""
+    """True when the repository is built for this spec.
+
+    Both artifact manifests exist, were built from this spec and the tables have the current format.
+    """
     try:
         tables = read_manifest(version_dir(repository, wire.EMBEDDING_LOOKUP, spec))
         return tables.get("format") == MANIFEST_FORMAT and all(
@@ -173,7 +176,8 @@ def add_tensorrt_engine(
     """
     if not tensorrt_engine.tensorrt_available():
         progress(
-            "[build] TensorRT is not installed: no engine built; the dense step keeps the CPU path (ONNX Runtime)"
+            "[build] TensorRT is not installed: no engine built; "
+            "the dense step keeps the CPU path (ONNX Runtime)"
         )
         return None
     root = version_dir(repository, wire.DENSE, spec)
@@ -223,7 +227,8 @@ def build_repository(spec: ModelSpec, repository: Path, progress: Progress = std
     install_adapters(spec, repository)
     configs.write_configs(spec, repository)
     progress(
-        f"[build] repository ready: {repository} (held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})"
+        f"[build] repository ready: {repository} "
+        f"(held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})"
     )
     return BuildReport(repository, trained.holdout_auc, diff)
 

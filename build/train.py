@@ -85,11 +85,10 @@ class TrainingModel(nn.Module):
     def __init__(self, spec: ModelSpec, vocab: dict[str, Vocabulary]) -> None:
         super().__init__()
         self.spec = spec
-        self.embeddings = nn.ModuleDict(
-            {name: nn.Embedding(v.oov + 1, spec.embedding_dim) for name, v in vocab.items()}
-        )
-        for table in self.embeddings.values():
+        tables = {name: nn.Embedding(v.oov + 1, spec.embedding_dim) for name, v in vocab.items()}
+        for table in tables.values():
             nn.init.normal_(table.weight, std=0.05)
+        self.embeddings = nn.ModuleDict(tables)
         self.net = CTRNet(spec)
 
     def forward(
@@ -195,6 +194,8 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel
 
     tables = {}
     for name, v in vocab.items():
-        weight = model.embeddings[name].weight.detach().numpy()
+        embedding = model.embeddings[name]
+        assert isinstance(embedding, nn.Embedding)  # the ModuleDict holds one nn.Embedding per table
+        weight = embedding.weight.detach().numpy()
         tables[name] = TableArrays(name, np.asarray(v.keys, np.int64), weight[: v.oov], weight[v.oov])
     return TrainedModel(model.net, tables, auc)

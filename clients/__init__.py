@@ -4,6 +4,7 @@ Read Criteo-style rows with :func:`read_rows` and score them with :class:`CTRCli
 :class:`AsyncCTRClient`; failures are raised as :class:`RecserveClientError` subclasses.
 """
 
+from recserve.clients.async_sdk import AsyncCTRClient
 from recserve.clients.errors import (
     InvalidRequestError,
     RecserveClientError,
@@ -12,8 +13,10 @@ from recserve.clients.errors import (
     ServerUnavailableError,
     map_exception,
 )
-from recserve.clients.rows import CriteoRows, RowFormatError, read_rows, write_csv, write_tsv
-from recserve.clients.sdk import AsyncCTRClient, CTRClient, Scores
+from recserve.clients.fields import RowFormatError
+from recserve.clients.rows import CriteoRows, read_rows
+from recserve.clients.sdk import CTRClient, Scores
+from recserve.clients.writers import write_csv, write_tsv
 
 __all__ = [
     "AsyncCTRClient",

@@ -15,8 +15,8 @@ feature names). Empty integer fields are missing values, negative dense values a
 categorical fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError`
 naming the line and column.
 
-:func:`write_tsv` and :func:`write_csv` write :class:`recserve.build.synthetic.RawRows` in those
-layouts, so tests and examples can produce input files.
+:mod:`recserve.clients.writers` writes :class:`recserve.wire.RawRows` in those layouts, so tests and
+examples can produce input files; :mod:`recserve.clients.fields` parses the columns.
 """
 
 from __future__ import annotations
@@ -26,45 +26,30 @@ import gzip
 import io
 import logging
 import os
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import IO, BinaryIO, cast
+from typing import IO, Any, BinaryIO, cast
 
 import numpy as np
 
-from recserve.errors import InvalidInput
+from recserve.clients.fields import (
+    RowFormatError,
+    parse_categorical,
+    parse_floats,
+    parse_history,
+    parse_ints,
+    text_array,
+)
 from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import ABSENT_ITEM, RawRows, parse_hex
+from recserve.wire import ABSENT_ITEM
 
 LOGGER = logging.getLogger(__name__)
 
 #: Name of the optional label column in files with a header.
 LABEL_COLUMN = "label"
 
-_WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
-
 PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
-
-
-class RowFormatError(ValueError):
-    """A line of an input file cannot be parsed.
-
-    Attributes:
-        line: 1-based line number in the file (None when the error is not about one line).
-        column: name of the offending column (None when the error is about the whole line).
-    """
-
-    def __init__(self, message: str, line: int | None = None, column: str | None = None) -> None:
-        where = []
-        if line is not None:
-            where.append(f"line {line}")
-        if column is not None:
-            where.append(f"column {column}")
-        super().__init__(f"{', '.join(where)}: {message}" if where else message)
-        self.line = line
-        self.column = column
 
 
 @dataclass
@@ -95,7 +80,8 @@ class CriteoRows:
     def take(self, index: slice | np.ndarray) -> CriteoRows:
         """Rows selected by a slice or an index array (the history keeps its padded width)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return CriteoRows(**{k: None if v is None else v[index] for k, v in values.items()})
+        selected: dict[str, Any] = {k: None if v is None else v[index] for k, v in values.items()}
+        return CriteoRows(**selected)
 
     def batches(self, size: int) -> Iterator[CriteoRows]:
         """Consecutive slices of at most ``size`` rows, in order.
@@ -193,7 +179,7 @@ class _TextSource:
             if path.suffix == ".gz":
                 self._owned = gzip.open(path, "rt", encoding="utf-8-sig", newline="")
             else:
-                self._owned = open(path, encoding="utf-8-sig", newline="")  # noqa: SIM115
+                self._owned = open(path, encoding="utf-8-sig", newline="")  # closed in __exit__
             self.stream: IO[str] = self._owned
         elif isinstance(path_or_file, io.TextIOBase) or isinstance(path_or_file.read(0), str):
             self.stream = path_or_file  # type: ignore[assignment]
@@ -339,18 +325,18 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
     dense_cols = list(spec.dense.columns)
     cat_cols = list(spec.categorical.columns)
 
-    dense_text = _text_array(tokens.dense, (n, len(dense_cols)))
+    dense_text = text_array(tokens.dense, (n, len(dense_cols)))
     dense_missing = dense_text == ""
-    dense = _parse_ints(np.where(dense_missing, "0", dense_text), lines, dense_cols).astype(np.float32)
+    dense = parse_ints(np.where(dense_missing, "0", dense_text), lines, dense_cols).astype(np.float32)
 
-    categorical = _parse_categorical(tokens.categorical, spec, lines, cat_cols)
+    categorical = parse_categorical(tokens.categorical, spec, lines, cat_cols)
 
     if tokens.target is None:
         target = np.full(n, ABSENT_ITEM, dtype=np.int64)
     else:
-        target_text = _text_array(tokens.target, (n, 1))
+        target_text = text_array(tokens.target, (n, 1))
         absent = target_text == ""
-        target = _parse_ints(np.where(absent, str(ABSENT_ITEM), target_text), lines, [spec.target.name])[:, 0]
+        target = parse_ints(np.where(absent, str(ABSENT_ITEM), target_text), lines, [spec.target.name])[:, 0]
         bad = target < ABSENT_ITEM
         if bad.any():
             r = int(np.flatnonzero(bad)[0])
@@ -360,242 +346,14 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
                 column=spec.target.name,
             )
 
-    history, lengths = _parse_history(tokens.history, n, lines, spec)
+    history, lengths = parse_history(tokens.history, n, lines, spec)
 
     labels = None
     if tokens.labels is not None:
-        label_text = _text_array(tokens.labels, (n, 1))
-        labels = _parse_floats(label_text, lines, [LABEL_COLUMN])[:, 0]
+        label_text = text_array(tokens.labels, (n, 1))
+        labels = parse_floats(label_text, lines, [LABEL_COLUMN])[:, 0]
 
     return CriteoRows(dense, dense_missing, categorical, target, history, lengths, labels)
-
-
-def _codepoints(text: np.ndarray) -> np.ndarray:
-    """Code points ``[..., chars]`` of a ``str`` array (0 past the end of each string)."""
-    return text.view(np.uint32).reshape(*text.shape, text.dtype.itemsize // 4)
-
-
-def _text_array(fields_: list[list[str]] | list[str], shape: tuple[int, ...]) -> np.ndarray:
-    """A ``str`` array of ``shape``, stripped of surrounding whitespace where there is any."""
-    text = np.asarray(fields_, dtype=str).reshape(shape)
-    if np.isin(_codepoints(text), _WHITESPACE).any():  # rare: skip the slow strip otherwise
-        text = np.char.strip(text)
-    return text
-
-
-def _parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
-    """int64 values of a ``[N, K]`` string array; raises on the first malformed field."""
-    try:
-        if (_codepoints(text) == ord("_")).any():  # int() would accept "1_000"
-            raise ValueError("underscore")
-        return text.astype(np.int64)
-    except (ValueError, OverflowError):
-        pass
-    values = np.zeros(text.shape, dtype=np.int64)
-    for (r, c), value in np.ndenumerate(text):  # slow path: find and name the offending field
-        try:
-            if "_" in value:
-                raise ValueError(value)
-            values[r, c] = int(value)
-        except (ValueError, OverflowError):
-            raise RowFormatError(
-                f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]
-            ) from None
-    return values
-
-
-def _parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
-    """float32 values of a ``[N, K]`` string array; raises on the first malformed or non-finite field."""
-    try:
-        values = text.astype(np.float32)
-    except ValueError:
-        values = None
-    if values is not None and np.isfinite(values).all():
-        return values
-    for (r, c), value in np.ndenumerate(text):
-        try:
-            ok = np.isfinite(float(value))
-        except ValueError:
-            ok = False
-        if not ok:
-            raise RowFormatError(f"{value!r} is not a finite number", line=int(lines[r]), column=columns[c])
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _parse_categorical(
-    rows: list[list[str]], spec: ModelSpec, lines: np.ndarray, columns: list[str]
-) -> np.ndarray:
-    """Object array ``[N, C]`` of ASCII ``bytes``, checked to be hex strings the server accepts."""
-    n = len(rows)
-    text = _text_array(rows, (n, len(columns)))
-    try:
-        encoded: np.ndarray | None = text.astype(bytes)  # ASCII only
-    except UnicodeEncodeError:
-        encoded = None
-    if encoded is not None:
-        values = encoded.astype(object)
-        try:
-            parse_hex(values, spec.categorical.max_hex_digits, spec.categorical.name)
-            return values
-        except InvalidInput:
-            pass
-    digits = spec.categorical.max_hex_digits
-    for (r, c), value in np.ndenumerate(text):
-        if len(value) > digits or not all(ch in "0123456789abcdefABCDEF" for ch in value):
-            raise RowFormatError(
-                f"{value!r} is not a hex string of at most {digits} digits",
-                line=int(lines[r]),
-                column=columns[c],
-            )
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _parse_history(
-    fields_: list[str] | None, n: int, lines: np.ndarray, spec: ModelSpec
-) -> tuple[np.ndarray, np.ndarray]:
-    """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text."""
-    name, max_length = spec.sequence.name, spec.sequence.max_length
-    if fields_ is None:
-        return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
-    normalised = [field.replace(",", " ") for field in fields_]
-    lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
-    too_long = np.flatnonzero(lengths > max_length)
-    if too_long.size:
-        r = int(too_long[0])
-        raise RowFormatError(
-            f"history of {int(lengths[r])} items is longer than the maximum {max_length}",
-            line=int(lines[r]),
-            column=name,
-        )
-    row_of = np.repeat(np.arange(n), lengths)
-    flat = _parse_id_text(" ".join(normalised), int(lengths.sum()))
-    if flat is None:  # something other than plain ids: parse token by token to name the line
-        tokens = np.asarray([t for field in normalised for t in field.split()], dtype=str)
-        flat = _parse_ints(tokens.reshape(-1, 1), lines[row_of], [name])[:, 0]
-    negative = flat < 0
-    if negative.any():
-        k = int(np.flatnonzero(negative)[0])
-        raise RowFormatError(
-            f"{int(flat[k])} is not an item id (ids are >= 0)", line=int(lines[row_of[k]]), column=name
-        )
-    width = max(int(lengths.max(initial=0)), 1)
-    history = np.zeros((n, width), dtype=np.int64)
-    history[np.arange(width)[None, :] < lengths[:, None]] = flat
-    return history, lengths
-
-
-def _parse_id_text(text: str, count: int) -> np.ndarray | None:
-    """Fast path: ``count`` non-negative ids separated by whitespace, or None if ``text`` is anything else."""
-    if not text.isascii():
-        return None
-    data = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
-    digit = (data >= ord("0")) & (data <= ord("9"))
-    if not (digit | np.isin(data, _WHITESPACE.astype(np.uint8))).all():
-        return None
-    # Longest run of digits: anything beyond 18 digits might not fit int64.
-    edges = np.flatnonzero(np.diff(np.concatenate(([0], digit.view(np.int8), [0]))))
-    if edges.size and (edges[1::2] - edges[::2]).max() > 18:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        try:
-            values = np.fromstring(text, dtype=np.int64, sep=" ") if count else np.zeros(0, np.int64)
-        except (ValueError, DeprecationWarning):
-            return None
-    return values if values.shape[0] == count else None
-
-
-# ---- writing ---------------------------------------------------------------------------------
-
-
-def _text_columns(
-    raw: RawRows, spec: ModelSpec, with_label: bool, history_separator: str
-) -> list[np.ndarray]:
-    """String columns ``[N, K]`` in file order: label, dense, categorical, history, target."""
-    dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
-    dense[raw.dense_missing] = ""
-    categorical = np.char.mod("%08x", raw.categorical).astype(object)
-    categorical[raw.categorical_empty] = ""
-    history = np.array(
-        [history_separator.join(map(str, raw.history[r, : raw.lengths[r]])) for r in range(len(raw))],
-        dtype=object,
-    ).reshape(-1, 1)
-    target = np.char.mod("%d", raw.target).astype(object).reshape(-1, 1)
-    target[raw.target == ABSENT_ITEM] = ""
-    columns = [dense, categorical, history, target]
-    if with_label:
-        columns.insert(0, np.char.mod("%d", raw.labels.astype(np.int64)).astype(object).reshape(-1, 1))
-    return columns
-
-
-def write_tsv(
-    path: str | os.PathLike[str],
-    raw_rows: RawRows,
-    spec: ModelSpec,
-    with_label: bool = True,
-    with_sequence: bool = True,
-) -> Path:
-    """Write rows in the headerless Criteo TSV layout.
-
-    Args:
-        path: output file (``.gz`` is compressed).
-        raw_rows: the rows, e.g. from :func:`recserve.build.synthetic.generate`.
-        spec: the model spec (column counts).
-        with_label: write the label as the first column.
-        with_sequence: append the ``history_items`` (space-separated ids) and ``target_item`` columns.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-    """
-    return _write_table(path, raw_rows, spec, with_label, with_sequence, delimiter="\t", header=False)
-
-
-def write_csv(
-    path: str | os.PathLike[str],
-    raw_rows: RawRows,
-    spec: ModelSpec,
-    with_label: bool = True,
-    with_sequence: bool = True,
-) -> Path:
-    """Write rows as CSV with a header row (history ids space-separated inside their field).
-
-    Args:
-        path: output file (``.gz`` is compressed).
-        raw_rows: the rows, e.g. from :func:`recserve.build.synthetic.generate`.
-        spec: the model spec (column names).
-        with_label: write a ``label`` column first.
-        with_sequence: add the ``history_items`` and ``target_item`` columns.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-    """
-    return _write_table(path, raw_rows, spec, with_label, with_sequence, delimiter=",", header=True)
-
-
-def _write_table(
-    path: str | os.PathLike[str],
-    raw_rows: RawRows,
-    spec: ModelSpec,
-    with_label: bool,
-    with_sequence: bool,
-    delimiter: str,
-    header: bool,
-) -> Path:
-    columns = _text_columns(raw_rows, spec, with_label, " ")
-    names = [*spec.dense.columns, *spec.categorical.columns, spec.sequence.name, spec.target.name]
-    if with_label:
-        names.insert(0, LABEL_COLUMN)
-    if not with_sequence:
-        columns, names = columns[:-2], names[:-2]
-    table = np.concatenate(columns, axis=1)
-    out = Path(path)
-    opener = gzip.open if out.suffix == ".gz" else open
-    with opener(out, "wt", encoding="utf-8", newline="") as fh:  # type: ignore[operator]
-        writer = csv.writer(fh, delimiter=delimiter, lineterminator="\n")
-        if header:
-            writer.writerow(names)
-        writer.writerows(table.tolist())
-    return out
 
 
 __all__ = [
@@ -603,6 +361,4 @@ __all__ = [
     "CriteoRows",
     "RowFormatError",
     "read_rows",
-    "write_csv",
-    "write_tsv",
 ]

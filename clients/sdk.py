@@ -19,7 +19,6 @@ Every transport error is raised as a :class:`~recserve.clients.errors.RecserveCl
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows
+from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 
@@ -86,7 +86,7 @@ def _check_protocol(protocol: str) -> str:
     return name
 
 
-class _Base:
+class ClientBase:
     """Request building and response parsing shared by the blocking and asyncio clients."""
 
     def __init__(
@@ -160,7 +160,7 @@ class _Base:
         output = result.as_numpy(name)
         if output is None:
             raise ServerError(f"the response of model '{self.model_name}' has no output '{name}'")
-        values = np.asarray(output, dtype=dtype)
+        values: np.ndarray = np.asarray(output, dtype=dtype)
         if values.ndim == 0 or values.shape[0] != rows:
             raise ServerError(f"expected {rows} rows of '{name}', got output of shape {list(output.shape)}")
         return values
@@ -187,91 +187,7 @@ class _Base:
             raise ValueError(f"batch_size must be in 1..{self.spec.max_batch_size}, got {batch_size}")
 
 
-_ALIGN = 64
-
-
-class _SharedMemoryIO:
-    """One system shared-memory region holding a request's inputs and its output (same host only).
-
-    The region is sized for the largest request the spec allows, registered with the server once,
-    and reused by every request of its client: tensors are copied into it instead of being
-    serialised into the request message.
-    """
-
-    def __init__(self, client: Any, spec: ModelSpec) -> None:
-        from multiprocessing import shared_memory
-
-        rows = spec.max_batch_size
-        per_row = {
-            w.name: (4 + spec.categorical.max_hex_digits) * w.dims[0] if w.dtype == "BYTES"
-            else np.dtype(NUMPY_DTYPES[w.dtype]).itemsize * (spec.sequence.max_length if w.dims[0] == -1 else w.dims[0])
-            for w in spec.wire_inputs()
-        }  # fmt: skip
-        self.offsets: dict[str, int] = {}
-        size = 0
-        for name, row_bytes in per_row.items():
-            self.offsets[name] = size
-            size += -(-rows * row_bytes // _ALIGN) * _ALIGN
-        self.offsets[PROBABILITY] = size
-        size += rows * 4
-        self.capacity = {name: (self.offsets[name], rows * b) for name, b in per_row.items()}
-        self.region = shared_memory.SharedMemory(create=True, size=size)
-        self.name = f"recserve_{self.region.name}"
-        self.client = client
-        try:
-            client.register_system_shared_memory(self.name, f"/{self.region.name}", size)
-        except Exception:
-            self.region.close()
-            self.region.unlink()
-            raise
-
-    def place(self, module: ModuleType, spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> list[Any]:
-        """Copy ``arrays`` into the region; ``InferInput`` objects that point at them."""
-        from tritonclient.utils import serialize_byte_tensor
-
-        result = []
-        for w in spec.wire_inputs():
-            array = arrays[w.name]
-            offset, capacity = self.capacity[w.name]
-            if w.dtype == "BYTES":
-                data = serialize_byte_tensor(array).item()
-                size = len(data)
-            else:
-                size = array.nbytes
-            if size > capacity:
-                raise InvalidRequestError(
-                    f"input '{w.name}' of {size} bytes exceeds the shared-memory slot of {capacity}"
-                )
-            if w.dtype == "BYTES":
-                self.region.buf[offset : offset + size] = data
-            else:
-                np.ndarray(array.shape, array.dtype, buffer=self.region.buf, offset=offset)[...] = array
-            infer_input = module.InferInput(w.name, list(array.shape), w.dtype)
-            infer_input.set_shared_memory(self.name, size, offset=offset)
-            result.append(infer_input)
-        return result
-
-    def output(self, module: ModuleType, rows: int) -> Any:
-        """The requested probabilities, written by the server into the region."""
-        requested = module.InferRequestedOutput(PROBABILITY)
-        requested.set_shared_memory(self.name, rows * 4, offset=self.offsets[PROBABILITY])
-        return requested
-
-    def probabilities(self, rows: int) -> np.ndarray:
-        """The output of the last request, copied out of the region."""
-        return np.frombuffer(self.region.buf, np.float32, count=rows, offset=self.offsets[PROBABILITY]).copy()
-
-    def close(self) -> None:
-        """Unregister and remove the region."""
-        try:
-            self.client.unregister_system_shared_memory(self.name)
-        except Exception as exc:  # the server may be gone already; the region is ours to remove anyway
-            LOGGER.debug("unregistering %s: %s", self.name, exc)
-        self.region.close()
-        self.region.unlink()
-
-
-class CTRClient(_Base):
+class CTRClient(ClientBase):
     """Blocking client of the CTR ensemble.
 
     Not thread-safe: use one client per thread (the HTTP transport is gevent based).
@@ -297,7 +213,7 @@ class CTRClient(_Base):
         shared_memory: bool = False,
     ) -> None:
         super().__init__(url, protocol, timeout_s, spec, model_name)
-        self._shm: _SharedMemoryIO | None = None
+        self._shm: SharedMemoryIO | None = None
         self._module = self._import_module()
         try:
             if self.protocol == "grpc":
@@ -307,7 +223,7 @@ class CTRClient(_Base):
                     self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s, ssl=self._ssl
                 )
             if shared_memory:
-                self._shm = _SharedMemoryIO(self._client, self.spec)
+                self._shm = SharedMemoryIO(self._client, self.spec)
         except Exception as exc:
             raise map_exception(exc) from exc
         self._closed = False
@@ -436,143 +352,4 @@ class CTRClient(_Base):
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 
-class AsyncCTRClient(_Base):
-    """asyncio client of the CTR ensemble, same arguments as :class:`CTRClient`.
-
-    The transport is created on first use inside the running event loop; use ``async with`` or
-    ``await client.close()``.
-    """
-
-    def __init__(
-        self,
-        url: str | None = None,
-        protocol: str = "grpc",
-        timeout_s: float = 10.0,
-        spec: ModelSpec | None = None,
-        model_name: str | None = None,
-    ) -> None:
-        super().__init__(url, protocol, timeout_s, spec, model_name)
-        self._module = self._import_module()
-        self._client: Any = None
-        self._closed = False
-
-    def _import_module(self) -> ModuleType:
-        if self.protocol == "grpc":
-            import tritonclient.grpc.aio as module
-        else:
-            import tritonclient.http.aio as module
-        return module
-
-    def _transport(self) -> Any:
-        if self._closed:
-            raise ServerError("the client is closed")
-        if self._client is None:
-            try:
-                if self.protocol == "grpc":
-                    self._client = self._module.InferenceServerClient(self.url, ssl=self._ssl)
-                else:
-                    self._client = self._module.InferenceServerClient(
-                        self.url, conn_timeout=self.timeout_s, ssl=self._ssl
-                    )
-            except Exception as exc:
-                raise map_exception(exc) from exc
-        return self._client
-
-    async def __aenter__(self) -> AsyncCTRClient:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        """Release the connection; later calls fail."""
-        self._closed = True
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.close()
-
-    async def is_ready(self) -> bool:
-        """Whether the server answers and the model is ready (see :meth:`CTRClient.is_ready`)."""
-        client = self._transport()
-        try:
-            if self.protocol == "grpc":
-                return bool(await client.is_model_ready(self.model_name, client_timeout=self.timeout_s))
-            return bool(await client.is_model_ready(self.model_name))
-        except Exception as exc:
-            error = map_exception(exc)
-            if isinstance(error, (ServerUnavailableError, RequestTimeoutError)):
-                LOGGER.debug("model %s not ready: %s", self.model_name, error)
-                return False
-            raise error from exc
-
-    async def predict_inputs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Send one request (see :meth:`CTRClient.predict_inputs`).
-
-        Returns:
-            float32 ``[B]`` click probabilities.
-        """
-        arrays = self._prepare(inputs)
-        rows = next(iter(arrays.values())).shape[0]
-        if rows == 0:
-            return np.zeros(0, dtype=np.float32)
-        return self._probabilities(await self._infer(arrays, (PROBABILITY,)), rows)
-
-    async def score_inputs(self, inputs: Mapping[str, np.ndarray]) -> Scores:
-        """Send one request; probabilities and the versions that served them (see :meth:`CTRClient.score_inputs`)."""
-        arrays = self._prepare(inputs)
-        rows = next(iter(arrays.values())).shape[0]
-        if rows == 0:
-            return self._empty_scores()
-        return self._scores(await self._infer(arrays, (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)), rows)
-
-    async def _infer(self, arrays: Mapping[str, np.ndarray], names: tuple[str, ...]) -> Any:
-        client = self._transport()
-        infer_inputs = self._infer_inputs(self._module, arrays)
-        outputs = self._outputs(self._module, names)
-        try:
-            if self.protocol == "grpc":
-                return await client.infer(
-                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
-                )
-            return await client.infer(self.model_name, infer_inputs, outputs=outputs)
-        except Exception as exc:
-            raise map_exception(exc) from exc
-
-    async def predict(self, rows: CriteoRows, batch_size: int = 64, max_in_flight: int = 4) -> np.ndarray:
-        """Score all rows in batches, up to ``max_in_flight`` requests at a time.
-
-        Args:
-            rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
-            batch_size: rows per request, ``1..spec.max_batch_size``.
-            max_in_flight: concurrent requests, at least 1.
-
-        Returns:
-            float32 ``[N]`` probabilities in the order of ``rows``.
-
-        Raises:
-            ValueError: ``batch_size`` or ``max_in_flight`` is out of range.
-            RecserveClientError: as :meth:`CTRClient.predict_inputs` (the first failure).
-        """
-        self._check_batch_size(batch_size)
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        limit = asyncio.Semaphore(max_in_flight)
-
-        async def one(batch: CriteoRows) -> np.ndarray:
-            async with limit:
-                return await self.predict_inputs(batch.to_inputs(self.spec))
-
-        tasks = [asyncio.ensure_future(one(batch)) for batch in rows.batches(batch_size)]
-        try:
-            parts = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-
-
-__all__ = ["DEFAULT_URLS", "PROTOCOLS", "AsyncCTRClient", "CTRClient", "Scores"]
+__all__ = ["DEFAULT_URLS", "PROTOCOLS", "CTRClient", "ClientBase", "Scores"]

@@ -152,7 +152,8 @@ def measure(
                 break
         if done.returncode == 0:
             raise PerfError(
-                f"perf_analyzer measured {len(points)} of {wanted} concurrency levels {concurrency}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+                f"perf_analyzer measured {len(points)} of {wanted} concurrency levels {concurrency}:\n"
+                f"{done.stdout[-3000:]}{done.stderr[-2000:]}"
             )
         raise PerfError(
             f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"

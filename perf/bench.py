@@ -119,8 +119,8 @@ def _perf_point(
     steps = difference(before, snapshot(server.http_url), wire.STEPS)
     p = points[-1]
     return Point(
-        system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3, p.p95_us / 1e3,
-        p.p99_us / 1e3, shared_memory, steps=tuple(s.as_dict() for s in steps),
+        system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3,
+        p.p95_us / 1e3, p.p99_us / 1e3, shared_memory, steps=tuple(s.as_dict() for s in steps),
     )  # fmt: skip
 
 
@@ -132,7 +132,8 @@ def _load_point(
     steps = difference(before, snapshot(http_url), wire.STEPS) if http_url and before else []
     return Point(
         system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
-        result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures, steps=tuple(s.as_dict() for s in steps),
+        result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures,
+        steps=tuple(s.as_dict() for s in steps),
     )  # fmt: skip
 
 
@@ -240,7 +241,9 @@ def run_bench(
 
         for batch in grid.loadgen_batches:
             batches = sample_batches(spec, batch)
-            targets = {report.TUNED: (triton_target(tuned.http_url, spec, batches), tuned.http_url)}
+            targets: dict[str, tuple[HttpTarget, str | None]] = {
+                report.TUNED: (triton_target(tuned.http_url, spec, batches), tuned.http_url)
+            }
             if torchserve is not None:
                 targets[report.TORCHSERVE] = (
                     torchserve_target(torchserve.inference_url, "ctr", spec, batches),

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -155,7 +156,9 @@ def bucket_table(spec: ModelSpec, runners: Runners, rounds: int, budget_s: float
                 BucketRow(
                     bucket.rows,
                     bucket.length,
-                    *(bucket.rows / best(times[k]) for k in ("dynamic", "bare", "runner")),
+                    dynamic_rows_per_s=bucket.rows / best(times["dynamic"]),
+                    bare_bucket_rows_per_s=bucket.rows / best(times["bare"]),
+                    runner_rows_per_s=bucket.rows / best(times["runner"]),
                     overhead=best(times["runner"]) / best(times["bare"]) - 1.0,
                     speedup=best(times["dynamic"]) / best(times["runner"]),
                     bookkeeping_us=best(times["bookkeeping"]) * 1e6,
@@ -170,10 +173,10 @@ def bucket_table(spec: ModelSpec, runners: Runners, rounds: int, budget_s: float
 
 def off_bucket_table(
     spec: ModelSpec, runners: Runners, rounds: int, budget_s: float
-) -> list[dict[str, float]]:
+) -> list[dict[str, float | str]]:
     """Table 2: off-bucket shapes, after the runner compiled what its policy asks for."""
     runner = runners.make_runner()
-    table = []
+    table: list[dict[str, float | str]] = []
     try:
         for rows, length in OFF_BUCKET_SHAPES:
             sample = example_inputs(spec, rows, length, seed=rows * length)
@@ -210,9 +213,15 @@ def realistic_inputs(spec: ModelSpec, repository: Path, batch_size: int) -> list
         features = pipeline.transform.transform(
             rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec)
         )
-        merged = {**features, **pipeline.lookup.lookup(features)}
+        # the reference pipeline has no device L1: its lookup returns numpy arrays only
+        merged = {**features, **cast(dict[str, np.ndarray], pipeline.lookup.lookup(features))}
         batches.append({name: merged[name] for name in wire.DENSE_NET_INPUTS})
     return batches
+
+
+def call_each(fn: Callable[[Arrays], object], batches: list[dict[str, np.ndarray]]) -> list[object]:
+    """``fn`` over every batch, in order."""
+    return [fn(x) for x in batches]
 
 
 def realistic_table(
@@ -229,8 +238,8 @@ def realistic_table(
             runner.wait_compiled()
             times = interleaved(
                 {
-                    "dynamic": lambda b=batches: [runners.generic(x) for x in b],
-                    "runner": lambda b=batches: [runner.predict(x) for x in b],
+                    "dynamic": functools.partial(call_each, runners.generic, batches),
+                    "runner": functools.partial(call_each, runner.predict, batches),
                 },
                 rounds,
                 budget_s,
@@ -325,7 +334,7 @@ def cuda_graph_runners(spec: ModelSpec, repository: Path) -> Runners:
 def format_report(
     name: str,
     buckets: list[BucketRow],
-    off: list[dict[str, float]],
+    off: list[dict[str, float | str]],
     realistic: list[dict[str, float]],
     unseen: dict[str, float],
 ) -> str:
@@ -339,7 +348,8 @@ def format_report(
     ]
     for row in buckets:
         lines.append(
-            f"| {row.rows}x{row.length} | {row.dynamic_rows_per_s:,.0f} | {row.bare_bucket_rows_per_s:,.0f} | "
+            f"| {row.rows}x{row.length} | {row.dynamic_rows_per_s:,.0f} | "
+            f"{row.bare_bucket_rows_per_s:,.0f} | "
             f"{row.runner_rows_per_s:,.0f} | {row.overhead:+.1%} | {row.bookkeeping_us:.1f} "
             f"({row.bookkeeping_share:.1%}) | {row.speedup:.2f}x |"
         )
@@ -348,7 +358,8 @@ def format_report(
     speedups = sorted(row.speedup for row in buckets)
     lines += [
         "",
-        f"runner vs bare bucket graph: median {statistics.median(overheads):+.1%}, worst {overheads[-1]:+.1%}; "
+        f"runner vs bare bucket graph: median {statistics.median(overheads):+.1%}, "
+        f"worst {overheads[-1]:+.1%}; "
         f"runner bookkeeping share: median {statistics.median(shares):.1%}, worst {shares[-1]:.1%}; "
         f"runner speed-up (vs dynamic graph): median "
         f"{statistics.median(speedups):.2f}x, range {speedups[0]:.2f}x..{speedups[-1]:.2f}x",
@@ -356,20 +367,22 @@ def format_report(
         "| shape (rows x length) | served by | dynamic graph rows/s | runner rows/s | runner speed-up |",
         "| --- | --- | ---: | ---: | ---: |",
     ]
-    for row in off:
+    for shape in off:
         lines.append(
-            f"| {row['rows']}x{row['length']} | {row['bucket']} | {row['dynamic_rows_per_s']:,.0f} | "
-            f"{row['runner_rows_per_s']:,.0f} | {row['speedup']:.2f}x |"
+            f"| {shape['rows']}x{shape['length']} | {shape['bucket']} | {shape['dynamic_rows_per_s']:,.0f} | "
+            f"{shape['runner_rows_per_s']:,.0f} | {shape['speedup']:.2f}x |"
         )
     lines += [
         "",
-        "| generated requests, client batch | mean positions | dynamic graph rows/s | runner rows/s | runner speed-up |",
+        "| generated requests, client batch | mean positions | dynamic graph rows/s | runner rows/s "
+        "| runner speed-up |",
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
-    for row in realistic:
+    for request in realistic:
         lines.append(
-            f"| {row['batch_size']} | {row['mean_positions']:.0f} | {row['dynamic_rows_per_s']:,.0f} | "
-            f"{row['runner_rows_per_s']:,.0f} | {row['speedup']:.2f}x |"
+            f"| {request['batch_size']} | {request['mean_positions']:.0f} | "
+            f"{request['dynamic_rows_per_s']:,.0f} | {request['runner_rows_per_s']:,.0f} | "
+            f"{request['speedup']:.2f}x |"
         )
     lines += [
         "",
@@ -385,8 +398,8 @@ def format_report(
 
 
 def run_dense_bench(
-    spec: ModelSpec, repository: Path, device: str = "cpu", threads: int = 1, rounds: int = 30, budget_s: float = 0.01,
-    output: Path | None = None,
+    spec: ModelSpec, repository: Path, device: str = "cpu", threads: int = 1, rounds: int = 30,
+    budget_s: float = 0.01, output: Path | None = None,
 ) -> str:  # fmt: skip
     """Run all four tables; print-ready Markdown (and table 1 as CSV to ``output``)."""
     runners = (

@@ -48,7 +48,7 @@ def time_calls(
     Returns:
         each call's latency in milliseconds, and the seconds that all calls took.
     """
-    latencies = []
+    latencies: list[float] = []
     started = time.perf_counter()
     while time.perf_counter() - started < seconds:
         t0 = time.perf_counter()

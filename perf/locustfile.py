@@ -1,8 +1,8 @@
-"""Realistic traffic for ``ctr``: long-tailed request sizes through the client SDK, bounded in time.
+r"""Realistic traffic for ``ctr``: long-tailed request sizes through the client SDK, bounded in time.
 
 Run (loopback server from ``make serve``)::
 
-    .venv/bin/locust -f perf/locustfile.py --headless -u 16 -r 4 --run-time 60s \\
+    .venv/bin/locust -f perf/locustfile.py --headless -u 16 -r 4 --run-time 60s \
         --ctr-url 127.0.0.1:8000 --p99-ms 100 --max-failure-ratio 0.01
 
 Each simulated user sends one request after another (no think time) whose batch size follows a
@@ -62,7 +62,9 @@ def request_pool(spec_name: str, seed: int, count: int = POOL_REQUESTS) -> list[
     sizes = long_tailed_batch_sizes(rng, count, spec.max_batch_size)
     rows = generate(spec, int(sizes.sum()), seed)
     bounds = np.cumsum([0, *sizes])
-    return [rows.take(slice(int(a), int(b))).to_wire(spec) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [
+        rows.take(slice(int(a), int(b))).to_wire(spec) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    ]
 
 
 _POOL: list[dict[str, np.ndarray]] = []
@@ -83,7 +85,8 @@ def _verdict(environment: Any, **_: Any) -> None:
     total = environment.stats.total
     p99 = total.get_response_time_percentile(0.99) or 0.0
     print(
-        f"ctr: {total.num_requests} requests, failure ratio {total.fail_ratio:.4f} (max {options.max_failure_ratio}), "
+        f"ctr: {total.num_requests} requests, failure ratio {total.fail_ratio:.4f} "
+        f"(max {options.max_failure_ratio}), "
         f"p99 {p99:.1f} ms (max {options.p99_ms})"
     )
     if total.num_requests == 0 or total.fail_ratio > options.max_failure_ratio or p99 > options.p99_ms:

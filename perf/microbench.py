@@ -52,7 +52,8 @@ def adapter_gains(
 
     return [
         (f"decode BYTES of a {rows}-row request ({wide.size} strings)",
-         per_call_us(lambda: deserialize_bytes_tensor(encoded), 50), per_call_us(lambda: decode_bytes_tensor(encoded), 50)),
+         per_call_us(lambda: deserialize_bytes_tensor(encoded), 50),
+         per_call_us(lambda: decode_bytes_tensor(encoded), 50)),
         (f"feature transform of {requests_per_batch} batch-1 requests",
          per_call_us(lambda: [transform.transform(r) for r in singles], 50), per_call_us(merged, 50)),
     ]  # fmt: skip

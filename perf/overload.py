@@ -63,7 +63,10 @@ class Cores:
         """``server cores {0}, load generator cores {1}`` or that nothing is pinned."""
         if self.server is None or self.client is None:
             return "not pinned (fewer than 2 cores): server and load generator share the machine"
-        return f"server (tritonserver and its stubs) on cores {sorted(self.server)}, load generator on cores {sorted(self.client)}"
+        return (
+            f"server (tritonserver and its stubs) on cores {sorted(self.server)}, "
+            f"load generator on cores {sorted(self.client)}"
+        )
 
 
 @contextlib.contextmanager
@@ -95,7 +98,10 @@ class Outcome:
 def measure_capacity(
     url: str, spec: ModelSpec, request: dict[str, np.ndarray], seconds: float = 4.0, concurrency: int = 8
 ) -> float:
-    """Requests per second served closed-loop with ``concurrency`` requests in flight (refused ones not counted)."""
+    """Requests per second served closed-loop with ``concurrency`` requests in flight.
+
+    Refused requests are not counted.
+    """
     done, stop = [0], threading.Event()
     lock = threading.Lock()
 
@@ -287,21 +293,25 @@ class OverloadReport:
         """Markdown tables plus the verdict against the targets."""
         lines = [
             f"queue profile: {self.queue or '[serving.queue]'}; {self.cores}",
-            f"capacity (closed loop, 8 in flight, [serving.queue] configs, same cores) {self.capacity_rps:.0f} requests/s",
+            f"capacity (closed loop, 8 in flight, [serving.queue] configs, same cores) "
+            f"{self.capacity_rps:.0f} requests/s",
             "",
-            "| phase | target req/s | sent req/s | sent | served | shed | failed | served p50 / p90 / p99 ms | shed p50 / p99 ms | sender late p99 ms |",
+            "| phase | target req/s | sent req/s | sent | served | shed | failed "
+            "| served p50 / p90 / p99 ms | shed p50 / p99 ms | sender late p99 ms |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for s in self.phases:
             lines.append(
-                f"| {s.name} | {s.rate:.0f} | {s.offered:.0f} | {s.sent} | {s.served} | {s.shed} | {s.failed} | "
-                f"{s.served_p50_ms:.1f} / {s.served_p90_ms:.1f} / {s.served_p99_ms:.1f} | {s.shed_p50_ms:.1f} / {s.shed_p99_ms:.1f} | "
+                f"| {s.name} | {s.rate:.0f} | {s.offered:.0f} | {s.sent} | {s.served} | {s.shed} | "
+                f"{s.failed} | {s.served_p50_ms:.1f} / {s.served_p90_ms:.1f} / {s.served_p99_ms:.1f} | "
+                f"{s.shed_p50_ms:.1f} / {s.shed_p99_ms:.1f} | "
                 f"{s.sender_late_p99_ms:.1f} |"
             )
         half, spike = self.phases[0], self.phases[1]
         lines += [
             "",
-            f"spike served p99 / half-capacity served p99 = {spike.served_p99_ms / half.served_p99_ms:.2f} (target <= 1.5)",
+            f"spike served p99 / half-capacity served p99 = "
+            f"{spike.served_p99_ms / half.served_p99_ms:.2f} (target <= 1.5)",
             f"spike shed p99 = {spike.shed_p99_ms:.1f} ms (target < 5)",
             f"back to normal {self.recovery_s:.1f} s after the spike (target <= 10)",
             "shed because: "
@@ -358,7 +368,7 @@ def run_overload(
     names = ("half capacity", f"{spike_factor:g}x capacity", "half capacity, after")
     stats = [
         phase_stats(name, rate, [o for o in outcomes if o.phase == phase])
-        for phase, (name, rate) in enumerate(zip(names, (half, spike, half)))
+        for phase, (name, rate) in enumerate(zip(names, (half, spike, half), strict=True))
     ]
     spike_end = max(o.sent_s for o in outcomes if o.phase == 1)
     back = recovery_s(outcomes, spike_end, stats[0].served_p99_ms)
@@ -388,7 +398,9 @@ def overload_command(
     seconds: float,
     queue: str | None = None,
 ) -> int:
-    """``recserve overload``: a private server on free loopback ports, pinned apart from the generator; prints the tables.
+    """``recserve overload``: a private server on free loopback ports, pinned apart from the generator.
+
+    Prints the tables.
 
     ``queue`` names a queue profile of the spec (its ``configs/<queue>.pbtxt``); None or ``default``
     serves ``[serving.queue]``.

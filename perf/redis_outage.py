@@ -190,7 +190,7 @@ class OutageProbe:
         started = time.perf_counter()
         try:
             response = self.stub.ModelInfer(self.message, timeout=30)
-        except Exception as exc:  # noqa: BLE001 - every failure is counted, none may happen
+        except Exception as exc:  # every failure is counted, none may happen
             result.failures.append(str(exc)[:300])
             return None
         result.latencies_ms.append((time.perf_counter() - started) * 1e3)
@@ -218,7 +218,10 @@ class OutageProbe:
         timeout_s: float,
         round_: int = 0,
     ) -> PhaseResult:
-        """Requests until ``condition(metrics, all rows found in the last response)`` holds (checked every 0.25 s)."""
+        """Requests until ``condition(metrics, all rows found in the last response)`` holds.
+
+        The condition is checked every 0.25 s.
+        """
         result = PhaseResult(kind, round_)
         before = self.metrics()
         checked = time.monotonic()
@@ -237,7 +240,8 @@ class OutageProbe:
                         if k.startswith("recserve_store_")
                     }
                     raise TimeoutError(
-                        f"{result.name}: not reached within {timeout_s:.0f} s ({len(result.failures)} failed); store metrics {store}"
+                        f"{result.name}: not reached within {timeout_s:.0f} s "
+                        f"({len(result.failures)} failed); store metrics {store}"
                     )
         self._close_phase(result, before)
         return result
@@ -312,7 +316,8 @@ class OutageReport:
             if not p.ready
         ]
         out += [
-            f"{p.name}: recserve_store_healthy {p.store_healthy}, breaker open {p.breaker_open} (expected 0 and 1)"
+            f"{p.name}: recserve_store_healthy {p.store_healthy}, breaker open {p.breaker_open} "
+            "(expected 0 and 1)"
             for p in self.of(DOWN)
             if (p.store_healthy, p.breaker_open) != (0.0, 1.0)
         ]
@@ -320,10 +325,14 @@ class OutageReport:
 
     @property
     def notes(self) -> list[str]:
-        """Phases with Redis running where L3 did not serve every request (a deadline too tight for the machine)."""
+        """Phases with Redis running where L3 did not serve every request.
+
+        That is, a deadline too tight for the machine.
+        """
         return [
             f"{p.name}: {p.all_rows_found} of {len(p.latencies_ms)} responses found every item row; "
-            f"{sum(p.l3.get(r, 0) for r in ('timeout', 'error', 'busy')):.0f} L3 calls failed (raise --deadline-ms?)"
+            f"{sum(p.l3.get(r, 0) for r in ('timeout', 'error', 'busy')):.0f} L3 calls failed "
+            "(raise --deadline-ms?)"
             for p in (*self.of(UP), *self.of(BACK))
             if p.all_rows_found != len(p.latencies_ms)
         ]
@@ -334,15 +343,17 @@ class OutageReport:
             f"ctr, batch {self.batch_size}, one request at a time; L3 deadline {self.deadline_ms:g} ms; "
             f"load average {', '.join(f'{x:.1f}' for x in self.load_average)}",
             "",
-            "| phase | requests | failed | p50 ms | p99 ms | max ms | all item rows found | L3 calls | L3 errors (timeout/error/breaker_open/busy) | ready | store healthy | breaker open |",
+            "| phase | requests | failed | p50 ms | p99 ms | max ms | all item rows found | L3 calls "
+            "| L3 errors (timeout/error/breaker_open/busy) | ready | store healthy | breaker open |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |",
         ]
         pooled = [self.pooled(kind) for kind in (UP, DOWN)] if len(self.of(UP)) > 1 else []
         for p in (*self.phases, *pooled):
             errors = "/".join(f"{p.l3.get(reason, 0):.0f}" for reason in L3_REASONS)
             lines.append(
-                f"| {p.name} | {p.requests} | {len(p.failures)} | {p.percentile(50):.2f} | {p.percentile(99):.2f} | "
-                f"{max(p.latencies_ms, default=float('nan')):.2f} | {p.all_rows_found} | {p.l3.get('calls', 0):.0f} | {errors} | "
+                f"| {p.name} | {p.requests} | {len(p.failures)} | {p.percentile(50):.2f} | "
+                f"{p.percentile(99):.2f} | {max(p.latencies_ms, default=float('nan')):.2f} | "
+                f"{p.all_rows_found} | {p.l3.get('calls', 0):.0f} | {errors} | "
                 f"{'yes' if p.ready else 'NO'} | {_gauge(p.store_healthy)} | {_gauge(p.breaker_open)} |"
             )
         delta = self.p99_down_minus_up_ms
@@ -350,7 +361,8 @@ class OutageReport:
             "",
             f"p99 all Redis down - p99 Redis up (all rounds) = {delta:+.2f} ms "
             f"(goal <= {P99_GOAL_MS:g} ms: {'met' if delta <= P99_GOAL_MS else 'NOT met'})",
-            f"p99 Redis back - p99 Redis up = {self.pooled(BACK).percentile(99) - self.pooled(UP).percentile(99):+.2f} ms",
+            "p99 Redis back - p99 Redis up = "
+            f"{self.pooled(BACK).percentile(99) - self.pooled(UP).percentile(99):+.2f} ms",
             f"failed requests over the run: {self.failed}",
             *(f"note: {note}" for note in self.notes),
             "PASS" if not self.problems else "FAIL: " + "; ".join(self.problems),
@@ -407,7 +419,10 @@ def run_outage(
 def outage_command(
     spec: ModelSpec, repository: Path, requests: int, rounds: int, batch_size: int, deadline_ms: float | None
 ) -> int:
-    """``recserve redis-outage``: prints the table; exit status 1 on a failed request or a readiness problem."""
+    """``recserve redis-outage``: prints the table.
+
+    Exit status 1 on a failed request or a readiness problem.
+    """
     with tempfile.TemporaryDirectory(prefix="recserve-redis-outage-") as scratch:
         report = run_outage(spec, repository, Path(scratch), requests, rounds, batch_size, deadline_ms)
     print(report.table())

@@ -85,6 +85,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _rows_per_s(point: Point | None) -> float | None:
+    return None if point is None else point.rows_per_s
+
+
+def _p99(point: Point | None) -> float | None:
+    return None if point is None else point.p99_ms
+
+
 def _brief(point: Point | None) -> dict[str, Any] | None:
     if point is None:
         return None
@@ -140,15 +148,15 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
         else None
     )
     ratios = {
-        "ensemble_vs_inprocess": _ratio(served and served.rows_per_s, bound and bound.rows_per_s),
-        "dynamic_batching_gain": _ratio(tuned_b1 and tuned_b1.rows_per_s, naive_b1 and naive_b1.rows_per_s),
-        "dynamic_batching_p99_ratio": _ratio(tuned_b1 and tuned_b1.p99_ms, naive_b1 and naive_b1.p99_ms),
+        "ensemble_vs_inprocess": _ratio(_rows_per_s(served), _rows_per_s(bound)),
+        "dynamic_batching_gain": _ratio(_rows_per_s(tuned_b1), _rows_per_s(naive_b1)),
+        "dynamic_batching_p99_ratio": _ratio(_p99(tuned_b1), _p99(naive_b1)),
         "vs_torchserve_throughput": (
-            _ratio(triton_best and triton_best.rows_per_s, torchserve and torchserve.rows_per_s)
+            _ratio(_rows_per_s(triton_best), _rows_per_s(torchserve))
             if torchserve_within_bound
-            else _ratio(matched and matched.rows_per_s, torchserve and torchserve.rows_per_s)
+            else _ratio(_rows_per_s(matched), _rows_per_s(torchserve))
         ),
-        "vs_torchserve_p99": _ratio(matched and matched.p99_ms, torchserve and torchserve.p99_ms),
+        "vs_torchserve_p99": _ratio(_p99(matched), _p99(torchserve)),
     }
     targets = {}
     for name, (op, goal) in TARGETS.items():
@@ -193,8 +201,8 @@ def overheads(points: Sequence[Point]) -> dict[str, Any]:
             if base:
                 rows.append({
                     "client_batch": p.client_batch, "concurrency": p.concurrency,
-                    "throughput_ratio": p.rows_per_s / base.rows_per_s, "p50_ratio": p.p50_ms / base.p50_ms,
-                    "p99_ratio": p.p99_ms / base.p99_ms,
+                    "throughput_ratio": p.rows_per_s / base.rows_per_s,
+                    "p50_ratio": p.p50_ms / base.p50_ms, "p99_ratio": p.p99_ms / base.p99_ms,
                 })  # fmt: skip
         result[label] = rows
     sdk = {(p.client_batch, p.shared_memory): p for p in select(points, generator=SDK)}
@@ -204,7 +212,8 @@ def overheads(points: Sequence[Point]) -> dict[str, Any]:
             "throughput_ratio": shm.rows_per_s / wire.rows_per_s, "p50_ratio": shm.p50_ms / wire.p50_ms,
             "p99_ratio": shm.p99_ms / wire.p99_ms,
         }
-        for (batch, mode), shm in sorted(sdk.items()) if mode == "system" and (wire := sdk.get((batch, "none")))
+        for (batch, mode), shm in sorted(sdk.items())
+        if mode == "system" and (wire := sdk.get((batch, "none")))
     ]  # fmt: skip
     return result
 
@@ -233,7 +242,8 @@ def write_points(points: Sequence[Point], folder: Path) -> None:
 def table(points: Sequence[Point]) -> str:
     """A short text table: every point, grouped by configuration."""
     lines = [
-        f"{'configuration':<44} {'batch':>5} {'conc':>4} {'rows/s':>9} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7}"
+        f"{'configuration':<44} {'batch':>5} {'conc':>4} {'rows/s':>9} "
+        f"{'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7}"
     ]
     for p in sorted(points, key=lambda p: (p.configuration, p.client_batch, p.concurrency)):
         lines.append(
@@ -255,7 +265,8 @@ def describe_summary(summary: dict[str, Any]) -> str:
     p99 = summary.get("dynamic_batching_p99_ratio")
     if p99 is not None:
         lines.append(
-            f"{'dynamic_batching_p99_ratio':<26} {p99:>12.2f}  (tuned p99 / naive p99 at batch 1, 16 in flight)"
+            f"{'dynamic_batching_p99_ratio':<26} {p99:>12.2f}  "
+            "(tuned p99 / naive p99 at batch 1, 16 in flight)"
         )
     return "\n".join(lines)
 
@@ -274,7 +285,8 @@ def plot(points: Sequence[Point], folder: Path, p99_bound_ms: float = P99_BOUND_
     served = [p for p in points if p.system != INPROCESS]
     batches = sorted({p.client_batch for p in served})
     fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(6 * max(len(batches), 1), 4.5), squeeze=False)
-    for ax, batch in zip(axes[0], batches):
+    # with no batches there is still one (empty) axis: the lengths differ then
+    for ax, batch in zip(axes[0], batches, strict=False):
         for name in configurations:
             curve = sorted(
                 (p for p in served if p.client_batch == batch and p.configuration == name),

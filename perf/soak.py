@@ -132,7 +132,8 @@ def detect_leaks(
             problems.append(f"{name}: {lingering} replaced versions' stubs are still running at the end")
         if rss > max_rss_growth_mb:
             problems.append(
-                f"{name}: resident memory grew {rss:.1f} MB over the second half (limit {max_rss_growth_mb:.0f})"
+                f"{name}: resident memory grew {rss:.1f} MB over the second half "
+                f"(limit {max_rss_growth_mb:.0f})"
             )
         if fds > max_fd_growth:
             problems.append(
@@ -223,12 +224,14 @@ class SoakReport:
         """Markdown summary."""
         first, last = self.samples[0], self.samples[-1]
         lines = [
-            f"soak {self.duration_s:.0f} s: {self.counts.valid_ok} valid ok, {self.counts.valid_failed} valid failed, "
+            f"soak {self.duration_s:.0f} s: {self.counts.valid_ok} valid ok, "
+            f"{self.counts.valid_failed} valid failed, "
             f"{self.counts.bad_refused} malformed refused, {self.counts.bad_accepted} malformed not refused, "
             f"{len(self.updates)} updates, dense versions served {sorted(self.counts.versions)}, "
             f"{len(self.counts.embedding_versions)} embedding snapshots (sets of table versions) served",
             "",
-            "| process | RSS start MB | RSS end MB | RSS growth 2nd half MB | fds start | fds end | fd growth 2nd half |",
+            "| process | RSS start MB | RSS end MB | RSS growth 2nd half MB | fds start | fds end "
+            "| fd growth 2nd half |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for name, (rss, fds) in self.growth.items():

@@ -54,7 +54,10 @@ Snapshot = dict[str, dict[str, int]]
 
 
 def snapshot(http_url: str, timeout_s: float = 10.0) -> Snapshot:
-    """Cumulative counters of every model: ``{model: {"requests", "failed", "executions", "<duration>_ns"}}``."""
+    """Cumulative counters of every model.
+
+    ``{model: {"requests", "failed", "executions", "<duration>_ns"}}``.
+    """
     with urllib.request.urlopen(f"http://{http_url}/v2/models/stats", timeout=timeout_s) as response:
         document = json.load(response)
     result: Snapshot = {}
@@ -72,7 +75,10 @@ def snapshot(http_url: str, timeout_s: float = 10.0) -> Snapshot:
 
 
 def difference(before: Snapshot, after: Snapshot, models: tuple[str, ...]) -> list[StepTimes]:
-    """Mean times per request of ``models`` between two snapshots (models that neither served nor failed are left out)."""
+    """Mean times per request of ``models`` between two snapshots.
+
+    Models that neither served nor failed are left out.
+    """
     steps = []
     for model in models:
         old, new = before.get(model), after.get(model)
@@ -105,7 +111,8 @@ def describe(steps: list[StepTimes]) -> str:
     """One line per step: queue, compute and requests per execution."""
     return "\n".join(
         f"  {s.model:<18} queue {s.queue_us / 1e3:7.2f} ms  compute {s.compute_us / 1e3:7.2f} ms "
-        f"(in {s.compute_input_us / 1e3:.2f}, infer {s.compute_infer_us / 1e3:.2f}, out {s.compute_output_us / 1e3:.2f})"
+        f"(in {s.compute_input_us / 1e3:.2f}, infer {s.compute_infer_us / 1e3:.2f}, "
+        f"out {s.compute_output_us / 1e3:.2f})"
         f"  {s.requests_per_execution:5.1f} requests/execution"
         for s in steps
     )

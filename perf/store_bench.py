@@ -12,8 +12,9 @@ One run, on one machine, side by side:
   count once) against the raw size of keys + vectors.
 * **warm-up**: p99 of the first batches after a restart with L1 preloaded from the recorded hot keys,
   and without, against the steady state.
-* with ``--device cuda`` (or ``cpu``): the **device L1** (:class:`~recserve.backends.store.device_cache.DeviceL1`,
-  result left on the device) against the host path, the same batches interleaved.
+* with ``--device cuda`` (or ``cpu``): the **device L1**
+  (:class:`~recserve.backends.store.device_cache.DeviceL1`, result left on the device) against the
+  host path, the same batches interleaved.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -136,6 +138,13 @@ def serve_child(folder: Path, dim: int) -> None:
     sys.stdin.readline()
 
 
+def _pipe(stream: IO[str] | None) -> IO[str]:
+    """A stream of a child started with ``subprocess.PIPE``: never None."""
+    if stream is None:
+        raise RuntimeError("the child process was started without a pipe")
+    return stream
+
+
 def resident_two_processes(folder: Path, dim: int) -> int:
     """PSS summed over two serving processes, less their interpreter baseline."""
     command = [sys.executable, "-m", "recserve.perf.store_bench", "--child", str(folder), "--dim", str(dim)]
@@ -143,12 +152,12 @@ def resident_two_processes(folder: Path, dim: int) -> int:
         subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]
     try:
-        baselines = [json.loads(child.stdout.readline())["baseline"] for child in children]
+        baselines = [json.loads(_pipe(child.stdout).readline())["baseline"] for child in children]
         total = sum(pss_bytes(child.pid) for child in children) - sum(baselines)
     finally:
         for child in children:
-            child.stdin.write("\n")
-            child.stdin.flush()
+            _pipe(child.stdin).write("\n")
+            _pipe(child.stdin).flush()
             child.wait(timeout=60)
     return total
 
@@ -165,16 +174,18 @@ def timed_lookups(store: TieredStore, keys: np.ndarray) -> list[float]:
 
 
 def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> DeviceFigures:
-    """:class:`DeviceL1` lookups (synchronised: the result is complete on the device) against the host path."""
+    """:class:`DeviceL1` lookups against the host path.
+
+    The device lookups are synchronised: the result is complete on the device.
+    """
     import torch
 
     from recserve.backends.store.device_cache import DeviceL1
 
     device_l1 = DeviceL1(store, device)
     if device_l1.device.type == "cpu":
-        torch.set_num_threads(
-            1
-        )  # as the host path: one thread (two spinning threads lose on a shared machine)
+        # as the host path: one thread (two spinning threads lose on a shared machine)
+        torch.set_num_threads(1)
     synchronize = torch.cuda.synchronize if device_l1.device.type == "cuda" else lambda: None
     ids = np.zeros(queries.shape[1], np.int16)
     on_device, on_host, l1 = [], [], 0
@@ -209,7 +220,10 @@ def run(
     folder: Path | None = None,
     device: str | None = None,
 ) -> StoreBenchReport:
-    """Measure everything in the module docstring; ``folder`` receives the shard files (temporary by default)."""
+    """Measure everything in the module docstring.
+
+    ``folder`` receives the shard files (temporary by default).
+    """
     with tempfile.TemporaryDirectory(prefix="recserve-store-bench-") as scratch:
         root = folder or Path(scratch)
         table = make_table(keys, dim)
@@ -232,7 +246,7 @@ def run(
         numpy_store.snapshot = store.snapshot  # the same L1
         store_s, floor_s, numpy_s = [], [], []
         ids = np.zeros(batch_keys, np.int16)
-        for batch_rows, batch in zip(rows[batches:], queries[batches:]):
+        for batch_rows, batch in zip(rows[batches:], queries[batches:], strict=True):
             started = time.perf_counter()
             np.take(vectors, batch_rows, axis=0)
             middle = time.perf_counter()
@@ -293,15 +307,19 @@ def format_report(report: StoreBenchReport) -> str:
     hits = ", ".join(f"{tier} {rate:.1%}" for tier, rate in report.hit_rates.items() if rate)
     return "\n".join(
         [
-            f"table: {report.keys:,} keys x {report.dim} dims; batches of {report.batch_keys} keys (64 rows x 26 features), Zipf keys",
-            f"store L1+L2   {report.store_keys_per_s:>12,.0f} keys/s   p99 {report.store_p99_us:7.1f} us   ({'compiled loops' if report.compiled else 'numpy path: the compiled loops are not built'})",
+            f"table: {report.keys:,} keys x {report.dim} dims; "
+            f"batches of {report.batch_keys} keys (64 rows x 26 features), Zipf keys",
+            f"store L1+L2   {report.store_keys_per_s:>12,.0f} keys/s   p99 {report.store_p99_us:7.1f} us   "
+            f"({'compiled loops' if report.compiled else 'numpy path: the compiled loops are not built'})",
             f"  numpy path  {report.numpy_keys_per_s:>12,.0f} keys/s   p99 {report.numpy_p99_us:7.1f} us",
             f"floor (take)  {report.floor_keys_per_s:>12,.0f} keys/s   p99 {report.floor_p99_us:7.1f} us",
             f"ratio to floor: {report.ratio_to_floor:.2f} (numpy path {report.numpy_ratio_to_floor:.2f})",
             f"hit rates: {hits}",
             f"bytes per key: {report.bytes_per_key:.1f} (fp32), {report.bytes_per_key_fp16:.1f} (fp16)",
-            f"resident, 2 processes: {report.resident_bytes_two_processes / 2**20:,.0f} MiB = {report.resident_ratio:.2f} x raw ({report.raw_bytes / 2**20:,.0f} MiB)",
-            f"p99 after restart: {report.restart_warm_p99_us:.1f} us with warm-up, {report.restart_cold_p99_us:.1f} us cold; steady {report.steady_p99_us:.1f} us",
+            f"resident, 2 processes: {report.resident_bytes_two_processes / 2**20:,.0f} MiB = "
+            f"{report.resident_ratio:.2f} x raw ({report.raw_bytes / 2**20:,.0f} MiB)",
+            f"p99 after restart: {report.restart_warm_p99_us:.1f} us with warm-up, "
+            f"{report.restart_cold_p99_us:.1f} us cold; steady {report.steady_p99_us:.1f} us",
             *([] if report.device is None else [format_device(report.device)]),
         ]
     )
@@ -311,9 +329,12 @@ def format_device(figures: DeviceFigures) -> str:
     """The ``--device`` lines."""
     return "\n".join(
         [
-            f"device L1 ({figures.device}) {figures.device_keys_per_s:>12,.0f} keys/s   p99 {figures.device_p99_us:7.1f} us   median {figures.device_median_us:6.1f} us",
-            f"host path, same batches {figures.host_keys_per_s:>12,.0f} keys/s   p99 {figures.host_p99_us:7.1f} us   median {figures.host_median_us:6.1f} us",
-            f"device / host: {figures.device_keys_per_s / figures.host_keys_per_s:.2f}; L1 hits {figures.l1_hit_rate:.1%}",
+            f"device L1 ({figures.device}) {figures.device_keys_per_s:>12,.0f} keys/s   "
+            f"p99 {figures.device_p99_us:7.1f} us   median {figures.device_median_us:6.1f} us",
+            f"host path, same batches {figures.host_keys_per_s:>12,.0f} keys/s   "
+            f"p99 {figures.host_p99_us:7.1f} us   median {figures.host_median_us:6.1f} us",
+            f"device / host: {figures.device_keys_per_s / figures.host_keys_per_s:.2f}; "
+            f"L1 hits {figures.l1_hit_rate:.1%}",
         ]
     )
 

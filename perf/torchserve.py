@@ -35,7 +35,9 @@ MODEL_NAME = "ctr"
 #: so that neither server pays for logging in the comparison.
 QUIET_LOG4J = """<?xml version="1.0" encoding="UTF-8"?>
 <Configuration status="WARN">
-  <Appenders><Console name="STDOUT" target="SYSTEM_OUT"><PatternLayout pattern="%d [%-5p] %t %c - %m%n"/></Console></Appenders>
+  <Appenders>
+    <Console name="STDOUT" target="SYSTEM_OUT"><PatternLayout pattern="%d [%-5p] %t %c - %m%n"/></Console>
+  </Appenders>
   <Loggers><Root level="warn"><AppenderRef ref="STDOUT"/></Root></Loggers>
 </Configuration>
 """
@@ -140,10 +142,10 @@ class TorchServe:
         )
         env["LOG_LOCATION"] = str(self.workdir / "logs")
         env["METRICS_LOCATION"] = str(self.workdir / "logs")
-        self._log = open(self.workdir / "torchserve.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.workdir / "torchserve.log", "wb")  # closed in stop()
         self.process = subprocess.Popen(
-            [_bin("torchserve"), "--start", "--foreground", "--ncs", "--disable-token-auth", "--ts-config", str(config),
-             "--model-store", str(store)],
+            [_bin("torchserve"), "--start", "--foreground", "--ncs", "--disable-token-auth",
+             "--ts-config", str(config), "--model-store", str(store)],
             cwd=self.workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         self._wait_ready(timeout_s)

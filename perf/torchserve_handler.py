@@ -52,7 +52,10 @@ def row_groups(rows: list[int], limit: int) -> list[list[int]]:
 
 
 class CTRHandler:
-    """Scores a TorchServe batch of requests in as few calls of the in-process pipeline as ``max_batch_size`` allows."""
+    """Scores a TorchServe batch of requests.
+
+    In as few calls of the in-process pipeline as ``max_batch_size`` allows.
+    """
 
     def __init__(self) -> None:
         self.spec: ModelSpec | None = None
@@ -80,7 +83,7 @@ class CTRHandler:
         for group in row_groups([len(a[self.spec.dense.name]) for a in arrays], self.spec.max_batch_size):
             merged, sizes = batching.merge([arrays[g] for g in group])
             probabilities = self.pipeline.predict(merged)
-            for g, part in zip(group, batching.split({"p": probabilities}, sizes)):
+            for g, part in zip(group, batching.split({"p": probabilities}, sizes), strict=True):
                 results[valid[g]] = part["p"].tolist()
         return results
 

@@ -148,7 +148,10 @@ def traffic_worker(
     seed: int,
     pause_s: float = 0.005,
 ) -> None:
-    """Closed-loop requests until ``stop``; a pause of ``pause_s`` between requests keeps the load moderate."""
+    """Closed-loop requests until ``stop``.
+
+    A pause of ``pause_s`` between requests keeps the load moderate.
+    """
     rng = random.Random(seed)
     pool = request_pool(spec, seed=seed)
     if protocol == "grpc":

@@ -5,9 +5,10 @@ machine): first ``max_queue_delay_microseconds``, then ``preferred_batch_size`` 
 then the instance count of each step in turn. Each plan is measured at a ladder of concurrencies
 per client batch size; its capacity at a batch size is the highest rows/s whose p99 meets the
 target (the same rule ``recserve bench`` reads its ratios by), and it scores the geometric mean of
-its capacities (0, out, when a batch size meets the target at no concurrency). The ``confirm`` best plans are then measured a second time and judged on both measurements (mean
-rows/s, worst p99), so that one lucky window on a shared machine does not decide. The best plan is
-written back into the spec's ``[serving]`` section and its configs are regenerated.
+its capacities (0, out, when a batch size meets the target at no concurrency). The ``confirm``
+best plans are then measured a second time and judged on both measurements (mean rows/s, worst
+p99), so that one lucky window on a shared machine does not decide. The best plan is written back
+into the spec's ``[serving]`` section and its configs are regenerated.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Trial:
     def capacity(self, p99_target_ms: float) -> dict[int, float]:
         """Per client batch size: the highest rows/s among its concurrencies whose p99 meets the target."""
         best: dict[int, float] = {}
-        for (batch, _), rows, p99 in zip(self.workloads, self.rows_per_s, self.p99_ms):
+        for (batch, _), rows, p99 in zip(self.workloads, self.rows_per_s, self.p99_ms, strict=True):
             best[batch] = max(best.get(batch, 0.0), rows if p99 <= p99_target_ms else 0.0)
         return best
 
@@ -64,8 +65,8 @@ def combine(first: Trial, second: Trial) -> Trial:
     return Trial(
         first.plan,
         first.workloads,
-        tuple((a + b) / 2 for a, b in zip(first.rows_per_s, second.rows_per_s)),
-        tuple(max(a, b) for a, b in zip(first.p99_ms, second.p99_ms)),
+        tuple((a + b) / 2 for a, b in zip(first.rows_per_s, second.rows_per_s, strict=True)),
+        tuple(max(a, b) for a, b in zip(first.p99_ms, second.p99_ms, strict=True)),
     )
 
 
@@ -107,7 +108,8 @@ def sweep(
             trial = measure_plan(plan)
             trials.append(trial)
             progress(
-                f"[tune] {plan}: rows/s {[round(r) for r in trial.rows_per_s]}, p99 ms {[round(p, 1) for p in trial.p99_ms]}"
+                f"[tune] {plan}: rows/s {[round(r) for r in trial.rows_per_s]}, "
+                f"p99 ms {[round(p, 1) for p in trial.p99_ms]}"
             )
         best = best_trial(trials, p99_target_ms)
         if best is not None:
@@ -126,7 +128,8 @@ def sweep(
     for trial in finalists:
         again = combine(trial, measure_plan(trial.plan))
         progress(
-            f"[tune] confirmed {trial.plan}: rows/s {[round(r) for r in again.rows_per_s]}, p99 ms {[round(p, 1) for p in again.p99_ms]}"
+            f"[tune] confirmed {trial.plan}: rows/s {[round(r) for r in again.rows_per_s]}, "
+            f"p99 ms {[round(p, 1) for p in again.p99_ms]}"
         )
         confirmed.append(again)
     return best_trial(confirmed, p99_target_ms), trials + confirmed
@@ -176,7 +179,7 @@ def write_back(spec_file: Path, plan: ServingPlan) -> None:
     """
     if plan.max_queue_delay_microseconds is None:
         raise ValueError("the spec always enables dynamic batching; this plan has none")
-    wanted = {
+    wanted: dict[str, dict[str, int | Sequence[int]]] = {
         "serving": {
             "max_queue_delay_microseconds": plan.max_queue_delay_microseconds,
             "preferred_batch_size": tuple(plan.preferred_batch_sizes),
@@ -221,7 +224,10 @@ def run_tune(
     write: bool = True,
     progress: Callable[[str], None] = LOGGER.info,
 ) -> tuple[Trial | None, list[Trial]]:
-    """Sweep, then (``write``) store the best plan in ``spec_file`` and regenerate ``repository``'s configs."""
+    """Sweep, then (``write``) store the best plan in ``spec_file`` and regenerate the configs.
+
+    The regenerated configs are ``repository``'s.
+    """
     from recserve.spec import load_spec
 
     with tempfile.TemporaryDirectory(prefix="recserve-tune-") as tmp:

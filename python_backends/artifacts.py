@@ -58,7 +58,8 @@ def verified_path(root: Path, entry: dict[str, Any]) -> Path:
     actual = sha256_file(path)
     if actual != entry["sha256"]:
         raise ArtifactError(
-            f"artifact {entry['path']!r} fails its checksum (manifest {entry['sha256'][:12]}…, file {actual[:12]}…)"
+            f"artifact {entry['path']!r} fails its checksum "
+            f"(manifest {entry['sha256'][:12]}…, file {actual[:12]}…)"
         )
     return path
 

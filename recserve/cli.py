@@ -1,4 +1,7 @@
-"""The ``recserve`` command: build, serve, predict, perf."""
+"""The ``recserve`` command: build, serve, predict, sample.
+
+The store commands come from :mod:`recserve.store_cli`, the measurement ones from :mod:`recserve.perf_cli`.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +12,8 @@ from pathlib import Path
 
 from recserve import wire
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
-from recserve.spec import DEFAULT_SPEC, load_spec
+from recserve.spec import DEFAULT_REPOSITORY, DEFAULT_SPEC, load_spec
 
-DEFAULT_REPOSITORY = Path("model_repository")
 ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
 
@@ -68,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
             or not (args.repository / wire.FEATURE_TRANSFORM / "configs" / f"{args.queue}.pbtxt").is_file()
         ):
             print(
-                f"error: no queue profile {args.queue!r} in {args.repository} (queue profiles are cpu configs)",
+                f"error: no queue profile {args.queue!r} in {args.repository} "
+                "(queue profiles are cpu configs)",
                 file=sys.stderr,
             )
             return 2
@@ -84,7 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
         print("error: --model-control explicit serves the cpu profile only", file=sys.stderr)
         return 2
     print(
-        f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, metrics {args.metrics_port}",
+        f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, "
+        f"metrics {args.metrics_port}",
         file=sys.stderr,
     )
     if security.model_control == "explicit":  # stay as the parent: the stub watchdog needs the admin API
@@ -118,128 +122,13 @@ def _predict(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from recserve.build.synthetic import generate
-    from recserve.clients.rows import write_csv, write_tsv
+    from recserve.clients.writers import write_csv, write_tsv
 
     spec = load_spec(args.spec)
     writer = write_csv if args.output.suffix == ".csv" else write_tsv
     writer(args.output, generate(spec, args.rows, args.seed), spec, with_label=not args.no_label)
     print(f"wrote {args.rows} rows to {args.output}", file=sys.stderr)
     return 0
-
-
-def _perf(args: argparse.Namespace) -> int:
-    from recserve.perf.analyzer import run_perf
-
-    return run_perf(
-        load_spec(args.spec),
-        url=args.url,
-        protocol=args.protocol,
-        batch_size=args.batch_size,
-        concurrency=args.concurrency,
-        measurement_ms=args.measurement_ms,
-        output=args.output,
-        inprocess_repository=None if args.no_inprocess else args.repository,
-    )
-
-
-def _bench_dense(args: argparse.Namespace) -> int:
-    from recserve.perf.dense_bench import run_dense_bench
-
-    print(
-        run_dense_bench(
-            load_spec(args.spec), args.repository, device=args.device, threads=args.threads, rounds=args.rounds,
-            budget_s=args.budget_ms / 1e3, output=args.output,
-        )
-    )  # fmt: skip
-    return 0
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from recserve.build.repository import is_built
-    from recserve.perf.bench import Grid, format_result, run_bench
-
-    if args.summarize is not None:  # no measuring: recompute summary.json and plots of a finished run
-        from recserve.perf.bench import write_summary
-        from recserve.perf.report import read_points
-
-        points = read_points(args.summarize)
-        print(format_result(points, write_summary(args.summarize, points)))
-        return 0
-    spec = load_spec(args.spec)
-    if not is_built(spec, args.repository):
-        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
-        return 2
-    grid = Grid.quick() if args.quick else Grid.full()
-    overrides = {
-        "client_batches": args.batch_sizes, "concurrencies": args.concurrency, "measurement_ms": args.measurement_ms,
-    }  # fmt: skip
-    grid = replace(
-        grid, **{k: v for k, v in overrides.items() if v is not None}, torchserve=not args.no_torchserve
-    )
-    run, points, summary = run_bench(spec, args.spec, args.repository, args.output, grid, args.run_name)
-    print(format_result(points, summary))
-    print(f"\nresults in {run}")
-    return 0
-
-
-def _workloads(text: str) -> tuple[tuple[int, int], ...]:
-    return tuple((int(b), int(c)) for b, c in (item.split("x") for item in text.split(",") if item.strip()))
-
-
-def _tune(args: argparse.Namespace) -> int:
-    from recserve.build.repository import is_built
-    from recserve.perf.tune import DEFAULT_WORKLOADS, run_tune
-    from recserve.spec import spec_path
-
-    spec = load_spec(args.spec)
-    if not is_built(spec, args.repository):
-        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
-        return 2
-    best, trials = run_tune(
-        spec, spec_path(args.spec), args.repository, args.p99_ms, args.workloads or DEFAULT_WORKLOADS, args.measurement_ms,
-        write=not args.no_write, progress=lambda m: print(m, file=sys.stderr),
-    )  # fmt: skip
-    for trial in trials:
-        marker = "*" if best is not None and trial.plan == best.plan else " "
-        capacity = {b: round(v) for b, v in trial.capacity(args.p99_ms).items()}
-        print(
-            f"{marker} score {trial.score(args.p99_ms):7.0f}  rows/s under p99 by batch {capacity}  {trial.plan}"
-        )
-    if best is None:
-        print(
-            f"no plan met p99 <= {args.p99_ms} ms at every client batch size; the spec is unchanged",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
-
-
-def _soak(args: argparse.Namespace) -> int:
-    from recserve.perf.soak import soak_command
-
-    return soak_command(load_spec(args.spec), args.repository, args.duration, args.update_every)
-
-
-def _overload(args: argparse.Namespace) -> int:
-    from recserve.perf.overload import overload_command
-
-    return overload_command(
-        load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds, args.queue
-    )
-
-
-def _redis_outage(args: argparse.Namespace) -> int:
-    from recserve.perf.redis_outage import outage_command
-
-    return outage_command(
-        load_spec(args.spec), args.repository, args.requests, args.rounds, args.batch_size, args.deadline_ms
-    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -308,128 +197,11 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--no-label", action="store_true")
     sample.set_defaults(func=_sample)
 
-    perf = sub.add_parser("perf", help="run perf_analyzer against the ensemble with spec-derived data")
-    perf.add_argument("--url", default=None)
-    perf.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    perf.add_argument("--batch-size", type=int, default=1)
-    perf.add_argument("--concurrency", default="1:4", help="perf_analyzer concurrency range start:end[:step]")
-    perf.add_argument("--measurement-ms", type=int, default=3000)
-    perf.add_argument("--output", type=Path, default=None, help="also write the measured points as CSV here")
-    perf.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="for the in-process comparison"
-    )
-    perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
-    perf.set_defaults(func=_perf)
+    from recserve import perf_cli, store_cli
 
-    soak = sub.add_parser(
-        "soak",
-        help="bounded mixed traffic with periodic dense updates on a private loopback server; fails on leaks",
-    )
-    soak.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; the copy gets the updates"
-    )
-    soak.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
-    soak.add_argument(
-        "--update-every", type=float, default=10.0, help="seconds between dense version updates"
-    )
-    soak.set_defaults(func=_soak)
+    store_cli.add_commands(sub)
+    perf_cli.add_commands(sub)
 
-    overload = sub.add_parser(
-        "overload", help="open-loop spike above measured capacity on a private loopback server"
-    )
-    overload.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
-    overload.add_argument("--rows", type=int, default=8, help="rows per request")
-    overload.add_argument("--spike", type=float, default=2.0, help="spike rate as a multiple of capacity")
-    overload.add_argument(
-        "--seconds", type=float, default=5.0, help="length of the half-capacity and spike phases"
-    )
-    overload.add_argument(
-        "--queue",
-        default="latency_first",
-        help="queue profile of the spec to serve; 'default': [serving.queue]",
-    )
-    overload.set_defaults(func=_overload)
-
-    outage = sub.add_parser(
-        "redis-outage",
-        help="ctr p50/p99 with the L3 Redis Cluster up, all of it killed, and back (private loopback servers)",
-    )
-    outage.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; its item table goes to Redis"
-    )
-    outage.add_argument(
-        "--requests", type=int, default=1000, help="requests per phase and round, one at a time"
-    )
-    outage.add_argument("--rounds", type=int, default=3, help="times Redis goes down and comes back")
-    outage.add_argument("--batch-size", type=int, default=16, help="rows per request")
-    outage.add_argument(
-        "--deadline-ms", type=float, default=None, help="L3 deadline (default: the spec's redis_deadline_ms)"
-    )
-    outage.set_defaults(func=_redis_outage)
-
-    from recserve.store_cli import add_commands
-
-    add_commands(sub)
-
-    bench = sub.add_parser(
-        "bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"
-    )
-    bench.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
-    bench.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: ONNX Runtime; cuda: CUDA graphs"
-    )
-    bench.add_argument("--threads", type=int, default=1, help="intra-op threads per ONNX Runtime session")
-    bench.add_argument(
-        "--rounds", type=int, default=30, help="interleaved rounds per shape (the best is kept)"
-    )
-    bench.add_argument("--budget-ms", type=float, default=10.0, help="time per variant per round")
-    bench.add_argument(
-        "--output", type=Path, default=None, help="also write the per-bucket table as CSV here"
-    )
-    bench.set_defaults(func=_bench_dense)
-
-    bench = sub.add_parser(
-        "bench", help="in-process bound, naive and tuned Triton, TorchServe: measured in one run"
-    )
-    bench.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
-    bench.add_argument(
-        "--output", type=Path, default=Path("perf/results"), help="a run folder is created in here"
-    )
-    bench.add_argument("--run-name", default=None, help="folder name of this run (default: UTC time)")
-    bench.add_argument(
-        "--quick", action="store_true", help="a smaller grid that still yields every ratio (< 5 min)"
-    )
-    bench.add_argument("--batch-sizes", type=_ints, default=None, help="client batch sizes, e.g. 1,16,64")
-    bench.add_argument(
-        "--concurrency", type=_ints, default=None, help="requests in flight, e.g. 1,2,4,8,16,32"
-    )
-    bench.add_argument("--measurement-ms", type=int, default=None, help="perf_analyzer measurement window")
-    bench.add_argument(
-        "--no-torchserve", action="store_true", help="skip TorchServe (no install, no peer rows)"
-    )
-    bench.add_argument(
-        "--summarize",
-        type=Path,
-        default=None,
-        metavar="RUN",
-        help="only rewrite summary.json and plots of RUN",
-    )
-    bench.set_defaults(func=_bench)
-
-    tune = sub.add_parser(
-        "tune", help="sweep queue delay, preferred batch size and instances; write the best to the spec"
-    )
-    tune.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
-    tune.add_argument("--p99-ms", type=float, default=50.0, help="p99 target")
-    tune.add_argument(
-        "--workloads",
-        type=_workloads,
-        default=None,
-        help="client batch x concurrency ladder, e.g. 1x4,1x8,1x16,64x1,64x2,64x4 (the default)",
-    )
-    tune.add_argument("--measurement-ms", type=int, default=2000)
-    tune.add_argument("--no-write", action="store_true", help="report only; leave the spec and configs alone")
-    tune.set_defaults(func=_tune)
     return top
 
 

@@ -58,7 +58,7 @@ def _convert(kind: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
         return None if value is None and len(options) < len(args) else _convert(options[0], value, where)
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         return parse_section(kind, value, where)
     if origin is tuple:
         if not isinstance(value, list | tuple):

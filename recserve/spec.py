@@ -33,6 +33,7 @@ from recserve.sections import (
 )
 
 DEFAULT_SPEC = "ctr"
+DEFAULT_REPOSITORY = Path("model_repository")  # where recserve build writes and the commands read
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from recserve.spec import load_spec
-
-DEFAULT_REPOSITORY = Path("model_repository")
+from recserve.spec import DEFAULT_REPOSITORY, load_spec
 
 
-def _open(args: argparse.Namespace, start: bool = False):  # noqa: ANN202 - returns (spec, ServedStore)
+def _open(args: argparse.Namespace, start: bool = False):  # returns (spec, ServedStore)
     from recserve.backends.store.served import ServedStore
     from recserve.wire import EMBEDDING_LOOKUP
 
@@ -21,7 +19,7 @@ def _open(args: argparse.Namespace, start: bool = False):  # noqa: ANN202 - retu
     return spec, ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=start)
 
 
-def _announce(served, table: str, version: int) -> None:  # noqa: ANN001
+def _announce(served, table: str, version: int) -> None:
     """Also send the version through the Redis stream when the store has an L3 cluster."""
     if served.maintainer.stream is not None:
         entry = served.maintainer.stream.publish(table, version)

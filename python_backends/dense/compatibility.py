@@ -55,7 +55,7 @@ def check_dense_fits(spec: ModelSpec, graph_inputs: Mapping[str, Sequence[Dim]])
             continue
         declared = tuple(graph_inputs[name])[1:]
         fits = len(declared) == len(expected) and all(
-            want < 0 or got == want for got, want in zip(declared, expected)
+            want < 0 or got == want for got, want in zip(declared, expected, strict=True)
         )
         if not fits:
             problems.append(

@@ -16,7 +16,7 @@ from recserve.spec import ModelSpec
 
 def _mlp(widths: list[int], final_activation: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (fan_in, fan_out) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
         layers.append(nn.Linear(fan_in, fan_out))
         if final_activation or i < len(widths) - 2:
             layers.append(nn.ReLU())
@@ -56,6 +56,8 @@ class TargetAttention(nn.Module):
 
 class CTRNet(nn.Module):
     """Bottom MLP over dense features, dot interaction of all embeddings, top MLP to a probability."""
+
+    pair_index: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

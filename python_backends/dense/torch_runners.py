@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,13 +19,16 @@ from recserve import wire
 from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy, pad_to_bucket
 from recserve.spec import ModelSpec
 
+if TYPE_CHECKING:
+    from recserve.backends.dense.network import CTRNet
+
 LOGGER = logging.getLogger(__name__)
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # autocast dtypes
 WARMUP_ITERATIONS = 3  # eager runs on a side stream before capture (cuBLAS handles, allocator pools)
 
 
-def load_net(spec: ModelSpec, weights: Path) -> torch.nn.Module:
+def load_net(spec: ModelSpec, weights: Path) -> CTRNet:
     """The dense network with verified safetensors weights (no pickle)."""
     from safetensors.torch import load_file
 

@@ -36,8 +36,11 @@ def table_salt(namespace: str, table: str) -> np.uint64:
     return np.uint64(fnv1a64(f"{namespace}/{table}"))
 
 
-def keys_for(values: np.ndarray, salt: np.uint64) -> np.ndarray:
-    """Keys (int64 view of the 64-bit hash) for unsigned raw values of one table."""
+def keys_for(values: np.ndarray, salt: np.uint64 | np.ndarray) -> np.ndarray:
+    """Keys (int64 view of the 64-bit hash) for unsigned raw values of one table.
+
+    ``salt`` is one table's salt, or an array of salts that broadcasts against ``values``.
+    """
     return splitmix64(np.asarray(values, dtype=np.uint64) ^ salt).view(np.int64)
 
 

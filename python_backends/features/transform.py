@@ -91,7 +91,8 @@ class FeatureTransform:
             name = self.spec.dense.name
             raise InvalidInput(
                 name,
-                f"{self.spec.dense.columns[c]} (row {r}) is {values[r, c]}; send missing values via {name}__missing",
+                f"{self.spec.dense.columns[c]} (row {r}) is {values[r, c]}; "
+                f"send missing values via {name}__missing",
             )
         clipped = np.clip(np.where(missing, 0.0, values), self.spec.dense.clip_min, self.spec.dense.clip_max)
         return np.log1p(clipped).astype(np.float32)

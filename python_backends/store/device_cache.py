@@ -33,7 +33,8 @@ from recserve.backends.store.tiered import L1, Snapshot, TieredStore
 
 LOGGER = logging.getLogger(__name__)
 
-#: :data:`~recserve.backends.store.keyindex.GOLDEN` as the int64 with the same bits (torch has no uint64 arithmetic).
+#: :data:`~recserve.backends.store.keyindex.GOLDEN` as the int64 with the same bits
+#: (torch has no uint64 arithmetic).
 GOLDEN_INT64 = int(np.array(GOLDEN, np.uint64).view(np.int64))
 LOW_32_BITS = 0xFFFFFFFF
 #: Attempts to serve a batch on one snapshot while updates land, before the host path serves it whole.
@@ -82,7 +83,10 @@ def resolve_device(setting: str, instance_device: str) -> str:
 
 @dataclass(frozen=True)
 class DeviceMirror:
-    """One :class:`HotCache` copied to a device: its slot keys and vectors (the cached-key list stays on the host)."""
+    """One :class:`HotCache` copied to a device: its slot keys and vectors.
+
+    The cached-key list stays on the host.
+    """
 
     source: HotCache
     slot_keys: torch.Tensor  # int64 [slots]

@@ -15,6 +15,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -75,7 +76,7 @@ def _contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
 class CacheProbe:
     """The compiled L1 probe bound to one direct-mapped cache's arrays (``HotCache``)."""
 
-    def __init__(self, function: ctypes._CFuncPtr, slot_keys: np.ndarray, vectors: np.ndarray) -> None:
+    def __init__(self, function: Callable[..., int], slot_keys: np.ndarray, vectors: np.ndarray) -> None:
         self._function = function
         self._arrays = (slot_keys, vectors)  # kept alive: the library reads them through raw addresses
         self._slot_keys, self._slots = _address(_contiguous(slot_keys, np.int64)), slot_keys.size
@@ -84,7 +85,9 @@ class CacheProbe:
     def take(
         self, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int, misses: np.ndarray
     ) -> int:
-        """Copy the cached rows of ``keys`` into ``out`` and mark them in ``tiers``; misses' positions go to ``misses``.
+        """Copy the cached rows of ``keys`` into ``out`` and mark them in ``tiers``.
+
+        The positions of the misses go to ``misses``.
 
         Returns:
             How many keys missed (the first entries of ``misses``).
@@ -114,7 +117,7 @@ class IndexProbe:
 
     def __init__(
         self,
-        function: ctypes._CFuncPtr,
+        function: Callable[..., int],
         buckets: np.ndarray,
         overflow_keys: np.ndarray,
         overflow_rows: np.ndarray,

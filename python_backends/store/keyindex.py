@@ -6,8 +6,9 @@ slot keys, then the ``BUCKET`` int32 row numbers of those slots packed in ``BUCK
 ``key * 0x9E3779B97F4A7C15`` (Fibonacci hashing). The few keys whose bucket is full go to a small
 sorted overflow list. A lookup is one gather of each key's bucket row (keys and rows together, so
 one random memory access per key), one compare, and a ``searchsorted`` in the overflow list for
-keys whose bucket was full: whole arrays at a time, no loop per key or per probe step. The arrays are plain ``.npy`` files,
-memory-mapped by every process serving the table, so model instances share one copy.
+keys whose bucket was full: whole arrays at a time, no loop per key or per probe step. The arrays
+are plain ``.npy`` files, memory-mapped by every process serving the table, so model instances
+share one copy.
 """
 
 from __future__ import annotations

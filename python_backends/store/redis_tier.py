@@ -45,7 +45,10 @@ class CircuitBreaker:
         self._lock = threading.Lock()
 
     def allow(self) -> bool:
-        """May a call go out now? (After the cooldown, one trial call goes out.)"""
+        """May a call go out now?
+
+        After the cooldown, one trial call goes out.
+        """
         with self._lock:
             if self.state == OPEN and self.clock() - self.opened_at >= self.cooldown_s:
                 self.state = HALF_OPEN
@@ -156,7 +159,7 @@ class RedisTier:
             self.breaker.failure()
             self._refresh_topology = True
             return vectors, found
-        except Exception as exc:  # noqa: BLE001 - any client error means "not served by L3"
+        except Exception as exc:  # any client error means "not served by L3"
             self.errors[L3_ERROR] += 1
             self.breaker.failure()
             self._refresh_topology = True
@@ -167,9 +170,11 @@ class RedisTier:
         return vectors, found
 
     def fetch_bulk(self, keys: np.ndarray, dim: int, chunk: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
-        """Like :meth:`fetch`, for work off the serving path (the L1 rebuild): on the caller's thread, in
-        chunks, with no call deadline, so that a large read never holds the serving calls' worker.
-        Nothing is fetched while the breaker is not closed; a failure leaves the rest not found.
+        """Like :meth:`fetch`, for work off the serving path (the L1 rebuild).
+
+        On the caller's thread, in chunks, with no call deadline, so that a large read never holds
+        the serving calls' worker. Nothing is fetched while the breaker is not closed; a failure
+        leaves the rest not found.
         """
         vectors = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)
@@ -178,7 +183,7 @@ class RedisTier:
                 break
             try:
                 values = self.client.mget_nonatomic(redis_keys(keys[start : start + chunk], self.prefix))
-            except Exception as exc:  # noqa: BLE001 - the serving calls detect and count failures
+            except Exception as exc:  # the serving calls detect and count failures
                 LOGGER.debug("L3 bulk read failed: %s", type(exc).__name__)
                 break
             found[start : start + chunk] = _decode_into(values, vectors[start : start + chunk])
@@ -190,7 +195,7 @@ class RedisTier:
         for start in range(0, len(keys), chunk):
             names = redis_keys(keys[start : start + chunk], self.prefix)
             block = vectors[start : start + chunk]
-            self.client.mset_nonatomic(dict(zip(names, (row.tobytes() for row in block))))
+            self.client.mset_nonatomic(dict(zip(names, (row.tobytes() for row in block), strict=True)))
         return len(keys)
 
     def healthy(self) -> bool:
@@ -233,10 +238,10 @@ class RedisTier:
 
 def _decode_into(values: list, vectors: np.ndarray) -> np.ndarray:
     """Write the float32 rows of an MGET reply into ``vectors`` (absent keys untouched); found mask."""
-    values = np.array(values, dtype=object)
-    found = values != None  # noqa: E711 - elementwise comparison
+    reply = np.array(values, dtype=object)
+    found: np.ndarray = reply != None  # noqa: E711 - elementwise comparison: ``is not None`` tests the array
     if found.any():
-        vectors[found] = np.frombuffer(b"".join(values[found]), np.float32).reshape(-1, vectors.shape[1])
+        vectors[found] = np.frombuffer(b"".join(reply[found]), np.float32).reshape(-1, vectors.shape[1])
     return found
 
 

@@ -1,7 +1,8 @@
 """The store as one served model instance runs it: tiers, update log, upkeep thread, metrics.
 
 ``<model folder>/updates/`` (next to the numbered version folders) holds the update log of
-:mod:`recserve.backends.store.updates.versions` and the recorded hot keys; every instance of the model reads it.
+:mod:`recserve.backends.store.updates.versions` and the recorded hot keys; every instance of the
+model reads it.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def map_shards(root: Path, dims: Mapping[str, int]) -> tuple[list[TableInfo], li
     manifest = read_manifest(root)
     if manifest.get("format") != MANIFEST_FORMAT:
         raise ArtifactError(
-            f"manifest format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}; rebuild with 'recserve build'"
+            f"manifest format {manifest.get('format')!r} is not {MANIFEST_FORMAT!r}; "
+            "rebuild with 'recserve build'"
         )
     shards = []
     for entry in manifest["shards"]:

@@ -43,6 +43,7 @@ LOGGER = logging.getLogger(__name__)
 
 TIERS = ("l1", "delta", "l2", "l3", "default")
 L1, DELTA, L2, L3, DEFAULT = range(len(TIERS))
+DEFAULT_STORE = StoreSection()  # the ``[store]`` defaults (frozen, so one shared instance)
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class TieredStore:
         tables: Sequence[TableInfo],
         shards: Sequence[Shard],
         base_version: int,
-        options: StoreSection = StoreSection(),
+        options: StoreSection = DEFAULT_STORE,
         remote: RemoteTier | None = None,
         compiled: bool = True,
     ) -> None:
@@ -170,8 +171,10 @@ class TieredStore:
     ) -> np.ndarray:
         """L1 rows of ``keys``; the positions it does not hold."""
         if self.compiled:
+            probe = cache.probe
+            assert probe is not None  # compiled: the kernels are loaded, so every cache has its probe
             misses = np.empty(keys.size, np.int64)
-            return misses[: cache.probe.take(keys, out, tiers, L1, misses)]
+            return misses[: probe.take(keys, out, tiers, L1, misses)]
         slots = HotCache.slot_of(keys, len(cache.slot_keys))
         hit = cache.slot_keys.take(slots) == keys
         cache.vectors.take(slots, axis=0, out=out)  # one gather for the whole batch; misses overwritten later
@@ -187,10 +190,15 @@ class TieredStore:
         tiers: np.ndarray,
         tier: int,
     ) -> np.ndarray:
-        """Rows of ``keys[todo]`` held by ``rows`` (a shard or the delta rows); the positions it does not hold."""
+        """Rows of ``keys[todo]`` held by ``rows`` (a shard or the delta rows).
+
+        Returns the positions it does not hold.
+        """
         if self.compiled:
+            probe = rows.probe
+            assert probe is not None  # compiled: the kernels are loaded, so every row set has its probe
             misses = np.empty(todo.size, np.int64)
-            return misses[: rows.probe.take(keys, todo, out, tiers, tier, misses)]
+            return misses[: probe.take(keys, todo, out, tiers, tier, misses)]
         found = rows.index.find(keys[todo])
         hit = found >= 0
         if hit.all():  # the common case: no masks to apply
@@ -213,6 +221,7 @@ class TieredStore:
     def _take_remote(
         self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, bulk: bool = False
     ) -> np.ndarray:
+        assert self.remote is not None  # callers only come here with an L3 tier
         fetch = self.remote.fetch_bulk if bulk else self.remote.fetch
         found_vectors, found = fetch(keys[todo], self.dim)
         out[todo[found]] = found_vectors[found]
@@ -221,6 +230,7 @@ class TieredStore:
 
     def _count(self, table_ids: np.ndarray, tiers: np.ndarray, seconds: float) -> None:
         if self.compiled:
+            assert KERNELS is not None  # compiled is set only when the kernels loaded
             KERNELS.count(table_ids, tiers, self.stats.by_table_tier)
         else:
             flat = table_ids * np.int16(len(TIERS)) + tiers  # stays int16: no widening copy
@@ -345,7 +355,7 @@ class TieredStore:
         tables: Mapping[str, TableArrays],
         dtypes: Mapping[str, str] | None = None,
         base_version: int = 1,
-        options: StoreSection = StoreSection(),
+        options: StoreSection = DEFAULT_STORE,
         remote: RemoteTier | None = None,
     ) -> TieredStore:
         """A store held in memory (tests, benchmarks, ``build``)."""
@@ -363,7 +373,7 @@ class TieredStore:
         cls,
         root: Path,
         dims: Mapping[str, int],
-        options: StoreSection = StoreSection(),
+        options: StoreSection = DEFAULT_STORE,
         remote: RemoteTier | None = None,
     ) -> TieredStore:
         """Memory-map and verify the shards under ``root``; ``dims`` names the expected tables."""

@@ -1,1 +1,4 @@
-"""The layer between Triton's Python backend and the plain-Python steps: batching, errors, metrics, adapters."""
+"""The layer between Triton's Python backend and the plain-Python steps.
+
+Batching, errors, metrics and the model adapters.
+"""

@@ -1,10 +1,11 @@
 """The one place that speaks ``triton_python_backend_utils``: request loops and error mapping.
 
 ``model.py`` files stay thin: they build a plain object from :mod:`recserve.backends` in
-``initialize`` and hand their requests to :func:`execute_merged_or_alone` or :func:`execute_checked_merged`. Every
-request gets exactly one response; a :class:`~recserve.errors.RequestError` fails its own
-request with its code; any other exception fails the requests it touched with a generic message
-(the details go to the server log, never to the client).
+``initialize`` and hand their requests to :func:`execute_merged_or_alone` or
+:func:`execute_checked_merged`. Every request gets exactly one response; a
+:class:`~recserve.errors.RequestError` fails its own request with its code; any other exception
+fails the requests it touched with a generic message (the details go to the server log, never to
+the client).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
 def _handle_one(handle: Callable[[Arrays], Arrays], inputs: Arrays) -> pb_utils.InferenceResponse:
     try:
         return respond(handle(inputs))
-    except Exception as exc:  # noqa: BLE001 - mapped per request
+    except Exception as exc:  # mapped per request
         return error_response(exc)
 
 
@@ -170,7 +171,7 @@ def execute_merged_or_alone(
     try:
         merged, sizes = batching.merge(inputs)
         outputs = handle(merged)
-    except Exception:  # noqa: BLE001 - redone per request below, where each error is mapped
+    except Exception:  # redone per request below, where each error is mapped
         LOGGER.debug("merged batch of %d requests refused; handling them one by one", len(inputs))
         return [_handle_one(handle, item) for item in inputs]
     widths = (
@@ -183,7 +184,7 @@ def execute_checked_merged(
     requests: Sequence[Any],
     input_names: Sequence[str],
     check: Callable[[Arrays], Arrays],
-    compute: Callable[[Arrays], Arrays],
+    compute: Callable[[Arrays], Mapping[str, Any]],
     ragged_outputs: Mapping[str, str] | None = None,
 ) -> list:
     """Check each request alone, then compute all valid ones in one call and split the results.
@@ -192,7 +193,7 @@ def execute_checked_merged(
         requests: the dynamic batch.
         input_names: tensors to read.
         check: validates one request's inputs (raises ``RequestError``), returns what to merge.
-        compute: runs on the merged arrays of all valid requests.
+        compute: runs on the merged arrays of all valid requests (numpy arrays or torch tensors out).
         ragged_outputs: output name -> input name whose width (axis 1) the output keeps per request.
     """
     responses: list = [None] * len(requests)
@@ -201,16 +202,16 @@ def execute_checked_merged(
         try:
             checked.append(check(read_inputs(request, input_names)))
             valid.append(i)
-        except Exception as exc:  # noqa: BLE001 - mapped per request
+        except Exception as exc:  # mapped per request
             responses[i] = error_response(exc)
     if valid:
         merged, sizes = batching.merge(checked)
         widths = {out: [c[src].shape[1] for c in checked] for out, src in (ragged_outputs or {}).items()}
         try:
             parts = batching.split(compute(merged), sizes, widths)
-            for i, part in zip(valid, parts):
+            for i, part in zip(valid, parts, strict=True):
                 responses[i] = respond(part)
-        except Exception as exc:  # noqa: BLE001 - the merged call failed: each of its requests gets the error
+        except Exception as exc:  # the merged call failed: each of its requests gets the error
             for i in valid:
                 responses[i] = error_response(exc)
     return responses
@@ -251,6 +252,7 @@ class MetricsPublisher:
                     )
                 metric = self.metrics[key] = family.Metric(labels=dict(sample.labels))
             if sample.kind == "counter":
+                assert previous is not None  # a counter's previous total defaults to 0.0
                 if sample.value != previous:
                     metric.increment(sample.value - previous)
             else:

@@ -1,4 +1,4 @@
-"""Run the real tritonserver over a repository: its runtime, security flags, process, MPS and stub watchdog."""
+"""Run the real tritonserver over a repository: runtime, security flags, process, MPS and stub watchdog."""
 
 from recserve.server.mps import MpsDaemon, require_gpu, visible_gpus
 from recserve.server.process import (

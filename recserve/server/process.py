@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 from recserve.server.runtime import ServerError, prepare_runtime, server_env
 from recserve.server.security import Security
@@ -111,6 +112,7 @@ class TritonServer:
         self.cpus = cpus
         self.process: subprocess.Popen[bytes] | None = None
         self.watchdog: StubWatchdog | None = None
+        self._log: BinaryIO | None = None  # the server log while running, when log_path is set
 
     @property
     def http_url(self) -> str:
@@ -127,7 +129,7 @@ class TritonServer:
         for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
             if port_in_use(port):
                 raise ServerError(f"port {port} is already in use; is another tritonserver running?")
-        log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115 - closed in stop()
+        log = open(self.log_path, "wb") if self.log_path else None  # closed in stop()
         self._log = log
         extra = [f"--model-config-name={self.config_name}"] if self.config_name else None
         cpus = self.cpus
@@ -218,7 +220,10 @@ class TritonServer:
         return False
 
     def stop(self, timeout_s: float = 60.0, signum: int = signal.SIGINT) -> int | None:
-        """Drain (model control ``explicit``), signal, then SIGKILL after ``timeout_s``; returns the exit code."""
+        """Drain (model control ``explicit``), signal, then SIGKILL after ``timeout_s``.
+
+        Returns the exit code.
+        """
         if self.process is None:
             return None
         if self.watchdog is not None:
@@ -231,7 +236,7 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if getattr(self, "_log", None):
+        if self._log is not None:
             self._log.close()
         return self.process.returncode
 

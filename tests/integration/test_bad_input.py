@@ -13,7 +13,10 @@ from .helpers import grpc_client, http_client, infer_inputs, infer_raw
 
 
 def _cases(spec):
-    """Malformed requests built from a valid 3-row one: label -> (corrupt in place, text the error must name)."""
+    """Malformed requests built from a valid 3-row one.
+
+    label -> (corrupt in place, text the error must name).
+    """
     d, dm, c, t, h, hl = (x.name for x in spec.wire_inputs())
 
     def set_value(name, index, value):
@@ -185,7 +188,7 @@ def _raw_http_cases(spec, good):
 
     def binary(lie=0, shape=None):
         header_tensors, blobs = [], []
-        for tensor, array in zip(tensors, good.values()):
+        for tensor, array in zip(tensors, good.values(), strict=True):
             blob = infer_request(spec.name, {tensor["name"]: array}).raw_input_contents[0]
             entry = dict(
                 tensor, parameters={"binary_data_size": len(blob) + (lie if tensor["name"] == last else 0)}
@@ -199,7 +202,7 @@ def _raw_http_cases(spec, good):
 
     def json_body(replace):
         inputs = []
-        for tensor, array in zip(tensors, good.values()):
+        for tensor, array in zip(tensors, good.values(), strict=True):
             data = (
                 [x.decode() for x in array.reshape(-1)]
                 if array.dtype == object
@@ -208,7 +211,8 @@ def _raw_http_cases(spec, good):
             inputs.append(dict(tensor, data=data))
         return replace(json.dumps({"inputs": inputs}).encode()), {"Content-Type": "application/json"}
 
-    # label -> (body and headers, text the error names, status: Triton 2.51 answers JSON parse errors with 500)
+    # label -> (body and headers, text the error names, status):
+    # Triton 2.51 answers JSON parse errors with 500
     return {
         "binary size larger than sent": (binary(lie=+4), last, 400),
         "binary size smaller than sent": (binary(lie=-4), "additional input data", 400),

@@ -10,7 +10,7 @@ import pytest
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows
-from recserve.clients.rows import write_csv, write_tsv
+from recserve.clients.writers import write_csv, write_tsv
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,8 @@ def test_predict_command_prints_one_probability_per_row_in_order(server, spec, r
     path = writer(tmp_path / f"rows.{fmt}", raw, spec, with_label=(fmt == "csv"))
     url = server.grpc_url if protocol == "grpc" else server.http_url
     done = subprocess.run(
-        [sys.executable, "-m", "recserve.cli", "predict", "--input", str(path), "--url", url, "--protocol", protocol, "--batch-size", "64"],
+        [sys.executable, "-m", "recserve.cli", "predict", "--input", str(path), "--url", url,
+         "--protocol", protocol, "--batch-size", "64"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ from recserve.backends.store import kernels
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
-from recserve.clients.rows import write_csv
+from recserve.clients.writers import write_csv
 from recserve.perf.redis_cluster import RedisCluster
 from recserve.perf.redis_outage import l3_repository
 from recserve.server import Ports, TritonServer
@@ -80,7 +80,7 @@ class Traffic:
                 try:
                     infer_raw(grpcclient, client, self.spec, self.wire)
                     self.served += 1
-                except Exception as exc:  # noqa: BLE001 - collected: no request may fail
+                except Exception as exc:  # collected: no request may fail
                     self.failures.append(repr(exc))
 
     def __enter__(self) -> Traffic:
@@ -142,7 +142,10 @@ def check_update_and_rollback(root, server, spec, tmp_path):
 
 
 def test_responses_name_the_embedding_versions_that_served_them(private, spec, tmp_path):
-    """Every row says which table versions served it; a batch is one snapshot; a delta moves only its table."""
+    """Every row says which table versions served it.
+
+    A batch is one snapshot; a delta moves only its table.
+    """
     root, server = private
     wire = generate(spec, 8, seed=31).to_wire(spec)
     item = spec.table_names.index(spec.target.table)

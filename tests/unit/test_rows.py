@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from recserve.build.synthetic import generate
-from recserve.clients.rows import CriteoRows, RowFormatError, read_rows, write_csv, write_tsv
+from recserve.clients.rows import CriteoRows, RowFormatError, read_rows
+from recserve.clients.writers import write_csv, write_tsv
 from recserve.spec import NUMPY_DTYPES
 
 

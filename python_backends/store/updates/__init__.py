@@ -1,1 +1,1 @@
-"""Online updates of embedding tables: versions published on disk, and the Redis stream that announces them."""
+"""Online updates of embedding tables: versions published on disk, and the Redis stream announcing them."""

@@ -3,8 +3,9 @@
 ``recserve update``/``rollback`` publish a version in the local update log and, when the spec names
 a Redis Cluster, also append it to the stream ``rs:updates`` (manifest and array files as bytes).
 Each serving instance reads the stream from the start in its upkeep thread and writes versions it
-does not have into its local log, where :class:`~recserve.backends.store.updates.versions.StoreUpdater` applies
-them as usual. Checksums travel in the manifest and are verified when a version is applied.
+does not have into its local log, where
+:class:`~recserve.backends.store.updates.versions.StoreUpdater` applies them as usual. Checksums
+travel in the manifest and are verified when a version is applied.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
         try:
             arrays = load_file(str(path))
-        except Exception as exc:  # noqa: BLE001 - safetensors raises its own types
+        except Exception as exc:  # safetensors raises its own types
             raise DeltaError(f"delta {path.name}: not a readable safetensors file ({exc})") from None
     else:
         raise DeltaError(f"delta {path.name}: use a .npz or .safetensors file")
@@ -88,7 +88,8 @@ def check_delta(table: str, keys: np.ndarray, vectors: np.ndarray, dim: int) -> 
         raise DeltaError(f"delta for {table!r}: vectors are {vectors.dtype}, expected float32")
     if vectors.shape != (len(keys), dim):
         raise DeltaError(
-            f"delta for {table!r}: vectors are {list(vectors.shape)}, expected [{len(keys)}, {dim}] (table dim {dim})"
+            f"delta for {table!r}: vectors are {list(vectors.shape)}, "
+            f"expected [{len(keys)}, {dim}] (table dim {dim})"
         )
     if len(keys) == 0:
         raise DeltaError(f"delta for {table!r} holds no rows")
@@ -381,7 +382,7 @@ class Maintainer:
         if self.stream is not None:
             try:
                 self.stream.mirror()
-            except Exception as exc:  # noqa: BLE001 - the directory transport keeps working
+            except Exception as exc:  # the directory transport keeps working
                 LOGGER.warning("update stream unavailable: %s", type(exc).__name__)
 
     def warm_up(self) -> int:
@@ -409,7 +410,7 @@ class Maintainer:
         while not self._stop.wait(self.interval_s):
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - upkeep must never stop serving
+            except Exception:  # upkeep must never stop serving
                 LOGGER.exception("store upkeep failed; serving the current snapshot")
 
     def stop(self) -> None:

@@ -1,4 +1,7 @@
-"""Triton model ``embedding_lookup``: keys to vectors through the tiered store (see recserve.backends.store.tiered)."""
+"""Triton model ``embedding_lookup``: keys to vectors through the tiered store.
+
+See recserve.backends.store.tiered.
+"""
 
 import time
 
@@ -20,7 +23,10 @@ class TritonPythonModel:
     """Looks up the keys of a whole dynamic batch at once; online updates are applied in the background."""
 
     def initialize(self, args: dict) -> None:
-        """Map and verify the shards, apply published updates, warm the hot cache up (on the device: ``l1_device``)."""
+        """Map and verify the shards, apply published updates, warm the hot cache up.
+
+        The hot cache is on the device when the spec sets ``l1_device``.
+        """
         context = ModelContext.from_args(args)
         self.served = ServedStore.open(context.spec, context.version_dir)
         self.lookup = EmbeddingLookup.for_instance(

@@ -8,7 +8,7 @@ from recserve.backends.triton.adapter import ModelContext, execute_merged_or_alo
 
 
 class TritonPythonModel:
-    """Validates raw inputs and computes keys, normalised dense values and masks, a dynamic batch at a time."""
+    """Validates raw inputs; computes keys, normalised dense values and masks, a dynamic batch at a time."""
 
     def initialize(self, args: dict) -> None:
         """Build the transform from the spec in the model config."""

@@ -1,0 +1,169 @@
+"""The asyncio twin of :class:`recserve.clients.sdk.CTRClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+import numpy as np
+
+from recserve.clients.errors import (
+    RequestTimeoutError,
+    ServerError,
+    ServerUnavailableError,
+    map_exception,
+)
+from recserve.clients.rows import CriteoRows
+from recserve.clients.sdk import ClientBase, Scores
+from recserve.spec import ModelSpec
+from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+
+LOGGER = logging.getLogger(__name__)
+
+
+class AsyncCTRClient(ClientBase):
+    """asyncio client of the CTR ensemble, same arguments as :class:`CTRClient`.
+
+    The transport is created on first use inside the running event loop; use ``async with`` or
+    ``await client.close()``.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        protocol: str = "grpc",
+        timeout_s: float = 10.0,
+        spec: ModelSpec | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        super().__init__(url, protocol, timeout_s, spec, model_name)
+        self._module = self._import_module()
+        self._client: Any = None
+        self._closed = False
+
+    def _import_module(self) -> ModuleType:
+        if self.protocol == "grpc":
+            import tritonclient.grpc.aio as module
+        else:
+            import tritonclient.http.aio as module
+        return module
+
+    def _transport(self) -> Any:
+        if self._closed:
+            raise ServerError("the client is closed")
+        if self._client is None:
+            try:
+                if self.protocol == "grpc":
+                    self._client = self._module.InferenceServerClient(self.url, ssl=self._ssl)
+                else:
+                    self._client = self._module.InferenceServerClient(
+                        self.url, conn_timeout=self.timeout_s, ssl=self._ssl
+                    )
+            except Exception as exc:
+                raise map_exception(exc) from exc
+        return self._client
+
+    async def __aenter__(self) -> AsyncCTRClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Release the connection; later calls fail."""
+        self._closed = True
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    async def is_ready(self) -> bool:
+        """Whether the server answers and the model is ready (see :meth:`CTRClient.is_ready`)."""
+        client = self._transport()
+        try:
+            if self.protocol == "grpc":
+                return bool(await client.is_model_ready(self.model_name, client_timeout=self.timeout_s))
+            return bool(await client.is_model_ready(self.model_name))
+        except Exception as exc:
+            error = map_exception(exc)
+            if isinstance(error, (ServerUnavailableError, RequestTimeoutError)):
+                LOGGER.debug("model %s not ready: %s", self.model_name, error)
+                return False
+            raise error from exc
+
+    async def predict_inputs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Send one request (see :meth:`CTRClient.predict_inputs`).
+
+        Returns:
+            float32 ``[B]`` click probabilities.
+        """
+        arrays = self._prepare(inputs)
+        rows = next(iter(arrays.values())).shape[0]
+        if rows == 0:
+            return np.zeros(0, dtype=np.float32)
+        return self._probabilities(await self._infer(arrays, (PROBABILITY,)), rows)
+
+    async def score_inputs(self, inputs: Mapping[str, np.ndarray]) -> Scores:
+        """Send one request; probabilities and the versions that served them.
+
+        See :meth:`CTRClient.score_inputs`.
+        """
+        arrays = self._prepare(inputs)
+        rows = next(iter(arrays.values())).shape[0]
+        if rows == 0:
+            return self._empty_scores()
+        return self._scores(await self._infer(arrays, (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)), rows)
+
+    async def _infer(self, arrays: Mapping[str, np.ndarray], names: tuple[str, ...]) -> Any:
+        client = self._transport()
+        infer_inputs = self._infer_inputs(self._module, arrays)
+        outputs = self._outputs(self._module, names)
+        try:
+            if self.protocol == "grpc":
+                return await client.infer(
+                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                )
+            return await client.infer(self.model_name, infer_inputs, outputs=outputs)
+        except Exception as exc:
+            raise map_exception(exc) from exc
+
+    async def predict(self, rows: CriteoRows, batch_size: int = 64, max_in_flight: int = 4) -> np.ndarray:
+        """Score all rows in batches, up to ``max_in_flight`` requests at a time.
+
+        Args:
+            rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
+            batch_size: rows per request, ``1..spec.max_batch_size``.
+            max_in_flight: concurrent requests, at least 1.
+
+        Returns:
+            float32 ``[N]`` probabilities in the order of ``rows``.
+
+        Raises:
+            ValueError: ``batch_size`` or ``max_in_flight`` is out of range.
+            RecserveClientError: as :meth:`CTRClient.predict_inputs` (the first failure).
+        """
+        self._check_batch_size(batch_size)
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        limit = asyncio.Semaphore(max_in_flight)
+
+        async def one(batch: CriteoRows) -> np.ndarray:
+            async with limit:
+                return await self.predict_inputs(batch.to_inputs(self.spec))
+
+        tasks = [asyncio.ensure_future(one(batch)) for batch in rows.batches(batch_size)]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+__all__ = ["AsyncCTRClient"]

@@ -1,0 +1,170 @@
+"""Typed columns from the text fields of input rows, naming the line and column of a bad field."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from recserve.errors import InvalidInput
+from recserve.spec import ModelSpec
+from recserve.wire import parse_hex
+
+WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
+
+
+class RowFormatError(ValueError):
+    """A line of an input file cannot be parsed.
+
+    Attributes:
+        line: 1-based line number in the file (None when the error is not about one line).
+        column: name of the offending column (None when the error is about the whole line).
+    """
+
+    def __init__(self, message: str, line: int | None = None, column: str | None = None) -> None:
+        where = []
+        if line is not None:
+            where.append(f"line {line}")
+        if column is not None:
+            where.append(f"column {column}")
+        super().__init__(f"{', '.join(where)}: {message}" if where else message)
+        self.line = line
+        self.column = column
+
+
+def codepoints(text: np.ndarray) -> np.ndarray:
+    """Code points ``[..., chars]`` of a ``str`` array (0 past the end of each string)."""
+    return text.view(np.uint32).reshape(*text.shape, text.dtype.itemsize // 4)
+
+
+def text_array(fields_: list[list[str]] | list[str], shape: tuple[int, ...]) -> np.ndarray:
+    """A ``str`` array of ``shape``, stripped of surrounding whitespace where there is any."""
+    text = np.asarray(fields_, dtype=str).reshape(shape)
+    if np.isin(codepoints(text), WHITESPACE).any():  # rare: skip the slow strip otherwise
+        text = np.char.strip(text)
+    return text
+
+
+def parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
+    """int64 values of a ``[N, K]`` string array; raises on the first malformed field."""
+    try:
+        if (codepoints(text) == ord("_")).any():  # int() would accept "1_000"
+            raise ValueError("underscore")
+        return text.astype(np.int64)
+    except (ValueError, OverflowError):
+        pass
+    values = np.zeros(text.shape, dtype=np.int64)
+    for (r, c), value in np.ndenumerate(text):  # slow path: find and name the offending field
+        try:
+            if "_" in value:
+                raise ValueError(value)
+            values[r, c] = int(value)
+        except (ValueError, OverflowError):
+            raise RowFormatError(
+                f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]
+            ) from None
+    return values
+
+
+def parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
+    """float32 values of a ``[N, K]`` string array; raises on the first malformed or non-finite field."""
+    try:
+        values = text.astype(np.float32)
+    except ValueError:
+        values = None
+    if values is not None and np.isfinite(values).all():
+        return values
+    for (r, c), value in np.ndenumerate(text):
+        try:
+            ok = np.isfinite(float(value))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise RowFormatError(f"{value!r} is not a finite number", line=int(lines[r]), column=columns[c])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def parse_categorical(
+    rows: list[list[str]], spec: ModelSpec, lines: np.ndarray, columns: list[str]
+) -> np.ndarray:
+    """Object array ``[N, C]`` of ASCII ``bytes``, checked to be hex strings the server accepts."""
+    n = len(rows)
+    text = text_array(rows, (n, len(columns)))
+    try:
+        encoded: np.ndarray | None = text.astype(bytes)  # ASCII only
+    except UnicodeEncodeError:
+        encoded = None
+    if encoded is not None:
+        values = encoded.astype(object)
+        try:
+            parse_hex(values, spec.categorical.max_hex_digits, spec.categorical.name)
+            return values
+        except InvalidInput:
+            pass
+    digits = spec.categorical.max_hex_digits
+    for (r, c), value in np.ndenumerate(text):
+        if len(value) > digits or not all(ch in "0123456789abcdefABCDEF" for ch in value):
+            raise RowFormatError(
+                f"{value!r} is not a hex string of at most {digits} digits",
+                line=int(lines[r]),
+                column=columns[c],
+            )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def parse_history(
+    fields_: list[str] | None, n: int, lines: np.ndarray, spec: ModelSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text."""
+    name, max_length = spec.sequence.name, spec.sequence.max_length
+    if fields_ is None:
+        return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
+    normalised = [field.replace(",", " ") for field in fields_]
+    lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
+    too_long = np.flatnonzero(lengths > max_length)
+    if too_long.size:
+        r = int(too_long[0])
+        raise RowFormatError(
+            f"history of {int(lengths[r])} items is longer than the maximum {max_length}",
+            line=int(lines[r]),
+            column=name,
+        )
+    row_of = np.repeat(np.arange(n), lengths)
+    flat = parse_id_text(" ".join(normalised), int(lengths.sum()))
+    if flat is None:  # something other than plain ids: parse token by token to name the line
+        tokens = np.asarray([t for field in normalised for t in field.split()], dtype=str)
+        flat = parse_ints(tokens.reshape(-1, 1), lines[row_of], [name])[:, 0]
+    negative = flat < 0
+    if negative.any():
+        k = int(np.flatnonzero(negative)[0])
+        raise RowFormatError(
+            f"{int(flat[k])} is not an item id (ids are >= 0)", line=int(lines[row_of[k]]), column=name
+        )
+    width = max(int(lengths.max(initial=0)), 1)
+    history = np.zeros((n, width), dtype=np.int64)
+    history[np.arange(width)[None, :] < lengths[:, None]] = flat
+    return history, lengths
+
+
+def parse_id_text(text: str, count: int) -> np.ndarray | None:
+    """Fast path: ``count`` non-negative ids separated by whitespace, or None if ``text`` is anything else."""
+    if not text.isascii():
+        return None
+    data = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    digit = (data >= ord("0")) & (data <= ord("9"))
+    if not (digit | np.isin(data, WHITESPACE.astype(np.uint8))).all():
+        return None
+    # Longest run of digits: anything beyond 18 digits might not fit int64.
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], digit.view(np.int8), [0]))))
+    if edges.size and (edges[1::2] - edges[::2]).max() > 18:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            values = np.fromstring(text, dtype=np.int64, sep=" ") if count else np.zeros(0, np.int64)
+        except (ValueError, DeprecationWarning):
+            return None
+    return values if values.shape[0] == count else None
+
+
+# ---- writing ---------------------------------------------------------------------------------

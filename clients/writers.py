@@ -1,0 +1,104 @@
+"""Write raw rows as the input files :func:`recserve.clients.rows.read_rows` reads (TSV or CSV)."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+
+from recserve.clients.rows import LABEL_COLUMN
+from recserve.spec import ModelSpec
+from recserve.wire import ABSENT_ITEM, RawRows
+
+
+def _text_columns(
+    raw: RawRows, spec: ModelSpec, with_label: bool, history_separator: str
+) -> list[np.ndarray]:
+    """String columns ``[N, K]`` in file order: label, dense, categorical, history, target."""
+    dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
+    dense[raw.dense_missing] = ""
+    categorical = np.char.mod("%08x", raw.categorical).astype(object)
+    categorical[raw.categorical_empty] = ""
+    history = np.array(
+        [history_separator.join(map(str, raw.history[r, : raw.lengths[r]])) for r in range(len(raw))],
+        dtype=object,
+    ).reshape(-1, 1)
+    target = np.char.mod("%d", raw.target).astype(object).reshape(-1, 1)
+    target[raw.target == ABSENT_ITEM] = ""
+    columns = [dense, categorical, history, target]
+    if with_label:
+        columns.insert(0, np.char.mod("%d", raw.labels.astype(np.int64)).astype(object).reshape(-1, 1))
+    return columns
+
+
+def write_tsv(
+    path: str | os.PathLike[str],
+    raw_rows: RawRows,
+    spec: ModelSpec,
+    with_label: bool = True,
+    with_sequence: bool = True,
+) -> Path:
+    """Write rows in the headerless Criteo TSV layout.
+
+    Args:
+        path: output file (``.gz`` is compressed).
+        raw_rows: the rows, e.g. from :func:`recserve.build.synthetic.generate`.
+        spec: the model spec (column counts).
+        with_label: write the label as the first column.
+        with_sequence: append the ``history_items`` (space-separated ids) and ``target_item`` columns.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    return _write_table(path, raw_rows, spec, with_label, with_sequence, delimiter="\t", header=False)
+
+
+def write_csv(
+    path: str | os.PathLike[str],
+    raw_rows: RawRows,
+    spec: ModelSpec,
+    with_label: bool = True,
+    with_sequence: bool = True,
+) -> Path:
+    """Write rows as CSV with a header row (history ids space-separated inside their field).
+
+    Args:
+        path: output file (``.gz`` is compressed).
+        raw_rows: the rows, e.g. from :func:`recserve.build.synthetic.generate`.
+        spec: the model spec (column names).
+        with_label: write a ``label`` column first.
+        with_sequence: add the ``history_items`` and ``target_item`` columns.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    return _write_table(path, raw_rows, spec, with_label, with_sequence, delimiter=",", header=True)
+
+
+def _write_table(
+    path: str | os.PathLike[str],
+    raw_rows: RawRows,
+    spec: ModelSpec,
+    with_label: bool,
+    with_sequence: bool,
+    delimiter: str,
+    header: bool,
+) -> Path:
+    columns = _text_columns(raw_rows, spec, with_label, " ")
+    names = [*spec.dense.columns, *spec.categorical.columns, spec.sequence.name, spec.target.name]
+    if with_label:
+        names.insert(0, LABEL_COLUMN)
+    if not with_sequence:
+        columns, names = columns[:-2], names[:-2]
+    table = np.concatenate(columns, axis=1)
+    out = Path(path)
+    opener = gzip.open if out.suffix == ".gz" else open
+    with opener(out, "wt", encoding="utf-8", newline="") as fh:
+        writer = csv.writer(fh, delimiter=delimiter, lineterminator="\n")
+        if header:
+            writer.writerow(names)
+        writer.writerows(table.tolist())
+    return out
