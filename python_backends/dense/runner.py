@@ -2,9 +2,8 @@
 
 :class:`OnnxDenseRunner` is the generic graph (dynamic batch and sequence axes). :class:`OnnxBucket`
 is the CPU fast path: a session whose batch and sequence axes are fixed to one bucket's shape, so
-ONNX Runtime plans memory and picks kernels for that shape (a median 1.07-1.17x faster than the
-dynamic session at the same shape on the 2-core CI machine, most from 32 positions up; see
-``recserve bench-dense``).
+ONNX Runtime plans memory and picks kernels for that shape (measured by ``recserve bench-dense``;
+figures in docs/performance.md).
 :func:`bucketed_onnx_runner` puts both behind the shared bucket policy.
 """
 

@@ -32,7 +32,7 @@ Arrays = dict[str, np.ndarray]
 
 
 def install_bytes_decoder() -> None:
-    """Let the stub decode BYTES inputs with :func:`decode_bytes_tensor` (same result, ~3x faster).
+    """Let the stub decode BYTES inputs with :func:`decode_bytes_tensor` (same result, faster).
 
     The stub looks the decoder up on this module by name each time it materialises a BYTES input.
     """
