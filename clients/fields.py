@@ -45,8 +45,27 @@ def text_array(fields_: list[list[str]] | list[str], shape: tuple[int, ...]) -> 
     return text
 
 
+def integral_text(text: np.ndarray) -> np.ndarray:
+    """``text`` with integers written as floats (``"260.0"``, as pandas exports them) cut to ``"260"``.
+
+    Only a point followed by zeros is cut, on the text itself, so ids of any size stay exact;
+    ``"260.5"`` is left alone (and refused as an integer).
+    """
+    pointed = np.char.find(text, ".") >= 0
+    if not pointed.any():
+        return text
+    parts = np.char.partition(text, ".")
+    head, tail = parts[..., 0], parts[..., 2]
+    cut = pointed & (np.char.strip(tail, "0") == "") & (np.char.lstrip(head, "+-") != "")
+    return np.where(cut, head, text)
+
+
 def parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
-    """int64 values of a ``[N, K]`` string array; raises on the first malformed field."""
+    """int64 values of a ``[N, K]`` string array; raises on the first malformed field.
+
+    Integers written as floats with a zero fraction (``"260.0"``) are accepted as integers.
+    """
+    text = integral_text(text)
     try:
         if (codepoints(text) == ord("_")).any():  # int() would accept "1_000"
             raise ValueError("underscore")

@@ -265,3 +265,39 @@ def test_max_rows(spec, tmp_path):
     raw = generate(spec, 30, seed=2)
     assert len(read_rows(write_tsv(tmp_path / "a.tsv", raw, spec), spec, max_rows=7)) == 7
     assert len(read_rows(write_csv(tmp_path / "a.csv", raw, spec), spec, max_rows=7)) == 7
+
+
+# ---- real exports --------------------------------------------------------------------------------
+
+
+def test_integers_written_as_floats_are_read_as_integers(spec):
+    """pandas writes an integer column holding NaN as floats: ``260.0``; ids keep every digit."""
+    dense = ["260.0", "-3.00", "", "7."] + ["0"] * 9
+    big = str(2**62 + 1)
+    text = _tsv_line("1", dense=dense, extras=[f"{big}.0 5.0", "12.0"])
+    rows = read_rows(io.StringIO(text), spec)
+    np.testing.assert_array_equal(rows.dense[0, :4], [260.0, -3.0, 0.0, 7.0])
+    assert rows.dense_missing[0, 2] and not rows.dense_missing[0, 0]
+    assert rows.history[0, :2].tolist() == [2**62 + 1, 5] and rows.target[0] == 12
+
+
+@pytest.mark.parametrize("value", ["260.5", "1.0.0", ".0", "1e3", "nan"])
+def test_a_float_that_is_not_an_integer_names_line_and_column(spec, value):
+    text = _tsv_line("1") + _tsv_line("1", dense=["0", "0", value] + ["0"] * 10)
+    with pytest.raises(RowFormatError, match=rf"line 2, column I3: '{value}' is not an integer"):
+        read_rows(io.StringIO(text), spec)
+
+
+def test_csv_export_with_quotes_crlf_bom_and_an_ignored_id_column(spec, tmp_path):
+    """A CSV as spreadsheet tools and pandas write it: quoted fields, CRLF, a BOM, an ``id`` column."""
+    raw = generate(spec, 5, seed=3)
+    plain = tmp_path / "plain.csv"
+    write_csv(plain, raw, spec, with_label=True)
+    header, *lines = plain.read_text().splitlines()
+    quoted = ['"' + '","'.join(line.split(",")) + '"' for line in lines]
+    ids = [str(2**64 - 1 - i) for i in range(len(lines))]  # above 2^63: fits no int64, never parsed
+    text = "\ufeffid," + header + "\r\n" + "".join(f"{i},{q}\r\n" for i, q in zip(ids, quoted, strict=True))
+    export = tmp_path / "export.csv.gz"
+    with gzip.open(export, "wt", newline="") as fh:
+        fh.write(text)
+    _assert_matches_wire(read_rows(export, spec), raw, spec)
