@@ -120,6 +120,38 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from recserve import verify
+    from recserve.build.repository import reference_pipeline
+    from recserve.clients import CTRClient, RecserveClientError, read_rows
+
+    spec = load_spec(args.spec)
+    rows = read_rows(args.rows, spec)
+    expected = verify.read_expected(args.expected)
+    pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
+    scores = {f"in process ({args.runtime})": verify.score_in_batches(rows, spec, pipeline.predict)}
+    if args.url:
+        try:
+            with CTRClient(args.url, protocol=args.protocol, spec=spec) as client:
+                scores[f"server {args.url}"] = client.predict(rows, batch_size=spec.max_batch_size)
+        except RecserveClientError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    comparisons = [
+        verify.compare(name, s, expected, rows.labels, args.tolerance) for name, s in scores.items()
+    ]
+    print(verify.format_report(comparisons, expected, rows.labels))
+    failed = [c for c in comparisons if not c.passed]
+    for comparison in failed:
+        print(
+            f"\n{comparison.source}: {comparison.over} rows differ by over {comparison.tolerance:g}; worst:"
+        )
+        for row in comparison.worst:
+            print(f"row {row}: expected {expected[row]:.6f}, got {scores[comparison.source][row]:.6f}")
+        print("\n".join(verify.explain_rows(spec, pipeline.lookup.store, rows, comparison.worst)))
+    return 1 if failed else 0
+
+
 def _sample(args: argparse.Namespace) -> int:
     from recserve.build.synthetic import generate
     from recserve.clients.writers import write_csv, write_tsv
@@ -187,6 +219,23 @@ def parser() -> argparse.ArgumentParser:
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
     predict.set_defaults(func=_predict)
+
+    check = sub.add_parser(
+        "verify", help="compare recserve's scores of your rows with your own framework's scores"
+    )
+    check.add_argument("--rows", type=Path, required=True, help="raw rows, as predict reads them")
+    check.add_argument("--expected", type=Path, required=True, help="your scores, one probability per line")
+    check.add_argument("--url", default=None, help="also score through this server (host:port)")
+    check.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    check.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    check.add_argument(
+        "--runtime",
+        choices=("onnx", "torch"),
+        default="onnx",
+        help="in process: the served ONNX graph or PyTorch",
+    )
+    check.add_argument("--tolerance", type=float, default=1e-5, help="largest |difference| accepted per row")
+    check.set_defaults(func=_verify)
 
     sample = sub.add_parser(
         "sample", help="write synthetic rows in the spec's schema (.csv with header, else TSV)"

@@ -104,3 +104,30 @@ def test_perf_command_runs_perf_analyzer_and_prints_its_table(server, tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("batch_size,concurrency,rows_per_s") and len(lines) == 3
     assert all(float(line.split(",")[2]) > 0 for line in lines[1:])
+
+
+def test_verify_compares_in_process_and_served_scores_with_the_users(server, spec, repository, raw, tmp_path):
+    """``recserve verify --url``: the user's scores (here the PyTorch reference) against both paths."""
+    rows_path = write_csv(tmp_path / "rows.csv", raw, spec, with_label=True)
+    rows = read_rows(rows_path, spec)
+    expected = reference_pipeline(spec, repository, runtime="torch").predict(rows.to_inputs(spec))
+    (tmp_path / "ok.txt").write_text("".join(f"{p:.9f}\n" for p in expected))
+    expected[42] += 0.02
+    (tmp_path / "off.txt").write_text("".join(f"{p:.9f}\n" for p in expected))
+    command = [
+        sys.executable,
+        "-m",
+        "recserve.cli",
+        "verify",
+        "--rows",
+        str(rows_path),
+        "--url",
+        server.grpc_url,
+    ]
+    command += ["--repository", str(repository)]
+    done = subprocess.run([*command, "--expected", str(tmp_path / "ok.txt")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"| server {server.grpc_url} | 150 |" in done.stdout and "| 0 (> 1e-05) |" in done.stdout
+    done = subprocess.run([*command, "--expected", str(tmp_path / "off.txt")], capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"server {server.grpc_url}: 1 rows differ" in done.stdout and "row 42: expected" in done.stdout

@@ -1,0 +1,169 @@
+"""``recserve verify``: does recserve score the user's rows as the user's own framework did?
+
+The user brings raw rows (any file ``recserve predict`` reads) and the scores their framework gave
+those rows, one probability per line in row order. recserve scores the same rows in process (the
+served ONNX graph with the served store, or the PyTorch reference) and, given ``--url``, through the
+live server, and compares: max and p99 of ``|Δ|``, rows over the tolerance, AUC and logloss of both
+on labelled rows, and the worst rows with what ``explain`` says about their features.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recserve.backends.explain import explain
+from recserve.clients.rows import CriteoRows
+from recserve.spec import ModelSpec
+
+DEFAULT_TOLERANCE = 1e-5
+WORST_ROWS = 5
+_EPSILON = 1e-7  # probabilities are clipped to [eps, 1 - eps] for the logloss
+
+Scorer = Callable[[CriteoRows], np.ndarray]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """recserve's scores from one source against the expected scores."""
+
+    source: str
+    rows: int
+    max_abs: float
+    p99_abs: float
+    over: int  # rows with |Δ| above the tolerance
+    tolerance: float
+    worst: tuple[int, ...]  # row numbers (0-based), largest |Δ| first
+    auc: float | None = None  # of recserve's scores, on labelled rows
+    logloss: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True when no row is over the tolerance."""
+        return self.over == 0
+
+
+def read_expected(path: Path) -> np.ndarray:
+    """One probability per line (``.gz`` too); blank lines at the end are allowed.
+
+    Raises:
+        ValueError: a line is not a finite number in [0, 1], naming the line.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8-sig") as fh:
+        lines = fh.read().splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    values = np.empty(len(lines), np.float64)
+    for number, line in enumerate(lines, 1):
+        try:
+            value = float(line.strip().split(",")[-1])
+        except ValueError:
+            raise ValueError(f"{path}, line {number}: {line.strip()!r} is not a probability") from None
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise ValueError(f"{path}, line {number}: {value} is not a probability in [0, 1]")
+        values[number - 1] = value
+    return values
+
+
+def auc_and_logloss(labels: np.ndarray, scores: np.ndarray) -> tuple[float | None, float | None]:
+    """ROC AUC (ties averaged) and mean logloss; None where the labels do not allow it."""
+    labels = np.asarray(labels, np.float64)
+    scores = np.asarray(scores, np.float64)
+    if labels.size == 0:
+        return None, None
+    clipped = np.clip(scores, _EPSILON, 1.0 - _EPSILON)
+    logloss = float(-np.mean(labels * np.log(clipped) + (1.0 - labels) * np.log(1.0 - clipped)))
+    positives = labels > 0.5
+    if positives.all() or not positives.any():
+        return None, logloss
+    order = np.argsort(scores, kind="stable")
+    ranks = np.empty(scores.size, np.float64)
+    ranks[order] = np.arange(1, scores.size + 1)
+    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
+    for start, count in zip(first, counts, strict=True):  # ties share their mean rank
+        if count > 1:
+            ranks[order[start : start + count]] = start + (count + 1) / 2.0
+    pos, neg = int(positives.sum()), int((~positives).sum())
+    return float((ranks[positives].sum() - pos * (pos + 1) / 2.0) / (pos * neg)), logloss
+
+
+def compare(
+    source: str,
+    scores: np.ndarray,
+    expected: np.ndarray,
+    labels: np.ndarray | None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> Comparison:
+    """Compare ``scores`` with ``expected`` row by row.
+
+    Raises:
+        ValueError: the two have different lengths.
+    """
+    scores = np.asarray(scores, np.float64).reshape(-1)
+    if scores.shape != expected.shape:
+        raise ValueError(
+            f"{len(expected)} expected scores for {len(scores)} rows: one score per row is needed"
+        )
+    delta = np.abs(scores - expected)
+    auc, logloss = auc_and_logloss(labels, scores) if labels is not None else (None, None)
+    return Comparison(
+        source=source,
+        rows=int(scores.size),
+        max_abs=float(delta.max(initial=0.0)),
+        p99_abs=float(np.quantile(delta, 0.99)) if delta.size else 0.0,
+        over=int((delta > tolerance).sum()),
+        tolerance=tolerance,
+        worst=tuple(int(i) for i in np.argsort(-delta, kind="stable")[:WORST_ROWS] if delta[i] > tolerance),
+        auc=auc,
+        logloss=logloss,
+    )
+
+
+def score_in_batches(rows: CriteoRows, spec: ModelSpec, predict: Callable[..., np.ndarray]) -> np.ndarray:
+    """Scores of all rows through ``predict`` (raw request tensors in), ``max_batch_size`` at a time."""
+    parts = [
+        np.asarray(predict(batch.to_inputs(spec))).reshape(-1) for batch in rows.batches(spec.max_batch_size)
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def explain_rows(spec: ModelSpec, store: object, rows: CriteoRows, numbers: Sequence[int]) -> list[str]:
+    """``explain``'s records of the given rows, one line each (numbers are the rows' 0-based places)."""
+    if not numbers:
+        return []
+    from recserve.backends.store.tiered import TieredStore
+
+    assert isinstance(store, TieredStore)
+    picked = rows.take(np.asarray(numbers))
+    lines = []
+    for record in explain(spec, store, picked.to_inputs(spec)):
+        record = {**record, "row": numbers[int(record["row"])]}
+        lines.append("  " + " ".join(f"{key}={value}" for key, value in record.items()))
+    return lines
+
+
+def format_report(comparisons: Sequence[Comparison], expected: np.ndarray, labels: np.ndarray | None) -> str:
+    """The comparison table, plus the expected scores' own AUC and logloss."""
+    lines = [
+        "| source | rows | max abs diff | p99 abs diff | rows over tolerance | AUC | logloss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    if labels is not None:
+        auc, logloss = auc_and_logloss(labels, expected)
+        lines.append(f"| expected (yours) | {expected.size} | | | | {_number(auc)} | {_number(logloss)} |")
+    for c in comparisons:
+        lines.append(
+            f"| {c.source} | {c.rows} | {c.max_abs:.3g} | {c.p99_abs:.3g} | {c.over} (> {c.tolerance:g}) "
+            f"| {_number(c.auc)} | {_number(c.logloss)} |"
+        )
+    return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
