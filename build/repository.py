@@ -33,6 +33,7 @@ from recserve.build.export import example_inputs, export_onnx, torch_predict
 from recserve.build.train import Progress, stderr_progress, train
 from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec, StoreSection
+from recserve.wire import RawRows
 
 DENSE_FORMAT = "recserve-dense/1"
 ONNX_FILE = "model.onnx"
@@ -213,9 +214,11 @@ def install_adapters(spec: ModelSpec, repository: Path) -> None:
         target.write_text(source.joinpath(f"{step}.py").read_text())
 
 
-def build_repository(spec: ModelSpec, repository: Path, progress: Progress = stderr_progress) -> BuildReport:
-    """Build every artifact and config of ``spec`` into ``repository``."""
-    trained = train(spec, progress)
+def build_repository(
+    spec: ModelSpec, repository: Path, progress: Progress = stderr_progress, rows: RawRows | None = None
+) -> BuildReport:
+    """Build every artifact and config of ``spec`` into ``repository``, trained on ``rows`` if given."""
+    trained = train(spec, progress, rows)
     tables_dir = version_dir(repository, wire.EMBEDDING_LOOKUP, spec)
     dense_dir = version_dir(repository, wire.DENSE, spec)
     for folder in (tables_dir, dense_dir):

@@ -1,4 +1,4 @@
-"""Train the CTR model on synthetic data and turn its embeddings into key-addressed tables.
+"""Train the CTR model on the user's rows or synthetic ones; turn its embeddings into keyed tables.
 
 Training uses row indices into per-table vocabularies built from the training keys (values seen
 fewer than ``min_count`` times share the out-of-vocabulary row); the exported tables are keyed by
@@ -28,6 +28,7 @@ from recserve.wire import RawRows
 LOGGER = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+HOLDOUT_FRACTION = 0.1  # of the user's rows, held out to report AUC and logloss
 
 
 def stderr_progress(message: str) -> None:
@@ -116,15 +117,38 @@ class TrainedModel:
     holdout_auc: float
 
 
-def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel:
-    """Generate data, train, evaluate on held-out rows and export keyed tables."""
+def split_holdout(rows: RawRows, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[RawRows, RawRows]:
+    """Shuffle ``rows`` (the same way for the same seed) and hold ``fraction`` of them out.
+
+    Raises:
+        ValueError: fewer than 2 rows.
+    """
+    if len(rows) < 2:
+        raise ValueError(f"training needs at least 2 labelled rows, got {len(rows)}")
+    order = np.random.default_rng(seed).permutation(len(rows))
+    held = min(max(1, round(len(rows) * fraction)), len(rows) - 1)
+    return rows.take(order[held:]), rows.take(order[:held])
+
+
+def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows | None = None) -> TrainedModel:
+    """Train on ``rows`` (else on the spec's synthetic rows), evaluate on held-out rows, export tables.
+
+    Args:
+        spec: the model spec; ``[training]`` gives the seed, sizes and optimiser settings.
+        progress: where progress lines go.
+        rows: the user's labelled rows; ``HOLDOUT_FRACTION`` of them is held out for the AUC.
+    """
     cfg = spec.training
     seed = cfg.seed
     torch.manual_seed(seed)
     started = time.perf_counter()
-    progress(f"[train] generating {cfg.rows} training + {cfg.holdout_rows} held-out rows")
-    data = keyed(spec, generate(spec, cfg.rows, seed))
-    holdout = keyed(spec, generate(spec, cfg.holdout_rows, seed + 1))
+    if rows is None:
+        progress(f"[train] generating {cfg.rows} training + {cfg.holdout_rows} held-out rows")
+        train_rows, holdout_rows = generate(spec, cfg.rows, seed), generate(spec, cfg.holdout_rows, seed + 1)
+    else:
+        train_rows, holdout_rows = split_holdout(rows, seed)
+        progress(f"[train] your rows: {len(train_rows)} to train on, {len(holdout_rows)} held out")
+    data, holdout = keyed(spec, train_rows), keyed(spec, holdout_rows)
 
     sparse_by_table = {f.table: data.sparse[:, i] for i, f in enumerate(spec.categorical.features)}
     item_keys = np.concatenate([data.target, data.history[data.mask > 0]])
@@ -190,7 +214,12 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress) -> TrainedModel
             ]
         ).numpy()
     auc = roc_auc(holdout.labels, scores)
-    progress(f"[train] held-out AUC {auc:.4f} after {time.perf_counter() - started:.1f}s")
+    clipped = np.clip(scores.astype(np.float64), 1e-7, 1 - 1e-7)
+    logloss = -np.mean(holdout.labels * np.log(clipped) + (1 - holdout.labels) * np.log(1 - clipped))
+    progress(
+        f"[train] held-out AUC {auc:.4f}, logloss {logloss:.4f} on {len(holdout.labels)} rows "
+        f"after {time.perf_counter() - started:.1f}s"
+    )
 
     tables = {}
     for name, v in vocab.items():

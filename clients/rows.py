@@ -42,7 +42,7 @@ from recserve.clients.fields import (
     text_array,
 )
 from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import ABSENT_ITEM
+from recserve.wire import ABSENT_ITEM, RawRows, parse_hex
 
 LOGGER = logging.getLogger(__name__)
 
@@ -124,6 +124,28 @@ class CriteoRows:
             wire.name: np.ascontiguousarray(values[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
             for wire in spec.wire_inputs()
         }
+
+    def to_raw(self, spec: ModelSpec) -> RawRows:
+        """The rows as :class:`~recserve.wire.RawRows` (hex strings parsed to their values), to train on.
+
+        Raises:
+            ValueError: the rows carry no label.
+        """
+        if self.labels is None:
+            raise ValueError("rows to train on need a label column (label first in TSV, 'label' in CSV)")
+        categorical, empty = parse_hex(
+            self.categorical, spec.categorical.max_hex_digits, spec.categorical.name
+        )
+        return RawRows(
+            dense=np.where(self.dense_missing, 0.0, self.dense).astype(np.float32),
+            dense_missing=self.dense_missing.astype(bool),
+            categorical=categorical,
+            categorical_empty=empty,
+            target=self.target.astype(np.int64),
+            history=self.history.astype(np.int64),
+            lengths=self.lengths.astype(np.int32),
+            labels=self.labels.astype(np.float32),
+        )
 
 
 # ---- reading ---------------------------------------------------------------------------------

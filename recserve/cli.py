@@ -21,7 +21,13 @@ def _build(args: argparse.Namespace) -> int:
     from recserve.build.repository import add_tensorrt_engine, build_repository, install_adapters, is_built
 
     spec = load_spec(args.spec)
-    if args.if_missing and is_built(spec, args.repository):
+    if args.train_data is not None:
+        from recserve.clients.rows import read_rows
+
+        rows = read_rows(args.train_data, spec, max_rows=args.max_rows).to_raw(spec)
+        print(f"[build] read {len(rows)} labelled rows from {args.train_data}", file=sys.stderr)
+        build_repository(spec, args.repository, rows=rows)
+    elif args.if_missing and is_built(spec, args.repository):
         install_adapters(spec, args.repository)  # code, not artifacts: always the installed version
         print(
             f"[build] {args.repository} is already built from spec {spec.name!r}; adapters refreshed",
@@ -176,6 +182,10 @@ def parser() -> argparse.ArgumentParser:
         "--profile", choices=("cpu", "gpu"), default="cpu", help="gpu: also build the dense TensorRT engine"
     )
     build.add_argument("--precision", choices=PRECISIONS, default="fp32", help="TensorRT engine precision")
+    build.add_argument(
+        "--train-data", type=Path, default=None, help="train on these labelled rows (as predict reads them)"
+    )
+    build.add_argument("--max-rows", type=int, default=None, help="read at most this many training rows")
     build.set_defaults(func=_build)
 
     serve = sub.add_parser("serve", help="run tritonserver on the repository (foreground, Ctrl-C stops)")
