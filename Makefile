@@ -8,7 +8,7 @@ METRICS_PORT ?= 8002
 BIN := $(VENV)/bin
 APT_PACKAGES := libb64-0d redis-server gcc libc6-dev
 
-.PHONY: install system-packages build serve test lint typecheck unit integration clean
+.PHONY: install system-packages build serve test lint typecheck unit integration clean gpu-check
 
 # Debian packages: libb64 for perf_analyzer, redis-server (and redis-cli) for the L3 tier tests,
 # gcc for the store's compiled probe loops (python_backends/store/_kernels.c, built by pip install).
@@ -61,6 +61,11 @@ unit: install
 
 integration: build
 	$(BIN)/pytest -ra tests/integration
+
+# The GPU check (docs/gpu-check.md): builds the offline kit .gpu-kit/ for the lent GPU machine and
+# prints the calls to make there; DRY_RUN=1 also checks the kit and walks the steps without a GPU.
+gpu-check: install
+	$(BIN)/python -m recserve.perf.gpu_check $(if $(DRY_RUN),dry-run,prepare)
 
 clean:
 	rm -rf $(REPOSITORY)/*/[0-9]*/ .pytest_cache .mypy_cache $(TYPECHECK_TREE)

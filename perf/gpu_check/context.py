@@ -1,0 +1,137 @@
+"""What the steps share: the call's Context, a Step, its StepResult and the Skip it may raise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .common import tail
+
+
+@dataclass
+class StepResult:
+    """One step's outcome."""
+
+    name: str
+    part: int
+    status: str  # ok, failed, skipped
+    seconds: float = 0.0
+    detail: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class Skip(Exception):
+    """Raised by a step that does not apply here; the message is the reason."""
+
+
+@dataclass
+class Context:
+    """What the steps share."""
+
+    root: Path
+    kit: Path
+    work: Path
+    output: Path
+    dry_run: bool
+    gpus: list[str]
+    tensorrt: bool = False
+    deadline: float = 0.0
+    logs: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.logs = self.work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def venv(self) -> Path:
+        """The environment the GPU steps run in (this interpreter's in a dry run)."""
+        return Path(sys.prefix) if self.dry_run else self.work / "venv"
+
+    @property
+    def python(self) -> str:
+        """Its interpreter."""
+        return sys.executable if self.dry_run else str(self.venv / "bin" / "python")
+
+    @property
+    def repository(self) -> Path:
+        """The built model repository."""
+        return self.root / "model_repository"
+
+    def env(self) -> dict[str, str]:
+        """Environment of the steps' commands: the venv first on PATH, the kit's libb64 found."""
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(self.venv / "bin"), env.get("PATH", "")])
+        libs = [str(self.work / "lib"), env.get("LD_LIBRARY_PATH", "")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs if p)
+        env.pop("PYTHONPATH", None)
+        return env
+
+    def remaining(self) -> float:
+        """Seconds left in this call."""
+        return self.deadline - time.monotonic()
+
+    def sh(self, name: str, command: Sequence[str], timeout: float, check: bool = True) -> str:
+        """Run ``command`` (its output appended to ``logs/name.log``); raise on failure or time-out."""
+        timeout = min(timeout, max(self.remaining() - 5, 1))
+        with open(self.logs / f"{name}.log", "a") as fh:
+            fh.write(f"\n$ {' '.join(command)}\n")
+        try:
+            done = subprocess.run(
+                list(command),
+                cwd=self.root,
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired as exc:
+            out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            with open(self.logs / f"{name}.log", "a") as fh:
+                fh.write(out)
+            raise RuntimeError(
+                f"timed out after {timeout:.0f} s: {' '.join(command[:4])}\n{tail(out)}"
+            ) from exc
+        with open(self.logs / f"{name}.log", "a") as fh:
+            fh.write(done.stdout + done.stderr + f"\n(exit {done.returncode})\n")
+        if check and done.returncode != 0:
+            raise RuntimeError(
+                f"exit {done.returncode}: {' '.join(command[:4])}\n{tail(done.stdout + done.stderr)}"
+            )
+        return done.stdout
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step of the run: its part, time limit and whether it needs a GPU (or TensorRT)."""
+
+    name: str
+    part: int
+    timeout_s: float
+    body: Callable[[Context], tuple[str, dict[str, Any]]]
+    gpu: bool = False
+    tensorrt: bool = False
+    what: str = ""
+
+
+def detect_gpus() -> list[str]:
+    """GPU names from nvidia-smi ([] without one)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]

@@ -1,0 +1,67 @@
+"""The outputs of a call: summary.md, summary.json, logs.tar.gz; and the calls printed by ``prepare``."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from .common import KIT
+from .context import Context, StepResult
+
+
+def cell(text: str) -> str:
+    """Text fit for one Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def summary_markdown(results: Sequence[StepResult], header: str) -> str:
+    """The summary: one row per step, then the measured tables."""
+    lines = [
+        f"# GPU check: {header}",
+        "",
+        "| step | part | status | s | detail |",
+        "| --- | ---: | --- | ---: | --- |",
+    ]
+    for r in results:
+        lines.append(f"| {r.name} | {r.part} | {r.status} | {r.seconds:.1f} | {cell(r.detail)} |")
+    for r in results:
+        points = r.data.get("perf") or r.data.get("instances")
+        if not points:
+            continue
+        lines += ["", f"## {r.name}", ""]
+        keys = [k for k in ("instances", "mps", "batch", "concurrency") if k in points[0]]
+        lines.append("| " + " | ".join(keys) + " | rows/s | user-item pairs/s | p50 ms | p99 ms |")
+        lines.append("|" + " --- |" * (len(keys) + 4))
+        for p in points:
+            head = " | ".join(str(p[k]) for k in keys)
+            lines.append(
+                f"| {head} | {p['rows_per_s']:.0f} | {p['pairs_per_s']:.0f} "
+                f"| {p['p50_ms']:.2f} | {p['p99_ms']:.2f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(ctx: Context, results: Sequence[StepResult], header: str, extra: dict[str, Any]) -> str:
+    """summary.md, summary.json and logs.tar.gz under the output folder; return the Markdown."""
+    ctx.output.mkdir(parents=True, exist_ok=True)
+    text = summary_markdown(results, header)
+    (ctx.output / "summary.md").write_text(text)
+    document = {"header": header, "steps": [asdict(r) for r in results], **extra}
+    (ctx.output / "summary.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        tar.add(ctx.logs, arcname="logs")
+    (ctx.output / "logs.tar.gz").write_bytes(buffer.getvalue())
+    return text
+
+
+def print_calls(kit_table: str) -> None:
+    """What to run on the GPU machine."""
+    print(kit_table)
+    print(f'\ncarry: ["{KIT}"]  (the same for every call)')
+    for part in (1, 2, 3):
+        print(f"call {part}: python3 -m perf.gpu_check run --part {part}")
