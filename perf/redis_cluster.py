@@ -134,6 +134,35 @@ class RedisCluster:
             "master_link_status:up" in text for text in replicas
         )
 
+    def wait_replicated(self, timeout_s: float = 30.0) -> None:
+        """Wait until every replica has every write its master took (replication is asynchronous).
+
+        A replica that has just synced gets new writes only once its master has its first
+        acknowledgement (sent about once a second): a master killed before then loses them, and the
+        promoted replica serves without them. Call this after loading data that a failover must keep.
+        """
+
+        def caught_up() -> bool:
+            for port in self.masters():
+                info = dict(
+                    line.split(":", 1)
+                    for line in self.cli(port, "info", "replication").splitlines()
+                    if ":" in line
+                )
+                offset = int(info.get("master_repl_offset", "0"))
+                replicas = [
+                    value for key, value in info.items() if key.startswith("slave") and key[5:].isdigit()
+                ]
+                if len(replicas) < self.replicas:
+                    return False
+                for replica in replicas:
+                    fields = dict(item.split("=", 1) for item in replica.strip().split(","))
+                    if int(fields.get("offset", "-1")) < offset:
+                        return False
+            return True
+
+        self._wait(caught_up, "replicas to take every write of their masters", timeout_s)
+
     def masters(self) -> list[int]:
         """Ports of the live masters that serve slots."""
         live = next(p for p, proc in self.processes.items() if proc.poll() is None)

@@ -29,6 +29,7 @@ def stores(cluster, deadline_ms=200.0, cooldown_s=0.5):
     tier = RedisTier.connect(options)
     t1 = tables["t1"]
     assert tier.upload(t1.keys, t1.vectors) == len(t1.keys)
+    cluster.wait_replicated()  # a failover must keep the rows: the replicas hold them first
     local = {
         **tables,
         "t1": TableArrays("t1", np.empty(0, np.int64), np.empty((0, DIM), np.float32), t1.default),
@@ -118,7 +119,11 @@ def test_killing_a_master_mid_traffic_fails_no_lookup_and_recovers(cluster):
     assert all(ok for _, ok, _ in outcomes)
     during = [missed for at, _, missed in outcomes if killed_at <= at <= recovered_at]
     assert sum(during) > 0 and sum(tier.errors.values()) > 0  # the outage was seen and counted
-    assert outcomes[-1][2] == 0, "L3 did not recover after the replica took over"
+    assert outcomes[-1][2] == 0, (
+        f"L3 did not recover after the replica took over: errors {tier.errors}, "
+        f"breaker {tier.breaker.state}, "
+        f"masters {cluster.masters()} of {cluster.ports} (killed {victim}), last misses {timeline[-20:]}"
+    )
 
 
 def test_all_redis_down_opens_the_breaker_and_stops_paying_the_deadline(cluster):

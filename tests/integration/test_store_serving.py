@@ -247,6 +247,7 @@ def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec
             "--spec", str(spec_file), "redis-load", "--repository", str(tmp_path / "repository")
         )
         assert loaded.returncode == 0, loaded.stderr
+        cluster.wait_replicated()  # the master killed below must not take rows its replica lacks
         with TritonServer(tmp_path / "repository", Ports.free(), log_path=tmp_path / "server.log") as server:
             wait_for(
                 lambda: np.allclose(predict(server, spec, wire), expected, rtol=0, atol=1e-5), timeout_s=20
