@@ -179,28 +179,22 @@ def step_instances_mps(ctx: Context) -> tuple[str, dict[str, Any]]:
 def cmd_parity(args: argparse.Namespace) -> int:
     """Served scores (gRPC) against the in-process PyTorch reference on the same generated rows."""
     import numpy as np
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
 
     from recserve.build.repository import reference_pipeline
     from recserve.build.synthetic import generate
+    from recserve.clients import CTRClient
     from recserve.spec import DEFAULT_REPOSITORY, DEFAULT_SPEC, load_spec
 
     spec = load_spec(DEFAULT_SPEC)
     reference = reference_pipeline(spec, Path(DEFAULT_REPOSITORY), runtime="torch")
-    client = grpcclient.InferenceServerClient(args.url)
     worst, rows = 0.0, 0
-    for batch, seed in ((1, 1), (7, 2), (64, 3), (256, 4)):
-        wire = generate(spec, batch, seed).to_wire(spec)
-        inputs = []
-        for name, array in wire.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        served = client.infer(spec.name, inputs).as_numpy("probability").reshape(-1)
-        expected = np.asarray(reference.predict(wire)).reshape(-1)
-        worst = max(worst, float(np.abs(served - expected).max()))
-        rows += batch
+    with CTRClient(args.url, protocol="grpc", spec=spec) as client:
+        for batch, seed in ((1, 1), (7, 2), (64, 3), (256, 4)):
+            wire = generate(spec, batch, seed).to_wire(spec)
+            served = client.predict_inputs(wire)
+            expected = np.asarray(reference.predict(wire)).reshape(-1)
+            worst = max(worst, float(np.abs(served - expected).max()))
+            rows += batch
     print(
         json.dumps(
             {"rows": rows, "max_abs_diff": worst, "tolerance": args.tolerance, "ok": worst <= args.tolerance}
