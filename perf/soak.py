@@ -43,6 +43,7 @@ LOGGER = logging.getLogger(__name__)
 SERVER = "tritonserver"
 #: An updater makes one change to the served models and says what it did.
 Updater = Callable[[], str]
+SETTLE_S = 5.0  # a stub younger than this is still loading its model version
 
 
 # ---- resources ---------------------------------------------------------------------------------
@@ -51,13 +52,15 @@ class ResourceSample:
     """Resident memory (MB) and open descriptors of tritonserver and of each model's serving stubs.
 
     ``replaced`` counts, per model, the stubs beyond its instance count: those of a version being
-    replaced, on their way out (they are not added to the model's memory).
+    replaced, on their way out (they are not added to the model's memory). ``youngest_s`` is, per
+    model, the age of its youngest counted stub: a stub seconds old is still loading its version.
     """
 
     at_s: float
     rss_mb: dict[str, float]
     fds: dict[str, int]
     replaced: dict[str, int] = field(default_factory=dict)
+    youngest_s: dict[str, float] = field(default_factory=dict)
 
 
 def _rss_mb(pid: int) -> float:
@@ -74,6 +77,12 @@ def _started(pid: int) -> int:
         return 0
 
 
+def _age_s(pid: int) -> float:
+    """Seconds since ``pid`` started."""
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime - _started(pid) / os.sysconf("SC_CLK_TCK")
+
+
 def sample_resources(
     server: TritonServer, at_s: float, instances: dict[str, int] | None = None
 ) -> ResourceSample:
@@ -87,6 +96,7 @@ def sample_resources(
         keep = (instances or {}).get(model, len(pids))
         pids.sort(key=_started, reverse=True)
         groups[model], replaced[model] = pids[:keep], max(0, len(pids) - keep)
+    youngest = {model: min((_age_s(pid) for pid in pids), default=0.0) for model, pids in groups.items()}
     groups[SERVER] = [server.process.pid]
     rss: dict[str, float] = {}
     fds: dict[str, int] = {}
@@ -98,17 +108,24 @@ def sample_resources(
                 fds[name] += len(os.listdir(f"/proc/{pid}/fd"))
             except OSError:  # a stub that just exited
                 continue
-    return ResourceSample(at_s, rss, fds, replaced)
+    return ResourceSample(at_s, rss, fds, replaced, youngest)
 
 
 def detect_leaks(
-    samples: list[ResourceSample], max_rss_growth_mb: float = 50.0, max_fd_growth: int = 16, window: int = 3
+    samples: list[ResourceSample],
+    max_rss_growth_mb: float = 50.0,
+    max_fd_growth: int = 16,
+    window: int = 3,
+    settle_s: float = SETTLE_S,
 ) -> tuple[dict[str, tuple[float, int]], list[str]]:
     """Growth over the second half of a run, and what breaks the limits.
 
     The start and the end of the second half are each the median of ``window`` samples, so a short
-    spike does not count as growth. Stubs of a replaced version are not part of a model's memory;
-    more than one of them still running through the last window is a problem of its own.
+    spike does not count as growth. A model's samples taken while its youngest stub was under
+    ``settle_s`` old (a new version still loading) are left out of its medians where enough others
+    remain, so a reload caught half-way is not taken for growth. Stubs of a replaced version are not
+    part of a model's memory; more than one of them still running through the last window is a
+    problem of its own.
 
     Returns:
         ``({group: (rss growth MB, fd growth)}, [problems])``.
@@ -116,9 +133,11 @@ def detect_leaks(
     half = [s for s in samples if s.at_s >= samples[-1].at_s / 2] if samples else []
     if len(half) < 2 * window:
         return {}, [f"too few samples in the second half ({len(half)}) to judge memory"]
-    first, last = half[:window], half[-window:]
     growth, problems = {}, []
     for name in sorted(set().union(*(s.rss_mb.keys() for s in half))):
+        settled = [s for s in half if s.youngest_s.get(name, settle_s) >= settle_s]
+        judged = settled if len(settled) >= 2 * window else half
+        first, last = judged[:window], judged[-window:]
         rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last) - statistics.median(
             s.rss_mb.get(name, 0.0) for s in first
         )
@@ -127,7 +146,7 @@ def detect_leaks(
             - statistics.median(s.fds.get(name, 0) for s in first)
         )
         growth[name] = (rss, fds)
-        lingering = min(s.replaced.get(name, 0) for s in last)
+        lingering = min(s.replaced.get(name, 0) for s in half[-window:])
         if lingering > 1:
             problems.append(f"{name}: {lingering} replaced versions' stubs are still running at the end")
         if rss > max_rss_growth_mb:
