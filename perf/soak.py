@@ -43,7 +43,6 @@ LOGGER = logging.getLogger(__name__)
 SERVER = "tritonserver"
 #: An updater makes one change to the served models and says what it did.
 Updater = Callable[[], str]
-SETTLE_S = 5.0  # a stub younger than this is still loading its model version
 
 
 # ---- resources ---------------------------------------------------------------------------------
@@ -52,15 +51,15 @@ class ResourceSample:
     """Resident memory (MB) and open descriptors of tritonserver and of each model's serving stubs.
 
     ``replaced`` counts, per model, the stubs beyond its instance count: those of a version being
-    replaced, on their way out (they are not added to the model's memory). ``youngest_s`` is, per
-    model, the age of its youngest counted stub: a stub seconds old is still loading its version.
+    replaced, on their way out (they are not added to the model's memory). ``generation`` names,
+    per model, its newest stub (its start time): it changes when a new version goes live.
     """
 
     at_s: float
     rss_mb: dict[str, float]
     fds: dict[str, int]
     replaced: dict[str, int] = field(default_factory=dict)
-    youngest_s: dict[str, float] = field(default_factory=dict)
+    generation: dict[str, int] = field(default_factory=dict)
 
 
 def _rss_mb(pid: int) -> float:
@@ -77,12 +76,6 @@ def _started(pid: int) -> int:
         return 0
 
 
-def _age_s(pid: int) -> float:
-    """Seconds since ``pid`` started."""
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime - _started(pid) / os.sysconf("SC_CLK_TCK")
-
-
 def sample_resources(
     server: TritonServer, at_s: float, instances: dict[str, int] | None = None
 ) -> ResourceSample:
@@ -96,7 +89,7 @@ def sample_resources(
         keep = (instances or {}).get(model, len(pids))
         pids.sort(key=_started, reverse=True)
         groups[model], replaced[model] = pids[:keep], max(0, len(pids) - keep)
-    youngest = {model: min((_age_s(pid) for pid in pids), default=0.0) for model, pids in groups.items()}
+    newest = {model: max((_started(pid) for pid in pids), default=0) for model, pids in groups.items()}
     groups[SERVER] = [server.process.pid]
     rss: dict[str, float] = {}
     fds: dict[str, int] = {}
@@ -108,43 +101,45 @@ def sample_resources(
                 fds[name] += len(os.listdir(f"/proc/{pid}/fd"))
             except OSError:  # a stub that just exited
                 continue
-    return ResourceSample(at_s, rss, fds, replaced, youngest)
+    return ResourceSample(at_s, rss, fds, replaced, newest)
 
 
 def detect_leaks(
-    samples: list[ResourceSample],
-    max_rss_growth_mb: float = 50.0,
-    max_fd_growth: int = 16,
-    window: int = 3,
-    settle_s: float = SETTLE_S,
+    samples: list[ResourceSample], max_rss_growth_mb: float = 50.0, max_fd_growth: int = 16, window: int = 3
 ) -> tuple[dict[str, tuple[float, int]], list[str]]:
     """Growth over the second half of a run, and what breaks the limits.
 
-    The start and the end of the second half are each the median of ``window`` samples, so a short
-    spike does not count as growth. A model's samples taken while its youngest stub was under
-    ``settle_s`` old (a new version still loading) are left out of its medians where enough others
-    remain, so a reload caught half-way is not taken for growth. Stubs of a replaced version are not
-    part of a model's memory; more than one of them still running through the last window is a
-    problem of its own.
+    The end of the second half is the median of its last ``window`` samples, so a short spike does
+    not count as growth. It is compared with the median of the half's first ``window`` samples
+    when the same stubs served throughout; when a new version went live in between, with the most
+    the model held before the half (its earlier versions' high-water mark): a new version's stub
+    starts small and grows as it compiles the shapes it serves, so its memory at one age is not
+    comparable with an older stub's at another. Stubs of a replaced version are not part of a
+    model's memory; more than one of them still running through the last window is a problem of
+    its own.
 
     Returns:
         ``({group: (rss growth MB, fd growth)}, [problems])``.
     """
-    half = [s for s in samples if s.at_s >= samples[-1].at_s / 2] if samples else []
+    if not samples:
+        return {}, ["no samples to judge memory"]
+    half_at = samples[-1].at_s / 2
+    half = [s for s in samples if s.at_s >= half_at]
+    before = [s for s in samples if s.at_s < half_at] or half[:window]
     if len(half) < 2 * window:
         return {}, [f"too few samples in the second half ({len(half)}) to judge memory"]
+    first, last = half[:window], half[-window:]
     growth, problems = {}, []
     for name in sorted(set().union(*(s.rss_mb.keys() for s in half))):
-        settled = [s for s in half if s.youngest_s.get(name, settle_s) >= settle_s]
-        judged = settled if len(settled) >= 2 * window else half
-        first, last = judged[:window], judged[-window:]
-        rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last) - statistics.median(
-            s.rss_mb.get(name, 0.0) for s in first
-        )
-        fds = int(
-            statistics.median(s.fds.get(name, 0) for s in last)
-            - statistics.median(s.fds.get(name, 0) for s in first)
-        )
+        end_rss = statistics.median(s.rss_mb.get(name, 0.0) for s in last)
+        end_fds = statistics.median(s.fds.get(name, 0) for s in last)
+        if first[0].generation.get(name) == last[-1].generation.get(name):
+            start_rss = statistics.median(s.rss_mb.get(name, 0.0) for s in first)
+            start_fds = statistics.median(s.fds.get(name, 0) for s in first)
+        else:
+            start_rss = max(s.rss_mb.get(name, 0.0) for s in before)
+            start_fds = max(s.fds.get(name, 0) for s in before)
+        rss, fds = end_rss - start_rss, int(end_fds - start_fds)
         growth[name] = (rss, fds)
         lingering = min(s.replaced.get(name, 0) for s in half[-window:])
         if lingering > 1:
