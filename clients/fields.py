@@ -48,15 +48,18 @@ def text_array(fields_: list[list[str]] | list[str], shape: tuple[int, ...]) -> 
 def integral_text(text: np.ndarray) -> np.ndarray:
     """``text`` with integers written as floats (``"260.0"``, as pandas exports them) cut to ``"260"``.
 
-    Only a point followed by zeros is cut, on the text itself, so ids of any size stay exact;
-    ``"260.5"`` is left alone (and refused as an integer).
+    Only decimal digits followed by a point and zeros are cut, on the text itself, so ids of any
+    size stay exact; ``"260.5"`` or ``"ab.0"`` are left alone (and refused by the column's parser).
+    A hex column whose values are all decimal digits comes out of pandas the same way
+    (``"30883035.0"``), and cutting gives back the hex string, up to leading zeros, which do not
+    change its value.
     """
     pointed = np.char.find(text, ".") >= 0
     if not pointed.any():
         return text
     parts = np.char.partition(text, ".")
     head, tail = parts[..., 0], parts[..., 2]
-    cut = pointed & (np.char.strip(tail, "0") == "") & (np.char.lstrip(head, "+-") != "")
+    cut = pointed & (np.char.strip(tail, "0") == "") & np.char.isdigit(np.char.lstrip(head, "+-"))
     return np.where(cut, head, text)
 
 
@@ -108,7 +111,8 @@ def parse_categorical(
 ) -> np.ndarray:
     """Object array ``[N, C]`` of ASCII ``bytes``, checked to be hex strings the server accepts."""
     n = len(rows)
-    text = text_array(rows, (n, len(columns)))
+    raw = text_array(rows, (n, len(columns)))
+    text = integral_text(raw)
     try:
         encoded: np.ndarray | None = text.astype(bytes)  # ASCII only
     except UnicodeEncodeError:
@@ -124,7 +128,7 @@ def parse_categorical(
     for (r, c), value in np.ndenumerate(text):
         if len(value) > digits or not all(ch in "0123456789abcdefABCDEF" for ch in value):
             raise RowFormatError(
-                f"{value!r} is not a hex string of at most {digits} digits",
+                f"{raw[r, c]!r} is not a hex string of at most {digits} digits",
                 line=int(lines[r]),
                 column=columns[c],
             )

@@ -1,5 +1,6 @@
 import gzip
 import io
+import re
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from recserve.build.synthetic import generate
 from recserve.clients.rows import CriteoRows, RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
 from recserve.spec import NUMPY_DTYPES
+from recserve.wire import parse_hex
 
 
 def _tsv_line(label=None, dense=None, cats=None, extras=None) -> str:
@@ -301,3 +303,46 @@ def test_csv_export_with_quotes_crlf_bom_and_an_ignored_id_column(spec, tmp_path
     with gzip.open(export, "wt", newline="") as fh:
         fh.write(text)
     _assert_matches_wire(read_rows(export, spec), raw, spec)
+
+
+def test_csv_as_pandas_exports_it(spec, tmp_path):
+    """pandas reads all-digit hex columns and integer columns with gaps as floats and writes ``12.0``."""
+    raw = generate(spec, 40, seed=12)
+    raw.categorical[:, :3] = np.array([0x30883035, 0x00123456, 0x99999999], dtype=np.uint64)  # all digits
+    raw.categorical_empty[:, :3] = False
+    plain = tmp_path / "plain.csv"
+    write_csv(plain, raw, spec, with_label=True)
+    header, *lines = plain.read_text().splitlines()
+    names = header.split(",")
+    floated = {*spec.dense.columns, *spec.categorical.columns, spec.target.name, "label"}
+
+    def pandas_field(name, value):
+        numeric = value.lstrip("-").isdigit()
+        return f"{int(value)}.0" if name in floated and numeric else value
+
+    rows = [
+        ",".join(pandas_field(n, v) for n, v in zip(names, line.split(","), strict=True)) for line in lines
+    ]
+    text = "\r\n".join([header, *rows]) + "\r\n"
+    assert "30883035.0" in text and ",123456.0," in text  # the hex strings as pandas writes them
+    export = tmp_path / "export.csv"
+    export.write_bytes(text.encode())
+    got, expected = read_rows(export, spec).to_inputs(spec), raw.to_wire(spec)
+    name = spec.categorical.name
+    assert got[name][0, 1] == b"123456"  # the leading zeros pandas dropped do not change the value:
+    np.testing.assert_array_equal(parse_hex(got[name], 16, name)[0], parse_hex(expected[name], 16, name)[0])
+    for tensor in (
+        spec.dense_missing_input,
+        spec.target.name,
+        spec.sequence.name,
+        spec.sequence_length_input,
+    ):
+        np.testing.assert_array_equal(got[tensor], expected[tensor], err_msg=tensor)
+    np.testing.assert_array_equal(got[spec.dense.name], np.where(raw.dense_missing, 0.0, raw.dense))
+
+
+@pytest.mark.parametrize("value", ["ab.0", "12.5", "+12.0"])
+def test_a_float_in_a_hex_column_that_is_not_an_integer_is_refused_as_written(spec, value):
+    cats = [value] + ["0"] * 25
+    with pytest.raises(RowFormatError, match=rf"line 1, column C1: '{re.escape(value)}' is not a hex string"):
+        read_rows(io.StringIO(_tsv_line("1", cats=cats)), spec)
