@@ -29,6 +29,7 @@ from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
+from recserve.build.evaluation import figure
 from recserve.build.export import example_inputs, export_onnx, torch_predict
 from recserve.build.train import Progress, stderr_progress, train
 from recserve.errors import ArtifactError
@@ -46,7 +47,7 @@ class BuildReport:
     """What a build produced."""
 
     repository: Path
-    holdout_auc: float
+    holdout_auc: float | None
     onnx_max_abs_diff: float
 
 
@@ -142,7 +143,7 @@ def upload_remote_tables(
         tier.close()
 
 
-def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float) -> float:
+def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | None) -> float:
     """Export ONNX, check it against PyTorch at every sequence bucket, write the manifest."""
     path = root / ONNX_FILE
     export_onnx(spec, net, path)
@@ -231,7 +232,7 @@ def build_repository(
     configs.write_configs(spec, repository)
     progress(
         f"[build] repository ready: {repository} "
-        f"(held-out AUC {trained.holdout_auc:.4f}, ONNX max diff {diff:.1e})"
+        f"(held-out AUC {figure(trained.holdout_auc)}, ONNX max diff {diff:.1e})"
     )
     return BuildReport(repository, trained.holdout_auc, diff)
 

@@ -76,12 +76,3 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     logit += 2.5 * (match_frac - 0.3) + 0.5 * (log_dense[:, 0] - 1.0) - 0.4 * (log_dense[:, 1] - 1.0)
     labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
     return RawRows(dense, dense_missing, values, empty, target, history, lengths, labels)
-
-
-def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Area under the ROC curve (rank statistic; ties broken by order, fine for continuous scores)."""
-    labels = np.asarray(labels).astype(bool)
-    ranks = np.empty(len(scores), dtype=np.float64)
-    ranks[np.argsort(scores, kind="stable")] = np.arange(1, len(scores) + 1)
-    pos, neg = labels.sum(), (~labels).sum()
-    return float((ranks[labels].sum() - pos * (pos + 1) / 2) / (pos * neg))

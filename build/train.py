@@ -21,7 +21,8 @@ from recserve import wire
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.rows import TableArrays
-from recserve.build.synthetic import generate, roc_auc
+from recserve.build.evaluation import figure, logloss, roc_auc
+from recserve.build.synthetic import generate
 from recserve.spec import ModelSpec
 from recserve.wire import RawRows
 
@@ -114,7 +115,7 @@ class TrainedModel:
 
     net: CTRNet
     tables: dict[str, TableArrays]
-    holdout_auc: float
+    holdout_auc: float | None  # None when the held-out rows hold one class only
 
 
 def split_holdout(rows: RawRows, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[RawRows, RawRows]:
@@ -214,11 +215,9 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
             ]
         ).numpy()
     auc = roc_auc(holdout.labels, scores)
-    clipped = np.clip(scores.astype(np.float64), 1e-7, 1 - 1e-7)
-    logloss = -np.mean(holdout.labels * np.log(clipped) + (1 - holdout.labels) * np.log(1 - clipped))
     progress(
-        f"[train] held-out AUC {auc:.4f}, logloss {logloss:.4f} on {len(holdout.labels)} rows "
-        f"after {time.perf_counter() - started:.1f}s"
+        f"[train] held-out AUC {figure(auc)}, logloss {figure(logloss(holdout.labels, scores))} "
+        f"on {len(holdout.labels)} rows after {time.perf_counter() - started:.1f}s"
     )
 
     tables = {}

@@ -18,14 +18,12 @@ from pathlib import Path
 import numpy as np
 
 from recserve.backends.explain import explain
+from recserve.build.evaluation import logloss, roc_auc
 from recserve.clients.rows import CriteoRows
 from recserve.spec import ModelSpec
 
 DEFAULT_TOLERANCE = 1e-5
 WORST_ROWS = 5
-_EPSILON = 1e-7  # probabilities are clipped to [eps, 1 - eps] for the logloss
-
-Scorer = Callable[[CriteoRows], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -71,28 +69,6 @@ def read_expected(path: Path) -> np.ndarray:
     return values
 
 
-def auc_and_logloss(labels: np.ndarray, scores: np.ndarray) -> tuple[float | None, float | None]:
-    """ROC AUC (ties averaged) and mean logloss; None where the labels do not allow it."""
-    labels = np.asarray(labels, np.float64)
-    scores = np.asarray(scores, np.float64)
-    if labels.size == 0:
-        return None, None
-    clipped = np.clip(scores, _EPSILON, 1.0 - _EPSILON)
-    logloss = float(-np.mean(labels * np.log(clipped) + (1.0 - labels) * np.log(1.0 - clipped)))
-    positives = labels > 0.5
-    if positives.all() or not positives.any():
-        return None, logloss
-    order = np.argsort(scores, kind="stable")
-    ranks = np.empty(scores.size, np.float64)
-    ranks[order] = np.arange(1, scores.size + 1)
-    _, first, counts = np.unique(scores[order], return_index=True, return_counts=True)
-    for start, count in zip(first, counts, strict=True):  # ties share their mean rank
-        if count > 1:
-            ranks[order[start : start + count]] = start + (count + 1) / 2.0
-    pos, neg = int(positives.sum()), int((~positives).sum())
-    return float((ranks[positives].sum() - pos * (pos + 1) / 2.0) / (pos * neg)), logloss
-
-
 def compare(
     source: str,
     scores: np.ndarray,
@@ -111,7 +87,6 @@ def compare(
             f"{len(expected)} expected scores for {len(scores)} rows: one score per row is needed"
         )
     delta = np.abs(scores - expected)
-    auc, logloss = auc_and_logloss(labels, scores) if labels is not None else (None, None)
     return Comparison(
         source=source,
         rows=int(scores.size),
@@ -120,8 +95,8 @@ def compare(
         over=int((delta > tolerance).sum()),
         tolerance=tolerance,
         worst=tuple(int(i) for i in np.argsort(-delta, kind="stable")[:WORST_ROWS] if delta[i] > tolerance),
-        auc=auc,
-        logloss=logloss,
+        auc=None if labels is None else roc_auc(labels, scores),
+        logloss=None if labels is None else logloss(labels, scores),
     )
 
 
@@ -155,8 +130,8 @@ def format_report(comparisons: Sequence[Comparison], expected: np.ndarray, label
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     if labels is not None:
-        auc, logloss = auc_and_logloss(labels, expected)
-        lines.append(f"| expected (yours) | {expected.size} | | | | {_number(auc)} | {_number(logloss)} |")
+        auc, loss = _number(roc_auc(labels, expected)), _number(logloss(labels, expected))
+        lines.append(f"| expected (yours) | {expected.size} | | | | {auc} | {loss} |")
     for c in comparisons:
         lines.append(
             f"| {c.source} | {c.rows} | {c.max_abs:.3g} | {c.p99_abs:.3g} | {c.over} (> {c.tolerance:g}) "

@@ -3,12 +3,13 @@ import gzip
 import numpy as np
 import pytest
 
+from recserve.build.evaluation import logloss, roc_auc
 from recserve.build.repository import reference_pipeline
-from recserve.build.synthetic import generate, roc_auc
+from recserve.build.synthetic import generate
 from recserve.cli import main
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
-from recserve.verify import auc_and_logloss, compare, read_expected, score_in_batches
+from recserve.verify import compare, read_expected, score_in_batches
 from tests.unit.conftest import TINY_SPEC
 
 
@@ -42,13 +43,15 @@ def test_compare_reports_the_rows_over_tolerance_worst_first():
 def test_auc_and_logloss():
     rng = np.random.default_rng(5)
     labels = (rng.random(500) < 0.3).astype(np.float32)
-    scores = 1 / (1 + np.exp(-(labels - 0.3 + rng.standard_normal(500))))  # continuous: no ties
-    auc, logloss = auc_and_logloss(labels, scores)
-    assert auc == pytest.approx(roc_auc(labels, scores))
+    scores = np.round(1 / (1 + np.exp(-(labels - 0.3 + rng.standard_normal(500)))), 2)  # many ties
+    positive, negative = scores[labels == 1], scores[labels == 0]
+    pairs = (positive[:, None] > negative[None, :]) + 0.5 * (positive[:, None] == negative[None, :])
+    assert roc_auc(labels, scores) == pytest.approx(pairs.mean())  # every pair, ties counted half
     expected = -np.mean(labels * np.log(scores) + (1 - labels) * np.log(1 - scores))
-    assert logloss == pytest.approx(expected)
-    assert auc_and_logloss(np.array([1.0, 0.0]), np.array([0.5, 0.5]))[0] == 0.5  # ties share their rank
-    assert auc_and_logloss(np.ones(3), np.full(3, 0.9))[0] is None  # one class: no AUC
+    assert logloss(labels, scores) == pytest.approx(expected)
+    assert roc_auc(np.array([1.0, 0.0]), np.array([0.5, 0.5])) == 0.5  # ties share their rank
+    assert roc_auc(np.ones(3), np.full(3, 0.9)) is None  # one class: no AUC
+    assert logloss(np.zeros(0), np.zeros(0)) is None
 
 
 @pytest.fixture
