@@ -84,12 +84,16 @@ def sample_resources(
     groups: dict[str, list[int]] = {}
     for pid, model in server.stubs().items():
         groups.setdefault(model, []).append(pid)
-    replaced = {}
+    replaced, newest = {}, {}
     for model, pids in groups.items():
         keep = (instances or {}).get(model, len(pids))
-        pids.sort(key=_started, reverse=True)
-        groups[model], replaced[model] = pids[:keep], max(0, len(pids) - keep)
-    newest = {model: max((_started(pid) for pid in pids), default=0) for model, pids in groups.items()}
+        started = {pid: _started(pid) for pid in pids}
+        pids.sort(key=started.__getitem__, reverse=True)
+        groups[model], replaced[model], newest[model] = (
+            pids[:keep],
+            max(0, len(pids) - keep),
+            started[pids[0]],
+        )
     groups[SERVER] = [server.process.pid]
     rss: dict[str, float] = {}
     fds: dict[str, int] = {}
