@@ -143,9 +143,8 @@ def _verify(args: argparse.Namespace) -> int:
         except RecserveClientError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-    comparisons = [
-        verify.compare(name, s, expected, rows.labels, args.tolerance) for name, s in scores.items()
-    ]
+    tolerance = verify.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    comparisons = [verify.compare(name, s, expected, rows.labels, tolerance) for name, s in scores.items()]
     print(verify.format_report(comparisons, expected, rows.labels))
     failed = [c for c in comparisons if not c.passed]
     for comparison in failed:
@@ -244,7 +243,9 @@ def parser() -> argparse.ArgumentParser:
         default="onnx",
         help="in process: the served ONNX graph or PyTorch",
     )
-    check.add_argument("--tolerance", type=float, default=1e-5, help="largest |difference| accepted per row")
+    check.add_argument(
+        "--tolerance", type=float, default=None, help="largest |difference| accepted per row (default 1e-5)"
+    )
     check.set_defaults(func=_verify)
 
     sample = sub.add_parser(

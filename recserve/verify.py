@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from recserve.backends.explain import explain
+from recserve.backends.store.tiered import TieredStore
 from recserve.build.evaluation import logloss, roc_auc
 from recserve.clients.rows import CriteoRows
 from recserve.spec import ModelSpec
@@ -108,13 +109,10 @@ def score_in_batches(rows: CriteoRows, spec: ModelSpec, predict: Callable[..., n
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def explain_rows(spec: ModelSpec, store: object, rows: CriteoRows, numbers: Sequence[int]) -> list[str]:
+def explain_rows(spec: ModelSpec, store: TieredStore, rows: CriteoRows, numbers: Sequence[int]) -> list[str]:
     """``explain``'s records of the given rows, one line each (numbers are the rows' 0-based places)."""
     if not numbers:
         return []
-    from recserve.backends.store.tiered import TieredStore
-
-    assert isinstance(store, TieredStore)
     picked = rows.take(np.asarray(numbers))
     lines = []
     for record in explain(spec, store, picked.to_inputs(spec)):
