@@ -42,13 +42,14 @@ def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write ``net`` as ONNX; batch and sequence axes stay dynamic."""
     net.eval()
     example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
+    batch, sequence = wire.BATCH_AXIS, wire.SEQUENCE_AXIS
     dynamic = {
-        wire.DENSE_NORMALIZED: {0: "batch"},
-        wire.SPARSE_EMBEDDINGS: {0: "batch"},
-        wire.TARGET_EMBEDDING: {0: "batch"},
-        wire.HISTORY_EMBEDDINGS: {0: "batch", 1: "sequence"},
-        wire.HISTORY_MASK: {0: "batch", 1: "sequence"},
-        wire.PROBABILITY: {0: "batch"},
+        wire.DENSE_NORMALIZED: {0: batch},
+        wire.SPARSE_EMBEDDINGS: {0: batch},
+        wire.TARGET_EMBEDDING: {0: batch},
+        wire.HISTORY_EMBEDDINGS: {0: batch, 1: sequence},
+        wire.HISTORY_MASK: {0: batch, 1: sequence},
+        wire.PROBABILITY: {0: batch},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():

@@ -91,7 +91,7 @@ def write_tables(spec: ModelSpec, tables: dict[str, TableArrays], root: Path) ->
         )
         remote[name] = {
             "keys": save_array(root, f"remote/{name}.keys.npy", table.keys),
-            "vectors": save_array(root, f"remote/{name}.vectors.npy", np.asarray(table.vectors, np.float32)),
+            "vectors": save_array(root, f"remote/{name}.vectors.npy", table.block(0, len(table.keys))),
         }
     shards = write_shards(root, local, options.table_dtypes)
     write_manifest(
@@ -203,7 +203,13 @@ def add_tensorrt_engine(
 def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
     """The trained PyTorch network of a built repository (checked weights, no pickle)."""
     root = version_dir(repository, wire.DENSE, spec)
-    return load_net(spec, verified_path(root, read_manifest(root)["files"]["weights"]))
+    files = read_manifest(root)["files"]
+    if "weights" not in files:
+        raise ArtifactError(
+            f"the dense model in {repository} was imported from ONNX and has no PyTorch weights; "
+            "use the ONNX runtime (--runtime onnx)"
+        )
+    return load_net(spec, verified_path(root, files["weights"]))
 
 
 def install_adapters(spec: ModelSpec, repository: Path) -> None:

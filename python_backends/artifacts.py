@@ -76,6 +76,62 @@ def load_array(root: Path, entry: dict[str, Any], mmap: bool = False) -> np.ndar
     return array
 
 
+#: safetensors dtype names of the arrays recserve reads.
+SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "U64": "uint64",
+}
+
+
+def map_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The tensors of a ``.safetensors`` file as read-only memory maps (nothing is read up front).
+
+    Raises:
+        ArtifactError: the file is no well-formed safetensors file, or holds a dtype recserve does not read.
+    """
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            header_bytes = int.from_bytes(fh.read(8), "little")
+            if not 2 <= header_bytes <= size - 8:
+                raise ValueError(f"header of {header_bytes} bytes in a file of {size}")
+            header = json.loads(fh.read(header_bytes))
+        arrays = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {info['dtype']}")
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(d) for d in info["shape"])
+            if end - begin != int(np.prod(shape)) * dtype.itemsize or 8 + header_bytes + end > size:
+                raise ValueError(f"tensor {name!r}: its byte range does not fit its shape {list(shape)}")
+            arrays[name] = (
+                np.memmap(path, dtype, "r", 8 + header_bytes + begin, shape)
+                if end > begin
+                else np.empty(shape, dtype)
+            )
+        return arrays
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"{path.name} is not a readable safetensors file ({exc})") from None
+
+
+def first_non_finite(array: np.ndarray, block_rows: int = 1 << 16) -> int | None:
+    """Index of the first row of ``array`` with NaN or Inf (None: all finite), a block at a time."""
+    for start in range(0, len(array), block_rows):
+        bad = ~np.isfinite(np.asarray(array[start : start + block_rows])).reshape(
+            min(block_rows, len(array) - start), -1
+        ).all(axis=1)
+        if bad.any():
+            return start + int(np.flatnonzero(bad)[0])
+    return None
+
+
 def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
     """Write ``manifest.json`` (sorted keys, so builds are byte-reproducible)."""
     path = root / MANIFEST

@@ -257,8 +257,9 @@ def parser() -> argparse.ArgumentParser:
     sample.add_argument("--no-label", action="store_true")
     sample.set_defaults(func=_sample)
 
-    from recserve import perf_cli, store_cli
+    from recserve import model_cli, perf_cli, store_cli
 
+    model_cli.add_commands(sub)
     store_cli.add_commands(sub)
     perf_cli.add_commands(sub)
 

@@ -21,6 +21,7 @@ class InvalidInput(RequestError):
     def __init__(self, input_name: str, message: str) -> None:
         super().__init__(f"input '{input_name}': {message}")
         self.input_name = input_name
+        self.detail = message
 
 
 class ArtifactError(RuntimeError):

@@ -97,6 +97,7 @@ class ModelSection:
     max_batch_size: int
     embedding_dim: int  # every interacting embedding has this width (DLRM dot interaction)
     version: int = 1
+    output: str = "probability"  # what the dense ONNX returns: "probability", or "logit" (served as sigmoid)
 
 
 @dataclass(frozen=True)

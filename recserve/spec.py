@@ -18,6 +18,7 @@ import tomllib
 
 from recserve.sections import (
     TOP_LEVEL_KEYS,
+    AccessSection,
     DenseNetSection,
     HashingSection,
     ModelSection,
@@ -34,6 +35,8 @@ from recserve.sections import (
 
 DEFAULT_SPEC = "ctr"
 DEFAULT_REPOSITORY = Path("model_repository")  # where recserve build writes and the commands read
+#: What a dense ONNX may return (``[model] output``); a logit is served as its sigmoid.
+DENSE_OUTPUTS = ("probability", "logit")
 
 
 @dataclass(frozen=True)
@@ -135,7 +138,9 @@ class ModelSpec:
     queue: QueuePolicy = field(default_factory=QueuePolicy)
     queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
     store: StoreSection = field(default_factory=StoreSection)
+    dense_output: str = "probability"
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+    access: AccessSection = field(default_factory=AccessSection)  # the proxy's: not in ``source``
 
     # ---- derived names -------------------------------------------------------------------
     @property
@@ -263,10 +268,14 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         if not name.isidentifier():
             raise SpecError(f"serving.queue_profiles: {name!r} must be an identifier (it names config files)")
         policy.check(f"serving.queue_profiles.{name}")
+    if model.output not in DENSE_OUTPUTS:
+        raise SpecError(f"model.output must be one of {', '.join(DENSE_OUTPUTS)}, got {model.output!r}")
     if dim % net.attention_heads:
         raise SpecError("embedding_dim must be divisible by attention_heads")
     store = parse_section(StoreSection, doc.get("store", {}), "store")
     store.check(tables)
+    access = parse_section(AccessSection, doc.get("access", {}), "access")
+    access.check()
     return ModelSpec(
         name=model.name,
         version=model.version,
@@ -290,7 +299,9 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         queue=serving.queue,
         queue_profiles=dict(serving.queue_profiles),
         store=store,
-        source=doc,
+        dense_output=model.output,
+        source={key: value for key, value in doc.items() if key != "access"},
+        access=access,
     )
 
 

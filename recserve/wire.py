@@ -32,14 +32,86 @@ TARGET_EMBEDDING = "target_embedding"
 HISTORY_EMBEDDINGS = "history_embeddings"
 
 PROBABILITY = "probability"
+#: The output of a dense ONNX that returns logits (``[model] output = "logit"``); served as its sigmoid.
+LOGIT = "logit"
 #: Per row, the version of the ``dense`` model that scored it (hot swaps are visible to clients).
 DENSE_VERSION = "dense_version"
 #: Per row, the version of every embedding table in the store snapshot that served it, in the order of
 #: :attr:`recserve.spec.ModelSpec.table_names` (one snapshot per batch: all rows of a request agree).
 EMBEDDING_VERSION = "embedding_version"
+#: Request header (gRPC metadata key) naming the user: the access layer hashes it so that a user stays
+#: on one model variant across calls.
+USER_HEADER = "x-recserve-user"
 
 #: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
 DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+#: Dynamic axes of the dense ONNX graph: rows of a batch and positions of a sequence.
+BATCH_AXIS = "batch"
+SEQUENCE_AXIS = "sequence"
+
+
+@dataclass(frozen=True)
+class ContractTensor:
+    """One input or output of the dense network: name, Triton dtype, shape (-1: dynamic), contents."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    holds: str
+
+    def to_json(self) -> dict[str, object]:
+        """``{"name", "dtype", "shape", "holds"}``."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "holds": self.holds}
+
+
+def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:
+    """What the dense network receives and returns under ``spec``: ``(inputs, outputs)``.
+
+    Inputs in the order of :data:`DENSE_NET_INPUTS`; every one FP32 with the batch first. The output
+    is named after ``[model] output``: ``probability``, or ``logit`` (which recserve serves as its
+    sigmoid). The built-in network and every imported ONNX follow this contract.
+    """
+    dim, columns, clip = spec.embedding_dim, spec.dense.columns, spec.dense
+    features = spec.categorical.columns
+    seq = spec.sequence
+    inputs = (
+        ContractTensor(
+            DENSE_NORMALIZED,
+            "FP32",
+            (-1, len(columns)),
+            f"{columns[0]}..{columns[-1]} as log1p(clip(x, {clip.clip_min:g}, {clip.clip_max:g})), missing 0",
+        ),
+        ContractTensor(
+            SPARSE_EMBEDDINGS,
+            "FP32",
+            (-1, len(features), dim),
+            f"{features[0]}..{features[-1]}: one embedding per feature, in this order",
+        ),
+        ContractTensor(
+            TARGET_EMBEDDING, "FP32", (-1, dim), f"{spec.target.name}: its row of table {spec.target.table!r}"
+        ),
+        ContractTensor(
+            HISTORY_EMBEDDINGS,
+            "FP32",
+            (-1, -1, dim),
+            f"{seq.name}: rows of table {seq.table!r}, oldest first, padded to a sequence bucket",
+        ),
+        ContractTensor(
+            HISTORY_MASK,
+            "FP32",
+            (-1, -1),
+            f"{seq.name}: 1 on real positions, 0 on padding (whose embeddings the network must ignore)",
+        ),
+    )
+    output = ContractTensor(
+        spec.dense_output,
+        "FP32",
+        (-1, 1),
+        "click probability" if spec.dense_output == PROBABILITY else "click logit (served as its sigmoid)",
+    )
+    return inputs, (output,)
+
 
 #: Config parameter of ``embedding_lookup``: the torch device of its L1 and of the vectors it returns
 #: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).

@@ -44,11 +44,6 @@ def session_threads(instances: int) -> int:
     return max(1, cores // max(instances, 1))
 
 
-#: Names of the dynamic axes in the exported graph (see recserve.build.export).
-BATCH_AXIS = "batch"
-SEQUENCE_AXIS = "sequence"
-
-
 def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -> ort.InferenceSession:
     """An ONNX Runtime CPU session; with ``bucket``, its batch and sequence axes are fixed to it."""
     import onnxruntime as ort
@@ -58,8 +53,8 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if bucket is not None:
-        options.add_free_dimension_override_by_name(BATCH_AXIS, bucket.rows)
-        options.add_free_dimension_override_by_name(SEQUENCE_AXIS, bucket.length)
+        options.add_free_dimension_override_by_name(wire.BATCH_AXIS, bucket.rows)
+        options.add_free_dimension_override_by_name(wire.SEQUENCE_AXIS, bucket.length)
     try:
         session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -175,11 +170,17 @@ class DenseStep:
             version_dir: the ``dense`` version folder (manifest, ONNX, weights).
             instances: instances of the step on this machine (threads are shared among them).
             device: ``cpu`` (ONNX Runtime buckets) or ``cuda:N``: the TensorRT engine's profiles where
-                the build made one and TensorRT is installed, else a CUDA graph per bucket.
+                the build made one and TensorRT is installed, else a CUDA graph per bucket (an imported
+                model has no PyTorch weights for those: it runs on ONNX Runtime; on GPUs the ``gpu``
+                profile serves its TensorRT engine with Triton's TensorRT backend).
         """
         manifest = read_manifest(version_dir)
         files = manifest["files"]
-        if device == "cpu":
+        if device == "cpu" or "weights" not in files:
+            if device != "cpu":
+                LOGGER.warning(
+                    "an imported dense model has no PyTorch weights: ONNX Runtime serves it on the CPU"
+                )
             model_path = verified_path(version_dir, files["model"])
             return cls(spec, bucketed_onnx_runner(spec, model_path, session_threads(instances)))
         from recserve.backends.dense.torch_runners import bucketed_torch_runner, load_net

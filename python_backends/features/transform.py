@@ -139,3 +139,43 @@ class FeatureTransform:
             raise InvalidInput(name, f"row {r} position {p} is {int(window[r, p])}; item ids are >= 0")
         keys = np.where(mask, keys_for(window.astype(np.uint64), self._item_salt), self._pad_key)
         return {wire.HISTORY_KEYS: keys, wire.HISTORY_MASK: mask.astype(np.float32)}
+
+
+def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.ndarray:
+    """The keys serving computes for raw values of ``table``'s feature, written as clients send them.
+
+    Hex tables take strings (``"05db9164"``; case and leading zeros do not matter; ``""`` is the
+    feature's empty value); the item table takes ids >= 0 (ints, or strings of decimal digits; -1 is
+    an absent target item). The
+    same parsing and hashing as :class:`FeatureTransform`, so an imported vocabulary row is served
+    exactly for the values that name it.
+
+    Raises:
+        InvalidInput: a token is not a value of that feature (named with its position).
+    """
+    ns = spec.hash_namespace
+    hex_features = {f.table: f for f in spec.categorical.features}
+    where = f"{table}.vocab"
+    if table in hex_features:
+        if not all(isinstance(t, str) for t in tokens):
+            i, bad = next((i, t) for i, t in enumerate(tokens) if not isinstance(t, str))
+            raise InvalidInput(where, f"token {i} is {bad!r}; this table's values are hex strings")
+        values, empty = parse_hex(np.array(tokens, dtype=object), spec.categorical.max_hex_digits, where)
+        keys = keys_for(values, table_salt(ns, table))
+        return np.where(empty, missing_key(ns, hex_features[table].name), keys)
+    if table not in (spec.target.table, spec.sequence.table):
+        raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
+    ids = np.empty(len(tokens), np.int64)
+    for i, token in enumerate(tokens):
+        text = str(token) if isinstance(token, int) and not isinstance(token, bool) else token
+        if (
+            not isinstance(text, str)
+            or not (text.isdigit() or text == str(ABSENT_ITEM))
+            or int(text) >= 1 << 63
+        ):
+            raise InvalidInput(
+                where, f"token {i} is {token!r}; this table's values are ids >= 0 (-1: absent)"
+            )
+        ids[i] = int(text)
+    keys = keys_for(ids.astype(np.uint64), table_salt(ns, table))
+    return np.where(ids == ABSENT_ITEM, missing_key(ns, spec.target.name), keys)

@@ -21,20 +21,32 @@ KERNELS = kernels.load()  # the compiled probe-and-gather loops; None: the numpy
 
 @dataclass(frozen=True)
 class TableArrays:
-    """One table as training produces it: keys (any order), their vectors, the default vector."""
+    """One table as training or an import produces it: keys (any order), their vectors, the default.
+
+    ``vectors`` may be memory-mapped and hold rows that no key describes (an imported vocabulary's
+    padding and out-of-vocabulary rows): then ``rows`` lists, for each key, its row of ``vectors``.
+    Readers take the keyed rows a block at a time (:meth:`block`), so a table is never copied whole.
+    """
 
     name: str
     keys: np.ndarray  # int64 [rows]
-    vectors: np.ndarray  # float32 [rows, dim]
+    vectors: np.ndarray  # float32 (or float16) [rows, dim], or [any, dim] with ``rows``
     default: np.ndarray  # float32 [dim]
+    rows: np.ndarray | None = None  # int64 [rows]: the row of ``vectors`` of each key; None: row i
 
     def __post_init__(self) -> None:
         if len(np.unique(self.keys)) != len(self.keys):
             raise ArtifactError(f"table {self.name!r} has duplicate keys")
-        if self.vectors.shape != (len(self.keys), self.default.shape[0]):
+        keyed = len(self.vectors) if self.rows is None else len(self.rows)
+        if keyed != len(self.keys) or self.vectors.shape[1:] != self.default.shape:
             raise ArtifactError(
                 f"table {self.name!r}: vectors {list(self.vectors.shape)} do not fit {len(self.keys)} keys"
             )
+
+    def block(self, start: int, stop: int) -> np.ndarray:
+        """The vectors of keys ``start..stop`` as float32."""
+        source = self.vectors[start:stop] if self.rows is None else self.vectors[self.rows[start:stop]]
+        return np.asarray(source, np.float32)
 
 
 @dataclass(frozen=True)

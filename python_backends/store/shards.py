@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.backends.artifacts import load_array, read_manifest, save_array
+from recserve.backends.artifacts import file_entry, load_array, read_manifest, save_array
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import STORAGE_DTYPES, Shard, TableArrays, TableInfo
 from recserve.errors import ArtifactError
@@ -24,10 +24,14 @@ MANIFEST_FORMAT = "recserve-embeddings/3"
 INDEX_ARRAYS = ("buckets", "overflow_keys", "overflow_rows")
 
 
-def layout_shards(
+def plan_shards(
     tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]
-) -> tuple[list[TableInfo], list[Shard]]:
-    """Group tables into one shard per storage dtype: rows of each table, then their default rows."""
+) -> tuple[list[TableInfo], list[tuple[str, list[str]]]]:
+    """Group tables into one shard per storage dtype: rows of each table, then their default rows.
+
+    Returns:
+        Each table's place, and per shard its dtype and member tables in row order.
+    """
     dims = {t.default.shape[0] for t in tables.values()}
     if len(dims) != 1:
         raise ArtifactError(f"every table needs the same embedding width, got {sorted(dims)}")
@@ -38,21 +42,12 @@ def layout_shards(
         if dtype not in STORAGE_DTYPES:
             raise ArtifactError(f"table {name!r}: storage dtype {dtype!r} is not one of {STORAGE_DTYPES}")
         by_dtype.setdefault(dtype, []).append(name)
-    infos, shards = [], []
+    infos, plan = [], []
     for shard_number, (dtype, members) in enumerate(sorted(by_dtype.items())):
         start, starts = 0, {}
         for name in members:
             starts[name] = start
             start += len(tables[name].keys)
-        keys = np.concatenate([tables[n].keys for n in members]).astype(np.int64)
-        try:
-            index = KeyIndex.build(keys)
-        except ValueError:
-            raise ArtifactError(f"tables {members} share a key; keys must be unique across tables") from None
-        vectors = np.concatenate(
-            [*(tables[n].vectors for n in members), *(tables[n].default[None, :] for n in members)]
-        ).astype(dtype)
-        shards.append(Shard(dtype, keys, vectors, index))
         for offset, name in enumerate(members):
             rows = len(tables[name].keys)
             infos.append(
@@ -60,26 +55,106 @@ def layout_shards(
                     name, names.index(name), shard_number, starts[name], starts[name] + rows, start + offset
                 )
             )
+        plan.append((dtype, members))
+    return infos, plan
+
+
+def shard_index(tables: Mapping[str, TableArrays], members: list[str]) -> tuple[np.ndarray, KeyIndex]:
+    """The keys of a shard's rows (members in order) and their hash index."""
+    keys = np.concatenate([tables[n].keys for n in members]).astype(np.int64)
+    try:
+        return keys, KeyIndex.build(keys)
+    except ValueError:
+        raise ArtifactError(f"tables {members} share a key; keys must be unique across tables") from None
+
+
+def layout_shards(
+    tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]
+) -> tuple[list[TableInfo], list[Shard]]:
+    """The shards of :func:`plan_shards` in memory."""
+    infos, plan = plan_shards(tables, dtypes)
+    shards = []
+    for dtype, members in plan:
+        keys, index = shard_index(tables, members)
+        vectors = np.concatenate(
+            [*(tables[n].block(0, len(tables[n].keys)) for n in members)]
+            + [tables[n].default[None, :] for n in members]
+        ).astype(dtype)
+        shards.append(Shard(dtype, keys, vectors, index))
     return infos, shards
+
+
+#: Rows copied at a time when a shard's vectors are written (bounded memory for any table size).
+COPY_ROWS = 1 << 16
+
+
+def write_vectors(
+    path: Path, tables: Mapping[str, TableArrays], members: list[str], dtype: str
+) -> np.ndarray:
+    """Write a shard's vectors to ``path`` (``.npy``) a block of rows at a time; refuse NaN and Inf.
+
+    The sources may be memory-mapped: no table is ever held whole in memory.
+
+    Raises:
+        ArtifactError: a vector holds NaN or Inf (named by table and row).
+    """
+    rows = sum(len(tables[n].keys) for n in members) + len(members)
+    dim = tables[members[0]].default.shape[0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(rows, dim))
+    position = 0
+    for name in members:
+        table = tables[name]
+        for start in range(0, len(table.keys), COPY_ROWS):
+            block = table.block(start, start + COPY_ROWS)
+            _refuse_non_finite(table, block, start)
+            out[position : position + len(block)] = block
+            position += len(block)
+    for name in members:
+        _refuse_non_finite(tables[name], tables[name].default[None, :], None)
+        out[position] = tables[name].default
+        position += 1
+    out.flush()
+    return out
+
+
+def _refuse_non_finite(table: TableArrays, block: np.ndarray, start: int | None) -> None:
+    """Raise naming the first row of ``block`` (keys from ``start``; None: the default) with NaN or Inf."""
+    bad = ~np.isfinite(block).all(axis=1)
+    if bad.any():
+        if start is None:
+            where = "the default row"
+        else:
+            key = start + int(np.flatnonzero(bad)[0])
+            where = f"row {key if table.rows is None else int(table.rows[key])}"
+        raise ArtifactError(f"table {table.name!r}: {where} holds NaN or Inf")
 
 
 def write_shards(root: Path, tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]) -> dict:
     """Write the shards as ``.npy`` files under ``root``; the manifest's ``shards``/``tables`` entries."""
-    infos, shards = layout_shards(tables, dtypes)
+    infos, plan = plan_shards(tables, dtypes)
     shard_entries = []
-    for number, shard in enumerate(shards):
-        prefix = f"shards/{number}-{shard.dtype}"
+    for number, (dtype, members) in enumerate(plan):
+        prefix = f"shards/{number}-{dtype}"
+        keys, index = shard_index(tables, members)
+        vectors = write_vectors(root / f"{prefix}.vectors.npy", tables, members, dtype)
         shard_entries.append(
             {
-                "dtype": shard.dtype,
-                "keys": save_array(root, f"{prefix}.keys.npy", shard.keys),
-                "vectors": save_array(root, f"{prefix}.vectors.npy", shard.vectors),
+                "dtype": dtype,
+                "keys": save_array(root, f"{prefix}.keys.npy", keys),
+                "vectors": {
+                    **file_entry(root, root / f"{prefix}.vectors.npy"),
+                    "shape": list(vectors.shape),
+                    "dtype": dtype,
+                },
                 **{
                     name: save_array(root, f"{prefix}.{name}.npy", array)
-                    for name, array in shard.index.arrays().items()
+                    for name, array in index.arrays().items()
                 },
             }
         )
+        del vectors
+    dims = {name: int(table.default.shape[0]) for name, table in tables.items()}
     table_entries = {
         t.name: {
             "table_id": t.table_id,
@@ -88,8 +163,8 @@ def write_shards(root: Path, tables: Mapping[str, TableArrays], dtypes: Mapping[
             "row_end": t.row_end,
             "default_row": t.default_row,
             "rows": t.row_end - t.row_start,
-            "dim": int(shards[t.shard].vectors.shape[1]),
-            "dtype": shards[t.shard].dtype,
+            "dim": dims[t.name],
+            "dtype": plan[t.shard][0],
         }
         for t in infos
     }

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.artifacts import load_array, save_array
+from recserve.backends.artifacts import first_non_finite, load_array, map_safetensors, save_array
 from recserve.backends.store.rows import RowBlock
 from recserve.backends.store.tiered import TieredStore
 from recserve.errors import ArtifactError
@@ -64,12 +64,10 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
                 f"delta {path.name}: not a readable .npz without pickled objects ({exc})"
             ) from None
     elif path.suffix == ".safetensors":
-        from safetensors.numpy import load_file
-
         try:
-            arrays = load_file(str(path))
-        except Exception as exc:  # safetensors raises its own types
-            raise DeltaError(f"delta {path.name}: not a readable safetensors file ({exc})") from None
+            arrays = map_safetensors(path)
+        except ArtifactError as exc:
+            raise DeltaError(f"delta {path.name}: {exc}") from None
     else:
         raise DeltaError(f"delta {path.name}: use a .npz or .safetensors file")
     missing = {"keys", "vectors"} - set(arrays)
@@ -80,23 +78,34 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return arrays["keys"], arrays["vectors"]
 
 
-def check_delta(table: str, keys: np.ndarray, vectors: np.ndarray, dim: int) -> None:
-    """Refuse a delta whose dtypes, shapes or values do not fit ``table`` (width ``dim``)."""
+def check_delta(
+    table: str,
+    keys: np.ndarray,
+    vectors: np.ndarray,
+    dim: int,
+    dtypes: tuple[str, ...] = ("float32",),
+    what: str = "delta for",
+) -> None:
+    """Refuse a delta whose dtypes, shapes or values do not fit ``table`` (width ``dim``).
+
+    ``what`` starts each message (``recserve import`` checks whole keyed tables: ``table``).
+    """
     if keys.dtype != np.int64 or keys.ndim != 1:
-        raise DeltaError(f"delta for {table!r}: keys are {keys.dtype}{list(keys.shape)}, expected int64[n]")
-    if vectors.dtype != np.float32:
-        raise DeltaError(f"delta for {table!r}: vectors are {vectors.dtype}, expected float32")
+        raise DeltaError(f"{what} {table!r}: keys are {keys.dtype}{list(keys.shape)}, expected int64[n]")
+    if vectors.dtype.name not in dtypes:
+        raise DeltaError(f"{what} {table!r}: vectors are {vectors.dtype}, expected {' or '.join(dtypes)}")
     if vectors.shape != (len(keys), dim):
         raise DeltaError(
-            f"delta for {table!r}: vectors are {list(vectors.shape)}, "
+            f"{what} {table!r}: vectors are {list(vectors.shape)}, "
             f"expected [{len(keys)}, {dim}] (table dim {dim})"
         )
     if len(keys) == 0:
-        raise DeltaError(f"delta for {table!r} holds no rows")
+        raise DeltaError(f"{what} {table!r} holds no rows")
     if len(np.unique(keys)) != len(keys):
-        raise DeltaError(f"delta for {table!r} repeats keys")
-    if not np.isfinite(vectors).all():
-        raise DeltaError(f"delta for {table!r} holds NaN or Inf values")
+        raise DeltaError(f"{what} {table!r} repeats keys")
+    bad = first_non_finite(vectors)
+    if bad is not None:
+        raise DeltaError(f"{what} {table!r}: row {bad} holds NaN or Inf values")
 
 
 def check_ownership(store: TieredStore, table: str, keys: np.ndarray) -> None:

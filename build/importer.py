@@ -1,0 +1,397 @@
+"""``recserve import``: a servable repository from trained tables and a dense ONNX, with no training.
+
+One file (or folder) per table of the spec in the tables folder, in one of three formats:
+
+* **vocabulary** (what open model zoos produce): ``<table>.npy`` or ``<table>.safetensors``
+  (tensor ``vectors``) with rows ``[rows, dim]`` float32 or float16, plus ``<table>.vocab.json``
+  ``{"tokens": [...], "oov": i, "pad": j}``: ``tokens[r]`` is the raw value of row ``r`` as clients
+  send it, keyed exactly as serving keys it; ``oov`` (optional) is the row served for unknown
+  values, ``pad`` (optional) a row never served; their tokens are ignored (``null`` is fine).
+* **keyed**: ``<table>.safetensors`` or ``<table>.npz`` with ``keys`` int64 ``[N]`` and
+  ``vectors`` ``[N, dim]`` (recserve's 64-bit keys), optionally ``default`` ``[dim]``: the layout
+  and checks of ``recserve update`` deltas.
+* **HugeCTR/HPS sparse model**: a folder ``<table>/`` with ``key`` (raw int64) and
+  ``emb_vector`` (raw float32, ``N * dim``), optionally ``default`` (raw float32, ``dim``).
+
+A table without an out-of-vocabulary row is served zeros for unknown values (as HPS serves its
+default value). Vectors are memory-mapped and copied into the shards a block at a time, so a large
+table is never held twice. Everything is written into a staging folder beside the repository and
+moved into place at the end: the repository appears whole, or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recserve import wire
+from recserve.backends.artifacts import file_entry, map_safetensors, sha256_file, write_manifest
+from recserve.backends.dense.compatibility import check_onnx_contract
+from recserve.backends.dense.runner import OnnxDenseRunner
+from recserve.backends.features.transform import vocabulary_keys
+from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.updates.versions import check_delta, read_delta_file
+from recserve.build import configs
+from recserve.build.export import example_inputs
+from recserve.build.repository import (
+    DENSE_FORMAT,
+    ONNX_FILE,
+    install_adapters,
+    spec_digest,
+    version_dir,
+    write_tables,
+)
+from recserve.build.train import Progress, stderr_progress
+from recserve.errors import ArtifactError, InvalidInput
+from recserve.spec import ModelSpec
+
+VOCAB_SUFFIX = ".vocab.json"
+VECTOR_SUFFIXES = (".npy", ".safetensors")
+KEYED_SUFFIXES = (".safetensors", ".npz")
+HUGECTR_FILES = ("key", "emb_vector")
+VOCAB_KEYS = frozenset({"tokens", "oov", "pad"})
+STORED_DTYPES = ("float32", "float16")
+
+
+class TableImportError(ArtifactError):
+    """A table, vocabulary or dense model that cannot be imported; nothing was written."""
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """Where one table's trained rows are, and in which format (``vocabulary``, ``keyed``, ``hugectr``)."""
+
+    table: str
+    format: str
+    path: Path  # the vectors file, the keyed file, or the HugeCTR folder
+    vocabulary: Path | None = None
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What an import wrote and how fast."""
+
+    repository: Path
+    rows: dict[str, int]  # keyed rows per table
+    formats: dict[str, str]
+    seconds: float
+
+    @property
+    def rows_per_second(self) -> float:
+        """Imported table rows per second of the whole import."""
+        return sum(self.rows.values()) / max(self.seconds, 1e-9)
+
+
+def find_table_sources(spec: ModelSpec, folder: Path) -> dict[str, TableSource]:
+    """One source per table of the spec in ``folder``; refuses unknown, missing and doubled tables."""
+    if not folder.is_dir():
+        raise TableImportError(f"tables folder {folder} does not exist")
+    found: dict[str, list[TableSource]] = {}
+    vocabularies = {p.name[: -len(VOCAB_SUFFIX)]: p for p in folder.glob(f"*{VOCAB_SUFFIX}")}
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or path.name.endswith(VOCAB_SUFFIX):
+            continue
+        if path.is_dir():
+            source = TableSource(path.name, "hugectr", path)
+        elif path.stem in vocabularies and path.suffix in VECTOR_SUFFIXES:
+            source = TableSource(path.stem, "vocabulary", path, vocabularies[path.stem])
+        elif path.suffix in KEYED_SUFFIXES:
+            source = TableSource(path.stem, "keyed", path)
+        else:
+            raise TableImportError(
+                f"{path.name}: not a table file (use <table>.npy or .safetensors with <table>{VOCAB_SUFFIX}, "
+                "<table>.safetensors or .npz with keys, or a HugeCTR folder <table>/)"
+            )
+        found.setdefault(source.table, []).append(source)
+    for table, path in vocabularies.items():
+        if table not in found:
+            raise TableImportError(
+                f"table {table!r}: {path.name} has no vectors file ({table}.npy or .safetensors)"
+            )
+    unknown = sorted(set(found) - set(spec.table_names))
+    if unknown:
+        raise TableImportError(
+            f"unknown table(s) {unknown} in {folder}; "
+            f"the tables of spec {spec.name!r} are {list(spec.table_names)}"
+        )
+    missing = [t for t in spec.table_names if t not in found]
+    if missing:
+        raise TableImportError(f"missing table(s) {missing} in {folder}")
+    doubled = {t: [s.path.name for s in sources] for t, sources in found.items() if len(sources) > 1}
+    if doubled:
+        raise TableImportError(f"more than one file for a table: {doubled}")
+    return {t: found[t][0] for t in spec.table_names}
+
+
+def _vectors(table: str, path: Path, dim: int) -> np.ndarray:
+    """The memory-mapped ``[rows, dim]`` float32/float16 vectors of a ``.npy`` or ``.safetensors`` file."""
+    if path.suffix == ".npy":
+        try:
+            vectors = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as exc:
+            raise TableImportError(
+                f"table {table!r}: {path.name} is not a readable .npy file ({exc})"
+            ) from None
+    else:
+        arrays = map_safetensors(path)
+        if "vectors" not in arrays:
+            raise TableImportError(
+                f"table {table!r}: {path.name} has no tensor 'vectors' (has {sorted(arrays)})"
+            )
+        vectors = arrays["vectors"]
+    if vectors.dtype.name not in STORED_DTYPES:
+        raise TableImportError(f"table {table!r}: vectors are {vectors.dtype}, expected float32 or float16")
+    if vectors.ndim != 2 or vectors.shape[1] != dim:
+        raise TableImportError(
+            f"table {table!r}: vectors are {list(vectors.shape)}, expected [rows, {dim}] (the spec's dim)"
+        )
+    return vectors
+
+
+def _vocabulary(table: str, path: Path, rows: int) -> tuple[list[object], int | None, int | None]:
+    try:
+        doc = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise TableImportError(f"table {table!r}: {path.name} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tokens"), list):
+        raise TableImportError(f'table {table!r}: {path.name} must be an object {{"tokens": [...], ...}}')
+    extra = sorted(set(doc) - VOCAB_KEYS)
+    if extra:
+        raise TableImportError(
+            f"table {table!r}: {path.name} has unknown keys {extra}; known: {sorted(VOCAB_KEYS)}"
+        )
+    tokens = doc["tokens"]
+    if len(tokens) != rows:
+        raise TableImportError(
+            f"table {table!r}: the vocabulary has {len(tokens)} tokens, the vectors {rows} rows"
+        )
+    special = {}
+    for name in ("oov", "pad"):
+        value = doc.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < rows
+        ):
+            raise TableImportError(f"table {table!r}: {name} is {value!r}, expected a row in 0..{rows - 1}")
+        special[name] = value
+    if special["oov"] is not None and special["oov"] == special["pad"]:
+        raise TableImportError(f"table {table!r}: oov and pad are the same row {special['oov']}")
+    return tokens, special["oov"], special["pad"]
+
+
+def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
+    """Format (a): a row matrix plus its vocabulary, keyed as serving keys the tokens."""
+    assert source.vocabulary is not None
+    table, dim = source.table, spec.tables[source.table].dim
+    vectors = _vectors(table, source.path, dim)
+    tokens, oov, pad = _vocabulary(table, source.vocabulary, len(vectors))
+    rows = np.array([r for r in range(len(tokens)) if r not in (oov, pad)], np.int64)
+    try:
+        keys = vocabulary_keys(spec, table, [tokens[r] for r in rows])
+    except InvalidInput as exc:
+        raise TableImportError(f"table {table!r}, {source.vocabulary.name}: {exc.detail}") from None
+    unique, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    if len(unique) != len(keys):
+        again = int(np.flatnonzero(keys == unique[np.argmax(counts > 1)])[1])
+        same = int(first[np.argmax(counts > 1)])
+        raise TableImportError(
+            f"table {table!r}: tokens {tokens[rows[same]]!r} (row {rows[same]}) and {tokens[rows[again]]!r} "
+            f"(row {rows[again]}) are the same value; each value needs one row"
+        )
+    default = np.zeros(dim, np.float32) if oov is None else np.asarray(vectors[oov], np.float32)
+    return TableArrays(table, keys, vectors, default, rows)
+
+
+def read_keyed_table(spec: ModelSpec, source: TableSource) -> TableArrays:
+    """Format (b): ``keys``, ``vectors`` and optionally ``default``, as ``recserve update`` reads deltas."""
+    table, dim = source.table, spec.tables[source.table].dim
+    keys, vectors = read_delta_file(source.path)
+    check_delta(table, keys, vectors, dim, STORED_DTYPES, what="table")
+    default = np.zeros(dim, np.float32)
+    if source.path.suffix == ".safetensors":
+        default = np.asarray(map_safetensors(source.path).get("default", default), np.float32)
+    else:
+        with np.load(source.path, allow_pickle=False) as archive:
+            if "default" in archive.files:
+                default = np.asarray(archive["default"], np.float32)
+    if default.shape != (dim,):
+        raise TableImportError(f"table {table!r}: default is {list(default.shape)}, expected [{dim}]")
+    return TableArrays(table, np.asarray(keys), vectors, default)
+
+
+def read_hugectr_table(spec: ModelSpec, source: TableSource) -> TableArrays:
+    """Format (c): a HugeCTR/HPS sparse-model folder (``key`` int64, ``emb_vector`` float32, raw)."""
+    table, dim, folder = source.table, spec.tables[source.table].dim, source.path
+    for name in HUGECTR_FILES:
+        if not (folder / name).is_file():
+            raise TableImportError(f"table {table!r}: the HugeCTR folder {folder.name}/ has no file {name!r}")
+    key_bytes, vector_bytes = (folder / "key").stat().st_size, (folder / "emb_vector").stat().st_size
+    if key_bytes % 8:
+        raise TableImportError(
+            f"table {table!r}: {folder.name}/key has {key_bytes} bytes, not whole int64 keys"
+        )
+    rows = key_bytes // 8
+    if vector_bytes != rows * dim * 4:
+        raise TableImportError(
+            f"table {table!r}: {folder.name}/emb_vector has {vector_bytes} bytes; {rows} keys of dim {dim} "
+            f"need {rows * dim * 4} (float32)"
+        )
+    if rows == 0:
+        raise TableImportError(f"table {table!r}: {folder.name}/ holds no rows")
+    keys = np.fromfile(folder / "key", dtype="<i8")
+    vectors = np.memmap(folder / "emb_vector", dtype="<f4", mode="r", shape=(rows, dim))
+    if len(np.unique(keys)) != rows:
+        raise TableImportError(f"table {table!r}: {folder.name}/key repeats keys")
+    default = np.zeros(dim, np.float32)
+    if (folder / "default").is_file():
+        default = np.fromfile(folder / "default", dtype="<f4")
+        if default.shape != (dim,):
+            raise TableImportError(
+                f"table {table!r}: {folder.name}/default holds {len(default)} floats, not {dim}"
+            )
+    return TableArrays(table, keys.astype(np.int64), vectors, default)
+
+
+READERS = {"vocabulary": read_vocabulary_table, "keyed": read_keyed_table, "hugectr": read_hugectr_table}
+
+
+def read_tables(spec: ModelSpec, folder: Path) -> tuple[dict[str, TableArrays], dict[str, str]]:
+    """Every table of the spec from ``folder``, checked; and the format each was read in."""
+    sources = find_table_sources(spec, folder)
+    tables = {}
+    for name, source in sources.items():
+        try:
+            tables[name] = READERS[source.format](spec, source)
+        except TableImportError:
+            raise
+        except ArtifactError as exc:  # the delta checks and array readers name the file, not always the table
+            message = str(exc)
+            raise TableImportError(
+                message if repr(name) in message else f"table {name!r}: {message}"
+            ) from None
+    return tables, {name: s.format for name, s in sources.items()}
+
+
+def served_onnx(spec: ModelSpec, source: Path) -> bytes:
+    """The user's ONNX as recserve serves it: its dynamic axes named, a logit turned into a probability.
+
+    The batch axis of every input and output is named :data:`~recserve.wire.BATCH_AXIS` and the
+    positions of the sequence inputs :data:`~recserve.wire.SEQUENCE_AXIS` (the CPU path fixes them per
+    bucket by these names); a ``logit`` output gets a ``Sigmoid`` to ``probability``.
+    """
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(source))
+    graph = model.graph
+    sequence_inputs = {wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK}
+    renames: dict[str, str] = {}
+    for value in [*graph.input, *graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        axes = {0: wire.BATCH_AXIS, **({1: wire.SEQUENCE_AXIS} if value.name in sequence_inputs else {})}
+        for axis, name in axes.items():
+            if dims[axis].dim_param:
+                renames[dims[axis].dim_param] = name
+            dims[axis].dim_param = name
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in renames:
+                dim.dim_param = renames[dim.dim_param]
+    if spec.dense_output == "logit":
+        output = next(o for o in graph.output if o.name == wire.LOGIT)
+        graph.node.append(
+            helper.make_node("Sigmoid", [output.name], [wire.PROBABILITY], name="recserve_sigmoid")
+        )
+        served = helper.make_tensor_value_info(wire.PROBABILITY, onnx.TensorProto.FLOAT, [wire.BATCH_AXIS, 1])
+        graph.output.remove(output)
+        graph.output.append(served)
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def write_imported_dense(spec: ModelSpec, source: Path, root: Path) -> None:
+    """The ``dense`` version folder of an imported ONNX; refuses one that does not run at every bucket."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / ONNX_FILE
+    path.write_bytes(served_onnx(spec, source))
+    runner = OnnxDenseRunner(spec, path)
+    for length in spec.sequence_buckets:
+        try:
+            scores = runner.predict(example_inputs(spec, rows=3, length=length, seed=length))
+        except Exception as exc:  # onnxruntime raises its own types for graphs that fail at run time
+            raise TableImportError(
+                f"dense model {source.name} fails on a batch of 3 x {length}: {exc}"
+            ) from None
+        if scores.shape != (3, 1) or not np.all((scores >= 0) & (scores <= 1)):
+            raise TableImportError(
+                f"dense model {source.name} returns {scores.reshape(-1)[:3]} (shape {list(scores.shape)}) "
+                f'for 3 x {length} rows; expected probabilities in [0, 1] (set [model] output = "logit" '
+                "for a model that returns logits)"
+            )
+    write_manifest(
+        root,
+        {
+            "format": DENSE_FORMAT,
+            "version": spec.version,
+            "spec_sha256": spec_digest(spec),
+            "holdout_auc": None,
+            "imported": {"file": source.name, "sha256": sha256_file(source), "output": spec.dense_output},
+            "files": {"model": file_entry(root, path)},
+        },
+    )
+
+
+def import_repository(
+    spec: ModelSpec,
+    tables_dir: Path,
+    dense: Path,
+    repository: Path,
+    progress: Progress = stderr_progress,
+    replace: bool = False,
+) -> ImportReport:
+    """Write a complete, servable repository of ``spec`` from trained tables and a dense ONNX.
+
+    Raises:
+        TableImportError: naming the table or the dense model and the problem; nothing was written.
+    """
+    started = time.perf_counter()
+    if repository.exists() and any(repository.iterdir()) and not replace:
+        raise TableImportError(f"{repository} exists and is not empty; pass --replace to overwrite it")
+    if not dense.is_file():
+        raise TableImportError(f"dense model {dense} does not exist")
+    check_onnx_contract(spec, dense)
+    tables, formats = read_tables(spec, tables_dir)
+    staging = repository.parent / f".{repository.name}.import-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        rows = {name: len(t.keys) for name, t in tables.items()}
+        progress(f"[import] writing {len(tables)} tables ({sum(rows.values())} rows) to {staging}")
+        write_tables(spec, tables, version_dir(staging, wire.EMBEDDING_LOOKUP, spec))
+        progress(f"[import] checking {dense.name} at every sequence bucket")
+        write_imported_dense(spec, dense, version_dir(staging, wire.DENSE, spec))
+        install_adapters(spec, staging)
+        configs.write_configs(spec, staging)
+        _move_into_place(staging, repository)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    report = ImportReport(repository, rows, formats, time.perf_counter() - started)
+    progress(
+        f"[import] repository ready: {repository} ({sum(rows.values())} rows in {report.seconds:.1f} s, "
+        f"{report.rows_per_second:,.0f} rows/s)"
+    )
+    return report
+
+
+def _move_into_place(staging: Path, repository: Path) -> None:
+    """Replace ``repository`` by ``staging`` with renames (the old one is removed only after)."""
+    old = repository.parent / f".{repository.name}.replaced-{os.getpid()}"
+    if repository.exists():
+        repository.rename(old)
+    staging.rename(repository)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,70 @@
+"""Imported models served by a real tritonserver: the scores of the model they were trained as.
+
+A built model's tables written in all three import formats and its ONNX, imported into a fresh
+repository, serve the scores the original computes; a dense ONNX written by hand with onnx.helper
+(returning a logit) over random vocabulary tables serves its own numpy reference.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import tomllib
+
+from recserve import wire
+from recserve.build.importer import import_repository
+from recserve.build.repository import build_repository, reference_pipeline, version_dir
+from recserve.build.synthetic import generate
+from recserve.clients import CTRClient
+from recserve.spec import load_spec, parse_spec, spec_path
+from tests.integration.private_server import private_server
+from tests.model_exports import HandWrittenModel, export_tables
+
+FORMATS = ("vocabulary", "keyed", "hugectr")
+
+
+def quiet(message: str) -> None:
+    """Progress lines are not asserted on."""
+
+
+def served_scores(repository, scratch, spec, rows) -> np.ndarray:
+    with private_server(repository, scratch, model_control="none") as server:
+        with CTRClient(server.grpc_url, spec=spec) as client:
+            return np.concatenate(
+                [
+                    client.predict_inputs(rows.take(slice(s, s + 64)).to_wire(spec))
+                    for s in range(0, len(rows), 64)
+                ]
+            )
+
+
+def test_a_model_imported_in_every_table_format_serves_the_scores_of_the_built_one(tmp_path):
+    spec = load_spec("tiny")
+    build_repository(spec, tmp_path / "built", quiet)
+    formats = {name: FORMATS[i % 3] for i, name in enumerate(spec.table_names)}
+    export_tables(spec, tmp_path / "built", tmp_path / "tables", formats)
+    shutil.copy(version_dir(tmp_path / "built", wire.DENSE, spec) / "model.onnx", tmp_path / "model.onnx")
+    import_repository(spec, tmp_path / "tables", tmp_path / "model.onnx", tmp_path / "imported", quiet)
+    rows = generate(spec, 300, seed=21)
+    expected = reference_pipeline(spec, tmp_path / "built", "torch")
+    want = np.concatenate(
+        [expected.predict(rows.take(slice(s, s + 100)).to_wire(spec)) for s in (0, 100, 200)]
+    )
+    served = served_scores(tmp_path / "imported", tmp_path / "serve", spec, rows)
+    np.testing.assert_allclose(served, want, atol=1e-5)
+
+
+def test_a_hand_written_onnx_returning_logits_serves_its_numpy_reference(tmp_path):
+    doc = tomllib.loads(spec_path("tiny").read_text())
+    doc["model"]["output"] = "logit"
+    spec = parse_spec(doc)
+    model = HandWrittenModel(spec)
+    model.write(tmp_path / "hand.onnx")
+    tables = model.random_tables(spec, tmp_path / "tables")
+    import_repository(spec, tmp_path / "tables", tmp_path / "hand.onnx", tmp_path / "imported", quiet)
+    rows = generate(spec, 200, seed=22)
+    served = served_scores(tmp_path / "imported", tmp_path / "serve", spec, rows)
+    reference = model.reference(spec, tables, rows)
+    assert reference.std() > 0.01  # the rows reach different table rows: the comparison can fail
+    np.testing.assert_allclose(served, reference, atol=1e-5)
