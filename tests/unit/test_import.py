@@ -13,15 +13,19 @@ import numpy as np
 import onnx
 import pytest
 import tomllib
+import torch
 from safetensors.numpy import save_file
 
 from recserve import wire
 from recserve.backends.artifacts import map_safetensors
 from recserve.backends.dense.compatibility import check_onnx_contract
+from recserve.backends.pipeline import InProcessPipeline
+from recserve.backends.store.tiered import TieredStore
 from recserve.build.importer import TableImportError, import_repository
 from recserve.build.repository import is_built, reference_pipeline, version_dir
 from recserve.build.synthetic import generate
 from recserve.cli import main
+from recserve.clients.writers import write_csv
 from recserve.errors import ArtifactError
 from recserve.spec import parse_spec, spec_path
 from tests.model_exports import HandWrittenModel, export_tables
@@ -304,3 +308,81 @@ def test_an_unknown_dense_output_kind_is_refused():
     doc["model"]["output"] = "score"
     with pytest.raises(ValueError, match="model.output must be one of probability, logit"):
         parse_spec(doc)
+
+
+class ForeignDense(torch.nn.Module):
+    """A dense part written the way a user of another framework would: not recserve's network."""
+
+    def __init__(self, spec) -> None:
+        super().__init__()
+        dim, width = spec.embedding_dim, len(spec.dense.columns) + (spec.num_sparse + 2) * spec.embedding_dim
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        self.dim = dim
+
+    def forward(self, dense, sparse, target, history, mask):
+        pooled = (history * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        return self.mlp(torch.cat([dense, sparse.flatten(1), target, pooled], dim=1))
+
+
+def test_the_guides_pytorch_example_imports_and_verifies(logit_spec, tmp_path, capsys):
+    torch.manual_seed(0)
+    dense = ForeignDense(logit_spec).eval()
+    names = list(wire.DENSE_NET_INPUTS)
+    d, n, f = logit_spec.embedding_dim, len(logit_spec.dense.columns), logit_spec.num_sparse
+    example = (
+        torch.zeros(2, n),
+        torch.zeros(2, f, d),
+        torch.zeros(2, d),
+        torch.zeros(2, 8, d),
+        torch.ones(2, 8),
+    )
+    axes = {name: {0: "batch"} for name in [*names, "logit"]}
+    axes["history_embeddings"] = axes["history_mask"] = {0: "batch", 1: "sequence"}
+    torch.onnx.export(
+        dense,
+        example,
+        str(tmp_path / "dense.onnx"),
+        input_names=names,
+        output_names=["logit"],
+        dynamic_axes=axes,
+        opset_version=17,
+        dynamo=False,
+    )
+    HandWrittenModel(logit_spec).random_tables(logit_spec, tmp_path / "tables")  # row 0: out of vocabulary
+    spec_file = tmp_path / "mine.toml"
+    spec_file.write_text(
+        spec_path("tiny").read_text().replace("version = 1\n", 'version = 1\noutput = "logit"\n', 1)
+    )
+    args = ["--spec", str(spec_file)]
+    repo = tmp_path / "repo"
+    assert (
+        main(
+            [
+                *args,
+                "import",
+                "--tables",
+                str(tmp_path / "tables"),
+                "--dense",
+                str(tmp_path / "dense.onnx"),
+                "--repository",
+                str(repo),
+            ]
+        )
+        == 0
+    )
+
+    def torch_dense(inputs):
+        with torch.no_grad():
+            logits = dense(*(torch.from_numpy(np.ascontiguousarray(inputs[name])) for name in names))
+        return torch.sigmoid(logits).numpy()
+
+    rows = generate(logit_spec, 120, seed=13)
+    store = TieredStore.load(version_dir(repo, wire.EMBEDDING_LOOKUP, logit_spec), logit_spec)
+    expected = InProcessPipeline(logit_spec, store, torch_dense).predict(rows.to_wire(logit_spec))
+    write_csv(tmp_path / "rows.csv", rows, logit_spec, with_label=True)
+    (tmp_path / "scores.txt").write_text("".join(f"{p:.9f}\n" for p in expected))
+    verify = ["verify", "--rows", str(tmp_path / "rows.csv"), "--expected", str(tmp_path / "scores.txt")]
+    assert main([*args, *verify, "--repository", str(repo)]) == 0
+    assert "| in process (onnx) | 120 |" in capsys.readouterr().out
+    (tmp_path / "scores.txt").write_text("".join(f"{p + 0.01:.9f}\n" for p in expected))
+    assert main([*args, *verify, "--repository", str(repo)]) == 1
