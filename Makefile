@@ -8,7 +8,7 @@ METRICS_PORT ?= 8002
 BIN := $(VENV)/bin
 APT_PACKAGES := libb64-0d redis-server gcc libc6-dev
 
-.PHONY: install system-packages build serve test lint typecheck unit integration clean gpu-check
+.PHONY: install system-packages build serve access test lint typecheck unit integration clean gpu-check
 
 # Debian packages: libb64 for perf_analyzer, redis-server (and redis-cli) for the L3 tier tests,
 # gcc for the store's compiled probe loops (python_backends/store/_kernels.c, built by pip install).
@@ -37,6 +37,11 @@ build: install
 serve: build
 	$(BIN)/recserve serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
+# Envoy in front of tritonservers (docs/access.md): the public ports and the split come from the
+# spec's [access]; CANDIDATE=<repository> adds the candidate variant.
+access: build
+	$(BIN)/recserve access --repository $(REPOSITORY) $(if $(CANDIDATE),--candidate $(CANDIDATE))
+
 test: lint build
 	$(BIN)/pytest -ra tests/unit tests/integration
 
@@ -51,7 +56,7 @@ lint: install
 TYPECHECK_TREE := .typecheck
 typecheck: install
 	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/recserve
-	for f in recserve/*.py recserve/server; do ln -s ../../$$f $(TYPECHECK_TREE)/recserve/; done
+	for f in recserve/*.py recserve/server recserve/access; do ln -s ../../$$f $(TYPECHECK_TREE)/recserve/; done
 	ln -s ../../python_backends $(TYPECHECK_TREE)/recserve/backends
 	for d in build clients perf; do ln -s ../../$$d $(TYPECHECK_TREE)/recserve/$$d; done
 	cd $(TYPECHECK_TREE) && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p recserve

@@ -24,7 +24,7 @@ from recserve.spec import ModelSpec, QueuePolicy, WireTensor
 #: the engine's profiles where TensorRT is installed, else CUDA graphs). The variants are written as
 #: ``<model>/configs/<profile>.pbtxt``, which tritonserver picks with ``--model-config-name=<profile>``.
 PROFILES = ("cpu", "gpu", "cuda")
-#: Profiles whose Python steps (``feature_transform``, ``embedding_lookup``) run as KIND_GPU instances:
+#: Profiles whose Python ``embedding_lookup`` runs as KIND_GPU instances:
 #: each instance its own process and CUDA stream; inputs may stay on the GPU (read through DLPack).
 GPU_PROFILES = ("gpu", "cuda")
 TENSORRT_PLAN = "model.plan"
@@ -39,17 +39,11 @@ _DTYPES = {
 
 
 def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
-    """Per-row shapes of the tensors passed between steps."""
-    dim = spec.embedding_dim
+    """Per-row shapes of the tensors passed between steps: the dense contract's inputs and the outputs."""
+    contract, _ = wire.dense_contract(spec)
+    sequence_inputs = (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK)  # each request at its own bucket
     items = (
-        WireTensor(wire.DENSE_NORMALIZED, "FP32", (len(spec.dense.columns),)),
-        WireTensor(wire.SPARSE_KEYS, "INT64", (spec.num_sparse,)),
-        WireTensor(wire.TARGET_KEY, "INT64", (1,)),
-        WireTensor(wire.HISTORY_KEYS, "INT64", (-1,), ragged=True),
-        WireTensor(wire.HISTORY_MASK, "FP32", (-1,), ragged=True),
-        WireTensor(wire.SPARSE_EMBEDDINGS, "FP32", (spec.num_sparse, dim)),
-        WireTensor(wire.TARGET_EMBEDDING, "FP32", (dim,)),
-        WireTensor(wire.HISTORY_EMBEDDINGS, "FP32", (-1, dim), ragged=True),
+        *(WireTensor(t.name, t.dtype, t.shape[1:], ragged=t.name in sequence_inputs) for t in contract),
         WireTensor(wire.PROBABILITY, "FP32", (1,)),
         WireTensor(wire.DENSE_VERSION, "INT64", (1,)),
         WireTensor(wire.EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
@@ -62,49 +56,29 @@ def step_io(
 ) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
     """Inputs and outputs of each ensemble step.
 
-    A TensorRT ``dense``, profile ``gpu``, has no version output.
+    ``embedding_lookup`` takes the raw features and returns the dense network's inputs (and the
+    table versions); a TensorRT ``dense``, profile ``gpu``, has no version output.
     """
     t = intermediate_tensors(spec)
+    dense_inputs = tuple(t[n] for n in wire.DENSE_NET_INPUTS)
     return {
-        wire.FEATURE_TRANSFORM: (
-            spec.wire_inputs(),
-            tuple(
-                t[n]
-                for n in (
-                    wire.DENSE_NORMALIZED,
-                    wire.SPARSE_KEYS,
-                    wire.TARGET_KEY,
-                    wire.HISTORY_KEYS,
-                    wire.HISTORY_MASK,
-                )
-            ),
-        ),
-        wire.EMBEDDING_LOOKUP: (
-            tuple(t[n] for n in (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS)),
-            tuple(
-                t[n]
-                for n in (
-                    wire.SPARSE_EMBEDDINGS,
-                    wire.TARGET_EMBEDDING,
-                    wire.HISTORY_EMBEDDINGS,
-                    wire.EMBEDDING_VERSION,
-                )
-            ),
-        ),
+        wire.EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[wire.EMBEDDING_VERSION])),
         wire.DENSE: (
-            tuple(t[n] for n in wire.DENSE_NET_INPUTS),
+            dense_inputs,
             (t[wire.PROBABILITY],) if profile == "gpu" else (t[wire.PROBABILITY], t[wire.DENSE_VERSION]),
         ),
     }
 
 
-def _input(t: WireTensor) -> mc.ModelInput:
+def model_input(t: WireTensor) -> mc.ModelInput:
+    """A config ``input`` entry for a tensor."""
     return mc.ModelInput(
         name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims), allow_ragged_batch=t.ragged
     )
 
 
-def _output(t: WireTensor) -> mc.ModelOutput:
+def model_output(t: WireTensor) -> mc.ModelOutput:
+    """A config ``output`` entry for a tensor."""
     return mc.ModelOutput(name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims))
 
 
@@ -164,8 +138,8 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
         platform="tensorrt_plan",
         default_model_filename=TENSORRT_PLAN,
         max_batch_size=spec.max_batch_size,
-        input=[_input(dataclasses.replace(t, ragged=False)) for t in inputs],
-        output=[_output(t) for t in outputs],
+        input=[model_input(dataclasses.replace(t, ragged=False)) for t in inputs],
+        output=[model_output(t) for t in outputs],
         instance_group=[
             mc.ModelInstanceGroup(count=spec.instances[wire.DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
         ],
@@ -215,7 +189,7 @@ def step_config(
         step: one of :data:`wire.STEPS`.
         profile: ``cpu``; ``gpu`` for the TensorRT ``dense``; ``cuda`` for the Python ``dense`` on
             GPU instances, with ``embedding_lookup``'s L1 and output on the GPU (``l1_device``). In
-            both GPU profiles the other two steps run as KIND_GPU instances.
+            both GPU profiles ``embedding_lookup`` runs as KIND_GPU instances.
         plan: scheduling of the Python steps; None uses the spec's ``[serving]`` values.
         queue: a queue profile of the spec (``[serving.queue_profiles]``); None: ``[serving.queue]``.
     """
@@ -231,8 +205,8 @@ def step_config(
         name=step,
         backend="python",
         max_batch_size=spec.max_batch_size,
-        input=[_input(t) for t in inputs],
-        output=[_output(t) for t in outputs],
+        input=[model_input(t) for t in inputs],
+        output=[model_output(t) for t in outputs],
         instance_group=[mc.ModelInstanceGroup(count=plan.instances[step], kind=kind)],
     )
     if plan.max_queue_delay_microseconds is not None:  # the naive plan has no dynamic batcher (and no queue)
@@ -276,8 +250,10 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         name=spec.name,
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
-        input=[_input(t) for t in spec.wire_inputs()],
-        output=[_output(t) for t in (*io[wire.DENSE][1], intermediate_tensors(spec)[wire.EMBEDDING_VERSION])],
+        input=[model_input(t) for t in spec.wire_inputs()],
+        output=[
+            model_output(t) for t in (*io[wire.DENSE][1], intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
+        ],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 

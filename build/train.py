@@ -39,7 +39,7 @@ def stderr_progress(message: str) -> None:
 
 @dataclass
 class KeyedRows:
-    """Serving keys of a set of rows (what ``feature_transform`` would produce)."""
+    """Serving keys of a set of rows (what the feature transform of ``embedding_lookup`` produces)."""
 
     dense: np.ndarray
     sparse: np.ndarray  # [N, F]

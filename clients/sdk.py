@@ -37,7 +37,7 @@ from recserve.clients.errors import (
 from recserve.clients.rows import CriteoRows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
-from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER
 
 LOGGER = logging.getLogger(__name__)
 
@@ -201,6 +201,8 @@ class CTRClient(ClientBase):
         model_name: the served model; None uses ``spec.name``.
         shared_memory: pass tensors through a system shared-memory region instead of the request
             message (opt-in; the server must run on the same host).
+        user_id: sent with every request as the ``x-recserve-user`` header (gRPC metadata); the
+            access layer keeps a user on one model variant by it. None: no header.
     """
 
     def __init__(
@@ -211,8 +213,12 @@ class CTRClient(ClientBase):
         spec: ModelSpec | None = None,
         model_name: str | None = None,
         shared_memory: bool = False,
+        user_id: str | None = None,
     ) -> None:
         super().__init__(url, protocol, timeout_s, spec, model_name)
+        if user_id is not None and (not user_id or not user_id.isascii() or not user_id.isprintable()):
+            raise ValueError(f"user_id must be non-empty printable ASCII, got {user_id!r}")
+        self._headers = {USER_HEADER: user_id} if user_id is not None else None
         self._shm: SharedMemoryIO | None = None
         self._module = self._import_module()
         try:
@@ -327,9 +333,13 @@ class CTRClient(ClientBase):
         try:
             if self.protocol == "grpc":
                 return self._client.infer(
-                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                    self.model_name,
+                    infer_inputs,
+                    outputs=outputs,
+                    client_timeout=self.timeout_s,
+                    headers=self._headers,
                 )
-            return self._client.infer(self.model_name, infer_inputs, outputs=outputs)
+            return self._client.infer(self.model_name, infer_inputs, outputs=outputs, headers=self._headers)
         except Exception as exc:
             raise map_exception(exc) from exc
 

@@ -16,6 +16,7 @@ in each step during the spike.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -289,6 +290,33 @@ class OverloadReport:
     cores: str
     queue: str
 
+    def summary(self) -> dict[str, object]:
+        """The figures as a JSON-ready dict: the two latency verdicts, recovery, failures and phases.
+
+        ``served_p99_ratio`` is the spike's served p99 over the first half-capacity phase's;
+        ``shed_p99_ms`` the spike's refusal p99 (NaN, written as null, when nothing was refused).
+        """
+        half, spike = self.phases[0], self.phases[1]
+
+        def number(value: float) -> float | None:
+            return None if np.isnan(value) or np.isinf(value) else round(float(value), 3)
+
+        return {
+            "served_p99_ratio": number(spike.served_p99_ms / half.served_p99_ms),
+            "shed_p99_ms": number(spike.shed_p99_ms),
+            "recovery_s": number(self.recovery_s),
+            "capacity_rps": number(self.capacity_rps),
+            "failed": sum(s.failed for s in self.phases),
+            "failures": self.failures,
+            "shed_reasons": self.shed_reasons,
+            "queue": self.queue or "[serving.queue]",
+            "cores": self.cores,
+            "phases": [
+                {key: number(v) if isinstance(v, float) else v for key, v in vars(s).items()}
+                for s in self.phases
+            ],
+        }
+
     def table(self) -> str:
         """Markdown tables plus the verdict against the targets."""
         lines = [
@@ -342,11 +370,14 @@ def run_overload(
     recovery_window_s: float = 10.0,
     client_cores: frozenset[int] | None = None,
     capacity_rps: float | None = None,
+    url: str | None = None,
 ) -> OverloadReport:
     """Half capacity, a spike and half capacity again, open loop, against ``server``.
 
     The load generator runs in this process on ``client_cores`` (None: wherever it may run).
-    ``capacity_rps`` None: capacity is measured closed-loop on ``server`` first.
+    ``capacity_rps`` None: capacity is measured closed-loop on ``server`` first. ``url``: send the
+    open-loop phases there (a proxy in front of ``server``) instead of to ``server`` itself; the
+    steps' statistics still come from ``server``.
     """
     request = generate(spec, rows, seed=5).to_wire(spec)
     snapshots: dict[int, Snapshot] = {}
@@ -359,7 +390,7 @@ def run_overload(
         capacity = capacity_rps or measure_capacity(server.grpc_url, spec, request)
         half, spike = capacity / 2, capacity * spike_factor
         outcomes = open_loop(
-            server.grpc_url,
+            url or server.grpc_url,
             spec,
             request,
             [(half, seconds), (spike, seconds), (half, recovery_window_s)],
@@ -397,10 +428,11 @@ def overload_command(
     spike_factor: float,
     seconds: float,
     queue: str | None = None,
+    json_path: Path | None = None,
 ) -> int:
     """``recserve overload``: a private server on free loopback ports, pinned apart from the generator.
 
-    Prints the tables.
+    Prints the tables (and writes :meth:`OverloadReport.summary` as JSON to ``json_path``).
 
     ``queue`` names a queue profile of the spec (its ``configs/<queue>.pbtxt``); None or ``default``
     serves ``[serving.queue]``.
@@ -420,4 +452,6 @@ def overload_command(
                 server, spec, rows, spike_factor, seconds, client_cores=cores.client, capacity_rps=capacity
             )
     print(report.table())
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.summary(), indent=2) + "\n")
     return 0 if not report.failures else 1

@@ -1,4 +1,7 @@
-"""The ``embedding_lookup`` step: keys of all features to vectors in one store call per batch."""
+"""The ``embedding_lookup`` step: raw features to keys, then every key to its vector in one store call.
+
+The step hands ``dense`` exactly the inputs of the dense contract.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recserve import wire
-from recserve.backends.features.transform import require
+from recserve.backends.features.transform import FeatureTransform, require
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.spec import ModelSpec
 
@@ -130,3 +133,35 @@ class EmbeddingLookup:
             wire.HISTORY_EMBEDDINGS: vectors[:, features + 1 :],
             wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
         }
+
+
+class FeaturesToEmbeddings:
+    """The served ``embedding_lookup`` step: raw request tensors in, the dense network's inputs out.
+
+    The feature transform and the lookup run in one process, so the keys never cross a process
+    boundary: one Python hop before ``dense`` instead of two.
+    """
+
+    def __init__(self, spec: ModelSpec, lookup: EmbeddingLookup) -> None:
+        self.spec = spec
+        self.transform = FeatureTransform(spec)
+        self.lookup = lookup
+        self.input_names = tuple(t.name for t in spec.wire_inputs())
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
+        """The dense contract's inputs and ``embedding_version`` for one (merged) batch of raw tensors.
+
+        Raises:
+            InvalidInput: naming the first offending input and value.
+        """
+        features = self.transform.transform(inputs)
+        return {
+            wire.DENSE_NORMALIZED: features[wire.DENSE_NORMALIZED],
+            wire.HISTORY_MASK: features[wire.HISTORY_MASK],
+            **self.lookup.lookup(features),
+        }
+
+    def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """The sequence bucket of one request's longest history: the width it gets back."""
+        lengths = inputs[self.spec.sequence_length_input]
+        return self.spec.sequence_bucket(max(int(np.max(lengths, initial=0)), 1))

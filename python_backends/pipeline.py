@@ -11,8 +11,7 @@ from typing import cast
 
 import numpy as np
 
-from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.tiered import TieredStore
 from recserve.spec import ModelSpec
 
@@ -23,13 +22,11 @@ class InProcessPipeline:
     """Raw request tensors in, probabilities ``[B]`` out."""
 
     def __init__(self, spec: ModelSpec, store: TieredStore, dense: DenseFn) -> None:
-        self.transform = FeatureTransform(spec)
         self.lookup = EmbeddingLookup(spec, store)
+        self.embeddings = FeaturesToEmbeddings(spec, self.lookup)
         self.dense = dense
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """Probabilities for one batch of raw inputs (raises ``InvalidInput`` like the server)."""
-        features = self.transform.transform(inputs)
         # no device L1 here: the lookup answers with numpy arrays on the host
-        vectors = cast(dict[str, np.ndarray], self.lookup.lookup(features))
-        return np.asarray(self.dense({**features, **vectors})).reshape(-1)
+        return np.asarray(self.dense(cast(dict[str, np.ndarray], self.embeddings(inputs)))).reshape(-1)

@@ -73,7 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
         extra = []
         if args.queue and (
             args.profile != "cpu"
-            or not (args.repository / wire.FEATURE_TRANSFORM / "configs" / f"{args.queue}.pbtxt").is_file()
+            or not (args.repository / wire.STEPS[0] / "configs" / f"{args.queue}.pbtxt").is_file()
         ):
             print(
                 f"error: no queue profile {args.queue!r} in {args.repository} "
@@ -262,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
     model_cli.add_commands(sub)
     store_cli.add_commands(sub)
     perf_cli.add_commands(sub)
+    from recserve import access_cli
+
+    access_cli.add_commands(sub)
 
     return top
 

@@ -123,11 +123,29 @@ def _soak(args: argparse.Namespace) -> int:
 
 
 def _overload(args: argparse.Namespace) -> int:
+    if args.access:
+        from recserve.perf.access_overload import access_overload_command
+
+        return access_overload_command(
+            load_spec(args.spec),
+            args.repository,
+            args.rows,
+            args.spike,
+            args.seconds,
+            args.json,
+            args.max_requests,
+        )
     from recserve.perf.overload import overload_command
 
     return overload_command(
-        load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds, args.queue
+        load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds, args.queue, args.json
     )
+
+
+def _bench_hops(args: argparse.Namespace) -> int:
+    from recserve.perf.hops import hops_command
+
+    return hops_command(load_spec(args.spec), args.repository, args.requests, args.rounds, args.json)
 
 
 def _redis_outage(args: argparse.Namespace) -> int:
@@ -178,8 +196,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     overload.add_argument(
         "--queue",
         default="latency_first",
-        help="queue profile of the spec to serve; 'default': [serving.queue]",
+        help="queue profile of the spec to serve; 'default': [serving.queue] (with --access: [access])",
     )
+    overload.add_argument(
+        "--access",
+        action="store_true",
+        help="send through the Envoy access layer (in-flight cap from [access]; Triton's queues unbounded)",
+    )
+    overload.add_argument(
+        "--max-requests", type=int, default=None, help="with --access: the proxy's in-flight cap per replica"
+    )
+    overload.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
     overload.set_defaults(func=_overload)
 
     outage = sub.add_parser(
@@ -200,6 +227,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--deadline-ms", type=float, default=None, help="L3 deadline (default: the spec's redis_deadline_ms)"
     )
     outage.set_defaults(func=_redis_outage)
+
+    hops = sub.add_parser(
+        "bench-hops", help="the served ensemble against echo ensembles of its shape (the hop floor), batch 1"
+    )
+    hops.add_argument("--requests", type=int, default=300, help="batch-1 requests per system and round")
+    hops.add_argument("--rounds", type=int, default=3, help="the systems take turns; medians over rounds")
+    hops.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    hops.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    hops.set_defaults(func=_bench_hops)
 
     bench = sub.add_parser(
         "bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"

@@ -147,6 +147,13 @@ class QueuePolicy:
             )
 
 
+#: The steps of the ensemble, in request order: each a separately configured Triton model (and a
+#: key of ``[serving.instances]``).
+EMBEDDING_LOOKUP = "embedding_lookup"
+DENSE = "dense"
+STEPS = (EMBEDDING_LOOKUP, DENSE)
+
+
 @dataclass(frozen=True)
 class ServingSection:
     """``[serving]``: shape buckets, dynamic batching, instances and queue policies."""
@@ -158,6 +165,14 @@ class ServingSection:
     preferred_batch_size: tuple[int, ...] = ()
     queue: QueuePolicy = field(default_factory=QueuePolicy)
     queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raise :class:`SpecError` unless ``instances`` names each step once, with a count >= 1."""
+        if set(self.instances) != set(STEPS) or min(self.instances.values()) < 1:
+            raise SpecError(
+                f"[serving.instances] needs a count >= 1 for each step {list(STEPS)}, "
+                f"got {dict(self.instances)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -223,6 +238,60 @@ class StoreSection:
             raise SpecError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
 
 
+@dataclass(frozen=True)
+class AccessSection:
+    """``[access]``: the Envoy proxy that ``recserve access`` starts in front of the variants' servers.
+
+    A variant is one tritonserver over its own repository (``stable``, ``candidate``). The proxy's
+    settings are not part of the model: the section is left out of what served models receive, so
+    editing it never forces a rebuild.
+    """
+
+    host: str = "127.0.0.1"  # address of the public listeners (the admin port is always 127.0.0.1)
+    grpc_port: int = 8001  # public gRPC port on the proxy; the tritonservers get free loopback ports
+    http_port: int = 8000  # public HTTP port on the proxy
+    admin_port: int = 9901  # Envoy's admin API (/runtime_modify, /stats), loopback only
+    weights: dict[str, int] = field(default_factory=lambda: {"stable": 100, "candidate": 0})
+    max_requests: int = 4  # in flight per replica and protocol; over it: UNAVAILABLE / 503 at once
+    shadow_variant: str = "candidate"  # gets mirrored copies of live requests (responses discarded)
+    shadow_fraction: float = 0.0  # share of live requests mirrored, 0..1
+    shadow_max_requests: int = 2  # mirrored copies in flight per replica; over it a copy is dropped
+    request_timeout_s: float = 30.0  # per request through the proxy
+    # Triton's queues behind the proxy: "unbounded" (no queue policy: the proxy is the admission
+    # gate), "default" ([serving.queue]) or a [serving.queue_profiles] name
+    queue_profile: str = "unbounded"
+    workers: int = 1  # Envoy worker threads
+
+    def check(self) -> None:
+        """Raise :class:`SpecError` on bad ports, weights, caps or fractions.
+
+        A ``queue_profile`` name is checked by ``recserve access`` when it starts the servers: a spec
+        without that profile is fine as long as no proxy is started from it.
+        """
+        ports = (self.grpc_port, self.http_port, self.admin_port)
+        if any(not 0 < port < 65536 for port in ports) or len(set(ports)) != len(ports):
+            raise SpecError(f"[access] needs three different ports in 1..65535, got {ports}")
+        bad_names = [name for name in self.weights if not name.isidentifier() or name != name.lower()]
+        if bad_names:
+            raise SpecError(
+                f"[access] weights: variant names must be lower-case identifiers, got {bad_names}"
+            )
+        if "stable" not in self.weights:
+            raise SpecError("[access] weights needs the variant 'stable'")
+        if any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
+            raise SpecError(f"[access] weights must be >= 0 with a positive sum, got {self.weights}")
+        if min(self.max_requests, self.shadow_max_requests, self.workers) < 1:
+            raise SpecError("[access] max_requests, shadow_max_requests and workers must be >= 1")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise SpecError(f"[access] shadow_fraction must lie in 0..1, got {self.shadow_fraction}")
+        if self.shadow_fraction > 0 and self.shadow_variant not in self.weights:
+            raise SpecError(
+                f"[access] shadow_variant {self.shadow_variant!r} is not one of the weights' variants"
+            )
+        if self.request_timeout_s <= 0:
+            raise SpecError(f"[access] request_timeout_s must be positive, got {self.request_timeout_s}")
+
+
 #: Keys of each ``[[features]]`` kind (``kind`` itself and ``name`` included).
 FEATURE_KEYS: dict[str, frozenset[str]] = {
     "dense": frozenset({"name", "kind", "prefix", "count", "clip_min", "clip_max"}),
@@ -243,7 +312,17 @@ FEATURE_KEYS: dict[str, frozenset[str]] = {
     "sequence": frozenset({"name", "kind", "table", "max_length", "mean_length"}),
 }
 #: The spec's top-level tables.
-TOP_LEVEL_KEYS = ("model", "dense_net", "serving", "training", "features", "tables", "hashing", "store")
+TOP_LEVEL_KEYS = (
+    "model",
+    "dense_net",
+    "serving",
+    "training",
+    "features",
+    "tables",
+    "hashing",
+    "store",
+    "access",
+)
 
 
 def check_feature_keys(raw: Mapping[str, Any], position: int) -> None:

@@ -263,6 +263,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     preferred = tuple(sorted(serving.preferred_batch_size))
     if any(not 1 <= size <= max_batch for size in preferred):
         raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")
+    serving.check()
     serving.queue.check("serving.queue")
     for name, policy in serving.queue_profiles.items():
         if not name.isidentifier():

@@ -1,9 +1,10 @@
 """What travels on the wire: tensor names between the ensemble steps, and raw rows as clients hold them.
 
 The wire inputs of ``ctr`` are named after the spec's features (see :mod:`recserve.spec`); the
-intermediate tensors below are the contract between ``feature_transform``, ``embedding_lookup`` and
-``dense``. The ONNX export, the generated configs, the backends and the clients all read them from
-here. This module is the bottom layer with the spec: it imports nothing else of recserve.
+tensors below are the contract between ``embedding_lookup`` and ``dense`` (and, in process, between
+the feature transform and the lookup inside ``embedding_lookup``). The ONNX export, the generated
+configs, the backends and the clients all read them from here. This module is the bottom layer with
+the spec: it imports nothing else of recserve but the spec, its sections and the errors.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from recserve.errors import InvalidInput
+from recserve.sections import DENSE, EMBEDDING_LOOKUP
 from recserve.spec import ModelSpec
 
-#: The steps of the ensemble, in request order: each is a separately configured Triton model.
-FEATURE_TRANSFORM = "feature_transform"
-EMBEDDING_LOOKUP = "embedding_lookup"
-DENSE = "dense"
-STEPS = (FEATURE_TRANSFORM, EMBEDDING_LOOKUP, DENSE)
+#: The steps of the ensemble (:data:`recserve.sections.STEPS`): ``embedding_lookup`` takes the raw
+#: features (feature transform and lookup in one Python hop) and hands ``dense`` exactly the inputs
+#: of the dense contract (:func:`dense_contract`).
+STEPS = (EMBEDDING_LOOKUP, DENSE)
 
 DENSE_NORMALIZED = "dense_normalized"
 SPARSE_KEYS = "sparse_keys"

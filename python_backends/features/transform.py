@@ -1,4 +1,4 @@
-"""Raw features to keys: the ``feature_transform`` step, as plain numpy.
+"""Raw features to keys: the first half of the ``embedding_lookup`` step, as plain numpy.
 
 Input layout per request (``B`` rows, names from the spec)::
 

@@ -137,7 +137,7 @@ def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
     )
 
 
-def _handle_one(handle: Callable[[Arrays], Arrays], inputs: Arrays) -> pb_utils.InferenceResponse:
+def _handle_one(handle: Callable[[Arrays], Mapping[str, Any]], inputs: Arrays) -> pb_utils.InferenceResponse:
     try:
         return respond(handle(inputs))
     except Exception as exc:  # mapped per request
@@ -147,7 +147,7 @@ def _handle_one(handle: Callable[[Arrays], Arrays], inputs: Arrays) -> pb_utils.
 def execute_merged_or_alone(
     requests: Sequence[Any],
     input_names: Sequence[str],
-    handle: Callable[[Arrays], Arrays],
+    handle: Callable[[Arrays], Mapping[str, Any]],
     ragged_outputs: Sequence[str] = (),
     ragged_width: Callable[[Arrays], int] | None = None,
 ) -> list:
@@ -161,7 +161,8 @@ def execute_merged_or_alone(
     Args:
         requests: the dynamic batch.
         input_names: tensors to read.
-        handle: validates and computes one (merged) set of inputs; raises ``RequestError``.
+        handle: validates and computes one (merged) set of inputs (numpy arrays or torch tensors out);
+            raises ``RequestError``.
         ragged_outputs: outputs whose axis 1 each request gets back at its own width.
         ragged_width: that width, from one request's inputs.
     """

@@ -100,7 +100,7 @@ def test_perf_command_runs_perf_analyzer_and_prints_its_table(server, tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "Composing models" in done.stdout and "feature_transform" in done.stdout
+    assert "Composing models" in done.stdout and "embedding_lookup" in done.stdout
     lines = out.read_text().splitlines()
     assert lines[0].startswith("batch_size,concurrency,rows_per_s") and len(lines) == 3
     assert all(float(line.split(",")[2]) > 0 for line in lines[1:])

@@ -10,6 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from recserve import wire
 from recserve.build.synthetic import generate
 
 from .helpers import infer_inputs, infer_raw
@@ -55,7 +56,7 @@ def _closed_loop(server, spec, stop, log, seed):
             time.sleep(0.002)
 
 
-@pytest.mark.parametrize("model", ["embedding_lookup", "feature_transform"])
+@pytest.mark.parametrize("model", [wire.EMBEDDING_LOOKUP])
 def test_a_killed_stub_fails_only_requests_until_its_model_is_reloaded(fault_server, spec, model):
     stop, log, threads = threading.Event(), [], []
     for i in range(3):

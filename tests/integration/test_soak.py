@@ -12,7 +12,7 @@ from .private_server import private_server
 SOAK_S = float(os.environ.get("RECSERVE_SOAK_S", "60"))
 LEAKING_S = 30.0
 
-#: Appended to the feature_transform adapter: a stub that keeps 8 MB and 8 descriptors per second.
+#: Appended to the embedding_lookup adapter: a stub that keeps 8 MB and 8 descriptors per second.
 LEAK = '''
 
 import os as _os
@@ -34,8 +34,8 @@ class TritonPythonModel(_Served):
 '''
 
 
-def _leaking_feature_transform(root):
-    adapter = root / "feature_transform" / "1" / "model.py"
+def _leaking_lookup(root):
+    adapter = root / "embedding_lookup" / "1" / "model.py"
     source = adapter.read_text()
     assert "class TritonPythonModel:" in source
     adapter.write_text(source.replace("class TritonPythonModel:", "class _Served:") + LEAK)
@@ -56,20 +56,18 @@ def test_soak_keeps_memory_and_descriptors_flat_through_updates(repository, spec
     assert len(report.updates) >= 4 and len(report.counts.versions) >= 3, report.table()
     assert len(report.counts.embedding_versions) >= 2, report.table()  # responses name the store snapshot too
     assert any("published" in u for u in report.updates) and any("back to base" in u for u in report.updates)
-    assert {"tritonserver", "feature_transform", "embedding_lookup", "dense"} <= set(report.growth)
+    assert {"tritonserver", "embedding_lookup", "dense"} <= set(report.growth)
 
 
 def test_the_same_detector_fails_a_leaking_stub(repository, spec, tmp_path):
-    with private_server(repository, tmp_path, prepare=_leaking_feature_transform) as server:
+    with private_server(repository, tmp_path, prepare=_leaking_lookup) as server:
         report = run_soak(server, spec, LEAKING_S)
     print(report.table())
     assert not report.passed
-    assert any(p.startswith("feature_transform: resident memory grew") for p in report.problems), (
+    assert any(p.startswith("embedding_lookup: resident memory grew") for p in report.problems), (
         report.problems
     )
-    assert any(p.startswith("feature_transform:") and "file descriptors" in p for p in report.problems), (
+    assert any(p.startswith("embedding_lookup:") and "file descriptors" in p for p in report.problems), (
         report.problems
     )
-    assert not any(p.startswith(("tritonserver", "dense", "embedding_lookup")) for p in report.problems), (
-        report.problems
-    )
+    assert not any(p.startswith(("tritonserver", "dense")) for p in report.problems), report.problems

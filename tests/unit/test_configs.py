@@ -58,7 +58,7 @@ def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
 def test_latency_first_admits_by_time_at_the_entry_only(spec):
     """The budget is a timeout at the first step; no size limit anywhere, no policy after the entry."""
     policy = spec.queue_profiles["latency_first"]
-    entry = configs.step_config(spec, wire.FEATURE_TRANSFORM, queue="latency_first")
+    entry = configs.step_config(spec, wire.STEPS[0], queue="latency_first")
     limits = entry.dynamic_batching.default_queue_policy
     assert limits.default_timeout_microseconds == policy.entry_timeout > 0 and limits.max_queue_size == 0
     assert limits.timeout_action == limits.REJECT

@@ -1,7 +1,8 @@
 """The dependency direction of the packages, checked on every import (lazy ones included).
 
 Bottom: the spec, the wire names and the domain errors. Above them the backends that run inside
-tritonserver, then the build; perf, the command line and the server process on top. The client SDK
+tritonserver, then the build; perf, the command line, the server process and the access layer (the
+proxy in front of the servers, which depends only on them and the bottom) on top. The client SDK
 depends only on the bottom layer, so a client installs without the server's code paths.
 """
 
@@ -43,6 +44,7 @@ ALLOWED = {
     ),
     "recserve.build": (*BOTTOM, "recserve.backends"),
     "recserve.clients": BOTTOM,
+    "recserve.access": (*BOTTOM, "recserve.server"),  # the proxy in front of the servers
     "recserve": ("recserve",),  # the top: cli, store_cli, server
     "recserve.perf": ("recserve",),
 }
@@ -114,4 +116,7 @@ def test_upward_and_sideways_imports_are_caught():
     ]
     assert violations("recserve.spec", {"recserve.wire", "recserve.sections"}) == ["recserve.wire"]
     assert violations("recserve.perf.bench", {"recserve.build.configs", "recserve.server"}) == []
+    assert violations("recserve.access.config", {"recserve.build.configs", "recserve.server"}) == [
+        "recserve.build.configs"
+    ]
     assert not within("recserve.backends.storex", "recserve.backends.store")

@@ -70,7 +70,7 @@ def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
     )
     for step in wire.STEPS:
         policy = configs.step_config(spec, step).dynamic_batching.default_queue_policy
-        limit = spec.queue.entry_max_queue_size if step == "feature_transform" else spec.queue.max_queue_size
+        limit = spec.queue.entry_max_queue_size if step == wire.STEPS[0] else spec.queue.max_queue_size
         assert policy.max_queue_size == limit > 0
         assert policy.default_timeout_microseconds == spec.queue.default_timeout_microseconds > 0
         assert policy.timeout_action == policy.REJECT

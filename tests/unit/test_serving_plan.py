@@ -24,7 +24,7 @@ def test_naive_plan_turns_dynamic_batching_off(spec):
 
 
 def test_plan_sets_delay_preferred_sizes_and_instances(spec):
-    plan = ServingPlan(1500, (32, 64), {"feature_transform": 2, "embedding_lookup": 1, "dense": 3})
+    plan = ServingPlan(1500, (32, 64), {"embedding_lookup": 2, "dense": 3})
     for step in STEPS:
         config = configs.step_config(spec, step, plan=plan)
         assert config.dynamic_batching.max_queue_delay_microseconds == 1500
@@ -34,14 +34,14 @@ def test_plan_sets_delay_preferred_sizes_and_instances(spec):
 
 
 @pytest.mark.parametrize("profile", ["gpu", "cuda"])
-def test_gpu_profiles_run_the_python_steps_on_gpu_instances_with_gpu_inputs(spec, profile):
-    for step in (wire.FEATURE_TRANSFORM, wire.EMBEDDING_LOOKUP):
-        config = configs.step_config(spec, step, profile=profile)
-        assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
-        assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
-        assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
-        assert "FORCE_CPU_ONLY_INPUT_TENSORS" not in configs.step_config(spec, step).parameters
-        assert configs.step_config(spec, step).instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
+def test_gpu_profiles_run_the_lookup_step_on_gpu_instances_with_gpu_inputs(spec, profile):
+    step = wire.EMBEDDING_LOOKUP
+    config = configs.step_config(spec, step, profile=profile)
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+    assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
+    assert "FORCE_CPU_ONLY_INPUT_TENSORS" not in configs.step_config(spec, step).parameters
+    assert configs.step_config(spec, step).instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
 
 
 def test_unknown_profile_is_refused(spec):

@@ -106,19 +106,19 @@ def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
     assert (COMMITTED_CONFIGS / "dense" / "configs" / "cuda.pbtxt").read_text() == configs.render(config)
 
 
-def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_parameters(spec):
-    for step in (wire.FEATURE_TRANSFORM, wire.EMBEDDING_LOOKUP):
-        for profile in configs.PROFILES:
-            config = configs.step_config(spec, step, profile)
-            config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
-            if profile != "cpu":
-                del config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
-            l1_device = ""
-            if wire.L1_DEVICE_PARAMETER in config.parameters:
-                l1_device = config.parameters[wire.L1_DEVICE_PARAMETER].string_value
-                del config.parameters[wire.L1_DEVICE_PARAMETER]
-            assert l1_device == ("cuda" if (step, profile) == (wire.EMBEDDING_LOOKUP, "cuda") else "")
-            assert config == configs.step_config(spec, step)
+def test_the_lookup_step_differs_between_profiles_only_in_instance_kind_and_device_parameters(spec):
+    step = wire.EMBEDDING_LOOKUP
+    for profile in configs.PROFILES:
+        config = configs.step_config(spec, step, profile)
+        config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
+        if profile != "cpu":
+            del config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
+        l1_device = ""
+        if wire.L1_DEVICE_PARAMETER in config.parameters:
+            l1_device = config.parameters[wire.L1_DEVICE_PARAMETER].string_value
+            del config.parameters[wire.L1_DEVICE_PARAMETER]
+        assert l1_device == ("cuda" if (step, profile) == (wire.EMBEDDING_LOOKUP, "cuda") else "")
+        assert config == configs.step_config(spec, step)
     # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
     hardware = [
         p.as_posix()
@@ -129,7 +129,7 @@ def test_other_steps_differ_between_profiles_only_in_instance_kind_and_device_pa
         "ctr/configs/gpu.pbtxt",
         *(
             f"{model}/configs/{profile}.pbtxt"
-            for model in ("dense", "embedding_lookup", "feature_transform")
+            for model in ("dense", "embedding_lookup")
             for profile in ("cuda", "gpu")
         ),
     ]

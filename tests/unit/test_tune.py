@@ -58,13 +58,13 @@ def test_write_back_keeps_comments_and_round_trips(tmp_path):
     target = tmp_path / "ctr.toml"
     original = spec_path("ctr").read_text()
     target.write_text(original)
-    plan = ServingPlan(1500, (32, 64), {"feature_transform": 2, "embedding_lookup": 1, "dense": 2})
+    plan = ServingPlan(1500, (32, 64), {"embedding_lookup": 2, "dense": 1})
     tune.write_back(target, plan)
     text = target.read_text()
     document = tomllib.loads(text)
     assert document["serving"]["max_queue_delay_microseconds"] == 1500
     assert document["serving"]["preferred_batch_size"] == [32, 64]
-    assert document["serving"]["instances"] == {"feature_transform": 2, "embedding_lookup": 1, "dense": 2}
+    assert document["serving"]["instances"] == {"embedding_lookup": 2, "dense": 1}
     spec = parse_spec(document)
     assert ServingPlan.from_spec(spec) == plan
     # everything outside [serving] is untouched, comments included

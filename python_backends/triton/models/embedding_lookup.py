@@ -1,53 +1,54 @@
-"""Triton model ``embedding_lookup``: keys to vectors through the tiered store.
+"""Triton model ``embedding_lookup``: raw features to the dense network's inputs in one Python hop.
 
-See recserve.backends.store.tiered.
+The feature transform (recserve.backends.features.transform) and the tiered store's lookup
+(recserve.backends.store.tiered) run here together; see recserve.backends.lookup.FeaturesToEmbeddings.
 """
 
 import time
 
 from recserve import wire
-from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.served import ServedStore
 from recserve.backends.triton.adapter import (
     MetricsPublisher,
     ModelContext,
-    execute_checked_merged,
+    execute_merged_or_alone,
     instance_device,
 )
 
-INPUTS = (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS)
 METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
 
 
 class TritonPythonModel:
-    """Looks up the keys of a whole dynamic batch at once; online updates are applied in the background."""
+    """Transforms and looks up a whole dynamic batch at once; online updates are applied in the background."""
 
     def initialize(self, args: dict) -> None:
         """Map and verify the shards, apply published updates, warm the hot cache up.
 
-        The hot cache is on the device when the spec sets ``l1_device``.
+        The hot cache is on the device when the config sets ``l1_device``.
         """
         context = ModelContext.from_args(args)
         self.served = ServedStore.open(context.spec, context.version_dir)
-        self.lookup = EmbeddingLookup.for_instance(
+        lookup = EmbeddingLookup.for_instance(
             context.spec,
             self.served,
             context.parameters.get(wire.L1_DEVICE_PARAMETER, ""),
             instance_device(args),
         )
+        self.step = FeaturesToEmbeddings(context.spec, lookup)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish(self.served.samples())
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:
-        """Vectors for every valid request; metrics published at most once a second."""
-        responses = execute_checked_merged(
+        """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s."""
+        responses = execute_merged_or_alone(
             requests,
-            INPUTS,
-            self.lookup.check,
-            self.lookup.lookup,
-            ragged_outputs={wire.HISTORY_EMBEDDINGS: wire.HISTORY_KEYS},
+            self.step.input_names,
+            self.step,
+            ragged_outputs=(wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK),
+            ragged_width=self.step.history_width,
         )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()

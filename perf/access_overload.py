@@ -1,0 +1,116 @@
+"""``recserve overload --access``: the open-loop spike of :mod:`recserve.perf.overload`, through Envoy.
+
+Capacity is measured closed-loop on the bare tritonserver (throughput-first configs, pinned as in
+``recserve overload``); then the access layer starts over the same repository (Triton's queues as
+``[access] queue_profile`` says, ``unbounded`` by default) and the three open-loop phases (half
+capacity, the spike, half capacity) go to the proxy's gRPC port. The proxy admits at most
+``max_requests`` in flight and refuses the rest at once with UNAVAILABLE. The JSON summary holds the
+two verdicts, ``served_p99_ratio`` and ``shed_p99_ms``, with the phases, the cap, the cores and the
+load average.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from recserve.access import AccessLayer, ProxyPorts, behind_proxy
+from recserve.perf.overload import Cores, OverloadReport, pinned_capacity, run_overload
+from recserve.perf.traffic import scratch_repository
+from recserve.server import Ports
+from recserve.spec import ModelSpec
+
+
+def run_access_overload(
+    spec: ModelSpec,
+    repository: Path,
+    workdir: Path,
+    rows: int = 8,
+    spike_factor: float = 2.0,
+    seconds: float = 5.0,
+    recovery_window_s: float = 10.0,
+    max_requests: int | None = None,
+    cores: Cores | None = None,
+    proxy_with_client: bool = False,
+    proxy_priority: int = -10,
+) -> tuple[OverloadReport, dict[str, object]]:
+    """Measure capacity on the bare server, then the spike through the proxy; the report and its summary.
+
+    ``max_requests`` None: the spec's ``[access] max_requests``. Envoy runs on the server's cores
+    (the load generator alone on the others), or with ``proxy_with_client`` on the generator's, at
+    ``proxy_priority`` (a niceness increment: by default ahead of the servers on the shared core, so
+    that a refusal does not wait behind a step's execution; skipped without the privilege).
+    """
+    cores = cores or Cores.split()
+    access = spec.access
+    if max_requests is not None:
+        access = dataclasses.replace(access, max_requests=max_requests)
+    access = dataclasses.replace(access, weights={"stable": 100}, shadow_fraction=0.0)
+    root = scratch_repository(repository, workdir / "repository")
+    capacity = pinned_capacity(root, spec, rows, cores, workdir / "capacity.log")
+    proxy_cores = cores.client if proxy_with_client else cores.server
+    served, config_name = behind_proxy({"stable": root}, access.queue_profile, spec.queue_profiles, workdir)
+    free = Ports.free()
+    layer = AccessLayer(
+        access,
+        served,
+        workdir / "access",
+        ports=ProxyPorts(free.grpc, free.http, free.metrics),
+        config_name=config_name,
+        server_cpus=cores.server,
+        proxy_cpus=proxy_cores,
+        proxy_priority=proxy_priority,
+    )
+    with layer:
+        report = run_overload(
+            layer.servers["stable"],
+            spec,
+            rows,
+            spike_factor,
+            seconds,
+            recovery_window_s,
+            client_cores=cores.client,
+            capacity_rps=capacity,
+            url=layer.grpc_url,
+        )
+        overflow = layer.admin.cluster_stat("stable", "grpc", "upstream_rq_active_overflow")
+    label = f"{access.queue_profile} behind Envoy, max_requests {access.max_requests}"
+    report = dataclasses.replace(report, queue=label)
+    summary = {
+        **report.summary(),
+        "queue": access.queue_profile,
+        "access": {
+            "max_requests": access.max_requests,
+            "proxy_refused": overflow,
+            "proxy_cores": sorted(proxy_cores) if proxy_cores else None,
+            "proxy_priority": proxy_priority,
+        },
+        "rows": rows,
+        "spike_factor": spike_factor,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+    return report, summary
+
+
+def access_overload_command(
+    spec: ModelSpec,
+    repository: Path,
+    rows: int,
+    spike_factor: float,
+    seconds: float,
+    json_path: Path | None = None,
+    max_requests: int | None = None,
+) -> int:
+    """``recserve overload --access``: prints the tables, writes the JSON summary; 1 on any other failure."""
+    with tempfile.TemporaryDirectory(prefix="recserve-overload-access-") as scratch:
+        report, summary = run_access_overload(
+            spec, repository, Path(scratch), rows, spike_factor, seconds, max_requests=max_requests
+        )
+    print(report.table())
+    print(json.dumps({k: summary[k] for k in ("served_p99_ratio", "shed_p99_ms", "failed", "access")}))
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if not report.failures else 1

@@ -1,0 +1,258 @@
+"""``recserve bench-hops``: the served ensemble against the cheapest ensemble of its shape.
+
+Every Python-backend hop costs cross-process wake-ups and tensor copies whatever it computes. To
+know that floor, one tritonserver serves, next to the real ensemble, **echo** ensembles: steps with
+the same inputs and outputs (names, dtypes, shapes, bytes) and the same dynamic batching, whose
+``model.py`` (:mod:`recserve.perf.echo_model`) returns zeros without computing anything. Two echo
+topologies are measured: the served one (``embedding_lookup`` → ``dense``) and the previous
+three-step one (``feature_transform`` → ``embedding_lookup`` → ``dense``, keys crossing a hop), so
+the report says what the floor of each shape is and how close the served ensemble is to its own.
+
+Batch-1 requests, one in flight, closed loop, from one gRPC client; the systems take turns for
+``rounds`` rounds and each figure is the median over the rounds. The in-process p50 (the same
+pipeline called directly, ONNX Runtime buckets) is measured in the same run, with the server idle.
+``hop_floor_ratio`` = (served p50 − in-process p50) / echo p50 of the served topology: 1.0 means
+the server adds exactly the floor of its shape to the computation.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import model_config_pb2 as mc
+
+from recserve import wire
+from recserve.build import configs
+from recserve.build.synthetic import generate
+from recserve.perf.inprocess import measure_inprocess
+from recserve.perf.stats import StepTimes, difference, snapshot
+from recserve.perf.traffic import infer_inputs
+from recserve.server import Ports, TritonServer
+from recserve.spec import ModelSpec, WireTensor
+
+ECHO_ADAPTER = "echo_model.py"
+
+
+@dataclass(frozen=True)
+class EchoStep:
+    """One step of an echo topology: its name, tensors, and the input its variable axis follows."""
+
+    name: str
+    inputs: tuple[WireTensor, ...]
+    outputs: tuple[WireTensor, ...]
+    width_from: str
+
+
+def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
+    """The served two-step shape and the earlier three-step one (keys between transform and lookup)."""
+    io = configs.step_io(spec)
+    t = configs.intermediate_tensors(spec)
+    served = [
+        EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], spec.sequence.name),
+        EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
+    ]
+    keys = (
+        WireTensor(wire.SPARSE_KEYS, "INT64", (spec.num_sparse,)),
+        WireTensor(wire.TARGET_KEY, "INT64", (1,)),
+        WireTensor(wire.HISTORY_KEYS, "INT64", (-1,), ragged=True),
+    )
+    vectors = tuple(t[n] for n in (wire.SPARSE_EMBEDDINGS, wire.TARGET_EMBEDDING, wire.HISTORY_EMBEDDINGS))
+    three = [
+        EchoStep(
+            "feature_transform",
+            spec.wire_inputs(),
+            (t[wire.DENSE_NORMALIZED], *keys, t[wire.HISTORY_MASK]),
+            spec.sequence.name,
+        ),
+        EchoStep(wire.EMBEDDING_LOOKUP, keys, (*vectors, t[wire.EMBEDDING_VERSION]), wire.HISTORY_KEYS),
+        EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
+    ]
+    return {"echo_2_hops": served, "echo_3_hops": three}
+
+
+def ensemble_outputs(steps: list[EchoStep]) -> list[WireTensor]:
+    """The step outputs that no later step consumes: what the ensemble returns (as the served one)."""
+    return [
+        out
+        for i, step in enumerate(steps)
+        for out in step.outputs
+        if not any(out.name in {x.name for x in later.inputs} for later in steps[i + 1 :])
+    ]
+
+
+def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str, mc.ModelConfig]:
+    """The configs of one echo ensemble ``name`` and its steps (``<name>_<step>``), batched as served."""
+    plan = configs.ServingPlan.from_spec(spec)
+    result = {}
+    for step in steps:
+        config = mc.ModelConfig(
+            name=f"{name}_{step.name}",
+            backend="python",
+            max_batch_size=spec.max_batch_size,
+            input=[configs.model_input(x) for x in step.inputs],
+            output=[configs.model_output(x) for x in step.outputs],
+            instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)],
+        )
+        config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds or 0
+        config.dynamic_batching.preferred_batch_size.extend(plan.preferred_batch_sizes)
+        config.parameters["width_from"].string_value = step.width_from
+        config.parameters["width_buckets"].string_value = ",".join(str(b) for b in spec.sequence_buckets)
+        result[config.name] = config
+    result[name] = mc.ModelConfig(
+        name=name,
+        platform="ensemble",
+        max_batch_size=spec.max_batch_size,
+        input=[configs.model_input(x) for x in spec.wire_inputs()],
+        output=[configs.model_output(x) for x in ensemble_outputs(steps)],
+        ensemble_scheduling=mc.ModelEnsembling(
+            step=[
+                mc.ModelEnsembling.Step(
+                    model_name=f"{name}_{step.name}",
+                    model_version=-1,
+                    input_map={x.name: x.name for x in step.inputs},
+                    output_map={x.name: x.name for x in step.outputs},
+                )
+                for step in steps
+            ]
+        ),
+    )
+    return result
+
+
+def write_hops_repository(spec: ModelSpec, source: Path, target: Path) -> dict[str, tuple[str, ...]]:
+    """The served models of ``source`` (linked, not copied) plus the echo ensembles.
+
+    Returns:
+        Every ensemble to measure, with the names of its steps.
+    """
+    configs.write_variant(spec, source, target)
+    adapter = resources.files("recserve.perf").joinpath(ECHO_ADAPTER).read_text()
+    systems: dict[str, tuple[str, ...]] = {spec.name: wire.STEPS}
+    for name, steps in topologies(spec).items():
+        for model, config in echo_configs(spec, name, steps).items():
+            (target / model / "1").mkdir(parents=True)
+            (target / model / "config.pbtxt").write_text(configs.render(config))
+            if config.backend == "python":
+                (target / model / "1" / "model.py").write_text(adapter)
+        systems[name] = tuple(f"{name}_{step.name}" for step in steps)
+    return systems
+
+
+@dataclass(frozen=True)
+class Latency:
+    """One system's latencies over one round, and where its requests spent their time in the server."""
+
+    system: str
+    p50_ms: float
+    p99_ms: float
+    steps: list[StepTimes]
+
+
+def closed_loop(
+    client: grpcclient.InferenceServerClient, model: str, requests: list[dict[str, np.ndarray]], count: int
+) -> np.ndarray:
+    """Milliseconds of ``count`` batch-1 requests sent one after another."""
+    latencies = np.empty(count)
+    for i in range(count):
+        started = time.perf_counter()
+        client.infer(model, infer_inputs(grpcclient, requests[i % len(requests)]))
+        latencies[i] = time.perf_counter() - started
+    return latencies * 1e3
+
+
+def run_hops(
+    spec: ModelSpec, repository: Path, scratch: Path, requests: int = 300, rounds: int = 3
+) -> dict[str, object]:
+    """Measure the served ensemble, the echo ensembles and the in-process pipeline; the summary."""
+    systems = write_hops_repository(spec, repository, scratch / "repository")
+    rows = generate(spec, 64, seed=5)
+    pool = [rows.take(slice(i, i + 1)).to_wire(spec) for i in range(len(rows))]
+    results: dict[str, list[Latency]] = {s: [] for s in systems}
+    with TritonServer(scratch / "repository", Ports.free(), log_path=scratch / "server.log") as server:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            for system in systems:  # warm-up: first requests allocate and compile
+                closed_loop(client, system, pool, 20)
+            for _ in range(rounds):
+                for system, models in systems.items():
+                    before = snapshot(server.http_url)
+                    latencies = closed_loop(client, system, pool, requests)
+                    steps = difference(before, snapshot(server.http_url), models)
+                    p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99]))
+                    results[system].append(Latency(system, p50, p99, steps))
+    inprocess = [measure_inprocess(spec, repository, 1, seconds=2.0).p50_ms for _ in range(rounds)]
+    return summarize(spec, results, inprocess)
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def summarize(
+    spec: ModelSpec, results: dict[str, list[Latency]], inprocess: list[float]
+) -> dict[str, object]:
+    """Medians over the rounds, per-step queue and compute, and the ratios."""
+    table: dict[str, dict[str, Any]] = {}
+    for system, rounds in results.items():
+        step_names = [s.model for s in rounds[0].steps]
+        table[system] = {
+            "p50_ms": _median([r.p50_ms for r in rounds]),
+            "p99_ms": _median([r.p99_ms for r in rounds]),
+            "steps": {
+                name: {
+                    "queue_ms": _median(
+                        [s.queue_us / 1e3 for r in rounds for s in r.steps if s.model == name]
+                    ),
+                    "compute_ms": _median(
+                        [s.compute_us / 1e3 for r in rounds for s in r.steps if s.model == name]
+                    ),
+                }
+                for name in step_names
+            },
+        }
+    served, floor = float(table[spec.name]["p50_ms"]), float(table["echo_2_hops"]["p50_ms"])
+    inprocess_p50 = _median(inprocess)
+    return {
+        "systems": table,
+        "inprocess_p50_ms": inprocess_p50,
+        "hop_floor_ratio": (served - inprocess_p50) / floor,
+        "third_hop_floor_ms": float(table["echo_3_hops"]["p50_ms"]) - floor,
+        "rounds": len(next(iter(results.values()))),
+    }
+
+
+def format_report(summary: dict[str, object]) -> str:
+    """The summary as a table, then the ratios."""
+    lines = [f"{'system':<14}{'p50 ms':>8}{'p99 ms':>8}   per step: queue / compute ms"]
+    systems = summary["systems"]
+    assert isinstance(systems, dict)
+    for system, row in systems.items():
+        steps = ", ".join(
+            f"{name.removeprefix(system + '_')} {s['queue_ms']:.2f} / {s['compute_ms']:.2f}"
+            for name, s in row["steps"].items()
+        )
+        lines.append(f"{system:<14}{row['p50_ms']:>8.2f}{row['p99_ms']:>8.2f}   {steps}")
+    lines.append(f"{'in process':<14}{summary['inprocess_p50_ms']:>8.2f}")
+    lines.append(
+        f"hop_floor_ratio {summary['hop_floor_ratio']:.2f} (target <= 1.3); "
+        f"the third hop of the earlier shape cost {summary['third_hop_floor_ms']:.2f} ms at the floor"
+    )
+    return "\n".join(lines)
+
+
+def hops_command(spec: ModelSpec, repository: Path, requests: int, rounds: int, output: Path | None) -> int:
+    """``recserve bench-hops``: print the report; write the summary as JSON to ``output`` if given."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="recserve-hops-") as scratch:
+        summary = run_hops(spec, repository, Path(scratch), requests, rounds)
+    print(format_report(summary))
+    if output is not None:
+        output.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0

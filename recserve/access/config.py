@@ -1,0 +1,261 @@
+"""The Envoy configuration of the access layer, built as a plain dict from the spec's ``[access]``.
+
+One listener per protocol (gRPC, HTTP) on the public ports; behind each, one cluster per variant
+and protocol (``stable_grpc``, ``candidate_http``, ...) holding that variant's tritonservers, and one
+shadow cluster per protocol for the mirrored copies. The parts:
+
+* **Admission** (``circuit_breakers``): a cluster admits at most ``max_requests`` requests per
+  replica in flight; the next one is refused at once (HTTP 503, gRPC UNAVAILABLE), never queued.
+  HTTP/2 pools multiplex, so a gRPC request over the cap has nowhere to wait; for HTTP/1.1 the pool
+  may open as many connections as it likes, so a request only waits for its connection to open.
+* **Weighted split with sticky users** (``weighted_clusters`` + ``hash_policy``): the variant is
+  picked from a hash of the :data:`~recserve.wire.USER_HEADER` header, so a user stays on one variant
+  while the weights stand; requests without the header are split at random. Each weight is read
+  from the runtime key :func:`weight_key` first, so ``POST /runtime_modify`` changes the split
+  without a reload.
+* **Shadow traffic** (``request_mirror_policies``): a share of live requests (runtime key
+  :data:`SHADOW_KEY`) is copied to the shadow cluster; Envoy discards the copy's response and does
+  not wait for it. The shadow cluster has its own, small in-flight cap: a slow shadow drops copies
+  instead of holding live requests or their admission budget.
+* **Health** (``grpc_health_check``, ``/v2/health/ready``): Triton's ``grpc.health.v1`` and readiness
+  endpoints. With every replica of a variant failing, Envoy's panic mode still sends to them.
+* **Admin** on 127.0.0.1 only, with an admin runtime layer (what ``/runtime_modify`` writes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from recserve.sections import AccessSection
+from recserve.wire import USER_HEADER
+
+LOOPBACK = "127.0.0.1"
+PROTOCOLS = ("grpc", "http")
+#: Runtime key of the mirrored share, in millionths of the live requests.
+SHADOW_KEY = "access.shadow_per_million"
+#: Prefix of the weight keys: ``access.weights.<protocol>.<cluster>``.
+WEIGHT_PREFIX = "access.weights"
+HEALTH_INTERVAL_S = 2.0
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+class AccessError(RuntimeError):
+    """The access layer cannot be configured, validated, started or driven."""
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One tritonserver of a variant: where its gRPC and HTTP endpoints listen."""
+
+    grpc_port: int
+    http_port: int
+    host: str = LOOPBACK
+
+
+@dataclass(frozen=True)
+class ProxyPorts:
+    """The proxy's public ports and its admin port."""
+
+    grpc: int
+    http: int
+    admin: int
+
+    @classmethod
+    def from_section(cls, access: AccessSection) -> ProxyPorts:
+        """The ports written in ``[access]``."""
+        return cls(access.grpc_port, access.http_port, access.admin_port)
+
+
+def cluster_name(variant: str, protocol: str, shadow: bool = False) -> str:
+    """``<variant>_<protocol>`` (live) or ``<variant>_<protocol>_shadow`` (mirrored copies)."""
+    return f"{variant}_{protocol}" + ("_shadow" if shadow else "")
+
+
+def weight_key(variant: str, protocol: str) -> str:
+    """The runtime key Envoy reads a variant's weight from (one per protocol's route)."""
+    return f"{WEIGHT_PREFIX}.{protocol}.{cluster_name(variant, protocol)}"
+
+
+def shadow_per_million(fraction: float) -> int:
+    """A mirrored share as the runtime value of :data:`SHADOW_KEY`."""
+    if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
+        raise AccessError(f"a shadow fraction lies in 0..1, got {fraction}")
+    return round(fraction * 1_000_000)
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s"
+
+
+def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: int) -> dict[str, Any]:
+    """One cluster: the upstreams' endpoints of ``protocol``, a cap of ``max_requests`` per upstream."""
+    cap = max_requests * len(upstreams)  # Envoy's thresholds are per cluster; ours are per replica
+    endpoints = [
+        {"endpoint": {"address": _address(u.host, u.grpc_port if protocol == "grpc" else u.http_port)}}
+        for u in upstreams
+    ]
+    health: dict[str, Any] = {
+        "timeout": _seconds(HEALTH_INTERVAL_S),
+        "interval": _seconds(HEALTH_INTERVAL_S),
+        "no_traffic_interval": _seconds(HEALTH_INTERVAL_S),
+        "unhealthy_threshold": 3,
+        "healthy_threshold": 1,
+    }
+    if protocol == "grpc":
+        health["grpc_health_check"] = {}
+    else:
+        health["http_health_check"] = {"path": "/v2/health/ready"}
+    config: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "priority": "DEFAULT",
+                    "max_requests": cap,
+                    "max_pending_requests": cap,
+                    "max_connections": 1024,  # HTTP/1.1: a new connection rather than a wait for one
+                    "max_retries": 0,
+                    "track_remaining": True,
+                }
+            ]
+        },
+        "health_checks": [health],
+    }
+    if protocol == "grpc":
+        config["typed_extension_protocol_options"] = {
+            _HTTP_OPTIONS: {
+                "@type": f"type.googleapis.com/{_HTTP_OPTIONS}",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return config
+
+
+def route(access: AccessSection, protocol: str, variants: list[str]) -> dict[str, Any]:
+    """The catch-all route of a listener: sticky weighted split, mirror, timeout, no retries."""
+    action: dict[str, Any] = {
+        "timeout": _seconds(access.request_timeout_s),
+        "hash_policy": [{"header": {"header_name": USER_HEADER}}],
+        "weighted_clusters": {
+            "use_hash_policy": True,
+            "runtime_key_prefix": f"{WEIGHT_PREFIX}.{protocol}",
+            "clusters": [
+                {"name": cluster_name(v, protocol), "weight": access.weights.get(v, 0)} for v in variants
+            ],
+        },
+    }
+    if access.shadow_variant in variants:
+        action["request_mirror_policies"] = [
+            {
+                "cluster": cluster_name(access.shadow_variant, protocol, shadow=True),
+                "runtime_fraction": {
+                    "default_value": {
+                        "numerator": shadow_per_million(access.shadow_fraction),
+                        "denominator": "MILLION",
+                    },
+                    "runtime_key": SHADOW_KEY,
+                },
+            }
+        ]
+    return {"match": {"prefix": "/"}, "route": action}
+
+
+def listener(access: AccessSection, protocol: str, port: int, variants: list[str]) -> dict[str, Any]:
+    """A public listener: one HTTP connection manager (HTTP/1.1 and HTTP/2) with the router."""
+    name = f"public_{protocol}"
+    manager = {
+        "@type": _HCM,
+        "stat_prefix": name,
+        "codec_type": "AUTO",
+        "route_config": {
+            "name": name,
+            "virtual_hosts": [
+                {"name": name, "domains": ["*"], "routes": [route(access, protocol, variants)]}
+            ],
+        },
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+    }
+    return {
+        "name": name,
+        "address": _address(access.host, port),
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+        ],
+    }
+
+
+def envoy_config(
+    access: AccessSection, upstreams: Mapping[str, list[Upstream]], ports: ProxyPorts
+) -> dict[str, Any]:
+    """The whole bootstrap config: listeners, clusters, admin and runtime layers.
+
+    Args:
+        access: the spec's ``[access]``.
+        upstreams: variant -> its tritonservers. Every variant with a weight above 0 (and the shadow
+            variant, when mirroring) needs at least one; variants not in ``access.weights`` get 0.
+        ports: the proxy's public and admin ports.
+
+    Raises:
+        AccessError: a variant that takes traffic has no upstream.
+    """
+    variants = [v for v, servers in upstreams.items() if servers]
+    needed = {v for v, w in access.weights.items() if w > 0}
+    if access.shadow_fraction > 0:
+        needed.add(access.shadow_variant)
+    missing = sorted(needed - set(variants))
+    if missing:
+        raise AccessError(f"variants {missing} take traffic in [access] but have no tritonserver")
+    if "stable" not in variants:
+        raise AccessError("the access layer needs the 'stable' variant")
+    clusters = [
+        cluster(cluster_name(v, p), p, upstreams[v], access.max_requests) for v in variants for p in PROTOCOLS
+    ]
+    if access.shadow_variant in variants:
+        clusters += [
+            cluster(
+                cluster_name(access.shadow_variant, p, shadow=True),
+                p,
+                upstreams[access.shadow_variant],
+                access.shadow_max_requests,
+            )
+            for p in PROTOCOLS
+        ]
+    return {
+        "admin": {"address": _address(LOOPBACK, ports.admin)},
+        "layered_runtime": {
+            "layers": [
+                {"name": "static", "static_layer": {}},
+                {"name": "admin", "admin_layer": {}},
+            ]
+        },
+        "static_resources": {
+            "listeners": [
+                listener(access, "grpc", ports.grpc, variants),
+                listener(access, "http", ports.http, variants),
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def write_config(config: Mapping[str, Any], path: Path) -> Path:
+    """Write ``config`` as JSON (Envoy reads ``.json`` bootstrap files); returns ``path``."""
+    if path.suffix != ".json":
+        raise AccessError(f"Envoy picks the format by the file name: {path} must end in .json")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,74 @@
+"""``recserve access``: the Envoy proxy in front of one tritonserver per variant (see recserve.access)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from recserve.spec import DEFAULT_REPOSITORY, load_spec
+
+
+def _access(args: argparse.Namespace) -> int:
+    from recserve.access import AccessError, AccessLayer, behind_proxy, run_foreground
+    from recserve.build.repository import is_built
+
+    spec = load_spec(args.spec)
+    if not is_built(spec, args.repository):
+        message = f"{args.repository} is not built from this spec; run 'recserve build'"
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    repositories = {"stable": args.repository}
+    if args.candidate is not None:  # may come from another spec version; it must serve the same model
+        if not (args.candidate / spec.name / "config.pbtxt").is_file():
+            print(f"error: the candidate {args.candidate} serves no model {spec.name!r}", file=sys.stderr)
+            return 2
+        repositories["candidate"] = args.candidate
+
+    def announce(layer: AccessLayer) -> None:
+        servers = ", ".join(
+            f"{name} (pid {s.process.pid if s.process else '-'}, gRPC {s.ports.grpc})"
+            for name, s in layer.servers.items()
+        )
+        proxy = layer.proxy.pid if layer.proxy is not None else "-"
+        print(
+            f"access layer up: gRPC {layer.grpc_url}, HTTP {layer.http_url}, "
+            f"admin 127.0.0.1:{layer.ports.admin} (envoy pid {proxy}); variants: {servers}; "
+            f"config {layer.workdir / 'envoy.json'}",
+            file=sys.stderr,
+        )
+
+    with tempfile.TemporaryDirectory(prefix="recserve-access-") as scratch:
+        workdir = args.workdir or Path(scratch)
+        try:
+            served, config_name = behind_proxy(
+                repositories, spec.access.queue_profile, spec.queue_profiles, workdir
+            )
+            return run_foreground(
+                AccessLayer(spec.access, served, workdir, config_name=config_name), announce
+            )
+        except AccessError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``access`` to ``recserve``'s sub-command parser."""
+    access = sub.add_parser(
+        "access",
+        help="Envoy in front of the stable (and candidate) tritonservers, from the spec's [access]",
+    )
+    access.add_argument(
+        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="the stable variant's repository"
+    )
+    access.add_argument(
+        "--candidate", type=Path, default=None, help="the candidate variant's repository (none: stable only)"
+    )
+    access.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the Envoy config and the logs here (default: a temp folder)",
+    )
+    access.set_defaults(func=_access)

@@ -1,0 +1,216 @@
+"""The generated Envoy config (checked by the real ``envoy --mode validate``), the unbounded repository
+view the servers run behind the proxy, and the SDK's user header."""
+
+import dataclasses
+import json
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from recserve import wire
+from recserve.access import (
+    SHADOW_KEY,
+    UNBOUNDED,
+    AccessError,
+    ProxyPorts,
+    Upstream,
+    behind_proxy,
+    cluster_name,
+    envoy_config,
+    unbounded_view,
+    validate,
+    weight_key,
+    write_config,
+)
+from recserve.clients import CTRClient
+from recserve.sections import AccessSection
+
+PORTS = ProxyPorts(grpc=18001, http=18000, admin=19901)
+UPSTREAMS = {"stable": [Upstream(7001, 7000)], "candidate": [Upstream(7101, 7100), Upstream(7201, 7200)]}
+
+
+def _access(**changes) -> AccessSection:
+    return dataclasses.replace(AccessSection(), **changes)
+
+
+def _clusters(config: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+def _routes(config: dict) -> dict[str, dict]:
+    listeners = config["static_resources"]["listeners"]
+    return {
+        listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+            "virtual_hosts"
+        ][0]["routes"][0]["route"]
+        for listener in listeners
+    }
+
+
+def test_the_generated_config_passes_envoy_validate(tmp_path):
+    access = _access(weights={"stable": 90, "candidate": 10}, shadow_fraction=0.05)
+    path = write_config(envoy_config(access, UPSTREAMS, PORTS), tmp_path / "envoy.json")
+    assert "OK" in validate(path)
+
+
+def test_envoy_validate_refuses_a_broken_config(tmp_path):
+    config = envoy_config(_access(), UPSTREAMS, PORTS)
+    route = _routes(config)["public_grpc"]
+    route["weighted_clusters"]["clusters"][0]["name"] = "no_such_cluster"
+    with pytest.raises(AccessError, match="no_such_cluster"):
+        validate(write_config(config, tmp_path / "envoy.json"))
+
+
+def test_public_listeners_take_the_spec_host_and_admin_stays_on_loopback():
+    config = envoy_config(_access(host="0.0.0.0"), UPSTREAMS, PORTS)
+    addresses = {
+        listener["name"]: listener["address"]["socket_address"]
+        for listener in config["static_resources"]["listeners"]
+    }
+    assert addresses["public_grpc"] == {"address": "0.0.0.0", "port_value": PORTS.grpc}
+    assert addresses["public_http"] == {"address": "0.0.0.0", "port_value": PORTS.http}
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": PORTS.admin}
+    layers = [layer["name"] for layer in config["layered_runtime"]["layers"]]
+    assert layers[-1] == "admin"  # what /runtime_modify writes overrides the static values
+
+
+def test_admission_caps_are_per_replica_and_never_queue():
+    clusters = _clusters(envoy_config(_access(max_requests=3, shadow_max_requests=1), UPSTREAMS, PORTS))
+    assert set(clusters) == {
+        "stable_grpc",
+        "stable_http",
+        "candidate_grpc",
+        "candidate_http",
+        "candidate_grpc_shadow",
+        "candidate_http_shadow",
+    }
+
+    def threshold(name: str) -> dict:
+        return clusters[name]["circuit_breakers"]["thresholds"][0]
+
+    assert threshold("stable_grpc")["max_requests"] == 3
+    assert threshold("candidate_grpc")["max_requests"] == 6  # two replicas
+    assert threshold("candidate_http_shadow")["max_requests"] == 2
+    assert all(threshold(name)["max_retries"] == 0 for name in clusters)
+    ports = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in clusters["candidate_http"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert ports == [7100, 7200]
+    grpc_options = clusters["stable_grpc"]["typed_extension_protocol_options"]
+    assert "http2_protocol_options" in json.dumps(grpc_options)  # gRPC upstreams speak HTTP/2
+    assert "typed_extension_protocol_options" not in clusters["stable_http"]
+    assert "grpc_health_check" in clusters["stable_grpc"]["health_checks"][0]
+    assert clusters["stable_http"]["health_checks"][0]["http_health_check"]["path"] == "/v2/health/ready"
+
+
+def test_routes_split_by_runtime_weights_sticky_on_the_user_header_and_mirror_to_the_shadow():
+    access = _access(weights={"stable": 80, "candidate": 20}, shadow_fraction=0.125, request_timeout_s=7)
+    for protocol, route in (
+        ("grpc", _routes(envoy_config(access, UPSTREAMS, PORTS))["public_grpc"]),
+        ("http", _routes(envoy_config(access, UPSTREAMS, PORTS))["public_http"]),
+    ):
+        assert route["hash_policy"] == [{"header": {"header_name": wire.USER_HEADER}}]
+        split = route["weighted_clusters"]
+        assert split["use_hash_policy"] is True
+        weights = {c["name"]: c["weight"] for c in split["clusters"]}
+        assert weights == {cluster_name("stable", protocol): 80, cluster_name("candidate", protocol): 20}
+        for variant in ("stable", "candidate"):
+            prefix = split["runtime_key_prefix"]
+            assert f"{prefix}.{cluster_name(variant, protocol)}" == weight_key(variant, protocol)
+        (mirror,) = route["request_mirror_policies"]
+        assert mirror["cluster"] == cluster_name("candidate", protocol, shadow=True)
+        assert mirror["runtime_fraction"]["runtime_key"] == SHADOW_KEY
+        assert mirror["runtime_fraction"]["default_value"] == {"numerator": 125_000, "denominator": "MILLION"}
+        assert route["timeout"] == "7.000s" and "retry_policy" not in route
+
+
+def test_a_variant_without_a_server_gets_no_cluster_unless_it_takes_traffic():
+    stable_only = {"stable": UPSTREAMS["stable"]}
+    config = envoy_config(_access(), stable_only, PORTS)  # candidate weight 0, no shadow: fine
+    assert set(_clusters(config)) == {"stable_grpc", "stable_http"}
+    assert "request_mirror_policies" not in _routes(config)["public_grpc"]
+    with pytest.raises(AccessError, match=r"\['candidate'\] take traffic"):
+        envoy_config(_access(weights={"stable": 50, "candidate": 50}), stable_only, PORTS)
+    with pytest.raises(AccessError, match=r"\['candidate'\] take traffic"):
+        envoy_config(_access(shadow_fraction=0.5), stable_only, PORTS)
+    with pytest.raises(AccessError, match="stable"):
+        envoy_config(_access(weights={"stable": 0, "candidate": 1}), {"candidate": [Upstream(1, 2)]}, PORTS)
+
+
+def test_the_config_is_written_as_json_only(tmp_path):
+    config = envoy_config(_access(), UPSTREAMS, PORTS)
+    assert json.loads(write_config(config, tmp_path / "envoy.json").read_text()) == config
+    with pytest.raises(AccessError, match="must end in .json"):
+        write_config(config, tmp_path / "envoy.yaml")
+
+
+def test_the_unbounded_view_clears_queue_policies_and_links_everything_else(tiny_repository, tmp_path):
+    view = unbounded_view(tiny_repository, tmp_path / "view")
+    for step in wire.STEPS:
+        built = text_format.Parse((tiny_repository / step / "config.pbtxt").read_text(), mc.ModelConfig())
+        served = text_format.Parse((view / step / "config.pbtxt").read_text(), mc.ModelConfig())
+        assert built.dynamic_batching.HasField("default_queue_policy")  # the spec's [serving.queue]
+        assert not served.dynamic_batching.HasField("default_queue_policy")
+        served.dynamic_batching.ClearField("default_queue_policy")
+        built.dynamic_batching.ClearField("default_queue_policy")
+        assert served == built  # nothing else changed
+        version = view / step / "1"
+        assert version.is_symlink() and version.resolve() == (tiny_repository / step / "1").resolve()
+    ensemble = view / "tiny" / "config.pbtxt"
+    assert ensemble.is_symlink()  # no queue policy there: linked as it is
+    with pytest.raises(AccessError, match="holds no model"):
+        unbounded_view(tmp_path / "view" / "tiny", tmp_path / "nothing")
+
+
+def test_behind_proxy_picks_the_servers_queue_profile(tiny_repository, tmp_path):
+    repositories = {"stable": tiny_repository}
+    served, name = behind_proxy(repositories, UNBOUNDED, (), tmp_path)
+    assert name is None and served["stable"] == tmp_path / "repository-stable"
+    assert behind_proxy(repositories, "default", (), tmp_path) == (repositories, None)
+    assert behind_proxy(repositories, "latency_first", ("latency_first",), tmp_path) == (
+        repositories,
+        "latency_first",
+    )
+    with pytest.raises(AccessError, match="'fast' is not a"):
+        behind_proxy(repositories, "fast", ("latency_first",), tmp_path)
+
+
+def test_the_sdk_sends_a_user_header_only_when_given_a_valid_user_id(tiny_spec):
+    with CTRClient("127.0.0.1:1", spec=tiny_spec, user_id="user-42") as client:
+        assert client._headers == {wire.USER_HEADER: "user-42"}
+    with CTRClient("127.0.0.1:1", spec=tiny_spec) as client:
+        assert client._headers is None
+    for bad in ("", "line\nbreak", "naïve"):
+        with pytest.raises(ValueError, match="user_id"):
+            CTRClient("127.0.0.1:1", spec=tiny_spec, user_id=bad)
+
+
+def test_the_commands_parse(tmp_path):
+    from recserve.cli import main, parser
+
+    args = parser().parse_args(["access", "--candidate", str(tmp_path), "--workdir", str(tmp_path)])
+    assert args.candidate == tmp_path and args.workdir == tmp_path
+    args = parser().parse_args(["overload", "--access", "--max-requests", "2", "--json", "o.json"])
+    assert args.access and args.max_requests == 2 and str(args.json) == "o.json"
+    # a repository that is not built is refused before anything starts
+    assert main(["--spec", "tiny", "access", "--repository", str(tmp_path / "none")]) == 2
+
+
+def test_the_overload_summary_gives_the_two_verdicts():
+    from recserve.perf.overload import SERVED, SHED, Outcome, OverloadReport, phase_stats
+
+    def phase(index, served_ms, shed_ms):
+        outcomes = [Outcome(index, i / 100, i / 100, served_ms, SERVED) for i in range(100)]
+        if shed_ms is not None:
+            outcomes += [Outcome(index, 1 + i / 100, 1 + i / 100, shed_ms, SHED) for i in range(10)]
+        return phase_stats(f"phase {index}", 100.0, outcomes)
+
+    phases = [phase(0, 10.0, None), phase(1, 14.0, 2.0), phase(2, 10.0, None)]
+    report = OverloadReport(200.0, phases, 0.25, [], {"overflow": 10}, [], "cores", "")
+    summary = json.loads(json.dumps(report.summary()))  # JSON-ready: NaN written as null
+    assert summary["served_p99_ratio"] == pytest.approx(1.4)
+    assert summary["shed_p99_ms"] == pytest.approx(2.0)
+    assert summary["phases"][0]["shed_p99_ms"] is None and summary["failed"] == 0
+    assert summary["recovery_s"] == 0.25 and summary["capacity_rps"] == 200.0

@@ -1,0 +1,102 @@
+"""The spec's [access] section: defaults, typed parsing, refusals, and that it never touches the model."""
+
+import copy
+
+import pytest
+import tomllib
+
+from recserve.build.repository import spec_digest
+from recserve.sections import AccessSection, UnknownKeyError
+from recserve.spec import SpecError, load_spec, parse_spec, spec_path
+
+
+def _doc(access: dict | None = None) -> dict:
+    with open(spec_path("tiny"), "rb") as fh:
+        doc = tomllib.load(fh)
+    if access is not None:
+        doc["access"] = copy.deepcopy(access)
+    return doc
+
+
+def test_the_bundled_specs_need_no_access_table():
+    for name in ("ctr", "tiny"):
+        spec = load_spec(name)
+        assert spec.access == AccessSection()
+        assert spec.access.weights == {"stable": 100, "candidate": 0}
+        assert spec.access.queue_profile == "unbounded" and spec.access.shadow_fraction == 0.0
+
+
+def test_an_access_table_is_parsed_into_typed_fields():
+    spec = parse_spec(
+        _doc(
+            {
+                "grpc_port": 9101,
+                "http_port": 9100,
+                "admin_port": 9199,
+                "weights": {"stable": 90, "candidate": 10},
+                "max_requests": 3,
+                "shadow_fraction": 0.25,
+                "shadow_max_requests": 1,
+                "request_timeout_s": 5,
+                "queue_profile": "latency_first",
+            }
+        )
+    )
+    access = spec.access
+    assert (access.grpc_port, access.http_port, access.admin_port) == (9101, 9100, 9199)
+    assert access.weights == {"stable": 90, "candidate": 10}
+    assert access.max_requests == 3 and access.shadow_max_requests == 1
+    assert access.shadow_fraction == 0.25 and access.shadow_variant == "candidate"
+    assert isinstance(access.request_timeout_s, float) and access.request_timeout_s == 5.0
+    assert access.host == "127.0.0.1" and access.workers == 1  # defaults kept
+
+
+def test_the_access_table_leaves_the_model_and_its_digest_alone():
+    plain = parse_spec(_doc())
+    proxied = parse_spec(_doc({"weights": {"stable": 50, "candidate": 50}, "max_requests": 2}))
+    assert "access" not in proxied.source
+    assert proxied.to_json() == plain.to_json()
+    assert spec_digest(proxied) == spec_digest(plain)  # editing [access] never forces a rebuild
+
+
+def test_an_unknown_access_key_is_refused_with_its_name():
+    with pytest.raises(UnknownKeyError, match=r"\[access\] has an unknown key 'max_request'") as caught:
+        parse_spec(_doc({"max_request": 4}))
+    assert "max_requests" in str(caught.value)  # the known keys are listed
+
+
+def test_an_unknown_access_key_in_a_spec_file_names_its_line(tmp_path):
+    text = spec_path("tiny").read_text() + "\n[access]\nmax_requests = 2\nweight = 3\n"
+    path = tmp_path / "typo.toml"
+    path.write_text(text)
+    line = len(text.splitlines())
+    with pytest.raises(SpecError, match=rf"typo\.toml, line {line}: \[access\] has an unknown key 'weight'"):
+        load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("access", "message"),
+    [
+        ({"grpc_port": 8000}, "three different ports"),  # same as the default http_port
+        ({"admin_port": 70000}, "three different ports"),
+        ({"weights": {"candidate": 100}}, "needs the variant 'stable'"),
+        ({"weights": {"stable": 0, "candidate": 0}}, "positive sum"),
+        ({"weights": {"stable": 100, "candidate": -1}}, "positive sum"),
+        ({"weights": {"stable": 100, "Canary-1": 0}}, "lower-case identifiers"),
+        ({"max_requests": 0}, "must be >= 1"),
+        ({"shadow_max_requests": 0}, "must be >= 1"),
+        ({"shadow_fraction": 1.5}, "0..1"),
+        ({"weights": {"stable": 100}, "shadow_fraction": 0.1}, "shadow_variant 'candidate'"),
+        ({"request_timeout_s": 0}, "must be positive"),
+        ({"max_requests": "4"}, "must be an integer"),
+        ({"max_requests": 2.5}, "must be an integer"),
+        ({"weights": [100, 0]}, "must be a table"),
+    ],
+)
+def test_bad_access_values_are_refused(access, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(_doc(access))
+
+
+def test_a_stable_only_split_without_shadow_is_valid():
+    assert parse_spec(_doc({"weights": {"stable": 1}})).access.weights == {"stable": 1}
