@@ -50,6 +50,9 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    # Idle intra-op threads sleep instead of spinning: spinning threads take the cores from
+    # tritonserver's schedulers and the other step's stub (docs/performance.md, two hops).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if bucket is not None:
