@@ -18,7 +18,6 @@ the server adds exactly the floor of its shape to the computation.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,7 +32,7 @@ from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.perf.inprocess import measure_inprocess
 from recserve.perf.stats import StepTimes, difference, snapshot
-from recserve.perf.traffic import infer_inputs
+from recserve.perf.traffic import closed_loop
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec, WireTensor
 
@@ -153,18 +152,6 @@ class Latency:
     p50_ms: float
     p99_ms: float
     steps: list[StepTimes]
-
-
-def closed_loop(
-    client: grpcclient.InferenceServerClient, model: str, requests: list[dict[str, np.ndarray]], count: int
-) -> np.ndarray:
-    """Milliseconds of ``count`` batch-1 requests sent one after another."""
-    latencies = np.empty(count)
-    for i in range(count):
-        started = time.perf_counter()
-        client.infer(model, infer_inputs(grpcclient, requests[i % len(requests)]))
-        latencies[i] = time.perf_counter() - started
-    return latencies * 1e3
 
 
 def run_hops(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,15 @@ def scratch_repository(source: Path, target: Path) -> Path:
     """A private copy of a built repository that updates may change."""
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
     return target
+
+
+def closed_loop(
+    client: grpcclient.InferenceServerClient, model: str, requests: list[dict[str, np.ndarray]], count: int
+) -> np.ndarray:
+    """Milliseconds of ``count`` requests (cycling through ``requests``) sent one after another."""
+    latencies = np.empty(count)
+    for i in range(count):
+        started = time.perf_counter()
+        client.infer(model, infer_inputs(grpcclient, requests[i % len(requests)]))
+        latencies[i] = time.perf_counter() - started
+    return latencies * 1e3
