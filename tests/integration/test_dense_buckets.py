@@ -25,7 +25,15 @@ def dense_metrics(server) -> dict[str, float]:
     return {f"{family}{{{label}}}": float(value) for family, label, value in found}
 
 
-def test_a_missed_shape_is_served_then_compiled_and_then_hits(server, spec, repository):
+@pytest.fixture
+def fresh(repository, tmp_path):
+    """A server of this test's own: no compiles queued by other tests' shapes ahead of this one."""
+    with TritonServer(repository, Ports.free(), log_path=tmp_path / "server.log") as server:
+        yield server
+
+
+def test_a_missed_shape_is_served_then_compiled_and_then_hits(fresh, spec, repository):
+    server = fresh
     reference = reference_pipeline(spec, repository, runtime="torch")
     rows = generate(spec, 97, seed=97)  # 97 rows would pad to 128 (24% waste): a miss, compiles 104 rows
     rows.lengths[:] = 20  # one sequence bucket (32) for the whole batch
