@@ -38,8 +38,9 @@ class AsyncCTRClient(ClientBase):
         timeout_s: float = 10.0,
         spec: ModelSpec | None = None,
         model_name: str | None = None,
+        user_id: str | None = None,
     ) -> None:
-        super().__init__(url, protocol, timeout_s, spec, model_name)
+        super().__init__(url, protocol, timeout_s, spec, model_name, user_id)
         self._module = self._import_module()
         self._client: Any = None
         self._closed = False
@@ -125,9 +126,13 @@ class AsyncCTRClient(ClientBase):
         try:
             if self.protocol == "grpc":
                 return await client.infer(
-                    self.model_name, infer_inputs, outputs=outputs, client_timeout=self.timeout_s
+                    self.model_name,
+                    infer_inputs,
+                    outputs=outputs,
+                    client_timeout=self.timeout_s,
+                    headers=self._headers,
                 )
-            return await client.infer(self.model_name, infer_inputs, outputs=outputs)
+            return await client.infer(self.model_name, infer_inputs, outputs=outputs, headers=self._headers)
         except Exception as exc:
             raise map_exception(exc) from exc
 

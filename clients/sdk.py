@@ -96,14 +96,19 @@ class ClientBase:
         timeout_s: float,
         spec: ModelSpec | None,
         model_name: str | None,
+        user_id: str | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if user_id is not None and (not user_id or not user_id.isascii() or not user_id.isprintable()):
+            raise ValueError(f"user_id must be non-empty printable ASCII, got {user_id!r}")
         self.protocol = _check_protocol(protocol)
         self.url, self._ssl = _normalise_url(url, self.protocol)
         self.timeout_s = float(timeout_s)
         self.spec = spec if spec is not None else load_spec()
         self.model_name = model_name or self.spec.name
+        # sent with every request: the access layer keeps a user on one model variant by it
+        self._headers = {USER_HEADER: user_id} if user_id is not None else None
 
     def _prepare(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Inputs cast to the wire dtypes, checked for names, rank and a common batch size."""
@@ -215,10 +220,7 @@ class CTRClient(ClientBase):
         shared_memory: bool = False,
         user_id: str | None = None,
     ) -> None:
-        super().__init__(url, protocol, timeout_s, spec, model_name)
-        if user_id is not None and (not user_id or not user_id.isascii() or not user_id.isprintable()):
-            raise ValueError(f"user_id must be non-empty printable ASCII, got {user_id!r}")
-        self._headers = {USER_HEADER: user_id} if user_id is not None else None
+        super().__init__(url, protocol, timeout_s, spec, model_name, user_id)
         self._shm: SharedMemoryIO | None = None
         self._module = self._import_module()
         try:

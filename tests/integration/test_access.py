@@ -9,6 +9,7 @@ never reach a client, and a stalled shadow neither delays nor fails live request
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import signal
@@ -25,7 +26,7 @@ from tritonclient.grpc import service_pb2_grpc
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
-from recserve.clients import CTRClient, RecserveClientError, ServerUnavailableError
+from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError
 from recserve.perf.traffic import add_version, infer_request, scratch_repository
 from recserve.server import Ports
 from recserve.spec import ModelSpec, load_spec
@@ -161,6 +162,16 @@ def test_a_user_stays_on_one_variant_across_calls_and_protocols(layer, tiny):
     assert not moved, f"users served by both variants: {moved}"
     on_candidate = sum(versions == {CANDIDATE} for versions in seen.values())
     assert 0 < on_candidate < len(seen), f"{on_candidate} of {len(seen)} users on the candidate"
+
+    async def over_asyncio() -> dict[int, int]:  # the asyncio client sends the same header
+        found = {}
+        for user in range(10):
+            async with AsyncCTRClient(layer.grpc_url, spec=tiny, user_id=f"user-{user}") as client:
+                found[user] = int((await client.score_inputs(request)).dense_version[0])
+        return found
+
+    for user, version in asyncio.run(over_asyncio()).items():
+        assert seen[user] == {version}, (user, seen[user], version)
 
 
 def test_weights_change_under_traffic_with_no_failed_request(layer, tiny):

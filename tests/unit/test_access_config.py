@@ -23,7 +23,7 @@ from recserve.access import (
     weight_key,
     write_config,
 )
-from recserve.clients import CTRClient
+from recserve.clients import AsyncCTRClient, CTRClient
 from recserve.sections import AccessSection
 
 PORTS = ProxyPorts(grpc=18001, http=18000, admin=19901)
@@ -182,9 +182,13 @@ def test_the_sdk_sends_a_user_header_only_when_given_a_valid_user_id(tiny_spec):
         assert client._headers == {wire.USER_HEADER: "user-42"}
     with CTRClient("127.0.0.1:1", spec=tiny_spec) as client:
         assert client._headers is None
+    assert AsyncCTRClient("127.0.0.1:1", spec=tiny_spec, user_id="user-42")._headers == {
+        wire.USER_HEADER: "user-42"
+    }
     for bad in ("", "line\nbreak", "naïve"):
-        with pytest.raises(ValueError, match="user_id"):
-            CTRClient("127.0.0.1:1", spec=tiny_spec, user_id=bad)
+        for client in (CTRClient, AsyncCTRClient):
+            with pytest.raises(ValueError, match="user_id"):
+                client("127.0.0.1:1", spec=tiny_spec, user_id=bad)
 
 
 def test_the_commands_parse(tmp_path):
