@@ -132,9 +132,16 @@ def _drain_and_stop(fault_server, spec):
         stopper.join(fault_server.exit_timeout_s + 30)
         with pytest.raises(InferenceServerException):  # nothing is accepted any more
             infer_raw(grpcclient, client, spec, requests[0], client_timeout=5)
-    assert all(not isinstance(r, Exception) for r in results), [
-        str(r) for r in results if isinstance(r, Exception)
-    ][:3]
+    # every request accepted is served; the entry queue may refuse a few that waited over its
+    # timeout before any work was spent on them (UNAVAILABLE), never more than a quarter
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert all(
+        isinstance(r, InferenceServerException)
+        and r.status() == "StatusCode.UNAVAILABLE"
+        and "Request timeout expired" in r.message()
+        for r in refused
+    ), [str(r) for r in refused][:3]
+    assert len(refused) <= len(requests) // 4, [str(r) for r in refused][:3]
     assert sum(t > signalled for t in finished) >= 4, (
         "too few requests were still in flight when the stop began"
     )
