@@ -153,15 +153,16 @@ def padding_waste(real: int, padded: int) -> float:
 
 
 def pad_to_bucket(inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | None = None) -> Arrays:
-    """The dense inputs zero-padded to ``bucket`` (rows and sequence positions); as they are when they fit it.
+    """The dense inputs zero-padded to ``bucket`` (rows and sequence positions).
 
     Args:
         inputs: the dense net's inputs for ``rows <= bucket.rows`` rows and ``length <= bucket.length``.
         bucket: the target shape.
-        out: preallocated arrays of the bucket's shapes to fill (reused between calls); new ones if None.
+        out: preallocated arrays of the bucket's shapes, always filled (the pinned buffers that a
+            device copy reads); without them, new arrays, or the inputs as they are when they fit.
     """
     rows, length = input_shape(inputs)
-    if (rows, length) == (bucket.rows, bucket.length):
+    if out is None and (rows, length) == (bucket.rows, bucket.length):
         exact = {name: inputs[name] for name in wire.DENSE_NET_INPUTS}
         if all(a.flags.c_contiguous and a.dtype == np.float32 for a in exact.values()):
             return exact

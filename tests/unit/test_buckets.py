@@ -77,6 +77,16 @@ def test_padding_fills_zeros_and_reused_buffers_forget_earlier_requests(spec):
     np.testing.assert_array_equal(padded[wire.SPARSE_EMBEDDINGS][:3], small[wire.SPARSE_EMBEDDINGS])
 
 
+def test_preallocated_buffers_are_filled_at_the_exact_bucket_shape_too(spec):
+    # the device runners copy from these (pinned) buffers, never from the returned arrays
+    bucket = Bucket(8, 32)
+    exact = example_inputs(spec, 8, 32, seed=3)
+    buffers = {name: np.zeros(shape, np.float32) for name, shape in bucket.input_shapes(spec).items()}
+    pad_to_bucket(exact, bucket, buffers)
+    for name in wire.DENSE_NET_INPUTS:
+        np.testing.assert_array_equal(buffers[name], exact[name])
+
+
 def test_a_miss_is_served_by_the_generic_graph_then_compiled_and_swapped_in(tiny_spec, model_path, generic):
     runner = bucketed_onnx_runner(tiny_spec, model_path, prepare=spec_buckets(tiny_spec))
     try:
