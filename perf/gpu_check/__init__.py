@@ -32,7 +32,7 @@ most 10 minutes and is lent for 30 minutes of device time. So the work is split 
    with the in-process PyTorch reference, and 1, 2 and 4 dense instances with and without MPS. Each
    step has its own time limit and status (ok / failed with the error tail / skipped with a reason);
    a failing step does not stop the others. Since one command may run 10 minutes, the steps are in
-   three parts, one call each (``--part 1``, ``2``, ``3``), run back to back while the machine is
+   four parts, one call each (``--part 1`` to ``4``), run back to back while the machine is
    warm: the venv and the built repository stay in ignored folders between them (a part that finds
    them gone redoes the install and build). Every call writes ``summary.md`` (Markdown), ``summary.json``
    and ``logs.tar.gz`` to ``--output`` (``$OUT`` by default), covering all parts run so far.
@@ -50,6 +50,7 @@ Use::
     python3 -m perf.gpu_check run --part 1
     python3 -m perf.gpu_check run --part 2
     python3 -m perf.gpu_check run --part 3
+    python3 -m perf.gpu_check run --part 4
 
 The ``run`` half uses the standard library only, so that it starts before anything is installed; here
 the same package runs as ``python -m recserve.perf.gpu_check``. Its modules: ``common`` (the constants

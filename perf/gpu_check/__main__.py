@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from . import __doc__ as PLAN
-from .common import KIT, LIMIT_BYTES, WORK, find_root, log
+from .common import KIT, LIMIT_BYTES, PARTS, WORK, find_root, log
 from .context import Context, detect_gpus
 from .kit import mib, prepare, size_table
 from .report import print_calls
@@ -56,7 +56,7 @@ def cmd_dry_run(args: argparse.Namespace) -> int:
     shutil.rmtree(ctx.logs, ignore_errors=True)
     ctx.logs.mkdir(parents=True)
     extra = {"size": figures, "fits": fits, "size_table": table, "plan": {"carry": [KIT], "calls": 3}}
-    code = run_steps(ctx, (1, 2, 3), "dry run (no GPU)", extra)
+    code = run_steps(ctx, PARTS, "dry run (no GPU)", extra)
     log(f"dry run took {time.monotonic() - started:.0f} s")
     return code if fits else 1
 
@@ -70,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    parts = (args.part,) if args.part else (1, 2, 3)
+    parts = (args.part,) if args.part else PARTS
     return run_steps(ctx, parts, f"parts {', '.join(map(str, parts))}", {})
 
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--output", type=Path, default=None, help="default: $OUT, else .gpu-run/out")
         command.add_argument("--deadline", type=float, default=deadline, help="seconds for this call")
         if name == "run":
-            command.add_argument("--part", type=int, choices=(1, 2, 3), default=None, help="default: all")
+            command.add_argument("--part", type=int, choices=PARTS, default=None, help="default: all")
         else:
             command.add_argument("--force", action="store_true", help="rebuild the kit")
         command.set_defaults(func=func)
@@ -98,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     parity_cmd.add_argument("--url", required=True)
     parity_cmd.add_argument("--tolerance", type=float, default=1e-4)
     parity_cmd.set_defaults(func=cmd_parity)
-    variant_cmd = sub.add_parser("variant", help="cuda-profile repository variant with N dense instances")
-    variant_cmd.add_argument("--dense-instances", type=int, required=True)
+    variant_cmd = sub.add_parser("variant", help="cuda-profile repository variant with other instance counts")
+    variant_cmd.add_argument("--dense-instances", type=int, help="dense instances (default 1)")
+    variant_cmd.add_argument("--lookup-instances", type=int, help="lookup instances (default: the spec's)")
     variant_cmd.add_argument("--target", type=Path, required=True)
     variant_cmd.set_defaults(func=cmd_variant)
     args = top.parse_args(argv)

@@ -65,7 +65,9 @@ LIBB64 = "libb64.so.0d"
 KIT_FORMAT = 1  # bump when the kit's layout or requirement lists change
 PERF_BATCHES = (64, 256)
 PERF_CONCURRENCY = (1, 2, 4, 8, 16)
+PARTS = (1, 2, 3, 4)  # one call each
 INSTANCES = (1, 2, 4)
+LOOKUP_INSTANCES = (1, 2, 4, 8)
 CUDA_TESTS = (
     "tests/unit/test_dense_parity.py",
     "tests/unit/test_device_cache.py",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .common import KIT
+from .common import KIT, PARTS
 from .context import Context, StepResult
 
 
@@ -29,7 +29,7 @@ def summary_markdown(results: Sequence[StepResult], header: str) -> str:
     for r in results:
         lines.append(f"| {r.name} | {r.part} | {r.status} | {r.seconds:.1f} | {cell(r.detail)} |")
     for r in results:
-        points = r.data.get("perf") or r.data.get("instances")
+        points = r.data.get("perf") or r.data.get("instances") or r.data.get("lookup-instances")
         if not points:
             continue
         lines += ["", f"## {r.name}", ""]
@@ -63,5 +63,5 @@ def print_calls(kit_table: str) -> None:
     """What to run on the GPU machine."""
     print(kit_table)
     print(f'\ncarry: ["{KIT}"]  (the same for every call)')
-    for part in (1, 2, 3):
+    for part in PARTS:
         print(f"call {part}: python3 -m perf.gpu_check run --part {part}")

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .common import INSTANCES, PERF_BATCHES, PERF_CONCURRENCY, tail
+from .common import INSTANCES, LOOKUP_INSTANCES, PERF_BATCHES, PERF_CONCURRENCY, tail
 from .context import Context, Skip
 
 
@@ -148,22 +148,40 @@ def step_serve_gpu(ctx: Context) -> tuple[str, dict[str, Any]]:
     return serve_profile(ctx, "gpu", 18200)
 
 
+def instance_sweep(
+    ctx: Context, step: str, counts: Iterable[int], flag: str, mps: bool, port: int
+) -> list[dict[str, Any]]:
+    """perf_analyzer (batch 64, concurrency 4 and 16) over cuda-profile variants, one per count of a step."""
+    rows = []
+    for count in counts:
+        name = f"{step}-{count}{'-mps' if mps else ''}"
+        variant = ctx.work / f"variant-{name}"
+        make = [ctx.python, "-m", "recserve.perf.gpu_check", "variant", flag, str(count)]
+        ctx.sh(step, [*make, "--target", str(variant)], 60)
+        args = ["--repository", str(variant), "--profile", "cuda", *(["--mps"] if mps else [])]
+        with Server(ctx, name, args, port + 10 * count) as server:
+            for point in perf_points(ctx, name, server, 64, (4, 16)):
+                rows.append({"instances": count, "mps": mps, **point})
+    return rows
+
+
 def step_instances(ctx: Context, mps: bool) -> tuple[str, dict[str, Any]]:
     """1, 2 and 4 instances of the dense step (cuda profile), batch 64 at concurrency 4 and 16."""
     if mps and not shutil.which("nvidia-cuda-mps-control"):
         raise Skip("nvidia-cuda-mps-control is not installed")
-    rows = []
-    for count in INSTANCES:
-        variant = ctx.work / f"variant-dense{count}"
-        make = [ctx.python, "-m", "recserve.perf.gpu_check", "variant", "--dense-instances", str(count)]
-        ctx.sh("instances", [*make, "--target", str(variant)], 60)
-        name = f"instances-{count}{'-mps' if mps else ''}"
-        args = ["--repository", str(variant), "--profile", "cuda", *(["--mps"] if mps else [])]
-        with Server(ctx, name, args, 18300 + 10 * count + (5 if mps else 0)) as server:
-            for point in perf_points(ctx, name, server, 64, (4, 16)):
-                rows.append({"instances": count, "mps": mps, **point})
+    rows = instance_sweep(ctx, "instances", INSTANCES, "--dense-instances", mps, 18305 if mps else 18300)
     best = max(rows, key=lambda p: p["rows_per_s"])
     return f"best {best['rows_per_s']:.0f} rows/s with {best['instances']} instances", {"instances": rows}
+
+
+def step_lookup_instances(ctx: Context) -> tuple[str, dict[str, Any]]:
+    """1, 2, 4 and 8 instances of the lookup step with one dense instance (cuda profile)."""
+    rows = instance_sweep(ctx, "lookup-instances", LOOKUP_INSTANCES, "--lookup-instances", False, 18400)
+    best = max(rows, key=lambda p: p["rows_per_s"])
+    return (
+        f"best {best['rows_per_s']:.0f} rows/s with {best['instances']} lookup instances",
+        {"lookup-instances": rows},
+    )
 
 
 def step_instances_plain(ctx: Context) -> tuple[str, dict[str, Any]]:
@@ -204,7 +222,7 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_variant(args: argparse.Namespace) -> int:
-    """A cuda-profile variant of the built repository with ``--dense-instances`` dense instances."""
+    """A cuda-profile variant of the built repository with other dense or lookup instance counts."""
     from recserve import wire
     from recserve.build.configs import ServingPlan, write_variant
     from recserve.spec import DEFAULT_REPOSITORY, DEFAULT_SPEC, load_spec
@@ -214,7 +232,11 @@ def cmd_variant(args: argparse.Namespace) -> int:
     plan = ServingPlan(
         plan.max_queue_delay_microseconds,
         plan.preferred_batch_sizes,
-        {**plan.instances, wire.DENSE: args.dense_instances},
+        {
+            **plan.instances,
+            wire.DENSE: args.dense_instances or 1,
+            wire.EMBEDDING_LOOKUP: args.lookup_instances or plan.instances[wire.EMBEDDING_LOOKUP],
+        },
     )
     print(write_variant(spec, Path(DEFAULT_REPOSITORY), args.target, profile="cuda", plan=plan))
     return 0

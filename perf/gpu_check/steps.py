@@ -15,11 +15,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import CUDA_TESTS, IMAGE_REQUIREMENTS, KIT_REQUIREMENTS, LIBB64, log, tail
+from .common import CUDA_TESTS, LIBB64, log, tail
 from .context import Context, Skip, Step, StepResult
 from .kit import check_files, tree_copy, unpack_kit, verify_kit
 from .report import write_outputs
-from .serve import step_instances_mps, step_instances_plain, step_serve_cuda, step_serve_gpu
+from .serve import (
+    step_instances_mps,
+    step_instances_plain,
+    step_lookup_instances,
+    step_serve_cuda,
+    step_serve_gpu,
+)
 
 
 def step_env(ctx: Context) -> tuple[str, dict[str, Any]]:
@@ -51,12 +57,15 @@ def step_env(ctx: Context) -> tuple[str, dict[str, Any]]:
     return f"Python {facts['python']}, {facts['glibc']}, {gpus}, torch {facts.get('torch')}", facts
 
 
+INSTALL_RECIPE = 2  # bump when install_venv changes: a venv made by an earlier recipe is remade
+
+
 def install_venv(ctx: Context) -> str:
     """Create the venv over the image's packages and install the kit and recserve into it (idempotent)."""
     import sysconfig
 
     marker = ctx.venv / ".installed"
-    key = json.loads((ctx.kit / "kit.json").read_text())["key"]
+    key = f"{json.loads((ctx.kit / 'kit.json').read_text())['key']}:{INSTALL_RECIPE}"
     if marker.is_file() and marker.read_text() == key:
         return "reused the venv"
     wheels = unpack_kit(ctx.kit, ctx.work)
@@ -77,8 +86,20 @@ def install_venv(ctx: Context) -> str:
     pip = [ctx.python, "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "--no-cache-dir"]
     pytriton = next(wheels.glob("nvidia_pytriton-*.whl"))
     ctx.sh("install", [*pip, "--no-deps", str(pytriton)], 300)
-    ctx.sh("install", [*pip, *KIT_REQUIREMENTS, *IMAGE_REQUIREMENTS], 300)
-    ctx.sh("install", [*pip, "--no-build-isolation", "--no-deps", str(ctx.root)], 300)
+    # The kit is a resolved set: it goes in without a resolver run against the image, whose newer
+    # packages (onnx needing protobuf 6, contourpy needing numpy 2) conflict with tritonclient 2.50's
+    # protobuf<5 pin and with the stub's numpy<2. tritonclient's generated code runs on protobuf 6,
+    # so protobuf is the image's where it has one; numpy 1.26 shadows the image's numpy 2.
+    kit_wheels = [
+        str(w)
+        for w in sorted(wheels.glob("*.whl"))
+        if not w.name.startswith(("protobuf-", "nvidia_pytriton-"))
+    ]
+    ctx.sh("install", [*pip, "--no-deps", *kit_wheels], 300)
+    ctx.sh("install", [*pip, "protobuf>=4.21"], 120)
+    # editable, as `make install` does: run from the repository root, a plain install would be
+    # shadowed by the recserve/ folder there, which lacks the mapped subpackages (backends, build, perf)
+    ctx.sh("install", [*pip, "--no-build-isolation", "--no-deps", "-e", str(ctx.root)], 300)
     notes = []
     try:
         sdist = next(wheels.glob("geventhttpclient-2.0.2*"))
@@ -184,6 +205,7 @@ STEPS = (
     ),
     Step("instances", 3, 240, step_instances_plain, gpu=True, what="1/2/4 dense instances"),
     Step("instances-mps", 3, 240, step_instances_mps, gpu=True, what="1/2/4 dense instances with MPS"),
+    Step("lookup-instances", 4, 300, step_lookup_instances, gpu=True, what="1/2/4/8 lookup instances"),
 )
 
 
