@@ -33,7 +33,7 @@ from recserve.access.config import (
     write_config,
 )
 from recserve.sections import AccessSection
-from recserve.server import Ports, TritonServer, port_in_use
+from recserve.server import Ports, TritonServer, port_in_use, stop_process
 
 LOGGER = logging.getLogger(__name__)
 
@@ -174,13 +174,7 @@ class EnvoyProxy:
         """SIGTERM to the PID, SIGKILL after ``timeout_s``; returns the exit code."""
         if self.process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -9,6 +9,7 @@ from recserve.server.process import (
     run_child,
     run_foreground,
     server_command,
+    stop_process,
 )
 from recserve.server.runtime import ServerError, prepare_runtime, runtime_dir, server_env
 from recserve.server.security import ADMIN_HEADER, GRPC_HEADER_PREFIX, Security
@@ -34,6 +35,7 @@ __all__ = [
     "runtime_dir",
     "server_command",
     "server_env",
+    "stop_process",
     "stub_processes",
     "visible_gpus",
 ]

@@ -83,6 +83,18 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float, signum: int = signal.SIGTERM) -> int:
+    """Send ``signum`` to a running child, SIGKILL it after ``timeout_s``; returns its exit code."""
+    if process.poll() is None:
+        process.send_signal(signum)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 class TritonServer:
     """A tritonserver child process: started, watched until ready, stopped with SIGINT.
 
@@ -230,12 +242,7 @@ class TritonServer:
             self.watchdog.stop()
         if self.process.poll() is None:
             self.drain()
-            self.process.send_signal(signum)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, timeout_s, signum)
         if self._log is not None:
             self._log.close()
         return self.process.returncode
