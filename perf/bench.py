@@ -1,14 +1,16 @@
 """``recserve bench``: the serving core measured side by side, in one run on one machine.
 
-Four configurations serve the same model on the same inputs:
+Five configurations serve the same model on the same inputs:
 
 * the in-process bound: feature -> lookup -> dense called directly (ONNX Runtime, one thread), at
   every batch bucket up to ``max_batch_size``;
 * Triton configured naively: no dynamic batching, one instance per step;
 * Triton with the spec's tuned ``[serving]`` plan;
+* the monolith a user would write first: one Python-backend model running the whole path, with
+  1 and 2 instances (:mod:`recserve.perf.monolith`);
 * TorchServe with a handler running the PyTorch network and TorchServe's batching.
 
-Both Triton configurations are measured with perf_analyzer over gRPC on the grid of client batch
+The Triton configurations are measured with perf_analyzer over gRPC on the grid of client batch
 sizes and concurrencies, alternating at each point; the tuned one also with HTTP and with system
 shared memory (the overhead probes). Triton's HTTP endpoint and TorchServe are measured with the
 same HTTP load generator (:mod:`recserve.perf.loadgen`): those two rows are the fair comparison.
@@ -40,6 +42,7 @@ from recserve.perf.analyzer import LOOSE_STABILITY, measure
 from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
+from recserve.perf.monolith import write_monolith_repository
 from recserve.perf.report import Point
 from recserve.perf.stats import difference, snapshot
 from recserve.server import Ports, Security, TritonServer
@@ -65,6 +68,7 @@ class Grid:
     overhead_points: tuple[tuple[int, int], ...] = ((1, 16), (64, 4))  # (client batch, concurrency)
     sdk_batches: tuple[int, ...] = (1, 64)  # one SDK client, with and without system shared memory
     torchserve: bool = True
+    monolith_instances: tuple[int, ...] = (1, 2)
 
     @classmethod
     def full(cls) -> Grid:
@@ -116,7 +120,8 @@ def _perf_point(
         shared_memory=shared_memory,
         stability_percentage=LOOSE_STABILITY,
     )
-    steps = difference(before, snapshot(server.http_url), wire.STEPS)
+    models = (spec.name,) if system.startswith(report.MONOLITH) else wire.STEPS
+    steps = difference(before, snapshot(server.http_url), models)
     p = points[-1]
     return Point(
         system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3,
@@ -196,6 +201,12 @@ def run_bench(
             security = Security(client_shared_memory=True)
             servers[system] = stack.enter_context(
                 TritonServer(variant, Ports.free(), log_path=work / f"{system}.log", security=security)
+            )
+        for count in grid.monolith_instances:
+            system = f"{report.MONOLITH}-{count}"
+            monolith = write_monolith_repository(spec, repository, work / system, count)
+            servers[system] = stack.enter_context(
+                TritonServer(monolith, Ports.free(), log_path=work / f"{system}.log")
             )
         torchserve = None
         if grid.torchserve:

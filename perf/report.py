@@ -23,6 +23,7 @@ INPROCESS = "inprocess"
 NAIVE = "triton-naive"
 TUNED = "triton-tuned"
 TORCHSERVE = "torchserve"
+MONOLITH = "monolith"  # one Python-backend model for the whole path; systems "monolith-<instances>"
 
 # load generators
 PERF_ANALYZER = "perf_analyzer"
@@ -36,6 +37,7 @@ TARGETS = {
     "dynamic_batching_gain": (">=", 3.0),
     "vs_torchserve_throughput": (">=", 3.0),
     "vs_torchserve_p99": ("<=", 1.0),
+    "vs_monolith_throughput": (">=", 1.0),
 }
 
 
@@ -43,7 +45,7 @@ TARGETS = {
 class Point:
     """One measured load point of one configuration."""
 
-    system: str  # INPROCESS, NAIVE, TUNED, TORCHSERVE
+    system: str  # INPROCESS, NAIVE, TUNED, TORCHSERVE, MONOLITH-<instances>
     generator: str  # PERF_ANALYZER, HTTP_LOADGEN, DIRECT
     protocol: str  # grpc, http, none
     client_batch: int
@@ -112,6 +114,10 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
     * ``vs_torchserve_p99``: Triton's p99 over TorchServe's at TorchServe's best point (same client
       batch and concurrency: the same offered load).
 
+    * ``vs_monolith_throughput``: the tuned ensemble's best rows/s over the monolith's (its better
+      instance count), both perf_analyzer gRPC under the bound; ``vs_monolith_p99``: the ensemble's
+      p99 over the monolith's at the monolith's best point (same client batch and concurrency).
+
     When TorchServe meets the bound at no point, the bound cannot pick its point: both servers are
     then compared at TorchServe's highest-rate point (the same offered load) and
     ``torchserve_within_p99_bound`` is false.
@@ -147,6 +153,14 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
         if torchserve
         else None
     )
+    monolith = best_under(
+        [p for p in points if p.system.startswith(MONOLITH) and p.generator == PERF_ANALYZER], p99_bound_ms
+    )
+    at_monolith = (
+        next(iter(select(grpc, client_batch=monolith.client_batch, concurrency=monolith.concurrency)), None)
+        if monolith
+        else None
+    )
     ratios = {
         "ensemble_vs_inprocess": _ratio(_rows_per_s(served), _rows_per_s(bound)),
         "dynamic_batching_gain": _ratio(_rows_per_s(tuned_b1), _rows_per_s(naive_b1)),
@@ -157,6 +171,8 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
             else _ratio(_rows_per_s(matched), _rows_per_s(torchserve))
         ),
         "vs_torchserve_p99": _ratio(_p99(matched), _p99(torchserve)),
+        "vs_monolith_throughput": _ratio(_rows_per_s(served), _rows_per_s(monolith)),
+        "vs_monolith_p99": _ratio(_p99(at_monolith), _p99(monolith)),
     }
     targets = {}
     for name, (op, goal) in TARGETS.items():
@@ -176,6 +192,8 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
             "triton_http_best": _brief(triton_best),
             "triton_http_at_torchserve_best": _brief(matched),
             "torchserve_best": _brief(torchserve),
+            "monolith_best": _brief(monolith),
+            "ensemble_at_monolith_best": _brief(at_monolith),
         },
     }
 
@@ -262,6 +280,11 @@ def describe_summary(summary: dict[str, Any]) -> str:
         shown = "n/a" if value is None else f"{value:.2f}"
         verdict = {True: "met", False: "MISSED", None: ""}[target["met"]]
         lines.append(f"{name:<26} {shown:>12}  (target {target['target']}) {verdict}")
+    monolith_p99 = summary.get("vs_monolith_p99")
+    if monolith_p99 is not None:
+        lines.append(
+            f"{'vs_monolith_p99':<26} {monolith_p99:>12.2f}  (ensemble p99 / monolith p99 at its best point)"
+        )
     p99 = summary.get("dynamic_batching_p99_ratio")
     if p99 is not None:
         lines.append(

@@ -30,6 +30,7 @@ TINY = Grid(
     overhead_points=((8, 2),),
     sdk_batches=(8,),
     torchserve=False,
+    monolith_instances=(1,),
 )
 
 
@@ -49,12 +50,14 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         "dynamic_batching_gain",
         "vs_torchserve_throughput",
         "vs_torchserve_p99",
+        "vs_monolith_throughput",
     ):
         assert key in written and key in written["targets"]
     # The ratios are read at p99 <= 50 ms, which a loaded machine may miss at every point: the
     # machinery is checked with a bound every point meets, the written file against the same code.
     unbounded = report.summarize(points, p99_bound_ms=float("inf"))
     assert unbounded["ensemble_vs_inprocess"] > 0 and unbounded["dynamic_batching_gain"] > 0
+    assert unbounded["vs_monolith_throughput"] > 0 and unbounded["vs_monolith_p99"] > 0
     assert written["ensemble_vs_inprocess"] == report.summarize(points)["ensemble_vs_inprocess"]
     assert written["vs_torchserve_throughput"] is None  # TorchServe was left out of this run
     for probe in ("http_over_grpc", "system_shm_over_grpc", "sdk_system_shm_over_wire"):
@@ -62,11 +65,14 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
     configurations = {p.configuration for p in points}
     assert {"inprocess", "triton-naive grpc perf_analyzer", "triton-tuned grpc perf_analyzer",
             "triton-tuned http http-loadgen", "triton-tuned http perf_analyzer",
-            "triton-tuned grpc perf_analyzer shm=system"} <= configurations  # fmt: skip
+            "triton-tuned grpc perf_analyzer shm=system", "monolith-1 grpc perf_analyzer",
+            } <= configurations  # fmt: skip
     for p in points:
         assert p.rows_per_s > 0 and p.failures == 0 and p.p50_ms <= p.p99_ms, p
         if p.system in (report.NAIVE, report.TUNED):
             assert {s["model"] for s in p.steps} == set(STEPS), p
+        if p.system.startswith(report.MONOLITH):
+            assert {s["model"] for s in p.steps} == {spec.name}, p
     naive = [s for p in points if p.system == report.NAIVE for s in p.steps]
     assert all(s["requests_per_execution"] == 1.0 for s in naive)  # no dynamic batching there
     rows = (run / "points.csv").read_text().splitlines()

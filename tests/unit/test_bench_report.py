@@ -56,6 +56,21 @@ def test_summary_ratios_come_from_the_right_points():
     json.dumps(summary)  # plain JSON
 
 
+def test_monolith_ratio_takes_its_better_instance_count_under_the_bound():
+    points = sample_points() + [
+        point(f"{report.MONOLITH}-1", *GRPC, 64, 4, 5_000, 20),
+        point(f"{report.MONOLITH}-2", *GRPC, 64, 4, 6_400, 40),
+        point(f"{report.MONOLITH}-2", *GRPC, 64, 16, 9_000, 70),  # over the bound
+    ]
+    summary = report.summarize(points)
+    assert summary["vs_monolith_throughput"] == pytest.approx(8_000 / 6_400)
+    assert summary["vs_monolith_p99"] == pytest.approx(30 / 40)  # the ensemble at batch 64 x 4
+    assert summary["points"]["monolith_best"]["configuration"] == "monolith-2 grpc perf_analyzer"
+    assert summary["targets"]["vs_monolith_throughput"]["met"] is True
+    assert "vs_monolith_p99" in report.describe_summary(summary)
+    assert report.summarize(sample_points())["vs_monolith_throughput"] is None
+
+
 def test_missing_configurations_give_none_not_errors():
     points = [p for p in sample_points() if p.system != report.TORCHSERVE]
     summary = report.summarize(points)
