@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import tempfile
@@ -38,7 +39,7 @@ from recserve import wire
 from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.perf import report
-from recserve.perf.analyzer import LOOSE_STABILITY, measure
+from recserve.perf.analyzer import LOOSE_STABILITY, UNSTABLE, PerfError, measure
 from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
@@ -109,17 +110,28 @@ def _perf_point(
 ) -> Point:
     url = server.grpc_url if protocol == "grpc" else server.http_url
     before = snapshot(server.http_url)
-    points, _ = measure(
-        spec,
-        url,
-        protocol,
-        batch,
-        str(concurrency),
-        grid.measurement_ms,
-        data=data,
-        shared_memory=shared_memory,
-        stability_percentage=LOOSE_STABILITY,
-    )
+    try:
+        points, _ = measure(
+            spec,
+            url,
+            protocol,
+            batch,
+            str(concurrency),
+            grid.measurement_ms,
+            data=data,
+            shared_memory=shared_memory,
+            stability_percentage=LOOSE_STABILITY,
+        )
+    except PerfError as exc:
+        if UNSTABLE not in str(exc):
+            raise
+        # windows too far apart even measured longer (a stalled server): kept as a point without
+        # figures, which no ratio reads, so that one such point does not end the run
+        LOGGER.warning("%s %s, batch %d x %d: %s", system, protocol, batch, concurrency, UNSTABLE)
+        return Point(
+            system, report.PERF_ANALYZER, protocol, batch, concurrency, math.nan, math.inf, math.inf,
+            math.inf, shared_memory,
+        )  # fmt: skip
     models = (spec.name,) if system.startswith(report.MONOLITH) else wire.STEPS
     steps = difference(before, snapshot(server.http_url), models)
     p = points[-1]

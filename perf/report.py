@@ -84,7 +84,9 @@ def best_under(points: Iterable[Point], p99_bound_ms: float = P99_BOUND_MS) -> P
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
+    if a is None or b is None or b == 0 or not (math.isfinite(a) and math.isfinite(b)):
+        return None  # not measured, or not measurable (an unstable point)
+    return a / b
 
 
 def _rows_per_s(point: Point | None) -> float | None:
@@ -99,7 +101,11 @@ def _brief(point: Point | None) -> dict[str, Any] | None:
     if point is None:
         return None
     keys = ("configuration", "client_batch", "concurrency", "rows_per_s", "p50_ms", "p99_ms")
-    return {k: v for k, v in point.as_dict().items() if k in keys}
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v  # an unstable point: no figure
+        for k, v in point.as_dict().items()
+        if k in keys
+    }
 
 
 def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> dict[str, Any]:
@@ -305,6 +311,7 @@ def plot(points: Sequence[Point], folder: Path, p99_bound_ms: float = P99_BOUND_
     written = []
     configurations = sorted({p.configuration for p in points})
     colors = {name: f"C{i % 10}" for i, name in enumerate(configurations)}  # one colour per configuration
+    points = [p for p in points if math.isfinite(p.rows_per_s) and math.isfinite(p.p99_ms)]
     served = [p for p in points if p.system != INPROCESS]
     batches = sorted({p.client_batch for p in served})
     fig, axes = plt.subplots(1, max(len(batches), 1), figsize=(6 * max(len(batches), 1), 4.5), squeeze=False)

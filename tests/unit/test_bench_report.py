@@ -71,6 +71,17 @@ def test_monolith_ratio_takes_its_better_instance_count_under_the_bound():
     assert report.summarize(sample_points())["vs_monolith_throughput"] is None
 
 
+def test_an_unstable_point_is_read_by_no_ratio():
+    """A point perf_analyzer could not stabilise has no figures (NaN rows/s, infinite latencies)."""
+    points = [p for p in sample_points() if not (p.system == report.TUNED and p.client_batch == 1)]
+    points.append(Point(report.TUNED, *GRPC, 1, 16, math.nan, math.inf, math.inf, math.inf))
+    summary = report.summarize(points)
+    assert summary["dynamic_batching_gain"] is None and summary["dynamic_batching_p99_ratio"] is None
+    assert summary["targets"]["dynamic_batching_gain"]["met"] is None
+    assert summary["ensemble_vs_inprocess"] == pytest.approx(8_000 / 10_000)  # other ratios unaffected
+    json.dumps(summary, allow_nan=False)
+
+
 def test_missing_configurations_give_none_not_errors():
     points = [p for p in sample_points() if p.system != report.TORCHSERVE]
     summary = report.summarize(points)
