@@ -38,7 +38,7 @@ def run(
     ports = ProxyPorts(free.grpc, free.http, free.metrics)
     results = []
     with AccessLayer(access, served, workdir / "access", ports, config_name) as layer:
-        direct = layer.servers["stable"].grpc_url
+        direct = layer.servers["stable"][0].grpc_url
         for batch in batch_sizes:
             rows = generate(spec, batch * 16, seed=batch)
             pool = [rows.take(slice(i * batch, (i + 1) * batch)).to_wire(spec) for i in range(16)]

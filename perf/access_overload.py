@@ -66,7 +66,7 @@ def run_access_overload(
     )
     with layer:
         report = run_overload(
-            layer.servers["stable"],
+            layer.servers["stable"][0],
             spec,
             rows,
             spike_factor,

@@ -29,7 +29,8 @@ def _access(args: argparse.Namespace) -> int:
     def announce(layer: AccessLayer) -> None:
         servers = ", ".join(
             f"{name} (pid {s.process.pid if s.process else '-'}, gRPC {s.ports.grpc})"
-            for name, s in layer.servers.items()
+            for name, replicas in layer.servers.items()
+            for s in replicas
         )
         proxy = layer.proxy.pid if layer.proxy is not None else "-"
         print(

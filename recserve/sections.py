@@ -261,6 +261,9 @@ class AccessSection:
     # gate), "default" ([serving.queue]) or a [serving.queue_profiles] name
     queue_profile: str = "unbounded"
     workers: int = 1  # Envoy worker threads
+    # tritonservers per variant; with more than one, a dead one is ejected (outlier detection) and a
+    # request that could not reach it is sent to another
+    replicas: int = 1
 
     def check(self) -> None:
         """Raise :class:`SpecError` on bad ports, weights, caps or fractions.
@@ -280,8 +283,8 @@ class AccessSection:
             raise SpecError("[access] weights needs the variant 'stable'")
         if any(w < 0 for w in self.weights.values()) or sum(self.weights.values()) <= 0:
             raise SpecError(f"[access] weights must be >= 0 with a positive sum, got {self.weights}")
-        if min(self.max_requests, self.shadow_max_requests, self.workers) < 1:
-            raise SpecError("[access] max_requests, shadow_max_requests and workers must be >= 1")
+        if min(self.max_requests, self.shadow_max_requests, self.workers, self.replicas) < 1:
+            raise SpecError("[access] max_requests, shadow_max_requests, workers and replicas must be >= 1")
         if not 0.0 <= self.shadow_fraction <= 1.0:
             raise SpecError(f"[access] shadow_fraction must lie in 0..1, got {self.shadow_fraction}")
         if self.shadow_fraction > 0 and self.shadow_variant not in self.weights:

@@ -19,6 +19,12 @@ shadow cluster per protocol for the mirrored copies. The parts:
   instead of holding live requests or their admission budget.
 * **Health** (``grpc_health_check``, ``/v2/health/ready``): Triton's ``grpc.health.v1`` and readiness
   endpoints. With every replica of a variant failing, Envoy's panic mode still sends to them.
+* **Replicas** (``outlier_detection``, ``retry_policy``): with several tritonservers in a cluster, one
+  whose connection is refused or reset is ejected at its first such failure, for a few seconds at a
+  time and never more than half of them; a request that could not be sent to it (refused connection
+  or stream, reset before the request went out) is retried once on another replica. A request
+  already sent is never retried: inference work is not repeated, and at most the requests in flight
+  on a dying replica fail. A cluster of one replica allows no retries.
 * **Admin** on 127.0.0.1 only, with an admin runtime layer (what ``/runtime_modify`` writes).
 """
 
@@ -41,9 +47,11 @@ SHADOW_KEY = "access.shadow_per_million"
 #: Prefix of the weight keys: ``access.weights.<protocol>.<cluster>``.
 WEIGHT_PREFIX = "access.weights"
 HEALTH_INTERVAL_S = 2.0
+EJECTION_S = 2.0  # a replica ejected for a refused or reset connection stays out this long (times ejections)
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
 class AccessError(RuntimeError):
@@ -101,6 +109,7 @@ def _seconds(value: float) -> str:
 def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: int) -> dict[str, Any]:
     """One cluster: the upstreams' endpoints of ``protocol``, a cap of ``max_requests`` per upstream."""
     cap = max_requests * len(upstreams)  # Envoy's thresholds are per cluster; ours are per replica
+    replicated = len(upstreams) > 1
     endpoints = [
         {"endpoint": {"address": _address(u.host, u.grpc_port if protocol == "grpc" else u.http_port)}}
         for u in upstreams
@@ -129,13 +138,23 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
                     "max_requests": cap,
                     "max_pending_requests": cap,
                     "max_connections": 1024,  # HTTP/1.1: a new connection rather than a wait for one
-                    "max_retries": 0,
+                    "max_retries": cap if replicated else 0,
                     "track_remaining": True,
                 }
             ]
         },
         "health_checks": [health],
     }
+    if replicated:
+        config["outlier_detection"] = {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": 1,  # refused or reset: the process is gone
+            "enforcing_consecutive_local_origin_failure": 100,
+            "interval": _seconds(EJECTION_S / 2),
+            "base_ejection_time": _seconds(EJECTION_S),
+            "max_ejection_time": _seconds(5 * EJECTION_S),  # a restarted replica is back within this
+            "max_ejection_percent": 50,
+        }
     if protocol == "grpc":
         config["typed_extension_protocol_options"] = {
             _HTTP_OPTIONS: {
@@ -147,9 +166,23 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
 
 
 def route(access: AccessSection, protocol: str, variants: list[str]) -> dict[str, Any]:
-    """The catch-all route of a listener: sticky weighted split, mirror, timeout, no retries."""
+    """The catch-all route of a listener: sticky weighted split, mirror, timeout, safe retries.
+
+    Only a request that never reached a replica is retried, once, on another one.
+    """
     action: dict[str, Any] = {
         "timeout": _seconds(access.request_timeout_s),
+        "retry_policy": {
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": 1,
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {"@type": _PREVIOUS_HOSTS},
+                }
+            ],
+            "host_selection_retry_max_attempts": 3,
+        },
         "hash_policy": [{"header": {"header_name": USER_HEADER}}],
         "weighted_clusters": {
             "use_hash_policy": True,

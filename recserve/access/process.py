@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -190,14 +190,16 @@ class EnvoyProxy:
 
 
 class AccessLayer:
-    """Envoy in front of one tritonserver per variant, all on loopback except the public listeners.
+    """Envoy in front of the variants' tritonservers, all on loopback except the public listeners.
 
     Use as a context manager. Everything is stopped by PID on exit: the proxy first, so that no new
     request reaches a stopping server, then the servers.
 
     Args:
         access: the spec's ``[access]``.
-        repositories: variant -> its model repository (``stable`` is required).
+        repositories: variant -> its model repository, served by ``access.replicas`` tritonservers;
+            or a list of repositories, one tritonserver each (replicas as on separate machines,
+            each with its own update log). ``stable`` is required.
         workdir: where the config and the logs go.
         ports: the proxy's ports; None: the ones in ``access``.
         config_name: the servers' ``--model-config-name`` (a queue profile); None: ``config.pbtxt``.
@@ -209,7 +211,7 @@ class AccessLayer:
     def __init__(
         self,
         access: AccessSection,
-        repositories: Mapping[str, Path],
+        repositories: Mapping[str, Path | Sequence[Path]],
         workdir: Path,
         ports: ProxyPorts | None = None,
         config_name: str | None = None,
@@ -220,14 +222,17 @@ class AccessLayer:
         if "stable" not in repositories:
             raise AccessError("the access layer needs a repository for the 'stable' variant")
         self.access = access
-        self.repositories = dict(repositories)
+        self.repositories = {
+            name: [paths] * access.replicas if isinstance(paths, Path) else list(paths)
+            for name, paths in repositories.items()
+        }
         self.workdir = workdir
         self.ports = ports or ProxyPorts.from_section(access)
         self.config_name = config_name
         self.server_cpus = server_cpus
         self.proxy_cpus = proxy_cpus
         self.proxy_priority = proxy_priority
-        self.servers: dict[str, TritonServer] = {}
+        self.servers: dict[str, list[TritonServer]] = {}  # variant -> its replicas
         self.proxy: EnvoyProxy | None = None
 
     @property
@@ -248,7 +253,8 @@ class AccessLayer:
     def config(self) -> dict[str, object]:
         """The Envoy config for the running servers."""
         upstreams = {
-            name: [Upstream(server.ports.grpc, server.ports.http)] for name, server in self.servers.items()
+            name: [Upstream(s.ports.grpc, s.ports.http) for s in replicas]
+            for name, replicas in self.servers.items()
         }
         return envoy_config(self.access, upstreams, self.ports)
 
@@ -258,17 +264,11 @@ class AccessLayer:
             if port_in_use(port):
                 raise AccessError(f"port {port} is already in use; is another proxy or server running?")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for name, repository in self.repositories.items():
-            self.servers[name] = TritonServer(
-                repository,
-                Ports.free(),
-                log_path=self.workdir / f"tritonserver-{name}.log",
-                config_name=self.config_name,
-                cpus=self.server_cpus,
-            )
+        for name, paths in self.repositories.items():
+            self.servers[name] = [self._server(name, i, path, Ports.free()) for i, path in enumerate(paths)]
         try:
-            with ThreadPoolExecutor(len(self.servers)) as pool:
-                for future in [pool.submit(server.start, timeout_s) for server in self.servers.values()]:
+            with ThreadPoolExecutor(len(self.all_servers())) as pool:
+                for future in [pool.submit(server.start, timeout_s) for server in self.all_servers()]:
                     future.result()
             path = write_config(self.config(), self.workdir / CONFIG_FILE)
             self.proxy = EnvoyProxy(
@@ -287,9 +287,34 @@ class AccessLayer:
         LOGGER.info("access layer up: gRPC %s, HTTP %s", self.grpc_url, self.http_url)
         return self
 
+    def _server(self, variant: str, index: int, repository: Path, ports: Ports) -> TritonServer:
+        suffix = f"-{index}" if len(self.repositories[variant]) > 1 else ""
+        return TritonServer(
+            repository,
+            ports,
+            log_path=self.workdir / f"tritonserver-{variant}{suffix}.log",
+            config_name=self.config_name,
+            cpus=self.server_cpus,
+        )
+
+    def all_servers(self) -> list[TritonServer]:
+        """Every replica of every variant."""
+        return [server for replicas in self.servers.values() for server in replicas]
+
+    def restart(self, variant: str, index: int, timeout_s: float = 180.0) -> TritonServer:
+        """Start replica ``index`` of ``variant`` again on its ports (after it died or was stopped).
+
+        The proxy's health checks take it back: nothing in Envoy's config changes.
+        """
+        old = self.servers[variant][index]
+        old.stop()
+        server = self._server(variant, index, self.repositories[variant][index], old.ports)
+        self.servers[variant][index] = server.start(timeout_s)
+        return server
+
     def alive(self) -> bool:
         """True while the proxy and every server run."""
-        processes = [s.process for s in self.servers.values()]
+        processes = [s.process for s in self.all_servers()]
         processes.append(self.proxy.process if self.proxy is not None else None)
         return all(p is not None and p.poll() is None for p in processes)
 
@@ -297,17 +322,22 @@ class AccessLayer:
         """Stop the proxy, then every server (each by its PID, side by side)."""
         if self.proxy is not None:
             self.proxy.stop()
-        for name, server in self.servers.items():
+        servers = self.all_servers()
+        for server in servers:
             if server.process is not None and server.process.poll() is None:
-                LOGGER.info("stopping tritonserver %s (pid %d)", name, server.process.pid)
-        if self.servers:
-            with ThreadPoolExecutor(len(self.servers)) as pool:
-                list(pool.map(lambda server: server.stop(), self.servers.values()))
+                LOGGER.info("stopping tritonserver %s (pid %d)", server.repository, server.process.pid)
+        if servers:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(lambda server: server.stop(), servers))
 
     def log_tails(self, lines: int = 30) -> str:
         """The tails of the proxy's and the servers' logs."""
         parts = [f"--- envoy\n{self.proxy.log_tail(lines) if self.proxy else '(not started)'}"]
-        parts += [f"--- tritonserver {name}\n{s.log_tail(lines)}" for name, s in self.servers.items()]
+        parts += [
+            f"--- tritonserver {name} {i}\n{s.log_tail(lines)}"
+            for name, replicas in self.servers.items()
+            for i, s in enumerate(replicas)
+        ]
         return "\n".join(parts)
 
     def __enter__(self) -> AccessLayer:

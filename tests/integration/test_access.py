@@ -256,7 +256,7 @@ def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live
         assert sent + dropped == 30 and sent >= 10, (sent, dropped)
         assert live_candidate() == live_before  # mirrored copies are not live candidate traffic
 
-        candidate = layer.servers["candidate"].process
+        candidate = layer.servers["candidate"][0].process
         assert candidate is not None
         os.kill(candidate.pid, signal.SIGSTOP)  # the shadow stalls: it accepts and never answers
         try:
@@ -285,6 +285,6 @@ def test_the_proxy_and_servers_stop_by_pid(tiny, served, tmp_path):
         assert layer.alive() and (tmp_path / "envoy.json").is_file()
         with CTRClient(layer.grpc_url, spec=tiny) as client:
             assert _dense_version(client, _request(tiny)) == STABLE
-        processes = [layer.proxy.process, *(s.process for s in layer.servers.values())]
+        processes = [layer.proxy.process, *(s.process for s in layer.all_servers())]
     assert all(p is not None and p.poll() is not None for p in processes)
     assert not layer.alive()

@@ -92,7 +92,10 @@ def test_admission_caps_are_per_replica_and_never_queue():
     assert threshold("stable_grpc")["max_requests"] == 3
     assert threshold("candidate_grpc")["max_requests"] == 6  # two replicas
     assert threshold("candidate_http_shadow")["max_requests"] == 2
-    assert all(threshold(name)["max_retries"] == 0 for name in clusters)
+    # retries and ejections only where another replica can take the request
+    assert threshold("stable_grpc")["max_retries"] == 0 and "outlier_detection" not in clusters["stable_grpc"]
+    assert threshold("candidate_grpc")["max_retries"] == 6
+    assert clusters["candidate_grpc"]["outlier_detection"]["consecutive_local_origin_failure"] == 1
     ports = [
         e["endpoint"]["address"]["socket_address"]["port_value"]
         for e in clusters["candidate_http"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
@@ -123,7 +126,13 @@ def test_routes_split_by_runtime_weights_sticky_on_the_user_header_and_mirror_to
         assert mirror["cluster"] == cluster_name("candidate", protocol, shadow=True)
         assert mirror["runtime_fraction"]["runtime_key"] == SHADOW_KEY
         assert mirror["runtime_fraction"]["default_value"] == {"numerator": 125_000, "denominator": "MILLION"}
-        assert route["timeout"] == "7.000s" and "retry_policy" not in route
+        assert route["timeout"] == "7.000s"
+        # retried only when the request never reached a replica: no inference runs twice
+        assert set(route["retry_policy"]["retry_on"].split(",")) == {
+            "connect-failure",
+            "refused-stream",
+            "reset-before-request",
+        }
 
 
 def test_a_variant_without_a_server_gets_no_cluster_unless_it_takes_traffic():

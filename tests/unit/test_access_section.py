@@ -85,6 +85,7 @@ def test_an_unknown_access_key_in_a_spec_file_names_its_line(tmp_path):
         ({"weights": {"stable": 100, "Canary-1": 0}}, "lower-case identifiers"),
         ({"max_requests": 0}, "must be >= 1"),
         ({"shadow_max_requests": 0}, "must be >= 1"),
+        ({"replicas": 0}, "must be >= 1"),
         ({"shadow_fraction": 1.5}, "0..1"),
         ({"weights": {"stable": 100}, "shadow_fraction": 0.1}, "shadow_variant 'candidate'"),
         ({"request_timeout_s": 0}, "must be positive"),
