@@ -15,7 +15,9 @@ sizes and concurrencies, alternating at each point; the tuned one also with HTTP
 shared memory (the overhead probes). Triton's HTTP endpoint and TorchServe are measured with the
 same HTTP load generator (:mod:`recserve.perf.loadgen`): those two rows are the fair comparison.
 Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
-Results go to ``<output>/<run>/``: ``points.csv``, ``points.json``, ``summary.json``, PNG plots.
+The hop floor (:mod:`recserve.perf.hops`: the served ensemble at batch 1 against echo ensembles of its
+shape) is measured in the same run. Results go to ``<output>/<run>/``: ``points.csv``,
+``points.json``, ``hops.json``, ``summary.json``, PNG plots.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.analyzer import LOOSE_STABILITY, UNSTABLE, PerfError, measure
+from recserve.perf.hops import run_hops
 from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
 from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
@@ -50,6 +53,8 @@ from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
 
 LOGGER = logging.getLogger(__name__)
+
+HOPS_FILE = "hops.json"  # the bench-hops summary of the run
 
 Progress = Callable[[str], None]
 
@@ -70,6 +75,8 @@ class Grid:
     sdk_batches: tuple[int, ...] = (1, 64)  # one SDK client, with and without system shared memory
     torchserve: bool = True
     monolith_instances: tuple[int, ...] = (1, 2)
+    hops_requests: int = 300  # recserve bench-hops in the same run (0: left out)
+    hops_rounds: int = 3
 
     @classmethod
     def full(cls) -> Grid:
@@ -262,6 +269,10 @@ def run_bench(
             for shared_memory in (False, True):
                 add(_sdk_point(spec, tuned, batch, shared_memory, grid.loadgen_s))
 
+        if grid.hops_requests:
+            progress("[bench] the hop floor (batch 1, one request in flight)")
+            hops = run_hops(spec, repository, work / "hops", grid.hops_requests, grid.hops_rounds)
+            (run / HOPS_FILE).write_text(json.dumps(hops, indent=1))
         for batch in grid.loadgen_batches:
             batches = sample_batches(spec, batch)
             targets: dict[str, tuple[HttpTarget, str | None]] = {
@@ -295,7 +306,8 @@ def run_bench(
 
 def write_summary(run: Path, points: Sequence[Point]) -> dict[str, Any]:
     """``summary.json`` and the plots of a results folder, from its points (and ``run.json``)."""
-    summary = report.summarize(points)
+    hops = json.loads((run / HOPS_FILE).read_text()) if (run / HOPS_FILE).exists() else None
+    summary = report.summarize(points, hops=hops)
     summary["overheads"] = report.overheads(points)
     if (run / "run.json").exists():
         summary["run"] = json.loads((run / "run.json").read_text())

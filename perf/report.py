@@ -38,6 +38,7 @@ TARGETS = {
     "vs_torchserve_throughput": (">=", 3.0),
     "vs_torchserve_p99": ("<=", 1.0),
     "vs_monolith_throughput": (">=", 1.0),
+    "hop_floor_ratio": ("<=", 1.3),
 }
 
 
@@ -108,7 +109,9 @@ def _brief(point: Point | None) -> dict[str, Any] | None:
     }
 
 
-def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> dict[str, Any]:
+def summarize(
+    points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS, hops: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The headline ratios, the points they were read from, and whether each target is met.
 
     * ``ensemble_vs_inprocess``: the tuned ensemble's best rows/s (perf_analyzer, gRPC) over the
@@ -123,6 +126,8 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
     * ``vs_monolith_throughput``: the tuned ensemble's best rows/s over the monolith's (its better
       instance count), both perf_analyzer gRPC under the bound; ``vs_monolith_p99``: the ensemble's
       p99 over the monolith's at the monolith's best point (same client batch and concurrency).
+    * ``hop_floor_ratio``: from ``hops`` (the summary of :func:`recserve.perf.hops.run_hops`), served
+      p50 minus in-process p50 over the p50 of an echo ensemble of the served shape, at batch 1.
 
     When TorchServe meets the bound at no point, the bound cannot pick its point: both servers are
     then compared at TorchServe's highest-rate point (the same offered load) and
@@ -179,6 +184,7 @@ def summarize(points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS) -> di
         "vs_torchserve_p99": _ratio(_p99(matched), _p99(torchserve)),
         "vs_monolith_throughput": _ratio(_rows_per_s(served), _rows_per_s(monolith)),
         "vs_monolith_p99": _ratio(_p99(at_monolith), _p99(monolith)),
+        "hop_floor_ratio": hops.get("hop_floor_ratio") if hops else None,
     }
     targets = {}
     for name, (op, goal) in TARGETS.items():

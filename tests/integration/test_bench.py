@@ -31,6 +31,8 @@ TINY = Grid(
     sdk_batches=(8,),
     torchserve=False,
     monolith_instances=(1,),
+    hops_requests=20,
+    hops_rounds=1,
 )
 
 
@@ -42,6 +44,7 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         "points.csv",
         "points.json",
         "summary.json",
+        "hops.json",
         "latency_vs_throughput.png",
     }
     written = json.loads((run / "summary.json").read_text())
@@ -51,6 +54,7 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         "vs_torchserve_throughput",
         "vs_torchserve_p99",
         "vs_monolith_throughput",
+        "hop_floor_ratio",
     ):
         assert key in written and key in written["targets"]
     # The ratios are read at p99 <= 50 ms, which a loaded machine may miss at every point: the
@@ -58,6 +62,10 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
     unbounded = report.summarize(points, p99_bound_ms=float("inf"))
     assert unbounded["ensemble_vs_inprocess"] > 0 and unbounded["dynamic_batching_gain"] > 0
     assert unbounded["vs_monolith_throughput"] > 0 and unbounded["vs_monolith_p99"] > 0
+    hops = json.loads((run / "hops.json").read_text())
+    assert (
+        written["hop_floor_ratio"] == hops["hop_floor_ratio"] and hops["systems"]["echo_2_hops"]["p50_ms"] > 0
+    )
     assert written["ensemble_vs_inprocess"] == report.summarize(points)["ensemble_vs_inprocess"]
     assert written["vs_torchserve_throughput"] is None  # TorchServe was left out of this run
     for probe in ("http_over_grpc", "system_shm_over_grpc", "sdk_system_shm_over_wire"):

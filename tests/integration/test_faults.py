@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from recserve import wire
+from recserve.access.repository import without_queue_policy
 from recserve.build.synthetic import generate
 
 from .helpers import infer_inputs, infer_raw
@@ -98,10 +99,19 @@ def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_mem
     """What ``recserve serve`` does on SIGTERM: drain (unload the ensemble), then SIGTERM tritonserver.
 
     A server of its own: after a stub kill, the replaced instance never finishes unloading in this
-    Triton, so that server's exit would wait out its exit timeout.
+    Triton, so that server's exit would wait out its exit timeout. Its queues have no policy (as
+    behind the access layer), so every request is accepted: admission refusals, which the entry
+    queue's timeout makes on a busy machine, are not what is tested here.
     """
-    with private_server(repository, tmp_path, exit_timeout_s=20) as server:
+    with private_server(repository, tmp_path, exit_timeout_s=20, prepare=_clear_queue_policies) as server:
         _drain_and_stop(server, spec)
+
+
+def _clear_queue_policies(root: Path) -> None:
+    for config in root.glob("*/config.pbtxt"):
+        cleared = without_queue_policy(config.read_text())
+        if cleared is not None:
+            config.write_text(cleared)
 
 
 def _drain_and_stop(fault_server, spec):
@@ -132,16 +142,8 @@ def _drain_and_stop(fault_server, spec):
         stopper.join(fault_server.exit_timeout_s + 30)
         with pytest.raises(InferenceServerException):  # nothing is accepted any more
             infer_raw(grpcclient, client, spec, requests[0], client_timeout=5)
-    # every request accepted is served; the entry queue may refuse a few that waited over its
-    # timeout before any work was spent on them (UNAVAILABLE), never more than a quarter
-    refused = [r for r in results if isinstance(r, Exception)]
-    assert all(
-        isinstance(r, InferenceServerException)
-        and r.status() == "StatusCode.UNAVAILABLE"
-        and "Request timeout expired" in r.message()
-        for r in refused
-    ), [str(r) for r in refused][:3]
-    assert len(refused) <= len(requests) // 4, [str(r) for r in refused][:3]
+    refused = [str(r) for r in results if isinstance(r, Exception)]
+    assert not refused, refused[:3]  # every request accepted is served
     assert sum(t > signalled for t in finished) >= 4, (
         "too few requests were still in flight when the stop began"
     )

@@ -82,6 +82,12 @@ def test_an_unstable_point_is_read_by_no_ratio():
     json.dumps(summary, allow_nan=False)
 
 
+def test_the_hop_floor_ratio_comes_from_the_hops_summary():
+    summary = report.summarize(sample_points(), hops={"hop_floor_ratio": 1.5})
+    assert summary["targets"]["hop_floor_ratio"] == {"target": "<= 1.3", "value": 1.5, "met": False}
+    assert report.summarize(sample_points())["hop_floor_ratio"] is None  # not measured in this run
+
+
 def test_missing_configurations_give_none_not_errors():
     points = [p for p in sample_points() if p.system != report.TORCHSERVE]
     summary = report.summarize(points)
