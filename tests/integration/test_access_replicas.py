@@ -12,9 +12,7 @@ import dataclasses
 import os
 import signal
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -31,6 +29,8 @@ from recserve.server import Ports, TritonServer
 from recserve.spec import load_spec
 from recserve.wire import EMBEDDING_LOOKUP
 
+from .helpers import wait_for
+
 pytestmark = pytest.mark.integration
 
 IN_FLIGHT = 4  # closed-loop clients through the proxy: at most this many requests in flight
@@ -39,15 +39,6 @@ KILLED = 1  # the replica index that is killed
 
 def _requests(server: TritonServer) -> int:
     return snapshot(server.http_url).get(EMBEDDING_LOOKUP, {}).get("requests", 0)
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float, what: str) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"{what}: not within {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +81,7 @@ def test_an_update_published_once_reaches_both_replicas(stack):
         finally:
             served.close()
         for client in clients:
-            _wait(
+            wait_for(
                 lambda c=client: c.score_inputs(wire).table_versions()[table] == version,
                 timeout_s=30,
                 what=f"version {version} of {table} served",
@@ -123,7 +114,7 @@ def test_kill_9_of_a_replica_fails_at_most_its_requests_in_flight_and_it_rejoins
         thread.start()
     try:
         replicas = layer.servers["stable"]
-        _wait(lambda: all(_requests(s) > 0 for s in replicas), 30, "both replicas serving")
+        wait_for(lambda: all(_requests(s) > 0 for s in replicas), 30, "both replicas serving")
         victim = replicas[KILLED]
         assert victim.process is not None
         os.kill(victim.process.pid, signal.SIGKILL)
@@ -131,10 +122,10 @@ def test_kill_9_of_a_replica_fails_at_most_its_requests_in_flight_and_it_rejoins
         served_at_kill = counts["ok"]
         survivor = replicas[1 - KILLED]
         at_kill = _requests(survivor)
-        _wait(lambda: _requests(survivor) > at_kill + 50, 30, "the survivor serving on")
+        wait_for(lambda: _requests(survivor) > at_kill + 50, 30, "the survivor serving on")
         assert counts["ok"] > served_at_kill
         restarted = layer.restart("stable", KILLED)
-        rejoined_s = _wait(lambda: _requests(restarted) > 0, 60, "the restarted replica taking traffic")
+        rejoined_s = wait_for(lambda: _requests(restarted) > 0, 60, "the restarted replica taking traffic")
     finally:
         stop.set()
         for thread in threads:

@@ -26,7 +26,7 @@ from recserve.perf.redis_outage import l3_repository
 from recserve.server import Ports, TritonServer
 from recserve.wire import SPARSE_KEYS, TARGET_KEY
 
-from .helpers import grpc_client, infer_raw
+from .helpers import grpc_client, infer_raw, wait_for
 
 
 def copy_repository(repository: Path, target: Path) -> Path:
@@ -43,16 +43,6 @@ def recserve(*args: str) -> subprocess.CompletedProcess:
 def predict(server, spec, wire) -> np.ndarray:
     with grpc_client(server) as client:
         return infer_raw(grpcclient, client, spec, wire)
-
-
-def wait_for(condition, timeout_s: float) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            pytest.fail(f"condition not met within {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
