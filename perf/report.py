@@ -122,7 +122,6 @@ def summarize(
       same load generator.
     * ``vs_torchserve_p99``: Triton's p99 over TorchServe's at TorchServe's best point (same client
       batch and concurrency: the same offered load).
-
     * ``vs_monolith_throughput``: the tuned ensemble's best rows/s over the monolith's (its better
       instance count), both perf_analyzer gRPC under the bound; ``vs_monolith_p99``: the ensemble's
       p99 over the monolith's at the monolith's best point (same client batch and concurrency).
