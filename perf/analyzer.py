@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import shutil
 import subprocess
@@ -10,9 +11,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from recserve.perf.input_data import write_input_data
 from recserve.spec import ModelSpec
+
+LOGGER = logging.getLogger(__name__)
 
 #: A stability percentage that accepts perf_analyzer's first three windows: on a shared 2-core machine
 #: strict stability is rarely reached, so each point is the mean of three windows.
@@ -158,6 +162,29 @@ def measure(
         raise PerfError(
             f"perf_analyzer exited with {done.returncode}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
         )
+
+
+def measure_point(
+    spec: ModelSpec,
+    url: str,
+    protocol: str,
+    batch_size: int,
+    concurrency: int,
+    measurement_ms: int,
+    **options: Any,
+) -> PerfPoint | None:
+    """One load point with :func:`measure`; None when perf_analyzer found no stable windows.
+
+    That happens when the server stalls for about a window (no request completes in one): the
+    point has no figures, and a sweep goes on rather than ending there.
+    """
+    try:
+        return measure(spec, url, protocol, batch_size, str(concurrency), measurement_ms, **options)[0][-1]
+    except PerfError as exc:
+        if UNSTABLE not in str(exc):
+            raise
+        LOGGER.warning("batch %d x %d on %s: %s", batch_size, concurrency, url, UNSTABLE)
+        return None
 
 
 def concurrency_levels(concurrency: str) -> list[int]:

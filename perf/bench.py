@@ -41,7 +41,7 @@ from recserve import wire
 from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.perf import report
-from recserve.perf.analyzer import LOOSE_STABILITY, UNSTABLE, PerfError, measure
+from recserve.perf.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.hops import run_hops
 from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
@@ -117,31 +117,17 @@ def _perf_point(
 ) -> Point:
     url = server.grpc_url if protocol == "grpc" else server.http_url
     before = snapshot(server.http_url)
-    try:
-        points, _ = measure(
-            spec,
-            url,
-            protocol,
-            batch,
-            str(concurrency),
-            grid.measurement_ms,
-            data=data,
-            shared_memory=shared_memory,
-            stability_percentage=LOOSE_STABILITY,
-        )
-    except PerfError as exc:
-        if UNSTABLE not in str(exc):
-            raise
-        # windows too far apart even measured longer (a stalled server): kept as a point without
-        # figures, which no ratio reads, so that one such point does not end the run
-        LOGGER.warning("%s %s, batch %d x %d: %s", system, protocol, batch, concurrency, UNSTABLE)
+    p = measure_point(
+        spec, url, protocol, batch, concurrency, grid.measurement_ms, data=data,
+        shared_memory=shared_memory, stability_percentage=LOOSE_STABILITY,
+    )  # fmt: skip
+    if p is None:  # kept as a point without figures, which no ratio reads
         return Point(
             system, report.PERF_ANALYZER, protocol, batch, concurrency, math.nan, math.inf, math.inf,
             math.inf, shared_memory,
         )  # fmt: skip
     models = (spec.name,) if system.startswith(report.MONOLITH) else wire.STEPS
     steps = difference(before, snapshot(server.http_url), models)
-    p = points[-1]
     return Point(
         system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3,
         p.p95_us / 1e3, p.p99_us / 1e3, shared_memory, steps=tuple(s.as_dict() for s in steps),

@@ -24,7 +24,7 @@ from pathlib import Path
 from recserve import wire
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
-from recserve.perf.analyzer import LOOSE_STABILITY, measure
+from recserve.perf.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.input_data import write_input_data
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
@@ -150,18 +150,13 @@ def perf_analyzer_measure(
         rows, p99 = [], []
         with TritonServer(variant, Ports.free(), log_path=workdir / "server.log") as server:
             for batch, concurrency in workloads:
-                point = measure(
-                    spec,
-                    server.grpc_url,
-                    "grpc",
-                    batch,
-                    str(concurrency),
-                    measurement_ms,
-                    data=data,
+                point = measure_point(
+                    spec, server.grpc_url, "grpc", batch, concurrency, measurement_ms, data=data,
                     stability_percentage=LOOSE_STABILITY,
-                )[0][-1]
-                rows.append(point.rows_per_s)
-                p99.append(point.p99_us / 1e3)
+                )  # fmt: skip
+                # a stalled point (no stable windows) meets no p99 target
+                rows.append(point.rows_per_s if point else 0.0)
+                p99.append(point.p99_us / 1e3 if point else math.inf)
         return Trial(plan, tuple(workloads), tuple(rows), tuple(p99))
 
     return run
