@@ -22,7 +22,6 @@ import tritonclient.grpc as grpcclient
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
 from recserve.perf.traffic import closed_loop
-from recserve.server import Ports
 from recserve.spec import DEFAULT_REPOSITORY, ModelSpec, load_spec
 
 
@@ -34,10 +33,8 @@ def run(
     served, config_name = behind_proxy(
         {"stable": repository}, access.queue_profile, spec.queue_profiles, workdir
     )
-    free = Ports.free()
-    ports = ProxyPorts(free.grpc, free.http, free.metrics)
     results = []
-    with AccessLayer(access, served, workdir / "access", ports, config_name) as layer:
+    with AccessLayer(access, served, workdir / "access", ProxyPorts.free(), config_name) as layer:
         direct = layer.servers["stable"][0].grpc_url
         for batch in batch_sizes:
             rows = generate(spec, batch * 16, seed=batch)

@@ -20,7 +20,6 @@ from pathlib import Path
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.perf.overload import Cores, OverloadReport, pinned_capacity, run_overload
 from recserve.perf.traffic import scratch_repository
-from recserve.server import Ports
 from recserve.spec import ModelSpec
 
 
@@ -53,12 +52,11 @@ def run_access_overload(
     capacity = pinned_capacity(root, spec, rows, cores, workdir / "capacity.log")
     proxy_cores = cores.client if proxy_with_client else cores.server
     served, config_name = behind_proxy({"stable": root}, access.queue_profile, spec.queue_profiles, workdir)
-    free = Ports.free()
     layer = AccessLayer(
         access,
         served,
         workdir / "access",
-        ports=ProxyPorts(free.grpc, free.http, free.metrics),
+        ports=ProxyPorts.free(),
         config_name=config_name,
         server_cpus=cores.server,
         proxy_cpus=proxy_cores,

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from recserve.sections import AccessSection
+from recserve.server import Ports
 from recserve.wire import USER_HEADER
 
 LOOPBACK = "127.0.0.1"
@@ -79,6 +80,12 @@ class ProxyPorts:
     def from_section(cls, access: AccessSection) -> ProxyPorts:
         """The ports written in ``[access]``."""
         return cls(access.grpc_port, access.http_port, access.admin_port)
+
+    @classmethod
+    def free(cls) -> ProxyPorts:
+        """Three loopback ports free now (tests and benchmarks, beside other servers)."""
+        free = Ports.free()
+        return cls(free.grpc, free.http, free.metrics)
 
 
 def cluster_name(variant: str, protocol: str, shadow: bool = False) -> str:

@@ -28,7 +28,6 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError
 from recserve.perf.traffic import add_version, infer_request, scratch_repository
-from recserve.server import Ports
 from recserve.spec import ModelSpec, load_spec
 
 pytestmark = pytest.mark.integration
@@ -57,8 +56,7 @@ def served(tiny: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
 
 def _ports() -> ProxyPorts:
-    free = Ports.free()
-    return ProxyPorts(free.grpc, free.http, free.metrics)
+    return ProxyPorts.free()
 
 
 @pytest.fixture(scope="module")

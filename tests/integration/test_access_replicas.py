@@ -25,7 +25,7 @@ from recserve.clients import CTRClient, RecserveClientError
 from recserve.perf.redis_cluster import RedisCluster
 from recserve.perf.redis_outage import l3_repository
 from recserve.perf.stats import snapshot
-from recserve.server import Ports, TritonServer
+from recserve.server import TritonServer
 from recserve.spec import load_spec
 from recserve.wire import EMBEDDING_LOOKUP
 
@@ -55,9 +55,7 @@ def stack(tmp_path_factory):
         access = dataclasses.replace(
             tiny.access, weights={"stable": 100}, shadow_fraction=0.0, max_requests=IN_FLIGHT, replicas=2
         )
-        free = Ports.free()
-        ports = ProxyPorts(free.grpc, free.http, free.metrics)
-        with AccessLayer(access, {"stable": machines}, root / "access", ports) as layer:
+        with AccessLayer(access, {"stable": machines}, root / "access", ProxyPorts.free()) as layer:
             yield spec, machines, layer
 
 
