@@ -8,7 +8,12 @@ def test_the_echo_ensembles_serve_and_the_report_splits_the_time(spec, repositor
     systems = summary["systems"]
     assert set(systems) == {spec.name, "echo_2_hops", "echo_3_hops"}
     served, floor = systems[spec.name], systems["echo_2_hops"]
-    assert 0 < floor["p50_ms"] < served["p50_ms"], summary  # the echo computes nothing
+    assert floor["p50_ms"] > 0, summary
+
+    def compute_ms(system):  # the steps' own time, without the hops' waits that a busy machine stretches
+        return sum(step["compute_ms"] for step in system["steps"].values())
+
+    assert compute_ms(floor) < compute_ms(served), summary  # the echo computes nothing
     assert set(floor["steps"]) == {"echo_2_hops_embedding_lookup", "echo_2_hops_dense"}
     assert len(systems["echo_3_hops"]["steps"]) == 3
     assert all(step["compute_ms"] > 0 for step in served["steps"].values()), summary
