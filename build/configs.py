@@ -60,7 +60,7 @@ def step_io(
     table versions); a TensorRT ``dense``, profile ``gpu``, has no version output.
     """
     t = intermediate_tensors(spec)
-    dense_inputs = tuple(t[n] for n in wire.DENSE_NET_INPUTS)
+    dense_inputs = tuple(t[n] for n in wire.dense_net_inputs(spec))
     return {
         wire.EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[wire.EMBEDDING_VERSION])),
         wire.DENSE: (

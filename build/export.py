@@ -21,21 +21,20 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     rng = np.random.default_rng(seed)
     dim = spec.embedding_dim
     lengths = rng.integers(0, length + 1, size=rows)
-    return {
-        wire.DENSE_NORMALIZED: rng.random((rows, len(spec.dense.columns)), dtype=np.float32) * 5,
+    inputs = {
+        wire.DENSE_NORMALIZED: rng.random((rows, len(spec.numeric_columns)), dtype=np.float32) * 5,
         wire.SPARSE_EMBEDDINGS: rng.normal(0, 0.1, (rows, spec.num_sparse, dim)).astype(np.float32),
         wire.TARGET_EMBEDDING: rng.normal(0, 0.1, (rows, dim)).astype(np.float32),
         wire.HISTORY_EMBEDDINGS: rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32),
         wire.HISTORY_MASK: (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32),
     }
+    return {name: inputs[name] for name in wire.dense_net_inputs(spec)}
 
 
 def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     """The PyTorch reference on numpy inputs."""
     with torch.no_grad():
-        return net(
-            *(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in wire.DENSE_NET_INPUTS)
-        ).numpy()
+        return net(*(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in net.input_names)).numpy()
 
 
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
@@ -51,14 +50,15 @@ def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
         wire.HISTORY_MASK: {0: batch, 1: sequence},
         wire.PROBABILITY: {0: batch},
     }
+    dynamic = {name: axes for name, axes in dynamic.items() if name in (*net.input_names, wire.PROBABILITY)}
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             net,
-            tuple(torch.from_numpy(example[n]) for n in wire.DENSE_NET_INPUTS),
+            tuple(torch.from_numpy(example[n]) for n in net.input_names),
             str(path),
-            input_names=list(wire.DENSE_NET_INPUTS),
+            input_names=list(net.input_names),
             output_names=[wire.PROBABILITY],
             dynamic_axes=dynamic,
             opset_version=OPSET,

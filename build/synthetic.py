@@ -1,16 +1,19 @@
 """Deterministic synthetic data in the spec's schema, with a planted signal so labels are learnable.
 
-Categorical values follow a Zipf law over each table's cardinality; a few columns, two dense
-features and the match between the target item and the user's history drive the click logit.
-Rows are kept numeric; :meth:`RawRows.to_wire` renders them as the ensemble's request tensors.
+Categorical values follow a Zipf law over each table's cardinality (time columns are uniform over
+ten days); a few columns, two dense features and the match between the target item and the user's
+history drive the click logit. Categorical values are rendered as clients send them (by value type).
 """
 
 from __future__ import annotations
 
+import datetime
+import zoneinfo
+
 import numpy as np
 
 from recserve.backends.features.hashing import fnv1a64, splitmix64
-from recserve.spec import ModelSpec
+from recserve.spec import ModelSpec, RawColumn, SequenceFeature
 from recserve.wire import ABSENT_ITEM, RawRows
 
 ITEM_CLUSTERS = 20
@@ -26,34 +29,80 @@ def zipf_ranks(
     return np.searchsorted(cdf, rng.random(size) * cdf[-1]).astype(np.int64)
 
 
+#: Synthetic time columns start here and span this many hours (Avazu's ten days of October 2014).
+TIME_ORIGIN_S = 1413849600  # 2014-10-21 00:00 UTC
+TIME_SPAN_HOURS = 240
+
+
+def render(values: np.ndarray, column: RawColumn) -> np.ndarray:
+    """Strings ``[N]`` (bytes) of a column's raw values as a client sends them, by its value type."""
+    if column.value_type == "time":
+        zone = zoneinfo.ZoneInfo(column.timezone)
+        if column.time_format:
+            texts = [
+                datetime.datetime.fromtimestamp(int(v), zone).strftime(column.time_format) for v in values
+            ]
+        else:
+            texts = [str(int(v) * (1000 if column.time_unit == "ms" else 1)) for v in values]
+        return np.array([t.encode() for t in texts], dtype=object)
+    pattern = "%d" if column.value_type in ("int64", "uint64") else "%08x"
+    return np.char.encode(np.char.mod(pattern, values)).astype(object)
+
+
 def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     """Generate ``rows`` rows; the same ``(spec, rows, seed)`` always gives the same data."""
     rng = np.random.default_rng(seed)
     signal = np.random.default_rng(spec.training.seed)  # the planted model, fixed per spec
-    n_dense, features = len(spec.dense.columns), spec.categorical.features
+    n_dense, columns = len(spec.numeric_columns), spec.categorical.raw_columns
 
     dense = np.floor(rng.lognormal(mean=1.0, sigma=1.5, size=(rows, n_dense))).astype(np.float32)
     dense[rng.random((rows, n_dense)) < 0.02] = -1.0
     dense_missing = rng.random((rows, n_dense)) < 0.1
 
-    ranks = np.empty((rows, len(features)), dtype=np.int64)
-    values = np.empty((rows, len(features)), dtype=np.uint64)
+    values = np.empty((rows, len(columns)), dtype=np.uint64)
     logit = np.full(rows, -1.2)
-    for col, feature in enumerate(features):
+    for col, column in enumerate(columns):
+        feature = next(f for f in spec.categorical.features if f.column == col)
         table = spec.tables[feature.table]
-        ranks[:, col] = zipf_ranks(rng, table.cardinality, table.zipf_exponent, (rows,))
-        salt = np.uint64(fnv1a64(feature.name))
-        values[:, col] = splitmix64(ranks[:, col].astype(np.uint64) ^ salt) & np.uint64(0xFFFFFFFF)
+        if column.value_type == "time":
+            hours = rng.integers(0, TIME_SPAN_HOURS, size=rows)
+            values[:, col] = (TIME_ORIGIN_S + 3600 * hours).astype(np.uint64)
+            ranks = hours % 24
+        else:
+            ranks = zipf_ranks(rng, table.cardinality, table.zipf_exponent, (rows,))
+            salt = np.uint64(fnv1a64(column.name))
+            values[:, col] = splitmix64(ranks.astype(np.uint64) ^ salt) & np.uint64(0xFFFFFFFF)
         if col < SIGNAL_COLUMNS:
             effects = signal.normal(0.0, 0.8, size=min(table.cardinality, 2000))
-            logit += np.where(
-                ranks[:, col] < len(effects), effects[np.minimum(ranks[:, col], len(effects) - 1)], 0.0
-            )
+            logit += np.where(ranks < len(effects), effects[np.minimum(ranks, len(effects) - 1)], 0.0)
     empty = rng.random(values.shape) < 0.03
+    categorical = np.empty(values.shape, dtype=object)
+    for col, column in enumerate(columns):
+        categorical[:, col] = render(values[:, col], column)
+    categorical[empty] = b""
 
-    items = spec.tables[spec.sequence.table]
-    max_len = spec.sequence.max_length
-    lengths = np.minimum(rng.geometric(1.0 / spec.sequence.mean_length, size=rows), max_len).astype(np.int32)
+    target = np.full(rows, ABSENT_ITEM, np.int64)
+    history = np.zeros((rows, 1), np.int64)
+    lengths = np.zeros(rows, np.int32)
+    planted: np.ndarray | float = 0.0
+    if spec.sequence is not None:
+        target, history, lengths, match_frac = _sequences(spec, spec.sequence, rng, rows)
+        planted = 2.5 * (match_frac - 0.3)
+    if n_dense >= 2:
+        log_dense = np.log1p(np.clip(np.where(dense_missing, 0.0, dense), 0, None))
+        planted = planted + 0.5 * (log_dense[:, 0] - 1.0) - 0.4 * (log_dense[:, 1] - 1.0)
+    logit += planted
+    labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+    return RawRows(dense, dense_missing, categorical, target, history, lengths, labels)
+
+
+def _sequences(
+    spec: ModelSpec, sequence: SequenceFeature, rng: np.random.Generator, rows: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Target ids, histories, lengths and the share of each history in the target's cluster."""
+    items = spec.tables[sequence.table]
+    max_len = sequence.max_length
+    lengths = np.minimum(rng.geometric(1.0 / sequence.mean_length, size=rows), max_len).astype(np.int32)
     lengths[rng.random(rows) < 0.08] = 0
     user_cluster = rng.integers(0, ITEM_CLUSTERS, size=rows)
 
@@ -72,7 +121,4 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     valid = np.arange(max_len)[None, :] < lengths[:, None]
     match = ((history % ITEM_CLUSTERS) == (target % ITEM_CLUSTERS)[:, None]) & valid
     match_frac = np.where((lengths > 0) & (target >= 0), match.sum(1) / np.maximum(lengths, 1), 0.0)
-    log_dense = np.log1p(np.clip(np.where(dense_missing, 0.0, dense), 0, None))
-    logit += 2.5 * (match_frac - 0.3) + 0.5 * (log_dense[:, 0] - 1.0) - 0.4 * (log_dense[:, 1] - 1.0)
-    labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    return RawRows(dense, dense_missing, values, empty, target, history, lengths, labels)
+    return target, history, lengths, match_frac

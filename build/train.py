@@ -24,7 +24,7 @@ from recserve.backends.store.rows import TableArrays
 from recserve.build.evaluation import figure, logloss, roc_auc
 from recserve.build.synthetic import generate
 from recserve.spec import ModelSpec
-from recserve.wire import RawRows
+from recserve.wire import RawRows, categorical_values
 
 LOGGER = logging.getLogger(__name__)
 
@@ -50,15 +50,23 @@ class KeyedRows:
 
 
 def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
-    """Run the serving feature transform's numeric steps over raw rows."""
+    """Run the serving feature transform's numeric steps over raw rows (parts the spec lacks: zeros)."""
     transform = FeatureTransform(spec)
-    history = transform.history(rows.history, rows.lengths)
+    n = len(rows)
+    target, history, mask = np.zeros(n, np.int64), np.zeros((n, 1), np.int64), np.zeros((n, 1), np.float32)
+    if spec.sequence is not None:
+        keyed_history = transform.history(rows.history, rows.lengths)
+        target = transform.target_keys(rows.target[:, None])[:, 0]
+        history, mask = keyed_history[wire.HISTORY_KEYS], keyed_history[wire.HISTORY_MASK]
+    dense = np.zeros((n, 0), np.float32)
+    if spec.dense is not None:
+        dense = transform.dense_values(rows.dense, rows.dense_missing)
     return KeyedRows(
-        dense=transform.dense_values(rows.dense, rows.dense_missing),
-        sparse=transform.categorical_keys(rows.categorical, rows.categorical_empty),
-        target=transform.target_keys(rows.target[:, None])[:, 0],
-        history=history[wire.HISTORY_KEYS],
-        mask=history[wire.HISTORY_MASK],
+        dense=dense,
+        sparse=transform.categorical_keys(*categorical_values(rows.categorical, spec.categorical)),
+        target=target,
+        history=history,
+        mask=mask,
         labels=rows.labels,
     )
 
@@ -105,8 +113,12 @@ class TrainingModel(nn.Module):
         columns = [
             self.embeddings[f.table](sparse[:, i]) for i, f in enumerate(self.spec.categorical.features)
         ]
-        items = self.embeddings[self.spec.sequence.table]
-        return self.net(dense, torch.stack(columns, dim=1), items(target), items(history), mask)
+        named = {wire.DENSE_NORMALIZED: dense, wire.SPARSE_EMBEDDINGS: torch.stack(columns, dim=1)}
+        if self.spec.sequence is not None:
+            items = self.embeddings[self.spec.sequence.table]
+            named |= {wire.TARGET_EMBEDDING: items(target), wire.HISTORY_EMBEDDINGS: items(history)}
+            named[wire.HISTORY_MASK] = mask
+        return self.net(*(named[name] for name in self.net.input_names))
 
 
 @dataclass
@@ -151,21 +163,23 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
         progress(f"[train] your rows: {len(train_rows)} to train on, {len(holdout_rows)} held out")
     data, holdout = keyed(spec, train_rows), keyed(spec, holdout_rows)
 
-    sparse_by_table = {f.table: data.sparse[:, i] for i, f in enumerate(spec.categorical.features)}
-    item_keys = np.concatenate([data.target, data.history[data.mask > 0]])
-    vocab = {name: Vocabulary(keys, cfg.min_count) for name, keys in sparse_by_table.items()}
-    vocab[spec.sequence.table] = Vocabulary(item_keys, cfg.min_count)
+    keys_by_table: dict[str, list[np.ndarray]] = {}
+    for i, feature in enumerate(spec.categorical.features):
+        keys_by_table.setdefault(feature.table, []).append(data.sparse[:, i])
+    if spec.sequence is not None:
+        keys_by_table.setdefault(spec.sequence.table, []).extend([data.target, data.history[data.mask > 0]])
+    vocab = {name: Vocabulary(np.concatenate(keys), cfg.min_count) for name, keys in keys_by_table.items()}
 
     def index(rows: KeyedRows) -> dict[str, torch.Tensor]:
         sparse = np.stack(
             [vocab[f.table].rows(rows.sparse[:, i]) for i, f in enumerate(spec.categorical.features)], axis=1
         )
-        items = vocab[spec.sequence.table]
+        items = vocab[spec.sequence.table].rows if spec.sequence is not None else np.zeros_like
         return {
             "dense": torch.from_numpy(rows.dense),
             "sparse": torch.from_numpy(sparse),
-            "target": torch.from_numpy(items.rows(rows.target)),
-            "history": torch.from_numpy(items.rows(rows.history)),
+            "target": torch.from_numpy(items(rows.target)),
+            "history": torch.from_numpy(items(rows.history)),
             "mask": torch.from_numpy(rows.mask),
             "lengths": torch.from_numpy(rows.mask.sum(1).astype(np.int64)),
         }
@@ -183,7 +197,7 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
         total = 0.0
         for step, start in enumerate(range(0, n, batch)):
             idx = order[start : start + batch]
-            width = spec.sequence_bucket(max(int(train_t["lengths"][idx].max()), 1))
+            width = spec.sequence_bucket(max(int(train_t["lengths"][idx].max()), 1)) if spec.sequence else 1
             pred = model(
                 train_t["dense"][idx],
                 train_t["sparse"][idx],

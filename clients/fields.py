@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 
 from recserve.errors import InvalidInput
-from recserve.spec import ModelSpec
-from recserve.wire import parse_hex
+from recserve.spec import CategoricalGroup, ModelSpec, RawColumn
+from recserve.wire import categorical_values
 
 WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
 
@@ -109,39 +109,50 @@ def parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.
 def parse_categorical(
     rows: list[list[str]], spec: ModelSpec, lines: np.ndarray, columns: list[str]
 ) -> np.ndarray:
-    """Object array ``[N, C]`` of ASCII ``bytes``, checked to be hex strings the server accepts."""
+    """Object array ``[N, C]`` of ``bytes``, each column checked to hold values the server accepts.
+
+    Integers written as floats (``"260.0"``) are cut to integers in hex, int and unix-time columns;
+    strings and formatted times are kept as written.
+    """
     n = len(rows)
     raw = text_array(rows, (n, len(columns)))
-    text = integral_text(raw)
-    try:
-        encoded: np.ndarray | None = text.astype(bytes)  # ASCII only
-    except UnicodeEncodeError:
-        encoded = None
-    if encoded is not None:
-        values = encoded.astype(object)
+    out = np.empty((n, len(columns)), dtype=object)
+    for c, column in enumerate(spec.categorical.raw_columns):
+        as_written = column.value_type == "string" or bool(column.time_format)
+        text = raw[:, c] if as_written else integral_text(raw[:, c])
         try:
-            parse_hex(values, spec.categorical.max_hex_digits, spec.categorical.name)
-            return values
+            encoded = text.astype(bytes).astype(object)  # ASCII only: the fast path
+        except UnicodeEncodeError:
+            encoded = np.array([value.encode() for value in text], dtype=object)
+        single = CategoricalGroup(spec.categorical.name, (column,), ())
+        try:
+            categorical_values(encoded[:, None], single)
         except InvalidInput:
-            pass
-    digits = spec.categorical.max_hex_digits
-    for (r, c), value in np.ndenumerate(text):
-        if len(value) > digits or not all(ch in "0123456789abcdefABCDEF" for ch in value):
-            raise RowFormatError(
-                f"{raw[r, c]!r} is not a hex string of at most {digits} digits",
-                line=int(lines[r]),
-                column=columns[c],
-            )
-    raise AssertionError("unreachable")  # pragma: no cover
+            for r in range(n):  # slow path: find and name the offending field
+                try:
+                    categorical_values(encoded[r : r + 1, None], single)
+                except InvalidInput as exc:
+                    raise RowFormatError(
+                        _why(raw[r, c], column, exc), line=int(lines[r]), column=columns[c]
+                    ) from None
+        out[:, c] = encoded
+    return out
+
+
+def _why(value: str, column: RawColumn, error: InvalidInput) -> str:
+    if column.value_type == "hex":
+        return f"{value!r} is not a hex string of at most {column.max_hex_digits} digits"
+    reason = error.detail.split(": ", 1)[-1]
+    return f"{value!r} is {reason}"
 
 
 def parse_history(
     fields_: list[str] | None, n: int, lines: np.ndarray, spec: ModelSpec
 ) -> tuple[np.ndarray, np.ndarray]:
     """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text."""
-    name, max_length = spec.sequence.name, spec.sequence.max_length
-    if fields_ is None:
+    if fields_ is None or spec.sequence is None:
         return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
+    name, max_length = spec.sequence.name, spec.sequence.max_length
     normalised = [field.replace(",", " ") for field in fields_]
     lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
     too_long = np.flatnonzero(lengths > max_length)

@@ -1,19 +1,20 @@
-"""Criteo-style input rows: read TSV/CSV files into numpy and render the ``ctr`` request tensors.
+"""Input rows: read TSV/CSV files into numpy and render the spec's request tensors.
 
-Two text layouts are read by :func:`read_rows`:
+Two text layouts are read by :func:`read_rows` (``ctr`` shown; every name comes from the spec):
 
-* **Criteo TSV**, no header: ``label, I1..I13, C1..C26`` (40 columns) or the same without the label
-  (39 columns), optionally followed by two extra columns ``history_items`` (item ids separated by
-  spaces or commas, may be empty) and ``target_item`` (may be empty: absent). So 39, 40, 41 or 42
-  columns; a label is present with 40 or 42 columns.
-* **CSV with a header** naming the columns: ``I1..I13`` and ``C1..C26`` are required, ``label``,
-  ``history_items`` and ``target_item`` are optional and the order is free. History ids are
-  separated by spaces inside the field. A tab-separated file with such a header is read the same way.
+* **Headerless TSV** (Criteo's): ``label, I1..I13, C1..C26`` (40 columns) or the same without the
+  label (39 columns): the numeric then the categorical and time columns in spec order. A spec with
+  a sequence may add two columns, ``history_items`` (item ids separated by spaces or commas, may be
+  empty) and ``target_item`` (may be empty: absent). So 39, 40, 41 or 42 columns for ``ctr``.
+* **CSV with a header** naming the columns: the numeric, categorical and time columns are required;
+  the label (``[inputs] label``), the sequence and its target are optional; columns listed in
+  ``[inputs] ignore`` are skipped, other unknown columns too (with a warning); the order is free.
+  History ids are separated by spaces inside the field. A tab-separated file with such a header is
+  read the same way.
 
-Column names come from the model spec (dense and categorical columns, the sequence and target
-feature names). Empty integer fields are missing values, negative dense values are allowed, empty
-categorical fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError`
-naming the line and column.
+Empty numeric fields are missing values, negative numeric values are allowed, empty categorical
+fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError` naming the line
+and column.
 
 :mod:`recserve.clients.writers` writes :class:`recserve.wire.RawRows` in those layouts, so tests and
 examples can produce input files; :mod:`recserve.clients.fields` parses the columns.
@@ -42,11 +43,11 @@ from recserve.clients.fields import (
     text_array,
 )
 from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import ABSENT_ITEM, RawRows, parse_hex
+from recserve.wire import ABSENT_ITEM, RawRows
 
 LOGGER = logging.getLogger(__name__)
 
-#: Name of the optional label column in files with a header.
+#: The default name of the label column in files with a header (``[inputs] label``).
 LABEL_COLUMN = "label"
 
 PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
@@ -57,9 +58,9 @@ class CriteoRows:
     """Parsed rows, column-wise as numpy arrays.
 
     Attributes:
-        dense: float32 ``[N, D]`` raw dense counts, 0 where missing.
-        dense_missing: bool ``[N, D]``, True where a dense value is absent.
-        categorical: object ``[N, C]`` of ``bytes`` hex strings, ``b""`` when empty.
+        dense: float32 ``[N, D]`` raw numeric values, 0 where missing (``D = 0`` without numeric features).
+        dense_missing: bool ``[N, D]``, True where a numeric value is absent.
+        categorical: object ``[N, C]`` of ``bytes`` as sent (checked by type), ``b""`` when empty.
         target: int64 ``[N]`` target item id, -1 when absent.
         history: int64 ``[N, W]`` history item ids, newest last, zero padded; ``W >= 1``.
         lengths: int32 ``[N]`` number of valid history positions per row.
@@ -113,13 +114,15 @@ class CriteoRows:
         keep = min(width, self.history.shape[1])
         history[:, :keep] = self.history[:, :keep]
         values = {
-            spec.dense.name: self.dense,
-            spec.dense_missing_input: self.dense_missing,
             spec.categorical.name: self.categorical,
-            spec.target.name: self.target.reshape(-1, 1),
-            spec.sequence.name: history,
+            spec.dense_missing_input: self.dense_missing,
             spec.sequence_length_input: self.lengths.reshape(-1, 1),
         }
+        if spec.dense is not None:
+            values[spec.dense.name] = self.dense
+        if spec.target is not None and spec.sequence is not None:
+            values[spec.target.name] = self.target.reshape(-1, 1)
+            values[spec.sequence.name] = history
         return {
             wire.name: np.ascontiguousarray(values[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
             for wire in spec.wire_inputs()
@@ -132,15 +135,13 @@ class CriteoRows:
             ValueError: the rows carry no label.
         """
         if self.labels is None:
-            raise ValueError("rows to train on need a label column (label first in TSV, 'label' in CSV)")
-        categorical, empty = parse_hex(
-            self.categorical, spec.categorical.max_hex_digits, spec.categorical.name
-        )
+            raise ValueError(
+                f"rows to train on need a label column (label first in TSV, {spec.inputs.label!r} in CSV)"
+            )
         return RawRows(
             dense=np.where(self.dense_missing, 0.0, self.dense).astype(np.float32),
             dense_missing=self.dense_missing.astype(bool),
-            categorical=categorical,
-            categorical_empty=empty,
+            categorical=self.categorical,
             target=self.target.astype(np.int64),
             history=self.history.astype(np.int64),
             lengths=self.lengths.astype(np.int32),
@@ -228,7 +229,7 @@ def _chain(head: list[str], rest: Iterable[str]) -> Iterator[str]:
 def _header_fields(first: str, spec: ModelSpec) -> tuple[str, list[str]] | None:
     """``(delimiter, column names)`` when the first line is a header, else None."""
     line = first.rstrip("\r\n")
-    markers = {spec.dense.columns[0].lower(), spec.categorical.columns[0].lower()}
+    markers = {c.lower() for c in (*spec.numeric_columns[:1], spec.categorical.columns[0])}
     for delimiter in (",", "\t"):
         if delimiter in line:
             names = [n.strip().strip('"').strip().lower() for n in line.split(delimiter)]
@@ -245,20 +246,22 @@ def _read_headed(
     if len(index) != len(names):
         duplicated = sorted({n for n in names if names.count(n) > 1})
         raise RowFormatError(f"duplicated column names {duplicated}", line=1)
-    columns = (*spec.dense.columns, *spec.categorical.columns)
+    columns = (*spec.numeric_columns, *spec.categorical.columns)
     required = [c.lower() for c in columns]
     missing = [c for c in columns if c.lower() not in index]
     if missing:
         raise RowFormatError(f"header lacks required columns {missing}", line=1)
-    known = {*required, LABEL_COLUMN, spec.sequence.name.lower(), spec.target.name.lower()}
-    ignored = [n for n in names if n not in known]
-    if ignored:
-        LOGGER.warning("ignoring unknown columns %s", ignored)
-    dense_idx = [index[c.lower()] for c in spec.dense.columns]
+    sequence = [f.name.lower() for f in (spec.sequence, spec.target) if f is not None]
+    label = spec.inputs.label.lower()
+    known = {*required, label, *sequence, *(c.lower() for c in spec.inputs.ignore)}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        LOGGER.warning("ignoring unknown columns %s", unknown)
+    dense_idx = [index[c.lower()] for c in spec.numeric_columns]
     cat_idx = [index[c.lower()] for c in spec.categorical.columns]
-    label_idx = index.get(LABEL_COLUMN)
-    history_idx = index.get(spec.sequence.name.lower())
-    target_idx = index.get(spec.target.name.lower())
+    label_idx = index.get(label)
+    history_idx = index.get(sequence[0]) if sequence else None
+    target_idx = index.get(sequence[1]) if sequence else None
 
     tokens = _Tokens(
         lines=[],
@@ -293,9 +296,11 @@ def _read_headed(
 
 def _read_tsv(lines: Iterable[str], spec: ModelSpec, max_rows: int | None) -> _Tokens:
     """Tokens of a headerless Criteo TSV file (39, 40, 41 or 42 columns)."""
-    n_dense, n_cat = len(spec.dense.columns), len(spec.categorical.columns)
+    n_dense, n_cat = len(spec.numeric_columns), len(spec.categorical.columns)
     base = n_dense + n_cat
-    layouts = {base: (False, False), base + 1: (True, False), base + 2: (False, True), base + 3: (True, True)}
+    layouts = {base: (False, False), base + 1: (True, False)}
+    if spec.sequence is not None:
+        layouts |= {base + 2: (False, True), base + 3: (True, True)}
     tokens: _Tokens | None = None
     width = 0
     for number, raw in enumerate(lines, start=1):
@@ -344,7 +349,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
     """Turn string tokens into typed arrays, naming the line and column of the first bad field."""
     n = len(tokens.lines)
     lines = np.asarray(tokens.lines, dtype=np.int64)
-    dense_cols = list(spec.dense.columns)
+    dense_cols = list(spec.numeric_columns)
     cat_cols = list(spec.categorical.columns)
 
     dense_text = text_array(tokens.dense, (n, len(dense_cols)))
@@ -353,7 +358,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
 
     categorical = parse_categorical(tokens.categorical, spec, lines, cat_cols)
 
-    if tokens.target is None:
+    if tokens.target is None or spec.target is None:
         target = np.full(n, ABSENT_ITEM, dtype=np.int64)
     else:
         target_text = text_array(tokens.target, (n, 1))
@@ -373,7 +378,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
     labels = None
     if tokens.labels is not None:
         label_text = text_array(tokens.labels, (n, 1))
-        labels = parse_floats(label_text, lines, [LABEL_COLUMN])[:, 0]
+        labels = parse_floats(label_text, lines, [spec.inputs.label])[:, 0]
 
     return CriteoRows(dense, dense_missing, categorical, target, history, lengths, labels)
 

@@ -33,9 +33,9 @@ class SharedMemoryIO:
 
         rows = spec.max_batch_size
         per_row = {
-            w.name: (4 + spec.categorical.max_hex_digits) * w.dims[0] if w.dtype == "BYTES"
+            w.name: sum(4 + c.max_bytes for c in spec.categorical.raw_columns) if w.dtype == "BYTES"
             else np.dtype(NUMPY_DTYPES[w.dtype]).itemsize
-            * (spec.sequence.max_length if w.dims[0] == -1 else w.dims[0])
+            * (spec.sequence.max_length if spec.sequence and w.dims[0] == -1 else w.dims[0])
             for w in spec.wire_inputs()
         }  # fmt: skip
         self.offsets: dict[str, int] = {}

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.clients.rows import LABEL_COLUMN
 from recserve.spec import ModelSpec
 from recserve.wire import ABSENT_ITEM, RawRows
 
@@ -20,8 +19,7 @@ def _text_columns(
     """String columns ``[N, K]`` in file order: label, dense, categorical, history, target."""
     dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
     dense[raw.dense_missing] = ""
-    categorical = np.char.mod("%08x", raw.categorical).astype(object)
-    categorical[raw.categorical_empty] = ""
+    categorical = np.vectorize(bytes.decode, otypes=[object])(raw.categorical)
     history = np.array(
         [history_separator.join(map(str, raw.history[r, : raw.lengths[r]])) for r in range(len(raw))],
         dtype=object,
@@ -88,10 +86,11 @@ def _write_table(
     header: bool,
 ) -> Path:
     columns = _text_columns(raw_rows, spec, with_label, " ")
-    names = [*spec.dense.columns, *spec.categorical.columns, spec.sequence.name, spec.target.name]
+    names = [*spec.numeric_columns, *spec.categorical.columns]
+    names += [spec.sequence.name, spec.target.name] if spec.sequence and spec.target else ["", ""]
     if with_label:
-        names.insert(0, LABEL_COLUMN)
-    if not with_sequence:
+        names.insert(0, spec.inputs.label)
+    if not with_sequence or spec.sequence is None:
         columns, names = columns[:-2], names[:-2]
     table = np.concatenate(columns, axis=1)
     out = Path(path)

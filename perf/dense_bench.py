@@ -213,7 +213,7 @@ def realistic_inputs(spec: ModelSpec, repository: Path, batch_size: int) -> list
         raw = rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec)
         # the reference pipeline has no device L1: its lookup returns numpy arrays only
         merged = cast(dict[str, np.ndarray], pipeline.embeddings(raw))
-        batches.append({name: merged[name] for name in wire.DENSE_NET_INPUTS})
+        batches.append({name: merged[name] for name in wire.dense_net_inputs(spec)})
     return batches
 
 

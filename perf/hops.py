@@ -53,8 +53,9 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
     """The served two-step shape and the earlier three-step one (keys between transform and lookup)."""
     io = configs.step_io(spec)
     t = configs.intermediate_tensors(spec)
+    _, sequence = spec.attention("bench-hops")
     served = [
-        EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], spec.sequence.name),
+        EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], sequence.name),
         EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
     ]
     keys = (
@@ -68,7 +69,7 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
             "feature_transform",
             spec.wire_inputs(),
             (t[wire.DENSE_NORMALIZED], *keys, t[wire.HISTORY_MASK]),
-            spec.sequence.name,
+            sequence.name,
         ),
         EchoStep(wire.EMBEDDING_LOOKUP, keys, (*vectors, t[wire.EMBEDDING_VERSION]), wire.HISTORY_KEYS),
         EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),

@@ -72,7 +72,11 @@ def l3_repository(
         The copy's spec (its configs carry it); load the cluster with :func:`upload_remote_tables`.
     """
     doc = copy.deepcopy(spec.source)
-    store = {**doc.get("store", {}), "redis_nodes": list(nodes), "remote_tables": [spec.target.table]}
+    store = {
+        **doc.get("store", {}),
+        "redis_nodes": list(nodes),
+        "remote_tables": [spec.attention("redis-outage")[0].table],
+    }
     if deadline_ms is not None:
         store["redis_deadline_ms"] = float(deadline_ms)
     doc["store"] = store

@@ -197,7 +197,7 @@ class EmbeddingDeltaUpdater:
 
         folder = repository / wire.EMBEDDING_LOOKUP / str(spec.version)
         store = TieredStore.load(folder, spec)
-        self.table = table or spec.target.table
+        self.table = table or spec.attention("the soak's update stream")[0].table
         self.keys = store.table_arrays(self.table).keys[:rows]
         self.dim = store.dim
         self.log = UpdateLog(updates_dir(folder), store.base_version)

@@ -80,7 +80,8 @@ class CTRHandler:
                 valid.append(i)
             except (KeyError, TypeError, ValueError) as exc:
                 results[i] = {"error": f"bad request: {exc}"}
-        for group in row_groups([len(a[self.spec.dense.name]) for a in arrays], self.spec.max_batch_size):
+        rows = [len(a[self.spec.categorical.name]) for a in arrays]
+        for group in row_groups(rows, self.spec.max_batch_size):
             merged, sizes = batching.merge([arrays[g] for g in group])
             probabilities = self.pipeline.predict(merged)
             for g, part in zip(group, batching.split({"p": probabilities}, sizes), strict=True):

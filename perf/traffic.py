@@ -92,8 +92,14 @@ def request_pool(spec: ModelSpec, count: int = 48, seed: int = 11) -> list[dict[
 
 
 def malformed(spec: ModelSpec, request: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The same request with a NaN in a present dense value (refused with INVALID_ARG)."""
+    """The same request with a NaN in a present dense value (refused with INVALID_ARG).
+
+    A spec without numeric features gets a categorical tensor one column short instead.
+    """
     bad = {k: v.copy() for k, v in request.items()}
+    if spec.dense is None:
+        bad[spec.categorical.name] = bad[spec.categorical.name][:, :-1]
+        return bad
     bad[spec.dense.name][0, 0], bad[spec.dense_missing_input][0, 0] = np.nan, False
     return bad
 

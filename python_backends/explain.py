@@ -28,22 +28,23 @@ def explain(
     keys, table_ids = lookup.keys_and_tables(features)
     result = store.lookup(keys, table_ids, record=False)
     tiers = result.tiers.reshape(keys.shape)
-    names = [f.name for f in spec.categorical.features] + [spec.target.name]
+    categorical = spec.categorical.features
     raw_categorical = inputs[spec.categorical.name]
-    lengths = inputs[spec.sequence_length_input][:, 0]
     for row in range(keys.shape[0]):
         values: list[tuple[str, Any, int]] = [
-            (name, _text(raw_categorical[row, column]), column) for column, name in enumerate(names[:-1])
+            (f.name, _text(raw_categorical[row, f.column]), index) for index, f in enumerate(categorical)
         ]
-        values.append((spec.target.name, int(inputs[spec.target.name][row, 0]), len(names) - 1))
-        values += [
-            (
-                f"{spec.sequence.name}[{position}]",
-                int(inputs[spec.sequence.name][row, position]),
-                len(names) + position,
-            )
-            for position in range(int(lengths[row]))
-        ]
+        if spec.target is not None and spec.sequence is not None:
+            target, sequence = spec.target.name, spec.sequence.name
+            values.append((target, int(inputs[target][row, 0]), len(categorical)))
+            values += [
+                (
+                    f"{sequence}[{position}]",
+                    int(inputs[sequence][row, position]),
+                    len(categorical) + 1 + position,
+                )
+                for position in range(int(inputs[spec.sequence_length_input][row, 0]))
+            ]
         for feature, value, column in values:
             table = store.table_names[int(table_ids[row, column])]
             yield {

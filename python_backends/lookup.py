@@ -44,12 +44,12 @@ class EmbeddingLookup:
         self.spec = spec
         self.store = store
         self.device_l1 = device_l1
+        self.attends = spec.target is not None and spec.sequence is not None
+        targets = [store.table_id(spec.target.table)] if spec.target is not None else []
         self.column_tables = np.array(
-            [store.table_id(f.table) for f in spec.categorical.features]
-            + [store.table_id(spec.target.table)],
-            np.int16,
+            [store.table_id(f.table) for f in spec.categorical.features] + targets, np.int16
         )
-        self.sequence_table = store.table_id(spec.sequence.table)
+        self.sequence_table = store.table_id(spec.sequence.table) if spec.sequence is not None else -1
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
         self._versions: tuple[tuple[int, ...], np.ndarray] = (
             (),
@@ -83,6 +83,8 @@ class EmbeddingLookup:
         """Validate one request's key tensors."""
         sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.spec.num_sparse)
         rows = sparse.shape[0]
+        if not self.attends:
+            return {wire.SPARSE_KEYS: sparse}
         return {
             wire.SPARSE_KEYS: sparse,
             wire.TARGET_KEY: require(inputs, wire.TARGET_KEY, "INT64", rows, 1),
@@ -90,9 +92,11 @@ class EmbeddingLookup:
         }
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """The ``[B, F + 1 + L]`` key and table-id matrices of checked inputs."""
-        sparse, target, history = (inputs[n] for n in (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS))
-        keys = np.concatenate([sparse, target, history], axis=1)
+        """The ``[B, F + 1 + L]`` key and table-id matrices of checked inputs (``[B, F]``: no sequence)."""
+        names = (
+            (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS) if self.attends else (wire.SPARSE_KEYS,)
+        )
+        keys = np.concatenate([inputs[n] for n in names], axis=1)
         table_ids = np.empty(keys.shape, np.int16)
         table_ids[:, : len(self.column_tables)] = self.column_tables
         table_ids[:, len(self.column_tables) :] = self.sequence_table
@@ -122,17 +126,19 @@ class EmbeddingLookup:
         that served the batch.
         """
         checked = self.check(inputs)
-        rows, width = checked[wire.HISTORY_KEYS].shape
-        features = self.spec.num_sparse
+        rows, features = checked[wire.SPARSE_KEYS].shape
+        width = 1 + checked[wire.HISTORY_KEYS].shape[1] if self.attends else 0
         result = self.lookup_keys(checked)
-        vectors = result.vectors.reshape(rows, features + 1 + width, self.store.dim)
+        vectors = result.vectors.reshape(rows, features + width, self.store.dim)
         versions = self.table_versions(result.snapshot)
-        return {
+        out = {
             wire.SPARSE_EMBEDDINGS: vectors[:, :features],
-            wire.TARGET_EMBEDDING: vectors[:, features],
-            wire.HISTORY_EMBEDDINGS: vectors[:, features + 1 :],
             wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
         }
+        if self.attends:
+            out[wire.TARGET_EMBEDDING] = vectors[:, features]
+            out[wire.HISTORY_EMBEDDINGS] = vectors[:, features + 1 :]
+        return out
 
 
 class FeaturesToEmbeddings:
@@ -155,13 +161,12 @@ class FeaturesToEmbeddings:
             InvalidInput: naming the first offending input and value.
         """
         features = self.transform.transform(inputs)
-        return {
-            wire.DENSE_NORMALIZED: features[wire.DENSE_NORMALIZED],
-            wire.HISTORY_MASK: features[wire.HISTORY_MASK],
-            **self.lookup.lookup(features),
-        }
+        passed = {n: features[n] for n in (wire.DENSE_NORMALIZED, wire.HISTORY_MASK) if n in features}
+        return {**passed, **self.lookup.lookup(features)}
 
     def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
-        """The sequence bucket of one request's longest history: the width it gets back."""
+        """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""
+        if self.spec.sequence is None:
+            return 1
         lengths = inputs[self.spec.sequence_length_input]
         return self.spec.sequence_bucket(max(int(np.max(lengths, initial=0)), 1))

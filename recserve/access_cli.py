@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recserve.spec import DEFAULT_REPOSITORY, load_spec
+from recserve.spec import load_spec
 
 
 def _access(args: argparse.Namespace) -> int:
@@ -60,9 +60,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "access",
         help="Envoy in front of the stable (and candidate) tritonservers, from the spec's [access]",
     )
-    access.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="the stable variant's repository"
-    )
+    access.add_argument("--repository", type=Path, default=None, help="the stable variant's repository")
     access.add_argument(
         "--candidate", type=Path, default=None, help="the candidate variant's repository (none: stable only)"
     )

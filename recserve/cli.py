@@ -12,7 +12,7 @@ from pathlib import Path
 
 from recserve import wire
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
-from recserve.spec import DEFAULT_REPOSITORY, DEFAULT_SPEC, load_spec
+from recserve.spec import DEFAULT_SPEC, default_repository, load_spec
 
 ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
@@ -175,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
 
     build = sub.add_parser("build", help="train, export and write the model repository")
-    build.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    build.add_argument("--repository", type=Path, default=None)
     build.add_argument("--if-missing", action="store_true", help="skip when already built from this spec")
     build.add_argument(
         "--profile", choices=("cpu", "gpu"), default="cpu", help="gpu: also build the dense TensorRT engine"
@@ -188,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
     build.set_defaults(func=_build)
 
     serve = sub.add_parser("serve", help="run tritonserver on the repository (foreground, Ctrl-C stops)")
-    serve.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    serve.add_argument("--repository", type=Path, default=None)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--grpc-port", type=int, default=8001)
@@ -236,7 +236,7 @@ def parser() -> argparse.ArgumentParser:
     check.add_argument("--expected", type=Path, required=True, help="your scores, one probability per line")
     check.add_argument("--url", default=None, help="also score through this server (host:port)")
     check.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    check.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    check.add_argument("--repository", type=Path, default=None)
     check.add_argument(
         "--runtime",
         choices=("onnx", "torch"),
@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``recserve`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(argv)
+    if getattr(args, "repository", False) is None:
+        args.repository = default_repository(args.spec)
     from recserve.errors import ArtifactError
 
     try:

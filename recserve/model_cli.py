@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from recserve import wire
-from recserve.spec import DEFAULT_REPOSITORY, load_spec
+from recserve.spec import load_spec
 
 
 def format_contract(inputs: tuple[wire.ContractTensor, ...], outputs: tuple[wire.ContractTensor, ...]) -> str:
@@ -57,6 +57,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     imported.add_argument(
         "--dense", type=Path, required=True, help="the dense network, following the contract"
     )
-    imported.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    imported.add_argument("--repository", type=Path, default=None)
     imported.add_argument("--replace", action="store_true", help="replace an existing repository")
     imported.set_defaults(func=_import)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from recserve.spec import DEFAULT_REPOSITORY, load_spec
+from recserve.spec import load_spec
 
 
 def _perf(args: argparse.Namespace) -> int:
@@ -165,9 +165,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     perf.add_argument("--concurrency", default="1:4", help="perf_analyzer concurrency range start:end[:step]")
     perf.add_argument("--measurement-ms", type=int, default=3000)
     perf.add_argument("--output", type=Path, default=None, help="also write the measured points as CSV here")
-    perf.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="for the in-process comparison"
-    )
+    perf.add_argument("--repository", type=Path, default=None, help="for the in-process comparison")
     perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
     perf.set_defaults(func=_perf)
 
@@ -175,9 +173,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "soak",
         help="bounded mixed traffic with periodic dense updates on a private loopback server; fails on leaks",
     )
-    soak.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; the copy gets the updates"
-    )
+    soak.add_argument("--repository", type=Path, default=None, help="copied; the copy gets the updates")
     soak.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
     soak.add_argument(
         "--update-every", type=float, default=10.0, help="seconds between dense version updates"
@@ -187,7 +183,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     overload = sub.add_parser(
         "overload", help="open-loop spike above measured capacity on a private loopback server"
     )
-    overload.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    overload.add_argument("--repository", type=Path, default=None)
     overload.add_argument("--rows", type=int, default=8, help="rows per request")
     overload.add_argument("--spike", type=float, default=2.0, help="spike rate as a multiple of capacity")
     overload.add_argument(
@@ -215,9 +211,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
             "ctr p50/p99 with the L3 Redis Cluster up, all of it killed, and back (private loopback servers)"
         ),
     )
-    outage.add_argument(
-        "--repository", type=Path, default=DEFAULT_REPOSITORY, help="copied; its item table goes to Redis"
-    )
+    outage.add_argument("--repository", type=Path, default=None, help="copied; its item table goes to Redis")
     outage.add_argument(
         "--requests", type=int, default=1000, help="requests per phase and round, one at a time"
     )
@@ -234,13 +228,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     hops.add_argument("--requests", type=int, default=300, help="batch-1 requests per system and round")
     hops.add_argument("--rounds", type=int, default=3, help="the systems take turns; medians over rounds")
     hops.add_argument("--json", type=Path, default=None, help="also write the summary here")
-    hops.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    hops.add_argument("--repository", type=Path, default=None)
     hops.set_defaults(func=_bench_hops)
 
     bench = sub.add_parser(
         "bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"
     )
-    bench.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    bench.add_argument("--repository", type=Path, default=None)
     bench.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: ONNX Runtime; cuda: CUDA graphs"
     )
@@ -257,7 +251,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", help="in-process bound, naive and tuned Triton, TorchServe: measured in one run"
     )
-    bench.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    bench.add_argument("--repository", type=Path, default=None)
     bench.add_argument(
         "--output", type=Path, default=Path("perf/results"), help="a run folder is created in here"
     )
@@ -285,7 +279,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     tune = sub.add_parser(
         "tune", help="sweep queue delay, preferred batch size and instances; write the best to the spec"
     )
-    tune.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    tune.add_argument("--repository", type=Path, default=None)
     tune.add_argument("--p99-ms", type=float, default=50.0, help="p99 target")
     tune.add_argument(
         "--workloads",

@@ -197,10 +197,11 @@ class HashingSection:
 
 @dataclass(frozen=True)
 class TableSection:
-    """``[tables.<name>]``: an embedding table that is not one categorical column's own."""
+    """``[tables.<name>]``: an embedding table (``<name>`` may expand, e.g. ``C{1..26}``)."""
 
-    cardinality: int
+    cardinality: int  # rows of the synthetic data; a list when the name expands
     dim: int | None = None  # None: the model's embedding_dim
+    dtype: str = "fp32"  # storage: fp32 or fp16 (served as float32)
     zipf_exponent: float = 1.05
 
 
@@ -295,24 +296,79 @@ class AccessSection:
             raise SpecError(f"[access] request_timeout_s must be positive, got {self.request_timeout_s}")
 
 
-#: Keys of each ``[[features]]`` kind (``kind`` itself and ``name`` included).
-FEATURE_KEYS: dict[str, frozenset[str]] = {
-    "dense": frozenset({"name", "kind", "prefix", "count", "clip_min", "clip_max"}),
-    "categorical": frozenset(
-        {
-            "name",
-            "kind",
-            "encoding",
-            "prefix",
-            "count",
-            "max_hex_digits",
-            "cardinalities",
-            "zipf_exponent",
-            "pooling",
-            "table",
-        }
-    ),
-    "sequence": frozenset({"name", "kind", "table", "max_length", "mean_length"}),
+@dataclass(frozen=True)
+class InputsSection:
+    """``[inputs]``: columns of the user's files that are not features."""
+
+    label: str = "label"  # the click label of training and verify files
+    ignore: tuple[str, ...] = ()  # accepted in files and ignored (e.g. a row id)
+
+
+#: Value types of a categorical column as clients send it (all travel as strings in one BYTES tensor).
+VALUE_TYPES = ("hex", "int64", "uint64", "string")
+#: How a categorical value becomes a key: ``hash`` (64-bit keys of table and value), ``vocab`` (the
+#: same keys; the rows are the tokens listed at import), ``identity`` (the int64 value is the key).
+ENCODERS = ("hash", "vocab", "identity")
+#: Derived parts of a time feature, each a small categorical with its own table (its cardinality).
+#: ``weekday`` counts from Monday = 0.
+TIME_PARTS = {"hour_of_day": 24, "weekday": 7, "is_weekend": 2, "day_of_month": 31, "month": 12}
+
+
+@dataclass(frozen=True)
+class NumericFeatureSection:
+    """``kind = "numeric"``: a number; ops in the order fill_na, clip, log1p, standardize or minmax."""
+
+    name: str
+    kind: str
+    fill_na: float = 0.0  # the value of a missing field
+    clip: tuple[float, ...] = ()  # [min, max]
+    log1p: bool = False
+    standardize: tuple[float, ...] = ()  # [mean, std]: (x - mean) / std
+    minmax: tuple[float, ...] = ()  # [min, max]: (x - min) / (max - min)
+
+
+@dataclass(frozen=True)
+class CategoricalFeatureSection:
+    """``kind = "categorical"``: one value per row, looked up in a table; an empty value has its own key."""
+
+    name: str
+    kind: str
+    value_type: str = "hex"
+    encoder: str = "hash"
+    table: str = ""  # "": the table named like the feature
+    max_hex_digits: int = 16
+    attends: str = ""  # a sequence feature: this one is the target that attends over it (int64 ids)
+
+
+@dataclass(frozen=True)
+class SequenceFeatureSection:
+    """``kind = "sequence"``: item ids of the user's history, newest last, padded to a sequence bucket."""
+
+    name: str
+    kind: str
+    table: str
+    max_length: int
+    mean_length: float = 8.0  # of the synthetic rows
+
+
+@dataclass(frozen=True)
+class TimeFeatureSection:
+    """``kind = "time"``: a timestamp (``format`` for strptime, or ``unit`` s / ms), split into parts."""
+
+    name: str
+    kind: str
+    format: str = ""
+    unit: str = ""
+    timezone: str = "UTC"
+    parts: tuple[str, ...] = ("hour_of_day", "weekday")
+
+
+#: The section of each ``[[features]]`` kind.
+FEATURE_SECTIONS: dict[str, type] = {
+    "numeric": NumericFeatureSection,
+    "categorical": CategoricalFeatureSection,
+    "sequence": SequenceFeatureSection,
+    "time": TimeFeatureSection,
 }
 #: The spec's top-level tables.
 TOP_LEVEL_KEYS = (
@@ -320,6 +376,7 @@ TOP_LEVEL_KEYS = (
     "dense_net",
     "serving",
     "training",
+    "inputs",
     "features",
     "tables",
     "hashing",
@@ -328,12 +385,16 @@ TOP_LEVEL_KEYS = (
 )
 
 
-def check_feature_keys(raw: Mapping[str, Any], position: int) -> None:
-    """Refuse a ``[[features]]`` entry with a key its kind does not have."""
+def parse_feature(raw: Any, position: int) -> Any:
+    """The section of one ``[[features]]`` entry, by its ``kind``.
+
+    Raises:
+        SpecError: the kind is unknown, or a key is unknown or missing for that kind.
+    """
+    if not isinstance(raw, Mapping):
+        raise SpecError(f"features[{position}] must be a table, got {raw!r}")
     kind = raw.get("kind")
     where = f"features[{position}] ({raw.get('name', '?')})"
-    if kind not in FEATURE_KEYS:
-        raise SpecError(f"{where}: unknown feature kind {kind!r}; known kinds: {', '.join(FEATURE_KEYS)}")
-    for key in raw:
-        if key not in FEATURE_KEYS[kind]:
-            raise UnknownKeyError(where, str(key), sorted(FEATURE_KEYS[kind]))
+    if kind not in FEATURE_SECTIONS:
+        raise SpecError(f"{where}: unknown feature kind {kind!r}; known kinds: {', '.join(FEATURE_SECTIONS)}")
+    return parse_section(FEATURE_SECTIONS[kind], raw, where)

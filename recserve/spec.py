@@ -8,8 +8,10 @@ from the objects below.
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import dataclass, field
+import zoneinfo
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,24 +19,49 @@ from typing import Any
 import tomllib
 
 from recserve.sections import (
+    ENCODERS,
+    TIME_PARTS,
     TOP_LEVEL_KEYS,
+    VALUE_TYPES,
     AccessSection,
+    CategoricalFeatureSection,
     DenseNetSection,
     HashingSection,
+    InputsSection,
     ModelSection,
+    NumericFeatureSection,
     QueuePolicy,
+    SequenceFeatureSection,
     ServingSection,
     SpecError,
     StoreSection,
     TableSection,
+    TimeFeatureSection,
     TrainingSection,
     UnknownKeyError,
-    check_feature_keys,
+    parse_feature,
     parse_section,
 )
 
 DEFAULT_SPEC = "ctr"
+#: Wire inputs: every numeric column in one FP32 tensor (and its missing mask), every categorical or
+#: time column as a string in one BYTES tensor; the attention target and its sequence travel as ids.
+NUMERIC_INPUT = "dense"
+CATEGORICAL_INPUT = "categorical"
+SEQUENCE_INPUT = "history"
+#: Storage dtypes of a table (``[tables.<name>] dtype``).
+TABLE_DTYPES = ("fp32", "fp16")
 DEFAULT_REPOSITORY = Path("model_repository")  # where recserve build writes and the commands read
+
+
+def default_repository(spec: str) -> Path:
+    """The repository the commands use for a spec: ``model_repository``, else ``model_repository_<name>``.
+
+    Each spec gets its own folder: the ensemble steps of every spec have the same names.
+    """
+    return DEFAULT_REPOSITORY if spec == DEFAULT_SPEC else Path(f"{DEFAULT_REPOSITORY}_{Path(spec).stem}")
+
+
 #: What a dense ONNX may return (``[model] output``); a logit is served as its sigmoid.
 DENSE_OUTPUTS = ("probability", "logit")
 
@@ -66,40 +93,94 @@ class TableSpec:
     dim: int
     cardinality: int
     zipf_exponent: float
+    dtype: str = "fp32"
+
+
+@dataclass(frozen=True)
+class NumericColumn:
+    """One numeric column and its ops: ``x -> (log1p?(clip(x or fill_na)) - shift) / scale``."""
+
+    name: str
+    fill_na: float = 0.0
+    clip_min: float = -math.inf
+    clip_max: float = math.inf
+    log1p: bool = False
+    shift: float = 0.0
+    scale: float = 1.0
+
+    def describe(self) -> str:
+        """The ops as a formula, for the dense contract."""
+        text = "x"
+        if self.clip_min > -math.inf or self.clip_max < math.inf:
+            text = f"clip({text}, {self.clip_min:g}, {self.clip_max:g})"
+        if self.log1p:
+            text = f"log1p({text})"
+        if self.shift or self.scale != 1.0:
+            text = f"({text} - {self.shift:g}) / {self.scale:g}"
+        return f"{text}, missing {self.fill_na:g}"
 
 
 @dataclass(frozen=True)
 class DenseGroup:
-    """Integer count features sent together as one FP32 tensor plus a missing mask."""
+    """The numeric columns, sent together as one FP32 tensor plus a missing mask."""
 
     name: str
-    columns: tuple[str, ...]
-    clip_min: float
-    clip_max: float
-
-
-@dataclass(frozen=True)
-class CategoricalFeature:
-    """A single-valued categorical column mapped to a key in its table."""
-
-    name: str
-    table: str
-    encoding: str  # "hex" (string of hex digits) or "int" (non-negative id)
-    pooling: str
-
-
-@dataclass(frozen=True)
-class HexGroup:
-    """Hex-string categorical columns sent together as one BYTES tensor."""
-
-    name: str
-    features: tuple[CategoricalFeature, ...]
-    max_hex_digits: int
+    numeric: tuple[NumericColumn, ...]
 
     @property
     def columns(self) -> tuple[str, ...]:
         """Column names in wire order."""
-        return tuple(f.name for f in self.features)
+        return tuple(c.name for c in self.numeric)
+
+
+@dataclass(frozen=True)
+class RawColumn:
+    """One categorical column as clients send it: a string in the BYTES tensor ``categorical``.
+
+    ``value_type`` is ``hex``, ``int64``, ``uint64``, ``string`` or ``time`` (parsed with
+    ``time_format``, or unix seconds / milliseconds by ``time_unit``, in ``timezone``).
+    """
+
+    name: str
+    value_type: str
+    max_hex_digits: int = 16
+    time_format: str = ""
+    time_unit: str = ""
+    timezone: str = "UTC"
+
+    @property
+    def max_bytes(self) -> int:
+        """The longest value a request may carry in this column (what shared memory reserves)."""
+        return {"hex": self.max_hex_digits, "int64": 20, "uint64": 20, "time": 32}.get(self.value_type, 256)
+
+
+@dataclass(frozen=True)
+class CategoricalFeature:
+    """A single-valued categorical feature mapped to a key in its table.
+
+    ``column`` is its raw column's index in the categorical tensor (-1: the attention target's own
+    INT64 input); ``part`` names the derived part of a time column (``""`` otherwise).
+    """
+
+    name: str
+    table: str
+    encoder: str = "hash"
+    column: int = -1
+    part: str = ""
+
+
+@dataclass(frozen=True)
+class CategoricalGroup:
+    """The categorical raw columns, sent together as one BYTES tensor, and the features read from them."""
+
+    name: str
+    raw_columns: tuple[RawColumn, ...]
+    features: tuple[CategoricalFeature, ...]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Raw column names in wire order."""
+        return tuple(c.name for c in self.raw_columns)
 
 
 @dataclass(frozen=True)
@@ -127,10 +208,10 @@ class ModelSpec:
     sequence_buckets: tuple[int, ...]
     max_queue_delay_microseconds: int
     instances: dict[str, int]
-    dense: DenseGroup
-    categorical: HexGroup
-    target: CategoricalFeature
-    sequence: SequenceFeature
+    dense: DenseGroup | None  # None: no numeric features
+    categorical: CategoricalGroup
+    target: CategoricalFeature | None  # the attention target over ``sequence``; both or neither
+    sequence: SequenceFeature | None
     tables: dict[str, TableSpec]
     training: TrainingSection
     hash_namespace: str
@@ -141,28 +222,51 @@ class ModelSpec:
     dense_output: str = "probability"
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     access: AccessSection = field(default_factory=AccessSection)  # the proxy's: not in ``source``
+    inputs: InputsSection = field(default_factory=InputsSection)
 
     # ---- derived names -------------------------------------------------------------------
     @property
     def sequence_length_input(self) -> str:
         """Wire name of the per-row sequence length."""
-        return f"{self.sequence.name}__length"
+        return f"{self.sequence.name if self.sequence else SEQUENCE_INPUT}__length"
 
     @property
     def dense_missing_input(self) -> str:
         """Wire name of the dense missing-value mask."""
-        return f"{self.dense.name}__missing"
+        return f"{NUMERIC_INPUT}__missing"
+
+    def attention(self, needed_by: str) -> tuple[CategoricalFeature, SequenceFeature]:
+        """The attention target and its sequence, for tools written for models that have them.
+
+        Raises:
+            SpecError: the spec has no sequence feature.
+        """
+        if self.target is None or self.sequence is None:
+            raise SpecError(f"{needed_by} needs a spec with a sequence feature; {self.name!r} has none")
+        return self.target, self.sequence
+
+    @property
+    def numeric_columns(self) -> tuple[str, ...]:
+        """Names of the numeric columns (none when the spec has no numeric feature)."""
+        return self.dense.columns if self.dense else ()
 
     def wire_inputs(self) -> tuple[WireTensor, ...]:
         """The raw-feature inputs of the ensemble, as clients send them."""
-        return (
-            WireTensor(self.dense.name, "FP32", (len(self.dense.columns),)),
-            WireTensor(self.dense_missing_input, "BOOL", (len(self.dense.columns),)),
-            WireTensor(self.categorical.name, "BYTES", (len(self.categorical.features),)),
-            WireTensor(self.target.name, "INT64", (1,)),
-            WireTensor(self.sequence.name, "INT64", (-1,), ragged=True),
-            WireTensor(self.sequence_length_input, "INT32", (1,)),
-        )
+        tensors = []
+        if self.dense is not None:
+            width = len(self.dense.columns)
+            tensors += [
+                WireTensor(self.dense.name, "FP32", (width,)),
+                WireTensor(self.dense_missing_input, "BOOL", (width,)),
+            ]
+        tensors.append(WireTensor(self.categorical.name, "BYTES", (len(self.categorical.raw_columns),)))
+        if self.target is not None and self.sequence is not None:
+            tensors += [
+                WireTensor(self.target.name, "INT64", (1,)),
+                WireTensor(self.sequence.name, "INT64", (-1,), ragged=True),
+                WireTensor(self.sequence_length_input, "INT32", (1,)),
+            ]
+        return tuple(tensors)
 
     @property
     def table_names(self) -> tuple[str, ...]:
@@ -196,6 +300,203 @@ class ModelSpec:
         return json.dumps(self.source, sort_keys=True, separators=(",", ":"))
 
 
+def expand_names(pattern: str) -> tuple[str, ...]:
+    """Names of a pattern with one range, ``C{1..26}`` -> ``C1 .. C26``; other names stay as they are.
+
+    Raises:
+        SpecError: an empty or reversed range.
+    """
+    match = _RANGE.search(pattern)
+    if match is None:
+        return (pattern,)
+    low, high = int(match[1]), int(match[2])
+    if high < low:
+        raise SpecError(f"{pattern!r}: the range {match[0]} is empty")
+    return tuple(f"{pattern[: match.start()]}{i}{pattern[match.end() :]}" for i in range(low, high + 1))
+
+
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def _parallel(names: tuple[str, ...], pattern: str, what: str) -> tuple[str, ...]:
+    """``pattern`` expanded alongside ``names``: one name each, or one shared by all."""
+    expanded = expand_names(pattern)
+    if len(expanded) == 1:
+        return expanded * len(names)
+    if len(expanded) != len(names):
+        raise SpecError(f"{what} {pattern!r} names {len(expanded)} tables for {len(names)} features")
+    return expanded
+
+
+def _parse_tables(raw_tables: Any, dim: int) -> dict[str, TableSpec]:
+    if not isinstance(raw_tables, dict):
+        raise SpecError(f"[tables] must be a table, got {raw_tables!r}")
+    tables: dict[str, TableSpec] = {}
+    for pattern, raw in raw_tables.items():
+        names = expand_names(pattern)
+        if not isinstance(raw, dict):
+            raise SpecError(f"[tables.{pattern}] must be a table, got {raw!r}")
+        cards: Any = raw.get("cardinality")
+        if len(names) > 1 and not (isinstance(cards, list) and len(cards) == len(names)):
+            raise SpecError(
+                f"[tables.{pattern}] names {len(names)} tables: cardinality must list {len(names)}"
+            )
+        for i, name in enumerate(names):
+            one = dict(raw, cardinality=cards[i]) if len(names) > 1 else raw
+            table = parse_section(TableSection, one, f"tables.{pattern}")
+            if table.dtype not in TABLE_DTYPES:
+                raise SpecError(f"[tables.{pattern}] dtype must be fp32 or fp16, got {table.dtype!r}")
+            if name in tables:
+                raise SpecError(f"table {name!r} is defined twice")
+            tables[name] = TableSpec(
+                name, table.dim or dim, table.cardinality, table.zipf_exponent, table.dtype
+            )
+    return tables
+
+
+@dataclass
+class _Features:
+    """The ``[[features]]`` entries sorted into the parts the model is made of."""
+
+    numeric: list[NumericColumn] = field(default_factory=list)
+    raw_columns: list[RawColumn] = field(default_factory=list)
+    categorical: list[CategoricalFeature] = field(default_factory=list)
+    sequences: list[SequenceFeature] = field(default_factory=list)
+    targets: list[tuple[CategoricalFeature, str]] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+
+    def add_name(self, name: str, where: str) -> None:
+        if name in self.names:
+            raise SpecError(f"{where}: the name {name!r} is used twice")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise SpecError(f"{where}: {name!r} is not a valid feature name (letters, digits, _)")
+        self.names.add(name)
+
+
+def _numeric(section: NumericFeatureSection, name: str, where: str) -> NumericColumn:
+    pairs = {"clip": section.clip, "standardize": section.standardize, "minmax": section.minmax}
+    for key, pair in pairs.items():
+        if pair and len(pair) != 2:
+            raise SpecError(f"{where}: {key} takes two numbers, got {list(pair)}")
+    if section.standardize and section.minmax:
+        raise SpecError(f"{where}: standardize and minmax exclude each other")
+    shift, scale = 0.0, 1.0
+    if section.standardize:
+        shift, scale = section.standardize
+    if section.minmax:
+        shift, scale = section.minmax[0], section.minmax[1] - section.minmax[0]
+    if scale <= 0:
+        raise SpecError(f"{where}: the std or the max - min must be positive, got {scale:g}")
+    low, high = section.clip or (-math.inf, math.inf)
+    if section.log1p and low <= -1:
+        raise SpecError(f"{where}: log1p needs clip with a minimum above -1, got {list(section.clip)}")
+    if section.log1p and section.fill_na <= -1:
+        raise SpecError(f"{where}: log1p needs fill_na above -1, got {section.fill_na:g}")
+    return NumericColumn(name, section.fill_na, low, high, section.log1p, shift, scale)
+
+
+def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Features:
+    if not isinstance(raw_features, list):
+        raise SpecError("features must be a list of [[features]] tables")
+    out = _Features()
+    for position, raw in enumerate(raw_features):
+        section = parse_feature(raw, position)
+        where = f"features[{position}] ({section.name})"
+        names = expand_names(section.name)
+        for name in names:
+            out.add_name(name, where)
+        if isinstance(section, NumericFeatureSection):
+            out.numeric += [_numeric(section, name, where) for name in names]
+        elif isinstance(section, SequenceFeatureSection):
+            out.sequences += [
+                SequenceFeature(name, section.table, section.max_length, section.mean_length)
+                for name in names
+            ]
+        elif isinstance(section, TimeFeatureSection):
+            _time(section, names, where, tables, out)
+        else:
+            _categorical(section, names, where, out)
+    return out
+
+
+def _categorical(
+    section: CategoricalFeatureSection, names: tuple[str, ...], where: str, out: _Features
+) -> None:
+    if section.value_type not in VALUE_TYPES:
+        raise SpecError(
+            f"{where}: value_type must be one of {', '.join(VALUE_TYPES)}, got {section.value_type!r}"
+        )
+    if section.encoder not in ENCODERS:
+        raise SpecError(f"{where}: encoder must be one of {', '.join(ENCODERS)}, got {section.encoder!r}")
+    if section.encoder == "identity" and section.value_type != "int64":
+        raise SpecError(f"{where}: the identity encoder needs value_type int64 (the value is the key)")
+    if not 1 <= section.max_hex_digits <= 16:
+        raise SpecError(f"{where}: max_hex_digits must lie in 1..16 (64-bit values)")
+    tables = _parallel(names, section.table or section.name, f"{where}: table")
+    for name, table in zip(names, tables, strict=True):
+        if section.attends:
+            if section.value_type != "int64" or section.encoder == "identity":
+                raise SpecError(f"{where}: an attention target is an int64 id with the hash encoder")
+            out.targets.append((CategoricalFeature(name, table, section.encoder), section.attends))
+            continue
+        out.categorical.append(CategoricalFeature(name, table, section.encoder, len(out.raw_columns)))
+        out.raw_columns.append(RawColumn(name, section.value_type, section.max_hex_digits))
+
+
+def _time(
+    section: TimeFeatureSection,
+    names: tuple[str, ...],
+    where: str,
+    tables: dict[str, TableSpec],
+    out: _Features,
+) -> None:
+    if bool(section.format) == bool(section.unit) or section.unit not in ("", "s", "ms"):
+        raise SpecError(f"{where}: give either format (strptime) or unit (s or ms)")
+    try:
+        zoneinfo.ZoneInfo(section.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise SpecError(f"{where}: unknown timezone {section.timezone!r}") from None
+    unknown = [part for part in section.parts if part not in TIME_PARTS]
+    if unknown or not section.parts:
+        raise SpecError(f"{where}: parts must be some of {', '.join(TIME_PARTS)}, got {list(section.parts)}")
+    for name in names:
+        column = len(out.raw_columns)
+        out.raw_columns.append(
+            RawColumn(
+                name, "time", time_format=section.format, time_unit=section.unit, timezone=section.timezone
+            )
+        )
+        for part in section.parts:
+            table = f"{name}_{part}"
+            out.add_name(table, where)
+            tables.setdefault(table, TableSpec(table, 0, TIME_PARTS[part], 0.0))
+            out.categorical.append(CategoricalFeature(table, table, "hash", column, part))
+
+
+def _attention(
+    features: _Features, where_tables: dict[str, TableSpec]
+) -> tuple[CategoricalFeature | None, SequenceFeature | None]:
+    """The attention target and its sequence (this network attends with one target over one sequence)."""
+    if len(features.sequences) > 1 or len(features.targets) > 1:
+        raise SpecError("the built-in network attends with one target over one sequence; found more")
+    sequence = features.sequences[0] if features.sequences else None
+    if not features.targets:
+        if sequence is not None:
+            raise SpecError(
+                f"sequence {sequence.name!r} needs a categorical feature with attends = {sequence.name!r}"
+            )
+        return None, None
+    target, over = features.targets[0]
+    if sequence is None or over != sequence.name:
+        raise SpecError(f"feature {target.name!r} attends over {over!r}, which is not a sequence feature")
+    if target.table != sequence.table:
+        raise SpecError(
+            f"{target.name!r} and {sequence.name!r} must share a table to attend, "
+            f"got {target.table!r} and {sequence.table!r}"
+        )
+    return target, sequence
+
+
 def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed TOML/JSON document, checking consistency.
 
@@ -211,44 +512,26 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     model = parse_section(ModelSection, doc["model"], "model")
     net = parse_section(DenseNetSection, doc["dense_net"], "dense_net")
     serving = parse_section(ServingSection, doc["serving"], "serving")
+    inputs = parse_section(InputsSection, doc.get("inputs", {}), "inputs")
     dim = model.embedding_dim
-    tables: dict[str, TableSpec] = {}
-    for name, raw in doc.get("tables", {}).items():
-        table = parse_section(TableSection, raw, f"tables.{name}")
-        tables[name] = TableSpec(name, table.dim or dim, table.cardinality, table.zipf_exponent)
-    dense = categorical = target = sequence = None
-    for position, raw in enumerate(doc["features"]):
-        check_feature_keys(raw, position)
-        kind = raw["kind"]
-        if kind == "dense":
-            cols = tuple(f"{raw['prefix']}{i + 1}" for i in range(int(raw["count"])))
-            dense = DenseGroup(raw["name"], cols, float(raw["clip_min"]), float(raw["clip_max"]))
-        elif kind == "categorical" and raw.get("encoding", "hex") == "hex":
-            count = int(raw["count"])
-            cards = list(raw["cardinalities"])
-            if len(cards) != count:
-                raise SpecError(f"{raw['name']}: {count} columns but {len(cards)} cardinalities")
-            feats = []
-            for i in range(count):
-                col = f"{raw['prefix']}{i + 1}"
-                tables[col] = TableSpec(col, dim, int(cards[i]), float(raw.get("zipf_exponent", 1.05)))
-                feats.append(CategoricalFeature(col, col, "hex", raw.get("pooling", "sum")))
-            categorical = HexGroup(raw["name"], tuple(feats), int(raw.get("max_hex_digits", 16)))
-        elif kind == "categorical":
-            target = CategoricalFeature(raw["name"], raw["table"], "int", raw.get("pooling", "sum"))
-        else:
-            sequence = SequenceFeature(
-                raw["name"], raw["table"], int(raw["max_length"]), float(raw["mean_length"])
-            )
-    if dense is None or categorical is None or target is None or sequence is None:
-        raise SpecError(
-            "a spec needs one dense, one hex categorical, one int categorical and one sequence feature"
-        )
-    for feat in (target, sequence):
-        if feat.table not in tables:
-            raise SpecError(f"feature {feat.name!r} uses undefined table {feat.table!r}")
+    tables = _parse_tables(doc.get("tables", {}), dim)
+    features = _parse_features(doc["features"], tables)
+    tables = {name: replace(t, dim=t.dim or dim) for name, t in tables.items()}
+    if not features.categorical:
+        raise SpecError("a spec needs at least one categorical or time feature")
+    target, sequence = _attention(features, tables)
+    used = [f.table for f in features.categorical] + ([target.table] if target else [])
+    for feature in [*features.categorical, *([target] if target else [])]:
+        if feature.table not in tables:
+            raise SpecError(f"feature {feature.name!r} uses undefined table {feature.table!r}")
+    unused = sorted(set(tables) - set(used))
+    if unused:
+        raise SpecError(f"tables {unused} are used by no feature")
     if any(t.dim != dim for t in tables.values()):
         raise SpecError(f"every table must have embedding_dim={dim} for the dot interaction")
+    clashes = sorted({*inputs.ignore, inputs.label} & features.names)
+    if clashes:
+        raise SpecError(f"[inputs] names feature columns {clashes} as label or ignored")
     if net.bottom_mlp[-1] != dim:
         raise SpecError(f"bottom_mlp must end at embedding_dim={dim}, got {net.bottom_mlp[-1]}")
     batch_buckets = tuple(sorted(serving.batch_buckets))
@@ -256,7 +539,9 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     max_batch = model.max_batch_size
     if batch_buckets[-1] != max_batch:
         raise SpecError(f"largest batch bucket {batch_buckets[-1]} must equal max_batch_size {max_batch}")
-    if seq_buckets[-1] != sequence.max_length:
+    if sequence is None and seq_buckets != (1,):
+        raise SpecError(f"a spec without a sequence has sequence_buckets = [1], got {list(seq_buckets)}")
+    if sequence is not None and seq_buckets[-1] != sequence.max_length:
         raise SpecError(
             f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
         )
@@ -275,8 +560,11 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError("embedding_dim must be divisible by attention_heads")
     store = parse_section(StoreSection, doc.get("store", {}), "store")
     store.check(tables)
+    fp16 = tuple(name for name, t in tables.items() if t.dtype == "fp16")
+    store = replace(store, float16_tables=tuple(dict.fromkeys((*store.float16_tables, *fp16))))
     access = parse_section(AccessSection, doc.get("access", {}), "access")
     access.check()
+    numeric = tuple(features.numeric)
     return ModelSpec(
         name=model.name,
         version=model.version,
@@ -289,8 +577,10 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         sequence_buckets=seq_buckets,
         max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
         instances=dict(serving.instances),
-        dense=dense,
-        categorical=categorical,
+        dense=DenseGroup(NUMERIC_INPUT, numeric) if numeric else None,
+        categorical=CategoricalGroup(
+            CATEGORICAL_INPUT, tuple(features.raw_columns), tuple(features.categorical)
+        ),
         target=target,
         sequence=sequence,
         tables=tables,
@@ -303,6 +593,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         dense_output=model.output,
         source={key: value for key, value in doc.items() if key != "access"},
         access=access,
+        inputs=inputs,
     )
 
 
@@ -360,7 +651,10 @@ def spec_from_json(text: str) -> ModelSpec:
 __all__ = [
     "CategoricalFeature",
     "DenseGroup",
-    "HexGroup",
+    "CategoricalGroup",
+    "NumericColumn",
+    "RawColumn",
+    "expand_names",
     "ModelSpec",
     "QueuePolicy",
     "SequenceFeature",

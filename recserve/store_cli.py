@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from recserve.spec import DEFAULT_REPOSITORY, load_spec
+from recserve.spec import load_spec
 
 
 def _open(args: argparse.Namespace, start: bool = False):  # returns (spec, ServedStore)
@@ -94,25 +94,25 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     update.add_argument("--table", required=True)
     update.add_argument("--delta", type=Path, required=True)
-    update.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    update.add_argument("--repository", type=Path, default=None)
     update.set_defaults(func=_update)
 
     rollback = sub.add_parser("rollback", help="serve an earlier version of a table again (as a new version)")
     rollback.add_argument("--table", required=True)
     rollback.add_argument("--to", type=int, required=True, help="the version whose content to restore")
-    rollback.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    rollback.add_argument("--repository", type=Path, default=None)
     rollback.set_defaults(func=_rollback)
 
     explain = sub.add_parser("explain", help="per row and feature: value, key, table, dim, tier, version")
     explain.add_argument("--input", type=Path, required=True, help="Criteo TSV or headed CSV rows")
     explain.add_argument("--json", action="store_true", help="one JSON object per line")
-    explain.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    explain.add_argument("--repository", type=Path, default=None)
     explain.set_defaults(func=_explain)
 
     redis_load = sub.add_parser(
         "redis-load", help="write the L3 tables ([store] remote_tables) into the Redis Cluster"
     )
-    redis_load.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
+    redis_load.add_argument("--repository", type=Path, default=None)
     redis_load.add_argument(
         "--nodes", default="", help="host:port,... (default: the spec's [store] redis_nodes)"
     )

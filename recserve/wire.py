@@ -9,13 +9,16 @@ the spec: it imports nothing else of recserve but the spec, its sections and the
 
 from __future__ import annotations
 
+import datetime
+import functools
+import zoneinfo
 from dataclasses import dataclass
 
 import numpy as np
 
 from recserve.errors import InvalidInput
 from recserve.sections import DENSE, EMBEDDING_LOOKUP
-from recserve.spec import ModelSpec
+from recserve.spec import NUMERIC_INPUT, CategoricalGroup, ModelSpec, RawColumn
 
 #: The steps of the ensemble (:data:`recserve.sections.STEPS`): ``embedding_lookup`` takes the raw
 #: features (feature transform and lookup in one Python hop) and hands ``dense`` exactly the inputs
@@ -66,52 +69,75 @@ class ContractTensor:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "holds": self.holds}
 
 
+def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The dense network's inputs under ``spec``, in the order of :data:`DENSE_NET_INPUTS`.
+
+    ``dense_normalized`` only with numeric features; the target and history only with a sequence.
+    """
+    present = {SPARSE_EMBEDDINGS}
+    if spec.dense is not None:
+        present.add(DENSE_NORMALIZED)
+    if spec.sequence is not None:
+        present |= {TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK}
+    return tuple(name for name in DENSE_NET_INPUTS if name in present)
+
+
 def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:
     """What the dense network receives and returns under ``spec``: ``(inputs, outputs)``.
 
-    Inputs in the order of :data:`DENSE_NET_INPUTS`; every one FP32 with the batch first. The output
+    Inputs in the order of :func:`dense_net_inputs`; every one FP32 with the batch first. The output
     is named after ``[model] output``: ``probability``, or ``logit`` (which recserve serves as its
     sigmoid). The built-in network and every imported ONNX follow this contract.
     """
-    dim, columns, clip = spec.embedding_dim, spec.dense.columns, spec.dense
-    features = spec.categorical.columns
-    seq = spec.sequence
-    inputs = (
-        ContractTensor(
-            DENSE_NORMALIZED,
-            "FP32",
-            (-1, len(columns)),
-            f"{columns[0]}..{columns[-1]} as log1p(clip(x, {clip.clip_min:g}, {clip.clip_max:g})), missing 0",
-        ),
+    dim = spec.embedding_dim
+    features = [f.name for f in spec.categorical.features]
+    inputs = []
+    if spec.dense is not None:
+        numeric = spec.dense.numeric
+        ops = {c.describe() for c in numeric}
+        how = ops.pop() if len(ops) == 1 else "each by its feature's ops"
+        inputs.append(
+            ContractTensor(
+                DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{numeric[0].name}..{numeric[-1].name}: {how}"
+            )
+        )
+    inputs.append(
         ContractTensor(
             SPARSE_EMBEDDINGS,
             "FP32",
             (-1, len(features), dim),
             f"{features[0]}..{features[-1]}: one embedding per feature, in this order",
-        ),
-        ContractTensor(
-            TARGET_EMBEDDING, "FP32", (-1, dim), f"{spec.target.name}: its row of table {spec.target.table!r}"
-        ),
-        ContractTensor(
-            HISTORY_EMBEDDINGS,
-            "FP32",
-            (-1, -1, dim),
-            f"{seq.name}: rows of table {seq.table!r}, oldest first, padded to a sequence bucket",
-        ),
-        ContractTensor(
-            HISTORY_MASK,
-            "FP32",
-            (-1, -1),
-            f"{seq.name}: 1 on real positions, 0 on padding (whose embeddings the network must ignore)",
-        ),
+        )
     )
+    if spec.target is not None and spec.sequence is not None:
+        seq = spec.sequence
+        inputs += [
+            ContractTensor(
+                TARGET_EMBEDDING,
+                "FP32",
+                (-1, dim),
+                f"{spec.target.name}: its row of table {spec.target.table!r}",
+            ),
+            ContractTensor(
+                HISTORY_EMBEDDINGS,
+                "FP32",
+                (-1, -1, dim),
+                f"{seq.name}: rows of table {seq.table!r}, oldest first, padded to a sequence bucket",
+            ),
+            ContractTensor(
+                HISTORY_MASK,
+                "FP32",
+                (-1, -1),
+                f"{seq.name}: 1 on real positions, 0 on padding (whose embeddings the network must ignore)",
+            ),
+        ]
     output = ContractTensor(
         spec.dense_output,
         "FP32",
         (-1, 1),
         "click probability" if spec.dense_output == PROBABILITY else "click logit (served as its sigmoid)",
     )
-    return inputs, (output,)
+    return tuple(inputs), (output,)
 
 
 #: Config parameter of ``embedding_lookup``: the torch device of its L1 and of the vectors it returns
@@ -167,6 +193,155 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
     return acc.reshape(values.shape), (lengths == 0).reshape(values.shape)
 
 
+def _column_error(input_name: str, column: str, row: int, value: object, why: str) -> InvalidInput:
+    return InvalidInput(input_name, f"{column} (row {row}) is {value!r}: {why}")
+
+
+def _as_text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def parse_decimal(
+    values: np.ndarray, signed: bool, input_name: str, columns: tuple[str, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Decimal integers (``int64`` when ``signed``, else ``uint64``) of string columns ``[B, len(columns)]``.
+
+    Returns:
+        ``(values, empty)``: the values as ``uint64`` (a negative int64 as its two's complement)
+        and a mask of empty strings.
+
+    Raises:
+        InvalidInput: a value is not a decimal integer of that type (naming the row).
+    """
+    try:
+        fixed = np.asarray(values, dtype="S21")
+        empty = np.char.str_len(fixed) == 0
+        body = np.char.replace(fixed, b"-", b"", count=1) if signed else fixed
+        sign_ok = np.char.find(fixed, b"-") <= 0 if signed else True
+        if (np.char.isdigit(body) & sign_ok | empty).all() and (np.char.str_len(fixed) < 21).all():
+            parsed = np.where(empty, b"0", fixed).astype(np.int64 if signed else np.uint64)
+            return parsed.view(np.uint64).reshape(values.shape), empty.reshape(values.shape)
+    except (UnicodeEncodeError, ValueError, TypeError, OverflowError):
+        pass
+    low, high = (-(1 << 63), (1 << 63) - 1) if signed else (0, (1 << 64) - 1)
+    for (row, col), value in np.ndenumerate(np.asarray(values, dtype=object)):  # slow path: name it
+        text = _as_text(value)
+        digits = text[1:] if signed and text.startswith("-") else text
+        if text and not (digits.isascii() and digits.isdigit() and low <= int(text) <= high):
+            kind = "an int64" if signed else "a uint64"
+            raise _column_error(input_name, columns[col], row, value, f"not {kind} in decimal digits")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@functools.lru_cache(maxsize=65536)
+def _unix_seconds(text: str, time_format: str, time_unit: str, timezone: str) -> int:
+    """Unix seconds of one time value (cached: a batch holds few distinct times)."""
+    if time_format:
+        parsed = datetime.datetime.strptime(text, time_format)
+        stamp = parsed.replace(tzinfo=parsed.tzinfo or zoneinfo.ZoneInfo(timezone)).timestamp()
+    else:
+        if not (text.isascii() and text.isdigit()):
+            raise ValueError("not a number of non-negative digits")
+        stamp = int(text) / (1000 if time_unit == "ms" else 1)
+    if stamp < 0:
+        raise ValueError("before 1970")
+    return int(stamp)
+
+
+def hash_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """FNV-1a 64 of each string's UTF-8 bytes, vectorised; ``(values, empty)``."""
+    encoded = [
+        v if isinstance(v, bytes) else str(v).encode() for v in np.asarray(values, dtype=object).ravel()
+    ]
+    width = max((len(v) for v in encoded), default=0) or 1
+    fixed = np.array(encoded, dtype=f"S{width}")
+    lengths = np.char.str_len(fixed)
+    data = fixed.view(np.uint8).reshape(-1, width).astype(np.uint64)
+    acc = np.full(len(encoded), 0xCBF29CE484222325, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for pos in range(width):
+            step = (acc ^ data[:, pos]) * np.uint64(0x100000001B3)
+            acc = np.where(pos < lengths, step, acc)
+    return acc.reshape(values.shape), (lengths == 0).reshape(values.shape)
+
+
+def parse_times(values: np.ndarray, column: RawColumn, input_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Unix seconds of a time column (``strptime`` format in its time zone, or unix s / ms).
+
+    Raises:
+        InvalidInput: a value does not match the format (naming the row).
+    """
+    unique, inverse = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
+    seconds = np.zeros(len(unique), dtype=np.uint64)
+    for i, text in enumerate(unique):
+        if text == "":
+            continue
+        try:
+            seconds[i] = _unix_seconds(text, column.time_format, column.time_unit, column.timezone)
+        except ValueError as exc:
+            row = int(np.flatnonzero(inverse == i)[0])
+            wanted = f"format {column.time_format!r}" if column.time_format else f"unix {column.time_unit}"
+            raise _column_error(
+                input_name, column.name, row, values.reshape(-1)[row], f"not a time in {wanted} ({exc})"
+            ) from None
+    return seconds[inverse].reshape(values.shape), (unique[inverse] == "").reshape(values.shape)
+
+
+def time_part(seconds: np.ndarray, part: str, timezone: str) -> np.ndarray:
+    """A part of unix times as seen in ``timezone``.
+
+    hour_of_day 0..23, weekday 0..6 (Monday 0), is_weekend 0/1, day_of_month 0..30, month 0..11.
+    """
+    zone = zoneinfo.ZoneInfo(timezone)
+    unique, inverse = np.unique(seconds, return_inverse=True)
+    local = [datetime.datetime.fromtimestamp(int(s), zone) for s in unique]
+    parts = {
+        "hour_of_day": [t.hour for t in local],
+        "weekday": [t.weekday() for t in local],
+        "is_weekend": [int(t.weekday() >= 5) for t in local],
+        "day_of_month": [t.day - 1 for t in local],
+        "month": [t.month - 1 for t in local],
+    }[part]
+    return np.asarray(parts, dtype=np.uint64)[inverse].reshape(seconds.shape)
+
+
+def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.ndarray, np.ndarray]:
+    """Parse the categorical tensor ``[B, C]`` column by column, by each column's value type.
+
+    Returns:
+        ``(values, empty)``, both ``[B, C]``: ``uint64`` values (hex and decimal numbers as such,
+        strings as their FNV-1a 64, times as unix seconds) and a mask of empty fields.
+
+    Raises:
+        InvalidInput: a value is not of its column's type (naming the input, column and row).
+    """
+    out = np.zeros(values.shape, dtype=np.uint64)
+    empty = np.zeros(values.shape, dtype=bool)
+    hex_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "hex"]
+    if hex_columns:
+        digits = max(group.raw_columns[i].max_hex_digits for i in hex_columns)
+        if any(group.raw_columns[i].max_hex_digits != digits for i in hex_columns):
+            for i in hex_columns:
+                out[:, i], empty[:, i] = parse_hex(
+                    values[:, i], group.raw_columns[i].max_hex_digits, group.name
+                )
+        else:
+            out[:, hex_columns], empty[:, hex_columns] = parse_hex(values[:, hex_columns], digits, group.name)
+    string_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "string"]
+    if string_columns:
+        out[:, string_columns], empty[:, string_columns] = hash_strings(values[:, string_columns])
+    for value_type in ("int64", "uint64"):
+        index = [i for i, c in enumerate(group.raw_columns) if c.value_type == value_type]
+        if index:
+            names = tuple(group.raw_columns[i].name for i in index)
+            parsed = parse_decimal(values[:, index], value_type == "int64", group.name, names)
+            out[:, index], empty[:, index] = parsed
+    for i, column in enumerate(group.raw_columns):
+        if column.value_type == "time":
+            out[:, i], empty[:, i] = parse_times(values[:, i], column, group.name)
+    return out, empty
+
+
 def _is_ascii(value: object) -> bool:
     if isinstance(value, bytes):
         return value.isascii()
@@ -175,12 +350,15 @@ def _is_ascii(value: object) -> bool:
 
 @dataclass
 class RawRows:
-    """Raw feature values of ``N`` rows, as a client would have them."""
+    """Raw feature values of ``N`` rows, as a client would have them.
 
-    dense: np.ndarray  # float32 [N, 13]
-    dense_missing: np.ndarray  # bool [N, 13]
-    categorical: np.ndarray  # uint64 [N, 26], the value each hex string encodes
-    categorical_empty: np.ndarray  # bool [N, 26]
+    Parts the spec lacks are empty: ``dense`` ``[N, 0]`` without numeric features; without a
+    sequence every target is absent and every history empty.
+    """
+
+    dense: np.ndarray  # float32 [N, D]
+    dense_missing: np.ndarray  # bool [N, D]
+    categorical: np.ndarray  # object [N, C] of bytes as sent, b"" when empty
     target: np.ndarray  # int64 [N], -1 when absent
     history: np.ndarray  # int64 [N, max_length], newest last, valid below ``lengths``
     lengths: np.ndarray  # int32 [N]
@@ -194,15 +372,15 @@ class RawRows:
         return RawRows(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
 
     def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
-        """Request tensors of the ``ctr`` ensemble for these rows (history width = longest row)."""
+        """Request tensors of the spec's ensemble for these rows (history width = longest row)."""
         width = max(int(self.lengths.max(initial=0)), 1)
-        hex_digits = np.char.mod("%08x", self.categorical).astype(object)
-        hex_digits[self.categorical_empty] = ""
-        return {
-            spec.dense.name: self.dense.astype(np.float32),
+        values = {
+            NUMERIC_INPUT: self.dense.astype(np.float32),
             spec.dense_missing_input: self.dense_missing.astype(bool),
-            spec.categorical.name: np.vectorize(str.encode, otypes=[object])(hex_digits),
-            spec.target.name: self.target.astype(np.int64)[:, None],
-            spec.sequence.name: np.ascontiguousarray(self.history[:, :width], dtype=np.int64),
-            spec.sequence_length_input: self.lengths.astype(np.int32)[:, None],
+            spec.categorical.name: self.categorical,
         }
+        if spec.target is not None and spec.sequence is not None:
+            values[spec.target.name] = self.target.astype(np.int64)[:, None]
+            values[spec.sequence.name] = np.ascontiguousarray(self.history[:, :width], dtype=np.int64)
+            values[spec.sequence_length_input] = self.lengths.astype(np.int32)[:, None]
+        return {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}

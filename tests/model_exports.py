@@ -149,10 +149,7 @@ class HandWrittenModel:
         out = np.empty(len(rows), np.float64)
         for r in range(len(rows)):
             sparse = np.stack(
-                [
-                    vector(c, "" if rows.categorical_empty[r, i] else f"{int(rows.categorical[r, i]):08x}")
-                    for i, c in enumerate(spec.categorical.columns)
-                ]
+                [vector(c, rows.categorical[r, i].decode()) for i, c in enumerate(spec.categorical.columns)]
             )
             items = spec.target.table
             target = vector(items, str(int(rows.target[r])))

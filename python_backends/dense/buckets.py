@@ -58,13 +58,14 @@ class Bucket:
     def input_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         """Full shapes of the dense net's inputs at this bucket."""
         dim = spec.embedding_dim
-        return {
-            wire.DENSE_NORMALIZED: (self.rows, len(spec.dense.columns)),
+        shapes = {
+            wire.DENSE_NORMALIZED: (self.rows, len(spec.numeric_columns)),
             wire.SPARSE_EMBEDDINGS: (self.rows, spec.num_sparse, dim),
             wire.TARGET_EMBEDDING: (self.rows, dim),
             wire.HISTORY_EMBEDDINGS: (self.rows, self.length, dim),
             wire.HISTORY_MASK: (self.rows, self.length),
         }
+        return {name: shapes[name] for name in wire.dense_net_inputs(spec)}
 
 
 def spec_buckets(spec: ModelSpec) -> tuple[Bucket, ...]:
@@ -80,9 +81,16 @@ def grid_floors(spec: ModelSpec) -> dict[Bucket, Bucket]:
 
 
 def input_shape(inputs: Arrays) -> tuple[int, int]:
-    """``(rows, sequence positions)`` of a dense-step request."""
-    mask = inputs[wire.HISTORY_MASK]
+    """``(rows, sequence positions)`` of a dense-step request (1 position without a sequence)."""
+    mask = inputs.get(wire.HISTORY_MASK)
+    if mask is None:
+        return int(inputs[wire.SPARSE_EMBEDDINGS].shape[0]), 1
     return int(mask.shape[0]), int(mask.shape[1])
+
+
+def present_inputs(inputs: Arrays) -> tuple[str, ...]:
+    """The dense net's inputs held by ``inputs``, in the network's order."""
+    return tuple(name for name in wire.DENSE_NET_INPUTS if name in inputs)
 
 
 @dataclass(frozen=True)
@@ -163,11 +171,11 @@ def pad_to_bucket(inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | N
     """
     rows, length = input_shape(inputs)
     if out is None and (rows, length) == (bucket.rows, bucket.length):
-        exact = {name: inputs[name] for name in wire.DENSE_NET_INPUTS}
+        exact = {name: inputs[name] for name in present_inputs(inputs)}
         if all(a.flags.c_contiguous and a.dtype == np.float32 for a in exact.values()):
             return exact
     padded = {}
-    for name in wire.DENSE_NET_INPUTS:
+    for name in present_inputs(inputs):
         array = inputs[name]
         shape = (
             (bucket.rows, bucket.length, *array.shape[2:])

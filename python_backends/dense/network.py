@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 
+from recserve import wire
 from recserve.spec import ModelSpec
 
 
@@ -55,33 +56,44 @@ class TargetAttention(nn.Module):
 
 
 class CTRNet(nn.Module):
-    """Bottom MLP over dense features, dot interaction of all embeddings, top MLP to a probability."""
+    """Bottom MLP over dense features, dot interaction of all embeddings, top MLP to a probability.
+
+    Parts the spec lacks are left out: without numeric features there is no bottom MLP (the top
+    MLP sees the interactions only); without a sequence there is no target attention.
+    ``forward`` takes the inputs named by :attr:`input_names` (the dense contract), in that order.
+    """
 
     pair_index: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         dim = spec.embedding_dim
-        self.bottom = _mlp([len(spec.dense.columns), *spec.bottom_mlp], final_activation=True)
-        self.attention = TargetAttention(dim, spec.attention_heads)
-        vectors = 1 + spec.num_sparse + 2  # bottom output, sparse, target, attention context
+        self.input_names = wire.dense_net_inputs(spec)
+        self.has_dense = spec.dense is not None
+        self.has_attention = spec.sequence is not None
+        if self.has_dense:
+            self.bottom = _mlp([len(spec.numeric_columns), *spec.bottom_mlp], final_activation=True)
+        if self.has_attention:
+            self.attention = TargetAttention(dim, spec.attention_heads)
+        # bottom output, sparse, target, attention context
+        vectors = int(self.has_dense) + spec.num_sparse + 2 * int(self.has_attention)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pair_index", rows * vectors + cols, persistent=False)
-        self.top = _mlp([dim + len(rows), *spec.top_mlp, 1], final_activation=False)
+        self.top = _mlp([dim * int(self.has_dense) + len(rows), *spec.top_mlp, 1], final_activation=False)
 
-    def forward(
-        self,
-        dense_normalized: torch.Tensor,
-        sparse_embeddings: torch.Tensor,
-        target_embedding: torch.Tensor,
-        history_embeddings: torch.Tensor,
-        history_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Click probability [B, 1]."""
-        bottom = self.bottom(dense_normalized)
-        context = self.attention(target_embedding, history_embeddings, history_mask)
-        stacked = torch.cat(
-            [bottom[:, None, :], sparse_embeddings, target_embedding[:, None, :], context[:, None, :]], dim=1
-        )
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Click probability [B, 1] from the tensors of :attr:`input_names`."""
+        named = dict(zip(self.input_names, inputs, strict=True))
+        parts = [named[wire.SPARSE_EMBEDDINGS]]
+        head = []
+        if self.has_dense:
+            bottom = self.bottom(named[wire.DENSE_NORMALIZED])
+            parts.insert(0, bottom[:, None, :])
+            head.append(bottom)
+        if self.has_attention:
+            target = named[wire.TARGET_EMBEDDING]
+            context = self.attention(target, named[wire.HISTORY_EMBEDDINGS], named[wire.HISTORY_MASK])
+            parts += [target[:, None, :], context[:, None, :]]
+        stacked = torch.cat(parts, dim=1)
         pairs = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)[:, self.pair_index]
-        return torch.sigmoid(self.top(torch.cat([bottom, pairs], dim=1)))
+        return torch.sigmoid(self.top(torch.cat([*head, pairs], dim=1)))

@@ -63,23 +63,30 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ArtifactError(f"dense model {model_path.name!r} does not load: {exc}") from None
     names = tuple(i.name for i in session.get_inputs())
-    if set(names) != set(wire.DENSE_NET_INPUTS):
-        raise ArtifactError(f"dense model inputs {names} do not match {wire.DENSE_NET_INPUTS}")
+    if not set(names) <= set(wire.DENSE_NET_INPUTS) or wire.SPARSE_EMBEDDINGS not in names:
+        raise ArtifactError(f"dense model inputs {names} are not among {wire.DENSE_NET_INPUTS}")
     return session
 
 
 def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Validate the dense step's inputs (shapes must agree with each other and the spec)."""
-    dense = require(inputs, wire.DENSE_NORMALIZED, "FP32", None, len(spec.dense.columns))
-    rows, dim = dense.shape[0], spec.embedding_dim
-    mask = require(inputs, wire.HISTORY_MASK, "FP32", rows, None)
-    checked = {wire.DENSE_NORMALIZED: dense, wire.HISTORY_MASK: mask}
+    names = wire.dense_net_inputs(spec)
+    sparse = require(inputs, wire.SPARSE_EMBEDDINGS, "FP32", None, spec.num_sparse)
+    rows, dim = sparse.shape[0], spec.embedding_dim
+    checked: dict[str, np.ndarray] = {}
+    length = 0
+    if wire.HISTORY_MASK in names:
+        checked[wire.HISTORY_MASK] = require(inputs, wire.HISTORY_MASK, "FP32", rows, None)
+        length = checked[wire.HISTORY_MASK].shape[1]
     expected = {
+        wire.DENSE_NORMALIZED: (rows, len(spec.numeric_columns)),
         wire.SPARSE_EMBEDDINGS: (rows, spec.num_sparse, dim),
         wire.TARGET_EMBEDDING: (rows, dim),
-        wire.HISTORY_EMBEDDINGS: (rows, mask.shape[1], dim),
+        wire.HISTORY_EMBEDDINGS: (rows, length, dim),
     }
     for name, shape in expected.items():
+        if name not in names:
+            continue
         array = inputs.get(name)
         if array is None:
             raise InvalidInput(name, "is required but missing")
@@ -102,7 +109,7 @@ class OnnxDenseRunner:
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """Click probabilities ``[B, 1]`` for checked inputs."""
-        feeds = {name: np.ascontiguousarray(inputs[name]) for name in wire.DENSE_NET_INPUTS}
+        feeds = {name: np.ascontiguousarray(inputs[name]) for name in wire.dense_net_inputs(self.spec)}
         return self.session.run([wire.PROBABILITY], feeds)[0]
 
 

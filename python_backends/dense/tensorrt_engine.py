@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from recserve import wire
 from recserve.backends.dense.buckets import Bucket, grid_floors
 from recserve.spec import ModelSpec
 
@@ -75,7 +74,7 @@ class OptimizationProfile:
         high = bucket.input_shapes(spec)
         return cls(
             bucket,
-            tuple((name, ShapeRange(low[name], high[name], high[name])) for name in wire.DENSE_NET_INPUTS),
+            tuple((name, ShapeRange(low[name], high[name], high[name])) for name in high),
         )
 
 

@@ -55,7 +55,7 @@ class TensorRTBucket:
         self.context = engine.engine.create_execution_context()
         self.context.set_optimization_profile_async(engine.profiles[bucket], self.buffers.stream.cuda_stream)
         shapes = bucket.input_shapes(spec)
-        for name, tensor in zip(wire.DENSE_NET_INPUTS, self.buffers.inputs, strict=True):
+        for name, tensor in zip(self.buffers.names, self.buffers.inputs, strict=True):
             self.context.set_input_shape(name, shapes[name])
             self.context.set_tensor_address(name, tensor.data_ptr())
         self.context.set_tensor_address(wire.PROBABILITY, self.buffers.output.data_ptr())

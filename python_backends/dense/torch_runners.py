@@ -15,8 +15,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from recserve import wire
-from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy, pad_to_bucket
+from recserve.backends.dense.buckets import (
+    Arrays,
+    Bucket,
+    BucketedRunner,
+    BucketPolicy,
+    pad_to_bucket,
+    present_inputs,
+)
 from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -73,7 +79,7 @@ class TorchEager:
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[rows, 1]`` as float32."""
         feeds = [
-            torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device) for n in wire.DENSE_NET_INPUTS
+            torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device) for n in present_inputs(inputs)
         ]
         return self.forward(*feeds).float().cpu().numpy()
 
@@ -92,7 +98,8 @@ class DeviceBuffers:
             name: torch.zeros(shape, dtype=torch.float32).pin_memory() for name, shape in shapes.items()
         }
         self.host_arrays = {name: tensor.numpy() for name, tensor in self.host.items()}  # same memory
-        self.inputs = [torch.zeros(shapes[n], device=device) for n in wire.DENSE_NET_INPUTS]
+        self.names = tuple(shapes)  # the spec's dense inputs, in the network's order
+        self.inputs = [torch.zeros(shapes[n], device=device) for n in self.names]
         self.output = torch.zeros((bucket.rows, 1), device=device)
         self.result = torch.zeros((bucket.rows, 1), dtype=torch.float32).pin_memory()
         self.stream = torch.cuda.Stream(device)
@@ -100,7 +107,7 @@ class DeviceBuffers:
     def upload(self, inputs: Arrays) -> None:
         """Pad ``inputs`` to the bucket and queue their copy to the device inputs."""
         pad_to_bucket(inputs, self.bucket, out=self.host_arrays)
-        for name, device_tensor in zip(wire.DENSE_NET_INPUTS, self.inputs, strict=True):
+        for name, device_tensor in zip(self.names, self.inputs, strict=True):
             device_tensor.copy_(self.host[name], non_blocking=True)
 
     def download(self) -> np.ndarray:

@@ -1,29 +1,31 @@
 """Raw features to keys: the first half of the ``embedding_lookup`` step, as plain numpy.
 
-Input layout per request (``B`` rows, names from the spec)::
+Input layout per request (``B`` rows, names from the spec; ``ctr`` shown)::
 
-    dense              FP32  [B, 13]   raw integer counts (any value where missing)
+    dense              FP32  [B, 13]   numeric columns (any value where missing); only with numeric features
     dense__missing     BOOL  [B, 13]   True where the value is absent
-    categorical        BYTES [B, 26]   hex strings, b"" when absent
-    target_item        INT64 [B, 1]    item id >= 0, or -1 when absent
+    categorical        BYTES [B, 26]   categorical and time columns as strings, b"" when absent
+    target_item        INT64 [B, 1]    item id >= 0, or -1 when absent; only with a sequence
     history_items      INT64 [B, W]    item ids, newest last, row r valid in [0, length[r])
     history_items__length INT32 [B, 1] 0..max_length
 
-Output: normalised dense values, one key per categorical column and for the target, history keys
-padded to the sequence bucket of the longest row, and a mask (1.0 on real positions).
+Output: normalised dense values, one key per categorical feature (a time column gives one per
+part) and for the target, history keys padded to the sequence bucket of the longest row, and a
+mask (1.0 on real positions).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 
 from recserve import wire
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.errors import InvalidInput
-from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import ABSENT_ITEM, parse_hex
+from recserve.spec import NUMPY_DTYPES, CategoricalGroup, ModelSpec, RawColumn
+from recserve.wire import ABSENT_ITEM, categorical_values, time_part
 
 
 def require(
@@ -52,12 +54,25 @@ class FeatureTransform:
         self.spec = spec
         ns = spec.hash_namespace
         cat = spec.categorical.features
+        self._cat_columns = np.array([f.column for f in cat], dtype=np.intp)
         self._cat_salts = np.array([table_salt(ns, f.table) for f in cat], dtype=np.uint64)
         self._cat_missing = np.array([missing_key(ns, f.name) for f in cat], dtype=np.int64)
-        self._item_salt = table_salt(ns, spec.sequence.table)
-        self._target_salt = table_salt(ns, spec.target.table)
-        self._target_missing = missing_key(ns, spec.target.name)
-        self._pad_key = missing_key(ns, spec.sequence.name)
+        self._identity = np.array([f.encoder == "identity" for f in cat])
+        self._parts = [
+            (i, f.part, spec.categorical.raw_columns[f.column].timezone) for i, f in enumerate(cat) if f.part
+        ]
+        numeric = spec.dense.numeric if spec.dense else ()
+        self._fill = np.array([c.fill_na for c in numeric], dtype=np.float32)
+        self._low = np.array([c.clip_min for c in numeric], dtype=np.float32)
+        self._high = np.array([c.clip_max for c in numeric], dtype=np.float32)
+        self._log1p = np.array([c.log1p for c in numeric])
+        self._shift = np.array([c.shift for c in numeric], dtype=np.float32)
+        self._scale = np.array([c.scale for c in numeric], dtype=np.float32)
+        if spec.target is not None and spec.sequence is not None:
+            self._item_salt = table_salt(ns, spec.sequence.table)
+            self._target_salt = table_salt(ns, spec.target.table)
+            self._target_missing = missing_key(ns, spec.target.name)
+            self._pad_key = missing_key(ns, spec.sequence.name)
 
     def transform(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's raw tensors and compute the keys the lookup step needs.
@@ -66,25 +81,29 @@ class FeatureTransform:
             InvalidInput: naming the first offending input and value.
         """
         spec = self.spec
-        dense = require(inputs, spec.dense.name, "FP32", None, len(spec.dense.columns))
-        rows = dense.shape[0]
+        group = spec.categorical
+        categorical = require(inputs, group.name, "BYTES", None, len(group.raw_columns))
+        rows = categorical.shape[0]
         if rows < 1 or rows > spec.max_batch_size:
-            raise InvalidInput(spec.dense.name, f"batch of {rows} rows outside 1..{spec.max_batch_size}")
-        missing = require(inputs, spec.dense_missing_input, "BOOL", rows, len(spec.dense.columns))
-        categorical = require(inputs, spec.categorical.name, "BYTES", rows, len(spec.categorical.features))
-        target = require(inputs, spec.target.name, "INT64", rows, 1)
-        history = require(inputs, spec.sequence.name, "INT64", rows, None)
-        lengths = require(inputs, spec.sequence_length_input, "INT32", rows, 1)
-        values, empty = parse_hex(categorical, spec.categorical.max_hex_digits, spec.categorical.name)
-        return {
-            wire.DENSE_NORMALIZED: self.dense_values(dense, missing),
-            wire.SPARSE_KEYS: self.categorical_keys(values, empty),
-            wire.TARGET_KEY: self.target_keys(target),
-            **self.history(history, lengths[:, 0]),
-        }
+            raise InvalidInput(group.name, f"batch of {rows} rows outside 1..{spec.max_batch_size}")
+        values, empty = categorical_values(categorical, group)
+        out = {wire.SPARSE_KEYS: self.categorical_keys(values, empty)}
+        if spec.dense is not None:
+            width = len(spec.dense.columns)
+            dense = require(inputs, spec.dense.name, "FP32", rows, width)
+            missing = require(inputs, spec.dense_missing_input, "BOOL", rows, width)
+            out[wire.DENSE_NORMALIZED] = self.dense_values(dense, missing)
+        if spec.target is not None and spec.sequence is not None:
+            target = require(inputs, spec.target.name, "INT64", rows, 1)
+            history = require(inputs, spec.sequence.name, "INT64", rows, None)
+            lengths = require(inputs, spec.sequence_length_input, "INT32", rows, 1)
+            out[wire.TARGET_KEY] = self.target_keys(target)
+            out.update(self.history(history, lengths[:, 0]))
+        return out
 
     def dense_values(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
-        """Normalised dense values ``log1p(clip(x))``, missing as 0; rejects NaN and Inf."""
+        """Normalised dense values by each column's ops (missing: its fill value); rejects NaN and Inf."""
+        assert self.spec.dense is not None
         bad = ~np.isfinite(values) & ~missing
         if bad.any():
             r, c = (int(i) for i in np.argwhere(bad)[0])
@@ -94,16 +113,26 @@ class FeatureTransform:
                 f"{self.spec.dense.columns[c]} (row {r}) is {values[r, c]}; "
                 f"send missing values via {name}__missing",
             )
-        clipped = np.clip(np.where(missing, 0.0, values), self.spec.dense.clip_min, self.spec.dense.clip_max)
-        return np.log1p(clipped).astype(np.float32)
+        clipped = np.clip(np.where(missing, self._fill, values), self._low, self._high)
+        logged = np.where(self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0)), clipped)
+        return ((logged - self._shift) / self._scale).astype(np.float32)
 
     def categorical_keys(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
-        """Keys ``[B, F]`` of parsed categorical values; empty values get their feature's missing key."""
-        keys = keys_for(values, self._cat_salts[None, :])
-        return np.where(empty, self._cat_missing[None, :], keys)
+        """Keys ``[B, F]`` of the parsed raw columns (:func:`~recserve.wire.categorical_values`).
+
+        Each feature reads its column (a time feature its part of it); an empty value gets its
+        feature's missing key.
+        """
+        picked = values[:, self._cat_columns]
+        for index, part, timezone in self._parts:
+            picked[:, index] = time_part(picked[:, index], part, timezone)
+        keys = keys_for(picked, self._cat_salts[None, :])
+        keys = np.where(self._identity[None, :], picked.view(np.int64), keys)
+        return np.where(empty[:, self._cat_columns], self._cat_missing[None, :], keys)
 
     def target_keys(self, target: np.ndarray) -> np.ndarray:
         """Keys ``[B, 1]`` of target item ids (-1: absent, its missing key)."""
+        assert self.spec.target is not None
         bad = target < ABSENT_ITEM
         if bad.any():
             r = int(np.argwhere(bad)[0][0])
@@ -116,6 +145,7 @@ class FeatureTransform:
     def history(self, items: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
         """History keys and mask, padded (or truncated) to the sequence bucket of the longest row."""
         seq = self.spec.sequence
+        assert seq is not None
         name, length_name = seq.name, self.spec.sequence_length_input
         bad = (lengths < 0) | (lengths > seq.max_length) | (lengths > items.shape[1])
         if bad.any():
@@ -144,38 +174,50 @@ class FeatureTransform:
 def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.ndarray:
     """The keys serving computes for raw values of ``table``'s feature, written as clients send them.
 
-    Hex tables take strings (``"05db9164"``; case and leading zeros do not matter; ``""`` is the
-    feature's empty value); the item table takes ids >= 0 (ints, or strings of decimal digits; -1 is
-    an absent target item). The
-    same parsing and hashing as :class:`FeatureTransform`, so an imported vocabulary row is served
-    exactly for the values that name it.
+    A categorical table takes its column's values (hex strings: case and leading zeros do not
+    matter; int64 / uint64: ints or decimal strings; strings as they are; ``""`` is the feature's
+    empty value); a time part's table takes the part's numbers; the item table takes ids >= 0 (-1
+    is an absent target item). The same parsing and hashing as :class:`FeatureTransform`, so an
+    imported vocabulary row is served exactly for the values that name it.
 
     Raises:
         InvalidInput: a token is not a value of that feature (named with its position).
     """
     ns = spec.hash_namespace
-    hex_features = {f.table: f for f in spec.categorical.features}
     where = f"{table}.vocab"
-    if table in hex_features:
-        if not all(isinstance(t, str) for t in tokens):
-            i, bad = next((i, t) for i, t in enumerate(tokens) if not isinstance(t, str))
-            raise InvalidInput(where, f"token {i} is {bad!r}; this table's values are hex strings")
-        values, empty = parse_hex(np.array(tokens, dtype=object), spec.categorical.max_hex_digits, where)
-        keys = keys_for(values, table_salt(ns, table))
-        return np.where(empty, missing_key(ns, hex_features[table].name), keys)
-    if table not in (spec.target.table, spec.sequence.table):
-        raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
-    ids = np.empty(len(tokens), np.int64)
+    feature = next((f for f in spec.categorical.features if f.table == table), None)
+    if feature is None:
+        if spec.target is None or table != spec.target.table:
+            raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
+        feature, column = spec.target, RawColumn(spec.target.name, "int64")
+    else:
+        column = spec.categorical.raw_columns[feature.column]
+    if feature.part:
+        column = RawColumn(feature.name, "uint64")
+    numbers = column.value_type in ("int64", "uint64")
+    texts = []
     for i, token in enumerate(tokens):
-        text = str(token) if isinstance(token, int) and not isinstance(token, bool) else token
-        if (
-            not isinstance(text, str)
-            or not (text.isdigit() or text == str(ABSENT_ITEM))
-            or int(text) >= 1 << 63
-        ):
+        if numbers and isinstance(token, int) and not isinstance(token, bool):
+            token = str(token)
+        if not isinstance(token, str):
             raise InvalidInput(
-                where, f"token {i} is {token!r}; this table's values are ids >= 0 (-1: absent)"
+                where, f"token {i} is {token!r}; this table's values are {column.value_type} strings"
             )
-        ids[i] = int(text)
-    keys = keys_for(ids.astype(np.uint64), table_salt(ns, table))
-    return np.where(ids == ABSENT_ITEM, missing_key(ns, spec.target.name), keys)
+        texts.append(token)
+    raw = np.array(texts, dtype=object).reshape(-1, 1)
+    if feature is spec.target:
+        ids = np.array([int(t) if t.lstrip("-").isdigit() else -2 for t in texts], dtype=object)
+        bad = [i for i, v in enumerate(ids) if not ABSENT_ITEM <= v < 1 << 63]
+        if bad:
+            raise InvalidInput(
+                where, f"token {bad[0]} is {tokens[bad[0]]!r}; this table's values are ids >= 0 (-1: absent)"
+            )
+        ids64 = ids.astype(np.int64)
+        keys = keys_for(ids64.astype(np.uint64), table_salt(ns, table))
+        return np.where(ids64 == ABSENT_ITEM, missing_key(ns, feature.name), keys)
+    group = CategoricalGroup(where, (column,), (replace(feature, column=0, part=""),))
+    values, empty = categorical_values(raw, group)
+    keys = keys_for(values[:, 0], table_salt(ns, table))
+    if feature.encoder == "identity":
+        keys = values[:, 0].view(np.int64)
+    return np.where(empty[:, 0], missing_key(ns, feature.name), keys)

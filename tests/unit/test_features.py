@@ -94,7 +94,7 @@ def _bad_cases(spec):
         (
             "batch above max",
             lambda w: [w.__setitem__(k, np.repeat(v, 50, axis=0)) for k, v in list(w.items())],
-            d,
+            c,
             "300 rows",
         ),
     ]

@@ -64,7 +64,7 @@ def test_json_round_trip_is_lossless(spec):
         (lambda d: d["serving"].__setitem__("batch_buckets", [1, 8]), "max_batch_size"),
         (lambda d: d["serving"].__setitem__("sequence_buckets", [8, 32]), "max_length"),
         (lambda d: d["features"][1].__setitem__("cardinalities", [10]), "cardinalities"),
-        (lambda d: d["features"][2].__setitem__("table", "nope"), "undefined table"),
+        (lambda d: d["features"][1].__setitem__("table", "nope"), "undefined table"),
         (lambda d: d["features"][0].__setitem__("kind", "image"), "unknown feature kind"),
         (lambda d: d["serving"]["queue"].__setitem__("max_queue_size", -1), "serving.queue needs"),
         (

@@ -16,8 +16,7 @@ def test_rows_read_from_a_file_are_the_rows_written(tiny_spec, tmp_path):
     back = read_rows(write_tsv(tmp_path / "rows.tsv", raw, tiny_spec, with_label=True), tiny_spec).to_raw(
         tiny_spec
     )
-    np.testing.assert_array_equal(back.categorical, np.where(raw.categorical_empty, 0, raw.categorical))
-    for name in ("dense_missing", "categorical_empty", "target", "lengths", "labels"):
+    for name in ("dense_missing", "categorical", "target", "lengths", "labels"):
         np.testing.assert_array_equal(getattr(back, name), getattr(raw, name), err_msg=name)
     np.testing.assert_array_equal(back.dense, np.where(raw.dense_missing, 0.0, raw.dense))
     width = back.history.shape[1]

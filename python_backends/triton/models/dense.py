@@ -27,6 +27,7 @@ class TritonPythonModel:
         check_dense_fits(context.spec, onnx_input_dims(context.version_dir))
         self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
         self.version = context.version
+        self.input_names = wire.dense_net_inputs(context.spec)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish(self.step.runner.counters.samples())
@@ -34,7 +35,7 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         """Probabilities for every valid request; counters published at most once a second."""
-        responses = execute_checked_merged(requests, wire.DENSE_NET_INPUTS, self.step.check, self.score)
+        responses = execute_checked_merged(requests, self.input_names, self.step.check, self.score)
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
             self.metrics.publish(self.step.runner.counters.samples())
