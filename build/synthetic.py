@@ -68,6 +68,9 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
             hours = rng.integers(0, TIME_SPAN_HOURS, size=rows)
             values[:, col] = (TIME_ORIGIN_S + 3600 * hours).astype(np.uint64)
             ranks = hours % 24
+        elif column.value_type in ("int64", "uint64"):  # small integer codes, as such columns hold
+            ranks = zipf_ranks(rng, table.cardinality, table.zipf_exponent, (rows,))
+            values[:, col] = ranks.astype(np.uint64)
         else:
             ranks = zipf_ranks(rng, table.cardinality, table.zipf_exponent, (rows,))
             salt = np.uint64(fnv1a64(column.name))

@@ -71,7 +71,9 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
 def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Validate the dense step's inputs (shapes must agree with each other and the spec)."""
     names = wire.dense_net_inputs(spec)
-    sparse = require(inputs, wire.SPARSE_EMBEDDINGS, "FP32", None, spec.num_sparse)
+    sparse = inputs.get(wire.SPARSE_EMBEDDINGS)
+    if sparse is None:
+        raise InvalidInput(wire.SPARSE_EMBEDDINGS, "is required but missing")
     rows, dim = sparse.shape[0], spec.embedding_dim
     checked: dict[str, np.ndarray] = {}
     length = 0
