@@ -1,7 +1,9 @@
 # recserve: `make serve` and `make test` set up everything on a fresh Debian machine.
 PYTHON ?= python3
 VENV ?= .venv
-REPOSITORY ?= model_repository
+# SPEC=avazu (or a path to a spec .toml) builds and serves another model, in its own repository
+SPEC ?= ctr
+REPOSITORY ?= model_repository$(if $(filter-out ctr,$(SPEC)),_$(basename $(notdir $(SPEC))))
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -32,17 +34,18 @@ $(VENV)/.installed: pyproject.toml python_backends/store/_kernels.c
 install: $(VENV)/.installed
 
 build: install
-	$(BIN)/recserve build --if-missing --repository $(REPOSITORY)
+	$(BIN)/recserve --spec $(SPEC) build --if-missing --repository $(REPOSITORY)
 
 serve: build
-	$(BIN)/recserve serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+	$(BIN)/recserve --spec $(SPEC) serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 # Envoy in front of tritonservers (docs/access.md): the public ports and the split come from the
 # spec's [access]; CANDIDATE=<repository> adds the candidate variant.
 access: build
-	$(BIN)/recserve access --repository $(REPOSITORY) $(if $(CANDIDATE),--candidate $(CANDIDATE))
+	$(BIN)/recserve --spec $(SPEC) access --repository $(REPOSITORY) $(if $(CANDIDATE),--candidate $(CANDIDATE))
 
-test: lint build
+test: lint
+	$(MAKE) build SPEC=ctr
 	$(BIN)/pytest -ra tests/unit tests/integration
 
 # ruff (rules and format) and mypy; the tree is kept clean of both.

@@ -629,15 +629,16 @@ def key_line(text: str, where: str, key: str) -> int | None:
     array = re.match(r"(\w+)\[(\d+)\]", where)
     seen, inside = -1, where == "spec"
     for number, line in enumerate(text.splitlines(), 1):
-        header = re.match(r"^\s*(\[\[?)\s*([\w.]+)\s*\]", line)
+        header = re.match(r"^\s*(\[\[?)\s*([\w.\"{}]+)\s*\]", line)
         if header:
-            if where == "spec" and header[2].split(".")[0] == key:
+            brackets, name = header[1], header[2].replace('"', "")  # [tables."C{1..3}"]: tables.C{1..3}
+            if where == "spec" and name.split(".")[0] == key:
                 return number
-            if array and header[1] == "[[" and header[2] == array[1]:
+            if array and brackets == "[[" and name == array[1]:
                 seen += 1
                 inside = seen == int(array[2])
             else:
-                inside = not array and header[1] == "[" and header[2] == where
+                inside = not array and brackets == "[" and name == where
         elif inside and re.match(rf"^\s*{re.escape(key)}\s*=", line):
             return number
     return None

@@ -1,0 +1,211 @@
+"""Spec v2: feature kinds, name expansion, value types, time parts, optional parts, refusals."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+
+import numpy as np
+import pytest
+import tomllib
+
+from recserve import wire
+from recserve.backends.features.hashing import keys_for, missing_key, table_salt
+from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.errors import InvalidInput
+from recserve.spec import SpecError, expand_names, load_spec, parse_spec, spec_path
+
+
+def _doc(name: str = "avazu") -> dict:
+    with open(spec_path(name), "rb") as fh:
+        return tomllib.load(fh)
+
+
+def _spec(features: list[dict], tables: dict, **sections) -> dict:
+    doc = _doc()
+    doc["features"], doc["tables"] = features, tables
+    doc.update(sections)
+    return doc
+
+
+def test_names_expand_over_one_range():
+    assert expand_names("C{1..3}") == ("C1", "C2", "C3")
+    assert expand_names("x{8..10}_id") == ("x8_id", "x9_id", "x10_id")
+    assert expand_names("plain") == ("plain",)
+    with pytest.raises(SpecError, match="empty"):
+        expand_names("C{3..1}")
+
+
+def test_ctr_in_v2_form_is_todays_schema():
+    spec = load_spec("ctr")
+    assert spec.dense is not None and spec.dense.columns == tuple(f"I{i}" for i in range(1, 14))
+    assert all(c.log1p and c.clip_min == 0 and c.clip_max == 1e9 for c in spec.dense.numeric)
+    assert [c.value_type for c in spec.categorical.raw_columns] == ["hex"] * 26
+    assert [f.table for f in spec.categorical.features] == [f"C{i}" for i in range(1, 27)]
+    assert spec.target is not None and spec.target.table == "item" and spec.sequence is not None
+    assert spec.tables["C3"].cardinality == 100000 and spec.tables["item"].zipf_exponent == 1.1
+
+
+def test_the_contract_follows_what_the_spec_has():
+    ctr, avazu = load_spec("ctr"), load_spec("avazu")
+    assert wire.dense_net_inputs(ctr) == wire.DENSE_NET_INPUTS
+    assert wire.dense_net_inputs(avazu) == (wire.SPARSE_EMBEDDINGS,)
+    inputs, outputs = wire.dense_contract(avazu)
+    assert [(t.name, t.shape) for t in inputs] == [(wire.SPARSE_EMBEDDINGS, (-1, 23, 16))]
+    assert outputs[0].name == wire.PROBABILITY
+
+
+def test_time_parts_are_read_in_the_columns_time_zone():
+    spec = load_spec("avazu")
+    transform = FeatureTransform(spec)
+    rows = np.array([[b"14102100"] + [b"1"] * 22, [b"14102523"] + [b""] * 22], dtype=object)
+    values, empty = wire.categorical_values(rows, spec.categorical)
+    assert values[0, 0] == datetime.datetime(2014, 10, 21, tzinfo=datetime.UTC).timestamp()
+    keys = transform.categorical_keys(values, empty)
+    ns = spec.hash_namespace
+    # 2014-10-21 was a Tuesday (weekday 1, Monday 0); 2014-10-25 a Saturday, at 23:00
+    for row, (hour, weekday) in enumerate([(0, 1), (23, 5)]):
+        assert keys[row, 0] == keys_for(np.uint64(hour), table_salt(ns, "hour_hour_of_day"))
+        assert keys[row, 1] == keys_for(np.uint64(weekday), table_salt(ns, "hour_weekday"))
+    assert keys[1, 2] == missing_key(ns, "C1")
+
+
+def test_value_types_parse_and_refuse_by_column():
+    group = load_spec("avazu").categorical
+    row = [b"14102100", b"-3", b"0"] + [b"caf\xc3\xa9"] * 9 + [b"1"] * 11
+    values, _ = wire.categorical_values(np.array([row], dtype=object), group)
+    assert values[0, 1] == np.uint64(2**64 - 3)  # int64 -3, as its two's complement
+    assert values[0, 3] == wire.hash_strings(np.array([b"caf\xc3\xa9"], dtype=object))[0][0]
+    for column, bad, why in [(1, b"1.0", "int64"), (2, b"1 2", "int64"), (0, b"2014-10-21", "time")]:
+        broken = list(row)
+        broken[column] = bad
+        with pytest.raises(InvalidInput, match=f"{group.columns[column]} \\(row 0\\) is {bad!r}.*{why}"):
+            wire.categorical_values(np.array([broken], dtype=object), group)
+
+
+def test_unix_times_and_identity_keys():
+    doc = _spec(
+        [
+            {"name": "ts", "kind": "time", "unit": "ms", "parts": ["is_weekend", "month"]},
+            {"name": "uid", "kind": "categorical", "value_type": "int64", "encoder": "identity"},
+        ],
+        {"uid": {"cardinality": 10}},
+    )
+    spec = parse_spec(doc)
+    assert [f.name for f in spec.categorical.features] == ["ts_is_weekend", "ts_month", "uid"]
+    assert spec.tables["ts_month"].cardinality == 12
+    saturday_ms = int(datetime.datetime(2026, 11, 21, 12, tzinfo=datetime.UTC).timestamp() * 1000)
+    rows = np.array([[str(saturday_ms).encode(), b"-42"]], dtype=object)
+    keys = FeatureTransform(spec).categorical_keys(*wire.categorical_values(rows, spec.categorical))
+    ns = spec.hash_namespace
+    assert keys[0, 0] == keys_for(np.uint64(1), table_salt(ns, "ts_is_weekend"))
+    assert keys[0, 1] == keys_for(np.uint64(10), table_salt(ns, "ts_month"))
+    assert keys[0, 2] == -42
+
+
+def test_numeric_ops_run_in_order():
+    doc = _spec(
+        [
+            {"name": "a", "kind": "numeric", "fill_na": 3.0, "clip": [0.0, 10.0], "log1p": True},
+            {"name": "b", "kind": "numeric", "standardize": [2.0, 4.0]},
+            {"name": "c", "kind": "numeric", "minmax": [-1.0, 1.0]},
+            {"name": "k", "kind": "categorical", "value_type": "string"},
+        ],
+        {"k": {"cardinality": 5}},
+    )
+    spec = parse_spec(doc)
+    transform = FeatureTransform(spec)
+    values = np.array([[100.0, 6.0, 0.0], [0.0, 0.0, 1.0]], np.float32)
+    missing = np.array([[False, False, False], [True, False, False]])
+    got = transform.dense_values(values, missing)
+    np.testing.assert_allclose(got, [[np.log1p(10), 1.0, 0.5], [np.log1p(3), -0.5, 1.0]], rtol=1e-6)
+
+
+def test_a_shared_table_and_string_vocabularies():
+    doc = _spec(
+        [
+            {"name": "src_city", "kind": "categorical", "value_type": "string", "table": "city"},
+            {"name": "dst_city", "kind": "categorical", "value_type": "string", "table": "city"},
+        ],
+        {"city": {"cardinality": 50, "dtype": "fp16"}},
+    )
+    spec = parse_spec(doc)
+    assert list(spec.tables) == ["city"] and spec.store.float16_tables == ("city",)
+    rows = np.array([[b"Paris", b"Paris"]], dtype=object)
+    keys = FeatureTransform(spec).categorical_keys(*wire.categorical_values(rows, spec.categorical))
+    assert keys[0, 0] == keys[0, 1] == vocabulary_keys(spec, "city", ["Paris"])[0]
+
+
+@pytest.mark.parametrize(
+    ("features", "tables", "message"),
+    [
+        ([{"name": "x", "kind": "multi_hot"}], {}, "unknown feature kind 'multi_hot'"),
+        ([{"name": "x", "kind": "categorical", "value_type": "float"}], {"x": {"cardinality": 2}}, "value_type"),
+        (
+            [{"name": "x", "kind": "categorical", "value_type": "string", "encoder": "identity"}],
+            {"x": {"cardinality": 2}},
+            "identity encoder needs value_type int64",
+        ),
+        ([{"name": "x", "kind": "categorical", "value_type": "hex"}], {}, "undefined table 'x'"),
+        (
+            [{"name": "x", "kind": "categorical"}, {"name": "x", "kind": "categorical"}],
+            {"x": {"cardinality": 2}},
+            "used twice",
+        ),
+        ([{"name": "n", "kind": "numeric", "log1p": True}], {}, "log1p needs clip"),
+        ([{"name": "t", "kind": "time"}], {}, "either format"),
+        ([{"name": "t", "kind": "time", "unit": "s", "timezone": "Mars/Base"}], {}, "unknown timezone"),
+        ([{"name": "t", "kind": "time", "unit": "s", "parts": ["minute"]}], {}, "parts must be some of"),
+        (
+            [{"name": "C{1..3}", "kind": "categorical"}],
+            {"C{1..3}": {"cardinality": [1, 2]}},
+            "cardinality must list 3",
+        ),
+        (
+            [{"name": "k", "kind": "categorical"}],
+            {"k": {"cardinality": 2}, "spare": {"cardinality": 2}},
+            r"tables \['spare'\] are used by no feature",
+        ),
+        (
+            [{"name": "k", "kind": "categorical", "value_type": "hex", "pooling": "sum"}],
+            {"k": {"cardinality": 2}},
+            r"features\[0\] \(k\) has an unknown key 'pooling'",
+        ),
+    ],
+)
+def test_bad_feature_declarations_are_refused(features, tables, message):
+    with pytest.raises(SpecError, match=message):
+        parse_spec(_spec(features, tables))
+
+
+def test_a_sequence_needs_its_target_and_one_bucket_without_it():
+    doc = _doc("ctr")
+    doc["features"] = [f for f in doc["features"] if f["name"] != "target_item"]
+    with pytest.raises(SpecError, match="attends = 'history_items'"):
+        parse_spec(doc)
+    avazu = _doc()
+    avazu["serving"] = {**avazu["serving"], "sequence_buckets": [8, 32]}
+    with pytest.raises(SpecError, match=r"sequence_buckets = \[1\]"):
+        parse_spec(avazu)
+
+
+def test_inputs_may_not_name_a_feature():
+    doc = copy.deepcopy(_doc())
+    doc["inputs"]["ignore"] = ["id", "C1"]
+    with pytest.raises(SpecError, match=r"\['C1'\] as label or ignored"):
+        parse_spec(doc)
+
+
+@pytest.mark.parametrize(
+    ("spec", "old", "new", "where"),
+    [
+        ("avazu", 'value_type = "string"', 'value_typ = "string"', r"line \d+: features\[3\] \(site_id\)"),
+        ("ctr", "zipf_exponent = 1.05", "zipf_exp = 1.05", r"line \d+: \[tables\.C\{1\.\.26\}\]"),
+    ],
+)
+def test_an_unknown_key_is_named_with_its_line(tmp_path, spec, old, new, where):
+    text = spec_path(spec).read_text()
+    path = tmp_path / "typo.toml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(SpecError, match=where):
+        load_spec(path)
