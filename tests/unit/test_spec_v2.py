@@ -140,7 +140,11 @@ def test_a_shared_table_and_string_vocabularies():
     ("features", "tables", "message"),
     [
         ([{"name": "x", "kind": "multi_hot"}], {}, "unknown feature kind 'multi_hot'"),
-        ([{"name": "x", "kind": "categorical", "value_type": "float"}], {"x": {"cardinality": 2}}, "value_type"),
+        (
+            [{"name": "x", "kind": "categorical", "value_type": "float"}],
+            {"x": {"cardinality": 2}},
+            "value_type",
+        ),
         (
             [{"name": "x", "kind": "categorical", "value_type": "string", "encoder": "identity"}],
             {"x": {"cardinality": 2}},
