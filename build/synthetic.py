@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import datetime
 import zoneinfo
+from dataclasses import replace
 
 import numpy as np
 
 from recserve.backends.features.hashing import fnv1a64, splitmix64
-from recserve.spec import ModelSpec, RawColumn, SequenceFeature
+from recserve.spec import ModelSpec, MultiHotFeature, RawColumn, SequenceFeature
 from recserve.wire import ABSENT_ITEM, RawRows
 
 ITEM_CLUSTERS = 20
@@ -61,7 +62,10 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
 
     values = np.empty((rows, len(columns)), dtype=np.uint64)
     logit = np.full(rows, -1.2)
+    multi_hot = {f.column: f for f in spec.categorical.multi_hot}
     for col, column in enumerate(columns):
+        if col in multi_hot:
+            continue
         feature = next(f for f in spec.categorical.features if f.column == col)
         table = spec.tables[feature.table]
         if column.value_type == "time":
@@ -81,22 +85,46 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     empty = rng.random(values.shape) < 0.03
     categorical = np.empty(values.shape, dtype=object)
     for col, column in enumerate(columns):
-        categorical[:, col] = render(values[:, col], column)
+        if col not in multi_hot:
+            categorical[:, col] = render(values[:, col], column)
     categorical[empty] = b""
+    for col, multi in multi_hot.items():
+        categorical[:, col] = _multi_hot(rng, spec, multi, columns[col], rows)
 
     target = np.full(rows, ABSENT_ITEM, np.int64)
     history = np.zeros((rows, 1), np.int64)
     lengths = np.zeros(rows, np.int32)
+    side: dict[str, np.ndarray] = {}
     planted: np.ndarray | float = 0.0
     if spec.sequence is not None:
         target, history, lengths, match_frac = _sequences(spec, spec.sequence, rng, rows)
         planted = 2.5 * (match_frac - 0.3)
+        for other, other_target in zip(spec.sequences[1:], spec.targets[1:], strict=True):
+            # an attribute of each item (its category): a fixed function of the item id
+            cardinality = spec.tables[other.table].cardinality
+            side[other.name] = np.where(history > 0, history % cardinality, 0)
+            side[other_target.name] = np.where(target >= 0, target % cardinality, ABSENT_ITEM)
     if n_dense >= 2:
         log_dense = np.log1p(np.clip(np.where(dense_missing, 0.0, dense), 0, None))
         planted = planted + 0.5 * (log_dense[:, 0] - 1.0) - 0.4 * (log_dense[:, 1] - 1.0)
     logit += planted
     labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    return RawRows(dense, dense_missing, categorical, target, history, lengths, labels)
+    return RawRows(dense, dense_missing, categorical, target, history, lengths, labels, side)
+
+
+def _multi_hot(
+    rng: np.random.Generator, spec: ModelSpec, feature: MultiHotFeature, column: RawColumn, rows: int
+) -> np.ndarray:
+    """Strings ``[N]`` of 0..max_length Zipf-distributed values joined by the column's separator."""
+    table = spec.tables[feature.table]
+    counts = rng.integers(0, feature.max_length + 1, size=rows)
+    ranks = zipf_ranks(rng, table.cardinality, table.zipf_exponent, (rows, feature.max_length))
+    salt = np.uint64(fnv1a64(column.name))
+    values = splitmix64(ranks.astype(np.uint64) ^ salt) & np.uint64(0xFFFFFFFF)
+    element = replace(column, separator="", max_length=1)
+    texts = render(values.reshape(-1), element).reshape(rows, feature.max_length)
+    separator = column.separator.encode()
+    return np.array([separator.join(texts[r, : counts[r]]) for r in range(rows)], dtype=object)
 
 
 def _sequences(

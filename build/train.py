@@ -7,7 +7,9 @@ the same 64-bit keys the serving feature transform computes.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import sys
 import time
 from collections.abc import Callable
@@ -43,32 +45,55 @@ class KeyedRows:
 
     dense: np.ndarray
     sparse: np.ndarray  # [N, F]
-    target: np.ndarray  # [N]
-    history: np.ndarray  # [N, max_length]
+    multi: np.ndarray  # [N, M]: the multi-hot features' keys side by side
+    weights: np.ndarray  # [N, M]: their pooling weights
+    target: np.ndarray  # [N, T]
+    history: np.ndarray  # [N, S, max_length]
     mask: np.ndarray  # [N, max_length]
     labels: np.ndarray
 
 
 def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
-    """Run the serving feature transform's numeric steps over raw rows (parts the spec lacks: zeros)."""
+    """Run the serving feature transform's numeric steps over raw rows (parts the spec lacks: empty)."""
     transform = FeatureTransform(spec)
     n = len(rows)
-    target, history, mask = np.zeros(n, np.int64), np.zeros((n, 1), np.int64), np.zeros((n, 1), np.float32)
-    if spec.sequence is not None:
-        keyed_history = transform.history(rows.history, rows.lengths)
-        target = transform.target_keys(rows.target[:, None])[:, 0]
-        history, mask = keyed_history[wire.HISTORY_KEYS], keyed_history[wire.HISTORY_MASK]
+    target, history, mask = (
+        np.zeros((n, 0), np.int64),
+        np.zeros((n, 0, 1), np.int64),
+        np.zeros((n, 1), np.float32),
+    )
+    if spec.sequences:
+        wire_rows = rows.to_wire(spec)
+        lengths = rows.lengths.astype(np.int32)
+        target = np.concatenate([transform.target_keys(wire_rows[t.name], t) for t in spec.targets], axis=1)
+        keyed_histories = [transform.history(rows.sequence(s.name), lengths, s) for s in spec.sequences]
+        history = np.stack([h[wire.HISTORY_KEYS] for h in keyed_histories], axis=1)
+        mask = keyed_histories[0][wire.HISTORY_MASK]
     dense = np.zeros((n, 0), np.float32)
     if spec.dense is not None:
         dense = transform.dense_values(rows.dense, rows.dense_missing)
+    multi, weights = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
+    if spec.categorical.multi_hot:
+        multi, weights = transform.multi_hot_keys(rows.categorical)
     return KeyedRows(
         dense=dense,
         sparse=transform.categorical_keys(*categorical_values(rows.categorical, spec.categorical)),
+        multi=multi,
+        weights=weights,
         target=target,
         history=history,
         mask=mask,
         labels=rows.labels,
     )
+
+
+def _multi_hot_spans(spec: ModelSpec) -> list[slice]:
+    """Each multi-hot feature's columns in :attr:`KeyedRows.multi`."""
+    ends = np.cumsum([f.max_length for f in spec.categorical.multi_hot])
+    return [
+        slice(int(end) - f.max_length, int(end))
+        for f, end in zip(spec.categorical.multi_hot, ends, strict=True)
+    ]
 
 
 class Vocabulary:
@@ -101,23 +126,31 @@ class TrainingModel(nn.Module):
         self.embeddings = nn.ModuleDict(tables)
         self.net = CTRNet(spec)
 
-    def forward(
-        self,
-        dense: torch.Tensor,
-        sparse: torch.Tensor,
-        target: torch.Tensor,
-        history: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Probabilities from row indices (sparse [B, F], target [B], history [B, L])."""
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Probabilities from row indices (see :func:`train`'s ``index``).
+
+        ``sparse`` [B, F], ``multi`` [B, M] with ``weights``, ``target`` [B, T], ``history`` [B, S, L].
+        """
+        spec = self.spec
         columns = [
-            self.embeddings[f.table](sparse[:, i]) for i, f in enumerate(self.spec.categorical.features)
+            self.embeddings[f.table](batch["sparse"][:, i]) for i, f in enumerate(spec.categorical.features)
         ]
-        named = {wire.DENSE_NORMALIZED: dense, wire.SPARSE_EMBEDDINGS: torch.stack(columns, dim=1)}
-        if self.spec.sequence is not None:
-            items = self.embeddings[self.spec.sequence.table]
-            named |= {wire.TARGET_EMBEDDING: items(target), wire.HISTORY_EMBEDDINGS: items(history)}
-            named[wire.HISTORY_MASK] = mask
+        start = 0
+        for feature in spec.categorical.multi_hot:
+            span = slice(start, start + feature.max_length)
+            vectors = self.embeddings[feature.table](batch["multi"][:, span])
+            columns.append((vectors * batch["weights"][:, span, None]).sum(dim=1))
+            start += feature.max_length
+        named = {wire.DENSE_NORMALIZED: batch["dense"], wire.SPARSE_EMBEDDINGS: torch.stack(columns, dim=1)}
+        if spec.sequences:
+            targets = [self.embeddings[t.table](batch["target"][:, i]) for i, t in enumerate(spec.targets)]
+            histories = [
+                self.embeddings[s.table](batch["history"][:, i]) for i, s in enumerate(spec.sequences)
+            ]
+            # sequences sharing positions are summed per position, as the lookup step serves them
+            named[wire.TARGET_EMBEDDING] = functools.reduce(operator.add, targets)
+            named[wire.HISTORY_EMBEDDINGS] = functools.reduce(operator.add, histories)
+            named[wire.HISTORY_MASK] = batch["mask"]
         return self.net(*(named[name] for name in self.net.input_names))
 
 
@@ -166,20 +199,33 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
     keys_by_table: dict[str, list[np.ndarray]] = {}
     for i, feature in enumerate(spec.categorical.features):
         keys_by_table.setdefault(feature.table, []).append(data.sparse[:, i])
-    if spec.sequence is not None:
-        keys_by_table.setdefault(spec.sequence.table, []).extend([data.target, data.history[data.mask > 0]])
+    spans = _multi_hot_spans(spec)
+    for multi, span in zip(spec.categorical.multi_hot, spans, strict=True):
+        keys_by_table.setdefault(multi.table, []).append(data.multi[:, span][data.weights[:, span] > 0])
+    for i, sequence in enumerate(spec.sequences):  # each target shares its sequence's table
+        table = keys_by_table.setdefault(sequence.table, [])
+        table += [data.target[:, i], data.history[:, i][data.mask > 0]]
     vocab = {name: Vocabulary(np.concatenate(keys), cfg.min_count) for name, keys in keys_by_table.items()}
 
     def index(rows: KeyedRows) -> dict[str, torch.Tensor]:
         sparse = np.stack(
             [vocab[f.table].rows(rows.sparse[:, i]) for i, f in enumerate(spec.categorical.features)], axis=1
         )
-        items = vocab[spec.sequence.table].rows if spec.sequence is not None else np.zeros_like
+        multi = np.zeros(rows.multi.shape, np.int64)
+        for feature, span in zip(spec.categorical.multi_hot, spans, strict=True):
+            multi[:, span] = vocab[feature.table].rows(rows.multi[:, span])
+        target = np.zeros(rows.target.shape, np.int64)
+        history = np.zeros(rows.history.shape, np.int64)
+        for i, sequence in enumerate(spec.sequences):
+            target[:, i] = vocab[sequence.table].rows(rows.target[:, i])
+            history[:, i] = vocab[sequence.table].rows(rows.history[:, i])
         return {
             "dense": torch.from_numpy(rows.dense),
             "sparse": torch.from_numpy(sparse),
-            "target": torch.from_numpy(items(rows.target)),
-            "history": torch.from_numpy(items(rows.history)),
+            "multi": torch.from_numpy(multi),
+            "weights": torch.from_numpy(rows.weights),
+            "target": torch.from_numpy(target),
+            "history": torch.from_numpy(history),
             "mask": torch.from_numpy(rows.mask),
             "lengths": torch.from_numpy(rows.mask.sum(1).astype(np.int64)),
         }
@@ -198,13 +244,10 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
         for step, start in enumerate(range(0, n, batch)):
             idx = order[start : start + batch]
             width = spec.sequence_bucket(max(int(train_t["lengths"][idx].max()), 1)) if spec.sequence else 1
-            pred = model(
-                train_t["dense"][idx],
-                train_t["sparse"][idx],
-                train_t["target"][idx],
-                train_t["history"][idx, :width],
-                train_t["mask"][idx, :width],
-            )[:, 0]
+            step_batch = {name: tensor[idx] for name, tensor in train_t.items()}
+            step_batch["history"] = step_batch["history"][:, :, :width]
+            step_batch["mask"] = step_batch["mask"][:, :width]
+            pred = model(step_batch)[:, 0]
             loss = loss_fn(pred, labels[idx])
             optimizer.zero_grad()
             loss.backward()
@@ -222,9 +265,7 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
     with torch.no_grad():
         scores = torch.cat(
             [
-                model(*(hold_t[k][s : s + 4096] for k in ("dense", "sparse", "target", "history", "mask")))[
-                    :, 0
-                ]
+                model({name: tensor[s : s + 4096] for name, tensor in hold_t.items()})[:, 0]
                 for s in range(0, len(holdout.labels), 4096)
             ]
         ).numpy()

@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 
 from recserve.errors import InvalidInput
-from recserve.spec import CategoricalGroup, ModelSpec, RawColumn
-from recserve.wire import categorical_values
+from recserve.spec import CategoricalGroup, ModelSpec, RawColumn, SequenceFeature
+from recserve.wire import categorical_values, multi_hot_values
 
 WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
 
@@ -125,12 +125,19 @@ def parse_categorical(
         except UnicodeEncodeError:
             encoded = np.array([value.encode() for value in text], dtype=object)
         single = CategoricalGroup(spec.categorical.name, (column,), ())
+
+        def check(values: np.ndarray, column: RawColumn = column, single: CategoricalGroup = single) -> None:
+            if column.separator:
+                multi_hot_values(values, column, single.name)
+            else:
+                categorical_values(values[:, None], single)
+
         try:
-            categorical_values(encoded[:, None], single)
+            check(encoded)
         except InvalidInput:
             for r in range(n):  # slow path: find and name the offending field
                 try:
-                    categorical_values(encoded[r : r + 1, None], single)
+                    check(encoded[r : r + 1])
                 except InvalidInput as exc:
                     raise RowFormatError(
                         _why(raw[r, c], column, exc), line=int(lines[r]), column=columns[c]
@@ -140,19 +147,19 @@ def parse_categorical(
 
 
 def _why(value: str, column: RawColumn, error: InvalidInput) -> str:
-    if column.value_type == "hex":
+    if column.value_type == "hex" and not column.separator:
         return f"{value!r} is not a hex string of at most {column.max_hex_digits} digits"
     reason = error.detail.split(": ", 1)[-1]
     return f"{value!r} is {reason}"
 
 
 def parse_history(
-    fields_: list[str] | None, n: int, lines: np.ndarray, spec: ModelSpec
+    fields_: list[str] | None, n: int, lines: np.ndarray, sequence: SequenceFeature
 ) -> tuple[np.ndarray, np.ndarray]:
     """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text."""
-    if fields_ is None or spec.sequence is None:
+    if fields_ is None:
         return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
-    name, max_length = spec.sequence.name, spec.sequence.max_length
+    name, max_length = sequence.name, sequence.max_length
     normalised = [field.replace(",", " ") for field in fields_]
     lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
     too_long = np.flatnonzero(lengths > max_length)

@@ -28,7 +28,7 @@ import io
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
@@ -65,6 +65,7 @@ class CriteoRows:
         history: int64 ``[N, W]`` history item ids, newest last, zero padded; ``W >= 1``.
         lengths: int32 ``[N]`` number of valid history positions per row.
         labels: float32 ``[N]`` click labels, or None when the input had no label column.
+        side: the other sequences sharing the first one's positions, and their targets, by name.
     """
 
     dense: np.ndarray
@@ -74,15 +75,16 @@ class CriteoRows:
     history: np.ndarray
     lengths: np.ndarray
     labels: np.ndarray | None = None
+    side: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.dense.shape[0])
 
     def take(self, index: slice | np.ndarray) -> CriteoRows:
         """Rows selected by a slice or an index array (the history keeps its padded width)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "side"}
         selected: dict[str, Any] = {k: None if v is None else v[index] for k, v in values.items()}
-        return CriteoRows(**selected)
+        return CriteoRows(**selected, side={k: v[index] for k, v in self.side.items()})
 
     def batches(self, size: int) -> Iterator[CriteoRows]:
         """Consecutive slices of at most ``size`` rows, in order.
@@ -109,22 +111,9 @@ class CriteoRows:
         Returns:
             One array per wire input, keyed by input name, dtypes as in ``spec.wire_inputs()``.
         """
-        width = max(int(self.lengths.max(initial=0)), 1)
-        history = np.zeros((len(self), width), dtype=np.int64)
-        keep = min(width, self.history.shape[1])
-        history[:, :keep] = self.history[:, :keep]
-        values = {
-            spec.categorical.name: self.categorical,
-            spec.dense_missing_input: self.dense_missing,
-            spec.sequence_length_input: self.lengths.reshape(-1, 1),
-        }
-        if spec.dense is not None:
-            values[spec.dense.name] = self.dense
-        if spec.target is not None and spec.sequence is not None:
-            values[spec.target.name] = self.target.reshape(-1, 1)
-            values[spec.sequence.name] = history
+        wire_rows = self._raw(np.zeros(len(self), np.float32)).to_wire(spec)
         return {
-            wire.name: np.ascontiguousarray(values[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
+            wire.name: np.ascontiguousarray(wire_rows[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
             for wire in spec.wire_inputs()
         }
 
@@ -138,6 +127,9 @@ class CriteoRows:
             raise ValueError(
                 f"rows to train on need a label column (label first in TSV, {spec.inputs.label!r} in CSV)"
             )
+        return self._raw(self.labels.astype(np.float32))
+
+    def _raw(self, labels: np.ndarray) -> RawRows:
         return RawRows(
             dense=np.where(self.dense_missing, 0.0, self.dense).astype(np.float32),
             dense_missing=self.dense_missing.astype(bool),
@@ -145,7 +137,8 @@ class CriteoRows:
             target=self.target.astype(np.int64),
             history=self.history.astype(np.int64),
             lengths=self.lengths.astype(np.int32),
-            labels=self.labels.astype(np.float32),
+            labels=labels,
+            side=self.side,
         )
 
 
@@ -160,8 +153,12 @@ class _Tokens:
     dense: list[list[str]]
     categorical: list[list[str]]
     labels: list[str] | None
-    history: list[str] | None
-    target: list[str] | None
+    sequences: dict[str, list[str]]  # by name: the sequences and targets the file has
+
+
+def _sequence_columns(spec: ModelSpec) -> list[str]:
+    """Names of the optional sequence columns, in headerless file order: the histories, then the targets."""
+    return [f.name for f in spec.sequences] + [f.name for f in spec.targets]
 
 
 def read_rows(path_or_file: PathOrFile, spec: ModelSpec, max_rows: int | None = None) -> CriteoRows:
@@ -251,7 +248,7 @@ def _read_headed(
     missing = [c for c in columns if c.lower() not in index]
     if missing:
         raise RowFormatError(f"header lacks required columns {missing}", line=1)
-    sequence = [f.name.lower() for f in (spec.sequence, spec.target) if f is not None]
+    sequence = [name.lower() for name in _sequence_columns(spec)]
     label = spec.inputs.label.lower()
     known = {*required, label, *sequence, *(c.lower() for c in spec.inputs.ignore)}
     unknown = [n for n in names if n not in known]
@@ -260,16 +257,13 @@ def _read_headed(
     dense_idx = [index[c.lower()] for c in spec.numeric_columns]
     cat_idx = [index[c.lower()] for c in spec.categorical.columns]
     label_idx = index.get(label)
-    history_idx = index.get(sequence[0]) if sequence else None
-    target_idx = index.get(sequence[1]) if sequence else None
-
+    sequence_idx = {name: index[name.lower()] for name in _sequence_columns(spec) if name.lower() in index}
     tokens = _Tokens(
         lines=[],
         dense=[],
         categorical=[],
         labels=None if label_idx is None else [],
-        history=None if history_idx is None else [],
-        target=None if target_idx is None else [],
+        sequences={name: [] for name in sequence_idx},
     )
     reader = csv.reader(text, delimiter=delimiter, skipinitialspace=True)
     for fields_ in reader:
@@ -287,10 +281,8 @@ def _read_headed(
         tokens.categorical.append([fields_[i] for i in cat_idx])
         if tokens.labels is not None:
             tokens.labels.append(fields_[label_idx])  # type: ignore[index]
-        if tokens.history is not None:
-            tokens.history.append(fields_[history_idx])  # type: ignore[index]
-        if tokens.target is not None:
-            tokens.target.append(fields_[target_idx])  # type: ignore[index]
+        for name, i in sequence_idx.items():
+            tokens.sequences[name].append(fields_[i])
     return tokens
 
 
@@ -298,9 +290,10 @@ def _read_tsv(lines: Iterable[str], spec: ModelSpec, max_rows: int | None) -> _T
     """Tokens of a headerless Criteo TSV file (39, 40, 41 or 42 columns)."""
     n_dense, n_cat = len(spec.numeric_columns), len(spec.categorical.columns)
     base = n_dense + n_cat
+    extras = _sequence_columns(spec)
     layouts = {base: (False, False), base + 1: (True, False)}
-    if spec.sequence is not None:
-        layouts |= {base + 2: (False, True), base + 3: (True, True)}
+    if extras:
+        layouts |= {base + len(extras): (False, True), base + len(extras) + 1: (True, True)}
     tokens: _Tokens | None = None
     width = 0
     for number, raw in enumerate(lines, start=1):
@@ -324,8 +317,7 @@ def _read_tsv(lines: Iterable[str], spec: ModelSpec, max_rows: int | None) -> _T
                 dense=[],
                 categorical=[],
                 labels=[] if has_label else None,
-                history=[] if has_extras else None,
-                target=[] if has_extras else None,
+                sequences={name: [] for name in extras} if has_extras else {},
             )
         elif len(parts) != width:
             raise RowFormatError(
@@ -337,11 +329,10 @@ def _read_tsv(lines: Iterable[str], spec: ModelSpec, max_rows: int | None) -> _T
             tokens.labels.append(parts[0])
         tokens.dense.append(parts[offset : offset + n_dense])
         tokens.categorical.append(parts[offset + n_dense : offset + base])
-        if tokens.history is not None and tokens.target is not None:
-            tokens.history.append(parts[offset + base])
-            tokens.target.append(parts[offset + base + 1])
+        for i, name in enumerate(tokens.sequences):
+            tokens.sequences[name].append(parts[offset + base + i])
     if tokens is None:
-        return _Tokens(lines=[], dense=[], categorical=[], labels=None, history=None, target=None)
+        return _Tokens(lines=[], dense=[], categorical=[], labels=None, sequences={})
     return tokens
 
 
@@ -358,29 +349,44 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
 
     categorical = parse_categorical(tokens.categorical, spec, lines, cat_cols)
 
-    if tokens.target is None or spec.target is None:
-        target = np.full(n, ABSENT_ITEM, dtype=np.int64)
-    else:
-        target_text = text_array(tokens.target, (n, 1))
-        absent = target_text == ""
-        target = parse_ints(np.where(absent, str(ABSENT_ITEM), target_text), lines, [spec.target.name])[:, 0]
-        bad = target < ABSENT_ITEM
-        if bad.any():
-            r = int(np.flatnonzero(bad)[0])
+    targets = {t.name: _parse_target(tokens.sequences.get(t.name), t.name, lines) for t in spec.targets}
+    histories = {q.name: parse_history(tokens.sequences.get(q.name), n, lines, q) for q in spec.sequences}
+    target = next(iter(targets.values()), np.full(n, ABSENT_ITEM, dtype=np.int64))
+    history, lengths = next(iter(histories.values()), (np.zeros((n, 1), np.int64), np.zeros(n, np.int32)))
+    side = {name: values for name, values in list(targets.items())[1:]}
+    for name, (ids, own) in list(histories.items())[1:]:
+        if tokens.sequences.get(name) is not None and (own != lengths).any():
+            r = int(np.flatnonzero(own != lengths)[0])
             raise RowFormatError(
-                f"{int(target[r])} is not an item id (ids are >= 0; leave the field empty when absent)",
+                f"{int(own[r])} ids where {spec.sequences[0].name} has {int(lengths[r])} (shared positions)",
                 line=int(lines[r]),
-                column=spec.target.name,
+                column=name,
             )
-
-    history, lengths = parse_history(tokens.history, n, lines, spec)
+        side[name] = ids if tokens.sequences.get(name) is not None else np.zeros_like(history)
 
     labels = None
     if tokens.labels is not None:
         label_text = text_array(tokens.labels, (n, 1))
         labels = parse_floats(label_text, lines, [spec.inputs.label])[:, 0]
 
-    return CriteoRows(dense, dense_missing, categorical, target, history, lengths, labels)
+    return CriteoRows(dense, dense_missing, categorical, target, history, lengths, labels, side)
+
+
+def _parse_target(fields_: list[str] | None, name: str, lines: np.ndarray) -> np.ndarray:
+    """Target ids ``[N]`` (-1 where empty or when the file has no such column)."""
+    if fields_ is None:
+        return np.full(len(lines), ABSENT_ITEM, dtype=np.int64)
+    text = text_array(fields_, (len(lines), 1))
+    target = parse_ints(np.where(text == "", str(ABSENT_ITEM), text), lines, [name])[:, 0]
+    bad = target < ABSENT_ITEM
+    if bad.any():
+        r = int(np.flatnonzero(bad)[0])
+        raise RowFormatError(
+            f"{int(target[r])} is not an item id (ids are >= 0; leave the field empty when absent)",
+            line=int(lines[r]),
+            column=name,
+        )
+    return target
 
 
 __all__ = [

@@ -16,17 +16,20 @@ from recserve.wire import ABSENT_ITEM, RawRows
 def _text_columns(
     raw: RawRows, spec: ModelSpec, with_label: bool, history_separator: str
 ) -> list[np.ndarray]:
-    """String columns ``[N, K]`` in file order: label, dense, categorical, history, target."""
+    """String columns ``[N, K]`` in file order: label, dense, categorical, the histories, their targets."""
     dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
     dense[raw.dense_missing] = ""
     categorical = np.vectorize(bytes.decode, otypes=[object])(raw.categorical)
-    history = np.array(
-        [history_separator.join(map(str, raw.history[r, : raw.lengths[r]])) for r in range(len(raw))],
-        dtype=object,
-    ).reshape(-1, 1)
-    target = np.char.mod("%d", raw.target).astype(object).reshape(-1, 1)
-    target[raw.target == ABSENT_ITEM] = ""
-    columns = [dense, categorical, history, target]
+    columns = [dense, categorical]
+    for sequence in spec.sequences:
+        ids = raw.sequence(sequence.name)
+        texts = [history_separator.join(map(str, ids[r, : raw.lengths[r]])) for r in range(len(raw))]
+        columns.append(np.array(texts, dtype=object).reshape(-1, 1))
+    for target in spec.targets:
+        values = raw.side.get(target.name, raw.target)
+        text = np.char.mod("%d", values).astype(object).reshape(-1, 1)
+        text[values == ABSENT_ITEM] = ""
+        columns.append(text)
     if with_label:
         columns.insert(0, np.char.mod("%d", raw.labels.astype(np.int64)).astype(object).reshape(-1, 1))
     return columns
@@ -87,11 +90,12 @@ def _write_table(
 ) -> Path:
     columns = _text_columns(raw_rows, spec, with_label, " ")
     names = [*spec.numeric_columns, *spec.categorical.columns]
-    names += [spec.sequence.name, spec.target.name] if spec.sequence and spec.target else ["", ""]
+    if with_sequence:
+        names += [f.name for f in spec.sequences] + [f.name for f in spec.targets]
+    else:
+        columns = columns[: 2 + int(with_label)]
     if with_label:
         names.insert(0, spec.inputs.label)
-    if not with_sequence or spec.sequence is None:
-        columns, names = columns[:-2], names[:-2]
     table = np.concatenate(columns, axis=1)
     out = Path(path)
     opener = gzip.open if out.suffix == ".gz" else open

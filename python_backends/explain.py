@@ -28,22 +28,29 @@ def explain(
     keys, table_ids = lookup.keys_and_tables(features)
     result = store.lookup(keys, table_ids, record=False)
     tiers = result.tiers.reshape(keys.shape)
-    categorical = spec.categorical.features
-    raw_categorical = inputs[spec.categorical.name]
+    group = spec.categorical
+    raw_categorical = inputs[group.name]
+    single, targets = len(group.features), len(spec.targets)
+    multi = single + sum(f.max_length for f in group.multi_hot)  # where the targets start
+    width = (keys.shape[1] - multi - targets) // max(len(spec.sequences), 1)
     for row in range(keys.shape[0]):
         values: list[tuple[str, Any, int]] = [
-            (f.name, _text(raw_categorical[row, f.column]), index) for index, f in enumerate(categorical)
+            (f.name, _text(raw_categorical[row, f.column]), index) for index, f in enumerate(group.features)
         ]
-        if spec.target is not None and spec.sequence is not None:
-            target, sequence = spec.target.name, spec.sequence.name
-            values.append((target, int(inputs[target][row, 0]), len(categorical)))
+        start = single
+        for multi_hot in group.multi_hot:
+            separator = group.raw_columns[multi_hot.column].separator
+            tokens = [t for t in _text(raw_categorical[row, multi_hot.column]).split(separator) if t]
             values += [
-                (
-                    f"{sequence}[{position}]",
-                    int(inputs[sequence][row, position]),
-                    len(categorical) + 1 + position,
-                )
-                for position in range(int(inputs[spec.sequence_length_input][row, 0]))
+                (f"{multi_hot.name}[{k}]", t, start + k) for k, t in enumerate(tokens[: multi_hot.max_length])
+            ]
+            start += multi_hot.max_length
+        values += [(t.name, int(inputs[t.name][row, 0]), multi + i) for i, t in enumerate(spec.targets)]
+        length = int(inputs[spec.sequence_length_input][row, 0]) if spec.sequences else 0
+        for j, sequence in enumerate(spec.sequences):
+            values += [
+                (f"{sequence.name}[{p}]", int(inputs[sequence.name][row, p]), multi + targets + j * width + p)
+                for p in range(length)
             ]
         for feature, value, column in values:
             table = store.table_names[int(table_ids[row, column])]

@@ -13,6 +13,7 @@ import numpy as np
 from recserve import wire
 from recserve.backends.features.transform import FeatureTransform, require
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
+from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -44,12 +45,25 @@ class EmbeddingLookup:
         self.spec = spec
         self.store = store
         self.device_l1 = device_l1
-        self.attends = spec.target is not None and spec.sequence is not None
-        targets = [store.table_id(spec.target.table)] if spec.target is not None else []
-        self.column_tables = np.array(
-            [store.table_id(f.table) for f in spec.categorical.features] + targets, np.int16
-        )
-        self.sequence_table = store.table_id(spec.sequence.table) if spec.sequence is not None else -1
+        group = spec.categorical
+        if device_l1 is not None and group.multi_hot:
+            raise ArtifactError(
+                "the device L1 does not pool multi-hot features; serve this spec on the host path"
+            )
+        self.single = len(group.features)
+        self.multi_width = sum(f.max_length for f in group.multi_hot)
+        tables = [f.table for f in group.features]
+        tables += [f.table for f in group.multi_hot for _ in range(f.max_length)]
+        tables += [t.table for t in spec.targets]
+        self.column_tables = np.array([store.table_id(t) for t in tables], np.int16)
+        self.sequence_tables = np.array([store.table_id(s.table) for s in spec.sequences], np.int16)
+        # pools each multi-hot feature's weighted vectors: [sum of max_length, multi-hot features]
+        self.pooling = np.zeros((self.multi_width, len(group.multi_hot)), np.float32)
+        starts = np.cumsum([0, *(f.max_length for f in group.multi_hot)])
+        for k, (start, end) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+            self.pooling[start:end, k] = 1.0
+        self.key_inputs = (wire.SPARSE_KEYS,) + ((wire.MULTI_HOT_KEYS,) if group.multi_hot else ())
+        self.key_inputs += (wire.TARGET_KEY, wire.HISTORY_KEYS) if spec.sequences else ()
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
         self._versions: tuple[tuple[int, ...], np.ndarray] = (
             (),
@@ -81,25 +95,35 @@ class EmbeddingLookup:
 
     def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's key tensors."""
-        sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.spec.num_sparse)
+        sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.single)
         rows = sparse.shape[0]
-        if not self.attends:
-            return {wire.SPARSE_KEYS: sparse}
-        return {
-            wire.SPARSE_KEYS: sparse,
-            wire.TARGET_KEY: require(inputs, wire.TARGET_KEY, "INT64", rows, 1),
-            wire.HISTORY_KEYS: require(inputs, wire.HISTORY_KEYS, "INT64", rows, None),
-        }
+        checked = {wire.SPARSE_KEYS: sparse}
+        if self.multi_width:
+            checked[wire.MULTI_HOT_KEYS] = require(
+                inputs, wire.MULTI_HOT_KEYS, "INT64", rows, self.multi_width
+            )
+            checked[wire.MULTI_HOT_WEIGHTS] = require(
+                inputs, wire.MULTI_HOT_WEIGHTS, "FP32", rows, self.multi_width
+            )
+        if len(self.sequence_tables):
+            checked[wire.TARGET_KEY] = require(
+                inputs, wire.TARGET_KEY, "INT64", rows, len(self.sequence_tables)
+            )
+            checked[wire.HISTORY_KEYS] = require(inputs, wire.HISTORY_KEYS, "INT64", rows, None)
+        return checked
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """The ``[B, F + 1 + L]`` key and table-id matrices of checked inputs (``[B, F]``: no sequence)."""
-        names = (
-            (wire.SPARSE_KEYS, wire.TARGET_KEY, wire.HISTORY_KEYS) if self.attends else (wire.SPARSE_KEYS,)
-        )
-        keys = np.concatenate([inputs[n] for n in names], axis=1)
+        """The key and table-id matrices of checked inputs, side by side.
+
+        ``[B, F + M + T + S * W]``: the single-valued features, the multi-hot values, the targets and
+        each sequence's positions.
+        """
+        keys = np.concatenate([inputs[n] for n in self.key_inputs], axis=1)
         table_ids = np.empty(keys.shape, np.int16)
         table_ids[:, : len(self.column_tables)] = self.column_tables
-        table_ids[:, len(self.column_tables) :] = self.sequence_table
+        if len(self.sequence_tables):
+            width = (keys.shape[1] - len(self.column_tables)) // len(self.sequence_tables)
+            table_ids[:, len(self.column_tables) :] = np.repeat(self.sequence_tables, width)
         return keys, table_ids
 
     def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup | DeviceLookup:
@@ -126,18 +150,36 @@ class EmbeddingLookup:
         that served the batch.
         """
         checked = self.check(inputs)
-        rows, features = checked[wire.SPARSE_KEYS].shape
-        width = 1 + checked[wire.HISTORY_KEYS].shape[1] if self.attends else 0
         result = self.lookup_keys(checked)
-        vectors = result.vectors.reshape(rows, features + width, self.store.dim)
+        keys = len(self.column_tables) + (
+            checked[wire.HISTORY_KEYS].shape[1] if wire.HISTORY_KEYS in checked else 0
+        )
+        rows, single, multi = checked[wire.SPARSE_KEYS].shape[0], self.single, self.multi_width
+        vectors = result.vectors.reshape(rows, keys, self.store.dim)
         versions = self.table_versions(result.snapshot)
+        sparse = vectors[:, :single]
+        if multi:  # host path only (see __init__)
+            weighted = (
+                np.asarray(vectors[:, single : single + multi]) * checked[wire.MULTI_HOT_WEIGHTS][:, :, None]
+            )
+            pooled = np.einsum("bmd,mk->bkd", weighted, self.pooling)
+            sparse = np.concatenate([np.asarray(sparse), pooled], axis=1)
         out = {
-            wire.SPARSE_EMBEDDINGS: vectors[:, :features],
+            wire.SPARSE_EMBEDDINGS: sparse,
             wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
         }
-        if self.attends:
-            out[wire.TARGET_EMBEDDING] = vectors[:, features]
-            out[wire.HISTORY_EMBEDDINGS] = vectors[:, features + 1 :]
+        count = len(self.sequence_tables)
+        if count:
+            start = single + multi
+            histories = vectors[:, start + count :]
+            width = histories.shape[1] // count
+            # sequences sharing positions (and their targets) are summed: one query, one sequence
+            out[wire.TARGET_EMBEDDING] = (
+                vectors[:, start] if count == 1 else vectors[:, start : start + count].sum(1)
+            )
+            out[wire.HISTORY_EMBEDDINGS] = (
+                histories if count == 1 else histories.reshape(rows, count, width, self.store.dim).sum(1)
+            )
         return out
 
 

@@ -347,8 +347,27 @@ class SequenceFeatureSection:
     name: str
     kind: str
     table: str
-    max_length: int
+    max_length: int = 0  # 0: that of the sequence whose positions it shares
     mean_length: float = 8.0  # of the synthetic rows
+    positions: str = ""  # another sequence whose positions this one shares (e.g. the items' categories)
+
+
+#: How a multi-hot feature's embeddings are pooled: their sum, mean, or sum over the root of the count.
+POOLINGS = ("sum", "mean", "sqrtn")
+
+
+@dataclass(frozen=True)
+class MultiHotFeatureSection:
+    """``kind = "multi_hot"``: several values in one field (``a|b|c``), pooled into one embedding."""
+
+    name: str
+    kind: str
+    max_length: int  # values kept per row (the first ones)
+    value_type: str = "string"
+    separator: str = "|"
+    pooling: str = "mean"
+    table: str = ""  # "": the table named like the feature
+    max_hex_digits: int = 16
 
 
 @dataclass(frozen=True)
@@ -369,6 +388,7 @@ FEATURE_SECTIONS: dict[str, type] = {
     "categorical": CategoricalFeatureSection,
     "sequence": SequenceFeatureSection,
     "time": TimeFeatureSection,
+    "multi_hot": MultiHotFeatureSection,
 }
 #: The spec's top-level tables.
 TOP_LEVEL_KEYS = (

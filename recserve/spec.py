@@ -20,6 +20,7 @@ import tomllib
 
 from recserve.sections import (
     ENCODERS,
+    POOLINGS,
     TIME_PARTS,
     TOP_LEVEL_KEYS,
     VALUE_TYPES,
@@ -29,6 +30,7 @@ from recserve.sections import (
     HashingSection,
     InputsSection,
     ModelSection,
+    MultiHotFeatureSection,
     NumericFeatureSection,
     QueuePolicy,
     SequenceFeatureSection,
@@ -147,11 +149,14 @@ class RawColumn:
     time_format: str = ""
     time_unit: str = ""
     timezone: str = "UTC"
+    separator: str = ""  # multi-hot: values joined by this, at most ``max_length`` kept
+    max_length: int = 1
 
     @property
     def max_bytes(self) -> int:
         """The longest value a request may carry in this column (what shared memory reserves)."""
-        return {"hex": self.max_hex_digits, "int64": 20, "uint64": 20, "time": 32}.get(self.value_type, 256)
+        one = {"hex": self.max_hex_digits, "int64": 20, "uint64": 20, "time": 32}.get(self.value_type, 256)
+        return (one + len(self.separator)) * self.max_length
 
 
 @dataclass(frozen=True)
@@ -170,12 +175,33 @@ class CategoricalFeature:
 
 
 @dataclass(frozen=True)
+class MultiHotFeature:
+    """Up to ``max_length`` values in one raw column, each looked up in ``table``, pooled into one vector."""
+
+    name: str
+    table: str
+    column: int
+    max_length: int
+    pooling: str  # sum, mean or sqrtn
+
+
+@dataclass(frozen=True)
 class CategoricalGroup:
-    """The categorical raw columns, sent together as one BYTES tensor, and the features read from them."""
+    """The categorical raw columns, sent together as one BYTES tensor, and the features read from them.
+
+    The features' embeddings are the slots of ``sparse_embeddings``: the single-valued ones first,
+    then the pooled multi-hot ones.
+    """
 
     name: str
     raw_columns: tuple[RawColumn, ...]
     features: tuple[CategoricalFeature, ...]
+    multi_hot: tuple[MultiHotFeature, ...] = ()
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        """The features in the order of their embeddings in ``sparse_embeddings``."""
+        return tuple(f.name for f in self.features) + tuple(f.name for f in self.multi_hot)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -191,6 +217,11 @@ class SequenceFeature:
     table: str
     max_length: int
     mean_length: float
+    positions: str = ""  # the sequence whose positions (length and mask) this one shares
+
+
+#: Any feature that has a name and a table.
+Feature = CategoricalFeature | MultiHotFeature | SequenceFeature
 
 
 @dataclass(frozen=True)
@@ -223,6 +254,9 @@ class ModelSpec:
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     access: AccessSection = field(default_factory=AccessSection)  # the proxy's: not in ``source``
     inputs: InputsSection = field(default_factory=InputsSection)
+    # every sequence sharing the positions of ``sequence`` (it first), and the target of each
+    sequences: tuple[SequenceFeature, ...] = ()
+    targets: tuple[CategoricalFeature, ...] = ()
 
     # ---- derived names -------------------------------------------------------------------
     @property
@@ -260,12 +294,10 @@ class ModelSpec:
                 WireTensor(self.dense_missing_input, "BOOL", (width,)),
             ]
         tensors.append(WireTensor(self.categorical.name, "BYTES", (len(self.categorical.raw_columns),)))
-        if self.target is not None and self.sequence is not None:
-            tensors += [
-                WireTensor(self.target.name, "INT64", (1,)),
-                WireTensor(self.sequence.name, "INT64", (-1,), ragged=True),
-                WireTensor(self.sequence_length_input, "INT32", (1,)),
-            ]
+        tensors += [WireTensor(target.name, "INT64", (1,)) for target in self.targets]
+        tensors += [WireTensor(sequence.name, "INT64", (-1,), ragged=True) for sequence in self.sequences]
+        if self.sequences:
+            tensors.append(WireTensor(self.sequence_length_input, "INT32", (1,)))
         return tuple(tensors)
 
     @property
@@ -278,8 +310,8 @@ class ModelSpec:
 
     @property
     def num_sparse(self) -> int:
-        """Number of single-valued categorical embeddings fed to the interaction."""
-        return len(self.categorical.features)
+        """Number of categorical embeddings fed to the interaction (single-valued and pooled multi-hot)."""
+        return len(self.categorical.features) + len(self.categorical.multi_hot)
 
     def sequence_bucket(self, length: int) -> int:
         """Smallest sequence bucket holding ``length`` positions (at least the first bucket)."""
@@ -361,6 +393,7 @@ class _Features:
     numeric: list[NumericColumn] = field(default_factory=list)
     raw_columns: list[RawColumn] = field(default_factory=list)
     categorical: list[CategoricalFeature] = field(default_factory=list)
+    multi_hot: list[MultiHotFeature] = field(default_factory=list)
     sequences: list[SequenceFeature] = field(default_factory=list)
     targets: list[tuple[CategoricalFeature, str]] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
@@ -409,9 +442,13 @@ def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Feature
             out.numeric += [_numeric(section, name, where) for name in names]
         elif isinstance(section, SequenceFeatureSection):
             out.sequences += [
-                SequenceFeature(name, section.table, section.max_length, section.mean_length)
+                SequenceFeature(
+                    name, section.table, section.max_length, section.mean_length, section.positions
+                )
                 for name in names
             ]
+        elif isinstance(section, MultiHotFeatureSection):
+            _multi_hot(section, names, where, out)
         elif isinstance(section, TimeFeatureSection):
             _time(section, names, where, tables, out)
         else:
@@ -441,6 +478,30 @@ def _categorical(
             continue
         out.categorical.append(CategoricalFeature(name, table, section.encoder, len(out.raw_columns)))
         out.raw_columns.append(RawColumn(name, section.value_type, section.max_hex_digits))
+
+
+def _multi_hot(section: MultiHotFeatureSection, names: tuple[str, ...], where: str, out: _Features) -> None:
+    if section.value_type not in VALUE_TYPES:
+        raise SpecError(
+            f"{where}: value_type must be one of {', '.join(VALUE_TYPES)}, got {section.value_type!r}"
+        )
+    if section.pooling not in POOLINGS:
+        raise SpecError(f"{where}: pooling must be one of {', '.join(POOLINGS)}, got {section.pooling!r}")
+    if not section.separator or section.max_length < 1:
+        raise SpecError(f"{where}: a multi-hot feature needs a separator and max_length >= 1")
+    tables = _parallel(names, section.table or section.name, f"{where}: table")
+    for name, table in zip(names, tables, strict=True):
+        column = len(out.raw_columns)
+        out.raw_columns.append(
+            RawColumn(
+                name,
+                section.value_type,
+                section.max_hex_digits,
+                separator=section.separator,
+                max_length=section.max_length,
+            )
+        )
+        out.multi_hot.append(MultiHotFeature(name, table, column, section.max_length, section.pooling))
 
 
 def _time(
@@ -473,28 +534,57 @@ def _time(
             out.categorical.append(CategoricalFeature(table, table, "hash", column, part))
 
 
-def _attention(
-    features: _Features, where_tables: dict[str, TableSpec]
-) -> tuple[CategoricalFeature | None, SequenceFeature | None]:
-    """The attention target and its sequence (this network attends with one target over one sequence)."""
-    if len(features.sequences) > 1 or len(features.targets) > 1:
-        raise SpecError("the built-in network attends with one target over one sequence; found more")
-    sequence = features.sequences[0] if features.sequences else None
-    if not features.targets:
-        if sequence is not None:
+def _attention(features: _Features) -> tuple[tuple[CategoricalFeature, ...], tuple[SequenceFeature, ...]]:
+    """The sequences sharing one set of positions (the one with its own first) and the target of each.
+
+    The built-in network attends with one query over one sequence: sequences that share positions
+    (items and their categories) are summed per position, and so are their targets.
+    """
+    own = [s for s in features.sequences if not s.positions]
+    if len(own) > 1:
+        names = [s.name for s in own]
+        raise SpecError(
+            f"sequences {names} each have their own positions; the built-in network attends over one"
+        )
+    if not own:
+        if features.sequences or features.targets:
+            raise SpecError(
+                "a sequence shares the positions of another, or a target attends, but no sequence has its own"
+            )
+        return (), ()
+    primary = own[0]
+    sequences = [primary]
+    for sequence in features.sequences:
+        if sequence is primary:
+            continue
+        if sequence.positions != primary.name:
+            raise SpecError(
+                f"sequence {sequence.name!r} shares the positions of {sequence.positions!r}, not a sequence"
+            )
+        if sequence.max_length not in (0, primary.max_length):
+            raise SpecError(
+                f"sequence {sequence.name!r} shares positions with {primary.name!r}: no max_length of its own"
+            )
+        sequences.append(replace(sequence, max_length=primary.max_length))
+    by_sequence: dict[str, CategoricalFeature] = {}
+    for target, over in features.targets:
+        if over not in {s.name for s in sequences}:
+            raise SpecError(f"feature {target.name!r} attends over {over!r}, which is not a sequence feature")
+        if over in by_sequence:
+            raise SpecError(f"sequence {over!r} has two targets attending over it")
+        by_sequence[over] = target
+    for sequence in sequences:
+        found = by_sequence.get(sequence.name)
+        if found is None:
             raise SpecError(
                 f"sequence {sequence.name!r} needs a categorical feature with attends = {sequence.name!r}"
             )
-        return None, None
-    target, over = features.targets[0]
-    if sequence is None or over != sequence.name:
-        raise SpecError(f"feature {target.name!r} attends over {over!r}, which is not a sequence feature")
-    if target.table != sequence.table:
-        raise SpecError(
-            f"{target.name!r} and {sequence.name!r} must share a table to attend, "
-            f"got {target.table!r} and {sequence.table!r}"
-        )
-    return target, sequence
+        if found.table != sequence.table:
+            raise SpecError(
+                f"{found.name!r} and {sequence.name!r} must share a table to attend, "
+                f"got {found.table!r} and {sequence.table!r}"
+            )
+    return tuple(by_sequence[s.name] for s in sequences), tuple(sequences)
 
 
 def parse_spec(doc: dict[str, Any]) -> ModelSpec:
@@ -519,9 +609,11 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     tables = {name: replace(t, dim=t.dim or dim) for name, t in tables.items()}
     if not features.categorical:
         raise SpecError("a spec needs at least one categorical or time feature")
-    target, sequence = _attention(features, tables)
-    used = [f.table for f in features.categorical] + ([target.table] if target else [])
-    for feature in [*features.categorical, *([target] if target else [])]:
+    targets, sequences = _attention(features)
+    target, sequence = (targets[0], sequences[0]) if sequences else (None, None)
+    named: list[Feature] = [*features.categorical, *features.multi_hot, *targets, *sequences]
+    used = [f.table for f in named]
+    for feature in named:
         if feature.table not in tables:
             raise SpecError(f"feature {feature.name!r} uses undefined table {feature.table!r}")
     unused = sorted(set(tables) - set(used))
@@ -579,7 +671,10 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         instances=dict(serving.instances),
         dense=DenseGroup(NUMERIC_INPUT, numeric) if numeric else None,
         categorical=CategoricalGroup(
-            CATEGORICAL_INPUT, tuple(features.raw_columns), tuple(features.categorical)
+            CATEGORICAL_INPUT,
+            tuple(features.raw_columns),
+            tuple(features.categorical),
+            tuple(features.multi_hot),
         ),
         target=target,
         sequence=sequence,
@@ -594,6 +689,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         source={key: value for key, value in doc.items() if key != "access"},
         access=access,
         inputs=inputs,
+        sequences=sequences,
+        targets=targets,
     )
 
 

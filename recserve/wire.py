@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 import functools
 import zoneinfo
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -30,6 +31,9 @@ SPARSE_KEYS = "sparse_keys"
 TARGET_KEY = "target_key"
 HISTORY_KEYS = "history_keys"
 HISTORY_MASK = "history_mask"
+#: Keys and pooling weights of the multi-hot features, side by side (only for specs that have them).
+MULTI_HOT_KEYS = "multi_hot_keys"
+MULTI_HOT_WEIGHTS = "multi_hot_weights"
 
 SPARSE_EMBEDDINGS = "sparse_embeddings"
 TARGET_EMBEDDING = "target_embedding"
@@ -69,6 +73,10 @@ class ContractTensor:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "holds": self.holds}
 
 
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
 def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     """The dense network's inputs under ``spec``, in the order of :data:`DENSE_NET_INPUTS`.
 
@@ -90,7 +98,7 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
     sigmoid). The built-in network and every imported ONNX follow this contract.
     """
     dim = spec.embedding_dim
-    features = [f.name for f in spec.categorical.features]
+    features = spec.categorical.slot_names
     inputs = []
     if spec.dense is not None:
         numeric = spec.dense.numeric
@@ -98,7 +106,7 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
         how = ops.pop() if len(ops) == 1 else "each by its feature's ops"
         inputs.append(
             ContractTensor(
-                DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{numeric[0].name}..{numeric[-1].name}: {how}"
+                DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{_span([c.name for c in numeric])}: {how}"
             )
         )
     inputs.append(
@@ -106,23 +114,29 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
             SPARSE_EMBEDDINGS,
             "FP32",
             (-1, len(features), dim),
-            f"{features[0]}..{features[-1]}: one embedding per feature, in this order",
+            f"{_span(features)}: one embedding per feature, in this order",
         )
     )
-    if spec.target is not None and spec.sequence is not None:
-        seq = spec.sequence
+    if spec.sequences:
+        seq = spec.sequences[0]
+        target, history = (
+            (
+                f"{spec.targets[0].name}: its row of table {spec.targets[0].table!r}",
+                f"{seq.name}: rows of table {seq.table!r}",
+            )
+            if len(spec.sequences) == 1
+            else (
+                " + ".join(t.name for t in spec.targets) + ": the sum of their rows",
+                " + ".join(s.name for s in spec.sequences) + ": the sum of their rows at each position",
+            )
+        )
         inputs += [
-            ContractTensor(
-                TARGET_EMBEDDING,
-                "FP32",
-                (-1, dim),
-                f"{spec.target.name}: its row of table {spec.target.table!r}",
-            ),
+            ContractTensor(TARGET_EMBEDDING, "FP32", (-1, dim), target),
             ContractTensor(
                 HISTORY_EMBEDDINGS,
                 "FP32",
                 (-1, -1, dim),
-                f"{seq.name}: rows of table {seq.table!r}, oldest first, padded to a sequence bucket",
+                f"{history}, oldest first, padded to a sequence bucket",
             ),
             ContractTensor(
                 HISTORY_MASK,
@@ -317,7 +331,8 @@ def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.
     """
     out = np.zeros(values.shape, dtype=np.uint64)
     empty = np.zeros(values.shape, dtype=bool)
-    hex_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "hex"]
+    single = [not c.separator for c in group.raw_columns]  # multi-hot columns: multi_hot_values
+    hex_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "hex" and single[i]]
     if hex_columns:
         digits = max(group.raw_columns[i].max_hex_digits for i in hex_columns)
         if any(group.raw_columns[i].max_hex_digits != digits for i in hex_columns):
@@ -327,11 +342,11 @@ def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.
                 )
         else:
             out[:, hex_columns], empty[:, hex_columns] = parse_hex(values[:, hex_columns], digits, group.name)
-    string_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "string"]
+    string_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "string" and single[i]]
     if string_columns:
         out[:, string_columns], empty[:, string_columns] = hash_strings(values[:, string_columns])
     for value_type in ("int64", "uint64"):
-        index = [i for i, c in enumerate(group.raw_columns) if c.value_type == value_type]
+        index = [i for i, c in enumerate(group.raw_columns) if c.value_type == value_type and single[i]]
         if index:
             names = tuple(group.raw_columns[i].name for i in index)
             parsed = parse_decimal(values[:, index], value_type == "int64", group.name, names)
@@ -340,6 +355,40 @@ def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.
         if column.value_type == "time":
             out[:, i], empty[:, i] = parse_times(values[:, i], column, group.name)
     return out, empty
+
+
+def multi_hot_values(values: np.ndarray, column: RawColumn, input_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The values of a multi-hot column ``[B]`` (``a|b|c``): ``uint64 [B, max_length]`` and a mask.
+
+    Empty elements are skipped; past ``max_length`` the rest of a row's values are dropped.
+
+    Raises:
+        InvalidInput: an element is not of the column's value type (naming the row).
+    """
+    separator = column.separator.encode()
+    rows = [
+        [t for t in (v if isinstance(v, bytes) else str(v).encode()).split(separator) if t][
+            : column.max_length
+        ]
+        for v in values
+    ]
+    lengths = np.array([len(r) for r in rows], dtype=np.intp)
+    mask = np.arange(column.max_length)[None, :] < lengths[:, None]
+    out = np.zeros(mask.shape, dtype=np.uint64)
+    flat = np.array([t for r in rows for t in r], dtype=object)
+    if flat.size:
+        element = CategoricalGroup(input_name, (replace(column, separator="", max_length=1),), ())
+        try:
+            out[mask] = categorical_values(flat[:, None], element)[0][:, 0]
+        except InvalidInput:
+            for row, tokens in enumerate(rows):  # slow path: name the row
+                try:
+                    categorical_values(np.array(tokens or [b""], dtype=object)[:, None], element)
+                except InvalidInput:
+                    raise _column_error(
+                        input_name, column.name, row, values[row], f"not a list of {column.value_type} values"
+                    ) from None
+    return out, mask
 
 
 def _is_ascii(value: object) -> bool:
@@ -353,7 +402,8 @@ class RawRows:
     """Raw feature values of ``N`` rows, as a client would have them.
 
     Parts the spec lacks are empty: ``dense`` ``[N, 0]`` without numeric features; without a
-    sequence every target is absent and every history empty.
+    sequence every target is absent and every history empty. ``target`` and ``history`` are the
+    first sequence's; the others sharing its positions, and their targets, are in ``side`` by name.
     """
 
     dense: np.ndarray  # float32 [N, D]
@@ -363,13 +413,19 @@ class RawRows:
     history: np.ndarray  # int64 [N, max_length], newest last, valid below ``lengths``
     lengths: np.ndarray  # int32 [N]
     labels: np.ndarray  # float32 [N]
+    side: dict[str, np.ndarray] = field(default_factory=dict)  # other targets [N], histories [N, W]
 
     def __len__(self) -> int:
         return int(self.dense.shape[0])
 
     def take(self, index: slice | np.ndarray) -> RawRows:
         """Rows selected by a slice or an index array."""
-        return RawRows(**{name: getattr(self, name)[index] for name in self.__dataclass_fields__})
+        parts = {name: getattr(self, name)[index] for name in self.__dataclass_fields__ if name != "side"}
+        return RawRows(**parts, side={name: values[index] for name, values in self.side.items()})
+
+    def sequence(self, name: str) -> np.ndarray:
+        """Ids ``[N, W]`` of one sequence (the first is ``history``)."""
+        return self.side.get(name, self.history)
 
     def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
         """Request tensors of the spec's ensemble for these rows (history width = longest row)."""
@@ -378,9 +434,12 @@ class RawRows:
             NUMERIC_INPUT: self.dense.astype(np.float32),
             spec.dense_missing_input: self.dense_missing.astype(bool),
             spec.categorical.name: self.categorical,
+            spec.sequence_length_input: self.lengths.astype(np.int32)[:, None],
         }
-        if spec.target is not None and spec.sequence is not None:
-            values[spec.target.name] = self.target.astype(np.int64)[:, None]
-            values[spec.sequence.name] = np.ascontiguousarray(self.history[:, :width], dtype=np.int64)
-            values[spec.sequence_length_input] = self.lengths.astype(np.int32)[:, None]
+        for target in spec.targets:
+            values[target.name] = self.side.get(target.name, self.target).astype(np.int64)[:, None]
+        for sequence in spec.sequences:
+            values[sequence.name] = np.ascontiguousarray(
+                self.sequence(sequence.name)[:, :width], dtype=np.int64
+            )
         return {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}

@@ -24,8 +24,16 @@ import numpy as np
 from recserve import wire
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.errors import InvalidInput
-from recserve.spec import NUMPY_DTYPES, CategoricalGroup, ModelSpec, RawColumn
-from recserve.wire import ABSENT_ITEM, categorical_values, time_part
+from recserve.spec import (
+    NUMPY_DTYPES,
+    CategoricalFeature,
+    CategoricalGroup,
+    Feature,
+    ModelSpec,
+    RawColumn,
+    SequenceFeature,
+)
+from recserve.wire import ABSENT_ITEM, categorical_values, multi_hot_values, time_part
 
 
 def require(
@@ -68,11 +76,9 @@ class FeatureTransform:
         self._log1p = np.array([c.log1p for c in numeric])
         self._shift = np.array([c.shift for c in numeric], dtype=np.float32)
         self._scale = np.array([c.scale for c in numeric], dtype=np.float32)
-        if spec.target is not None and spec.sequence is not None:
-            self._item_salt = table_salt(ns, spec.sequence.table)
-            self._target_salt = table_salt(ns, spec.target.table)
-            self._target_missing = missing_key(ns, spec.target.name)
-            self._pad_key = missing_key(ns, spec.sequence.name)
+        named: list[Feature] = [*spec.targets, *spec.sequences, *spec.categorical.multi_hot]
+        self._salts = {f.table: table_salt(ns, f.table) for f in named}
+        self._missing = {f.name: missing_key(ns, f.name) for f in named}  # absent target, padding
 
     def transform(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate one request's raw tensors and compute the keys the lookup step needs.
@@ -93,13 +99,40 @@ class FeatureTransform:
             dense = require(inputs, spec.dense.name, "FP32", rows, width)
             missing = require(inputs, spec.dense_missing_input, "BOOL", rows, width)
             out[wire.DENSE_NORMALIZED] = self.dense_values(dense, missing)
-        if spec.target is not None and spec.sequence is not None:
-            target = require(inputs, spec.target.name, "INT64", rows, 1)
-            history = require(inputs, spec.sequence.name, "INT64", rows, None)
-            lengths = require(inputs, spec.sequence_length_input, "INT32", rows, 1)
-            out[wire.TARGET_KEY] = self.target_keys(target)
-            out.update(self.history(history, lengths[:, 0]))
+        if group.multi_hot:
+            out[wire.MULTI_HOT_KEYS], out[wire.MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
+        if spec.sequences:
+            lengths = require(inputs, spec.sequence_length_input, "INT32", rows, 1)[:, 0]
+            out[wire.TARGET_KEY] = np.concatenate(
+                [self.target_keys(require(inputs, t.name, "INT64", rows, 1), t) for t in spec.targets], axis=1
+            )
+            histories = [
+                self.history(require(inputs, s.name, "INT64", rows, None), lengths, s) for s in spec.sequences
+            ]
+            out[wire.HISTORY_KEYS] = np.concatenate([h[wire.HISTORY_KEYS] for h in histories], axis=1)
+            out[wire.HISTORY_MASK] = histories[0][wire.HISTORY_MASK]
         return out
+
+    def multi_hot_keys(self, categorical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and pooling weights ``[B, sum of max_length]`` of the multi-hot features, side by side.
+
+        A weight is 1 (sum), ``1 / n`` (mean) or ``1 / sqrt(n)`` (sqrtn) on a row's ``n`` values, 0 on
+        padding: the lookup step pools each feature's vectors with them. A row without values pools
+        to zeros.
+        """
+        group = self.spec.categorical
+        keys, weights = [], []
+        for feature in group.multi_hot:
+            values, mask = multi_hot_values(
+                categorical[:, feature.column], group.raw_columns[feature.column], group.name
+            )
+            keys.append(
+                np.where(mask, keys_for(values, self._salts[feature.table]), self._missing[feature.name])
+            )
+            count = np.maximum(mask.sum(axis=1, keepdims=True), 1).astype(np.float32)
+            scale = {"sum": 1.0, "mean": count, "sqrtn": np.sqrt(count)}[feature.pooling]
+            weights.append((mask / scale).astype(np.float32))
+        return np.concatenate(keys, axis=1), np.concatenate(weights, axis=1)
 
     def dense_values(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
         """Normalised dense values by each column's ops (missing: its fill value); rejects NaN and Inf."""
@@ -130,22 +163,24 @@ class FeatureTransform:
         keys = np.where(self._identity[None, :], picked.view(np.int64), keys)
         return np.where(empty[:, self._cat_columns], self._cat_missing[None, :], keys)
 
-    def target_keys(self, target: np.ndarray) -> np.ndarray:
-        """Keys ``[B, 1]`` of target item ids (-1: absent, its missing key)."""
-        assert self.spec.target is not None
+    def target_keys(self, target: np.ndarray, feature: CategoricalFeature | None = None) -> np.ndarray:
+        """Keys ``[B, 1]`` of a target's item ids (-1: absent, its missing key); by default the first's."""
+        feature = feature or self.spec.targets[0]
         bad = target < ABSENT_ITEM
         if bad.any():
             r = int(np.argwhere(bad)[0][0])
-            raise InvalidInput(
-                self.spec.target.name, f"row {r} is {int(target[r, 0])}; ids are >= 0, -1 means absent"
-            )
-        keys = keys_for(target.astype(np.uint64), self._target_salt)
-        return np.where(target == ABSENT_ITEM, self._target_missing, keys)
+            raise InvalidInput(feature.name, f"row {r} is {int(target[r, 0])}; ids are >= 0, -1 means absent")
+        keys = keys_for(target.astype(np.uint64), self._salts[feature.table])
+        return np.where(target == ABSENT_ITEM, self._missing[feature.name], keys)
 
-    def history(self, items: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-        """History keys and mask, padded (or truncated) to the sequence bucket of the longest row."""
-        seq = self.spec.sequence
-        assert seq is not None
+    def history(
+        self, items: np.ndarray, lengths: np.ndarray, sequence: SequenceFeature | None = None
+    ) -> dict[str, np.ndarray]:
+        """History keys and mask of a sequence (the first by default).
+
+        Padded (or truncated) to the sequence bucket of the longest row.
+        """
+        seq = sequence or self.spec.sequences[0]
         name, length_name = seq.name, self.spec.sequence_length_input
         bad = (lengths < 0) | (lengths > seq.max_length) | (lengths > items.shape[1])
         if bad.any():
@@ -167,7 +202,9 @@ class FeatureTransform:
         if negative.any():
             r, p = (int(i) for i in np.argwhere(negative)[0])
             raise InvalidInput(name, f"row {r} position {p} is {int(window[r, p])}; item ids are >= 0")
-        keys = np.where(mask, keys_for(window.astype(np.uint64), self._item_salt), self._pad_key)
+        keys = np.where(
+            mask, keys_for(window.astype(np.uint64), self._salts[seq.table]), self._missing[seq.name]
+        )
         return {wire.HISTORY_KEYS: keys, wire.HISTORY_MASK: mask.astype(np.float32)}
 
 
@@ -186,12 +223,17 @@ def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.nda
     ns = spec.hash_namespace
     where = f"{table}.vocab"
     feature = next((f for f in spec.categorical.features if f.table == table), None)
-    if feature is None:
-        if spec.target is None or table != spec.target.table:
-            raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
-        feature, column = spec.target, RawColumn(spec.target.name, "int64")
-    else:
+    multi = next((f for f in spec.categorical.multi_hot if f.table == table), None)
+    target = next((f for f in spec.targets if f.table == table), None)
+    if feature is not None:
         column = spec.categorical.raw_columns[feature.column]
+    elif multi is not None:  # one value of the list
+        element = replace(spec.categorical.raw_columns[multi.column], separator="", max_length=1)
+        feature, column = CategoricalFeature(multi.name, table), element
+    elif target is not None:
+        feature, column = target, RawColumn(target.name, "int64")
+    else:
+        raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
     if feature.part:
         column = RawColumn(feature.name, "uint64")
     numbers = column.value_type in ("int64", "uint64")
@@ -205,7 +247,7 @@ def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.nda
             )
         texts.append(token)
     raw = np.array(texts, dtype=object).reshape(-1, 1)
-    if feature is spec.target:
+    if feature is target:
         ids = np.array([int(t) if t.lstrip("-").isdigit() else -2 for t in texts], dtype=object)
         bad = [i for i, v in enumerate(ids) if not ABSENT_ITEM <= v < 1 << 63]
         if bad:

@@ -139,7 +139,7 @@ def test_a_shared_table_and_string_vocabularies():
 @pytest.mark.parametrize(
     ("features", "tables", "message"),
     [
-        ([{"name": "x", "kind": "multi_hot"}], {}, "unknown feature kind 'multi_hot'"),
+        ([{"name": "x", "kind": "image"}], {}, "unknown feature kind 'image'"),
         (
             [{"name": "x", "kind": "categorical", "value_type": "float"}],
             {"x": {"cardinality": 2}},
@@ -213,3 +213,21 @@ def test_an_unknown_key_is_named_with_its_line(tmp_path, spec, old, new, where):
     path.write_text(text.replace(old, new, 1))
     with pytest.raises(SpecError, match=where):
         load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda f: f["hist_cate_ids"].pop("positions"), "each have their own positions"),
+        (lambda f: f["hist_cate_ids"].__setitem__("max_length", 32), "no max_length of its own"),
+        (lambda f: f["cate_id"].__setitem__("attends", "hist_item_ids"), "two targets"),
+        (lambda f: f["cate_id"].pop("attends"), "needs a categorical feature with attends = 'hist_cate_ids'"),
+        (lambda f: f["tags"].__setitem__("pooling", "max"), "pooling must be one of sum, mean, sqrtn"),
+        (lambda f: f["tags"].__setitem__("separator", ""), "needs a separator"),
+    ],
+)
+def test_sequences_sharing_positions_and_multi_hot_are_checked(edit, message):
+    doc = _doc("taobao")
+    edit({f["name"]: f for f in doc["features"]})
+    with pytest.raises(SpecError, match=message):
+        parse_spec(doc)

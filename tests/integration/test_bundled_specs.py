@@ -1,0 +1,162 @@
+"""The bundled ``avazu`` and ``taobao`` specs end to end: built, served by a real tritonserver, queried,
+explained (``ctr``, the default, is what the rest of the integration tests serve).
+
+Avazu has no numeric feature and no sequence, string and integer ids, a ``YYMMDDHH`` time column
+and an ``id`` column above 2^63 that is accepted and ignored. Taobao has a multi-hot column, a unix
+timestamp, and two behaviour sequences sharing positions (items, their categories) with a target each.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from recserve.build.repository import build_repository, reference_pipeline
+from recserve.build.synthetic import generate
+from recserve.clients.writers import write_csv
+from recserve.server import Ports, TritonServer
+from recserve.spec import load_spec
+
+from .helpers import grpc_client, infer_raw
+
+CLI = [sys.executable, "-m", "recserve.cli", "--spec"]
+BUNDLED = ("avazu", "taobao")
+
+
+@pytest.fixture(scope="module", params=BUNDLED)
+def bundled(request):
+    return load_spec(request.param)
+
+
+@pytest.fixture(scope="module")
+def bundled_repository(bundled, tmp_path_factory):
+    path = tmp_path_factory.mktemp(bundled.name) / "repository"
+    build_repository(bundled, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bundled_server(bundled_repository, tmp_path_factory):
+    log = tmp_path_factory.mktemp("bundled_server") / "server.log"
+    with TritonServer(bundled_repository, Ports.free(), log_path=log) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def avazu(bundled):
+    if bundled.name != "avazu":
+        pytest.skip("an avazu test")
+    return bundled
+
+
+@pytest.fixture(scope="module")
+def taobao(bundled):
+    if bundled.name != "taobao":
+        pytest.skip("a taobao test")
+    return bundled
+
+
+def test_avazu_has_no_numeric_input_and_no_sequence(avazu):
+    assert [t.name for t in avazu.wire_inputs()] == ["categorical"]
+    assert avazu.categorical.columns[:3] == ("hour", "C1", "banner_pos")
+    names = [f.name for f in avazu.categorical.features]
+    assert names[:2] == ["hour_hour_of_day", "hour_weekday"] and len(names) == 23
+
+
+def test_taobao_sends_both_sequences_and_targets(taobao):
+    names = [t.name for t in taobao.wire_inputs()]
+    assert names[3:] == ["item_id", "cate_id", "hist_item_ids", "hist_cate_ids", "hist_item_ids__length"]
+    assert taobao.categorical.slot_names[-1] == "tags" and taobao.num_sparse == 13
+
+
+@pytest.mark.parametrize("batch", [1, 7, 64])
+def test_served_equals_pytorch_reference(bundled, bundled_repository, bundled_server, batch):
+    wire = generate(bundled, batch, seed=batch).to_wire(bundled)
+    expected = reference_pipeline(bundled, bundled_repository, runtime="torch").predict(wire)
+    with grpc_client(bundled_server) as client:
+        served = infer_raw(grpcclient, client, bundled, wire)
+    np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
+    assert ((served > 0) & (served < 1)).all() and len(np.unique(served)) > batch // 2
+
+
+def _as_exported(path, rows_path):
+    """The rows as Avazu's own file: ``id`` first (above 2^63), ``click``, integers as pandas writes them."""
+    with open(rows_path, newline="") as fh:
+        table = list(csv.reader(fh))
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out, lineterminator="\r\n", quoting=csv.QUOTE_NONNUMERIC)
+        writer.writerow(["id", *table[0]])
+        for i, row in enumerate(table[1:]):
+            c1 = table[0].index("C1")
+            row[c1] = f"{row[c1]}.0" if row[c1] else row[c1]
+            writer.writerow([str(10000174058809263569 + i), *row])
+    return path
+
+
+def test_predict_scores_an_avazu_export(avazu, bundled_repository, bundled_server, tmp_path):
+    raw = generate(avazu, 40, seed=11)
+    exported = _as_exported(tmp_path / "train.csv", write_csv(tmp_path / "rows.csv", raw, avazu))
+    done = subprocess.run(
+        [*CLI, "avazu", "predict", "--input", str(exported), "--url", bundled_server.grpc_url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed = np.array([float(line) for line in done.stdout.split()])
+    expected = reference_pipeline(avazu, bundled_repository, runtime="torch").predict(raw.to_wire(avazu))
+    np.testing.assert_allclose(printed, expected, atol=1e-5)
+
+
+def test_predict_scores_a_csv_with_both_sequences(taobao, bundled_repository, bundled_server, tmp_path):
+    raw = generate(taobao, 40, seed=12)
+    rows = write_csv(tmp_path / "rows.csv", raw, taobao)
+    assert "hist_cate_ids" in rows.read_text().splitlines()[0]
+    done = subprocess.run(
+        [*CLI, "taobao", "predict", "--input", str(rows), "--url", bundled_server.grpc_url],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed = np.array([float(line) for line in done.stdout.split()])
+    expected = reference_pipeline(taobao, bundled_repository, runtime="torch").predict(raw.to_wire(taobao))
+    np.testing.assert_allclose(printed, expected, atol=1e-5)
+
+
+def test_explain_names_every_feature(bundled, bundled_repository, tmp_path):
+    raw = generate(bundled, 2, seed=3)
+    rows = write_csv(tmp_path / "rows.csv", raw, bundled)
+    explain = [*CLI, bundled.name, "explain", "--json", "--input", str(rows)]
+    done = subprocess.run(
+        [*explain, "--repository", str(bundled_repository)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    features = {r["feature"] for r in map(json.loads, done.stdout.splitlines())}
+    expected = {
+        "avazu": {"hour_hour_of_day", "hour_weekday", "device_ip", "C21"},
+        "taobao": {
+            "time_stamp_weekday",
+            "user",
+            "item_id",
+            "cate_id",
+            "hist_item_ids[0]",
+            "hist_cate_ids[0]",
+        },
+    }[bundled.name]
+    assert features >= expected
+    if bundled.name == "taobao":
+        assert any(f.startswith("tags[") for f in features) == bool(raw.categorical[:, -1].any())
+
+
+def test_a_bad_value_fails_alone_naming_its_column(bundled, bundled_server):
+    column = {"avazu": "banner_pos", "taobao": "tags"}[bundled.name]
+    wire = generate(bundled, 3, seed=2).to_wire(bundled)
+    wire["categorical"][1, bundled.categorical.columns.index(column)] = b"12a"
+    with grpc_client(bundled_server) as client:
+        with pytest.raises(grpcclient.InferenceServerException, match=rf"{column} \(row 1\) is b'12a'"):
+            infer_raw(grpcclient, client, bundled, wire)
+        good = generate(bundled, 3, seed=2).to_wire(bundled)
+        assert infer_raw(grpcclient, client, bundled, good).shape == (3,)
