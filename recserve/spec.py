@@ -328,8 +328,9 @@ class ModelSpec:
         raise SpecError(f"batch of {rows} rows exceeds the largest bucket {self.batch_buckets[-1]}")
 
     def to_json(self) -> str:
-        """Canonical JSON of the source document (what served models receive)."""
-        return json.dumps(self.source, sort_keys=True, separators=(",", ":"))
+        """JSON of the source document (what served models receive), in the document's own order."""
+        # in the document's order: the tables' order is the order of ``embedding_version``
+        return json.dumps(self.source, separators=(",", ":"))
 
 
 def expand_names(pattern: str) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """``recserve bench`` machinery on a tiny grid, and a short locust run through the client SDK."""
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -59,8 +60,17 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         assert key in written and key in written["targets"]
     # The ratios are read at p99 <= 50 ms, which a loaded machine may miss at every point: the
     # machinery is checked with a bound every point meets, the written file against the same code.
+    # A point that finds no stable window is kept without figures; on a busy machine the tuned
+    # ensemble's 1 x 16 point may (the queue-policy stall, docs/performance.md), and then the gain
+    # read from it is not measured.
+    unstable = [p for p in points if not math.isfinite(p.rows_per_s)]
+    assert len(unstable) <= 1, unstable
     unbounded = report.summarize(points, p99_bound_ms=float("inf"))
-    assert unbounded["ensemble_vs_inprocess"] > 0 and unbounded["dynamic_batching_gain"] > 0
+    assert unbounded["ensemble_vs_inprocess"] > 0
+    gain_points = [p for p in points if p.client_batch == 1 and p.concurrency == 16 and p in unstable]
+    assert (
+        unbounded["dynamic_batching_gain"] is None if gain_points else unbounded["dynamic_batching_gain"] > 0
+    )
     assert unbounded["vs_monolith_throughput"] > 0 and unbounded["vs_monolith_p99"] > 0
     hops = json.loads((run / "hops.json").read_text())
     assert (
@@ -76,7 +86,7 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
             "triton-tuned grpc perf_analyzer shm=system", "monolith-1 grpc perf_analyzer",
             } <= configurations  # fmt: skip
     for p in points:
-        assert p.rows_per_s > 0 and p.failures == 0 and p.p50_ms <= p.p99_ms, p
+        assert p.failures == 0 and (p in unstable or (p.rows_per_s > 0 and p.p50_ms <= p.p99_ms)), p
         if p.system in (report.NAIVE, report.TUNED):
             assert {s["model"] for s in p.steps} == set(STEPS), p
         if p.system.startswith(report.MONOLITH):

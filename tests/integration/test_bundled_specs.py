@@ -17,11 +17,15 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from recserve.build.repository import build_repository, reference_pipeline
+from recserve import wire
+from recserve.build.importer import import_repository
+from recserve.build.repository import build_repository, reference_pipeline, version_dir
 from recserve.build.synthetic import generate
 from recserve.clients.writers import write_csv
 from recserve.server import Ports, TritonServer
 from recserve.spec import load_spec
+from tests.integration.private_server import private_server
+from tests.model_exports import export_tables
 
 from .helpers import grpc_client, infer_raw
 
@@ -160,3 +164,18 @@ def test_a_bad_value_fails_alone_naming_its_column(bundled, bundled_server):
             infer_raw(grpcclient, client, bundled, wire)
         good = generate(bundled, 3, seed=2).to_wire(bundled)
         assert infer_raw(grpcclient, client, bundled, good).shape == (3,)
+
+
+def test_the_model_imported_from_its_tables_and_onnx_serves_the_same_scores(
+    bundled, bundled_repository, tmp_path
+):
+    formats = {name: ("keyed", "hugectr")[i % 2] for i, name in enumerate(bundled.table_names)}
+    export_tables(bundled, bundled_repository, tmp_path / "tables", formats)
+    onnx = version_dir(bundled_repository, wire.DENSE, bundled) / "model.onnx"
+    import_repository(bundled, tmp_path / "tables", onnx, tmp_path / "imported", lambda message: None)
+    rows = generate(bundled, 50, seed=31)
+    expected = reference_pipeline(bundled, bundled_repository, runtime="torch").predict(rows.to_wire(bundled))
+    with private_server(tmp_path / "imported", tmp_path / "serve", model_control="none") as server:
+        with grpc_client(server) as client:
+            served = infer_raw(grpcclient, client, bundled, rows.to_wire(bundled))
+    np.testing.assert_allclose(served, expected, atol=1e-5)

@@ -118,7 +118,7 @@ def _drain_and_stop(fault_server, spec):
     stubs = list(fault_server.stubs())
     regions = _shared_memory_regions(stubs)
     assert stubs and regions
-    requests = [generate(spec, 32, seed=200 + i).to_wire(spec) for i in range(16)]
+    requests = [generate(spec, 64, seed=200 + i).to_wire(spec) for i in range(16)]
     results, finished, done = [None] * len(requests), [0.0] * len(requests), threading.Semaphore(0)
 
     def record(index):

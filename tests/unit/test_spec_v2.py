@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 
 import numpy as np
 import pytest
@@ -231,3 +232,11 @@ def test_sequences_sharing_positions_and_multi_hot_are_checked(edit, message):
     edit({f["name"]: f for f in doc["features"]})
     with pytest.raises(SpecError, match=message):
         parse_spec(doc)
+
+
+@pytest.mark.parametrize("name", ["ctr", "avazu", "taobao", "tiny"])
+def test_served_models_see_the_tables_in_the_clients_order(name):
+    spec = load_spec(name)
+    served = parse_spec(json.loads(spec.to_json()))
+    assert served.table_names == spec.table_names  # the columns of embedding_version
+    assert served == spec
