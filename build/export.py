@@ -22,7 +22,7 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     dim = spec.embedding_dim
     lengths = rng.integers(0, length + 1, size=rows)
     inputs = {
-        wire.DENSE_NORMALIZED: rng.random((rows, len(spec.numeric_columns)), dtype=np.float32) * 5,
+        wire.DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
         wire.SPARSE_EMBEDDINGS: rng.normal(0, 0.1, (rows, spec.num_sparse, dim)).astype(np.float32),
         wire.TARGET_EMBEDDING: rng.normal(0, 0.1, (rows, dim)).astype(np.float32),
         wire.HISTORY_EMBEDDINGS: rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32),

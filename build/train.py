@@ -69,15 +69,18 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
         keyed_histories = [transform.history(rows.sequence(s.name), lengths, s) for s in spec.sequences]
         history = np.stack([h[wire.HISTORY_KEYS] for h in keyed_histories], axis=1)
         mask = keyed_histories[0][wire.HISTORY_MASK]
-    dense = np.zeros((n, 0), np.float32)
+    dense, numeric = np.zeros((n, 0), np.float32), None
     if spec.dense is not None:
-        dense = transform.dense_values(rows.dense, rows.dense_missing)
+        dense, numeric = (
+            transform.dense_values(rows.dense, rows.dense_missing),
+            (rows.dense, rows.dense_missing),
+        )
     multi, weights = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
     if spec.categorical.multi_hot:
         multi, weights = transform.multi_hot_keys(rows.categorical)
     return KeyedRows(
         dense=dense,
-        sparse=transform.categorical_keys(*categorical_values(rows.categorical, spec.categorical)),
+        sparse=transform.categorical_keys(*categorical_values(rows.categorical, spec.categorical), numeric),
         multi=multi,
         weights=weights,
         target=target,

@@ -156,20 +156,18 @@ def _why(value: str, column: RawColumn, error: InvalidInput) -> str:
 def parse_history(
     fields_: list[str] | None, n: int, lines: np.ndarray, sequence: SequenceFeature
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text."""
+    """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text.
+
+    A history longer than the sequence's ``max_length`` keeps its newest (last) ids.
+    """
     if fields_ is None:
         return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
     name, max_length = sequence.name, sequence.max_length
     normalised = [field.replace(",", " ") for field in fields_]
     lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
-    too_long = np.flatnonzero(lengths > max_length)
-    if too_long.size:
-        r = int(too_long[0])
-        raise RowFormatError(
-            f"history of {int(lengths[r])} items is longer than the maximum {max_length}",
-            line=int(lines[r]),
-            column=name,
-        )
+    for r in np.flatnonzero(lengths > max_length):
+        normalised[r] = " ".join(normalised[r].split()[-max_length:])
+        lengths[r] = max_length
     row_of = np.repeat(np.arange(n), lengths)
     flat = parse_id_text(" ".join(normalised), int(lengths.sum()))
     if flat is None:  # something other than plain ids: parse token by token to name the line

@@ -10,7 +10,7 @@ import numpy as np
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TIERS, TieredStore
-from recserve.spec import ModelSpec
+from recserve.spec import NUMERIC_INPUT, CategoricalFeature, ModelSpec
 
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
@@ -35,7 +35,7 @@ def explain(
     width = (keys.shape[1] - multi - targets) // max(len(spec.sequences), 1)
     for row in range(keys.shape[0]):
         values: list[tuple[str, Any, int]] = [
-            (f.name, _text(raw_categorical[row, f.column]), index) for index, f in enumerate(group.features)
+            (f.name, _raw_value(inputs, spec, f, row), index) for index, f in enumerate(group.features)
         ]
         start = single
         for multi_hot in group.multi_hot:
@@ -64,6 +64,16 @@ def explain(
                 "tier": TIERS[int(tiers[row, column])],
                 "version": store.version_of(table, result.snapshot),
             }
+
+
+def _raw_value(
+    inputs: Mapping[str, np.ndarray], spec: ModelSpec, feature: CategoricalFeature, row: int
+) -> Any:
+    """What the client sent for a single-valued feature: its string, or a bucketized number."""
+    if feature.numeric < 0:
+        return _text(inputs[spec.categorical.name][row, feature.column])
+    missing = inputs[spec.dense_missing_input][row, feature.numeric]
+    return None if missing else float(inputs[NUMERIC_INPUT][row, feature.numeric])
 
 
 def _text(value: Any) -> str:

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 class EmbeddingLookup:
     """Map the keys produced by :class:`~recserve.backends.features.transform.FeatureTransform` to vectors.
 
-    The sparse keys ``[B, F]``, the target key ``[B, 1]`` and the history keys ``[B, L]`` are laid
-    side by side as one ``[B, F + 1 + L]`` key matrix with a matching table-id matrix, so the store
-    serves every key of the batch in one vectorised call.
+    The sparse keys ``[B, F]``, the multi-hot keys ``[B, M]``, the target keys ``[B, T]`` and the
+    history keys ``[B, S * L]`` are laid side by side as one key matrix with a matching table-id
+    matrix, so the store serves every key of the batch in one vectorised call. The multi-hot vectors
+    are then pooled with their weights; sequences sharing positions, and their targets, are summed.
 
     Each row also reports the store snapshot that served it: every table's version, in the spec's
     table order (``embedding_version``). The store answers a whole batch from one snapshot, so all

@@ -325,6 +325,8 @@ class NumericFeatureSection:
     log1p: bool = False
     standardize: tuple[float, ...] = ()  # [mean, std]: (x - mean) / std
     minmax: tuple[float, ...] = ()  # [min, max]: (x - min) / (max - min)
+    # increasing boundaries: the value's bucket becomes a categorical feature with its own table
+    bucketize: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

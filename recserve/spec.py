@@ -109,6 +109,7 @@ class NumericColumn:
     log1p: bool = False
     shift: float = 0.0
     scale: float = 1.0
+    boundaries: tuple[float, ...] = ()  # bucketized: a categorical feature, not a dense value
 
     def describe(self) -> str:
         """The ops as a formula, for the dense contract."""
@@ -133,6 +134,11 @@ class DenseGroup:
     def columns(self) -> tuple[str, ...]:
         """Column names in wire order."""
         return tuple(c.name for c in self.numeric)
+
+    @property
+    def normalized(self) -> tuple[int, ...]:
+        """Indices of the columns that are dense values (``dense_normalized``), not bucketized."""
+        return tuple(i for i, c in enumerate(self.numeric) if not c.boundaries)
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,8 @@ class CategoricalFeature:
     """A single-valued categorical feature mapped to a key in its table.
 
     ``column`` is its raw column's index in the categorical tensor (-1: the attention target's own
-    INT64 input); ``part`` names the derived part of a time column (``""`` otherwise).
+    INT64 input, or a bucketized numeric column); ``part`` names the derived part of a time column
+    (``""`` otherwise); ``numeric`` is the index of a bucketized numeric column in ``dense``.
     """
 
     name: str
@@ -172,6 +179,7 @@ class CategoricalFeature:
     encoder: str = "hash"
     column: int = -1
     part: str = ""
+    numeric: int = -1
 
 
 @dataclass(frozen=True)
@@ -281,8 +289,13 @@ class ModelSpec:
 
     @property
     def numeric_columns(self) -> tuple[str, ...]:
-        """Names of the numeric columns (none when the spec has no numeric feature)."""
+        """Names of the numeric columns on the wire (none when the spec has no numeric feature)."""
         return self.dense.columns if self.dense else ()
+
+    @property
+    def normalized_columns(self) -> tuple[str, ...]:
+        """Names of the numeric columns the dense network gets as ``dense_normalized`` (not bucketized)."""
+        return tuple(self.numeric_columns[i] for i in self.dense.normalized) if self.dense else ()
 
     def wire_inputs(self) -> tuple[WireTensor, ...]:
         """The raw-feature inputs of the ensemble, as clients send them."""
@@ -422,11 +435,14 @@ def _numeric(section: NumericFeatureSection, name: str, where: str) -> NumericCo
     if scale <= 0:
         raise SpecError(f"{where}: the std or the max - min must be positive, got {scale:g}")
     low, high = section.clip or (-math.inf, math.inf)
+    edges = section.bucketize
+    if edges and any(b <= a for a, b in zip(edges[:-1], edges[1:], strict=True)):
+        raise SpecError(f"{where}: bucketize needs increasing boundaries, got {list(edges)}")
     if section.log1p and low <= -1:
         raise SpecError(f"{where}: log1p needs clip with a minimum above -1, got {list(section.clip)}")
     if section.log1p and section.fill_na <= -1:
         raise SpecError(f"{where}: log1p needs fill_na above -1, got {section.fill_na:g}")
-    return NumericColumn(name, section.fill_na, low, high, section.log1p, shift, scale)
+    return NumericColumn(name, section.fill_na, low, high, section.log1p, shift, scale, edges)
 
 
 def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Features:
@@ -440,7 +456,12 @@ def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Feature
         for name in names:
             out.add_name(name, where)
         if isinstance(section, NumericFeatureSection):
-            out.numeric += [_numeric(section, name, where) for name in names]
+            for name in names:
+                column = _numeric(section, name, where)
+                if column.boundaries:
+                    tables.setdefault(name, TableSpec(name, 0, len(column.boundaries) + 1, 0.0))
+                    out.categorical.append(CategoricalFeature(name, name, numeric=len(out.numeric)))
+                out.numeric.append(column)
         elif isinstance(section, SequenceFeatureSection):
             out.sequences += [
                 SequenceFeature(
@@ -608,8 +629,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     tables = _parse_tables(doc.get("tables", {}), dim)
     features = _parse_features(doc["features"], tables)
     tables = {name: replace(t, dim=t.dim or dim) for name, t in tables.items()}
-    if not features.categorical:
-        raise SpecError("a spec needs at least one categorical or time feature")
+    if not features.raw_columns:
+        raise SpecError("a spec needs at least one categorical, time or multi-hot feature")
     targets, sequences = _attention(features)
     target, sequence = (targets[0], sequences[0]) if sequences else (None, None)
     named: list[Feature] = [*features.categorical, *features.multi_hot, *targets, *sequences]

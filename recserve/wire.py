@@ -80,10 +80,11 @@ def _span(names: Sequence[str]) -> str:
 def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     """The dense network's inputs under ``spec``, in the order of :data:`DENSE_NET_INPUTS`.
 
-    ``dense_normalized`` only with numeric features; the target and history only with a sequence.
+    ``dense_normalized`` only with numeric features that are not bucketized; the target and history
+    only with a sequence.
     """
     present = {SPARSE_EMBEDDINGS}
-    if spec.dense is not None:
+    if spec.normalized_columns:
         present.add(DENSE_NORMALIZED)
     if spec.sequence is not None:
         present |= {TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK}
@@ -100,8 +101,8 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
     dim = spec.embedding_dim
     features = spec.categorical.slot_names
     inputs = []
-    if spec.dense is not None:
-        numeric = spec.dense.numeric
+    if spec.dense is not None and spec.normalized_columns:
+        numeric = [spec.dense.numeric[i] for i in spec.dense.normalized]
         ops = {c.describe() for c in numeric}
         how = ops.pop() if len(ops) == 1 else "each by its feature's ops"
         inputs.append(

@@ -59,7 +59,7 @@ class Bucket:
         """Full shapes of the dense net's inputs at this bucket."""
         dim = spec.embedding_dim
         shapes = {
-            wire.DENSE_NORMALIZED: (self.rows, len(spec.numeric_columns)),
+            wire.DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns)),
             wire.SPARSE_EMBEDDINGS: (self.rows, spec.num_sparse, dim),
             wire.TARGET_EMBEDDING: (self.rows, dim),
             wire.HISTORY_EMBEDDINGS: (self.rows, self.length, dim),

@@ -69,10 +69,10 @@ class CTRNet(nn.Module):
         super().__init__()
         dim = spec.embedding_dim
         self.input_names = wire.dense_net_inputs(spec)
-        self.has_dense = spec.dense is not None
+        self.has_dense = bool(spec.normalized_columns)
         self.has_attention = spec.sequence is not None
         if self.has_dense:
-            self.bottom = _mlp([len(spec.numeric_columns), *spec.bottom_mlp], final_activation=True)
+            self.bottom = _mlp([len(spec.normalized_columns), *spec.bottom_mlp], final_activation=True)
         if self.has_attention:
             self.attention = TargetAttention(dim, spec.attention_heads)
         # bottom output, sparse, target, attention context

@@ -81,7 +81,7 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
         checked[wire.HISTORY_MASK] = require(inputs, wire.HISTORY_MASK, "FP32", rows, None)
         length = checked[wire.HISTORY_MASK].shape[1]
     expected = {
-        wire.DENSE_NORMALIZED: (rows, len(spec.numeric_columns)),
+        wire.DENSE_NORMALIZED: (rows, len(spec.normalized_columns)),
         wire.SPARSE_EMBEDDINGS: (rows, spec.num_sparse, dim),
         wire.TARGET_EMBEDDING: (rows, dim),
         wire.HISTORY_EMBEDDINGS: (rows, length, dim),

@@ -70,6 +70,12 @@ class FeatureTransform:
             (i, f.part, spec.categorical.raw_columns[f.column].timezone) for i, f in enumerate(cat) if f.part
         ]
         numeric = spec.dense.numeric if spec.dense else ()
+        self._buckets = [
+            (i, f.numeric, np.array(numeric[f.numeric].boundaries))
+            for i, f in enumerate(cat)
+            if f.numeric >= 0
+        ]
+        self._normalized = np.array(spec.dense.normalized if spec.dense else (), dtype=np.intp)
         self._fill = np.array([c.fill_na for c in numeric], dtype=np.float32)
         self._low = np.array([c.clip_min for c in numeric], dtype=np.float32)
         self._high = np.array([c.clip_max for c in numeric], dtype=np.float32)
@@ -93,12 +99,18 @@ class FeatureTransform:
         if rows < 1 or rows > spec.max_batch_size:
             raise InvalidInput(group.name, f"batch of {rows} rows outside 1..{spec.max_batch_size}")
         values, empty = categorical_values(categorical, group)
-        out = {wire.SPARSE_KEYS: self.categorical_keys(values, empty)}
+        out = {}
+        numeric = None
         if spec.dense is not None:
             width = len(spec.dense.columns)
-            dense = require(inputs, spec.dense.name, "FP32", rows, width)
-            missing = require(inputs, spec.dense_missing_input, "BOOL", rows, width)
-            out[wire.DENSE_NORMALIZED] = self.dense_values(dense, missing)
+            numeric = (
+                require(inputs, spec.dense.name, "FP32", rows, width),
+                require(inputs, spec.dense_missing_input, "BOOL", rows, width),
+            )
+            normalized = self.dense_values(*numeric)  # also refuses NaN and Inf
+            if spec.normalized_columns:
+                out[wire.DENSE_NORMALIZED] = normalized
+        out[wire.SPARSE_KEYS] = self.categorical_keys(values, empty, numeric)
         if group.multi_hot:
             out[wire.MULTI_HOT_KEYS], out[wire.MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
         if spec.sequences:
@@ -148,20 +160,29 @@ class FeatureTransform:
             )
         clipped = np.clip(np.where(missing, self._fill, values), self._low, self._high)
         logged = np.where(self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0)), clipped)
-        return ((logged - self._shift) / self._scale).astype(np.float32)
+        normalized = ((logged - self._shift) / self._scale).astype(np.float32)
+        return normalized if len(self._normalized) == values.shape[1] else normalized[:, self._normalized]
 
-    def categorical_keys(self, values: np.ndarray, empty: np.ndarray) -> np.ndarray:
+    def categorical_keys(
+        self, values: np.ndarray, empty: np.ndarray, numeric: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> np.ndarray:
         """Keys ``[B, F]`` of the parsed raw columns (:func:`~recserve.wire.categorical_values`).
 
-        Each feature reads its column (a time feature its part of it); an empty value gets its
-        feature's missing key.
+        Each feature reads its column (a time feature its part of it; a bucketized numeric feature
+        the bucket of its value in ``numeric``, the raw numeric values and their missing mask); an
+        empty or missing value gets its feature's missing key.
         """
         picked = values[:, self._cat_columns]
+        absent = empty[:, self._cat_columns]
         for index, part, timezone in self._parts:
             picked[:, index] = time_part(picked[:, index], part, timezone)
+        for index, column, edges in self._buckets:
+            assert numeric is not None  # a bucketized feature is a numeric column of the spec
+            picked[:, index] = np.searchsorted(edges, numeric[0][:, column], side="right")
+            absent[:, index] = numeric[1][:, column]
         keys = keys_for(picked, self._cat_salts[None, :])
         keys = np.where(self._identity[None, :], picked.view(np.int64), keys)
-        return np.where(empty[:, self._cat_columns], self._cat_missing[None, :], keys)
+        return np.where(absent, self._cat_missing[None, :], keys)
 
     def target_keys(self, target: np.ndarray, feature: CategoricalFeature | None = None) -> np.ndarray:
         """Keys ``[B, 1]`` of a target's item ids (-1: absent, its missing key); by default the first's."""
@@ -234,7 +255,7 @@ def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.nda
         feature, column = target, RawColumn(target.name, "int64")
     else:
         raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
-    if feature.part:
+    if feature.part or feature.numeric >= 0:  # the part's or the bucket's number
         column = RawColumn(feature.name, "uint64")
     numbers = column.value_type in ("int64", "uint64")
     texts = []

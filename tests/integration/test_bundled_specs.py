@@ -76,7 +76,7 @@ def test_avazu_has_no_numeric_input_and_no_sequence(avazu):
 def test_taobao_sends_both_sequences_and_targets(taobao):
     names = [t.name for t in taobao.wire_inputs()]
     assert names[3:] == ["item_id", "cate_id", "hist_item_ids", "hist_cate_ids", "hist_item_ids__length"]
-    assert taobao.categorical.slot_names[-1] == "tags" and taobao.num_sparse == 13
+    assert taobao.categorical.slot_names[-1] == "tags" and taobao.num_sparse == 14
 
 
 @pytest.mark.parametrize("batch", [1, 7, 64])
@@ -103,31 +103,29 @@ def _as_exported(path, rows_path):
     return path
 
 
-def test_predict_scores_an_avazu_export(avazu, bundled_repository, bundled_server, tmp_path):
-    raw = generate(avazu, 40, seed=11)
-    exported = _as_exported(tmp_path / "train.csv", write_csv(tmp_path / "rows.csv", raw, avazu))
+def _predicts_the_reference(spec, repository, server, path, raw) -> None:
+    """``recserve predict`` on the file prints the in-process PyTorch scores of ``raw``."""
     done = subprocess.run(
-        [*CLI, "avazu", "predict", "--input", str(exported), "--url", bundled_server.grpc_url],
+        [*CLI, spec.name, "predict", "--input", str(path), "--url", server.grpc_url],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     printed = np.array([float(line) for line in done.stdout.split()])
-    expected = reference_pipeline(avazu, bundled_repository, runtime="torch").predict(raw.to_wire(avazu))
+    expected = reference_pipeline(spec, repository, runtime="torch").predict(raw.to_wire(spec))
     np.testing.assert_allclose(printed, expected, atol=1e-5)
+
+
+def test_predict_scores_an_avazu_export(avazu, bundled_repository, bundled_server, tmp_path):
+    raw = generate(avazu, 40, seed=11)
+    exported = _as_exported(tmp_path / "train.csv", write_csv(tmp_path / "rows.csv", raw, avazu))
+    _predicts_the_reference(avazu, bundled_repository, bundled_server, exported, raw)
 
 
 def test_predict_scores_a_csv_with_both_sequences(taobao, bundled_repository, bundled_server, tmp_path):
     raw = generate(taobao, 40, seed=12)
     rows = write_csv(tmp_path / "rows.csv", raw, taobao)
     assert "hist_cate_ids" in rows.read_text().splitlines()[0]
-    done = subprocess.run(
-        [*CLI, "taobao", "predict", "--input", str(rows), "--url", bundled_server.grpc_url],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    printed = np.array([float(line) for line in done.stdout.split()])
-    expected = reference_pipeline(taobao, bundled_repository, runtime="torch").predict(raw.to_wire(taobao))
-    np.testing.assert_allclose(printed, expected, atol=1e-5)
+    _predicts_the_reference(taobao, bundled_repository, bundled_server, rows, raw)
 
 
 def test_explain_names_every_feature(bundled, bundled_repository, tmp_path):

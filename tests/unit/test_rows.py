@@ -156,15 +156,17 @@ def test_bad_hex_is_rejected(spec):
         read_rows(io.StringIO(_tsv_line("1", cats=cats)), spec)
 
 
-def test_history_longer_than_max_length_is_rejected(spec):
+def test_a_history_longer_than_max_length_keeps_its_newest_ids(spec):
     limit = spec.sequence.max_length
     ok = " ".join(["1"] * limit)
     rows = read_rows(io.StringIO(_tsv_line("1", extras=[ok, "2"])), spec)
     assert rows.lengths[0] == limit and rows.to_inputs(spec)[spec.sequence.name].shape == (1, limit)
-    too_long = " ".join(["1"] * (limit + 1))
-    text = _tsv_line("1", extras=[ok, "2"]) + _tsv_line("1", extras=[too_long, "2"])
-    with pytest.raises(RowFormatError, match=rf"line 2, column history_items: .*{limit + 1}.*{limit}"):
-        read_rows(io.StringIO(text), spec)
+    too_long = " ".join(str(i) for i in range(1, limit + 6))  # newest last
+    rows = read_rows(
+        io.StringIO(_tsv_line("1", extras=[ok, "2"]) + _tsv_line("1", extras=[too_long, "2"])), spec
+    )
+    assert rows.lengths[1] == limit
+    np.testing.assert_array_equal(rows.history[1], np.arange(6, limit + 6))
 
 
 def test_empty_input_gives_no_rows(spec):

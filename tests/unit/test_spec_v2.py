@@ -240,3 +240,38 @@ def test_served_models_see_the_tables_in_the_clients_order(name):
     served = parse_spec(json.loads(spec.to_json()))
     assert served.table_names == spec.table_names  # the columns of embedding_version
     assert served == spec
+
+
+def test_a_bucketized_numeric_feature_is_a_categorical_one():
+    doc = _spec(
+        [
+            {"name": "price", "kind": "numeric", "clip": [0.0, 1e6], "log1p": True},
+            {"name": "clicks", "kind": "numeric", "bucketize": [1, 3, 10]},
+            {"name": "k", "kind": "categorical", "value_type": "string"},
+        ],
+        {"k": {"cardinality": 5}},
+    )
+    spec = parse_spec(doc)
+    assert spec.numeric_columns == ("price", "clicks") and spec.normalized_columns == ("price",)
+    assert spec.categorical.slot_names == ("clicks", "k") and spec.tables["clicks"].cardinality == 4
+    inputs, _ = wire.dense_contract(spec)
+    assert [(t.name, t.shape) for t in inputs[:2]] == [
+        (wire.DENSE_NORMALIZED, (-1, 1)),
+        (wire.SPARSE_EMBEDDINGS, (-1, 2, 16)),
+    ]
+    values = np.array([[5.0, 0.0], [5.0, 3.0], [5.0, 250.0], [5.0, 7.0]], np.float32)
+    missing = np.array([[False, False], [False, False], [False, False], [False, True]])
+    out = FeatureTransform(spec).transform(
+        {"dense": values, "dense__missing": missing, "categorical": np.full((4, 1), b"a", dtype=object)}
+    )
+    np.testing.assert_allclose(out[wire.DENSE_NORMALIZED][:, 0], np.log1p(5.0), rtol=1e-6)
+    ns = spec.hash_namespace
+    expected = [keys_for(np.uint64(b), table_salt(ns, "clicks")) for b in (0, 2, 3)]
+    assert list(out[wire.SPARSE_KEYS][:3, 0]) == expected and out[wire.SPARSE_KEYS][3, 0] == missing_key(
+        ns, "clicks"
+    )
+    assert vocabulary_keys(spec, "clicks", [2])[0] == expected[1]
+    with pytest.raises(SpecError, match="increasing boundaries"):
+        parse_spec(
+            _spec([{"name": "c", "kind": "numeric", "bucketize": [3, 1]}, doc["features"][2]], doc["tables"])
+        )
