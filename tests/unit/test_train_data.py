@@ -7,6 +7,7 @@ from recserve.build.train import split_holdout
 from recserve.cli import main
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv, write_tsv
+from recserve.spec import load_spec
 from recserve.verify import score_in_batches
 from tests.unit.conftest import TINY_SPEC
 
@@ -52,3 +53,23 @@ def test_build_trains_on_the_users_rows(tiny_spec, tmp_path, capsys):
     served = reference_pipeline(tiny_spec, repository, "onnx")
     scores = score_in_batches(read_rows(rows, tiny_spec), tiny_spec, served.predict)
     assert scores.shape == (900,) and np.isfinite(scores).all()
+
+
+def test_build_trains_on_an_avazu_export(tmp_path, capsys):
+    """Avazu's own columns: ``id`` (above 2^63, ignored) first, ``click`` as the label, CRLF."""
+    spec = load_spec("avazu")
+    rows = write_csv(tmp_path / "rows.csv", generate(spec, 600, seed=22), spec, with_label=True)
+    lines = rows.read_text().splitlines()
+    exported = tmp_path / "train.csv"
+    exported.write_text(
+        "\r\n".join(
+            [f"id,{lines[0]}", *(f"{10000174058809263569 + i},{line}" for i, line in enumerate(lines[1:]))]
+        )
+    )
+    repository = tmp_path / "repository"
+    assert (
+        main(["--spec", "avazu", "build", "--repository", str(repository), "--train-data", str(exported)])
+        == 0
+    )
+    assert "your rows: 540 to train on, 60 held out" in capsys.readouterr().err
+    assert is_built(spec, repository)
