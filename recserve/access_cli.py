@@ -11,7 +11,7 @@ from recserve.spec import load_spec
 
 
 def _access(args: argparse.Namespace) -> int:
-    from recserve.access import AccessError, AccessLayer, behind_proxy, run_foreground
+    from recserve.access import AccessError, AccessLayer, behind_proxy, observe, run_foreground
     from recserve.build.repository import is_built
 
     spec = load_spec(args.spec)
@@ -33,10 +33,11 @@ def _access(args: argparse.Namespace) -> int:
             for s in replicas
         )
         proxy = layer.proxy.pid if layer.proxy is not None else "-"
+        watch = observe.write(layer.workdir, spec, *layer.scrape_targets())
         print(
             f"access layer up: gRPC {layer.grpc_url}, HTTP {layer.http_url}, "
             f"admin 127.0.0.1:{layer.ports.admin} (envoy pid {proxy}); variants: {servers}; "
-            f"config {layer.workdir / 'envoy.json'}",
+            f"config {layer.workdir / 'envoy.json'}; to watch it: {', '.join(map(str, watch))}",
             file=sys.stderr,
         )
 
@@ -71,3 +72,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="keep the Envoy config and the logs here (default: a temp folder)",
     )
     access.set_defaults(func=_access)
+    watch = sub.add_parser(
+        "observe", help="write a Prometheus scrape config and a Grafana dashboard for a running stack"
+    )
+    watch.add_argument(
+        "--output", type=Path, required=True, help="folder for prometheus.yml and the dashboard"
+    )
+    watch.add_argument(
+        "--triton", nargs="+", default=["127.0.0.1:8002"], help="host:port of each tritonserver's metrics"
+    )
+    watch.add_argument(
+        "--envoy", nargs="*", default=None, help="host:port of Envoy's admin (default: the spec's [access])"
+    )
+    watch.set_defaults(func=_observe)
+
+
+def _observe(args: argparse.Namespace) -> int:
+    from recserve.access import observe
+
+    spec = load_spec(args.spec)
+    envoy = [f"127.0.0.1:{spec.access.admin_port}"] if args.envoy is None else args.envoy
+    for path in observe.write(args.output, spec, args.triton, envoy):
+        print(path)
+    return 0

@@ -297,6 +297,11 @@ class AccessLayer:
             cpus=self.server_cpus,
         )
 
+    def scrape_targets(self) -> tuple[list[str], list[str]]:
+        """``host:port`` of every tritonserver's metrics endpoint, and of Envoy's admin interface."""
+        triton = [f"{LOOPBACK}:{server.ports.metrics}" for server in self.all_servers()]
+        return triton, [f"{LOOPBACK}:{self.ports.admin}"]
+
     def all_servers(self) -> list[TritonServer]:
         """Every replica of every variant."""
         return [server for replicas in self.servers.values() for server in replicas]

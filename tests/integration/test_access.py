@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import threading
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from recserve.access import AccessLayer, ProxyPorts, behind_proxy
+from recserve.access import AccessLayer, ProxyPorts, behind_proxy, observe
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError
@@ -275,6 +277,23 @@ def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live
         admin.set_shadow_fraction(0.0)
     with CTRClient(layer.grpc_url, spec=tiny, user_id="after") as client:
         assert _dense_version(client, request) == STABLE
+
+
+def test_every_dashboard_query_reads_a_series_the_running_stack_exports(layer, tiny, tmp_path):
+    with CTRClient(layer.grpc_url, spec=tiny, timeout_s=30) as client:
+        for seed in range(4):  # a few requests: the latency histograms get their first samples
+            client.predict_inputs(_request(tiny, seed=seed))
+    triton, envoy = layer.scrape_targets()
+    assert len(triton) == len(layer.all_servers()) == 2 and envoy == [f"127.0.0.1:{layer.ports.admin}"]
+    exported = observe.exported_names(layer.admin.prometheus())
+    for target in triton:
+        with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
+            exported |= observe.exported_names(response.read().decode())
+    board = json.loads(observe.write(tmp_path, tiny, triton, envoy)[1].read_text())
+    for panel in board["panels"]:
+        for query in panel["targets"]:
+            missing = observe.metric_names(query["expr"]) - exported
+            assert not missing, (panel["title"], missing)
 
 
 def test_the_proxy_and_servers_stop_by_pid(tiny, served, tmp_path):
