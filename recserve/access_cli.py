@@ -85,6 +85,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--envoy", nargs="*", default=None, help="host:port of Envoy's admin (default: the spec's [access])"
     )
     watch.set_defaults(func=_observe)
+    k8s = sub.add_parser(
+        "k8s", help="write Kubernetes manifests of the stack (variants, proxy, Redis Cluster)"
+    )
+    k8s.add_argument("--output", type=Path, required=True, help="folder for recserve-<model>.yaml")
+    k8s.add_argument("--image", required=True, help="an image with recserve installed and the spec")
+    k8s.add_argument("--namespace", default="default")
+    k8s.set_defaults(func=_kubernetes)
+
+
+def _kubernetes(args: argparse.Namespace) -> int:
+    from recserve.access import kubernetes
+
+    print(kubernetes.write(args.output, load_spec(args.spec), args.image, args.namespace, args.spec))
+    return 0
 
 
 def _observe(args: argparse.Namespace) -> int:

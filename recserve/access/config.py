@@ -30,6 +30,7 @@ shadow cluster per protocol for the mirrored copies. The parts:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 from collections.abc import Mapping
@@ -61,11 +62,16 @@ class AccessError(RuntimeError):
 
 @dataclass(frozen=True)
 class Upstream:
-    """One tritonserver of a variant: where its gRPC and HTTP endpoints listen."""
+    """One tritonserver of a variant: where its gRPC and HTTP endpoints listen.
+
+    ``host`` may be a DNS name standing for ``replicas`` servers (a Kubernetes headless Service):
+    Envoy then resolves it and balances over every address it gets.
+    """
 
     grpc_port: int
     http_port: int
     host: str = LOOPBACK
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -109,14 +115,24 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _seconds(value: float) -> str:
     return f"{value:.3f}s"
 
 
 def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: int) -> dict[str, Any]:
-    """One cluster: the upstreams' endpoints of ``protocol``, a cap of ``max_requests`` per upstream."""
-    cap = max_requests * len(upstreams)  # Envoy's thresholds are per cluster; ours are per replica
-    replicated = len(upstreams) > 1
+    """One cluster: the upstreams' endpoints of ``protocol``, a cap of ``max_requests`` per replica."""
+    servers = sum(u.replicas for u in upstreams)
+    cap = max_requests * servers  # Envoy's thresholds are per cluster; ours are per replica
+    replicated = servers > 1
+    by_name = any(not _is_ip(u.host) for u in upstreams)
     endpoints = [
         {"endpoint": {"address": _address(u.host, u.grpc_port if protocol == "grpc" else u.http_port)}}
         for u in upstreams
@@ -134,7 +150,7 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
         health["http_health_check"] = {"path": "/v2/health/ready"}
     config: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
+        "type": "STRICT_DNS" if by_name else "STATIC",
         "connect_timeout": "1s",
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]},
