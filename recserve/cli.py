@@ -220,7 +220,7 @@ def parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     predict = sub.add_parser(
-        "predict", help="score Criteo rows (TSV or CSV with header); one probability per line"
+        "predict", help="score rows of the spec (TSV, or CSV with a header); one probability per line"
     )
     predict.add_argument("--input", type=Path, required=True)
     predict.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 gRPC, :8000 HTTP)")
