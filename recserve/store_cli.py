@@ -104,7 +104,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rollback.set_defaults(func=_rollback)
 
     explain = sub.add_parser("explain", help="per row and feature: value, key, table, dim, tier, version")
-    explain.add_argument("--input", type=Path, required=True, help="rows of the spec: TSV, or CSV with a header")
+    explain.add_argument(
+        "--input", type=Path, required=True, help="rows of the spec: TSV, or CSV with a header"
+    )
     explain.add_argument("--json", action="store_true", help="one JSON object per line")
     explain.add_argument("--repository", type=Path, default=None)
     explain.set_defaults(func=_explain)
