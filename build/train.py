@@ -63,9 +63,10 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
         np.zeros((n, 1), np.float32),
     )
     if spec.sequences:
-        wire_rows = rows.to_wire(spec)
         lengths = rows.lengths.astype(np.int32)
-        target = np.concatenate([transform.target_keys(wire_rows[t.name], t) for t in spec.targets], axis=1)
+        target = np.concatenate(
+            [transform.target_keys(rows.target_ids(t.name)[:, None], t) for t in spec.targets], axis=1
+        )
         keyed_histories = [transform.history(rows.sequence(s.name), lengths, s) for s in spec.sequences]
         history = np.stack([h[wire.HISTORY_KEYS] for h in keyed_histories], axis=1)
         mask = keyed_histories[0][wire.HISTORY_MASK]

@@ -26,7 +26,7 @@ def _text_columns(
         texts = [history_separator.join(map(str, ids[r, : raw.lengths[r]])) for r in range(len(raw))]
         columns.append(np.array(texts, dtype=object).reshape(-1, 1))
     for target in spec.targets:
-        values = raw.side.get(target.name, raw.target)
+        values = raw.target_ids(target.name)
         text = np.char.mod("%d", values).astype(object).reshape(-1, 1)
         text[values == ABSENT_ITEM] = ""
         columns.append(text)

@@ -11,6 +11,7 @@ from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.spec import NUMERIC_INPUT, CategoricalFeature, ModelSpec
+from recserve.wire import multi_hot_tokens
 
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
@@ -39,11 +40,9 @@ def explain(
         ]
         start = single
         for multi_hot in group.multi_hot:
-            separator = group.raw_columns[multi_hot.column].separator
-            tokens = [t for t in _text(raw_categorical[row, multi_hot.column]).split(separator) if t]
-            values += [
-                (f"{multi_hot.name}[{k}]", t, start + k) for k, t in enumerate(tokens[: multi_hot.max_length])
-            ]
+            field = raw_categorical[row, multi_hot.column]
+            tokens = multi_hot_tokens(field, group.raw_columns[multi_hot.column])
+            values += [(f"{multi_hot.name}[{k}]", _text(t), start + k) for k, t in enumerate(tokens)]
             start += multi_hot.max_length
         values += [(t.name, int(inputs[t.name][row, 0]), multi + i) for i, t in enumerate(spec.targets)]
         length = int(inputs[spec.sequence_length_input][row, 0]) if spec.sequences else 0

@@ -47,10 +47,9 @@ from recserve.sections import (
 
 DEFAULT_SPEC = "ctr"
 #: Wire inputs: every numeric column in one FP32 tensor (and its missing mask), every categorical or
-#: time column as a string in one BYTES tensor; the attention target and its sequence travel as ids.
+#: time column as a string in one BYTES tensor; the attention targets and sequences travel as ids.
 NUMERIC_INPUT = "dense"
 CATEGORICAL_INPUT = "categorical"
-SEQUENCE_INPUT = "history"
 #: Storage dtypes of a table (``[tables.<name>] dtype``).
 TABLE_DTYPES = ("fp32", "fp16")
 DEFAULT_REPOSITORY = Path("model_repository")  # where recserve build writes and the commands read
@@ -249,8 +248,6 @@ class ModelSpec:
     instances: dict[str, int]
     dense: DenseGroup | None  # None: no numeric features
     categorical: CategoricalGroup
-    target: CategoricalFeature | None  # the attention target over ``sequence``; both or neither
-    sequence: SequenceFeature | None
     tables: dict[str, TableSpec]
     training: TrainingSection
     hash_namespace: str
@@ -268,9 +265,20 @@ class ModelSpec:
 
     # ---- derived names -------------------------------------------------------------------
     @property
+    def target(self) -> CategoricalFeature | None:
+        """The first attention target (over :attr:`sequence`); None without a sequence."""
+        return self.targets[0] if self.targets else None
+
+    @property
+    def sequence(self) -> SequenceFeature | None:
+        """The sequence with its own positions (the others share them); None without one."""
+        return self.sequences[0] if self.sequences else None
+
+    @property
     def sequence_length_input(self) -> str:
-        """Wire name of the per-row sequence length."""
-        return f"{self.sequence.name if self.sequence else SEQUENCE_INPUT}__length"
+        """Wire name of the per-row sequence length (only specs with a sequence have one)."""
+        assert self.sequence is not None
+        return f"{self.sequence.name}__length"
 
     @property
     def dense_missing_input(self) -> str:
@@ -632,7 +640,6 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     if not features.raw_columns:
         raise SpecError("a spec needs at least one categorical, time or multi-hot feature")
     targets, sequences = _attention(features)
-    target, sequence = (targets[0], sequences[0]) if sequences else (None, None)
     named: list[Feature] = [*features.categorical, *features.multi_hot, *targets, *sequences]
     used = [f.table for f in named]
     for feature in named:
@@ -653,6 +660,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     max_batch = model.max_batch_size
     if batch_buckets[-1] != max_batch:
         raise SpecError(f"largest batch bucket {batch_buckets[-1]} must equal max_batch_size {max_batch}")
+    sequence = sequences[0] if sequences else None
     if sequence is None and seq_buckets != (1,):
         raise SpecError(f"a spec without a sequence has sequence_buckets = [1], got {list(seq_buckets)}")
     if sequence is not None and seq_buckets[-1] != sequence.max_length:
@@ -698,8 +706,6 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
             tuple(features.categorical),
             tuple(features.multi_hot),
         ),
-        target=target,
-        sequence=sequence,
         tables=tables,
         training=parse_section(TrainingSection, doc.get("training", {}), "training"),
         hash_namespace=parse_section(HashingSection, doc.get("hashing", {}), "hashing").namespace,

@@ -358,6 +358,12 @@ def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.
     return out, empty
 
 
+def multi_hot_tokens(value: object, column: RawColumn) -> list[bytes]:
+    """The elements of one multi-hot field kept for serving: the non-empty ones, the first ``max_length``."""
+    text = value if isinstance(value, bytes) else str(value).encode()
+    return [t for t in text.split(column.separator.encode()) if t][: column.max_length]
+
+
 def multi_hot_values(values: np.ndarray, column: RawColumn, input_name: str) -> tuple[np.ndarray, np.ndarray]:
     """The values of a multi-hot column ``[B]`` (``a|b|c``): ``uint64 [B, max_length]`` and a mask.
 
@@ -366,13 +372,7 @@ def multi_hot_values(values: np.ndarray, column: RawColumn, input_name: str) -> 
     Raises:
         InvalidInput: an element is not of the column's value type (naming the row).
     """
-    separator = column.separator.encode()
-    rows = [
-        [t for t in (v if isinstance(v, bytes) else str(v).encode()).split(separator) if t][
-            : column.max_length
-        ]
-        for v in values
-    ]
+    rows = [multi_hot_tokens(v, column) for v in values]
     lengths = np.array([len(r) for r in rows], dtype=np.intp)
     mask = np.arange(column.max_length)[None, :] < lengths[:, None]
     out = np.zeros(mask.shape, dtype=np.uint64)
@@ -428,6 +428,10 @@ class RawRows:
         """Ids ``[N, W]`` of one sequence (the first is ``history``)."""
         return self.side.get(name, self.history)
 
+    def target_ids(self, name: str) -> np.ndarray:
+        """int64 ids ``[N]`` of one attention target (the first is ``target``; -1: absent)."""
+        return self.side.get(name, self.target).astype(np.int64)
+
     def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
         """Request tensors of the spec's ensemble for these rows (history width = longest row)."""
         width = max(int(self.lengths.max(initial=0)), 1)
@@ -435,12 +439,13 @@ class RawRows:
             NUMERIC_INPUT: self.dense.astype(np.float32),
             spec.dense_missing_input: self.dense_missing.astype(bool),
             spec.categorical.name: self.categorical,
-            spec.sequence_length_input: self.lengths.astype(np.int32)[:, None],
         }
         for target in spec.targets:
-            values[target.name] = self.side.get(target.name, self.target).astype(np.int64)[:, None]
+            values[target.name] = self.target_ids(target.name)[:, None]
         for sequence in spec.sequences:
             values[sequence.name] = np.ascontiguousarray(
                 self.sequence(sequence.name)[:, :width], dtype=np.int64
             )
+        if spec.sequences:
+            values[spec.sequence_length_input] = self.lengths.astype(np.int32)[:, None]
         return {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}
