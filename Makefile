@@ -10,7 +10,7 @@ METRICS_PORT ?= 8002
 BIN := $(VENV)/bin
 APT_PACKAGES := libb64-0d redis-server gcc libc6-dev
 
-.PHONY: install system-packages build serve access test lint typecheck unit integration clean gpu-check
+.PHONY: install system-packages build serve access canary test lint typecheck unit integration clean gpu-check
 
 # Debian packages: libb64 for perf_analyzer, redis-server (and redis-cli) for the L3 tier tests,
 # gcc for the store's compiled probe loops (python_backends/store/_kernels.c, built by pip install).
@@ -42,7 +42,11 @@ serve: build
 # Envoy in front of tritonservers (docs/access.md): the public ports and the split come from the
 # spec's [access]; CANDIDATE=<repository> adds the candidate variant.
 access: build
-	$(BIN)/recserve --spec $(SPEC) access --repository $(REPOSITORY) $(if $(CANDIDATE),--candidate $(CANDIDATE))
+	$(BIN)/recserve --spec $(SPEC) access --repository $(REPOSITORY) $(if $(CANDIDATE),--candidate $(CANDIDATE)) $(if $(WORKDIR),--workdir $(WORKDIR))
+
+# Roll the candidate out through `make access CANDIDATE=... WORKDIR=...` running beside it.
+canary: install
+	$(BIN)/recserve --spec $(SPEC) canary --workdir $(WORKDIR)
 
 test: lint
 	$(MAKE) build SPEC=ctr

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -14,3 +17,55 @@ class MetricSample:
     description: str
     labels: tuple[tuple[str, str], ...]
     value: float
+
+
+#: Upper edges of the served-probability histogram (a last bucket, ``+Inf``, holds the rest): fine
+#: where click probabilities mostly lie, so that a shift of the distribution moves rows across edges.
+PROBABILITY_EDGES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+PROBABILITY_METRIC = "recserve_served_probability"
+PROBABILITY_HELP = "Probabilities served by the dense step, by dense version (a Prometheus histogram)"
+
+
+class ScoreHistogram:
+    """A running histogram of served probabilities, exported as a Prometheus histogram.
+
+    ``<name>_bucket{le=...}`` counts rows at or below each edge (cumulative, ``+Inf`` = all rows),
+    ``<name>_sum`` and ``<name>_count`` give the mean. The canary compares two versions' histograms
+    over the same traffic window (population stability index, mean ratio).
+
+    Args:
+        labels: labels of every series, e.g. ``(("dense_version", "1"),)``.
+    """
+
+    def __init__(self, labels: tuple[tuple[str, str], ...]) -> None:
+        self.labels = labels
+        self.counts = np.zeros(len(PROBABILITY_EDGES) + 1, dtype=np.int64)  # per bucket, not cumulative
+        self.total = 0.0
+        self.lock = threading.Lock()
+
+    def observe(self, probabilities: np.ndarray) -> None:
+        """Count served probabilities (any shape)."""
+        values = np.asarray(probabilities, dtype=np.float64).ravel()
+        buckets = np.searchsorted(PROBABILITY_EDGES, values, side="left")  # value <= edge: that bucket
+        counts = np.bincount(buckets, minlength=len(self.counts))
+        with self.lock:
+            self.counts += counts
+            self.total += float(values.sum())
+
+    def samples(self) -> list[MetricSample]:
+        """The histogram as counters: cumulative buckets, sum and count."""
+        with self.lock:
+            cumulative, total = np.cumsum(self.counts), self.total
+        edges = [*(f"{edge:g}" for edge in PROBABILITY_EDGES), "+Inf"]
+        return [
+            *(
+                MetricSample(
+                    f"{PROBABILITY_METRIC}_bucket", "counter", PROBABILITY_HELP, (*self.labels, ("le", le)), n
+                )
+                for le, n in zip(edges, cumulative.tolist(), strict=True)
+            ),
+            MetricSample(f"{PROBABILITY_METRIC}_sum", "counter", PROBABILITY_HELP, self.labels, total),
+            MetricSample(
+                f"{PROBABILITY_METRIC}_count", "counter", PROBABILITY_HELP, self.labels, float(cumulative[-1])
+            ),
+        ]

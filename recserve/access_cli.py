@@ -69,9 +69,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--workdir",
         type=Path,
         default=None,
-        help="keep the Envoy config and the logs here (default: a temp folder)",
+        help="keep the Envoy config, the logs and a canary's decision here (default: a temp folder)",
     )
     access.set_defaults(func=_access)
+    canary = sub.add_parser(
+        "canary",
+        help="roll the candidate out through a running 'access --workdir' (shadow, then the spec's "
+        "[access.canary] steps), rolling it back when it misbehaves",
+    )
+    canary.add_argument("--workdir", type=Path, required=True, help="the running access layer's --workdir")
+    canary.add_argument("--new", action="store_true", help="start over: forget the decision saved there")
+    canary.set_defaults(func=_canary)
     watch = sub.add_parser(
         "observe", help="write a Prometheus scrape config and a Grafana dashboard for a running stack"
     )
@@ -92,6 +100,36 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     k8s.add_argument("--image", required=True, help="an image with recserve installed and the spec")
     k8s.add_argument("--namespace", default="default")
     k8s.set_defaults(func=_kubernetes)
+
+
+def _canary(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from recserve.access import AccessError, canary
+
+    spec = load_spec(args.spec)
+    stop = threading.Event()
+    previous = {
+        s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        stack = canary.Stack.load(args.workdir / canary.STACK_FILE)
+        controller = canary.CanaryController(spec.name, spec.access.canary, stack, args.workdir)
+        server = controller.serve_metrics()
+        try:
+            state = controller.run(stop, new=args.new)
+        finally:
+            server.shutdown()
+    except AccessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    detail = f": {state.reason}" if state.reason else ""
+    print(f"canary {state.status} at stage {canary.stages(spec.access.canary)[state.stage].name}{detail}")
+    return {canary.PROMOTED: 0, canary.ROLLED_BACK: 1}.get(state.status, 3)
 
 
 def _kubernetes(args: argparse.Namespace) -> int:

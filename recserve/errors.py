@@ -24,5 +24,9 @@ class InvalidInput(RequestError):
         self.detail = message
 
 
+class NonFiniteOutput(RequestError):
+    """A model returned NaN or infinity for a row: the request fails rather than serve that score."""
+
+
 class ArtifactError(RuntimeError):
     """A model artifact is missing, corrupt or does not fit the spec; the model refuses to load."""

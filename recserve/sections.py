@@ -240,6 +240,54 @@ class StoreSection:
 
 
 @dataclass(frozen=True)
+class CanarySection:
+    """``[access.canary]``: how ``recserve canary`` rolls the candidate out, and when it rolls it back.
+
+    Stages: a shadow stage (``shadow_fraction`` of live requests mirrored to the candidate; skipped
+    at 0), then the live ``steps`` (the candidate's share of live requests, in percent). A stage
+    ends after ``dwell_s`` once the candidate served ``min_requests`` in it. Every ``period_s`` the
+    candidate is compared with stable over the stage so far; crossing a threshold rolls it back.
+    """
+
+    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)  # the candidate's live share, percent
+    shadow_fraction: float = 0.1  # mirrored share of the shadow stage; 0: no shadow stage
+    dwell_s: float = 60.0  # least time per stage
+    min_requests: int = 200  # least candidate requests per stage (live or mirrored)
+    period_s: float = 1.0  # the controller's period: one comparison and decision each
+    min_judged: int = 50  # requests (and scored rows) each variant needs before a comparison counts
+    settle_s: float = 5.0  # latency is compared from this far into a stage (a new candidate warms up)
+    max_error_rate_increase: float = 0.01  # candidate's failed share minus stable's
+    max_p99_ratio: float = 1.5  # candidate's p99 through the proxy over stable's
+    p99_slack_ms: float = 5.0  # p99 differences below this never count (timer noise at low latency)
+    max_psi: float = 0.2  # population stability index of the served probability vs stable's
+    mean_ratio: tuple[float, ...] = (0.8, 1.25)  # [low, high] of candidate's mean probability / stable's
+    metrics_port: int = 9902  # the controller's /metrics (recserve_access_*), on 127.0.0.1
+
+    def check(self) -> None:
+        """Raise :class:`SpecError` on steps that do not rise to 100 or on bad thresholds."""
+        steps = self.steps
+        if not steps or any(not 0 < s <= 100 for s in steps) or list(steps) != sorted(set(steps)):
+            raise SpecError(f"[access.canary] steps must rise within (0, 100], got {list(steps)}")
+        if steps[-1] != 100:
+            raise SpecError(f"[access.canary] steps must end at 100, got {list(steps)}")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise SpecError(f"[access.canary] shadow_fraction must lie in 0..1, got {self.shadow_fraction}")
+        if min(self.dwell_s, self.settle_s, self.p99_slack_ms) < 0 or self.period_s <= 0:
+            raise SpecError("[access.canary] dwell_s, settle_s and p99_slack_ms must be >= 0, period_s > 0")
+        if min(self.min_requests, self.min_judged) < 1:
+            raise SpecError("[access.canary] min_requests and min_judged must be >= 1")
+        if self.max_error_rate_increase < 0 or self.max_p99_ratio < 1 or self.max_psi <= 0:
+            raise SpecError(
+                "[access.canary] needs max_error_rate_increase >= 0, max_p99_ratio >= 1, max_psi > 0"
+            )
+        low_high = self.mean_ratio
+        if len(low_high) != 2 or not 0 < low_high[0] <= 1 <= low_high[1]:
+            raise SpecError(f"[access.canary] mean_ratio must be [low <= 1, high >= 1], got {list(low_high)}")
+        if not 0 < self.metrics_port < 65536:
+            raise SpecError(f"[access.canary] metrics_port must lie in 1..65535, got {self.metrics_port}")
+
+
+@dataclass(frozen=True)
 class AccessSection:
     """``[access]``: the Envoy proxy that ``recserve access`` starts in front of the variants' servers.
 
@@ -265,6 +313,7 @@ class AccessSection:
     # tritonservers per variant; with more than one, a dead one is ejected (outlier detection) and a
     # request that could not reach it is sent to another
     replicas: int = 1
+    canary: CanarySection = field(default_factory=CanarySection)  # ``[access.canary]``
 
     def check(self) -> None:
         """Raise :class:`SpecError` on bad ports, weights, caps or fractions.
@@ -294,6 +343,9 @@ class AccessSection:
             )
         if self.request_timeout_s <= 0:
             raise SpecError(f"[access] request_timeout_s must be positive, got {self.request_timeout_s}")
+        if self.canary.metrics_port in ports:
+            raise SpecError(f"[access.canary] metrics_port {self.canary.metrics_port} is a proxy port")
+        self.canary.check()
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from recserve.backends.dense.buckets import (
     spec_buckets,
 )
 from recserve.backends.features.transform import require
-from recserve.errors import ArtifactError, InvalidInput
+from recserve.backends.metrics import ScoreHistogram
+from recserve.errors import ArtifactError, InvalidInput, NonFiniteOutput
 from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -167,11 +168,13 @@ class DenseStep:
     Args:
         spec: the model spec.
         runner: ONNX Runtime buckets on the CPU, CUDA graphs (or TensorRT) on a GPU.
+        version: the dense version served (a label of the served-probability histogram).
     """
 
-    def __init__(self, spec: ModelSpec, runner: BucketedRunner) -> None:
+    def __init__(self, spec: ModelSpec, runner: BucketedRunner, version: str = "") -> None:
         self.spec = spec
         self.runner = runner
+        self.scores = ScoreHistogram((("dense_version", version),))
 
     @classmethod
     def load(cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu") -> DenseStep:
@@ -188,13 +191,14 @@ class DenseStep:
         """
         manifest = read_manifest(version_dir)
         files = manifest["files"]
+        version = version_dir.name
         if device == "cpu" or "weights" not in files:
             if device != "cpu":
                 LOGGER.warning(
                     "an imported dense model has no PyTorch weights: ONNX Runtime serves it on the CPU"
                 )
             model_path = verified_path(version_dir, files["model"])
-            return cls(spec, bucketed_onnx_runner(spec, model_path, session_threads(instances)))
+            return cls(spec, bucketed_onnx_runner(spec, model_path, session_threads(instances)), version)
         from recserve.backends.dense.torch_runners import bucketed_torch_runner, load_net
 
         net = load_net(spec, verified_path(version_dir, files["weights"]))
@@ -204,8 +208,8 @@ class DenseStep:
             plan = verified_path(version_dir, files["plan"]).read_bytes()
             buckets = tuple(Bucket(rows, length) for rows, length in manifest["tensorrt"]["profiles"])
             model_path = verified_path(version_dir, files["model"])
-            return cls(spec, bucketed_tensorrt_runner(spec, plan, buckets, model_path, net, device))
-        return cls(spec, bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec)))
+            return cls(spec, bucketed_tensorrt_runner(spec, plan, buckets, model_path, net, device), version)
+        return cls(spec, bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec)), version)
 
     def check(self, inputs: Arrays) -> dict[str, np.ndarray]:
         """Validate one request's inputs (raises ``InvalidInput``)."""
@@ -214,6 +218,29 @@ class DenseStep:
     def compute(self, merged: Arrays) -> dict[str, np.ndarray]:
         """Probabilities of a merged dynamic batch."""
         return {wire.PROBABILITY: self.runner.predict(merged)}
+
+    def accept(self, outputs: Mapping[str, object], count: bool = True) -> None:
+        """Let one request's probabilities out only when all are finite; count the ones served.
+
+        Args:
+            outputs: one request's outputs.
+            count: add them to :attr:`scores` (not for warm-up requests: no client asked for them).
+
+        Raises:
+            NonFiniteOutput: a row's probability is NaN or infinite (that request alone fails).
+        """
+        probability = outputs[wire.PROBABILITY]
+        if hasattr(probability, "detach"):  # a torch tensor, maybe on a GPU
+            probability = probability.detach().cpu().numpy()
+        values = np.asarray(probability).ravel()
+        bad = np.flatnonzero(~np.isfinite(values))
+        if bad.size:
+            raise NonFiniteOutput(
+                f"the dense network returned {values[bad[0]]} as the probability of row {bad[0]} "
+                f"({bad.size} of {values.size} rows not finite); the request is refused"
+            )
+        if count:
+            self.scores.observe(values)
 
     def close(self) -> None:
         """Stop background compiles."""

@@ -54,6 +54,9 @@ class ModelContext:
     name: str
     instance_count: int
     parameters: Mapping[str, str] = field(default_factory=dict)  # the config's string parameters
+    # requests Triton sends each instance before it is ready: each ``model_warmup`` sample arrives
+    # as ``batch_size`` one-row requests, ``count`` times
+    warmup_requests: int = 0
 
     @classmethod
     def from_args(cls, args: Mapping[str, str]) -> ModelContext:
@@ -71,7 +74,11 @@ class ModelContext:
         parameters = {
             key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()
         }
-        return cls(spec, version_dir, args["model_name"], count, parameters)
+        warmup = sum(
+            max(1, int(sample.get("batch_size", 1))) * max(1, int(sample.get("count", 1)))
+            for sample in config.get("model_warmup", [])
+        )
+        return cls(spec, version_dir, args["model_name"], count, parameters, warmup)
 
     @property
     def version(self) -> int:
@@ -187,6 +194,7 @@ def execute_checked_merged(
     check: Callable[[Arrays], Arrays],
     compute: Callable[[Arrays], Mapping[str, Any]],
     ragged_outputs: Mapping[str, str] | None = None,
+    accept: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> list:
     """Check each request alone, then compute all valid ones in one call and split the results.
 
@@ -196,6 +204,8 @@ def execute_checked_merged(
         check: validates one request's inputs (raises ``RequestError``), returns what to merge.
         compute: runs on the merged arrays of all valid requests (numpy arrays or torch tensors out).
         ragged_outputs: output name -> input name whose width (axis 1) the output keeps per request.
+        accept: checks one request's outputs before they are sent (raises ``RequestError``: that
+            request alone fails).
     """
     responses: list = [None] * len(requests)
     valid, checked = [], []
@@ -210,10 +220,16 @@ def execute_checked_merged(
         widths = {out: [c[src].shape[1] for c in checked] for out, src in (ragged_outputs or {}).items()}
         try:
             parts = batching.split(compute(merged), sizes, widths)
-            for i, part in zip(valid, parts, strict=True):
-                responses[i] = respond(part)
         except Exception as exc:  # the merged call failed: each of its requests gets the error
             for i in valid:
+                responses[i] = error_response(exc)
+            return responses
+        for i, part in zip(valid, parts, strict=True):
+            try:
+                if accept is not None:
+                    accept(part)
+                responses[i] = respond(part)
+            except Exception as exc:  # mapped per request
                 responses[i] = error_response(exc)
     return responses
 

@@ -1,7 +1,8 @@
 """Watching the stack: a Prometheus scrape config and a Grafana dashboard, generated for a spec.
 
 Prometheus scrapes every tritonserver's metrics port (Triton's ``nv_*`` series and recserve's
-``recserve_*`` ones) and Envoy's admin ``/stats/prometheus`` (``envoy_*``). The dashboard's
+``recserve_*`` ones), Envoy's admin ``/stats/prometheus`` (``envoy_*``) and the canary
+controller's ``/metrics`` (``recserve_access_*``). The dashboard's
 panels read only those series; :func:`metric_names` lists the series a query names, so a test can
 check each against what a running stack exports.
 """
@@ -127,6 +128,27 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
                 ),
             ),
         ),
+        Panel(
+            "Served probability by dense version (mean)",
+            "percentunit",
+            (
+                (
+                    f"sum by (dense_version) (rate(recserve_served_probability_sum[{w}]))"
+                    f" / sum by (dense_version) (rate(recserve_served_probability_count[{w}]))",
+                    "version {{dense_version}}",
+                ),
+            ),
+        ),
+        Panel(
+            "Canary: candidate's share, stage and rollbacks",
+            "short",
+            (
+                ("max(recserve_access_candidate_percent)", "candidate live %"),
+                ("max(recserve_access_shadow_fraction) * 100", "mirrored %"),
+                ("max(recserve_access_canary_stage)", "stage"),
+                ("max(recserve_access_canary_rollbacks_total)", "rollbacks"),
+            ),
+        ),
         Panel("Store health", "short", (("min(recserve_store_healthy)", "healthy"), *redis)),
     )
 
@@ -170,16 +192,20 @@ def dashboard(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def prometheus_config(triton: Sequence[str], envoy: Sequence[str], interval_s: int = 5) -> str:
-    """A Prometheus config (YAML) scraping tritonservers' metrics ports and Envoy's admin ports.
+def prometheus_config(
+    triton: Sequence[str], envoy: Sequence[str], interval_s: int = 5, canary: Sequence[str] = ()
+) -> str:
+    """A Prometheus config (YAML) scraping tritonservers, Envoy's admin and the canary controller.
 
     Args:
         triton: ``host:port`` of each tritonserver's metrics endpoint.
         envoy: ``host:port`` of each Envoy admin interface (none: a stack without the proxy).
         interval_s: the scrape interval.
+        canary: ``host:port`` of the canary controller's metrics (``recserve canary``).
     """
     lines = ["global:", f"  scrape_interval: {interval_s}s", "scrape_configs:"]
-    for job, path, targets in (("tritonserver", "/metrics", triton), ("envoy", "/stats/prometheus", envoy)):
+    jobs = (("tritonserver", "/metrics", triton), ("envoy", "/stats/prometheus", envoy))
+    for job, path, targets in (*jobs, ("recserve_canary", "/metrics", canary)):
         if targets:
             listed = ", ".join(json.dumps(t) for t in targets)
             lines += [
@@ -195,7 +221,8 @@ def write(folder: Path, spec: ModelSpec, triton: Sequence[str], envoy: Sequence[
     """Write :data:`PROMETHEUS_FILE` and :data:`DASHBOARD_FILE` into ``folder``; their paths."""
     folder.mkdir(parents=True, exist_ok=True)
     config, board = folder / PROMETHEUS_FILE, folder / DASHBOARD_FILE
-    config.write_text(prometheus_config(triton, envoy))
+    canary = [f"127.0.0.1:{spec.access.canary.metrics_port}"] if envoy else []  # beside the proxy
+    config.write_text(prometheus_config(triton, envoy, canary=canary))
     board.write_text(json.dumps(dashboard(spec), indent=2) + "\n")
     return [config, board]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
+from recserve.access import canary
 from recserve.access.admin import AdminClient
 from recserve.access.config import (
     LOOPBACK,
@@ -251,12 +252,12 @@ class AccessLayer:
         return AdminClient(f"{LOOPBACK}:{self.ports.admin}")
 
     def config(self) -> dict[str, object]:
-        """The Envoy config for the running servers."""
+        """The Envoy config for the running servers (with a canary's saved decision, if any)."""
         upstreams = {
             name: [Upstream(s.ports.grpc, s.ports.http) for s in replicas]
             for name, replicas in self.servers.items()
         }
-        return envoy_config(self.access, upstreams, self.ports)
+        return envoy_config(canary.routed(self.access, self.workdir), upstreams, self.ports)
 
     def start(self, timeout_s: float = 180.0) -> AccessLayer:
         """Start the servers (side by side), then the proxy; wait until every live cluster is healthy."""
@@ -270,22 +271,40 @@ class AccessLayer:
             with ThreadPoolExecutor(len(self.all_servers())) as pool:
                 for future in [pool.submit(server.start, timeout_s) for server in self.all_servers()]:
                     future.result()
-            path = write_config(self.config(), self.workdir / CONFIG_FILE)
-            self.proxy = EnvoyProxy(
-                path,
-                f"{LOOPBACK}:{self.ports.admin}",
-                self.workdir / "envoy.log",
-                self.access.workers,
-                self.proxy_cpus,
-                self.proxy_priority,
-            )
-            self.proxy.start()
-            self.proxy.wait_healthy([cluster_name(v, p) for v in self.servers for p in PROTOCOLS])
+            self.start_proxy()
+            metrics = {
+                v: [f"{LOOPBACK}:{s.ports.metrics}" for s in replicas] for v, replicas in self.servers.items()
+            }
+            canary.Stack(f"{LOOPBACK}:{self.ports.admin}", metrics).save(self.workdir / canary.STACK_FILE)
         except BaseException:
             self.stop()
             raise
         LOGGER.info("access layer up: gRPC %s, HTTP %s", self.grpc_url, self.http_url)
         return self
+
+    def start_proxy(self) -> EnvoyProxy:
+        """Write the config for the running servers, start Envoy, wait until the clusters are healthy."""
+        path = write_config(self.config(), self.workdir / CONFIG_FILE)
+        self.proxy = EnvoyProxy(
+            path,
+            f"{LOOPBACK}:{self.ports.admin}",
+            self.workdir / "envoy.log",
+            self.access.workers,
+            self.proxy_cpus,
+            self.proxy_priority,
+        )
+        self.proxy.start()
+        self.proxy.wait_healthy([cluster_name(v, p) for v in self.servers for p in PROTOCOLS])
+        return self.proxy
+
+    def restart_proxy(self) -> EnvoyProxy:
+        """Stop Envoy and start it again on the same ports.
+
+        Runtime changes are lost; a canary's saved decision is not (the new config carries it).
+        """
+        if self.proxy is not None:
+            self.proxy.stop()
+        return self.start_proxy()
 
     def _server(self, variant: str, index: int, repository: Path, ports: Ports) -> TritonServer:
         suffix = f"-{index}" if len(self.repositories[variant]) > 1 else ""

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from recserve.access import AccessLayer, ProxyPorts, behind_proxy, observe
+from recserve.access import AccessLayer, ProxyPorts, behind_proxy, canary, observe
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError
@@ -286,6 +286,10 @@ def test_every_dashboard_query_reads_a_series_the_running_stack_exports(layer, t
     triton, envoy = layer.scrape_targets()
     assert len(triton) == len(layer.all_servers()) == 2 and envoy == [f"127.0.0.1:{layer.ports.admin}"]
     exported = observe.exported_names(layer.admin.prometheus())
+    stack = canary.Stack.load(layer.workdir / canary.STACK_FILE)  # the canary controller's series too
+    exported |= observe.exported_names(
+        canary.CanaryController(tiny.name, tiny.access.canary, stack, layer.workdir).exposition()
+    )
     for target in triton:
         with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
             exported |= observe.exported_names(response.read().decode())

@@ -92,11 +92,30 @@ def test_an_unknown_access_key_in_a_spec_file_names_its_line(tmp_path):
         ({"max_requests": "4"}, "must be an integer"),
         ({"max_requests": 2.5}, "must be an integer"),
         ({"weights": [100, 0]}, "must be a table"),
+        ({"canary": {"steps": [5, 1, 100]}}, "steps must rise"),
+        ({"canary": {"steps": [1, 50]}}, "must end at 100"),
+        ({"canary": {"steps": [0, 100]}}, "steps must rise"),
+        ({"canary": {"shadow_fraction": -0.1}}, "0..1"),
+        ({"canary": {"period_s": 0}}, "period_s > 0"),
+        ({"canary": {"min_judged": 0}}, "must be >= 1"),
+        ({"canary": {"max_p99_ratio": 0.9}}, "max_p99_ratio >= 1"),
+        ({"canary": {"mean_ratio": [1.1, 1.2]}}, "mean_ratio"),
+        ({"canary": {"metrics_port": 9901}}, "is a proxy port"),
+        ({"canary": {"max_psi": "0.2"}}, "must be a number"),
     ],
 )
 def test_bad_access_values_are_refused(access, message):
     with pytest.raises(SpecError, match=message):
         parse_spec(_doc(access))
+
+
+def test_the_canary_table_is_parsed_and_unknown_keys_are_refused():
+    doc = _doc({"canary": {"steps": [0.5, 10, 100], "dwell_s": 5, "max_psi": 0.1}})
+    canary = parse_spec(doc).access.canary
+    assert canary.steps == (0.5, 10.0, 100.0) and canary.dwell_s == 5.0 and canary.max_psi == 0.1
+    assert canary.shadow_fraction == 0.1 and canary.mean_ratio == (0.8, 1.25)  # defaults kept
+    with pytest.raises(UnknownKeyError, match=r"\[access\.canary\] has an unknown key 'dwell'"):
+        parse_spec(_doc({"canary": {"dwell": 5}}))
 
 
 def test_a_stable_only_split_without_shadow_is_valid():

@@ -1,5 +1,6 @@
 """Triton model ``dense``: the network behind the bucket policy (see recserve.backends.dense.runner)."""
 
+import functools
 import time
 
 import numpy as np
@@ -27,19 +28,32 @@ class TritonPythonModel:
         check_dense_fits(context.spec, onnx_input_dims(context.version_dir))
         self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
         self.version = context.version
+        self.warmup_left = context.warmup_requests  # Triton's warm-up comes first: not served scores
         self.input_names = wire.dense_net_inputs(context.spec)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
-        self.metrics.publish(self.step.runner.counters.samples())
+        self.metrics.publish(self.samples())
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:
-        """Probabilities for every valid request; counters published at most once a second."""
-        responses = execute_checked_merged(requests, self.input_names, self.step.check, self.score)
+        """Finite probabilities for every valid request; metrics published at most once a second."""
+        served = self.warmup_left <= 0
+        self.warmup_left -= len(requests)
+        responses = execute_checked_merged(
+            requests,
+            self.input_names,
+            self.step.check,
+            self.score,
+            accept=self.step.accept if served else functools.partial(self.step.accept, count=False),
+        )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
-            self.metrics.publish(self.step.runner.counters.samples())
+            self.metrics.publish(self.samples())
         return responses
+
+    def samples(self) -> list:
+        """Bucket and padding counters, and the served-probability histogram."""
+        return [*self.step.runner.counters.samples(), *self.step.scores.samples()]
 
     def score(self, merged: dict) -> dict:
         """The network's outputs and, per row, the version that computed them."""
@@ -50,4 +64,4 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop background compiles; publish the last counts."""
         self.step.close()
-        self.metrics.publish(self.step.runner.counters.samples())
+        self.metrics.publish(self.samples())

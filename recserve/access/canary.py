@@ -1,0 +1,668 @@
+"""The canary: move a candidate through shadow → 1 → … → 100 %, roll it back when it misbehaves.
+
+Every ``period_s`` the controller reads what each variant did since its current stage began (the
+same traffic window for both), compares the candidate with stable and decides:
+
+* **roll back** at once when the candidate's failed share of requests exceeds stable's by more than
+  ``max_error_rate_increase``, its p99 through the proxy exceeds ``max_p99_ratio`` × stable's (and
+  stable's by more than ``p99_slack_ms``; latency counts from ``settle_s`` into a stage, so that a
+  freshly started candidate may warm up), the population stability index of its served
+  probabilities against stable's exceeds ``max_psi``, or its mean probability over stable's leaves
+  ``mean_ratio``; or when its servers stop answering for two periods in a row;
+* **advance** to the next stage once the stage lasted ``dwell_s``, the candidate served
+  ``min_requests`` in it and every comparison had ``min_judged`` requests (and rows) on both sides;
+* otherwise wait.
+
+Once stable gets no live traffic (the 100 % stage), its window of the last stage stands in for it.
+
+Where the figures come from: requests and failures are Triton's counters of the ensemble on every
+server of the variant (mirrored copies included); latency is Envoy's per-cluster request-time
+histogram (live and shadow clusters of the variant); scores are the dense step's
+``recserve_served_probability`` histogram. A dense step that is not a Python model (TensorRT or
+ONNX Runtime backends on GPUs) exports no score histogram: the score checks are then skipped and the
+decision says so.
+
+The decision is written to ``canary.json`` in the access layer's folder before the proxy is told:
+a restarted proxy (:class:`~recserve.access.process.AccessLayer` reads the file) and a restarted
+controller both continue from it. Every stage change and rollback is appended to ``canary.log``
+(JSON lines) and counted on the controller's ``/metrics`` (``recserve_access_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from recserve.access.admin import AdminClient
+from recserve.access.config import LOOPBACK, PROTOCOLS, AccessError, cluster_name
+from recserve.sections import AccessSection, CanarySection
+
+LOGGER = logging.getLogger(__name__)
+
+STATE_FILE = "canary.json"
+LOG_FILE = "canary.log"
+#: Written by ``recserve access``: the admin address and every variant's metrics endpoints.
+STACK_FILE = "stack.json"
+#: Weights are out of this total, so that a step of 0.5 % is still a whole number.
+WEIGHT_TOTAL = 10_000
+RUNNING, PROMOTED, ROLLED_BACK = "running", "promoted", "rolled_back"
+#: Periods in a row without an answer from the candidate's servers before it is rolled back.
+UNREACHABLE_PERIODS = 2
+#: Timed requests each side needs before p99s are compared (fewer make the p99 their maximum).
+P99_MIN_REQUESTS = 100
+PROBABILITY = "recserve_served_probability"
+
+
+# --- what a variant did ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Window:
+    """Running totals of one variant (or their difference over a stretch of traffic).
+
+    ``latency`` and ``scores`` are cumulative histograms: upper edge -> count at or below it
+    (``inf`` holds every observation).
+    """
+
+    requests: float = 0.0
+    failures: float = 0.0
+    latency: Mapping[float, float] = field(default_factory=dict)  # ms
+    scores: Mapping[float, float] = field(default_factory=dict)  # probability
+    score_sum: float = 0.0
+
+    def since(self, start: Window) -> Window:
+        """What happened after ``start`` (a counter that went down was reset: its value counts)."""
+
+        def delta(now: float, then: float) -> float:
+            return now - then if now >= then else now
+
+        def histogram(now: Mapping[float, float], then: Mapping[float, float]) -> dict[float, float]:
+            reset = any(now.get(le, 0.0) < then.get(le, 0.0) for le in then)
+            return {le: n if reset else n - then.get(le, 0.0) for le, n in now.items()}
+
+        return Window(
+            delta(self.requests, start.requests),
+            delta(self.failures, start.failures),
+            histogram(self.latency, start.latency),
+            histogram(self.scores, start.scores),
+            delta(self.score_sum, start.score_sum),
+        )
+
+    @property
+    def error_rate(self) -> float:
+        """Failed share of the requests (0 without requests)."""
+        return self.failures / self.requests if self.requests else 0.0
+
+    @property
+    def timed(self) -> float:
+        """Requests in the latency histogram."""
+        return self.latency.get(math.inf, 0.0)
+
+    @property
+    def scored(self) -> float:
+        """Rows in the score histogram."""
+        return self.scores.get(math.inf, 0.0)
+
+    def p99_ms(self) -> float | None:
+        """The 99th percentile of the latency histogram (linear within a bucket); None when empty."""
+        return quantile(self.latency, 0.99)
+
+    def mean_score(self) -> float | None:
+        """Mean served probability; None without scored rows."""
+        return self.score_sum / self.scored if self.scored else None
+
+    def score_shares(self) -> list[float]:
+        """Share of the scored rows in each bucket of the score histogram (edges ascending)."""
+        edges = sorted(self.scores)
+        counts = [self.scores[le] - (self.scores[edges[i - 1]] if i else 0.0) for i, le in enumerate(edges)]
+        total = sum(counts)
+        return [c / total for c in counts] if total else [0.0] * len(counts)
+
+
+def quantile(cumulative: Mapping[float, float], q: float) -> float | None:
+    """The ``q`` quantile of a cumulative histogram, linear within its bucket; None when empty.
+
+    A quantile in the ``inf`` bucket is given as the last finite edge.
+    """
+    edges = sorted(cumulative)
+    total = cumulative.get(math.inf, cumulative[edges[-1]] if edges else 0.0)
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in edges:
+        count = cumulative[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            inside = count - below
+            return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def psi(expected: Sequence[float], actual: Sequence[float], floor: float = 1e-4) -> float:
+    """Population stability index of two distributions over the same buckets (shares summing to 1).
+
+    Empty buckets count as ``floor`` so that the index stays finite. Common reading: under 0.1 no
+    shift, 0.1–0.25 a moderate one, over 0.25 a large one.
+    """
+    if len(expected) != len(actual):
+        raise ValueError(f"PSI needs the same buckets, got {len(expected)} and {len(actual)}")
+    total = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        e, a = max(e, floor), max(a, floor)
+        total += (a - e) * math.log(a / e)
+    return total
+
+
+# --- the comparison ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One comparison of the candidate with stable over the same window.
+
+    Attributes:
+        rollback: why the candidate must go (empty: it may stay).
+        judged: every comparison had enough requests and rows on both sides, and the candidate
+            served ``min_requests`` (the stage may end).
+        figures: the compared figures (``error_rate_increase``, ``p99_ratio``, ``psi``,
+            ``mean_ratio``), those measured.
+        skipped: comparisons that could not be made (e.g. no score histogram exported).
+    """
+
+    rollback: str = ""
+    judged: bool = False
+    figures: Mapping[str, float] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
+def judge(canary: CanarySection, stable: Window, candidate: Window) -> Verdict:
+    """Compare ``candidate`` with ``stable`` (both over the same window) against the thresholds.
+
+    A comparison counts once each side has ``min_judged`` requests (timed requests for p99, at least
+    :data:`P99_MIN_REQUESTS`; scored rows for the score checks). A failed comparison rolls back even
+    while others still wait.
+    """
+    figures: dict[str, float] = {}
+    reasons, waiting, skipped = [], [], []
+    need = canary.min_judged
+    if min(stable.requests, candidate.requests) >= need:
+        figures["error_rate_increase"] = candidate.error_rate - stable.error_rate
+        if figures["error_rate_increase"] > canary.max_error_rate_increase:
+            reasons.append(
+                f"error rate {candidate.error_rate:.3f} vs stable's {stable.error_rate:.3f} "
+                f"(more than +{canary.max_error_rate_increase:g})"
+            )
+    else:
+        waiting.append("requests")
+    stable_p99, candidate_p99 = stable.p99_ms(), candidate.p99_ms()
+    timed = min(stable.timed, candidate.timed) >= max(need, P99_MIN_REQUESTS)
+    if timed and stable_p99 is not None and candidate_p99 is not None:
+        figures["p99_ratio"] = candidate_p99 / max(stable_p99, 1e-9)
+        if figures["p99_ratio"] > canary.max_p99_ratio and candidate_p99 - stable_p99 > canary.p99_slack_ms:
+            reasons.append(
+                f"p99 {candidate_p99:.1f} ms vs stable's {stable_p99:.1f} ms (over {canary.max_p99_ratio:g}x)"
+            )
+    else:
+        waiting.append("timed requests")
+    if not stable.scores or not candidate.scores:
+        skipped.append("scores (no served-probability histogram exported)")
+    elif sorted(stable.scores) != sorted(candidate.scores):
+        skipped.append("scores (the variants' histograms have different buckets)")
+    elif min(stable.scored, candidate.scored) >= need:
+        figures["psi"] = psi(stable.score_shares(), candidate.score_shares())
+        stable_mean, candidate_mean = stable.mean_score(), candidate.mean_score()
+        if stable_mean and candidate_mean is not None:
+            figures["mean_ratio"] = candidate_mean / stable_mean
+        if figures["psi"] > canary.max_psi:
+            reasons.append(f"score distribution moved: PSI {figures['psi']:.3f} (over {canary.max_psi:g})")
+        low, high = canary.mean_ratio
+        ratio = figures.get("mean_ratio")
+        if ratio is not None and not low <= ratio <= high:
+            reasons.append(f"mean probability {ratio:.3f}x stable's (outside {low:g}..{high:g})")
+    else:
+        waiting.append("scored rows")
+    if candidate.requests < canary.min_requests:
+        waiting.append("the stage's requests")
+    return Verdict("; ".join(reasons), not waiting, figures, tuple(skipped))
+
+
+# --- stages and the persisted decision ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: the candidate's live share (percent) and the mirrored share."""
+
+    name: str
+    percent: float
+    shadow_fraction: float
+
+    def weights(self) -> dict[str, int]:
+        """Envoy weights of the two variants (out of :data:`WEIGHT_TOTAL`)."""
+        candidate = round(self.percent * WEIGHT_TOTAL / 100)
+        return {"stable": WEIGHT_TOTAL - candidate, "candidate": candidate}
+
+
+def stages(canary: CanarySection) -> list[Stage]:
+    """The shadow stage (when ``shadow_fraction`` > 0), then one stage per step."""
+    shadow = [Stage("shadow", 0.0, canary.shadow_fraction)] if canary.shadow_fraction > 0 else []
+    return shadow + [Stage(f"{step:g}%", step, 0.0) for step in canary.steps]
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """The decision so far, as kept in :data:`STATE_FILE`.
+
+    Attributes:
+        status: ``running``, ``promoted`` or ``rolled_back``.
+        stage: index into :func:`stages`.
+        stage_started: when the stage began (Unix seconds).
+        reason: why it was rolled back.
+        events: every stage change and the final decision, oldest first.
+    """
+
+    status: str = RUNNING
+    stage: int = 0
+    stage_started: float = 0.0
+    reason: str = ""
+    events: tuple[dict[str, Any], ...] = ()
+
+    def routing(self, canary: CanarySection) -> tuple[dict[str, int], float]:
+        """The weights and the mirrored share this decision puts on the proxy."""
+        if self.status == PROMOTED:
+            return {"stable": 0, "candidate": WEIGHT_TOTAL}, 0.0
+        if self.status == ROLLED_BACK:
+            return {"stable": WEIGHT_TOTAL, "candidate": 0}, 0.0
+        stage = stages(canary)[self.stage]
+        return stage.weights(), stage.shadow_fraction
+
+    def count(self, event: str) -> int:
+        """How many events of this kind (``step``, ``rollback``, ``promote``) happened."""
+        return sum(1 for e in self.events if e["event"] == event)
+
+    def save(self, path: Path) -> None:
+        """Write atomically (a reader never sees half a file)."""
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        os.replace(scratch, path)
+
+    @classmethod
+    def load(cls, path: Path) -> CanaryState:
+        """Read a saved decision.
+
+        Raises:
+            AccessError: the file is not a canary state.
+        """
+        try:
+            raw = json.loads(path.read_text())
+            return cls(
+                str(raw["status"]),
+                int(raw["stage"]),
+                float(raw["stage_started"]),
+                str(raw.get("reason", "")),
+                tuple(raw.get("events", ())),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise AccessError(f"{path} is not a canary state: {exc}") from exc
+
+
+def decide(canary: CanarySection, state: CanaryState, verdict: Verdict, now: float) -> CanaryState:
+    """The next decision: roll back, advance (or promote after the last stage), or stay."""
+    if state.status != RUNNING:
+        return state
+    plan = stages(canary)
+    stage = plan[state.stage]
+    record = {"time": now, "stage": stage.name, "after_s": round(now - state.stage_started, 3)}
+    record["figures"] = {k: round(v, 4) for k, v in verdict.figures.items()}
+    if verdict.rollback:
+        event = {"event": "rollback", "reason": verdict.rollback, **record}
+        return dataclasses.replace(
+            state, status=ROLLED_BACK, reason=verdict.rollback, events=(*state.events, event)
+        )
+    if verdict.judged and now - state.stage_started >= canary.dwell_s:
+        if state.stage + 1 == len(plan):
+            return dataclasses.replace(
+                state, status=PROMOTED, events=(*state.events, {"event": "promote", **record})
+            )
+        event = {"event": "step", "to": plan[state.stage + 1].name, **record}
+        return dataclasses.replace(
+            state, stage=state.stage + 1, stage_started=now, events=(*state.events, event)
+        )
+    return state
+
+
+def routed(access: AccessSection, workdir: Path) -> AccessSection:
+    """``access`` with the weights and mirrored share of a canary decision saved in ``workdir``.
+
+    This is how a restarted proxy keeps the decision. Without a saved decision: ``access`` as is.
+    """
+    path = workdir / STATE_FILE
+    if not path.is_file():
+        return access
+    weights, shadow = CanaryState.load(path).routing(access.canary)
+    return dataclasses.replace(
+        access, weights={**access.weights, **weights}, shadow_fraction=shadow, shadow_variant="candidate"
+    )
+
+
+# --- reading the running stack -----------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_exposition(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text exposition: name, labels, value."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            yield match.group(1), labels, float(match.group(3))
+
+
+def _edge(label: str) -> float:
+    return math.inf if label == "+Inf" else float(label)
+
+
+def triton_window(text: str, model: str) -> Window:
+    """Requests and failures of the ensemble ``model`` and the served-probability histogram."""
+    requests = failures = score_sum = 0.0
+    scores: dict[float, float] = {}
+    for name, labels, value in parse_exposition(text):
+        if name in ("nv_inference_request_success", "nv_inference_request_failure"):
+            if labels.get("model") == model:
+                requests += value
+                failures += value if name.endswith("failure") else 0.0
+        elif name == f"{PROBABILITY}_bucket":
+            scores[_edge(labels["le"])] = scores.get(_edge(labels["le"]), 0.0) + value
+        elif name == f"{PROBABILITY}_sum":
+            score_sum += value
+    return Window(requests, failures, {}, scores, score_sum)
+
+
+def envoy_latency(text: str, clusters: Sequence[str]) -> dict[float, float]:
+    """The summed request-time histogram (ms) of ``clusters`` from Envoy's ``/stats/prometheus``."""
+    latency: dict[float, float] = {}
+    for name, labels, value in parse_exposition(text):
+        if name == "envoy_cluster_upstream_rq_time_bucket" and labels.get("envoy_cluster_name") in clusters:
+            edge = _edge(labels["le"])
+            latency[edge] = latency.get(edge, 0.0) + value
+    return latency
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Where the running access layer answers (:data:`STACK_FILE`)."""
+
+    admin: str  # host:port of Envoy's admin API
+    metrics: Mapping[str, Sequence[str]]  # variant -> host:port of its servers' metrics endpoints
+
+    def save(self, path: Path) -> None:
+        """Write as JSON."""
+        path.write_text(json.dumps({"admin": self.admin, "metrics": dict(self.metrics)}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> Stack:
+        """Read what ``recserve access`` wrote.
+
+        Raises:
+            AccessError: no such file (is ``recserve access --workdir`` running there?).
+        """
+        try:
+            raw = json.loads(path.read_text())
+            return cls(str(raw["admin"]), {k: list(v) for k, v in raw["metrics"].items()})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise AccessError(f"no running access layer described in {path}: {exc}") from exc
+
+
+class Unreachable(AccessError):
+    """A part of the stack did not answer: ``who`` is ``proxy``, ``stable`` or ``candidate``."""
+
+    def __init__(self, who: str, message: str) -> None:
+        super().__init__(message)
+        self.who = who
+
+
+def _get(url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return str(response.read().decode())
+
+
+# --- the controller ----------------------------------------------------------------------------
+
+
+class CanaryController:
+    """Drives one rollout against a running access layer; see the module docstring.
+
+    Args:
+        model: the ensemble's name (the spec's model).
+        canary: the thresholds and stages.
+        stack: the running access layer.
+        workdir: the access layer's folder (:data:`STATE_FILE`, :data:`LOG_FILE`).
+        clock: wall-clock seconds (tests pass their own).
+        timeout_s: per scrape and admin call.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        canary: CanarySection,
+        stack: Stack,
+        workdir: Path,
+        clock: Callable[[], float] = time.time,
+        timeout_s: float = 2.0,
+    ) -> None:
+        if "candidate" not in stack.metrics:
+            raise AccessError("the canary needs a running 'candidate' variant (recserve access --candidate)")
+        self.model = model
+        self.canary = canary
+        self.stack = stack
+        self.admin = AdminClient(stack.admin, timeout_s)
+        self.workdir = workdir
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.state_path = workdir / STATE_FILE
+        self.state = CanaryState()
+        self.verdict = Verdict()
+        self.start: dict[str, Window] = {}  # each variant's totals when the stage began
+        self.settled: dict[str, Window] = {}  # ... and ``settle_s`` into it (latency counts from here)
+        self.reference: Window | None = None  # stable over the last stage it had traffic in
+        self.unreachable = 0
+        self.periods = 0
+        self.lock = threading.Lock()  # the state and figures, read by the metrics endpoint
+
+    def begin(self, new: bool = False) -> CanaryState:
+        """Resume the saved rollout, or start one (``new``, or nothing saved) at the first stage."""
+        if self.state_path.is_file() and not new:
+            self.state = CanaryState.load(self.state_path)
+            LOGGER.info("resuming the canary: %s at stage %d", self.state.status, self.state.stage)
+        else:
+            self.state = CanaryState(stage_started=self.clock())
+            self._log(
+                {"event": "start", "time": self.state.stage_started, "stage": stages(self.canary)[0].name}
+            )
+        self.state.save(self.state_path)
+        self.apply()
+        self._stage_began(self.observe())  # a resumed stage is judged on traffic from now on
+        return self.state
+
+    def observe(self) -> dict[str, Window]:
+        """Each variant's running totals now.
+
+        Raises:
+            Unreachable: a server or the proxy did not answer.
+        """
+        try:
+            envoy = _get(f"http://{self.stack.admin}/stats/prometheus", self.timeout_s)
+        except (urllib.error.URLError, OSError) as exc:
+            raise Unreachable("proxy", f"Envoy's admin at {self.stack.admin}: {exc}") from exc
+        windows = {}
+        for variant in ("stable", "candidate"):
+            totals = Window()
+            for target in self.stack.metrics.get(variant, ()):
+                try:
+                    text = _get(f"http://{target}/metrics", self.timeout_s)
+                except (urllib.error.URLError, OSError) as exc:
+                    raise Unreachable(
+                        variant, f"{variant}'s tritonserver metrics at {target}: {exc}"
+                    ) from exc
+                totals = _plus(totals, triton_window(text, self.model))
+            clusters = [cluster_name(variant, p, shadow) for p in PROTOCOLS for shadow in (False, True)]
+            windows[variant] = dataclasses.replace(totals, latency=envoy_latency(envoy, clusters))
+        return windows
+
+    def tick(self) -> CanaryState:
+        """One period: observe, compare, decide, save, and put the decision on the proxy."""
+        self.periods += 1
+        if self.state.status != RUNNING:
+            self.apply()
+            return self.state
+        stable: Window | None = None
+        try:
+            now = self.observe()
+            self.unreachable = 0
+        except Unreachable as exc:  # only a silent candidate is held against it
+            self.unreachable = self.unreachable + 1 if exc.who == "candidate" else 0
+            LOGGER.warning("canary period %d: %s", self.periods, exc)
+            if self.unreachable < UNREACHABLE_PERIODS:
+                return self.state
+            verdict = Verdict(rollback=f"the candidate did not answer for {self.unreachable} periods: {exc}")
+            now = self.start
+        else:
+            if not self.settled and self.clock() - self.state.stage_started >= self.canary.settle_s:
+                self.settled = now
+            stable, candidate = self._window(now, "stable"), self._window(now, "candidate")
+            if stable.requests < self.canary.min_judged and self.reference is not None:
+                stable = (
+                    self.reference
+                )  # stable has no live traffic left (at 100 %): its last stage stands in
+            verdict = judge(self.canary, stable, candidate)
+        state = decide(self.canary, self.state, verdict, self.clock())
+        with self.lock:
+            self.verdict = verdict
+            changed, self.state = state != self.state, state
+        if changed:
+            state.save(self.state_path)  # before the proxy is told: the decision outlives both
+            self._log(state.events[-1])
+            self._stage_began(now)
+            if stable is not None and stable.requests >= self.canary.min_judged:
+                self.reference = stable
+        self.apply()
+        return state
+
+    def _stage_began(self, now: dict[str, Window]) -> None:
+        self.start = now
+        self.settled = now if self.canary.settle_s <= 0 else {}
+
+    def _window(self, now: Mapping[str, Window], variant: str) -> Window:
+        """What ``variant`` did in this stage; its latency only from ``settle_s`` into the stage."""
+        window = now[variant].since(self.start[variant])
+        settled = now[variant].since(self.settled[variant]).latency if self.settled else {}
+        return dataclasses.replace(window, latency=settled)
+
+    def apply(self) -> None:
+        """Put the current decision's weights and mirrored share on the proxy.
+
+        Idempotent: a proxy restarted since the last period gets them again.
+        """
+        weights, shadow = self.state.routing(self.canary)
+        try:
+            self.admin.set_weights(weights)
+            self.admin.set_shadow_fraction(shadow)
+        except AccessError as exc:
+            LOGGER.warning("canary: the proxy did not take the routing: %s", exc)
+
+    def run(self, stop: threading.Event, new: bool = False) -> CanaryState:
+        """:meth:`begin`, then :meth:`tick` every period until decided or ``stop`` is set."""
+        self.begin(new)
+        while self.state.status == RUNNING and not stop.wait(self.canary.period_s):
+            self.tick()
+        return self.state
+
+    def _log(self, event: Mapping[str, Any]) -> None:
+        LOGGER.info("canary: %s", json.dumps(event))
+        with open(self.workdir / LOG_FILE, "a") as log:
+            log.write(json.dumps(event) + "\n")
+
+    def exposition(self) -> str:
+        """The controller's own series (Prometheus text)."""
+        with self.lock:
+            state, verdict = self.state, self.verdict
+        weights, shadow = state.routing(self.canary)
+        rollbacks = [e for e in state.events if e["event"] == "rollback"]
+        lines = [
+            "# HELP recserve_access_canary_stage Index of the canary's stage (0: the first)",
+            "# TYPE recserve_access_canary_stage gauge",
+            f"recserve_access_canary_stage {state.stage}",
+            "# HELP recserve_access_canary_status 1 for the canary's current status",
+            "# TYPE recserve_access_canary_status gauge",
+            *(
+                f'recserve_access_canary_status{{status="{s}"}} {int(state.status == s)}'
+                for s in (RUNNING, PROMOTED, ROLLED_BACK)
+            ),
+            "# HELP recserve_access_candidate_percent The candidate's share of live requests, percent",
+            "# TYPE recserve_access_candidate_percent gauge",
+            f"recserve_access_candidate_percent {100 * weights['candidate'] / WEIGHT_TOTAL:g}",
+            "# HELP recserve_access_shadow_fraction Share of live requests mirrored to the candidate",
+            "# TYPE recserve_access_shadow_fraction gauge",
+            f"recserve_access_shadow_fraction {shadow:g}",
+            "# HELP recserve_access_canary_steps_total Stages the candidate advanced through",
+            "# TYPE recserve_access_canary_steps_total counter",
+            f"recserve_access_canary_steps_total {state.count('step') + state.count('promote')}",
+            "# HELP recserve_access_canary_rollbacks_total Rollbacks of the candidate",
+            "# TYPE recserve_access_canary_rollbacks_total counter",
+            f"recserve_access_canary_rollbacks_total {len(rollbacks)}",
+            "# HELP recserve_access_canary_periods_total Comparisons made by this controller",
+            "# TYPE recserve_access_canary_periods_total counter",
+            f"recserve_access_canary_periods_total {self.periods}",
+            "# HELP recserve_access_canary_figure The last comparison of the candidate with stable",
+            "# TYPE recserve_access_canary_figure gauge",
+            *(
+                f'recserve_access_canary_figure{{figure="{k}"}} {v:g}'
+                for k, v in sorted(verdict.figures.items())
+            ),
+        ]
+        return "\n".join(lines) + "\n"
+
+    def serve_metrics(self, port: int | None = None) -> ThreadingHTTPServer:
+        """Serve :meth:`exposition` at ``http://127.0.0.1:<port>/metrics`` on a daemon thread."""
+        controller = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+                body = controller.exposition().encode() if self.path == "/metrics" else b""
+                self.send_response(200 if body else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+                pass
+
+        server = ThreadingHTTPServer((LOOPBACK, self.canary.metrics_port if port is None else port), Handler)
+        threading.Thread(target=server.serve_forever, name="canary-metrics", daemon=True).start()
+        return server
+
+
+def _plus(a: Window, b: Window) -> Window:
+    """Two servers' totals added (the latency histogram is the proxy's, not added here)."""
+    scores = {le: a.scores.get(le, 0.0) + b.scores.get(le, 0.0) for le in {*a.scores, *b.scores}}
+    return Window(
+        a.requests + b.requests, a.failures + b.failures, a.latency, scores, a.score_sum + b.score_sum
+    )

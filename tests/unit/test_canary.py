@@ -1,0 +1,347 @@
+"""The canary's parts as plain code: figures, comparison, stages, the saved decision, the exposition.
+
+The live rollout and rollbacks through a real Envoy are in ``tests/integration/test_canary.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+from recserve import wire
+from recserve.access import AccessError, canary
+from recserve.access.canary import CanaryState, Stage, Verdict, Window, decide, judge, psi, quantile
+from recserve.backends.dense.runner import DenseStep
+from recserve.backends.metrics import PROBABILITY_EDGES, ScoreHistogram
+from recserve.errors import NonFiniteOutput
+from recserve.sections import AccessSection, CanarySection
+from recserve.spec import load_spec
+
+INF = math.inf
+SETTINGS = CanarySection(
+    steps=(1.0, 50.0, 100.0), shadow_fraction=0.2, dwell_s=10, min_requests=100, min_judged=50
+)
+
+
+def _scores(shares: list[float], rows: int = 1000, mean: float = 0.1) -> tuple[dict[float, float], float]:
+    """A cumulative score histogram over the served edges with these bucket shares."""
+    edges = [*PROBABILITY_EDGES, INF]
+    cumulative = np.cumsum(np.asarray(shares) * rows)
+    return dict(zip(edges, cumulative.tolist(), strict=True)), mean * rows
+
+
+BASE_SHARES = [0.05, 0.1, 0.2, 0.25, 0.2, 0.1, 0.05, 0.03, 0.01, 0.01]
+
+
+def _window(requests=1000.0, failures=0.0, p99_ms=10.0, shares=None, mean=0.1, rows=1000) -> Window:
+    latency = {1.0: 0.0, 5.0: requests * 0.5, p99_ms: requests * 0.99, 2 * p99_ms: requests, INF: requests}
+    scores, total = _scores(shares or BASE_SHARES, rows=rows, mean=mean)
+    return Window(requests, failures, latency, scores, total)
+
+
+# --- figures -----------------------------------------------------------------------------------
+
+
+def test_psi_is_zero_for_equal_distributions_and_grows_with_the_shift():
+    assert psi([0.5, 0.5], [0.5, 0.5]) == 0.0
+    assert psi([0.5, 0.5], [0.6, 0.4]) == pytest.approx(
+        0.1 * math.log(1.2 / 1.0) + 0.1 * math.log(1.25), rel=1e-6
+    )
+    small, large = psi(BASE_SHARES, BASE_SHARES[1:] + BASE_SHARES[:1]), psi(BASE_SHARES, BASE_SHARES[::-1])
+    assert 0 < small < large
+    assert math.isfinite(psi([1.0, 0.0], [0.0, 1.0]))  # empty buckets are floored
+    with pytest.raises(ValueError, match="same buckets"):
+        psi([1.0], [0.5, 0.5])
+
+
+def test_quantiles_interpolate_within_a_bucket():
+    cumulative = {1.0: 0.0, 10.0: 100.0, INF: 100.0}
+    assert quantile(cumulative, 0.5) == pytest.approx(5.5)
+    assert quantile(cumulative, 0.99) == pytest.approx(1 + 9 * 0.99)
+    assert quantile({5.0: 10.0, INF: 20.0}, 0.99) == 5.0  # in the open bucket: its lower edge
+    assert quantile({}, 0.99) is None and quantile({1.0: 0.0, INF: 0.0}, 0.5) is None
+
+
+def test_a_window_is_the_difference_of_running_totals_and_survives_a_counter_reset():
+    start, now = _window(requests=100, failures=2), _window(requests=300, failures=5)
+    delta = now.since(start)
+    assert (delta.requests, delta.failures) == (200, 3) and delta.error_rate == 3 / 200
+    assert delta.latency[INF] == 200 and delta.scored == 0  # the same score totals: nothing new
+    restarted = now.since(_window(requests=1000, failures=50))  # the server restarted: counts from 0
+    assert (restarted.requests, restarted.failures, restarted.timed) == (300, 5, 300)
+    assert Window().error_rate == 0.0 and Window().p99_ms() is None and Window().mean_score() is None
+
+
+# --- the comparison ----------------------------------------------------------------------------
+
+
+def test_an_equal_candidate_passes_every_check_once_there_is_enough_traffic():
+    verdict = judge(SETTINGS, _window(), _window())
+    assert verdict == Verdict(
+        "", True, {"error_rate_increase": 0.0, "p99_ratio": 1.0, "psi": 0.0, "mean_ratio": 1.0}, ()
+    )
+    assert not judge(SETTINGS, _window(), _window(requests=10)).judged  # too few to judge
+
+
+def test_p99s_wait_for_a_hundred_timed_requests_and_a_stage_for_its_minimum():
+    verdict = judge(SETTINGS, _window(requests=80), _window(requests=80))
+    assert "error_rate_increase" in verdict.figures and "p99_ratio" not in verdict.figures
+    assert not verdict.judged  # 80 >= min_judged, but a p99 of 80 requests is nearly their maximum
+    many = dataclasses.replace(SETTINGS, min_requests=5000)
+    assert not judge(many, _window(), _window()).judged and not judge(many, _window(), _window()).rollback
+
+
+@pytest.mark.parametrize(
+    ("candidate", "reason"),
+    [
+        (_window(failures=50), "error rate 0.050 vs stable's 0.000"),
+        (_window(p99_ms=40), "p99 40.0 ms vs stable's 10.0 ms"),
+        (_window(shares=BASE_SHARES[::-1]), "score distribution moved: PSI"),
+        (_window(mean=0.05), "mean probability 0.500x stable's"),
+    ],
+)
+def test_a_candidate_crossing_a_threshold_is_rolled_back_with_the_reason(candidate, reason):
+    verdict = judge(SETTINGS, _window(), candidate)
+    assert reason in verdict.rollback
+
+
+def test_small_differences_are_not_held_against_the_candidate():
+    assert not judge(SETTINGS, _window(failures=5), _window(failures=10)).rollback  # +0.005 < 0.01
+    assert not judge(SETTINGS, _window(p99_ms=2), _window(p99_ms=6)).rollback  # 3x, but only 4 ms
+    assert not judge(SETTINGS, _window(), _window(mean=0.11)).rollback
+
+
+def test_a_failing_comparison_rolls_back_even_before_the_others_can_be_made():
+    few_rows = dataclasses.replace(_window(failures=500), scores={}, score_sum=0.0)
+    verdict = judge(SETTINGS, _window(), few_rows)
+    assert "error rate" in verdict.rollback and "scores" in verdict.skipped[0]
+
+
+def test_without_a_score_histogram_the_score_checks_are_skipped_and_said_so():
+    bare = dataclasses.replace(_window(), scores={}, score_sum=0.0)
+    verdict = judge(SETTINGS, bare, bare)
+    assert verdict.judged and not verdict.rollback and "no served-probability histogram" in verdict.skipped[0]
+
+
+# --- stages and decisions ----------------------------------------------------------------------
+
+
+def test_the_stages_are_a_shadow_stage_then_the_steps_with_whole_weights():
+    plan = canary.stages(SETTINGS)
+    assert [s.name for s in plan] == ["shadow", "1%", "50%", "100%"]
+    assert plan[0] == Stage("shadow", 0.0, 0.2) and plan[0].weights() == {"stable": 10_000, "candidate": 0}
+    assert Stage("0.5%", 0.5, 0.0).weights() == {"stable": 9_950, "candidate": 50}
+    assert [s.name for s in canary.stages(dataclasses.replace(SETTINGS, shadow_fraction=0.0))][0] == "1%"
+
+
+def test_a_stage_advances_only_after_its_dwell_time_with_enough_traffic_and_then_promotes():
+    state = CanaryState(stage_started=100.0)
+    passed = Verdict("", True, {"psi": 0.01})
+    assert decide(SETTINGS, state, passed, 105.0) == state  # dwell not over
+    assert decide(SETTINGS, state, Verdict(judged=False), 200.0) == state  # not enough traffic
+    for stage in range(1, 4):
+        state = decide(SETTINGS, state, passed, state.stage_started + 10)
+        assert state.stage == stage and state.events[-1]["event"] == "step"
+    assert state.routing(SETTINGS) == ({"stable": 0, "candidate": 10_000}, 0.0)  # at 100 %
+    state = decide(SETTINGS, state, passed, state.stage_started + 10)
+    assert state.status == canary.PROMOTED and state.count("step") == 3 and state.count("promote") == 1
+    assert decide(SETTINGS, state, Verdict("bad"), 1e9) == state  # decided: nothing changes it
+
+
+def test_a_rollback_records_its_reason_and_how_long_the_candidate_was_exposed():
+    state = decide(SETTINGS, CanaryState(stage=2, stage_started=100.0), Verdict("error rate 0.2"), 101.5)
+    assert state.status == canary.ROLLED_BACK and state.reason == "error rate 0.2"
+    assert state.events[-1] | {"time": 0} == {
+        "event": "rollback",
+        "reason": "error rate 0.2",
+        "time": 0,
+        "stage": "50%",
+        "after_s": 1.5,
+        "figures": {},
+    }
+    assert state.routing(SETTINGS) == ({"stable": 10_000, "candidate": 0}, 0.0)
+
+
+def test_the_saved_decision_is_read_back_and_routes_a_restarted_proxy(tmp_path):
+    access = dataclasses.replace(AccessSection(), canary=SETTINGS)
+    assert canary.routed(access, tmp_path) is access  # nothing saved: the spec's routing
+    state = CanaryState(stage=2, stage_started=5.0, events=({"event": "step"},))
+    state.save(tmp_path / canary.STATE_FILE)
+    assert CanaryState.load(tmp_path / canary.STATE_FILE) == state
+    routed = canary.routed(access, tmp_path)
+    assert routed.weights == {"stable": 5_000, "candidate": 5_000} and routed.shadow_fraction == 0.0
+    dataclasses.replace(state, status=canary.ROLLED_BACK).save(tmp_path / canary.STATE_FILE)
+    assert canary.routed(access, tmp_path).weights == {"stable": 10_000, "candidate": 0}
+    (tmp_path / canary.STATE_FILE).write_text("{}")
+    with pytest.raises(AccessError, match="is not a canary state"):
+        canary.routed(access, tmp_path)
+
+
+# --- reading the stack -------------------------------------------------------------------------
+
+TRITON = """# HELP nv_inference_request_success x
+nv_inference_request_success{model="tiny",version="1"} 90
+nv_inference_request_success{model="dense",version="1"} 95
+nv_inference_request_failure{model="tiny",reason="BACKEND",version="1"} 10
+recserve_served_probability_bucket{dense_version="1",le="0.1"} 30
+recserve_served_probability_bucket{dense_version="1",le="+Inf"} 40
+recserve_served_probability_sum{dense_version="1"} 6.5
+recserve_served_probability_count{dense_version="1"} 40
+"""
+ENVOY = """envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_grpc",le="5"} 3
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_grpc",le="+Inf"} 4
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_http_shadow",le="5"} 1
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_http_shadow",le="+Inf"} 1
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="stable_grpc",le="+Inf"} 100
+"""
+
+
+def test_the_ensembles_counters_and_the_score_histogram_are_read_from_tritons_metrics():
+    window = canary.triton_window(TRITON, "tiny")
+    assert (window.requests, window.failures) == (100, 10)  # the ensemble's only, every reason
+    assert window.scores == {0.1: 30, INF: 40} and window.score_sum == 6.5 and window.mean_score() == 6.5 / 40
+    clusters = ["candidate_grpc", "candidate_http", "candidate_grpc_shadow", "candidate_http_shadow"]
+    assert canary.envoy_latency(ENVOY, clusters) == {5.0: 4, INF: 5}  # live and mirrored, summed
+
+
+def test_the_stack_file_round_trips_and_a_missing_one_says_what_to_run(tmp_path):
+    stack = canary.Stack("127.0.0.1:9901", {"stable": ["127.0.0.1:8002"], "candidate": ["127.0.0.1:18002"]})
+    stack.save(tmp_path / canary.STACK_FILE)
+    assert canary.Stack.load(tmp_path / canary.STACK_FILE) == stack
+    with pytest.raises(AccessError, match="no running access layer"):
+        canary.Stack.load(tmp_path / "absent.json")
+    with pytest.raises(AccessError, match="needs a running 'candidate'"):
+        canary.CanaryController("tiny", SETTINGS, canary.Stack("a:1", {"stable": []}), tmp_path)
+
+
+def test_the_controller_exports_its_stage_status_and_counts(tmp_path):
+    stack = canary.Stack("127.0.0.1:1", {"stable": [], "candidate": []})
+    controller = canary.CanaryController("tiny", SETTINGS, stack, tmp_path)
+    controller.state = CanaryState(status=canary.ROLLED_BACK, stage=1, events=({"event": "rollback"},))
+    controller.verdict = Verdict("x", True, {"psi": 0.5})
+    series = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in controller.exposition().splitlines()
+        if not line.startswith("#")
+    }
+    assert series == {
+        "recserve_access_canary_stage": 1,
+        'recserve_access_canary_status{status="running"}': 0,
+        'recserve_access_canary_status{status="promoted"}': 0,
+        'recserve_access_canary_status{status="rolled_back"}': 1,
+        "recserve_access_candidate_percent": 0,
+        "recserve_access_shadow_fraction": 0,
+        "recserve_access_canary_steps_total": 0,
+        "recserve_access_canary_rollbacks_total": 1,
+        "recserve_access_canary_periods_total": 0,
+        'recserve_access_canary_figure{figure="psi"}': 0.5,
+    }
+
+
+def test_an_unreachable_candidate_is_rolled_back_after_two_periods(tmp_path):
+    stack = canary.Stack("127.0.0.1:1", {"stable": [], "candidate": ["127.0.0.1:1"]})
+    controller = canary.CanaryController("tiny", SETTINGS, stack, tmp_path, timeout_s=0.5)
+    controller.state = CanaryState(stage_started=0.0)
+
+    def observe():
+        raise canary.Unreachable("candidate", "candidate's tritonserver metrics at 127.0.0.1:1: refused")
+
+    controller.observe = observe  # the proxy is not there either: apply() only logs
+    assert controller.tick().status == canary.RUNNING
+    state = controller.tick()
+    assert state.status == canary.ROLLED_BACK and "did not answer for 2 periods" in state.reason
+    saved = json.loads((tmp_path / canary.STATE_FILE).read_text())
+    assert saved["status"] == canary.ROLLED_BACK
+    assert json.loads((tmp_path / canary.LOG_FILE).read_text().splitlines()[-1])["event"] == "rollback"
+
+
+class _Scripted(canary.CanaryController):
+    """A controller over scripted running totals and a scripted clock (no stack behind it)."""
+
+    def __init__(self, settings, workdir, totals):
+        stack = canary.Stack("127.0.0.1:1", {"stable": [], "candidate": []})
+        self.times = iter(range(0, 10_000, 10))
+        super().__init__(
+            "tiny", settings, stack, workdir, clock=lambda: float(next(self.times)), timeout_s=0.2
+        )
+        self.totals = iter(totals)
+
+    def observe(self):
+        return next(self.totals)
+
+
+def test_at_100_percent_stables_last_stage_stands_in_for_it(tmp_path):
+    settings = dataclasses.replace(SETTINGS, shadow_fraction=0.0, steps=(50.0, 100.0), dwell_s=0, settle_s=0)
+    once, twice = _window(), _window(requests=2000, rows=2000)
+    controller = _Scripted(
+        settings,
+        tmp_path,
+        [
+            {"stable": Window(), "candidate": Window()},
+            {"stable": once, "candidate": once},
+            {"stable": once, "candidate": twice},  # stable served nothing more
+        ],
+    )
+    controller.begin()
+    assert controller.tick().stage == 1  # 50 %: both compared, on to 100 %
+    state = controller.tick()  # 100 %: stable's 50 % window is the reference
+    assert state.status == canary.PROMOTED, controller.verdict
+    assert controller.verdict.figures["psi"] == 0.0 and controller.verdict.judged
+
+
+def test_latency_counts_only_from_settle_s_into_a_stage(tmp_path):
+    settings = dataclasses.replace(SETTINGS, shadow_fraction=0.0, dwell_s=0, settle_s=15)
+    fast = {1.0: 0.0, 5.0: 1000.0, 400.0: 1000.0, INF: 1000.0}
+    cold = dataclasses.replace(_window(), latency={1.0: 0.0, 5.0: 0.0, 400.0: 1000.0, INF: 1000.0})
+    warm = dataclasses.replace(
+        _window(requests=2000, rows=2000), latency={k: v + fast[k] for k, v in cold.latency.items()}
+    )
+    stable = dataclasses.replace(_window(), latency=fast)
+    stable_later = dataclasses.replace(
+        _window(requests=2000, rows=2000), latency={k: 2 * v for k, v in fast.items()}
+    )
+    controller = _Scripted(
+        settings,
+        tmp_path,
+        [
+            {"stable": Window(), "candidate": Window()},
+            {"stable": stable, "candidate": cold},  # t=10: before settle_s, p99 not compared
+            {"stable": stable, "candidate": cold},  # t=20: settled here
+            {"stable": stable_later, "candidate": warm},  # t=30: only the warm requests count
+        ],
+    )
+    controller.begin()
+    controller.tick()
+    assert "p99_ratio" not in controller.verdict.figures and controller.state.status == canary.RUNNING
+    controller.tick()
+    state = controller.tick()
+    assert controller.verdict.figures["p99_ratio"] == 1.0 and not controller.verdict.rollback
+    assert state.stage == 1
+
+
+# --- the dense step's side: the served-probability histogram and the finite-output guard ------
+
+
+def test_the_score_histogram_is_cumulative_with_sum_and_count():
+    histogram = ScoreHistogram((("dense_version", "3"),))
+    histogram.observe(np.array([[0.005], [0.01], [0.15], [0.95]], np.float32))
+    samples = {(s.name, dict(s.labels).get("le")): s.value for s in histogram.samples()}
+    assert samples[("recserve_served_probability_bucket", "0.01")] == 2  # an edge value is in its bucket
+    assert samples[("recserve_served_probability_bucket", "0.2")] == 3
+    assert samples[("recserve_served_probability_bucket", "+Inf")] == 4
+    assert samples[("recserve_served_probability_count", None)] == 4
+    assert samples[("recserve_served_probability_sum", None)] == pytest.approx(1.115, abs=1e-6)
+    assert all(dict(s.labels)["dense_version"] == "3" for s in histogram.samples())
+
+
+def test_a_request_with_a_non_finite_probability_fails_alone_and_is_not_counted():
+    step = DenseStep(load_spec("tiny"), runner=None, version="2")  # type: ignore[arg-type]
+    step.accept({wire.PROBABILITY: np.array([[0.2], [0.4]], np.float32)})
+    with pytest.raises(NonFiniteOutput, match=r"returned nan as the probability of row 1 \(2 of 3 rows"):
+        step.accept({wire.PROBABILITY: np.array([[0.2], [np.nan], [np.inf]], np.float32)})
+    assert NonFiniteOutput.code == "INTERNAL"
+    assert step.scores.counts.sum() == 2  # only the served rows
