@@ -109,6 +109,11 @@ def _canary(args: argparse.Namespace) -> int:
     from recserve.access import AccessError, canary
 
     spec = load_spec(args.spec)
+    if spec.access.canary.shadow_fraction > 0 and spec.access.shadow_variant != "candidate":
+        variant = spec.access.shadow_variant
+        message = f"[access] shadow_variant is {variant!r}: the canary's shadow stage needs 'candidate'"
+        print(f"error: {message}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     previous = {
         s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)

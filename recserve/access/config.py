@@ -55,6 +55,8 @@ HEALTH_INTERVAL_S = 2.0
 LATENCY_BUCKETS_MS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25, 30, 40, 50, 65, 80, 100, 130, 160, 200,
                       250, 300, 400, 500, 650, 800, 1000, 1500, 2000, 3000, 5000, 10000, 30000, 60000)
 # fmt: on
+#: Idle HTTP/1.1 upstream connections are closed after this (a stopping tritonserver waits for them).
+IDLE_S = 1.0
 #: How often Envoy merges its histograms for the admin API (what the canary reads each period).
 STATS_FLUSH_S = 0.25
 EJECTION_S = 2.0  # a replica ejected for a refused or reset connection stays out this long (times ejections)
@@ -154,8 +156,9 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
     }
     if protocol == "grpc":
         health["grpc_health_check"] = {}
-    else:
+    else:  # a kept-alive HTTP connection holds a stopping tritonserver until its exit timeout
         health["http_health_check"] = {"path": "/v2/health/ready"}
+        health["reuse_connection"] = False
     config: dict[str, Any] = {
         "name": name,
         "type": "STRICT_DNS" if by_name else "STATIC",
@@ -186,13 +189,19 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
             "max_ejection_time": _seconds(5 * EJECTION_S),  # a restarted replica is back within this
             "max_ejection_percent": 50,
         }
-    if protocol == "grpc":
-        config["typed_extension_protocol_options"] = {
-            _HTTP_OPTIONS: {
-                "@type": f"type.googleapis.com/{_HTTP_OPTIONS}",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
+    http_version = "http2_protocol_options" if protocol == "grpc" else "http_protocol_options"
+    config["typed_extension_protocol_options"] = {
+        _HTTP_OPTIONS: {
+            "@type": f"type.googleapis.com/{_HTTP_OPTIONS}",
+            "explicit_http_config": {http_version: {}},
+            # idle HTTP/1.1 connections are closed soon, for the same reason as above
+            **(
+                {"common_http_protocol_options": {"idle_timeout": _seconds(IDLE_S)}}
+                if protocol == "http"
+                else {}
+            ),
         }
+    }
     return config
 
 

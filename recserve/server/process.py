@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,7 +19,13 @@ from typing import BinaryIO
 
 from recserve.server.runtime import ServerError, prepare_runtime, server_env
 from recserve.server.security import Security
-from recserve.server.watchdog import StubWatchdog, ensemble_names, expected_stubs, stub_processes
+from recserve.server.watchdog import (
+    StubWatchdog,
+    ensemble_names,
+    expected_stubs,
+    orphaned_stubs,
+    stub_processes,
+)
 
 LOGGER = logging.getLogger(__name__)
 
@@ -243,6 +250,10 @@ class TritonServer:
         if self.process.poll() is None:
             self.drain()
         stop_process(self.process, timeout_s, signum)
+        for stub in orphaned_stubs(self.process.pid):  # left by a server that was killed
+            LOGGER.warning("killing stub %d left by the dead tritonserver %d", stub, self.process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stub, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
         return self.process.returncode

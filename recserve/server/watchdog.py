@@ -42,6 +42,29 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     return stubs
 
 
+def orphaned_stubs(server_pid: int) -> list[int]:
+    """Stub processes still alive that tritonserver ``server_pid`` started before it died.
+
+    A stub outlives a server killed with SIGKILL. Its command line names the server's pid (the
+    argument after the two shared-memory sizes), which is how it is found once reparented.
+    """
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            argv[0].endswith(b"triton_python_backend_stub")
+            and len(argv) > 5
+            and argv[5] == str(server_pid).encode()
+        ):
+            found.append(int(entry.name))
+    return found
+
+
 def _configs(repository: Path) -> dict[str, Any]:
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2

@@ -26,6 +26,7 @@ from recserve.perf.redis_cluster import RedisCluster
 from recserve.perf.redis_outage import l3_repository
 from recserve.perf.stats import snapshot
 from recserve.server import TritonServer
+from recserve.server.watchdog import orphaned_stubs
 from recserve.spec import load_spec
 from recserve.wire import EMBEDDING_LOOKUP
 
@@ -117,12 +118,14 @@ def test_kill_9_of_a_replica_fails_at_most_its_requests_in_flight_and_it_rejoins
         assert victim.process is not None
         os.kill(victim.process.pid, signal.SIGKILL)
         victim.process.wait()
+        assert orphaned_stubs(victim.process.pid)  # its stubs outlive it ...
         served_at_kill = counts["ok"]
         survivor = replicas[1 - KILLED]
         at_kill = _requests(survivor)
         wait_for(lambda: _requests(survivor) > at_kill + 50, 30, "the survivor serving on")
         assert counts["ok"] > served_at_kill
         restarted = layer.restart("stable", KILLED)
+        assert not orphaned_stubs(victim.process.pid)  # ... until the dead server is stopped
         rejoined_s = wait_for(lambda: _requests(restarted) > 0, 60, "the restarted replica taking traffic")
     finally:
         stop.set()

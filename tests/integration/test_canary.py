@@ -17,8 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +40,7 @@ from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
 from recserve.perf.traffic import scratch_repository
 from recserve.sections import CanarySection
-from recserve.spec import ModelSpec, load_spec
+from recserve.spec import ModelSpec, load_spec, spec_path
 
 pytestmark = pytest.mark.integration
 
@@ -246,15 +249,45 @@ def test_a_candidate_shifting_its_scores_is_rolled_back_at_its_first_live_step(l
     print(f"shifted candidate rolled back after {rollback['after_s']} s: {rollback['reason']}")
 
 
-def test_a_healthy_candidate_is_promoted_and_a_restarted_proxy_keeps_the_decision(layer, tiny, tmp_path):
+def test_recserve_canary_promotes_a_healthy_candidate_and_a_restarted_proxy_keeps_it(layer, tiny, tmp_path):
     _deploy(layer, _candidate(layer.repositories["stable"][0], tmp_path / "healthy", _same))
+    metrics_port = ProxyPorts.free().admin
+    spec = tmp_path / "tiny-canary.toml"  # the bundled tiny spec with a quick rollout
     # p99s of a loaded 2-core machine wander: only a large latency regression would count here
-    settings = _settings(tiny, shadow_fraction=0.5, steps=(50.0, 100.0), dwell_s=1.0, p99_slack_ms=25.0)
+    spec.write_text(
+        spec_path("tiny").read_text()
+        + "\n[access.canary]\nsteps = [50, 100]\nshadow_fraction = 0.5\ndwell_s = 1.0\nsettle_s = 1.0\n"
+        + f"period_s = {PERIOD_S}\nmin_requests = 40\nmin_judged = 30\np99_slack_ms = 25.0\n"
+        + f"metrics_port = {metrics_port}\n"
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "recserve.cli",
+        "--spec",
+        str(spec),
+        "canary",
+        "--workdir",
+        str(layer.workdir),
+    ]
     with _traffic(layer, tiny) as seen:
-        controller, state = _run(layer, tiny, settings)
+        rollout = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        exposition = ""
+        while rollout.poll() is None and "recserve_access_canary_stage" not in exposition:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{metrics_port}/metrics", timeout=2
+                ) as response:
+                    exposition = response.read().decode()
+            except OSError:
+                time.sleep(0.2)
+        out, err = rollout.communicate(timeout=60)
         decided = time.monotonic()
         time.sleep(1.0)
-    assert state.status == canary.PROMOTED, (state, controller.verdict)
+    assert rollout.returncode == 0, (out, err[-2000:])  # 0: promoted
+    assert out.strip() == "canary promoted at stage 100%", out
+    assert 'recserve_access_canary_status{status="running"} 1' in exposition  # served while it ran
+    state = canary.CanaryState.load(layer.workdir / canary.STATE_FILE)
     assert [e["event"] for e in state.events] == ["step", "step", "promote"]
     assert [e["stage"] for e in state.events] == ["shadow", "50%", "100%"]
     assert not seen.failed, seen.failed[:3]
@@ -265,12 +298,4 @@ def test_a_healthy_candidate_is_promoted_and_a_restarted_proxy_keeps_the_decisio
     with CTRClient(layer.grpc_url, spec=tiny) as sdk:
         request = generate(tiny, 4, seed=7).to_wire(tiny)
         assert {int(sdk.score_inputs(request).dense_version[0]) for _ in range(20)} == {CANDIDATE}
-    config = json.loads((layer.workdir / "envoy.json").read_text())
-    clusters = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    weights = {
-        c["name"]: c["weight"]
-        for c in clusters["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["weighted_clusters"][
-            "clusters"
-        ]
-    }
-    assert weights == {"stable_grpc": 0, "candidate_grpc": canary.WEIGHT_TOTAL}
+    assert layer.admin.runtime() == {}  # nothing set at run time: the config itself routes so

@@ -103,7 +103,10 @@ def test_admission_caps_are_per_replica_and_never_queue():
     assert ports == [7100, 7200]
     grpc_options = clusters["stable_grpc"]["typed_extension_protocol_options"]
     assert "http2_protocol_options" in json.dumps(grpc_options)  # gRPC upstreams speak HTTP/2
-    assert "typed_extension_protocol_options" not in clusters["stable_http"]
+    http_options = json.dumps(clusters["stable_http"]["typed_extension_protocol_options"])
+    assert "http2" not in http_options and '"idle_timeout": "1.000s"' in http_options
+    # no kept-alive HTTP connection holds a stopping tritonserver until its exit timeout
+    assert clusters["stable_http"]["health_checks"][0]["reuse_connection"] is False
     assert "grpc_health_check" in clusters["stable_grpc"]["health_checks"][0]
     assert clusters["stable_http"]["health_checks"][0]["http_health_check"]["path"] == "/v2/health/ready"
 
