@@ -76,6 +76,29 @@ def best_trial(trials: Sequence[Trial], p99_target_ms: float) -> Trial | None:
     return max(scored, key=lambda t: t.score(p99_target_ms), default=None)
 
 
+def admission_cap(trial: Trial, p99_target_ms: float, share: float = 0.9) -> int:
+    """The access layer's in-flight cap per replica (``[access] max_requests``) for a tuned plan.
+
+    Per client batch size, the knee is the fewest requests in flight whose rows/s reach ``share`` of
+    that batch size's capacity within the target: past it, more in flight only queues. The cap is
+    the largest knee, so that no measured workload is held under ``share`` of its capacity. A batch
+    size with no point within the target does not count; with none at all, the cap is 1.
+    """
+    knees = []
+    for batch, best in trial.capacity(p99_target_ms).items():
+        if best > 0:
+            knees.append(
+                min(
+                    concurrency
+                    for (b, concurrency), rows, p99 in zip(
+                        trial.workloads, trial.rows_per_s, trial.p99_ms, strict=True
+                    )
+                    if b == batch and p99 <= p99_target_ms and rows >= share * best
+                )
+            )
+    return max(knees, default=1)
+
+
 def preferred_candidates(spec: ModelSpec) -> list[tuple[int, ...]]:
     """Preferred batch sizes worth trying: none, and each batch bucket of at least 8 rows below the max."""
     return [(), *((b,) for b in spec.batch_buckets if 8 <= b < spec.max_batch_size)]
@@ -166,11 +189,12 @@ def _toml_value(value: int | Sequence[int]) -> str:
     return f"[{', '.join(str(v) for v in value)}]" if isinstance(value, (tuple, list)) else str(value)
 
 
-def write_back(spec_file: Path, plan: ServingPlan) -> None:
-    """Set the plan's values in the ``[serving]`` and ``[serving.instances]`` tables of a spec file.
+def write_back(spec_file: Path, plan: ServingPlan, max_requests: int | None = None) -> None:
+    """Write the plan into ``[serving]`` and ``[serving.instances]``, the cap into ``[access]``.
 
-    Lines are edited in place (comments and layout are kept); a missing key is added at the end of
-    its table. A plan without dynamic batching cannot be written (the spec always batches).
+    ``max_requests`` None leaves ``[access]`` alone. Lines are edited in place (comments and layout
+    are kept); a missing key is added at the end of its table, a missing ``[access]`` table at the
+    end of the file. A plan without dynamic batching cannot be written (the spec always batches).
     """
     if plan.max_queue_delay_microseconds is None:
         raise ValueError("the spec always enables dynamic batching; this plan has none")
@@ -180,6 +204,7 @@ def write_back(spec_file: Path, plan: ServingPlan) -> None:
             "preferred_batch_size": tuple(plan.preferred_batch_sizes),
         },
         "serving.instances": dict(plan.instances),
+        **({"access": {"max_requests": max_requests}} if max_requests is not None else {}),
     }
     lines = spec_file.read_text().splitlines()
     section, last_key_line, seen = None, {}, set()
@@ -198,10 +223,13 @@ def write_back(spec_file: Path, plan: ServingPlan) -> None:
                 seen.add((section, key))
     inserts = []
     for section, values in wanted.items():
-        if section not in last_key_line:
-            raise ValueError(f"{spec_file} has no [{section}] table")
         missing = [f"{k} = {_toml_value(v)}" for k, v in values.items() if (section, k) not in seen]
-        inserts.append((last_key_line[section] + 1, missing))
+        if section in last_key_line:
+            inserts.append((last_key_line[section] + 1, missing))
+        elif section == "access":  # optional in a spec: the table is added
+            inserts.append((len(lines), ["", "[access]", *missing]))
+        else:
+            raise ValueError(f"{spec_file} has no [{section}] table")
     for at, new_lines in sorted(inserts, reverse=True):
         lines[at:at] = new_lines
     spec_file.write_text("\n".join(lines) + "\n")
@@ -219,9 +247,9 @@ def run_tune(
     write: bool = True,
     progress: Callable[[str], None] = LOGGER.info,
 ) -> tuple[Trial | None, list[Trial]]:
-    """Sweep, then (``write``) store the best plan in ``spec_file`` and regenerate the configs.
+    """Sweep; then (``write``) store the best plan and its cap in ``spec_file``, regenerate the configs.
 
-    The regenerated configs are ``repository``'s.
+    The cap is :func:`admission_cap`; the regenerated configs are ``repository``'s.
     """
     from recserve.spec import load_spec
 
@@ -229,7 +257,11 @@ def run_tune(
         measure_plan = perf_analyzer_measure(spec, repository, Path(tmp), workloads, measurement_ms)
         best, trials = sweep(spec, measure_plan, p99_target_ms, delays, instance_counts, progress)
     if best is not None and write:
-        write_back(spec_file, best.plan)
+        cap = admission_cap(best, p99_target_ms)
+        write_back(spec_file, best.plan, cap)
         configs.write_configs(load_spec(spec_file), repository)
-        progress(f"[tune] wrote {best.plan} to {spec_file} and regenerated the configs in {repository}")
+        progress(
+            f"[tune] wrote {best.plan} and [access] max_requests = {cap} to {spec_file}; "
+            f"regenerated the configs in {repository}"
+        )
     return best, trials

@@ -83,7 +83,7 @@ def _workloads(text: str) -> tuple[tuple[int, int], ...]:
 
 def _tune(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
-    from recserve.perf.tune import DEFAULT_WORKLOADS, run_tune
+    from recserve.perf.tune import DEFAULT_WORKLOADS, admission_cap, run_tune
     from recserve.spec import spec_path
 
     spec = load_spec(args.spec)
@@ -107,6 +107,9 @@ def _tune(args: argparse.Namespace) -> int:
             f"{marker} score {trial.score(args.p99_ms):7.0f}  "
             f"rows/s under p99 by batch {capacity}  {trial.plan}"
         )
+    if best is not None:
+        cap = admission_cap(best, args.p99_ms)
+        print(f"in-flight cap per replica for the access layer ([access] max_requests): {cap}")
     if best is None:
         print(
             f"no plan met p99 <= {args.p99_ms} ms at every client batch size; the spec is unchanged",
@@ -277,7 +280,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=_bench)
 
     tune = sub.add_parser(
-        "tune", help="sweep queue delay, preferred batch size and instances; write the best to the spec"
+        "tune",
+        help="sweep queue delay, preferred batch size and instances; write the best (and the access "
+        "layer's in-flight cap) to the spec",
     )
     tune.add_argument("--repository", type=Path, default=None)
     tune.add_argument("--p99-ms", type=float, default=50.0, help="p99 target")

@@ -16,6 +16,19 @@ def test_capacity_is_the_best_rate_within_the_target_per_batch_size():
     assert trial.capacity(15) == {1: 100.0, 64: 0.0} and trial.score(15) == 0.0
 
 
+def test_the_admission_cap_is_the_largest_knee_within_the_target():
+    ladder = ((1, 2), (1, 4), (1, 8), (1, 16), (64, 1), (64, 2), (64, 4))
+    rows = (200.0, 380.0, 420.0, 430.0, 900.0, 1000.0, 1010.0)
+    p99 = (5.0, 8.0, 15.0, 60.0, 20.0, 30.0, 45.0)
+    trial = tune.Trial(ServingPlan(500), ladder, rows, p99)
+    # batch 1: capacity 420 (16 in flight breaks the target), 90 % of it first at 4 in flight;
+    # batch 64: capacity 1010, 90 % at 2
+    assert tune.admission_cap(trial, 50.0) == 4
+    assert tune.admission_cap(trial, 50.0, share=0.99) == 8
+    assert tune.admission_cap(trial, 10.0) == 4  # batch 64 never meets 10 ms: only batch 1 counts
+    assert tune.admission_cap(tune.Trial(ServingPlan(500), ((1, 4),), (10.0,), (99.0,)), 50.0) == 1
+
+
 def test_best_trial_prefers_throughput_within_the_target():
     fast_but_slow_tail = tune.Trial(ServingPlan(4000), ((1, 16),), (900.0,), (80.0,))
     good = tune.Trial(ServingPlan(1000), ((1, 16),), (700.0,), (30.0,))
@@ -74,6 +87,19 @@ def test_write_back_keeps_comments_and_round_trips(tmp_path):
     assert document["model"] == tomllib.loads(original)["model"]
     tune.write_back(target, plan)  # idempotent: the added key is now edited in place
     assert target.read_text() == text
+
+
+def test_write_back_adds_the_cap_in_an_access_table(tmp_path):
+    target = tmp_path / "ctr.toml"
+    target.write_text(spec_path("ctr").read_text())
+    plan = ServingPlan(1500, (32,), {"embedding_lookup": 1, "dense": 1})
+    tune.write_back(target, plan, max_requests=6)
+    assert parse_spec(tomllib.loads(target.read_text())).access.max_requests == 6
+    text = target.read_text()
+    tune.write_back(target, plan, max_requests=3)  # now edited in place
+    assert target.read_text() == text.replace("max_requests = 6", "max_requests = 3")
+    tune.write_back(target, plan)  # no cap: [access] left as it is
+    assert tomllib.loads(target.read_text())["access"] == {"max_requests": 3}
 
 
 def test_write_back_refuses_a_plan_without_batching(tmp_path):
