@@ -35,17 +35,17 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from recserve.access import observe
 from recserve.access.admin import AdminClient
 from recserve.access.config import LOOPBACK, PROTOCOLS, AccessError, cluster_name
 from recserve.sections import AccessSection, CanarySection
@@ -362,18 +362,6 @@ def routed(access: AccessSection, workdir: Path) -> AccessSection:
 
 # --- reading the running stack -----------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_exposition(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
-    """Samples of a Prometheus text exposition: name, labels, value."""
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match:
-            labels = dict(_LABEL.findall(match.group(2) or ""))
-            yield match.group(1), labels, float(match.group(3))
-
 
 def _edge(label: str) -> float:
     return math.inf if label == "+Inf" else float(label)
@@ -383,7 +371,7 @@ def triton_window(text: str, model: str) -> Window:
     """Requests and failures of the ensemble ``model`` and the served-probability histogram."""
     requests = failures = score_sum = 0.0
     scores: dict[float, float] = {}
-    for name, labels, value in parse_exposition(text):
+    for name, labels, value in observe.parse_exposition(text):
         if name in ("nv_inference_request_success", "nv_inference_request_failure"):
             if labels.get("model") == model:
                 requests += value
@@ -398,7 +386,7 @@ def triton_window(text: str, model: str) -> Window:
 def envoy_latency(text: str, clusters: Sequence[str]) -> dict[float, float]:
     """The summed request-time histogram (ms) of ``clusters`` from Envoy's ``/stats/prometheus``."""
     latency: dict[float, float] = {}
-    for name, labels, value in parse_exposition(text):
+    for name, labels, value in observe.parse_exposition(text):
         if name == "envoy_cluster_upstream_rq_time_bucket" and labels.get("envoy_cluster_name") in clusters:
             edge = _edge(labels["le"])
             latency[edge] = latency.get(edge, 0.0) + value

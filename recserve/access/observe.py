@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,12 +244,19 @@ def metric_names(expr: str) -> set[str]:
     return {w for w in _WORD.findall(text) if w not in _PROMQL_WORDS and not w[0].isdigit()}
 
 
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_exposition(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Samples of a Prometheus text exposition: name, labels, value (comment lines left out)."""
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match:
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            yield match.group(1), labels, float(match.group(3))
+
+
 def exported_names(text: str) -> set[str]:
     """Series names in a Prometheus text exposition (histogram buckets under their ``_bucket`` names)."""
-    names = set()
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            match = _WORD.match(line)
-            if match:
-                names.add(match.group(0))
-    return names
+    return {name for name, _, _ in parse_exposition(text)}
