@@ -1,9 +1,10 @@
 """``recserve overload --access``: the open-loop spike of :mod:`recserve.perf.overload`, through Envoy.
 
-Capacity is measured closed-loop on the bare tritonserver (throughput-first configs, pinned as in
-``recserve overload``); then the access layer starts over the same repository (Triton's queues as
-``[access] queue_profile`` says, ``unbounded`` by default) and the three open-loop phases (half
-capacity, the spike, half capacity) go to the proxy's gRPC port. The proxy admits at most
+The access layer starts over the repository (Triton's queues as ``[access] queue_profile`` says,
+``unbounded`` by default); capacity is measured closed-loop through the proxy with ``max_requests``
+in flight, the most it admits, so that "2x" means twice what the access layer can serve whatever
+the machine's mood; then the three open-loop phases (half capacity, the spike, half capacity) go to
+the proxy's gRPC port. The proxy admits at most
 ``max_requests`` in flight and refuses the rest at once with UNAVAILABLE. The JSON summary holds the
 two verdicts, ``served_p99_ratio`` and ``shed_p99_ms``, with the phases, the cap, the cores and the
 load average.
@@ -18,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
-from recserve.perf.overload import Cores, OverloadReport, pinned_capacity, run_overload
+from recserve.build.synthetic import generate
+from recserve.perf.overload import Cores, OverloadReport, measure_capacity, pinned, run_overload
 from recserve.perf.traffic import scratch_repository
 from recserve.spec import ModelSpec
 
@@ -36,7 +38,7 @@ def run_access_overload(
     proxy_with_client: bool = False,
     proxy_priority: int = -10,
 ) -> tuple[OverloadReport, dict[str, object]]:
-    """Measure capacity on the bare server, then the spike through the proxy; the report and its summary.
+    """Measure capacity, then the spike, both through the proxy; the report and its summary.
 
     ``max_requests`` None: the spec's ``[access] max_requests``. Envoy runs on the server's cores
     (the load generator alone on the others), or with ``proxy_with_client`` on the generator's, at
@@ -49,7 +51,6 @@ def run_access_overload(
         access = dataclasses.replace(access, max_requests=max_requests)
     access = dataclasses.replace(access, weights={"stable": 100}, shadow_fraction=0.0)
     root = scratch_repository(repository, workdir / "repository")
-    capacity = pinned_capacity(root, spec, rows, cores, workdir / "capacity.log")
     proxy_cores = cores.client if proxy_with_client else cores.server
     served, config_name = behind_proxy({"stable": root}, access.queue_profile, spec.queue_profiles, workdir)
     layer = AccessLayer(
@@ -63,6 +64,9 @@ def run_access_overload(
         proxy_priority=proxy_priority,
     )
     with layer:
+        with pinned(cores.client):
+            request = generate(spec, rows, seed=5).to_wire(spec)
+            capacity = measure_capacity(layer.grpc_url, spec, request, concurrency=access.max_requests)
         report = run_overload(
             layer.servers["stable"][0],
             spec,
