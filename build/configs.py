@@ -61,8 +61,11 @@ def step_io(
     """
     t = intermediate_tensors(spec)
     dense_inputs = tuple(t[n] for n in wire.dense_net_inputs(spec))
+    raw: tuple[WireTensor, ...] = spec.wire_inputs()
+    if spec.candidates_model:  # two request forms: each request carries one form's inputs
+        raw = (*(dataclasses.replace(w, optional=True) for w in raw), *wire.candidate_step_inputs(spec))
     return {
-        wire.EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[wire.EMBEDDING_VERSION])),
+        wire.EMBEDDING_LOOKUP: (raw, (*dense_inputs, t[wire.EMBEDDING_VERSION])),
         wire.DENSE: (
             dense_inputs,
             (t[wire.PROBABILITY],) if profile == "gpu" else (t[wire.PROBABILITY], t[wire.DENSE_VERSION]),
@@ -73,7 +76,11 @@ def step_io(
 def model_input(t: WireTensor) -> mc.ModelInput:
     """A config ``input`` entry for a tensor."""
     return mc.ModelInput(
-        name=t.name, data_type=_DTYPES[t.dtype], dims=list(t.dims), allow_ragged_batch=t.ragged
+        name=t.name,
+        data_type=_DTYPES[t.dtype],
+        dims=list(t.dims),
+        allow_ragged_batch=t.ragged,
+        optional=t.optional,
     )
 
 
@@ -238,6 +245,8 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     steps = []
     for step in wire.STEPS:
         inputs, outputs = io[step]
+        if step == wire.EMBEDDING_LOOKUP:  # the row form's inputs (not the candidate-list form's)
+            inputs = spec.wire_inputs()
         steps.append(
             mc.ModelEnsembling.Step(
                 model_name=step,
@@ -258,12 +267,61 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     )
 
 
+def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
+    """The candidate-list ensemble (:attr:`~recserve.spec.ModelSpec.candidates_model`): one request per user.
+
+    Its inputs have no batch dimension of their own (``max_batch_size`` 0): the user inputs are
+    ``[users, ...]``, the per-candidate ones ``[users, candidates, ...]``. ``embedding_lookup``
+    batches such requests (ragged) and returns one row per candidate, user by user, which ``dense``
+    batches as rows; the outputs are ``[users * candidates, ...]``.
+    """
+    assert spec.candidates_model is not None
+    io = step_io(spec, profile)
+    lookup_outputs = io[wire.EMBEDDING_LOOKUP][1]
+    dense_inputs, dense_outputs = io[wire.DENSE]
+    # input_map: the step's input name -> the ensemble's tensor
+    inputs = {t.name: t.name for t in spec.user_inputs()}
+    inputs.update({wire.CANDIDATE_PREFIX + t.name: t.name for t in spec.candidate_inputs()})
+    steps = [
+        mc.ModelEnsembling.Step(
+            model_name=wire.EMBEDDING_LOOKUP,
+            model_version=-1,
+            input_map=inputs,
+            output_map={t.name: t.name for t in lookup_outputs},
+        ),
+        mc.ModelEnsembling.Step(
+            model_name=wire.DENSE,
+            model_version=-1,
+            input_map={t.name: t.name for t in dense_inputs},
+            output_map={t.name: t.name for t in dense_outputs},
+        ),
+    ]
+    unbatched = [dataclasses.replace(t, dims=(-1, *t.dims)) for t in spec.user_inputs()]
+    unbatched += [dataclasses.replace(t, dims=(-1, -1, *t.dims)) for t in spec.candidate_inputs()]
+    outputs = (*dense_outputs, intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
+    return mc.ModelConfig(
+        name=spec.candidates_model,
+        platform="ensemble",
+        max_batch_size=0,
+        input=[model_input(dataclasses.replace(t, ragged=False)) for t in unbatched],
+        output=[model_output(dataclasses.replace(t, dims=(-1, *t.dims))) for t in outputs],
+        ensemble_scheduling=mc.ModelEnsembling(step=steps),
+    )
+
+
+def ensemble_names(spec: ModelSpec) -> tuple[str, ...]:
+    """The repository's ensembles: the row form, and the candidate-list form where the spec has one."""
+    return (spec.name,) + ((spec.candidates_model,) if spec.candidates_model else ())
+
+
 def all_configs(
     spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None
 ) -> dict[str, mc.ModelConfig]:
     """Every model of the repository by name, in one config profile (``plan`` as in :func:`step_config`)."""
     configs = {step: step_config(spec, step, profile, plan) for step in wire.STEPS}
     configs[spec.name] = ensemble_config(spec, profile)
+    if spec.candidates_model:
+        configs[spec.candidates_model] = candidates_ensemble_config(spec, profile)
     return configs
 
 
@@ -307,7 +365,8 @@ def write_configs(spec: ModelSpec, repository: Path) -> list[Path]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(config))
         written.append(path)
-    (repository / spec.name / str(spec.version)).mkdir(parents=True, exist_ok=True)
+    for name in ensemble_names(spec):
+        (repository / name / str(spec.version)).mkdir(parents=True, exist_ok=True)
     return written
 
 
@@ -333,5 +392,6 @@ def write_variant(
         path = target / name / "config.pbtxt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(config))
-    (target / spec.name / str(spec.version)).mkdir(parents=True, exist_ok=True)
+    for name in ensemble_names(spec):
+        (target / name / str(spec.version)).mkdir(parents=True, exist_ok=True)
     return target

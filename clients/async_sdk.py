@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -119,20 +119,40 @@ class AsyncCTRClient(ClientBase):
             return self._empty_scores()
         return self._scores(await self._infer(arrays, (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)), rows)
 
-    async def _infer(self, arrays: Mapping[str, np.ndarray], names: tuple[str, ...]) -> Any:
+    async def score_candidates(
+        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+    ) -> np.ndarray:
+        """Score one user's candidate list (see :meth:`CTRClient.score_candidates`).
+
+        Returns:
+            float32 ``[N]`` click probabilities, in the order of ``candidates``.
+        """
+        model = self.spec.candidates_model
+        parts = [
+            self._probabilities(
+                await self._infer(arrays, (PROBABILITY,), model), arrays[self.spec.categorical.name].shape[1]
+            )
+            for arrays in self._candidate_requests(user, candidates)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    async def _infer(
+        self, arrays: Mapping[str, np.ndarray], names: tuple[str, ...], model: str | None = None
+    ) -> Any:
         client = self._transport()
         infer_inputs = self._infer_inputs(self._module, arrays)
         outputs = self._outputs(self._module, names)
+        model = model or self.model_name
         try:
             if self.protocol == "grpc":
                 return await client.infer(
-                    self.model_name,
+                    model,
                     infer_inputs,
                     outputs=outputs,
                     client_timeout=self.timeout_s,
                     headers=self._headers,
                 )
-            return await client.infer(self.model_name, infer_inputs, outputs=outputs, headers=self._headers)
+            return await client.infer(model, infer_inputs, outputs=outputs, headers=self._headers)
         except Exception as exc:
             raise map_exception(exc) from exc
 

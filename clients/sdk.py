@@ -20,7 +20,7 @@ Every transport error is raised as a :class:`~recserve.clients.errors.RecserveCl
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import Any
@@ -142,6 +142,41 @@ class ClientBase:
                 f"batch of {batch} rows exceeds max_batch_size {self.spec.max_batch_size}; use predict()"
             )
         return arrays
+
+    def _candidate_requests(
+        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The candidates ensemble's requests for one user: at most ``max_batch_size`` candidates each.
+
+        The user's sequences travel once per request (``[1, L]``, the length ``[1, 1]``), each
+        per-candidate input as ``[1, N, ...]``.
+        """
+        spec = self.spec
+        if spec.candidates_model is None:
+            raise InvalidRequestError(
+                f"spec {spec.name!r} has no sequence, so no user context: score the candidates with predict()"
+            )
+        names = [s.name for s in spec.sequences]
+        unknown = sorted(set(user) - set(names))
+        if unknown:
+            raise InvalidRequestError(f"unknown user inputs {unknown}; a user carries {names}")
+        histories = {}
+        for name in names:
+            try:
+                histories[name] = np.asarray(user.get(name, ()), dtype=np.int64).reshape(-1)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(f"user input '{name}' is not a list of item ids: {exc}") from exc
+        lengths = {name: len(items) for name, items in histories.items()}
+        if len(set(lengths.values())) > 1:
+            raise InvalidRequestError(f"the user's sequences share positions but differ in length: {lengths}")
+        length = lengths[names[0]]
+        user_arrays = {name: np.zeros((1, max(length, 1)), np.int64) for name in names}
+        for name, items in histories.items():
+            user_arrays[name][0, :length] = items
+        user_arrays[spec.sequence_length_input] = np.array([[length]], np.int32)
+        for part in candidates.batches(spec.max_batch_size):
+            rows = part.to_inputs(spec)
+            yield {**user_arrays, **{t.name: rows[t.name][None] for t in spec.candidate_inputs()}}
 
     def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``)."""
@@ -324,24 +359,62 @@ class CTRClient(ClientBase):
         result = self._infer(arrays, rows, (DENSE_VERSION, EMBEDDING_VERSION))
         return self._scores(result, rows, self._shm.probabilities(rows) if self._shm is not None else None)
 
-    def _infer(self, arrays: Mapping[str, np.ndarray], rows: int, extra_outputs: tuple[str, ...]) -> Any:
-        """One request of prepared arrays; the probabilities through shared memory when it is on."""
-        if self._shm is not None:
+    def score_candidates(
+        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+    ) -> np.ndarray:
+        """Score one user's candidate list: the user's sequences are sent and looked up once.
+
+        Args:
+            user: each sequence of the spec by name (e.g. ``{"history_items": [...]}``), its item ids
+                oldest first, newest last; sequences sharing positions have the same length.
+            candidates: the candidate rows (their own sequence columns are ignored). More than
+                ``spec.max_batch_size`` candidates go in several requests.
+
+        Returns:
+            float32 ``[N]`` click probabilities, in the order of ``candidates``.
+
+        Raises:
+            InvalidRequestError: the spec has no sequence, or ``user`` is malformed (checked
+                locally), or the server refused the request.
+            RecserveClientError: as :meth:`predict_inputs`.
+        """
+        model = self.spec.candidates_model
+        parts = [
+            self._probabilities(
+                self._infer(arrays, 0, (), model), arrays[self.spec.categorical.name].shape[1]
+            )
+            for arrays in self._candidate_requests(user, candidates)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    def _infer(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        rows: int,
+        extra_outputs: tuple[str, ...],
+        model: str | None = None,
+    ) -> Any:
+        """One request of prepared arrays; the probabilities through shared memory when it is on.
+
+        ``model``: another model than the client's (the candidates ensemble; never through shared memory).
+        """
+        if self._shm is not None and model is None:
             infer_inputs = self._shm.place(self._module, self.spec, arrays)
             outputs = [self._shm.output(self._module, rows), *self._outputs(self._module, extra_outputs)]
         else:
             infer_inputs = self._infer_inputs(self._module, arrays)
             outputs = self._outputs(self._module, (PROBABILITY, *extra_outputs))
+        model = model or self.model_name
         try:
             if self.protocol == "grpc":
                 return self._client.infer(
-                    self.model_name,
+                    model,
                     infer_inputs,
                     outputs=outputs,
                     client_timeout=self.timeout_s,
                     headers=self._headers,
                 )
-            return self._client.infer(self.model_name, infer_inputs, outputs=outputs, headers=self._headers)
+            return self._client.infer(model, infer_inputs, outputs=outputs, headers=self._headers)
         except Exception as exc:
             raise map_exception(exc) from exc
 

@@ -94,8 +94,10 @@ class EmbeddingLookup:
         served.maintainer.after_step.append(device_l1.follow)
         return cls(spec, served.store, device_l1)
 
-    def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Validate one request's key tensors."""
+    def check(
+        self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """Validate one request's key tensors (``users``: as for :meth:`lookup`)."""
         sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.single)
         rows = sparse.shape[0]
         checked = {wire.SPARSE_KEYS: sparse}
@@ -110,26 +112,50 @@ class EmbeddingLookup:
             checked[wire.TARGET_KEY] = require(
                 inputs, wire.TARGET_KEY, "INT64", rows, len(self.sequence_tables)
             )
-            checked[wire.HISTORY_KEYS] = require(inputs, wire.HISTORY_KEYS, "INT64", rows, None)
+            owners = rows if users is None else int(users.max(initial=-1)) + 1
+            checked[wire.HISTORY_KEYS] = require(inputs, wire.HISTORY_KEYS, "INT64", owners, None)
         return checked
 
+    def key_blocks(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+        """Keys and table ids of checked inputs, in two blocks.
+
+        Per row ``[B, F + M + T]``: the single-valued features, the multi-hot values and the targets.
+        Per history owner ``[H, S * W]`` (each row, or each user of a candidate list): each sequence's
+        positions; None without a sequence.
+        """
+        row_keys = np.concatenate([inputs[n] for n in self.key_inputs if n != wire.HISTORY_KEYS], axis=1)
+        row_tables = np.broadcast_to(self.column_tables, row_keys.shape)
+        if not len(self.sequence_tables):
+            return (row_keys, row_tables), None
+        history = inputs[wire.HISTORY_KEYS]
+        width = history.shape[1] // len(self.sequence_tables)
+        return (row_keys, row_tables), (
+            history,
+            np.broadcast_to(np.repeat(self.sequence_tables, width), history.shape),
+        )
+
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """The key and table-id matrices of checked inputs, side by side.
+        """The key and table-id matrices of checked row-form inputs, side by side.
 
         ``[B, F + M + T + S * W]``: the single-valued features, the multi-hot values, the targets and
         each sequence's positions.
         """
-        keys = np.concatenate([inputs[n] for n in self.key_inputs], axis=1)
-        table_ids = np.empty(keys.shape, np.int16)
-        table_ids[:, : len(self.column_tables)] = self.column_tables
-        if len(self.sequence_tables):
-            width = (keys.shape[1] - len(self.column_tables)) // len(self.sequence_tables)
-            table_ids[:, len(self.column_tables) :] = np.repeat(self.sequence_tables, width)
-        return keys, table_ids
+        (keys, table_ids), history = self.key_blocks(inputs)
+        if history is None:
+            return keys, np.array(table_ids)
+        return np.concatenate([keys, history[0]], axis=1), np.concatenate([table_ids, history[1]], axis=1)
 
     def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup | DeviceLookup:
-        """The store's answer for every key of a checked batch (vectors, tiers, snapshot)."""
-        keys, table_ids = self.keys_and_tables(inputs)
+        """The store's answer for every key of a checked batch (vectors, tiers, snapshot), in one call.
+
+        The vectors come back as the row block, then the history block, of :meth:`key_blocks`.
+        """
+        (keys, table_ids), history = self.key_blocks(inputs)
+        if history is not None:
+            keys = np.concatenate([keys.reshape(-1), history[0].reshape(-1)])
+            table_ids = np.concatenate([table_ids.reshape(-1), history[1].reshape(-1)])
         return (self.device_l1 or self.store).lookup(keys, table_ids)
 
     def table_versions(self, snapshot: Snapshot) -> np.ndarray:
@@ -143,20 +169,25 @@ class EmbeddingLookup:
             self._versions = cached  # one reference swap: safe with concurrent callers
         return cached[1]
 
-    def lookup(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
+    def lookup(
+        self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
+    ) -> dict[str, np.ndarray | torch.Tensor]:
         """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history.
 
         numpy arrays, or tensors on the device of ``device_l1`` when it is set. Also
         ``embedding_version`` ``[B, T]`` (numpy, on the host): the table versions of the snapshot
         that served the batch.
+
+        Args:
+            inputs: the keys of :class:`~recserve.backends.features.transform.FeatureTransform`.
+            users: for a candidate list, each row's user: the history keys have one row per user,
+                looked up once, and each row gets its user's history. None: one history per row.
         """
-        checked = self.check(inputs)
+        checked = self.check(inputs, users)
         result = self.lookup_keys(checked)
-        keys = len(self.column_tables) + (
-            checked[wire.HISTORY_KEYS].shape[1] if wire.HISTORY_KEYS in checked else 0
-        )
         rows, single, multi = checked[wire.SPARSE_KEYS].shape[0], self.single, self.multi_width
-        vectors = result.vectors.reshape(rows, keys, self.store.dim)
+        width, dim = len(self.column_tables), self.store.dim
+        vectors = result.vectors[: rows * width].reshape(rows, width, dim)
         versions = self.table_versions(result.snapshot)
         sparse = vectors[:, :single]
         if multi:  # host path only (see __init__)
@@ -172,16 +203,25 @@ class EmbeddingLookup:
         count = len(self.sequence_tables)
         if count:
             start = single + multi
-            histories = vectors[:, start + count :]
-            width = histories.shape[1] // count
+            owners, positions = checked[wire.HISTORY_KEYS].shape
+            histories = result.vectors[rows * width :].reshape(owners, positions, dim)
             # sequences sharing positions (and their targets) are summed: one query, one sequence
             out[wire.TARGET_EMBEDDING] = (
                 vectors[:, start] if count == 1 else vectors[:, start : start + count].sum(1)
             )
-            out[wire.HISTORY_EMBEDDINGS] = (
-                histories if count == 1 else histories.reshape(rows, count, width, self.store.dim).sum(1)
-            )
+            if count > 1:
+                histories = histories.reshape(owners, count, positions // count, dim).sum(1)
+            out[wire.HISTORY_EMBEDDINGS] = histories if users is None else take_rows(histories, users)
         return out
+
+
+def take_rows(array: np.ndarray | torch.Tensor, index: np.ndarray) -> np.ndarray | torch.Tensor:
+    """``array[index]`` for a numpy array or a torch tensor (indexed on its own device)."""
+    if isinstance(array, np.ndarray):
+        return array[index]
+    import torch
+
+    return array[torch.as_tensor(index, device=array.device)]
 
 
 class FeaturesToEmbeddings:
@@ -196,6 +236,10 @@ class FeaturesToEmbeddings:
         self.transform = FeatureTransform(spec)
         self.lookup = lookup
         self.input_names = tuple(t.name for t in spec.wire_inputs())
+        #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
+        self.candidate_input_names = tuple(t.name for t in wire.candidate_step_inputs(spec)) + tuple(
+            t.name for t in spec.user_inputs()
+        )
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
         """The dense contract's inputs and ``embedding_version`` for one (merged) batch of raw tensors.
@@ -206,6 +250,23 @@ class FeaturesToEmbeddings:
         features = self.transform.transform(inputs)
         passed = {n: features[n] for n in (wire.DENSE_NORMALIZED, wire.HISTORY_MASK) if n in features}
         return {**passed, **self.lookup.lookup(features)}
+
+    def candidates(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
+        """The same for one candidate-list request: a row per candidate, user by user.
+
+        Each user's sequences are transformed and looked up once, for all of their candidates (see
+        :func:`recserve.wire.candidate_rows` for the inputs).
+
+        Raises:
+            InvalidInput: naming the first offending input (as the client named it) and value.
+        """
+        rows, users = wire.candidate_rows(self.spec, inputs)
+        features = self.transform.transform(rows, users=int(users[-1]) + 1)
+        out: dict[str, np.ndarray | torch.Tensor] = {}
+        if wire.DENSE_NORMALIZED in features:
+            out[wire.DENSE_NORMALIZED] = features[wire.DENSE_NORMALIZED]
+        out[wire.HISTORY_MASK] = features[wire.HISTORY_MASK][users]
+        return {**out, **self.lookup.lookup(features, users)}
 
     def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
         """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""

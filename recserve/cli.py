@@ -18,6 +18,7 @@ ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
 
 def _build(args: argparse.Namespace) -> int:
+    from recserve.build.configs import write_configs
     from recserve.build.repository import add_tensorrt_engine, build_repository, install_adapters, is_built
 
     spec = load_spec(args.spec)
@@ -28,9 +29,12 @@ def _build(args: argparse.Namespace) -> int:
         print(f"[build] read {len(rows)} labelled rows from {args.train_data}", file=sys.stderr)
         build_repository(spec, args.repository, rows=rows)
     elif args.if_missing and is_built(spec, args.repository):
-        install_adapters(spec, args.repository)  # code, not artifacts: always the installed version
+        # code and configs, not artifacts: always the installed version's
+        install_adapters(spec, args.repository)
+        write_configs(spec, args.repository)
         print(
-            f"[build] {args.repository} is already built from spec {spec.name!r}; adapters refreshed",
+            f"[build] {args.repository} is already built from spec {spec.name!r}; "
+            "adapters and configs refreshed",
             file=sys.stderr,
         )
     else:

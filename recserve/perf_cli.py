@@ -151,6 +151,14 @@ def _bench_hops(args: argparse.Namespace) -> int:
     return hops_command(load_spec(args.spec), args.repository, args.requests, args.rounds, args.json)
 
 
+def _bench_candidates(args: argparse.Namespace) -> int:
+    from recserve.perf.candidates import candidates_command
+
+    return candidates_command(
+        load_spec(args.spec), args.repository, args.candidates, args.history, args.rounds, args.json
+    )
+
+
 def _redis_outage(args: argparse.Namespace) -> int:
     from recserve.perf.redis_outage import outage_command
 
@@ -233,6 +241,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     hops.add_argument("--json", type=Path, default=None, help="also write the summary here")
     hops.add_argument("--repository", type=Path, default=None)
     hops.set_defaults(func=_bench_hops)
+
+    lists = sub.add_parser(
+        "bench-candidates",
+        help="one user's candidate list against the same rows sent as rows (candidate_list_gain)",
+    )
+    lists.add_argument("--candidates", type=int, default=200, help="candidates of the one user")
+    lists.add_argument("--history", type=int, default=256, help="the user's history length")
+    lists.add_argument("--rounds", type=int, default=3, help="the forms take turns; medians over rounds")
+    lists.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    lists.add_argument("--repository", type=Path, default=None)
+    lists.set_defaults(func=_bench_candidates)
 
     bench = sub.add_parser(
         "bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"

@@ -75,6 +75,7 @@ class WireTensor:
     dtype: str
     dims: tuple[int, ...]
     ragged: bool = False  # rows of different requests may differ in the variable dim
+    optional: bool = False  # a request may leave it out (a step that takes two request forms)
 
 
 NUMPY_DTYPES: dict[str, Any] = {
@@ -320,6 +321,27 @@ class ModelSpec:
         if self.sequences:
             tensors.append(WireTensor(self.sequence_length_input, "INT32", (1,)))
         return tuple(tensors)
+
+    @property
+    def candidates_model(self) -> str | None:
+        """The ensemble taking one user's candidate list per request (None: a spec without sequences).
+
+        Its requests carry each user's sequences once (``[users, length]``, the length ``[users, 1]``)
+        and every other wire input per candidate, ``[users, candidates, ...]``.
+        """
+        return f"{self.name}_candidates" if self.sequences else None
+
+    def user_inputs(self) -> tuple[WireTensor, ...]:
+        """The wire inputs a candidate list carries once per user: the sequences and their length."""
+        if not self.sequences:
+            return ()
+        names = {s.name for s in self.sequences} | {self.sequence_length_input}
+        return tuple(t for t in self.wire_inputs() if t.name in names)
+
+    def candidate_inputs(self) -> tuple[WireTensor, ...]:
+        """The wire inputs a candidate list carries once per candidate (all but :meth:`user_inputs`)."""
+        users = set(self.user_inputs())
+        return tuple(t for t in self.wire_inputs() if t not in users)
 
     @property
     def table_names(self) -> tuple[str, ...]:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import datetime
 import functools
 import zoneinfo
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from recserve.errors import InvalidInput
 from recserve.sections import DENSE, EMBEDDING_LOOKUP
-from recserve.spec import NUMERIC_INPUT, CategoricalGroup, ModelSpec, RawColumn
+from recserve.spec import NUMERIC_INPUT, CategoricalGroup, ModelSpec, RawColumn, WireTensor
 
 #: The steps of the ensemble (:data:`recserve.sections.STEPS`): ``embedding_lookup`` takes the raw
 #: features (feature transform and lookup in one Python hop) and hands ``dense`` exactly the inputs
@@ -47,6 +47,11 @@ DENSE_VERSION = "dense_version"
 #: Per row, the version of every embedding table in the store snapshot that served it, in the order of
 #: :attr:`recserve.spec.ModelSpec.table_names` (one snapshot per batch: all rows of a request agree).
 EMBEDDING_VERSION = "embedding_version"
+#: Prefix of ``embedding_lookup``'s candidate-list inputs: the candidates ensemble
+#: (:attr:`recserve.spec.ModelSpec.candidates_model`) hands it each per-candidate wire input ``x``,
+#: ``[users, candidates, ...]``, as ``candidate_x``; the user's sequences keep their names.
+CANDIDATE_PREFIX = "candidate_"
+
 #: Request header (gRPC metadata key) naming the user: the access layer hashes it so that a user stays
 #: on one model variant across calls.
 USER_HEADER = "x-recserve-user"
@@ -75,6 +80,64 @@ class ContractTensor:
 
 def _span(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def candidate_step_inputs(spec: ModelSpec) -> tuple[WireTensor, ...]:
+    """``embedding_lookup``'s inputs of the candidate-list form, ``[users, candidates, ...]`` each.
+
+    None for a spec without a candidates ensemble.
+    """
+    if spec.candidates_model is None:
+        return ()
+    return tuple(
+        WireTensor(CANDIDATE_PREFIX + t.name, t.dtype, (-1, *t.dims), ragged=True, optional=True)
+        for t in spec.candidate_inputs()
+    )
+
+
+def candidate_rows(
+    spec: ModelSpec, inputs: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One candidate list as rows: the row-form inputs and each row's user.
+
+    Each per-candidate input ``[U, N, ...]`` (named as :func:`candidate_step_inputs` says) becomes
+    ``[U * N, ...]`` under its wire name, user by user; the user inputs (``[U, ...]``) are passed on
+    as they are. The second value is each row's user, ``[U * N]``.
+
+    Raises:
+        InvalidInput: naming the wire input (as the client sent it) and what is wrong with it.
+    """
+    rows: dict[str, np.ndarray] = {}
+    shape: tuple[int, int] | None = None
+    for tensor in spec.candidate_inputs():
+        array = inputs.get(CANDIDATE_PREFIX + tensor.name)
+        if array is None:
+            raise InvalidInput(tensor.name, "is required but missing")
+        if array.ndim != 2 + len(tensor.dims):
+            raise InvalidInput(
+                tensor.name,
+                f"has shape {list(array.shape)}, expected [users, candidates, "
+                f"{', '.join(map(str, tensor.dims))}]",
+            )
+        if shape is None:
+            shape = (array.shape[0], array.shape[1])
+            users, count = shape
+            if not 1 <= users * count <= spec.max_batch_size:
+                raise InvalidInput(
+                    tensor.name,
+                    f"holds {users} users x {count} candidates = {users * count} rows, "
+                    f"outside 1..{spec.max_batch_size}",
+                )
+        elif array.shape[:2] != shape:
+            raise InvalidInput(
+                tensor.name,
+                f"has {array.shape[0]} users x {array.shape[1]} candidates, other inputs have "
+                f"{shape[0]} x {shape[1]}",
+            )
+        rows[tensor.name] = array.reshape(shape[0] * shape[1], *array.shape[2:])
+    assert shape is not None  # a spec with sequences has per-candidate inputs
+    rows.update({t.name: inputs[t.name] for t in spec.user_inputs() if t.name in inputs})
+    return rows, np.repeat(np.arange(shape[0]), shape[1])
 
 
 def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:

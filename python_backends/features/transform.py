@@ -86,8 +86,13 @@ class FeatureTransform:
         self._salts = {f.table: table_salt(ns, f.table) for f in named}
         self._missing = {f.name: missing_key(ns, f.name) for f in named}  # absent target, padding
 
-    def transform(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def transform(self, inputs: Mapping[str, np.ndarray], users: int | None = None) -> dict[str, np.ndarray]:
         """Validate one request's raw tensors and compute the keys the lookup step needs.
+
+        Args:
+            inputs: the row-form wire inputs.
+            users: for a candidate list, how many users' sequences (one row each) the rows share; the
+                history keys and mask then have one row per user. None: one per row.
 
         Raises:
             InvalidInput: naming the first offending input and value.
@@ -114,12 +119,14 @@ class FeatureTransform:
         if group.multi_hot:
             out[wire.MULTI_HOT_KEYS], out[wire.MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
         if spec.sequences:
-            lengths = require(inputs, spec.sequence_length_input, "INT32", rows, 1)[:, 0]
+            owners = rows if users is None else users
+            lengths = require(inputs, spec.sequence_length_input, "INT32", owners, 1)[:, 0]
             out[wire.TARGET_KEY] = np.concatenate(
                 [self.target_keys(require(inputs, t.name, "INT64", rows, 1), t) for t in spec.targets], axis=1
             )
             histories = [
-                self.history(require(inputs, s.name, "INT64", rows, None), lengths, s) for s in spec.sequences
+                self.history(require(inputs, s.name, "INT64", owners, None), lengths, s)
+                for s in spec.sequences
             ]
             out[wire.HISTORY_KEYS] = np.concatenate([h[wire.HISTORY_KEYS] for h in histories], axis=1)
             out[wire.HISTORY_MASK] = histories[0][wire.HISTORY_MASK]

@@ -188,6 +188,32 @@ def execute_merged_or_alone(
     return [respond(part) for part in batching.split(outputs, sizes, widths)]
 
 
+def execute_alone(
+    requests: Sequence[Any], input_names: Sequence[str], handle: Callable[[Arrays], Mapping[str, Any]]
+) -> list:
+    """Handle each request by itself: one response each, errors mapped per request."""
+    return [_handle_one(handle, read_inputs(request, input_names)) for request in requests]
+
+
+def execute_by_form(
+    requests: Sequence[Any],
+    marker: str,
+    rows: Callable[[list], list],
+    other: Callable[[list], list],
+) -> list:
+    """Requests holding the input ``marker`` go to ``other``, the rest to ``rows``; responses in order.
+
+    For a step taking two request forms (rows, and one user's candidate list) in one dynamic batch.
+    """
+    forms = [any(tensor.name() == marker for tensor in request.inputs()) for request in requests]
+    if not any(forms):
+        return rows(list(requests))
+    marked = iter(other([r for r, f in zip(requests, forms, strict=True) if f]))
+    plain = [r for r, f in zip(requests, forms, strict=True) if not f]
+    unmarked = iter(rows(plain) if plain else [])
+    return [next(marked) if f else next(unmarked) for f in forms]
+
+
 def execute_checked_merged(
     requests: Sequence[Any],
     input_names: Sequence[str],

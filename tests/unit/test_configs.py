@@ -23,12 +23,12 @@ def test_configs_round_trip_through_protobuf(spec):
 
 
 def test_every_step_input_is_produced_upstream(spec):
-    ensemble = configs.ensemble_config(spec)
-    available = {t.name for t in ensemble.input}
-    for step in ensemble.ensemble_scheduling.step:
-        assert set(step.input_map.values()) <= available, step.model_name
-        available |= set(step.output_map.values())
-    assert {t.name for t in ensemble.output} <= available
+    for ensemble in (configs.ensemble_config(spec), configs.candidates_ensemble_config(spec)):
+        available = {t.name for t in ensemble.input}
+        for step in ensemble.ensemble_scheduling.step:
+            assert set(step.input_map.values()) <= available, step.model_name
+            available |= set(step.output_map.values())
+        assert {t.name for t in ensemble.output} <= available
 
 
 def test_steps_batch_dynamically_with_spec_values(spec):
@@ -37,7 +37,9 @@ def test_steps_batch_dynamically_with_spec_values(spec):
         assert config.max_batch_size == spec.max_batch_size
         assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
         assert config.instance_group[0].count == spec.instances[step]
-        ragged = {i.name for i in config.input if i.allow_ragged_batch}
+        ragged = {
+            i.name for i in config.input if i.allow_ragged_batch and not i.name.startswith("candidate_")
+        }
         assert ragged <= {"history_items", "history_keys", "history_mask", "history_embeddings"}
 
 

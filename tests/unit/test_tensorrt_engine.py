@@ -127,6 +127,7 @@ def test_the_lookup_step_differs_between_profiles_only_in_instance_kind_and_devi
     ]
     assert sorted(hardware) == [
         "ctr/configs/gpu.pbtxt",
+        "ctr_candidates/configs/gpu.pbtxt",
         *(
             f"{model}/configs/{profile}.pbtxt"
             for model in ("dense", "embedding_lookup")

@@ -12,6 +12,8 @@ from recserve.backends.store.served import ServedStore
 from recserve.backends.triton.adapter import (
     MetricsPublisher,
     ModelContext,
+    execute_alone,
+    execute_by_form,
     execute_merged_or_alone,
     instance_device,
 )
@@ -42,13 +44,22 @@ class TritonPythonModel:
         self.published_at = 0.0
 
     def execute(self, requests: list) -> list:
-        """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s."""
-        responses = execute_merged_or_alone(
+        """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s.
+
+        Row-form requests are handled as one merged batch; a candidate list (from the candidates
+        ensemble) is handled by itself, each user's sequences looked up once.
+        """
+        responses = execute_by_form(
             requests,
-            self.step.input_names,
-            self.step,
-            ragged_outputs=(wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK),
-            ragged_width=self.step.history_width,
+            self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
+            lambda rows: execute_merged_or_alone(
+                rows,
+                self.step.input_names,
+                self.step,
+                ragged_outputs=(wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK),
+                ragged_width=self.step.history_width,
+            ),
+            lambda lists: execute_alone(lists, self.step.candidate_input_names, self.step.candidates),
         )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()

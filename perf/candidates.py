@@ -1,0 +1,182 @@
+"""One user's candidate list against the same rows in the row form: ``candidate_list_gain``.
+
+``recserve bench-candidates`` (and ``recserve bench``, on its tuned server) sends the same ``N``
+candidate rows of one user with a ``length``-long history two ways, closed loop over gRPC, in
+turns: as one candidate list to the candidates ensemble (the history travels and is looked up once
+per request) and as one row-form request of ``N`` rows to the row ensemble (every row carries the
+history). Both are encoded once before the clock starts. Per concurrency and round, candidate rows
+per second and latency percentiles; ``candidate_list_gain`` is the list form's best rows/s within
+the p99 bound over the row form's, medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from recserve.build.synthetic import generate
+from recserve.perf.traffic import infer_inputs
+from recserve.server import Ports, TritonServer
+from recserve.spec import ModelSpec
+
+P99_BOUND_MS = 50.0
+LIST, ROWS = "candidate_list", "rows"
+
+
+def requests_of(
+    spec: ModelSpec, candidates: int, length: int, seed: int = 11
+) -> dict[str, dict[str, np.ndarray]]:
+    """The two forms of one user's ``candidates`` rows with a ``length``-long history (synthetic ids)."""
+    if spec.candidates_model is None:
+        raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list form")
+    rows = generate(spec, candidates, seed).to_wire(spec)
+    pool = generate(spec, 4 * length, seed + 1)
+    items = np.concatenate([pool.history[i, : pool.lengths[i]] for i in range(len(pool))])
+    if items.size < length:
+        raise ValueError(f"the synthetic histories hold {items.size} ids, fewer than {length}")
+    user = {spec.sequences[0].name: items[None, :length]}
+    for side in spec.sequences[1:]:  # sequences sharing positions: ids of their own table
+        side_pool = np.concatenate([pool.sequence(side.name)[i, : pool.lengths[i]] for i in range(len(pool))])
+        user[side.name] = side_pool[None, :length]
+    user[spec.sequence_length_input] = np.array([[length]], np.int32)
+    as_list = {**user, **{t.name: rows[t.name][None] for t in spec.candidate_inputs()}}
+    as_rows = {t.name: rows[t.name] for t in spec.candidate_inputs()}
+    as_rows.update({name: np.repeat(array, candidates, axis=0) for name, array in user.items()})
+    return {LIST: as_list, ROWS: as_rows}
+
+
+def closed_loop_rate(
+    url: str, model: str, request: dict[str, np.ndarray], rows: int, concurrency: int, seconds: float
+) -> dict[str, float]:
+    """Candidate rows/s and latency percentiles of ``concurrency`` clients sending ``request`` in a loop.
+
+    Refused requests are counted (``failures``), not timed.
+    """
+    latencies: list[float] = []
+    failures = [0]
+    clock = {"began": 0.0, "deadline": 0.0}
+
+    def go() -> None:  # run once, when every client is connected and warmed up
+        clock["began"] = time.perf_counter()
+        clock["deadline"] = clock["began"] + seconds
+
+    lock, start = threading.Lock(), threading.Barrier(concurrency, action=go)
+
+    def client() -> None:
+        with grpcclient.InferenceServerClient(url) as connection:
+            inputs = infer_inputs(grpcclient, request)  # encoded once
+            connection.infer(model, inputs)  # warm-up
+            mine = []
+            start.wait()
+            refused = 0
+            while time.perf_counter() < clock["deadline"]:
+                began = time.perf_counter()
+                try:
+                    connection.infer(model, inputs)
+                except InferenceServerException:  # refused by a queue policy: counted, not timed
+                    refused += 1
+                    continue
+                mine.append((time.perf_counter() - began) * 1e3)
+            with lock:
+                latencies.extend(mine)
+                failures[0] += refused
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 120)
+    elapsed = time.perf_counter() - clock["began"]
+    p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99])) if latencies else (np.inf, np.inf)
+    return {
+        "rows_per_s": len(latencies) * rows / elapsed,
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "requests": len(latencies),
+        "failures": failures[0],
+    }
+
+
+def measure(
+    spec: ModelSpec,
+    url: str,
+    candidates: int = 200,
+    length: int = 256,
+    concurrencies: Sequence[int] = (1, 4),
+    seconds: float = 3.0,
+    rounds: int = 3,
+) -> dict[str, Any]:
+    """Both forms at each concurrency, in turns, ``rounds`` times; medians and the gain."""
+    forms = requests_of(spec, candidates, length)
+    models = {LIST: spec.candidates_model, ROWS: spec.name}
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {f: {c: [] for c in concurrencies} for f in forms}
+    for _ in range(rounds):
+        for concurrency in concurrencies:
+            for form, request in forms.items():
+                result = closed_loop_rate(url, str(models[form]), request, candidates, concurrency, seconds)
+                runs[form][concurrency].append(result)
+    medians = {
+        form: {
+            str(c): {k: float(np.median([r[k] for r in results])) for k in results[0]}
+            for c, results in by_concurrency.items()
+        }
+        for form, by_concurrency in runs.items()
+    }
+
+    def best(form: str) -> dict[str, float] | None:
+        within = [m for m in medians[form].values() if m["p99_ms"] <= P99_BOUND_MS and not m["failures"]]
+        return max(within, key=lambda m: m["rows_per_s"], default=None)
+
+    best_list, best_rows = best(LIST), best(ROWS)
+    gain = best_list["rows_per_s"] / best_rows["rows_per_s"] if best_list and best_rows else None
+    return {
+        "candidate_list_gain": gain,
+        "candidates": candidates,
+        "history_length": length,
+        "p99_bound_ms": P99_BOUND_MS,
+        "medians": medians,
+        "best": {LIST: best_list, ROWS: best_rows},
+        "rounds": rounds,
+        "seconds": seconds,
+    }
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """A table of both forms per concurrency and the gain."""
+    lines = [
+        f"1 user x {summary['candidates']} candidates, {summary['history_length']}-long history; "
+        f"medians of {summary['rounds']} rounds",
+        "| form | in flight | candidate rows/s | p50 ms | p99 ms | refused |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for form, by_concurrency in summary["medians"].items():
+        for concurrency, m in by_concurrency.items():
+            lines.append(
+                f"| {form} | {concurrency} | {m['rows_per_s']:.0f} | {m['p50_ms']:.1f} | {m['p99_ms']:.1f} "
+                f"| {m['failures']:.0f} |"
+            )
+    gain = summary["candidate_list_gain"]
+    lines.append(f"candidate_list_gain {'n/a' if gain is None else f'{gain:.2f}'} (target >= 3)")
+    return "\n".join(lines)
+
+
+def candidates_command(
+    spec: ModelSpec, repository: Path, candidates: int, length: int, rounds: int, json_path: Path | None
+) -> int:
+    """``recserve bench-candidates``: serve the repository, measure, print; write the JSON when asked."""
+    with tempfile.TemporaryDirectory(prefix="recserve-candidates-") as scratch:
+        with TritonServer(repository, Ports.free(), log_path=Path(scratch) / "server.log") as server:
+            summary = measure(spec, server.grpc_url, candidates, length, rounds=rounds)
+    print(describe(summary))
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0

@@ -1,0 +1,118 @@
+"""One user's candidate list per request: the same dense inputs as the row form, the history once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recserve import wire
+from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.tiered import TieredStore
+from recserve.build import configs
+from recserve.build.synthetic import generate
+from recserve.errors import InvalidInput
+from recserve.spec import load_spec
+from tests.unit.test_lookup import spec_store
+
+
+def user_rows(spec, users=2, candidates=3, seed=4):
+    """Row-form inputs where each user's candidates carry that user's sequences, and the same as lists."""
+    inputs = generate(spec, users * candidates, seed).to_wire(spec)
+    first = np.repeat(np.arange(users) * candidates, candidates)  # each row's user's first row
+    user_names = [t.name for t in spec.user_inputs()]
+    rows = {name: (array[first] if name in user_names else array) for name, array in inputs.items()}
+    lists = {name: rows[name][::candidates] for name in user_names}
+    for tensor in spec.candidate_inputs():
+        array = rows[tensor.name]
+        lists[wire.CANDIDATE_PREFIX + tensor.name] = array.reshape(users, candidates, *array.shape[1:])
+    return rows, lists
+
+
+def served_store(spec, rows):
+    """A store holding every key the rows look up, with random vectors (so equality means something)."""
+    _, placeholder = spec_store(spec)
+    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, placeholder))
+    keys, table_ids = step.lookup.keys_and_tables(step.transform.transform(rows))
+    rng = np.random.default_rng(3)
+    tables = {}
+    for index, name in enumerate(placeholder.table_names):
+        unique = np.unique(keys[table_ids == index])
+        vectors = rng.normal(size=(len(unique), spec.embedding_dim)).astype(np.float32)
+        tables[name] = TableArrays(name, unique, vectors, np.zeros(spec.embedding_dim, np.float32))
+    return TieredStore.from_tables(tables)
+
+
+@pytest.mark.parametrize("name", ["ctr", "taobao"])
+def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
+    spec = load_spec(name)
+    rows, lists = user_rows(spec)
+    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, served_store(spec, rows)))
+    expected, got = step(rows), step.candidates(lists)
+    assert set(got) == set(expected)
+    for key, array in expected.items():
+        np.testing.assert_array_equal(got[key], array, err_msg=key)
+    assert float(np.abs(got[wire.HISTORY_EMBEDDINGS]).sum()) > 0  # real vectors, not defaults
+
+
+def test_each_users_history_keys_are_looked_up_once(spec):
+    rows, lists = user_rows(spec, users=2, candidates=5)
+    store = served_store(spec, rows)
+    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, store))
+    seen = []
+    original = store.lookup
+    store.lookup = lambda keys, tables, record=True: seen.append(keys.size) or original(keys, tables, record)
+    step.candidates(lists)
+    step(rows)
+    width = step.history_width(rows)
+    per_row = len(step.lookup.column_tables)
+    assert seen == [10 * per_row + 2 * width, 10 * (per_row + width)]
+
+
+def test_bad_candidate_lists_name_the_input_the_client_sent(spec):
+    _, lists = user_rows(spec, users=1, candidates=4)
+    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, spec_store(spec)[1]))
+    group = spec.categorical.name
+    short = dict(lists, **{wire.CANDIDATE_PREFIX + group: lists[wire.CANDIDATE_PREFIX + group][:, :3]})
+    with pytest.raises(InvalidInput, match=f"'{group}'.*1 users x 3 candidates, other inputs have 1 x 4"):
+        step.candidates(short)
+    flat = dict(lists, **{wire.CANDIDATE_PREFIX + group: lists[wire.CANDIDATE_PREFIX + group][0]})
+    with pytest.raises(
+        InvalidInput, match=f"'{group}': has shape \\[4, 26\\], expected \\[users, candidates, 26\\]"
+    ):
+        step.candidates(flat)
+    wide = {
+        k: np.repeat(v, 65, axis=1) if k.startswith(wire.CANDIDATE_PREFIX) else v for k, v in lists.items()
+    }
+    with pytest.raises(
+        InvalidInput, match=f"1 users x 260 candidates = 260 rows, outside 1..{spec.max_batch_size}"
+    ):
+        step.candidates(wide)
+    length = spec.sequence_length_input
+    with pytest.raises(InvalidInput, match=f"'{length}': has 2 rows, other inputs have 1"):
+        step.candidates(dict(lists, **{length: np.repeat(lists[length], 2, axis=0)}))
+
+
+def test_the_candidates_ensemble_feeds_the_lookup_both_forms_and_batches_rows(spec):
+    built = configs.all_configs(spec)
+    ensemble, lookup = built[spec.candidates_model], built[wire.EMBEDDING_LOOKUP]
+    assert ensemble.max_batch_size == 0 and [s.model_name for s in ensemble.ensemble_scheduling.step] == list(
+        wire.STEPS
+    )
+    step_inputs = {i.name: i for i in lookup.input}
+    first = ensemble.ensemble_scheduling.step[0]
+    assert set(first.input_map.values()) == {i.name for i in ensemble.input}
+    assert all(step_inputs[name].optional for name in first.input_map)
+    assert all(
+        step_inputs[name].allow_ragged_batch for name in first.input_map if name.startswith("candidate_")
+    )
+    row_form = built[spec.name].ensemble_scheduling.step[0]
+    assert set(row_form.input_map) == {t.name for t in spec.wire_inputs()}
+    assert {i.name: list(i.dims) for i in ensemble.output}[wire.PROBABILITY] == [-1, 1]
+
+
+def test_a_spec_without_sequences_has_no_candidates_ensemble():
+    avazu = load_spec("avazu")
+    assert avazu.candidates_model is None and wire.candidate_step_inputs(avazu) == ()
+    assert set(configs.all_configs(avazu)) == {*wire.STEPS, avazu.name}
+    assert not any(i.optional for i in configs.all_configs(avazu)[wire.EMBEDDING_LOOKUP].input)
