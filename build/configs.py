@@ -61,15 +61,34 @@ def step_io(
     """
     t = intermediate_tensors(spec)
     dense_inputs = tuple(t[n] for n in wire.dense_net_inputs(spec))
-    raw: tuple[WireTensor, ...] = spec.wire_inputs()
-    if spec.candidates_model:  # two request forms: each request carries one form's inputs
-        raw = (*(dataclasses.replace(w, optional=True) for w in raw), *wire.candidate_step_inputs(spec))
     return {
-        wire.EMBEDDING_LOOKUP: (raw, (*dense_inputs, t[wire.EMBEDDING_VERSION])),
+        wire.EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[wire.EMBEDDING_VERSION])),
         wire.DENSE: (
             dense_inputs,
             (t[wire.PROBABILITY],) if profile == "gpu" else (t[wire.PROBABILITY], t[wire.DENSE_VERSION]),
         ),
+    }
+
+
+def candidate_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
+    """What each Python step takes and returns besides :func:`step_io` for candidate lists.
+
+    ``embedding_lookup`` takes the per-candidate wire inputs as ``candidate_<name>`` and returns the
+    per-candidate dense inputs so named, ``[users, candidates, ...]``; ``dense`` takes those (the
+    history and its mask, one row per user, travel under their own names). Empty for a spec
+    without a candidates ensemble.
+    """
+    if spec.candidates_model is None:
+        return {}
+    t = intermediate_tensors(spec)
+    per_candidate = tuple(
+        WireTensor(wire.CANDIDATE_PREFIX + n, t[n].dtype, (-1, *t[n].dims), ragged=True, optional=True)
+        for n in wire.per_candidate_dense_inputs(spec)
+    )
+    outputs = tuple(dataclasses.replace(x, ragged=False, optional=False) for x in per_candidate)
+    return {
+        wire.EMBEDDING_LOOKUP: (wire.candidate_step_inputs(spec), outputs),
+        wire.DENSE: (per_candidate, ()),
     }
 
 
@@ -206,6 +225,10 @@ def step_config(
         return dense_tensorrt_config(spec)
     plan = plan or ServingPlan.from_spec(spec)
     inputs, outputs = step_io(spec)[step]
+    if step in candidate_io(spec):  # two request forms: each request carries one form's inputs
+        extra_inputs, extra_outputs = candidate_io(spec)[step]
+        inputs = (*(dataclasses.replace(t, optional=True) for t in inputs), *extra_inputs)
+        outputs = (*outputs, *extra_outputs)
     on_gpu = profile in GPU_PROFILES and (step != wire.DENSE or profile == "cuda")
     kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     config = mc.ModelConfig(
@@ -245,8 +268,6 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     steps = []
     for step in wire.STEPS:
         inputs, outputs = io[step]
-        if step == wire.EMBEDDING_LOOKUP:  # the row form's inputs (not the candidate-list form's)
-            inputs = spec.wire_inputs()
         steps.append(
             mc.ModelEnsembling.Step(
                 model_name=step,
@@ -271,14 +292,20 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     """The candidate-list ensemble (:attr:`~recserve.spec.ModelSpec.candidates_model`): one request per user.
 
     Its inputs have no batch dimension of their own (``max_batch_size`` 0): the user inputs are
-    ``[users, ...]``, the per-candidate ones ``[users, candidates, ...]``. ``embedding_lookup``
-    batches such requests (ragged) and returns one row per candidate, user by user, which ``dense``
-    batches as rows; the outputs are ``[users * candidates, ...]``.
+    ``[users, ...]``, the per-candidate ones ``[users, candidates, ...]``. Both steps batch such
+    requests (ragged, one user per batch entry): ``embedding_lookup`` hands ``dense`` the
+    per-candidate inputs and each user's history once (on ``gpu``, where ``dense`` is a TensorRT
+    engine taking rows, every row with its user's history). The outputs have a row per candidate,
+    user by user: ``[users * candidates, ...]``.
     """
     assert spec.candidates_model is not None
     io = step_io(spec, profile)
-    lookup_outputs = io[wire.EMBEDDING_LOOKUP][1]
-    dense_inputs, dense_outputs = io[wire.DENSE]
+    lookup_outputs, (dense_inputs, dense_outputs) = io[wire.EMBEDDING_LOOKUP][1], io[wire.DENSE]
+    if profile != "gpu":  # a TensorRT dense takes rows: the lookup then expands each user's history
+        per_candidate = candidate_io(spec)[wire.DENSE][0]
+        history = tuple(t for t in dense_inputs if t.name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK))
+        dense_inputs = (*per_candidate, *history)
+        lookup_outputs = (*dense_inputs, intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
     # input_map: the step's input name -> the ensemble's tensor
     inputs = {t.name: t.name for t in spec.user_inputs()}
     inputs.update({wire.CANDIDATE_PREFIX + t.name: t.name for t in spec.candidate_inputs()})

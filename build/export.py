@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from recserve import wire
-from recserve.backends.dense.network import CTRNet
+from recserve.backends.dense.network import CandidateNet, CTRNet
 from recserve.spec import ModelSpec
 
 OPSET = 17
@@ -39,7 +39,6 @@ def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write ``net`` as ONNX; batch and sequence axes stay dynamic."""
-    net.eval()
     example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
     batch, sequence = wire.BATCH_AXIS, wire.SEQUENCE_AXIS
     dynamic = {
@@ -48,19 +47,57 @@ def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
         wire.TARGET_EMBEDDING: {0: batch},
         wire.HISTORY_EMBEDDINGS: {0: batch, 1: sequence},
         wire.HISTORY_MASK: {0: batch, 1: sequence},
-        wire.PROBABILITY: {0: batch},
     }
-    dynamic = {name: axes for name, axes in dynamic.items() if name in (*net.input_names, wire.PROBABILITY)}
+    _export(net, net.input_names, example, dynamic, path)
+
+
+def candidate_inputs(
+    spec: ModelSpec, users: int, candidates: int, length: int, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Random inputs of :class:`CandidateNet`: ``users`` histories, ``candidates`` rows for each."""
+    rows = example_inputs(spec, users * candidates, length, seed)
+    first = np.arange(users) * candidates
+    rows[wire.HISTORY_EMBEDDINGS] = rows[wire.HISTORY_EMBEDDINGS][first]
+    rows[wire.HISTORY_MASK] = rows[wire.HISTORY_MASK][first]
+    rows[wire.HISTORY_USER] = np.repeat(np.arange(users, dtype=np.int64), candidates)
+    return rows
+
+
+def export_candidates_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
+    """Write the candidate-list graph of ``net`` (:class:`CandidateNet`) as ONNX."""
+    module = CandidateNet(net)
+    example = candidate_inputs(spec, users=2, candidates=3, length=spec.sequence_buckets[0])
+    batch, sequence, users = wire.BATCH_AXIS, wire.SEQUENCE_AXIS, "users"
+    dynamic = {
+        wire.DENSE_NORMALIZED: {0: batch},
+        wire.SPARSE_EMBEDDINGS: {0: batch},
+        wire.TARGET_EMBEDDING: {0: batch},
+        wire.HISTORY_EMBEDDINGS: {0: users, 1: sequence},
+        wire.HISTORY_MASK: {0: users, 1: sequence},
+        wire.HISTORY_USER: {0: batch},
+    }
+    _export(module, module.input_names, example, dynamic, path)
+
+
+def _export(
+    module: torch.nn.Module,
+    input_names: tuple[str, ...],
+    example: Mapping[str, np.ndarray],
+    dynamic: dict[str, dict[int, str]],
+    path: Path,
+) -> None:
+    module.eval()
+    axes = {name: dynamic[name] for name in input_names} | {wire.PROBABILITY: {0: wire.BATCH_AXIS}}
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            net,
-            tuple(torch.from_numpy(example[n]) for n in net.input_names),
+            module,
+            tuple(torch.from_numpy(example[n]) for n in input_names),
             str(path),
-            input_names=list(net.input_names),
+            input_names=list(input_names),
             output_names=[wire.PROBABILITY],
-            dynamic_axes=dynamic,
+            dynamic_axes=axes,
             opset_version=OPSET,
             dynamo=False,
         )

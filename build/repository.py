@@ -22,7 +22,7 @@ from recserve.backends.artifacts import (
 )
 from recserve.backends.dense import tensorrt_engine
 from recserve.backends.dense.network import CTRNet
-from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
+from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner, open_session
 from recserve.backends.dense.torch_runners import load_net
 from recserve.backends.pipeline import InProcessPipeline
 from recserve.backends.store.rows import TableArrays
@@ -30,7 +30,13 @@ from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.evaluation import figure
-from recserve.build.export import example_inputs, export_onnx, torch_predict
+from recserve.build.export import (
+    candidate_inputs,
+    example_inputs,
+    export_candidates_onnx,
+    export_onnx,
+    torch_predict,
+)
 from recserve.build.train import Progress, stderr_progress, train
 from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec, StoreSection
@@ -38,6 +44,7 @@ from recserve.wire import RawRows
 
 DENSE_FORMAT = "recserve-dense/1"
 ONNX_FILE = "model.onnx"
+CANDIDATES_ONNX_FILE = "candidates.onnx"  # the candidate-list graph of the built-in network
 WEIGHTS_FILE = "weights.safetensors"
 TIMING_CACHE_FILE = "tensorrt.timing-cache"
 
@@ -153,6 +160,20 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
     for length in spec.sequence_buckets:
         sample = example_inputs(spec, rows=7, length=length, seed=length)
         worst = max(worst, float(np.abs(runner.predict(sample) - torch_predict(net, sample)).max()))
+    files = {"model": file_entry(root, path), "weights": file_entry(root, root / WEIGHTS_FILE)}
+    if spec.candidates_model:  # the candidate-list graph: each user's history projected once
+        lists = root / CANDIDATES_ONNX_FILE
+        export_candidates_onnx(spec, net, lists)
+        session = open_session(lists, threads=1)
+        for length in spec.sequence_buckets:
+            sample = candidate_inputs(spec, users=3, candidates=4, length=length, seed=length)
+            rows = dict(sample)
+            owner = rows.pop(wire.HISTORY_USER)
+            for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):  # the same rows, expanded
+                rows[name] = sample[name][owner]
+            served = session.run([wire.PROBABILITY], sample)[0]
+            worst = max(worst, float(np.abs(served - torch_predict(net, rows)).max()))
+        files["candidates"] = file_entry(root, lists)
     if worst > 1e-5:
         raise ArtifactError(f"ONNX export differs from PyTorch by {worst:.2e}")
     write_manifest(
@@ -162,7 +183,7 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
             "version": spec.version,
             "spec_sha256": spec_digest(spec),
             "holdout_auc": holdout_auc,
-            "files": {"model": file_entry(root, path), "weights": file_entry(root, root / WEIGHTS_FILE)},
+            "files": files,
         },
     )
     return worst

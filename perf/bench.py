@@ -42,6 +42,7 @@ from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.analyzer import LOOSE_STABILITY, measure_point
+from recserve.perf.candidates import measure as measure_candidates
 from recserve.perf.hops import run_hops
 from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
@@ -55,6 +56,7 @@ from recserve.spec import ModelSpec, spec_path
 LOGGER = logging.getLogger(__name__)
 
 HOPS_FILE = "hops.json"  # the bench-hops summary of the run
+CANDIDATES_FILE = "candidates.json"  # the bench-candidates summary of the run
 
 Progress = Callable[[str], None]
 
@@ -77,6 +79,7 @@ class Grid:
     monolith_instances: tuple[int, ...] = (1, 2)
     hops_requests: int = 300  # recserve bench-hops in the same run (0: left out)
     hops_rounds: int = 3
+    candidates_s: float = 3.0  # recserve bench-candidates on the tuned server, per point (0: left out)
 
     @classmethod
     def full(cls) -> Grid:
@@ -259,6 +262,12 @@ def run_bench(
             progress("[bench] the hop floor (batch 1, one request in flight)")
             hops = run_hops(spec, repository, work / "hops", grid.hops_requests, grid.hops_rounds)
             (run / HOPS_FILE).write_text(json.dumps(hops, indent=1))
+        if grid.candidates_s and spec.candidates_model:
+            progress("[bench] one user's candidate list against the same rows (candidate_list_gain)")
+            lists = measure_candidates(
+                spec, tuned.grpc_url, seconds=grid.candidates_s, rounds=grid.hops_rounds
+            )
+            (run / CANDIDATES_FILE).write_text(json.dumps(lists, indent=1))
         for batch in grid.loadgen_batches:
             batches = sample_batches(spec, batch)
             targets: dict[str, tuple[HttpTarget, str | None]] = {
@@ -292,8 +301,11 @@ def run_bench(
 
 def write_summary(run: Path, points: Sequence[Point]) -> dict[str, Any]:
     """``summary.json`` and the plots of a results folder, from its points (and ``run.json``)."""
-    hops = json.loads((run / HOPS_FILE).read_text()) if (run / HOPS_FILE).exists() else None
-    summary = report.summarize(points, hops=hops)
+    hops, lists = (
+        json.loads((run / name).read_text()) if (run / name).exists() else None
+        for name in (HOPS_FILE, CANDIDATES_FILE)
+    )
+    summary = report.summarize(points, hops=hops, candidates=lists)
     summary["overheads"] = report.overheads(points)
     if (run / "run.json").exists():
         summary["run"] = json.loads((run / "run.json").read_text())

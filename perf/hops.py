@@ -55,8 +55,7 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
     t = configs.intermediate_tensors(spec)
     _, sequence = spec.attention("bench-hops")
     served = [
-        # the row form's inputs: the echo takes the rows the bench sends
-        EchoStep(wire.EMBEDDING_LOOKUP, spec.wire_inputs(), io[wire.EMBEDDING_LOOKUP][1], sequence.name),
+        EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], sequence.name),
         EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
     ]
     keys = (

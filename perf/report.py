@@ -39,6 +39,7 @@ TARGETS = {
     "vs_torchserve_p99": ("<=", 1.0),
     "vs_monolith_throughput": (">=", 1.0),
     "hop_floor_ratio": ("<=", 1.3),
+    "candidate_list_gain": (">=", 3.0),
 }
 
 
@@ -110,7 +111,10 @@ def _brief(point: Point | None) -> dict[str, Any] | None:
 
 
 def summarize(
-    points: Sequence[Point], p99_bound_ms: float = P99_BOUND_MS, hops: dict[str, Any] | None = None
+    points: Sequence[Point],
+    p99_bound_ms: float = P99_BOUND_MS,
+    hops: dict[str, Any] | None = None,
+    candidates: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The headline ratios, the points they were read from, and whether each target is met.
 
@@ -127,6 +131,8 @@ def summarize(
       p99 over the monolith's at the monolith's best point (same client batch and concurrency).
     * ``hop_floor_ratio``: from ``hops`` (the summary of :func:`recserve.perf.hops.run_hops`), served
       p50 minus in-process p50 over the p50 of an echo ensemble of the served shape, at batch 1.
+    * ``candidate_list_gain``: from ``candidates`` (:func:`recserve.perf.candidates.measure`), candidate
+      rows/s of one user's list over the same rows sent as rows, each at its best within the bound.
 
     When TorchServe meets the bound at no point, the bound cannot pick its point: both servers are
     then compared at TorchServe's highest-rate point (the same offered load) and
@@ -184,6 +190,7 @@ def summarize(
         "vs_monolith_throughput": _ratio(_rows_per_s(served), _rows_per_s(monolith)),
         "vs_monolith_p99": _ratio(_p99(at_monolith), _p99(monolith)),
         "hop_floor_ratio": hops.get("hop_floor_ratio") if hops else None,
+        "candidate_list_gain": candidates.get("candidate_list_gain") if candidates else None,
     }
     targets = {}
     for name, (op, goal) in TARGETS.items():

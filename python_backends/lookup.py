@@ -181,7 +181,7 @@ class EmbeddingLookup:
         Args:
             inputs: the keys of :class:`~recserve.backends.features.transform.FeatureTransform`.
             users: for a candidate list, each row's user: the history keys have one row per user,
-                looked up once, and each row gets its user's history. None: one history per row.
+                looked up once, and so does the history returned. None: one history per row.
         """
         checked = self.check(inputs, users)
         result = self.lookup_keys(checked)
@@ -211,7 +211,7 @@ class EmbeddingLookup:
             )
             if count > 1:
                 histories = histories.reshape(owners, count, positions // count, dim).sum(1)
-            out[wire.HISTORY_EMBEDDINGS] = histories if users is None else take_rows(histories, users)
+            out[wire.HISTORY_EMBEDDINGS] = histories
         return out
 
 
@@ -251,22 +251,36 @@ class FeaturesToEmbeddings:
         passed = {n: features[n] for n in (wire.DENSE_NORMALIZED, wire.HISTORY_MASK) if n in features}
         return {**passed, **self.lookup.lookup(features)}
 
-    def candidates(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
-        """The same for one candidate-list request: a row per candidate, user by user.
+    def candidates(
+        self, inputs: Mapping[str, np.ndarray], expand: bool = False
+    ) -> dict[str, np.ndarray | torch.Tensor]:
+        """The same for one candidate-list request, each user's sequences transformed and looked up once.
 
-        Each user's sequences are transformed and looked up once, for all of their candidates (see
-        :func:`recserve.wire.candidate_rows` for the inputs).
+        The per-candidate inputs of the dense contract come back as ``candidate_<name>``,
+        ``[U, N, ...]``, and the history and its mask with one row per user, ``[U, L, ...]``
+        (what ``dense`` takes from the candidates ensemble); ``embedding_version`` has a row per
+        candidate. With ``expand``, the row form's outputs instead: every candidate row with its
+        user's history (for a ``dense`` that takes rows only). See
+        :func:`recserve.wire.candidate_rows` for the inputs.
 
         Raises:
             InvalidInput: naming the first offending input (as the client named it) and value.
         """
         rows, users = wire.candidate_rows(self.spec, inputs)
-        features = self.transform.transform(rows, users=int(users[-1]) + 1)
-        out: dict[str, np.ndarray | torch.Tensor] = {}
+        count = int(users[-1]) + 1
+        features = self.transform.transform(rows, users=count)
+        out: dict[str, np.ndarray | torch.Tensor] = {wire.HISTORY_MASK: features[wire.HISTORY_MASK]}
         if wire.DENSE_NORMALIZED in features:
             out[wire.DENSE_NORMALIZED] = features[wire.DENSE_NORMALIZED]
-        out[wire.HISTORY_MASK] = features[wire.HISTORY_MASK][users]
-        return {**out, **self.lookup.lookup(features, users)}
+        out.update(self.lookup.lookup(features, users))
+        if expand:
+            for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+                out[name] = take_rows(out[name], users)
+            return out
+        for name in wire.per_candidate_dense_inputs(self.spec):
+            array = out.pop(name)
+            out[wire.CANDIDATE_PREFIX + name] = array.reshape(count, users.size // count, *array.shape[1:])
+        return out
 
     def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
         """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""

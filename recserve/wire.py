@@ -52,6 +52,10 @@ EMBEDDING_VERSION = "embedding_version"
 #: ``[users, candidates, ...]``, as ``candidate_x``; the user's sequences keep their names.
 CANDIDATE_PREFIX = "candidate_"
 
+#: For a candidate list at ``dense``: each row's user, the row of ``history_embeddings`` and
+#: ``history_mask`` (which then hold one row per user) that the row attends over.
+HISTORY_USER = "history_user"
+
 #: Request header (gRPC metadata key) naming the user: the access layer hashes it so that a user stays
 #: on one model variant across calls.
 USER_HEADER = "x-recserve-user"
@@ -93,6 +97,11 @@ def candidate_step_inputs(spec: ModelSpec) -> tuple[WireTensor, ...]:
         WireTensor(CANDIDATE_PREFIX + t.name, t.dtype, (-1, *t.dims), ragged=True, optional=True)
         for t in spec.candidate_inputs()
     )
+
+
+def per_candidate_dense_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The dense contract's inputs that a candidate list carries per candidate (not the history)."""
+    return tuple(n for n in dense_net_inputs(spec) if n not in (HISTORY_EMBEDDINGS, HISTORY_MASK))
 
 
 def candidate_rows(

@@ -41,17 +41,38 @@ class TargetAttention(nn.Module):
         self.out = nn.Linear(dim, dim)
         self.norm = nn.LayerNorm(dim)
 
-    def forward(self, target: torch.Tensor, history: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``target`` [B, D], ``history`` [B, L, D], ``mask`` [B, L] (1 real, 0 padding) to [B, D]."""
-        batch, length, dim = history.shape
-        q = self.query(target).view(batch, self.heads, 1, self.head_dim)
-        k = self.key(history).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        v = self.value(history).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        scores = (q @ k.transpose(-1, -2)).squeeze(2) / math.sqrt(self.head_dim)  # [B, H, L]
-        gate = mask[:, None, :]
-        scores = scores + (gate - 1.0) * 1e9
-        weights = torch.softmax(scores, dim=-1) * gate
-        context = (weights.unsqueeze(-1) * v).sum(dim=2).reshape(batch, dim)
+    def forward(
+        self,
+        target: torch.Tensor,
+        history: torch.Tensor,
+        mask: torch.Tensor,
+        users: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``target`` [B, D], ``history`` [B, L, D], ``mask`` [B, L] (1 real, 0 padding) to [B, D].
+
+        With ``users`` [B] (int64), ``history`` and ``mask`` hold one row per user, ``[U, L, ...]``,
+        and row ``b`` attends over row ``users[b]``: each user's keys and values are projected once,
+        whatever the number of rows (a candidate list). The result equals the expanded history's.
+        """
+        length, dim = history.shape[1], history.shape[2]
+        owners, batch = history.shape[0], target.shape[0]
+        k = self.key(history).view(owners, length, self.heads, self.head_dim).transpose(1, 2)
+        v = self.value(history).view(owners, length, self.heads, self.head_dim).transpose(1, 2)
+        if users is None:
+            q = self.query(target).view(batch, self.heads, 1, self.head_dim)
+            scores = (q @ k.transpose(-1, -2)).squeeze(2) / math.sqrt(self.head_dim)  # [B, H, L]
+            gate = mask[:, None, :]
+            scores = scores + (gate - 1.0) * 1e9
+            weights = torch.softmax(scores, dim=-1) * gate
+            context = (weights.unsqueeze(-1) * v).sum(dim=2).reshape(batch, dim)
+        else:  # every row against every user's keys [B, U, H, L]; only its own user's weights stay
+            q = self.query(target).view(batch, self.heads, self.head_dim)
+            own = (users[:, None] == torch.arange(owners, device=users.device)[None, :]).to(history.dtype)
+            scores = torch.einsum("bhd,uhld->buhl", q, k) / math.sqrt(self.head_dim)
+            gate = own[:, :, None, None] * mask[None, :, None, :]
+            scores = scores + (gate - 1.0) * 1e9
+            weights = torch.softmax(scores, dim=-1) * gate
+            context = torch.einsum("buhl,uhld->bhd", weights, v).reshape(batch, dim)
         return self.norm(self.out(context) + target)
 
 
@@ -83,7 +104,10 @@ class CTRNet(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Click probability [B, 1] from the tensors of :attr:`input_names`."""
-        named = dict(zip(self.input_names, inputs, strict=True))
+        return self.score(dict(zip(self.input_names, inputs, strict=True)))
+
+    def score(self, named: dict[str, torch.Tensor], users: torch.Tensor | None = None) -> torch.Tensor:
+        """Click probability [B, 1] from the named inputs (``users``: see :class:`TargetAttention`)."""
         parts = [named[wire.SPARSE_EMBEDDINGS]]
         head = []
         if self.has_dense:
@@ -92,8 +116,28 @@ class CTRNet(nn.Module):
             head.append(bottom)
         if self.has_attention:
             target = named[wire.TARGET_EMBEDDING]
-            context = self.attention(target, named[wire.HISTORY_EMBEDDINGS], named[wire.HISTORY_MASK])
+            context = self.attention(target, named[wire.HISTORY_EMBEDDINGS], named[wire.HISTORY_MASK], users)
             parts += [target[:, None, :], context[:, None, :]]
         stacked = torch.cat(parts, dim=1)
         pairs = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)[:, self.pair_index]
         return torch.sigmoid(self.top(torch.cat([*head, pairs], dim=1)))
+
+
+class CandidateNet(nn.Module):
+    """The same network over candidate lists: one history row per user, ``history_user`` per row.
+
+    ``forward`` takes :attr:`input_names`: the dense contract's inputs, whose history and mask hold
+    a row per user, then :data:`~recserve.wire.HISTORY_USER`. Exported as a second ONNX graph.
+    """
+
+    def __init__(self, net: CTRNet) -> None:
+        super().__init__()
+        if not net.has_attention:
+            raise ValueError("a network without a sequence has no candidate-list form")
+        self.net = net
+        self.input_names = (*net.input_names, wire.HISTORY_USER)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Click probability [B, 1]."""
+        named = dict(zip(self.input_names, inputs, strict=True))
+        return self.net.score(named, named.pop(wire.HISTORY_USER))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,8 +64,9 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ArtifactError(f"dense model {model_path.name!r} does not load: {exc}") from None
     names = tuple(i.name for i in session.get_inputs())
-    if not set(names) <= set(wire.DENSE_NET_INPUTS) or wire.SPARSE_EMBEDDINGS not in names:
-        raise ArtifactError(f"dense model inputs {names} are not among {wire.DENSE_NET_INPUTS}")
+    allowed = (*wire.DENSE_NET_INPUTS, wire.HISTORY_USER)  # the last: the candidate-list graph only
+    if not set(names) <= set(allowed) or wire.SPARSE_EMBEDDINGS not in names:
+        raise ArtifactError(f"dense model inputs {names} are not among {allowed}")
     return session
 
 
@@ -162,6 +163,55 @@ def bucketed_onnx_runner(
     )
 
 
+class CandidateLists:
+    """The dense step's candidate lists: per-candidate inputs ``[U, N, ...]``, each user's history once.
+
+    With the candidate-list graph of the built-in network (``session``), every user's history is
+    projected once for all of their candidates. Without it (an imported model has only the row
+    graph), each candidate row gets its user's history and the rows go to ``rows``.
+    """
+
+    def __init__(
+        self, spec: ModelSpec, rows: Callable[[Arrays], np.ndarray], session: ort.InferenceSession | None
+    ) -> None:
+        self.spec = spec
+        self.rows = rows
+        self.session = session
+        self.per_candidate = wire.per_candidate_dense_inputs(spec)
+        self.input_names = (
+            *(wire.CANDIDATE_PREFIX + n for n in self.per_candidate),
+            wire.HISTORY_EMBEDDINGS,
+            wire.HISTORY_MASK,
+        )
+
+    def __call__(self, inputs: Arrays) -> np.ndarray:
+        """Probabilities ``[U * N, 1]``, user by user (raises ``InvalidInput`` on inconsistent shapes)."""
+        sparse = inputs.get(wire.CANDIDATE_PREFIX + wire.SPARSE_EMBEDDINGS)
+        if sparse is None or sparse.ndim != 4:
+            raise InvalidInput(
+                wire.CANDIDATE_PREFIX + wire.SPARSE_EMBEDDINGS, "is missing or not [users, candidates, F, D]"
+            )
+        users, count = sparse.shape[:2]
+        flat = {}
+        for name in self.per_candidate:
+            array = inputs.get(wire.CANDIDATE_PREFIX + name)
+            if array is None or array.shape[:2] != (users, count):
+                raise InvalidInput(
+                    wire.CANDIDATE_PREFIX + name, f"is not [{users}, {count}, ...] as the other inputs"
+                )
+            flat[name] = array.reshape(users * count, *array.shape[2:])
+        history, mask = inputs.get(wire.HISTORY_EMBEDDINGS), inputs.get(wire.HISTORY_MASK)
+        if history is None or mask is None or history.shape[0] != users or mask.shape != history.shape[:2]:
+            raise InvalidInput(wire.HISTORY_EMBEDDINGS, f"and its mask are not one row per user ({users})")
+        owner = np.repeat(np.arange(users, dtype=np.int64), count)
+        if self.session is None:
+            rows = {**flat, wire.HISTORY_EMBEDDINGS: history[owner], wire.HISTORY_MASK: mask[owner]}
+            return self.rows(check_inputs(self.spec, rows))
+        feeds = {name: np.ascontiguousarray(array) for name, array in flat.items()}
+        feeds.update({wire.HISTORY_EMBEDDINGS: history, wire.HISTORY_MASK: mask, wire.HISTORY_USER: owner})
+        return self.session.run([wire.PROBABILITY], feeds)[0]
+
+
 class DenseStep:
     """What the Triton ``dense`` model holds: the input checks and a bucketed runner.
 
@@ -171,10 +221,18 @@ class DenseStep:
         version: the dense version served (a label of the served-probability histogram).
     """
 
-    def __init__(self, spec: ModelSpec, runner: BucketedRunner, version: str = "") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        runner: BucketedRunner,
+        version: str = "",
+        candidates: ort.InferenceSession | None = None,
+    ) -> None:
         self.spec = spec
         self.runner = runner
         self.scores = ScoreHistogram((("dense_version", version),))
+        #: candidate lists (the candidates ensemble), with the candidate-list graph when given
+        self.lists = CandidateLists(spec, lambda rows: self.runner.predict(rows), candidates)
 
     @classmethod
     def load(cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu") -> DenseStep:
@@ -198,7 +256,13 @@ class DenseStep:
                     "an imported dense model has no PyTorch weights: ONNX Runtime serves it on the CPU"
                 )
             model_path = verified_path(version_dir, files["model"])
-            return cls(spec, bucketed_onnx_runner(spec, model_path, session_threads(instances)), version)
+            threads = session_threads(instances)
+            candidates = (
+                open_session(verified_path(version_dir, files["candidates"]), threads)
+                if "candidates" in files
+                else None
+            )
+            return cls(spec, bucketed_onnx_runner(spec, model_path, threads), version, candidates)
         from recserve.backends.dense.torch_runners import bucketed_torch_runner, load_net
 
         net = load_net(spec, verified_path(version_dir, files["weights"]))

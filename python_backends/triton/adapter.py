@@ -10,6 +10,7 @@ the client).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -189,10 +190,22 @@ def execute_merged_or_alone(
 
 
 def execute_alone(
-    requests: Sequence[Any], input_names: Sequence[str], handle: Callable[[Arrays], Mapping[str, Any]]
+    requests: Sequence[Any],
+    input_names: Sequence[str],
+    handle: Callable[..., Mapping[str, Any]],
 ) -> list:
-    """Handle each request by itself: one response each, errors mapped per request."""
-    return [_handle_one(handle, read_inputs(request, input_names)) for request in requests]
+    """Handle each request by itself: one response each, errors mapped per request.
+
+    ``handle(inputs, requested=...)`` also gets the names of the outputs the request asks for (an
+    ensemble asks for those its next step takes).
+    """
+    return [
+        _handle_one(
+            functools.partial(handle, requested=frozenset(request.requested_output_names())),
+            read_inputs(request, input_names),
+        )
+        for request in requests
+    ]
 
 
 def execute_by_form(
@@ -205,6 +218,8 @@ def execute_by_form(
 
     For a step taking two request forms (rows, and one user's candidate list) in one dynamic batch.
     """
+    if not marker:  # a step with one form
+        return rows(list(requests))
     forms = [any(tensor.name() == marker for tensor in request.inputs()) for request in requests]
     if not any(forms):
         return rows(list(requests))

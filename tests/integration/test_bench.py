@@ -34,6 +34,7 @@ TINY = Grid(
     monolith_instances=(1,),
     hops_requests=20,
     hops_rounds=1,
+    candidates_s=0.5,
 )
 
 
@@ -46,6 +47,7 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         "points.json",
         "summary.json",
         "hops.json",
+        "candidates.json",
         "latency_vs_throughput.png",
     }
     written = json.loads((run / "summary.json").read_text())
@@ -56,6 +58,7 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
         "vs_torchserve_p99",
         "vs_monolith_throughput",
         "hop_floor_ratio",
+        "candidate_list_gain",
     ):
         assert key in written and key in written["targets"]
     # The ratios are read at p99 <= 50 ms, which a loaded machine may miss at every point: the
@@ -76,6 +79,10 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
     assert (
         written["hop_floor_ratio"] == hops["hop_floor_ratio"] and hops["systems"]["echo_2_hops"]["p50_ms"] > 0
     )
+    lists = json.loads((run / "candidates.json").read_text())
+    assert written["candidate_list_gain"] == lists["candidate_list_gain"]
+    for form in ("candidate_list", "rows"):
+        assert all(m["rows_per_s"] > 0 and m["failures"] == 0 for m in lists["medians"][form].values()), form
     assert written["ensemble_vs_inprocess"] == report.summarize(points)["ensemble_vs_inprocess"]
     assert written["vs_torchserve_throughput"] is None  # TorchServe was left out of this run
     for probe in ("http_over_grpc", "system_shm_over_grpc", "sdk_system_shm_over_wire"):

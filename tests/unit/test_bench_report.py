@@ -88,6 +88,12 @@ def test_the_hop_floor_ratio_comes_from_the_hops_summary():
     assert report.summarize(sample_points())["hop_floor_ratio"] is None  # not measured in this run
 
 
+def test_the_candidate_list_gain_comes_from_the_candidates_summary():
+    summary = report.summarize(sample_points(), candidates={"candidate_list_gain": 3.4})
+    assert summary["targets"]["candidate_list_gain"] == {"target": ">= 3.0", "value": 3.4, "met": True}
+    assert report.summarize(sample_points())["candidate_list_gain"] is None
+
+
 def test_missing_configurations_give_none_not_errors():
     points = [p for p in sample_points() if p.system != report.TORCHSERVE]
     summary = report.summarize(points)

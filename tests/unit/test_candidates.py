@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from recserve import wire
+from recserve.backends.dense.runner import CandidateLists, DenseStep
 from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
+from recserve.build.export import candidate_inputs
 from recserve.build.synthetic import generate
 from recserve.errors import InvalidInput
 from recserve.spec import load_spec
@@ -48,11 +50,43 @@ def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
     spec = load_spec(name)
     rows, lists = user_rows(spec)
     step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, served_store(spec, rows)))
-    expected, got = step(rows), step.candidates(lists)
-    assert set(got) == set(expected)
+    expected, expanded, listed = step(rows), step.candidates(lists, expand=True), step.candidates(lists)
+    assert set(expanded) == set(expected)
     for key, array in expected.items():
-        np.testing.assert_array_equal(got[key], array, err_msg=key)
-    assert float(np.abs(got[wire.HISTORY_EMBEDDINGS]).sum()) > 0  # real vectors, not defaults
+        np.testing.assert_array_equal(expanded[key], array, err_msg=key)
+    assert float(np.abs(expected[wire.HISTORY_EMBEDDINGS]).sum()) > 0  # real vectors, not defaults
+    # the list form: per-candidate tensors [users, candidates, ...], the history once per user
+    per_candidate = wire.per_candidate_dense_inputs(spec)
+    assert set(listed) == {
+        wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK, wire.EMBEDDING_VERSION,
+        *(wire.CANDIDATE_PREFIX + n for n in per_candidate),
+    }  # fmt: skip
+    for name in per_candidate:
+        got = listed[wire.CANDIDATE_PREFIX + name]
+        assert got.shape[:2] == (2, 3)
+        np.testing.assert_array_equal(got.reshape(expected[name].shape), expected[name], err_msg=name)
+    for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+        assert listed[name].shape[0] == 2
+        np.testing.assert_array_equal(listed[name][[0, 0, 0, 1, 1, 1]], expected[name], err_msg=name)
+    np.testing.assert_array_equal(listed[wire.EMBEDDING_VERSION], expected[wire.EMBEDDING_VERSION])
+
+
+def test_the_dense_step_scores_a_list_as_its_rows_with_and_without_the_list_graph(tiny_spec, tiny_repository):
+    step = DenseStep.load(tiny_spec, tiny_repository / wire.DENSE / "1", instances=1)
+    assert step.lists.session is not None  # the built-in network exports the candidate-list graph
+    sample = candidate_inputs(tiny_spec, users=3, candidates=5, length=tiny_spec.sequence_buckets[0], seed=2)
+    owner = sample.pop(wire.HISTORY_USER)
+    rows = dict(sample)
+    for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+        rows[name] = sample[name][owner]
+    lists = {n: sample[n] for n in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK)}
+    for name in wire.per_candidate_dense_inputs(tiny_spec):
+        lists[wire.CANDIDATE_PREFIX + name] = sample[name].reshape(3, 5, *sample[name].shape[1:])
+    expected = step.runner.predict(step.check(rows))
+    np.testing.assert_allclose(step.lists(lists), expected, atol=1e-5)
+    without = CandidateLists(tiny_spec, step.runner.predict, None)  # an imported model's row graph only
+    np.testing.assert_allclose(without(lists), expected, atol=1e-6)
+    step.close()
 
 
 def test_each_users_history_keys_are_looked_up_once(spec):

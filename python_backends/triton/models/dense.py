@@ -11,6 +11,8 @@ from recserve.backends.dense.runner import DenseStep
 from recserve.backends.triton.adapter import (
     MetricsPublisher,
     ModelContext,
+    execute_alone,
+    execute_by_form,
     execute_checked_merged,
     instance_device,
 )
@@ -39,12 +41,14 @@ class TritonPythonModel:
         """Finite probabilities for every valid request; metrics published at most once a second."""
         served = self.warmup_left <= 0
         self.warmup_left -= len(requests)
-        responses = execute_checked_merged(
+        accept = self.step.accept if served else functools.partial(self.step.accept, count=False)
+        responses = execute_by_form(
             requests,
-            self.input_names,
-            self.step.check,
-            self.score,
-            accept=self.step.accept if served else functools.partial(self.step.accept, count=False),
+            self.step.lists.input_names[0],
+            lambda rows: execute_checked_merged(
+                rows, self.input_names, self.step.check, self.score, accept=accept
+            ),
+            lambda lists: execute_alone(lists, self.step.lists.input_names, self.score_list),
         )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
@@ -57,7 +61,16 @@ class TritonPythonModel:
 
     def score(self, merged: dict) -> dict:
         """The network's outputs and, per row, the version that computed them."""
-        outputs = self.step.compute(merged)
+        return self.versioned(self.step.compute(merged))
+
+    def score_list(self, inputs: dict, requested: frozenset) -> dict:
+        """One candidate list: a row per candidate, user by user; refused whole if any is not finite."""
+        outputs = {wire.PROBABILITY: self.step.lists(inputs)}
+        self.step.accept(outputs)
+        return self.versioned(outputs)
+
+    def versioned(self, outputs: dict) -> dict:
+        """``outputs`` with, per row, the version that computed them."""
         rows = outputs[wire.PROBABILITY].shape[0]
         return {**outputs, wire.DENSE_VERSION: np.full((rows, 1), self.version, np.int64)}
 

@@ -59,12 +59,17 @@ class TritonPythonModel:
                 ragged_outputs=(wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK),
                 ragged_width=self.step.history_width,
             ),
-            lambda lists: execute_alone(lists, self.step.candidate_input_names, self.step.candidates),
+            lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
             self.metrics.publish(self.served.samples())
         return responses
+
+    def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
+        """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""
+        expand = wire.CANDIDATE_PREFIX + wire.SPARSE_EMBEDDINGS not in requested
+        return self.step.candidates(inputs, expand=expand)
 
     def is_ready(self) -> bool:
         """Readiness (Python backends that support it): the local tiers are mapped."""
