@@ -29,6 +29,7 @@ from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
 P99_BOUND_MS = 50.0
+TIMEOUT_S = 30.0  # a request unanswered this long counts as failed
 LIST, ROWS = "candidate_list", "rows"
 
 
@@ -59,7 +60,8 @@ def closed_loop_rate(
 ) -> dict[str, float]:
     """Candidate rows/s and latency percentiles of ``concurrency`` clients sending ``request`` in a loop.
 
-    Refused requests are counted (``failures``), not timed.
+    Refused requests, and requests unanswered after ``TIMEOUT_S``, are counted (``failures``), not
+    timed.
     """
     latencies: list[float] = []
     failures = [0]
@@ -81,8 +83,8 @@ def closed_loop_rate(
             while time.perf_counter() < clock["deadline"]:
                 began = time.perf_counter()
                 try:
-                    connection.infer(model, inputs)
-                except InferenceServerException:  # refused by a queue policy: counted, not timed
+                    connection.infer(model, inputs, client_timeout=TIMEOUT_S)
+                except InferenceServerException:  # refused (or lost): counted, not timed
                     refused += 1
                     continue
                 mine.append((time.perf_counter() - began) * 1e3)
@@ -111,7 +113,7 @@ def measure(
     url: str,
     candidates: int = 200,
     length: int = 256,
-    concurrencies: Sequence[int] = (1, 4),
+    concurrencies: Sequence[int] = (1, 2, 4),
     seconds: float = 3.0,
     rounds: int = 3,
 ) -> dict[str, Any]:

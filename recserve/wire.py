@@ -262,8 +262,13 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
         bad = next(v for v in values.ravel() if not _is_ascii(v))
         raise InvalidInput(input_name, f"value {bad!r} is not an ASCII hex string") from None
     flat = fixed.reshape(-1)
-    lengths = np.char.str_len(flat)
-    digits = _HEX_LUT[flat.view(np.uint8).reshape(-1, width)]
+    raw_bytes = flat.view(np.uint8).reshape(-1, width)
+    # a fixed-width bytes array pads with NUL and keeps no trailing NUL: the length is the non-NUL count
+    # (an embedded NUL counts as a character, and LUT 255 refuses it)
+    nonzero = raw_bytes != 0
+    lengths = width - np.argmax(nonzero[:, ::-1], axis=1)
+    lengths[~nonzero.any(axis=1)] = 0
+    digits = _HEX_LUT[raw_bytes]
     positions = np.arange(width)[None, :] < lengths[:, None]
     bad_rows = (lengths > max_digits) | ((digits == 255) & positions).any(axis=1)
     if bad_rows.any():
