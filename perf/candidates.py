@@ -73,21 +73,25 @@ def closed_loop_rate(
 
     lock, start = threading.Lock(), threading.Barrier(concurrency, action=go)
 
+    def call(connection: grpcclient.InferenceServerClient, inputs: list) -> bool:
+        try:
+            connection.infer(model, inputs, client_timeout=TIMEOUT_S)
+            return True
+        except InferenceServerException:  # refused (or lost): counted, not timed
+            return False
+
     def client() -> None:
         with grpcclient.InferenceServerClient(url) as connection:
             inputs = infer_inputs(grpcclient, request)  # encoded once
-            connection.infer(model, inputs)  # warm-up
-            mine = []
+            call(connection, inputs)  # warm-up
+            mine, refused = [], 0
             start.wait()
-            refused = 0
             while time.perf_counter() < clock["deadline"]:
                 began = time.perf_counter()
-                try:
-                    connection.infer(model, inputs, client_timeout=TIMEOUT_S)
-                except InferenceServerException:  # refused (or lost): counted, not timed
+                if call(connection, inputs):
+                    mine.append((time.perf_counter() - began) * 1e3)
+                else:
                     refused += 1
-                    continue
-                mine.append((time.perf_counter() - began) * 1e3)
             with lock:
                 latencies.extend(mine)
                 failures[0] += refused
@@ -96,7 +100,7 @@ def closed_loop_rate(
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(seconds + 120)
+        thread.join(2 * TIMEOUT_S + seconds)
     elapsed = time.perf_counter() - clock["began"]
     p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99])) if latencies else (np.inf, np.inf)
     return {
