@@ -40,15 +40,7 @@ def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write ``net`` as ONNX; batch and sequence axes stay dynamic."""
     example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
-    batch, sequence = wire.BATCH_AXIS, wire.SEQUENCE_AXIS
-    dynamic = {
-        wire.DENSE_NORMALIZED: {0: batch},
-        wire.SPARSE_EMBEDDINGS: {0: batch},
-        wire.TARGET_EMBEDDING: {0: batch},
-        wire.HISTORY_EMBEDDINGS: {0: batch, 1: sequence},
-        wire.HISTORY_MASK: {0: batch, 1: sequence},
-    }
-    _export(net, net.input_names, example, dynamic, path)
+    _export(net, net.input_names, example, _dynamic_axes(history_rows=wire.BATCH_AXIS), path)
 
 
 def candidate_inputs(
@@ -67,16 +59,20 @@ def export_candidates_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write the candidate-list graph of ``net`` (:class:`CandidateNet`) as ONNX."""
     module = CandidateNet(net)
     example = candidate_inputs(spec, users=2, candidates=3, length=spec.sequence_buckets[0])
-    batch, sequence, users = wire.BATCH_AXIS, wire.SEQUENCE_AXIS, "users"
-    dynamic = {
+    _export(module, module.input_names, example, _dynamic_axes(history_rows="users"), path)
+
+
+def _dynamic_axes(history_rows: str) -> dict[str, dict[int, str]]:
+    """Every input's dynamic axes; the history's rows are ``history_rows`` (the batch, or the users)."""
+    batch, sequence = wire.BATCH_AXIS, wire.SEQUENCE_AXIS
+    return {
         wire.DENSE_NORMALIZED: {0: batch},
         wire.SPARSE_EMBEDDINGS: {0: batch},
         wire.TARGET_EMBEDDING: {0: batch},
-        wire.HISTORY_EMBEDDINGS: {0: users, 1: sequence},
-        wire.HISTORY_MASK: {0: users, 1: sequence},
+        wire.HISTORY_EMBEDDINGS: {0: history_rows, 1: sequence},
+        wire.HISTORY_MASK: {0: history_rows, 1: sequence},
         wire.HISTORY_USER: {0: batch},
     }
-    _export(module, module.input_names, example, dynamic, path)
 
 
 def _export(
