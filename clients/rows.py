@@ -129,6 +129,31 @@ class CriteoRows:
             )
         return self._raw(self.labels.astype(np.float32))
 
+    def user_runs(self, spec: ModelSpec) -> list[slice]:
+        """Consecutive rows of one user (``[inputs] user``) that share every sequence, as slices in order.
+
+        Such rows are one candidate list: the same user at the same moment. A row whose user or
+        sequences differ from the row before starts a new run; without ``[inputs] user`` every row is
+        its own run.
+        """
+        rows = len(self)
+        if not spec.inputs.user or rows == 0:
+            return [slice(i, i + 1) for i in range(rows)]
+        column = [c.name for c in spec.categorical.raw_columns].index(spec.inputs.user)
+        users = self.categorical[:, column]
+        changed = np.ones(rows, dtype=bool)
+        changed[1:] = (users[1:] != users[:-1]) | (self.lengths[1:] != self.lengths[:-1])
+        for sequence in spec.sequences:
+            ids = self.side.get(sequence.name, self.history)
+            changed[1:] |= (ids[1:] != ids[:-1]).any(axis=1)
+        starts = [*np.flatnonzero(changed).tolist(), rows]
+        return [slice(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+
+    def user_of(self, spec: ModelSpec, row: int) -> dict[str, np.ndarray]:
+        """The sequences of one row by name: the user context of a candidate list."""
+        length = int(self.lengths[row])
+        return {s.name: self.side.get(s.name, self.history)[row, :length] for s in spec.sequences}
+
     def _raw(self, labels: np.ndarray) -> RawRows:
         return RawRows(
             dense=np.where(self.dense_missing, 0.0, self.dense).astype(np.float32),

@@ -387,6 +387,31 @@ class CTRClient(ClientBase):
         ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
+    def predict_by_user(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:
+        """Score all rows; each user's consecutive rows that share their sequences as one candidate list.
+
+        The user is the spec's ``[inputs] user`` column (see :meth:`CriteoRows.user_runs`). Runs of
+        one row are sent as rows, ``batch_size`` at a time. The scores are those of :meth:`predict`.
+
+        Returns:
+            float32 ``[N]`` probabilities in the order of ``rows``.
+
+        Raises:
+            ValueError: ``batch_size`` is out of range.
+            RecserveClientError: as :meth:`predict_inputs`.
+        """
+        self._check_batch_size(batch_size)
+        out = np.zeros(len(rows), dtype=np.float32)
+        alone = []
+        for run in rows.user_runs(self.spec):
+            if run.stop - run.start == 1:
+                alone.append(run.start)
+            else:
+                out[run] = self.score_candidates(rows.user_of(self.spec, run.start), rows.take(run))
+        if alone:
+            out[alone] = self.predict(rows.take(np.asarray(alone)), batch_size)
+        return out
+
     def _infer(
         self,
         arrays: Mapping[str, np.ndarray],

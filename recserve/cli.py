@@ -122,7 +122,8 @@ def _predict(args: argparse.Namespace) -> int:
     try:
         rows = read_rows(args.input, spec)
         with CTRClient(args.url, protocol=args.protocol, timeout_s=args.timeout, spec=spec) as client:
-            probabilities = client.predict(rows, batch_size=args.batch_size)
+            score = client.predict_by_user if spec.inputs.user else client.predict
+            probabilities = score(rows, batch_size=args.batch_size)
     except (RecserveClientError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

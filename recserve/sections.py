@@ -354,6 +354,9 @@ class InputsSection:
 
     label: str = "label"  # the click label of training and verify files
     ignore: tuple[str, ...] = ()  # accepted in files and ignored (e.g. a row id)
+    # a categorical column naming the user: `recserve predict` sends a user's consecutive rows
+    # that share their sequences as one candidate list
+    user: str = ""
 
 
 #: Value types of a categorical column as clients send it (all travel as strings in one BYTES tensor).

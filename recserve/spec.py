@@ -675,6 +675,10 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     clashes = sorted({*inputs.ignore, inputs.label} & features.names)
     if clashes:
         raise SpecError(f"[inputs] names feature columns {clashes} as label or ignored")
+    if inputs.user and inputs.user not in {c.name for c in features.raw_columns if not c.separator}:
+        raise SpecError(f"[inputs] user {inputs.user!r} is not a single-valued categorical column")
+    if inputs.user and not sequences:
+        raise SpecError(f"[inputs] user {inputs.user!r}: a spec without a sequence has no candidate lists")
     if net.bottom_mlp[-1] != dim:
         raise SpecError(f"bottom_mlp must end at embedding_dim={dim}, got {net.bottom_mlp[-1]}")
     batch_buckets = tuple(sorted(serving.batch_buckets))

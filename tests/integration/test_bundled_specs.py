@@ -26,6 +26,7 @@ from recserve.server import Ports, TritonServer
 from recserve.spec import load_spec
 from tests.integration.private_server import private_server
 from tests.model_exports import export_tables
+from tests.unit.test_candidates import with_runs
 
 from .helpers import grpc_client, infer_raw
 
@@ -126,6 +127,23 @@ def test_predict_scores_a_csv_with_both_sequences(taobao, bundled_repository, bu
     rows = write_csv(tmp_path / "rows.csv", raw, taobao)
     assert "hist_cate_ids" in rows.read_text().splitlines()[0]
     _predicts_the_reference(taobao, bundled_repository, bundled_server, rows, raw)
+
+
+def test_predict_sends_a_users_consecutive_rows_as_one_candidate_list(
+    taobao, bundled_repository, bundled_server, tmp_path
+):
+    runs = [slice(0, 5), slice(5, 6), slice(6, 14), slice(14, 20)]
+    raw = with_runs(taobao, generate(taobao, 20, seed=13), runs)
+    rows = write_csv(tmp_path / "rows.csv", raw, taobao)
+    with grpcclient.InferenceServerClient(bundled_server.grpc_url) as client:
+
+        def lists():
+            (stats,) = client.get_inference_statistics(taobao.candidates_model).model_stats
+            return stats.inference_count
+
+        before = lists()
+        _predicts_the_reference(taobao, bundled_repository, bundled_server, rows, raw)
+        assert lists() - before == 3  # the runs of 5, 8 and 6 rows; the single row went as a row
 
 
 def test_explain_names_every_feature(bundled, bundled_repository, tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tomllib
 
 from recserve import wire
 from recserve.backends.dense.runner import CandidateLists, DenseStep
@@ -13,8 +14,10 @@ from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.export import candidate_inputs
 from recserve.build.synthetic import generate
+from recserve.clients.rows import read_rows
+from recserve.clients.writers import write_csv
 from recserve.errors import InvalidInput
-from recserve.spec import load_spec
+from recserve.spec import SpecError, load_spec, parse_spec, spec_path
 from tests.unit.test_lookup import spec_store
 
 
@@ -150,3 +153,46 @@ def test_a_spec_without_sequences_has_no_candidates_ensemble():
     assert avazu.candidates_model is None and wire.candidate_step_inputs(avazu) == ()
     assert set(configs.all_configs(avazu)) == {*wire.STEPS, avazu.name}
     assert not any(i.optional for i in configs.all_configs(avazu)[wire.EMBEDDING_LOOKUP].input)
+
+
+def with_runs(spec, raw, runs):
+    """``raw`` rewritten so that each run of rows has its first row's user and sequences."""
+    column = [c.name for c in spec.categorical.raw_columns].index(spec.inputs.user)
+    for run in runs:
+        first = run.start
+        raw.categorical[run, column] = raw.categorical[first, column]
+        raw.lengths[run] = raw.lengths[first]
+        raw.history[run] = raw.history[first]
+        for values in raw.side.values():
+            if values.ndim == 2:  # a sequence sharing the positions (targets stay per row)
+                values[run] = values[first]
+    return raw
+
+
+def test_a_users_consecutive_rows_with_the_same_sequences_are_one_run(tmp_path):
+    taobao = load_spec("taobao")
+    runs = [slice(0, 4), slice(4, 6), slice(6, 7), slice(7, 10)]
+    raw = with_runs(taobao, generate(taobao, 10, seed=21), runs)
+    rows = read_rows(write_csv(tmp_path / "rows.csv", raw, taobao), taobao)
+    assert rows.user_runs(taobao) == runs
+    user = rows.user_of(taobao, 4)
+    assert set(user) == {s.name for s in taobao.sequences} and len(user["hist_cate_ids"]) == rows.lengths[4]
+    raw.history[2, 0] += 1  # the same user, a history that moved on: a new run
+    assert read_rows(write_csv(tmp_path / "moved.csv", raw, taobao), taobao).user_runs(taobao)[:2] == [
+        slice(0, 2),
+        slice(2, 3),
+    ]
+    ctr = load_spec("ctr")  # no [inputs] user: every row alone
+    ctr_rows = read_rows(write_csv(tmp_path / "ctr.csv", generate(ctr, 3, seed=1), ctr), ctr)
+    assert ctr_rows.user_runs(ctr) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+
+
+def test_the_user_column_is_a_single_valued_categorical_of_a_spec_with_a_sequence():
+    doc = tomllib.loads(spec_path("taobao").read_text())
+    doc["inputs"]["user"] = "tags"
+    with pytest.raises(SpecError, match="\\[inputs\\] user 'tags' is not a single-valued categorical column"):
+        parse_spec(doc)
+    avazu = tomllib.loads(spec_path("avazu").read_text())
+    avazu.setdefault("inputs", {})["user"] = "device_id"
+    with pytest.raises(SpecError, match="a spec without a sequence has no candidate lists"):
+        parse_spec(avazu)
