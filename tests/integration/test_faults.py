@@ -118,7 +118,8 @@ def _drain_and_stop(fault_server, spec):
     stubs = list(fault_server.stubs())
     regions = _shared_memory_regions(stubs)
     assert stubs and regions
-    requests = [generate(spec, 64, seed=200 + i).to_wire(spec) for i in range(16)]
+    # enough that several are still in flight when the stop begins, however fast the steps are
+    requests = [generate(spec, 64, seed=200 + i).to_wire(spec) for i in range(32)]
     results, finished, done = [None] * len(requests), [0.0] * len(requests), threading.Semaphore(0)
 
     def record(index):
