@@ -24,11 +24,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
+from recserve.perf.report import P99_BOUND_MS
 from recserve.perf.traffic import infer_inputs
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 
-P99_BOUND_MS = 50.0
 TIMEOUT_S = 30.0  # a request unanswered this long counts as failed
 LIST, ROWS = "candidate_list", "rows"
 
@@ -41,13 +41,13 @@ def requests_of(
         raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list form")
     rows = generate(spec, candidates, seed).to_wire(spec)
     pool = generate(spec, 4 * length, seed + 1)
-    items = np.concatenate([pool.history[i, : pool.lengths[i]] for i in range(len(pool))])
-    if items.size < length:
-        raise ValueError(f"the synthetic histories hold {items.size} ids, fewer than {length}")
-    user = {spec.sequences[0].name: items[None, :length]}
-    for side in spec.sequences[1:]:  # sequences sharing positions: ids of their own table
-        side_pool = np.concatenate([pool.sequence(side.name)[i, : pool.lengths[i]] for i in range(len(pool))])
-        user[side.name] = side_pool[None, :length]
+    user = {}
+    for sequence in spec.sequences:  # those sharing positions hold ids of their own table
+        ids = pool.sequence(sequence.name)
+        items = np.concatenate([ids[i, : pool.lengths[i]] for i in range(len(pool))])
+        if items.size < length:
+            raise ValueError(f"the synthetic histories hold {items.size} ids, fewer than {length}")
+        user[sequence.name] = items[None, :length]
     user[spec.sequence_length_input] = np.array([[length]], np.int32)
     as_list = {**user, **{t.name: rows[t.name][None] for t in spec.candidate_inputs()}}
     as_rows = {t.name: rows[t.name] for t in spec.candidate_inputs()}
