@@ -249,8 +249,9 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
             idx = order[start : start + batch]
             width = spec.sequence_bucket(max(int(train_t["lengths"][idx].max()), 1)) if spec.sequence else 1
             step_batch = {name: tensor[idx] for name, tensor in train_t.items()}
-            step_batch["history"] = step_batch["history"][:, :, :width]
-            step_batch["mask"] = step_batch["mask"][:, :width]
+            kept = slice(-width, None) if spec.left_padded else slice(0, width)  # the real positions' side
+            step_batch["history"] = step_batch["history"][:, :, kept]
+            step_batch["mask"] = step_batch["mask"][:, kept]
             pred = model(step_batch)[:, 0]
             loss = loss_fn(pred, labels[idx])
             optimizer.zero_grad()

@@ -46,9 +46,10 @@ def explain(
             start += multi_hot.max_length
         values += [(t.name, int(inputs[t.name][row, 0]), multi + i) for i, t in enumerate(spec.targets)]
         length = int(inputs[spec.sequence_length_input][row, 0]) if spec.sequences else 0
+        first = multi + targets + (width - length if spec.left_padded else 0)  # position 0's key
         for j, sequence in enumerate(spec.sequences):
             values += [
-                (f"{sequence.name}[{p}]", int(inputs[sequence.name][row, p]), multi + targets + j * width + p)
+                (f"{sequence.name}[{p}]", int(inputs[sequence.name][row, p]), first + j * width + p)
                 for p in range(length)
             ]
         for feature, value, column in values:

@@ -407,8 +407,14 @@ class SequenceFeatureSection:
     max_length: int = 0  # 0: that of the sequence whose positions it shares
     mean_length: float = 8.0  # of the synthetic rows
     positions: str = ""  # another sequence whose positions this one shares (e.g. the items' categories)
+    # where the dense network finds the padding: "right" (real positions first, the newest at the
+    # row's length - 1) or "left" (real positions last, the newest at the last position);
+    # "": right, or that of the sequence whose positions it shares
+    padding: str = ""
 
 
+#: Where a sequence's padding goes in the dense network's inputs (``padding``).
+PADDING_SIDES = ("right", "left")
 #: How a multi-hot feature's embeddings are pooled: their sum, mean, or sum over the root of the count.
 POOLINGS = ("sum", "mean", "sqrtn")
 

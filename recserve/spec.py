@@ -20,6 +20,7 @@ import tomllib
 
 from recserve.sections import (
     ENCODERS,
+    PADDING_SIDES,
     POOLINGS,
     TIME_PARTS,
     TOP_LEVEL_KEYS,
@@ -226,6 +227,7 @@ class SequenceFeature:
     max_length: int
     mean_length: float
     positions: str = ""  # the sequence whose positions (length and mask) this one shares
+    padding: str = "right"  # where the dense network finds the padding: right, or left (newest last)
 
 
 #: Any feature that has a name and a table.
@@ -280,6 +282,11 @@ class ModelSpec:
         """Wire name of the per-row sequence length (only specs with a sequence have one)."""
         assert self.sequence is not None
         return f"{self.sequence.name}__length"
+
+    @property
+    def left_padded(self) -> bool:
+        """True when the dense network gets the histories padded on the left (the newest last)."""
+        return self.sequence is not None and self.sequence.padding == "left"
 
     @property
     def dense_missing_input(self) -> str:
@@ -495,7 +502,12 @@ def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Feature
         elif isinstance(section, SequenceFeatureSection):
             out.sequences += [
                 SequenceFeature(
-                    name, section.table, section.max_length, section.mean_length, section.positions
+                    name,
+                    section.table,
+                    section.max_length,
+                    section.mean_length,
+                    section.positions,
+                    section.padding,
                 )
                 for name in names
             ]
@@ -605,9 +617,15 @@ def _attention(features: _Features) -> tuple[tuple[CategoricalFeature, ...], tup
             )
         return (), ()
     primary = own[0]
+    if primary.padding not in ("", *PADDING_SIDES):
+        raise SpecError(
+            f"sequence {primary.name!r}: padding must be one of {', '.join(PADDING_SIDES)}, "
+            f"got {primary.padding!r}"
+        )
+    primary = replace(primary, padding=primary.padding or "right")
     sequences = [primary]
     for sequence in features.sequences:
-        if sequence is primary:
+        if sequence.name == primary.name:
             continue
         if sequence.positions != primary.name:
             raise SpecError(
@@ -617,7 +635,12 @@ def _attention(features: _Features) -> tuple[tuple[CategoricalFeature, ...], tup
             raise SpecError(
                 f"sequence {sequence.name!r} shares positions with {primary.name!r}: no max_length of its own"
             )
-        sequences.append(replace(sequence, max_length=primary.max_length))
+        if sequence.padding not in ("", primary.padding):
+            raise SpecError(
+                f"sequence {sequence.name!r} shares positions with {primary.name!r}: its padding is "
+                f"{primary.padding!r}, got {sequence.padding!r}"
+            )
+        sequences.append(replace(sequence, max_length=primary.max_length, padding=primary.padding))
     by_sequence: dict[str, CategoricalFeature] = {}
     for target, over in features.targets:
         if over not in {s.name for s in sequences}:

@@ -209,7 +209,8 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
                 HISTORY_EMBEDDINGS,
                 "FP32",
                 (-1, -1, dim),
-                f"{history}, oldest first, padded to a sequence bucket",
+                f"{history}, oldest first, padded to a sequence bucket on the {seq.padding}"
+                + (" (the newest at the last position)" if seq.padding == "left" else ""),
             ),
             ContractTensor(
                 HISTORY_MASK,

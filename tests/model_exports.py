@@ -60,10 +60,13 @@ def export_tables(spec: ModelSpec, repository: Path, folder: Path, formats: dict
 class HandWrittenModel:
     """A linear CTR model over the dense contract, written with ``onnx.helper`` and scored in numpy.
 
-    ``logit = dense @ w + sum(sparse * u) + target @ v + mean(history over the mask) @ z + b``.
+    ``logit = dense @ w + sum(sparse * u) + target @ v + mean(history over the mask) @ z + b``;
+    with ``newest``, also ``+ (history at the last position, times its mask) @ y``: the newest item
+    when the spec pads its sequence on the left, so the layout of the positions matters.
     """
 
-    def __init__(self, spec: ModelSpec, seed: int = 3) -> None:
+    def __init__(self, spec: ModelSpec, seed: int = 3, newest: bool = False) -> None:
+        self.newest = newest
         rng = np.random.default_rng(seed)
         dim, features = spec.embedding_dim, spec.num_sparse
         self.w = rng.normal(0, 0.3, (len(spec.dense.columns), 1)).astype(np.float32)
@@ -71,6 +74,7 @@ class HandWrittenModel:
         self.v = rng.normal(0, 0.3, (dim, 1)).astype(np.float32)
         self.z = rng.normal(0, 0.3, (dim, 1)).astype(np.float32)
         self.b = np.array([-0.5], np.float32)
+        self.y = rng.normal(0, 0.5, (dim, 1)).astype(np.float32)
 
     def write(self, path: Path, output: str = wire.LOGIT) -> None:
         """The ONNX file, its output ``logit`` (or ``probability``: the sigmoid inside the graph)."""
@@ -94,6 +98,7 @@ class HandWrittenModel:
                 ("axes_features", np.array([1, 2], np.int64)),
                 ("axis_1", np.array([1], np.int64)),
                 ("axis_2", np.array([2], np.int64)),
+                *((("y", self.y), ("last", np.array(-1, np.int64))) if self.newest else ()),
             )
         ]
         n = helper.make_node
@@ -113,8 +118,19 @@ class HandWrittenModel:
             n("Add", ["a", "s1"], ["x1"]),
             n("Add", ["x1", "t"], ["x2"]),
             n("Add", ["x2", "h"], ["x3"]),
-            n("Add", ["x3", "b"], [wire.LOGIT if output == wire.LOGIT else "logit_inside"]),
         ]
+        if self.newest:
+            nodes += [
+                n("Gather", [wire.HISTORY_EMBEDDINGS, "last"], ["last_vector"], axis=1),
+                n("Gather", [wire.HISTORY_MASK, "last"], ["last_mask"], axis=1),
+                n("Unsqueeze", ["last_mask", "axis_1"], ["last_mask1"]),
+                n("Mul", ["last_vector", "last_mask1"], ["newest_vector"]),
+                n("MatMul", ["newest_vector", "y"], ["newest_term"]),
+                n("Add", ["x3", "newest_term"], ["x3_newest"]),
+            ]
+        nodes.append(
+            n("Add", [nodes[-1].output[0], "b"], [wire.LOGIT if output == wire.LOGIT else "logit_inside"])
+        )
         if output != wire.LOGIT:
             nodes.append(n("Sigmoid", ["logit_inside"], [output]))
         graph = helper.make_graph(
@@ -156,5 +172,7 @@ class HandWrittenModel:
             history = [vector(items, str(int(i))) for i in rows.history[r, : rows.lengths[r]]]
             mean = np.sum(history, axis=0) / (len(history) + 1) if history else np.zeros(spec.embedding_dim)
             logit = dense[r] @ self.w + np.sum(sparse * self.u) + target @ self.v + mean @ self.z + self.b
+            if self.newest and history:
+                logit = logit + history[-1] @ self.y
             out[r] = 1.0 / (1.0 + np.exp(-logit[0]))
         return out

@@ -160,7 +160,9 @@ def padding_waste(real: int, padded: int) -> float:
     return 1.0 - real / padded if padded else 0.0
 
 
-def pad_to_bucket(inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | None = None) -> Arrays:
+def pad_to_bucket(
+    inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | None = None, left: bool = False
+) -> Arrays:
     """The dense inputs zero-padded to ``bucket`` (rows and sequence positions).
 
     Args:
@@ -168,6 +170,8 @@ def pad_to_bucket(inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | N
         bucket: the target shape.
         out: preallocated arrays of the bucket's shapes, always filled (the pinned buffers that a
             device copy reads); without them, new arrays, or the inputs as they are when they fit.
+        left: the sequences are padded on the left (:attr:`recserve.spec.ModelSpec.left_padded`):
+            new positions go before the real ones.
     """
     rows, length = input_shape(inputs)
     if out is None and (rows, length) == (bucket.rows, bucket.length):
@@ -184,8 +188,10 @@ def pad_to_bucket(inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | N
         )
         target = out[name] if out is not None else np.empty(shape, dtype=array.dtype)
         if name in SEQUENCE_INPUTS:
-            target[:rows, :length] = array
-            target[:rows, length:] = 0
+            start = bucket.length - length if left else 0
+            target[:rows, start : start + length] = array
+            target[:rows, :start] = 0
+            target[:rows, start + length :] = 0
         else:
             target[:rows] = array
         target[rows:] = 0

@@ -125,6 +125,7 @@ class OnnxBucket:
 
     def __init__(self, spec: ModelSpec, model_path: Path, bucket: Bucket, threads: int = 1) -> None:
         self.bucket = bucket
+        self.left = spec.left_padded
         self.session = open_session(model_path, threads, bucket)
         shapes = bucket.input_shapes(spec)
         self.buffers = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
@@ -132,7 +133,9 @@ class OnnxBucket:
 
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[bucket.rows, 1]`` for inputs of at most the bucket's shape (padded here)."""
-        return self.session.run([wire.PROBABILITY], pad_to_bucket(inputs, self.bucket, self.buffers))[0]
+        return self.session.run(
+            [wire.PROBABILITY], pad_to_bucket(inputs, self.bucket, self.buffers, self.left)
+        )[0]
 
 
 def bucketed_onnx_runner(

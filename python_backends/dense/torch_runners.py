@@ -93,6 +93,7 @@ class DeviceBuffers:
 
     def __init__(self, spec: ModelSpec, bucket: Bucket, device: torch.device) -> None:
         self.bucket = bucket
+        self.left = spec.left_padded
         shapes = bucket.input_shapes(spec)
         self.host = {
             name: torch.zeros(shape, dtype=torch.float32).pin_memory() for name, shape in shapes.items()
@@ -106,7 +107,7 @@ class DeviceBuffers:
 
     def upload(self, inputs: Arrays) -> None:
         """Pad ``inputs`` to the bucket and queue their copy to the device inputs."""
-        pad_to_bucket(inputs, self.bucket, out=self.host_arrays)
+        pad_to_bucket(inputs, self.bucket, self.host_arrays, self.left)
         for name, device_tensor in zip(self.names, self.inputs, strict=True):
             device_tensor.copy_(self.host[name], non_blocking=True)
 
@@ -148,13 +149,14 @@ class CudaGraphBucket:
 class EagerBucket:
     """The eager network at one bucket's shape (the CPU stand-in for a captured graph)."""
 
-    def __init__(self, eager: TorchEager, bucket: Bucket) -> None:
+    def __init__(self, eager: TorchEager, bucket: Bucket, left: bool = False) -> None:
         self.eager = eager
         self.bucket = bucket
+        self.left = left
 
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[bucket.rows, 1]`` for inputs padded to the bucket."""
-        return self.eager(pad_to_bucket(inputs, self.bucket))
+        return self.eager(pad_to_bucket(inputs, self.bucket, left=self.left))
 
 
 def bucketed_torch_runner(
@@ -173,7 +175,7 @@ def bucketed_torch_runner(
         return (
             CudaGraphBucket(eager, spec, bucket)
             if eager.device.type == "cuda"
-            else EagerBucket(eager, bucket)
+            else EagerBucket(eager, bucket, spec.left_padded)
         )
 
     return BucketedRunner(policy or BucketPolicy.from_spec(spec), compile_bucket, eager, prepare, background)

@@ -206,7 +206,8 @@ class FeatureTransform:
     ) -> dict[str, np.ndarray]:
         """History keys and mask of a sequence (the first by default).
 
-        Padded (or truncated) to the sequence bucket of the longest row.
+        Padded (or truncated) to the sequence bucket of the longest row, on the sequence's padding
+        side: right, a row's ids at positions ``0..length-1``; left, at the bucket's last positions.
         """
         seq = sequence or self.spec.sequences[0]
         name, length_name = seq.name, self.spec.sequence_length_input
@@ -222,18 +223,32 @@ class FeatureTransform:
             raise InvalidInput(name, f"has width {items.shape[1]}, longer than the maximum {seq.max_length}")
         bucket = self.spec.sequence_bucket(max(int(lengths.max()), 1))
         width = min(bucket, items.shape[1])
-        positions = np.arange(bucket)[None, :]
-        mask = positions < lengths[:, None]
         window = np.zeros((items.shape[0], bucket), dtype=np.int64)
         window[:, :width] = items[:, :width]
+        mask = np.arange(bucket)[None, :] < lengths[:, None]
         negative = (window < 0) & mask
         if negative.any():
             r, p = (int(i) for i in np.argwhere(negative)[0])
             raise InvalidInput(name, f"row {r} position {p} is {int(window[r, p])}; item ids are >= 0")
+        if seq.padding == "left":
+            window, mask = right_align(window, lengths), right_align(mask, lengths)
         keys = np.where(
             mask, keys_for(window.astype(np.uint64), self._salts[seq.table]), self._missing[seq.name]
         )
         return {wire.HISTORY_KEYS: keys, wire.HISTORY_MASK: mask.astype(np.float32)}
+
+
+def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each row's first ``lengths[r]`` positions (axis 1) moved to its end, zeros before them.
+
+    The left padding of a sequence (:attr:`recserve.spec.SequenceFeature.padding`) from its right
+    padding; ``array`` is ``[rows, positions, ...]`` with every row's real positions first.
+    """
+    positions = array.shape[1]
+    source = np.arange(positions)[None, :] - (positions - lengths.astype(np.intp))[:, None]
+    real = source >= 0
+    picked = array[np.arange(array.shape[0])[:, None], np.where(real, source, 0)]
+    return np.where(real.reshape(*real.shape, *(1,) * (array.ndim - 2)), picked, 0).astype(array.dtype)
 
 
 def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.ndarray:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +158,7 @@ def execute_merged_or_alone(
     handle: Callable[[Arrays], Mapping[str, Any]],
     ragged_outputs: Sequence[str] = (),
     ragged_width: Callable[[Arrays], int] | None = None,
+    left_padded: bool = False,
 ) -> list:
     """Handle the whole dynamic batch in one call; if that call fails, handle each request alone.
 
@@ -173,6 +174,7 @@ def execute_merged_or_alone(
             raises ``RequestError``.
         ragged_outputs: outputs whose axis 1 each request gets back at its own width.
         ragged_width: that width, from one request's inputs.
+        left_padded: the ragged outputs are padded on the left (each request keeps the last columns).
     """
     inputs = [read_inputs(request, input_names) for request in requests]
     if len(inputs) == 1:
@@ -186,7 +188,8 @@ def execute_merged_or_alone(
     widths = (
         {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
     )
-    return [respond(part) for part in batching.split(outputs, sizes, widths)]
+    left = ragged_outputs if left_padded else ()
+    return [respond(part) for part in batching.split(outputs, sizes, widths, left)]
 
 
 def execute_alone(
@@ -236,6 +239,7 @@ def execute_checked_merged(
     compute: Callable[[Arrays], Mapping[str, Any]],
     ragged_outputs: Mapping[str, str] | None = None,
     accept: Callable[[Mapping[str, Any]], None] | None = None,
+    left_padded: Collection[str] = (),
 ) -> list:
     """Check each request alone, then compute all valid ones in one call and split the results.
 
@@ -247,6 +251,7 @@ def execute_checked_merged(
         ragged_outputs: output name -> input name whose width (axis 1) the output keeps per request.
         accept: checks one request's outputs before they are sent (raises ``RequestError``: that
             request alone fails).
+        left_padded: ragged inputs padded on the left (merged by padding them on the left).
     """
     responses: list = [None] * len(requests)
     valid, checked = [], []
@@ -257,7 +262,7 @@ def execute_checked_merged(
         except Exception as exc:  # mapped per request
             responses[i] = error_response(exc)
     if valid:
-        merged, sizes = batching.merge(checked)
+        merged, sizes = batching.merge(checked, left_padded)
         widths = {out: [c[src].shape[1] for c in checked] for out, src in (ragged_outputs or {}).items()}
         try:
             parts = batching.split(compute(merged), sizes, widths)

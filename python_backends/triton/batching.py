@@ -3,17 +3,25 @@
 Triton hands a Python-backend model a list of requests; ragged tensors (sequence positions) may
 differ in width between requests. Merging zero-pads them to the widest request (padding positions
 carry mask 0 and never change a row's result), so one vectorised call serves the whole batch.
+Sequences padded on the left (``padding = "left"`` in the spec) are padded and cut on the left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
 
-def merge(batch: Sequence[Mapping[str, np.ndarray]]) -> tuple[dict[str, np.ndarray], list[int]]:
-    """Concatenate per-request tensors along rows; pad axis 1 of ragged ones to the widest."""
+def merge(
+    batch: Sequence[Mapping[str, np.ndarray]], left: Collection[str] = ()
+) -> tuple[dict[str, np.ndarray], list[int]]:
+    """Concatenate per-request tensors along rows; pad axis 1 of ragged ones to the widest.
+
+    Args:
+        batch: each request's tensors.
+        left: the ragged tensors padded on the left (their positions end at the last column).
+    """
     sizes = [len(next(iter(item.values()))) for item in batch]
     if len(batch) == 1:
         return dict(batch[0]), sizes
@@ -22,19 +30,22 @@ def merge(batch: Sequence[Mapping[str, np.ndarray]]) -> tuple[dict[str, np.ndarr
         parts = [item[name] for item in batch]
         width = max(p.shape[1] for p in parts) if parts[0].ndim >= 2 else None
         if width is not None and any(p.shape[1] != width for p in parts):
-            parts = [_pad_axis1(p, width) for p in parts]
+            parts = [_pad_axis1(p, width, name in left) for p in parts]
         merged[name] = np.concatenate(parts, axis=0)
     return merged, sizes
 
 
-def _pad_axis1(array: np.ndarray, width: int) -> np.ndarray:
+def _pad_axis1(array: np.ndarray, width: int, left: bool) -> np.ndarray:
     pad = [(0, 0)] * array.ndim
-    pad[1] = (0, width - array.shape[1])
+    pad[1] = (width - array.shape[1], 0) if left else (0, width - array.shape[1])
     return np.pad(array, pad)
 
 
 def split(
-    outputs: Mapping[str, np.ndarray], sizes: Sequence[int], widths: Mapping[str, Sequence[int]] | None = None
+    outputs: Mapping[str, np.ndarray],
+    sizes: Sequence[int],
+    widths: Mapping[str, Sequence[int]] | None = None,
+    left: Collection[str] = (),
 ) -> list[dict[str, np.ndarray]]:
     """Split merged outputs back into per-request outputs.
 
@@ -42,6 +53,7 @@ def split(
         outputs: merged tensors, rows first.
         sizes: rows of each request, in order.
         widths: for ragged outputs, each request's own width along axis 1 (padding is cut off).
+        left: the ragged outputs padded on the left: each request keeps its last columns.
     """
     widths = widths or {}
     bounds = np.cumsum([0, *sizes])
@@ -51,7 +63,8 @@ def split(
         for name, array in outputs.items():
             piece = array[bounds[i] : bounds[i + 1]]
             if name in widths:
-                piece = piece[:, : widths[name][i]]
+                width = widths[name][i]
+                piece = piece[:, piece.shape[1] - width :] if name in left else piece[:, :width]
             part[name] = piece
         result.append(part)
     return result

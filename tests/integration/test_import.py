@@ -8,6 +8,7 @@ repository, serve the scores the original computes; a dense ONNX written by hand
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tomllib
@@ -68,3 +69,32 @@ def test_a_hand_written_onnx_returning_logits_serves_its_numpy_reference(tmp_pat
     reference = model.reference(spec, tables, rows)
     assert reference.std() > 0.01  # the rows reach different table rows: the comparison can fail
     np.testing.assert_allclose(served, reference, atol=1e-5)
+
+
+def test_a_model_reading_the_last_position_serves_the_newest_item_when_padded_on_the_left(tmp_path):
+    doc = tomllib.loads(spec_path("tiny").read_text())
+    doc["model"]["output"] = "logit"
+    next(f for f in doc["features"] if f["kind"] == "sequence")["padding"] = "left"
+    spec = parse_spec(doc)
+    model = HandWrittenModel(spec, newest=True)
+    model.write(tmp_path / "hand.onnx")
+    tables = model.random_tables(spec, tmp_path / "tables")
+    import_repository(spec, tmp_path / "tables", tmp_path / "hand.onnx", tmp_path / "imported", quiet)
+    rows = generate(spec, 240, seed=23)
+    rows.lengths[:8] = [1, 9, 33, 0, 2, 31, 100, 5]  # several sequence buckets in one batch
+    # requests of 1 to 13 rows at once: the dynamic batcher merges histories of different widths
+    chunks = [slice(s, s + 1 + s % 13) for s in range(0, len(rows), 14)]
+    with private_server(tmp_path / "imported", tmp_path / "serve", model_control="none") as server:
+
+        def score(part: slice) -> np.ndarray:
+            with CTRClient(server.grpc_url, spec=spec) as client:
+                return client.predict_inputs(rows.take(part).to_wire(spec))
+
+        with ThreadPoolExecutor(4) as pool:
+            served = list(pool.map(score, chunks))
+    for part, got in zip(chunks, served, strict=True):
+        want = model.reference(spec, tables, rows.take(part))
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    # the newest item decides: a right-padded layout would read padding at the last position
+    newest = model.reference(spec, tables, rows) - HandWrittenModel(spec).reference(spec, tables, rows)
+    assert np.abs(newest).max() > 0.05

@@ -38,6 +38,7 @@ class TritonPythonModel:
             instance_device(args),
         )
         self.step = FeaturesToEmbeddings(context.spec, lookup)
+        self.left_padded = context.spec.left_padded
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish(self.served.samples())
@@ -58,6 +59,7 @@ class TritonPythonModel:
                 self.step,
                 ragged_outputs=(wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK),
                 ragged_width=self.step.history_width,
+                left_padded=self.left_padded,
             ),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
