@@ -41,7 +41,7 @@ _DTYPES = {
 def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
     """Per-row shapes of the tensors passed between steps: the dense contract's inputs and the outputs."""
     contract, _ = wire.dense_contract(spec)
-    sequence_inputs = (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK)  # each request at its own bucket
+    sequence_inputs = wire.sequence_inputs(spec)  # each request at its own bucket
     items = (
         *(WireTensor(t.name, t.dtype, t.shape[1:], ragged=t.name in sequence_inputs) for t in contract),
         WireTensor(wire.PROBABILITY, "FP32", (1,)),
@@ -303,7 +303,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     lookup_outputs, (dense_inputs, dense_outputs) = io[wire.EMBEDDING_LOOKUP][1], io[wire.DENSE]
     if profile != "gpu":  # a TensorRT dense takes rows: the lookup then expands each user's history
         per_candidate = candidate_io(spec)[wire.DENSE][0]
-        history = tuple(t for t in dense_inputs if t.name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK))
+        history = tuple(t for t in dense_inputs if t.name in wire.sequence_inputs(spec))
         dense_inputs = (*per_candidate, *history)
         lookup_outputs = (*dense_inputs, intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
     # input_map: the step's input name -> the ensemble's tensor

@@ -17,17 +17,21 @@ OPSET = 17
 
 
 def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs of the dense step with ``rows`` rows and ``length`` sequence positions."""
+    """Random inputs of the dense step with ``rows`` rows and ``length`` sequence positions.
+
+    Every history's real positions come first (right padding), each group with its own lengths.
+    """
     rng = np.random.default_rng(seed)
     dim = spec.embedding_dim
-    lengths = rng.integers(0, length + 1, size=rows)
     inputs = {
         wire.DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
         wire.SPARSE_EMBEDDINGS: rng.normal(0, 0.1, (rows, spec.num_sparse, dim)).astype(np.float32),
-        wire.TARGET_EMBEDDING: rng.normal(0, 0.1, (rows, dim)).astype(np.float32),
-        wire.HISTORY_EMBEDDINGS: rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32),
-        wire.HISTORY_MASK: (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32),
     }
+    for group in wire.attention_inputs(spec):
+        lengths = rng.integers(0, length + 1, size=rows)
+        inputs[group.target] = rng.normal(0, 0.1, (rows, dim)).astype(np.float32)
+        inputs[group.history] = rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32)
+        inputs[group.mask] = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
     return {name: inputs[name] for name in wire.dense_net_inputs(spec)}
 
 
@@ -40,7 +44,7 @@ def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write ``net`` as ONNX; batch and sequence axes stay dynamic."""
     example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
-    _export(net, net.input_names, example, _dynamic_axes(history_rows=wire.BATCH_AXIS), path)
+    _export(net, net.input_names, example, _dynamic_axes(spec, history_rows=wire.BATCH_AXIS), path)
 
 
 def candidate_inputs(
@@ -49,8 +53,8 @@ def candidate_inputs(
     """Random inputs of :class:`CandidateNet`: ``users`` histories, ``candidates`` rows for each."""
     rows = example_inputs(spec, users * candidates, length, seed)
     first = np.arange(users) * candidates
-    rows[wire.HISTORY_EMBEDDINGS] = rows[wire.HISTORY_EMBEDDINGS][first]
-    rows[wire.HISTORY_MASK] = rows[wire.HISTORY_MASK][first]
+    for name in wire.sequence_inputs(spec):
+        rows[name] = rows[name][first]
     rows[wire.HISTORY_USER] = np.repeat(np.arange(users, dtype=np.int64), candidates)
     return rows
 
@@ -59,20 +63,18 @@ def export_candidates_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write the candidate-list graph of ``net`` (:class:`CandidateNet`) as ONNX."""
     module = CandidateNet(net)
     example = candidate_inputs(spec, users=2, candidates=3, length=spec.sequence_buckets[0])
-    _export(module, module.input_names, example, _dynamic_axes(history_rows="users"), path)
+    _export(module, module.input_names, example, _dynamic_axes(spec, history_rows="users"), path)
 
 
-def _dynamic_axes(history_rows: str) -> dict[str, dict[int, str]]:
-    """Every input's dynamic axes; the history's rows are ``history_rows`` (the batch, or the users)."""
+def _dynamic_axes(spec: ModelSpec, history_rows: str) -> dict[str, dict[int, str]]:
+    """Every input's dynamic axes; the histories' rows are ``history_rows`` (the batch, or the users).
+
+    Every group's history and mask share one sequence axis.
+    """
     batch, sequence = wire.BATCH_AXIS, wire.SEQUENCE_AXIS
-    return {
-        wire.DENSE_NORMALIZED: {0: batch},
-        wire.SPARSE_EMBEDDINGS: {0: batch},
-        wire.TARGET_EMBEDDING: {0: batch},
-        wire.HISTORY_EMBEDDINGS: {0: history_rows, 1: sequence},
-        wire.HISTORY_MASK: {0: history_rows, 1: sequence},
-        wire.HISTORY_USER: {0: batch},
-    }
+    axes = {name: {0: batch} for name in (*wire.dense_net_inputs(spec), wire.HISTORY_USER)}
+    axes.update({name: {0: history_rows, 1: sequence} for name in wire.sequence_inputs(spec)})
+    return axes
 
 
 def _export(

@@ -289,7 +289,7 @@ def served_onnx(spec: ModelSpec, source: Path) -> bytes:
 
     model = onnx.load(str(source))
     graph = model.graph
-    sequence_inputs = {wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK}
+    sequence_inputs = set(wire.sequence_inputs(spec))
     renames: dict[str, str] = {}
     for value in [*graph.input, *graph.output]:
         dims = value.type.tensor_type.shape.dim

@@ -169,7 +169,7 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
             sample = candidate_inputs(spec, users=3, candidates=4, length=length, seed=length)
             rows = dict(sample)
             owner = rows.pop(wire.HISTORY_USER)
-            for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):  # the same rows, expanded
+            for name in wire.sequence_inputs(spec):  # the same rows, expanded
                 rows[name] = sample[name][owner]
             served = session.run([wire.PROBABILITY], sample)[0]
             worst = max(worst, float(np.abs(served - torch_predict(net, rows)).max()))

@@ -96,14 +96,25 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     lengths = np.zeros(rows, np.int32)
     side: dict[str, np.ndarray] = {}
     planted: np.ndarray | float = 0.0
-    if spec.sequence is not None:
-        target, history, lengths, match_frac = _sequences(spec, spec.sequence, rng, rows)
-        planted = 2.5 * (match_frac - 0.3)
-        for other, other_target in zip(spec.sequences[1:], spec.targets[1:], strict=True):
+    drawn: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # per target: its ids and its users' clusters
+    for g, group in enumerate(spec.attention_groups):
+        name = group.targets[0].name
+        group_target, group_history, group_lengths, match_frac, clusters = _sequences(
+            spec, group.primary, rng, rows, *drawn.get(name, ())
+        )
+        drawn.setdefault(name, (group_target, clusters))  # a target attending several sequences
+        planted = planted + (2.5 if g == 0 else 1.5) * (match_frac - 0.3)
+        if g == 0:
+            target, history, lengths = group_target, group_history, group_lengths
+        else:
+            side[group.primary.name], side[group.length_input] = group_history, group_lengths
+            if name != spec.targets[0].name:
+                side[name] = group_target
+        for other, other_target in zip(group.sequences[1:], group.targets[1:], strict=True):
             # an attribute of each item (its category): a fixed function of the item id
             cardinality = spec.tables[other.table].cardinality
-            side[other.name] = np.where(history > 0, history % cardinality, 0)
-            side[other_target.name] = np.where(target >= 0, target % cardinality, ABSENT_ITEM)
+            side[other.name] = np.where(group_history > 0, group_history % cardinality, 0)
+            side[other_target.name] = np.where(group_target >= 0, group_target % cardinality, ABSENT_ITEM)
     if n_dense >= 2:
         log_dense = np.log1p(np.clip(np.where(dense_missing, 0.0, dense), 0, None))
         planted = planted + 0.5 * (log_dense[:, 0] - 1.0) - 0.4 * (log_dense[:, 1] - 1.0)
@@ -128,14 +139,23 @@ def _multi_hot(
 
 
 def _sequences(
-    spec: ModelSpec, sequence: SequenceFeature, rng: np.random.Generator, rows: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Target ids, histories, lengths and the share of each history in the target's cluster."""
+    spec: ModelSpec,
+    sequence: SequenceFeature,
+    rng: np.random.Generator,
+    rows: int,
+    target: np.ndarray | None = None,
+    user_cluster: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Target ids, histories, lengths, the share of each history in the target's cluster, the clusters.
+
+    A ``target`` (with its ``user_cluster``) already drawn for another sequence is kept.
+    """
     items = spec.tables[sequence.table]
     max_len = sequence.max_length
     lengths = np.minimum(rng.geometric(1.0 / sequence.mean_length, size=rows), max_len).astype(np.int32)
     lengths[rng.random(rows) < 0.08] = 0
-    user_cluster = rng.integers(0, ITEM_CLUSTERS, size=rows)
+    if user_cluster is None:
+        user_cluster = rng.integers(0, ITEM_CLUSTERS, size=rows)
 
     def item_ids(shape: tuple[int, ...], prefer: float) -> np.ndarray:
         ids = zipf_ranks(rng, items.cardinality, items.zipf_exponent, shape)
@@ -146,10 +166,11 @@ def _sequences(
 
     history = item_ids((rows, max_len), 0.7)
     history[np.arange(max_len)[None, :] >= lengths[:, None]] = 0
-    target = item_ids((rows,), 0.5)
-    target[rng.random(rows) < 0.02] = ABSENT_ITEM
+    if target is None:
+        target = item_ids((rows,), 0.5)
+        target[rng.random(rows) < 0.02] = ABSENT_ITEM
 
     valid = np.arange(max_len)[None, :] < lengths[:, None]
     match = ((history % ITEM_CLUSTERS) == (target % ITEM_CLUSTERS)[:, None]) & valid
     match_frac = np.where((lengths > 0) & (target >= 0), match.sum(1) / np.maximum(lengths, 1), 0.0)
-    return target, history, lengths, match_frac
+    return target, history, lengths, match_frac, user_cluster

@@ -48,8 +48,8 @@ class KeyedRows:
     multi: np.ndarray  # [N, M]: the multi-hot features' keys side by side
     weights: np.ndarray  # [N, M]: their pooling weights
     target: np.ndarray  # [N, T]
-    history: np.ndarray  # [N, S, max_length]
-    mask: np.ndarray  # [N, max_length]
+    history: np.ndarray  # [N, S, positions]: every sequence, group by group
+    mask: np.ndarray  # [N, G, positions]: each attention group's
     labels: np.ndarray
 
 
@@ -60,16 +60,22 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
     target, history, mask = (
         np.zeros((n, 0), np.int64),
         np.zeros((n, 0, 1), np.int64),
-        np.zeros((n, 1), np.float32),
+        np.zeros((n, 0, 1), np.float32),
     )
     if spec.sequences:
-        lengths = rows.lengths.astype(np.int32)
         target = np.concatenate(
             [transform.target_keys(rows.target_ids(t.name)[:, None], t) for t in spec.targets], axis=1
         )
-        keyed_histories = [transform.history(rows.sequence(s.name), lengths, s) for s in spec.sequences]
-        history = np.stack([h[wire.HISTORY_KEYS] for h in keyed_histories], axis=1)
-        mask = keyed_histories[0][wire.HISTORY_MASK]
+        groups = spec.attention_groups
+        lengths = [rows.lengths_of(group.length_input).astype(np.int32) for group in groups]
+        bucket = spec.sequence_bucket(max(max(int(n.max(initial=0)) for n in lengths), 1))
+        histories, masks = [], []
+        for group, group_lengths in zip(groups, lengths, strict=True):
+            for s in group.sequences:
+                keyed_history = transform.history(rows.sequence(s.name), group_lengths, s, bucket)
+                histories.append(keyed_history[wire.HISTORY_KEYS])
+            masks.append(keyed_history[wire.HISTORY_MASK])
+        history, mask = np.stack(histories, axis=1), np.stack(masks, axis=1)
     dense, numeric = np.zeros((n, 0), np.float32), None
     if spec.dense is not None:
         dense, numeric = (
@@ -146,16 +152,33 @@ class TrainingModel(nn.Module):
             columns.append((vectors * batch["weights"][:, span, None]).sum(dim=1))
             start += feature.max_length
         named = {wire.DENSE_NORMALIZED: batch["dense"], wire.SPARSE_EMBEDDINGS: torch.stack(columns, dim=1)}
-        if spec.sequences:
-            targets = [self.embeddings[t.table](batch["target"][:, i]) for i, t in enumerate(spec.targets)]
-            histories = [
-                self.embeddings[s.table](batch["history"][:, i]) for i, s in enumerate(spec.sequences)
-            ]
-            # sequences sharing positions are summed per position, as the lookup step serves them
-            named[wire.TARGET_EMBEDDING] = functools.reduce(operator.add, targets)
-            named[wire.HISTORY_EMBEDDINGS] = functools.reduce(operator.add, histories)
-            named[wire.HISTORY_MASK] = batch["mask"]
+        first = 0
+        groups = zip(spec.attention_groups, wire.attention_inputs(spec), strict=True)
+        for g, (group, names) in enumerate(groups):
+            members = range(first, first + len(group.sequences))
+            first += len(group.sequences)
+            targets = [self.embeddings[spec.targets[i].table](batch["target"][:, i]) for i in members]
+            histories = [self.embeddings[spec.sequences[i].table](batch["history"][:, i]) for i in members]
+            # the sequences of a group are summed per position, as the lookup step serves them
+            named[names.target] = functools.reduce(operator.add, targets)
+            named[names.history] = functools.reduce(operator.add, histories)
+            named[names.mask] = batch["mask"][:, g]
         return self.net(*(named[name] for name in self.net.input_names))
+
+
+def _real_positions(
+    spec: ModelSpec, history: torch.Tensor, mask: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``history`` [B, S, L] and ``mask`` [B, G, L] cut to ``width`` positions on each group's real side."""
+    if not spec.sequences:
+        return history, mask
+    kept_history, kept_mask, first = [], [], 0
+    for g, group in enumerate(spec.attention_groups):
+        kept = slice(-width, None) if group.primary.padding == "left" else slice(0, width)
+        kept_history += [history[:, first + i, kept] for i in range(len(group.sequences))]
+        kept_mask.append(mask[:, g, kept])
+        first += len(group.sequences)
+    return torch.stack(kept_history, dim=1), torch.stack(kept_mask, dim=1)
 
 
 @dataclass
@@ -206,9 +229,10 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
     spans = _multi_hot_spans(spec)
     for multi, span in zip(spec.categorical.multi_hot, spans, strict=True):
         keys_by_table.setdefault(multi.table, []).append(data.multi[:, span][data.weights[:, span] > 0])
+    group_of = [g for g, group in enumerate(spec.attention_groups) for _ in group.sequences]
     for i, sequence in enumerate(spec.sequences):  # each target shares its sequence's table
         table = keys_by_table.setdefault(sequence.table, [])
-        table += [data.target[:, i], data.history[:, i][data.mask > 0]]
+        table += [data.target[:, i], data.history[:, i][data.mask[:, group_of[i]] > 0]]
     vocab = {name: Vocabulary(np.concatenate(keys), cfg.min_count) for name, keys in keys_by_table.items()}
 
     def index(rows: KeyedRows) -> dict[str, torch.Tensor]:
@@ -231,7 +255,7 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
             "target": torch.from_numpy(target),
             "history": torch.from_numpy(history),
             "mask": torch.from_numpy(rows.mask),
-            "lengths": torch.from_numpy(rows.mask.sum(1).astype(np.int64)),
+            "lengths": torch.from_numpy(rows.mask.sum(2).max(1, initial=0).astype(np.int64)),
         }
 
     train_t, hold_t = index(data), index(holdout)
@@ -249,9 +273,9 @@ def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows |
             idx = order[start : start + batch]
             width = spec.sequence_bucket(max(int(train_t["lengths"][idx].max()), 1)) if spec.sequence else 1
             step_batch = {name: tensor[idx] for name, tensor in train_t.items()}
-            kept = slice(-width, None) if spec.left_padded else slice(0, width)  # the real positions' side
-            step_batch["history"] = step_batch["history"][:, :, kept]
-            step_batch["mask"] = step_batch["mask"][:, kept]
+            step_batch["history"], step_batch["mask"] = _real_positions(
+                spec, step_batch["history"], step_batch["mask"], width
+            )
             pred = model(step_batch)[:, 0]
             loss = loss_fn(pred, labels[idx])
             optimizer.zero_grad()

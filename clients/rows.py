@@ -65,7 +65,8 @@ class CriteoRows:
         history: int64 ``[N, W]`` history item ids, newest last, zero padded; ``W >= 1``.
         lengths: int32 ``[N]`` number of valid history positions per row.
         labels: float32 ``[N]`` click labels, or None when the input had no label column.
-        side: the other sequences sharing the first one's positions, and their targets, by name.
+        side: the other sequences and their targets by name, and the lengths of every further
+            attention group by the name of its length input.
     """
 
     dense: np.ndarray
@@ -142,7 +143,10 @@ class CriteoRows:
         column = [c.name for c in spec.categorical.raw_columns].index(spec.inputs.user)
         users = self.categorical[:, column]
         changed = np.ones(rows, dtype=bool)
-        changed[1:] = (users[1:] != users[:-1]) | (self.lengths[1:] != self.lengths[:-1])
+        changed[1:] = users[1:] != users[:-1]
+        for group in spec.attention_groups:
+            lengths = self.side.get(group.length_input, self.lengths)
+            changed[1:] |= lengths[1:] != lengths[:-1]
         for sequence in spec.sequences:
             ids = self.side.get(sequence.name, self.history)
             changed[1:] |= (ids[1:] != ids[:-1]).any(axis=1)
@@ -151,8 +155,13 @@ class CriteoRows:
 
     def user_of(self, spec: ModelSpec, row: int) -> dict[str, np.ndarray]:
         """The sequences of one row by name: the user context of a candidate list."""
-        length = int(self.lengths[row])
-        return {s.name: self.side.get(s.name, self.history)[row, :length] for s in spec.sequences}
+        context = {}
+        for group in spec.attention_groups:
+            length = int(self.side.get(group.length_input, self.lengths)[row])
+            context.update(
+                {s.name: self.side.get(s.name, self.history)[row, :length] for s in group.sequences}
+            )
+        return context
 
     def _raw(self, labels: np.ndarray) -> RawRows:
         return RawRows(
@@ -183,7 +192,7 @@ class _Tokens:
 
 def _sequence_columns(spec: ModelSpec) -> list[str]:
     """Names of the optional sequence columns, in headerless file order: the histories, then the targets."""
-    return [f.name for f in spec.sequences] + [f.name for f in spec.targets]
+    return [f.name for f in spec.sequences] + list(spec.target_names)
 
 
 def read_rows(path_or_file: PathOrFile, spec: ModelSpec, max_rows: int | None = None) -> CriteoRows:
@@ -379,15 +388,22 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
     target = next(iter(targets.values()), np.full(n, ABSENT_ITEM, dtype=np.int64))
     history, lengths = next(iter(histories.values()), (np.zeros((n, 1), np.int64), np.zeros(n, np.int32)))
     side = {name: values for name, values in list(targets.items())[1:]}
-    for name, (ids, own) in list(histories.items())[1:]:
-        if tokens.sequences.get(name) is not None and (own != lengths).any():
-            r = int(np.flatnonzero(own != lengths)[0])
-            raise RowFormatError(
-                f"{int(own[r])} ids where {spec.sequences[0].name} has {int(lengths[r])} (shared positions)",
-                line=int(lines[r]),
-                column=name,
-            )
-        side[name] = ids if tokens.sequences.get(name) is not None else np.zeros_like(history)
+    for g, group in enumerate(spec.attention_groups):
+        primary_ids, primary_lengths = histories[group.primary.name]
+        if g > 0:
+            side[group.primary.name], side[group.length_input] = primary_ids, primary_lengths
+        for sequence in group.sequences[1:]:
+            ids, own = histories[sequence.name]
+            if tokens.sequences.get(sequence.name) is not None and (own != primary_lengths).any():
+                r = int(np.flatnonzero(own != primary_lengths)[0])
+                raise RowFormatError(
+                    f"{int(own[r])} ids where {group.primary.name} has {int(primary_lengths[r])} "
+                    "(shared positions)",
+                    line=int(lines[r]),
+                    column=sequence.name,
+                )
+            present = tokens.sequences.get(sequence.name) is not None
+            side[sequence.name] = ids if present else np.zeros_like(primary_ids)
 
     labels = None
     if tokens.labels is not None:

@@ -166,14 +166,18 @@ class ClientBase:
                 histories[name] = np.asarray(user.get(name, ()), dtype=np.int64).reshape(-1)
             except (TypeError, ValueError) as exc:
                 raise InvalidRequestError(f"user input '{name}' is not a list of item ids: {exc}") from exc
-        lengths = {name: len(items) for name, items in histories.items()}
-        if len(set(lengths.values())) > 1:
-            raise InvalidRequestError(f"the user's sequences share positions but differ in length: {lengths}")
-        length = lengths[names[0]]
-        user_arrays = {name: np.zeros((1, max(length, 1)), np.int64) for name in names}
-        for name, items in histories.items():
-            user_arrays[name][0, :length] = items
-        user_arrays[spec.sequence_length_input] = np.array([[length]], np.int32)
+        user_arrays = {}
+        for group in spec.attention_groups:
+            lengths = {s.name: len(histories[s.name]) for s in group.sequences}
+            if len(set(lengths.values())) > 1:
+                raise InvalidRequestError(
+                    f"the user's sequences share positions but differ in length: {lengths}"
+                )
+            length = lengths[group.primary.name]
+            for sequence in group.sequences:
+                user_arrays[sequence.name] = np.zeros((1, max(length, 1)), np.int64)
+                user_arrays[sequence.name][0, :length] = histories[sequence.name]
+            user_arrays[group.length_input] = np.array([[length]], np.int32)
         for part in candidates.batches(spec.max_batch_size):
             rows = part.to_inputs(spec)
             yield {**user_arrays, **{t.name: rows[t.name][None] for t in spec.candidate_inputs()}}

@@ -35,7 +35,7 @@ class SharedMemoryIO:
         per_row = {
             w.name: sum(4 + c.max_bytes for c in spec.categorical.raw_columns) if w.dtype == "BYTES"
             else np.dtype(NUMPY_DTYPES[w.dtype]).itemsize
-            * (spec.sequence.max_length if spec.sequence and w.dims[0] == -1 else w.dims[0])
+            * (spec.sequence_buckets[-1] if w.dims[0] == -1 else w.dims[0])  # the longest sequence
             for w in spec.wire_inputs()
         }  # fmt: skip
         self.offsets: dict[str, int] = {}

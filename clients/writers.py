@@ -21,12 +21,14 @@ def _text_columns(
     dense[raw.dense_missing] = ""
     categorical = np.vectorize(bytes.decode, otypes=[object])(raw.categorical)
     columns = [dense, categorical]
-    for sequence in spec.sequences:
-        ids = raw.sequence(sequence.name)
-        texts = [history_separator.join(map(str, ids[r, : raw.lengths[r]])) for r in range(len(raw))]
-        columns.append(np.array(texts, dtype=object).reshape(-1, 1))
-    for target in spec.targets:
-        values = raw.target_ids(target.name)
+    for group in spec.attention_groups:
+        lengths = raw.lengths_of(group.length_input)
+        for sequence in group.sequences:
+            ids = raw.sequence(sequence.name)
+            texts = [history_separator.join(map(str, ids[r, : lengths[r]])) for r in range(len(raw))]
+            columns.append(np.array(texts, dtype=object).reshape(-1, 1))
+    for target in spec.target_names:
+        values = raw.target_ids(target)
         text = np.char.mod("%d", values).astype(object).reshape(-1, 1)
         text[values == ABSENT_ITEM] = ""
         columns.append(text)
@@ -91,7 +93,7 @@ def _write_table(
     columns = _text_columns(raw_rows, spec, with_label, " ")
     names = [*spec.numeric_columns, *spec.categorical.columns]
     if with_sequence:
-        names += [f.name for f in spec.sequences] + [f.name for f in spec.targets]
+        names += [f.name for f in spec.sequences] + list(spec.target_names)
     else:
         columns = columns[: 2 + int(with_label)]
     if with_label:

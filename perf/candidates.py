@@ -42,13 +42,15 @@ def requests_of(
     rows = generate(spec, candidates, seed).to_wire(spec)
     pool = generate(spec, 4 * length, seed + 1)
     user = {}
-    for sequence in spec.sequences:  # those sharing positions hold ids of their own table
-        ids = pool.sequence(sequence.name)
-        items = np.concatenate([ids[i, : pool.lengths[i]] for i in range(len(pool))])
-        if items.size < length:
-            raise ValueError(f"the synthetic histories hold {items.size} ids, fewer than {length}")
-        user[sequence.name] = items[None, :length]
-    user[spec.sequence_length_input] = np.array([[length]], np.int32)
+    for group in spec.attention_groups:
+        lengths = pool.lengths_of(group.length_input)
+        for sequence in group.sequences:  # those sharing positions hold ids of their own table
+            ids = pool.sequence(sequence.name)
+            items = np.concatenate([ids[i, : lengths[i]] for i in range(len(pool))])
+            if items.size < length:
+                raise ValueError(f"the synthetic histories hold {items.size} ids, fewer than {length}")
+            user[sequence.name] = items[None, :length]
+        user[group.length_input] = np.array([[length]], np.int32)
     as_list = {**user, **{t.name: rows[t.name][None] for t in spec.candidate_inputs()}}
     as_rows = {t.name: rows[t.name] for t in spec.candidate_inputs()}
     as_rows.update({name: np.repeat(array, candidates, axis=0) for name, array in user.items()})

@@ -34,6 +34,9 @@ def explain(
     single, targets = len(group.features), len(spec.targets)
     multi = single + sum(f.max_length for f in group.multi_hot)  # where the targets start
     width = (keys.shape[1] - multi - targets) // max(len(spec.sequences), 1)
+    target_columns: dict[str, int] = {}  # each target's first key column (one may attend several times)
+    for i, target in enumerate(spec.targets):
+        target_columns.setdefault(target.name, multi + i)
     for row in range(keys.shape[0]):
         values: list[tuple[str, Any, int]] = [
             (f.name, _raw_value(inputs, spec, f, row), index) for index, f in enumerate(group.features)
@@ -44,14 +47,18 @@ def explain(
             tokens = multi_hot_tokens(field, group.raw_columns[multi_hot.column])
             values += [(f"{multi_hot.name}[{k}]", _text(t), start + k) for k, t in enumerate(tokens)]
             start += multi_hot.max_length
-        values += [(t.name, int(inputs[t.name][row, 0]), multi + i) for i, t in enumerate(spec.targets)]
-        length = int(inputs[spec.sequence_length_input][row, 0]) if spec.sequences else 0
-        first = multi + targets + (width - length if spec.left_padded else 0)  # position 0's key
-        for j, sequence in enumerate(spec.sequences):
-            values += [
-                (f"{sequence.name}[{p}]", int(inputs[sequence.name][row, p]), first + j * width + p)
-                for p in range(length)
-            ]
+        values += [(name, int(inputs[name][row, 0]), column) for name, column in target_columns.items()]
+        j = 0  # the sequence's index among all of them
+        for attention in spec.attention_groups:
+            length = int(inputs[attention.length_input][row, 0])
+            left = attention.primary.padding == "left"
+            first = multi + targets + (width - length if left else 0)  # position 0's key
+            for sequence in attention.sequences:
+                values += [
+                    (f"{sequence.name}[{p}]", int(inputs[sequence.name][row, p]), first + j * width + p)
+                    for p in range(length)
+                ]
+                j += 1
         for feature, value, column in values:
             table = store.table_names[int(table_ids[row, column])]
             yield {

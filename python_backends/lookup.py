@@ -66,6 +66,12 @@ class EmbeddingLookup:
         self.key_inputs = (wire.SPARSE_KEYS,) + ((wire.MULTI_HOT_KEYS,) if group.multi_hot else ())
         self.key_inputs += (wire.TARGET_KEY, wire.HISTORY_KEYS) if spec.sequences else ()
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
+        # per attention group: its dense inputs and the span of its sequences (and targets)
+        self.groups: list[tuple[wire.AttentionInputs, slice]] = []
+        start = 0
+        for attention, names in zip(spec.attention_groups, wire.attention_inputs(spec), strict=True):
+            self.groups.append((names, slice(start, start + len(attention.sequences))))
+            start += len(attention.sequences)
         self._versions: tuple[tuple[int, ...], np.ndarray] = (
             (),
             np.empty(0, np.int64),
@@ -202,16 +208,14 @@ class EmbeddingLookup:
         }
         count = len(self.sequence_tables)
         if count:
-            start = single + multi
+            targets = vectors[:, single + multi :]
             owners, positions = checked[wire.HISTORY_KEYS].shape
-            histories = result.vectors[rows * width :].reshape(owners, positions, dim)
-            # sequences sharing positions (and their targets) are summed: one query, one sequence
-            out[wire.TARGET_EMBEDDING] = (
-                vectors[:, start] if count == 1 else vectors[:, start : start + count].sum(1)
-            )
-            if count > 1:
-                histories = histories.reshape(owners, count, positions // count, dim).sum(1)
-            out[wire.HISTORY_EMBEDDINGS] = histories
+            histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
+            # the sequences of a group (and their targets) are summed: one query, one sequence each
+            for names, span in self.groups:
+                one = span.stop - span.start == 1
+                out[names.target] = targets[:, span.start] if one else targets[:, span].sum(1)
+                out[names.history] = histories[:, span.start] if one else histories[:, span].sum(1)
         return out
 
 
@@ -236,6 +240,11 @@ class FeaturesToEmbeddings:
         self.transform = FeatureTransform(spec)
         self.lookup = lookup
         self.input_names = tuple(t.name for t in spec.wire_inputs())
+        #: what the transform computes that goes on to ``dense`` as it is: dense values and masks
+        self.masks = tuple(g.mask for g in wire.attention_inputs(spec))
+        self.passed = (wire.DENSE_NORMALIZED, *self.masks)
+        self.histories = wire.sequence_inputs(spec)
+        self.left_padded = wire.left_padded_inputs(spec)
         #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
         self.candidate_input_names = tuple(t.name for t in wire.candidate_step_inputs(spec)) + tuple(
             t.name for t in spec.user_inputs()
@@ -248,7 +257,7 @@ class FeaturesToEmbeddings:
             InvalidInput: naming the first offending input and value.
         """
         features = self.transform.transform(inputs)
-        passed = {n: features[n] for n in (wire.DENSE_NORMALIZED, wire.HISTORY_MASK) if n in features}
+        passed = {n: features[n] for n in self.passed if n in features}
         return {**passed, **self.lookup.lookup(features)}
 
     def candidates(
@@ -269,12 +278,10 @@ class FeaturesToEmbeddings:
         rows, users = wire.candidate_rows(self.spec, inputs)
         count = int(users[-1]) + 1
         features = self.transform.transform(rows, users=count)
-        out: dict[str, np.ndarray | torch.Tensor] = {wire.HISTORY_MASK: features[wire.HISTORY_MASK]}
-        if wire.DENSE_NORMALIZED in features:
-            out[wire.DENSE_NORMALIZED] = features[wire.DENSE_NORMALIZED]
+        out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
         out.update(self.lookup.lookup(features, users))
         if expand:
-            for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+            for name in self.histories:
                 out[name] = take_rows(out[name], users)
             return out
         for name in wire.per_candidate_dense_inputs(self.spec):
@@ -286,5 +293,5 @@ class FeaturesToEmbeddings:
         """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""
         if self.spec.sequence is None:
             return 1
-        lengths = inputs[self.spec.sequence_length_input]
-        return self.spec.sequence_bucket(max(int(np.max(lengths, initial=0)), 1))
+        longest = max(int(np.max(inputs[g.length_input], initial=0)) for g in self.spec.attention_groups)
+        return self.spec.sequence_bucket(max(longest, 1))

@@ -394,7 +394,8 @@ class CategoricalFeatureSection:
     encoder: str = "hash"
     table: str = ""  # "": the table named like the feature
     max_hex_digits: int = 16
-    attends: str = ""  # a sequence feature: this one is the target that attends over it (int64 ids)
+    # sequence features this one is the target of, attending over each (int64 ids); one name or a list
+    attends: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -478,6 +479,8 @@ def parse_feature(raw: Any, position: int) -> Any:
         raise SpecError(f"features[{position}] must be a table, got {raw!r}")
     kind = raw.get("kind")
     where = f"features[{position}] ({raw.get('name', '?')})"
+    if kind == "categorical" and isinstance(raw.get("attends"), str):
+        raw = {**raw, "attends": [raw["attends"]]}  # one sequence, or a list of them
     if kind not in FEATURE_SECTIONS:
         raise SpecError(f"{where}: unknown feature kind {kind!r}; known kinds: {', '.join(FEATURE_SECTIONS)}")
     return parse_section(FEATURE_SECTIONS[kind], raw, where)

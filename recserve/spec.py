@@ -235,6 +235,28 @@ Feature = CategoricalFeature | MultiHotFeature | SequenceFeature
 
 
 @dataclass(frozen=True)
+class AttentionGroup:
+    """A sequence with its own positions, the sequences sharing them, and the target of each.
+
+    The built-in network attends over each group with one query: the group's sequences are summed
+    at each position, and so are their targets. Every group has its own length input and mask.
+    """
+
+    sequences: tuple[SequenceFeature, ...]
+    targets: tuple[CategoricalFeature, ...]
+
+    @property
+    def primary(self) -> SequenceFeature:
+        """The sequence whose positions the group shares."""
+        return self.sequences[0]
+
+    @property
+    def length_input(self) -> str:
+        """Wire name of the group's per-row length (``<first sequence>__length``)."""
+        return f"{self.primary.name}__length"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything recserve needs to know about one model."""
 
@@ -262,7 +284,7 @@ class ModelSpec:
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     access: AccessSection = field(default_factory=AccessSection)  # the proxy's: not in ``source``
     inputs: InputsSection = field(default_factory=InputsSection)
-    # every sequence sharing the positions of ``sequence`` (it first), and the target of each
+    # every sequence, group by group (see :attr:`attention_groups`), and the target of each
     sequences: tuple[SequenceFeature, ...] = ()
     targets: tuple[CategoricalFeature, ...] = ()
 
@@ -274,19 +296,30 @@ class ModelSpec:
 
     @property
     def sequence(self) -> SequenceFeature | None:
-        """The sequence with its own positions (the others share them); None without one."""
+        """The first group's sequence with its own positions; None without a sequence."""
         return self.sequences[0] if self.sequences else None
 
     @property
     def sequence_length_input(self) -> str:
-        """Wire name of the per-row sequence length (only specs with a sequence have one)."""
+        """Wire name of the first group's per-row sequence length (only specs with a sequence have one)."""
         assert self.sequence is not None
         return f"{self.sequence.name}__length"
 
     @property
-    def left_padded(self) -> bool:
-        """True when the dense network gets the histories padded on the left (the newest last)."""
-        return self.sequence is not None and self.sequence.padding == "left"
+    def target_names(self) -> tuple[str, ...]:
+        """The attention targets' names, each once (a target may attend over several sequences)."""
+        return tuple(dict.fromkeys(t.name for t in self.targets))
+
+    @property
+    def attention_groups(self) -> tuple[AttentionGroup, ...]:
+        """The sequences and their targets, one group per set of positions, in spec order."""
+        groups: list[tuple[list[SequenceFeature], list[CategoricalFeature]]] = []
+        for sequence, target in zip(self.sequences, self.targets, strict=True):
+            if not sequence.positions:
+                groups.append(([], []))
+            groups[-1][0].append(sequence)
+            groups[-1][1].append(target)
+        return tuple(AttentionGroup(tuple(s), tuple(t)) for s, t in groups)
 
     @property
     def dense_missing_input(self) -> str:
@@ -323,10 +356,10 @@ class ModelSpec:
                 WireTensor(self.dense_missing_input, "BOOL", (width,)),
             ]
         tensors.append(WireTensor(self.categorical.name, "BYTES", (len(self.categorical.raw_columns),)))
-        tensors += [WireTensor(target.name, "INT64", (1,)) for target in self.targets]
+        # a target attending over several sequences travels once
+        tensors += [WireTensor(name, "INT64", (1,)) for name in self.target_names]
         tensors += [WireTensor(sequence.name, "INT64", (-1,), ragged=True) for sequence in self.sequences]
-        if self.sequences:
-            tensors.append(WireTensor(self.sequence_length_input, "INT32", (1,)))
+        tensors += [WireTensor(group.length_input, "INT32", (1,)) for group in self.attention_groups]
         return tuple(tensors)
 
     @property
@@ -339,10 +372,10 @@ class ModelSpec:
         return f"{self.name}_candidates" if self.sequences else None
 
     def user_inputs(self) -> tuple[WireTensor, ...]:
-        """The wire inputs a candidate list carries once per user: the sequences and their length."""
+        """The wire inputs a candidate list carries once per user: the sequences and their lengths."""
         if not self.sequences:
             return ()
-        names = {s.name for s in self.sequences} | {self.sequence_length_input}
+        names = {s.name for s in self.sequences} | {g.length_input for g in self.attention_groups}
         return tuple(t for t in self.wire_inputs() if t.name in names)
 
     def candidate_inputs(self) -> tuple[WireTensor, ...]:
@@ -538,7 +571,8 @@ def _categorical(
         if section.attends:
             if section.value_type != "int64" or section.encoder == "identity":
                 raise SpecError(f"{where}: an attention target is an int64 id with the hash encoder")
-            out.targets.append((CategoricalFeature(name, table, section.encoder), section.attends))
+            target = CategoricalFeature(name, table, section.encoder)
+            out.targets += [(target, over) for over in section.attends]
             continue
         out.categorical.append(CategoricalFeature(name, table, section.encoder, len(out.raw_columns)))
         out.raw_columns.append(RawColumn(name, section.value_type, section.max_hex_digits))
@@ -599,48 +633,51 @@ def _time(
 
 
 def _attention(features: _Features) -> tuple[tuple[CategoricalFeature, ...], tuple[SequenceFeature, ...]]:
-    """The sequences sharing one set of positions (the one with its own first) and the target of each.
+    """Every sequence, group by group, and the target of each.
 
-    The built-in network attends with one query over one sequence: sequences that share positions
-    (items and their categories) are summed per position, and so are their targets.
+    A group is a sequence with its own positions followed by the sequences sharing them (items and
+    their categories); the built-in network attends over each group with one query: the group's
+    sequences are summed per position, and so are their targets.
     """
     own = [s for s in features.sequences if not s.positions]
-    if len(own) > 1:
-        names = [s.name for s in own]
-        raise SpecError(
-            f"sequences {names} each have their own positions; the built-in network attends over one"
-        )
     if not own:
         if features.sequences or features.targets:
             raise SpecError(
                 "a sequence shares the positions of another, or a target attends, but no sequence has its own"
             )
         return (), ()
-    primary = own[0]
-    if primary.padding not in ("", *PADDING_SIDES):
-        raise SpecError(
-            f"sequence {primary.name!r}: padding must be one of {', '.join(PADDING_SIDES)}, "
-            f"got {primary.padding!r}"
-        )
-    primary = replace(primary, padding=primary.padding or "right")
-    sequences = [primary]
+    names = {s.name for s in own}
     for sequence in features.sequences:
-        if sequence.name == primary.name:
-            continue
-        if sequence.positions != primary.name:
+        if sequence.positions and sequence.positions not in names:
             raise SpecError(
-                f"sequence {sequence.name!r} shares the positions of {sequence.positions!r}, not a sequence"
+                f"sequence {sequence.name!r} shares the positions of {sequence.positions!r}, "
+                "not a sequence with positions of its own"
             )
-        if sequence.max_length not in (0, primary.max_length):
+    sequences: list[SequenceFeature] = []
+    for primary in own:
+        if primary.padding not in ("", *PADDING_SIDES):
             raise SpecError(
-                f"sequence {sequence.name!r} shares positions with {primary.name!r}: no max_length of its own"
+                f"sequence {primary.name!r}: padding must be one of {', '.join(PADDING_SIDES)}, "
+                f"got {primary.padding!r}"
             )
-        if sequence.padding not in ("", primary.padding):
-            raise SpecError(
-                f"sequence {sequence.name!r} shares positions with {primary.name!r}: its padding is "
-                f"{primary.padding!r}, got {sequence.padding!r}"
-            )
-        sequences.append(replace(sequence, max_length=primary.max_length, padding=primary.padding))
+        if primary.max_length < 1:
+            raise SpecError(f"sequence {primary.name!r} needs max_length >= 1")
+        primary = replace(primary, padding=primary.padding or "right")
+        sequences.append(primary)
+        for sequence in features.sequences:
+            if sequence.positions != primary.name:
+                continue
+            if sequence.max_length not in (0, primary.max_length):
+                raise SpecError(
+                    f"sequence {sequence.name!r} shares positions with {primary.name!r}: "
+                    "no max_length of its own"
+                )
+            if sequence.padding not in ("", primary.padding):
+                raise SpecError(
+                    f"sequence {sequence.name!r} shares positions with {primary.name!r}: its padding is "
+                    f"{primary.padding!r}, got {sequence.padding!r}"
+                )
+            sequences.append(replace(sequence, max_length=primary.max_length, padding=primary.padding))
     by_sequence: dict[str, CategoricalFeature] = {}
     for target, over in features.targets:
         if over not in {s.name for s in sequences}:
@@ -709,12 +746,12 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     max_batch = model.max_batch_size
     if batch_buckets[-1] != max_batch:
         raise SpecError(f"largest batch bucket {batch_buckets[-1]} must equal max_batch_size {max_batch}")
-    sequence = sequences[0] if sequences else None
-    if sequence is None and seq_buckets != (1,):
+    if not sequences and seq_buckets != (1,):
         raise SpecError(f"a spec without a sequence has sequence_buckets = [1], got {list(seq_buckets)}")
-    if sequence is not None and seq_buckets[-1] != sequence.max_length:
+    longest = max((s.max_length for s in sequences), default=0)
+    if sequences and seq_buckets[-1] != longest:
         raise SpecError(
-            f"largest sequence bucket {seq_buckets[-1]} must equal max_length {sequence.max_length}"
+            f"largest sequence bucket {seq_buckets[-1]} must equal the longest max_length {longest}"
         )
     preferred = tuple(sorted(serving.preferred_batch_size))
     if any(not 1 <= size <= max_batch for size in preferred):
@@ -824,6 +861,7 @@ def spec_from_json(text: str) -> ModelSpec:
 
 
 __all__ = [
+    "AttentionGroup",
     "CategoricalFeature",
     "DenseGroup",
     "CategoricalGroup",

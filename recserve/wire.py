@@ -63,6 +63,20 @@ USER_HEADER = "x-recserve-user"
 #: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
 DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
 
+#: The inputs of every further attention group are these names with ``__<sequence>`` appended.
+GROUP_INPUTS = (TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+
+def is_dense_net_input(name: str) -> bool:
+    """True for a name the dense network may take (:data:`DENSE_NET_INPUTS` or a further group's)."""
+    return name in DENSE_NET_INPUTS or name.partition("__")[0] in GROUP_INPUTS
+
+
+def is_sequence_input(name: str) -> bool:
+    """True for a dense input with a sequence axis (axis 1): a history or a mask, of any group."""
+    return name.partition("__")[0] in (HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+
 #: Dynamic axes of the dense ONNX graph: rows of a batch and positions of a sequence.
 BATCH_AXIS = "batch"
 SEQUENCE_AXIS = "sequence"
@@ -99,9 +113,53 @@ def candidate_step_inputs(spec: ModelSpec) -> tuple[WireTensor, ...]:
     )
 
 
+@dataclass(frozen=True)
+class AttentionInputs:
+    """The dense network's inputs of one attention group: its query, its positions and their mask."""
+
+    target: str
+    history: str
+    mask: str
+
+
+def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
+    """Per attention group (:attr:`~recserve.spec.ModelSpec.attention_groups`), its dense inputs.
+
+    The first group's are ``target_embedding``, ``history_embeddings`` and ``history_mask``; each
+    other group's carry its first sequence's name, ``history_embeddings__<sequence>`` and so on.
+    """
+    return tuple(
+        AttentionInputs(TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+        if i == 0
+        else AttentionInputs(
+            *(
+                f"{name}__{group.primary.name}"
+                for name in (TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+            )
+        )
+        for i, group in enumerate(spec.attention_groups)
+    )
+
+
+def sequence_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The dense inputs with a sequence axis (axis 1): every group's history and mask."""
+    return tuple(name for group in attention_inputs(spec) for name in (group.history, group.mask))
+
+
+def left_padded_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The histories and masks of the groups padded on the left (``padding = "left"``)."""
+    return tuple(
+        name
+        for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True)
+        if group.primary.padding == "left"
+        for name in (names.history, names.mask)
+    )
+
+
 def per_candidate_dense_inputs(spec: ModelSpec) -> tuple[str, ...]:
-    """The dense contract's inputs that a candidate list carries per candidate (not the history)."""
-    return tuple(n for n in dense_net_inputs(spec) if n not in (HISTORY_EMBEDDINGS, HISTORY_MASK))
+    """The dense contract's inputs that a candidate list carries per candidate (not the histories)."""
+    histories = set(sequence_inputs(spec))
+    return tuple(n for n in dense_net_inputs(spec) if n not in histories)
 
 
 def candidate_rows(
@@ -152,21 +210,25 @@ def candidate_rows(
 def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     """The dense network's inputs under ``spec``, in the order of :data:`DENSE_NET_INPUTS`.
 
-    ``dense_normalized`` only with numeric features that are not bucketized; the target and history
-    only with a sequence.
+    ``dense_normalized`` only with numeric features that are not bucketized; the target, history
+    and mask only with a sequence, then those of every further attention group.
     """
     present = {SPARSE_EMBEDDINGS}
     if spec.normalized_columns:
         present.add(DENSE_NORMALIZED)
-    if spec.sequence is not None:
+    groups = attention_inputs(spec)
+    if groups:
         present |= {TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK}
-    return tuple(name for name in DENSE_NET_INPUTS if name in present)
+    further = tuple(name for g in groups[1:] for name in (g.target, g.history, g.mask))
+    return tuple(name for name in DENSE_NET_INPUTS if name in present) + further
 
 
 def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:
     """What the dense network receives and returns under ``spec``: ``(inputs, outputs)``.
 
-    Inputs in the order of :func:`dense_net_inputs`; every one FP32 with the batch first. The output
+    Inputs in the order of :func:`dense_net_inputs`; every one FP32 with the batch first. With
+    several attention groups, every history and mask has the same number of positions (the sequence
+    bucket of the request's longest history of any group). The output
     is named after ``[model] output``: ``probability``, or ``logit`` (which recserve serves as its
     sigmoid). The built-in network and every imported ONNX follow this contract.
     """
@@ -190,35 +252,36 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
             f"{_span(features)}: one embedding per feature, in this order",
         )
     )
-    if spec.sequences:
-        seq = spec.sequences[0]
+    for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
+        seq = group.primary
         target, history = (
             (
-                f"{spec.targets[0].name}: its row of table {spec.targets[0].table!r}",
+                f"{group.targets[0].name}: its row of table {group.targets[0].table!r}",
                 f"{seq.name}: rows of table {seq.table!r}",
             )
-            if len(spec.sequences) == 1
+            if len(group.sequences) == 1
             else (
-                " + ".join(t.name for t in spec.targets) + ": the sum of their rows",
-                " + ".join(s.name for s in spec.sequences) + ": the sum of their rows at each position",
+                " + ".join(t.name for t in group.targets) + ": the sum of their rows",
+                " + ".join(s.name for s in group.sequences) + ": the sum of their rows at each position",
             )
         )
         inputs += [
-            ContractTensor(TARGET_EMBEDDING, "FP32", (-1, dim), target),
+            ContractTensor(names.target, "FP32", (-1, dim), target),
             ContractTensor(
-                HISTORY_EMBEDDINGS,
+                names.history,
                 "FP32",
                 (-1, -1, dim),
                 f"{history}, oldest first, padded to a sequence bucket on the {seq.padding}"
                 + (" (the newest at the last position)" if seq.padding == "left" else ""),
             ),
             ContractTensor(
-                HISTORY_MASK,
+                names.mask,
                 "FP32",
                 (-1, -1),
                 f"{seq.name}: 1 on real positions, 0 on padding (whose embeddings the network must ignore)",
             ),
         ]
+
     output = ContractTensor(
         spec.dense_output,
         "FP32",
@@ -481,8 +544,9 @@ class RawRows:
     """Raw feature values of ``N`` rows, as a client would have them.
 
     Parts the spec lacks are empty: ``dense`` ``[N, 0]`` without numeric features; without a
-    sequence every target is absent and every history empty. ``target`` and ``history`` are the
-    first sequence's; the others sharing its positions, and their targets, are in ``side`` by name.
+    sequence every target is absent and every history empty. ``target``, ``history`` and ``lengths``
+    are the first sequence's; the other sequences and their targets are in ``side`` by name, and so
+    are the lengths of every further attention group, by its length input's name.
     """
 
     dense: np.ndarray  # float32 [N, D]
@@ -492,7 +556,8 @@ class RawRows:
     history: np.ndarray  # int64 [N, max_length], newest last, valid below ``lengths``
     lengths: np.ndarray  # int32 [N]
     labels: np.ndarray  # float32 [N]
-    side: dict[str, np.ndarray] = field(default_factory=dict)  # other targets [N], histories [N, W]
+    # other targets [N], histories [N, W], and lengths [N] of further groups
+    side: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.dense.shape[0])
@@ -506,13 +571,16 @@ class RawRows:
         """Ids ``[N, W]`` of one sequence (the first is ``history``)."""
         return self.side.get(name, self.history)
 
+    def lengths_of(self, length_input: str) -> np.ndarray:
+        """Lengths ``[N]`` of the attention group whose length input is named so (the first: ``lengths``)."""
+        return self.side.get(length_input, self.lengths)
+
     def target_ids(self, name: str) -> np.ndarray:
         """int64 ids ``[N]`` of one attention target (the first is ``target``; -1: absent)."""
         return self.side.get(name, self.target).astype(np.int64)
 
     def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
         """Request tensors of the spec's ensemble for these rows (history width = longest row)."""
-        width = max(int(self.lengths.max(initial=0)), 1)
         values = {
             NUMERIC_INPUT: self.dense.astype(np.float32),
             spec.dense_missing_input: self.dense_missing.astype(bool),
@@ -520,10 +588,12 @@ class RawRows:
         }
         for target in spec.targets:
             values[target.name] = self.target_ids(target.name)[:, None]
-        for sequence in spec.sequences:
-            values[sequence.name] = np.ascontiguousarray(
-                self.sequence(sequence.name)[:, :width], dtype=np.int64
-            )
-        if spec.sequences:
-            values[spec.sequence_length_input] = self.lengths.astype(np.int32)[:, None]
+        for group in spec.attention_groups:
+            lengths = self.lengths_of(group.length_input)
+            width = max(int(lengths.max(initial=0)), 1)
+            for sequence in group.sequences:
+                values[sequence.name] = np.ascontiguousarray(
+                    self.sequence(sequence.name)[:, :width], dtype=np.int64
+                )
+            values[group.length_input] = lengths.astype(np.int32)[:, None]
         return {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -39,9 +39,6 @@ LOGGER = logging.getLogger(__name__)
 Arrays = Mapping[str, np.ndarray]
 #: Runs the dense net on inputs of exactly one bucket's shape; returns probabilities ``[rows, 1]``.
 CompiledFn = Callable[[Arrays], np.ndarray]
-
-#: Tensors whose axis 1 is the sequence axis.
-SEQUENCE_INPUTS = (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK)
 
 
 @dataclass(frozen=True, order=True)
@@ -61,10 +58,11 @@ class Bucket:
         shapes = {
             wire.DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns)),
             wire.SPARSE_EMBEDDINGS: (self.rows, spec.num_sparse, dim),
-            wire.TARGET_EMBEDDING: (self.rows, dim),
-            wire.HISTORY_EMBEDDINGS: (self.rows, self.length, dim),
-            wire.HISTORY_MASK: (self.rows, self.length),
         }
+        for group in wire.attention_inputs(spec):
+            shapes[group.target] = (self.rows, dim)
+            shapes[group.history] = (self.rows, self.length, dim)
+            shapes[group.mask] = (self.rows, self.length)
         return {name: shapes[name] for name in wire.dense_net_inputs(spec)}
 
 
@@ -89,8 +87,8 @@ def input_shape(inputs: Arrays) -> tuple[int, int]:
 
 
 def present_inputs(inputs: Arrays) -> tuple[str, ...]:
-    """The dense net's inputs held by ``inputs``, in the network's order."""
-    return tuple(name for name in wire.DENSE_NET_INPUTS if name in inputs)
+    """The dense net's inputs held by ``inputs``."""
+    return tuple(name for name in inputs if wire.is_dense_net_input(name))
 
 
 @dataclass(frozen=True)
@@ -161,7 +159,7 @@ def padding_waste(real: int, padded: int) -> float:
 
 
 def pad_to_bucket(
-    inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | None = None, left: bool = False
+    inputs: Arrays, bucket: Bucket, out: dict[str, np.ndarray] | None = None, left: Collection[str] = ()
 ) -> Arrays:
     """The dense inputs zero-padded to ``bucket`` (rows and sequence positions).
 
@@ -170,8 +168,8 @@ def pad_to_bucket(
         bucket: the target shape.
         out: preallocated arrays of the bucket's shapes, always filled (the pinned buffers that a
             device copy reads); without them, new arrays, or the inputs as they are when they fit.
-        left: the sequences are padded on the left (:attr:`recserve.spec.ModelSpec.left_padded`):
-            new positions go before the real ones.
+        left: the sequences padded on the left (:func:`recserve.wire.left_padded_inputs`): new
+            positions go before their real ones.
     """
     rows, length = input_shape(inputs)
     if out is None and (rows, length) == (bucket.rows, bucket.length):
@@ -183,12 +181,12 @@ def pad_to_bucket(
         array = inputs[name]
         shape = (
             (bucket.rows, bucket.length, *array.shape[2:])
-            if name in SEQUENCE_INPUTS
+            if wire.is_sequence_input(name)
             else (bucket.rows, *array.shape[1:])
         )
         target = out[name] if out is not None else np.empty(shape, dtype=array.dtype)
-        if name in SEQUENCE_INPUTS:
-            start = bucket.length - length if left else 0
+        if wire.is_sequence_input(name):
+            start = bucket.length - length if name in left else 0
             target[:rows, start : start + length] = array
             target[:rows, :start] = 0
             target[:rows, start + length :] = 0

@@ -80,8 +80,10 @@ class CTRNet(nn.Module):
     """Bottom MLP over dense features, dot interaction of all embeddings, top MLP to a probability.
 
     Parts the spec lacks are left out: without numeric features there is no bottom MLP (the top
-    MLP sees the interactions only); without a sequence there is no target attention.
-    ``forward`` takes the inputs named by :attr:`input_names` (the dense contract), in that order.
+    MLP sees the interactions only); without a sequence there is no target attention. Each
+    attention group (a sequence with its own positions) has its own attention, whose target and
+    context join the interaction. ``forward`` takes the inputs named by :attr:`input_names` (the
+    dense contract), in that order.
     """
 
     pair_index: torch.Tensor  # a buffer, registered in __init__
@@ -92,15 +94,18 @@ class CTRNet(nn.Module):
         self.input_names = wire.dense_net_inputs(spec)
         self.has_dense = bool(spec.normalized_columns)
         self.has_attention = spec.sequence is not None
+        self.groups = wire.attention_inputs(spec)
         if self.has_dense:
             self.bottom = _mlp([len(spec.normalized_columns), *spec.bottom_mlp], final_activation=True)
         if self.has_attention:
             self.attention = TargetAttention(dim, spec.attention_heads)
-        # bottom output, sparse, target, attention context
-        vectors = int(self.has_dense) + spec.num_sparse + 2 * int(self.has_attention)
+        # bottom output, sparse, then per attention group its target and context
+        vectors = int(self.has_dense) + spec.num_sparse + 2 * len(self.groups)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pair_index", rows * vectors + cols, persistent=False)
         self.top = _mlp([dim * int(self.has_dense) + len(rows), *spec.top_mlp, 1], final_activation=False)
+        # the further groups' attentions (made last: a one-group network starts from the same weights)
+        self.further = nn.ModuleList(TargetAttention(dim, spec.attention_heads) for _ in self.groups[1:])
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Click probability [B, 1] from the tensors of :attr:`input_names`."""
@@ -114,9 +119,10 @@ class CTRNet(nn.Module):
             bottom = self.bottom(named[wire.DENSE_NORMALIZED])
             parts.insert(0, bottom[:, None, :])
             head.append(bottom)
-        if self.has_attention:
-            target = named[wire.TARGET_EMBEDDING]
-            context = self.attention(target, named[wire.HISTORY_EMBEDDINGS], named[wire.HISTORY_MASK], users)
+        attentions = [self.attention, *self.further] if self.has_attention else []
+        for group, attention in zip(self.groups, attentions, strict=True):
+            target = named[group.target]
+            context = attention(target, named[group.history], named[group.mask], users)
             parts += [target[:, None, :], context[:, None, :]]
         stacked = torch.cat(parts, dim=1)
         pairs = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)[:, self.pair_index]

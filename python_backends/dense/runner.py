@@ -64,9 +64,13 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ArtifactError(f"dense model {model_path.name!r} does not load: {exc}") from None
     names = tuple(i.name for i in session.get_inputs())
-    allowed = (*wire.DENSE_NET_INPUTS, wire.HISTORY_USER)  # the last: the candidate-list graph only
-    if not set(names) <= set(allowed) or wire.SPARSE_EMBEDDINGS not in names:
-        raise ArtifactError(f"dense model inputs {names} are not among {allowed}")
+    # HISTORY_USER: the candidate-list graph only
+    unknown = [n for n in names if not wire.is_dense_net_input(n) and n != wire.HISTORY_USER]
+    if unknown or wire.SPARSE_EMBEDDINGS not in names:
+        raise ArtifactError(
+            f"dense model inputs {names} are not among {(*wire.DENSE_NET_INPUTS, wire.HISTORY_USER)} "
+            f"and the further attention groups' {wire.GROUP_INPUTS} + '__<sequence>'"
+        )
     return session
 
 
@@ -85,9 +89,12 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
     expected = {
         wire.DENSE_NORMALIZED: (rows, len(spec.normalized_columns)),
         wire.SPARSE_EMBEDDINGS: (rows, spec.num_sparse, dim),
-        wire.TARGET_EMBEDDING: (rows, dim),
-        wire.HISTORY_EMBEDDINGS: (rows, length, dim),
     }
+    for group in wire.attention_inputs(spec):  # every group's positions: as many as the first's
+        expected.update(
+            {group.target: (rows, dim), group.history: (rows, length, dim), group.mask: (rows, length)}
+        )
+    expected.pop(wire.HISTORY_MASK, None)  # checked above
     for name, shape in expected.items():
         if name not in names:
             continue
@@ -125,7 +132,7 @@ class OnnxBucket:
 
     def __init__(self, spec: ModelSpec, model_path: Path, bucket: Bucket, threads: int = 1) -> None:
         self.bucket = bucket
-        self.left = spec.left_padded
+        self.left = wire.left_padded_inputs(spec)
         self.session = open_session(model_path, threads, bucket)
         shapes = bucket.input_shapes(spec)
         self.buffers = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
@@ -181,11 +188,8 @@ class CandidateLists:
         self.rows = rows
         self.session = session
         self.per_candidate = wire.per_candidate_dense_inputs(spec)
-        self.input_names = (
-            *(wire.CANDIDATE_PREFIX + n for n in self.per_candidate),
-            wire.HISTORY_EMBEDDINGS,
-            wire.HISTORY_MASK,
-        )
+        self.per_user = wire.sequence_inputs(spec)
+        self.input_names = (*(wire.CANDIDATE_PREFIX + n for n in self.per_candidate), *self.per_user)
 
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[U * N, 1]``, user by user (raises ``InvalidInput`` on inconsistent shapes)."""
@@ -203,15 +207,20 @@ class CandidateLists:
                     wire.CANDIDATE_PREFIX + name, f"is not [{users}, {count}, ...] as the other inputs"
                 )
             flat[name] = array.reshape(users * count, *array.shape[2:])
-        history, mask = inputs.get(wire.HISTORY_EMBEDDINGS), inputs.get(wire.HISTORY_MASK)
-        if history is None or mask is None or history.shape[0] != users or mask.shape != history.shape[:2]:
-            raise InvalidInput(wire.HISTORY_EMBEDDINGS, f"and its mask are not one row per user ({users})")
+        per_user: dict[str, np.ndarray] = {}
+        for name in self.per_user:
+            array = inputs.get(name)
+            if array is None or array.ndim < 2 or array.shape[0] != users:
+                raise InvalidInput(name, f"is not one row per user ({users})")
+            per_user[name] = array
+        if len({array.shape[1] for array in per_user.values()}) > 1:
+            raise InvalidInput(self.per_user[0], "and the other histories differ in their positions")
         owner = np.repeat(np.arange(users, dtype=np.int64), count)
         if self.session is None:
-            rows = {**flat, wire.HISTORY_EMBEDDINGS: history[owner], wire.HISTORY_MASK: mask[owner]}
+            rows = {**flat, **{name: array[owner] for name, array in per_user.items()}}
             return self.rows(check_inputs(self.spec, rows))
         feeds = {name: np.ascontiguousarray(array) for name, array in flat.items()}
-        feeds.update({wire.HISTORY_EMBEDDINGS: history, wire.HISTORY_MASK: mask, wire.HISTORY_USER: owner})
+        feeds.update({**per_user, wire.HISTORY_USER: owner})
         return self.session.run([wire.PROBABILITY], feeds)[0]
 
 

@@ -9,19 +9,20 @@ without CUDA the same classes run eagerly on the CPU, which is how the padding l
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from recserve import wire
 from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
     BucketedRunner,
     BucketPolicy,
     pad_to_bucket,
-    present_inputs,
 )
 from recserve.spec import ModelSpec
 
@@ -64,6 +65,7 @@ class TorchEager:
         self.device = torch.device(device)
         self.precision = PRECISIONS[precision]
         self.net = net.to(device=self.device).eval()
+        self.names: tuple[str, ...] = getattr(net, "input_names")  # noqa: B009 (CTRNet's, in its order)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The network on device tensors, in the runner's precision."""
@@ -78,9 +80,7 @@ class TorchEager:
     @torch.inference_mode()
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[rows, 1]`` as float32."""
-        feeds = [
-            torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device) for n in present_inputs(inputs)
-        ]
+        feeds = [torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device) for n in self.names]
         return self.forward(*feeds).float().cpu().numpy()
 
 
@@ -93,7 +93,7 @@ class DeviceBuffers:
 
     def __init__(self, spec: ModelSpec, bucket: Bucket, device: torch.device) -> None:
         self.bucket = bucket
-        self.left = spec.left_padded
+        self.left = wire.left_padded_inputs(spec)
         shapes = bucket.input_shapes(spec)
         self.host = {
             name: torch.zeros(shape, dtype=torch.float32).pin_memory() for name, shape in shapes.items()
@@ -149,7 +149,7 @@ class CudaGraphBucket:
 class EagerBucket:
     """The eager network at one bucket's shape (the CPU stand-in for a captured graph)."""
 
-    def __init__(self, eager: TorchEager, bucket: Bucket, left: bool = False) -> None:
+    def __init__(self, eager: TorchEager, bucket: Bucket, left: Collection[str] = ()) -> None:
         self.eager = eager
         self.bucket = bucket
         self.left = left
@@ -175,7 +175,7 @@ def bucketed_torch_runner(
         return (
             CudaGraphBucket(eager, spec, bucket)
             if eager.device.type == "cuda"
-            else EagerBucket(eager, bucket, spec.left_padded)
+            else EagerBucket(eager, bucket, wire.left_padded_inputs(spec))
         )
 
     return BucketedRunner(policy or BucketPolicy.from_spec(spec), compile_bucket, eager, prepare, background)

@@ -85,6 +85,12 @@ class FeatureTransform:
         named: list[Feature] = [*spec.targets, *spec.sequences, *spec.categorical.multi_hot]
         self._salts = {f.table: table_salt(ns, f.table) for f in named}
         self._missing = {f.name: missing_key(ns, f.name) for f in named}  # absent target, padding
+        # per attention group: its length input, its sequences and the name of its mask
+        self._groups = tuple(
+            (group, names.mask)
+            for group, names in zip(spec.attention_groups, wire.attention_inputs(spec), strict=True)
+        )
+        self._length_input = {s.name: g.length_input for g in spec.attention_groups for s in g.sequences}
 
     def transform(self, inputs: Mapping[str, np.ndarray], users: int | None = None) -> dict[str, np.ndarray]:
         """Validate one request's raw tensors and compute the keys the lookup step needs.
@@ -120,16 +126,25 @@ class FeatureTransform:
             out[wire.MULTI_HOT_KEYS], out[wire.MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
         if spec.sequences:
             owners = rows if users is None else users
-            lengths = require(inputs, spec.sequence_length_input, "INT32", owners, 1)[:, 0]
+            lengths = [
+                require(inputs, attention.length_input, "INT32", owners, 1)[:, 0]
+                for attention, _ in self._groups
+            ]
             out[wire.TARGET_KEY] = np.concatenate(
                 [self.target_keys(require(inputs, t.name, "INT64", rows, 1), t) for t in spec.targets], axis=1
             )
-            histories = [
-                self.history(require(inputs, s.name, "INT64", owners, None), lengths, s)
-                for s in spec.sequences
-            ]
-            out[wire.HISTORY_KEYS] = np.concatenate([h[wire.HISTORY_KEYS] for h in histories], axis=1)
-            out[wire.HISTORY_MASK] = histories[0][wire.HISTORY_MASK]
+            # every group's positions padded to one bucket: that of the longest history of any group
+            # (a length over the largest bucket is refused below, naming its input)
+            longest = max(int(np.max(n, initial=0)) for n in lengths)
+            bucket = spec.sequence_bucket(min(max(longest, 1), spec.sequence_buckets[-1]))
+            keys = []
+            for (attention, mask_name), group_lengths in zip(self._groups, lengths, strict=True):
+                for sequence in attention.sequences:
+                    items = require(inputs, sequence.name, "INT64", owners, None)
+                    history = self.history(items, group_lengths, sequence, bucket)
+                    keys.append(history[wire.HISTORY_KEYS])
+                out[mask_name] = history[wire.HISTORY_MASK]
+            out[wire.HISTORY_KEYS] = np.concatenate(keys, axis=1)
         return out
 
     def multi_hot_keys(self, categorical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -202,15 +217,20 @@ class FeatureTransform:
         return np.where(target == ABSENT_ITEM, self._missing[feature.name], keys)
 
     def history(
-        self, items: np.ndarray, lengths: np.ndarray, sequence: SequenceFeature | None = None
+        self,
+        items: np.ndarray,
+        lengths: np.ndarray,
+        sequence: SequenceFeature | None = None,
+        bucket: int | None = None,
     ) -> dict[str, np.ndarray]:
         """History keys and mask of a sequence (the first by default).
 
-        Padded (or truncated) to the sequence bucket of the longest row, on the sequence's padding
-        side: right, a row's ids at positions ``0..length-1``; left, at the bucket's last positions.
+        Padded (or truncated) to ``bucket`` positions (by default the sequence bucket of the longest
+        row), on the sequence's padding side: right, a row's ids at positions ``0..length-1``; left,
+        at the bucket's last positions.
         """
         seq = sequence or self.spec.sequences[0]
-        name, length_name = seq.name, self.spec.sequence_length_input
+        name, length_name = seq.name, self._length_input[seq.name]
         bad = (lengths < 0) | (lengths > seq.max_length) | (lengths > items.shape[1])
         if bad.any():
             r = int(np.flatnonzero(bad)[0])
@@ -221,7 +241,7 @@ class FeatureTransform:
             )
         if items.shape[1] > seq.max_length and items[:, seq.max_length :].any():
             raise InvalidInput(name, f"has width {items.shape[1]}, longer than the maximum {seq.max_length}")
-        bucket = self.spec.sequence_bucket(max(int(lengths.max()), 1))
+        bucket = bucket or self.spec.sequence_bucket(max(int(lengths.max()), 1))
         width = min(bucket, items.shape[1])
         window = np.zeros((items.shape[0], bucket), dtype=np.int64)
         window[:, :width] = items[:, :width]

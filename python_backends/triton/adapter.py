@@ -158,7 +158,7 @@ def execute_merged_or_alone(
     handle: Callable[[Arrays], Mapping[str, Any]],
     ragged_outputs: Sequence[str] = (),
     ragged_width: Callable[[Arrays], int] | None = None,
-    left_padded: bool = False,
+    left_padded: Collection[str] = (),
 ) -> list:
     """Handle the whole dynamic batch in one call; if that call fails, handle each request alone.
 
@@ -174,7 +174,7 @@ def execute_merged_or_alone(
             raises ``RequestError``.
         ragged_outputs: outputs whose axis 1 each request gets back at its own width.
         ragged_width: that width, from one request's inputs.
-        left_padded: the ragged outputs are padded on the left (each request keeps the last columns).
+        left_padded: the ragged outputs padded on the left (each request keeps their last columns).
     """
     inputs = [read_inputs(request, input_names) for request in requests]
     if len(inputs) == 1:
@@ -188,8 +188,7 @@ def execute_merged_or_alone(
     widths = (
         {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
     )
-    left = ragged_outputs if left_padded else ()
-    return [respond(part) for part in batching.split(outputs, sizes, widths, left)]
+    return [respond(part) for part in batching.split(outputs, sizes, widths, left_padded)]
 
 
 def execute_alone(

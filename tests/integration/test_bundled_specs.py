@@ -74,9 +74,12 @@ def test_avazu_has_no_numeric_input_and_no_sequence(avazu):
     assert names[:2] == ["hour_hour_of_day", "hour_weekday"] and len(names) == 23
 
 
-def test_taobao_sends_both_sequences_and_targets(taobao):
+def test_taobao_sends_both_behaviours_and_their_targets_once(taobao):
     names = [t.name for t in taobao.wire_inputs()]
-    assert names[3:] == ["item_id", "cate_id", "hist_item_ids", "hist_cate_ids", "hist_item_ids__length"]
+    assert names[3:] == [
+        "item_id", "cate_id", "hist_item_ids", "hist_cate_ids", "cart_item_ids", "cart_cate_ids",
+        "hist_item_ids__length", "cart_item_ids__length",
+    ]  # fmt: skip
     assert taobao.categorical.slot_names[-1] == "tags" and taobao.num_sparse == 14
 
 
@@ -169,6 +172,8 @@ def test_explain_names_every_feature(bundled, bundled_repository, tmp_path):
     assert features >= expected
     if bundled.name == "taobao":
         assert any(f.startswith("tags[") for f in features) == bool(raw.categorical[:, -1].any())
+        carts = raw.lengths_of("cart_item_ids__length")
+        assert ({"cart_item_ids[0]", "cart_cate_ids[0]"} <= features) == bool(carts.any())
 
 
 def test_a_bad_value_fails_alone_naming_its_column(bundled, bundled_server):

@@ -61,7 +61,7 @@ def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
     # the list form: per-candidate tensors [users, candidates, ...], the history once per user
     per_candidate = wire.per_candidate_dense_inputs(spec)
     assert set(listed) == {
-        wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK, wire.EMBEDDING_VERSION,
+        *wire.sequence_inputs(spec), wire.EMBEDDING_VERSION,
         *(wire.CANDIDATE_PREFIX + n for n in per_candidate),
     }  # fmt: skip
     for name in per_candidate:
@@ -163,8 +163,8 @@ def with_runs(spec, raw, runs):
         raw.categorical[run, column] = raw.categorical[first, column]
         raw.lengths[run] = raw.lengths[first]
         raw.history[run] = raw.history[first]
-        for values in raw.side.values():
-            if values.ndim == 2:  # a sequence sharing the positions (targets stay per row)
+        for name, values in raw.side.items():
+            if values.ndim == 2 or name.endswith("__length"):  # a sequence or its length (not a target)
                 values[run] = values[first]
     return raw
 

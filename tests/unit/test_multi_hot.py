@@ -68,13 +68,24 @@ def test_pooled_and_summed_embeddings_equal_numpy(taobao):
             expected += vector(tags.table, features[wire.MULTI_HOT_KEYS][r, k]) / len(values)
         pools += bool(values)
         np.testing.assert_allclose(sparse[r, -1], expected, rtol=1e-5, atol=1e-6)
-        item, cate = features[wire.TARGET_KEY][r]
-        np.testing.assert_allclose(out[wire.TARGET_EMBEDDING][r], vector("item", item) + vector("cate", cate))
+        item, cate = features[wire.TARGET_KEY][r, :2]  # item_id and cate_id attend over both behaviours
+        target = vector("item", item) + vector("cate", cate)
+        np.testing.assert_allclose(out[wire.TARGET_EMBEDDING][r], target)
+        np.testing.assert_allclose(out["target_embedding__cart_item_ids"][r], target)
         width = out[wire.HISTORY_EMBEDDINGS].shape[1]
+        keys = features[wire.HISTORY_KEYS][r].reshape(4, width)  # clicks, their categories, cart, ...
         for p in range(int(raw.lengths[r])):
-            keys = features[wire.HISTORY_KEYS][r]
-            summed = vector("item", keys[p]) + vector("cate", keys[width + p])
+            summed = vector("item", keys[0, p]) + vector("cate", keys[1, p])
             np.testing.assert_allclose(out[wire.HISTORY_EMBEDDINGS][r, p], summed, rtol=1e-6)
+        cart = int(raw.lengths_of("cart_item_ids__length")[r])
+        for p in range(width - cart, width):  # the cart is padded on the left
+            summed = vector("item", keys[2, p]) + vector("cate", keys[3, p])
+            np.testing.assert_allclose(out["history_embeddings__cart_item_ids"][r, p], summed, rtol=1e-6)
+        assert (
+            out["history_mask__cart_item_ids"][r].sum()
+            == cart
+            == out["history_mask__cart_item_ids"][r, -cart:].sum()
+        )
     assert pools > 10  # most rows have tags
 
 
@@ -113,14 +124,15 @@ def test_files_with_both_sequences_round_trip(taobao, tmp_path):
             np.testing.assert_array_equal(values, sent[name], err_msg=name)
 
 
-def test_sequences_sharing_positions_must_have_the_same_lengths(taobao, tmp_path):
-    path = write_csv(tmp_path / "rows.csv", generate(taobao, 5, seed=9), taobao)
+@pytest.mark.parametrize("column", ["hist_cate_ids", "cart_cate_ids"])
+def test_sequences_sharing_positions_must_have_the_same_lengths(taobao, tmp_path, column):
+    path = write_csv(tmp_path / "rows.csv", generate(taobao, 20, seed=9), taobao)
     lines = path.read_text().splitlines()
     header = lines[0].split(",")
-    row = next(i for i in range(1, len(lines)) if lines[i].split(",")[header.index("hist_cate_ids")])
+    row = next(i for i in range(1, len(lines)) if lines[i].split(",")[header.index(column)])
     fields = lines[row].split(",")
-    fields[header.index("hist_cate_ids")] += " 7"
+    fields[header.index(column)] += " 7"
     lines[row] = ",".join(fields)
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(RowFormatError, match=rf"line {row + 1}, column hist_cate_ids: .*shared positions"):
+    with pytest.raises(RowFormatError, match=rf"line {row + 1}, column {column}: .*shared positions"):
         read_rows(path, taobao)

@@ -27,9 +27,11 @@ def _taobao(**padding: str) -> dict:
 
 
 def test_the_padding_side_is_the_first_sequences_and_shared_by_its_positions():
-    assert not parse_spec(_taobao()).left_padded
+    cart = ("history_embeddings__cart_item_ids", "history_mask__cart_item_ids")
+    assert wire.left_padded_inputs(parse_spec(_taobao())) == cart  # the clicks are padded on the right
     spec = parse_spec(_taobao(hist_item_ids="left"))
-    assert spec.left_padded and [s.padding for s in spec.sequences] == ["left", "left"]
+    assert wire.left_padded_inputs(spec) == (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK, *cart)
+    assert [s.padding for s in spec.sequences] == ["left"] * 4
     assert "padded to a sequence bucket on the left" in wire.dense_contract(spec)[0][-2].holds
 
 
@@ -81,7 +83,7 @@ def test_a_bucket_pads_left_padded_sequences_before_their_positions():
     spec = parse_spec(_taobao(hist_item_ids="left"))
     inputs = example_inputs(spec, 3, 8, seed=4)
     inputs[wire.HISTORY_MASK][:] = right_align(inputs[wire.HISTORY_MASK], inputs[wire.HISTORY_MASK].sum(1))
-    padded = pad_to_bucket(inputs, Bucket(4, 32), left=True)
+    padded = pad_to_bucket(inputs, Bucket(4, 32), left=wire.left_padded_inputs(spec))
     for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
         np.testing.assert_array_equal(padded[name][:3, 24:], inputs[name])
         assert not padded[name][:, :24].any() and not padded[name][3:].any()

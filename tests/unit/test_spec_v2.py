@@ -219,7 +219,8 @@ def test_an_unknown_key_is_named_with_its_line(tmp_path, spec, old, new, where):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda f: f["hist_cate_ids"].pop("positions"), "each have their own positions"),
+        (lambda f: f["hist_cate_ids"].pop("positions"), "'hist_cate_ids' needs max_length >= 1"),
+        (lambda f: f["hist_cate_ids"].__setitem__("positions", "cate_id"), "not a sequence with positions"),
         (lambda f: f["hist_cate_ids"].__setitem__("max_length", 32), "no max_length of its own"),
         (lambda f: f["cate_id"].__setitem__("attends", "hist_item_ids"), "two targets"),
         (lambda f: f["cate_id"].pop("attends"), "needs a categorical feature with attends = 'hist_cate_ids'"),

@@ -6,7 +6,6 @@ import time
 import numpy as np
 
 from recserve import wire
-from recserve.backends.dense.buckets import SEQUENCE_INPUTS
 from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.triton.adapter import (
@@ -33,7 +32,7 @@ class TritonPythonModel:
         self.version = context.version
         self.warmup_left = context.warmup_requests  # Triton's warm-up comes first: not served scores
         self.input_names = wire.dense_net_inputs(context.spec)
-        self.left_padded = SEQUENCE_INPUTS if context.spec.left_padded else ()
+        self.left_padded = wire.left_padded_inputs(context.spec)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish(self.samples())

@@ -38,7 +38,6 @@ class TritonPythonModel:
             instance_device(args),
         )
         self.step = FeaturesToEmbeddings(context.spec, lookup)
-        self.left_padded = context.spec.left_padded
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish(self.served.samples())
@@ -57,9 +56,9 @@ class TritonPythonModel:
                 rows,
                 self.step.input_names,
                 self.step,
-                ragged_outputs=(wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK),
+                ragged_outputs=self.step.histories,
                 ragged_width=self.step.history_width,
-                left_padded=self.left_padded,
+                left_padded=self.step.left_padded,
             ),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
