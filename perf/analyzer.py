@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +70,15 @@ def perf_command(
     csv_path: Path,
     shared_memory: str = "none",
     stability_percentage: int = 50,
+    model: str = "",
 ) -> list[str]:
-    """The perf_analyzer command line (``shared_memory``: ``none`` or ``system``, ``cuda`` on a GPU)."""
+    """The perf_analyzer command line (``shared_memory``: ``none`` or ``system``, ``cuda`` on a GPU).
+
+    ``model`` is the ensemble measured: the spec's own (rows) by default.
+    """
     return [
         str(perf_analyzer_binary()),
-        "-m", spec.name,
+        "-m", model or spec.name,
         "-u", url,
         "-i", protocol,
         "-b", str(batch_size),
@@ -117,17 +121,23 @@ def measure(
     data: Path | None = None,
     shared_memory: str = "none",
     stability_percentage: int = LOOSE_STABILITY,
+    candidates: int = 0,
 ) -> tuple[list[PerfPoint], str]:
     """Run perf_analyzer once; return the parsed points and its printed output.
 
     ``data`` reuses an input-data file written by :func:`write_input_data` (else one is written).
     The default :data:`LOOSE_STABILITY` accepts the first three windows (shared, noisy machines);
-    pass e.g. 50 to let perf_analyzer insist on stable windows.
+    pass e.g. 50 to let perf_analyzer insist on stable windows. With ``candidates``, every request
+    is one user's list of that many candidates to the candidates ensemble (``batch_size`` 1), and
+    ``rows_per_s`` counts the candidates scored.
     """
     url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
+    model = spec.candidates_model if candidates else spec.name
+    if candidates and (model is None or batch_size != 1):
+        raise PerfError(f"candidate lists need a spec with a sequence and batch size 1 ({spec.name!r})")
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)
-        data = data or write_input_data(spec, root / "input_data.json")
+        data = data or write_input_data(spec, root / "input_data.json", candidates=candidates)
         csv_path = root / "perf.csv"
         command = perf_command(
             spec,
@@ -140,6 +150,7 @@ def measure(
             csv_path,
             shared_memory,
             stability_percentage,
+            model or spec.name,
         )
         wanted = len(concurrency_levels(concurrency))
         for attempt in range(3):
@@ -150,7 +161,8 @@ def measure(
             done = subprocess.run(command, env=perf_env(), capture_output=True, text=True, timeout=600)
             points = parse_csv(csv_path) if done.returncode == 0 and csv_path.exists() else []
             if done.returncode == 0 and len(points) == wanted:
-                return points, done.stdout
+                per_request = max(candidates, 1)  # the candidates ensemble counts requests
+                return [replace(p, rows_per_s=p.rows_per_s * per_request) for p in points], done.stdout
             # it may also end a sweep early with exit code 0 (fewer points than levels): retried alike
             if done.returncode != 0 and UNSTABLE not in done.stdout + done.stderr:
                 break
@@ -216,17 +228,27 @@ def run_perf(
     measurement_ms: int,
     output: Path | None,
     inprocess_repository: Path | None = None,
+    candidates: int = 0,
 ) -> int:
-    """CLI body: measure, print perf_analyzer's own report, the summary table and the in-process rate."""
+    """CLI body: measure, print perf_analyzer's own report, the summary table and the in-process rate.
+
+    With ``candidates``, each request is one user's candidate list (no in-process comparison).
+    """
     try:
-        points, report = measure(spec, url, protocol, batch_size, concurrency, measurement_ms)
+        points, report = measure(
+            spec, url, protocol, batch_size, concurrency, measurement_ms, candidates=candidates
+        )
     except PerfError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(report)
-    print(f"ctr over {protocol}, client batch {batch_size}:")
-    print(format_table(points, batch_size))
-    if inprocess_repository is not None:
+    if candidates:
+        print(f"{spec.candidates_model} over {protocol}, one user's {candidates} candidates per request:")
+        print(format_table(points, candidates))
+    else:
+        print(f"{spec.name} over {protocol}, client batch {batch_size}:")
+        print(format_table(points, batch_size))
+    if inprocess_repository is not None and not candidates:
         from recserve.perf.inprocess import measure_inprocess
 
         rate = measure_inprocess(spec, inprocess_repository, batch_size, seconds=measurement_ms / 1000)

@@ -24,24 +24,55 @@ def input_data(spec: ModelSpec, rows: int = DEFAULT_ROWS, seed: int = 7) -> dict
     wire = generate(spec, rows, seed).to_wire(spec)
     entries = []
     for r in range(rows):
-        entry = {}
-        for tensor in spec.wire_inputs():
-            value = wire[tensor.name][r]
-            if tensor.dtype == "BYTES":
-                content: list = [v.decode() for v in value]
-            elif tensor.dtype == "BOOL":
-                content = [bool(v) for v in value]
-            else:
-                content = value.tolist()
-            entry[tensor.name] = {"content": content, "shape": list(value.shape)}
-        entries.append(entry)
+        entries.append(
+            {tensor.name: _entry(tensor.dtype, wire[tensor.name][r]) for tensor in spec.wire_inputs()}
+        )
     return {"data": entries}
 
 
-def write_input_data(spec: ModelSpec, path: Path, rows: int = DEFAULT_ROWS, seed: int = 7) -> Path:
-    """Write the input-data JSON and return its path."""
+def candidate_input_data(spec: ModelSpec, candidates: int, lists: int = 16, seed: int = 7) -> dict:
+    """The document for the candidates ensemble: one entry per user, each one request.
+
+    Each entry holds a user's sequences once (``[1, L]``, the user's own history length) and
+    ``candidates`` rows of every per-candidate input (``[1, candidates, ...]``); perf_analyzer sends
+    one entry per request (the ensemble batches nothing itself, ``max_batch_size: 0``).
+
+    Raises:
+        ValueError: the spec has no candidate-list form.
+    """
+    if spec.candidates_model is None:
+        raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list form")
+    raw = generate(spec, lists * candidates, seed)
+    entries = []
+    for user in range(lists):
+        rows = raw.take(slice(user * candidates, (user + 1) * candidates))
+        first = rows.take(slice(0, 1)).to_wire(spec)  # the user: the first row's sequences
+        wire = rows.to_wire(spec)
+        arrays = {t.name: first[t.name] for t in spec.user_inputs()}
+        arrays.update({t.name: wire[t.name][None] for t in spec.candidate_inputs()})
+        entries.append({t.name: _entry(t.dtype, arrays[t.name]) for t in spec.wire_inputs()})
+    return {"data": entries}
+
+
+def _entry(dtype: str, value: np.ndarray) -> dict:
+    if dtype == "BYTES":
+        content: list = [v.decode() for v in value.reshape(-1)]
+    elif dtype == "BOOL":
+        content = [bool(v) for v in value.reshape(-1)]
+    else:
+        content = value.reshape(-1).tolist()
+    return {"content": content, "shape": list(value.shape)}
+
+
+def write_input_data(
+    spec: ModelSpec, path: Path, rows: int = DEFAULT_ROWS, seed: int = 7, candidates: int = 0
+) -> Path:
+    """Write the input-data JSON and return its path (``candidates``: the candidate-list form's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(input_data(spec, rows, seed)))
+    document = (
+        candidate_input_data(spec, candidates, seed=seed) if candidates else input_data(spec, rows, seed)
+    )
+    path.write_text(json.dumps(document))
     return path
 
 

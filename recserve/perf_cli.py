@@ -21,6 +21,7 @@ def _perf(args: argparse.Namespace) -> int:
         measurement_ms=args.measurement_ms,
         output=args.output,
         inprocess_repository=None if args.no_inprocess else args.repository,
+        candidates=args.candidates,
     )
 
 
@@ -178,6 +179,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     perf.add_argument("--output", type=Path, default=None, help="also write the measured points as CSV here")
     perf.add_argument("--repository", type=Path, default=None, help="for the in-process comparison")
     perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
+    perf.add_argument(
+        "--candidates",
+        type=int,
+        default=0,
+        help="send one user's list of this many candidates per request to the candidates ensemble",
+    )
     perf.set_defaults(func=_perf)
 
     soak = sub.add_parser(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -119,3 +121,24 @@ def test_concurrent_candidate_lists_share_executions(server, spec, candidates):
     requests = after[1] - before[1]
     assert requests == 80  # one lookup request per candidate list
     assert after[0] - before[0] < requests  # the dynamic batcher handed over several lists at once
+
+
+def test_perf_sends_candidate_lists_to_the_candidates_ensemble(server, spec, tmp_path):
+    out = tmp_path / "perf.csv"
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+
+        def lists():
+            (stats,) = client.get_inference_statistics(spec.candidates_model).model_stats
+            return stats.inference_count
+
+        before = lists()
+        done = subprocess.run(
+            [sys.executable, "-m", "recserve.cli", "perf", "--url", server.grpc_url, "--candidates", "40",
+             "--concurrency", "1:1", "--measurement-ms", "1500", "--output", str(out), "--no-inprocess"],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert lists() - before >= 3  # perf_analyzer's requests were candidate lists
+    assert f"{spec.candidates_model} over grpc, one user's 40 candidates per request" in done.stdout
+    (point,) = out.read_text().splitlines()[1:]
+    assert float(point.split(",")[2]) > 0

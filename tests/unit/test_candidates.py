@@ -17,6 +17,7 @@ from recserve.build.synthetic import generate
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
 from recserve.errors import InvalidInput
+from recserve.perf.input_data import candidate_input_data
 from recserve.spec import SpecError, load_spec, parse_spec, spec_path
 from tests.unit.test_lookup import spec_store
 
@@ -196,3 +197,20 @@ def test_the_user_column_is_a_single_valued_categorical_of_a_spec_with_a_sequenc
     avazu.setdefault("inputs", {})["user"] = "device_id"
     with pytest.raises(SpecError, match="a spec without a sequence has no candidate lists"):
         parse_spec(avazu)
+
+
+@pytest.mark.parametrize("name", ["ctr", "taobao"])
+def test_perf_input_data_for_candidate_lists_holds_one_users_list_per_entry(name):
+    spec = load_spec(name)
+    document = candidate_input_data(spec, candidates=5, lists=3, seed=2)
+    assert len(document["data"]) == 3
+    for entry in document["data"]:
+        assert set(entry) == {t.name for t in spec.wire_inputs()}
+        for tensor in spec.candidate_inputs():
+            assert entry[tensor.name]["shape"][:2] == [1, 5]
+        for tensor in spec.user_inputs():
+            assert entry[tensor.name]["shape"][0] == 1
+        for value in entry.values():
+            assert len(value["content"]) == int(np.prod(value["shape"]))
+    with pytest.raises(ValueError, match="no candidate-list form"):
+        candidate_input_data(load_spec("avazu"), candidates=5)
