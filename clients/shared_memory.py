@@ -32,12 +32,20 @@ class SharedMemoryIO:
         from multiprocessing import shared_memory
 
         rows = spec.max_batch_size
-        per_row = {
-            w.name: sum(4 + c.max_bytes for c in spec.categorical.raw_columns) if w.dtype == "BYTES"
-            else np.dtype(NUMPY_DTYPES[w.dtype]).itemsize
+        group = spec.categorical
+        per_row = {  # a BYTES element takes 4 bytes of length and its text
+            group.name: sum(4 + group.raw_columns[i].max_bytes for i in group.wire_columns),
+            **{
+                c.name: c.max_length * (4 + c.max_bytes // c.max_length)  # one value per element
+                for c in (group.raw_columns[i] for i in group.list_columns)
+            },
+        }
+        per_row.update({
+            w.name: np.dtype(NUMPY_DTYPES[w.dtype]).itemsize
             * (spec.sequence_buckets[-1] if w.dims[0] == -1 else w.dims[0])  # the longest sequence
             for w in spec.wire_inputs()
-        }  # fmt: skip
+            if w.dtype != "BYTES"
+        })  # fmt: skip
         self.offsets: dict[str, int] = {}
         size = 0
         for name, row_bytes in per_row.items():

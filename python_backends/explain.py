@@ -24,13 +24,14 @@ def explain(
     The keys go through the same transform and the same store lookup as served requests (without
     counting them), so ``tier`` is the tier this store serves each key from right now.
     """
-    features = FeatureTransform(spec).transform(inputs)
+    transform = FeatureTransform(spec)
+    features = transform.transform(inputs)
     lookup = EmbeddingLookup(spec, store)
     keys, table_ids = lookup.keys_and_tables(features)
     result = store.lookup(keys, table_ids, record=False)
     tiers = result.tiers.reshape(keys.shape)
     group = spec.categorical
-    raw_categorical = inputs[group.name]
+    raw_categorical = transform.categorical_fields(inputs)  # multi-hot lists joined into their fields
     single, targets = len(group.features), len(spec.targets)
     multi = single + sum(f.max_length for f in group.multi_hot)  # where the targets start
     width = (keys.shape[1] - multi - targets) // max(len(spec.sequences), 1)
@@ -39,7 +40,8 @@ def explain(
         target_columns.setdefault(target.name, multi + i)
     for row in range(keys.shape[0]):
         values: list[tuple[str, Any, int]] = [
-            (f.name, _raw_value(inputs, spec, f, row), index) for index, f in enumerate(group.features)
+            (f.name, _raw_value(inputs, raw_categorical, spec, f, row), index)
+            for index, f in enumerate(group.features)
         ]
         start = single
         for multi_hot in group.multi_hot:
@@ -74,11 +76,15 @@ def explain(
 
 
 def _raw_value(
-    inputs: Mapping[str, np.ndarray], spec: ModelSpec, feature: CategoricalFeature, row: int
+    inputs: Mapping[str, np.ndarray],
+    categorical: np.ndarray,
+    spec: ModelSpec,
+    feature: CategoricalFeature,
+    row: int,
 ) -> Any:
     """What the client sent for a single-valued feature: its string, or a bucketized number."""
     if feature.numeric < 0:
-        return _text(inputs[spec.categorical.name][row, feature.column])
+        return _text(categorical[row, feature.column])
     missing = inputs[spec.dense_missing_input][row, feature.numeric]
     return None if missing else float(inputs[NUMERIC_INPUT][row, feature.numeric])
 

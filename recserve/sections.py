@@ -416,6 +416,8 @@ class SequenceFeatureSection:
 
 #: Where a sequence's padding goes in the dense network's inputs (``padding``).
 PADDING_SIDES = ("right", "left")
+#: How requests carry a multi-hot feature (``wire``): a joined field of ``categorical``, or a list.
+MULTI_HOT_WIRE = ("string", "list")
 #: How a multi-hot feature's embeddings are pooled: their sum, mean, or sum over the root of the count.
 POOLINGS = ("sum", "mean", "sqrtn")
 
@@ -428,7 +430,11 @@ class MultiHotFeatureSection:
     kind: str
     max_length: int  # values kept per row (the first ones)
     value_type: str = "string"
-    separator: str = "|"
+    separator: str = "|"  # between the values in one field (of files, and of the wire's "string" form)
+    # how requests carry it: "string", one field of the ``categorical`` tensor joined by the
+    # separator; "list", a BYTES tensor of its own named after the feature, one value per element
+    # (ragged: rows padded with empty elements)
+    wire: str = "string"
     pooling: str = "mean"
     table: str = ""  # "": the table named like the feature
     max_hex_digits: int = 16

@@ -20,6 +20,7 @@ import tomllib
 
 from recserve.sections import (
     ENCODERS,
+    MULTI_HOT_WIRE,
     PADDING_SIDES,
     POOLINGS,
     TIME_PARTS,
@@ -158,6 +159,7 @@ class RawColumn:
     timezone: str = "UTC"
     separator: str = ""  # multi-hot: values joined by this, at most ``max_length`` kept
     max_length: int = 1
+    as_list: bool = False  # multi-hot sent as a BYTES list tensor of its own, not in ``categorical``
 
     @property
     def max_bytes(self) -> int:
@@ -214,8 +216,18 @@ class CategoricalGroup:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        """Raw column names in wire order."""
+        """Raw column names, in the order of files and of :attr:`wire_columns` then :attr:`list_columns`."""
         return tuple(c.name for c in self.raw_columns)
+
+    @property
+    def wire_columns(self) -> tuple[int, ...]:
+        """Indices of the raw columns sent as the fields of the BYTES tensor ``categorical``, in its order."""
+        return tuple(i for i, c in enumerate(self.raw_columns) if not c.as_list)
+
+    @property
+    def list_columns(self) -> tuple[int, ...]:
+        """Indices of the multi-hot columns sent as BYTES list tensors of their own (named like them)."""
+        return tuple(i for i, c in enumerate(self.raw_columns) if c.as_list)
 
 
 @dataclass(frozen=True)
@@ -355,7 +367,11 @@ class ModelSpec:
                 WireTensor(self.dense.name, "FP32", (width,)),
                 WireTensor(self.dense_missing_input, "BOOL", (width,)),
             ]
-        tensors.append(WireTensor(self.categorical.name, "BYTES", (len(self.categorical.raw_columns),)))
+        group = self.categorical
+        tensors.append(WireTensor(group.name, "BYTES", (len(group.wire_columns),)))
+        tensors += [
+            WireTensor(group.raw_columns[i].name, "BYTES", (-1,), ragged=True) for i in group.list_columns
+        ]
         # a target attending over several sequences travels once
         tensors += [WireTensor(name, "INT64", (1,)) for name in self.target_names]
         tensors += [WireTensor(sequence.name, "INT64", (-1,), ragged=True) for sequence in self.sequences]
@@ -587,6 +603,8 @@ def _multi_hot(section: MultiHotFeatureSection, names: tuple[str, ...], where: s
         raise SpecError(f"{where}: pooling must be one of {', '.join(POOLINGS)}, got {section.pooling!r}")
     if not section.separator or section.max_length < 1:
         raise SpecError(f"{where}: a multi-hot feature needs a separator and max_length >= 1")
+    if section.wire not in MULTI_HOT_WIRE:
+        raise SpecError(f"{where}: wire must be one of {', '.join(MULTI_HOT_WIRE)}, got {section.wire!r}")
     tables = _parallel(names, section.table or section.name, f"{where}: table")
     for name, table in zip(names, tables, strict=True):
         column = len(out.raw_columns)
@@ -597,6 +615,7 @@ def _multi_hot(section: MultiHotFeatureSection, names: tuple[str, ...], where: s
                 section.max_hex_digits,
                 separator=section.separator,
                 max_length=section.max_length,
+                as_list=section.wire == "list",
             )
         )
         out.multi_hot.append(MultiHotFeature(name, table, column, section.max_length, section.pooling))
@@ -719,8 +738,11 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     tables = _parse_tables(doc.get("tables", {}), dim)
     features = _parse_features(doc["features"], tables)
     tables = {name: replace(t, dim=t.dim or dim) for name, t in tables.items()}
-    if not features.raw_columns:
-        raise SpecError("a spec needs at least one categorical, time or multi-hot feature")
+    if not any(not c.as_list for c in features.raw_columns):
+        raise SpecError(
+            "a spec needs at least one categorical, time or multi-hot feature in the categorical tensor "
+            "(multi-hot lists alone are not enough)"
+        )
     targets, sequences = _attention(features)
     named: list[Feature] = [*features.categorical, *features.multi_hot, *targets, *sequences]
     used = [f.table for f in named]

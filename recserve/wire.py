@@ -533,6 +533,45 @@ def multi_hot_values(values: np.ndarray, column: RawColumn, input_name: str) -> 
     return out, mask
 
 
+def join_list(values: np.ndarray, column: RawColumn, input_name: str) -> np.ndarray:
+    """The fields ``[B]`` of a multi-hot list tensor ``[B, W]`` (``wire = "list"``), joined by its separator.
+
+    Empty elements are padding. Elements are bytes or str.
+
+    Raises:
+        InvalidInput: an element holds the separator or is not text (naming the row and position).
+    """
+    separator = column.separator.encode()
+    fields = np.empty(values.shape[0], dtype=object)
+    for row, elements in enumerate(values):
+        parts = []
+        for position, element in enumerate(elements):
+            if isinstance(element, str):
+                element = element.encode()
+            if not isinstance(element, bytes) or separator in element:
+                raise InvalidInput(
+                    input_name,
+                    f"row {row} position {position} is {element!r}: one value per element, "
+                    f"without {column.separator!r}",
+                )
+            if element:
+                parts.append(element)
+        fields[row] = separator.join(parts)
+    return fields
+
+
+def split_list(fields: np.ndarray, column: RawColumn) -> np.ndarray:
+    """A multi-hot column's fields ``[B]`` as its list tensor ``[B, W]`` (empty elements pad the rows)."""
+    separator = column.separator.encode()
+    lists = [
+        [t for t in (f if isinstance(f, bytes) else str(f).encode()).split(separator) if t] for f in fields
+    ]
+    out = np.full((len(lists), max([len(v) for v in lists] + [1])), b"", dtype=object)
+    for row, values in enumerate(lists):
+        out[row, : len(values)] = values
+    return out
+
+
 def _is_ascii(value: object) -> bool:
     if isinstance(value, bytes):
         return value.isascii()
@@ -584,8 +623,11 @@ class RawRows:
         values = {
             NUMERIC_INPUT: self.dense.astype(np.float32),
             spec.dense_missing_input: self.dense_missing.astype(bool),
-            spec.categorical.name: self.categorical,
+            spec.categorical.name: self.categorical[:, list(spec.categorical.wire_columns)],
         }
+        for i in spec.categorical.list_columns:
+            column = spec.categorical.raw_columns[i]
+            values[column.name] = split_list(self.categorical[:, i], column)
         for target in spec.targets:
             values[target.name] = self.target_ids(target.name)[:, None]
         for group in spec.attention_groups:

@@ -33,7 +33,7 @@ from recserve.spec import (
     RawColumn,
     SequenceFeature,
 )
-from recserve.wire import ABSENT_ITEM, categorical_values, multi_hot_values, time_part
+from recserve.wire import ABSENT_ITEM, categorical_values, join_list, multi_hot_values, time_part
 
 
 def require(
@@ -105,10 +105,8 @@ class FeatureTransform:
         """
         spec = self.spec
         group = spec.categorical
-        categorical = require(inputs, group.name, "BYTES", None, len(group.raw_columns))
+        categorical = self.categorical_fields(inputs)
         rows = categorical.shape[0]
-        if rows < 1 or rows > spec.max_batch_size:
-            raise InvalidInput(group.name, f"batch of {rows} rows outside 1..{spec.max_batch_size}")
         values, empty = categorical_values(categorical, group)
         out = {}
         numeric = None
@@ -147,6 +145,29 @@ class FeatureTransform:
             out[wire.HISTORY_KEYS] = np.concatenate(keys, axis=1)
         return out
 
+    def categorical_fields(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Every raw categorical column's fields ``[B, C]``, multi-hot lists joined into theirs.
+
+        Raises:
+            InvalidInput: the ``categorical`` tensor or a list tensor is malformed, or the batch is
+                outside ``1..max_batch_size`` rows.
+        """
+        group = self.spec.categorical
+        fields = require(inputs, group.name, "BYTES", None, len(group.wire_columns))
+        rows = fields.shape[0]
+        if rows < 1 or rows > self.spec.max_batch_size:
+            raise InvalidInput(group.name, f"batch of {rows} rows outside 1..{self.spec.max_batch_size}")
+        if not group.list_columns:
+            return fields
+        categorical = np.empty((rows, len(group.raw_columns)), dtype=object)
+        categorical[:, group.wire_columns] = fields
+        for i in group.list_columns:
+            column = group.raw_columns[i]
+            categorical[:, i] = join_list(
+                require(inputs, column.name, "BYTES", rows, None), column, column.name
+            )
+        return categorical
+
     def multi_hot_keys(self, categorical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Keys and pooling weights ``[B, sum of max_length]`` of the multi-hot features, side by side.
 
@@ -157,8 +178,9 @@ class FeatureTransform:
         group = self.spec.categorical
         keys, weights = [], []
         for feature in group.multi_hot:
+            column = group.raw_columns[feature.column]
             values, mask = multi_hot_values(
-                categorical[:, feature.column], group.raw_columns[feature.column], group.name
+                categorical[:, feature.column], column, column.name if column.as_list else group.name
             )
             keys.append(
                 np.where(mask, keys_for(values, self._salts[feature.table]), self._missing[feature.name])

@@ -77,7 +77,7 @@ def test_avazu_has_no_numeric_input_and_no_sequence(avazu):
 def test_taobao_sends_both_behaviours_and_their_targets_once(taobao):
     names = [t.name for t in taobao.wire_inputs()]
     assert names[3:] == [
-        "item_id", "cate_id", "hist_item_ids", "hist_cate_ids", "cart_item_ids", "cart_cate_ids",
+        "tags", "item_id", "cate_id", "hist_item_ids", "hist_cate_ids", "cart_item_ids", "cart_cate_ids",
         "hist_item_ids__length", "cart_item_ids__length",
     ]  # fmt: skip
     assert taobao.categorical.slot_names[-1] == "tags" and taobao.num_sparse == 14
@@ -179,9 +179,15 @@ def test_explain_names_every_feature(bundled, bundled_repository, tmp_path):
 def test_a_bad_value_fails_alone_naming_its_column(bundled, bundled_server):
     column = {"avazu": "banner_pos", "taobao": "tags"}[bundled.name]
     wire = generate(bundled, 3, seed=2).to_wire(bundled)
-    wire["categorical"][1, bundled.categorical.columns.index(column)] = b"12a"
+    tensor = column if column in wire else "categorical"  # taobao's tags: a list tensor of their own
+    if tensor == column:
+        wire[column][1, 0] = b"12a"
+    else:
+        field = bundled.categorical.wire_columns.index(bundled.categorical.columns.index(column))
+        wire["categorical"][1, field] = b"12a"
     with grpc_client(bundled_server) as client:
-        with pytest.raises(grpcclient.InferenceServerException, match=rf"{column} \(row 1\) is b'12a'"):
+        message = rf"input '{tensor}': {column} \(row 1\) is b'12a"
+        with pytest.raises(grpcclient.InferenceServerException, match=message):
             infer_raw(grpcclient, client, bundled, wire)
         good = generate(bundled, 3, seed=2).to_wire(bundled)
         assert infer_raw(grpcclient, client, bundled, good).shape == (3,)

@@ -114,6 +114,29 @@ def test_a_bad_element_names_its_row_and_column(taobao):
         FeatureTransform(spec).multi_hot_keys(categorical)
 
 
+def test_a_multi_hot_list_travels_as_its_own_tensor_and_keys_as_the_joined_field(taobao):
+    column = taobao.categorical.multi_hot[0].column
+    tags = taobao.categorical.raw_columns[column]
+    assert tags.as_list and "tags" in {t.name for t in taobao.wire_inputs()}
+    raw = generate(taobao, 12, seed=5)
+    sent = raw.to_wire(taobao)
+    assert sent["categorical"].shape == (12, len(taobao.categorical.raw_columns) - 1)
+    joined = [b"|".join(v for v in row if v) for row in sent["tags"]]
+    assert joined == [b"|".join(t for t in f.split(b"|") if t) for f in raw.categorical[:, column]]
+    transform = FeatureTransform(taobao)
+    keys = transform.transform(sent)[wire.MULTI_HOT_KEYS]
+    np.testing.assert_array_equal(keys, transform.multi_hot_keys(raw.categorical)[0])
+    bad = {**sent, "tags": sent["tags"].copy()}
+    bad["tags"][3, 0] = b"1|2"
+    with pytest.raises(
+        InvalidInput, match=r"input 'tags': row 3 position 0 is b'1\|2': one value per element"
+    ):
+        transform.transform(bad)
+    bad["tags"][3, 0] = b"x"
+    with pytest.raises(InvalidInput, match=r"input 'tags': tags \(row 3\) is b'x.*not a list of int64"):
+        transform.transform(bad)
+
+
 def test_files_with_both_sequences_round_trip(taobao, tmp_path):
     raw = generate(taobao, 30, seed=8)
     for write in (write_csv, write_tsv):

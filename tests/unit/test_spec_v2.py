@@ -176,6 +176,11 @@ def test_a_shared_table_and_string_vocabularies():
             {"k": {"cardinality": 2}},
             r"features\[0\] \(k\) has an unknown key 'pooling'",
         ),
+        (
+            [{"name": "k", "kind": "multi_hot", "max_length": 3, "wire": "list"}],
+            {"k": {"cardinality": 2}},
+            "multi-hot lists alone are not enough",
+        ),
     ],
 )
 def test_bad_feature_declarations_are_refused(features, tables, message):
@@ -226,6 +231,7 @@ def test_an_unknown_key_is_named_with_its_line(tmp_path, spec, old, new, where):
         (lambda f: f["cate_id"].pop("attends"), "needs a categorical feature with attends = 'hist_cate_ids'"),
         (lambda f: f["tags"].__setitem__("pooling", "max"), "pooling must be one of sum, mean, sqrtn"),
         (lambda f: f["tags"].__setitem__("separator", ""), "needs a separator"),
+        (lambda f: f["tags"].__setitem__("wire", "ragged"), "wire must be one of string, list, got 'ragged'"),
     ],
 )
 def test_sequences_sharing_positions_and_multi_hot_are_checked(edit, message):
