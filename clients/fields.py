@@ -158,12 +158,13 @@ def parse_history(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Padded history ``[N, max(1, longest)]`` and lengths ``[N]`` from id lists in text.
 
-    A history longer than the sequence's ``max_length`` keeps its newest (last) ids.
+    The ids are separated by the sequence's ``separator``, or by whitespace or commas. A history
+    longer than the sequence's ``max_length`` keeps its newest (last) ids.
     """
     if fields_ is None:
         return np.zeros((n, 1), dtype=np.int64), np.zeros(n, dtype=np.int32)
     name, max_length = sequence.name, sequence.max_length
-    normalised = [field.replace(",", " ") for field in fields_]
+    normalised = [field.replace(sequence.separator or ",", " ") for field in fields_]
     lengths = np.fromiter((len(field.split()) for field in normalised), dtype=np.int32, count=n)
     for r in np.flatnonzero(lengths > max_length):
         normalised[r] = " ".join(normalised[r].split()[-max_length:])

@@ -13,9 +13,7 @@ from recserve.spec import ModelSpec
 from recserve.wire import ABSENT_ITEM, RawRows
 
 
-def _text_columns(
-    raw: RawRows, spec: ModelSpec, with_label: bool, history_separator: str
-) -> list[np.ndarray]:
+def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool) -> list[np.ndarray]:
     """String columns ``[N, K]`` in file order: label, dense, categorical, the histories, their targets."""
     dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
     dense[raw.dense_missing] = ""
@@ -25,7 +23,8 @@ def _text_columns(
         lengths = raw.lengths_of(group.length_input)
         for sequence in group.sequences:
             ids = raw.sequence(sequence.name)
-            texts = [history_separator.join(map(str, ids[r, : lengths[r]])) for r in range(len(raw))]
+            separator = sequence.separator or " "
+            texts = [separator.join(map(str, ids[r, : lengths[r]])) for r in range(len(raw))]
             columns.append(np.array(texts, dtype=object).reshape(-1, 1))
     for target in spec.target_names:
         values = raw.target_ids(target)
@@ -90,7 +89,7 @@ def _write_table(
     delimiter: str,
     header: bool,
 ) -> Path:
-    columns = _text_columns(raw_rows, spec, with_label, " ")
+    columns = _text_columns(raw_rows, spec, with_label)
     names = [*spec.numeric_columns, *spec.categorical.columns]
     if with_sequence:
         names += [f.name for f in spec.sequences] + list(spec.target_names)

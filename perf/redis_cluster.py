@@ -29,12 +29,29 @@ def _free(port: int) -> bool:
     return True
 
 
+#: A node's cluster bus listens on its port + 10000.
+BUS_OFFSET = 10000
+
+
+def ephemeral_start() -> int:
+    """The first port the kernel hands to outgoing connections (32768 when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_cluster_ports(count: int) -> list[int]:
-    """Ports free together with their cluster-bus ports (port + 10000)."""
+    """Ports free together with their cluster-bus ports (port + 10000).
+
+    Both lie below the kernel's ephemeral range: a bus port inside it could be taken by any
+    outgoing connection between this check and the node's bind (a node then fails to start).
+    """
+    highest = ephemeral_start() - BUS_OFFSET - 1
     ports: list[int] = []
     while len(ports) < count:
-        port = random.randint(20000, 29999)
-        if port not in ports and _free(port) and _free(port + 10000):
+        port = random.randint(highest - 9999, highest)
+        if port not in ports and _free(port) and _free(port + BUS_OFFSET):
             ports.append(port)
     return ports
 

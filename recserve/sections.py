@@ -412,6 +412,8 @@ class SequenceFeatureSection:
     # row's length - 1) or "left" (real positions last, the newest at the last position);
     # "": right, or that of the sequence whose positions it shares
     padding: str = ""
+    # between the ids in one field of a file; "": whitespace or commas
+    separator: str = ""
 
 
 #: Where a sequence's padding goes in the dense network's inputs (``padding``).

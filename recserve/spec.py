@@ -240,6 +240,7 @@ class SequenceFeature:
     mean_length: float
     positions: str = ""  # the sequence whose positions (length and mask) this one shares
     padding: str = "right"  # where the dense network finds the padding: right, or left (newest last)
+    separator: str = ""  # between the ids in a file's field ("": whitespace or commas)
 
 
 #: Any feature that has a name and a table.
@@ -549,6 +550,8 @@ def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Feature
                     out.categorical.append(CategoricalFeature(name, name, numeric=len(out.numeric)))
                 out.numeric.append(column)
         elif isinstance(section, SequenceFeatureSection):
+            if re.search(r"[\d\-+]", section.separator):
+                raise SpecError(f"{where}: separator {section.separator!r} may not hold digits, '-' or '+'")
             out.sequences += [
                 SequenceFeature(
                     name,
@@ -557,6 +560,7 @@ def _parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> _Feature
                     section.mean_length,
                     section.positions,
                     section.padding,
+                    section.separator,
                 )
                 for name in names
             ]

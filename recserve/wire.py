@@ -128,17 +128,8 @@ def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
     The first group's are ``target_embedding``, ``history_embeddings`` and ``history_mask``; each
     other group's carry its first sequence's name, ``history_embeddings__<sequence>`` and so on.
     """
-    return tuple(
-        AttentionInputs(TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
-        if i == 0
-        else AttentionInputs(
-            *(
-                f"{name}__{group.primary.name}"
-                for name in (TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
-            )
-        )
-        for i, group in enumerate(spec.attention_groups)
-    )
+    suffixes = ["" if i == 0 else f"__{g.primary.name}" for i, g in enumerate(spec.attention_groups)]
+    return tuple(AttentionInputs(*(name + suffix for name in GROUP_INPUTS)) for suffix in suffixes)
 
 
 def sequence_inputs(spec: ModelSpec) -> tuple[str, ...]:
@@ -213,14 +204,8 @@ def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     ``dense_normalized`` only with numeric features that are not bucketized; the target, history
     and mask only with a sequence, then those of every further attention group.
     """
-    present = {SPARSE_EMBEDDINGS}
-    if spec.normalized_columns:
-        present.add(DENSE_NORMALIZED)
-    groups = attention_inputs(spec)
-    if groups:
-        present |= {TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK}
-    further = tuple(name for g in groups[1:] for name in (g.target, g.history, g.mask))
-    return tuple(name for name in DENSE_NET_INPUTS if name in present) + further
+    first = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS) if spec.normalized_columns else (SPARSE_EMBEDDINGS,)
+    return first + tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
 
 
 def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:

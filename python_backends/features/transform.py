@@ -9,9 +9,12 @@ Input layout per request (``B`` rows, names from the spec; ``ctr`` shown)::
     history_items      INT64 [B, W]    item ids, newest last, row r valid in [0, length[r])
     history_items__length INT32 [B, 1] 0..max_length
 
+A multi-hot feature sent as a list (``wire = "list"``) has a BYTES ``[B, W]`` tensor of its own; a
+spec with several attention groups has a sequence tensor per sequence and a length per group.
+
 Output: normalised dense values, one key per categorical feature (a time column gives one per
-part) and for the target, history keys padded to the sequence bucket of the longest row, and a
-mask (1.0 on real positions).
+part) and for each target, history keys of every sequence padded to the sequence bucket of the
+longest row (on each group's padding side), and a mask per group (1.0 on real positions).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+
 import numpy as np
 import pytest
 import tomllib
@@ -12,6 +14,8 @@ from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.build.export import example_inputs
 from recserve.build.synthetic import generate
+from recserve.clients.rows import read_rows
+from recserve.clients.writers import write_csv
 from recserve.spec import SpecError, load_spec, parse_spec, spec_path
 
 CART = ("target_embedding__cart_item_ids", "history_embeddings__cart_item_ids", "history_mask__cart_item_ids")
@@ -91,3 +95,24 @@ def test_the_built_in_network_attends_over_each_group_and_ignores_its_padding():
     moved = {**inputs, CART[1]: inputs[CART[1]].copy()}
     moved[CART[1]][:, :3] += 0.5  # the cart's real positions
     assert np.abs(score(moved) - base).max() > 1e-4
+
+
+def test_a_sequences_separator_is_how_files_write_and_read_its_ids(tmp_path):
+    doc = _doc()
+    _feature(doc, "hist_item_ids")["separator"] = "^"
+    _feature(doc, "cart_item_ids")["separator"] = "|"
+    spec = parse_spec(doc)
+    raw = generate(spec, 40, seed=6)
+    path = write_csv(tmp_path / "rows.csv", raw, spec)
+    with open(path, newline="") as fh:
+        table = list(csv.DictReader(fh))
+    many = next(r for r in table if len(r["hist_item_ids"].split("^")) > 2)
+    assert " " not in many["hist_item_ids"] and "^" not in many["hist_cate_ids"]
+    assert any("|" in r["cart_item_ids"] for r in table)
+    back = read_rows(path, spec).to_inputs(spec)
+    sent = raw.to_wire(spec)
+    for name in ("hist_item_ids", "hist_cate_ids", "cart_item_ids", "hist_item_ids__length"):
+        np.testing.assert_array_equal(back[name], sent[name], err_msg=name)
+    _feature(doc, "hist_item_ids")["separator"] = "-"
+    with pytest.raises(SpecError, match="separator '-' may not hold digits"):
+        parse_spec(doc)

@@ -208,3 +208,11 @@ def test_empty_l1_slots_never_match():
     store.refresh_cache(seed=tables["t0"].keys[:3])
     probe = np.arange(0, 64, dtype=np.int64)  # 0 is what empty slots would hold without care
     assert (store.lookup(probe, np.zeros(64, np.int16)).tiers == DEFAULT).all()
+
+
+def test_cluster_ports_and_their_bus_ports_lie_below_the_ephemeral_range():
+    from recserve.perf.redis_cluster import BUS_OFFSET, ephemeral_start, free_cluster_ports
+
+    ports = free_cluster_ports(6)
+    assert len(set(ports)) == 6
+    assert all(1024 < p and p + BUS_OFFSET < ephemeral_start() for p in ports)
