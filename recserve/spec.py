@@ -12,6 +12,7 @@ import math
 import re
 import zoneinfo
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -323,7 +324,7 @@ class ModelSpec:
         """The attention targets' names, each once (a target may attend over several sequences)."""
         return tuple(dict.fromkeys(t.name for t in self.targets))
 
-    @property
+    @cached_property
     def attention_groups(self) -> tuple[AttentionGroup, ...]:
         """The sequences and their targets, one group per set of positions, in spec order."""
         groups: list[tuple[list[SequenceFeature], list[CategoricalFeature]]] = []
@@ -361,6 +362,22 @@ class ModelSpec:
 
     def wire_inputs(self) -> tuple[WireTensor, ...]:
         """The raw-feature inputs of the ensemble, as clients send them."""
+        return self._inputs[0]
+
+    def user_inputs(self) -> tuple[WireTensor, ...]:
+        """The wire inputs a candidate list carries once per user: the sequences and their lengths."""
+        return self._inputs[1]
+
+    def candidate_inputs(self) -> tuple[WireTensor, ...]:
+        """The wire inputs a candidate list carries once per candidate (all but :meth:`user_inputs`)."""
+        return self._inputs[2]
+
+    @cached_property
+    def _inputs(self) -> tuple[tuple[WireTensor, ...], tuple[WireTensor, ...], tuple[WireTensor, ...]]:
+        """The wire inputs, those of them carried once per user, and those carried per candidate.
+
+        Computed once: every request reads them.
+        """
         tensors = []
         if self.dense is not None:
             width = len(self.dense.columns)
@@ -376,8 +393,11 @@ class ModelSpec:
         # a target attending over several sequences travels once
         tensors += [WireTensor(name, "INT64", (1,)) for name in self.target_names]
         tensors += [WireTensor(sequence.name, "INT64", (-1,), ragged=True) for sequence in self.sequences]
-        tensors += [WireTensor(group.length_input, "INT32", (1,)) for group in self.attention_groups]
-        return tuple(tensors)
+        lengths = [WireTensor(g.length_input, "INT32", (1,)) for g in self.attention_groups]
+        per_user = {s.name for s in self.sequences} | {t.name for t in lengths}
+        tensors += lengths
+        users = tuple(t for t in tensors if t.name in per_user)
+        return tuple(tensors), users, tuple(t for t in tensors if t.name not in per_user)
 
     @property
     def candidates_model(self) -> str | None:
@@ -387,18 +407,6 @@ class ModelSpec:
         and every other wire input per candidate, ``[users, candidates, ...]``.
         """
         return f"{self.name}_candidates" if self.sequences else None
-
-    def user_inputs(self) -> tuple[WireTensor, ...]:
-        """The wire inputs a candidate list carries once per user: the sequences and their lengths."""
-        if not self.sequences:
-            return ()
-        names = {s.name for s in self.sequences} | {g.length_input for g in self.attention_groups}
-        return tuple(t for t in self.wire_inputs() if t.name in names)
-
-    def candidate_inputs(self) -> tuple[WireTensor, ...]:
-        """The wire inputs a candidate list carries once per candidate (all but :meth:`user_inputs`)."""
-        users = set(self.user_inputs())
-        return tuple(t for t in self.wire_inputs() if t not in users)
 
     @property
     def table_names(self) -> tuple[str, ...]:
