@@ -130,7 +130,7 @@ class TrainingModel(nn.Module):
     def __init__(self, spec: ModelSpec, vocab: dict[str, Vocabulary]) -> None:
         super().__init__()
         self.spec = spec
-        tables = {name: nn.Embedding(v.oov + 1, spec.embedding_dim) for name, v in vocab.items()}
+        tables = {name: nn.Embedding(v.oov + 1, spec.tables[name].dim) for name, v in vocab.items()}
         for table in tables.values():
             nn.init.normal_(table.weight, std=0.05)
         self.embeddings = nn.ModuleDict(tables)
@@ -151,7 +151,9 @@ class TrainingModel(nn.Module):
             vectors = self.embeddings[feature.table](batch["multi"][:, span])
             columns.append((vectors * batch["weights"][:, span, None]).sum(dim=1))
             start += feature.max_length
-        named = {wire.DENSE_NORMALIZED: batch["dense"], wire.SPARSE_EMBEDDINGS: torch.stack(columns, dim=1)}
+        named = {wire.DENSE_NORMALIZED: batch["dense"]}
+        for name, width in wire.sparse_inputs(spec):  # the embeddings of each width, as served
+            named[name] = torch.stack([columns[i] for i in spec.sparse_slots(width)], dim=1)
         first = 0
         groups = zip(spec.attention_groups, wire.attention_inputs(spec), strict=True)
         for g, (group, names) in enumerate(groups):

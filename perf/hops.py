@@ -59,7 +59,7 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
         EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
     ]
     keys = (
-        WireTensor(wire.SPARSE_KEYS, "INT64", (spec.num_sparse,)),
+        WireTensor(wire.SPARSE_KEYS, "INT64", (len(spec.slot_dims),)),
         WireTensor(wire.TARGET_KEY, "INT64", (1,)),
         WireTensor(wire.HISTORY_KEYS, "INT64", (-1,), ragged=True),
     )

@@ -69,7 +69,7 @@ def explain(
                 "value": value,
                 "key": int(keys[row, column]),
                 "table": table,
-                "dim": store.dim,
+                "dim": store.table_dim(table),
                 "tier": TIERS[int(tiers[row, column])],
                 "version": store.version_of(table, result.snapshot),
             }

@@ -66,6 +66,12 @@ class EmbeddingLookup:
         self.key_inputs = (wire.SPARSE_KEYS,) + ((wire.MULTI_HOT_KEYS,) if group.multi_hot else ())
         self.key_inputs += (wire.TARGET_KEY, wire.HISTORY_KEYS) if spec.sequences else ()
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
+        #: per width of the spec's tables: its dense input, its slots and the width (None: one width)
+        self.widths = (
+            [(name, list(spec.sparse_slots(width)), width) for name, width in wire.sparse_inputs(spec)]
+            if spec.other_widths
+            else None
+        )
         # per attention group: its dense inputs and the span of its sequences (and targets)
         self.groups: list[tuple[wire.AttentionInputs, slice]] = []
         start = 0
@@ -202,15 +208,22 @@ class EmbeddingLookup:
             )
             pooled = np.einsum("bmd,mk->bkd", weighted, self.pooling)
             sparse = np.concatenate([np.asarray(sparse), pooled], axis=1)
-        out = {
-            wire.SPARSE_EMBEDDINGS: sparse,
-            wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0),
+        out: dict[str, np.ndarray | torch.Tensor] = {
+            wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0)
         }
+        if self.widths is None:  # every table of embedding_dim: the slots as they are
+            out[wire.SPARSE_EMBEDDINGS] = sparse
+        else:  # the store holds every vector at its widest width: each width's slots, cut to it
+            for name, slots, slot_width in self.widths:
+                out[name] = sparse[:, slots, :slot_width]
+            vectors = vectors[:, :, : self.spec.embedding_dim]  # the targets' and histories' width
         count = len(self.sequence_tables)
         if count:
             targets = vectors[:, single + multi :]
             owners, positions = checked[wire.HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
+            if self.widths is not None:
+                histories = histories[..., : self.spec.embedding_dim]
             # the sequences of a group (and their targets) are summed: one query, one sequence each
             for names, span in self.groups:
                 one = span.stop - span.start == 1

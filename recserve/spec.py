@@ -418,8 +418,24 @@ class ModelSpec:
 
     @property
     def num_sparse(self) -> int:
-        """Number of categorical embeddings fed to the interaction (single-valued and pooled multi-hot)."""
-        return len(self.categorical.features) + len(self.categorical.multi_hot)
+        """Number of categorical embeddings of ``embedding_dim`` (``sparse_embeddings``'s slots)."""
+        return len(self.sparse_slots(self.embedding_dim))
+
+    @property
+    def slot_dims(self) -> tuple[int, ...]:
+        """Each categorical embedding's width, in the order of :attr:`CategoricalGroup.slot_names`."""
+        group = self.categorical
+        tables = [f.table for f in group.features] + [f.table for f in group.multi_hot]
+        return tuple(self.tables[table].dim for table in tables)
+
+    @property
+    def other_widths(self) -> tuple[int, ...]:
+        """The widths of categorical tables other than ``embedding_dim``, ascending."""
+        return tuple(sorted(set(self.slot_dims) - {self.embedding_dim}))
+
+    def sparse_slots(self, width: int) -> tuple[int, ...]:
+        """The categorical embeddings of one width, as indices of :attr:`CategoricalGroup.slot_names`."""
+        return tuple(i for i, d in enumerate(self.slot_dims) if d == width)
 
     def sequence_bucket(self, length: int) -> int:
         """Smallest sequence bucket holding ``length`` positions (at least the first bucket)."""
@@ -764,8 +780,13 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     unused = sorted(set(tables) - set(used))
     if unused:
         raise SpecError(f"tables {unused} are used by no feature")
-    if any(t.dim != dim for t in tables.values()):
-        raise SpecError(f"every table must have embedding_dim={dim} for the dot interaction")
+    attending = sorted({t.table for t in targets} | {s.table for s in sequences})
+    narrow = [name for name in attending if tables[name].dim != dim]
+    if narrow:
+        raise SpecError(f"tables {narrow} of sequences and their targets must have embedding_dim={dim}")
+    slots = [f.table for f in features.categorical] + [f.table for f in features.multi_hot]
+    if not any(tables[table].dim == dim for table in slots):
+        raise SpecError(f"at least one categorical or multi-hot feature needs a table of embedding_dim={dim}")
     clashes = sorted({*inputs.ignore, inputs.label} & features.names)
     if clashes:
         raise SpecError(f"[inputs] names feature columns {clashes} as label or ignored")

@@ -34,7 +34,7 @@ def _update(args: argparse.Namespace) -> int:
     if args.table not in served.store.tables:
         raise ValueError(f"unknown table {args.table!r}; tables: {', '.join(served.store.table_names)}")
     check_ownership(served.store, args.table, keys)
-    version = served.updater.log.publish(args.table, keys, vectors, served.store.dim)
+    version = served.updater.log.publish(args.table, keys, vectors, served.store.table_dim(args.table))
     _announce(served, args.table, version)
     print(
         f"published {len(keys)} rows as version {version} of table {args.table!r}; "

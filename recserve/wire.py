@@ -68,8 +68,19 @@ GROUP_INPUTS = (TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
 
 
 def is_dense_net_input(name: str) -> bool:
-    """True for a name the dense network may take (:data:`DENSE_NET_INPUTS` or a further group's)."""
-    return name in DENSE_NET_INPUTS or name.partition("__")[0] in GROUP_INPUTS
+    """True for a name the dense network may take (:data:`DENSE_NET_INPUTS`, a further group's or width's)."""
+    return name in DENSE_NET_INPUTS or name.partition("__")[0] in (*GROUP_INPUTS, SPARSE_EMBEDDINGS)
+
+
+def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
+    """The categorical embeddings' tensors and their widths.
+
+    ``sparse_embeddings`` (``embedding_dim``), then ``sparse_embeddings__<width>`` per other table
+    width, ascending.
+    """
+    return ((SPARSE_EMBEDDINGS, spec.embedding_dim),) + tuple(
+        (f"{SPARSE_EMBEDDINGS}__{width}", width) for width in spec.other_widths
+    )
 
 
 def is_sequence_input(name: str) -> bool:
@@ -204,8 +215,10 @@ def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     ``dense_normalized`` only with numeric features that are not bucketized; the target, history
     and mask only with a sequence, then those of every further attention group.
     """
-    first = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS) if spec.normalized_columns else (SPARSE_EMBEDDINGS,)
-    return first + tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
+    first = (DENSE_NORMALIZED,) if spec.normalized_columns else ()
+    sparse = tuple(name for name, _ in sparse_inputs(spec))
+    groups = tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
+    return first + sparse + groups
 
 
 def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:
@@ -218,7 +231,6 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
     sigmoid). The built-in network and every imported ONNX follow this contract.
     """
     dim = spec.embedding_dim
-    features = spec.categorical.slot_names
     inputs = []
     if spec.dense is not None and spec.normalized_columns:
         numeric = [spec.dense.numeric[i] for i in spec.dense.normalized]
@@ -229,14 +241,16 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
                 DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{_span([c.name for c in numeric])}: {how}"
             )
         )
-    inputs.append(
-        ContractTensor(
-            SPARSE_EMBEDDINGS,
-            "FP32",
-            (-1, len(features), dim),
-            f"{_span(features)}: one embedding per feature, in this order",
+    for name, width in sparse_inputs(spec):
+        features = [spec.categorical.slot_names[i] for i in spec.sparse_slots(width)]
+        inputs.append(
+            ContractTensor(
+                name,
+                "FP32",
+                (-1, len(features), width),
+                f"{_span(features)}: one embedding per feature, in this order",
+            )
         )
-    )
     for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
         seq = group.primary
         target, history = (

@@ -55,10 +55,11 @@ class Bucket:
     def input_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         """Full shapes of the dense net's inputs at this bucket."""
         dim = spec.embedding_dim
-        shapes = {
-            wire.DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns)),
-            wire.SPARSE_EMBEDDINGS: (self.rows, spec.num_sparse, dim),
+        shapes: dict[str, tuple[int, ...]] = {
+            wire.DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns))
         }
+        for name, width in wire.sparse_inputs(spec):
+            shapes[name] = (self.rows, len(spec.sparse_slots(width)), width)
         for group in wire.attention_inputs(spec):
             shapes[group.target] = (self.rows, dim)
             shapes[group.history] = (self.rows, self.length, dim)

@@ -99,13 +99,20 @@ class CTRNet(nn.Module):
             self.bottom = _mlp([len(spec.normalized_columns), *spec.bottom_mlp], final_activation=True)
         if self.has_attention:
             self.attention = TargetAttention(dim, spec.attention_heads)
-        # bottom output, sparse, then per attention group its target and context
-        vectors = int(self.has_dense) + spec.num_sparse + 2 * len(self.groups)
+        # bottom output, sparse (every width), then per attention group its target and context
+        self.widths = wire.sparse_inputs(spec)[1:]
+        narrow = sum(len(spec.sparse_slots(width)) for _, width in self.widths)
+        vectors = int(self.has_dense) + spec.num_sparse + narrow + 2 * len(self.groups)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pair_index", rows * vectors + cols, persistent=False)
         self.top = _mlp([dim * int(self.has_dense) + len(rows), *spec.top_mlp, 1], final_activation=False)
         # the further groups' attentions (made last: a one-group network starts from the same weights)
         self.further = nn.ModuleList(TargetAttention(dim, spec.attention_heads) for _ in self.groups[1:])
+        # per other table width: each of its features projected to embedding_dim for the interaction
+        self.projections = nn.ParameterList(
+            nn.Parameter(torch.randn(len(spec.sparse_slots(width)), width, dim) / math.sqrt(width))
+            for _, width in self.widths
+        )
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Click probability [B, 1] from the tensors of :attr:`input_names`."""
@@ -114,6 +121,8 @@ class CTRNet(nn.Module):
     def score(self, named: dict[str, torch.Tensor], users: torch.Tensor | None = None) -> torch.Tensor:
         """Click probability [B, 1] from the named inputs (``users``: see :class:`TargetAttention`)."""
         parts = [named[wire.SPARSE_EMBEDDINGS]]
+        for (name, _), projection in zip(self.widths, self.projections, strict=True):
+            parts.append(torch.einsum("bfw,fwd->bfd", named[name], projection))
         head = []
         if self.has_dense:
             bottom = self.bottom(named[wire.DENSE_NORMALIZED])

@@ -240,8 +240,16 @@ def _decode_into(values: list, vectors: np.ndarray) -> np.ndarray:
     """Write the float32 rows of an MGET reply into ``vectors`` (absent keys untouched); found mask."""
     reply = np.array(values, dtype=object)
     found: np.ndarray = reply != None  # noqa: E711 - elementwise comparison: ``is not None`` tests the array
-    if found.any():
+    if not found.any():
+        return found
+    row_bytes = 4 * vectors.shape[1]
+    if all(len(value) == row_bytes for value in reply[found]):  # every row at the widest width
         vectors[found] = np.frombuffer(b"".join(reply[found]), np.float32).reshape(-1, vectors.shape[1])
+        return found
+    for row in np.flatnonzero(found):  # a narrower table's rows: the first columns, zeros after
+        value = np.frombuffer(reply[row], np.float32)
+        vectors[row, : value.size] = value
+        vectors[row, value.size :] = 0.0
     return found
 
 

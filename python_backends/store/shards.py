@@ -1,7 +1,7 @@
-"""L2 on disk: tables grouped into one shard per storage dtype, written as ``.npy`` and mapped back.
+"""L2 on disk: tables grouped into one shard per storage dtype and width, written as ``.npy`` and mapped back.
 
 A shard holds the rows of all its tables (then one default row per table) under one hash index, so
-one probe serves the keys of every feature stored in that dtype. The manifest lists every file with
+one probe serves the keys of every feature stored in that dtype and width. The manifest lists every file with
 its SHA-256; mapping verifies them.
 """
 
@@ -27,23 +27,20 @@ INDEX_ARRAYS = ("buckets", "overflow_keys", "overflow_rows")
 def plan_shards(
     tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]
 ) -> tuple[list[TableInfo], list[tuple[str, list[str]]]]:
-    """Group tables into one shard per storage dtype: rows of each table, then their default rows.
+    """Group tables into one shard per storage dtype and width: rows of each table, then their defaults.
 
     Returns:
         Each table's place, and per shard its dtype and member tables in row order.
     """
-    dims = {t.default.shape[0] for t in tables.values()}
-    if len(dims) != 1:
-        raise ArtifactError(f"every table needs the same embedding width, got {sorted(dims)}")
     names = sorted(tables)
-    by_dtype: dict[str, list[str]] = {}
+    by_kind: dict[tuple[str, int], list[str]] = {}
     for name in names:
         dtype = dtypes.get(name, "float32")
         if dtype not in STORAGE_DTYPES:
             raise ArtifactError(f"table {name!r}: storage dtype {dtype!r} is not one of {STORAGE_DTYPES}")
-        by_dtype.setdefault(dtype, []).append(name)
+        by_kind.setdefault((dtype, int(tables[name].default.shape[0])), []).append(name)
     infos, plan = [], []
-    for shard_number, (dtype, members) in enumerate(sorted(by_dtype.items())):
+    for shard_number, ((dtype, _), members) in enumerate(sorted(by_kind.items())):
         start, starts = 0, {}
         for name in members:
             starts[name] = start

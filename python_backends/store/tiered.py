@@ -112,16 +112,18 @@ class TieredStore:
         self.tables = {t.name: t for t in tables}
         self.table_names = tuple(t.name for t in sorted(tables, key=lambda t: t.table_id))
         self.shards = tuple(shards)
-        self.dim = int(self.shards[0].vectors.shape[1])
+        # vectors travel at the widest table's width; a narrower table's are zero-padded to it
+        self.dim = max(int(shard.vectors.shape[1]) for shard in self.shards)
         self.base_version = base_version
         self.options = options
         self.remote = remote
         self.compiled = compiled and KERNELS is not None  # the compiled loops, else the numpy path
         ids = sorted(tables, key=lambda t: t.table_id)
         self._table_shard = np.array([t.shard for t in ids], np.int16)
-        self._defaults = np.stack(
-            [self.shards[t.shard].vectors[t.default_row].astype(np.float32) for t in ids]
-        )
+        self._defaults = np.zeros((len(ids), self.dim), np.float32)
+        for t in ids:
+            default = self.shards[t.shard].vectors[t.default_row]
+            self._defaults[t.table_id, : default.shape[0]] = default
         self.tracker = FrequencyTracker(TRACKED_KEYS_PER_REFRESH, COUNT_DECAY)
         self.stats = StoreStats(np.zeros((len(ids), len(TIERS)), np.int64))
         self.snapshot = Snapshot(tuple(base_version for _ in ids))
@@ -129,6 +131,10 @@ class TieredStore:
         self.refreshed_at = time.monotonic()
 
     # ---- lookup --------------------------------------------------------------------------------
+    def table_dim(self, name: str) -> int:
+        """Width of one table's vectors as stored (:attr:`dim` is the widest table's)."""
+        return int(self.shards[self.tables[name].shard].vectors.shape[1])
+
     def table_id(self, name: str) -> int:
         """Numeric id of a table (its position in :attr:`table_names`)."""
         return self.tables[name].table_id
@@ -192,8 +198,17 @@ class TieredStore:
     ) -> np.ndarray:
         """Rows of ``keys[todo]`` held by ``rows`` (a shard or the delta rows).
 
+        Rows narrower than ``out`` (a shard of narrower tables) fill its first columns and zeros.
         Returns the positions it does not hold.
         """
+        width = rows.vectors.shape[1]
+        if width < out.shape[1]:  # the numpy path: the compiled gather writes whole rows of ``out``
+            found = rows.index.find(keys[todo])
+            hit = todo[found >= 0]
+            out[hit, :width] = rows.vectors.take(found[found >= 0], axis=0)
+            out[hit, width:] = 0.0
+            tiers[hit] = tier
+            return todo[found < 0]
         if self.compiled:
             probe = rows.probe
             assert probe is not None  # compiled: the kernels are loaded, so every row set has its probe

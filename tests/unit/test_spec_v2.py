@@ -50,9 +50,14 @@ def test_ctr_in_v2_form_is_todays_schema():
 def test_the_contract_follows_what_the_spec_has():
     ctr, avazu = load_spec("ctr"), load_spec("avazu")
     assert wire.dense_net_inputs(ctr) == wire.DENSE_NET_INPUTS
-    assert wire.dense_net_inputs(avazu) == (wire.SPARSE_EMBEDDINGS,)
+    narrow = ("sparse_embeddings__4", "sparse_embeddings__8")  # avazu's smallest tables
+    assert wire.dense_net_inputs(avazu) == (wire.SPARSE_EMBEDDINGS, *narrow)
     inputs, outputs = wire.dense_contract(avazu)
-    assert [(t.name, t.shape) for t in inputs] == [(wire.SPARSE_EMBEDDINGS, (-1, 23, 16))]
+    assert [(t.name, t.shape) for t in inputs] == [
+        (wire.SPARSE_EMBEDDINGS, (-1, 17, 16)),
+        (narrow[0], (-1, 4, 4)),
+        (narrow[1], (-1, 2, 8)),
+    ]
     assert outputs[0].name == wire.PROBABILITY
 
 

@@ -319,7 +319,9 @@ class StoreUpdater:
             k, v = record.arrays()
             if record.kind == "revert":
                 continue
-            check_delta(table, k, v, self.store.dim)
+            check_delta(table, k, v, self.store.table_dim(table))
+            if v.shape[1] < self.store.dim:  # the delta rows hold every table at the widest width
+                v = np.pad(np.asarray(v, np.float32), ((0, 0), (0, self.store.dim - v.shape[1])))
             check_ownership(self.store, table, k)
             keys.append(k)
             vectors.append(v)
