@@ -13,10 +13,11 @@ from recserve.spec import load_spec
 def format_contract(inputs: tuple[wire.ContractTensor, ...], outputs: tuple[wire.ContractTensor, ...]) -> str:
     """The contract as an aligned table (one line per tensor)."""
     lines = []
+    name_width = max(len(t.name) for t in (*inputs, *outputs)) + 2
     for kind, tensors in (("input", inputs), ("output", outputs)):
         for t in tensors:
             shape = "[" + ", ".join(str(d) for d in t.shape) + "]"
-            lines.append(f"{kind:<7}{t.name:<20}{t.dtype:<6}{shape:<14}{t.holds}")
+            lines.append(f"{kind:<7}{t.name:<{name_width}}{t.dtype:<6}{shape:<14}{t.holds}")
     return "\n".join(lines)
 
 

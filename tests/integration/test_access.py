@@ -120,8 +120,10 @@ def test_requests_over_the_cap_are_refused_at_once_with_unavailable(layer, tiny)
     )
     refused_ms = [done[i] for i in refused]
     served_ms = [done[i] for i in served]
-    # not queued: a refusal does not wait for the requests ahead of it (generous bounds, shared machine)
-    assert np.median(refused_ms) < np.median(served_ms), (np.median(refused_ms), np.median(served_ms))
+    # not queued: a refusal does not wait for the requests ahead of it. Queued behind 2 in flight, the
+    # median of 80 requests would wait about 20 service times; on a shared 2-core machine a refusal
+    # and a served request may take about as long (the client and the proxy share the cores).
+    assert np.median(refused_ms) < 4 * np.median(served_ms), (np.median(refused_ms), np.median(served_ms))
     assert max(refused_ms) < 1000, max(refused_ms)
 
     results: list[str] = []
