@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,15 @@ def infer_raw(module, client, spec: ModelSpec, inputs: dict[str, np.ndarray], **
     """Send ``inputs`` as they are and return ``probability``."""
     result = client.infer(spec.name, infer_inputs(module, inputs), **kwargs)
     return result.as_numpy("probability").reshape(-1)
+
+
+def run_perf(url: str, output: Path, *options: str) -> subprocess.CompletedProcess:
+    """``recserve perf`` against ``url`` (short windows, no in-process rate), its points in ``output``."""
+    return subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "perf", "--url", url, *options,
+         "--measurement-ms", "1500", "--output", str(output), "--no-inprocess"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
 
 
 def grpc_client(server) -> grpcclient.InferenceServerClient:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,6 +13,7 @@ from recserve import wire
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows
 from recserve.clients.writers import write_tsv
+from tests.integration.helpers import run_perf
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +131,7 @@ def test_perf_sends_candidate_lists_to_the_candidates_ensemble(server, spec, tmp
             return stats.inference_count
 
         before = lists()
-        done = subprocess.run(
-            [sys.executable, "-m", "recserve.cli", "perf", "--url", server.grpc_url, "--candidates", "40",
-             "--concurrency", "1:1", "--measurement-ms", "1500", "--output", str(out), "--no-inprocess"],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        done = run_perf(server.grpc_url, out, "--candidates", "40", "--concurrency", "1:1")
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         assert lists() - before >= 3  # perf_analyzer's requests were candidate lists
     assert f"{spec.candidates_model} over grpc, one user's 40 candidates per request" in done.stdout

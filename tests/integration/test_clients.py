@@ -11,6 +11,7 @@ from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
+from tests.integration.helpers import run_perf
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +95,7 @@ def test_predict_command_reports_a_bad_file_without_a_traceback(server, tmp_path
 
 def test_perf_command_runs_perf_analyzer_and_prints_its_table(server, tmp_path):
     out = tmp_path / "perf.csv"
-    done = subprocess.run(
-        [sys.executable, "-m", "recserve.cli", "perf", "--url", server.grpc_url, "--batch-size", "8",
-         "--concurrency", "1:2", "--measurement-ms", "1500", "--output", str(out), "--no-inprocess"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    done = run_perf(server.grpc_url, out, "--batch-size", "8", "--concurrency", "1:2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Composing models" in done.stdout and "embedding_lookup" in done.stdout
     lines = out.read_text().splitlines()
