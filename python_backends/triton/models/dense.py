@@ -56,7 +56,8 @@ class TritonPythonModel:
             ),
             lambda lists: execute_alone(lists, self.step.lists.input_names, self.score_list),
         )
-        if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
+        # published after every warm-up batch, so the counts are whole once the model is READY
+        if not served or time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
             self.metrics.publish(self.samples())
         return responses
