@@ -13,6 +13,7 @@ from tritonclient.utils import InferenceServerException
 from recserve import wire
 from recserve.build.synthetic import generate
 from recserve.perf.overload import Cores, pinned_capacity, run_overload
+from recserve.perf.stats import difference, snapshot
 from recserve.perf.traffic import scratch_repository
 from recserve.server import Ports, TritonServer
 
@@ -46,15 +47,21 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
             # deadline (a request may still be refused at the entry while a step catches up:
             # UNAVAILABLE is the only error allowed, and it restarts the count)
             request = generate(spec, 8, seed=3).to_wire(spec)
-            served, deadline = 0, time.monotonic() + RECOVERY_S
+            before = snapshot(server.http_url)
+            served, refused, last, deadline = 0, 0, "", time.monotonic() + RECOVERY_S
             while served < 20:
-                assert time.monotonic() < deadline, f"not 20 served in a row within {RECOVERY_S} s"
+                if time.monotonic() > deadline:
+                    steps = difference(before, snapshot(server.http_url), wire.STEPS)
+                    raise AssertionError(
+                        f"not 20 served in a row within {RECOVERY_S} s: {refused} refused, the last "
+                        f"with {last!r}\n{[s.as_dict() for s in steps]}\n{report.table()}"
+                    )
                 try:
                     infer_raw(grpcclient, client, spec, request, client_timeout=10)
                     served += 1
                 except InferenceServerException as exc:
                     assert exc.status() == "StatusCode.UNAVAILABLE", exc
-                    served = 0
+                    served, refused, last = 0, refused + 1, exc.message()
     half, spike, after = report.phases
     assert not report.failures and all(phase.failed == 0 for phase in report.phases), report.table()
     assert spike.shed > 0, "nothing was shed above capacity: is the queue profile in the configs?"
