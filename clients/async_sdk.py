@@ -130,7 +130,7 @@ class AsyncCTRClient(ClientBase):
         model = self.spec.candidates_model
         parts = [
             self._probabilities(
-                await self._infer(arrays, (PROBABILITY,), model), arrays[self.spec.categorical.name].shape[1]
+                await self._infer(arrays, (PROBABILITY,), model), arrays[self.spec.target_names[0]].shape[1]
             )
             for arrays in self._candidate_requests(user, candidates)
         ]

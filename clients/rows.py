@@ -43,7 +43,7 @@ from recserve.clients.fields import (
     text_array,
 )
 from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import ABSENT_ITEM, RawRows
+from recserve.wire import ABSENT_ITEM, RawRows, SideSequences
 
 LOGGER = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
 
 
 @dataclass
-class CriteoRows:
+class CriteoRows(SideSequences):
     """Parsed rows, column-wise as numpy arrays.
 
     Attributes:
@@ -131,24 +131,31 @@ class CriteoRows:
         return self._raw(self.labels.astype(np.float32))
 
     def user_runs(self, spec: ModelSpec) -> list[slice]:
-        """Consecutive rows of one user (``[inputs] user``) that share every sequence, as slices in order.
+        """Consecutive rows of one user (``[inputs] user``) that share every sequence and profile column.
 
-        Such rows are one candidate list: the same user at the same moment. A row whose user or
-        sequences differ from the row before starts a new run; without ``[inputs] user`` every row is
-        its own run.
+        Such rows are one candidate list: the same user at the same moment. A row whose user,
+        sequences or profile (``[inputs] profile``) differ from the row before starts a new run;
+        without ``[inputs] user`` every row is its own run.
         """
         rows = len(self)
         if not spec.inputs.user or rows == 0:
             return [slice(i, i + 1) for i in range(rows)]
-        column = [c.name for c in spec.categorical.raw_columns].index(spec.inputs.user)
-        users = self.categorical[:, column]
-        changed = np.ones(rows, dtype=bool)
-        changed[1:] = users[1:] != users[:-1]
+        changed = np.zeros(rows, dtype=bool)
+        raw, numeric = spec.categorical.columns, spec.numeric_columns
+        for name in spec.profile_columns:  # the user column among them
+            if name in raw:
+                columns = [self.categorical[:, raw.index(name)]]
+            else:
+                j = numeric.index(name)
+                columns = [self.dense[:, j], self.dense_missing[:, j]]
+            for values in columns:
+                changed[1:] |= values[1:] != values[:-1]
+        changed[0] = True
         for group in spec.attention_groups:
-            lengths = self.side.get(group.length_input, self.lengths)
+            lengths = self.lengths_of(group.length_input)
             changed[1:] |= lengths[1:] != lengths[:-1]
         for sequence in spec.sequences:
-            ids = self.side.get(sequence.name, self.history)
+            ids = self.sequence(sequence.name)
             changed[1:] |= (ids[1:] != ids[:-1]).any(axis=1)
         starts = [*np.flatnonzero(changed).tolist(), rows]
         return [slice(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
@@ -157,10 +164,8 @@ class CriteoRows:
         """The sequences of one row by name: the user context of a candidate list."""
         context = {}
         for group in spec.attention_groups:
-            length = int(self.side.get(group.length_input, self.lengths)[row])
-            context.update(
-                {s.name: self.side.get(s.name, self.history)[row, :length] for s in group.sequences}
-            )
+            length = int(self.lengths_of(group.length_input)[row])
+            context.update({s.name: self.sequence(s.name)[row, :length] for s in group.sequences})
         return context
 
     def _raw(self, labels: np.ndarray) -> RawRows:

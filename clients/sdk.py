@@ -37,7 +37,7 @@ from recserve.clients.errors import (
 from recserve.clients.rows import CriteoRows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
-from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER
+from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER, candidate_list_inputs
 
 LOGGER = logging.getLogger(__name__)
 
@@ -179,19 +179,22 @@ class ClientBase:
                 user_arrays[sequence.name][0, :length] = histories[sequence.name]
             user_arrays[group.length_input] = np.array([[length]], np.int32)
         for part in candidates.batches(spec.max_batch_size):
-            rows = part.to_inputs(spec)
-            yield {**user_arrays, **{t.name: rows[t.name][None] for t in spec.candidate_inputs()}}
+            yield {**user_arrays, **candidate_list_inputs(spec, part.to_inputs(spec))}
 
     def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
-        """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``)."""
+        """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``).
+
+        ``arrays``: the row form's wire inputs, or a candidate list's (its profile tensors among them).
+        """
+        spec = self.spec
+        dtypes = {t.name: t.dtype for t in (*spec.wire_inputs(), *spec.user_inputs())}
         result = []
-        for w in self.spec.wire_inputs():
-            array = arrays[w.name]
-            infer_input = module.InferInput(w.name, list(array.shape), w.dtype)
+        for name, array in arrays.items():
+            infer_input = module.InferInput(name, list(array.shape), dtypes[name])
             try:
                 infer_input.set_data_from_numpy(array)
             except Exception as exc:  # tritonclient raises InferenceServerException on bad data
-                raise InvalidRequestError(f"input '{w.name}': {exc}") from exc
+                raise InvalidRequestError(f"input '{name}': {exc}") from exc
             result.append(infer_input)
         return result
 
@@ -366,12 +369,13 @@ class CTRClient(ClientBase):
     def score_candidates(
         self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
     ) -> np.ndarray:
-        """Score one user's candidate list: the user's sequences are sent and looked up once.
+        """Score one user's candidate list: the user's sequences and profile are sent once.
 
         Args:
             user: each sequence of the spec by name (e.g. ``{"history_items": [...]}``), its item ids
                 oldest first, newest last; sequences sharing positions have the same length.
-            candidates: the candidate rows (their own sequence columns are ignored). More than
+            candidates: the candidate rows (their own sequence columns are ignored, and the user's
+                profile columns, ``[inputs] profile``, are read from the first row). More than
                 ``spec.max_batch_size`` candidates go in several requests.
 
         Returns:
@@ -384,9 +388,7 @@ class CTRClient(ClientBase):
         """
         model = self.spec.candidates_model
         parts = [
-            self._probabilities(
-                self._infer(arrays, 0, (), model), arrays[self.spec.categorical.name].shape[1]
-            )
+            self._probabilities(self._infer(arrays, 0, (), model), arrays[self.spec.target_names[0]].shape[1])
             for arrays in self._candidate_requests(user, candidates)
         ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)

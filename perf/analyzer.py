@@ -132,9 +132,11 @@ def measure(
     ``rows_per_s`` counts the candidates scored.
     """
     url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
-    model = spec.candidates_model if candidates else spec.name
-    if candidates and (model is None or batch_size != 1):
-        raise PerfError(f"candidate lists need a spec with a sequence and batch size 1 ({spec.name!r})")
+    model = spec.name
+    if candidates:
+        if spec.candidates_model is None or batch_size != 1:
+            raise PerfError(f"candidate lists need a spec with a sequence and batch size 1 ({spec.name!r})")
+        model = spec.candidates_model
     with tempfile.TemporaryDirectory() as tmp:
         root = workdir or Path(tmp)
         data = data or write_input_data(spec, root / "input_data.json", candidates=candidates)
@@ -150,7 +152,7 @@ def measure(
             csv_path,
             shared_memory,
             stability_percentage,
-            model or spec.name,
+            model,
         )
         wanted = len(concurrency_levels(concurrency))
         for attempt in range(3):

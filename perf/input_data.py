@@ -15,6 +15,7 @@ import numpy as np
 
 from recserve.build.synthetic import generate
 from recserve.spec import ModelSpec
+from recserve.wire import candidate_list_inputs
 
 DEFAULT_ROWS = 1024
 
@@ -48,9 +49,10 @@ def candidate_input_data(spec: ModelSpec, candidates: int, lists: int = 16, seed
         rows = raw.take(slice(user * candidates, (user + 1) * candidates))
         first = rows.take(slice(0, 1)).to_wire(spec)  # the user: the first row's sequences
         wire = rows.to_wire(spec)
-        arrays = {t.name: first[t.name] for t in spec.user_inputs()}
-        arrays.update({t.name: wire[t.name][None] for t in spec.candidate_inputs()})
-        entries.append({t.name: _entry(t.dtype, arrays[t.name]) for t in spec.wire_inputs()})
+        arrays = {t.name: first[t.name] for t in spec.user_inputs() if t.name in first}  # the sequences
+        arrays.update(candidate_list_inputs(spec, wire))
+        tensors = (*spec.user_inputs(), *spec.candidate_inputs())
+        entries.append({t.name: _entry(t.dtype, arrays[t.name]) for t in tensors})
     return {"data": entries}
 
 

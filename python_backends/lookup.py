@@ -259,8 +259,8 @@ class FeaturesToEmbeddings:
         self.histories = wire.sequence_inputs(spec)
         self.left_padded = wire.left_padded_inputs(spec)
         #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
-        self.candidate_input_names = tuple(t.name for t in wire.candidate_step_inputs(spec)) + tuple(
-            t.name for t in spec.user_inputs()
+        self.candidate_input_names = tuple(
+            dict.fromkeys(t.name for t in (*wire.candidate_step_inputs(spec), *spec.user_inputs()))
         )
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:

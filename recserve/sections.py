@@ -357,6 +357,8 @@ class InputsSection:
     # a categorical column naming the user: `recserve predict` sends a user's consecutive rows
     # that share their sequences as one candidate list
     user: str = ""
+    # columns describing the user (names may expand): a candidate list carries them once per user
+    profile: tuple[str, ...] = ()
 
 
 #: Value types of a categorical column as clients send it (all travel as strings in one BYTES tensor).

@@ -81,6 +81,28 @@ class WireTensor:
     optional: bool = False  # a request may leave it out (a step that takes two request forms)
 
 
+#: A candidate list's once-per-user part of a column-wise wire tensor: ``profile__categorical``.
+PROFILE_PREFIX = "profile__"
+
+
+@dataclass(frozen=True)
+class ProfilePart:
+    """A column-wise wire tensor split for candidate lists: profile columns once per user.
+
+    The tensor is the numeric values, their missing mask or the categorical strings; its profile
+    columns travel once per user, the others per candidate.
+    """
+
+    name: str  # the tensor of the row form; the candidates' part keeps this name
+    profile: tuple[int, ...]  # its columns sent once per user, as ``profile__<name>``
+    other: tuple[int, ...]  # its columns sent per candidate
+
+    @property
+    def profile_name(self) -> str:
+        """The once-per-user tensor's name."""
+        return PROFILE_PREFIX + self.name
+
+
 NUMPY_DTYPES: dict[str, Any] = {
     "FP32": "float32",
     "INT64": "int64",
@@ -220,12 +242,12 @@ class CategoricalGroup:
         """Raw column names, in the order of files and of :attr:`wire_columns` then :attr:`list_columns`."""
         return tuple(c.name for c in self.raw_columns)
 
-    @property
+    @cached_property  # read on every request
     def wire_columns(self) -> tuple[int, ...]:
         """Indices of the raw columns sent as the fields of the BYTES tensor ``categorical``, in its order."""
         return tuple(i for i, c in enumerate(self.raw_columns) if not c.as_list)
 
-    @property
+    @cached_property  # read on every request
     def list_columns(self) -> tuple[int, ...]:
         """Indices of the multi-hot columns sent as BYTES list tensors of their own (named like them)."""
         return tuple(i for i, c in enumerate(self.raw_columns) if c.as_list)
@@ -365,7 +387,11 @@ class ModelSpec:
         return self._inputs[0]
 
     def user_inputs(self) -> tuple[WireTensor, ...]:
-        """The wire inputs a candidate list carries once per user: the sequences and their lengths."""
+        """The wire inputs a candidate list carries once per user.
+
+        The sequences and their lengths, and the profile columns (see :attr:`profile_parts` and
+        :attr:`profile_lists`).
+        """
         return self._inputs[1]
 
     def candidate_inputs(self) -> tuple[WireTensor, ...]:
@@ -394,10 +420,57 @@ class ModelSpec:
         tensors += [WireTensor(name, "INT64", (1,)) for name in self.target_names]
         tensors += [WireTensor(sequence.name, "INT64", (-1,), ragged=True) for sequence in self.sequences]
         lengths = [WireTensor(g.length_input, "INT32", (1,)) for g in self.attention_groups]
-        per_user = {s.name for s in self.sequences} | {t.name for t in lengths}
+        per_user = {s.name for s in self.sequences} | {t.name for t in lengths} | set(self.profile_lists)
         tensors += lengths
-        users = tuple(t for t in tensors if t.name in per_user)
-        return tuple(tensors), users, tuple(t for t in tensors if t.name not in per_user)
+        users = [t for t in tensors if t.name in per_user]
+        candidates = [t for t in tensors if t.name not in per_user]
+        for part in self.profile_parts:
+            at = next(i for i, t in enumerate(candidates) if t.name == part.name)
+            users.append(WireTensor(part.profile_name, candidates[at].dtype, (len(part.profile),)))
+            if part.other:
+                candidates[at] = replace(candidates[at], dims=(len(part.other),))
+            else:
+                del candidates[at]
+        return tuple(tensors), tuple(users), tuple(candidates)
+
+    @cached_property
+    def profile_columns(self) -> tuple[str, ...]:
+        """The raw columns describing the user (``[inputs] user`` and ``profile``), in wire order."""
+        named = {self.inputs.user, *(n for p in self.inputs.profile for n in expand_names(p))} - {""}
+        numeric = self.dense.columns if self.dense else ()
+        return tuple(n for n in (*numeric, *self.categorical.columns) if n in named)
+
+    @cached_property
+    def profile_parts(self) -> tuple[ProfilePart, ...]:
+        """The column-wise wire tensors holding profile columns, split for candidate lists."""
+        profile = set(self.profile_columns)
+        parts = []
+        if self.dense is not None:
+            columns = self.dense.columns
+            inside = tuple(i for i, c in enumerate(columns) if c in profile)
+            outside = tuple(i for i, c in enumerate(columns) if c not in profile)
+            if inside:
+                parts += [
+                    ProfilePart(n, inside, outside) for n in (self.dense.name, self.dense_missing_input)
+                ]
+        group = self.categorical
+        names = [group.raw_columns[i].name for i in group.wire_columns]
+        inside = tuple(i for i, c in enumerate(names) if c in profile)
+        if inside:
+            parts.append(
+                ProfilePart(group.name, inside, tuple(i for i, c in enumerate(names) if c not in profile))
+            )
+        return tuple(parts)
+
+    @property
+    def profile_lists(self) -> tuple[str, ...]:
+        """The multi-hot list tensors among the profile columns: once per user in a candidate list."""
+        group = self.categorical
+        return tuple(
+            group.raw_columns[i].name
+            for i in group.list_columns
+            if group.raw_columns[i].name in self.profile_columns
+        )
 
     @property
     def candidates_model(self) -> str | None:
@@ -794,6 +867,15 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError(f"[inputs] user {inputs.user!r} is not a single-valued categorical column")
     if inputs.user and not sequences:
         raise SpecError(f"[inputs] user {inputs.user!r}: a spec without a sequence has no candidate lists")
+    columns = {c.name for c in features.numeric} | {c.name for c in features.raw_columns}
+    for pattern in inputs.profile:
+        unknown = [name for name in expand_names(pattern) if name not in columns]
+        if unknown:
+            raise SpecError(
+                f"[inputs] profile {pattern!r}: {unknown} not numeric, categorical or multi-hot columns"
+            )
+    if inputs.profile and not sequences:
+        raise SpecError("[inputs] profile: a spec without a sequence has no candidate lists")
     if net.bottom_mlp[-1] != dim:
         raise SpecError(f"bottom_mlp must end at embedding_dim={dim}, got {net.bottom_mlp[-1]}")
     batch_buckets = tuple(sorted(serving.batch_buckets))

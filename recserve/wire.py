@@ -118,10 +118,11 @@ def candidate_step_inputs(spec: ModelSpec) -> tuple[WireTensor, ...]:
     """
     if spec.candidates_model is None:
         return ()
+    profile = {p.profile_name for p in spec.profile_parts}
     return tuple(
         WireTensor(CANDIDATE_PREFIX + t.name, t.dtype, (-1, *t.dims), ragged=True, optional=True)
         for t in spec.candidate_inputs()
-    )
+    ) + tuple(replace(t, ragged=True, optional=True) for t in spec.user_inputs() if t.name in profile)
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,54 @@ def candidate_rows(
                 f"{shape[0]} x {shape[1]}",
             )
         rows[tensor.name] = array.reshape(shape[0] * shape[1], *array.shape[2:])
-    assert shape is not None  # a spec with sequences has per-candidate inputs
-    rows.update({t.name: inputs[t.name] for t in spec.user_inputs() if t.name in inputs})
-    return rows, np.repeat(np.arange(shape[0]), shape[1])
+    assert shape is not None  # a spec with sequences has per-candidate inputs (the targets)
+    users, count = shape
+    for part in spec.profile_parts:  # each candidate row gets its user's profile columns
+        profile = _per_user(inputs, part.profile_name, users, len(part.profile))
+        full = np.empty((users * count, len(part.profile) + len(part.other)), profile.dtype)
+        full[:, list(part.profile)] = np.repeat(profile, count, axis=0)
+        if part.other:
+            other = rows[part.name]
+            if other.shape[1] != len(part.other):
+                raise InvalidInput(part.name, f"has {other.shape[1]} columns, expected {len(part.other)}")
+            full[:, list(part.other)] = other
+        rows[part.name] = full
+    for name in spec.profile_lists:
+        rows[name] = np.repeat(_per_user(inputs, name, users), count, axis=0)
+    expanded = {*spec.profile_lists, *(p.profile_name for p in spec.profile_parts)}
+    rows.update(
+        {t.name: inputs[t.name] for t in spec.user_inputs() if t.name in inputs and t.name not in expanded}
+    )
+    return rows, np.repeat(np.arange(users), count)
+
+
+def _per_user(inputs: Mapping[str, np.ndarray], name: str, users: int, width: int = -1) -> np.ndarray:
+    """The once-per-user input ``name``, ``[users, width]`` (-1: any width); else InvalidInput naming it."""
+    array = inputs.get(name)
+    if array is None:
+        raise InvalidInput(name, "is required but missing")
+    if array.ndim != 2 or array.shape[0] != users or width not in (-1, array.shape[1]):
+        expected = f"[{users}, {'...' if width < 0 else width}]"
+        raise InvalidInput(name, f"has shape {list(array.shape)}, expected {expected} (one row per user)")
+    return array
+
+
+def candidate_list_inputs(spec: ModelSpec, rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One user's candidate list from the row form of its candidates (``[N, ...]`` each, by wire name).
+
+    Each per-candidate input as ``[1, N, ...]`` and the profile columns once, from the first row,
+    as ``[1, ...]``. The sequences and their lengths are left to the caller, who has the user's.
+    """
+    parts = {p.name: p for p in spec.profile_parts}
+    out = {}
+    for tensor in spec.candidate_inputs():
+        array = rows[tensor.name]
+        part = parts.get(tensor.name)
+        out[tensor.name] = (array if part is None else array[:, list(part.other)])[None]
+    for part in spec.profile_parts:
+        out[part.profile_name] = rows[part.name][:1, list(part.profile)]
+    out.update({name: rows[name][:1] for name in spec.profile_lists})
+    return out
 
 
 def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
@@ -577,8 +623,33 @@ def _is_ascii(value: object) -> bool:
     return isinstance(value, str) and value.isascii()
 
 
+class SideSequences:
+    """Rows with attention groups: the first group's arrays as attributes, the others in ``side``.
+
+    ``target``, ``history`` and ``lengths`` are the first group's; the other sequences and targets
+    are in ``side`` by name, and so are the lengths of every further group, by its length input.
+    """
+
+    target: np.ndarray
+    history: np.ndarray
+    lengths: np.ndarray
+    side: dict[str, np.ndarray]
+
+    def sequence(self, name: str) -> np.ndarray:
+        """Ids ``[N, W]`` of one sequence (the first is ``history``)."""
+        return self.side.get(name, self.history)
+
+    def lengths_of(self, length_input: str) -> np.ndarray:
+        """Lengths ``[N]`` of the attention group whose length input is named so (the first: ``lengths``)."""
+        return self.side.get(length_input, self.lengths)
+
+    def target_ids(self, name: str) -> np.ndarray:
+        """int64 ids ``[N]`` of one attention target (the first is ``target``; -1: absent)."""
+        return self.side.get(name, self.target).astype(np.int64)
+
+
 @dataclass
-class RawRows:
+class RawRows(SideSequences):
     """Raw feature values of ``N`` rows, as a client would have them.
 
     Parts the spec lacks are empty: ``dense`` ``[N, 0]`` without numeric features; without a
@@ -604,18 +675,6 @@ class RawRows:
         """Rows selected by a slice or an index array."""
         parts = {name: getattr(self, name)[index] for name in self.__dataclass_fields__ if name != "side"}
         return RawRows(**parts, side={name: values[index] for name, values in self.side.items()})
-
-    def sequence(self, name: str) -> np.ndarray:
-        """Ids ``[N, W]`` of one sequence (the first is ``history``)."""
-        return self.side.get(name, self.history)
-
-    def lengths_of(self, length_input: str) -> np.ndarray:
-        """Lengths ``[N]`` of the attention group whose length input is named so (the first: ``lengths``)."""
-        return self.side.get(length_input, self.lengths)
-
-    def target_ids(self, name: str) -> np.ndarray:
-        """int64 ids ``[N]`` of one attention target (the first is ``target``; -1: absent)."""
-        return self.side.get(name, self.target).astype(np.int64)
 
     def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
         """Request tensors of the spec's ensemble for these rows (history width = longest row)."""

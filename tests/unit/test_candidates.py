@@ -23,15 +23,29 @@ from tests.unit.test_lookup import spec_store
 
 
 def user_rows(spec, users=2, candidates=3, seed=4):
-    """Row-form inputs where each user's candidates carry that user's sequences, and the same as lists."""
+    """Row-form inputs where each user's candidates carry that user's sequences and profile, and the
+    same as lists.
+    """
     inputs = generate(spec, users * candidates, seed).to_wire(spec)
     first = np.repeat(np.arange(users) * candidates, candidates)  # each row's user's first row
-    user_names = [t.name for t in spec.user_inputs()]
-    rows = {name: (array[first] if name in user_names else array) for name, array in inputs.items()}
-    lists = {name: rows[name][::candidates] for name in user_names}
-    for tensor in spec.candidate_inputs():
-        array = rows[tensor.name]
-        lists[wire.CANDIDATE_PREFIX + tensor.name] = array.reshape(users, candidates, *array.shape[1:])
+    sequences = [t.name for t in spec.user_inputs() if t.name in inputs and t.name not in spec.profile_lists]
+    rows = {name: (array[first] if name in sequences else array) for name, array in inputs.items()}
+    for part in spec.profile_parts:
+        rows[part.name][:, list(part.profile)] = rows[part.name][first][:, list(part.profile)]
+    for name in spec.profile_lists:
+        rows[name] = rows[name][first]
+    each = [
+        wire.candidate_list_inputs(
+            spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()}
+        )
+        for u in range(users)
+    ]
+    lists = {name: rows[name][::candidates] for name in sequences}
+    names = {t.name for t in spec.candidate_inputs()}
+    for name in each[0]:
+        lists[wire.CANDIDATE_PREFIX + name if name in names else name] = np.concatenate(
+            [e[name] for e in each]
+        )
     return rows, lists
 
 
@@ -131,6 +145,44 @@ def test_bad_candidate_lists_name_the_input_the_client_sent(spec):
         step.candidates(dict(lists, **{length: np.repeat(lists[length], 2, axis=0)}))
 
 
+def test_a_users_profile_travels_once_and_a_bad_one_names_its_input():
+    taobao = load_spec("taobao")
+    rows, lists = user_rows(taobao, users=2, candidates=3)
+    assert taobao.profile_columns == (
+        "clicks_7d", "user", "cms_segid", "cms_group_id", "final_gender_code", "age_level",
+        "shopping_level", "tags",
+    )  # fmt: skip
+    categorical = lists[wire.CANDIDATE_PREFIX + taobao.categorical.name]
+    assert lists["profile__categorical"].shape == (2, 6) and categorical.shape == (2, 3, 4)
+    assert lists["profile__dense"].shape == (2, 1) and lists["tags"].shape[0] == 2
+    got, users = wire.candidate_rows(taobao, lists)
+    for name in ("categorical", "dense", "dense__missing", "tags"):
+        np.testing.assert_array_equal(got[name], rows[name], err_msg=name)
+    assert users.tolist() == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(InvalidInput, match="'profile__categorical': is required but missing"):
+        wire.candidate_rows(taobao, {k: v for k, v in lists.items() if k != "profile__categorical"})
+    with pytest.raises(InvalidInput, match="'profile__dense': has shape \\[1, 1\\], expected \\[2, 1\\]"):
+        wire.candidate_rows(taobao, dict(lists, profile__dense=lists["profile__dense"][:1]))
+    with pytest.raises(InvalidInput, match="'tags': has shape \\[6, 8\\], expected \\[2, ...\\]"):
+        wire.candidate_rows(taobao, dict(lists, tags=np.repeat(lists["tags"], 3, axis=0)))
+    narrow = dict(lists, **{wire.CANDIDATE_PREFIX + "categorical": categorical[:, :, :3]})
+    with pytest.raises(InvalidInput, match="'categorical': has 3 columns, expected 4"):
+        wire.candidate_rows(taobao, narrow)
+
+
+def test_profile_columns_are_columns_of_a_spec_with_a_sequence():
+    doc = tomllib.loads(spec_path("taobao").read_text())
+    doc["inputs"]["profile"] = ["age_level", "hist_item_ids"]
+    with pytest.raises(
+        SpecError, match="profile 'hist_item_ids': \\['hist_item_ids'\\] not numeric, categorical"
+    ):
+        parse_spec(doc)
+    avazu = tomllib.loads(spec_path("avazu").read_text())
+    avazu.setdefault("inputs", {})["profile"] = ["device_id", "device_ip"]
+    with pytest.raises(SpecError, match="profile: a spec without a sequence has no candidate lists"):
+        parse_spec(avazu)
+
+
 def test_the_candidates_ensemble_feeds_the_lookup_both_forms_and_batches_rows(spec):
     built = configs.all_configs(spec)
     ensemble, lookup = built[spec.candidates_model], built[wire.EMBEDDING_LOOKUP]
@@ -157,11 +209,16 @@ def test_a_spec_without_sequences_has_no_candidates_ensemble():
 
 
 def with_runs(spec, raw, runs):
-    """``raw`` rewritten so that each run of rows has its first row's user and sequences."""
-    column = [c.name for c in spec.categorical.raw_columns].index(spec.inputs.user)
+    """``raw`` rewritten so that each run of rows has its first row's user, profile and sequences."""
+    columns = [
+        spec.categorical.columns.index(n) for n in spec.profile_columns if n in spec.categorical.columns
+    ]
+    numeric = [spec.numeric_columns.index(n) for n in spec.profile_columns if n in spec.numeric_columns]
     for run in runs:
         first = run.start
-        raw.categorical[run, column] = raw.categorical[first, column]
+        raw.categorical[run, columns] = raw.categorical[first, columns]
+        raw.dense[run, numeric] = raw.dense[first, numeric]
+        raw.dense_missing[run, numeric] = raw.dense_missing[first, numeric]
         raw.lengths[run] = raw.lengths[first]
         raw.history[run] = raw.history[first]
         for name, values in raw.side.items():
@@ -182,6 +239,11 @@ def test_a_users_consecutive_rows_with_the_same_sequences_are_one_run(tmp_path):
     assert read_rows(write_csv(tmp_path / "moved.csv", raw, taobao), taobao).user_runs(taobao)[:2] == [
         slice(0, 2),
         slice(2, 3),
+    ]
+    raw.dense[8:, taobao.numeric_columns.index("clicks_7d")] += 1  # a profile column changed: a new run
+    assert read_rows(write_csv(tmp_path / "clicked.csv", raw, taobao), taobao).user_runs(taobao)[-2:] == [
+        slice(7, 8),
+        slice(8, 10),
     ]
     ctr = load_spec("ctr")  # no [inputs] user: every row alone
     ctr_rows = read_rows(write_csv(tmp_path / "ctr.csv", generate(ctr, 3, seed=1), ctr), ctr)
@@ -205,7 +267,7 @@ def test_perf_input_data_for_candidate_lists_holds_one_users_list_per_entry(name
     document = candidate_input_data(spec, candidates=5, lists=3, seed=2)
     assert len(document["data"]) == 3
     for entry in document["data"]:
-        assert set(entry) == {t.name for t in spec.wire_inputs()}
+        assert set(entry) == {t.name for t in (*spec.user_inputs(), *spec.candidate_inputs())}
         for tensor in spec.candidate_inputs():
             assert entry[tensor.name]["shape"][:2] == [1, 5]
         for tensor in spec.user_inputs():
