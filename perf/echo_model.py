@@ -30,6 +30,8 @@ class TritonPythonModel:
         parameters = config["parameters"]
         self.width_from = parameters["width_from"]["string_value"]
         self.buckets = [int(b) for b in parameters["width_buckets"]["string_value"].split(",") if b]
+        # a [-1] output packing several tensors: fixed values plus per_position values per position
+        self.fixed, self.per_position = (int(n) for n in parameters["packed"]["string_value"].split(","))
 
     def execute(self, requests: list) -> list:
         """One response of zeros per request."""
@@ -41,8 +43,14 @@ class TritonPythonModel:
             rows = len(arrays[self.inputs[0]])
             width = arrays[self.width_from].shape[1] if self.width_from in arrays else 1
             width = next((b for b in self.buckets if b >= width), width)  # as the real step pads
+            packed = self.fixed + self.per_position * width  # a [-1] output (the width itself unless packed)
             tensors = [
-                pb_utils.Tensor(name, np.zeros([rows, *(width if d < 0 else d for d in dims)], dtype))
+                pb_utils.Tensor(
+                    name,
+                    np.zeros(
+                        [rows, *((packed if len(dims) == 1 else width) if d < 0 else d for d in dims)], dtype
+                    ),
+                )
                 for name, dtype, dims in self.outputs
             ]
             responses.append(pb_utils.InferenceResponse(output_tensors=tensors))

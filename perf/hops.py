@@ -3,13 +3,16 @@
 Every Python-backend hop costs cross-process wake-ups and tensor copies whatever it computes. To
 know that floor, one tritonserver serves, next to the real ensemble, **echo** ensembles: steps with
 the same inputs and outputs (names, dtypes, shapes, bytes) and the same dynamic batching, whose
-``model.py`` (:mod:`recserve.perf.echo_model`) returns zeros without computing anything. Two echo
-topologies are measured: the served one (``embedding_lookup`` → ``dense``) and the previous
-three-step one (``feature_transform`` → ``embedding_lookup`` → ``dense``, keys crossing a hop), so
-the report says what the floor of each shape is and how close the served ensemble is to its own.
+``model.py`` (:mod:`recserve.perf.echo_model`) returns zeros without computing anything. Three echo
+topologies are measured: the served one (``embedding_lookup`` → ``dense``, the dense network's
+inputs packed into one tensor), the same with those inputs passed by name (one tensor each), and
+the previous three-step one (``feature_transform`` → ``embedding_lookup`` → ``dense``, keys
+crossing a hop), so the report says what the floor of each shape is, what packing saves, and how
+close the served ensemble is to its own floor.
 
-Batch-1 requests, one in flight, closed loop, from one gRPC client; the systems take turns for
-``rounds`` rounds and each figure is the median over the rounds. The in-process p50 (the same
+Batch-1 requests, one in flight, closed loop, from one gRPC client; the systems take turns request
+by request (a system measured after another would pay for what the other left running), for
+``rounds`` rounds, and each figure is the median over the rounds. The in-process p50 (the same
 pipeline called directly, ONNX Runtime buckets) is measured in the same run, with the server idle.
 ``hop_floor_ratio`` = (served p50 − in-process p50) / echo p50 of the served topology: 1.0 means
 the server adds exactly the floor of its shape to the computation.
@@ -32,11 +35,15 @@ from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.perf.inprocess import measure_inprocess
 from recserve.perf.stats import StepTimes, difference, snapshot
-from recserve.perf.traffic import closed_loop
+from recserve.perf.traffic import closed_loop, interleaved
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec, WireTensor
 
 ECHO_ADAPTER = "echo_model.py"
+#: The served shape with the dense network's inputs passed by name, not packed into one tensor:
+#: an echo ensemble, and the served steps chained so (``<spec>_named``).
+NAMED_SUFFIX = "_named"
+NAMED = "echo_2_hops" + NAMED_SUFFIX
 
 
 @dataclass(frozen=True)
@@ -47,16 +54,27 @@ class EchoStep:
     inputs: tuple[WireTensor, ...]
     outputs: tuple[WireTensor, ...]
     width_from: str
+    # a ``[-1]`` output packing several tensors is ``fixed + per_position × width`` wide
+    packed: tuple[int, int] = (0, 1)
 
 
 def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
-    """The served two-step shape and the earlier three-step one (keys between transform and lookup)."""
-    io = configs.step_io(spec)
+    """The served two-step shape, the same with the dense inputs by name, and the earlier three steps.
+
+    The three-step shape passed keys between the feature transform and the lookup.
+    """
+    io, named = configs.step_io(spec), configs.named_io(spec)
     t = configs.intermediate_tensors(spec)
     _, sequence = spec.attention("bench-hops")
+    packing = wire.dense_packing(spec)
     served = [
-        EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], sequence.name),
-        EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
+        EchoStep(
+            wire.EMBEDDING_LOOKUP,
+            *io[wire.EMBEDDING_LOOKUP],
+            sequence.name,
+            (packing.fixed, packing.per_position),
+        ),
+        EchoStep(wire.DENSE, *io[wire.DENSE], wire.PACKED_INPUTS),
     ]
     keys = (
         WireTensor(wire.SPARSE_KEYS, "INT64", (len(spec.slot_dims),)),
@@ -72,9 +90,13 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
             sequence.name,
         ),
         EchoStep(wire.EMBEDDING_LOOKUP, keys, (*vectors, t[wire.EMBEDDING_VERSION]), wire.HISTORY_KEYS),
-        EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
+        EchoStep(wire.DENSE, *named[wire.DENSE], wire.HISTORY_MASK),
     ]
-    return {"echo_2_hops": served, "echo_3_hops": three}
+    by_name = [
+        EchoStep(wire.EMBEDDING_LOOKUP, *named[wire.EMBEDDING_LOOKUP], sequence.name),
+        EchoStep(wire.DENSE, *named[wire.DENSE], wire.HISTORY_MASK),
+    ]
+    return {"echo_2_hops": served, "echo_3_hops": three, NAMED: by_name}
 
 
 def ensemble_outputs(steps: list[EchoStep]) -> list[WireTensor]:
@@ -104,6 +126,7 @@ def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str,
         config.dynamic_batching.preferred_batch_size.extend(plan.preferred_batch_sizes)
         config.parameters["width_from"].string_value = step.width_from
         config.parameters["width_buckets"].string_value = ",".join(str(b) for b in spec.sequence_buckets)
+        config.parameters["packed"].string_value = ",".join(str(n) for n in step.packed)
         result[config.name] = config
     result[name] = mc.ModelConfig(
         name=name,
@@ -133,8 +156,13 @@ def write_hops_repository(spec: ModelSpec, source: Path, target: Path) -> dict[s
         Every ensemble to measure, with the names of its steps.
     """
     configs.write_variant(spec, source, target)
+    by_name = configs.ensemble_config(spec, by_name=True)
+    by_name.name = spec.name + NAMED_SUFFIX
+    (target / by_name.name / "1").mkdir(parents=True)
+    (target / by_name.name / "config.pbtxt").write_text(configs.render(by_name))
     adapter = resources.files("recserve.perf").joinpath(ECHO_ADAPTER).read_text()
-    systems: dict[str, tuple[str, ...]] = {spec.name: wire.STEPS}
+    # the by-name ensemble shares the served steps: their statistics (of both) are under the spec's
+    systems: dict[str, tuple[str, ...]] = {spec.name: wire.STEPS, by_name.name: ()}
     for name, steps in topologies(spec).items():
         for model, config in echo_configs(spec, name, steps).items():
             (target / model / "1").mkdir(parents=True)
@@ -168,12 +196,12 @@ def run_hops(
             for system in systems:  # warm-up: first requests allocate and compile
                 closed_loop(client, system, pool, 20)
             for _ in range(rounds):
+                before = snapshot(server.http_url)
+                latencies = interleaved(client, list(systems), pool, requests)
+                after = snapshot(server.http_url)
                 for system, models in systems.items():
-                    before = snapshot(server.http_url)
-                    latencies = closed_loop(client, system, pool, requests)
-                    steps = difference(before, snapshot(server.http_url), models)
-                    p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99]))
-                    results[system].append(Latency(system, p50, p99, steps))
+                    p50, p99 = (float(v) for v in np.percentile(latencies[system], [50, 99]))
+                    results[system].append(Latency(system, p50, p99, difference(before, after, models)))
     inprocess = [measure_inprocess(spec, repository, 1, seconds=2.0).p50_ms for _ in range(rounds)]
     return summarize(spec, results, inprocess)
 
@@ -211,13 +239,15 @@ def summarize(
         "inprocess_p50_ms": inprocess_p50,
         "hop_floor_ratio": (served - inprocess_p50) / floor,
         "third_hop_floor_ms": float(table["echo_3_hops"]["p50_ms"]) - floor,
+        "packing_saving_ms": float(table[NAMED]["p50_ms"]) - floor,
+        "served_packing_saving_ms": float(table[spec.name + NAMED_SUFFIX]["p50_ms"]) - served,
         "rounds": len(next(iter(results.values()))),
     }
 
 
 def format_report(summary: dict[str, object]) -> str:
     """The summary as a table, then the ratios."""
-    lines = [f"{'system':<14}{'p50 ms':>8}{'p99 ms':>8}   per step: queue / compute ms"]
+    lines = [f"{'system':<20}{'p50 ms':>8}{'p99 ms':>8}   per step: queue / compute ms"]
     systems = summary["systems"]
     assert isinstance(systems, dict)
     for system, row in systems.items():
@@ -225,11 +255,13 @@ def format_report(summary: dict[str, object]) -> str:
             f"{name.removeprefix(system + '_')} {s['queue_ms']:.2f} / {s['compute_ms']:.2f}"
             for name, s in row["steps"].items()
         )
-        lines.append(f"{system:<14}{row['p50_ms']:>8.2f}{row['p99_ms']:>8.2f}   {steps}")
-    lines.append(f"{'in process':<14}{summary['inprocess_p50_ms']:>8.2f}")
+        lines.append(f"{system:<20}{row['p50_ms']:>8.2f}{row['p99_ms']:>8.2f}   {steps}")
+    lines.append(f"{'in process':<20}{summary['inprocess_p50_ms']:>8.2f}")
     lines.append(
         f"hop_floor_ratio {summary['hop_floor_ratio']:.2f} (target <= 1.3); "
-        f"the third hop of the earlier shape cost {summary['third_hop_floor_ms']:.2f} ms at the floor"
+        f"the third hop of the earlier shape cost {summary['third_hop_floor_ms']:.2f} ms at the floor; "
+        f"packing the tensors between the steps into one saved {summary['packing_saving_ms']:.2f} ms "
+        f"at the floor and {summary['served_packing_saving_ms']:.2f} ms served"
     )
     return "\n".join(lines)
 

@@ -189,9 +189,27 @@ def closed_loop(
     client: grpcclient.InferenceServerClient, model: str, requests: list[dict[str, np.ndarray]], count: int
 ) -> np.ndarray:
     """Milliseconds of ``count`` requests (cycling through ``requests``) sent one after another."""
-    latencies = np.empty(count)
+    return interleaved(client, [model], requests, count)[model]
+
+
+def interleaved(
+    client: grpcclient.InferenceServerClient,
+    models: list[str],
+    requests: list[dict[str, np.ndarray]],
+    count: int,
+) -> dict[str, np.ndarray]:
+    """Milliseconds of ``count`` requests to each model, one in flight, the models taking turns.
+
+    Request by request, each turn starting one model further on, so that no model gains or loses
+    from its place in the order: the machine's slow spells and whatever one model's stubs leave
+    running fall on all of them alike.
+    """
+    latencies = {model: np.empty(count) for model in models}
     for i in range(count):
-        started = time.perf_counter()
-        client.infer(model, infer_inputs(grpcclient, requests[i % len(requests)]))
-        latencies[i] = time.perf_counter() - started
-    return latencies * 1e3
+        inputs = infer_inputs(grpcclient, requests[i % len(requests)])
+        turn = i % len(models)
+        for model in (*models[turn:], *models[:turn]):
+            started = time.perf_counter()
+            client.infer(model, inputs)
+            latencies[model][i] = time.perf_counter() - started
+    return {model: values * 1e3 for model, values in latencies.items()}

@@ -155,12 +155,12 @@ class DenseGroup:
     name: str
     numeric: tuple[NumericColumn, ...]
 
-    @property
+    @cached_property  # these are read on every request
     def columns(self) -> tuple[str, ...]:
         """Column names in wire order."""
         return tuple(c.name for c in self.numeric)
 
-    @property
+    @cached_property
     def normalized(self) -> tuple[int, ...]:
         """Indices of the columns that are dense values (``dense_normalized``), not bucketized."""
         return tuple(i for i, c in enumerate(self.numeric) if not c.boundaries)
@@ -372,12 +372,12 @@ class ModelSpec:
             raise SpecError(f"{needed_by} needs a spec with a sequence feature; {self.name!r} has none")
         return self.target, self.sequence
 
-    @property
+    @cached_property  # these are read on every request
     def numeric_columns(self) -> tuple[str, ...]:
         """Names of the numeric columns on the wire (none when the spec has no numeric feature)."""
         return self.dense.columns if self.dense else ()
 
-    @property
+    @cached_property
     def normalized_columns(self) -> tuple[str, ...]:
         """Names of the numeric columns the dense network gets as ``dense_normalized`` (not bucketized)."""
         return tuple(self.numeric_columns[i] for i in self.dense.normalized) if self.dense else ()
@@ -494,7 +494,7 @@ class ModelSpec:
         """Number of categorical embeddings of ``embedding_dim`` (``sparse_embeddings``'s slots)."""
         return len(self.sparse_slots(self.embedding_dim))
 
-    @property
+    @cached_property
     def slot_dims(self) -> tuple[int, ...]:
         """Each categorical embedding's width, in the order of :attr:`CategoricalGroup.slot_names`."""
         group = self.categorical

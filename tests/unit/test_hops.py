@@ -2,7 +2,7 @@
 
 from recserve import wire
 from recserve.build import configs
-from recserve.perf.hops import echo_configs, topologies
+from recserve.perf.hops import NAMED, echo_configs, ensemble_outputs, topologies
 
 
 def test_the_served_echo_topology_has_the_served_steps_tensors(spec):
@@ -32,3 +32,14 @@ def test_echo_steps_batch_as_the_served_steps_and_the_ensemble_chains_them(spec)
         assert config.backend == "python" and config.max_batch_size == spec.max_batch_size
         assert config.dynamic_batching.max_queue_delay_microseconds == served.max_queue_delay_microseconds
         assert list(config.dynamic_batching.preferred_batch_size) == list(served.preferred_batch_size)
+
+
+def test_the_served_echo_packs_the_dense_inputs_the_named_one_passes_them_each(spec):
+    served, named = topologies(spec)["echo_2_hops"], topologies(spec)[NAMED]
+    assert [t.name for t in served[1].inputs] == [wire.PACKED_INPUTS]
+    assert [t.name for t in named[1].inputs] == list(wire.dense_net_inputs(spec))
+    packing = wire.dense_packing(spec)
+    assert served[0].packed == (packing.fixed, packing.per_position)
+    assert packing.fixed == len(spec.normalized_columns) + (spec.num_sparse + 1) * spec.embedding_dim
+    assert packing.per_position == spec.embedding_dim + 1  # a history embedding and its mask
+    assert [t.name for t in ensemble_outputs(served)] == [t.name for t in ensemble_outputs(named)]
