@@ -47,7 +47,6 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
         WireTensor(wire.PROBABILITY, "FP32", (1,)),
         WireTensor(wire.DENSE_VERSION, "INT64", (1,)),
         WireTensor(wire.EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
-        WireTensor(wire.PACKED_INPUTS, "FP32", (-1,), ragged=True),
     )
     return {t.name: t for t in items}
 
@@ -55,27 +54,7 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
 def step_io(
     spec: ModelSpec, profile: str = "cpu"
 ) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
-    """What travels between the ensemble's steps: on ``cpu`` the dense network's inputs packed.
-
-    One tensor (:class:`recserve.wire.Packing`) crosses the hop instead of one per input. On the
-    GPU profiles they travel by name (:func:`named_io`): a TensorRT ``dense`` takes them so, and
-    ``cuda`` keeps them on the GPU.
-    """
-    named = named_io(spec, profile)
-    if profile != "cpu":
-        return named
-    t = intermediate_tensors(spec)
-    packed, version = t[wire.PACKED_INPUTS], t[wire.EMBEDDING_VERSION]
-    return {
-        wire.EMBEDDING_LOOKUP: (named[wire.EMBEDDING_LOOKUP][0], (packed, version)),
-        wire.DENSE: ((packed,), named[wire.DENSE][1]),
-    }
-
-
-def named_io(
-    spec: ModelSpec, profile: str = "cpu"
-) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
-    """Inputs and outputs of each ensemble step, the dense network's inputs by name.
+    """Inputs and outputs of each ensemble step.
 
     ``embedding_lookup`` takes the raw features and returns the dense network's inputs (and the
     table versions); a TensorRT ``dense``, profile ``gpu``, has no version output.
@@ -92,7 +71,7 @@ def named_io(
 
 
 def candidate_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
-    """What each Python step takes and returns besides :func:`named_io` for candidate lists.
+    """What each Python step takes and returns besides :func:`step_io` for candidate lists.
 
     ``embedding_lookup`` takes the per-candidate wire inputs as ``candidate_<name>`` and returns the
     per-candidate dense inputs so named, ``[users, candidates, ...]``; ``dense`` takes those (the
@@ -154,7 +133,7 @@ def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
     """One ``model_warmup`` sample per bucket of the spec's grid (zeros; mask 0 attends to nothing)."""
-    inputs = named_io(spec)[wire.DENSE][0]
+    inputs = step_io(spec)[wire.DENSE][0]
     return [
         mc.ModelWarmup(
             name=f"bucket_{bucket.rows}x{bucket.length}",
@@ -245,17 +224,11 @@ def step_config(
     if step == wire.DENSE and profile == "gpu":
         return dense_tensorrt_config(spec)
     plan = plan or ServingPlan.from_spec(spec)
-    # every form a request may take: the dense inputs by name or packed, and candidate lists
-    inputs, outputs = named_io(spec)[step]
-    packed = intermediate_tensors(spec)[wire.PACKED_INPUTS]
-    extra_inputs, extra_outputs = candidate_io(spec).get(step, ((), ()))
-    if step == wire.DENSE:
-        extra_inputs = (dataclasses.replace(packed, optional=True), *extra_inputs)
-    else:
-        extra_outputs = (packed, *extra_outputs)
-    if extra_inputs:  # each request carries one form's inputs
+    inputs, outputs = step_io(spec)[step]
+    if step in candidate_io(spec):  # two request forms: each request carries one form's inputs
+        extra_inputs, extra_outputs = candidate_io(spec)[step]
         inputs = (*(dataclasses.replace(t, optional=True) for t in inputs), *extra_inputs)
-    outputs = (*outputs, *extra_outputs)
+        outputs = (*outputs, *extra_outputs)
     on_gpu = profile in GPU_PROFILES and (step != wire.DENSE or profile == "cuda")
     kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     config = mc.ModelConfig(
@@ -285,14 +258,13 @@ def step_config(
     return config
 
 
-def ensemble_config(spec: ModelSpec, profile: str = "cpu", by_name: bool = False) -> mc.ModelConfig:
+def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     """The ``ctr`` ensemble: raw features in; click probability and the versions that served each row out.
 
     ``dense_version`` comes from ``dense`` (absent from a TensorRT ``dense``), ``embedding_version``
-    (every table's version, spec table order) from ``embedding_lookup``. ``by_name``: the dense
-    network's inputs travel one tensor each, not packed (both steps take both forms).
+    (every table's version, spec table order) from ``embedding_lookup``.
     """
-    io = named_io(spec, profile) if by_name else step_io(spec, profile)
+    io = step_io(spec, profile)
     steps = []
     for step in wire.STEPS:
         inputs, outputs = io[step]
@@ -327,7 +299,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     user by user: ``[users * candidates, ...]``.
     """
     assert spec.candidates_model is not None
-    io = named_io(spec, profile)
+    io = step_io(spec, profile)
     lookup_outputs, (dense_inputs, dense_outputs) = io[wire.EMBEDDING_LOOKUP][1], io[wire.DENSE]
     if profile != "gpu":  # a TensorRT dense takes rows: the lookup then expands each user's history
         per_candidate = candidate_io(spec)[wire.DENSE][0]

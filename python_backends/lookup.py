@@ -257,8 +257,6 @@ class FeaturesToEmbeddings:
         self.masks = tuple(g.mask for g in wire.attention_inputs(spec))
         self.passed = (wire.DENSE_NORMALIZED, *self.masks)
         self.histories = wire.sequence_inputs(spec)
-        #: the dense network's inputs in one tensor, for a next step that asks for them so
-        self.packing = wire.dense_packing(spec)
         self.left_padded = wire.left_padded_inputs(spec)
         #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
         self.candidate_input_names = tuple(

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 import zoneinfo
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
@@ -267,78 +265,6 @@ def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     sparse = tuple(name for name, _ in sparse_inputs(spec))
     groups = tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
     return first + sparse + groups
-
-
-#: The dense network's inputs of a request packed into one FP32 tensor, between the steps.
-PACKED_INPUTS = "dense_inputs_packed"
-
-
-@dataclass(frozen=True)
-class Packing:
-    """The dense network's inputs of a request packed into one FP32 ``[rows, width]`` tensor.
-
-    One tensor crosses the hop between the steps instead of one per input: each costs the Python
-    backend's stubs a tensor of its own on both sides. Per row: each input's values in contract
-    order; a sequence input holds ``L`` positions, ``L`` the request's sequence bucket, so
-    ``width = fixed + per_position × L``.
-    """
-
-    parts: tuple[tuple[str, tuple[int, ...]], ...]  # name, per-row dims (-1: the positions)
-
-    @functools.cached_property
-    def fixed(self) -> int:
-        """Values per row of the inputs without positions."""
-        return sum(math.prod(dims) for _, dims in self.parts if -1 not in dims)
-
-    @functools.cached_property
-    def per_position(self) -> int:
-        """Values per row and sequence position of the inputs with positions."""
-        return sum(math.prod(dims[1:]) for _, dims in self.parts if -1 in dims)
-
-    @functools.cached_property
-    def _names(self) -> frozenset[str]:
-        return frozenset(name for name, _ in self.parts)
-
-    def pack(self, outputs: Mapping[str, Any]) -> dict[str, Any]:
-        """``outputs`` (numpy arrays or CPU torch tensors) with the packed ones as :data:`PACKED_INPUTS`."""
-        arrays = [np.asarray(outputs[name]) for name, _ in self.parts]
-        rows = arrays[0].shape[0]
-        packed = np.concatenate([a.reshape(rows, -1) for a in arrays], axis=1, dtype=np.float32)
-        return {PACKED_INPUTS: packed, **{k: v for k, v in outputs.items() if k not in self._names}}
-
-    def unpack(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``inputs`` with :data:`PACKED_INPUTS`, when there, replaced by the inputs it packs.
-
-        Raises:
-            InvalidInput: its shape fits no sequence length.
-        """
-        packed = inputs.get(PACKED_INPUTS)
-        if packed is None:
-            return dict(inputs)
-        width = packed.shape[-1] if packed.ndim == 2 else -1
-        length, rest = (
-            divmod(width - self.fixed, self.per_position) if self.per_position else (0, width - self.fixed)
-        )
-        if rest or length < 0 or (self.per_position and length < 1):
-            raise InvalidInput(
-                PACKED_INPUTS,
-                f"has shape {list(packed.shape)}, "
-                f"expected [rows, {self.fixed} + {self.per_position} x positions]",
-            )
-        unpacked = {k: v for k, v in inputs.items() if k != PACKED_INPUTS}
-        at = 0
-        for name, dims in self.parts:
-            shape = (length, *dims[1:]) if dims[:1] == (-1,) else dims
-            size = math.prod(shape)
-            unpacked[name] = packed[:, at : at + size].reshape(-1, *shape)
-            at += size
-        return unpacked
-
-
-def dense_packing(spec: ModelSpec) -> Packing:
-    """How the dense network's inputs under ``spec`` are packed between the steps."""
-    contract, _ = dense_contract(spec)
-    return Packing(tuple((t.name, t.shape[1:]) for t in contract))
 
 
 def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:

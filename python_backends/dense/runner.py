@@ -244,7 +244,6 @@ class DenseStep:
         self.scores = ScoreHistogram((("dense_version", version),))
         #: candidate lists (the candidates ensemble), with the candidate-list graph when given
         self.lists = CandidateLists(spec, lambda rows: self.runner.predict(rows), candidates)
-        self.packing = wire.dense_packing(spec)
 
     @classmethod
     def load(cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu") -> DenseStep:
@@ -288,8 +287,8 @@ class DenseStep:
         return cls(spec, bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec)), version)
 
     def check(self, inputs: Arrays) -> dict[str, np.ndarray]:
-        """Validate one request's inputs, by name or packed (raises ``InvalidInput``)."""
-        return check_inputs(self.spec, self.packing.unpack(inputs))
+        """Validate one request's inputs (raises ``InvalidInput``)."""
+        return check_inputs(self.spec, inputs)
 
     def compute(self, merged: Arrays) -> dict[str, np.ndarray]:
         """Probabilities of a merged dynamic batch."""

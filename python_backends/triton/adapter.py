@@ -26,7 +26,6 @@ from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.errors import RequestError
 from recserve.spec import ModelSpec, spec_from_json
-from recserve.wire import PACKED_INPUTS, Packing
 
 LOGGER = logging.getLogger(__name__)
 
@@ -160,7 +159,6 @@ def execute_merged_or_alone(
     ragged_outputs: Sequence[str] = (),
     ragged_width: Callable[[Arrays], int] | None = None,
     left_padded: Collection[str] = (),
-    packing: Packing | None = None,
 ) -> list:
     """Handle the whole dynamic batch in one call; if that call fails, handle each request alone.
 
@@ -177,32 +175,20 @@ def execute_merged_or_alone(
         ragged_outputs: outputs whose axis 1 each request gets back at its own width.
         ragged_width: that width, from one request's inputs.
         left_padded: the ragged outputs padded on the left (each request keeps their last columns).
-        packing: outputs that a request asking for ``PACKED_INPUTS`` gets packed into that one.
     """
     inputs = [read_inputs(request, input_names) for request in requests]
-    packs = [
-        packing is not None and PACKED_INPUTS in request.requested_output_names() for request in requests
-    ]
-
-    def finish(outputs: Mapping[str, Any], packed: bool) -> Mapping[str, Any]:
-        return packing.pack(outputs) if packed and packing is not None else outputs
-
-    def alone(item: Arrays, packed: bool) -> pb_utils.InferenceResponse:
-        return _handle_one(lambda arrays: finish(handle(arrays), packed), item)
-
     if len(inputs) == 1:
-        return [alone(inputs[0], packs[0])]
+        return [_handle_one(handle, inputs[0])]
     try:
         merged, sizes = batching.merge(inputs)
         outputs = handle(merged)
     except Exception:  # redone per request below, where each error is mapped
         LOGGER.debug("merged batch of %d requests refused; handling them one by one", len(inputs))
-        return [alone(item, packed) for item, packed in zip(inputs, packs, strict=True)]
+        return [_handle_one(handle, item) for item in inputs]
     widths = (
         {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
     )
-    parts = batching.split(outputs, sizes, widths, left_padded)
-    return [respond(finish(part, packed)) for part, packed in zip(parts, packs, strict=True)]
+    return [respond(part) for part in batching.split(outputs, sizes, widths, left_padded)]
 
 
 def execute_alone(

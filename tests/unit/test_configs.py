@@ -40,13 +40,7 @@ def test_steps_batch_dynamically_with_spec_values(spec):
         ragged = {
             i.name for i in config.input if i.allow_ragged_batch and not i.name.startswith("candidate_")
         }
-    assert ragged <= {
-        "history_items",
-        "history_keys",
-        "history_mask",
-        "history_embeddings",
-        wire.PACKED_INPUTS,
-    }
+        assert ragged <= {"history_items", "history_keys", "history_mask", "history_embeddings"}
 
 
 def test_queue_profiles_are_variants_of_the_cpu_steps(spec):

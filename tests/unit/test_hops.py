@@ -2,7 +2,14 @@
 
 from recserve import wire
 from recserve.build import configs
-from recserve.perf.hops import NAMED, echo_configs, ensemble_outputs, topologies
+from recserve.perf.hops import (
+    PACKED,
+    PACKED_TENSOR,
+    echo_configs,
+    ensemble_outputs,
+    packed_widths,
+    topologies,
+)
 
 
 def test_the_served_echo_topology_has_the_served_steps_tensors(spec):
@@ -34,12 +41,13 @@ def test_echo_steps_batch_as_the_served_steps_and_the_ensemble_chains_them(spec)
         assert list(config.dynamic_batching.preferred_batch_size) == list(served.preferred_batch_size)
 
 
-def test_the_served_echo_packs_the_dense_inputs_the_named_one_passes_them_each(spec):
-    served, named = topologies(spec)["echo_2_hops"], topologies(spec)[NAMED]
-    assert [t.name for t in served[1].inputs] == [wire.PACKED_INPUTS]
-    assert [t.name for t in named[1].inputs] == list(wire.dense_net_inputs(spec))
-    packing = wire.dense_packing(spec)
-    assert served[0].packed == (packing.fixed, packing.per_position)
-    assert packing.fixed == len(spec.normalized_columns) + (spec.num_sparse + 1) * spec.embedding_dim
-    assert packing.per_position == spec.embedding_dim + 1  # a history embedding and its mask
-    assert [t.name for t in ensemble_outputs(served)] == [t.name for t in ensemble_outputs(named)]
+def test_the_packed_echo_passes_the_same_values_in_one_tensor(spec):
+    served, packed = topologies(spec)["echo_2_hops"], topologies(spec)[PACKED]
+    dense_inputs = served[1].inputs
+    assert [t.name for t in packed[1].inputs] == [PACKED_TENSOR]
+    assert {t.dtype for t in dense_inputs} == {"FP32"}
+    fixed, per_position = packed_widths(dense_inputs)
+    assert fixed == len(spec.normalized_columns) + (spec.num_sparse + 1) * spec.embedding_dim
+    assert per_position == spec.embedding_dim + 1  # a history embedding and its mask
+    assert packed[0].packed == (fixed, per_position)
+    assert [t.name for t in ensemble_outputs(packed)] == [t.name for t in ensemble_outputs(served)]

@@ -119,15 +119,13 @@ def test_the_lookup_step_differs_between_profiles_only_in_instance_kind_and_devi
             del config.parameters[wire.L1_DEVICE_PARAMETER]
         assert l1_device == ("cuda" if (step, profile) == (wire.EMBEDDING_LOOKUP, "cuda") else "")
         assert config == configs.step_config(spec, step)
-    # the ensemble differs on gpu (a TensorRT plan has no dense_version output) and on cuda (the
-    # dense inputs go by name, staying on the GPU, not packed)
+    # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
     hardware = [
         p.as_posix()
         for p in configs.profile_configs(spec)
         if p.parent.name == "configs" and p.stem in configs.PROFILES
     ]
     assert sorted(hardware) == [
-        "ctr/configs/cuda.pbtxt",
         "ctr/configs/gpu.pbtxt",
         "ctr_candidates/configs/gpu.pbtxt",
         *(

@@ -31,7 +31,7 @@ class TritonPythonModel:
         self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
         self.version = context.version
         self.warmup_left = context.warmup_requests  # Triton's warm-up comes first: not served scores
-        self.input_names = (*wire.dense_net_inputs(context.spec), wire.PACKED_INPUTS)  # by name or packed
+        self.input_names = wire.dense_net_inputs(context.spec)
         self.left_padded = wire.left_padded_inputs(context.spec)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request

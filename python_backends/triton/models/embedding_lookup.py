@@ -59,7 +59,6 @@ class TritonPythonModel:
                 ragged_outputs=self.step.histories,
                 ragged_width=self.step.history_width,
                 left_padded=self.step.left_padded,
-                packing=self.step.packing,
             ),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
