@@ -443,23 +443,21 @@ class ModelSpec:
     @cached_property
     def profile_parts(self) -> tuple[ProfilePart, ...]:
         """The column-wise wire tensors holding profile columns, split for candidate lists."""
-        profile = set(self.profile_columns)
-        parts = []
-        if self.dense is not None:
-            columns = self.dense.columns
-            inside = tuple(i for i, c in enumerate(columns) if c in profile)
-            outside = tuple(i for i, c in enumerate(columns) if c not in profile)
-            if inside:
-                parts += [
-                    ProfilePart(n, inside, outside) for n in (self.dense.name, self.dense_missing_input)
-                ]
         group = self.categorical
-        names = [group.raw_columns[i].name for i in group.wire_columns]
-        inside = tuple(i for i, c in enumerate(names) if c in profile)
-        if inside:
-            parts.append(
-                ProfilePart(group.name, inside, tuple(i for i, c in enumerate(names) if c not in profile))
-            )
+        tensors = {group.name: tuple(group.raw_columns[i].name for i in group.wire_columns)}
+        if self.dense is not None:  # the values and their missing mask have the same columns
+            tensors = {
+                self.dense.name: self.dense.columns,
+                self.dense_missing_input: self.dense.columns,
+                **tensors,
+            }
+        parts = []
+        for name, columns in tensors.items():
+            inside = tuple(i for i, c in enumerate(columns) if c in self.profile_columns)
+            if inside:
+                parts.append(
+                    ProfilePart(name, inside, tuple(i for i in range(len(columns)) if i not in inside))
+                )
         return tuple(parts)
 
     @property

@@ -97,6 +97,8 @@ def test_bench_writes_points_summary_and_plots(spec, repository, tmp_path):
             } <= configurations  # fmt: skip
     for p in points:
         assert p.failures == 0 and (p in unstable or (p.rows_per_s > 0 and p.p50_ms <= p.p99_ms)), p
+        if p in unstable:  # perf_analyzer found no stable window: nothing was measured, no breakdown
+            continue
         if p.system in (report.NAIVE, report.TUNED):
             assert {s["model"] for s in p.steps} == set(STEPS), p
         if p.system.startswith(report.MONOLITH):
