@@ -26,9 +26,8 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     inputs = {
         wire.DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
     }
-    for name, width in wire.sparse_inputs(spec):
-        slots = len(spec.sparse_slots(width))
-        inputs[name] = rng.normal(0, 0.1, (rows, slots, width)).astype(np.float32)
+    for name, width, slots in wire.sparse_inputs(spec):
+        inputs[name] = rng.normal(0, 0.1, (rows, len(slots), width)).astype(np.float32)
     for group in wire.attention_inputs(spec):
         lengths = rng.integers(0, length + 1, size=rows)
         inputs[group.target] = rng.normal(0, 0.1, (rows, dim)).astype(np.float32)

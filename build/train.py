@@ -152,8 +152,8 @@ class TrainingModel(nn.Module):
             columns.append((vectors * batch["weights"][:, span, None]).sum(dim=1))
             start += feature.max_length
         named = {wire.DENSE_NORMALIZED: batch["dense"]}
-        for name, width in wire.sparse_inputs(spec):  # the embeddings of each width, as served
-            named[name] = torch.stack([columns[i] for i in spec.sparse_slots(width)], dim=1)
+        for name, _, slots in wire.sparse_inputs(spec):  # the embeddings of each width, as served
+            named[name] = torch.stack([columns[i] for i in slots], dim=1)
         first = 0
         groups = zip(spec.attention_groups, wire.attention_inputs(spec), strict=True)
         for g, (group, names) in enumerate(groups):

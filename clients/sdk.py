@@ -107,6 +107,8 @@ class ClientBase:
         self.timeout_s = float(timeout_s)
         self.spec = spec if spec is not None else load_spec()
         self.model_name = model_name or self.spec.name
+        # every request tensor's dtype by name: the row form's and a candidate list's once-per-user ones
+        self._dtypes = {t.name: t.dtype for t in (*self.spec.wire_inputs(), *self.spec.user_inputs())}
         # sent with every request: the access layer keeps a user on one model variant by it
         self._headers = {USER_HEADER: user_id} if user_id is not None else None
 
@@ -186,11 +188,9 @@ class ClientBase:
 
         ``arrays``: the row form's wire inputs, or a candidate list's (its profile tensors among them).
         """
-        spec = self.spec
-        dtypes = {t.name: t.dtype for t in (*spec.wire_inputs(), *spec.user_inputs())}
         result = []
         for name, array in arrays.items():
-            infer_input = module.InferInput(name, list(array.shape), dtypes[name])
+            infer_input = module.InferInput(name, list(array.shape), self._dtypes[name])
             try:
                 infer_input.set_data_from_numpy(array)
             except Exception as exc:  # tritonclient raises InferenceServerException on bad data

@@ -28,7 +28,7 @@ from recserve.perf.report import P99_BOUND_MS
 from recserve.perf.traffic import infer_inputs
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
-from recserve.wire import candidate_list_inputs
+from recserve.wire import candidate_list_inputs, with_profiles_of
 
 TIMEOUT_S = 30.0  # a request unanswered this long counts as failed
 LIST, ROWS = "candidate_list", "rows"
@@ -52,10 +52,7 @@ def requests_of(
                 raise ValueError(f"the synthetic histories hold {items.size} ids, fewer than {length}")
             user[sequence.name] = items[None, :length]
         user[group.length_input] = np.array([[length]], np.int32)
-    for part in spec.profile_parts:  # one user: every candidate row holds the first one's profile
-        rows[part.name][:, list(part.profile)] = rows[part.name][:1, list(part.profile)]
-    for name in spec.profile_lists:
-        rows[name][:] = rows[name][:1]
+    rows = with_profiles_of(spec, rows, np.zeros(candidates, np.int64))  # one user's candidates
     as_list = {**user, **candidate_list_inputs(spec, rows)}
     as_rows = {name: array for name, array in rows.items() if name not in user}
     as_rows.update({name: np.repeat(array, candidates, axis=0) for name, array in user.items()})

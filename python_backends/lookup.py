@@ -68,7 +68,7 @@ class EmbeddingLookup:
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
         #: per width of the spec's tables: its dense input, its slots and the width (None: one width)
         self.widths = (
-            [(name, list(spec.sparse_slots(width)), width) for name, width in wire.sparse_inputs(spec)]
+            [(name, list(slots), width) for name, width, slots in wire.sparse_inputs(spec)]
             if spec.other_widths
             else None
         )
@@ -216,14 +216,12 @@ class EmbeddingLookup:
         else:  # the store holds every vector at its widest width: each width's slots, cut to it
             for name, slots, slot_width in self.widths:
                 out[name] = sparse[:, slots, :slot_width]
-            vectors = vectors[:, :, : self.spec.embedding_dim]  # the targets' and histories' width
         count = len(self.sequence_tables)
-        if count:
-            targets = vectors[:, single + multi :]
+        if count:  # targets and histories at embedding_dim (the store's rows may be wider)
+            targets = vectors[:, single + multi :, : self.spec.embedding_dim]
             owners, positions = checked[wire.HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
-            if self.widths is not None:
-                histories = histories[..., : self.spec.embedding_dim]
+            histories = histories[..., : self.spec.embedding_dim]
             # the sequences of a group (and their targets) are summed: one query, one sequence each
             for names, span in self.groups:
                 one = span.stop - span.start == 1

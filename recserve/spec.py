@@ -460,7 +460,7 @@ class ModelSpec:
                 )
         return tuple(parts)
 
-    @property
+    @cached_property  # read on every candidate list
     def profile_lists(self) -> tuple[str, ...]:
         """The multi-hot list tensors among the profile columns: once per user in a candidate list."""
         group = self.categorical

@@ -72,14 +72,17 @@ def is_dense_net_input(name: str) -> bool:
     return name in DENSE_NET_INPUTS or name.partition("__")[0] in (*GROUP_INPUTS, SPARSE_EMBEDDINGS)
 
 
-def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int], ...]:
-    """The categorical embeddings' tensors and their widths.
+def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """The categorical embeddings' tensors: ``(name, width, slots)`` each.
 
     ``sparse_embeddings`` (``embedding_dim``), then ``sparse_embeddings__<width>`` per other table
-    width, ascending.
+    width, ascending; ``slots`` are its features, as indices of
+    :attr:`~recserve.spec.CategoricalGroup.slot_names`.
     """
-    return ((SPARSE_EMBEDDINGS, spec.embedding_dim),) + tuple(
-        (f"{SPARSE_EMBEDDINGS}__{width}", width) for width in spec.other_widths
+    names = {spec.embedding_dim: SPARSE_EMBEDDINGS}
+    return tuple(
+        (names.get(width, f"{SPARSE_EMBEDDINGS}__{width}"), width, spec.sparse_slots(width))
+        for width in (spec.embedding_dim, *spec.other_widths)
     )
 
 
@@ -237,6 +240,23 @@ def _per_user(inputs: Mapping[str, np.ndarray], name: str, users: int, width: in
     return array
 
 
+def with_profiles_of(
+    spec: ModelSpec, rows: Mapping[str, np.ndarray], first: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Row-form ``rows`` (by wire name) whose row ``i`` has the profile columns of row ``first[i]``.
+
+    Rows that share a ``first`` row then describe one user, as the rows of a candidate list do.
+    """
+    out = dict(rows)
+    for part in spec.profile_parts:
+        columns = list(part.profile)
+        array = out[part.name].copy()
+        array[:, columns] = array[first][:, columns]
+        out[part.name] = array
+    out.update({name: out[name][first] for name in spec.profile_lists})
+    return out
+
+
 def candidate_list_inputs(spec: ModelSpec, rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One user's candidate list from the row form of its candidates (``[N, ...]`` each, by wire name).
 
@@ -262,7 +282,7 @@ def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     and mask only with a sequence, then those of every further attention group.
     """
     first = (DENSE_NORMALIZED,) if spec.normalized_columns else ()
-    sparse = tuple(name for name, _ in sparse_inputs(spec))
+    sparse = tuple(name for name, _, _ in sparse_inputs(spec))
     groups = tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
     return first + sparse + groups
 
@@ -287,8 +307,8 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
                 DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{_span([c.name for c in numeric])}: {how}"
             )
         )
-    for name, width in sparse_inputs(spec):
-        features = [spec.categorical.slot_names[i] for i in spec.sparse_slots(width)]
+    for name, width, slots in sparse_inputs(spec):
+        features = [spec.categorical.slot_names[i] for i in slots]
         inputs.append(
             ContractTensor(
                 name,

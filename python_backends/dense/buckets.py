@@ -58,8 +58,8 @@ class Bucket:
         shapes: dict[str, tuple[int, ...]] = {
             wire.DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns))
         }
-        for name, width in wire.sparse_inputs(spec):
-            shapes[name] = (self.rows, len(spec.sparse_slots(width)), width)
+        for name, width, slots in wire.sparse_inputs(spec):
+            shapes[name] = (self.rows, len(slots), width)
         for group in wire.attention_inputs(spec):
             shapes[group.target] = (self.rows, dim)
             shapes[group.history] = (self.rows, self.length, dim)

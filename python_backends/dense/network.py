@@ -101,7 +101,7 @@ class CTRNet(nn.Module):
             self.attention = TargetAttention(dim, spec.attention_heads)
         # bottom output, sparse (every width), then per attention group its target and context
         self.widths = wire.sparse_inputs(spec)[1:]
-        narrow = sum(len(spec.sparse_slots(width)) for _, width in self.widths)
+        narrow = sum(len(slots) for _, _, slots in self.widths)
         vectors = int(self.has_dense) + spec.num_sparse + narrow + 2 * len(self.groups)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pair_index", rows * vectors + cols, persistent=False)
@@ -110,8 +110,8 @@ class CTRNet(nn.Module):
         self.further = nn.ModuleList(TargetAttention(dim, spec.attention_heads) for _ in self.groups[1:])
         # per other table width: each of its features projected to embedding_dim for the interaction
         self.projections = nn.ParameterList(
-            nn.Parameter(torch.randn(len(spec.sparse_slots(width)), width, dim) / math.sqrt(width))
-            for _, width in self.widths
+            nn.Parameter(torch.randn(len(slots), width, dim) / math.sqrt(width))
+            for _, width, slots in self.widths
         )
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ class CTRNet(nn.Module):
     def score(self, named: dict[str, torch.Tensor], users: torch.Tensor | None = None) -> torch.Tensor:
         """Click probability [B, 1] from the named inputs (``users``: see :class:`TargetAttention`)."""
         parts = [named[wire.SPARSE_EMBEDDINGS]]
-        for (name, _), projection in zip(self.widths, self.projections, strict=True):
+        for (name, _, _), projection in zip(self.widths, self.projections, strict=True):
             parts.append(torch.einsum("bfw,fwd->bfd", named[name], projection))
         head = []
         if self.has_dense:

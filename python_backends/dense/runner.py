@@ -87,8 +87,8 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
         checked[wire.HISTORY_MASK] = require(inputs, wire.HISTORY_MASK, "FP32", rows, None)
         length = checked[wire.HISTORY_MASK].shape[1]
     expected: dict[str, tuple[int, ...]] = {wire.DENSE_NORMALIZED: (rows, len(spec.normalized_columns))}
-    for name, width in wire.sparse_inputs(spec):
-        expected[name] = (rows, len(spec.sparse_slots(width)), width)
+    for name, width, slots in wire.sparse_inputs(spec):
+        expected[name] = (rows, len(slots), width)
     for group in wire.attention_inputs(spec):  # every group's positions: as many as the first's
         expected.update(
             {group.target: (rows, dim), group.history: (rows, length, dim), group.mask: (rows, length)}

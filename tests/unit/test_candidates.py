@@ -30,10 +30,7 @@ def user_rows(spec, users=2, candidates=3, seed=4):
     first = np.repeat(np.arange(users) * candidates, candidates)  # each row's user's first row
     sequences = [t.name for t in spec.user_inputs() if t.name in inputs and t.name not in spec.profile_lists]
     rows = {name: (array[first] if name in sequences else array) for name, array in inputs.items()}
-    for part in spec.profile_parts:
-        rows[part.name][:, list(part.profile)] = rows[part.name][first][:, list(part.profile)]
-    for name in spec.profile_lists:
-        rows[name] = rows[name][first]
+    rows = wire.with_profiles_of(spec, rows, first)
     each = [
         wire.candidate_list_inputs(
             spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()}

@@ -87,8 +87,7 @@ def test_avazus_narrow_tables_travel_as_a_dense_input_per_width():
         tables[name] = TableArrays(name, unique, vectors, np.full(table.dim, i, np.float32))
     store = TieredStore.from_tables(tables)
     out = FeaturesToEmbeddings(avazu, EmbeddingLookup(avazu, store))(raw.to_wire(avazu))
-    for name, width in wire.sparse_inputs(avazu):
-        slots = avazu.sparse_slots(width)
+    for name, width, slots in wire.sparse_inputs(avazu):
         assert out[name].shape == (9, len(slots), width)
         for k, slot in enumerate(slots):
             feature = avazu.categorical.features[slot]
