@@ -24,6 +24,8 @@ from recserve.spec import ModelSpec
 from recserve.wire import PROBABILITY
 
 LOGGER = logging.getLogger(__name__)
+#: A request slower than this waited out a sleeping batcher (tritonserver's 500 ms slot wait).
+STALL_MS = 300.0
 
 Batch = Mapping[str, np.ndarray]
 
@@ -56,6 +58,8 @@ class LoadResult:
     p99_ms: float
     requests: int
     failures: int
+    max_ms: float = float("nan")
+    stalled: int = 0  # requests over STALL_MS: a batcher asleep, not a slow execution
 
 
 def sample_batches(
@@ -174,6 +178,8 @@ async def _closed_loop(
         p99_ms=float(np.percentile(ms, 99)),
         requests=len(latencies),
         failures=failures,
+        max_ms=float(ms.max()),
+        stalled=int((ms > STALL_MS).sum()),
     )
 
 

@@ -137,11 +137,11 @@ def measure_capacity(
 
 
 def pinned_capacity(root: Path, spec: ModelSpec, rows: int, cores: Cores, log_path: Path) -> float:
-    """Closed-loop capacity of ``root`` served with its ``[serving.queue]`` configs, pinned as ``cores`` says.
+    """Closed-loop capacity of ``root`` served with its ``config.pbtxt``, pinned as ``cores`` says.
 
     Queue profiles that refuse by a time budget also refuse some closed-loop requests (a client whose
-    request waits is not sending), so capacity is measured on the throughput-first configs, which
-    refuse none at this concurrency.
+    request waits is not sending), so capacity is measured on the served configs, which have no queue
+    policy in the bundled specs and refuse none.
     """
     request = generate(spec, rows, seed=5).to_wire(spec)
     with (

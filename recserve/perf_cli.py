@@ -160,6 +160,16 @@ def _bench_candidates(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_queues(args: argparse.Namespace) -> int:
+    from recserve.perf.queue_stall import queue_stall_command
+
+    profiles = tuple(p for p in args.profiles.split(",") if p)
+    spec = load_spec(args.spec)
+    return queue_stall_command(
+        spec, args.repository, profiles, args.concurrency, args.seconds, args.rounds, args.json
+    )
+
+
 def _redis_outage(args: argparse.Namespace) -> int:
     from recserve.perf.redis_outage import outage_command
 
@@ -259,6 +269,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     lists.add_argument("--json", type=Path, default=None, help="also write the summary here")
     lists.add_argument("--repository", type=Path, default=None)
     lists.set_defaults(func=_bench_candidates)
+
+    queues = sub.add_parser(
+        "bench-queues",
+        help="the served configs against queue profiles, batch-1 closed loop: how often a batcher sleeps",
+    )
+    queues.add_argument("--profiles", default="throughput_first", help="queue profiles, comma-separated")
+    queues.add_argument("--concurrency", type=int, default=16, help="batch-1 requests in flight")
+    queues.add_argument("--seconds", type=float, default=6.0, help="per configuration and round")
+    queues.add_argument("--rounds", type=int, default=6, help="the configurations take turns")
+    queues.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    queues.add_argument("--repository", type=Path, default=None)
+    queues.set_defaults(func=_bench_queues)
 
     bench = sub.add_parser(
         "bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"

@@ -116,13 +116,16 @@ class QueuePolicy:
     The first step is the admission gate: at most ``entry_max_queue_size`` requests wait there and
     a request that waited ``entry_timeout_microseconds`` without starting is refused (UNAVAILABLE),
     before any work is spent on it. Later steps hold up to ``max_queue_size`` requests for up to
-    ``default_timeout_microseconds``. 0 means no limit (and a step without any limit gets no
-    policy at all).
+    ``default_timeout_microseconds``. 0 means no limit, and a step without any limit gets no policy
+    at all: the default. With any policy tritonserver's batcher forms a batch only once an instance
+    waits for one, and may miss that instance's return and idle up to 500 ms
+    (docs/design/serving.md#queue-policies), so shedding is opt-in, a ``[serving.queue_profiles]``
+    entry, and the access layer admits in front of policy-free servers.
     """
 
-    entry_max_queue_size: int = 32
-    max_queue_size: int = 128
-    default_timeout_microseconds: int = 1_000_000
+    entry_max_queue_size: int = 0
+    max_queue_size: int = 0
+    default_timeout_microseconds: int = 0
     entry_timeout_microseconds: int | None = None  # None: default_timeout_microseconds
     timeout_action: str = "REJECT"
 

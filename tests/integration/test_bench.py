@@ -14,6 +14,7 @@ from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.bench import Grid, run_bench
 from recserve.perf.loadgen import sample_batches
+from recserve.perf.queue_stall import SERVED, run_queue_stall
 from recserve.server import Ports, Security, TritonServer
 from recserve.wire import STEPS
 
@@ -175,3 +176,12 @@ def test_bench_and_tune_commands_exist(command):
         [str(Path(sys.executable).parent / "recserve"), *command], capture_output=True, text=True
     )
     assert done.returncode == 0 and "--repository" in done.stdout
+
+
+def test_bench_queues_serves_each_configuration_in_turns(spec, repository, tmp_path):
+    summary = run_queue_stall(spec, repository, ("throughput_first",), 4, 1.0, 2, tmp_path)
+    assert [(r["round"], r["configuration"]) for r in summary["rounds"]] == [
+        (0, SERVED), (0, "throughput_first"), (1, "throughput_first"), (1, SERVED),
+    ]  # fmt: skip
+    for r in summary["rounds"]:
+        assert r["failures"] == 0 and r["requests"] > 0 and r["p50_ms"] <= r["max_ms"], r

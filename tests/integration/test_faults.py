@@ -11,7 +11,6 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from recserve import wire
-from recserve.access.repository import without_queue_policy
 from recserve.build.synthetic import generate
 
 from .helpers import infer_inputs, infer_raw
@@ -99,19 +98,11 @@ def test_sigterm_completes_accepted_requests_and_leaves_no_process_or_shared_mem
     """What ``recserve serve`` does on SIGTERM: drain (unload the ensemble), then SIGTERM tritonserver.
 
     A server of its own: after a stub kill, the replaced instance never finishes unloading in this
-    Triton, so that server's exit would wait out its exit timeout. Its queues have no policy (as
-    behind the access layer), so every request is accepted: admission refusals, which the entry
-    queue's timeout makes on a busy machine, are not what is tested here.
+    Triton, so that server's exit would wait out its exit timeout. The served configs have no queue
+    policy, so every request is accepted: admission refusals are not what is tested here.
     """
-    with private_server(repository, tmp_path, exit_timeout_s=20, prepare=_clear_queue_policies) as server:
+    with private_server(repository, tmp_path, exit_timeout_s=20) as server:
         _drain_and_stop(server, spec)
-
-
-def _clear_queue_policies(root: Path) -> None:
-    for config in root.glob("*/config.pbtxt"):
-        cleared = without_queue_policy(config.read_text())
-        if cleared is not None:
-            config.write_text(cleared)
 
 
 def _drain_and_stop(fault_server, spec):

@@ -3,6 +3,7 @@ view the servers run behind the proxy, and the SDK's user header."""
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 from google.protobuf import text_format
@@ -159,17 +160,23 @@ def test_the_config_is_written_as_json_only(tmp_path):
 
 
 def test_the_unbounded_view_clears_queue_policies_and_links_everything_else(tiny_repository, tmp_path):
-    view = unbounded_view(tiny_repository, tmp_path / "view")
+    source = tmp_path / "source"  # as built from a spec whose [serving.queue] sheds load
+    shutil.copytree(tiny_repository, source)
     for step in wire.STEPS:
-        built = text_format.Parse((tiny_repository / step / "config.pbtxt").read_text(), mc.ModelConfig())
+        (source / step / "config.pbtxt").write_text(
+            (source / step / "configs" / "throughput_first.pbtxt").read_text()
+        )
+    view = unbounded_view(source, tmp_path / "view")
+    for step in wire.STEPS:
+        built = text_format.Parse((source / step / "config.pbtxt").read_text(), mc.ModelConfig())
         served = text_format.Parse((view / step / "config.pbtxt").read_text(), mc.ModelConfig())
-        assert built.dynamic_batching.HasField("default_queue_policy")  # the spec's [serving.queue]
+        assert built.dynamic_batching.HasField("default_queue_policy")
         assert not served.dynamic_batching.HasField("default_queue_policy")
         served.dynamic_batching.ClearField("default_queue_policy")
         built.dynamic_batching.ClearField("default_queue_policy")
         assert served == built  # nothing else changed
         version = view / step / "1"
-        assert version.is_symlink() and version.resolve() == (tiny_repository / step / "1").resolve()
+        assert version.is_symlink() and version.resolve() == (source / step / "1").resolve()
     ensemble = view / "tiny" / "config.pbtxt"
     assert ensemble.is_symlink()  # no queue policy there: linked as it is
     with pytest.raises(AccessError, match="holds no model"):

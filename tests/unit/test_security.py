@@ -64,16 +64,25 @@ def test_serve_refuses_a_queue_profile_the_repository_lacks(tiny_repository, cap
     assert "no queue profile 'nope'" in capsys.readouterr().err
 
 
-def test_every_step_sheds_load_with_the_spec_queue_policy(spec):
-    assert spec.queue.entry_max_queue_size <= spec.queue.max_queue_size, (
+def test_throughput_first_sheds_load_at_every_step(spec):
+    policy = spec.queue_profiles["throughput_first"]
+    assert 0 < policy.entry_max_queue_size <= policy.max_queue_size, (
         "the first step must be the tightest gate"
     )
     for step in wire.STEPS:
-        policy = configs.step_config(spec, step).dynamic_batching.default_queue_policy
-        limit = spec.queue.entry_max_queue_size if step == wire.STEPS[0] else spec.queue.max_queue_size
-        assert policy.max_queue_size == limit > 0
-        assert policy.default_timeout_microseconds == spec.queue.default_timeout_microseconds > 0
-        assert policy.timeout_action == policy.REJECT
+        limits = configs.step_config(
+            spec, step, queue="throughput_first"
+        ).dynamic_batching.default_queue_policy
+        limit = policy.entry_max_queue_size if step == wire.STEPS[0] else policy.max_queue_size
+        assert limits.max_queue_size == limit > 0
+        assert limits.default_timeout_microseconds == policy.default_timeout_microseconds > 0
+        assert limits.timeout_action == limits.REJECT
+
+
+def test_the_served_configs_have_no_queue_policy(spec):
+    # with one, tritonserver's batcher waits for an idle instance and may sleep 500 ms with requests queued
+    for step in wire.STEPS:
+        assert not configs.step_config(spec, step).dynamic_batching.HasField("default_queue_policy"), step
 
 
 def _graph(spec, **overrides):

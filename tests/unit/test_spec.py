@@ -66,7 +66,7 @@ def test_json_round_trip_is_lossless(spec):
         (lambda d: d["features"][1].__setitem__("cardinalities", [10]), "cardinalities"),
         (lambda d: d["features"][1].__setitem__("table", "nope"), "undefined table"),
         (lambda d: d["features"][0].__setitem__("kind", "image"), "unknown feature kind"),
-        (lambda d: d["serving"]["queue"].__setitem__("max_queue_size", -1), "serving.queue needs"),
+        (lambda d: d["serving"].__setitem__("queue", {"max_queue_size": -1}), "serving.queue needs"),
         (
             lambda d: d["serving"]["queue_profiles"]["latency_first"].__setitem__("timeout_action", "DROP"),
             "timeout_action",
@@ -90,7 +90,7 @@ def test_inconsistent_specs_are_refused(edit, message):
         ),
         (lambda d: d["training"].__setitem__("epoch", 3), r"\[training\] has an unknown key 'epoch'"),
         (
-            lambda d: d["serving"]["queue"].__setitem__("max_queue", 3),
+            lambda d: d["serving"].__setitem__("queue", {"max_queue": 3}),
             r"\[serving\.queue\] has an unknown key 'max_queue'",
         ),
         (
