@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import zoneinfo
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -526,8 +526,14 @@ def time_part(seconds: np.ndarray, part: str, timezone: str) -> np.ndarray:
     return np.asarray(parts, dtype=np.uint64)[inverse].reshape(seconds.shape)
 
 
-def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.ndarray, np.ndarray]:
+def categorical_values(
+    values: np.ndarray,
+    group: CategoricalGroup,
+    hex_parser: Callable[[np.ndarray, int, str], tuple[np.ndarray, np.ndarray]] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Parse the categorical tensor ``[B, C]`` column by column, by each column's value type.
+
+    ``hex_parser`` stands in for :func:`parse_hex` (the serving steps pass the compiled one).
 
     Returns:
         ``(values, empty)``, both ``[B, C]``: ``uint64`` values (hex and decimal numbers as such,
@@ -541,14 +547,13 @@ def categorical_values(values: np.ndarray, group: CategoricalGroup) -> tuple[np.
     single = [not c.separator for c in group.raw_columns]  # multi-hot columns: multi_hot_values
     hex_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "hex" and single[i]]
     if hex_columns:
+        parse = hex_parser or parse_hex
         digits = max(group.raw_columns[i].max_hex_digits for i in hex_columns)
         if any(group.raw_columns[i].max_hex_digits != digits for i in hex_columns):
             for i in hex_columns:
-                out[:, i], empty[:, i] = parse_hex(
-                    values[:, i], group.raw_columns[i].max_hex_digits, group.name
-                )
+                out[:, i], empty[:, i] = parse(values[:, i], group.raw_columns[i].max_hex_digits, group.name)
         else:
-            out[:, hex_columns], empty[:, hex_columns] = parse_hex(values[:, hex_columns], digits, group.name)
+            out[:, hex_columns], empty[:, hex_columns] = parse(values[:, hex_columns], digits, group.name)
     string_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "string" and single[i]]
     if string_columns:
         out[:, string_columns], empty[:, string_columns] = hash_strings(values[:, string_columns])

@@ -25,6 +25,7 @@ from dataclasses import replace
 import numpy as np
 
 from recserve import wire
+from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.errors import InvalidInput
 from recserve.spec import (
@@ -79,6 +80,7 @@ class FeatureTransform:
             if f.numeric >= 0
         ]
         self._normalized = np.array(spec.dense.normalized if spec.dense else (), dtype=np.intp)
+        self._hex_parser = hex_parser.load()  # None where the extension was not built: numpy's
         self._fill = np.array([c.fill_na for c in numeric], dtype=np.float32)
         self._low = np.array([c.clip_min for c in numeric], dtype=np.float32)
         self._high = np.array([c.clip_max for c in numeric], dtype=np.float32)
@@ -110,7 +112,7 @@ class FeatureTransform:
         group = spec.categorical
         categorical = self.categorical_fields(inputs)
         rows = categorical.shape[0]
-        values, empty = categorical_values(categorical, group)
+        values, empty = categorical_values(categorical, group, self._hex_parser)
         out = {}
         numeric = None
         if spec.dense is not None:

@@ -1,0 +1,49 @@
+"""The compiled hex parser (``_hex.c``) behind :func:`recserve.wire.parse_hex`'s signature.
+
+``pip install`` compiles ``_hex.c`` into the optional extension ``recserve.backends.features._hex``
+(plain C loaded with ctypes, like the store's kernels). Where it was not built, :func:`load` returns
+``None`` and the transform keeps the numpy path, which gives the same results. A batch the compiled
+loop refuses is parsed again by the numpy path, which raises the error naming the value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from collections.abc import Callable
+from functools import lru_cache
+
+import numpy as np
+
+from recserve.wire import parse_hex
+
+HexParser = Callable[[np.ndarray, int, str], tuple[np.ndarray, np.ndarray]]
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+
+
+@lru_cache(maxsize=1)
+def load() -> HexParser | None:
+    """The compiled parser, or ``None`` where the extension was not built."""
+    spec = importlib.util.find_spec(f"{__package__}._hex")
+    if spec is None or not spec.origin:
+        return None
+    function = ctypes.CDLL(spec.origin).recserve_parse_hex
+    function.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER]
+    function.restype = ctypes.c_int64
+
+    def parse(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.ndarray, np.ndarray]:
+        width = max_digits + 1  # one extra byte to detect strings that are too long
+        try:
+            fixed = np.ascontiguousarray(np.asarray(values, dtype=f"S{width}"))
+        except (UnicodeEncodeError, ValueError, TypeError):
+            return parse_hex(values, max_digits, input_name)  # refuses, naming the value
+        out = np.empty(fixed.shape, dtype=np.uint64)
+        empty = np.empty(fixed.shape, dtype=np.bool_)
+        refused = function(
+            fixed.ctypes.data, fixed.size, width, max_digits, out.ctypes.data, empty.ctypes.data
+        )
+        if refused >= 0:
+            return parse_hex(values, max_digits, input_name)  # refuses, naming the value
+        return out, empty
+
+    return parse
