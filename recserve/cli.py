@@ -205,7 +205,9 @@ def parser() -> argparse.ArgumentParser:
         help="gpu / cuda: serve the configs/<profile>.pbtxt variants (KIND_GPU instances; needs a GPU)",
     )
     serve.add_argument(
-        "--queue", help="serve a queue profile of the spec ([serving.queue_profiles], e.g. latency_first)"
+        "--queue",
+        help="shed load in Triton with a queue profile of the spec ([serving.queue_profiles]: "
+        "throughput_first, latency_first); by default the steps have no queue policy",
     )
     serve.add_argument(
         "--mps", action="store_true", help="run the NVIDIA MPS control daemon for the server's lifetime"
