@@ -370,6 +370,23 @@ for _i, _c in enumerate(b"ABCDEF"):
 ABSENT_ITEM = -1
 
 
+#: A parser of hex strings with :func:`parse_hex`'s signature and results.
+HexParser = Callable[[np.ndarray, int, str], tuple[np.ndarray, np.ndarray]]
+
+
+def hex_bytes(values: np.ndarray, max_digits: int, input_name: str) -> np.ndarray:
+    """``values`` as NUL-padded fixed-width bytes, ``max_digits + 1`` wide (a longer string shows).
+
+    Raises:
+        InvalidInput: a value is not ASCII.
+    """
+    try:
+        return np.asarray(values, dtype=f"S{max_digits + 1}")
+    except (UnicodeEncodeError, ValueError, TypeError):
+        bad = next(v for v in values.ravel() if not _is_ascii(v))
+        raise InvalidInput(input_name, f"value {bad!r} is not an ASCII hex string") from None
+
+
 def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.ndarray, np.ndarray]:
     """Parse an array of hex byte strings into ``uint64`` values, vectorised.
 
@@ -384,12 +401,8 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
     Raises:
         InvalidInput: a string is too long or holds a non-hex character.
     """
-    width = max_digits + 1  # one extra byte to detect strings that are too long
-    try:
-        fixed = np.asarray(values, dtype=f"S{width}")
-    except (UnicodeEncodeError, ValueError, TypeError):
-        bad = next(v for v in values.ravel() if not _is_ascii(v))
-        raise InvalidInput(input_name, f"value {bad!r} is not an ASCII hex string") from None
+    fixed = hex_bytes(values, max_digits, input_name)
+    width = fixed.dtype.itemsize
     flat = fixed.reshape(-1)
     raw_bytes = flat.view(np.uint8).reshape(-1, width)
     # a fixed-width bytes array pads with NUL and keeps no trailing NUL: the length is the non-NUL count
@@ -529,7 +542,7 @@ def time_part(seconds: np.ndarray, part: str, timezone: str) -> np.ndarray:
 def categorical_values(
     values: np.ndarray,
     group: CategoricalGroup,
-    hex_parser: Callable[[np.ndarray, int, str], tuple[np.ndarray, np.ndarray]] | None = None,
+    hex_parser: HexParser | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Parse the categorical tensor ``[B, C]`` column by column, by each column's value type.
 

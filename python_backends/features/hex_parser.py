@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
 
-from recserve.wire import parse_hex
+from recserve.wire import HexParser, hex_bytes, parse_hex
 
-HexParser = Callable[[np.ndarray, int, str], tuple[np.ndarray, np.ndarray]]
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -32,15 +30,16 @@ def load() -> HexParser | None:
     function.restype = ctypes.c_int64
 
     def parse(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.ndarray, np.ndarray]:
-        width = max_digits + 1  # one extra byte to detect strings that are too long
-        try:
-            fixed = np.ascontiguousarray(np.asarray(values, dtype=f"S{width}"))
-        except (UnicodeEncodeError, ValueError, TypeError):
-            return parse_hex(values, max_digits, input_name)  # refuses, naming the value
+        fixed = np.ascontiguousarray(hex_bytes(values, max_digits, input_name))
         out = np.empty(fixed.shape, dtype=np.uint64)
         empty = np.empty(fixed.shape, dtype=np.bool_)
         refused = function(
-            fixed.ctypes.data, fixed.size, width, max_digits, out.ctypes.data, empty.ctypes.data
+            fixed.ctypes.data,
+            fixed.size,
+            fixed.dtype.itemsize,
+            max_digits,
+            out.ctypes.data,
+            empty.ctypes.data,
         )
         if refused >= 0:
             return parse_hex(values, max_digits, input_name)  # refuses, naming the value
