@@ -22,6 +22,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from recserve.backends.metrics import MetricSample
+from recserve.backends.request_errors import RequestErrorCounts
 from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.errors import RequestError
@@ -30,6 +31,9 @@ from recserve.spec import ModelSpec, spec_from_json
 LOGGER = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
+#: The errors this stub process (one model instance) answered with, by code; every
+#: :class:`MetricsPublisher` of the process publishes them.
+REQUEST_ERRORS = RequestErrorCounts()
 
 
 def install_bytes_decoder() -> None:
@@ -97,7 +101,9 @@ def instance_device(args: Mapping[str, str]) -> str:
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     """Map a domain error to its Triton code; anything else becomes a message without internals."""
     if isinstance(exc, RequestError):
+        REQUEST_ERRORS.count(exc.code)
         return pb_utils.InferenceResponse(error=_triton_error(str(exc), exc.code))
+    REQUEST_ERRORS.count("INTERNAL")
     LOGGER.exception("request failed")
     return pb_utils.InferenceResponse(
         error=_triton_error(f"internal error ({type(exc).__name__}); see the server log", "INTERNAL")
@@ -294,8 +300,8 @@ class MetricsPublisher:
         self.published: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
     def publish(self, samples: Sequence[MetricSample]) -> None:
-        """Send what changed since the last call."""
-        for sample in samples:
+        """Send what changed since the last call (and the process's error counts by code)."""
+        for sample in [*samples, *REQUEST_ERRORS.samples()]:
             key = (sample.name, sample.labels)
             previous = self.published.get(key, 0.0 if sample.kind == "counter" else None)
             metric = self.metrics.get(key)
