@@ -25,7 +25,7 @@ from recserve.backends.metrics import MetricSample
 from recserve.backends.request_errors import RequestErrorCounts
 from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
-from recserve.errors import RequestError
+from recserve.errors import RequestError, cap_message
 from recserve.spec import ModelSpec, spec_from_json
 
 LOGGER = logging.getLogger(__name__)
@@ -102,7 +102,9 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     """Map a domain error to its Triton code; anything else becomes a message without internals."""
     if isinstance(exc, RequestError):
         REQUEST_ERRORS.count(exc.code)
-        return pb_utils.InferenceResponse(error=_triton_error(str(exc), exc.code))
+        # cut to MESSAGE_LIMIT behind shorten(): over gRPC the message travels in a trailer, and one
+        # over the client's metadata limit (16 KB) turns INVALID_ARG into RESOURCE_EXHAUSTED
+        return pb_utils.InferenceResponse(error=_triton_error(cap_message(str(exc)), exc.code))
     REQUEST_ERRORS.count("INTERNAL")
     LOGGER.exception("request failed")
     return pb_utils.InferenceResponse(
