@@ -26,22 +26,42 @@ def _announce(served, table: str, version: int) -> None:
         print(f"sent version {version} of {table!r} to the update stream ({entry})", file=sys.stderr)
 
 
+def _applied_here(served, table: str, version: int) -> int:
+    """0 when this machine's store applies ``version`` of ``table``, else 1 with an ``error:`` line."""
+    served.updater.poll()
+    if served.updater.applied[table] == version:
+        return 0
+    reason = served.updater.problems.get(table, "another version is served")
+    print(
+        f"error: version {version} of table {table!r} was published but this store cannot apply it "
+        f"(serving version {served.updater.applied[table]}): {reason}",
+        file=sys.stderr,
+    )
+    return 1
+
+
 def _update(args: argparse.Namespace) -> int:
-    from recserve.backends.store.updates.versions import check_ownership, read_delta_file
+    from recserve.backends.store.updates.versions import read_delta_file
 
     spec, served = _open(args)
     keys, vectors = read_delta_file(args.delta)
     if args.table not in served.store.tables:
         raise ValueError(f"unknown table {args.table!r}; tables: {', '.join(served.store.table_names)}")
-    check_ownership(served.store, args.table, keys)
-    version = served.updater.log.publish(args.table, keys, vectors, served.store.table_dim(args.table))
+    version = served.updater.log.publish(
+        args.table,
+        keys,
+        vectors,
+        served.store.table_dim(args.table),
+        # under the log's lock: the same checks the servers make, against what is published now
+        check=lambda: served.updater.check_publishable(args.table, keys),
+    )
     _announce(served, args.table, version)
     print(
         f"published {len(keys)} rows as version {version} of table {args.table!r}; "
         f"servers apply it within {served.maintainer.interval_s:g} s",
         file=sys.stderr,
     )
-    return 0
+    return _applied_here(served, args.table, version)
 
 
 def _rollback(args: argparse.Namespace) -> int:
@@ -51,7 +71,7 @@ def _rollback(args: argparse.Namespace) -> int:
     version = served.updater.log.rollback(args.table, args.to)
     _announce(served, args.table, version)
     print(f"table {args.table!r}: version {version} restores version {args.to}", file=sys.stderr)
-    return 0
+    return _applied_here(served, args.table, version)
 
 
 def _explain(args: argparse.Namespace) -> int:

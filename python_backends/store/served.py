@@ -47,7 +47,7 @@ class ServedStore:
             remote = RedisTier.connect(options)
         store = TieredStore.load(version_dir, spec, remote=remote)
         log_dir = updates_dir(version_dir)
-        log = UpdateLog(log_dir, store.base_version)
+        log = UpdateLog(log_dir, store.base_version, store.table_names)
         stream = None
         if remote is not None:
             from recserve.backends.store.updates.stream import UpdateStream
@@ -73,20 +73,17 @@ class ServedStore:
         """Stop the upkeep thread."""
         self.maintainer.stop()
 
-    def samples(self) -> list[MetricSample]:
-        """Current values of every store metric."""
+    def rejected_updates(self) -> int:
+        """Versions, heads and stream entries refused so far (each counted once)."""
+        stream = self.maintainer.stream
+        return self.updater.rejected + (stream.refused if stream is not None else 0)
+
+    def version_samples(self) -> list[MetricSample]:
+        """The served version and lag of each table, and the refused updates.
+
+        Also published after every upkeep round, so a new version shows without a request.
+        """
         store, out = self.store, []
-        for table_id, name in enumerate(store.table_names):
-            for tier_id, tier in enumerate(TIERS):
-                out.append(
-                    MetricSample(
-                        "recserve_embedding_keys_total",
-                        "counter",
-                        "Keys looked up, by table and by the tier that served them (default: unknown key)",
-                        (("table", name), ("tier", tier)),
-                        float(store.stats.by_table_tier[table_id, tier_id]),
-                    )
-                )
         snapshot, lags = store.snapshot, self.updater.lag_seconds()
         for name in store.table_names:
             labels = (("table", name),)
@@ -108,6 +105,31 @@ class ServedStore:
                     lags[name],
                 )
             )
+        out.append(
+            MetricSample(
+                "recserve_store_updates_rejected_total",
+                "counter",
+                "Published versions, heads and stream entries refused (the newest valid version serves)",
+                (),
+                float(self.rejected_updates()),
+            )
+        )
+        return out
+
+    def samples(self) -> list[MetricSample]:
+        """Current values of every store metric."""
+        store, out = self.store, []
+        for table_id, name in enumerate(store.table_names):
+            for tier_id, tier in enumerate(TIERS):
+                out.append(
+                    MetricSample(
+                        "recserve_embedding_keys_total",
+                        "counter",
+                        "Keys looked up, by table and by the tier that served them (default: unknown key)",
+                        (("table", name), ("tier", tier)),
+                        float(store.stats.by_table_tier[table_id, tier_id]),
+                    )
+                )
         latencies = store.stats.drain_latencies()
         p99 = float(np.quantile(latencies, 0.99)) if latencies else 0.0
         out += [
@@ -143,13 +165,6 @@ class ServedStore:
                 float(store.compiled),
             ),
             MetricSample(
-                "recserve_store_updates_rejected_total",
-                "counter",
-                "Published versions refused at apply",
-                (),
-                float(self.updater.rejected),
-            ),
-            MetricSample(
                 "recserve_store_healthy",
                 "gauge",
                 "1 when every configured tier is healthy (0 while L3 fails: keys it holds get defaults)",
@@ -157,6 +172,7 @@ class ServedStore:
                 float(store.healthy() and (store.remote is None or store.remote.healthy())),
             ),
         ]
+        out += self.version_samples()
         if store.remote is not None:
             out += store.remote.samples()
         return out

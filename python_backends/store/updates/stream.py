@@ -4,16 +4,26 @@
 a Redis Cluster, also append it to the stream ``rs:updates`` (manifest and array files as bytes).
 Each serving instance reads the stream from the start in its upkeep thread and writes versions it
 does not have into its local log, where
-:class:`~recserve.backends.store.updates.versions.StoreUpdater` applies them as usual. Checksums
-travel in the manifest and are verified when a version is applied.
+:class:`~recserve.backends.store.updates.apply.StoreUpdater` applies them as usual. Checksums
+travel in the manifest and are verified when a version is imported and again when it is applied.
+
+Anyone who can write to Redis can append to the stream, so an entry is checked field by field
+(:meth:`UpdateLog.import_version`) before anything is created: an entry that fails is skipped,
+counted in :attr:`UpdateStream.refused` and logged, and mirroring goes on with the next one.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
+from recserve.backends.store.updates.schema import (
+    MAX_MANIFEST_BYTES,
+    UpdateRefused,
+    check_version,
+    parse_json,
+    shorten,
+)
 from recserve.backends.store.updates.versions import UpdateLog
 
 LOGGER = logging.getLogger(__name__)
@@ -30,6 +40,7 @@ class UpdateStream:
         self.stream = stream
         self.last_id = "0"
         self.mirrored = 0
+        self.refused = 0  # entries skipped because they did not fit the schema
 
     def publish(self, table: str, version: int) -> str:
         """Append one published version (as found in the local log) to the stream; its entry id."""
@@ -51,15 +62,45 @@ class UpdateStream:
             answer = self.client.xread({self.stream: self.last_id}, count=count)
             entries = answer[0][1] if answer else []
             for entry_id, fields in entries:
+                previous = self.last_id
                 self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                written += self._import(fields)
+                try:
+                    written += self._import(fields)
+                except UpdateRefused as exc:
+                    self.refused += 1
+                    LOGGER.error("update stream entry %s refused: %s", self.last_id, exc)
+                except Exception:  # not the entry's fault (disk, lock): read it again next round
+                    self.last_id = previous
+                    raise
             if len(entries) < count:
                 self.mirrored += written
                 return written
 
     def _import(self, fields: dict) -> int:
-        text = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
-        table = text["table"].decode() if isinstance(text["table"], bytes) else text["table"]
-        manifest = json.loads(text["manifest"])
+        text = {
+            (k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)): v for k, v in fields.items()
+        }
+        table = text.get("table")
+        if isinstance(table, bytes):
+            try:
+                table = table.decode()
+            except UnicodeDecodeError:
+                raise UpdateRefused(f"entry for table {shorten(table)}: not UTF-8") from None
+        what = f"entry for table {shorten(table)}"
+        if not isinstance(table, str):
+            raise UpdateRefused(f"{what}: no table name")
+        manifest = text.get("manifest")
+        if not isinstance(manifest, bytes | str):
+            raise UpdateRefused(f"{what}: no manifest")
+        doc = parse_json(manifest, MAX_MANIFEST_BYTES, f"{what}: the manifest")
+        version = text.get("version", b"")
+        raw = version.decode("ascii", "replace") if isinstance(version, bytes) else version
+        number = check_version(
+            int(raw) if isinstance(raw, str) and raw.isascii() and raw.isdigit() else raw,
+            what,
+            self.log.base_version,
+        )
+        if not isinstance(doc, dict) or doc.get("version") != number:
+            raise UpdateRefused(f"{what}: the entry's version {shorten(version)} is not its manifest's")
         files = {name[len("file:") :]: value for name, value in text.items() if name.startswith("file:")}
-        return int(self.log.import_version(table, manifest, files))
+        return int(self.log.import_version(table, doc, files))

@@ -4,6 +4,7 @@ The feature transform (recserve.backends.features.transform) and the tiered stor
 (recserve.backends.store.tiered) run here together; see recserve.backends.lookup.FeaturesToEmbeddings.
 """
 
+import threading
 import time
 
 from recserve import wire
@@ -39,9 +40,17 @@ class TritonPythonModel:
         )
         self.step = FeaturesToEmbeddings(context.spec, lookup)
         self.metrics = MetricsPublisher()
+        self.metrics_lock = threading.Lock()  # the request path and the upkeep thread both publish
         # every declared series exists (at 0) before the first request
         self.metrics.publish(self.served.samples())
         self.published_at = 0.0
+        # a newly applied version shows on the metrics endpoint without waiting for a request
+        self.served.maintainer.after_step.append(self.publish_versions)
+
+    def publish_versions(self) -> None:
+        """Publish the served table versions (from the upkeep thread, after each round)."""
+        with self.metrics_lock:
+            self.metrics.publish(self.served.version_samples())
 
     def execute(self, requests: list) -> list:
         """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s.
@@ -64,7 +73,8 @@ class TritonPythonModel:
         )
         if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
             self.published_at = time.monotonic()
-            self.metrics.publish(self.served.samples())
+            with self.metrics_lock:
+                self.metrics.publish(self.served.samples())
         return responses
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
@@ -79,4 +89,5 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop the upkeep thread; publish the last counts."""
         self.served.close()
-        self.metrics.publish(self.served.samples())
+        with self.metrics_lock:
+            self.metrics.publish(self.served.samples())
