@@ -21,7 +21,6 @@ moved into place at the end: the repository appears whole, or not at all.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -32,11 +31,12 @@ import numpy as np
 
 from recserve import wire
 from recserve.backends.artifacts import file_entry, map_safetensors, sha256_file, write_manifest
+from recserve.backends.bounded_files import Header, check_onnx_file, clip, load_npz, map_npy, read_json
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.backends.features.transform import vocabulary_keys
 from recserve.backends.store.rows import TableArrays
-from recserve.backends.store.updates.versions import check_delta, read_delta_file
+from recserve.backends.store.updates.versions import check_delta
 from recserve.build import configs
 from recserve.build.export import example_inputs
 from recserve.build.repository import (
@@ -57,6 +57,9 @@ KEYED_SUFFIXES = (".safetensors", ".npz")
 HUGECTR_FILES = ("key", "emb_vector")
 VOCAB_KEYS = frozenset({"tokens", "oov", "pad"})
 STORED_DTYPES = ("float32", "float16")
+#: A vocabulary file may hold this many bytes plus :data:`VOCAB_ROW_BYTES` per row of its vectors.
+VOCAB_BASE_BYTES = 1 << 20
+VOCAB_ROW_BYTES = 1024
 
 
 class TableImportError(ArtifactError):
@@ -99,6 +102,8 @@ def find_table_sources(spec: ModelSpec, folder: Path) -> dict[str, TableSource]:
             continue
         if path.is_dir():
             source = TableSource(path.name, "hugectr", path)
+        elif not path.is_file():
+            raise TableImportError(f"{clip(path.name)} is not a regular file or a folder")
         elif path.stem in vocabularies and path.suffix in VECTOR_SUFFIXES:
             source = TableSource(path.stem, "vocabulary", path, vocabularies[path.stem])
         elif path.suffix in KEYED_SUFFIXES:
@@ -132,12 +137,7 @@ def find_table_sources(spec: ModelSpec, folder: Path) -> dict[str, TableSource]:
 def _vectors(table: str, path: Path, dim: int) -> np.ndarray:
     """The memory-mapped ``[rows, dim]`` float32/float16 vectors of a ``.npy`` or ``.safetensors`` file."""
     if path.suffix == ".npy":
-        try:
-            vectors = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as exc:
-            raise TableImportError(
-                f"table {table!r}: {path.name} is not a readable .npy file ({exc})"
-            ) from None
+        vectors = map_npy(path)
     else:
         arrays = map_safetensors(path)
         if "vectors" not in arrays:
@@ -155,10 +155,7 @@ def _vectors(table: str, path: Path, dim: int) -> np.ndarray:
 
 
 def _vocabulary(table: str, path: Path, rows: int) -> tuple[list[object], int | None, int | None]:
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TableImportError(f"table {table!r}: {path.name} is not valid JSON ({exc})") from None
+    doc = read_json(path, VOCAB_BASE_BYTES + rows * VOCAB_ROW_BYTES, f"table {table!r}: ")
     if not isinstance(doc, dict) or not isinstance(doc.get("tokens"), list):
         raise TableImportError(f'table {table!r}: {path.name} must be an object {{"tokens": [...], ...}}')
     extra = sorted(set(doc) - VOCAB_KEYS)
@@ -167,6 +164,15 @@ def _vocabulary(table: str, path: Path, rows: int) -> tuple[list[object], int | 
             f"table {table!r}: {path.name} has unknown keys {extra}; known: {sorted(VOCAB_KEYS)}"
         )
     tokens = doc["tokens"]
+    odd = next(
+        (i for i, t in enumerate(tokens) if not isinstance(t, str | int | None) or t is True or t is False),
+        None,
+    )
+    if odd is not None:
+        raise TableImportError(
+            f"table {table!r}: token {odd} of {path.name} is {clip(tokens[odd])}, "
+            "not a string, integer or null"
+        )
     if len(tokens) != rows:
         raise TableImportError(
             f"table {table!r}: the vocabulary has {len(tokens)} tokens, the vectors {rows} rows"
@@ -192,7 +198,7 @@ def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
     tokens, oov, pad = _vocabulary(table, source.vocabulary, len(vectors))
     rows = np.array([r for r in range(len(tokens)) if r not in (oov, pad)], np.int64)
     try:
-        keys = vocabulary_keys(spec, table, [tokens[r] for r in rows])
+        keys = vocabulary_keys(spec, table, tokens, skip=[r for r in (oov, pad) if r is not None])
     except InvalidInput as exc:
         raise TableImportError(f"table {table!r}, {source.vocabulary.name}: {exc.detail}") from None
     unique, first, counts = np.unique(keys, return_index=True, return_counts=True)
@@ -200,7 +206,8 @@ def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
         again = int(np.flatnonzero(keys == unique[np.argmax(counts > 1)])[1])
         same = int(first[np.argmax(counts > 1)])
         raise TableImportError(
-            f"table {table!r}: tokens {tokens[rows[same]]!r} (row {rows[same]}) and {tokens[rows[again]]!r} "
+            f"table {table!r}: tokens {clip(tokens[rows[same]])} (row {rows[same]}) and "
+            f"{clip(tokens[rows[again]])} "
             f"(row {rows[again]}) are the same value; each value needs one row"
         )
     default = np.zeros(dim, np.float32) if oov is None else np.asarray(vectors[oov], np.float32)
@@ -210,18 +217,52 @@ def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
 def read_keyed_table(spec: ModelSpec, source: TableSource) -> TableArrays:
     """Format (b): ``keys``, ``vectors`` and optionally ``default``, as ``recserve update`` reads deltas."""
     table, dim = source.table, spec.tables[source.table].dim
-    keys, vectors = read_delta_file(source.path)
-    check_delta(table, keys, vectors, dim, STORED_DTYPES, what="table")
-    default = np.zeros(dim, np.float32)
-    if source.path.suffix == ".safetensors":
-        default = np.asarray(map_safetensors(source.path).get("default", default), np.float32)
+    if source.path.suffix == ".npz":
+        arrays = load_npz(source.path, lambda headers: _check_keyed_headers(table, source.path, headers, dim))
     else:
-        with np.load(source.path, allow_pickle=False) as archive:
-            if "default" in archive.files:
-                default = np.asarray(archive["default"], np.float32)
+        arrays = map_safetensors(source.path)
+    missing = {"keys", "vectors"} - set(arrays)
+    if missing:
+        raise TableImportError(
+            f"table {table!r}: {source.path.name} has no array(s) {sorted(missing)}; "
+            "it needs 'keys' and 'vectors'"
+        )
+    keys, vectors = arrays["keys"], arrays["vectors"]
+    check_delta(table, keys, vectors, dim, STORED_DTYPES, what="table")
+    default = np.asarray(arrays.get("default", np.zeros(dim, np.float32)), np.float32)
     if default.shape != (dim,):
         raise TableImportError(f"table {table!r}: default is {list(default.shape)}, expected [{dim}]")
     return TableArrays(table, np.asarray(keys), vectors, default)
+
+
+def _check_keyed_headers(table: str, path: Path, headers: dict[str, Header], dim: int) -> None:
+    """Refuse an ``.npz`` keyed table whose arrays do not fit the spec, before any is inflated."""
+    wanted = {
+        "keys": ("int64[rows]", lambda s, d: len(s) == 1 and d == np.int64),
+        "vectors": (
+            f"float32 or float16 [rows, {dim}]",
+            lambda s, d: s[1:] == (dim,) and d.name in STORED_DTYPES,
+        ),
+        "default": (f"[{dim}]", lambda s, d: s == (dim,) and d.kind == "f"),
+    }
+    for name, (shape, dtype) in headers.items():
+        if name not in wanted:
+            raise TableImportError(
+                f"table {table!r}: {path.name} holds an array {clip(name)}; "
+                f"a keyed table holds {sorted(wanted)}"
+            )
+        expected, fits = wanted[name]
+        if not fits(shape, dtype):
+            raise TableImportError(
+                f"table {table!r}: {path.name}: {name} is {dtype}{clip(list(shape))}, expected {expected} "
+                "(refused before inflating)"
+            )
+    rows = {name: headers[name][0][0] for name in ("keys", "vectors") if name in headers}
+    if len(set(rows.values())) > 1:
+        raise TableImportError(
+            f"table {table!r}: {path.name} has {rows['keys']} keys and {rows['vectors']} vectors "
+            "(refused before inflating)"
+        )
 
 
 def read_hugectr_table(spec: ModelSpec, source: TableSource) -> TableArrays:
@@ -364,6 +405,7 @@ def import_repository(
         raise TableImportError(f"{repository} exists and is not empty; pass --replace to overwrite it")
     if not dense.is_file():
         raise TableImportError(f"dense model {dense} does not exist")
+    check_onnx_file(dense)
     check_onnx_contract(spec, dense)
     tables, formats = read_tables(spec, tables_dir)
     staging = repository.parent / f".{repository.name}.import-{os.getpid()}"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from recserve.errors import InvalidInput
+from recserve.errors import InvalidInput, cap_message, shorten
 from recserve.sections import DENSE, EMBEDDING_LOOKUP
 from recserve.spec import NUMERIC_INPUT, CategoricalGroup, ModelSpec, RawColumn, WireTensor
 
@@ -384,7 +384,7 @@ def hex_bytes(values: np.ndarray, max_digits: int, input_name: str) -> np.ndarra
         return np.asarray(values, dtype=f"S{max_digits + 1}")
     except (UnicodeEncodeError, ValueError, TypeError):
         bad = next(v for v in values.ravel() if not _is_ascii(v))
-        raise InvalidInput(input_name, f"value {bad!r} is not an ASCII hex string") from None
+        raise InvalidInput(input_name, f"value {shorten(bad)} is not an ASCII hex string") from None
 
 
 def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -418,7 +418,7 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
         raw = values.reshape(-1)[index]
         raise InvalidInput(
             input_name,
-            f"value {raw!r} at flat index {index} is not a hex string of at most {max_digits} digits",
+            f"value {shorten(raw)} at flat index {index} is not a hex string of at most {max_digits} digits",
         )
     acc = np.zeros(flat.shape[0], dtype=np.uint64)
     for pos in range(max_digits):
@@ -428,7 +428,7 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
 
 
 def _column_error(input_name: str, column: str, row: int, value: object, why: str) -> InvalidInput:
-    return InvalidInput(input_name, f"{column} (row {row}) is {value!r}: {why}")
+    return InvalidInput(input_name, f"{column} (row {row}) is {shorten(value)}: {why}")
 
 
 def _as_text(value: object) -> str:
@@ -461,7 +461,10 @@ def parse_decimal(
     for (row, col), value in np.ndenumerate(np.asarray(values, dtype=object)):  # slow path: name it
         text = _as_text(value)
         digits = text[1:] if signed and text.startswith("-") else text
-        if text and not (digits.isascii() and digits.isdigit() and low <= int(text) <= high):
+        # 20 digits hold any 64-bit value; a longer string is refused before int() reads it
+        if text and not (
+            digits.isascii() and digits.isdigit() and len(digits) <= 20 and low <= int(text) <= high
+        ):
             kind = "an int64" if signed else "a uint64"
             raise _column_error(input_name, columns[col], row, value, f"not {kind} in decimal digits")
     raise AssertionError("unreachable")  # pragma: no cover
@@ -516,7 +519,11 @@ def parse_times(values: np.ndarray, column: RawColumn, input_name: str) -> tuple
             row = int(np.flatnonzero(inverse == i)[0])
             wanted = f"format {column.time_format!r}" if column.time_format else f"unix {column.time_unit}"
             raise _column_error(
-                input_name, column.name, row, values.reshape(-1)[row], f"not a time in {wanted} ({exc})"
+                input_name,
+                column.name,
+                row,
+                values.reshape(-1)[row],
+                f"not a time in {wanted} ({cap_message(str(exc), 96)})",
             ) from None
     return seconds[inverse].reshape(values.shape), (unique[inverse] == "").reshape(values.shape)
 
@@ -634,7 +641,7 @@ def join_list(values: np.ndarray, column: RawColumn, input_name: str) -> np.ndar
             if not isinstance(element, bytes) or separator in element:
                 raise InvalidInput(
                     input_name,
-                    f"row {row} position {position} is {element!r}: one value per element, "
+                    f"row {row} position {position} is {shorten(element)}: one value per element, "
                     f"without {column.separator!r}",
                 )
             if element:

@@ -19,7 +19,7 @@ longest row (on each group's padding side), and a mask per group (1.0 on real po
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -27,7 +27,7 @@ import numpy as np
 from recserve import wire
 from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
-from recserve.errors import InvalidInput
+from recserve.errors import InvalidInput, shorten
 from recserve.spec import (
     NUMPY_DTYPES,
     CategoricalFeature,
@@ -298,7 +298,9 @@ def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.where(real.reshape(*real.shape, *(1,) * (array.ndim - 2)), picked, 0).astype(array.dtype)
 
 
-def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.ndarray:
+def vocabulary_keys(
+    spec: ModelSpec, table: str, tokens: Sequence[object], skip: Collection[int] = ()
+) -> np.ndarray:
     """The keys serving computes for raw values of ``table``'s feature, written as clients send them.
 
     A categorical table takes its column's values (hex strings: case and leading zeros do not
@@ -307,11 +309,21 @@ def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.nda
     is an absent target item). The same parsing and hashing as :class:`FeatureTransform`, so an
     imported vocabulary row is served exactly for the values that name it.
 
+    Args:
+        spec: the model spec.
+        table: the table the tokens belong to.
+        tokens: the vocabulary, one token per row.
+        skip: rows that are no value (the ``oov`` and ``pad`` rows): not parsed, and left out of the
+            result. Errors name a token by its row in ``tokens``, skipped rows counted.
+
+    Returns:
+        int64 keys, one per row of ``tokens`` not in ``skip``, in order.
+
     Raises:
-        InvalidInput: a token is not a value of that feature (named with its position).
+        InvalidInput: a token is not a value of that feature (named with its row and value shortened).
     """
     ns = spec.hash_namespace
-    where = f"{table}.vocab"
+    where = f"{table if len(table) <= 64 else table[:64] + '…'}.vocab"
     feature = next((f for f in spec.categorical.features if f.table == table), None)
     multi = next((f for f in spec.categorical.multi_hot if f.table == table), None)
     target = next((f for f in spec.targets if f.table == table), None)
@@ -323,32 +335,37 @@ def vocabulary_keys(spec: ModelSpec, table: str, tokens: list[object]) -> np.nda
     elif target is not None:
         feature, column = target, RawColumn(target.name, "int64")
     else:
-        raise InvalidInput(where, f"{table!r} is not a table of spec {spec.name!r}")
+        raise InvalidInput(where, f"{shorten(table)} is not a table of spec {spec.name!r}")
     if feature.part or feature.numeric >= 0:  # the part's or the bucket's number
         column = RawColumn(feature.name, "uint64")
     numbers = column.value_type in ("int64", "uint64")
+    kind = "strings" if column.value_type == "string" else f"{column.value_type} strings"
+    skipped = frozenset(skip)
+    kept = np.array([i for i in range(len(tokens)) if i not in skipped], dtype=np.intp)
     texts = []
     for i, token in enumerate(tokens):
-        if numbers and isinstance(token, int) and not isinstance(token, bool):
+        if i in skipped:
+            token = ""  # parsed as the empty value, whose key is dropped below
+        elif numbers and isinstance(token, int) and not isinstance(token, bool):
             token = str(token)
         if not isinstance(token, str):
-            raise InvalidInput(
-                where, f"token {i} is {token!r}; this table's values are {column.value_type} strings"
-            )
+            raise InvalidInput(where, f"token {i} is {shorten(token)}; this table's values are {kind}")
         texts.append(token)
     raw = np.array(texts, dtype=object).reshape(-1, 1)
     if feature is target:
         ids = np.array([int(t) if t.lstrip("-").isdigit() else -2 for t in texts], dtype=object)
-        bad = [i for i, v in enumerate(ids) if not ABSENT_ITEM <= v < 1 << 63]
+        bad = [i for i, v in enumerate(ids) if not ABSENT_ITEM <= v < 1 << 63 and i not in skipped]
         if bad:
             raise InvalidInput(
-                where, f"token {bad[0]} is {tokens[bad[0]]!r}; this table's values are ids >= 0 (-1: absent)"
+                where,
+                f"token {bad[0]} is {shorten(tokens[bad[0]])}; this table's values are ids >= 0 (-1: absent)",
             )
-        ids64 = ids.astype(np.int64)
+        ids64 = np.where([i in skipped for i in range(len(ids))], ABSENT_ITEM, ids).astype(np.int64)[kept]
         keys = keys_for(ids64.astype(np.uint64), table_salt(ns, table))
         return np.where(ids64 == ABSENT_ITEM, missing_key(ns, feature.name), keys)
     group = CategoricalGroup(where, (column,), (replace(feature, column=0, part=""),))
     values, empty = categorical_values(raw, group)
+    values, empty = values[kept], empty[kept]
     keys = keys_for(values[:, 0], table_salt(ns, table))
     if feature.encoder == "identity":
         keys = values[:, 0].view(np.int64)

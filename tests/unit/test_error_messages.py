@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from recserve.errors import MESSAGE_LIMIT, cap_message, shorten, shorten_all
+from recserve import wire
+from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.build.synthetic import generate
+from recserve.errors import MESSAGE_LIMIT, InvalidInput, cap_message, shorten, shorten_all
+from recserve.spec import load_spec
+from recserve.wire import parse_hex
 
 
 def test_shorten_keeps_a_short_value_as_its_repr() -> None:
@@ -59,3 +65,94 @@ def test_cap_message_keeps_short_messages_and_cuts_long_ones() -> None:
     capped = cap_message("y" * 5000)
     assert len(capped) == MESSAGE_LIMIT
     assert capped.endswith("… (5000 chars)")
+
+
+# Each request-path message that names a value shows it shortened, with its length.
+
+HUGE = 1 << 20
+BOUND = 400  # a whole message naming one shortened value stays well under this
+
+
+def _refusal(call) -> str:
+    with pytest.raises(InvalidInput) as err:
+        call()
+    message = str(err.value)
+    assert len(message) < BOUND, f"a {len(message)}-character message: {message[:200]}"
+    return message
+
+
+def test_a_huge_hex_value_is_named_shortened_with_its_length() -> None:
+    values = np.array([b"ab", b"z" * HUGE], dtype=object)
+    message = _refusal(lambda: parse_hex(values, 16, "categorical"))
+    assert message.startswith("input 'categorical': value b'zzz")
+    assert f"({HUGE} bytes) at flat index 1" in message
+
+
+def test_a_huge_non_ascii_value_is_named_shortened() -> None:
+    values = np.array(["é" * HUGE], dtype=object)
+    message = _refusal(lambda: parse_hex(values, 16, "categorical"))
+    assert "'éé" in message and f"({HUGE} chars)" in message
+
+
+def test_a_huge_decimal_value_is_named_shortened() -> None:
+    group = load_spec("avazu").categorical
+    row = [b"14102100", b"9" * HUGE] + [b"1"] * (len(group.raw_columns) - 2)
+    message = _refusal(lambda: wire.categorical_values(np.array([row], dtype=object), group))
+    assert "C1 (row 0) is b'999" in message and f"({HUGE} bytes): not an int64" in message
+
+
+def test_a_huge_time_value_and_its_parse_error_are_shortened() -> None:
+    group = load_spec("avazu").categorical
+    row = [b"1" * HUGE] + [b"1"] * (len(group.raw_columns) - 1)
+    message = _refusal(lambda: wire.categorical_values(np.array([row], dtype=object), group))
+    assert "hour (row 0) is b'111" in message and "not a time in format" in message
+
+
+def test_a_huge_list_element_and_multi_hot_field_are_shortened() -> None:
+    spec = load_spec("taobao")
+    sent = generate(spec, 4, seed=3).to_wire(spec)
+    transform = FeatureTransform(spec)
+    sent["tags"] = sent["tags"].copy()
+    sent["tags"][1, 0] = b"1|" * HUGE
+    message = _refusal(lambda: transform.transform(sent))
+    assert "input 'tags': row 1 position 0 is b'1|1|" in message and f"({2 * HUGE} bytes)" in message
+    sent["tags"][1, 0] = b"x" * HUGE
+    message = _refusal(lambda: transform.transform(sent))
+    assert "tags (row 1) is b'xxx" in message and "not a list of int64 values" in message
+
+
+def test_a_huge_categorical_value_in_a_request_is_shortened(spec) -> None:
+    sent = generate(spec, 3, seed=4).to_wire(spec)
+    sent[spec.categorical.name][2, 5] = "q" * HUGE
+    message = _refusal(lambda: FeatureTransform(spec).transform(sent))
+    assert f"input '{spec.categorical.name}'" in message and f"({HUGE} chars)" in message
+
+
+def test_a_vocabulary_token_is_named_by_its_row_counting_the_pad_row(spec) -> None:
+    table = spec.categorical.features[0].table
+    with pytest.raises(InvalidInput, match=r"value 'zz' at flat index 2 "):
+        vocabulary_keys(spec, table, ["<pad>", "ab", "zz"], skip=[0])
+    item = spec.targets[0].table
+    with pytest.raises(InvalidInput, match=r"token 2 is 'x'"):
+        vocabulary_keys(spec, item, ["<pad>", "1", "x"], skip=[0])
+    with pytest.raises(InvalidInput, match=r"token 3 is None"):
+        vocabulary_keys(spec, item, ["1", None, "2", None], skip=[1])
+
+
+def test_skipped_vocabulary_rows_are_left_out_of_the_keys(spec) -> None:
+    table = spec.categorical.features[0].table
+    keys = vocabulary_keys(spec, table, [None, "ab", "cd", {}], skip=[0, 3])
+    np.testing.assert_array_equal(keys, vocabulary_keys(spec, table, ["ab", "cd"]))
+    item = spec.targets[0].table
+    np.testing.assert_array_equal(
+        vocabulary_keys(spec, item, ["1", "junk", "-1"], skip=[1]), vocabulary_keys(spec, item, ["1", "-1"])
+    )
+
+
+def test_a_vocabulary_refusal_reads_well_and_shortens_the_token() -> None:
+    spec = load_spec("avazu")
+    message = _refusal(lambda: vocabulary_keys(spec, "site_id", ["a", b"b" * HUGE]))
+    assert "token 1 is b'bbb" in message and f"({HUGE} bytes); this table's values are strings" in message
+    assert "string strings" not in message
+    message = _refusal(lambda: vocabulary_keys(spec, "t" * HUGE, ["a"]))
+    assert f"({HUGE} chars) is not a table of spec" in message
