@@ -120,7 +120,8 @@ def _canary(args: argparse.Namespace) -> int:
     }
     try:
         stack = canary.Stack.load(args.workdir / canary.STACK_FILE)
-        controller = canary.CanaryController(spec.name, spec.access.canary, stack, args.workdir)
+        ensembles = [spec.name, *([spec.candidates_model] if spec.candidates_model else [])]
+        controller = canary.CanaryController(ensembles, spec.access.canary, stack, args.workdir)
         server = controller.serve_metrics()
         try:
             state = controller.run(stop, new=args.new)

@@ -3,8 +3,8 @@
 Every ``period_s`` the controller reads what each variant did since its current stage began (the
 same traffic window for both), compares the candidate with stable and decides:
 
-* **roll back** at once when the candidate's failed share of requests exceeds stable's by more than
-  ``max_error_rate_increase``, its p99 through the proxy exceeds ``max_p99_ratio`` × stable's (and
+* **roll back** at once when the candidate's share of server-side failures exceeds stable's by more
+  than ``max_error_rate_increase``, its p99 through the proxy exceeds ``max_p99_ratio`` × stable's (and
   stable's by more than ``p99_slack_ms``; latency counts from ``settle_s`` into a stage, so that a
   freshly started candidate may warm up), the population stability index of its served
   probabilities against stable's exceeds ``max_psi``, or its mean probability over stable's leaves
@@ -15,12 +15,24 @@ same traffic window for both), compares the candidate with stable and decides:
 
 Once stable gets no live traffic (the 100 % stage), its window of the last stage stands in for it.
 
-Where the figures come from: requests and failures are Triton's counters of the ensemble on every
-server of the variant (mirrored copies included); latency is Envoy's per-cluster request-time
-histogram (live and shadow clusters of the variant); scores are the dense step's
-``recserve_served_probability`` histogram. A dense step that is not a Python model (TensorRT or
-ONNX Runtime backends on GPUs) exports no score histogram: the score checks are then skipped and the
-decision says so.
+Where the figures come from: the canary judges the server, not its clients. A failure is a request
+the variant failed by its own fault: a step answered ``INTERNAL`` or ``UNAVAILABLE`` (a non-finite
+output is ``INTERNAL``), counted by the steps in ``recserve_request_errors_total{code}``; a step's
+queue refused it or a non-Python step failed (Triton's ``nv_inference_request_failure`` of the steps
+with reason ``REJECTED`` or ``BACKEND``); or Envoy timed it out (``envoy_cluster_upstream_rq_timeout``
+of the variant's clusters). The judged requests are the ensembles' successes plus those failures.
+Client errors (:data:`CLIENT_CODES`: malformed input, unknown names) are counted apart, reported
+as the figures ``client_errors_stable`` and ``client_errors_candidate``, and move no decision: they
+are neither failures nor judged requests, so a client choosing its user id cannot roll a healthy
+candidate back, hide a bad one, or fill a stage's ``min_requests``. Requests that Triton's core
+refuses before any step runs (wrong shape, unknown input) are in none of Triton's counters, so they
+cannot move the figures either. (Triton 2.51 cannot make this split itself: its ensemble counts a
+failed request twice with ``reason="OTHER"`` whatever the code, and a Python step counts a request
+it answers with an error as a success.) On every server of the variant, mirrored copies included.
+Latency is Envoy's per-cluster request-time histogram (live and shadow clusters of the variant);
+scores are the dense step's ``recserve_served_probability`` histogram. A dense step that is not a
+Python model (TensorRT or ONNX Runtime backends on GPUs) exports no score histogram: the score
+checks are then skipped and the decision says so.
 
 The decision is written to ``canary.json`` in the access layer's folder before the proxy is told:
 a restarted proxy (:class:`~recserve.access.process.AccessLayer` reads the file) and a restarted
@@ -64,6 +76,12 @@ UNREACHABLE_PERIODS = 2
 #: Timed requests each side needs before p99s are compared (fewer make the p99 their maximum).
 P99_MIN_REQUESTS = 100
 PROBABILITY = "recserve_served_probability"
+#: What the steps count failed requests by (``recserve.backends.request_errors``), and the codes of
+#: those a client caused; every other code is the server's fault.
+REQUEST_ERRORS = "recserve_request_errors_total"
+CLIENT_CODES = frozenset({"INVALID_ARG", "NOT_FOUND", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED"})
+#: Triton's failure reasons of a step that are the server's fault (queue refusals, non-Python steps).
+SERVER_REASONS = frozenset({"REJECTED", "BACKEND"})
 
 
 # --- what a variant did ------------------------------------------------------------------------
@@ -73,8 +91,10 @@ PROBABILITY = "recserve_served_probability"
 class Window:
     """Running totals of one variant (or their difference over a stretch of traffic).
 
-    ``latency`` and ``scores`` are cumulative histograms: upper edge -> count at or below it
-    (``inf`` holds every observation).
+    ``requests`` are the judged ones (served, or failed by the server), ``failures`` the
+    server-side failures among them; ``client_errors`` are the requests refused for the client's
+    fault, in neither. ``latency`` and ``scores`` are cumulative histograms: upper edge -> count at
+    or below it (``inf`` holds every observation).
     """
 
     requests: float = 0.0
@@ -82,6 +102,7 @@ class Window:
     latency: Mapping[float, float] = field(default_factory=dict)  # ms
     scores: Mapping[float, float] = field(default_factory=dict)  # probability
     score_sum: float = 0.0
+    client_errors: float = 0.0
 
     def since(self, start: Window) -> Window:
         """What happened after ``start`` (a counter that went down was reset: its value counts)."""
@@ -99,6 +120,7 @@ class Window:
             histogram(self.latency, start.latency),
             histogram(self.scores, start.scores),
             delta(self.score_sum, start.score_sum),
+            delta(self.client_errors, start.client_errors),
         )
 
     @property
@@ -180,7 +202,8 @@ class Verdict:
         judged: every comparison had enough requests and rows on both sides, and the candidate
             served ``min_requests`` (the stage may end).
         figures: the compared figures (``error_rate_increase``, ``p99_ratio``, ``psi``,
-            ``mean_ratio``), those measured.
+            ``mean_ratio``), those measured; and, never compared, the client errors each side
+            answered (``client_errors_stable``, ``client_errors_candidate``).
         skipped: comparisons that could not be made (e.g. no score histogram exported).
     """
 
@@ -195,9 +218,12 @@ def judge(canary: CanarySection, stable: Window, candidate: Window) -> Verdict:
 
     A comparison counts once each side has ``min_judged`` requests (timed requests for p99, at least
     :data:`P99_MIN_REQUESTS`; scored rows for the score checks). A failed comparison rolls back even
-    while others still wait.
+    while others still wait. Client errors are reported in the figures and judged by nothing.
     """
-    figures: dict[str, float] = {}
+    figures = {
+        "client_errors_stable": stable.client_errors,
+        "client_errors_candidate": candidate.client_errors,
+    }
     reasons, waiting, skipped = [], [], []
     need = canary.min_judged
     if min(stable.requests, candidate.requests) >= need:
@@ -367,20 +393,42 @@ def _edge(label: str) -> float:
     return math.inf if label == "+Inf" else float(label)
 
 
-def triton_window(text: str, model: str) -> Window:
-    """Requests and failures of the ensemble ``model`` and the served-probability histogram."""
-    requests = failures = score_sum = 0.0
+def triton_window(text: str, ensembles: str | Sequence[str]) -> Window:
+    """One server's judged requests, server-side failures and client errors, and its score histogram.
+
+    Args:
+        text: the server's metrics (Prometheus text).
+        ensembles: the ensembles whose successes count as served requests (every other model is a
+            step of theirs).
+
+    A server whose steps export no :data:`REQUEST_ERRORS` cannot tell client errors apart: every
+    failure of its ensembles then counts as the server's.
+    """
+    judged = {ensembles} if isinstance(ensembles, str) else set(ensembles)
+    served = ensemble_failures = step_failures = client = score_sum = 0.0
+    by_code = False
     scores: dict[float, float] = {}
     for name, labels, value in observe.parse_exposition(text):
-        if name in ("nv_inference_request_success", "nv_inference_request_failure"):
-            if labels.get("model") == model:
-                requests += value
-                failures += value if name.endswith("failure") else 0.0
+        model = labels.get("model")
+        if name == "nv_inference_request_success" and model in judged:
+            served += value
+        elif name == "nv_inference_request_failure":
+            if model in judged:
+                ensemble_failures += value
+            elif labels.get("reason") in SERVER_REASONS:
+                step_failures += value
+        elif name == REQUEST_ERRORS:
+            by_code = True
+            if labels.get("code") in CLIENT_CODES:
+                client += value
+            else:
+                step_failures += value
         elif name == f"{PROBABILITY}_bucket":
             scores[_edge(labels["le"])] = scores.get(_edge(labels["le"]), 0.0) + value
         elif name == f"{PROBABILITY}_sum":
             score_sum += value
-    return Window(requests, failures, {}, scores, score_sum)
+    failures = step_failures if by_code else ensemble_failures
+    return Window(served + failures, failures, {}, scores, score_sum, client)
 
 
 def envoy_latency(text: str, clusters: Sequence[str]) -> dict[float, float]:
@@ -391,6 +439,15 @@ def envoy_latency(text: str, clusters: Sequence[str]) -> dict[float, float]:
             edge = _edge(labels["le"])
             latency[edge] = latency.get(edge, 0.0) + value
     return latency
+
+
+def envoy_timeouts(text: str, clusters: Sequence[str]) -> float:
+    """Requests of ``clusters`` that Envoy timed out (``upstream_rq_timeout``): the server's fault."""
+    return sum(
+        value
+        for name, labels, value in observe.parse_exposition(text)
+        if name == "envoy_cluster_upstream_rq_timeout" and labels.get("envoy_cluster_name") in clusters
+    )
 
 
 @dataclass(frozen=True)
@@ -438,7 +495,8 @@ class CanaryController:
     """Drives one rollout against a running access layer; see the module docstring.
 
     Args:
-        model: the ensemble's name (the spec's model).
+        model: the ensemble's name (the spec's model), or the names of every ensemble the
+            variants serve (e.g. the spec's model and its candidate-list model).
         canary: the thresholds and stages.
         stack: the running access layer.
         workdir: the access layer's folder (:data:`STATE_FILE`, :data:`LOG_FILE`).
@@ -448,7 +506,7 @@ class CanaryController:
 
     def __init__(
         self,
-        model: str,
+        model: str | Sequence[str],
         canary: CanarySection,
         stack: Stack,
         workdir: Path,
@@ -511,7 +569,13 @@ class CanaryController:
                     ) from exc
                 totals = _plus(totals, triton_window(text, self.model))
             clusters = [cluster_name(variant, p, shadow) for p in PROTOCOLS for shadow in (False, True)]
-            windows[variant] = dataclasses.replace(totals, latency=envoy_latency(envoy, clusters))
+            timeouts = envoy_timeouts(envoy, clusters)
+            windows[variant] = dataclasses.replace(
+                totals,
+                requests=totals.requests + timeouts,
+                failures=totals.failures + timeouts,
+                latency=envoy_latency(envoy, clusters),
+            )
         return windows
 
     def tick(self) -> CanaryState:
@@ -652,5 +716,10 @@ def _plus(a: Window, b: Window) -> Window:
     """Two servers' totals added (the latency histogram is the proxy's, not added here)."""
     scores = {le: a.scores.get(le, 0.0) + b.scores.get(le, 0.0) for le in {*a.scores, *b.scores}}
     return Window(
-        a.requests + b.requests, a.failures + b.failures, a.latency, scores, a.score_sum + b.score_sum
+        a.requests + b.requests,
+        a.failures + b.failures,
+        a.latency,
+        scores,
+        a.score_sum + b.score_sum,
+        a.client_errors + b.client_errors,
     )

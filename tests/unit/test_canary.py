@@ -17,6 +17,7 @@ from recserve.access import AccessError, canary
 from recserve.access.canary import CanaryState, Stage, Verdict, Window, decide, judge, psi, quantile
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.metrics import PROBABILITY_EDGES, ScoreHistogram
+from recserve.backends.request_errors import RequestErrorCounts
 from recserve.errors import NonFiniteOutput
 from recserve.sections import AccessSection, CanarySection
 from recserve.spec import load_spec
@@ -81,9 +82,9 @@ def test_a_window_is_the_difference_of_running_totals_and_survives_a_counter_res
 
 def test_an_equal_candidate_passes_every_check_once_there_is_enough_traffic():
     verdict = judge(SETTINGS, _window(), _window())
-    assert verdict == Verdict(
-        "", True, {"error_rate_increase": 0.0, "p99_ratio": 1.0, "psi": 0.0, "mean_ratio": 1.0}, ()
-    )
+    compared = {"error_rate_increase": 0.0, "p99_ratio": 1.0, "psi": 0.0, "mean_ratio": 1.0}
+    clients = {"client_errors_stable": 0.0, "client_errors_candidate": 0.0}
+    assert verdict == Verdict("", True, {**compared, **clients}, ())
     assert not judge(SETTINGS, _window(), _window(requests=10)).judged  # too few to judge
 
 
@@ -202,7 +203,8 @@ envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="stable_grpc",le="+Inf"
 
 def test_the_ensembles_counters_and_the_score_histogram_are_read_from_tritons_metrics():
     window = canary.triton_window(TRITON, "tiny")
-    assert (window.requests, window.failures) == (100, 10)  # the ensemble's only, every reason
+    # steps without error counts by code: every failure of the ensemble is held against the server
+    assert (window.requests, window.failures, window.client_errors) == (100, 10, 0)
     assert window.scores == {0.1: 30, INF: 40} and window.score_sum == 6.5 and window.mean_score() == 6.5 / 40
     clusters = ["candidate_grpc", "candidate_http", "candidate_grpc_shadow", "candidate_http_shadow"]
     assert canary.envoy_latency(ENVOY, clusters) == {5.0: 4, INF: 5}  # live and mirrored, summed
@@ -345,3 +347,112 @@ def test_a_request_with_a_non_finite_probability_fails_alone_and_is_not_counted(
         step.accept({wire.PROBABILITY: np.array([[0.2], [np.nan], [np.inf]], np.float32)})
     assert NonFiniteOutput.code == "INTERNAL"
     assert step.scores.counts.sum() == 2  # only the served rows
+
+
+# --- the server is judged, not its clients ------------------------------------------------------
+
+
+def _triton(served: float, client: float = 0.0, internal: float = 0.0, rejected: float = 0.0) -> str:
+    """One server's metrics as Triton 2.51 exports them: the ensemble counts each failed request
+    twice (reason OTHER) whatever its code; the steps count their errors by code."""
+    failed = client + internal
+    return f"""nv_inference_request_success{{model="tiny",version="1"}} {served}
+nv_inference_request_success{{model="tiny_candidates",version="1"}} 5
+nv_inference_request_success{{model="embedding_lookup",version="1"}} {served + failed + 7}
+nv_inference_request_failure{{model="tiny",reason="OTHER",version="1"}} {2 * failed}
+nv_inference_request_failure{{model="tiny",reason="REJECTED",version="1"}} 0
+nv_inference_request_failure{{model="dense",reason="REJECTED",version="1"}} {rejected}
+nv_inference_request_failure{{model="dense",reason="OTHER",version="1"}} 3
+recserve_request_errors_total{{code="INVALID_ARG"}} {client}
+recserve_request_errors_total{{code="INTERNAL"}} {internal}
+"""
+
+
+def test_client_errors_are_counted_apart_from_the_servers_failures():
+    window = canary.triton_window(
+        _triton(1000, client=400, internal=30, rejected=2), ["tiny", "tiny_candidates"]
+    )
+    # judged: both ensembles' successes and the server-side failures (INTERNAL, a step's queue refusals)
+    assert (window.requests, window.failures, window.client_errors) == (1037, 32, 400)
+    assert canary.triton_window(_triton(1000, client=400), "tiny").error_rate == 0.0
+    two = canary._plus(window, window)
+    assert (two.requests, two.failures, two.client_errors) == (2074, 64, 800)
+    later = canary.triton_window(
+        _triton(1500, client=900, internal=30, rejected=2), ["tiny", "tiny_candidates"]
+    )
+    assert later.since(window).client_errors == 500 and later.since(window).failures == 0
+
+
+def test_envoy_timeouts_of_a_variants_clusters_are_its_failures():
+    text = """envoy_cluster_upstream_rq_timeout{envoy_cluster_name="candidate_grpc"} 3
+envoy_cluster_upstream_rq_timeout{envoy_cluster_name="candidate_http_shadow"} 1
+envoy_cluster_upstream_rq_timeout{envoy_cluster_name="stable_grpc"} 7
+"""
+    assert canary.envoy_timeouts(text, ["candidate_grpc", "candidate_http_shadow"]) == 4
+
+
+def test_client_errors_never_move_the_decision_and_never_fill_a_stage():
+    flooded = dataclasses.replace(_window(), client_errors=5000)
+    verdict = judge(SETTINGS, _window(), flooded)
+    assert not verdict.rollback and verdict.judged, verdict
+    assert verdict.figures["client_errors_candidate"] == 5000 and verdict.figures["error_rate_increase"] == 0
+    # aimed at stable, they do not hide a candidate failing by its own fault
+    bad = judge(SETTINGS, dataclasses.replace(_window(), client_errors=5000), _window(failures=50))
+    assert "error rate 0.050 vs stable's 0.000" in bad.rollback
+    # a stage needs min_requests served or failed by the server; malformed requests are neither
+    few = dataclasses.replace(_window(requests=60), client_errors=5000)
+    assert not judge(dataclasses.replace(SETTINGS, min_judged=50), _window(), few).judged
+
+
+def _from_metrics(text: str, requests: float) -> Window:
+    window = canary.triton_window(text, ["tiny", "tiny_candidates"])
+    return dataclasses.replace(window, latency=_window(requests=requests).latency)
+
+
+def test_malformed_requests_at_either_variant_move_no_decision_but_server_failures_do(tmp_path):
+    settings = dataclasses.replace(SETTINGS, shadow_fraction=0.0, steps=(50.0, 100.0), dwell_s=0, settle_s=0)
+    zero = {"stable": _from_metrics(_triton(0), 0), "candidate": _from_metrics(_triton(0), 0)}
+    attacked = [
+        zero,
+        {  # malformed requests at the candidate (its user id): 4 of them, then many
+            "stable": _from_metrics(_triton(1000), 1000),
+            "candidate": _from_metrics(_triton(1000, client=4), 1000),
+        },
+        {
+            "stable": _from_metrics(_triton(2000), 2000),
+            "candidate": _from_metrics(_triton(2000, client=3000), 2000),
+        },
+    ]
+    controller = _Scripted(settings, tmp_path, attacked)
+    controller.begin()
+    assert controller.tick().stage == 1, controller.verdict  # advanced on the server's merits
+    state = controller.tick()
+    assert state.status == canary.PROMOTED, controller.verdict
+    assert controller.verdict.figures["client_errors_candidate"] == 2996
+
+    hiding = [  # stable flooded with malformed requests; the candidate fails 5 % by its own fault
+        zero,
+        {
+            "stable": _from_metrics(_triton(1000, client=3000), 1000),
+            "candidate": _from_metrics(_triton(950, internal=50), 1000),
+        },
+    ]
+    controller = _Scripted(settings, tmp_path / "hiding", hiding)
+    (tmp_path / "hiding").mkdir()
+    controller.begin(new=True)
+    state = controller.tick()
+    assert state.status == canary.ROLLED_BACK and "error rate 0.050 vs stable's 0.000" in state.reason
+
+
+def test_steps_count_the_errors_they_answer_with_by_code():
+    counts = RequestErrorCounts()
+    assert {dict(s.labels)["code"]: s.value for s in counts.samples()} == {"INVALID_ARG": 0, "INTERNAL": 0}
+    for code in ("INVALID_ARG", "INVALID_ARG", "UNAVAILABLE"):
+        counts.count(code)
+    samples = counts.samples()
+    assert {s.name for s in samples} == {canary.REQUEST_ERRORS} and {s.kind for s in samples} == {"counter"}
+    assert {dict(s.labels)["code"]: s.value for s in samples} == {
+        "INVALID_ARG": 2,
+        "INTERNAL": 0,
+        "UNAVAILABLE": 1,
+    }
