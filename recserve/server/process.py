@@ -8,10 +8,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -19,6 +21,7 @@ from typing import BinaryIO
 
 from recserve.server.runtime import ServerError, prepare_runtime, server_env
 from recserve.server.security import Security
+from recserve.server.shm import backend_argument, region_prefix, remove_regions
 from recserve.server.watchdog import (
     StubWatchdog,
     ensemble_names,
@@ -105,9 +108,11 @@ def stop_process(process: subprocess.Popen[bytes], timeout_s: float, signum: int
 class TritonServer:
     """A tritonserver child process: started, watched until ready, stopped with SIGINT.
 
-    Use as a context manager. The server log goes to ``log_path`` (or is inherited when None).
-    ``config_name`` serves ``<model>/configs/<name>.pbtxt`` where a model has one (a hardware or
-    queue profile); ``cpus`` pins tritonserver, and with it every stub it starts, to those cores.
+    Use as a context manager. The server log goes to ``log_path`` (or, when None, to this process's
+    stdout, its last lines kept for :meth:`log_tail`). ``config_name`` serves
+    ``<model>/configs/<name>.pbtxt`` where a model has one (a hardware or queue profile); ``cpus``
+    pins tritonserver, and with it every stub it starts, to those cores. The Python backend's
+    shared-memory regions are named with ``shm_prefix``, and removed once the server is stopped.
     """
 
     def __init__(
@@ -132,6 +137,22 @@ class TritonServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.watchdog: StubWatchdog | None = None
         self._log: BinaryIO | None = None  # the server log while running, when log_path is set
+        self._tail: deque[str] = deque(maxlen=200)  # the last lines, when log_path is None
+        self._stopping = threading.Event()  # set by stop(): a start in progress gives up
+        self.shm_prefix = region_prefix()
+
+    def renewed(self) -> TritonServer:
+        """A new, unstarted server with the same settings (to start after this one died)."""
+        return TritonServer(
+            self.repository,
+            self.ports,
+            self.log_path,
+            self.host,
+            self.security,
+            self.exit_timeout_s,
+            self.config_name,
+            self.cpus,
+        )
 
     @property
     def http_url(self) -> str:
@@ -148,9 +169,13 @@ class TritonServer:
         for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
             if port_in_use(port):
                 raise ServerError(f"port {port} is already in use; is another tritonserver running?")
+        if self._stopping.is_set() and self.process is None:  # stopped before it started
+            raise ServerError("tritonserver was stopped before it started")
+        self._stopping.clear()
         log = open(self.log_path, "wb") if self.log_path else None  # closed in stop()
         self._log = log
-        extra = [f"--model-config-name={self.config_name}"] if self.config_name else None
+        extra = [f"--model-config-name={self.config_name}"] if self.config_name else []
+        extra.append(backend_argument(self.shm_prefix))
         cpus = self.cpus
         self.process = subprocess.Popen(
             server_command(
@@ -162,15 +187,26 @@ class TritonServer:
                 exit_timeout_s=self.exit_timeout_s,
             ),
             env=server_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT if log else None,
+            stdout=log or subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
+        if log is None:
+            threading.Thread(target=self._echo, name="tritonserver-log", daemon=True).start()
         self.wait_ready(timeout_s)
         if self.security.model_control == "explicit":
             self.watchdog = StubWatchdog(self, expected_stubs(self.repository))
             self.watchdog.start()
         return self
+
+    def _echo(self) -> None:
+        """Copy the server's output to this process's stdout, keeping the last lines."""
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self._tail.append(line.decode(errors="replace").rstrip("\n"))
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.buffer.write(line)
+                sys.stdout.buffer.flush()
 
     def is_ready(self) -> bool:
         """True when ``/v2/health/ready`` answers 200 now."""
@@ -186,6 +222,8 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise ServerError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
+            if self._stopping.is_set():
+                raise ServerError("tritonserver was stopped while starting")
             if self.is_ready():
                 return
             time.sleep(0.25)
@@ -198,7 +236,9 @@ class TritonServer:
 
     def log_tail(self, lines: int = 60) -> str:
         """The last lines of the server log."""
-        if not self.log_path or not self.log_path.exists():
+        if not self.log_path:
+            return "\n".join(list(self._tail)[-lines:]) or "(no output)"
+        if not self.log_path.exists():
             return "(log not captured)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -243,6 +283,7 @@ class TritonServer:
 
         Returns the exit code.
         """
+        self._stopping.set()
         if self.process is None:
             return None
         if self.watchdog is not None:
@@ -254,6 +295,11 @@ class TritonServer:
             LOGGER.warning("killing stub %d left by the dead tritonserver %d", stub, self.process.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stub, signal.SIGKILL)
+        freed = remove_regions(self.shm_prefix)
+        if freed:
+            LOGGER.warning(
+                "removed %d bytes of shared memory left by tritonserver %d", freed, self.process.pid
+            )
         if self._log is not None:
             self._log.close()
         return self.process.returncode
@@ -280,19 +326,3 @@ def run_child(command: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-
-
-def run_foreground(server: TritonServer) -> int:
-    """Run ``server`` until it exits (``recserve serve``); SIGINT or SIGTERM drains, then stops it."""
-    stopping = threading.Event()
-
-    def request_stop(signum: int, frame: object) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    server.start()
-    assert server.process is not None
-    while server.process.poll() is None and not stopping.wait(0.5):
-        pass
-    return server.stop(timeout_s=server.exit_timeout_s + 10, signum=signal.SIGTERM) or 0
