@@ -25,6 +25,10 @@ shadow cluster per protocol for the mirrored copies. The parts:
   or stream, reset before the request went out) is retried once on another replica. A request
   already sent is never retried: inference work is not repeated, and at most the requests in flight
   on a dying replica fail. A cluster of one replica allows no retries.
+* **Front door** (:mod:`recserve.access.front_door`): headers over Triton's limit answered 431, bodies
+  over what the served models take 413, HTTP inference bodies whose shapes Triton would allocate
+  unchecked 400, all by Envoy before any tritonserver sees them; only a refused or reset connection
+  (a dead process) ejects a replica, never a request's answer.
 * **Admin** on 127.0.0.1 only, with an admin runtime layer (what ``/runtime_modify`` writes).
 """
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recserve.access.front_door import GRPC_STREAM_PATH, FrontDoor, buffer_off
 from recserve.sections import AccessSection
 from recserve.server import Ports
 from recserve.wire import USER_HEADER
@@ -188,6 +193,12 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
             "base_ejection_time": _seconds(EJECTION_S),
             "max_ejection_time": _seconds(5 * EJECTION_S),  # a restarted replica is back within this
             "max_ejection_percent": 50,
+            # only a dead process ejects: 5xx answers and success rates are a request's, often a
+            # client's, doing (a malformed JSON body gets Triton's 500)
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_failure_percentage": 0,
         }
     http_version = "http2_protocol_options" if protocol == "grpc" else "http_protocol_options"
     config["typed_extension_protocol_options"] = {
@@ -248,21 +259,41 @@ def route(access: AccessSection, protocol: str, variants: list[str]) -> dict[str
     return {"match": {"prefix": "/"}, "route": action}
 
 
-def listener(access: AccessSection, protocol: str, port: int, variants: list[str]) -> dict[str, Any]:
-    """A public listener: one HTTP connection manager (HTTP/1.1 and HTTP/2) with the router."""
+def listener(
+    access: AccessSection,
+    protocol: str,
+    port: int,
+    variants: list[str],
+    front_door: FrontDoor | None = None,
+) -> dict[str, Any]:
+    """A public listener: one HTTP connection manager (HTTP/1.1 and HTTP/2), the front door, the router.
+
+    Headers over the front door's limit are answered 431 by Envoy itself; on HTTP, the body is
+    bounded and its shapes checked (:mod:`recserve.access.front_door`); on gRPC, unary bodies are
+    bounded, the stream call is not buffered.
+    """
+    door = front_door or FrontDoor()
     name = f"public_{protocol}"
-    manager = {
+    routes = [route(access, protocol, variants)]
+    if protocol == "grpc":  # the stream call's request never ends: not buffered
+        stream = route(access, protocol, variants)
+        stream["match"] = {"path": GRPC_STREAM_PATH}
+        stream["typed_per_filter_config"] = buffer_off()
+        routes.insert(0, stream)
+    filters = door.http_filters() if protocol == "http" else [door.buffer_filter()]
+    manager: dict[str, Any] = {
         "@type": _HCM,
         "stat_prefix": name,
         "codec_type": "AUTO",
+        "max_request_headers_kb": door.max_headers_kb,
         "route_config": {
             "name": name,
-            "virtual_hosts": [
-                {"name": name, "domains": ["*"], "routes": [route(access, protocol, variants)]}
-            ],
+            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}],
         },
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+        "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
     }
+    if protocol == "http":
+        manager["local_reply_config"] = door.local_replies()
     return {
         "name": name,
         "address": _address(access.host, port),
@@ -273,7 +304,10 @@ def listener(access: AccessSection, protocol: str, port: int, variants: list[str
 
 
 def envoy_config(
-    access: AccessSection, upstreams: Mapping[str, list[Upstream]], ports: ProxyPorts
+    access: AccessSection,
+    upstreams: Mapping[str, list[Upstream]],
+    ports: ProxyPorts,
+    front_door: FrontDoor | None = None,
 ) -> dict[str, Any]:
     """The whole bootstrap config: listeners, clusters, admin and runtime layers.
 
@@ -282,6 +316,8 @@ def envoy_config(
         upstreams: variant -> its tritonservers. Every variant with a weight above 0 (and the shadow
             variant, when mirroring) needs at least one; variants not in ``access.weights`` get 0.
         ports: the proxy's public and admin ports.
+        front_door: the limits the public listeners enforce, derived from the served repositories
+            (:meth:`FrontDoor.from_repositories`); None: generic limits.
 
     Raises:
         AccessError: a variant that takes traffic has no upstream.
@@ -327,8 +363,8 @@ def envoy_config(
         },
         "static_resources": {
             "listeners": [
-                listener(access, "grpc", ports.grpc, variants),
-                listener(access, "http", ports.http, variants),
+                listener(access, "grpc", ports.grpc, variants, front_door),
+                listener(access, "http", ports.http, variants, front_door),
             ],
             "clusters": clusters,
         },
