@@ -8,6 +8,7 @@ the field types (``int``, ``float``, ``str``, ``bool``, tuples, nested sections 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -15,6 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 Section = TypeVar("Section")
+
+
+#: A portable environment variable name (what ``redis_password_env`` may hold).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class SpecError(ValueError):
@@ -221,6 +226,13 @@ class StoreSection:
     breaker_failures: int = 3  # consecutive L3 failures that open the circuit breaker
     breaker_cooldown_s: float = 2.0  # open breaker: no L3 calls for this long, then one trial call
     remote_tables: tuple[str, ...] = ()  # tables whose rows live only in L3 (not in the local shards)
+    redis_username: str = ""  # Redis ACL user; empty: the default user
+    redis_password_env: str = ""  # name of the environment variable holding the password; empty: no AUTH
+    redis_ssl: bool = False  # TLS to every node
+    redis_ssl_ca_certs: str = ""  # CA bundle that signed the nodes' certificates; empty: the system's
+    redis_ssl_certfile: str = ""  # client certificate, for nodes with tls-auth-clients
+    redis_ssl_keyfile: str = ""  # its private key
+    redis_ssl_check_hostname: bool = True  # the node's certificate must name the host it is reached by
 
     @property
     def cache_bytes(self) -> int:
@@ -240,6 +252,24 @@ class StoreSection:
                 raise SpecError(f"[store] {setting} names unknown tables {unknown}")
         if self.remote_tables and not self.redis_nodes:
             raise SpecError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
+        self._check_redis_access()
+
+    def _check_redis_access(self) -> None:
+        """Credentials and TLS settings: well-formed, and the password itself never in the spec."""
+        if self.redis_password_env and not _ENV_NAME.fullmatch(self.redis_password_env):
+            # never echoed: a password typed here by mistake must not reach a log
+            raise SpecError(
+                "[store] redis_password_env must be the name of an environment variable (letters, "
+                f"digits and _, not starting with a digit), got a value of {len(self.redis_password_env)} "
+                "characters"
+            )
+        tls_files = [
+            n for n in ("redis_ssl_ca_certs", "redis_ssl_certfile", "redis_ssl_keyfile") if getattr(self, n)
+        ]
+        if tls_files and not self.redis_ssl:
+            raise SpecError(f"[store] {', '.join(tls_files)} needs redis_ssl = true")
+        if bool(self.redis_ssl_certfile) != bool(self.redis_ssl_keyfile):
+            raise SpecError("[store] redis_ssl_certfile and redis_ssl_keyfile go together")
 
 
 @dataclass(frozen=True)

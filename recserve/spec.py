@@ -901,6 +901,11 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError(f"model.output must be one of {', '.join(DENSE_OUTPUTS)}, got {model.output!r}")
     if dim % net.attention_heads:
         raise SpecError("embedding_dim must be divisible by attention_heads")
+    if isinstance(doc.get("store"), dict) and "redis_password" in doc["store"]:
+        raise SpecError(  # the spec is copied into every config.pbtxt: no secret may live in it
+            "[store] redis_password: the spec does not hold passwords; put it in an environment "
+            "variable of the servers and name that variable in redis_password_env"
+        )
     store = parse_section(StoreSection, doc.get("store", {}), "store")
     store.check(tables)
     fp16 = tuple(name for name, t in tables.items() if t.dtype == "fp16")

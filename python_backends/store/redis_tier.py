@@ -5,14 +5,21 @@ vector. The hash tag spreads keys over 64 slot groups, so a batch is a few pipel
 master (redis-py's ``mget_nonatomic``). A lookup never fails because of L3: on a timeout, an error
 or while the breaker is open, the keys are reported as not found (the store serves their defaults)
 and a counter goes up.
+
+Redis is untrusted storage: anyone who can write to it can put anything under a key. A value that
+is not the float32 row of its key's width (too short, too long, empty, not bytes) or that holds NaN
+or Inf is refused for that key alone (``bad_value``): the key gets its default row, the other keys
+of the batch are served. ``MGET`` answers nil for a key holding another type (a hash, a list), so
+such a key reads as absent.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -20,15 +27,25 @@ from typing import Any
 import numpy as np
 
 from recserve.backends.metrics import MetricSample
+from recserve.backends.store.redis_values import decode_rows, describe_value
+from recserve.errors import shorten
 
 LOGGER = logging.getLogger(__name__)
 
 KEY_PREFIX = "rs:"
 SLOT_GROUPS = 64
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
-#: Reasons an L3 call is not served: the ``reason`` label of ``recserve_store_l3_errors_total``.
+#: Reasons L3 does not serve: the ``reason`` label of ``recserve_store_l3_errors_total``. Each counts
+#: one call not served, except ``bad_value``, which counts one key whose value was refused.
 L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY = "timeout", "error", "breaker_open", "busy"
-L3_ERROR_REASONS = (L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY)
+L3_BAD_VALUE = "bad_value"
+L3_ERROR_REASONS = (L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY, L3_BAD_VALUE)
+#: Seconds between two warnings about refused values (each says how many were refused since the last).
+BAD_VALUE_LOG_INTERVAL_S = 60.0
+
+
+class L3ConnectError(RuntimeError):
+    """The L3 Redis Cluster cannot be used as configured (credentials missing or refused)."""
 
 
 class CircuitBreaker:
@@ -108,27 +125,64 @@ class RedisTier:
         self._inflight: Future | None = None  # the call or slot-map refresh running on the worker
         self._refresh: Future | None = None  # the last slot-map refresh
         self._refresh_topology = False  # after a failure: re-read the cluster's slot map first (failover)
+        self._unlogged_bad = 0  # refused values since the last warning
+        self._bad_logged_at = -BAD_VALUE_LOG_INTERVAL_S
 
     @classmethod
-    def connect(cls, options: Any) -> RedisTier:
-        """A tier for ``StoreSection`` (``redis_nodes``, ``redis_deadline_ms``, breaker settings)."""
+    def connect(cls, options: Any, environ: Mapping[str, str] | None = None) -> RedisTier:
+        """A tier for ``StoreSection`` (``redis_nodes``, ``redis_deadline_ms``, breaker, credentials, TLS).
+
+        Args:
+            options: the ``[store]`` section.
+            environ: where ``redis_password_env`` is looked up (default: this process's environment).
+
+        Raises:
+            L3ConnectError: the password's variable is not set, or the cluster refused the credentials.
+        """
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
+        from redis.exceptions import AuthenticationError, RedisClusterException, ResponseError
         from redis.retry import Retry
 
         deadline = options.redis_deadline_ms / 1000.0
         nodes = [ClusterNode(*_host_port(node)) for node in options.redis_nodes]
-        client = RedisCluster(
-            startup_nodes=nodes,
-            socket_timeout=max(deadline, 0.05),
-            socket_connect_timeout=max(deadline, 0.05),
-            require_full_coverage=False,
-            retry=Retry(NoBackoff(), 1),
-        )
+        try:
+            client = RedisCluster(
+                startup_nodes=nodes,
+                socket_timeout=max(deadline, 0.05),
+                socket_connect_timeout=max(deadline, 0.05),
+                require_full_coverage=False,
+                retry=Retry(NoBackoff(), 1),
+                **connection_settings(options, environ),
+            )
+        except (AuthenticationError, RedisClusterException, ResponseError) as exc:
+            if not _refused_credentials(exc):
+                raise
+            who = f"user {options.redis_username!r}" if options.redis_username else "the default user"
+            how = (
+                f"the password in ${options.redis_password_env}"
+                if options.redis_password_env
+                else "no password ([store] redis_password_env is not set)"
+            )
+            raise L3ConnectError(
+                f"the Redis Cluster at {','.join(options.redis_nodes)} refused {who} with {how}: "
+                f"{shorten(_auth_reason(exc), 120)}"
+            ) from None
         return cls(client, deadline, CircuitBreaker(options.breaker_failures, options.breaker_cooldown_s))
 
-    def fetch(self, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """Vectors ``[n, dim]`` and a found mask; all not found on timeout, error or open breaker."""
+    def fetch(
+        self, keys: np.ndarray, dim: int, widths: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Vectors ``[n, dim]`` and a found mask; all not found on timeout, error or open breaker.
+
+        Args:
+            keys: embedding keys (int64).
+            dim: the width of the returned vectors (the store's widest table).
+            widths: each key's row width in floats (its table's width); None: every row is ``dim``
+                wide; a width of 0 accepts any whole number of floats up to ``dim``. A value of
+                another length, not bytes, or holding NaN or Inf is refused: its key is not found,
+                and ``bad_value`` counts it.
+        """
         vectors = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)
         if keys.size == 0:
@@ -166,15 +220,38 @@ class RedisTier:
             LOGGER.warning("L3 lookup failed: %s", type(exc).__name__)
             return vectors, found
         self.breaker.success()
-        found[:] = _decode_into(values, vectors)
+        found[:], refused = decode_rows(values, vectors, widths)
+        if refused.size:
+            self._count_refused(keys, values, refused)
         return vectors, found
 
-    def fetch_bulk(self, keys: np.ndarray, dim: int, chunk: int = 10_000) -> tuple[np.ndarray, np.ndarray]:
+    def _count_refused(self, keys: np.ndarray, values: list, refused: np.ndarray) -> None:
+        """Count refused values (``bad_value``); warn at most once a minute, naming one of them."""
+        self.errors[L3_BAD_VALUE] += int(refused.size)
+        self._unlogged_bad += int(refused.size)
+        now = time.monotonic()
+        if now - self._bad_logged_at < BAD_VALUE_LOG_INTERVAL_S:
+            return
+        first = int(refused[0])
+        value = values[first] if len(values) == keys.size else values
+        LOGGER.warning(
+            "L3: refused %d Redis values since the last warning (the keys got their default rows); "
+            "e.g. key %s (Redis key %s): %s",
+            self._unlogged_bad,
+            int(keys[first]),
+            shorten(redis_keys(keys[first : first + 1], self.prefix)[0]),
+            describe_value(value),
+        )
+        self._unlogged_bad, self._bad_logged_at = 0, now
+
+    def fetch_bulk(
+        self, keys: np.ndarray, dim: int, widths: np.ndarray | None = None, chunk: int = 10_000
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`fetch`, for work off the serving path (the L1 rebuild).
 
         On the caller's thread, in chunks, with no call deadline, so that a large read never holds
         the serving calls' worker. Nothing is fetched while the breaker is not closed; a failure
-        leaves the rest not found.
+        leaves the rest not found. Refused values are not found; the serving calls count them.
         """
         vectors = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)
@@ -186,7 +263,8 @@ class RedisTier:
             except Exception as exc:  # the serving calls detect and count failures
                 LOGGER.debug("L3 bulk read failed: %s", type(exc).__name__)
                 break
-            found[start : start + chunk] = _decode_into(values, vectors[start : start + chunk])
+            part = None if widths is None else widths[start : start + chunk]
+            found[start : start + chunk] = decode_rows(values, vectors[start : start + chunk], part)[0]
         return vectors, found
 
     def upload(self, keys: np.ndarray, vectors: np.ndarray, chunk: int = 10_000) -> int:
@@ -213,7 +291,7 @@ class RedisTier:
             MetricSample(
                 "recserve_store_l3_errors_total",
                 "counter",
-                "L3 calls not served (keys got defaults), by reason",
+                "L3 calls not served, and L3 values refused (bad_value, per key); keys got defaults",
                 (("reason", reason),),
                 float(self.errors.get(reason, 0)),
             )
@@ -236,21 +314,48 @@ class RedisTier:
         self.client.close()
 
 
-def _decode_into(values: list, vectors: np.ndarray) -> np.ndarray:
-    """Write the float32 rows of an MGET reply into ``vectors`` (absent keys untouched); found mask."""
-    reply = np.array(values, dtype=object)
-    found: np.ndarray = reply != None  # noqa: E711 - elementwise comparison: ``is not None`` tests the array
-    if not found.any():
-        return found
-    row_bytes = 4 * vectors.shape[1]
-    if all(len(value) == row_bytes for value in reply[found]):  # every row at the widest width
-        vectors[found] = np.frombuffer(b"".join(reply[found]), np.float32).reshape(-1, vectors.shape[1])
-        return found
-    for row in np.flatnonzero(found):  # a narrower table's rows: the first columns, zeros after
-        value = np.frombuffer(reply[row], np.float32)
-        vectors[row, : value.size] = value
-        vectors[row, value.size :] = 0.0
-    return found
+def connection_settings(options: Any, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The credentials and TLS settings of ``[store]`` as ``redis.cluster.RedisCluster`` arguments.
+
+    The password is read from the environment variable named by ``redis_password_env``, never
+    from the spec (the spec is copied into every generated ``config.pbtxt``).
+
+    Raises:
+        L3ConnectError: ``redis_password_env`` names a variable that is not set (or is empty).
+    """
+    settings: dict[str, Any] = {}
+    if options.redis_username:
+        settings["username"] = options.redis_username
+    if options.redis_password_env:
+        password = (os.environ if environ is None else environ).get(options.redis_password_env, "")
+        if not password:
+            raise L3ConnectError(
+                f"[store] redis_password_env names {options.redis_password_env}, "
+                "which is not set in the server's environment"
+            )
+        settings["password"] = password
+    if options.redis_ssl:
+        settings["ssl"] = True
+        for name in ("ca_certs", "certfile", "keyfile"):
+            path = getattr(options, f"redis_ssl_{name}")
+            if path:
+                settings[f"ssl_{name}"] = path
+        settings["ssl_check_hostname"] = options.redis_ssl_check_hostname
+    return settings
+
+
+#: What redis-py's errors say when a node refuses the credentials (no password, a wrong one, no such user).
+_AUTH_WORDS = ("NOAUTH", "WRONGPASS", "authenticat", "Authenticat", "username-password", "invalid password")
+
+
+def _refused_credentials(exc: BaseException) -> bool:
+    """Did Redis refuse to authenticate (rather than being unreachable)?"""
+    return any(word in str(exc) for word in _AUTH_WORDS)
+
+
+def _auth_reason(exc: BaseException) -> str:
+    """The server's answer, without redis-py's "cannot be connected" preamble."""
+    return str(exc).rsplit("reachable node: ", 1)[-1].split("\n")[0]
 
 
 def _host_port(node: str) -> tuple[str, int]:

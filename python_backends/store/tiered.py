@@ -58,10 +58,12 @@ class Snapshot:
 class RemoteTier(Protocol):
     """What the store needs of an L3 tier (see :mod:`recserve.backends.store.redis_tier`)."""
 
-    def fetch(self, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """Vectors ``[n, dim]`` and a found mask ``[n]``; never raises (misses on failure)."""
+    def fetch(self, keys: np.ndarray, dim: int, widths: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Vectors ``[n, dim]``, found mask ``[n]``; never raises; rows not ``widths`` wide are not found."""
 
-    def fetch_bulk(self, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    def fetch_bulk(
+        self, keys: np.ndarray, dim: int, widths: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The same for work off the serving path (no call deadline, does not hold the serving calls)."""
 
     def healthy(self) -> bool:
@@ -120,6 +122,8 @@ class TieredStore:
         self.compiled = compiled and KERNELS is not None  # the compiled loops, else the numpy path
         ids = sorted(tables, key=lambda t: t.table_id)
         self._table_shard = np.array([t.shard for t in ids], np.int16)
+        self._table_width = np.array([self.shards[t.shard].vectors.shape[1] for t in ids], np.int64)
+        self._one_width = bool((self._table_width == self.dim).all())  # L3 rows need no per-key widths
         self._defaults = np.zeros((len(ids), self.dim), np.float32)
         for t in ids:
             default = self.shards[t.shard].vectors[t.default_row]
@@ -157,7 +161,7 @@ class TieredStore:
         if todo.size:
             todo = self._take_local(keys, table_ids, todo, vectors, tiers)
         if todo.size and self.remote is not None:
-            todo = self._take_remote(keys, todo, vectors, tiers)
+            todo = self._take_remote(keys, todo, vectors, tiers, table_ids)
         if todo.size:
             vectors[todo] = self._defaults[table_ids[todo]]
             tiers[todo] = DEFAULT
@@ -234,11 +238,19 @@ class TieredStore:
         return missing[0] if len(missing) == 1 else np.sort(np.concatenate(missing))
 
     def _take_remote(
-        self, keys: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray, bulk: bool = False
+        self,
+        keys: np.ndarray,
+        todo: np.ndarray,
+        out: np.ndarray,
+        tiers: np.ndarray,
+        table_ids: np.ndarray | None,
     ) -> np.ndarray:
         assert self.remote is not None  # callers only come here with an L3 tier
-        fetch = self.remote.fetch_bulk if bulk else self.remote.fetch
-        found_vectors, found = fetch(keys[todo], self.dim)
+        fetch = self.remote.fetch if table_ids is not None else self.remote.fetch_bulk  # bulk: the L1 rebuild
+        widths = None  # L3 rows are checked against each key's table width (None: all ``dim``; 0: any)
+        if not self._one_width:
+            widths = self._table_width[table_ids[todo]] if table_ids is not None else np.zeros(todo.size, int)
+        found_vectors, found = fetch(keys[todo], self.dim, widths)
         out[todo[found]] = found_vectors[found]
         tiers[todo[found]] = L3
         return todo[~found]
@@ -270,7 +282,7 @@ class TieredStore:
             if todo.size:
                 todo = self._take_rows(shard, keys, todo, vectors, tiers, L2)
         if todo.size and self.remote is not None:
-            self._take_remote(keys, todo, vectors, tiers, bulk=True)  # the L1 rebuild: off the serving path
+            self._take_remote(keys, todo, vectors, tiers, None)  # no table ids: the L1 rebuild (bulk)
         return vectors, tiers != DEFAULT
 
     def build_cache(self, hot_keys: np.ndarray, delta: RowBlock | None) -> HotCache | None:

@@ -45,7 +45,7 @@ def test_l3_tier_declares_every_error_reason_at_zero():
     finally:
         tier._pool.shutdown(wait=False)
     reasons = {labels[0][1] for name, labels in found if name == "recserve_store_l3_errors_total"}
-    assert reasons == set(L3_ERROR_REASONS) == {"timeout", "error", "breaker_open", "busy"}
+    assert reasons == set(L3_ERROR_REASONS) == {"timeout", "error", "breaker_open", "busy", "bad_value"}
     assert found[("recserve_store_l3_calls_total", ())] == 0
     assert found[("recserve_store_l3_breaker_open", ())] == 0
     assert all(value == 0 for (name, _), value in found.items() if name == "recserve_store_l3_errors_total")

@@ -10,7 +10,7 @@ from recserve import wire
 from recserve.backends.artifacts import write_manifest
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
-from recserve.backends.store.redis_tier import _decode_into
+from recserve.backends.store.redis_values import decode_rows
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import DEFAULT, L1, L2, TieredStore
@@ -60,10 +60,12 @@ def test_each_width_has_its_shard_and_narrow_rows_come_zero_padded(dtypes, tmp_p
 
 def test_redis_rows_of_a_narrower_table_fill_the_first_columns():
     vectors = np.full((3, 4), -1, np.float32)
-    found = _decode_into(
-        [np.arange(4, dtype=np.float32).tobytes(), None, np.ones(2, np.float32).tobytes()], vectors
+    found, refused = decode_rows(
+        [np.arange(4, dtype=np.float32).tobytes(), None, np.ones(2, np.float32).tobytes()],
+        vectors,
+        np.array([4, 2, 2]),  # each key's table width
     )
-    assert found.tolist() == [True, False, True]
+    assert found.tolist() == [True, False, True] and refused.size == 0
     assert vectors.tolist() == [[0, 1, 2, 3], [-1, -1, -1, -1], [1, 1, 0, 0]]
 
 
