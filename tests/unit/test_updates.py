@@ -1,3 +1,4 @@
+import json
 import threading
 
 import numpy as np
@@ -10,6 +11,7 @@ from recserve.backends.store.updates.versions import (
     Maintainer,
     StoreUpdater,
     UpdateLog,
+    UpdateRefused,
     load_hot_keys,
     read_delta_file,
     save_hot_keys,
@@ -166,3 +168,201 @@ def test_warm_up_preloads_l1_from_recorded_hot_keys(tmp_path, tables):
     )
     assert maintainer.warm_up() == 20
     assert (rows(store, "t0", hot).tiers == L1).all()
+
+
+# ---- the update log trusts nothing it reads ---------------------------------------------------
+
+
+def _manifest_path(root, table, version):
+    return root / table / f"v{version:08d}" / "manifest.json"
+
+
+def _edit_manifest(root, table, version, change):
+    path = _manifest_path(root, table, version)
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda doc: doc.pop("parent"),
+        lambda doc: doc.update(parent="x"),
+        lambda doc: doc.update(parent=[1]),
+        lambda doc: doc.update(parent=2.0),
+        lambda doc: doc.update(created="yesterday"),
+        lambda doc: doc.update(version=3.0),
+        lambda doc: doc.update(kind="patch"),
+        lambda doc: doc.update(files=["keys"]),
+        lambda doc: doc["files"]["keys"].update(path="../../keys.npy"),
+        lambda doc: doc["files"]["keys"].update(path="/etc/passwd"),
+        lambda doc: doc["files"]["vectors"].pop("sha256"),
+        lambda doc: doc["files"]["vectors"].update(shape="[2, 4]"),
+    ],
+    ids=[
+        "no-parent",
+        "parent-string",
+        "parent-list",
+        "parent-float",
+        "created-string",
+        "version-float",
+        "unknown-kind",
+        "files-list",
+        "file-traversal",
+        "file-absolute",
+        "no-checksum",
+        "shape-string",
+    ],
+)
+def test_a_malformed_manifest_is_refused_and_the_newest_valid_version_serves(tmp_path, tables, store, change):
+    log = UpdateLog(tmp_path, base_version=1, tables=store.table_names)
+    keys = tables["t0"].keys[:2]
+    log.publish("t0", keys, np.full((2, DIM), 5, np.float32), DIM)
+    log.publish("t0", keys, np.full((2, DIM), 6, np.float32), DIM)
+    _edit_manifest(tmp_path, "t0", 3, change)
+    with pytest.raises(UpdateRefused, match="version 3 of table 't0'"):
+        log.record("t0", 3)
+    updater = StoreUpdater(store, log)
+    assert updater.poll()  # no exception escapes: the model still loads
+    assert store.version_of("t0") == 2 and rows(store, "t0", keys).vectors[:, 0].tolist() == [5, 5]
+    assert updater.rejected == 1 and "version 3" in updater.problems["t0"]
+    assert not updater.poll() and updater.rejected == 1  # counted once, not at every poll
+    with pytest.raises(DeltaError, match="roll back"):
+        updater.check_publishable("t0", keys)
+    with pytest.raises(UpdateRefused):
+        log.publish("t0", keys, np.ones((2, DIM), np.float32), DIM)  # not on top of a broken head
+    assert log.rollback("t0", 2) == 4 and updater.poll() and store.version_of("t0") == 4
+
+
+@pytest.mark.parametrize(
+    "head",
+    ['{"version": 8.7}', '{"version": "2"}', '{"version": true}', '{"version": 0}', "[2]", "{", '"2"'],
+)
+def test_a_malformed_head_is_refused_not_rounded(tmp_path, tables, store, head):
+    log = UpdateLog(tmp_path, base_version=1, tables=store.table_names)
+    log.publish("t0", tables["t0"].keys[:1], np.ones((1, DIM), np.float32), DIM)
+    updater = StoreUpdater(store, log)
+    assert updater.poll() and store.version_of("t0") == 2
+    (tmp_path / "t0" / "HEAD.json").write_text(head)
+    with pytest.raises(UpdateRefused, match="t0/HEAD.json"):
+        log.head("t0")
+    assert not updater.poll() and store.version_of("t0") == 2 and updater.rejected == 1
+    log._write_head("t0", 2)
+    assert not updater.poll() and store.version_of("t0") == 2  # readable again, same version
+
+
+def _entry(log, table, version):
+    record = log.record(table, version)
+    manifest = json.loads((record.folder / "manifest.json").read_text())
+    files = {name: (record.folder / entry["path"]).read_bytes() for name, entry in record.files.items()}
+    return manifest, files
+
+
+@pytest.mark.parametrize("table", ["../../x", "/tmp/x", "t0/../../x", "..", "", "t9", 7, None])
+def test_an_imported_version_with_a_path_for_a_table_writes_nothing(tmp_path, tables, table):
+    source = UpdateLog(tmp_path / "source", base_version=1)
+    source.publish("t0", tables["t0"].keys[:1], np.ones((1, DIM), np.float32), DIM)
+    manifest, files = _entry(source, "t0", 2)
+    manifest["table"] = table
+    target = UpdateLog(tmp_path / "deep" / "log", base_version=1, tables=("t0", "t1"))
+    with pytest.raises(UpdateRefused, match="table"):
+        target.import_version(table, manifest, files)
+    assert not (tmp_path / "deep").exists() and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m, f: f.update(keys=f["keys"] + b"x"), "bytes its manifest lists"),
+        (lambda m, f: f.update(keys=f["vectors"]), "bytes its manifest lists|checksum"),
+        (lambda m, f: f.pop("vectors"), "carries files"),
+        (lambda m, f: f.update(extra=b""), "carries files"),
+        (lambda m, f: m.update(parent=0), "parent 0"),
+        (lambda m, f: m.update(version=9, parent=2), "does not follow a version here"),
+        (lambda m, f: m.update(parent=1), "parent 1 is not the version before it"),
+        (lambda m, f: m.update(kind="revert", parent=5, files={}), "parent 5"),
+        (lambda m, f: m["files"]["keys"].update(path="../keys.npy"), "plain .npy name"),
+        (lambda m, f: m.update(version=True), "not an integer"),
+    ],
+)
+def test_an_imported_version_that_does_not_fit_the_schema_is_refused(tmp_path, tables, edit, message):
+    source = UpdateLog(tmp_path / "source", base_version=1)
+    source.publish("t0", tables["t0"].keys[:1], np.ones((1, DIM), np.float32), DIM)
+    source.publish("t0", tables["t0"].keys[:1], np.ones((1, DIM), np.float32), DIM)
+    target = UpdateLog(tmp_path / "target", base_version=1, tables=("t0",))
+    assert target.import_version("t0", *_entry(source, "t0", 2))
+    manifest, files = _entry(source, "t0", 3)
+    edit(manifest, files)
+    with pytest.raises(UpdateRefused, match=message):
+        target.import_version("t0", manifest, files)
+    assert target.versions("t0") == [2] and target.head("t0") == 2
+    assert target.import_version("t0", *_entry(source, "t0", 3)) and target.head("t0") == 3
+
+
+def test_concurrent_publishers_lose_no_version(tmp_path, tables, store):
+    """Eight writers per table at once: every version is in its table's head chain."""
+    log = UpdateLog(tmp_path, base_version=1)
+    published: dict[str, list[int]] = {"t0": [], "t1": []}
+    barrier = threading.Barrier(16)
+
+    def writer(table: str, number: int) -> None:
+        keys = tables[table].keys[number * 2 : number * 2 + 2]
+        barrier.wait()
+        published[table].append(log.publish(table, keys, np.full((2, DIM), number, np.float32), DIM))
+
+    threads = [threading.Thread(target=writer, args=(t, n)) for t in ("t0", "t1") for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for table in ("t0", "t1"):
+        assert sorted(published[table]) == list(range(2, 10))
+        assert [r.version for r in log.chain(table, log.head(table))] == list(range(2, 10))
+    updater = StoreUpdater(store, log)
+    assert updater.poll()
+    for table in ("t0", "t1"):
+        got = rows(store, table, tables[table].keys[:16])
+        assert (got.tiers == DELTA).all() and got.vectors[:, 0].tolist() == [
+            n for n in range(8) for _ in "ab"
+        ]
+
+
+def test_a_key_in_another_tables_delta_is_refused_before_publishing(tmp_path, store):
+    log = UpdateLog(tmp_path, base_version=1)
+    updater = StoreUpdater(store, log)
+    new_keys = np.array([10**15, 10**15 + 1], np.int64)  # in no table: a delta may add rows
+    log.publish(
+        "t0",
+        new_keys,
+        np.ones((2, DIM), np.float32),
+        DIM,
+        check=lambda: updater.check_publishable("t0", new_keys),
+    )
+    with pytest.raises(DeltaError, match="is in table 't0'.s published delta"):
+        log.publish(
+            "t1",
+            new_keys[1:],
+            np.ones((1, DIM), np.float32),
+            DIM,
+            check=lambda: updater.check_publishable("t1", new_keys[1:]),
+        )
+    assert log.versions("t1") == [] and updater.applied == {"t0": 2, "t1": 1}
+
+
+def test_a_cross_table_clash_moves_only_the_later_table_back_and_a_restart_serves_the_same(tmp_path, tables):
+    """A clash written behind the CLI's back: the table published first keeps the key."""
+    log = UpdateLog(tmp_path, base_version=1)
+    first = TieredStore.from_tables(tables)
+    updater = StoreUpdater(first, log)
+    shared = np.array([10**15], np.int64)
+    log.publish("t1", np.concatenate([shared, tables["t1"].keys[:1]]), np.ones((2, DIM), np.float32), DIM)
+    assert updater.poll()
+    log.publish("t0", tables["t0"].keys[:1], np.full((1, DIM), 3, np.float32), DIM)
+    log.publish("t0", shared, np.full((1, DIM), 4, np.float32), DIM)  # t0 v3 claims t1's key
+    assert updater.poll()
+    assert first.snapshot.versions == (2, 2) and updater.rejected == 1  # t0 on v2, the valid part
+    restarted = TieredStore.from_tables(tables)
+    again = StoreUpdater(restarted, log)
+    assert again.poll() and restarted.snapshot.versions == first.snapshot.versions
+    assert rows(restarted, "t0", tables["t0"].keys[:1]).vectors[0, 0] == 3

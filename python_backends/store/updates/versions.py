@@ -249,8 +249,9 @@ class UpdateLog:
 
         Everything is checked before anything is written: the table (a spec table, a plain name),
         the manifest (:func:`~recserve.backends.store.updates.schema.parse_manifest`), the files
-        (exactly the manifest's, sizes and checksums matching) and the parent (here already: the
-        newest version below it for a delta). The head moves to it when it is newer.
+        (exactly the manifest's, sizes and checksums matching), its place (right after the newest
+        version here) and its parent (here already; the version before it for a delta). The head
+        moves to it when it is newer.
 
         Raises:
             UpdateRefused: any of these checks failed; nothing was written.
@@ -261,13 +262,16 @@ class UpdateLog:
             folder = self._folder(table, checked.version)
             if folder.exists():
                 return False
-            below = [v for v in self.versions(table) if v < checked.version]
-            known = [self.base_version, *below]
-            if checked.parent not in known or (checked.kind == "delta" and checked.parent != max(known)):
+            known = [self.base_version, *(v for v in self.versions(table) if v < checked.version)]
+            if known[-1] != checked.version - 1:
+                raise UpdateRefused(
+                    f"version {checked.version} of table {table!r} does not follow a version here "
+                    f"(newest here: {known[-1]})"
+                )
+            if checked.parent not in known or (checked.kind == "delta" and checked.parent != known[-1]):
                 raise UpdateRefused(
                     f"version {checked.version} of table {table!r}: parent {checked.parent} is not "
-                    f"{'the newest version below it' if checked.kind == 'delta' else 'a version here'} "
-                    f"(versions here: {known[-5:]})"
+                    f"{'the version before it' if checked.kind == 'delta' else 'a version here'}"
                 )
 
             def write(staging: Path) -> None:
