@@ -335,3 +335,68 @@ def test_a_bad_request_fails_alone_inside_a_merged_batch(server, spec):
     assert "input 'history_embeddings'" in results[5].message()
     assert all(not isinstance(r, Exception) for i, r in enumerate(results) if i != 5)
     assert after[1] - before[1] < len(requests), "requests were not batched together"
+
+
+# Echoed values are bounded: a huge value or input name costs the client a short message, never its size.
+
+_HUGE = 1 << 20  # a 1 MB value
+_SMALL_ERROR = 2048  # the most bytes an error may take
+
+
+def _json_infer_body(good, replace=None) -> bytes:
+    """The HTTP JSON form of ``good``; ``replace(name, flat data)`` edits an input's data in place."""
+    import json
+
+    inputs = []
+    for name, array in good.items():
+        data = (
+            [x.decode() for x in array.reshape(-1)] if array.dtype == object else array.reshape(-1).tolist()
+        )
+        if replace is not None:
+            replace(name, data)
+        inputs.append(
+            {
+                "name": name,
+                "datatype": np_to_triton_dtype(array.dtype),
+                "shape": list(array.shape),
+                "data": data,
+            }
+        )
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def _with_huge_categorical(spec, good):
+    bad = {k: v.copy() for k, v in good.items()}
+    bad[spec.categorical.name][0, 3] = b"z" * _HUGE
+    return bad
+
+
+def test_a_1mb_value_over_http_gets_a_small_400_naming_the_input(server, spec):
+    good = generate(spec, 3, seed=90).to_wire(spec)
+    c = spec.categorical.name
+
+    def huge(name, data):
+        if name == c:
+            data[3] = "z" * _HUGE
+
+    status, text = _post(server, _json_infer_body(good, huge), {"Content-Type": "application/json"})
+    assert status == 400, f"{status} {text[:300]}"
+    assert len(text.encode()) < _SMALL_ERROR, f"a {len(text.encode())}-byte error body: {text[:300]}"
+    _assert_clear("1 MB value over HTTP", text, f"input '{c}'")
+    assert f"({_HUGE} " in text, f"the value's length is not stated: {text}"
+    with http_client(server) as client:
+        infer_raw(httpclient, client, spec, good)
+
+
+def test_a_1mb_value_over_grpc_is_invalid_argument_with_a_bounded_message(server, spec):
+    good = generate(spec, 3, seed=91).to_wire(spec)
+    c = spec.categorical.name
+    stubs = server.stubs()
+    with grpc_client(server) as client:
+        with pytest.raises(InferenceServerException) as err:
+            infer_raw(grpcclient, client, spec, _with_huge_categorical(spec, good))
+        assert str(err.value.status()) == "StatusCode.INVALID_ARGUMENT", str(err.value)[:300]
+        assert len(err.value.message().encode()) < _SMALL_ERROR, err.value.message()[:300]
+        _assert_clear("1 MB value over gRPC", err.value.message(), f"input '{c}'")
+        assert infer_raw(grpcclient, client, spec, good).shape == (3,)
+    _stubs_unchanged(server, stubs)
