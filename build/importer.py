@@ -206,8 +206,8 @@ def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
         again = int(np.flatnonzero(keys == unique[np.argmax(counts > 1)])[1])
         same = int(first[np.argmax(counts > 1)])
         raise TableImportError(
-            f"table {table!r}: tokens {clip(tokens[rows[same]])} (row {rows[same]}) and "
-            f"{clip(tokens[rows[again]])} "
+            f"table {table!r}: tokens {clip(repr(tokens[rows[same]]))} (row {rows[same]}) and "
+            f"{clip(repr(tokens[rows[again]]))} "
             f"(row {rows[again]}) are the same value; each value needs one row"
         )
     default = np.zeros(dim, np.float32) if oov is None else np.asarray(vectors[oov], np.float32)
@@ -248,7 +248,7 @@ def _check_keyed_headers(table: str, path: Path, headers: dict[str, Header], dim
     for name, (shape, dtype) in headers.items():
         if name not in wanted:
             raise TableImportError(
-                f"table {table!r}: {path.name} holds an array {clip(name)}; "
+                f"table {table!r}: {path.name} holds an array {clip(repr(name))}; "
                 f"a keyed table holds {sorted(wanted)}"
             )
         expected, fits = wanted[name]

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from recserve.backends.bounded_files import clip
 from recserve.errors import ArtifactError
 
 MANIFEST = "manifest.json"
@@ -87,8 +89,17 @@ SAFETENSORS_DTYPES = {
 }
 
 
+#: safetensors' own bound on its JSON header (its reference reader refuses a larger one).
+SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
 def map_safetensors(path: Path) -> dict[str, np.ndarray]:
     """The tensors of a ``.safetensors`` file as read-only memory maps (nothing is read up front).
+
+    The header's length is bounded before it is read; it must be a JSON object of flat entries,
+    each a known dtype, a shape of non-negative ints and two integral ``data_offsets`` in bounds,
+    consistent with the shape and not overlapping another tensor's bytes.
 
     Raises:
         ArtifactError: the file is no well-formed safetensors file, or holds a dtype recserve does not read.
@@ -96,29 +107,78 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
     size = path.stat().st_size
     try:
         with open(path, "rb") as fh:
-            header_bytes = int.from_bytes(fh.read(8), "little")
-            if not 2 <= header_bytes <= size - 8:
-                raise ValueError(f"header of {header_bytes} bytes in a file of {size}")
-            header = json.loads(fh.read(header_bytes))
-        arrays = {}
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"{size} bytes, fewer than the 8 of the header's length")
+            header_bytes = int.from_bytes(prefix, "little")
+            if not 2 <= header_bytes <= min(size - 8, SAFETENSORS_MAX_HEADER):
+                raise ValueError(f"a header of {header_bytes:,} bytes in a file of {size:,}")
+            header = json.loads(fh.read(header_bytes), object_pairs_hook=_unique_keys)
+        if not isinstance(header, dict):
+            raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+        data_bytes = size - 8 - header_bytes
+        places = {}
         for name, info in header.items():
             if name == "__metadata__":
-                continue
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise ValueError(f"tensor {name!r} has dtype {info['dtype']}")
-            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
-            begin, end = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(d) for d in info["shape"])
-            if end - begin != int(np.prod(shape)) * dtype.itemsize or 8 + header_bytes + end > size:
-                raise ValueError(f"tensor {name!r}: its byte range does not fit its shape {list(shape)}")
-            arrays[name] = (
-                np.memmap(path, dtype, "r", 8 + header_bytes + begin, shape)
-                if end > begin
-                else np.empty(shape, dtype)
-            )
-        return arrays
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+                _check_metadata(info)
+            else:
+                places[name] = _safetensors_place(name, info, data_bytes)
+        spans = sorted((begin, end, name) for name, (_, _, begin, end) in places.items() if end > begin)
+        for (_, end, before), (begin, _, after) in zip(spans, spans[1:], strict=False):
+            if begin < end:
+                raise ValueError(f"tensors {clip(repr(before))} and {clip(repr(after))} share bytes")
+        return {
+            name: np.memmap(path, dtype, "r", 8 + header_bytes + begin, shape)
+            if end > begin
+            else np.empty(shape, dtype)
+            for name, (dtype, shape, begin, end) in places.items()
+        }
+    except RecursionError:
+        raise ArtifactError(
+            f"{path.name} is not a readable safetensors file (its header is nested too deeply)"
+        ) from None
+    except (OSError, ValueError) as exc:
         raise ArtifactError(f"{path.name} is not a readable safetensors file ({exc})") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"its header names {clip(repr(next(k for k in keys if keys.count(k) > 1)))} twice")
+    return dict(pairs)
+
+
+def _check_metadata(info: object) -> None:
+    """Raise ValueError unless ``__metadata__`` is a flat object of strings."""
+    if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+        raise ValueError("__metadata__ is not an object of strings")
+
+
+def _safetensors_place(
+    name: str, info: object, data_bytes: int
+) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """Dtype, shape and byte range of one header entry, each checked (raises ValueError)."""
+    tensor = f"tensor {clip(repr(name))}"
+    if not isinstance(info, dict) or set(info) != SAFETENSORS_ENTRY_KEYS:
+        raise ValueError(f"{tensor} is not an object of {sorted(SAFETENSORS_ENTRY_KEYS)}")
+    if not isinstance(info["dtype"], str) or info["dtype"] not in SAFETENSORS_DTYPES:
+        raise ValueError(f"{tensor} has dtype {clip(info['dtype'])}")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_count(d) for d in shape):
+        raise ValueError(f"{tensor} has shape {clip(shape)}, not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(x) for x in offsets):
+        raise ValueError(f"{tensor} has data_offsets {clip(offsets)}, not two non-negative integers")
+    dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
+    begin, end = offsets
+    if not begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
+        raise ValueError(
+            f"{tensor}: bytes {begin}..{end} of {data_bytes} do not hold its shape {clip(shape)}"
+        )
+    return dtype, tuple(shape), begin, end
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def first_non_finite(array: np.ndarray, block_rows: int = 1 << 16) -> int | None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from recserve import wire
+from recserve.errors import ArtifactError
 from recserve.spec import load_spec
 
 
@@ -41,7 +42,10 @@ def _import(args: argparse.Namespace) -> int:
     from recserve.build.importer import import_repository
 
     spec = load_spec(args.spec)
-    import_repository(spec, args.tables, args.dense, args.repository, replace=args.replace)
+    try:
+        import_repository(spec, args.tables, args.dense, args.repository, replace=args.replace)
+    except OSError as exc:  # an unreadable file or folder: one line naming it, no traceback
+        raise ArtifactError(f"{exc.filename or 'a file'}: {exc.strerror or exc}") from None
     return 0
 
 
