@@ -24,6 +24,14 @@ from recserve.access import (
     weight_key,
     write_config,
 )
+from recserve.access.front_door import (
+    BODY_MARGIN_BYTES,
+    GRPC_STREAM_PATH,
+    MAX_HEADERS_KB,
+    FrontDoor,
+    FrontDoorError,
+    lua_source,
+)
 from recserve.clients import AsyncCTRClient, CTRClient
 from recserve.sections import AccessSection
 
@@ -237,3 +245,82 @@ def test_the_overload_summary_gives_the_two_verdicts():
     assert summary["shed_p99_ms"] == pytest.approx(2.0)
     assert summary["phases"][0]["shed_p99_ms"] is None and summary["failed"] == 0
     assert summary["recovery_s"] == 0.25 and summary["capacity_rps"] == 200.0
+
+
+def _manager(config: dict, protocol: str) -> dict:
+    (listener,) = [
+        item for item in config["static_resources"]["listeners"] if item["name"] == f"public_{protocol}"
+    ]
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def test_the_front_door_limits_come_from_the_served_configs(tiny_spec, tiny_repository):
+    door = FrontDoor.from_repositories([tiny_repository])
+    batch, longest = tiny_spec.max_batch_size, max(tiny_spec.sequence_buckets)
+    ensemble = door.inputs[tiny_spec.name]
+    dims = {t.name: t.dims for t in tiny_spec.wire_inputs()}
+    assert ensemble["dense"] == batch * dims["dense"][0]
+    assert ensemble["history_items"] == batch * longest  # a variable dim holds the longest sequence
+    assert ensemble["history_items__length"] == batch
+    # the candidate-list ensemble (no batch dimension): users x candidates rows, as the row form
+    assert door.inputs[tiny_spec.candidates_model] == ensemble
+    assert door.max_elements == max(ensemble.values())
+    per_row = sum(ensemble.values()) // batch
+    assert 40 * per_row * batch < door.max_body_bytes < 200 * per_row * batch + BODY_MARGIN_BYTES
+    with pytest.raises(FrontDoorError, match="no model config"):
+        FrontDoor.from_repositories([tiny_repository / "nothing"])
+
+
+def test_the_public_listeners_carry_the_front_door_and_pass_envoy_validate(tiny_repository, tmp_path):
+    door = FrontDoor.from_repositories([tiny_repository])
+    config = envoy_config(_access(), UPSTREAMS, PORTS, door)
+    http, grpc = _manager(config, "http"), _manager(config, "grpc")
+    assert http["max_request_headers_kb"] == grpc["max_request_headers_kb"] == MAX_HEADERS_KB < 8
+    assert [f["name"] for f in http["http_filters"]] == [
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.lua",
+        "envoy.filters.http.router",
+    ]
+    assert http["http_filters"][0]["typed_config"]["max_request_bytes"] == door.max_body_bytes
+    source = http["http_filters"][1]["typed_config"]["default_source_code"]["inline_string"]
+    assert "@" not in source and f"local MAX_ELEMENTS = {door.max_elements}" in source
+    assert '["tiny"] = {' in source and '["history_items"] = ' in source
+    assert {
+        m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
+        for m in http["local_reply_config"]["mappers"]
+    } == {413, 431}
+    # gRPC: unary bodies bounded, the stream call (whose body never ends) not buffered
+    assert [f["name"] for f in grpc["http_filters"]] == [
+        "envoy.filters.http.buffer",
+        "envoy.filters.http.router",
+    ]
+    stream, catch_all = grpc["route_config"]["virtual_hosts"][0]["routes"]
+    assert (
+        stream["match"] == {"path": GRPC_STREAM_PATH}
+        and "envoy.filters.http.buffer" in stream["typed_per_filter_config"]
+    )
+    assert catch_all["match"] == {"prefix": "/"} and stream["route"] == catch_all["route"]
+    assert "OK" in validate(write_config(config, tmp_path / "envoy.json"))
+
+
+def test_without_a_repository_the_front_door_still_bounds_everything():
+    config = envoy_config(_access(), UPSTREAMS, PORTS)
+    http = _manager(config, "http")
+    assert http["http_filters"][0]["typed_config"]["max_request_bytes"] == FrontDoor().max_body_bytes
+    assert (
+        "local LIMITS = {}" in http["http_filters"][1]["typed_config"]["default_source_code"]["inline_string"]
+    )
+
+
+def test_only_a_dead_replica_is_ejected_never_one_that_answered_an_error():
+    detection = _clusters(envoy_config(_access(), UPSTREAMS, PORTS))["candidate_http"]["outlier_detection"]
+    assert detection["consecutive_local_origin_failure"] == 1  # refused or reset: the process is gone
+    # a client's malformed body gets Triton's 500: 5xx answers and success rates never eject
+    for enforcing in ("consecutive_5xx", "consecutive_gateway_failure", "success_rate", "failure_percentage"):
+        assert detection[f"enforcing_{enforcing}"] == 0
+
+
+def test_model_and_input_names_are_written_into_lua_as_plain_escaped_literals():
+    door = FrontDoor(inputs={'a"]]..os.exit()--': {"x\n": 5}})
+    source = lua_source(door)
+    assert '["a\\034\\093\\093..os.exit\\040\\041--"] = {["x\\010"] = 5}' in source
