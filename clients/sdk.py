@@ -36,6 +36,7 @@ from recserve.clients.errors import (
 )
 from recserve.clients.rows import CriteoRows
 from recserve.clients.shared_memory import SharedMemoryIO
+from recserve.errors import cap_message, shorten, shorten_all
 from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER, candidate_list_inputs
 
@@ -101,7 +102,7 @@ class ClientBase:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if user_id is not None and (not user_id or not user_id.isascii() or not user_id.isprintable()):
-            raise ValueError(f"user_id must be non-empty printable ASCII, got {user_id!r}")
+            raise ValueError(f"user_id must be non-empty printable ASCII, got {shorten(user_id)}")
         self.protocol = _check_protocol(protocol)
         self.url, self._ssl = _normalise_url(url, self.protocol)
         self.timeout_s = float(timeout_s)
@@ -118,7 +119,9 @@ class ClientBase:
         names = {w.name for w in wire}
         unknown = sorted(set(inputs) - names)
         if unknown:
-            raise InvalidRequestError(f"unknown inputs {unknown}; the model takes {sorted(names)}")
+            raise InvalidRequestError(
+                f"unknown inputs [{shorten_all(unknown)}]; the model takes {sorted(names)}"
+            )
         missing = [w.name for w in wire if w.name not in inputs or inputs[w.name] is None]
         if missing:
             raise InvalidRequestError(f"missing inputs {missing}")
@@ -128,7 +131,7 @@ class ClientBase:
                 array = np.ascontiguousarray(inputs[w.name], dtype=NUMPY_DTYPES[w.dtype])
             except (TypeError, ValueError) as exc:
                 raise InvalidRequestError(
-                    f"input '{w.name}' cannot be converted to {w.dtype}: {exc}"
+                    f"input '{w.name}' cannot be converted to {w.dtype}: {cap_message(str(exc), 200)}"
                 ) from exc
             if array.ndim != 2:
                 raise InvalidRequestError(
@@ -161,13 +164,15 @@ class ClientBase:
         names = [s.name for s in spec.sequences]
         unknown = sorted(set(user) - set(names))
         if unknown:
-            raise InvalidRequestError(f"unknown user inputs {unknown}; a user carries {names}")
+            raise InvalidRequestError(f"unknown user inputs [{shorten_all(unknown)}]; a user carries {names}")
         histories = {}
         for name in names:
             try:
                 histories[name] = np.asarray(user.get(name, ()), dtype=np.int64).reshape(-1)
             except (TypeError, ValueError) as exc:
-                raise InvalidRequestError(f"user input '{name}' is not a list of item ids: {exc}") from exc
+                raise InvalidRequestError(
+                    f"user input '{name}' is not a list of item ids: {cap_message(str(exc), 200)}"
+                ) from exc
         user_arrays = {}
         for group in spec.attention_groups:
             lengths = {s.name: len(histories[s.name]) for s in group.sequences}
@@ -194,7 +199,7 @@ class ClientBase:
             try:
                 infer_input.set_data_from_numpy(array)
             except Exception as exc:  # tritonclient raises InferenceServerException on bad data
-                raise InvalidRequestError(f"input '{name}': {exc}") from exc
+                raise InvalidRequestError(f"input '{name}': {cap_message(str(exc), 200)}") from exc
             result.append(infer_input)
         return result
 

@@ -143,3 +143,16 @@ def test_constructor_arguments(spec):
         assert client.url == "127.0.0.1:8000" and client.model_name == spec.name
     with CTRClient(spec=spec, model_name="other") as client:
         assert client.url == "127.0.0.1:8001" and client.model_name == "other"
+
+
+def test_local_refusals_name_huge_values_shortened(spec):
+    client = CTRClient(f"127.0.0.1:{_closed_port()}", timeout_s=2, spec=spec)
+    inputs = _inputs(spec)
+    many = {f"extra_{'x' * 10_000}_{i}": np.zeros((3, 1)) for i in range(100)}
+    with pytest.raises(InvalidRequestError, match=r"unknown inputs \['extra_xxx.*and 95 more\]") as err:
+        client.predict_inputs({**inputs, **many})
+    assert len(str(err.value)) < 1000
+    with pytest.raises(ValueError, match=r"user_id .*\(100000 chars\)") as err:
+        CTRClient(spec=spec, user_id="u" * 99_999 + "\n")
+    assert len(str(err.value)) < 200
+    client.close()
