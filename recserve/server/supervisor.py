@@ -156,7 +156,7 @@ class Supervisor(threading.Thread):
             if process.returncode == 0:
                 if record.last_cause != "exit code 0":
                     LOGGER.warning(
-                        "tritonserver %s (pid %d) exited with code 0: left stopped", name, process.pid
+                        "server %s (pid %d) exited with code 0: left stopped", name, process.pid
                     )
                     record.last_cause = "exit code 0"
                 return
@@ -176,7 +176,7 @@ class Supervisor(threading.Thread):
             record.last_crash_unix, record.down_at = time.time(), now
             record.due = now + self.backoff.delay(record.crashes_in_row)
         LOGGER.error(
-            "tritonserver %s (pid %s) died: %s; last error: %s; crash %d (%d in a row), restart in %.1f s",
+            "server %s (pid %s) died: %s; last error: %s; crash %d (%d in a row), restart in %.1f s",
             name,
             server.process.pid if server.process else "-",
             cause,
@@ -210,7 +210,7 @@ class Supervisor(threading.Thread):
             record.pid = server.process.pid if server.process else None
             record.last_down_s = round(now - record.down_at, 3)
         LOGGER.warning(
-            "tritonserver %s restarted (pid %s, restart %d) %.1f s after it died",
+            "server %s restarted (pid %s, restart %d) %.1f s after it died",
             name,
             record.pid,
             record.restarts,

@@ -1,0 +1,183 @@
+"""A dead tritonserver never takes the stack down: the supervisor restarts it, counted, its memory freed.
+
+The crash is the real one: tritonserver 2.51 aborts (``std::bad_alloc``) on an HTTP JSON body whose
+input declares a huge shape, sent straight to its own port. ``recserve serve`` restarts it on the
+same ports after the backoff, removes the dead server's shared-memory regions, and serves the next
+request. Behind the access layer, with two replicas, requests through Envoy keep being answered
+while one replica is down and restarted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from recserve.access import AccessLayer, ProxyPorts
+from recserve.access.process import SUPERVISOR_FILE
+from recserve.build.repository import build_repository
+from recserve.build.synthetic import generate
+from recserve.clients import CTRClient, RecserveClientError
+from recserve.perf.stats import snapshot
+from recserve.server import Backoff, Ports
+from recserve.server.shm import SHM_DIR
+from recserve.spec import ModelSpec, load_spec
+from recserve.wire import EMBEDDING_LOOKUP
+
+from .helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+IN_FLIGHT = 4  # closed-loop clients through the proxy
+
+
+def shape_bomb(http_url: str, spec: ModelSpec) -> None:
+    """The JSON body that aborts tritonserver 2.51: a 2**40-row shape with one ``data`` element."""
+    dense = spec.wire_inputs()[0]
+    body = {"inputs": [{"name": dense.name, "shape": [2**40, *dense.dims], "datatype": "FP32", "data": [0]}]}
+    request = urllib.request.Request(
+        f"http://{http_url}/v2/models/{spec.name}/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # the server dies mid-request
+        urllib.request.urlopen(request, timeout=30)
+
+
+def ready(http_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=1) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def regions(prefix: str) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
+def test_serve_restarts_a_server_killed_by_a_request_and_frees_its_shared_memory(
+    spec: ModelSpec, repository: Path, tmp_path: Path
+) -> None:
+    ports = Ports.free()
+    http = f"127.0.0.1:{ports.http}"
+    output = tmp_path / "serve.log"
+    with open(output, "wb") as log:
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "recserve.cli", "serve", "--repository", str(repository),
+             "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
+             "--metrics-port", str(ports.metrics)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: ready(http), 120, "recserve serve ready")
+        wire = generate(spec, 4, seed=1).to_wire(spec)
+        down_s = []
+        for crash in (1, 2, 3):
+            prefix = f"recserve_{serve.pid}_{crash}_"  # the regions of the server now running
+            assert regions(prefix), f"no regions named {prefix}*"
+            crashed_at = time.monotonic()
+            shape_bomb(http, spec)
+            wait_for(lambda: not ready(http), 30, "the server down")
+            wait_for(lambda: ready(http), 120, f"ready again after crash {crash}")
+            down_s.append(time.monotonic() - crashed_at)
+            assert serve.poll() is None, output.read_text()[-3000:]
+            assert not regions(prefix), "the dead server's shared memory is still there"
+            with CTRClient(f"127.0.0.1:{ports.grpc}", spec=spec, timeout_s=30) as client:
+                assert len(client.predict_inputs(wire)) == 4
+        backoff = Backoff()
+        for crash, seconds in enumerate(down_s, start=1):
+            assert seconds >= backoff.delay(crash), (crash, seconds)  # never faster than the backoff
+        text = output.read_text(errors="replace")
+        died = re.findall(r"died: killed by SIGABRT; last error: (.*); crash (\d) \((\d) in a row\)", text)
+        assert [(int(c), int(r)) for _, c, r in died] == [(1, 1), (2, 2), (3, 3)], text[-3000:]
+        assert all("bad_alloc" in error for error, _, _ in died)
+        load = Path("/proc/loadavg").read_text().split()[:3]
+        times = ", ".join(f"{s:.1f}" for s in down_s)
+        print(f"crash -> ready again: {times} s, median {statistics.median(down_s):.1f} s; load {load}")
+    finally:
+        serve.send_signal(signal.SIGINT)
+        code = serve.wait(90)
+    assert code == 0  # a deliberate stop: no restart
+    assert not regions(f"recserve_{serve.pid}_")
+
+
+def _requests(http_url: str) -> int:
+    return snapshot(http_url).get(EMBEDDING_LOOKUP, {}).get("requests", 0)
+
+
+def test_a_replica_killed_by_a_request_is_restarted_while_the_proxy_serves_on(tmp_path: Path) -> None:
+    tiny = load_spec("tiny")
+    build_repository(tiny, tmp_path / "built")
+    access = dataclasses.replace(
+        tiny.access, weights={"stable": 100}, shadow_fraction=0.0, max_requests=IN_FLIGHT, replicas=2
+    )
+    wire = generate(tiny, 8, seed=5).to_wire(tiny)
+    counts: Counter[str] = Counter()
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def client_loop(layer: AccessLayer) -> None:
+        with CTRClient(layer.grpc_url, spec=tiny, timeout_s=30) as client:
+            while not stop.is_set():
+                try:
+                    client.predict_inputs(wire)
+                    counts["ok"] += 1
+                except RecserveClientError as exc:
+                    counts["failed"] += 1
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+    with AccessLayer(access, {"stable": tmp_path / "built"}, tmp_path / "access", ProxyPorts.free()) as layer:
+        supervisor = layer.supervise()
+        threads = [threading.Thread(target=client_loop, args=(layer,)) for _ in range(IN_FLIGHT)]
+        for thread in threads:
+            thread.start()
+        try:
+            replicas = layer.servers["stable"]
+            wait_for(lambda: all(_requests(s.http_url) > 0 for s in replicas), 60, "both replicas serving")
+            victim, survivor = replicas[1], replicas[0]
+            prefix = victim.shm_prefix
+            assert regions(prefix)
+            crashed_at = time.monotonic()
+            shape_bomb(victim.http_url, tiny)
+            at_crash, ok_at_crash = _requests(survivor.http_url), counts["ok"]
+            wait_for(lambda: supervisor.status()["stable-1"]["restarts"] == 1, 120, "restarted")
+            restarted = layer.servers["stable"][1]
+            assert restarted is not victim and restarted.ports == victim.ports
+            wait_for(lambda: _requests(restarted.http_url) > 0, 60, "taking traffic again")
+            without_s = time.monotonic() - crashed_at
+            served_meanwhile = counts["ok"] - ok_at_crash
+            assert _requests(survivor.http_url) > at_crash
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join()
+        assert layer.proxy is not None and layer.proxy.process is not None
+        assert layer.proxy.process.poll() is None  # the stack stayed up
+        assert survivor.process is not None and survivor.process.poll() is None
+        status = json.loads((layer.workdir / SUPERVISOR_FILE).read_text())
+    assert status["stable-1"]["crashes"] == 1 and status["stable-1"]["restarts"] == 1
+    assert status["stable-1"]["last_cause"] == "killed by SIGABRT"
+    assert "bad_alloc" in status["stable-1"]["last_error"]
+    assert status["stable-0"]["crashes"] == 0
+    assert not regions(prefix)
+    assert counts["failed"] <= IN_FLIGHT, errors  # at most the requests in flight on the victim
+    assert all("unavailable" in e.lower() for e in errors), errors
+    print(
+        f"crash -> ready {status['stable-1']['last_down_s']:.1f} s; without the replica "
+        f"{without_s:.1f} s, {served_meanwhile} requests "
+        f"served through the proxy meanwhile, {counts['failed']} failed of {sum(counts.values())}; "
+        f"load {Path('/proc/loadavg').read_text().split()[:3]}"
+    )
