@@ -3,21 +3,33 @@
 Used by the L3 tests and by ``recserve redis-outage``. Nodes keep no data on disk (no RDB, no AOF);
 each keeps its cluster configuration (``nodes.conf``) in its own folder, so a killed node started
 again with :meth:`RedisCluster.restart` rejoins the same cluster, empty.
+
+Every node requires a password (``requirepass``, and ``masterauth`` for its replication), a new one
+for each cluster, as a deployment should: while the cluster runs, the environment variable
+:data:`PASSWORD_ENV` holds it, so ``[store] redis_password_env`` can name it for the servers started
+meanwhile (they inherit the environment).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 
+from recserve.spec import StoreSection
+
 LOOPBACK = "127.0.0.1"
+#: The environment variable that holds a running cluster's password (``[store] redis_password_env``).
+PASSWORD_ENV = "RECSERVE_REDIS_PASSWORD"
 
 
 def _free(port: int) -> bool:
@@ -60,8 +72,14 @@ class RedisCluster:
     """Start with ``with RedisCluster(folder) as cluster:``; every node is stopped at exit."""
 
     def __init__(
-        self, folder: Path, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000
+        self,
+        folder: Path,
+        masters: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+        password: str | None = None,
     ) -> None:
+        """Plan the cluster; ``password``: every node's (None: a new random one; empty: no password)."""
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             raise RuntimeError("redis-server and redis-cli are needed (make installs Debian's redis-server)")
         self.folder = folder
@@ -69,17 +87,31 @@ class RedisCluster:
         self.replicas = replicas
         self.node_timeout_ms = node_timeout_ms
         self.processes: dict[int, subprocess.Popen] = {}
+        self.password = secrets.token_hex(16) if password is None else password
+        self.password_env = PASSWORD_ENV if self.password else ""  # what ``redis_password_env`` names
+        self._saved_env: str | None = None
 
     @property
     def nodes(self) -> list[str]:
         """``host:port`` of every node."""
         return [f"{LOOPBACK}:{port}" for port in self.ports]
 
+    def store_section(self, **settings: Any) -> StoreSection:
+        """A ``[store]`` section that reaches this cluster (its nodes, the password's variable)."""
+        return StoreSection(
+            **{"redis_nodes": tuple(self.nodes), "redis_password_env": self.password_env, **settings}
+        )
+
     def _spawn(self, port: int) -> None:
         node_dir = self.folder / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
+        config = node_dir / "auth.conf"  # the password in a private file, not on the command line
+        config.touch(mode=0o600)
+        config.write_text(
+            f"requirepass {self.password}\nmasterauth {self.password}\n" if self.password else ""
+        )
         self.processes[port] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", LOOPBACK, "--cluster-enabled", "yes",
+            ["redis-server", str(config), "--port", str(port), "--bind", LOOPBACK, "--cluster-enabled", "yes",
              "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
              "--cluster-replica-validity-factor", "0",
              "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log"],
@@ -88,9 +120,15 @@ class RedisCluster:
         )  # fmt: skip
 
     def _wait_started(self, port: int) -> None:
-        self._wait(lambda: redis.Redis(LOOPBACK, port, socket_timeout=1).ping(), f"node {port} to start")
+        self._wait(
+            lambda: redis.Redis(LOOPBACK, port, password=self.password or None, socket_timeout=1).ping(),
+            f"node {port} to start",
+        )
 
     def __enter__(self) -> RedisCluster:
+        if self.password_env:
+            self._saved_env = os.environ.get(self.password_env)
+            os.environ[self.password_env] = self.password
         try:
             for port in self.ports:
                 self._spawn(port)
@@ -109,6 +147,7 @@ class RedisCluster:
                 check=True,
                 stdout=subprocess.DEVNULL,
                 timeout=60,
+                env=self._cli_env(),
             )
             self.wait_ok()
             self._wait(self._replicas_synced, "replicas to sync with their masters")
@@ -191,15 +230,26 @@ class RedisCluster:
                 ports.append(int(fields[1].split("@")[0].rsplit(":", 1)[1]))
         return sorted(ports)
 
-    @staticmethod
-    def cli(port: int, *command: str) -> str:
-        """Output of ``redis-cli -p port command...``."""
+    def cli(self, port: int, *command: str) -> str:
+        """Output of ``redis-cli -p port command...`` (authenticated)."""
         return subprocess.run(
             ["redis-cli", "-h", LOOPBACK, "-p", str(port), *command],
             capture_output=True,
             text=True,
             timeout=10,
+            env=self._cli_env(),
         ).stdout
+
+    def _cli_env(self) -> dict[str, str]:
+        """redis-cli's environment: the password in ``REDISCLI_AUTH`` (``-a`` would show it in ``ps``)."""
+        env = dict(os.environ)
+        if self.password:
+            env["REDISCLI_AUTH"] = self.password
+        return env
+
+    def client(self, port: int) -> redis.Redis:
+        """A plain (non-cluster) authenticated client of one node."""
+        return redis.Redis(LOOPBACK, port, password=self.password or None, socket_timeout=5)
 
     def kill(self, port: int) -> None:
         """``kill -9`` one node."""
@@ -224,8 +274,13 @@ class RedisCluster:
         self.wait_ok(timeout_s)
 
     def stop(self) -> None:
-        """Kill every node."""
+        """Kill every node; restore the password's environment variable."""
         for process in self.processes.values():
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        if self.password_env and os.environ.get(self.password_env) == self.password:
+            if self._saved_env is None:
+                os.environ.pop(self.password_env, None)
+            else:
+                os.environ[self.password_env] = self._saved_env

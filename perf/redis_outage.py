@@ -57,7 +57,12 @@ _SAMPLE = re.compile(r"^(\w+)(\{[^}]*\})?\s+(\S+)$")
 
 
 def l3_repository(
-    spec: ModelSpec, repository: Path, target: Path, nodes: list[str], deadline_ms: float | None = None
+    spec: ModelSpec,
+    repository: Path,
+    target: Path,
+    nodes: list[str],
+    deadline_ms: float | None = None,
+    password_env: str = "",
 ) -> ModelSpec:
     """A copy of a built repository whose target-item table lives only in the Redis Cluster at ``nodes``.
 
@@ -67,6 +72,7 @@ def l3_repository(
         target: where the copy goes (without the update log).
         nodes: ``host:port`` seeds of the cluster.
         deadline_ms: the L3 deadline of the copy; None keeps the spec's ``redis_deadline_ms``.
+        password_env: the environment variable holding the cluster's password (empty: none).
 
     Returns:
         The copy's spec (its configs carry it); load the cluster with :func:`upload_remote_tables`.
@@ -79,6 +85,8 @@ def l3_repository(
     }
     if deadline_ms is not None:
         store["redis_deadline_ms"] = float(deadline_ms)
+    if password_env:
+        store["redis_password_env"] = password_env
     doc["store"] = store
     variant = parse_spec(doc)
     shutil.copytree(repository, target, ignore=shutil.ignore_patterns("updates", "__pycache__"))
@@ -393,7 +401,9 @@ def run_outage(
     wire = generate(spec, batch_size, seed=17).to_wire(spec)
     reference = reference_pipeline(spec, repository, runtime="torch").predict(wire)  # every item row found
     with RedisCluster(scratch / "redis") as cluster:
-        variant = l3_repository(spec, repository, scratch / "repository", cluster.nodes, deadline_ms)
+        variant = l3_repository(
+            spec, repository, scratch / "repository", cluster.nodes, deadline_ms, cluster.password_env
+        )
         options = variant.store
         tables = version_dir(scratch / "repository", EMBEDDING_LOOKUP, variant)
         upload_remote_tables(variant, tables, options)

@@ -50,7 +50,7 @@ def stack(tmp_path_factory):
     with RedisCluster(root / "redis") as cluster:
         machines = [root / f"machine-{i}" for i in range(2)]
         for machine in machines:
-            spec = l3_repository(tiny, root / "built", machine, cluster.nodes, deadline_ms=500.0)
+            spec = l3_repository(tiny, root / "built", machine, cluster.nodes, 500.0, cluster.password_env)
         upload_remote_tables(spec, version_dir(machines[0], EMBEDDING_LOOKUP, spec), spec.store)
         cluster.wait_replicated()
         access = dataclasses.replace(

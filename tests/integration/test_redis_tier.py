@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from recserve.backends.store.redis_tier import RedisTier
+from recserve.backends.store.redis_tier import L3ConnectError, RedisTier, redis_keys
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import DEFAULT, L2, L3, TieredStore
 from recserve.perf.redis_cluster import RedisCluster
@@ -23,9 +23,7 @@ def cluster(tmp_path):
 def stores(cluster, deadline_ms=200.0, cooldown_s=0.5):
     """The same tables twice: all in L2, and with ``t1`` only in L3."""
     tables = make_tables(rows=(400, 3000))
-    options = StoreSection(
-        redis_nodes=tuple(cluster.nodes), redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s
-    )
+    options = cluster.store_section(redis_deadline_ms=deadline_ms, breaker_cooldown_s=cooldown_s)
     tier = RedisTier.connect(options)
     t1 = tables["t1"]
     assert tier.upload(t1.keys, t1.vectors) == len(t1.keys)
@@ -57,7 +55,7 @@ def test_lookups_through_l3_equal_l2(cluster):
     assert (
         (got.tiers[:32] == L2).all() and (got.tiers[32:-8] == L3).all() and (got.tiers[-8:] == DEFAULT).all()
     )
-    assert tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
+    assert tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0, "bad_value": 0}
 
 
 def test_an_l1_rebuild_reads_l3_rows_in_bulk_off_the_serving_calls(cluster):
@@ -70,7 +68,13 @@ def test_an_l1_rebuild_reads_l3_rows_in_bulk_off_the_serving_calls(cluster):
     assert np.array_equal(
         remote.resolve(cache.keys, None)[0], full.lookup(cache.keys, ids, record=False).vectors
     )
-    assert tier.calls == 0 and tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0}
+    assert tier.calls == 0 and tier.errors == {
+        "timeout": 0,
+        "error": 0,
+        "breaker_open": 0,
+        "busy": 0,
+        "bad_value": 0,
+    }
     got = remote.lookup(cache.keys, ids)  # served from L1: no L3 call at all
     assert (got.tiers == 0).all() and tier.calls == 0
 
@@ -154,7 +158,7 @@ def test_l3_serves_again_after_the_whole_cluster_restarts_even_with_a_tight_dead
         remote.lookup(keys, ids)
     assert tier.breaker.state != "closed", tier.errors
     cluster.restart()
-    loader = RedisTier.connect(StoreSection(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=10_000.0))
+    loader = RedisTier.connect(cluster.store_section(redis_deadline_ms=10_000.0))
     loader.upload(tables["t1"].keys, tables["t1"].vectors)  # the nodes came back empty
     loader.close()
     deadline = time.monotonic() + 30
@@ -169,7 +173,7 @@ def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster
     from recserve.backends.store.updates.versions import StoreUpdater, UpdateLog
 
     tables = make_tables()
-    tier = RedisTier.connect(StoreSection(redis_nodes=tuple(cluster.nodes), redis_deadline_ms=500.0))
+    tier = RedisTier.connect(cluster.store_section(redis_deadline_ms=500.0))
     here, there = UpdateLog(tmp_path / "here", 1), UpdateLog(tmp_path / "there", 1)
     sender, receiver = UpdateStream(tier.client, here), UpdateStream(tier.client, there)
     remote_store = TieredStore.from_tables(tables)
@@ -188,3 +192,46 @@ def test_updates_travel_through_the_redis_stream_to_another_machines_log(cluster
     )
     assert receiver.mirror() == 0  # nothing new; versions already here are not written twice
     assert UpdateStream(tier.client, there).mirror() == 0
+
+
+def test_garbage_written_into_redis_costs_its_own_keys_alone(cluster):
+    tables, full, remote, tier = stores(cluster)
+    keys, ids = batch(full, tables, np.random.default_rng(4))
+    t1 = keys[32:-8]
+    garbage = {  # what a careless or hostile writer leaves under six of t1's keys
+        "short": np.ones(DIM - 1, np.float32).tobytes(),
+        "long": np.ones(DIM + 1, np.float32).tobytes(),
+        "empty": b"",
+        "odd length": b"\x00" * (4 * DIM - 1),
+        "nan": np.array([1, np.nan] + [0] * (DIM - 2), np.float32).tobytes(),
+        "inf": np.array([np.inf] * DIM, np.float32).tobytes(),
+    }
+    names = redis_keys(t1[: len(garbage) + 1])
+    tier.client.mset_nonatomic(dict(zip(names, garbage.values(), strict=False)))
+    tier.client.delete(names[-1])
+    tier.client.hset(names[-1], "vector", b"\x00" * 4 * DIM)  # another type: MGET reads it as absent
+    spoilt = np.isin(keys, t1[: len(garbage) + 1])
+
+    got = remote.lookup(keys, ids)  # never raises: every key is served, the spoilt ones by their default
+
+    want = full.lookup(keys, ids, record=False).vectors
+    assert (got.tiers[spoilt] == DEFAULT).all()
+    assert (got.vectors[spoilt] == tables["t1"].default).all()
+    assert np.array_equal(got.vectors[~spoilt], want[~spoilt])  # every other key: its own row
+    assert (got.tiers[32:-8][~spoilt[32:-8]] == L3).all() and (got.tiers[:32] == L2).all()
+    assert tier.errors == {"timeout": 0, "error": 0, "breaker_open": 0, "busy": 0, "bad_value": len(garbage)}
+    assert tier.healthy()  # bad values are the writer's fault, not an L3 outage: the breaker stays closed
+
+
+def test_the_cluster_requires_its_password_and_a_refusal_is_a_clear_error(cluster, monkeypatch):
+    assert cluster.password and cluster.password_env
+    with pytest.raises(L3ConnectError, match=r"refused the default user with no password") as missing:
+        RedisTier.connect(StoreSection(redis_nodes=tuple(cluster.nodes)))
+    monkeypatch.setenv("WRONG_REDIS_PASSWORD", "not-" + cluster.password)
+    with pytest.raises(L3ConnectError, match=r"with the password in \$WRONG_REDIS_PASSWORD") as wrong:
+        RedisTier.connect(cluster.store_section(redis_password_env="WRONG_REDIS_PASSWORD"))
+    monkeypatch.delenv(cluster.password_env)
+    with pytest.raises(L3ConnectError, match=f"names {cluster.password_env}, which is not set"):
+        RedisTier.connect(cluster.store_section())
+    for refused in (missing, wrong):
+        assert cluster.password not in str(refused.value) and "\n" not in str(refused.value)

@@ -230,7 +230,9 @@ def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec
     wire = generate(spec, 16, seed=21).to_wire(spec)
     expected = reference.predict(wire)
     with RedisCluster(tmp_path / "redis") as cluster:
-        variant = l3_repository(spec, repository, tmp_path / "repository", cluster.nodes, deadline_ms=200.0)
+        variant = l3_repository(
+            spec, repository, tmp_path / "repository", cluster.nodes, 200.0, cluster.password_env
+        )
         spec_file = tmp_path / "variant.json"
         spec_file.write_text(json.dumps(variant.source))
         loaded = recserve(
