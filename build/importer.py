@@ -31,7 +31,7 @@ import numpy as np
 
 from recserve import wire
 from recserve.backends.artifacts import file_entry, map_safetensors, sha256_file, write_manifest
-from recserve.backends.bounded_files import Header, check_onnx_file, clip, load_npz, map_npy, read_json
+from recserve.backends.bounded_files import Header, check_onnx_file, load_npz, map_npy, read_json
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.backends.features.transform import vocabulary_keys
@@ -48,7 +48,7 @@ from recserve.build.repository import (
     write_tables,
 )
 from recserve.build.train import Progress, stderr_progress
-from recserve.errors import ArtifactError, InvalidInput
+from recserve.errors import ArtifactError, InvalidInput, shorten
 from recserve.spec import ModelSpec
 
 VOCAB_SUFFIX = ".vocab.json"
@@ -103,7 +103,7 @@ def find_table_sources(spec: ModelSpec, folder: Path) -> dict[str, TableSource]:
         if path.is_dir():
             source = TableSource(path.name, "hugectr", path)
         elif not path.is_file():
-            raise TableImportError(f"{clip(path.name)} is not a regular file or a folder")
+            raise TableImportError(f"{shorten(path.name)} is not a regular file or a folder")
         elif path.stem in vocabularies and path.suffix in VECTOR_SUFFIXES:
             source = TableSource(path.stem, "vocabulary", path, vocabularies[path.stem])
         elif path.suffix in KEYED_SUFFIXES:
@@ -170,7 +170,7 @@ def _vocabulary(table: str, path: Path, rows: int) -> tuple[list[object], int | 
     )
     if odd is not None:
         raise TableImportError(
-            f"table {table!r}: token {odd} of {path.name} is {clip(tokens[odd])}, "
+            f"table {table!r}: token {odd} of {path.name} is {shorten(tokens[odd])}, "
             "not a string, integer or null"
         )
     if len(tokens) != rows:
@@ -206,8 +206,8 @@ def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
         again = int(np.flatnonzero(keys == unique[np.argmax(counts > 1)])[1])
         same = int(first[np.argmax(counts > 1)])
         raise TableImportError(
-            f"table {table!r}: tokens {clip(repr(tokens[rows[same]]))} (row {rows[same]}) and "
-            f"{clip(repr(tokens[rows[again]]))} "
+            f"table {table!r}: tokens {shorten(tokens[rows[same]])} (row {rows[same]}) and "
+            f"{shorten(tokens[rows[again]])} "
             f"(row {rows[again]}) are the same value; each value needs one row"
         )
     default = np.zeros(dim, np.float32) if oov is None else np.asarray(vectors[oov], np.float32)
@@ -248,13 +248,13 @@ def _check_keyed_headers(table: str, path: Path, headers: dict[str, Header], dim
     for name, (shape, dtype) in headers.items():
         if name not in wanted:
             raise TableImportError(
-                f"table {table!r}: {path.name} holds an array {clip(repr(name))}; "
+                f"table {table!r}: {path.name} holds an array {shorten(name)}; "
                 f"a keyed table holds {sorted(wanted)}"
             )
         expected, fits = wanted[name]
         if not fits(shape, dtype):
             raise TableImportError(
-                f"table {table!r}: {path.name}: {name} is {dtype}{clip(list(shape))}, expected {expected} "
+                f"table {table!r}: {path.name}: {name} is {dtype}{shorten(list(shape))}, expected {expected} "
                 "(refused before inflating)"
             )
     rows = {name: headers[name][0][0] for name in ("keys", "vectors") if name in headers}

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.bounded_files import clip
-from recserve.errors import ArtifactError
+from recserve.errors import ArtifactError, shorten
 
 MANIFEST = "manifest.json"
 
@@ -126,7 +125,7 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
         spans = sorted((begin, end, name) for name, (_, _, begin, end) in places.items() if end > begin)
         for (_, end, before), (begin, _, after) in zip(spans, spans[1:], strict=False):
             if begin < end:
-                raise ValueError(f"tensors {clip(repr(before))} and {clip(repr(after))} share bytes")
+                raise ValueError(f"tensors {shorten(before)} and {shorten(after)} share bytes")
         return {
             name: np.memmap(path, dtype, "r", 8 + header_bytes + begin, shape)
             if end > begin
@@ -144,7 +143,7 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [key for key, _ in pairs]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"its header names {clip(repr(next(k for k in keys if keys.count(k) > 1)))} twice")
+        raise ValueError(f"its header names {shorten(next(k for k in keys if keys.count(k) > 1))} twice")
     return dict(pairs)
 
 
@@ -158,21 +157,21 @@ def _safetensors_place(
     name: str, info: object, data_bytes: int
 ) -> tuple[np.dtype, tuple[int, ...], int, int]:
     """Dtype, shape and byte range of one header entry, each checked (raises ValueError)."""
-    tensor = f"tensor {clip(repr(name))}"
+    tensor = f"tensor {shorten(name)}"
     if not isinstance(info, dict) or set(info) != SAFETENSORS_ENTRY_KEYS:
         raise ValueError(f"{tensor} is not an object of {sorted(SAFETENSORS_ENTRY_KEYS)}")
     if not isinstance(info["dtype"], str) or info["dtype"] not in SAFETENSORS_DTYPES:
-        raise ValueError(f"{tensor} has dtype {clip(info['dtype'])}")
+        raise ValueError(f"{tensor} has dtype {shorten(info['dtype'])}")
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(_count(d) for d in shape):
-        raise ValueError(f"{tensor} has shape {clip(shape)}, not a list of non-negative integers")
+        raise ValueError(f"{tensor} has shape {shorten(shape)}, not a list of non-negative integers")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(x) for x in offsets):
-        raise ValueError(f"{tensor} has data_offsets {clip(offsets)}, not two non-negative integers")
+        raise ValueError(f"{tensor} has data_offsets {shorten(offsets)}, not two non-negative integers")
     dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]]).newbyteorder("<")
     begin, end = offsets
     if not begin <= end <= data_bytes or end - begin != math.prod(shape) * dtype.itemsize:
         raise ValueError(
-            f"{tensor}: bytes {begin}..{end} of {data_bytes} do not hold its shape {clip(shape)}"
+            f"{tensor}: bytes {begin}..{end} of {data_bytes} do not hold its shape {shorten(shape)}"
         )
     return dtype, tuple(shape), begin, end
 

@@ -7,7 +7,7 @@ directory and must match its ``.npy`` header, and the whole archive may inflate 
 memory-mapped); JSON is size-capped before parsing and its depth cannot crash the reader; an ONNX
 file is refused over protobuf's 2 GiB limit, and its external data must lie inside its folder.
 Every refusal is an :class:`~recserve.errors.ArtifactError` naming the file; values echoed back are
-clipped to :data:`ECHO_LIMIT` characters.
+shortened (:func:`recserve.errors.shorten`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import IO, Any
 
 import numpy as np
 
-from recserve.errors import ArtifactError
+from recserve.errors import ArtifactError, shorten
 
-#: Characters of a value echoed in a message; longer values are cut and their length given.
-ECHO_LIMIT = 64
+#: Characters of a library's explanation (which may quote the file) kept in a message.
+EXPLANATION_LIMIT = 160
 #: An ``.npz`` may inflate to at most this many times its size on disk ...
 MAX_INFLATION = 20
 #: ... or to this many bytes, whichever is larger.
@@ -35,12 +35,6 @@ INFLATION_FLOOR = 64 << 20
 PROTOBUF_LIMIT = (1 << 31) - 1
 
 Header = tuple[tuple[int, ...], np.dtype]  # a .npy member's shape and dtype
-
-
-def clip(value: object, limit: int = ECHO_LIMIT) -> str:
-    """``value`` (its ``repr`` unless a string) cut to ``limit`` characters, with its length when cut."""
-    text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 def size_text(count: int) -> str:
@@ -70,11 +64,13 @@ def npy_header(stream: IO[bytes], name: str) -> Header:
         else:
             raise ValueError(f".npy format version {version[0]}.{version[1]}, not 1.0 or 2.0")
     except (ValueError, SyntaxError) as exc:
-        raise ArtifactError(f"{name} has no readable .npy header ({clip(str(exc))})") from None
+        raise ArtifactError(
+            f"{name} has no readable .npy header ({shorten(str(exc), EXPLANATION_LIMIT)})"
+        ) from None
     if dtype.hasobject:
         raise ArtifactError(f"{name} holds Python objects; recserve reads arrays of numbers only")
     if any(d < 0 for d in shape):
-        raise ArtifactError(f"{name} declares the shape {clip(list(shape))}")
+        raise ArtifactError(f"{name} declares the shape {shorten(list(shape))}")
     return tuple(shape), dtype
 
 
@@ -104,7 +100,9 @@ def map_npy(path: Path) -> np.ndarray:
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise ArtifactError(f"{path.name} is not a readable .npy file ({clip(str(exc))})") from None
+        raise ArtifactError(
+            f"{path.name} is not a readable .npy file ({shorten(str(exc), EXPLANATION_LIMIT)})"
+        ) from None
 
 
 def load_npz(path: Path, check: Callable[[dict[str, Header]], None] | None = None) -> dict[str, np.ndarray]:
@@ -142,16 +140,15 @@ def load_npz(path: Path, check: Callable[[dict[str, Header]], None] | None = Non
                     arrays[key] = np.lib.format.read_array(stream, allow_pickle=False)
             return arrays
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError) as exc:
-        raise ArtifactError(
-            f"{name} is not a readable .npz file ({clip(str(exc) or type(exc).__name__)})"
-        ) from None
+        reason = shorten(str(exc) or type(exc).__name__, EXPLANATION_LIMIT)
+        raise ArtifactError(f"{name} is not a readable .npz file ({reason})") from None
 
 
 def _npz_headers(name: str, archive: zipfile.ZipFile) -> dict[str, tuple[zipfile.ZipInfo, Header]]:
     """Each member's zip entry and ``.npy`` header, read without inflating its data."""
     members: dict[str, tuple[zipfile.ZipInfo, Header]] = {}
     for info in archive.infolist():
-        where = f"{name}: member {clip(repr(info.filename))}"
+        where = f"{name}: member {shorten(info.filename)}"
         if info.is_dir() or not info.filename.endswith(".npy"):
             raise ArtifactError(f"{where} is not an .npy array")
         key = info.filename[: -len(".npy")]
@@ -163,7 +160,7 @@ def _npz_headers(name: str, archive: zipfile.ZipFile) -> dict[str, tuple[zipfile
         if info.file_size != needed:
             raise ArtifactError(
                 f"{where}: the zip directory says it inflates to {info.file_size:,} bytes, its header "
-                f"{header[1]}{clip(list(header[0]))} needs {needed:,}"
+                f"{header[1]}{shorten(list(header[0]))} needs {needed:,}"
             )
         members[key] = (info, header)
     if not members:
@@ -188,7 +185,7 @@ def read_json(path: Path, max_bytes: int, what: str = "") -> Any:
     except RecursionError:
         raise ArtifactError(f"{label} is nested too deeply to be read") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{label} is not valid JSON ({clip(str(exc))})") from None
+        raise ArtifactError(f"{label} is not valid JSON ({shorten(str(exc), EXPLANATION_LIMIT)})") from None
 
 
 def check_onnx_file(path: Path) -> None:
@@ -214,7 +211,9 @@ def check_onnx_file(path: Path) -> None:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and others for a file that is no model
-        raise ArtifactError(f"{label} is not an ONNX model ({clip(str(exc))})") from None
+        raise ArtifactError(
+            f"{label} is not an ONNX model ({shorten(str(exc), EXPLANATION_LIMIT)})"
+        ) from None
     folder, total = path.parent.resolve(), size
     for tensor in _tensors(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
@@ -229,22 +228,22 @@ def check_onnx_file(path: Path) -> None:
 
 def _external_bytes(label: str, folder: Path, tensor: Any) -> int:
     """Bytes an external tensor loads, after its file is checked to lie inside ``folder``."""
-    where = f"{label}: tensor {clip(repr(tensor.name))}"
+    where = f"{label}: tensor {shorten(tensor.name)}"
     info = {entry.key: entry.value for entry in tensor.external_data}
     location = info.get("location", "")
     parts = Path(location).parts
     if not location or os.path.isabs(location) or ".." in parts or "\\" in location:
         raise ArtifactError(
-            f"{where} keeps its data at {clip(repr(location))}, outside the model's folder "
+            f"{where} keeps its data at {shorten(location)}, outside the model's folder "
             "(external data must be a relative path without '..')"
         )
     target = (folder / location).resolve()
     if folder not in target.parents:
         raise ArtifactError(
-            f"{where} keeps its data at {clip(repr(location))}, which leads outside the model's folder"
+            f"{where} keeps its data at {shorten(location)}, which leads outside the model's folder"
         )
     if not target.is_file():
-        raise ArtifactError(f"{where} keeps its data in {clip(repr(location))}, which is missing")
+        raise ArtifactError(f"{where} keeps its data in {shorten(location)}, which is missing")
     available = target.stat().st_size
     try:
         offset = int(info.get("offset", "0"))
@@ -253,7 +252,7 @@ def _external_bytes(label: str, folder: Path, tensor: Any) -> int:
         raise ArtifactError(f"{where} has an external offset or length that is no integer") from None
     if offset < 0 or length < 0 or offset + length > available:
         raise ArtifactError(
-            f"{where} reads bytes {offset:,}..{offset + length:,} of {clip(repr(location))}, "
+            f"{where} reads bytes {offset:,}..{offset + length:,} of {shorten(location)}, "
             f"which has {available:,}"
         )
     return length

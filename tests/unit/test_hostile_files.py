@@ -25,7 +25,7 @@ from onnx import numpy_helper
 
 from recserve import wire
 from recserve.backends.artifacts import map_safetensors
-from recserve.backends.bounded_files import clip, load_npz, map_npy
+from recserve.backends.bounded_files import load_npz, map_npy
 from recserve.build.repository import version_dir
 from recserve.cli import main
 from recserve.errors import ArtifactError
@@ -294,7 +294,7 @@ def test_onnx_external_data_that_is_short_is_refused(inputs, capsys):
     assert "dense model model.onnx: tensor" in error and "'weights.bin', which has 4" in error, error
 
 
-def test_the_readers_bound_their_work_and_clip_what_they_echo(tmp_path):
+def test_the_readers_bound_their_work_and_shorten_what_they_echo(tmp_path):
     path = tmp_path / "t.npz"
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("keys.npy", npy_header((1 << 40,), "<i8"))  # claims 8 TiB, holds a header
@@ -303,9 +303,8 @@ def test_the_readers_bound_their_work_and_clip_what_they_echo(tmp_path):
     (tmp_path / "o.npy").write_bytes(npy_header((2,), "|O") + bytes(16))
     with pytest.raises(ArtifactError, match="holds Python objects"):
         map_npy(tmp_path / "o.npy")
-    assert clip("x" * 1_000_000) == "x" * 64 + "… (1,000,000 characters)"
     header = json.dumps({"k" * 1_000_000: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
     (tmp_path / "t.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     with pytest.raises(ArtifactError) as err:
         map_safetensors(tmp_path / "t.safetensors")
-    assert len(str(err.value)) < 300 and "1,000,002 characters" in str(err.value)
+    assert len(str(err.value)) < 300 and "(1000000 chars)" in str(err.value)
