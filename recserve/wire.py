@@ -485,20 +485,44 @@ def _unix_seconds(text: str, time_format: str, time_unit: str, timezone: str) ->
     return int(stamp)
 
 
+#: Strings up to this many bytes are hashed together, one numpy step per byte position; longer ones
+#: one by one (a step costs the same for one string as for a batch, so one long value would make the
+#: whole batch pay a step per byte of it).
+VECTOR_HASH_BYTES = 64
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+
+
+def _fnv1a64(data: bytes) -> int:
+    h = _FNV_OFFSET
+    for byte in data:
+        h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
 def hash_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """FNV-1a 64 of each string's UTF-8 bytes, vectorised; ``(values, empty)``."""
+    """FNV-1a 64 of each string's UTF-8 bytes, vectorised; ``(values, empty)``.
+
+    Work is linear in the bytes sent: strings over :data:`VECTOR_HASH_BYTES` are hashed one by one.
+    """
     encoded = [
         v if isinstance(v, bytes) else str(v).encode() for v in np.asarray(values, dtype=object).ravel()
     ]
-    width = max((len(v) for v in encoded), default=0) or 1
-    fixed = np.array(encoded, dtype=f"S{width}")
-    lengths = np.char.str_len(fixed)
+    long = [i for i, v in enumerate(encoded) if len(v) > VECTOR_HASH_BYTES]
+    short = [b"" if len(v) > VECTOR_HASH_BYTES else v for v in encoded]
+    width = max((len(v) for v in short), default=0) or 1
+    fixed = np.array(short, dtype=f"S{width}")
+    lengths = np.char.str_len(fixed)  # trailing NULs are not part of a value (as numpy reads it)
     data = fixed.view(np.uint8).reshape(-1, width).astype(np.uint64)
-    acc = np.full(len(encoded), 0xCBF29CE484222325, dtype=np.uint64)
+    acc = np.full(len(encoded), _FNV_OFFSET, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for pos in range(width):
-            step = (acc ^ data[:, pos]) * np.uint64(0x100000001B3)
+            step = (acc ^ data[:, pos]) * np.uint64(_FNV_PRIME)
             acc = np.where(pos < lengths, step, acc)
+    for i in long:
+        value = encoded[i].rstrip(b"\0")
+        acc[i] = _fnv1a64(value)
+        lengths[i] = len(value)
     return acc.reshape(values.shape), (lengths == 0).reshape(values.shape)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -156,3 +158,16 @@ def test_a_vocabulary_refusal_reads_well_and_shortens_the_token() -> None:
     assert "string strings" not in message
     message = _refusal(lambda: vocabulary_keys(spec, "t" * HUGE, ["a"]))
     assert f"({HUGE} chars) is not a table of spec" in message
+
+
+def test_long_strings_hash_as_fnv1a_and_in_time_linear_in_their_bytes() -> None:
+    from recserve.backends.features.hashing import fnv1a64
+
+    texts = ["", "a", "x" * 64, "y" * 65, "café" * 40, "z" * 1000]
+    keys, empty = wire.hash_strings(np.array(texts, dtype=object).reshape(-1, 1))
+    assert keys[:, 0].tolist() == [fnv1a64(t) for t in texts]
+    assert empty[:, 0].tolist() == [True] + [False] * 5
+    batch = np.array([[b"s" * (1 << 20)]] + [[b"short"]] * 63, dtype=object)
+    started = time.perf_counter()
+    wire.hash_strings(batch)  # was one numpy step per byte of the longest value: 20 to 50 s here
+    assert time.perf_counter() - started < 5
