@@ -38,7 +38,7 @@ def _shared_memory_regions(pids) -> set[str]:
     regions = set()
     for pid in pids:
         for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
-            if arg.startswith(b"triton_python_backend_shm"):
+            if arg.startswith((b"triton_python_backend_shm", b"recserve_")):  # the default, or recserve's
                 regions.add(arg.decode())
     return regions
 
