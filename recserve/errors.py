@@ -1,7 +1,7 @@
 """Domain errors raised while handling one request, and the truncation every echoed value goes through.
 
 Each error carries the Triton error code it maps to; the mapping to ``pb_utils.TritonError`` lives in
-:mod:`python_backends.triton.adapter` alone. A message never echoes a whole request value: values pass
+:mod:`recserve.backends.triton.adapter` alone. A message never echoes a whole request value: values pass
 through :func:`shorten` (and lists of them through :func:`shorten_all`), so a 1 MB string costs a
 client a message of about a hundred characters, never a megabyte.
 """
