@@ -28,7 +28,8 @@ from recserve.server.runtime import ServerError
 LOGGER = logging.getLogger(__name__)
 
 _STACK_FRAME = re.compile(r"^\s*\d+# ")
-_ERROR_LINE = re.compile(r"^E\d{4} |what\(\):|terminate called|error", re.IGNORECASE)
+_LOG_LEVEL = re.compile(r"^([IWEF])\d{4} ")  # tritonserver's own lines: Info, Warning, Error, Fatal
+_ERROR_WORDS = re.compile(r"what\(\):|terminate called|error|exception|abort", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,20 @@ def exit_cause(returncode: int) -> str:
 
 
 def error_line(log_tail: str) -> str:
-    """The last line of a server log that tells an error (stack frames and signal notes skipped)."""
-    lines = [line.strip() for line in log_tail.splitlines()]
-    lines = [
-        line for line in lines if line and not _STACK_FRAME.match(line) and not line.startswith("Signal (")
-    ]
-    for line in reversed(lines):
-        if _ERROR_LINE.search(line):
+    """The last line of a server log that tells an error, or ``(no error in the log)``.
+
+    tritonserver's own lines count at levels E and F only (a warning that mentions an error is
+    not one); other lines (the C++ runtime's, a backend's) when they name an error or an abort.
+    Stack frames are skipped.
+    """
+    for line in reversed(log_tail.splitlines()):
+        line = line.strip()
+        if not line or _STACK_FRAME.match(line):
+            continue
+        level = _LOG_LEVEL.match(line)
+        if (level.group(1) in "EF") if level else bool(_ERROR_WORDS.search(line)):
             return line[:300]
-    return lines[-1][:300] if lines else "(no log)"
+    return "(no error in the log)"
 
 
 @dataclass
@@ -155,9 +161,7 @@ class Supervisor(threading.Thread):
         if record.up and process is not None and process.poll() is not None:
             if process.returncode == 0:
                 if record.last_cause != "exit code 0":
-                    LOGGER.warning(
-                        "server %s (pid %d) exited with code 0: left stopped", name, process.pid
-                    )
+                    LOGGER.warning("server %s (pid %d) exited with code 0: left stopped", name, process.pid)
                     record.last_cause = "exit code 0"
                 return
             self._died(name, server, exit_cause(process.returncode), error_line(server.log_tail(80)))

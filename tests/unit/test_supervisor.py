@@ -77,7 +77,12 @@ def test_the_cause_names_the_signal_or_the_exit_code_and_the_last_error_line():
     assert error_line("I1126 one\nE1126 12:00:00 1 server.cc:1] failed to load 'ctr'\nI1126 two") == (
         "E1126 12:00:00 1 server.cc:1] failed to load 'ctr'"
     )
-    assert error_line("") == "(no log)"
+    killed = (
+        "I1126 05:48:20.7 1 server.cc:1] up\n"
+        'W1126 05:48:20.7 1 metrics.cc:798] "DCGM unable to start: DCGM initialization error"'
+    )
+    assert error_line(killed) == "(no error in the log)"  # SIGKILL: nothing logged; a warning is not an error
+    assert error_line("") == "(no error in the log)"
 
 
 class Child:
