@@ -339,7 +339,7 @@ def test_a_key_in_another_tables_delta_is_refused_before_publishing(tmp_path, st
         DIM,
         check=lambda: updater.check_publishable("t0", new_keys),
     )
-    with pytest.raises(DeltaError, match="is in table 't0'.s published delta"):
+    with pytest.raises(DeltaError, match="is in the published delta of table 't0'"):
         log.publish(
             "t1",
             new_keys[1:],

@@ -4,11 +4,12 @@ A version is applied only when its whole chain (manifests, checksums, shapes, va
 against the local tier and against the other tables' deltas) checks out. A table whose head does
 not is kept on the newest valid version of that chain: the head's parent, its parent, and so on
 down to the base version, so a malformed or hostile version never stops a model from loading and
-a restart serves what the server served before it. Each refused version is counted once.
+a restart serves what the server served before it. Each refused version is counted once. A table
+whose ``HEAD.json`` is unreadable serves the newest valid published version.
 
-Tables whose heads changed are applied in the order their heads were published (oldest first), so
-when two tables' deltas claim one key the one published first keeps it, on a running server and
-after a restart alike.
+Tables whose heads changed are applied in the order their oldest pending versions were published,
+so when two tables' deltas claim one key the table that published first keeps it, on a running
+server and after a restart alike.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ class StoreUpdater:
         if not changed:
             return False
         rows, applied, created = dict(self.rows), dict(self.applied), dict(self.created)
-        for name in sorted(changed, key=lambda n: self._published_at(n, heads[n])):
+        for name in sorted(changed, key=self._pending_since):
             self._heads[name] = heads[name]
+            # an unreadable head: the newest published version that is valid
+            start = heads[name] if heads[name] != _UNREADABLE else self._newest_below(name, None)
+            version, table_rows, stamp = self._resolve(name, start, rows, applied)
             if heads[name] == _UNREADABLE:
-                continue  # keep serving what is applied
-            version, table_rows, stamp = self._resolve(name, heads[name], rows, applied)
+                self.problems[name] = f"{name}/HEAD.json is unreadable"
             applied[name] = version
             rows[name] = table_rows
             if stamp is None:
@@ -105,13 +108,16 @@ class StoreUpdater:
         self._refused.discard((name, _UNREADABLE))
         return head
 
-    def _published_at(self, name: str, head: int) -> float:
-        if head == _UNREADABLE or head == self.log.base_version:
-            return float("inf")
-        try:
-            return self.log.record(name, head).created
-        except ArtifactError:
-            return float("inf")
+    def _pending_since(self, name: str) -> float:
+        """When the oldest version of ``name`` above the applied one was published (inf: none readable)."""
+        stamps = []
+        for version in self.log.versions(name):
+            if version > self.applied[name]:
+                try:
+                    stamps.append(self.log.record(name, version).created)
+                except ArtifactError:
+                    continue
+        return min(stamps, default=float("inf"))
 
     def _resolve(
         self, name: str, head: int, rows: Mapping[str, Rows], applied: Mapping[str, int]
@@ -136,8 +142,11 @@ class StoreUpdater:
         try:
             return self.log.record(name, version).parent
         except ArtifactError:
-            below = [v for v in self.log.versions(name) if v < version]
-            return max(below, default=self.log.base_version)
+            return self._newest_below(name, version)
+
+    def _newest_below(self, name: str, version: int | None) -> int:
+        below = [v for v in self.log.versions(name) if version is None or v < version]
+        return max(below, default=self.log.base_version)
 
     def _refuse(self, name: str, version: int, exc: Exception) -> None:
         if (name, version) in self._refused:

@@ -102,7 +102,7 @@ def check_foreign_deltas(
         shared = np.intersect1d(keys, other_keys)
         if shared.size:
             raise DeltaError(
-                f"delta for {table!r}: key {int(shared[0])} is in table {other!r}'s published delta "
+                f"delta for {table!r}: key {int(shared[0])} is in the published delta of table {other!r} "
                 f"(version {versions.get(other, '?')}); {shared.size} key(s) shared"
             )
 

@@ -16,7 +16,7 @@ import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from recserve.errors import ArtifactError
 
@@ -41,7 +41,7 @@ def shorten(value: object, limit: int = 64) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """True for a JSON integer (not a bool, not a float such as ``8.7`` or ``8.0``)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -67,7 +67,6 @@ def check_version(value: object, what: str, base: int, allow_base: bool = False)
     """
     if not is_int(value):
         raise UpdateRefused(f"{what}: version {shorten(value)} is not an integer")
-    assert isinstance(value, int)
     if value < base or (value == base and not allow_base):
         raise UpdateRefused(f"{what}: version {value} is not above the base version {base}")
     return value
@@ -144,7 +143,6 @@ def parse_manifest(doc: object, table: str, base: int, version: int | None = Non
     parent = doc.get("parent")
     if not is_int(parent):
         raise UpdateRefused(f"{what}: parent {shorten(parent)} is not an integer")
-    assert isinstance(parent, int)
     if not base <= parent < number:
         raise UpdateRefused(f"{what}: parent {parent} is not a version from {base} up to {number - 1}")
     created = doc.get("created")

@@ -194,7 +194,11 @@ class UpdateLog:
         os.rename(staging, self._folder(manifest.table, manifest.version))
 
     def _next_version(self, table: str) -> int:
-        return max([self.base_version, self.head(table), *self.versions(table)]) + 1
+        try:
+            head = self.head(table)
+        except UpdateRefused:  # a rollback repairs an unreadable head
+            head = self.base_version
+        return max([self.base_version, head, *self.versions(table)]) + 1
 
     def publish(
         self,
