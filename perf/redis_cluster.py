@@ -78,8 +78,19 @@ class RedisCluster:
         replicas: int = 1,
         node_timeout_ms: int = 1000,
         password: str | None = None,
+        tls: bool = False,
     ) -> None:
-        """Plan the cluster; ``password``: every node's (None: a new random one; empty: no password)."""
+        """Plan the cluster.
+
+        Args:
+            folder: where each node keeps its files.
+            masters: master nodes.
+            replicas: replicas per master.
+            node_timeout_ms: ``cluster-node-timeout``.
+            password: every node's (None: a new random one; empty: no password).
+            tls: clients, replication and the cluster bus speak TLS only, with certificates of a CA
+                made for this cluster (``openssl`` is needed).
+        """
         if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
             raise RuntimeError("redis-server and redis-cli are needed (make installs Debian's redis-server)")
         self.folder = folder
@@ -90,6 +101,7 @@ class RedisCluster:
         self.password = secrets.token_hex(16) if password is None else password
         self.password_env = PASSWORD_ENV if self.password else ""  # what ``redis_password_env`` names
         self._saved_env: str | None = None
+        self.tls_ca = folder / "tls" / "ca.crt" if tls else None  # the CA clients must trust
 
     @property
     def nodes(self) -> list[str]:
@@ -98,20 +110,46 @@ class RedisCluster:
 
     def store_section(self, **settings: Any) -> StoreSection:
         """A ``[store]`` section that reaches this cluster (its nodes, the password's variable)."""
+        tls = {"redis_ssl": True, "redis_ssl_ca_certs": str(self.tls_ca)} if self.tls_ca else {}
         return StoreSection(
-            **{"redis_nodes": tuple(self.nodes), "redis_password_env": self.password_env, **settings}
+            **{"redis_nodes": tuple(self.nodes), "redis_password_env": self.password_env, **tls, **settings}
         )
+
+    def _make_certificates(self) -> None:
+        """A CA and one certificate for every node (it names 127.0.0.1), valid for two days."""
+        assert self.tls_ca is not None
+        folder = self.tls_ca.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "san.ext").write_text(f"subjectAltName=IP:{LOOPBACK}\n")
+        steps = [
+            ["req", "-x509", "-new", "-nodes", "-newkey", "rsa:2048", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "2", "-subj", "/CN=recserve test Redis CA"],
+            ["req", "-new", "-nodes", "-newkey", "rsa:2048", "-keyout", "node.key", "-out", "node.csr",
+             "-subj", f"/CN={LOOPBACK}"],
+            ["x509", "-req", "-in", "node.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+             "-out", "node.crt", "-days", "2", "-extfile", "san.ext"],
+        ]  # fmt: skip
+        for step in steps:
+            subprocess.run(["openssl", *step], cwd=folder, check=True, capture_output=True, timeout=60)
 
     def _spawn(self, port: int) -> None:
         node_dir = self.folder / str(port)
         node_dir.mkdir(parents=True, exist_ok=True)
-        config = node_dir / "auth.conf"  # the password in a private file, not on the command line
+        config = node_dir / "node.conf"  # the password in a private file, not on the command line
         config.touch(mode=0o600)
-        config.write_text(
-            f"requirepass {self.password}\nmasterauth {self.password}\n" if self.password else ""
-        )
+        lines = [f"requirepass {self.password}", f"masterauth {self.password}"] if self.password else []
+        listen = ["--port", str(port)]
+        if self.tls_ca is not None:
+            tls = self.tls_ca.parent
+            lines += [
+                f"tls-cert-file {tls / 'node.crt'}", f"tls-key-file {tls / 'node.key'}",
+                f"tls-ca-cert-file {self.tls_ca}", "tls-cluster yes", "tls-replication yes",
+                "tls-auth-clients no",
+            ]  # fmt: skip
+            listen = ["--port", "0", "--tls-port", str(port)]  # TLS only; the bus stays at port + 10000
+        config.write_text("".join(f"{line}\n" for line in lines))
         self.processes[port] = subprocess.Popen(
-            ["redis-server", str(config), "--port", str(port), "--bind", LOOPBACK, "--cluster-enabled", "yes",
+            ["redis-server", str(config), *listen, "--bind", LOOPBACK, "--cluster-enabled", "yes",
              "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
              "--cluster-replica-validity-factor", "0",
              "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log"],
@@ -120,16 +158,15 @@ class RedisCluster:
         )  # fmt: skip
 
     def _wait_started(self, port: int) -> None:
-        self._wait(
-            lambda: redis.Redis(LOOPBACK, port, password=self.password or None, socket_timeout=1).ping(),
-            f"node {port} to start",
-        )
+        self._wait(lambda: self.client(port, timeout_s=1).ping(), f"node {port} to start")
 
     def __enter__(self) -> RedisCluster:
         if self.password_env:
             self._saved_env = os.environ.get(self.password_env)
             os.environ[self.password_env] = self.password
         try:
+            if self.tls_ca is not None:
+                self._make_certificates()
             for port in self.ports:
                 self._spawn(port)
             for port in self.ports:
@@ -137,6 +174,7 @@ class RedisCluster:
             subprocess.run(
                 [
                     "redis-cli",
+                    *self._cli_tls(),
                     "--cluster",
                     "create",
                     *self.nodes,
@@ -233,7 +271,7 @@ class RedisCluster:
     def cli(self, port: int, *command: str) -> str:
         """Output of ``redis-cli -p port command...`` (authenticated)."""
         return subprocess.run(
-            ["redis-cli", "-h", LOOPBACK, "-p", str(port), *command],
+            ["redis-cli", *self._cli_tls(), "-h", LOOPBACK, "-p", str(port), *command],
             capture_output=True,
             text=True,
             timeout=10,
@@ -247,9 +285,13 @@ class RedisCluster:
             env["REDISCLI_AUTH"] = self.password
         return env
 
-    def client(self, port: int) -> redis.Redis:
-        """A plain (non-cluster) authenticated client of one node."""
-        return redis.Redis(LOOPBACK, port, password=self.password or None, socket_timeout=5)
+    def _cli_tls(self) -> list[str]:
+        return ["--tls", "--cacert", str(self.tls_ca)] if self.tls_ca is not None else []
+
+    def client(self, port: int, timeout_s: float = 5.0) -> redis.Redis:
+        """A plain (non-cluster) client of one node, with the password and TLS when the cluster has them."""
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls_ca)} if self.tls_ca is not None else {}
+        return redis.Redis(LOOPBACK, port, password=self.password or None, socket_timeout=timeout_s, **tls)
 
     def kill(self, port: int) -> None:
         """``kill -9`` one node."""

@@ -1,10 +1,13 @@
 """L3 against a real Redis Cluster on loopback (3 masters + 3 replicas, Debian's redis-server)."""
 
+import dataclasses
+import shutil
 import threading
 import time
 
 import numpy as np
 import pytest
+from redis.exceptions import RedisClusterException
 
 from recserve.backends.store.redis_tier import L3ConnectError, RedisTier, redis_keys
 from recserve.backends.store.rows import TableArrays
@@ -235,3 +238,54 @@ def test_the_cluster_requires_its_password_and_a_refusal_is_a_clear_error(cluste
         RedisTier.connect(cluster.store_section())
     for refused in (missing, wrong):
         assert cluster.password not in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test cluster's certificates")
+def test_l3_over_tls_serves_and_a_plain_connection_is_refused(tmp_path):
+    with RedisCluster(tmp_path / "tls", tls=True) as secure:
+        options = secure.store_section(redis_deadline_ms=1000.0)
+        assert options.redis_ssl and options.redis_ssl_ca_certs and options.redis_password_env
+        tier = RedisTier.connect(options)
+        try:
+            tables = make_tables()
+            t1 = tables["t1"]
+            tier.upload(t1.keys, t1.vectors)
+            vectors, found = tier.fetch(t1.keys, DIM)
+            assert found.all() and np.array_equal(vectors, t1.vectors)
+        finally:
+            tier.close()
+        with pytest.raises(RedisClusterException):  # the nodes speak TLS only
+            RedisTier.connect(dataclasses.replace(options, redis_ssl=False, redis_ssl_ca_certs=""))
+
+
+def test_each_l3_row_is_checked_against_its_own_tables_width(cluster):
+    rng = np.random.default_rng(5)
+    wide = TableArrays(
+        "wide",
+        np.arange(1, 41, dtype=np.int64),
+        rng.normal(size=(40, DIM)).astype(np.float32),
+        np.full(DIM, 3, np.float32),
+    )
+    narrow = TableArrays(
+        "narrow",
+        np.arange(100, 130, dtype=np.int64),
+        rng.normal(size=(30, 2)).astype(np.float32),
+        np.full(2, 5, np.float32),
+    )
+    tier = RedisTier.connect(cluster.store_section(redis_deadline_ms=500.0))
+    tier.upload(narrow.keys, narrow.vectors)  # the narrow table lives only in L3, at its own width
+    stray = np.array([999], np.int64)  # a key of the wide table that L2 does not hold
+    tier.upload(stray, np.full((1, 2), 7, np.float32))  # ...under which a writer left a narrow row
+    local = {
+        "wide": wide,
+        "narrow": TableArrays("narrow", np.empty(0, np.int64), np.empty((0, 2), np.float32), narrow.default),
+    }
+    store = TieredStore.from_tables(local, remote=tier)
+    keys = np.array([1, 100, 101, 999], np.int64)
+    ids = np.array([store.table_id(n) for n in ("wide", "narrow", "narrow", "wide")])
+    got = store.lookup(keys, ids)
+    assert got.tiers.tolist() == [L2, L3, L3, DEFAULT]
+    assert np.array_equal(got.vectors[1:3, :2], narrow.vectors[:2]) and not got.vectors[1:3, 2:].any()
+    assert (got.vectors[3] == 3).all() and tier.errors["bad_value"] == 1
+    assert store.refresh_cache(seed=keys[1:3]) == 2  # the L1 rebuild (no table known) takes narrow rows
+    assert np.array_equal(store.lookup(keys[1:3], ids[1:3]).vectors, got.vectors[1:3])
