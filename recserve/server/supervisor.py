@@ -173,9 +173,8 @@ class Supervisor(threading.Thread):
         now = time.monotonic()
         with self._lock:
             record.crashes += 1
-            record.crashes_in_row = (
-                1 if now - record.up_since >= self.backoff.stable_s else record.crashes_in_row + 1
-            )
+            stable = record.up and now - record.up_since >= self.backoff.stable_s  # a failed start never is
+            record.crashes_in_row = 1 if stable else record.crashes_in_row + 1
             record.up, record.last_cause, record.last_error = False, cause, error
             record.last_crash_unix, record.down_at = time.time(), now
             record.due = now + self.backoff.delay(record.crashes_in_row)

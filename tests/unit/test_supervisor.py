@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from recserve.server.runtime import ServerError
 from recserve.server.shm import backend_argument, leftover_regions, region_prefix, remove_regions
 from recserve.server.supervisor import Backoff, Supervisor, error_line, exit_cause
 
@@ -156,3 +157,30 @@ def test_no_restart_after_the_supervisor_is_stopped():
     child.process.wait()
     time.sleep(0.3)
     assert len(child.starts) == 1
+
+
+def test_a_server_that_fails_to_start_again_backs_off_however_long_it_ran_before():
+    child = Child("import os; os.abort()").start()
+    attempts: list[float] = []
+
+    def restart(name: str) -> Child:
+        attempts.append(time.monotonic())
+        raise ServerError("tritonserver exited with 1:\nE1126 00:00:00 1 server.cc:1] failed to load 'ctr'")
+
+    backoff = Backoff(initial_s=0.1, factor=2.0, max_s=0.4, stable_s=0.0)  # every run counts as stable
+    supervisor = Supervisor(lambda: {"server": child}, restart, backoff, interval_s=0.02)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(attempts) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        supervisor.stop(timeout_s=10)
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
+    assert len(gaps) >= 3
+    for crash, gap in enumerate(gaps[:3], start=2):
+        assert gap >= backoff.delay(crash), (crash, gaps)  # 0.2, 0.4, 0.4: not 0.1 each time
+    status = supervisor.status()["server"]
+    assert status["restarts"] == 0 and status["crashes_in_row"] >= 4
+    assert status["last_cause"] == "did not start again"
+    assert status["last_error"] == "E1126 00:00:00 1 server.cc:1] failed to load 'ctr'"
