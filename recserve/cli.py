@@ -141,8 +141,8 @@ def _verify(args: argparse.Namespace) -> int:
     from recserve.clients import CTRClient, RecserveClientError, read_rows
 
     spec = load_spec(args.spec)
-    rows = read_rows(args.rows, spec)
-    expected = verify.read_expected(args.expected)
+    rows = verify.read_named(args.rows, lambda path: read_rows(path, spec))
+    expected = verify.read_named(args.expected, verify.read_expected)
     pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
     scores = {f"in process ({args.runtime})": verify.score_in_batches(rows, spec, pipeline.predict)}
     if args.url:

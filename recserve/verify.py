@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,10 +22,15 @@ from recserve.backends.explain import explain
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.evaluation import logloss, roc_auc
 from recserve.clients.rows import CriteoRows
+from recserve.errors import shorten
 from recserve.spec import ModelSpec
 
 DEFAULT_TOLERANCE = 1e-5
 WORST_ROWS = 5
+#: Characters of a library's explanation (which may quote the file) kept in a message.
+EXPLANATION_LIMIT = 160
+
+Read = TypeVar("Read")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,23 @@ class Comparison:
         return self.over == 0
 
 
+def read_named(path: Path, read: Callable[[Path], Read]) -> Read:
+    """``read(path)``, every way it fails turned into one ValueError that names the file.
+
+    Raises:
+        ValueError: the file is missing, unreadable, not UTF-8 text, a broken ``.gz``, or ``read``
+            refused its content (its message, prefixed with the file's name when it lacks it).
+    """
+    try:
+        return read(path)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        reason = shorten(str(exc) or type(exc).__name__, EXPLANATION_LIMIT)
+        raise ValueError(f"{path.name} cannot be read as text ({reason})") from None
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message if path.name in message else f"{path.name}: {message}") from None
+
+
 def read_expected(path: Path) -> np.ndarray:
     """One probability per line (``.gz`` too); blank lines at the end are allowed.
 
@@ -63,7 +86,7 @@ def read_expected(path: Path) -> np.ndarray:
         try:
             value = float(line.strip().split(",")[-1])
         except ValueError:
-            raise ValueError(f"{path}, line {number}: {line.strip()!r} is not a probability") from None
+            raise ValueError(f"{path}, line {number}: {shorten(line.strip())} is not a probability") from None
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):
             raise ValueError(f"{path}, line {number}: {value} is not a probability in [0, 1]")
         values[number - 1] = value

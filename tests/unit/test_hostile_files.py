@@ -23,7 +23,7 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from recserve import wire
+from recserve import verify, wire
 from recserve.backends.artifacts import map_safetensors
 from recserve.backends.bounded_files import load_npz, map_npy
 from recserve.build.repository import version_dir
@@ -308,3 +308,18 @@ def test_the_readers_bound_their_work_and_shorten_what_they_echo(tmp_path):
     with pytest.raises(ArtifactError) as err:
         map_safetensors(tmp_path / "t.safetensors")
     assert len(str(err.value)) < 300 and "(1000000 chars)" in str(err.value)
+
+
+def test_verify_names_an_unreadable_rows_or_scores_file_in_one_error_line(tmp_path, capsys):
+    (tmp_path / "rows.bin").write_bytes(b"\xc4\xff" * 2048)
+    (tmp_path / "scores.txt").write_text("0.5\n" + "x" * 1_000_000 + "\n")
+    (tmp_path / "scores.gz").write_bytes(os.urandom(512))
+    args = ["--spec", "tiny", "verify", "--rows", str(tmp_path / "rows.bin"), "--expected"]
+    assert main([*args, str(tmp_path / "scores.txt")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("error: rows.bin cannot be read as text")
+    with pytest.raises(ValueError) as err:
+        verify.read_named(tmp_path / "scores.txt", verify.read_expected)
+    assert "scores.txt, line 2: 'xxxx" in str(err.value) and "(1000000 chars)" in str(err.value)
+    assert len(str(err.value)) < 300
+    with pytest.raises(ValueError, match="scores.gz cannot be read as text"):
+        verify.read_named(tmp_path / "scores.gz", verify.read_expected)
