@@ -290,11 +290,12 @@ def read_hugectr_table(spec: ModelSpec, source: TableSource) -> TableArrays:
         raise TableImportError(f"table {table!r}: {folder.name}/key repeats keys")
     default = np.zeros(dim, np.float32)
     if (folder / "default").is_file():
-        default = np.fromfile(folder / "default", dtype="<f4")
-        if default.shape != (dim,):
+        default_bytes = (folder / "default").stat().st_size
+        if default_bytes != dim * 4:  # checked before reading: the file may be of any size
             raise TableImportError(
-                f"table {table!r}: {folder.name}/default holds {len(default)} floats, not {dim}"
+                f"table {table!r}: {folder.name}/default has {default_bytes:,} bytes, not {dim} float32s"
             )
+        default = np.fromfile(folder / "default", dtype="<f4")
     return TableArrays(table, keys.astype(np.int64), vectors, default)
 
 

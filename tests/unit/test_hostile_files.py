@@ -150,6 +150,20 @@ def test_an_onnx_over_two_gib_is_refused_up_front_under_a_memory_limit(inputs):
     assert "dense model model.onnx has 2.0 GiB, over the 2 GiB" in error
 
 
+def test_a_huge_sparse_hugectr_default_file_is_refused_before_reading_under_a_memory_limit(inputs):
+    tables = inputs / "tables"
+    table = keyed_table(tables)
+    arrays = map_safetensors(tables / f"{table}.safetensors")
+    (tables / table).mkdir()
+    np.asarray(arrays["keys"], "<i8").tofile(tables / table / "key")
+    np.asarray(arrays["vectors"], "<f4").tofile(tables / table / "emb_vector")
+    with open(tables / table / "default", "wb") as fh:
+        fh.truncate(16 << 30)  # sparse: nothing is written
+    (tables / f"{table}.safetensors").unlink()
+    error = assert_one_error_line(run_import_limited(inputs))
+    assert f"table {table!r}: {table}/default has 17,179,869,184 bytes, not 8 float32s" in error
+
+
 def test_the_memory_limit_leaves_room_for_an_honest_import(inputs):
     result = run_import_limited(inputs)
     assert result.returncode == 0, result.stderr
