@@ -205,3 +205,50 @@ def test_hostile_stream_entries_are_refused_and_write_nothing_outside(tmp_path):
         again = UpdateStream(tier.client, UpdateLog(tmp_path / "deep" / "again", 1, tables=("t0", "t1")))
         assert again.mirror() == 1 and again.refused == 7  # replayed from 0: the same entries refused
         tier.close()
+
+
+def test_a_server_replaying_hostile_stream_entries_starts_and_serves_the_newest_valid_version(
+    spec, repository, tmp_path
+):
+    """Entries in ``rs:updates`` are replayed from 0 at every start: the hostile ones are skipped."""
+    from recserve.backends.store.redis_tier import RedisTier
+    from recserve.backends.store.updates.stream import UpdateStream
+    from recserve.perf.redis_outage import l3_repository
+
+    wire = generate(spec, 4, seed=9).to_wire(spec)
+    with RedisCluster(tmp_path / "redis") as cluster:
+        root = tmp_path / "repository"
+        variant = l3_repository(
+            spec, repository, root, cluster.nodes, deadline_ms=200.0, password_env=cluster.password_env
+        )
+        install_adapters(variant, root)
+        (tmp_path / "variant.json").write_text(json.dumps(variant.source))
+        loaded = recserve("--spec", str(tmp_path / "variant.json"), "redis-load", "--repository", str(root))
+        assert loaded.returncode == 0, loaded.stderr
+
+        tier = RedisTier.connect(cluster.store_section(redis_deadline_ms=500.0))
+        publisher = UpdateLog(tmp_path / "publisher", variant.version)
+        sender = UpdateStream(tier.client, publisher)
+        sender.publish("C1", publish(publisher, "C1", [NEW_KEY], 0.5, spec.embedding_dim))  # valid v2
+        version = publish(publisher, "C1", [NEW_KEY + 1], 0.5, spec.embedding_dim)
+        folder = publisher.root / "C1" / f"v{version:08d}"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        files = {f"file:{n}": (folder / e["path"]).read_bytes() for n, e in manifest["files"].items()}
+        orphan = {k: v for k, v in manifest.items() if k != "parent"}
+        tier.client.xadd(
+            "rs:updates", {"table": "C1", "version": "3", "manifest": json.dumps(orphan), **files}
+        )
+        traversal = {**manifest, "table": "../../outside", "version": 2}
+        tier.client.xadd(
+            "rs:updates",
+            {"table": "../../outside", "version": "2", "manifest": json.dumps(traversal), **files},
+        )
+        tier.close()
+
+        for start in ("first", "restart"):
+            with TritonServer(root, Ports.free(), log_path=tmp_path / f"{start}.log") as server:
+                assert served_versions(server, ["C1"]) == {"C1": 2}, start
+                assert metric_values(server, "recserve_store_updates_rejected_total")[""] >= 2
+                with grpc_client(server) as client:
+                    assert np.isfinite(infer_raw(grpcclient, client, spec, wire)).all()
+            assert not (root / "outside").exists() and not (root.parent / "outside").exists()
