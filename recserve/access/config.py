@@ -291,9 +291,8 @@ def listener(
             "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}],
         },
         "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+        "local_reply_config": door.local_replies(protocol),
     }
-    if protocol == "http":
-        manager["local_reply_config"] = door.local_replies()
     return {
         "name": name,
         "address": _address(access.host, port),

@@ -163,12 +163,17 @@ class FrontDoor:
             "typed_config": {"@type": _BUFFER, "max_request_bytes": self.max_body_bytes},
         }
 
-    def local_replies(self) -> dict[str, Any]:
-        """Envoy's own 413 and 431 as JSON ``{"error": ...}`` bodies naming the limit (HTTP listener)."""
+    def local_replies(self, protocol: str = "http") -> dict[str, Any]:
+        """Envoy's own 413 and 431, naming the limit.
+
+        On HTTP a JSON ``{"error": ...}`` body; on gRPC the ``grpc-message`` (Envoy's 413 becomes
+        the status ``UNKNOWN``).
+        """
         texts = {
             413: f"request body over {self.max_body_bytes} bytes, the most the served models take",
             431: f"request headers over {self.max_headers_kb} KiB",
         }
+        json_body = {"json_format": {"error": "%LOCAL_REPLY_BODY%"}, "content_type": "application/json"}
         return {
             "mappers": [
                 {
@@ -181,10 +186,7 @@ class FrontDoor:
                         }
                     },
                     "body": {"inline_string": text},
-                    "body_format_override": {
-                        "json_format": {"error": "%LOCAL_REPLY_BODY%"},
-                        "content_type": "application/json",
-                    },
+                    **({"body_format_override": json_body} if protocol == "http" else {}),
                 }
                 for status, text in texts.items()
             ]

@@ -17,8 +17,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import service_pb2_grpc
 
 from recserve.access import AccessLayer, EnvoyProxy, ProxyPorts, write_config
 from recserve.access.config import listener
@@ -27,6 +29,7 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, read_rows
 from recserve.clients.writers import write_tsv
+from recserve.perf.traffic import infer_request
 from recserve.spec import ModelSpec, load_spec
 
 pytestmark = pytest.mark.integration
@@ -269,3 +272,17 @@ def test_a_candidate_list_over_http_passes(stack, tiny, tmp_path):
     user = {"history_items": rows.history[0, : rows.lengths[0]].tolist()}
     with CTRClient(stack.http_url, protocol="http", spec=tiny, timeout_s=30) as client:
         assert client.score_candidates(user, rows).shape == (300,)  # two requests, the first at max batch
+
+
+def test_an_oversized_grpc_message_is_refused_at_the_proxy(stack, tiny, repository):
+    door = FrontDoor.from_repositories([repository])
+    message = infer_request(tiny.name, generate(tiny, 4, seed=6).to_wire(tiny))
+    message.raw_input_contents[0] = bytes(door.max_body_bytes + 1)
+    sent = stack.admin.cluster_stat("stable", "grpc", "upstream_rq_total")
+    with grpc.insecure_channel(stack.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ModelInfer(message, timeout=30)
+        assert str(door.max_body_bytes) in (refused.value.details() or "")
+        assert stub.ModelInfer(infer_request(tiny.name, generate(tiny, 4, seed=6).to_wire(tiny)), timeout=30)
+    assert stack.admin.cluster_stat("stable", "grpc", "upstream_rq_total") == sent + 1  # only the valid one
