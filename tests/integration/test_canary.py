@@ -9,7 +9,9 @@ while clients send traffic through the proxy:
 * a candidate whose scores are halved is rolled back at its first live step within two periods;
   requests never fail, and after the rollback every response is stable's;
 * a healthy candidate goes through shadow → 50 → 100 % and is promoted; the proxy, restarted from
-  its folder, still sends everything to it.
+  its folder, still sends everything to it;
+* malformed requests aimed at the candidate and at stable (a client picks its user id, so its
+  variant) move no decision: they are counted as client errors, apart from the failures.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from onnx import helper
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from recserve import wire
 from recserve.access import PROTOCOLS, AccessLayer, ProxyPorts, behind_proxy, canary, cluster_name
@@ -41,6 +46,7 @@ from recserve.clients import CTRClient, RecserveClientError
 from recserve.perf.traffic import scratch_repository
 from recserve.sections import CanarySection
 from recserve.spec import ModelSpec, load_spec, spec_path
+from recserve.wire import USER_HEADER
 
 pytestmark = pytest.mark.integration
 
@@ -155,14 +161,18 @@ class Traffic:
 
 
 @contextmanager
-def _traffic(layer: AccessLayer, tiny: ModelSpec, clients: int = 3) -> Iterator[Traffic]:
-    """Closed-loop clients (gRPC and HTTP) sending 4-row requests through the proxy."""
+def _traffic(
+    layer: AccessLayer, tiny: ModelSpec, clients: int = 3, users: tuple[str, ...] = ()
+) -> Iterator[Traffic]:
+    """Closed-loop clients (gRPC and HTTP) sending 4-row requests through the proxy (as ``users``,
+    one each in turn, when given)."""
     seen, stop = Traffic(), threading.Event()
 
     def client(i: int) -> None:
         protocol, url = ("http", layer.http_url) if i % 3 == 2 else ("grpc", layer.grpc_url)
         requests = [generate(tiny, 4, seed=100 * i + k).to_wire(tiny) for k in range(16)]
-        with CTRClient(url, protocol=protocol, spec=tiny, timeout_s=30) as sdk:
+        user = users[i % len(users)] if users else None
+        with CTRClient(url, protocol=protocol, spec=tiny, timeout_s=30, user_id=user) as sdk:
             k = 0
             while not stop.is_set():
                 started = time.monotonic()
@@ -299,3 +309,101 @@ def test_recserve_canary_promotes_a_healthy_candidate_and_a_restarted_proxy_keep
         request = generate(tiny, 4, seed=7).to_wire(tiny)
         assert {int(sdk.score_inputs(request).dense_version[0]) for _ in range(20)} == {CANDIDATE}
     assert layer.admin.runtime() == {}  # nothing set at run time: the config itself routes so
+
+
+def _users_by_variant(layer: AccessLayer, tiny: ModelSpec) -> dict[int, str]:
+    """A user id the proxy routes to each dense version (stable's and the candidate's)."""
+    request = generate(tiny, 1, seed=3).to_wire(tiny)
+    found: dict[int, str] = {}
+    for user in (f"user-{i}" for i in range(200)):
+        with CTRClient(layer.grpc_url, spec=tiny, user_id=user) as sdk:
+            found.setdefault(int(sdk.score_inputs(request).dense_version[0]), user)
+        if len(found) == 2:
+            return found
+    raise AssertionError(f"no user routed to each variant: {found}")
+
+
+def _malformed(tiny: ModelSpec) -> list[dict[str, np.ndarray]]:
+    """Requests only a client is to blame for: a value no step accepts, and a shape Triton refuses."""
+    valid = generate(tiny, 4, seed=11).to_wire(tiny)
+    text = next(name for name, array in valid.items() if array.dtype == object)  # hex categoricals
+    wide = next(name for name, array in valid.items() if array.dtype == np.float32 and array.shape[1] > 1)
+    bad_value = {**valid, text: valid[text].copy()}
+    bad_value[text].flat[0] = b"zz-not-hex"
+    bad_shape = {**valid, wide: valid[wide][:, :1].copy()}
+    return [bad_value, bad_shape]
+
+
+def _send_malformed(layer: AccessLayer, tiny: ModelSpec, users: list[str], stop: threading.Event) -> Counter:
+    """Malformed requests with these user ids over HTTP and gRPC until ``stop``; the answers' kinds."""
+    answers: Counter = Counter()
+    clients = [
+        (grpcclient, grpcclient.InferenceServerClient(layer.grpc_url)),
+        (httpclient, httpclient.InferenceServerClient(layer.http_url)),
+    ]
+    k = 0
+    while not stop.is_set():
+        module, client = clients[k % 2]
+        arrays = _malformed(tiny)[(k // 2) % 2]
+        inputs = []
+        for name, array in arrays.items():
+            dtype = "BYTES" if array.dtype == object else np_to_triton_dtype(array.dtype)
+            tensor = module.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        try:
+            client.infer(tiny.name, inputs, headers={USER_HEADER: users[(k // 4) % len(users)]})
+            answers["served"] += 1
+        except InferenceServerException as exc:
+            answers[str(exc.status())] += 1
+        k += 1
+    return answers
+
+
+def test_malformed_requests_at_either_variant_move_no_decision(layer, tiny, tmp_path):
+    _deploy(layer, _candidate(layer.repositories["stable"][0], tmp_path / "healthy", _same))
+    # 50 % live from the start; the stage lasts longer than the attack: no decision is due in it.
+    # Only the error rate is judged here: each variant scores other rows (its users' own), and p99s
+    # of a loaded 2-core machine wander
+    settings = _settings(
+        tiny,
+        shadow_fraction=0.0,
+        steps=(50.0, 100.0),
+        dwell_s=60.0,
+        max_psi=100.0,
+        mean_ratio=(0.01, 100.0),
+        p99_slack_ms=1000.0,
+    )
+    stack = canary.Stack.load(layer.workdir / canary.STACK_FILE)
+    ensembles = [tiny.name, *([tiny.candidates_model] if tiny.candidates_model else [])]
+    controller = canary.CanaryController(ensembles, settings, stack, layer.workdir)
+    stop, attack = threading.Event(), threading.Event()
+    rollout = threading.Thread(target=controller.run, args=(stop,), kwargs={"new": True}, daemon=True)
+    rollout.start()
+    try:
+        while controller.periods == 0:  # begun: the stage's weights are on the proxy
+            time.sleep(0.1)
+        users = _users_by_variant(layer, tiny)
+        answers: Counter = Counter()
+        with _traffic(layer, tiny, clients=6, users=tuple(users.values())) as seen:
+            sender = threading.Thread(
+                target=lambda: answers.update(_send_malformed(layer, tiny, list(users.values()), attack))
+            )
+            sender.start()
+            time.sleep(5 * PERIOD_S)  # five periods under attack
+            attack.set()
+            sender.join(30)
+            time.sleep(PERIOD_S)
+    finally:
+        stop.set()
+        rollout.join(30)
+    state, verdict = controller.state, controller.verdict
+    assert state.status == canary.RUNNING and state.stage == 0 and not state.events, state
+    assert not seen.failed, seen.failed[:3]
+    assert answers["served"] == 0 and sum(answers.values()) > 20, answers  # every one refused
+    figures = dict(verdict.figures)
+    assert figures["client_errors_candidate"] > 0 and figures["client_errors_stable"] > 0, figures
+    assert figures["error_rate_increase"] == 0.0, figures  # no failure on either side
+    exposition = controller.exposition()
+    assert 'recserve_access_canary_figure{figure="client_errors_candidate"}' in exposition
+    print(f"malformed answers {dict(answers)}; figures {figures}")
