@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from recserve.errors import ArtifactError
+from recserve.errors import ArtifactError, shorten
 
 DELTA_FORMAT = "recserve-delta/1"
 KINDS = ("delta", "revert")
@@ -33,12 +33,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class UpdateRefused(ArtifactError):
     """A head, manifest or stream entry that does not fit the update log's schema; nothing of it is used."""
-
-
-def shorten(value: object, limit: int = 64) -> str:
-    """``repr(value)``, cut to ``limit`` characters with the full length when longer."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def is_int(value: object) -> TypeGuard[int]:
