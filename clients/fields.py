@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 
-from recserve.errors import InvalidInput
+from recserve.errors import InvalidInput, shorten
 from recserve.spec import CategoricalGroup, ModelSpec, RawColumn, SequenceFeature
 from recserve.wire import categorical_values, multi_hot_values
 
@@ -83,7 +83,7 @@ def parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.nd
             values[r, c] = int(value)
         except (ValueError, OverflowError):
             raise RowFormatError(
-                f"{value!r} is not an integer", line=int(lines[r]), column=columns[c]
+                f"{shorten(value)} is not an integer", line=int(lines[r]), column=columns[c]
             ) from None
     return values
 
@@ -102,7 +102,9 @@ def parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.
         except ValueError:
             ok = False
         if not ok:
-            raise RowFormatError(f"{value!r} is not a finite number", line=int(lines[r]), column=columns[c])
+            raise RowFormatError(
+                f"{shorten(value)} is not a finite number", line=int(lines[r]), column=columns[c]
+            )
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -148,9 +150,9 @@ def parse_categorical(
 
 def _why(value: str, column: RawColumn, error: InvalidInput) -> str:
     if column.value_type == "hex" and not column.separator:
-        return f"{value!r} is not a hex string of at most {column.max_hex_digits} digits"
+        return f"{shorten(value)} is not a hex string of at most {column.max_hex_digits} digits"
     reason = error.detail.split(": ", 1)[-1]
-    return f"{value!r} is {reason}"
+    return f"{shorten(value)} is {reason}"
 
 
 def parse_history(

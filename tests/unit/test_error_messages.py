@@ -171,3 +171,21 @@ def test_long_strings_hash_as_fnv1a_and_in_time_linear_in_their_bytes() -> None:
     started = time.perf_counter()
     wire.hash_strings(batch)  # was one numpy step per byte of the longest value: 20 to 50 s here
     assert time.perf_counter() - started < 5
+
+
+def test_a_huge_field_in_a_client_file_is_named_shortened(spec) -> None:
+    import io
+
+    from recserve.clients.rows import RowFormatError, read_rows
+
+    def line(dense: list[str], cats: list[str]) -> str:
+        return "\t".join(dense + cats + ["3", "4"]) + "\n"
+
+    dense, cats = [str(i) for i in range(13)], [f"{i:08x}" for i in range(26)]
+    for bad_dense, bad_cats in [
+        ([*dense[:3], "q" * HUGE, *dense[4:]], cats),
+        (dense, [*cats[:5], "g" * HUGE, *cats[6:]]),
+    ]:
+        with pytest.raises(RowFormatError, match=f"line 1, column .*\\({HUGE} chars\\) is not a") as err:
+            read_rows(io.StringIO(line(bad_dense, bad_cats)), spec)
+        assert len(str(err.value)) < BOUND
