@@ -64,6 +64,11 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
             ),
         ),
         Panel(
+            "Requests the steps refused, by code (INVALID_ARG: the client's fault; others: the server's)",
+            "reqps",
+            ((f"sum by (code) (rate(recserve_request_errors_total[{w}]))", "{{code}}"),),
+        ),
+        Panel(
             "Latency through the proxy (p50, p99)",
             "ms",
             tuple(
