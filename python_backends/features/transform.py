@@ -19,6 +19,7 @@ longest row (on each group's padding side), and a mask per group (1.0 on real po
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
@@ -298,6 +299,10 @@ def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.where(real.reshape(*real.shape, *(1,) * (array.ndim - 2)), picked, 0).astype(array.dtype)
 
 
+#: An item id as a vocabulary writes it: decimal digits (at most 20, enough for any int64), maybe negative.
+_ITEM_ID = re.compile(r"-?[0-9]{1,20}")
+
+
 def vocabulary_keys(
     spec: ModelSpec, table: str, tokens: Sequence[object], skip: Collection[int] = ()
 ) -> np.ndarray:
@@ -353,14 +358,14 @@ def vocabulary_keys(
         texts.append(token)
     raw = np.array(texts, dtype=object).reshape(-1, 1)
     if feature is target:
-        ids = np.array([int(t) if t.lstrip("-").isdigit() else -2 for t in texts], dtype=object)
-        bad = [i for i, v in enumerate(ids) if not ABSENT_ITEM <= v < 1 << 63 and i not in skipped]
+        ids = [int(t) if _ITEM_ID.fullmatch(t) else -2 for t in texts]  # -2: not an id
+        bad = [int(i) for i in kept if not ABSENT_ITEM <= ids[i] < 1 << 63]
         if bad:
             raise InvalidInput(
                 where,
                 f"token {bad[0]} is {shorten(tokens[bad[0]])}; this table's values are ids >= 0 (-1: absent)",
             )
-        ids64 = np.where([i in skipped for i in range(len(ids))], ABSENT_ITEM, ids).astype(np.int64)[kept]
+        ids64 = np.array([ids[i] for i in kept], dtype=np.int64)
         keys = keys_for(ids64.astype(np.uint64), table_salt(ns, table))
         return np.where(ids64 == ABSENT_ITEM, missing_key(ns, feature.name), keys)
     group = CategoricalGroup(where, (column,), (replace(feature, column=0, part=""),))

@@ -189,3 +189,9 @@ def test_a_huge_field_in_a_client_file_is_named_shortened(spec) -> None:
         with pytest.raises(RowFormatError, match=f"line 1, column .*\\({HUGE} chars\\) is not a") as err:
             read_rows(io.StringIO(line(bad_dense, bad_cats)), spec)
         assert len(str(err.value)) < BOUND
+
+
+@pytest.mark.parametrize("token", ["9" * HUGE, "--5", "5-", ""])
+def test_an_item_vocabulary_token_that_is_no_id_is_refused_naming_it(spec, token) -> None:
+    message = _refusal(lambda: vocabulary_keys(spec, spec.targets[0].table, ["1", "-1", token]))
+    assert "token 2 is '" in message and "ids >= 0 (-1: absent)" in message
