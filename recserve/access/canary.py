@@ -4,8 +4,8 @@ Every ``period_s`` the controller reads what each variant did since its current 
 same traffic window for both), compares the candidate with stable and decides:
 
 * **roll back** at once when the candidate's share of server-side failures exceeds stable's by more
-  than ``max_error_rate_increase``, its p99 through the proxy exceeds ``max_p99_ratio`` × stable's (and
-  stable's by more than ``p99_slack_ms``; latency counts from ``settle_s`` into a stage, so that a
+  than ``max_error_rate_increase``, its p99 through the proxy exceeds ``max_p99_ratio`` × stable's
+  (and stable's by more than ``p99_slack_ms``; latency counts from ``settle_s`` into a stage, so that a
   freshly started candidate may warm up), the population stability index of its served
   probabilities against stable's exceeds ``max_psi``, or its mean probability over stable's leaves
   ``mean_ratio``; or when its servers stop answering for two periods in a row;
@@ -15,24 +15,18 @@ same traffic window for both), compares the candidate with stable and decides:
 
 Once stable gets no live traffic (the 100 % stage), its window of the last stage stands in for it.
 
-Where the figures come from: the canary judges the server, not its clients. A failure is a request
-the variant failed by its own fault: a step answered ``INTERNAL`` or ``UNAVAILABLE`` (a non-finite
-output is ``INTERNAL``), counted by the steps in ``recserve_request_errors_total{code}``; a step's
-queue refused it or a non-Python step failed (Triton's ``nv_inference_request_failure`` of the steps
-with reason ``REJECTED`` or ``BACKEND``); or Envoy timed it out (``envoy_cluster_upstream_rq_timeout``
-of the variant's clusters). The judged requests are the ensembles' successes plus those failures.
-Client errors (:data:`CLIENT_CODES`: malformed input, unknown names) are counted apart, reported
-as the figures ``client_errors_stable`` and ``client_errors_candidate``, and move no decision: they
-are neither failures nor judged requests, so a client choosing its user id cannot roll a healthy
-candidate back, hide a bad one, or fill a stage's ``min_requests``. Requests that Triton's core
-refuses before any step runs (wrong shape, unknown input) are in none of Triton's counters, so they
-cannot move the figures either. (Triton 2.51 cannot make this split itself: its ensemble counts a
-failed request twice with ``reason="OTHER"`` whatever the code, and a Python step counts a request
-it answers with an error as a success.) On every server of the variant, mirrored copies included.
-Latency is Envoy's per-cluster request-time histogram (live and shadow clusters of the variant);
-scores are the dense step's ``recserve_served_probability`` histogram. A dense step that is not a
-Python model (TensorRT or ONNX Runtime backends on GPUs) exports no score histogram: the score
-checks are then skipped and the decision says so.
+Where the figures come from (:mod:`~recserve.access.canary_figures`): the canary judges the
+server, not its clients. Failures are the server's own (``INTERNAL`` or ``UNAVAILABLE`` answered by
+a step, a non-finite output included; a step's queue refusals; Envoy's timeouts), counted over the
+judged requests (the ensembles' successes plus those failures). Client errors (malformed input,
+unknown names) are counted apart, reported as the figures ``client_errors_stable`` and
+``client_errors_candidate``, and move no decision: a client choosing its user id (so its variant)
+cannot roll a healthy candidate back, hide a bad one, or fill a stage's ``min_requests``. On every
+server of the variant, mirrored copies included. Latency is Envoy's per-cluster request-time
+histogram (live and shadow clusters of the variant); scores are the dense step's
+``recserve_served_probability`` histogram. A dense step that is not a Python model (TensorRT or
+ONNX Runtime backends on GPUs) exports no score histogram: the score checks are then skipped and
+the decision says so.
 
 The decision is written to ``canary.json`` in the access layer's folder before the proxy is told:
 a restarted proxy (:class:`~recserve.access.process.AccessLayer` reads the file) and a restarted
@@ -45,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -57,12 +50,37 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from recserve.access import observe
 from recserve.access.admin import AdminClient
+from recserve.access.canary_figures import (
+    CLIENT_CODES,
+    PROBABILITY,
+    REQUEST_ERRORS,
+    SERVER_REASONS,
+    Window,
+    envoy_latency,
+    envoy_timeouts,
+    plus,
+    psi,
+    quantile,
+    triton_window,
+)
 from recserve.access.config import LOOPBACK, PROTOCOLS, AccessError, cluster_name
 from recserve.sections import AccessSection, CanarySection
 
 LOGGER = logging.getLogger(__name__)
+
+__all__ = [  # the figures' names stay importable from here
+    "CLIENT_CODES",
+    "PROBABILITY",
+    "REQUEST_ERRORS",
+    "SERVER_REASONS",
+    "Window",
+    "envoy_latency",
+    "envoy_timeouts",
+    "psi",
+    "quantile",
+    "triton_window",
+]
 
 STATE_FILE = "canary.json"
 LOG_FILE = "canary.log"
@@ -75,119 +93,6 @@ RUNNING, PROMOTED, ROLLED_BACK = "running", "promoted", "rolled_back"
 UNREACHABLE_PERIODS = 2
 #: Timed requests each side needs before p99s are compared (fewer make the p99 their maximum).
 P99_MIN_REQUESTS = 100
-PROBABILITY = "recserve_served_probability"
-#: What the steps count failed requests by (``recserve.backends.request_errors``), and the codes of
-#: those a client caused; every other code is the server's fault.
-REQUEST_ERRORS = "recserve_request_errors_total"
-CLIENT_CODES = frozenset({"INVALID_ARG", "NOT_FOUND", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED"})
-#: Triton's failure reasons of a step that are the server's fault (queue refusals, non-Python steps).
-SERVER_REASONS = frozenset({"REJECTED", "BACKEND"})
-
-
-# --- what a variant did ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Window:
-    """Running totals of one variant (or their difference over a stretch of traffic).
-
-    ``requests`` are the judged ones (served, or failed by the server), ``failures`` the
-    server-side failures among them; ``client_errors`` are the requests refused for the client's
-    fault, in neither. ``latency`` and ``scores`` are cumulative histograms: upper edge -> count at
-    or below it (``inf`` holds every observation).
-    """
-
-    requests: float = 0.0
-    failures: float = 0.0
-    latency: Mapping[float, float] = field(default_factory=dict)  # ms
-    scores: Mapping[float, float] = field(default_factory=dict)  # probability
-    score_sum: float = 0.0
-    client_errors: float = 0.0
-
-    def since(self, start: Window) -> Window:
-        """What happened after ``start`` (a counter that went down was reset: its value counts)."""
-
-        def delta(now: float, then: float) -> float:
-            return now - then if now >= then else now
-
-        def histogram(now: Mapping[float, float], then: Mapping[float, float]) -> dict[float, float]:
-            reset = any(now.get(le, 0.0) < then.get(le, 0.0) for le in then)
-            return {le: n if reset else n - then.get(le, 0.0) for le, n in now.items()}
-
-        return Window(
-            delta(self.requests, start.requests),
-            delta(self.failures, start.failures),
-            histogram(self.latency, start.latency),
-            histogram(self.scores, start.scores),
-            delta(self.score_sum, start.score_sum),
-            delta(self.client_errors, start.client_errors),
-        )
-
-    @property
-    def error_rate(self) -> float:
-        """Failed share of the requests (0 without requests)."""
-        return self.failures / self.requests if self.requests else 0.0
-
-    @property
-    def timed(self) -> float:
-        """Requests in the latency histogram."""
-        return self.latency.get(math.inf, 0.0)
-
-    @property
-    def scored(self) -> float:
-        """Rows in the score histogram."""
-        return self.scores.get(math.inf, 0.0)
-
-    def p99_ms(self) -> float | None:
-        """The 99th percentile of the latency histogram (linear within a bucket); None when empty."""
-        return quantile(self.latency, 0.99)
-
-    def mean_score(self) -> float | None:
-        """Mean served probability; None without scored rows."""
-        return self.score_sum / self.scored if self.scored else None
-
-    def score_shares(self) -> list[float]:
-        """Share of the scored rows in each bucket of the score histogram (edges ascending)."""
-        edges = sorted(self.scores)
-        counts = [self.scores[le] - (self.scores[edges[i - 1]] if i else 0.0) for i, le in enumerate(edges)]
-        total = sum(counts)
-        return [c / total for c in counts] if total else [0.0] * len(counts)
-
-
-def quantile(cumulative: Mapping[float, float], q: float) -> float | None:
-    """The ``q`` quantile of a cumulative histogram, linear within its bucket; None when empty.
-
-    A quantile in the ``inf`` bucket is given as the last finite edge.
-    """
-    edges = sorted(cumulative)
-    total = cumulative.get(math.inf, cumulative[edges[-1]] if edges else 0.0)
-    if total <= 0:
-        return None
-    rank, lower, below = q * total, 0.0, 0.0
-    for le in edges:
-        count = cumulative[le]
-        if count >= rank:
-            if math.isinf(le):
-                return lower
-            inside = count - below
-            return lower + (le - lower) * ((rank - below) / inside if inside else 1.0)
-        lower, below = le, count
-    return lower
-
-
-def psi(expected: Sequence[float], actual: Sequence[float], floor: float = 1e-4) -> float:
-    """Population stability index of two distributions over the same buckets (shares summing to 1).
-
-    Empty buckets count as ``floor`` so that the index stays finite. Common reading: under 0.1 no
-    shift, 0.1–0.25 a moderate one, over 0.25 a large one.
-    """
-    if len(expected) != len(actual):
-        raise ValueError(f"PSI needs the same buckets, got {len(expected)} and {len(actual)}")
-    total = 0.0
-    for e, a in zip(expected, actual, strict=True):
-        e, a = max(e, floor), max(a, floor)
-        total += (a - e) * math.log(a / e)
-    return total
 
 
 # --- the comparison ----------------------------------------------------------------------------
@@ -389,67 +294,6 @@ def routed(access: AccessSection, workdir: Path) -> AccessSection:
 # --- reading the running stack -----------------------------------------------------------------
 
 
-def _edge(label: str) -> float:
-    return math.inf if label == "+Inf" else float(label)
-
-
-def triton_window(text: str, ensembles: str | Sequence[str]) -> Window:
-    """One server's judged requests, server-side failures and client errors, and its score histogram.
-
-    Args:
-        text: the server's metrics (Prometheus text).
-        ensembles: the ensembles whose successes count as served requests (every other model is a
-            step of theirs).
-
-    A server whose steps export no :data:`REQUEST_ERRORS` cannot tell client errors apart: every
-    failure of its ensembles then counts as the server's.
-    """
-    judged = {ensembles} if isinstance(ensembles, str) else set(ensembles)
-    served = ensemble_failures = step_failures = client = score_sum = 0.0
-    by_code = False
-    scores: dict[float, float] = {}
-    for name, labels, value in observe.parse_exposition(text):
-        model = labels.get("model")
-        if name == "nv_inference_request_success" and model in judged:
-            served += value
-        elif name == "nv_inference_request_failure":
-            if model in judged:
-                ensemble_failures += value
-            elif labels.get("reason") in SERVER_REASONS:
-                step_failures += value
-        elif name == REQUEST_ERRORS:
-            by_code = True
-            if labels.get("code") in CLIENT_CODES:
-                client += value
-            else:
-                step_failures += value
-        elif name == f"{PROBABILITY}_bucket":
-            scores[_edge(labels["le"])] = scores.get(_edge(labels["le"]), 0.0) + value
-        elif name == f"{PROBABILITY}_sum":
-            score_sum += value
-    failures = step_failures if by_code else ensemble_failures
-    return Window(served + failures, failures, {}, scores, score_sum, client)
-
-
-def envoy_latency(text: str, clusters: Sequence[str]) -> dict[float, float]:
-    """The summed request-time histogram (ms) of ``clusters`` from Envoy's ``/stats/prometheus``."""
-    latency: dict[float, float] = {}
-    for name, labels, value in observe.parse_exposition(text):
-        if name == "envoy_cluster_upstream_rq_time_bucket" and labels.get("envoy_cluster_name") in clusters:
-            edge = _edge(labels["le"])
-            latency[edge] = latency.get(edge, 0.0) + value
-    return latency
-
-
-def envoy_timeouts(text: str, clusters: Sequence[str]) -> float:
-    """Requests of ``clusters`` that Envoy timed out (``upstream_rq_timeout``): the server's fault."""
-    return sum(
-        value
-        for name, labels, value in observe.parse_exposition(text)
-        if name == "envoy_cluster_upstream_rq_timeout" and labels.get("envoy_cluster_name") in clusters
-    )
-
-
 @dataclass(frozen=True)
 class Stack:
     """Where the running access layer answers (:data:`STACK_FILE`)."""
@@ -567,7 +411,7 @@ class CanaryController:
                     raise Unreachable(
                         variant, f"{variant}'s tritonserver metrics at {target}: {exc}"
                     ) from exc
-                totals = _plus(totals, triton_window(text, self.model))
+                totals = plus(totals, triton_window(text, self.model))
             clusters = [cluster_name(variant, p, shadow) for p in PROTOCOLS for shadow in (False, True)]
             timeouts = envoy_timeouts(envoy, clusters)
             windows[variant] = dataclasses.replace(
@@ -710,16 +554,3 @@ class CanaryController:
         server = ThreadingHTTPServer((LOOPBACK, self.canary.metrics_port if port is None else port), Handler)
         threading.Thread(target=server.serve_forever, name="canary-metrics", daemon=True).start()
         return server
-
-
-def _plus(a: Window, b: Window) -> Window:
-    """Two servers' totals added (the latency histogram is the proxy's, not added here)."""
-    scores = {le: a.scores.get(le, 0.0) + b.scores.get(le, 0.0) for le in {*a.scores, *b.scores}}
-    return Window(
-        a.requests + b.requests,
-        a.failures + b.failures,
-        a.latency,
-        scores,
-        a.score_sum + b.score_sum,
-        a.client_errors + b.client_errors,
-    )

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from recserve import wire
-from recserve.access import AccessError, canary
+from recserve.access import AccessError, canary, canary_figures
 from recserve.access.canary import CanaryState, Stage, Verdict, Window, decide, judge, psi, quantile
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.metrics import PROBABILITY_EDGES, ScoreHistogram
@@ -375,7 +375,7 @@ def test_client_errors_are_counted_apart_from_the_servers_failures():
     # judged: both ensembles' successes and the server-side failures (INTERNAL, a step's queue refusals)
     assert (window.requests, window.failures, window.client_errors) == (1037, 32, 400)
     assert canary.triton_window(_triton(1000, client=400), "tiny").error_rate == 0.0
-    two = canary._plus(window, window)
+    two = canary_figures.plus(window, window)
     assert (two.requests, two.failures, two.client_errors) == (2074, 64, 800)
     later = canary.triton_window(
         _triton(1500, client=900, internal=30, rejected=2), ["tiny", "tiny_candidates"]
