@@ -67,8 +67,10 @@ class FrontDoor:
 
     Attributes:
         inputs: model -> input -> the most elements one request may declare for it.
-        max_elements: the bound for a model or input not in ``inputs`` (the largest a client-facing
-            model takes; Triton refuses unknown names, this only keeps their shapes bounded).
+        max_elements: the bound for a model not in ``inputs`` (the largest a client-facing model
+            takes; Triton refuses unknown models, this only keeps their shapes bounded). An input
+            name a known model does not have is refused by the proxy: Triton's own refusal echoes
+            the whole name.
         max_body_bytes: the largest request body the proxy buffers; over it, 413.
         max_headers_kb: request headers in all, KiB; over it, 431.
     """

@@ -171,7 +171,13 @@ local function scan(s, model)
     end)
     if found.name == nil then refuse(where .. " has no 'name'") end
     if found.shape == nil then refuse(where .. " has no 'shape'") end
-    local most = limits[found.name] or MAX_ELEMENTS
+    local most = limits[found.name]
+    if most == nil then
+      if LIMITS[model] ~= nil then
+        refuse(where .. " is not an input of model '" .. shorten(model) .. "'")
+      end
+      most = MAX_ELEMENTS
+    end
     local text = "[" .. table.concat(found.shape, ",") .. "]"
     if found.product > most then
       refuse(where .. ": shape " .. shorten(text) .. " holds " .. string.format("%.0f", found.product)
