@@ -290,8 +290,14 @@ class RedisCluster:
 
     def client(self, port: int, timeout_s: float = 5.0) -> redis.Redis:
         """A plain (non-cluster) client of one node, with the password and TLS when the cluster has them."""
-        tls = {"ssl": True, "ssl_ca_certs": str(self.tls_ca)} if self.tls_ca is not None else {}
-        return redis.Redis(LOOPBACK, port, password=self.password or None, socket_timeout=timeout_s, **tls)
+        return redis.Redis(
+            LOOPBACK,
+            port,
+            password=self.password or None,
+            socket_timeout=timeout_s,
+            ssl=self.tls_ca is not None,
+            ssl_ca_certs=str(self.tls_ca) if self.tls_ca is not None else None,
+        )
 
     def kill(self, port: int) -> None:
         """``kill -9`` one node."""
