@@ -29,6 +29,7 @@ from recserve.backends.bounded_files import load_npz, map_npy
 from recserve.build.repository import version_dir
 from recserve.cli import main
 from recserve.errors import ArtifactError
+from tests.hostile_files import npy_header, write_zero_member
 from tests.model_exports import export_tables
 
 #: Address space the import subprocess may use: far below what the hostile files claim.
@@ -112,22 +113,6 @@ def assert_one_error_line(result: subprocess.CompletedProcess) -> str:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 1 and len(errors) == 1, result.stderr
     return errors[0]
-
-
-def npy_header(shape: tuple[int, ...], dtype: str) -> bytes:
-    out = io.BytesIO()
-    np.lib.format.write_array_header_1_0(out, {"descr": dtype, "fortran_order": False, "shape": shape})
-    return out.getvalue()
-
-
-def write_zero_member(archive: zipfile.ZipFile, name: str, shape: tuple[int, ...], dtype: str) -> None:
-    """A real ``.npy`` member of zeros, compressed as it is written: nothing large is ever held."""
-    total = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    chunk = bytes(1 << 22)
-    with archive.open(name, "w", force_zip64=True) as member:
-        member.write(npy_header(shape, dtype))
-        for start in range(0, total, len(chunk)):
-            member.write(chunk[: min(len(chunk), total - start)])
 
 
 def test_a_decompression_bomb_npz_is_refused_before_inflating_under_a_memory_limit(inputs, tiny_spec):

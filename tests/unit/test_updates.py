@@ -1,5 +1,7 @@
 import json
+import os
 import threading
+import zipfile
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from recserve.backends.store.updates.versions import (
     read_delta_file,
     save_hot_keys,
 )
+from tests.hostile_files import write_zero_member
 from tests.unit.test_store import DIM, make_tables
 
 
@@ -104,7 +107,7 @@ def test_delta_files_npz_and_safetensors(tmp_path):
         got_keys, got_vectors = read_delta_file(tmp_path / name)
         assert np.array_equal(got_keys, keys) and np.array_equal(got_vectors, vectors)
     np.savez(tmp_path / "objects.npz", keys=np.array([{"a": 1}], dtype=object), vectors=vectors)
-    with pytest.raises(DeltaError, match="pickled"):
+    with pytest.raises(DeltaError, match="Python objects"):
         read_delta_file(tmp_path / "objects.npz")
     np.savez(tmp_path / "partial.npz", keys=keys)
     with pytest.raises(DeltaError, match="vectors"):
@@ -366,3 +369,20 @@ def test_a_cross_table_clash_moves_only_the_later_table_back_and_a_restart_serve
     again = StoreUpdater(restarted, log)
     assert again.poll() and restarted.snapshot.versions == first.snapshot.versions
     assert rows(restarted, "t0", tables["t0"].keys[:1]).vectors[0, 0] == 3
+
+
+def test_a_delta_that_claims_more_than_it_holds_is_refused_before_inflating(tmp_path):
+    bomb = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        write_zero_member(archive, "keys.npy", (1 << 24,), "<i8")  # 128 MiB of zeros, ~0.1 MiB on disk
+        write_zero_member(archive, "vectors.npy", (1 << 20, DIM), "<f4")
+    with pytest.raises(DeltaError, match="bomb.npz inflates to .* refused before inflating"):
+        read_delta_file(bomb)
+    for name, content in (
+        ("empty.npz", b""),
+        ("random.npz", os.urandom(4096)),
+        ("cut.npz", bomb.read_bytes()[:999]),
+    ):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DeltaError, match=f"delta {name}"):
+            read_delta_file(tmp_path / name)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from recserve.backends.artifacts import first_non_finite, map_safetensors
+from recserve.backends.bounded_files import load_npz
 from recserve.backends.store.tiered import TieredStore
 from recserve.errors import ArtifactError
 
@@ -20,12 +21,9 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """``keys`` and ``vectors`` of a ``.npz`` or ``.safetensors`` delta file (never unpickles)."""
     if path.suffix == ".npz":
         try:
-            with np.load(path, allow_pickle=False) as archive:
-                arrays = {name: archive[name] for name in archive.files}
-        except (OSError, ValueError) as exc:
-            raise DeltaError(
-                f"delta {path.name}: not a readable .npz without pickled objects ({exc})"
-            ) from None
+            arrays = load_npz(path)
+        except ArtifactError as exc:
+            raise DeltaError(f"delta {exc}") from None
     elif path.suffix == ".safetensors":
         try:
             arrays = map_safetensors(path)
