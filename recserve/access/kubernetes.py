@@ -7,7 +7,10 @@
   by :func:`recserve.access.config.envoy_config`, resolves those Services (``STRICT_DNS``) and keeps
   the per-replica caps; its gRPC and HTTP listeners are the entry Service;
 * with ``[store] redis_nodes``, Redis Cluster is a StatefulSet of six nodes behind a headless
-  Service, formed once by a Job (``redis-cli --cluster create``, one replica per master).
+  Service, formed once by a Job (``redis-cli --cluster create``, one replica per master); with
+  ``[store] redis_password_env``, every node requires the password of the Secret
+  :data:`REDIS_SECRET` (key ``password``, created by the operator, never by these manifests), and
+  the servers get it in that environment variable.
 
 Everything else (the weights at run time, shadow traffic, the update stream) works as on one host.
 """
@@ -30,6 +33,12 @@ REDIS_IMAGE = "redis:7.2"
 REDIS_NODES = 6  # three masters, one replica each
 TRITON = Ports()  # the ports each tritonserver pod listens on: 8000, 8001, 8002
 MODELS_CLAIM = "recserve-models"  # a ReadOnlyMany volume holding one repository per variant
+REDIS_SECRET = "recserve-redis"  # the Secret holding the Redis password (key ``password``)
+
+
+def _redis_password(name: str) -> dict[str, Any]:
+    """An environment variable ``name`` holding the password of :data:`REDIS_SECRET`."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": REDIS_SECRET, "key": "password"}}}
 
 
 def _labels(component: str, spec: ModelSpec, variant: str = "") -> dict[str, str]:
@@ -94,6 +103,8 @@ def variant_manifests(
         "startupProbe": {**probe, "failureThreshold": 90},  # buckets compile before READY
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
     }
+    if spec.store.redis_password_env:
+        container["env"] = [_redis_password(spec.store.redis_password_env)]
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -208,7 +219,7 @@ def redis_manifests(spec: ModelSpec, namespace: str) -> list[dict[str, Any]]:
         "metadata": _meta("recserve-redis", namespace, labels),
         "spec": {"clusterIP": "None", "selector": labels, "ports": [_port("redis", port)]},
     }
-    statefulset = {
+    statefulset: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _meta("recserve-redis", namespace, labels),
@@ -256,7 +267,7 @@ def redis_manifests(spec: ModelSpec, namespace: str) -> list[dict[str, Any]]:
     nodes = [
         f"recserve-redis-{i}.recserve-redis.{namespace}.svc.cluster.local:{port}" for i in range(REDIS_NODES)
     ]
-    job = {
+    job: dict[str, Any] = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _meta("recserve-redis-create", namespace, labels),
@@ -285,6 +296,11 @@ def redis_manifests(spec: ModelSpec, namespace: str) -> list[dict[str, Any]]:
             },
         },
     }
+    if spec.store.redis_password_env:  # the password from the Secret: never in the manifests themselves
+        node = statefulset["spec"]["template"]["spec"]["containers"][0]
+        node["env"] = [_redis_password("REDIS_PASSWORD"), _redis_password("REDISCLI_AUTH")]
+        node["args"] += ["--requirepass", "$(REDIS_PASSWORD)", "--masterauth", "$(REDIS_PASSWORD)"]
+        job["spec"]["template"]["spec"]["containers"][0]["env"] = [_redis_password("REDISCLI_AUTH")]
     return [service, statefulset, job]
 
 

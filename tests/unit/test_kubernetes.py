@@ -78,3 +78,31 @@ def test_the_k8s_command_writes_one_yaml_file(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(path)
     documents = list(yaml.safe_load_all(path.read_text()))
     assert [d["kind"] for d in documents] == ["Deployment", "Service", "ConfigMap", "Deployment", "Service"]
+
+
+def test_a_redis_password_comes_from_a_secret_into_every_node_and_server():
+    spec = _spec(redis=True)
+    spec = dataclasses.replace(spec, store=dataclasses.replace(spec.store, redis_password_env="L3_PASS"))
+    documents = kubernetes.manifests(spec, "img", namespace="ads")
+    for document in documents:
+        kubernetes_validate.validate(document, VERSION, strict=True)
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in documents}
+    secret = {"secretKeyRef": {"name": kubernetes.REDIS_SECRET, "key": "password"}}
+    server = by_name[("Deployment", "recserve-stable")]["spec"]["template"]["spec"]["containers"][0]
+    assert server["env"] == [{"name": "L3_PASS", "valueFrom": secret}]
+    node = by_name[("StatefulSet", "recserve-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert {e["name"]: e["valueFrom"] for e in node["env"]} == {
+        "REDIS_PASSWORD": secret,
+        "REDISCLI_AUTH": secret,
+    }
+    assert node["args"][-4:] == ["--requirepass", "$(REDIS_PASSWORD)", "--masterauth", "$(REDIS_PASSWORD)"]
+    create = by_name[("Job", "recserve-redis-create")]["spec"]["template"]["spec"]["containers"][0]
+    assert create["env"] == [{"name": "REDISCLI_AUTH", "valueFrom": secret}]
+    assert not any(d["kind"] == "Secret" for d in documents)  # the operator creates it; no password here
+    without = kubernetes.manifests(_spec(redis=True), "img", namespace="ads")
+    assert not any(
+        "env" in c
+        for d in without
+        if "template" in d.get("spec", {})
+        for c in d["spec"]["template"]["spec"]["containers"]
+    )
