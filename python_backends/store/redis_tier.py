@@ -44,8 +44,11 @@ L3_ERROR_REASONS = (L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY, L3_BAD_VALUE
 BAD_VALUE_LOG_INTERVAL_S = 60.0
 
 
-class L3ConnectError(RuntimeError):
-    """The L3 Redis Cluster cannot be used as configured (credentials missing or refused)."""
+class L3ConnectError(ValueError):
+    """The ``[store]`` Redis settings reach no usable cluster (credentials missing or refused, no node up).
+
+    A ValueError, as a wrong setting is: commands print it as one ``error:`` line.
+    """
 
 
 class CircuitBreaker:
@@ -137,7 +140,8 @@ class RedisTier:
             environ: where ``redis_password_env`` is looked up (default: this process's environment).
 
         Raises:
-            L3ConnectError: the password's variable is not set, or the cluster refused the credentials.
+            L3ConnectError: the password's variable is not set, the cluster refused the credentials, or
+                no node answered.
         """
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
@@ -157,7 +161,10 @@ class RedisTier:
             )
         except (AuthenticationError, RedisClusterException, ResponseError) as exc:
             if not _refused_credentials(exc):
-                raise
+                raise L3ConnectError(
+                    f"no node of the Redis Cluster at {','.join(options.redis_nodes)} answered: "
+                    f"{_auth_reason(exc)[:200]}"
+                ) from None
             who = f"user {options.redis_username!r}" if options.redis_username else "the default user"
             how = (
                 f"the password in ${options.redis_password_env}"
@@ -166,7 +173,7 @@ class RedisTier:
             )
             raise L3ConnectError(
                 f"the Redis Cluster at {','.join(options.redis_nodes)} refused {who} with {how}: "
-                f"{shorten(_auth_reason(exc), 120)}"
+                f"{_auth_reason(exc)[:200]}"
             ) from None
         return cls(client, deadline, CircuitBreaker(options.breaker_failures, options.breaker_cooldown_s))
 

@@ -8,7 +8,10 @@ does not start, and its log says why.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import urllib.request
 
 import numpy as np
@@ -86,3 +89,17 @@ def test_without_the_password_the_server_does_not_start_and_says_why(loaded, mon
     log = (root / "no-password.log").read_text(errors="replace")
     assert f"redis_password_env names {cluster.password_env}, which is not set" in log, failed.value
     assert cluster.password not in log
+
+
+def test_redis_load_with_a_wrong_password_is_one_error_line(loaded):
+    cluster, root = loaded
+    env = {**os.environ, cluster.password_env: "not-the-password"}
+    result = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "--spec", str(root / "variant.json"), "redis-load",
+         "--repository", str(root / "repository")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "refused the default user with the password in $RECSERVE_REDIS_PASSWORD" in errors[0]
+    assert "Traceback" not in result.stderr and "not-the-password" not in result.stderr
