@@ -20,7 +20,7 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
     "recserve.perf": "perf",
 }
 BOTTOM = ("recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
-BACKEND_BASE = ("recserve.backends.artifacts", "recserve.backends.metrics")
+BACKEND_BASE = ("recserve.backends.artifacts", "recserve.backends.bounded_files", "recserve.backends.metrics")
 #: module prefix -> the prefixes it may import (besides itself); the first matching prefix rules
 ALLOWED = {
     "recserve.sections": (),
@@ -28,6 +28,7 @@ ALLOWED = {
     "recserve.errors": (),
     "recserve.wire": BOTTOM,
     "recserve.backends.artifacts": BOTTOM,
+    "recserve.backends.bounded_files": BOTTOM,
     "recserve.backends.metrics": BOTTOM,
     "recserve.backends.features": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
