@@ -1,10 +1,12 @@
-"""Raw tritonclient requests (what the SDK would refuse to build too), and waiting for a condition."""
+"""Raw tritonclient requests (what the SDK would refuse to build too), closed-loop clients, waiting."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,10 +15,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from recserve.clients import CTRClient, RecserveClientError
 from recserve.perf.traffic import infer_inputs
 from recserve.spec import ModelSpec
 
-__all__ = ["grpc_client", "http_client", "infer_inputs", "infer_raw", "wait_for"]
+__all__ = ["ClosedLoopClients", "grpc_client", "http_client", "infer_inputs", "infer_raw", "wait_for"]
 
 
 def infer_raw(module, client, spec: ModelSpec, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
@@ -50,3 +53,37 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str = "condi
             pytest.fail(f"{what}: not met within {timeout_s} s")
         time.sleep(0.1)
     return time.monotonic() - started
+
+
+class ClosedLoopClients:
+    """``count`` SDK clients sending ``inputs`` to ``url`` over gRPC, each again as soon as answered.
+
+    Inside the ``with`` block ``counts["ok"]`` / ``counts["failed"]`` grow and ``errors`` holds each
+    failure as ``"<exception type>: <message>"``; leaving the block stops and joins the clients.
+    """
+
+    def __init__(self, url: str, spec: ModelSpec, inputs: dict[str, np.ndarray], count: int) -> None:
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(url, spec, inputs)) for _ in range(count)]
+
+    def _loop(self, url: str, spec: ModelSpec, inputs: dict[str, np.ndarray]) -> None:
+        with CTRClient(url, spec=spec, timeout_s=30) as client:
+            while not self._stop.is_set():
+                try:
+                    client.predict_inputs(inputs)
+                    self.counts["ok"] += 1
+                except RecserveClientError as exc:
+                    self.counts["failed"] += 1
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> ClosedLoopClients:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import threading
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from recserve.access import AccessLayer, ProxyPorts
 from recserve.backends.store.served import ServedStore
 from recserve.build.repository import build_repository, upload_remote_tables, version_dir
 from recserve.build.synthetic import generate
-from recserve.clients import CTRClient, RecserveClientError
+from recserve.clients import CTRClient
 from recserve.perf.redis_cluster import RedisCluster
 from recserve.perf.redis_outage import l3_repository
 from recserve.perf.stats import snapshot
@@ -30,7 +28,7 @@ from recserve.server.watchdog import orphaned_stubs
 from recserve.spec import load_spec
 from recserve.wire import EMBEDDING_LOOKUP
 
-from .helpers import wait_for
+from .helpers import ClosedLoopClients, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -94,24 +92,7 @@ def test_an_update_published_once_reaches_both_replicas(stack):
 def test_kill_9_of_a_replica_fails_at_most_its_requests_in_flight_and_it_rejoins(stack):
     spec, _, layer = stack
     wire = generate(spec, 8, seed=5).to_wire(spec)
-    counts: Counter[str] = Counter()
-    errors: list[str] = []
-    stop = threading.Event()
-
-    def client_loop() -> None:
-        with CTRClient(layer.grpc_url, spec=spec, timeout_s=30) as client:
-            while not stop.is_set():
-                try:
-                    client.predict_inputs(wire)
-                    counts["ok"] += 1
-                except RecserveClientError as exc:
-                    counts["failed"] += 1
-                    errors.append(f"{type(exc).__name__}: {exc}")
-
-    threads = [threading.Thread(target=client_loop) for _ in range(IN_FLIGHT)]
-    for thread in threads:
-        thread.start()
-    try:
+    with ClosedLoopClients(layer.grpc_url, spec, wire, IN_FLIGHT) as clients:
         replicas = layer.servers["stable"]
         wait_for(lambda: all(_requests(s) > 0 for s in replicas), 30, "both replicas serving")
         victim = replicas[KILLED]
@@ -119,18 +100,15 @@ def test_kill_9_of_a_replica_fails_at_most_its_requests_in_flight_and_it_rejoins
         os.kill(victim.process.pid, signal.SIGKILL)
         victim.process.wait()
         assert orphaned_stubs(victim.process.pid)  # its stubs outlive it ...
-        served_at_kill = counts["ok"]
+        served_at_kill = clients.counts["ok"]
         survivor = replicas[1 - KILLED]
         at_kill = _requests(survivor)
         wait_for(lambda: _requests(survivor) > at_kill + 50, 30, "the survivor serving on")
-        assert counts["ok"] > served_at_kill
+        assert clients.counts["ok"] > served_at_kill
         restarted = layer.restart("stable", KILLED)
         assert not orphaned_stubs(victim.process.pid)  # ... until the dead server is stopped
         rejoined_s = wait_for(lambda: _requests(restarted) > 0, 60, "the restarted replica taking traffic")
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
+    counts, errors = clients.counts, clients.errors
     assert counts["failed"] <= IN_FLIGHT, errors
     assert all("UNAVAILABLE" in e or "unavailable" in e.lower() for e in errors), errors
     print(f"failed {counts['failed']} of {sum(counts.values())}; rejoined after {rejoined_s:.1f} s")

@@ -16,11 +16,9 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,14 +27,14 @@ from recserve.access import AccessLayer, ProxyPorts
 from recserve.access.process import SUPERVISOR_FILE
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
-from recserve.clients import CTRClient, RecserveClientError
+from recserve.clients import CTRClient
 from recserve.perf.stats import snapshot
 from recserve.server import Backoff, Ports
 from recserve.server.shm import SHM_DIR
 from recserve.spec import ModelSpec, load_spec
 from recserve.wire import EMBEDDING_LOOKUP
 
-from .helpers import wait_for
+from .helpers import ClosedLoopClients, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -125,26 +123,9 @@ def test_a_replica_killed_by_a_request_is_restarted_while_the_proxy_serves_on(tm
         tiny.access, weights={"stable": 100}, shadow_fraction=0.0, max_requests=IN_FLIGHT, replicas=2
     )
     wire = generate(tiny, 8, seed=5).to_wire(tiny)
-    counts: Counter[str] = Counter()
-    errors: list[str] = []
-    stop = threading.Event()
-
-    def client_loop(layer: AccessLayer) -> None:
-        with CTRClient(layer.grpc_url, spec=tiny, timeout_s=30) as client:
-            while not stop.is_set():
-                try:
-                    client.predict_inputs(wire)
-                    counts["ok"] += 1
-                except RecserveClientError as exc:
-                    counts["failed"] += 1
-                    errors.append(f"{type(exc).__name__}: {exc}")
-
     with AccessLayer(access, {"stable": tmp_path / "built"}, tmp_path / "access", ProxyPorts.free()) as layer:
         supervisor = layer.supervise()
-        threads = [threading.Thread(target=client_loop, args=(layer,)) for _ in range(IN_FLIGHT)]
-        for thread in threads:
-            thread.start()
-        try:
+        with ClosedLoopClients(layer.grpc_url, tiny, wire, IN_FLIGHT) as clients:
             replicas = layer.servers["stable"]
             wait_for(lambda: all(_requests(s.http_url) > 0 for s in replicas), 60, "both replicas serving")
             victim, survivor = replicas[1], replicas[0]
@@ -152,18 +133,14 @@ def test_a_replica_killed_by_a_request_is_restarted_while_the_proxy_serves_on(tm
             assert regions(prefix)
             crashed_at = time.monotonic()
             shape_bomb(victim.http_url, tiny)
-            at_crash, ok_at_crash = _requests(survivor.http_url), counts["ok"]
+            at_crash, ok_at_crash = _requests(survivor.http_url), clients.counts["ok"]
             wait_for(lambda: supervisor.status()["stable-1"]["restarts"] == 1, 120, "restarted")
             restarted = layer.servers["stable"][1]
             assert restarted is not victim and restarted.ports == victim.ports
             wait_for(lambda: _requests(restarted.http_url) > 0, 60, "taking traffic again")
             without_s = time.monotonic() - crashed_at
-            served_meanwhile = counts["ok"] - ok_at_crash
+            served_meanwhile = clients.counts["ok"] - ok_at_crash
             assert _requests(survivor.http_url) > at_crash
-        finally:
-            stop.set()
-            for thread in threads:
-                thread.join()
         assert layer.proxy is not None and layer.proxy.process is not None
         assert layer.proxy.process.poll() is None  # the stack stayed up
         assert survivor.process is not None and survivor.process.poll() is None
@@ -173,6 +150,7 @@ def test_a_replica_killed_by_a_request_is_restarted_while_the_proxy_serves_on(tm
     assert "bad_alloc" in status["stable-1"]["last_error"]
     assert status["stable-0"]["crashes"] == 0
     assert not regions(prefix)
+    counts, errors = clients.counts, clients.errors
     assert counts["failed"] <= IN_FLIGHT, errors  # at most the requests in flight on the victim
     assert all("unavailable" in e.lower() for e in errors), errors
     print(

@@ -60,21 +60,22 @@ def vocabulary_table(folder: Path) -> str:
     return sorted(p.name[: -len(".vocab.json")] for p in folder.glob("*.vocab.json"))[0]
 
 
+def import_args(inputs: Path) -> list[str]:
+    """``recserve import`` of the tables and dense model in ``inputs`` (exported from the tiny spec)."""
+    return [
+        "--spec",
+        "tiny",
+        "import",
+        "--tables",
+        str(inputs / "tables"),
+        "--dense",
+        str(inputs / "model.onnx"),
+    ]
+
+
 def run_import(inputs: Path, capsys) -> str:
     """``recserve import`` in this process: its exit status must be 1 and stderr one ``error:`` line."""
-    code = main(
-        [
-            "--spec",
-            "tiny",
-            "import",
-            "--tables",
-            str(inputs / "tables"),
-            "--dense",
-            str(inputs / "model.onnx"),
-            "--repository",
-            str(inputs.parent / "repo"),
-        ]
-    )
+    code = main([*import_args(inputs), "--repository", str(inputs.parent / "repo")])
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 1 and len(errors) == 1, err
@@ -90,17 +91,8 @@ def run_import_limited(inputs: Path, limit: int = MEMORY_LIMIT) -> subprocess.Co
         "from recserve.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    args = [
-        "--spec",
-        "tiny",
-        "import",
-        "--tables",
-        str(inputs / "tables"),
-        "--dense",
-        str(inputs / "model.onnx"),
-    ]
     return subprocess.run(
-        [sys.executable, "-c", script, *args, "--repository", str(inputs.parent / "repo")],
+        [sys.executable, "-c", script, *import_args(inputs), "--repository", str(inputs.parent / "repo")],
         capture_output=True,
         text=True,
         timeout=300,
