@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from recserve import wire
-from recserve.backends.artifacts import file_entry, sha256_file, write_manifest
+from recserve.backends.base.artifacts import file_entry, sha256_file, write_manifest
 from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.build.export import example_inputs
 from recserve.build.repository import DENSE_FORMAT, ONNX_FILE, spec_digest

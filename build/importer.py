@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from recserve import wire
-from recserve.backends.artifacts import map_safetensors
-from recserve.backends.bounded_files import Header, check_onnx_file, load_npz, map_npy, read_json
+from recserve.backends.base.artifacts import map_safetensors
+from recserve.backends.base.bounded_files import Header, check_onnx_file, load_npz, map_npy, read_json
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.features.transform import vocabulary_keys
 from recserve.backends.store.rows import TableArrays

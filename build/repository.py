@@ -12,7 +12,7 @@ import numpy as np
 from safetensors.torch import save_file
 
 from recserve import wire
-from recserve.backends.artifacts import (
+from recserve.backends.base.artifacts import (
     file_entry,
     load_array,
     read_manifest,

@@ -295,7 +295,7 @@ def unseen_shape(
 
 def onnx_runners(spec: ModelSpec, repository: Path, threads: int) -> Runners:
     """ONNX Runtime on the CPU: the dynamic session, sessions fixed per bucket, the bucketed runner."""
-    from recserve.backends.artifacts import read_manifest, verified_path
+    from recserve.backends.base.artifacts import read_manifest, verified_path
     from recserve.backends.dense.runner import OnnxBucket, OnnxDenseRunner, bucketed_onnx_runner
 
     root = version_dir(repository, wire.DENSE, spec)

@@ -31,7 +31,7 @@ from typing import IO
 
 import numpy as np
 
-from recserve.backends.artifacts import write_manifest
+from recserve.backends.base.artifacts import write_manifest
 from recserve.backends.features.hashing import splitmix64
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recserve import wire
-from recserve.backends.metrics import MetricSample
+from recserve.backends.base.metrics import MetricSample
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)

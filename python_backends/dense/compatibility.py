@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from recserve import wire
-from recserve.backends.artifacts import read_manifest, verified_path
+from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec
 

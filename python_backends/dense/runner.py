@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recserve import wire
-from recserve.backends.artifacts import read_manifest, verified_path
+from recserve.backends.base.artifacts import read_manifest, verified_path
+from recserve.backends.base.metrics import ScoreHistogram
 from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
@@ -29,7 +30,6 @@ from recserve.backends.dense.buckets import (
     spec_buckets,
 )
 from recserve.backends.features.transform import require
-from recserve.backends.metrics import ScoreHistogram
 from recserve.errors import ArtifactError, InvalidInput, NonFiniteOutput
 from recserve.spec import ModelSpec
 

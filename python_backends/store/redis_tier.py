@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.metrics import MetricSample
+from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.redis_values import decode_rows, describe_value
 from recserve.errors import shorten
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.backends.metrics import MetricSample
+from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.spec import ModelSpec

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.backends.artifacts import file_entry, load_array, read_manifest, save_array
+from recserve.backends.base.artifacts import file_entry, load_array, read_manifest, save_array
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import STORAGE_DTYPES, Shard, TableArrays, TableInfo
 from recserve.errors import ArtifactError

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
-from recserve.backends.metrics import MetricSample
+from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.hot_cache import (
     COUNT_DECAY,
     TRACKED_KEYS_PER_REFRESH,

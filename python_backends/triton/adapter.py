@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from recserve.backends.metrics import MetricSample
-from recserve.backends.request_errors import RequestErrorCounts
+from recserve.backends.base.metrics import MetricSample
+from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.errors import RequestError, cap_message
@@ -288,7 +288,7 @@ def execute_checked_merged(
 
 
 class MetricsPublisher:
-    """Publishes :class:`~recserve.backends.metrics.MetricSample` lists through ``pb_utils.MetricFamily``.
+    """Publishes :class:`~recserve.backends.base.metrics.MetricSample` lists as ``pb_utils.MetricFamily``.
 
     Counters arrive as running totals and are published as increments; only changed values are
     sent, because every update is a message from the stub to the server. The first time a sample

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from recserve.access import observe
 
 PROBABILITY = "recserve_served_probability"
-#: What the steps count failed requests by (``recserve.backends.request_errors``), and the codes of
+#: What the steps count failed requests by (``recserve.backends.base.request_errors``), and the codes of
 #: those a client caused; every other code is the server's fault.
 REQUEST_ERRORS = "recserve_request_errors_total"
 CLIENT_CODES = frozenset({"INVALID_ARG", "NOT_FOUND", "UNSUPPORTED", "ALREADY_EXISTS", "CANCELLED"})

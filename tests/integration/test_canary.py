@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from recserve import wire
 from recserve.access import PROTOCOLS, AccessLayer, ProxyPorts, behind_proxy, canary, cluster_name
-from recserve.backends.artifacts import file_entry, read_manifest, write_manifest
+from recserve.backends.base.artifacts import file_entry, read_manifest, write_manifest
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError

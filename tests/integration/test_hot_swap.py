@@ -8,7 +8,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from recserve.backends.artifacts import file_entry, write_manifest
+from recserve.backends.base.artifacts import file_entry, write_manifest
 from recserve.backends.dense.network import CTRNet
 from recserve.build.export import export_onnx
 from recserve.perf.traffic import add_version

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from recserve import wire
-from recserve.backends.artifacts import read_manifest, verified_path
+from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
 from recserve.build.export import example_inputs

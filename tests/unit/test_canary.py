@@ -15,9 +15,9 @@ import pytest
 from recserve import wire
 from recserve.access import AccessError, canary, canary_figures
 from recserve.access.canary import CanaryState, Stage, Verdict, Window, decide, judge, psi, quantile
+from recserve.backends.base.metrics import PROBABILITY_EDGES, ScoreHistogram
+from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.dense.runner import DenseStep
-from recserve.backends.metrics import PROBABILITY_EDGES, ScoreHistogram
-from recserve.backends.request_errors import RequestErrorCounts
 from recserve.errors import NonFiniteOutput
 from recserve.sections import AccessSection, CanarySection
 from recserve.spec import load_spec

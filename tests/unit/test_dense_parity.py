@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from recserve.backends.artifacts import read_manifest, verified_path
+from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import Bucket, BucketPolicy, grid_floors, spec_buckets
 from recserve.backends.dense.runner import bucketed_onnx_runner
 from recserve.backends.dense.tensorrt_engine import tensorrt_available

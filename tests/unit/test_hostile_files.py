@@ -24,8 +24,8 @@ import pytest
 from onnx import numpy_helper
 
 from recserve import verify, wire
-from recserve.backends.artifacts import map_safetensors
-from recserve.backends.bounded_files import load_npz, map_npy
+from recserve.backends.base.artifacts import map_safetensors
+from recserve.backends.base.bounded_files import load_npz, map_npy
 from recserve.build.repository import version_dir
 from recserve.cli import main
 from recserve.errors import ArtifactError

@@ -17,7 +17,7 @@ import torch
 from safetensors.numpy import save_file
 
 from recserve import wire
-from recserve.backends.artifacts import map_safetensors
+from recserve.backends.base.artifacts import map_safetensors
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.pipeline import InProcessPipeline
 from recserve.backends.store.tiered import TieredStore

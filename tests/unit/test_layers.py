@@ -20,16 +20,14 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
     "recserve.perf": "perf",
 }
 BOTTOM = ("recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
-BACKEND_BASE = ("recserve.backends.artifacts", "recserve.backends.bounded_files", "recserve.backends.metrics")
+BACKEND_BASE = ("recserve.backends.base",)
 #: module prefix -> the prefixes it may import (besides itself); the first matching prefix rules
 ALLOWED = {
     "recserve.sections": (),
     "recserve.spec": ("recserve.sections",),
     "recserve.errors": (),
     "recserve.wire": BOTTOM,
-    "recserve.backends.artifacts": BOTTOM,
-    "recserve.backends.bounded_files": BOTTOM,
-    "recserve.backends.metrics": BOTTOM,
+    "recserve.backends.base": BOTTOM,
     "recserve.backends.features": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features"),

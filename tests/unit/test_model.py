@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from recserve import wire
-from recserve.backends.artifacts import read_manifest, verified_path
+from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.build.export import example_inputs, torch_predict
 from recserve.build.repository import load_reference_net, version_dir

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from recserve.backends.artifacts import load_array, read_manifest, save_array, write_manifest
+from recserve.backends.base.artifacts import load_array, read_manifest, save_array, write_manifest
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.store.hot_cache import FrequencyTracker
 from recserve.backends.store.keyindex import KeyIndex

@@ -7,7 +7,7 @@ import pytest
 import tomllib
 
 from recserve import wire
-from recserve.backends.artifacts import write_manifest
+from recserve.backends.base.artifacts import write_manifest
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.redis_values import decode_rows

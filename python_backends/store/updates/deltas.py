@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.backends.artifacts import first_non_finite, map_safetensors
-from recserve.backends.bounded_files import load_npz
+from recserve.backends.base.artifacts import first_non_finite, map_safetensors
+from recserve.backends.base.bounded_files import load_npz
 from recserve.backends.store.tiered import TieredStore
 from recserve.errors import ArtifactError
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.artifacts import load_array, save_array
+from recserve.backends.base.artifacts import load_array, save_array
 from recserve.backends.store.updates.apply import StoreUpdater
 from recserve.backends.store.updates.deltas import (
     DeltaError,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from recserve.backends.metrics import MetricSample
+from recserve.backends.base.metrics import MetricSample
 
 REQUEST_ERRORS_METRIC = "recserve_request_errors_total"
 REQUEST_ERRORS_HELP = "Requests a step answered with an error, by Triton error code"
