@@ -1,7 +1,9 @@
-"""Raw tritonclient requests (what the SDK would refuse to build too), closed-loop clients, waiting."""
+"""Raw tritonclient requests (what the SDK would refuse to build too), closed-loop clients, waiting,
+the ``recserve`` command as a subprocess, private copies of a repository."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,13 +21,35 @@ from recserve.clients import CTRClient, RecserveClientError
 from recserve.perf.traffic import infer_inputs
 from recserve.spec import ModelSpec
 
-__all__ = ["ClosedLoopClients", "grpc_client", "http_client", "infer_inputs", "infer_raw", "wait_for"]
+__all__ = [
+    "ClosedLoopClients",
+    "copy_repository",
+    "grpc_client",
+    "http_client",
+    "infer_inputs",
+    "infer_raw",
+    "recserve",
+    "wait_for",
+]
 
 
 def infer_raw(module, client, spec: ModelSpec, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
     """Send ``inputs`` as they are and return ``probability``."""
     result = client.infer(spec.name, infer_inputs(module, inputs), **kwargs)
     return result.as_numpy("probability").reshape(-1)
+
+
+def recserve(*args: str) -> subprocess.CompletedProcess:
+    """The ``recserve`` command with ``args``, run as a subprocess (output captured, 120 s at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "recserve.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def copy_repository(repository: Path, target: Path) -> Path:
+    """A private copy of ``repository`` at ``target``, without its update log."""
+    shutil.copytree(repository, target, ignore=shutil.ignore_patterns("updates"))
+    return target
 
 
 def run_perf(url: str, output: Path, *options: str) -> subprocess.CompletedProcess:

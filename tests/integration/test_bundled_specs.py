@@ -26,7 +26,7 @@ from recserve.server import Ports, TritonServer
 from recserve.spec import load_spec
 from tests.integration.private_server import private_server
 from tests.model_exports import export_tables
-from tests.unit.test_candidates import with_runs
+from tests.user_runs import with_runs
 
 from .helpers import grpc_client, infer_raw
 

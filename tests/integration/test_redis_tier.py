@@ -13,7 +13,7 @@ from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import DEFAULT, L2, L3, TieredStore
 from recserve.perf.redis_cluster import RedisCluster
 from recserve.spec import StoreSection
-from tests.unit.test_store import DIM, make_tables
+from tests.store_tables import DIM, make_tables
 
 
 @pytest.fixture

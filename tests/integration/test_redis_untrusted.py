@@ -27,8 +27,7 @@ from recserve.perf.redis_outage import l3_repository
 from recserve.server import Ports, ServerError, TritonServer
 from recserve.wire import HISTORY_KEYS, TARGET_KEY
 
-from .helpers import grpc_client, infer_raw
-from .test_store_serving import recserve
+from .helpers import grpc_client, infer_raw, recserve
 
 pytestmark = pytest.mark.integration
 

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,18 +22,7 @@ from recserve.perf.redis_outage import l3_repository
 from recserve.server import Ports, TritonServer
 from recserve.wire import SPARSE_KEYS, TARGET_KEY
 
-from .helpers import grpc_client, infer_raw, wait_for
-
-
-def copy_repository(repository: Path, target: Path) -> Path:
-    shutil.copytree(repository, target, ignore=shutil.ignore_patterns("updates"))
-    return target
-
-
-def recserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "recserve.cli", *args], capture_output=True, text=True, timeout=120
-    )
+from .helpers import copy_repository, grpc_client, infer_raw, recserve, wait_for
 
 
 def predict(server, spec, wire) -> np.ndarray:

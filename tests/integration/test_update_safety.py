@@ -30,8 +30,7 @@ from recserve.perf.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
 from recserve.wire import EMBEDDING_LOOKUP
 
-from .helpers import grpc_client, infer_raw, wait_for
-from .test_store_serving import copy_repository, recserve
+from .helpers import copy_repository, grpc_client, infer_raw, recserve, wait_for
 
 NEW_KEY = 10**15  # keys far from the built tables': deltas may add rows
 
@@ -166,7 +165,7 @@ def test_hostile_stream_entries_are_refused_and_write_nothing_outside(tmp_path):
     from recserve.backends.store.tiered import TieredStore
     from recserve.backends.store.updates.stream import UpdateStream
     from recserve.backends.store.updates.versions import StoreUpdater
-    from tests.unit.test_store import DIM, make_tables
+    from tests.store_tables import DIM, make_tables
 
     tables = make_tables()
     with RedisCluster(tmp_path / "redis") as cluster:

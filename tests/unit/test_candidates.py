@@ -8,7 +8,7 @@ import tomllib
 
 from recserve import wire
 from recserve.backends.dense.runner import CandidateLists, DenseStep
-from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
@@ -19,7 +19,8 @@ from recserve.clients.writers import write_csv
 from recserve.errors import InvalidInput
 from recserve.perf.input_data import candidate_input_data
 from recserve.spec import SpecError, load_spec, parse_spec, spec_path
-from tests.unit.test_lookup import spec_store
+from tests.store_tables import spec_store
+from tests.user_runs import with_runs
 
 
 def user_rows(spec, users=2, candidates=3, seed=4):
@@ -203,25 +204,6 @@ def test_a_spec_without_sequences_has_no_candidates_ensemble():
     assert avazu.candidates_model is None and wire.candidate_step_inputs(avazu) == ()
     assert set(configs.all_configs(avazu)) == {*wire.STEPS, avazu.name}
     assert not any(i.optional for i in configs.all_configs(avazu)[wire.EMBEDDING_LOOKUP].input)
-
-
-def with_runs(spec, raw, runs):
-    """``raw`` rewritten so that each run of rows has its first row's user, profile and sequences."""
-    columns = [
-        spec.categorical.columns.index(n) for n in spec.profile_columns if n in spec.categorical.columns
-    ]
-    numeric = [spec.numeric_columns.index(n) for n in spec.profile_columns if n in spec.numeric_columns]
-    for run in runs:
-        first = run.start
-        raw.categorical[run, columns] = raw.categorical[first, columns]
-        raw.dense[run, numeric] = raw.dense[first, numeric]
-        raw.dense_missing[run, numeric] = raw.dense_missing[first, numeric]
-        raw.lengths[run] = raw.lengths[first]
-        raw.history[run] = raw.history[first]
-        for name, values in raw.side.items():
-            if values.ndim == 2 or name.endswith("__length"):  # a sequence or its length (not a target)
-                values[run] = values[first]
-    return raw
 
 
 def test_a_users_consecutive_rows_with_the_same_sequences_are_one_run(tmp_path):

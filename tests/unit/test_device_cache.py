@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from recserve.backends.features.hashing import keys_for, table_salt
-from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.store.device_cache import DeviceL1, resolve_device, slot_of
 from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.rows import RowBlock, TableArrays
@@ -15,7 +15,7 @@ from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, U
 from recserve.build.synthetic import zipf_ranks
 from recserve.spec import StoreSection
 from recserve.wire import EMBEDDING_VERSION
-from tests.unit.test_store import DIM, make_tables
+from tests.store_tables import DIM, make_tables
 
 DEVICES = [
     "cpu",

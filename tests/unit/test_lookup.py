@@ -1,24 +1,9 @@
 import numpy as np
 
 from recserve import wire
-from recserve.backends.lookup import EmbeddingLookup
-from recserve.backends.store.rows import RowBlock, TableArrays
-from recserve.backends.store.tiered import TieredStore
-
-
-def spec_store(spec, base_version=1):
-    rng = np.random.default_rng(5)
-    tables, start = {}, 1
-    for name in spec.table_names:
-        keys = np.arange(start, start + 10, dtype=np.int64)
-        start += 10
-        tables[name] = TableArrays(
-            name,
-            keys,
-            rng.normal(size=(10, spec.embedding_dim)).astype(np.float32),
-            np.zeros(spec.embedding_dim, np.float32),
-        )
-    return tables, TieredStore.from_tables(tables, base_version=base_version)
+from recserve.backends.steps.lookup import EmbeddingLookup
+from recserve.backends.store.rows import RowBlock
+from tests.store_tables import spec_store
 
 
 def key_inputs(spec, tables, rows=3, width=5):

@@ -11,7 +11,7 @@ from recserve.backends.store.redis_tier import L3_ERROR_REASONS, CircuitBreaker,
 from recserve.backends.store.served import ServedStore
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
-from tests.unit.test_store import make_tables
+from tests.store_tables import make_tables
 
 
 def series(samples) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

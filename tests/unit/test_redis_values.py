@@ -19,7 +19,7 @@ from recserve.backends.store.redis_tier import (
 )
 from recserve.backends.store.redis_values import decode_rows, describe_value
 from recserve.spec import SpecError, StoreSection, parse_spec
-from tests.unit.test_spec import _doc
+from tests.unit.helpers import ctr_spec_document
 
 DIM = 4
 
@@ -171,7 +171,7 @@ def test_a_refused_login_is_told_apart_from_an_unreachable_cluster():
 
 
 def _with_store(**settings):
-    doc = copy.deepcopy(_doc())
+    doc = copy.deepcopy(ctr_spec_document())
     doc["store"] = {**doc.get("store", {}), "redis_nodes": ["127.0.0.1:7000"], **settings}
     return doc
 

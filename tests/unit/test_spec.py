@@ -1,7 +1,6 @@
 import copy
 
 import pytest
-import tomllib
 
 from recserve.spec import (
     SpecError,
@@ -12,11 +11,7 @@ from recserve.spec import (
     spec_from_json,
     spec_path,
 )
-
-
-def _doc() -> dict:
-    with open(spec_path("ctr"), "rb") as fh:
-        return tomllib.load(fh)
+from tests.unit.helpers import ctr_spec_document
 
 
 def test_default_spec_follows_the_criteo_schema(spec):
@@ -75,7 +70,7 @@ def test_json_round_trip_is_lossless(spec):
     ],
 )
 def test_inconsistent_specs_are_refused(edit, message):
-    doc = copy.deepcopy(_doc())
+    doc = copy.deepcopy(ctr_spec_document())
     edit(doc)
     with pytest.raises(SpecError, match=message):
         parse_spec(doc)
@@ -116,19 +111,19 @@ def test_inconsistent_specs_are_refused(edit, message):
     ],
 )
 def test_every_section_refuses_unknown_keys_and_wrong_types(edit, message):
-    doc = copy.deepcopy(_doc())
+    doc = copy.deepcopy(ctr_spec_document())
     edit(doc)
     with pytest.raises(SpecError, match=message):
         parse_spec(doc)
 
 
 def test_sections_are_typed_with_defaults_in_one_place():
-    doc = copy.deepcopy(_doc())
+    doc = copy.deepcopy(ctr_spec_document())
     del doc["store"], doc["training"]
     spec = parse_spec(doc)
     assert spec.store == StoreSection() and spec.store.cache_bytes == 8 << 20
     assert spec.training == TrainingSection()
-    full = parse_spec(_doc())
+    full = parse_spec(ctr_spec_document())
     assert full.store.cache_mib == 8.0 and isinstance(full.store.float16_tables, tuple)
     assert full.training.rows == 120_000 and isinstance(full.training.learning_rate, float)
 

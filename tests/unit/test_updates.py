@@ -19,7 +19,7 @@ from recserve.backends.store.updates.versions import (
     save_hot_keys,
 )
 from tests.hostile_files import write_zero_member
-from tests.unit.test_store import DIM, make_tables
+from tests.store_tables import DIM, make_tables
 
 
 @pytest.fixture
