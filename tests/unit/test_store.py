@@ -12,26 +12,7 @@ from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TieredStore
 from recserve.errors import ArtifactError
 from recserve.spec import StoreSection
-
-DIM = 4
-
-
-def make_tables(seed=0, rows=(500, 300)):
-    rng = np.random.default_rng(seed)
-    keys = rng.choice(np.iinfo(np.int64).max, size=sum(rows), replace=False) * rng.choice(
-        [-1, 1], size=sum(rows)
-    )
-    tables, start = {}, 0
-    for number, count in enumerate(rows):
-        name = f"t{number}"
-        tables[name] = TableArrays(
-            name,
-            keys[start : start + count].astype(np.int64),
-            rng.normal(size=(count, DIM)).astype(np.float32),
-            np.full(DIM, 100 + number, np.float32),
-        )
-        start += count
-    return tables
+from tests.store_tables import DIM, make_tables
 
 
 def expected(tables, name, keys):
