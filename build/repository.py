@@ -24,7 +24,7 @@ from recserve.backends.dense import tensorrt_engine
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner, open_session
 from recserve.backends.dense.torch_runners import load_net
-from recserve.backends.pipeline import InProcessPipeline
+from recserve.backends.steps.pipeline import InProcessPipeline
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import TieredStore

@@ -75,7 +75,7 @@ def _rollback(args: argparse.Namespace) -> int:
 
 
 def _explain(args: argparse.Namespace) -> int:
-    from recserve.backends.explain import FIELDS, explain
+    from recserve.backends.steps.explain import FIELDS, explain
     from recserve.clients.rows import read_rows
 
     spec, served = _open(args)

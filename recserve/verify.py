@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from recserve.backends.explain import explain
+from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.evaluation import logloss, roc_auc
 from recserve.clients.rows import CriteoRows

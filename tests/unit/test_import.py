@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from recserve import wire
 from recserve.backends.base.artifacts import map_safetensors
 from recserve.backends.dense.compatibility import check_onnx_contract
-from recserve.backends.pipeline import InProcessPipeline
+from recserve.backends.steps.pipeline import InProcessPipeline
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.importer import TableImportError, import_repository
 from recserve.build.repository import is_built, reference_pipeline, version_dir

@@ -31,16 +31,15 @@ ALLOWED = {
     "recserve.backends.features": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features"),
-    "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
-    "recserve.backends": (
+    "recserve.backends.steps": (
         *BOTTOM,
         *BACKEND_BASE,
         "recserve.backends.features",
         "recserve.backends.store",
         "recserve.backends.dense",
-        "recserve.backends.lookup",
-        "recserve.backends.pipeline",
     ),
+    "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
+    "recserve.backends": (*BOTTOM, "recserve.backends.steps"),
     "recserve.build": (*BOTTOM, "recserve.backends"),
     "recserve.clients": BOTTOM,
     "recserve.access": (*BOTTOM, "recserve.server"),  # the proxy in front of the servers

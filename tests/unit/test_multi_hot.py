@@ -8,7 +8,7 @@ import tomllib
 
 from recserve import wire
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
-from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import generate

@@ -8,8 +8,8 @@ import tomllib
 
 from recserve import wire
 from recserve.backends.dense.buckets import Bucket, pad_to_bucket
-from recserve.backends.explain import explain
 from recserve.backends.features.transform import FeatureTransform, right_align
+from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
 from recserve.backends.triton.batching import merge, split
 from recserve.build.export import example_inputs

@@ -9,7 +9,7 @@ import tomllib
 from recserve import wire
 from recserve.backends.base.artifacts import write_manifest
 from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.redis_values import decode_rows
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.lookup import EmbeddingLookup
+from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.spec import NUMERIC_INPUT, CategoricalFeature, ModelSpec
 from recserve.wire import multi_hot_tokens

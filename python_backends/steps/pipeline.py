@@ -11,7 +11,7 @@ from typing import cast
 
 import numpy as np
 
-from recserve.backends.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.tiered import TieredStore
 from recserve.spec import ModelSpec
 

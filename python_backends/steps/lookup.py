@@ -1,0 +1,308 @@
+"""The ``embedding_lookup`` step: raw features to keys, then every key to its vector in one store call.
+
+The step hands ``dense`` exactly the inputs of the dense contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from recserve import wire
+from recserve.backends.features.transform import FeatureTransform, require
+from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
+from recserve.errors import ArtifactError
+from recserve.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from recserve.backends.store.device_cache import DeviceL1, DeviceLookup
+    from recserve.backends.store.served import ServedStore
+
+
+class EmbeddingLookup:
+    """Map the keys produced by :class:`~recserve.backends.features.transform.FeatureTransform` to vectors.
+
+    The sparse keys ``[B, F]``, the multi-hot keys ``[B, M]``, the target keys ``[B, T]`` and the
+    history keys ``[B, S * L]`` are laid side by side as one key matrix with a matching table-id
+    matrix, so the store serves every key of the batch in one vectorised call. The multi-hot vectors
+    are then pooled with their weights; sequences sharing positions, and their targets, are summed.
+
+    Each row also reports the store snapshot that served it: every table's version, in the spec's
+    table order (``embedding_version``). The store answers a whole batch from one snapshot, so all
+    rows of a batch carry the same versions.
+
+    Args:
+        spec: the model spec.
+        store: the tiered store.
+        device_l1: when given, :meth:`lookup` reads L1 on its device and returns device tensors
+            (the ``cuda`` profile); otherwise numpy arrays from the host path.
+    """
+
+    def __init__(self, spec: ModelSpec, store: TieredStore, device_l1: DeviceL1 | None = None) -> None:
+        self.spec = spec
+        self.store = store
+        self.device_l1 = device_l1
+        group = spec.categorical
+        if device_l1 is not None and group.multi_hot:
+            raise ArtifactError(
+                "the device L1 does not pool multi-hot features; serve this spec on the host path"
+            )
+        self.single = len(group.features)
+        self.multi_width = sum(f.max_length for f in group.multi_hot)
+        tables = [f.table for f in group.features]
+        tables += [f.table for f in group.multi_hot for _ in range(f.max_length)]
+        tables += [t.table for t in spec.targets]
+        self.column_tables = np.array([store.table_id(t) for t in tables], np.int16)
+        self.sequence_tables = np.array([store.table_id(s.table) for s in spec.sequences], np.int16)
+        # pools each multi-hot feature's weighted vectors: [sum of max_length, multi-hot features]
+        self.pooling = np.zeros((self.multi_width, len(group.multi_hot)), np.float32)
+        starts = np.cumsum([0, *(f.max_length for f in group.multi_hot)])
+        for k, (start, end) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+            self.pooling[start:end, k] = 1.0
+        self.key_inputs = (wire.SPARSE_KEYS,) + ((wire.MULTI_HOT_KEYS,) if group.multi_hot else ())
+        self.key_inputs += (wire.TARGET_KEY, wire.HISTORY_KEYS) if spec.sequences else ()
+        self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
+        #: per width of the spec's tables: its dense input, its slots and the width (None: one width)
+        self.widths = (
+            [(name, list(slots), width) for name, width, slots in wire.sparse_inputs(spec)]
+            if spec.other_widths
+            else None
+        )
+        # per attention group: its dense inputs and the span of its sequences (and targets)
+        self.groups: list[tuple[wire.AttentionInputs, slice]] = []
+        start = 0
+        for attention, names in zip(spec.attention_groups, wire.attention_inputs(spec), strict=True):
+            self.groups.append((names, slice(start, start + len(attention.sequences))))
+            start += len(attention.sequences)
+        self._versions: tuple[tuple[int, ...], np.ndarray] = (
+            (),
+            np.empty(0, np.int64),
+        )  # (snapshot versions, in spec order)
+
+    @classmethod
+    def for_instance(
+        cls, spec: ModelSpec, served: ServedStore, l1_device: str = "", instance_device: str = "cpu"
+    ) -> EmbeddingLookup:
+        """The step as a served instance runs it; with the device L1 when ``l1_device`` is set.
+
+        torch is imported only then: the default profile's step stays numpy. The device copy of L1
+        follows the store's upkeep rounds (rebuilds, updates) on the upkeep thread.
+
+        Args:
+            spec: the model spec.
+            served: the instance's store with its upkeep.
+            l1_device: the config's :data:`~recserve.wire.L1_DEVICE_PARAMETER` (``""``, ``cpu`` or ``cuda``).
+            instance_device: where Triton placed the instance (``cpu`` or ``cuda:N``).
+        """
+        if not l1_device:
+            return cls(spec, served.store)
+        from recserve.backends.store.device_cache import DeviceL1, resolve_device
+
+        device_l1 = DeviceL1(served.store, resolve_device(l1_device, instance_device))
+        served.maintainer.after_step.append(device_l1.follow)
+        return cls(spec, served.store, device_l1)
+
+    def check(
+        self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
+        """Validate one request's key tensors (``users``: as for :meth:`lookup`)."""
+        sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.single)
+        rows = sparse.shape[0]
+        checked = {wire.SPARSE_KEYS: sparse}
+        if self.multi_width:
+            checked[wire.MULTI_HOT_KEYS] = require(
+                inputs, wire.MULTI_HOT_KEYS, "INT64", rows, self.multi_width
+            )
+            checked[wire.MULTI_HOT_WEIGHTS] = require(
+                inputs, wire.MULTI_HOT_WEIGHTS, "FP32", rows, self.multi_width
+            )
+        if len(self.sequence_tables):
+            checked[wire.TARGET_KEY] = require(
+                inputs, wire.TARGET_KEY, "INT64", rows, len(self.sequence_tables)
+            )
+            owners = rows if users is None else int(users.max(initial=-1)) + 1
+            checked[wire.HISTORY_KEYS] = require(inputs, wire.HISTORY_KEYS, "INT64", owners, None)
+        return checked
+
+    def key_blocks(
+        self, inputs: Mapping[str, np.ndarray]
+    ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+        """Keys and table ids of checked inputs, in two blocks.
+
+        Per row ``[B, F + M + T]``: the single-valued features, the multi-hot values and the targets.
+        Per history owner ``[H, S * W]`` (each row, or each user of a candidate list): each sequence's
+        positions; None without a sequence.
+        """
+        row_keys = np.concatenate([inputs[n] for n in self.key_inputs if n != wire.HISTORY_KEYS], axis=1)
+        row_tables = np.broadcast_to(self.column_tables, row_keys.shape)
+        if not len(self.sequence_tables):
+            return (row_keys, row_tables), None
+        history = inputs[wire.HISTORY_KEYS]
+        width = history.shape[1] // len(self.sequence_tables)
+        return (row_keys, row_tables), (
+            history,
+            np.broadcast_to(np.repeat(self.sequence_tables, width), history.shape),
+        )
+
+    def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The key and table-id matrices of checked row-form inputs, side by side.
+
+        ``[B, F + M + T + S * W]``: the single-valued features, the multi-hot values, the targets and
+        each sequence's positions.
+        """
+        (keys, table_ids), history = self.key_blocks(inputs)
+        if history is None:
+            return keys, np.array(table_ids)
+        return np.concatenate([keys, history[0]], axis=1), np.concatenate([table_ids, history[1]], axis=1)
+
+    def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup | DeviceLookup:
+        """The store's answer for every key of a checked batch (vectors, tiers, snapshot), in one call.
+
+        The vectors come back as the row block, then the history block, of :meth:`key_blocks`.
+        """
+        (keys, table_ids), history = self.key_blocks(inputs)
+        if history is not None:
+            keys = np.concatenate([keys.reshape(-1), history[0].reshape(-1)])
+            table_ids = np.concatenate([table_ids.reshape(-1), history[1].reshape(-1)])
+        return (self.device_l1 or self.store).lookup(keys, table_ids)
+
+    def table_versions(self, snapshot: Snapshot) -> np.ndarray:
+        """int64 ``[T]``: each table's version in ``snapshot``, in the spec's table order.
+
+        Computed once per set of versions (L1 refreshes keep the versions tuple), then reused.
+        """
+        cached = self._versions
+        if cached[0] is not snapshot.versions:
+            cached = (snapshot.versions, np.asarray(snapshot.versions, np.int64)[self.version_columns])
+            self._versions = cached  # one reference swap: safe with concurrent callers
+        return cached[1]
+
+    def lookup(
+        self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
+    ) -> dict[str, np.ndarray | torch.Tensor]:
+        """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history.
+
+        numpy arrays, or tensors on the device of ``device_l1`` when it is set. Also
+        ``embedding_version`` ``[B, T]`` (numpy, on the host): the table versions of the snapshot
+        that served the batch.
+
+        Args:
+            inputs: the keys of :class:`~recserve.backends.features.transform.FeatureTransform`.
+            users: for a candidate list, each row's user: the history keys have one row per user,
+                looked up once, and so does the history returned. None: one history per row.
+        """
+        checked = self.check(inputs, users)
+        result = self.lookup_keys(checked)
+        rows, single, multi = checked[wire.SPARSE_KEYS].shape[0], self.single, self.multi_width
+        width, dim = len(self.column_tables), self.store.dim
+        vectors = result.vectors[: rows * width].reshape(rows, width, dim)
+        versions = self.table_versions(result.snapshot)
+        sparse = vectors[:, :single]
+        if multi:  # host path only (see __init__)
+            weighted = (
+                np.asarray(vectors[:, single : single + multi]) * checked[wire.MULTI_HOT_WEIGHTS][:, :, None]
+            )
+            pooled = np.einsum("bmd,mk->bkd", weighted, self.pooling)
+            sparse = np.concatenate([np.asarray(sparse), pooled], axis=1)
+        out: dict[str, np.ndarray | torch.Tensor] = {
+            wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0)
+        }
+        if self.widths is None:  # every table of embedding_dim: the slots as they are
+            out[wire.SPARSE_EMBEDDINGS] = sparse
+        else:  # the store holds every vector at its widest width: each width's slots, cut to it
+            for name, slots, slot_width in self.widths:
+                out[name] = sparse[:, slots, :slot_width]
+        count = len(self.sequence_tables)
+        if count:  # targets and histories at embedding_dim (the store's rows may be wider)
+            targets = vectors[:, single + multi :, : self.spec.embedding_dim]
+            owners, positions = checked[wire.HISTORY_KEYS].shape
+            histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
+            histories = histories[..., : self.spec.embedding_dim]
+            # the sequences of a group (and their targets) are summed: one query, one sequence each
+            for names, span in self.groups:
+                one = span.stop - span.start == 1
+                out[names.target] = targets[:, span.start] if one else targets[:, span].sum(1)
+                out[names.history] = histories[:, span.start] if one else histories[:, span].sum(1)
+        return out
+
+
+def take_rows(array: np.ndarray | torch.Tensor, index: np.ndarray) -> np.ndarray | torch.Tensor:
+    """``array[index]`` for a numpy array or a torch tensor (indexed on its own device)."""
+    if isinstance(array, np.ndarray):
+        return array[index]
+    import torch
+
+    return array[torch.as_tensor(index, device=array.device)]
+
+
+class FeaturesToEmbeddings:
+    """The served ``embedding_lookup`` step: raw request tensors in, the dense network's inputs out.
+
+    The feature transform and the lookup run in one process, so the keys never cross a process
+    boundary: one Python hop before ``dense`` instead of two.
+    """
+
+    def __init__(self, spec: ModelSpec, lookup: EmbeddingLookup) -> None:
+        self.spec = spec
+        self.transform = FeatureTransform(spec)
+        self.lookup = lookup
+        self.input_names = tuple(t.name for t in spec.wire_inputs())
+        #: what the transform computes that goes on to ``dense`` as it is: dense values and masks
+        self.masks = tuple(g.mask for g in wire.attention_inputs(spec))
+        self.passed = (wire.DENSE_NORMALIZED, *self.masks)
+        self.histories = wire.sequence_inputs(spec)
+        self.left_padded = wire.left_padded_inputs(spec)
+        #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
+        self.candidate_input_names = tuple(
+            dict.fromkeys(t.name for t in (*wire.candidate_step_inputs(spec), *spec.user_inputs()))
+        )
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
+        """The dense contract's inputs and ``embedding_version`` for one (merged) batch of raw tensors.
+
+        Raises:
+            InvalidInput: naming the first offending input and value.
+        """
+        features = self.transform.transform(inputs)
+        passed = {n: features[n] for n in self.passed if n in features}
+        return {**passed, **self.lookup.lookup(features)}
+
+    def candidates(
+        self, inputs: Mapping[str, np.ndarray], expand: bool = False
+    ) -> dict[str, np.ndarray | torch.Tensor]:
+        """The same for one candidate-list request, each user's sequences transformed and looked up once.
+
+        The per-candidate inputs of the dense contract come back as ``candidate_<name>``,
+        ``[U, N, ...]``, and the history and its mask with one row per user, ``[U, L, ...]``
+        (what ``dense`` takes from the candidates ensemble); ``embedding_version`` has a row per
+        candidate. With ``expand``, the row form's outputs instead: every candidate row with its
+        user's history (for a ``dense`` that takes rows only). See
+        :func:`recserve.wire.candidate_rows` for the inputs.
+
+        Raises:
+            InvalidInput: naming the first offending input (as the client named it) and value.
+        """
+        rows, users = wire.candidate_rows(self.spec, inputs)
+        count = int(users[-1]) + 1
+        features = self.transform.transform(rows, users=count)
+        out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
+        out.update(self.lookup.lookup(features, users))
+        if expand:
+            for name in self.histories:
+                out[name] = take_rows(out[name], users)
+            return out
+        for name in wire.per_candidate_dense_inputs(self.spec):
+            array = out.pop(name)
+            out[wire.CANDIDATE_PREFIX + name] = array.reshape(count, users.size // count, *array.shape[1:])
+        return out
+
+    def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""
+        if self.spec.sequence is None:
+            return 1
+        longest = max(int(np.max(inputs[g.length_input], initial=0)) for g in self.spec.attention_groups)
+        return self.spec.sequence_bucket(max(longest, 1))
