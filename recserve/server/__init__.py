@@ -1,5 +1,6 @@
 """Run the real tritonserver over a repository: runtime, security, process, MPS, stub watchdog, supervisor."""
 
+from recserve.server.child import ChildProcess, Started, stop_process
 from recserve.server.mps import MpsDaemon, require_gpu, visible_gpus
 from recserve.server.process import (
     LOOPBACK,
@@ -8,7 +9,6 @@ from recserve.server.process import (
     port_in_use,
     run_child,
     server_command,
-    stop_process,
 )
 from recserve.server.runtime import ServerError, prepare_runtime, runtime_dir, server_env
 from recserve.server.security import ADMIN_HEADER, GRPC_HEADER_PREFIX, Security
@@ -18,12 +18,14 @@ from recserve.server.watchdog import StubWatchdog, ensemble_names, expected_stub
 __all__ = [
     "ADMIN_HEADER",
     "Backoff",
+    "ChildProcess",
     "GRPC_HEADER_PREFIX",
     "LOOPBACK",
     "MpsDaemon",
     "Ports",
     "Security",
     "ServerError",
+    "Started",
     "StubWatchdog",
     "Supervisor",
     "TritonServer",

@@ -16,9 +16,8 @@ import urllib.request
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import BinaryIO
 
+from recserve.server.child import ChildProcess, read_tail
 from recserve.server.runtime import ServerError, prepare_runtime, server_env
 from recserve.server.security import Security
 from recserve.server.shm import backend_argument, region_prefix, remove_regions
@@ -93,19 +92,7 @@ def port_in_use(port: int, host: str = LOOPBACK) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def stop_process(process: subprocess.Popen[bytes], timeout_s: float, signum: int = signal.SIGTERM) -> int:
-    """Send ``signum`` to a running child, SIGKILL it after ``timeout_s``; returns its exit code."""
-    if process.poll() is None:
-        process.send_signal(signum)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
-
-
-class TritonServer:
+class TritonServer(ChildProcess):
     """A tritonserver child process: started, watched until ready, stopped with SIGINT.
 
     Use as a context manager. The server log goes to ``log_path`` (or, when None, to this process's
@@ -126,17 +113,15 @@ class TritonServer:
         config_name: str | None = None,
         cpus: frozenset[int] | None = None,
     ) -> None:
+        super().__init__(log_path)
         self.repository = repository
         self.ports = ports or Ports()
-        self.log_path = log_path
         self.host = host
         self.security = security or Security()
         self.exit_timeout_s = exit_timeout_s
         self.config_name = config_name
         self.cpus = cpus
-        self.process: subprocess.Popen[bytes] | None = None
         self.watchdog: StubWatchdog | None = None
-        self._log: BinaryIO | None = None  # the server log while running, when log_path is set
         self._tail: deque[str] = deque(maxlen=200)  # the last lines, when log_path is None
         self._stopping = threading.Event()  # set by stop(): a start in progress gives up
         self.shm_prefix = region_prefix()
@@ -172,12 +157,10 @@ class TritonServer:
         if self._stopping.is_set() and self.process is None:  # stopped before it started
             raise ServerError("tritonserver was stopped before it started")
         self._stopping.clear()
-        log = open(self.log_path, "wb") if self.log_path else None  # closed in stop()
-        self._log = log
         extra = [f"--model-config-name={self.config_name}"] if self.config_name else []
         extra.append(backend_argument(self.shm_prefix))
         cpus = self.cpus
-        self.process = subprocess.Popen(
+        self.spawn(
             server_command(
                 self.repository,
                 self.ports,
@@ -187,11 +170,9 @@ class TritonServer:
                 exit_timeout_s=self.exit_timeout_s,
             ),
             env=server_env(),
-            stdout=log or subprocess.PIPE,
-            stderr=subprocess.STDOUT,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
-        if log is None:
+        if self.log_path is None:
             threading.Thread(target=self._echo, name="tritonserver-log", daemon=True).start()
         self.wait_ready(timeout_s)
         if self.security.model_control == "explicit":
@@ -238,9 +219,7 @@ class TritonServer:
         """The last lines of the server log."""
         if not self.log_path:
             return "\n".join(list(self._tail)[-lines:]) or "(no output)"
-        if not self.log_path.exists():
-            return "(log not captured)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return read_tail(self.log_path, lines, missing="(log not captured)")
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Stop taking ensemble requests and wait until the accepted ones have finished.
@@ -290,7 +269,7 @@ class TritonServer:
             self.watchdog.stop()
         if self.process.poll() is None:
             self.drain()
-        stop_process(self.process, timeout_s, signum)
+        self.halt(timeout_s, signum)
         for stub in orphaned_stubs(self.process.pid):  # left by a server that was killed
             LOGGER.warning("killing stub %d left by the dead tritonserver %d", stub, self.process.pid)
             with contextlib.suppress(ProcessLookupError):
@@ -300,17 +279,7 @@ class TritonServer:
             LOGGER.warning(
                 "removed %d bytes of shared memory left by tritonserver %d", freed, self.process.pid
             )
-        if self._log is not None:
-            self._log.close()
         return self.process.returncode
-
-    def __enter__(self) -> TritonServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def run_child(command: list[str], env: dict[str, str]) -> int:
