@@ -11,12 +11,10 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from types import TracebackType
-from typing import BinaryIO
 
 from recserve.access.admin import AdminClient
 from recserve.access.config import AccessError
-from recserve.server import stop_process
+from recserve.server import ChildProcess
 
 
 def envoy_binary() -> Path:
@@ -54,7 +52,7 @@ def validate(config_path: Path, binary: Path | None = None, timeout_s: float = 6
     return output
 
 
-class EnvoyProxy:
+class EnvoyProxy(ChildProcess):
     """One Envoy process over a config file: validated, started, watched until ready, stopped by PID.
 
     Args:
@@ -76,19 +74,13 @@ class EnvoyProxy:
         cpus: frozenset[int] | None = None,
         priority: int = 0,
     ) -> None:
+        super().__init__(log_path)
+        self.log_path: Path = log_path
         self.config_path = config_path
         self.admin = AdminClient(admin_url)
-        self.log_path = log_path
         self.workers = workers
         self.cpus = cpus
         self.priority = priority
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: BinaryIO | None = None
-
-    @property
-    def pid(self) -> int | None:
-        """The process id while started."""
-        return self.process.pid if self.process is not None else None
 
     def start(self, timeout_s: float = 30.0) -> EnvoyProxy:
         """Validate the config, start Envoy and wait until its admin API says it is live."""
@@ -96,7 +88,6 @@ class EnvoyProxy:
         validate(self.config_path, binary)
         command = [str(binary), "-c", str(self.config_path), "--concurrency", str(self.workers)]
         command += ["--disable-hot-restart", "--log-level", "warn"]
-        self._log = open(self.log_path, "wb")  # closed in stop()
         cpus, priority = self.cpus, self.priority
 
         def placed() -> None:  # in the child, before exec
@@ -108,18 +99,14 @@ class EnvoyProxy:
                 except PermissionError:
                     pass
 
-        self.process = subprocess.Popen(
-            command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=placed if cpus or priority else None,
+        process = self.spawn(
+            command, stdin=subprocess.DEVNULL, preexec_fn=placed if cpus or priority else None
         )
         deadline = time.monotonic() + timeout_s
         while not self.admin.is_ready():
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 self.stop()
-                raise AccessError(f"envoy exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise AccessError(f"envoy exited with {process.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self.stop()
                 raise AccessError(f"envoy not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
@@ -143,26 +130,6 @@ class EnvoyProxy:
                 raise AccessError(f"clusters {pending} not healthy after {timeout_s:.0f} s")
             time.sleep(0.1)
 
-    def log_tail(self, lines: int = 40) -> str:
-        """The last lines of Envoy's log."""
-        if not self.log_path.exists():
-            return "(no log)"
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM to the PID, SIGKILL after ``timeout_s``; returns the exit code."""
-        if self.process is None:
-            return None
-        stop_process(self.process, timeout_s)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self.process.returncode
-
-    def __enter__(self) -> EnvoyProxy:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return self.halt(timeout_s)
