@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,9 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
-from recserve.server import LOOPBACK, Ports, port_in_use
+from recserve.server import LOOPBACK, ChildProcess, Ports, port_in_use
 
 LOGGER = logging.getLogger(__name__)
 
@@ -75,18 +73,18 @@ def _bin(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
-class TorchServe:
+class TorchServe(ChildProcess):
     """A TorchServe process serving ``ctr`` from the built repository, on free loopback ports."""
 
     def __init__(
         self, spec_path: Path, repository: Path, workdir: Path, settings: TorchServeSettings | None = None
     ) -> None:
+        super().__init__(workdir / "torchserve.log", new_group=True)
         self.spec_path = spec_path
         self.repository = repository
         self.workdir = workdir
         self.settings = settings or TorchServeSettings()
         self.ports = Ports.free()
-        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def inference_url(self) -> str:
@@ -142,11 +140,10 @@ class TorchServe:
         )
         env["LOG_LOCATION"] = str(self.workdir / "logs")
         env["METRICS_LOCATION"] = str(self.workdir / "logs")
-        self._log = open(self.workdir / "torchserve.log", "wb")  # closed in stop()
-        self.process = subprocess.Popen(
+        self.spawn(  # in a process group of its own: the Java frontend and the Python workers
             [_bin("torchserve"), "--start", "--foreground", "--ncs", "--disable-token-auth",
              "--ts-config", str(config), "--model-store", str(store)],
-            cwd=self.workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=self.workdir, env=env,
         )  # fmt: skip
         self._wait_ready(timeout_s)
         return self
@@ -168,35 +165,10 @@ class TorchServe:
         self.stop()
         raise TorchServeError(f"torchserve not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
-        """The last lines of TorchServe's console log."""
-        path = self.workdir / "torchserve.log"
-        return (
-            "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
-        )
-
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the process group this object started, SIGKILL after ``timeout_s``."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        try:  # the Java frontend and Python workers share the group; make sure none outlives us
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
+        """SIGTERM to the process group this object started, SIGKILL after ``timeout_s``.
+
+        The Java frontend and the Python workers share the group: none outlives the stop.
+        """
+        self.halt(timeout_s)
         self.process = None
-
-    def __enter__(self) -> TorchServe:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

@@ -132,3 +132,25 @@ def test_leaving_the_block_stops_even_after_an_error():
     except ValueError:
         pass
     assert calls == ["start", "stop"]
+
+
+def test_torchserve_is_stopped_with_its_whole_group_and_its_log_read_from_its_workdir(tmp_path):
+    from recserve.perf.torchserve import TorchServe
+
+    code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {STUBBORN!r}])\n"
+        "print('worker', p.pid, flush=True)\ntime.sleep(60)"
+    )
+    server = TorchServe(tmp_path / "spec.toml", tmp_path / "repository", tmp_path)
+    server.spawn([sys.executable, "-c", code])  # stands in for the Java frontend and its workers
+    log = tmp_path / "torchserve.log"
+    wait_for(log, "up")
+    worker = int(next(line for line in log.read_text().splitlines() if "worker" in line).split()[1])
+    server.stop()
+    assert server.process is None
+    deadline = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not alive(worker)
+    assert "worker" in server.log_tail()
