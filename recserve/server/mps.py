@@ -7,8 +7,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from types import TracebackType
 
+from recserve.server.child import Started
 from recserve.server.runtime import ServerError
 
 LOGGER = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def require_gpu() -> list[str]:
     return gpus
 
 
-class MpsDaemon:
+class MpsDaemon(Started):
     """The NVIDIA MPS control daemon, started before tritonserver and stopped after it.
 
     With MPS, the CUDA contexts of all instance processes (one per Python-backend instance) share
@@ -86,11 +86,3 @@ class MpsDaemon:
         )
         self.running = False
         LOGGER.info("MPS control daemon stopped")
-
-    def __enter__(self) -> MpsDaemon:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
