@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,9 @@ Arrays = dict[str, np.ndarray]
 #: The errors this stub process (one model instance) answered with, by code; every
 #: :class:`MetricsPublisher` of the process publishes them.
 REQUEST_ERRORS = RequestErrorCounts()
+#: Each metric update is a message from the stub to the server: the request path publishes at most
+#: this often (:meth:`MetricsPublisher.publish_due`).
+METRICS_INTERVAL_S = 1.0
 
 
 def install_bytes_decoder() -> None:
@@ -294,15 +299,40 @@ class MetricsPublisher:
     sent, because every update is a message from the stub to the server. The first time a sample
     is seen its metric is created even at 0 (a counter without an increment, a gauge set), so every
     label combination a producer declares is on the endpoint from the first publication on.
+
+    A model publishes through :meth:`publish_now` (in ``initialize``, from a background thread,
+    in ``finalize``) and :meth:`publish_due` (after each batch: at most once every ``interval_s``).
+    Both take the samples and send them under one lock, so the request path and a background
+    thread may publish at the same time.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, interval_s: float = METRICS_INTERVAL_S) -> None:
         self.families: dict[str, Any] = {}  # keep references: metrics of a deleted family fail
         self.metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self.published: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self.interval_s = interval_s
+        self.published_at = 0.0  # time.monotonic() of the last publish_due that published
+        self.lock = threading.Lock()
+
+    def publish_now(self, samples: Callable[[], Sequence[MetricSample]]) -> None:
+        """Take ``samples()`` and send what changed, under the publisher's lock."""
+        with self.lock:
+            self.publish(samples())
+
+    def publish_due(self, samples: Callable[[], Sequence[MetricSample]], force: bool = False) -> None:
+        """:meth:`publish_now` if ``interval_s`` has passed since the last call that published, or ``force``.
+
+        The first call publishes (the interval counts from the start of the monotonic clock).
+        """
+        if force or time.monotonic() - self.published_at >= self.interval_s:
+            self.published_at = time.monotonic()
+            self.publish_now(samples)
 
     def publish(self, samples: Sequence[MetricSample]) -> None:
-        """Send what changed since the last call (and the process's error counts by code)."""
+        """Send what changed since the last call (and the process's error counts by code), unlocked.
+
+        The adapters copied into repositories built before :meth:`publish_now` call this directly.
+        """
         for sample in [*samples, *REQUEST_ERRORS.samples()]:
             key = (sample.name, sample.labels)
             previous = self.published.get(key, 0.0 if sample.kind == "counter" else None)

@@ -1,7 +1,6 @@
 """Triton model ``dense``: the network behind the bucket policy (see recserve.backends.dense.runner)."""
 
 import functools
-import time
 
 import numpy as np
 
@@ -16,8 +15,6 @@ from recserve.backends.triton.adapter import (
     execute_checked_merged,
     instance_device,
 )
-
-METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
 
 
 class TritonPythonModel:
@@ -35,8 +32,7 @@ class TritonPythonModel:
         self.left_padded = wire.left_padded_inputs(context.spec)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
-        self.metrics.publish(self.samples())
-        self.published_at = 0.0
+        self.metrics.publish_now(self.samples)
 
     def execute(self, requests: list) -> list:
         """Finite probabilities for every valid request; metrics published at most once a second."""
@@ -57,9 +53,7 @@ class TritonPythonModel:
             lambda lists: execute_alone(lists, self.step.lists.input_names, self.score_list),
         )
         # published after every warm-up batch, so the counts are whole once the model is READY
-        if not served or time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
-            self.published_at = time.monotonic()
-            self.metrics.publish(self.samples())
+        self.metrics.publish_due(self.samples, force=not served)
         return responses
 
     def samples(self) -> list:
@@ -84,4 +78,4 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop background compiles; publish the last counts."""
         self.step.close()
-        self.metrics.publish(self.samples())
+        self.metrics.publish_now(self.samples)

@@ -4,9 +4,6 @@ The feature transform (recserve.backends.features.transform) and the tiered stor
 (recserve.backends.store.tiered) run here together; see recserve.backends.steps.lookup.FeaturesToEmbeddings.
 """
 
-import threading
-import time
-
 from recserve import wire
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.served import ServedStore
@@ -18,8 +15,6 @@ from recserve.backends.triton.adapter import (
     execute_merged_or_alone,
     instance_device,
 )
-
-METRICS_INTERVAL_S = 1.0  # each metric update is a message to the server: publish at most this often
 
 
 class TritonPythonModel:
@@ -39,18 +34,15 @@ class TritonPythonModel:
             instance_device(args),
         )
         self.step = FeaturesToEmbeddings(context.spec, lookup)
-        self.metrics = MetricsPublisher()
-        self.metrics_lock = threading.Lock()  # the request path and the upkeep thread both publish
+        self.metrics = MetricsPublisher()  # the request path and the upkeep thread both publish
         # every declared series exists (at 0) before the first request
-        self.metrics.publish(self.served.samples())
-        self.published_at = 0.0
+        self.metrics.publish_now(self.served.samples)
         # a newly applied version shows on the metrics endpoint without waiting for a request
         self.served.maintainer.after_step.append(self.publish_versions)
 
     def publish_versions(self) -> None:
         """Publish the served table versions (from the upkeep thread, after each round)."""
-        with self.metrics_lock:
-            self.metrics.publish(self.served.version_samples())
+        self.metrics.publish_now(self.served.version_samples)
 
     def execute(self, requests: list) -> list:
         """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s.
@@ -71,10 +63,7 @@ class TritonPythonModel:
             ),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
-        if time.monotonic() - self.published_at >= METRICS_INTERVAL_S:
-            self.published_at = time.monotonic()
-            with self.metrics_lock:
-                self.metrics.publish(self.served.samples())
+        self.metrics.publish_due(self.served.samples)
         return responses
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
@@ -89,5 +78,4 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop the upkeep thread; publish the last counts."""
         self.served.close()
-        with self.metrics_lock:
-            self.metrics.publish(self.served.samples())
+        self.metrics.publish_now(self.served.samples)
