@@ -20,6 +20,7 @@ import numpy as np
 
 from recserve import wire
 from recserve.backends.base.artifacts import read_manifest, verified_path
+from recserve.backends.base.inputs import require
 from recserve.backends.base.metrics import ScoreHistogram
 from recserve.backends.dense.buckets import (
     Arrays,
@@ -29,7 +30,6 @@ from recserve.backends.dense.buckets import (
     pad_to_bucket,
     spec_buckets,
 )
-from recserve.backends.features.transform import require
 from recserve.errors import ArtifactError, InvalidInput, NonFiniteOutput
 from recserve.spec import ModelSpec
 

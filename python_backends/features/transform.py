@@ -26,11 +26,11 @@ from dataclasses import replace
 import numpy as np
 
 from recserve import wire
+from recserve.backends.base.inputs import require
 from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.errors import InvalidInput, shorten
 from recserve.spec import (
-    NUMPY_DTYPES,
     CategoricalFeature,
     CategoricalGroup,
     Feature,
@@ -39,25 +39,6 @@ from recserve.spec import (
     SequenceFeature,
 )
 from recserve.wire import ABSENT_ITEM, categorical_values, join_list, multi_hot_values, time_part
-
-
-def require(
-    inputs: Mapping[str, np.ndarray], name: str, dtype: str, rows: int | None, width: int | None
-) -> np.ndarray:
-    """Fetch one input and check its dtype and 2-D shape ``[rows, width]`` (None: any)."""
-    if name not in inputs or inputs[name] is None:
-        raise InvalidInput(name, "is required but missing")
-    array = inputs[name]
-    expected = np.dtype(NUMPY_DTYPES[dtype])
-    if array.dtype != expected and not (expected == np.dtype(object) and array.dtype.kind in "SO"):
-        raise InvalidInput(name, f"has dtype {array.dtype}, expected {dtype}")
-    if array.ndim != 2:
-        raise InvalidInput(name, f"has shape {list(array.shape)}, expected [batch, ...] with 2 dims")
-    if rows is not None and array.shape[0] != rows:
-        raise InvalidInput(name, f"has {array.shape[0]} rows, other inputs have {rows}")
-    if width is not None and array.shape[1] != width:
-        raise InvalidInput(name, f"has shape {list(array.shape)}, expected [{array.shape[0]}, {width}]")
-    return array
 
 
 class FeatureTransform:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recserve import wire
-from recserve.backends.features.transform import FeatureTransform, require
+from recserve.backends.base.inputs import require
+from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.errors import ArtifactError
 from recserve.spec import ModelSpec

@@ -30,7 +30,7 @@ ALLOWED = {
     "recserve.backends.base": BOTTOM,
     "recserve.backends.features": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
-    "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE, "recserve.backends.features"),
+    "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE),
     "recserve.backends.steps": (
         *BOTTOM,
         *BACKEND_BASE,

@@ -1,0 +1,29 @@
+"""One request input fetched and checked against the dtype and 2-D shape a step expects."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from recserve.errors import InvalidInput
+from recserve.spec import NUMPY_DTYPES
+
+
+def require(
+    inputs: Mapping[str, np.ndarray], name: str, dtype: str, rows: int | None, width: int | None
+) -> np.ndarray:
+    """Fetch one input and check its dtype and 2-D shape ``[rows, width]`` (None: any)."""
+    if name not in inputs or inputs[name] is None:
+        raise InvalidInput(name, "is required but missing")
+    array = inputs[name]
+    expected = np.dtype(NUMPY_DTYPES[dtype])
+    if array.dtype != expected and not (expected == np.dtype(object) and array.dtype.kind in "SO"):
+        raise InvalidInput(name, f"has dtype {array.dtype}, expected {dtype}")
+    if array.ndim != 2:
+        raise InvalidInput(name, f"has shape {list(array.shape)}, expected [batch, ...] with 2 dims")
+    if rows is not None and array.shape[0] != rows:
+        raise InvalidInput(name, f"has {array.shape[0]} rows, other inputs have {rows}")
+    if width is not None and array.shape[1] != width:
+        raise InvalidInput(name, f"has shape {list(array.shape)}, expected [{array.shape[0]}, {width}]")
+    return array
