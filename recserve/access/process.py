@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
 
 from recserve.access import canary
 from recserve.access.admin import AdminClient
@@ -30,7 +29,7 @@ from recserve.access.config import (
 from recserve.access.envoy import EnvoyProxy, envoy_binary, validate
 from recserve.access.front_door import FrontDoor
 from recserve.sections import AccessSection
-from recserve.server import Backoff, Ports, Supervisor, TritonServer, port_in_use
+from recserve.server import Backoff, Ports, Started, Supervisor, TritonServer, port_in_use
 
 __all__ = ["AccessLayer", "EnvoyProxy", "envoy_binary", "run_foreground", "validate"]
 
@@ -40,7 +39,7 @@ CONFIG_FILE = "envoy.json"
 SUPERVISOR_FILE = "supervisor.json"  # per server: crashes, restarts, last cause (see Supervisor)
 
 
-class AccessLayer:
+class AccessLayer(Started):
     """Envoy in front of the variants' tritonservers, all on loopback except the public listeners.
 
     Use as a context manager. Everything is stopped by PID on exit: the proxy first, so that no new
@@ -237,14 +236,6 @@ class AccessLayer:
             for i, s in enumerate(replicas)
         ]
         return "\n".join(parts)
-
-    def __enter__(self) -> AccessLayer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def run_foreground(layer: AccessLayer, on_ready: Callable[[AccessLayer], None] | None = None) -> int:
