@@ -1,9 +1,12 @@
 """The dependency direction of the packages, checked on every import (lazy ones included).
 
 Bottom: the spec, the wire names and the domain errors. Above them the backends that run inside
-tritonserver, then the build; perf, the command line, the server process and the access layer (the
-proxy in front of the servers, which depends only on them and the bottom) on top. The client SDK
-depends only on the bottom layer, so a client installs without the server's code paths.
+tritonserver, in floors of their own (one rule per folder): ``base/`` on the bottom alone; the
+subsystems ``features/``, ``store/`` and ``dense/`` on the base, never on each other; ``steps/``
+composed from the subsystems; ``triton/`` (the adapters) on anything in the backends. Then the
+build; perf, the command line, the server process and the access layer (the proxy in front of the
+servers, which depends only on them and the bottom) on top. The client SDK depends only on the
+bottom layer, so a client installs without the server's code paths.
 """
 
 import ast
@@ -21,6 +24,7 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
 }
 BOTTOM = ("recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
 BACKEND_BASE = ("recserve.backends.base",)
+BACKEND_SUBSYSTEMS = ("recserve.backends.features", "recserve.backends.store", "recserve.backends.dense")
 #: module prefix -> the prefixes it may import (besides itself); the first matching prefix rules
 ALLOWED = {
     "recserve.sections": (),
@@ -28,17 +32,10 @@ ALLOWED = {
     "recserve.errors": (),
     "recserve.wire": BOTTOM,
     "recserve.backends.base": BOTTOM,
-    "recserve.backends.features": (*BOTTOM, *BACKEND_BASE),
-    "recserve.backends.store": (*BOTTOM, *BACKEND_BASE),
-    "recserve.backends.dense": (*BOTTOM, *BACKEND_BASE),
-    "recserve.backends.steps": (
-        *BOTTOM,
-        *BACKEND_BASE,
-        "recserve.backends.features",
-        "recserve.backends.store",
-        "recserve.backends.dense",
-    ),
+    **{subsystem: (*BOTTOM, *BACKEND_BASE) for subsystem in BACKEND_SUBSYSTEMS},
+    "recserve.backends.steps": (*BOTTOM, *BACKEND_BASE, *BACKEND_SUBSYSTEMS),
     "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
+    # the package itself and the old path of steps.lookup (the root's contents: a test below)
     "recserve.backends": (*BOTTOM, "recserve.backends.steps"),
     "recserve.build": (*BOTTOM, "recserve.backends"),
     "recserve.clients": BOTTOM,
@@ -118,3 +115,35 @@ def test_upward_and_sideways_imports_are_caught():
         "recserve.build.configs"
     ]
     assert not within("recserve.backends.storex", "recserve.backends.store")
+
+
+def test_the_backends_floors_are_kept():
+    assert violations(
+        "recserve.backends.base.metrics", {"recserve.backends.store.tiered", "recserve.spec"}
+    ) == ["recserve.backends.store.tiered"]
+    assert violations("recserve.backends.dense.runner", {"recserve.backends.features.transform"}) == [
+        "recserve.backends.features.transform"
+    ]
+    assert violations("recserve.backends.store.tiered", {"recserve.backends.features.hashing"}) == [
+        "recserve.backends.features.hashing"
+    ]
+    assert violations("recserve.backends.store.served", {"recserve.backends.steps.lookup"}) == [
+        "recserve.backends.steps.lookup"
+    ]
+    assert violations("recserve.backends.steps.lookup", {"recserve.backends.triton.adapter"}) == [
+        "recserve.backends.triton.adapter"
+    ]
+    assert (
+        violations(
+            "recserve.backends.steps.pipeline",
+            {"recserve.backends.base.artifacts", "recserve.backends.store.tiered", "recserve.backends.dense"},
+        )
+        == []
+    )
+    assert violations("recserve.backends.triton.models.dense", {"recserve.backends.steps.lookup"}) == []
+
+
+def test_the_backends_root_holds_only_the_package_and_the_old_lookup_path():
+    """Every other module of the backends sits in the folder of its floor."""
+    root = ROOT / PACKAGE_DIRS["recserve.backends"]
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py", "lookup.py"]
