@@ -1,11 +1,15 @@
-"""The one place that speaks ``triton_python_backend_utils``: request loops and error mapping.
+"""The one place that speaks ``triton_python_backend_utils``: request loops, error mapping, metrics.
 
 ``model.py`` files stay thin: they build a plain object from :mod:`recserve.backends` in
-``initialize`` and hand their requests to :func:`execute_merged_or_alone` or
-:func:`execute_checked_merged`. Every request gets exactly one response; a
-:class:`~recserve.errors.RequestError` fails its own request with its code; any other exception
-fails the requests it touched with a generic message (the details go to the server log, never to
-the client).
+``initialize`` and hand their requests to one of the request loops: :func:`execute_merged_or_alone`
+(one merged call, redone request by request if it fails), :func:`execute_checked_merged` (each
+request checked alone, the valid ones computed together), :func:`execute_alone` (each request by
+itself), and :func:`execute_by_form` (which sends a batch's two request forms to two of those).
+Their counters reach the metrics endpoint through one :class:`MetricsPublisher` each.
+
+Every request gets exactly one response; a :class:`~recserve.errors.RequestError` fails its own
+request with its code; any other exception fails the requests it touched with a generic message
+(the details go to the server log, never to the client).
 """
 
 from __future__ import annotations
