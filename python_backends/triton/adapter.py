@@ -335,7 +335,7 @@ class MetricsPublisher:
     def publish(self, samples: Sequence[MetricSample]) -> None:
         """Send what changed since the last call (and the process's error counts by code), unlocked.
 
-        The adapters copied into repositories built before :meth:`publish_now` call this directly.
+        :meth:`publish_now` and :meth:`publish_due` call it under the lock.
         """
         for sample in [*samples, *REQUEST_ERRORS.samples()]:
             key = (sample.name, sample.labels)

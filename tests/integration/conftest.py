@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from recserve.build.repository import build_repository, is_built
+from recserve.build.repository import build_repository, install_adapters, is_built
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 from tests.conftest import ROOT
@@ -17,8 +17,13 @@ _SERVER: TritonServer | None = None
 
 @pytest.fixture(scope="session")
 def repository(spec: ModelSpec) -> Path:
-    """The default repository, built from the spec (``make build`` does this before the tests)."""
-    if not is_built(spec, REPOSITORY):
+    """The default repository, built from the spec (``make build`` does this before the tests).
+
+    A repository built earlier gets this tree's adapters, as ``recserve build --if-missing`` does.
+    """
+    if is_built(spec, REPOSITORY):
+        install_adapters(spec, REPOSITORY)
+    else:
         build_repository(spec, REPOSITORY)
     return REPOSITORY
 

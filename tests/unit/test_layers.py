@@ -143,7 +143,7 @@ def test_the_backends_floors_are_kept():
     assert violations("recserve.backends.triton.models.dense", {"recserve.backends.steps.lookup"}) == []
 
 
-def test_the_backends_root_holds_only_the_package_and_the_old_lookup_path():
+def test_the_backends_root_holds_only_the_package():
     """Every other module of the backends sits in the folder of its floor."""
     root = ROOT / PACKAGE_DIRS["recserve.backends"]
-    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py", "lookup.py"]
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
