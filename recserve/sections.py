@@ -156,7 +156,9 @@ class QueuePolicy:
 
 
 #: The steps of the ensemble, in request order: each a separately configured Triton model (and a
-#: key of ``[serving.instances]``).
+#: key of ``[serving.instances]``). ``embedding_lookup`` takes the raw features (feature transform and
+#: lookup in one Python hop) and hands ``dense`` exactly the inputs of the dense contract
+#: (:func:`recserve.wire.dense_contract`, which re-exports these names).
 EMBEDDING_LOOKUP = "embedding_lookup"
 DENSE = "dense"
 STEPS = (EMBEDDING_LOOKUP, DENSE)

@@ -18,13 +18,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from recserve.errors import InvalidInput, cap_message, shorten
-from recserve.sections import DENSE, EMBEDDING_LOOKUP
-from recserve.spec import NUMERIC_INPUT, CategoricalGroup, ModelSpec, RawColumn, WireTensor
 
-#: The steps of the ensemble (:data:`recserve.sections.STEPS`): ``embedding_lookup`` takes the raw
-#: features (feature transform and lookup in one Python hop) and hands ``dense`` exactly the inputs
-#: of the dense contract (:func:`dense_contract`).
-STEPS = (EMBEDDING_LOOKUP, DENSE)
+# re-exported: the steps beside the tensors between them
+from recserve.sections import DENSE as DENSE
+from recserve.sections import EMBEDDING_LOOKUP as EMBEDDING_LOOKUP
+from recserve.sections import STEPS as STEPS
+from recserve.spec import NUMERIC_INPUT, CategoricalGroup, ModelSpec, RawColumn, WireTensor
 
 DENSE_NORMALIZED = "dense_normalized"
 SPARSE_KEYS = "sparse_keys"
