@@ -10,10 +10,12 @@ Tiers, tried in order for every key of a batch at once (no per-key Python loop a
     L3     optional remote tier (Redis Cluster) behind a deadline and a circuit breaker
     default  the table's trained out-of-vocabulary row
 
-Every table has the model's embedding width. Rows are grouped into one *shard* per storage dtype
-(:mod:`.shards`); the L1 cache is in :mod:`.hot_cache`. A lookup reads the
-current :class:`Snapshot` once and uses only it: an update builds a new snapshot and swaps one
-reference, so a batch sees a whole version of every table or none of it.
+Every table has its own width (``[tables.NAME] dim``, else the model's ``embedding_dim``). Rows are
+grouped into one *shard* per storage dtype and width (:mod:`.shards`); the L1 cache is in
+:mod:`.hot_cache`. A lookup returns every vector at the widest table's width
+(:attr:`TieredStore.dim`), a narrower table's zero-padded to it. A lookup reads the current
+:class:`Snapshot` once and uses only it: an update builds a new snapshot and swaps one reference,
+so a batch sees a whole version of every table or none of it.
 """
 
 from __future__ import annotations
