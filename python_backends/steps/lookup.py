@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recserve import wire
-from recserve.backends.base.inputs import require
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.errors import ArtifactError
@@ -107,32 +106,10 @@ class EmbeddingLookup:
         served.maintainer.after_step.append(device_l1.follow)
         return cls(spec, served.store, device_l1)
 
-    def check(
-        self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
-    ) -> dict[str, np.ndarray]:
-        """Validate one request's key tensors (``users``: as for :meth:`lookup`)."""
-        sparse = require(inputs, wire.SPARSE_KEYS, "INT64", None, self.single)
-        rows = sparse.shape[0]
-        checked = {wire.SPARSE_KEYS: sparse}
-        if self.multi_width:
-            checked[wire.MULTI_HOT_KEYS] = require(
-                inputs, wire.MULTI_HOT_KEYS, "INT64", rows, self.multi_width
-            )
-            checked[wire.MULTI_HOT_WEIGHTS] = require(
-                inputs, wire.MULTI_HOT_WEIGHTS, "FP32", rows, self.multi_width
-            )
-        if len(self.sequence_tables):
-            checked[wire.TARGET_KEY] = require(
-                inputs, wire.TARGET_KEY, "INT64", rows, len(self.sequence_tables)
-            )
-            owners = rows if users is None else int(users.max(initial=-1)) + 1
-            checked[wire.HISTORY_KEYS] = require(inputs, wire.HISTORY_KEYS, "INT64", owners, None)
-        return checked
-
     def key_blocks(
         self, inputs: Mapping[str, np.ndarray]
     ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
-        """Keys and table ids of checked inputs, in two blocks.
+        """Keys and table ids of the transform's inputs, in two blocks.
 
         Per row ``[B, F + M + T]``: the single-valued features, the multi-hot values and the targets.
         Per history owner ``[H, S * W]`` (each row, or each user of a candidate list): each sequence's
@@ -150,7 +127,7 @@ class EmbeddingLookup:
         )
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """The key and table-id matrices of checked row-form inputs, side by side.
+        """The key and table-id matrices of the transform's row-form inputs, side by side.
 
         ``[B, F + M + T + S * W]``: the single-valued features, the multi-hot values, the targets and
         each sequence's positions.
@@ -161,7 +138,7 @@ class EmbeddingLookup:
         return np.concatenate([keys, history[0]], axis=1), np.concatenate([table_ids, history[1]], axis=1)
 
     def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup | DeviceLookup:
-        """The store's answer for every key of a checked batch (vectors, tiers, snapshot), in one call.
+        """The store's answer for every key of a batch (vectors, tiers, snapshot), in one call.
 
         The vectors come back as the row block, then the history block, of :meth:`key_blocks`.
         """
@@ -192,20 +169,20 @@ class EmbeddingLookup:
         that served the batch.
 
         Args:
-            inputs: the keys of :class:`~recserve.backends.features.transform.FeatureTransform`.
+            inputs: the keys as :class:`~recserve.backends.features.transform.FeatureTransform` made
+                them from the checked request tensors (not checked again here).
             users: for a candidate list, each row's user: the history keys have one row per user,
                 looked up once, and so does the history returned. None: one history per row.
         """
-        checked = self.check(inputs, users)
-        result = self.lookup_keys(checked)
-        rows, single, multi = checked[wire.SPARSE_KEYS].shape[0], self.single, self.multi_width
+        result = self.lookup_keys(inputs)
+        rows, single, multi = inputs[wire.SPARSE_KEYS].shape[0], self.single, self.multi_width
         width, dim = len(self.column_tables), self.store.dim
         vectors = result.vectors[: rows * width].reshape(rows, width, dim)
         versions = self.table_versions(result.snapshot)
         sparse = vectors[:, :single]
         if multi:  # host path only (see __init__)
             weighted = (
-                np.asarray(vectors[:, single : single + multi]) * checked[wire.MULTI_HOT_WEIGHTS][:, :, None]
+                np.asarray(vectors[:, single : single + multi]) * inputs[wire.MULTI_HOT_WEIGHTS][:, :, None]
             )
             pooled = np.einsum("bmd,mk->bkd", weighted, self.pooling)
             sparse = np.concatenate([np.asarray(sparse), pooled], axis=1)
@@ -220,7 +197,7 @@ class EmbeddingLookup:
         count = len(self.sequence_tables)
         if count:  # targets and histories at embedding_dim (the store's rows may be wider)
             targets = vectors[:, single + multi :, : self.spec.embedding_dim]
-            owners, positions = checked[wire.HISTORY_KEYS].shape
+            owners, positions = inputs[wire.HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
             histories = histories[..., : self.spec.embedding_dim]
             # the sequences of a group (and their targets) are summed: one query, one sequence each
