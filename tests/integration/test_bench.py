@@ -170,7 +170,7 @@ def test_locust_run_reports_p99_and_failures_and_fails_over_threshold(server):
     assert "p99" in strict.stdout
 
 
-@pytest.mark.parametrize("command", [["bench", "--help"], ["tune", "--help"]])
+@pytest.mark.parametrize("command", [["bench", "--help"], ["lab", "tune", "--help"]])
 def test_bench_and_tune_commands_exist(command):
     done = subprocess.run(
         [str(Path(sys.executable).parent / "recserve"), *command], capture_output=True, text=True

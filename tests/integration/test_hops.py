@@ -1,4 +1,4 @@
-"""``recserve bench-hops`` on a real tritonserver: the echo ensembles serve, and cost less than the model."""
+"""``recserve lab hops`` on a real tritonserver: the echo ensembles serve, and cost less than the model."""
 
 from recserve.perf.hops import PACKED, format_report, run_hops
 

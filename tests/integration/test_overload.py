@@ -2,7 +2,7 @@
 with UNAVAILABLE at the first step, nothing else fails, and the server serves normally again after.
 
 Latency ratios are printed, not asserted (a shared 2-core machine is too noisy for that); the
-``recserve overload`` command reports them side by side in one run.
+``recserve lab overload`` command reports them side by side in one run.
 """
 
 import time

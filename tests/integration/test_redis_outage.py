@@ -1,6 +1,6 @@
 """All of the L3 Redis Cluster down under traffic: no failed inference, readiness as documented.
 
-Latency is measured by ``recserve redis-outage`` (a benchmark), not asserted here.
+Latency is measured by ``recserve lab redis-outage`` (a benchmark), not asserted here.
 """
 
 from recserve.perf.redis_outage import BACK, COMING_BACK, DOWN, GOING_DOWN, UP, run_outage

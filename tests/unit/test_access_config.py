@@ -223,7 +223,7 @@ def test_the_commands_parse(tmp_path):
 
     args = parser().parse_args(["access", "--candidate", str(tmp_path), "--workdir", str(tmp_path)])
     assert args.candidate == tmp_path and args.workdir == tmp_path
-    args = parser().parse_args(["overload", "--access", "--max-requests", "2", "--json", "o.json"])
+    args = parser().parse_args(["lab", "overload", "--access", "--max-requests", "2", "--json", "o.json"])
     assert args.access and args.max_requests == 2 and str(args.json) == "o.json"
     # a repository that is not built is refused before anything starts
     assert main(["--spec", "tiny", "access", "--repository", str(tmp_path / "none")]) == 2

@@ -1,4 +1,4 @@
-"""``recserve bench-dense`` runs end to end (one short round; figures are for the command, not asserted)."""
+"""``recserve lab dense-bench`` runs end to end (one short round; its figures are not asserted)."""
 
 from recserve.backends.dense.buckets import spec_buckets
 from recserve.perf.dense_bench import run_dense_bench

@@ -1,4 +1,9 @@
-"""``recserve perf``, ``bench``, ``bench-dense``, ``tune``, ``soak``, ``overload``, ``redis-outage``."""
+"""``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
+
+``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``,
+``candidate-lists`` and ``queue-stall``. Each used to be a top-level command; :data:`FLAT_NAMES` maps those
+old names to the new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,18 @@ from pathlib import Path
 
 from recserve.spec import load_spec
 
-
-def _perf(args: argparse.Namespace) -> int:
-    from recserve.perf.analyzer import run_perf
-
-    return run_perf(
-        load_spec(args.spec),
-        url=args.url,
-        protocol=args.protocol,
-        batch_size=args.batch_size,
-        concurrency=args.concurrency,
-        measurement_ms=args.measurement_ms,
-        output=args.output,
-        inprocess_repository=None if args.no_inprocess else args.repository,
-        candidates=args.candidates,
-    )
+#: the old top-level name of each lab command -> its name under ``recserve lab``
+FLAT_NAMES = {
+    "soak": "soak",
+    "overload": "overload",
+    "redis-outage": "redis-outage",
+    "tune": "tune",
+    "bench-store": "store-bench",
+    "bench-dense": "dense-bench",
+    "bench-hops": "hops",
+    "bench-candidates": "candidate-lists",
+    "bench-queues": "queue-stall",
+}
 
 
 def _bench_dense(args: argparse.Namespace) -> int:
@@ -39,42 +41,6 @@ def _bench_dense(args: argparse.Namespace) -> int:
             output=args.output,
         )
     )
-    return 0
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from recserve.build.repository import is_built
-    from recserve.perf.bench import Grid, format_result, run_bench
-
-    if args.summarize is not None:  # no measuring: recompute summary.json and plots of a finished run
-        from recserve.perf.bench import write_summary
-        from recserve.perf.report import read_points
-
-        points = read_points(args.summarize)
-        print(format_result(points, write_summary(args.summarize, points)))
-        return 0
-    spec = load_spec(args.spec)
-    if not is_built(spec, args.repository):
-        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
-        return 2
-    grid = Grid.quick() if args.quick else Grid.full()
-    overrides = {
-        "client_batches": args.batch_sizes,
-        "concurrencies": args.concurrency,
-        "measurement_ms": args.measurement_ms,
-    }
-    grid = replace(
-        grid, **{k: v for k, v in overrides.items() if v is not None}, torchserve=not args.no_torchserve
-    )
-    run, points, summary = run_bench(spec, args.spec, args.repository, args.output, grid, args.run_name)
-    print(format_result(points, summary))
-    print(f"\nresults in {run}")
     return 0
 
 
@@ -178,26 +144,9 @@ def _redis_outage(args: argparse.Namespace) -> int:
     )
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add the measurement commands to ``recserve``'s sub-command parser."""
-    perf = sub.add_parser("perf", help="run perf_analyzer against the ensemble with spec-derived data")
-    perf.add_argument("--url", default=None)
-    perf.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    perf.add_argument("--batch-size", type=int, default=1)
-    perf.add_argument("--concurrency", default="1:4", help="perf_analyzer concurrency range start:end[:step]")
-    perf.add_argument("--measurement-ms", type=int, default=3000)
-    perf.add_argument("--output", type=Path, default=None, help="also write the measured points as CSV here")
-    perf.add_argument("--repository", type=Path, default=None, help="for the in-process comparison")
-    perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
-    perf.add_argument(
-        "--candidates",
-        type=int,
-        default=0,
-        help="send one user's list of this many candidates per request to the candidates ensemble",
-    )
-    perf.set_defaults(func=_perf)
-
-    soak = sub.add_parser(
+def add_commands(lab: argparse._SubParsersAction) -> None:
+    """Add the lab commands to the sub-command parser of ``recserve lab``."""
+    soak = lab.add_parser(
         "soak",
         help="bounded mixed traffic with periodic dense updates on a private loopback server; fails on leaks",
     )
@@ -208,7 +157,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     soak.set_defaults(func=_soak)
 
-    overload = sub.add_parser(
+    overload = lab.add_parser(
         "overload", help="open-loop spike above measured capacity on a private loopback server"
     )
     overload.add_argument("--repository", type=Path, default=None)
@@ -233,7 +182,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     overload.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
     overload.set_defaults(func=_overload)
 
-    outage = sub.add_parser(
+    outage = lab.add_parser(
         "redis-outage",
         help=(
             "ctr p50/p99 with the L3 Redis Cluster up, all of it killed, and back (private loopback servers)"
@@ -250,8 +199,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     outage.set_defaults(func=_redis_outage)
 
-    hops = sub.add_parser(
-        "bench-hops", help="the served ensemble against echo ensembles of its shape (the hop floor), batch 1"
+    hops = lab.add_parser(
+        "hops", help="the served ensemble against echo ensembles of its shape (the hop floor), batch 1"
     )
     hops.add_argument("--requests", type=int, default=300, help="batch-1 requests per system and round")
     hops.add_argument("--rounds", type=int, default=3, help="the systems take turns; medians over rounds")
@@ -259,8 +208,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     hops.add_argument("--repository", type=Path, default=None)
     hops.set_defaults(func=_bench_hops)
 
-    lists = sub.add_parser(
-        "bench-candidates",
+    lists = lab.add_parser(
+        "candidate-lists",
         help="one user's candidate list against the same rows sent as rows (candidate_list_gain)",
     )
     lists.add_argument("--candidates", type=int, default=200, help="candidates of the one user")
@@ -270,8 +219,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     lists.add_argument("--repository", type=Path, default=None)
     lists.set_defaults(func=_bench_candidates)
 
-    queues = sub.add_parser(
-        "bench-queues",
+    queues = lab.add_parser(
+        "queue-stall",
         help="the served configs against queue profiles, batch-1 closed loop: how often a batcher sleeps",
     )
     queues.add_argument("--profiles", default="throughput_first", help="queue profiles, comma-separated")
@@ -282,8 +231,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     queues.add_argument("--repository", type=Path, default=None)
     queues.set_defaults(func=_bench_queues)
 
-    bench = sub.add_parser(
-        "bench-dense", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"
+    bench = lab.add_parser(
+        "dense-bench", help="dense step: bucketed runner vs the bare graphs, per bucket (ratios)"
     )
     bench.add_argument("--repository", type=Path, default=None)
     bench.add_argument(
@@ -299,35 +248,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     bench.set_defaults(func=_bench_dense)
 
-    bench = sub.add_parser(
-        "bench", help="in-process bound, naive and tuned Triton, TorchServe: measured in one run"
-    )
-    bench.add_argument("--repository", type=Path, default=None)
-    bench.add_argument(
-        "--output", type=Path, default=Path("perf/results"), help="a run folder is created in here"
-    )
-    bench.add_argument("--run-name", default=None, help="folder name of this run (default: UTC time)")
-    bench.add_argument(
-        "--quick", action="store_true", help="a smaller grid that still yields every ratio (< 5 min)"
-    )
-    bench.add_argument("--batch-sizes", type=_ints, default=None, help="client batch sizes, e.g. 1,16,64")
-    bench.add_argument(
-        "--concurrency", type=_ints, default=None, help="requests in flight, e.g. 1,2,4,8,16,32"
-    )
-    bench.add_argument("--measurement-ms", type=int, default=None, help="perf_analyzer measurement window")
-    bench.add_argument(
-        "--no-torchserve", action="store_true", help="skip TorchServe (no install, no peer rows)"
-    )
-    bench.add_argument(
-        "--summarize",
-        type=Path,
-        default=None,
-        metavar="RUN",
-        help="only rewrite summary.json and plots of RUN",
-    )
-    bench.set_defaults(func=_bench)
-
-    tune = sub.add_parser(
+    tune = lab.add_parser(
         "tune",
         help="sweep queue delay, preferred batch size and instances; write the best (and the access "
         "layer's in-flight cap) to the spec",
@@ -343,3 +264,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--measurement-ms", type=int, default=2000)
     tune.add_argument("--no-write", action="store_true", help="report only; leave the spec and configs alone")
     tune.set_defaults(func=_tune)
+
+    from recserve.perf import store_bench
+
+    bench = lab.add_parser(
+        "store-bench", help="store lookups/s vs the numpy take floor, hit rates, memory, warm-up"
+    )
+    store_bench.add_arguments(bench)
+    bench.set_defaults(func=store_bench.run_from_args)

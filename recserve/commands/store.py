@@ -140,11 +140,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     redis_load.add_argument("--all", action="store_true", help="also write the locally stored tables")
     redis_load.set_defaults(func=_redis_load)
-
-    from recserve.perf import store_bench
-
-    bench = sub.add_parser(
-        "bench-store", help="store lookups/s vs the numpy take floor, hit rates, memory, warm-up"
-    )
-    store_bench.add_arguments(bench)
-    bench.set_defaults(func=store_bench.run_from_args)

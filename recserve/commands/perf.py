@@ -1,0 +1,109 @@
+"""``recserve perf`` and ``bench``: the served model measured with perf_analyzer and against its peers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from recserve.spec import load_spec
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from recserve.perf.analyzer import run_perf
+
+    return run_perf(
+        load_spec(args.spec),
+        url=args.url,
+        protocol=args.protocol,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        measurement_ms=args.measurement_ms,
+        output=args.output,
+        inprocess_repository=None if args.no_inprocess else args.repository,
+        candidates=args.candidates,
+    )
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from recserve.build.repository import is_built
+    from recserve.perf.bench import Grid, format_result, run_bench
+
+    if args.summarize is not None:  # no measuring: recompute summary.json and plots of a finished run
+        from recserve.perf.bench import write_summary
+        from recserve.perf.report import read_points
+
+        points = read_points(args.summarize)
+        print(format_result(points, write_summary(args.summarize, points)))
+        return 0
+    spec = load_spec(args.spec)
+    if not is_built(spec, args.repository):
+        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
+        return 2
+    grid = Grid.quick() if args.quick else Grid.full()
+    overrides = {
+        "client_batches": args.batch_sizes,
+        "concurrencies": args.concurrency,
+        "measurement_ms": args.measurement_ms,
+    }
+    grid = replace(
+        grid, **{k: v for k, v in overrides.items() if v is not None}, torchserve=not args.no_torchserve
+    )
+    run, points, summary = run_bench(spec, args.spec, args.repository, args.output, grid, args.run_name)
+    print(format_result(points, summary))
+    print(f"\nresults in {run}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``perf`` and ``bench`` to ``recserve``'s sub-command parser."""
+    perf = sub.add_parser("perf", help="run perf_analyzer against the ensemble with spec-derived data")
+    perf.add_argument("--url", default=None)
+    perf.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    perf.add_argument("--batch-size", type=int, default=1)
+    perf.add_argument("--concurrency", default="1:4", help="perf_analyzer concurrency range start:end[:step]")
+    perf.add_argument("--measurement-ms", type=int, default=3000)
+    perf.add_argument("--output", type=Path, default=None, help="also write the measured points as CSV here")
+    perf.add_argument("--repository", type=Path, default=None, help="for the in-process comparison")
+    perf.add_argument("--no-inprocess", action="store_true", help="skip the in-process comparison")
+    perf.add_argument(
+        "--candidates",
+        type=int,
+        default=0,
+        help="send one user's list of this many candidates per request to the candidates ensemble",
+    )
+    perf.set_defaults(func=_perf)
+
+    bench = sub.add_parser(
+        "bench", help="in-process bound, naive and tuned Triton, TorchServe: measured in one run"
+    )
+    bench.add_argument("--repository", type=Path, default=None)
+    bench.add_argument(
+        "--output", type=Path, default=Path("perf/results"), help="a run folder is created in here"
+    )
+    bench.add_argument("--run-name", default=None, help="folder name of this run (default: UTC time)")
+    bench.add_argument(
+        "--quick", action="store_true", help="a smaller grid that still yields every ratio (< 5 min)"
+    )
+    bench.add_argument("--batch-sizes", type=_ints, default=None, help="client batch sizes, e.g. 1,16,64")
+    bench.add_argument(
+        "--concurrency", type=_ints, default=None, help="requests in flight, e.g. 1,2,4,8,16,32"
+    )
+    bench.add_argument("--measurement-ms", type=int, default=None, help="perf_analyzer measurement window")
+    bench.add_argument(
+        "--no-torchserve", action="store_true", help="skip TorchServe (no install, no peer rows)"
+    )
+    bench.add_argument(
+        "--summarize",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="only rewrite summary.json and plots of RUN",
+    )
+    bench.set_defaults(func=_bench)

@@ -1,0 +1,202 @@
+"""``recserve serve``, ``predict`` and ``verify``: run the server; score rows through it and in process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from recserve import wire
+from recserve.spec import load_spec
+
+ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from recserve.server import (
+        MpsDaemon,
+        Ports,
+        Security,
+        ServerError,
+        TritonServer,
+        require_gpu,
+        run_child,
+        run_foreground,
+        runtime_dir,
+        server_command,
+        server_env,
+    )  # fmt: skip
+
+    if not (args.repository / wire.DENSE).is_dir():
+        print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
+        return 2
+    if args.mps and args.profile == "cpu":
+        print(
+            "error: --mps shares a GPU between instances; use it with --profile gpu or cuda", file=sys.stderr
+        )
+        return 2
+    try:
+        security = Security(
+            args.model_control, os.environ.get(ADMIN_KEY_ENV) or None, args.client_shared_memory
+        )
+        ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
+        extra = []
+        if args.queue and (
+            args.profile != "cpu"
+            or not (args.repository / wire.STEPS[0] / "configs" / f"{args.queue}.pbtxt").is_file()
+        ):
+            print(
+                f"error: no queue profile {args.queue!r} in {args.repository} "
+                "(queue profiles are cpu configs)",
+                file=sys.stderr,
+            )
+            return 2
+        if args.profile != "cpu":
+            print(f"GPUs: {', '.join(require_gpu())}", file=sys.stderr)
+        if args.profile != "cpu" or args.queue:  # <model>/configs/<name>.pbtxt where present
+            extra.append(f"--model-config-name={args.queue or args.profile}")
+        command = server_command(args.repository, ports, args.host, extra, security=security)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if security.model_control == "explicit" and args.profile != "cpu":
+        print("error: --model-control explicit serves the cpu profile only", file=sys.stderr)
+        return 2
+    print(
+        f"starting tritonserver on {args.host}: HTTP {args.http_port}, gRPC {args.grpc_port}, "
+        f"metrics {args.metrics_port}",
+        file=sys.stderr,
+    )
+    if not args.mps:  # stay the parent: restart a server that dies; the stub watchdog needs the admin API
+        config_name = args.queue or (None if args.profile == "cpu" else args.profile)
+        server = TritonServer(
+            args.repository, ports, host=args.host, security=security, config_name=config_name
+        )
+        try:
+            return run_foreground(server)
+        except ServerError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        with MpsDaemon(runtime_dir().parent / "mps") as mps:  # pipes and logs beside the server runtime
+            return run_child(command, mps.env(server_env()))
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from recserve.clients import CTRClient, RecserveClientError, read_rows
+
+    spec = load_spec(args.spec)
+    try:
+        rows = read_rows(args.input, spec)
+        with CTRClient(args.url, protocol=args.protocol, timeout_s=args.timeout, spec=spec) as client:
+            score = client.predict_by_user if spec.inputs.user else client.predict
+            probabilities = score(rows, batch_size=args.batch_size)
+    except (RecserveClientError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write("".join(f"{p:.6f}\n" for p in probabilities))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from recserve import verify
+    from recserve.build.repository import reference_pipeline
+    from recserve.clients import CTRClient, RecserveClientError, read_rows
+
+    spec = load_spec(args.spec)
+    rows = verify.read_named(args.rows, lambda path: read_rows(path, spec))
+    expected = verify.read_named(args.expected, verify.read_expected)
+    pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
+    scores = {f"in process ({args.runtime})": verify.score_in_batches(rows, spec, pipeline.predict)}
+    if args.url:
+        try:
+            with CTRClient(args.url, protocol=args.protocol, spec=spec) as client:
+                scores[f"server {args.url}"] = client.predict(rows, batch_size=spec.max_batch_size)
+        except RecserveClientError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    tolerance = verify.DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+    comparisons = [verify.compare(name, s, expected, rows.labels, tolerance) for name, s in scores.items()]
+    print(verify.format_report(comparisons, expected, rows.labels))
+    failed = [c for c in comparisons if not c.passed]
+    for comparison in failed:
+        print(
+            f"\n{comparison.source}: {comparison.over} rows differ by over {comparison.tolerance:g}; worst:"
+        )
+        for row in comparison.worst:
+            print(f"row {row}: expected {expected[row]:.6f}, got {scores[comparison.source][row]:.6f}")
+        print("\n".join(verify.explain_rows(spec, pipeline.lookup.store, rows, comparison.worst)))
+    return 1 if failed else 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve``, ``predict`` and ``verify`` to ``recserve``'s sub-command parser."""
+    serve = sub.add_parser(
+        "serve", help="run tritonserver on the repository (foreground, restarted when it dies; Ctrl-C stops)"
+    )
+    serve.add_argument("--repository", type=Path, default=None)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument(
+        "--profile",
+        choices=("cpu", "gpu", "cuda"),
+        default="cpu",
+        help="gpu / cuda: serve the configs/<profile>.pbtxt variants (KIND_GPU instances; needs a GPU)",
+    )
+    serve.add_argument(
+        "--queue",
+        help="shed load in Triton with a queue profile of the spec ([serving.queue_profiles]: "
+        "throughput_first, latency_first); by default the steps have no queue policy",
+    )
+    serve.add_argument(
+        "--mps", action="store_true", help="run the NVIDIA MPS control daemon for the server's lifetime"
+    )
+    serve.add_argument(
+        "--model-control",
+        choices=("none", "explicit"),
+        default="none",
+        help=f"'explicit': models can be (re)loaded by callers sending the {ADMIN_KEY_ENV} value "
+        "in the recserve-admin-key header (required then)",
+    )
+    serve.add_argument(
+        "--client-shared-memory",
+        action="store_true",
+        help="let every client register shared memory (locked by default)",
+    )
+    serve.set_defaults(func=_serve)
+
+    predict = sub.add_parser(
+        "predict", help="score rows of the spec (TSV, or CSV with a header); one probability per line"
+    )
+    predict.add_argument("--input", type=Path, required=True)
+    predict.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 gRPC, :8000 HTTP)")
+    predict.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    predict.add_argument("--batch-size", type=int, default=64)
+    predict.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    predict.set_defaults(func=_predict)
+
+    check = sub.add_parser(
+        "verify", help="compare recserve's scores of your rows with your own framework's scores"
+    )
+    check.add_argument("--rows", type=Path, required=True, help="raw rows, as predict reads them")
+    check.add_argument("--expected", type=Path, required=True, help="your scores, one probability per line")
+    check.add_argument("--url", default=None, help="also score through this server (host:port)")
+    check.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    check.add_argument("--repository", type=Path, default=None)
+    check.add_argument(
+        "--runtime",
+        choices=("onnx", "torch"),
+        default="onnx",
+        help="in process: the served ONNX graph or PyTorch",
+    )
+    check.add_argument(
+        "--tolerance", type=float, default=None, help="largest |difference| accepted per row (default 1e-5)"
+    )
+    check.set_defaults(func=_verify)
