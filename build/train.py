@@ -93,7 +93,7 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
         target=target,
         history=history,
         mask=mask,
-        labels=rows.labels,
+        labels=rows.label_values(),
     )
 
 

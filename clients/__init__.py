@@ -14,7 +14,7 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.fields import RowFormatError
-from recserve.clients.rows import CriteoRows, read_rows
+from recserve.clients.rows import CriteoRows, Rows, read_rows
 from recserve.clients.sdk import CTRClient, Scores
 from recserve.clients.writers import write_csv, write_tsv
 
@@ -27,6 +27,7 @@ __all__ = [
     "RequestTimeoutError",
     "RowFormatError",
     "Scores",
+    "Rows",
     "ServerError",
     "ServerUnavailableError",
     "map_exception",

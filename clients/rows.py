@@ -16,7 +16,7 @@ Empty numeric fields are missing values, negative numeric values are allowed, em
 fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError` naming the line
 and column.
 
-:mod:`recserve.clients.writers` writes :class:`recserve.wire.RawRows` in those layouts, so tests and
+:mod:`recserve.clients.writers` writes :class:`recserve.wire.Rows` in those layouts, so tests and
 examples can produce input files; :mod:`recserve.clients.fields` parses the columns.
 """
 
@@ -28,9 +28,9 @@ import io
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, BinaryIO, cast
 
 import numpy as np
 
@@ -42,8 +42,8 @@ from recserve.clients.fields import (
     parse_ints,
     text_array,
 )
-from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import ABSENT_ITEM, RawRows, SideSequences
+from recserve.spec import ModelSpec
+from recserve.wire import ABSENT_ITEM, Rows
 
 LOGGER = logging.getLogger(__name__)
 
@@ -53,132 +53,8 @@ LABEL_COLUMN = "label"
 PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
 
 
-@dataclass
-class CriteoRows(SideSequences):
-    """Parsed rows, column-wise as numpy arrays.
-
-    Attributes:
-        dense: float32 ``[N, D]`` raw numeric values, 0 where missing (``D = 0`` without numeric features).
-        dense_missing: bool ``[N, D]``, True where a numeric value is absent.
-        categorical: object ``[N, C]`` of ``bytes`` as sent (checked by type), ``b""`` when empty.
-        target: int64 ``[N]`` target item id, -1 when absent.
-        history: int64 ``[N, W]`` history item ids, newest last, zero padded; ``W >= 1``.
-        lengths: int32 ``[N]`` number of valid history positions per row.
-        labels: float32 ``[N]`` click labels, or None when the input had no label column.
-        side: the other sequences and their targets by name, and the lengths of every further
-            attention group by the name of its length input.
-    """
-
-    dense: np.ndarray
-    dense_missing: np.ndarray
-    categorical: np.ndarray
-    target: np.ndarray
-    history: np.ndarray
-    lengths: np.ndarray
-    labels: np.ndarray | None = None
-    side: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return int(self.dense.shape[0])
-
-    def take(self, index: slice | np.ndarray) -> CriteoRows:
-        """Rows selected by a slice or an index array (the history keeps its padded width)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "side"}
-        selected: dict[str, Any] = {k: None if v is None else v[index] for k, v in values.items()}
-        return CriteoRows(**selected, side={k: v[index] for k, v in self.side.items()})
-
-    def batches(self, size: int) -> Iterator[CriteoRows]:
-        """Consecutive slices of at most ``size`` rows, in order.
-
-        Args:
-            size: rows per batch, at least 1.
-
-        Raises:
-            ValueError: ``size`` is not positive.
-        """
-        if size < 1:
-            raise ValueError(f"batch size must be at least 1, got {size}")
-        for start in range(0, len(self), size):
-            yield self.take(slice(start, start + size))
-
-    def to_inputs(self, spec: ModelSpec) -> dict[str, np.ndarray]:
-        """Request tensors of the spec's ensemble for these rows.
-
-        The history is trimmed or zero padded to ``W = max(1, longest history of these rows)``.
-
-        Args:
-            spec: the model spec naming the wire inputs and their dtypes.
-
-        Returns:
-            One array per wire input, keyed by input name, dtypes as in ``spec.wire_inputs()``.
-        """
-        wire_rows = self._raw(np.zeros(len(self), np.float32)).to_wire(spec)
-        return {
-            wire.name: np.ascontiguousarray(wire_rows[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
-            for wire in spec.wire_inputs()
-        }
-
-    def to_raw(self, spec: ModelSpec) -> RawRows:
-        """The rows as :class:`~recserve.wire.RawRows` (hex strings parsed to their values), to train on.
-
-        Raises:
-            ValueError: the rows carry no label.
-        """
-        if self.labels is None:
-            raise ValueError(
-                f"rows to train on need a label column (label first in TSV, {spec.inputs.label!r} in CSV)"
-            )
-        return self._raw(self.labels.astype(np.float32))
-
-    def user_runs(self, spec: ModelSpec) -> list[slice]:
-        """Consecutive rows of one user (``[inputs] user``) that share every sequence and profile column.
-
-        Such rows are one candidate list: the same user at the same moment. A row whose user,
-        sequences or profile (``[inputs] profile``) differ from the row before starts a new run;
-        without ``[inputs] user`` every row is its own run.
-        """
-        rows = len(self)
-        if not spec.inputs.user or rows == 0:
-            return [slice(i, i + 1) for i in range(rows)]
-        changed = np.zeros(rows, dtype=bool)
-        raw, numeric = spec.categorical.columns, spec.numeric_columns
-        for name in spec.profile_columns:  # the user column among them
-            if name in raw:
-                columns = [self.categorical[:, raw.index(name)]]
-            else:
-                j = numeric.index(name)
-                columns = [self.dense[:, j], self.dense_missing[:, j]]
-            for values in columns:
-                changed[1:] |= values[1:] != values[:-1]
-        changed[0] = True
-        for group in spec.attention_groups:
-            lengths = self.lengths_of(group.length_input)
-            changed[1:] |= lengths[1:] != lengths[:-1]
-        for sequence in spec.sequences:
-            ids = self.sequence(sequence.name)
-            changed[1:] |= (ids[1:] != ids[:-1]).any(axis=1)
-        starts = [*np.flatnonzero(changed).tolist(), rows]
-        return [slice(a, b) for a, b in zip(starts[:-1], starts[1:], strict=True)]
-
-    def user_of(self, spec: ModelSpec, row: int) -> dict[str, np.ndarray]:
-        """The sequences of one row by name: the user context of a candidate list."""
-        context = {}
-        for group in spec.attention_groups:
-            length = int(self.lengths_of(group.length_input)[row])
-            context.update({s.name: self.sequence(s.name)[row, :length] for s in group.sequences})
-        return context
-
-    def _raw(self, labels: np.ndarray) -> RawRows:
-        return RawRows(
-            dense=np.where(self.dense_missing, 0.0, self.dense).astype(np.float32),
-            dense_missing=self.dense_missing.astype(bool),
-            categorical=self.categorical,
-            target=self.target.astype(np.int64),
-            history=self.history.astype(np.int64),
-            lengths=self.lengths.astype(np.int32),
-            labels=labels,
-            side=self.side,
-        )
+#: The SDK's name of :class:`recserve.wire.Rows`, the one row container (what :func:`read_rows` returns).
+CriteoRows = Rows
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -200,7 +76,7 @@ def _sequence_columns(spec: ModelSpec) -> list[str]:
     return [f.name for f in spec.sequences] + list(spec.target_names)
 
 
-def read_rows(path_or_file: PathOrFile, spec: ModelSpec, max_rows: int | None = None) -> CriteoRows:
+def read_rows(path_or_file: PathOrFile, spec: ModelSpec, max_rows: int | None = None) -> Rows:
     """Read Criteo TSV or headed CSV rows (see the module docstring for the layouts).
 
     Args:
@@ -375,7 +251,7 @@ def _read_tsv(lines: Iterable[str], spec: ModelSpec, max_rows: int | None) -> _T
     return tokens
 
 
-def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
+def _convert(tokens: _Tokens, spec: ModelSpec) -> Rows:
     """Turn string tokens into typed arrays, naming the line and column of the first bad field."""
     n = len(tokens.lines)
     lines = np.asarray(tokens.lines, dtype=np.int64)
@@ -415,7 +291,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> CriteoRows:
         label_text = text_array(tokens.labels, (n, 1))
         labels = parse_floats(label_text, lines, [spec.inputs.label])[:, 0]
 
-    return CriteoRows(dense, dense_missing, categorical, target, history, lengths, labels, side)
+    return Rows(dense, dense_missing, categorical, target, history, lengths, labels, side)
 
 
 def _parse_target(fields_: list[str] | None, name: str, lines: np.ndarray) -> np.ndarray:
@@ -439,5 +315,6 @@ __all__ = [
     "LABEL_COLUMN",
     "CriteoRows",
     "RowFormatError",
+    "Rows",
     "read_rows",
 ]

@@ -32,7 +32,9 @@ def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool) -> list[np.nd
         text[values == ABSENT_ITEM] = ""
         columns.append(text)
     if with_label:
-        columns.insert(0, np.char.mod("%d", raw.labels.astype(np.int64)).astype(object).reshape(-1, 1))
+        columns.insert(
+            0, np.char.mod("%d", raw.label_values().astype(np.int64)).astype(object).reshape(-1, 1)
+        )
     return columns
 
 
