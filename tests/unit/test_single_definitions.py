@@ -1,0 +1,37 @@
+"""Ideas defined once: one row container under every name it had, the ensemble's steps in one place."""
+
+import numpy as np
+import pytest
+
+from recserve import clients, sections, wire
+from recserve.build.synthetic import generate
+from recserve.clients.rows import CriteoRows, read_rows
+from recserve.clients.writers import write_tsv
+
+
+def test_the_sdk_rows_and_the_generated_rows_are_one_class():
+    assert CriteoRows is wire.Rows and wire.RawRows is wire.Rows
+    assert clients.CriteoRows is clients.Rows is wire.Rows
+
+
+def test_the_steps_are_defined_once():
+    assert wire.STEPS is sections.STEPS
+    assert (wire.EMBEDDING_LOOKUP, wire.DENSE) == sections.STEPS
+
+
+def test_rows_read_from_a_file_are_the_generated_rows_class_and_round_trip(tiny_spec, tmp_path):
+    generated = generate(tiny_spec, 6, seed=3)
+    read = read_rows(write_tsv(tmp_path / "rows.tsv", generated, tiny_spec, with_label=True), tiny_spec)
+    assert type(read) is type(generated)
+    for name, array in generated.to_wire(tiny_spec).items():
+        np.testing.assert_array_equal(read.to_inputs(tiny_spec)[name], array)
+    np.testing.assert_array_equal(read.to_raw(tiny_spec).label_values(), generated.label_values())
+
+
+def test_rows_without_labels_keep_none_through_take_and_refuse_label_values(tiny_spec, tmp_path):
+    generated = generate(tiny_spec, 4, seed=5)
+    read = read_rows(write_tsv(tmp_path / "rows.tsv", generated, tiny_spec, with_label=False), tiny_spec)
+    assert read.labels is None and read.take(slice(1, 3)).labels is None
+    assert [len(batch) for batch in read.batches(3)] == [3, 1]
+    with pytest.raises(ValueError, match="no label"):
+        read.label_values()
