@@ -1,4 +1,4 @@
-"""``recserve overload --access``: the open-loop spike of :mod:`recserve.perf.overload`, through Envoy.
+"""``recserve lab overload --access``: the open-loop spike of :mod:`recserve.perf.overload`, through Envoy.
 
 The access layer starts over the repository (Triton's queues as ``[access] queue_profile`` says,
 ``unbounded`` by default); capacity is measured closed-loop through the proxy with ``max_requests``
@@ -106,7 +106,7 @@ def access_overload_command(
     json_path: Path | None = None,
     max_requests: int | None = None,
 ) -> int:
-    """``recserve overload --access``: prints the tables, writes the JSON summary; 1 on any other failure."""
+    """``recserve lab overload --access``: prints the tables, writes the JSON summary; 1 on other failures."""
     with tempfile.TemporaryDirectory(prefix="recserve-overload-access-") as scratch:
         report, summary = run_access_overload(
             spec, repository, Path(scratch), rows, spike_factor, seconds, max_requests=max_requests

@@ -77,9 +77,9 @@ class Grid:
     sdk_batches: tuple[int, ...] = (1, 64)  # one SDK client, with and without system shared memory
     torchserve: bool = True
     monolith_instances: tuple[int, ...] = (1, 2)
-    hops_requests: int = 300  # recserve bench-hops in the same run (0: left out)
+    hops_requests: int = 300  # recserve lab hops in the same run (0: left out)
     hops_rounds: int = 3
-    candidates_s: float = 3.0  # recserve bench-candidates on the tuned server, per point (0: left out)
+    candidates_s: float = 3.0  # recserve lab candidate-lists on the tuned server, per point (0: left out)
 
     @classmethod
     def full(cls) -> Grid:

@@ -1,6 +1,6 @@
 """One user's candidate list against the same rows in the row form: ``candidate_list_gain``.
 
-``recserve bench-candidates`` (and ``recserve bench``, on its tuned server) sends the same ``N``
+``recserve lab candidate-lists`` (and ``recserve bench``, on its tuned server) sends the same ``N``
 candidate rows of one user with a ``length``-long history two ways, closed loop over gRPC, in
 turns: as one candidate list to the candidates ensemble (the history travels and is looked up once
 per request) and as one row-form request of ``N`` rows to the row ensemble (every row carries the
@@ -182,7 +182,7 @@ def describe(summary: dict[str, Any]) -> str:
 def candidates_command(
     spec: ModelSpec, repository: Path, candidates: int, length: int, rounds: int, json_path: Path | None
 ) -> int:
-    """``recserve bench-candidates``: serve the repository, measure, print; write the JSON when asked."""
+    """``recserve lab candidate-lists``: serve the repository, measure, print; write the JSON when asked."""
     with tempfile.TemporaryDirectory(prefix="recserve-candidates-") as scratch:
         with TritonServer(repository, Ports.free(), log_path=Path(scratch) / "server.log") as server:
             summary = measure(spec, server.grpc_url, candidates, length, rounds=rounds)

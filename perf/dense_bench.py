@@ -1,4 +1,4 @@
-"""``recserve bench-dense``: the dense step's bucketed runner against the bare graphs, side by side.
+"""``recserve lab dense-bench``: the dense step's bucketed runner against the bare graphs, side by side.
 
 Four tables, each measured in one run so that only ratios are compared (the CI machine is shared):
 

@@ -1,4 +1,4 @@
-"""``recserve bench-hops``: the served ensemble against the cheapest ensemble of its shape.
+"""``recserve lab hops``: the served ensemble against the cheapest ensemble of its shape.
 
 Every Python-backend hop costs cross-process wake-ups and tensor copies whatever it computes. To
 know that floor, one tritonserver serves, next to the real ensemble, **echo** ensembles: steps with
@@ -281,7 +281,7 @@ def format_report(summary: dict[str, object]) -> str:
 
 
 def hops_command(spec: ModelSpec, repository: Path, requests: int, rounds: int, output: Path | None) -> int:
-    """``recserve bench-hops``: print the report; write the summary as JSON to ``output`` if given."""
+    """``recserve lab hops``: print the report; write the summary as JSON to ``output`` if given."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="recserve-hops-") as scratch:

@@ -1,4 +1,4 @@
-"""``recserve overload``: open-loop load at fractions and multiples of measured capacity.
+"""``recserve lab overload``: open-loop load at fractions and multiples of measured capacity.
 
 The server and the load generator get cores of their own where the machine has two or more:
 tritonserver (and every stub it starts) is pinned to the first core this process may use, the
@@ -430,7 +430,7 @@ def overload_command(
     queue: str | None = None,
     json_path: Path | None = None,
 ) -> int:
-    """``recserve overload``: a private server on free loopback ports, pinned apart from the generator.
+    """``recserve lab overload``: a private server on free loopback ports, pinned apart from the generator.
 
     Prints the tables (and writes :meth:`OverloadReport.summary` as JSON to ``json_path``).
 

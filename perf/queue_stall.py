@@ -1,4 +1,4 @@
-"""``recserve bench-queues``: the served configs against the spec's queue profiles, closed loop.
+"""``recserve lab queue-stall``: the served configs against the spec's queue profiles, closed loop.
 
 With any queue policy tritonserver's dynamic batcher forms a batch only while an instance waits for
 one, and can miss an instance's return and sleep up to 500 ms (docs/design/serving.md#queue-policies).

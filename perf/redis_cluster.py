@@ -1,6 +1,6 @@
 """A real Redis Cluster on loopback: Debian's redis-server, 3 masters + 3 replicas.
 
-Used by the L3 tests and by ``recserve redis-outage``. Nodes keep no data on disk (no RDB, no AOF);
+Used by the L3 tests and by ``recserve lab redis-outage``. Nodes keep no data on disk (no RDB, no AOF);
 each keeps its cluster configuration (``nodes.conf``) in its own folder, so a killed node started
 again with :meth:`RedisCluster.restart` rejoins the same cluster, empty.
 

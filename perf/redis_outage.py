@@ -1,4 +1,4 @@
-"""``recserve redis-outage``: ``ctr`` latency with its L3 Redis Cluster up, all of it down, and back.
+"""``recserve lab redis-outage``: ``ctr`` latency with its L3 Redis Cluster up, all of it down, and back.
 
 The command starts a real Redis Cluster (3 masters + 3 replicas on loopback) and a tritonserver over
 a scratch copy of the repository whose ``item`` table lives only in that cluster (``[store]
@@ -433,7 +433,7 @@ def run_outage(
 def outage_command(
     spec: ModelSpec, repository: Path, requests: int, rounds: int, batch_size: int, deadline_ms: float | None
 ) -> int:
-    """``recserve redis-outage``: prints the table.
+    """``recserve lab redis-outage``: prints the table.
 
     Exit status 1 on a failed request or a readiness problem.
     """

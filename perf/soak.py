@@ -1,4 +1,4 @@
-"""``recserve soak``: bounded mixed traffic with periodic updates, watched by a leak detector.
+"""``recserve lab soak``: bounded mixed traffic with periodic updates, watched by a leak detector.
 
 The soak starts tritonserver on free loopback ports over a scratch copy of the repository, sends
 valid requests (gRPC and HTTP, batch 1..64) mixed with a small share of malformed ones, calls an
@@ -321,7 +321,7 @@ def run_soak(
 
 
 def soak_command(spec: ModelSpec, repository: Path, duration_s: float, update_every_s: float) -> int:
-    """``recserve soak``: a private server on free loopback ports; exit status 1 when the soak fails."""
+    """``recserve lab soak``: a private server on free loopback ports; exit status 1 when the soak fails."""
     with tempfile.TemporaryDirectory(prefix="recserve-soak-") as scratch:
         root = scratch_repository(repository, Path(scratch) / "repository")
         security = Security("explicit", admin_key=secrets.token_urlsafe(32))

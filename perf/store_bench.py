@@ -1,4 +1,4 @@
-"""``recserve bench-store``: the parameter store against the speed and size of the memory it reads.
+"""``recserve lab store-bench``: the parameter store against the speed and size of the memory it reads.
 
 One run, on one machine, side by side:
 
@@ -340,7 +340,7 @@ def format_device(figures: DeviceFigures) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's options (shared by ``recserve bench-store`` and ``python -m``)."""
+    """The benchmark's options (shared by ``recserve lab store-bench`` and ``python -m``)."""
     parser.add_argument("--keys", type=int, default=10_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batches", type=int, default=3000)

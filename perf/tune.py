@@ -1,4 +1,4 @@
-"""``recserve tune``: sweep the step scheduling with perf_analyzer under a p99 target, keep the best.
+"""``recserve lab tune``: sweep the step scheduling with perf_analyzer under a p99 target, keep the best.
 
 The sweep is coordinate-wise, one restart of tritonserver per candidate plan (each alone on the
 machine): first ``max_queue_delay_microseconds``, then ``preferred_batch_size`` at the best delay,

@@ -27,7 +27,7 @@ most 10 minutes and is lent for 30 minutes of device time. So the work is split 
 2. ``run``, on the GPU machine, from the carried kit only: a venv over the image's interpreter (torch
    and the rest come from the image, numpy<2 and the rest from the kit), ``recserve build`` (with the
    TensorRT engine where TensorRT is importable), the CUDA/TensorRT tests that skip on CPU machines,
-   ``bench-dense`` and ``bench-store`` on cuda, ``serve --profile cuda`` (and ``gpu`` with TensorRT)
+   ``lab dense-bench`` and ``lab store-bench`` on cuda, ``serve --profile cuda`` (and ``gpu`` with TensorRT)
    under perf_analyzer at client batch 64 and 256, concurrency 1 to 16, parity of the served scores
    with the in-process PyTorch reference, and 1, 2 and 4 dense instances with and without MPS. Each
    step has its own time limit and status (ok / failed with the error tail / skipped with a reason);

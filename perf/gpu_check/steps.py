@@ -169,19 +169,19 @@ def step_tests(ctx: Context) -> tuple[str, dict[str, Any]]:
 
 
 def step_bench_dense(ctx: Context) -> tuple[str, dict[str, Any]]:
-    """``recserve bench-dense --device cuda``."""
+    """``recserve lab dense-bench --device cuda``."""
     csv_path = ctx.logs / "bench-dense-cuda.csv"
     out = ctx.sh(
-        "bench-dense", ["recserve", "bench-dense", "--device", "cuda", "--output", str(csv_path)], 400
+        "bench-dense", ["recserve", "lab", "dense-bench", "--device", "cuda", "--output", str(csv_path)], 400
     )
     return "table in logs/bench-dense.log", {"table": tail(out, 40)}
 
 
 def step_bench_store(ctx: Context) -> tuple[str, dict[str, Any]]:
-    """``recserve bench-store --device cuda``."""
+    """``recserve lab store-bench --device cuda``."""
     json_path = ctx.logs / "bench-store-cuda.json"
     out = ctx.sh(
-        "bench-store", ["recserve", "bench-store", "--device", "cuda", "--json", str(json_path)], 400
+        "bench-store", ["recserve", "lab", "store-bench", "--device", "cuda", "--json", str(json_path)], 400
     )
     return "table in logs/bench-store.log", {"table": tail(out, 40)}
 
@@ -191,8 +191,8 @@ STEPS = (
     Step("install", 1, 420, step_install, what="venv from the kit (dry run: kit checks, offline builds)"),
     Step("build", 1, 480, step_build, gpu=True, what="recserve build (TensorRT engine where present)"),
     Step("tests-cuda", 1, 480, step_tests, gpu=True, what="CUDA/TensorRT tests that skip on CPU"),
-    Step("bench-dense-cuda", 2, 300, step_bench_dense, gpu=True, what="recserve bench-dense --device cuda"),
-    Step("bench-store-cuda", 2, 240, step_bench_store, gpu=True, what="recserve bench-store --device cuda"),
+    Step("bench-dense-cuda", 2, 300, step_bench_dense, gpu=True, what="lab dense-bench --device cuda"),
+    Step("bench-store-cuda", 2, 240, step_bench_store, gpu=True, what="lab store-bench --device cuda"),
     Step("serve-cuda", 2, 300, step_serve_cuda, gpu=True, what="serve --profile cuda: perf + parity"),
     Step(
         "serve-gpu",
