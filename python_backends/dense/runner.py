@@ -2,7 +2,7 @@
 
 :class:`OnnxDenseRunner` is the generic graph (dynamic batch and sequence axes). :class:`OnnxBucket`
 is the CPU fast path: a session whose batch and sequence axes are fixed to one bucket's shape, so
-ONNX Runtime plans memory and picks kernels for that shape (measured by ``recserve bench-dense``;
+ONNX Runtime plans memory and picks kernels for that shape (measured by ``recserve lab dense-bench``;
 figures in docs/performance.md).
 :func:`bucketed_onnx_runner` puts both behind the shared bucket policy.
 """
