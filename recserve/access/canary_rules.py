@@ -1,0 +1,223 @@
+"""The canary's decision rules: compare the candidate with stable, step through the stages, keep the decision.
+
+Pure logic over :class:`~recserve.access.canary_figures.Window` figures and the spec's
+:class:`~recserve.sections.CanarySection`; the controller that reads the running stack and puts each
+decision on the proxy is :mod:`~recserve.access.canary`, which re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recserve.access.canary_figures import Window, psi
+from recserve.access.config import AccessError
+from recserve.sections import AccessSection, CanarySection
+
+STATE_FILE = "canary.json"
+#: Weights are out of this total, so that a step of 0.5 % is still a whole number.
+WEIGHT_TOTAL = 10_000
+RUNNING, PROMOTED, ROLLED_BACK = "running", "promoted", "rolled_back"
+#: Timed requests each side needs before p99s are compared (fewer make the p99 their maximum).
+P99_MIN_REQUESTS = 100
+
+
+# --- the comparison ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One comparison of the candidate with stable over the same window.
+
+    Attributes:
+        rollback: why the candidate must go (empty: it may stay).
+        judged: every comparison had enough requests and rows on both sides, and the candidate
+            served ``min_requests`` (the stage may end).
+        figures: the compared figures (``error_rate_increase``, ``p99_ratio``, ``psi``,
+            ``mean_ratio``), those measured; and, never compared, the client errors each side
+            answered (``client_errors_stable``, ``client_errors_candidate``).
+        skipped: comparisons that could not be made (e.g. no score histogram exported).
+    """
+
+    rollback: str = ""
+    judged: bool = False
+    figures: Mapping[str, float] = field(default_factory=dict)
+    skipped: tuple[str, ...] = ()
+
+
+def judge(canary: CanarySection, stable: Window, candidate: Window) -> Verdict:
+    """Compare ``candidate`` with ``stable`` (both over the same window) against the thresholds.
+
+    A comparison counts once each side has ``min_judged`` requests (timed requests for p99, at least
+    :data:`P99_MIN_REQUESTS`; scored rows for the score checks). A failed comparison rolls back even
+    while others still wait. Client errors are reported in the figures and judged by nothing.
+    """
+    figures = {
+        "client_errors_stable": stable.client_errors,
+        "client_errors_candidate": candidate.client_errors,
+    }
+    reasons, waiting, skipped = [], [], []
+    need = canary.min_judged
+    if min(stable.requests, candidate.requests) >= need:
+        figures["error_rate_increase"] = candidate.error_rate - stable.error_rate
+        if figures["error_rate_increase"] > canary.max_error_rate_increase:
+            reasons.append(
+                f"error rate {candidate.error_rate:.3f} vs stable's {stable.error_rate:.3f} "
+                f"(more than +{canary.max_error_rate_increase:g})"
+            )
+    else:
+        waiting.append("requests")
+    stable_p99, candidate_p99 = stable.p99_ms(), candidate.p99_ms()
+    timed = min(stable.timed, candidate.timed) >= max(need, P99_MIN_REQUESTS)
+    if timed and stable_p99 is not None and candidate_p99 is not None:
+        figures["p99_ratio"] = candidate_p99 / max(stable_p99, 1e-9)
+        if figures["p99_ratio"] > canary.max_p99_ratio and candidate_p99 - stable_p99 > canary.p99_slack_ms:
+            reasons.append(
+                f"p99 {candidate_p99:.1f} ms vs stable's {stable_p99:.1f} ms (over {canary.max_p99_ratio:g}x)"
+            )
+    else:
+        waiting.append("timed requests")
+    if not stable.scores or not candidate.scores:
+        skipped.append("scores (no served-probability histogram exported)")
+    elif sorted(stable.scores) != sorted(candidate.scores):
+        skipped.append("scores (the variants' histograms have different buckets)")
+    elif min(stable.scored, candidate.scored) >= need:
+        figures["psi"] = psi(stable.score_shares(), candidate.score_shares())
+        stable_mean, candidate_mean = stable.mean_score(), candidate.mean_score()
+        if stable_mean and candidate_mean is not None:
+            figures["mean_ratio"] = candidate_mean / stable_mean
+        if figures["psi"] > canary.max_psi:
+            reasons.append(f"score distribution moved: PSI {figures['psi']:.3f} (over {canary.max_psi:g})")
+        low, high = canary.mean_ratio
+        ratio = figures.get("mean_ratio")
+        if ratio is not None and not low <= ratio <= high:
+            reasons.append(f"mean probability {ratio:.3f}x stable's (outside {low:g}..{high:g})")
+    else:
+        waiting.append("scored rows")
+    if candidate.requests < canary.min_requests:
+        waiting.append("the stage's requests")
+    return Verdict("; ".join(reasons), not waiting, figures, tuple(skipped))
+
+
+# --- stages and the persisted decision ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage: the candidate's live share (percent) and the mirrored share."""
+
+    name: str
+    percent: float
+    shadow_fraction: float
+
+    def weights(self) -> dict[str, int]:
+        """Envoy weights of the two variants (out of :data:`WEIGHT_TOTAL`)."""
+        candidate = round(self.percent * WEIGHT_TOTAL / 100)
+        return {"stable": WEIGHT_TOTAL - candidate, "candidate": candidate}
+
+
+def stages(canary: CanarySection) -> list[Stage]:
+    """The shadow stage (when ``shadow_fraction`` > 0), then one stage per step."""
+    shadow = [Stage("shadow", 0.0, canary.shadow_fraction)] if canary.shadow_fraction > 0 else []
+    return shadow + [Stage(f"{step:g}%", step, 0.0) for step in canary.steps]
+
+
+@dataclass(frozen=True)
+class CanaryState:
+    """The decision so far, as kept in :data:`STATE_FILE`.
+
+    Attributes:
+        status: ``running``, ``promoted`` or ``rolled_back``.
+        stage: index into :func:`stages`.
+        stage_started: when the stage began (Unix seconds).
+        reason: why it was rolled back.
+        events: every stage change and the final decision, oldest first.
+    """
+
+    status: str = RUNNING
+    stage: int = 0
+    stage_started: float = 0.0
+    reason: str = ""
+    events: tuple[dict[str, Any], ...] = ()
+
+    def routing(self, canary: CanarySection) -> tuple[dict[str, int], float]:
+        """The weights and the mirrored share this decision puts on the proxy."""
+        if self.status == PROMOTED:
+            return {"stable": 0, "candidate": WEIGHT_TOTAL}, 0.0
+        if self.status == ROLLED_BACK:
+            return {"stable": WEIGHT_TOTAL, "candidate": 0}, 0.0
+        stage = stages(canary)[self.stage]
+        return stage.weights(), stage.shadow_fraction
+
+    def count(self, event: str) -> int:
+        """How many events of this kind (``step``, ``rollback``, ``promote``) happened."""
+        return sum(1 for e in self.events if e["event"] == event)
+
+    def save(self, path: Path) -> None:
+        """Write atomically (a reader never sees half a file)."""
+        scratch = path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        os.replace(scratch, path)
+
+    @classmethod
+    def load(cls, path: Path) -> CanaryState:
+        """Read a saved decision.
+
+        Raises:
+            AccessError: the file is not a canary state.
+        """
+        try:
+            raw = json.loads(path.read_text())
+            return cls(
+                str(raw["status"]),
+                int(raw["stage"]),
+                float(raw["stage_started"]),
+                str(raw.get("reason", "")),
+                tuple(raw.get("events", ())),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise AccessError(f"{path} is not a canary state: {exc}") from exc
+
+
+def decide(canary: CanarySection, state: CanaryState, verdict: Verdict, now: float) -> CanaryState:
+    """The next decision: roll back, advance (or promote after the last stage), or stay."""
+    if state.status != RUNNING:
+        return state
+    plan = stages(canary)
+    stage = plan[state.stage]
+    record = {"time": now, "stage": stage.name, "after_s": round(now - state.stage_started, 3)}
+    record["figures"] = {k: round(v, 4) for k, v in verdict.figures.items()}
+    if verdict.rollback:
+        event = {"event": "rollback", "reason": verdict.rollback, **record}
+        return dataclasses.replace(
+            state, status=ROLLED_BACK, reason=verdict.rollback, events=(*state.events, event)
+        )
+    if verdict.judged and now - state.stage_started >= canary.dwell_s:
+        if state.stage + 1 == len(plan):
+            return dataclasses.replace(
+                state, status=PROMOTED, events=(*state.events, {"event": "promote", **record})
+            )
+        event = {"event": "step", "to": plan[state.stage + 1].name, **record}
+        return dataclasses.replace(
+            state, stage=state.stage + 1, stage_started=now, events=(*state.events, event)
+        )
+    return state
+
+
+def routed(access: AccessSection, workdir: Path) -> AccessSection:
+    """``access`` with the weights and mirrored share of a canary decision saved in ``workdir``.
+
+    This is how a restarted proxy keeps the decision. Without a saved decision: ``access`` as is.
+    """
+    path = workdir / STATE_FILE
+    if not path.is_file():
+        return access
+    weights, shadow = CanaryState.load(path).routing(access.canary)
+    return dataclasses.replace(
+        access, weights={**access.weights, **weights}, shadow_fraction=shadow, shadow_variant="candidate"
+    )
