@@ -17,7 +17,7 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows
-from recserve.clients.sdk import ClientBase, Scores
+from recserve.clients.base import ClientBase, Scores
 from recserve.spec import ModelSpec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
-from recserve.perf.traffic import closed_loop
+from recserve.perf.harness.traffic import closed_loop
 from recserve.spec import DEFAULT_REPOSITORY, ModelSpec, load_spec
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
+from recserve.perf.harness.traffic import scratch_repository
 from recserve.perf.overload import Cores, OverloadReport, measure_capacity, pinned, run_overload
-from recserve.perf.traffic import scratch_repository
 from recserve.spec import ModelSpec
 
 

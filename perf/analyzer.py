@@ -251,7 +251,7 @@ def run_perf(
         print(f"{spec.name} over {protocol}, client batch {batch_size}:")
         print(format_table(points, batch_size))
     if inprocess_repository is not None and not candidates:
-        from recserve.perf.inprocess import measure_inprocess
+        from recserve.perf.harness.inprocess import measure_inprocess
 
         rate = measure_inprocess(spec, inprocess_repository, batch_size, seconds=measurement_ms / 1000)
         print(

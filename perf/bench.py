@@ -13,7 +13,7 @@ Five configurations serve the same model on the same inputs:
 The Triton configurations are measured with perf_analyzer over gRPC on the grid of client batch
 sizes and concurrencies, alternating at each point; the tuned one also with HTTP and with system
 shared memory (the overhead probes). Triton's HTTP endpoint and TorchServe are measured with the
-same HTTP load generator (:mod:`recserve.perf.loadgen`): those two rows are the fair comparison.
+same HTTP load generator (:mod:`recserve.perf.harness.loadgen`): those two rows are the fair comparison.
 Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
 The hop floor (:mod:`recserve.perf.hops`: the served ensemble at batch 1 against echo ensembles of its
 shape) is measured in the same run. Results go to ``<output>/<run>/``: ``points.csv``,
@@ -43,13 +43,19 @@ from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.candidates import measure as measure_candidates
+from recserve.perf.harness.inprocess import measure_inprocess, time_calls
+from recserve.perf.harness.loadgen import (
+    HttpTarget,
+    run_load,
+    sample_batches,
+    torchserve_target,
+    triton_target,
+)
+from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.hops import run_hops
-from recserve.perf.inprocess import measure_inprocess, time_calls
 from recserve.perf.input_data import write_input_data
-from recserve.perf.loadgen import HttpTarget, run_load, sample_batches, torchserve_target, triton_target
 from recserve.perf.monolith import write_monolith_repository
 from recserve.perf.report import Point
-from recserve.perf.stats import difference, snapshot
 from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
 

@@ -34,9 +34,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from recserve import wire
 from recserve.build import configs
 from recserve.build.synthetic import generate
-from recserve.perf.inprocess import measure_inprocess
-from recserve.perf.stats import StepTimes, difference, snapshot
-from recserve.perf.traffic import closed_loop, interleaved
+from recserve.perf.harness.inprocess import measure_inprocess
+from recserve.perf.harness.stats import StepTimes, difference, snapshot
+from recserve.perf.harness.traffic import closed_loop, interleaved
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec, WireTensor
 

@@ -33,8 +33,8 @@ from tritonclient.utils import InferenceServerException
 from recserve import wire
 from recserve.build import configs
 from recserve.build.synthetic import generate
-from recserve.perf.stats import Snapshot, StepTimes, difference, snapshot
-from recserve.perf.traffic import infer_inputs, infer_request, scratch_repository
+from recserve.perf.harness.stats import Snapshot, StepTimes, difference, snapshot
+from recserve.perf.harness.traffic import infer_inputs, infer_request, scratch_repository
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 

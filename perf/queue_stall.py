@@ -6,7 +6,7 @@ This measures how often that happens where it hurts most: batch-1 clients, all o
 server per configuration (``config.pbtxt``, then each named profile), started side by side on free
 loopback ports; rounds of closed-loop HTTP load against each in turn, each round starting one
 configuration further on. Per round and configuration: rows/s, p50, p99, max and the requests over
-:data:`~recserve.perf.loadgen.STALL_MS`.
+:data:`~recserve.perf.harness.loadgen.STALL_MS`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.perf.loadgen import STALL_MS, run_load, sample_batches, triton_target
+from recserve.perf.harness.loadgen import STALL_MS, run_load, sample_batches, triton_target
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 

@@ -40,8 +40,8 @@ from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline, upload_remote_tables, version_dir, write_tables
 from recserve.build.synthetic import generate
-from recserve.perf.redis_cluster import RedisCluster
-from recserve.perf.traffic import infer_request
+from recserve.perf.harness.redis_cluster import RedisCluster
+from recserve.perf.harness.traffic import infer_request
 from recserve.server import LOOPBACK, Ports, TritonServer
 from recserve.spec import ModelSpec, parse_spec
 from recserve.wire import EMBEDDING_LOOKUP, PROBABILITY

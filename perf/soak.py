@@ -28,7 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from recserve import wire
-from recserve.perf.traffic import (
+from recserve.perf.harness.traffic import (
     TrafficCounts,
     add_version,
     scratch_repository,

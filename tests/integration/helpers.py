@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from recserve.clients import CTRClient, RecserveClientError
-from recserve.perf.traffic import infer_inputs
+from recserve.perf.harness.traffic import infer_inputs
 from recserve.spec import ModelSpec
 
 __all__ = [

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from recserve.perf.traffic import TrafficCounts, scratch_repository, traffic_worker
+from recserve.perf.harness.traffic import TrafficCounts, scratch_repository, traffic_worker
 from recserve.server import Ports, Security, TritonServer
 
 

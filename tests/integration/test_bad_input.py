@@ -8,7 +8,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from recserve import wire
 from recserve.build.synthetic import generate
-from recserve.perf.traffic import infer_request
+from recserve.perf.harness.traffic import infer_request
 
 from .helpers import grpc_client, http_client, infer_inputs, infer_raw
 

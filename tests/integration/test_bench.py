@@ -13,7 +13,7 @@ import pytest
 from recserve.clients import CTRClient
 from recserve.perf import report
 from recserve.perf.bench import Grid, run_bench
-from recserve.perf.loadgen import sample_batches
+from recserve.perf.harness.loadgen import sample_batches
 from recserve.perf.queue_stall import SERVED, run_queue_stall
 from recserve.server import Ports, Security, TritonServer
 from recserve.wire import STEPS

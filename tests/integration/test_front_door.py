@@ -29,7 +29,7 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, read_rows
 from recserve.clients.writers import write_tsv
-from recserve.perf.traffic import infer_request
+from recserve.perf.harness.traffic import infer_request
 from recserve.spec import ModelSpec, load_spec
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,9 @@ from tritonclient.utils import InferenceServerException
 
 from recserve import wire
 from recserve.build.synthetic import generate
+from recserve.perf.harness.stats import difference, snapshot
+from recserve.perf.harness.traffic import scratch_repository
 from recserve.perf.overload import Cores, pinned_capacity, run_overload
-from recserve.perf.stats import difference, snapshot
-from recserve.perf.traffic import scratch_repository
 from recserve.server import Ports, TritonServer
 
 from .helpers import infer_raw

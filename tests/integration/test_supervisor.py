@@ -28,7 +28,7 @@ from recserve.access.process import SUPERVISOR_FILE
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
-from recserve.perf.stats import snapshot
+from recserve.perf.harness.stats import snapshot
 from recserve.server import Backoff, Ports
 from recserve.server.shm import SHM_DIR
 from recserve.spec import ModelSpec, load_spec

@@ -26,7 +26,7 @@ from recserve.backends.store.tiered import DELTA
 from recserve.backends.store.updates.versions import UpdateLog
 from recserve.build.repository import install_adapters
 from recserve.build.synthetic import generate
-from recserve.perf.redis_cluster import RedisCluster
+from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
 from recserve.wire import EMBEDDING_LOOKUP
 

@@ -192,7 +192,7 @@ def test_empty_l1_slots_never_match():
 
 
 def test_cluster_ports_and_their_bus_ports_lie_below_the_ephemeral_range():
-    from recserve.perf.redis_cluster import BUS_OFFSET, ephemeral_start, free_cluster_ports
+    from recserve.perf.harness.redis_cluster import BUS_OFFSET, ephemeral_start, free_cluster_ports
 
     ports = free_cluster_ports(6)
     assert len(set(ports)) == 6
