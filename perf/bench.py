@@ -7,7 +7,7 @@ Five configurations serve the same model on the same inputs:
 * Triton configured naively: no dynamic batching, one instance per step;
 * Triton with the spec's tuned ``[serving]`` plan;
 * the monolith a user would write first: one Python-backend model running the whole path, with
-  1 and 2 instances (:mod:`recserve.perf.monolith`);
+  1 and 2 instances (:mod:`recserve.perf.peers.monolith`);
 * TorchServe with a handler running the PyTorch network and TorchServe's batching.
 
 The Triton configurations are measured with perf_analyzer over gRPC on the grid of client batch
@@ -54,7 +54,7 @@ from recserve.perf.harness.loadgen import (
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.hops import run_hops
 from recserve.perf.input_data import write_input_data
-from recserve.perf.monolith import write_monolith_repository
+from recserve.perf.peers.monolith import write_monolith_repository
 from recserve.perf.report import Point
 from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
@@ -224,7 +224,7 @@ def run_bench(
             )
         torchserve = None
         if grid.torchserve:
-            from recserve.perf.torchserve import TorchServe
+            from recserve.perf.peers.torchserve import TorchServe
 
             torchserve = stack.enter_context(
                 TorchServe(spec_path(spec_name), repository, work / "torchserve")

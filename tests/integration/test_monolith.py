@@ -7,7 +7,7 @@ from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
-from recserve.perf.monolith import write_monolith_repository
+from recserve.perf.peers.monolith import write_monolith_repository
 from recserve.server import Ports, TritonServer
 
 from .helpers import grpc_client, infer_raw

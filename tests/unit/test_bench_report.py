@@ -158,7 +158,7 @@ def test_points_files_and_plots(tmp_path):
 
 
 def test_torchserve_handler_groups_requests_within_max_batch():
-    from recserve.perf.torchserve_handler import row_groups
+    from recserve.perf.peers.torchserve_handler import row_groups
 
     assert row_groups([64, 64, 64, 64, 64], 256) == [[0, 1, 2, 3], [4]]
     assert row_groups([1, 255, 1], 256) == [[0, 1], [2]]

@@ -135,7 +135,7 @@ def test_leaving_the_block_stops_even_after_an_error():
 
 
 def test_torchserve_is_stopped_with_its_whole_group_and_its_log_read_from_its_workdir(tmp_path):
-    from recserve.perf.torchserve import TorchServe
+    from recserve.perf.peers.torchserve import TorchServe
 
     code = (
         "import subprocess, sys, time\n"

@@ -42,7 +42,7 @@ def write_monolith_repository(spec: ModelSpec, source: Path, target: Path, insta
     """``target/<name>/config.pbtxt`` and ``1/model.py``, serving the artifacts of ``source``."""
     version = target / spec.name / "1"
     version.mkdir(parents=True, exist_ok=True)
-    (version / "model.py").write_text(resources.files("recserve.perf").joinpath(ADAPTER).read_text())
+    (version / "model.py").write_text(resources.files("recserve.perf.peers").joinpath(ADAPTER).read_text())
     config = monolith_config(spec, source, instances)
     (target / spec.name / "config.pbtxt").write_text(configs.render(config))
     return target

@@ -2,7 +2,7 @@
 
 The monolith a user would write first: one Python-backend model that runs the whole ``ctr`` path
 (the in-process pipeline: the same transform, tiered store and ONNX Runtime dense runner as the
-served steps) on each dynamic batch. Installed by :mod:`recserve.perf.monolith`; the built
+served steps) on each dynamic batch. Installed by :mod:`recserve.perf.peers.monolith`; the built
 repository it serves from is the config parameter ``repository``.
 """
 

@@ -2,7 +2,7 @@
 
 TorchServe is not a dependency of recserve: :func:`ensure_installed` adds it to the running
 environment with pip on first use (it needs Java 17). :class:`TorchServe` archives
-:mod:`recserve.perf.torchserve_handler`, starts ``torchserve --foreground`` in its own process
+:mod:`recserve.perf.peers.torchserve_handler`, starts ``torchserve --foreground`` in its own process
 group and stops it with SIGTERM to that group.
 """
 
