@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from recserve.clients.base import ClientBase, Scores
 from recserve.clients.errors import (
     RequestTimeoutError,
     ServerError,
@@ -17,7 +18,6 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows
-from recserve.clients.base import ClientBase, Scores
 from recserve.spec import ModelSpec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 

@@ -26,20 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from recserve.clients.base import DEFAULT_URLS, PROTOCOLS, ClientBase, Scores
 from recserve.clients.errors import (
     RequestTimeoutError,
     ServerUnavailableError,
     map_exception,
 )
-from recserve.clients.base import DEFAULT_URLS, PROTOCOLS, ClientBase, Scores
 from recserve.clients.rows import CriteoRows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.spec import ModelSpec
 from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 
 LOGGER = logging.getLogger(__name__)
-
-__all__ = ["DEFAULT_URLS", "PROTOCOLS", "CTRClient", "ClientBase", "Scores"]  # the shared part is in base
 
 
 class CTRClient(ClientBase):
@@ -276,4 +274,5 @@ class CTRClient(ClientBase):
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 
+# the shared part (request building, response parsing) is in base; its names stay importable here
 __all__ = ["DEFAULT_URLS", "PROTOCOLS", "CTRClient", "ClientBase", "Scores"]

@@ -1,0 +1,218 @@
+"""What the blocking and asyncio clients share: request building and response parsing.
+
+:class:`ClientBase` checks and casts a request's tensors, builds a candidate list's requests, makes
+tritonclient's input and output objects and reads a response into probabilities or :class:`Scores`.
+The transports are :class:`~recserve.clients.sdk.CTRClient` and
+:class:`~recserve.clients.async_sdk.AsyncCTRClient`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from recserve.clients.errors import InvalidRequestError, ServerError
+from recserve.clients.rows import CriteoRows
+from recserve.errors import cap_message, shorten, shorten_all
+from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
+from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER, candidate_list_inputs
+
+PROTOCOLS = ("grpc", "http")
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+
+
+def _normalise_url(url: str | None, protocol: str) -> tuple[str, bool]:
+    """``(host:port[/path], ssl)`` with any ``scheme://`` prefix removed."""
+    if url is None or not url.strip():
+        return DEFAULT_URLS[protocol], False
+    url = url.strip()
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rstrip("/"), False
+    return rest.rstrip("/"), scheme.lower() in ("https", "grpcs")
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One response with the versions that served it.
+
+    Attributes:
+        probabilities: float32 ``[B]`` click probabilities.
+        dense_version: int64 ``[B]``: the ``dense`` model version that scored each row.
+        embedding_version: int64 ``[B, T]``: per row, the version of each embedding table in the
+            store snapshot that served it, in the order of :attr:`tables`. A request is served by one
+            snapshot, so its rows agree.
+        tables: table names, the columns of ``embedding_version`` (the spec's ``table_names``).
+    """
+
+    probabilities: np.ndarray
+    dense_version: np.ndarray
+    embedding_version: np.ndarray
+    tables: tuple[str, ...]
+
+    def table_versions(self, row: int = 0) -> dict[str, int]:
+        """Table name -> version that served ``row``."""
+        return dict(zip(self.tables, (int(v) for v in self.embedding_version[row]), strict=True))
+
+
+def _check_protocol(protocol: str) -> str:
+    name = protocol.lower()
+    if name not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return name
+
+
+class ClientBase:
+    """Request building and response parsing shared by the blocking and asyncio clients."""
+
+    def __init__(
+        self,
+        url: str | None,
+        protocol: str,
+        timeout_s: float,
+        spec: ModelSpec | None,
+        model_name: str | None,
+        user_id: str | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if user_id is not None and (not user_id or not user_id.isascii() or not user_id.isprintable()):
+            raise ValueError(f"user_id must be non-empty printable ASCII, got {shorten(user_id)}")
+        self.protocol = _check_protocol(protocol)
+        self.url, self._ssl = _normalise_url(url, self.protocol)
+        self.timeout_s = float(timeout_s)
+        self.spec = spec if spec is not None else load_spec()
+        self.model_name = model_name or self.spec.name
+        # every request tensor's dtype by name: the row form's and a candidate list's once-per-user ones
+        self._dtypes = {t.name: t.dtype for t in (*self.spec.wire_inputs(), *self.spec.user_inputs())}
+        # sent with every request: the access layer keeps a user on one model variant by it
+        self._headers = {USER_HEADER: user_id} if user_id is not None else None
+
+    def _prepare(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Inputs cast to the wire dtypes, checked for names, rank and a common batch size."""
+        wire = self.spec.wire_inputs()
+        names = {w.name for w in wire}
+        unknown = sorted(set(inputs) - names)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown inputs [{shorten_all(unknown)}]; the model takes {sorted(names)}"
+            )
+        missing = [w.name for w in wire if w.name not in inputs or inputs[w.name] is None]
+        if missing:
+            raise InvalidRequestError(f"missing inputs {missing}")
+        arrays: dict[str, np.ndarray] = {}
+        for w in wire:
+            try:
+                array = np.ascontiguousarray(inputs[w.name], dtype=NUMPY_DTYPES[w.dtype])
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"input '{w.name}' cannot be converted to {w.dtype}: {cap_message(str(exc), 200)}"
+                ) from exc
+            if array.ndim != 2:
+                raise InvalidRequestError(
+                    f"input '{w.name}' has shape {list(array.shape)}, expected [batch, ...]"
+                )
+            arrays[w.name] = array
+        rows = {a.shape[0] for a in arrays.values()}
+        if len(rows) != 1:
+            raise InvalidRequestError(f"inputs disagree on the batch size: {sorted(rows)}")
+        batch = rows.pop()
+        if batch > self.spec.max_batch_size:
+            raise InvalidRequestError(
+                f"batch of {batch} rows exceeds max_batch_size {self.spec.max_batch_size}; use predict()"
+            )
+        return arrays
+
+    def _candidate_requests(
+        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """The candidates ensemble's requests for one user: at most ``max_batch_size`` candidates each.
+
+        The user's sequences travel once per request (``[1, L]``, the length ``[1, 1]``), each
+        per-candidate input as ``[1, N, ...]``.
+        """
+        spec = self.spec
+        if spec.candidates_model is None:
+            raise InvalidRequestError(
+                f"spec {spec.name!r} has no sequence, so no user context: score the candidates with predict()"
+            )
+        names = [s.name for s in spec.sequences]
+        unknown = sorted(set(user) - set(names))
+        if unknown:
+            raise InvalidRequestError(f"unknown user inputs [{shorten_all(unknown)}]; a user carries {names}")
+        histories = {}
+        for name in names:
+            try:
+                histories[name] = np.asarray(user.get(name, ()), dtype=np.int64).reshape(-1)
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(
+                    f"user input '{name}' is not a list of item ids: {cap_message(str(exc), 200)}"
+                ) from exc
+        user_arrays = {}
+        for group in spec.attention_groups:
+            lengths = {s.name: len(histories[s.name]) for s in group.sequences}
+            if len(set(lengths.values())) > 1:
+                raise InvalidRequestError(
+                    f"the user's sequences share positions but differ in length: {lengths}"
+                )
+            length = lengths[group.primary.name]
+            for sequence in group.sequences:
+                user_arrays[sequence.name] = np.zeros((1, max(length, 1)), np.int64)
+                user_arrays[sequence.name][0, :length] = histories[sequence.name]
+            user_arrays[group.length_input] = np.array([[length]], np.int32)
+        for part in candidates.batches(spec.max_batch_size):
+            yield {**user_arrays, **candidate_list_inputs(spec, part.to_inputs(spec))}
+
+    def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``).
+
+        ``arrays``: the row form's wire inputs, or a candidate list's (its profile tensors among them).
+        """
+        result = []
+        for name, array in arrays.items():
+            infer_input = module.InferInput(name, list(array.shape), self._dtypes[name])
+            try:
+                infer_input.set_data_from_numpy(array)
+            except Exception as exc:  # tritonclient raises InferenceServerException on bad data
+                raise InvalidRequestError(f"input '{name}': {cap_message(str(exc), 200)}") from exc
+            result.append(infer_input)
+        return result
+
+    def _outputs(self, module: ModuleType, names: tuple[str, ...]) -> list[Any]:
+        if self.protocol == "http":
+            return [module.InferRequestedOutput(name, binary_data=True) for name in names]
+        return [module.InferRequestedOutput(name) for name in names]
+
+    def _output(self, result: Any, name: str, rows: int, dtype: type) -> np.ndarray:
+        output = result.as_numpy(name)
+        if output is None:
+            raise ServerError(f"the response of model '{self.model_name}' has no output '{name}'")
+        values: np.ndarray = np.asarray(output, dtype=dtype)
+        if values.ndim == 0 or values.shape[0] != rows:
+            raise ServerError(f"expected {rows} rows of '{name}', got output of shape {list(output.shape)}")
+        return values
+
+    def _probabilities(self, result: Any, rows: int) -> np.ndarray:
+        return self._output(result, PROBABILITY, rows, np.float32).reshape(-1)
+
+    def _scores(self, result: Any, rows: int, probabilities: np.ndarray | None = None) -> Scores:
+        return Scores(
+            self._probabilities(result, rows) if probabilities is None else probabilities,
+            self._output(result, DENSE_VERSION, rows, np.int64).reshape(-1),
+            self._output(result, EMBEDDING_VERSION, rows, np.int64).reshape(rows, -1),
+            self.spec.table_names,
+        )
+
+    def _empty_scores(self) -> Scores:
+        tables = self.spec.table_names
+        return Scores(
+            np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, len(tables)), np.int64), tables
+        )
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if not 1 <= batch_size <= self.spec.max_batch_size:
+            raise ValueError(f"batch_size must be in 1..{self.spec.max_batch_size}, got {batch_size}")
