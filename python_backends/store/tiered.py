@@ -15,7 +15,8 @@ grouped into one *shard* per storage dtype and width (:mod:`.shards`); the L1 ca
 :mod:`.hot_cache`. A lookup returns every vector at the widest table's width
 (:attr:`TieredStore.dim`), a narrower table's zero-padded to it. A lookup reads the current
 :class:`Snapshot` once and uses only it: an update builds a new snapshot and swaps one reference,
-so a batch sees a whole version of every table or none of it.
+so a batch sees a whole version of every table or none of it. The tiers' names, the snapshot, a
+lookup's result and the L3 tier's protocol are in :mod:`.tiers` (re-exported here).
 """
 
 from __future__ import annotations
@@ -24,13 +25,10 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 
-from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.hot_cache import (
     COUNT_DECAY,
     TRACKED_KEYS_PER_REFRESH,
@@ -39,66 +37,38 @@ from recserve.backends.store.hot_cache import (
 )
 from recserve.backends.store.rows import KERNELS, RowBlock, Shard, TableArrays, TableInfo
 from recserve.backends.store.shards import layout_shards, map_shards
+from recserve.backends.store.tiers import (  # the tiers' names and types stay importable from here
+    DEFAULT,
+    DELTA,
+    L1,
+    L2,
+    L3,
+    TIERS,
+    Lookup,
+    RemoteTier,
+    Snapshot,
+    StoreStats,
+)
 from recserve.spec import ModelSpec, StoreSection
 
 LOGGER = logging.getLogger(__name__)
 
-TIERS = ("l1", "delta", "l2", "l3", "default")
-L1, DELTA, L2, L3, DEFAULT = range(len(TIERS))
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_STORE",
+    "DELTA",
+    "L1",
+    "L2",
+    "L3",
+    "TIERS",
+    "Lookup",
+    "RemoteTier",
+    "Snapshot",
+    "StoreStats",
+    "TieredStore",
+]
+
 DEFAULT_STORE = StoreSection()  # the ``[store]`` defaults (frozen, so one shared instance)
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One consistent state of every table: versions, delta rows, and the L1 cache built for them."""
-
-    versions: tuple[int, ...]  # by table id
-    delta: RowBlock | None = None
-    cache: HotCache | None = None
-
-
-class RemoteTier(Protocol):
-    """What the store needs of an L3 tier (see :mod:`recserve.backends.store.redis_tier`)."""
-
-    def fetch(self, keys: np.ndarray, dim: int, widths: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Vectors ``[n, dim]``, found mask ``[n]``; never raises; rows not ``widths`` wide are not found."""
-
-    def fetch_bulk(
-        self, keys: np.ndarray, dim: int, widths: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The same for work off the serving path (no call deadline, does not hold the serving calls)."""
-
-    def healthy(self) -> bool:
-        """False while the tier is known to be failing (breaker open)."""
-
-    def samples(self) -> list[MetricSample]:
-        """The tier's metrics (errors, breaker state)."""
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """Result of one batch: vectors, the tier that served each key, the snapshot used."""
-
-    vectors: np.ndarray  # float32 [n, dim]
-    tiers: np.ndarray  # int8 [n], indexes TIERS
-    snapshot: Snapshot
-
-
-@dataclass
-class StoreStats:
-    """Counters since start: keys per (table, tier), lookup calls and their seconds."""
-
-    by_table_tier: np.ndarray
-    calls: int = 0
-    seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)  # since the last drain, at most MAX_LATENCIES
-
-    MAX_LATENCIES = 100_000
-
-    def drain_latencies(self) -> list[float]:
-        """Latencies recorded since the last call."""
-        taken, self.latencies = self.latencies, []
-        return taken
 
 
 class TieredStore:
