@@ -24,8 +24,8 @@ from pathlib import Path
 from recserve import wire
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
-from recserve.perf.analyzer import LOOSE_STABILITY, measure_point
-from recserve.perf.input_data import write_input_data
+from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
+from recserve.perf.bench.input_data import write_input_data
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 

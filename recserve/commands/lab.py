@@ -113,13 +113,13 @@ def _overload(args: argparse.Namespace) -> int:
 
 
 def _bench_hops(args: argparse.Namespace) -> int:
-    from recserve.perf.hops import hops_command
+    from recserve.perf.bench.hops import hops_command
 
     return hops_command(load_spec(args.spec), args.repository, args.requests, args.rounds, args.json)
 
 
 def _bench_candidates(args: argparse.Namespace) -> int:
-    from recserve.perf.candidates import candidates_command
+    from recserve.perf.bench.candidates import candidates_command
 
     return candidates_command(
         load_spec(args.spec), args.repository, args.candidates, args.history, args.rounds, args.json

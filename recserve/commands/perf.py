@@ -10,7 +10,7 @@ from recserve.spec import load_spec
 
 
 def _perf(args: argparse.Namespace) -> int:
-    from recserve.perf.analyzer import run_perf
+    from recserve.perf.bench.analyzer import run_perf
 
     return run_perf(
         load_spec(args.spec),
@@ -33,11 +33,11 @@ def _bench(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from recserve.build.repository import is_built
-    from recserve.perf.bench import Grid, format_result, run_bench
+    from recserve.perf.bench.bench import Grid, format_result, run_bench
 
     if args.summarize is not None:  # no measuring: recompute summary.json and plots of a finished run
-        from recserve.perf.bench import write_summary
-        from recserve.perf.report import read_points
+        from recserve.perf.bench.bench import write_summary
+        from recserve.perf.bench.report import read_points
 
         points = read_points(args.summarize)
         print(format_result(points, write_summary(args.summarize, points)))

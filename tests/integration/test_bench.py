@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from recserve.clients import CTRClient
-from recserve.perf import report
-from recserve.perf.bench import Grid, run_bench
+from recserve.perf.bench import report
+from recserve.perf.bench.bench import Grid, run_bench
 from recserve.perf.harness.loadgen import sample_batches
 from recserve.perf.queue_stall import SERVED, run_queue_stall
 from recserve.server import Ports, Security, TritonServer
@@ -154,8 +154,9 @@ def test_sdk_shared_memory_gives_the_same_probabilities(shm_server, spec, protoc
 
 
 def locust(server, *extra):
+    locustfile = ROOT / "perf" / "bench" / "locustfile.py"
     command = [
-        str(Path(sys.executable).parent / "locust"), "-f", str(ROOT / "perf" / "locustfile.py"), "--headless",
+        str(Path(sys.executable).parent / "locust"), "-f", str(locustfile), "--headless",
         "-u", "3", "-r", "3", "--run-time", "4s", "--only-summary", "--ctr-url", server.http_url, *extra,
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=60)

@@ -1,6 +1,6 @@
 """``recserve lab hops`` on a real tritonserver: the echo ensembles serve, and cost less than the model."""
 
-from recserve.perf.hops import PACKED, format_report, run_hops
+from recserve.perf.bench.hops import PACKED, format_report, run_hops
 
 
 def test_the_echo_ensembles_serve_and_the_report_splits_the_time(spec, repository, tmp_path):

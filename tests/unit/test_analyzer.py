@@ -2,7 +2,7 @@
 
 import pytest
 
-from recserve.perf import analyzer
+from recserve.perf.bench import analyzer
 from recserve.spec import load_spec
 
 

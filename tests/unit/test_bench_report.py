@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from recserve.perf import report
-from recserve.perf.report import Point
+from recserve.perf.bench import report
+from recserve.perf.bench.report import Point
 
 
 def point(system, generator, protocol, batch, conc, rows, p99, shm="none", failures=0):
@@ -167,7 +167,7 @@ def test_torchserve_handler_groups_requests_within_max_batch():
 
 
 def test_concurrency_levels_follow_perf_analyzers_range_syntax():
-    from recserve.perf.analyzer import concurrency_levels
+    from recserve.perf.bench.analyzer import concurrency_levels
 
     assert concurrency_levels("1:2") == [1, 2]
     assert concurrency_levels("4") == [4]

@@ -17,7 +17,7 @@ from recserve.build.synthetic import generate
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
 from recserve.errors import InvalidInput
-from recserve.perf.input_data import candidate_input_data
+from recserve.perf.bench.input_data import candidate_input_data
 from recserve.spec import SpecError, load_spec, parse_spec, spec_path
 from tests.store_tables import spec_store
 from tests.user_runs import with_runs

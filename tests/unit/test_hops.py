@@ -2,7 +2,7 @@
 
 from recserve import wire
 from recserve.build import configs
-from recserve.perf.hops import (
+from recserve.perf.bench.hops import (
     PACKED,
     PACKED_TENSOR,
     echo_configs,

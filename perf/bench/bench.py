@@ -15,7 +15,7 @@ sizes and concurrencies, alternating at each point; the tuned one also with HTTP
 shared memory (the overhead probes). Triton's HTTP endpoint and TorchServe are measured with the
 same HTTP load generator (:mod:`recserve.perf.harness.loadgen`): those two rows are the fair comparison.
 Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
-The hop floor (:mod:`recserve.perf.hops`: the served ensemble at batch 1 against echo ensembles of its
+The hop floor (:mod:`recserve.perf.bench.hops`: the served ensemble at batch 1 against echo ensembles of its
 shape) is measured in the same run. Results go to ``<output>/<run>/``: ``points.csv``,
 ``points.json``, ``hops.json``, ``summary.json``, PNG plots.
 """
@@ -40,9 +40,12 @@ import numpy as np
 from recserve import wire
 from recserve.build import configs
 from recserve.clients import CTRClient
-from recserve.perf import report
-from recserve.perf.analyzer import LOOSE_STABILITY, measure_point
-from recserve.perf.candidates import measure as measure_candidates
+from recserve.perf.bench import report
+from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
+from recserve.perf.bench.candidates import measure as measure_candidates
+from recserve.perf.bench.hops import run_hops
+from recserve.perf.bench.input_data import write_input_data
+from recserve.perf.bench.report import Point
 from recserve.perf.harness.inprocess import measure_inprocess, time_calls
 from recserve.perf.harness.loadgen import (
     HttpTarget,
@@ -52,10 +55,7 @@ from recserve.perf.harness.loadgen import (
     triton_target,
 )
 from recserve.perf.harness.stats import difference, snapshot
-from recserve.perf.hops import run_hops
-from recserve.perf.input_data import write_input_data
 from recserve.perf.peers.monolith import write_monolith_repository
-from recserve.perf.report import Point
 from recserve.server import Ports, Security, TritonServer
 from recserve.spec import ModelSpec, spec_path
 

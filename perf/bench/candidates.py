@@ -24,8 +24,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
+from recserve.perf.bench.report import P99_BOUND_MS
 from recserve.perf.harness.traffic import infer_inputs
-from recserve.perf.report import P99_BOUND_MS
 from recserve.server import Ports, TritonServer
 from recserve.spec import ModelSpec
 from recserve.wire import candidate_list_inputs, with_profiles_of

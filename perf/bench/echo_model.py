@@ -1,6 +1,6 @@
 """Triton model for the hop-floor benchmark: a step's inputs in, zero outputs of its shapes out.
 
-Installed as ``model.py`` of the echo steps that :mod:`recserve.perf.hops` generates: it reads every
+Installed as ``model.py`` of the echo steps that :mod:`recserve.perf.bench.hops` generates: it reads every
 input and answers every request with outputs of the shapes and dtypes its config declares (rows
 from the request; a variable axis as wide as the config parameter ``width_from`` names), computing
 nothing. An ensemble of such steps costs what the hops cost and nothing else.

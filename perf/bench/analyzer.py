@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from recserve.perf.input_data import write_input_data
+from recserve.perf.bench.input_data import write_input_data
 from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)

@@ -2,7 +2,7 @@ r"""Realistic traffic for ``ctr``: long-tailed request sizes through the client 
 
 Run (loopback server from ``make serve``)::
 
-    .venv/bin/locust -f perf/locustfile.py --headless -u 16 -r 4 --run-time 60s \
+    .venv/bin/locust -f perf/bench/locustfile.py --headless -u 16 -r 4 --run-time 60s \
         --ctr-url 127.0.0.1:8000 --p99-ms 100 --max-failure-ratio 0.01
 
 Each simulated user sends one request after another (no think time) whose batch size follows a

@@ -129,9 +129,9 @@ def summarize(
     * ``vs_monolith_throughput``: the tuned ensemble's best rows/s over the monolith's (its better
       instance count), both perf_analyzer gRPC under the bound; ``vs_monolith_p99``: the ensemble's
       p99 over the monolith's at the monolith's best point (same client batch and concurrency).
-    * ``hop_floor_ratio``: from ``hops`` (the summary of :func:`recserve.perf.hops.run_hops`), served
+    * ``hop_floor_ratio``: from ``hops`` (the summary of :func:`recserve.perf.bench.hops.run_hops`), served
       p50 minus in-process p50 over the p50 of an echo ensemble of the served shape, at batch 1.
-    * ``candidate_list_gain``: from ``candidates`` (:func:`recserve.perf.candidates.measure`), candidate
+    * ``candidate_list_gain``: from ``candidates`` (:func:`recserve.perf.bench.candidates.measure`), candidate
       rows/s of one user's list over the same rows sent as rows, each at its best within the bound.
 
     When TorchServe meets the bound at no point, the bound cannot pick its point: both servers are

@@ -3,7 +3,7 @@
 Every Python-backend hop costs cross-process wake-ups and tensor copies whatever it computes. To
 know that floor, one tritonserver serves, next to the real ensemble, **echo** ensembles: steps with
 the same inputs and outputs (names, dtypes, shapes, bytes) and the same dynamic batching, whose
-``model.py`` (:mod:`recserve.perf.echo_model`) returns zeros without computing anything. Three echo
+``model.py`` (:mod:`recserve.perf.bench.echo_model`) returns zeros without computing anything. Three echo
 topologies are measured: the served one (``embedding_lookup`` → ``dense``), the same with the
 dense network's inputs packed into one tensor instead of one tensor each, and the previous
 three-step one (``feature_transform`` → ``embedding_lookup`` → ``dense``, keys
@@ -176,7 +176,7 @@ def write_hops_repository(spec: ModelSpec, source: Path, target: Path) -> dict[s
         Every ensemble to measure, with the names of its steps.
     """
     configs.write_variant(spec, source, target)
-    adapter = resources.files("recserve.perf").joinpath(ECHO_ADAPTER).read_text()
+    adapter = resources.files("recserve.perf.bench").joinpath(ECHO_ADAPTER).read_text()
     systems: dict[str, tuple[str, ...]] = {spec.name: wire.STEPS}
     for name, steps in topologies(spec).items():
         for model, config in echo_configs(spec, name, steps).items():
