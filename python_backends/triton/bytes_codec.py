@@ -3,7 +3,7 @@
 On the wire (and in the stub's shared memory) a BYTES tensor is a sequence of elements, each a
 4-byte little-endian length followed by that many bytes. The stub decodes it with a loop that
 formats a ``struct`` pattern per element; :func:`decode_bytes_tensor` slices one ``bytes`` copy of
-the buffer instead (timed by ``python -m recserve.perf.microbench``; figures in docs/performance.md).
+the buffer instead (timed by ``python -m recserve.perf.lab.microbench``; figures in docs/performance.md).
 :mod:`recserve.backends.triton.adapter` installs it in the stub.
 """
 

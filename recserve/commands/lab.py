@@ -28,7 +28,7 @@ FLAT_NAMES = {
 
 
 def _bench_dense(args: argparse.Namespace) -> int:
-    from recserve.perf.dense_bench import run_dense_bench
+    from recserve.perf.lab.dense_bench import run_dense_bench
 
     print(
         run_dense_bench(
@@ -50,7 +50,7 @@ def _workloads(text: str) -> tuple[tuple[int, int], ...]:
 
 def _tune(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
-    from recserve.perf.tune import DEFAULT_WORKLOADS, admission_cap, run_tune
+    from recserve.perf.lab.tune import DEFAULT_WORKLOADS, admission_cap, run_tune
     from recserve.spec import spec_path
 
     spec = load_spec(args.spec)
@@ -87,14 +87,14 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from recserve.perf.soak import soak_command
+    from recserve.perf.lab.soak import soak_command
 
     return soak_command(load_spec(args.spec), args.repository, args.duration, args.update_every)
 
 
 def _overload(args: argparse.Namespace) -> int:
     if args.access:
-        from recserve.perf.access_overload import access_overload_command
+        from recserve.perf.lab.access_overload import access_overload_command
 
         return access_overload_command(
             load_spec(args.spec),
@@ -105,7 +105,7 @@ def _overload(args: argparse.Namespace) -> int:
             args.json,
             args.max_requests,
         )
-    from recserve.perf.overload import overload_command
+    from recserve.perf.lab.overload import overload_command
 
     return overload_command(
         load_spec(args.spec), args.repository, args.rows, args.spike, args.seconds, args.queue, args.json
@@ -127,7 +127,7 @@ def _bench_candidates(args: argparse.Namespace) -> int:
 
 
 def _bench_queues(args: argparse.Namespace) -> int:
-    from recserve.perf.queue_stall import queue_stall_command
+    from recserve.perf.lab.queue_stall import queue_stall_command
 
     profiles = tuple(p for p in args.profiles.split(",") if p)
     spec = load_spec(args.spec)
@@ -137,7 +137,7 @@ def _bench_queues(args: argparse.Namespace) -> int:
 
 
 def _redis_outage(args: argparse.Namespace) -> int:
-    from recserve.perf.redis_outage import outage_command
+    from recserve.perf.lab.redis_outage import outage_command
 
     return outage_command(
         load_spec(args.spec), args.repository, args.requests, args.rounds, args.batch_size, args.deadline_ms
@@ -265,7 +265,7 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     tune.add_argument("--no-write", action="store_true", help="report only; leave the spec and configs alone")
     tune.set_defaults(func=_tune)
 
-    from recserve.perf import store_bench
+    from recserve.perf.lab import store_bench
 
     bench = lab.add_parser(
         "store-bench", help="store lookups/s vs the numpy take floor, hit rates, memory, warm-up"

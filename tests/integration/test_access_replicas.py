@@ -22,7 +22,7 @@ from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.perf.harness.stats import snapshot
-from recserve.perf.redis_outage import l3_repository
+from recserve.perf.lab.redis_outage import l3_repository
 from recserve.server import TritonServer
 from recserve.server.watchdog import orphaned_stubs
 from recserve.spec import load_spec

@@ -14,7 +14,7 @@ from recserve.clients import CTRClient
 from recserve.perf.bench import report
 from recserve.perf.bench.bench import Grid, run_bench
 from recserve.perf.harness.loadgen import sample_batches
-from recserve.perf.queue_stall import SERVED, run_queue_stall
+from recserve.perf.lab.queue_stall import SERVED, run_queue_stall
 from recserve.server import Ports, Security, TritonServer
 from recserve.wire import STEPS
 

@@ -14,7 +14,7 @@ from recserve import wire
 from recserve.build.synthetic import generate
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.harness.traffic import scratch_repository
-from recserve.perf.overload import Cores, pinned_capacity, run_overload
+from recserve.perf.lab.overload import Cores, pinned_capacity, run_overload
 from recserve.server import Ports, TritonServer
 
 from .helpers import infer_raw

@@ -3,7 +3,7 @@
 Latency is measured by ``recserve lab redis-outage`` (a benchmark), not asserted here.
 """
 
-from recserve.perf.redis_outage import BACK, COMING_BACK, DOWN, GOING_DOWN, UP, run_outage
+from recserve.perf.lab.redis_outage import BACK, COMING_BACK, DOWN, GOING_DOWN, UP, run_outage
 
 
 def test_all_redis_down_fails_no_inference_and_the_model_stays_ready(spec, repository, tmp_path):

@@ -23,7 +23,7 @@ from recserve.backends.store.redis_tier import RedisTier, redis_keys
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.perf.harness.redis_cluster import RedisCluster
-from recserve.perf.redis_outage import l3_repository
+from recserve.perf.lab.redis_outage import l3_repository
 from recserve.server import Ports, ServerError, TritonServer
 from recserve.wire import HISTORY_KEYS, TARGET_KEY
 

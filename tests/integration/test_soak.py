@@ -5,7 +5,7 @@ The same detector must catch a stub that leaks on purpose, or it proves nothing.
 
 import os
 
-from recserve.perf.soak import DenseVersionUpdater, EmbeddingDeltaUpdater, alternate, run_soak
+from recserve.perf.lab.soak import DenseVersionUpdater, EmbeddingDeltaUpdater, alternate, run_soak
 
 from .private_server import private_server
 

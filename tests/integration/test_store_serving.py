@@ -18,7 +18,7 @@ from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.clients.writers import write_csv
 from recserve.perf.harness.redis_cluster import RedisCluster
-from recserve.perf.redis_outage import l3_repository
+from recserve.perf.lab.redis_outage import l3_repository
 from recserve.server import Ports, TritonServer
 from recserve.wire import SPARSE_KEYS, TARGET_KEY
 

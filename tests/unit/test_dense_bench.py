@@ -1,7 +1,7 @@
 """``recserve lab dense-bench`` runs end to end (one short round; its figures are not asserted)."""
 
 from recserve.backends.dense.buckets import spec_buckets
-from recserve.perf.dense_bench import run_dense_bench
+from recserve.perf.lab.dense_bench import run_dense_bench
 
 
 def test_bench_prints_all_four_tables(tiny_spec, tiny_repository, tmp_path):

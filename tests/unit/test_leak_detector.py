@@ -1,6 +1,6 @@
 import statistics
 
-from recserve.perf.soak import ResourceSample, detect_leaks
+from recserve.perf.lab.soak import ResourceSample, detect_leaks
 
 
 def samples(rss_of, generation_of=lambda at: 1, seconds=60):

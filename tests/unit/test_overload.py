@@ -1,6 +1,6 @@
 import pytest
 
-from recserve.perf.overload import SERVED, SHED, Cores, Outcome, phase_stats, recovery_s
+from recserve.perf.lab.overload import SERVED, SHED, Cores, Outcome, phase_stats, recovery_s
 
 
 def test_the_server_gets_one_core_and_the_load_generator_the_rest():

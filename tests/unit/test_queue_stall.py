@@ -2,7 +2,7 @@
 
 import pytest
 
-from recserve.perf.queue_stall import SERVED, format_report, run_queue_stall, summarize
+from recserve.perf.lab.queue_stall import SERVED, format_report, run_queue_stall, summarize
 
 
 def _round(index, name, stalled, rows_per_s=100.0, p99_ms=20.0):

@@ -1,4 +1,4 @@
-from recserve.perf.store_bench import format_report, run
+from recserve.perf.lab.store_bench import format_report, run
 
 
 def test_store_bench_measures_every_figure_on_a_small_table():

@@ -2,7 +2,7 @@ import pytest
 import tomllib
 
 from recserve.build.configs import ServingPlan
-from recserve.perf import tune
+from recserve.perf.lab import tune
 from recserve.spec import load_spec, parse_spec, spec_path
 from recserve.wire import STEPS
 

@@ -147,7 +147,8 @@ def _pipe(stream: IO[str] | None) -> IO[str]:
 
 def resident_two_processes(folder: Path, dim: int) -> int:
     """PSS summed over two serving processes, less their interpreter baseline."""
-    command = [sys.executable, "-m", "recserve.perf.store_bench", "--child", str(folder), "--dim", str(dim)]
+    module = "recserve.perf.lab.store_bench"
+    command = [sys.executable, "-m", module, "--child", str(folder), "--dim", str(dim)]
     children = [
         subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]
@@ -365,7 +366,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Command line of the benchmark (also run as a child process for the memory figure)."""
     parser = argparse.ArgumentParser(
-        prog="python -m recserve.perf.store_bench",
+        prog="python -m recserve.perf.lab.store_bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""``recserve lab overload --access``: the open-loop spike of :mod:`recserve.perf.overload`, through Envoy.
+"""``recserve lab overload --access``: the open-loop spike of :mod:`recserve.perf.lab.overload`, via Envoy.
 
 The access layer starts over the repository (Triton's queues as ``[access] queue_profile`` says,
 ``unbounded`` by default); capacity is measured closed-loop through the proxy with ``max_requests``
@@ -21,7 +21,7 @@ from pathlib import Path
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
 from recserve.perf.harness.traffic import scratch_repository
-from recserve.perf.overload import Cores, OverloadReport, measure_capacity, pinned, run_overload
+from recserve.perf.lab.overload import Cores, OverloadReport, measure_capacity, pinned, run_overload
 from recserve.spec import ModelSpec
 
 

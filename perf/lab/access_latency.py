@@ -1,6 +1,6 @@
 """What the access layer adds to a request: the same requests direct to tritonserver and through Envoy.
 
-``python -m recserve.perf.access_latency`` starts the access layer over the built repository (one
+``python -m recserve.perf.lab.access_latency`` starts the access layer over the built repository (one
 ``stable`` server, Triton's queues as ``[access] queue_profile`` says, an in-flight cap high enough
 that one client is never refused) and sends closed-loop gRPC requests, one in flight, at each batch
 size, to the server's own port and to the proxy's port in turns (``rounds`` rounds of ``requests``
@@ -72,7 +72,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     """Print one JSON line per batch size."""
-    parser = argparse.ArgumentParser(prog="python -m recserve.perf.access_latency", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m recserve.perf.lab.access_latency", description=__doc__)
     parser.add_argument("--spec", default="ctr")
     parser.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY)
     parser.add_argument("--batch-sizes", default="1,64")

@@ -1,6 +1,6 @@
 """Before/after figures for the cuts made in the Python-backend adapter, measured in one run.
 
-``python -m recserve.perf.microbench`` times, on the same data:
+``python -m recserve.perf.lab.microbench`` times, on the same data:
 
 * BYTES decoding of one request's ``categorical`` tensor: the stub's own decoder (the same
   algorithm as ``tritonclient.utils.deserialize_bytes_tensor``) against

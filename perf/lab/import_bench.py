@@ -1,6 +1,6 @@
 """The rate of ``recserve import`` on one large table, and the memory it holds meanwhile.
 
-``python -m recserve.perf.import_bench --rows 10000000 --dim 64`` writes an item table of that size
+``python -m recserve.perf.lab.import_bench --rows 10000000 --dim 64`` writes an item table of that size
 in each import format (random vectors, written a block at a time), imports it with the small tables
 of the tiny spec and an untrained built-in network, and prints per format the seconds, rows per
 second and the peak anonymous memory of the process (sampled; file pages of the memory-mapped
@@ -159,7 +159,7 @@ def run(rows: int, dim: int, formats: tuple[str, ...], scratch: Path) -> list[di
 
 def main(argv: list[str] | None = None) -> int:
     """Print one JSON line per format."""
-    parser = argparse.ArgumentParser(prog="python -m recserve.perf.import_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m recserve.perf.lab.import_bench", description=__doc__)
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument(
