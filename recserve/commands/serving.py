@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
         MpsDaemon,
         Ports,
         Security,
-        ServerError,
+        ServerProcessError,
         TritonServer,
         require_gpu,
         run_child,
@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.profile != "cpu" or args.queue:  # <model>/configs/<name>.pbtxt where present
             extra.append(f"--model-config-name={args.queue or args.profile}")
         command = server_command(args.repository, ports, args.host, extra, security=security)
-    except ServerError as exc:
+    except ServerProcessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if security.model_control == "explicit" and args.profile != "cpu":
@@ -76,13 +76,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
         try:
             return run_foreground(server)
-        except ServerError as exc:
+        except ServerProcessError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     try:
         with MpsDaemon(runtime_dir().parent / "mps") as mps:  # pipes and logs beside the server runtime
             return run_child(command, mps.env(server_env()))
-    except ServerError as exc:
+    except ServerProcessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -10,7 +10,13 @@ from recserve.server.process import (
     run_child,
     server_command,
 )
-from recserve.server.runtime import ServerError, prepare_runtime, runtime_dir, server_env
+from recserve.server.runtime import (
+    ServerError,  # the old name of ServerProcessError, kept for compatibility
+    ServerProcessError,
+    prepare_runtime,
+    runtime_dir,
+    server_env,
+)
 from recserve.server.security import ADMIN_HEADER, GRPC_HEADER_PREFIX, Security
 from recserve.server.supervisor import Backoff, Supervisor, run_foreground
 from recserve.server.watchdog import StubWatchdog, ensemble_names, expected_stubs, stub_processes
@@ -25,6 +31,7 @@ __all__ = [
     "Ports",
     "Security",
     "ServerError",
+    "ServerProcessError",
     "Started",
     "StubWatchdog",
     "Supervisor",

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from recserve.server.child import Started
-from recserve.server.runtime import ServerError
+from recserve.server.runtime import ServerProcessError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -32,10 +32,12 @@ def visible_gpus() -> list[str]:
 
 
 def require_gpu() -> list[str]:
-    """The visible GPUs; raise :class:`ServerError` when there is none."""
+    """The visible GPUs; raise :class:`ServerProcessError` when there is none."""
     gpus = visible_gpus()
     if not gpus:
-        raise ServerError("the gpu profile needs an NVIDIA GPU, and nvidia-smi lists none on this machine")
+        raise ServerProcessError(
+            "the gpu profile needs an NVIDIA GPU, and nvidia-smi lists none on this machine"
+        )
     return gpus
 
 
@@ -60,9 +62,9 @@ class MpsDaemon(Started):
         return env
 
     def start(self) -> MpsDaemon:
-        """``nvidia-cuda-mps-control -d``; raise :class:`ServerError` when it is absent or fails."""
+        """``nvidia-cuda-mps-control -d``; raise :class:`ServerProcessError` when it is absent or fails."""
         if self.control is None:
-            raise ServerError(
+            raise ServerProcessError(
                 f"--mps needs {MPS_CONTROL} (NVIDIA driver utilities) on PATH; it is not installed here"
             )
         require_gpu()
@@ -72,7 +74,7 @@ class MpsDaemon(Started):
             [self.control, "-d"], env=self.env(), capture_output=True, text=True, timeout=60
         )
         if done.returncode != 0:
-            raise ServerError(f"{MPS_CONTROL} -d failed ({done.returncode}): {done.stderr.strip()}")
+            raise ServerProcessError(f"{MPS_CONTROL} -d failed ({done.returncode}): {done.stderr.strip()}")
         self.running = True
         LOGGER.info("MPS control daemon started (pipes in %s)", self.folder / "pipe")
         return self

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.server.child import ChildProcess, read_tail
-from recserve.server.runtime import ServerError, prepare_runtime, server_env
+from recserve.server.runtime import ServerProcessError, prepare_runtime, server_env
 from recserve.server.security import Security
 from recserve.server.shm import backend_argument, region_prefix, remove_regions
 from recserve.server.watchdog import (
@@ -153,9 +153,9 @@ class TritonServer(ChildProcess):
         """Start and wait until ``/v2/health/ready``; refuse to start over a busy port."""
         for port in (self.ports.http, self.ports.grpc, self.ports.metrics):
             if port_in_use(port):
-                raise ServerError(f"port {port} is already in use; is another tritonserver running?")
+                raise ServerProcessError(f"port {port} is already in use; is another tritonserver running?")
         if self._stopping.is_set() and self.process is None:  # stopped before it started
-            raise ServerError("tritonserver was stopped before it started")
+            raise ServerProcessError("tritonserver was stopped before it started")
         self._stopping.clear()
         extra = [f"--model-config-name={self.config_name}"] if self.config_name else []
         extra.append(backend_argument(self.shm_prefix))
@@ -202,14 +202,16 @@ class TritonServer(ChildProcess):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
+                raise ServerProcessError(
+                    f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}"
+                )
             if self._stopping.is_set():
-                raise ServerError("tritonserver was stopped while starting")
+                raise ServerProcessError("tritonserver was stopped while starting")
             if self.is_ready():
                 return
             time.sleep(0.25)
         self.stop()
-        raise ServerError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
+        raise ServerProcessError(f"tritonserver not ready after {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def stubs(self) -> dict[int, str]:
         """Live Python-backend stub processes of this server: pid -> model name."""

@@ -15,8 +15,17 @@ import sysconfig
 from pathlib import Path
 
 
-class ServerError(RuntimeError):
-    """tritonserver could not be prepared, did not become ready, or died."""
+class ServerProcessError(RuntimeError):
+    """tritonserver could not be prepared, did not become ready, or died.
+
+    Not to be confused with :class:`recserve.clients.errors.ServerError`: a failure a running server
+    reports to a client.
+    """
+
+
+# The name this class had before; kept so that code importing it from here or from recserve.server goes on
+# working. New code: ServerProcessError.
+ServerError = ServerProcessError
 
 
 def _site_packages_of(package: str) -> Path:
@@ -24,7 +33,7 @@ def _site_packages_of(package: str) -> Path:
 
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ServerError(f"package {package!r} is not installed; run 'make install'")
+        raise ServerProcessError(f"package {package!r} is not installed; run 'make install'")
     return Path(spec.origin).parent.parent
 
 
@@ -40,7 +49,7 @@ def prepare_runtime(target: Path | None = None) -> Path:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
-        raise ServerError(f"no Python-backend stub for Python {version} in {source}")
+        raise ServerProcessError(f"no Python-backend stub for Python {version} in {source}")
     installed_stub = target / "backends" / "python" / "triton_python_backend_stub"
     if not installed_stub.is_file():
         staging = target.with_name(target.name + ".partial")

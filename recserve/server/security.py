@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from recserve.server.runtime import ServerError
+from recserve.server.runtime import ServerProcessError
 
 #: Request header that unlocks the restricted APIs (HTTP header / gRPC metadata key).
 ADMIN_HEADER = "recserve-admin-key"
@@ -36,11 +36,11 @@ class Security:
 
     def __post_init__(self) -> None:
         if self.model_control not in MODEL_CONTROL_MODES:
-            raise ServerError(
+            raise ServerProcessError(
                 f"model control must be one of {MODEL_CONTROL_MODES}, got {self.model_control!r}"
             )
         if self.model_control == "explicit" and not self.admin_key:
-            raise ServerError(
+            raise ServerProcessError(
                 "model control 'explicit' needs an admin key (--admin-key or RECSERVE_ADMIN_KEY)"
             )
 

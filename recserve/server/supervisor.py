@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from recserve.server.process import TritonServer
-from recserve.server.runtime import ServerError
+from recserve.server.runtime import ServerProcessError
 
 LOGGER = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Supervisor(threading.Thread):
         servers: returns the servers to watch now, by name (read at every poll: a restart may
             replace a server object).
         restart: starts the named server again (a new process on the same ports) and returns it
-            once ready; raises :class:`ServerError` when it does not become ready.
+            once ready; raises :class:`ServerProcessError` when it does not become ready.
         backoff: the restart schedule.
         status_path: where the counts go as JSON after every change (None: not written).
         interval_s: how often the servers are polled.
@@ -197,7 +197,7 @@ class Supervisor(threading.Thread):
         record = self.records[name]
         try:
             server = self.restart(name)
-        except ServerError as exc:
+        except ServerProcessError as exc:
             if self._stopping.is_set():
                 return
             lines = str(exc).splitlines()

@@ -22,9 +22,9 @@ from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.redis_tier import RedisTier, redis_keys
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
-from recserve.perf.lab.redis_outage import l3_repository
-from recserve.server import Ports, ServerError, TritonServer
+from recserve.server import Ports, ServerProcessError, TritonServer
 from recserve.wire import HISTORY_KEYS, TARGET_KEY
 
 from .helpers import grpc_client, infer_raw, recserve
@@ -81,7 +81,7 @@ def test_garbage_under_item_keys_costs_those_rows_alone_and_is_counted(spec, rep
 def test_without_the_password_the_server_does_not_start_and_says_why(loaded, monkeypatch):
     cluster, root = loaded
     monkeypatch.delenv(cluster.password_env)
-    with pytest.raises(ServerError) as failed:
+    with pytest.raises(ServerProcessError) as failed:
         TritonServer(root / "repository", Ports.free(), log_path=root / "no-password.log").start(
             timeout_s=120
         )

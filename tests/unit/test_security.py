@@ -7,7 +7,7 @@ from recserve.backends.dense.compatibility import check_dense_fits
 from recserve.build import configs
 from recserve.cli import parser
 from recserve.errors import ArtifactError
-from recserve.server import ADMIN_HEADER, Ports, Security, ServerError, server_command
+from recserve.server import ADMIN_HEADER, Ports, Security, ServerProcessError, server_command
 
 
 def _flags(command: list[str]) -> dict[str, list[str]]:
@@ -39,7 +39,7 @@ def test_an_unset_admin_key_is_random_per_start(tmp_path):
 
 
 def test_explicit_model_control_needs_a_key_and_loads_everything(tmp_path):
-    with pytest.raises(ServerError, match="admin key"):
+    with pytest.raises(ServerProcessError, match="admin key"):
         Security("explicit")
     security = Security("explicit", admin_key="k" * 40, client_shared_memory=True)
     flags = _flags(server_command(tmp_path, Ports(1, 2, 3), security=security))
@@ -49,7 +49,7 @@ def test_explicit_model_control_needs_a_key_and_loads_everything(tmp_path):
     ]
     assert security.headers("http") == {ADMIN_HEADER: "k" * 40}
     assert security.headers("grpc") == {f"triton-grpc-protocol-{ADMIN_HEADER}": "k" * 40}
-    with pytest.raises(ServerError, match="model control"):
+    with pytest.raises(ServerProcessError, match="model control"):
         Security("poll")
 
 
@@ -123,3 +123,12 @@ def test_the_exported_dense_graph_fits(tiny_spec, tiny_repository):
 
     session = ort.InferenceSession(str(tiny_repository / "dense" / str(tiny_spec.version) / "model.onnx"))
     check_dense_fits(tiny_spec, {i.name: i.shape for i in session.get_inputs()})
+
+
+def test_the_old_name_of_the_process_error_still_imports_and_differs_from_the_sdks():
+    from recserve.clients import ServerError as ClientServerError
+    from recserve.server import ServerError, ServerProcessError
+    from recserve.server.runtime import ServerError as RuntimeServerError
+
+    assert ServerError is ServerProcessError and RuntimeServerError is ServerProcessError
+    assert not issubclass(ServerProcessError, ClientServerError)

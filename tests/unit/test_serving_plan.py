@@ -11,7 +11,7 @@ from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
 from recserve.cli import main
-from recserve.server import MpsDaemon, ServerError, visible_gpus
+from recserve.server import MpsDaemon, ServerProcessError, visible_gpus
 from recserve.spec import SpecError, parse_spec
 from recserve.wire import STEPS
 
@@ -110,7 +110,7 @@ def test_gpu_profile_and_mps_fail_clearly_without_a_gpu(tiny_repository, capsys,
     assert "nvidia-smi lists none" in capsys.readouterr().err
     assert main(["serve", "--repository", str(tiny_repository), "--mps"]) == 2
     assert "--profile gpu or cuda" in capsys.readouterr().err
-    with pytest.raises(ServerError, match="nvidia-cuda-mps-control|nvidia-smi"):
+    with pytest.raises(ServerProcessError, match="nvidia-cuda-mps-control|nvidia-smi"):
         MpsDaemon(tmp_path).start()
 
 

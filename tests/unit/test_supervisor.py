@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from recserve.server.runtime import ServerError
+from recserve.server.runtime import ServerProcessError
 from recserve.server.shm import backend_argument, leftover_regions, region_prefix, remove_regions
 from recserve.server.supervisor import Backoff, Supervisor, error_line, exit_cause
 
@@ -165,7 +165,9 @@ def test_a_server_that_fails_to_start_again_backs_off_however_long_it_ran_before
 
     def restart(name: str) -> Child:
         attempts.append(time.monotonic())
-        raise ServerError("tritonserver exited with 1:\nE1126 00:00:00 1 server.cc:1] failed to load 'ctr'")
+        raise ServerProcessError(
+            "tritonserver exited with 1:\nE1126 00:00:00 1 server.cc:1] failed to load 'ctr'"
+        )
 
     backoff = Backoff(initial_s=0.1, factor=2.0, max_s=0.4, stable_s=0.0)  # every run counts as stable
     supervisor = Supervisor(lambda: {"server": child}, restart, backoff, interval_s=0.02)
