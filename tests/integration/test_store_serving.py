@@ -17,8 +17,8 @@ from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.clients.writers import write_csv
+from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
-from recserve.perf.lab.redis_outage import l3_repository
 from recserve.server import Ports, TritonServer
 from recserve.wire import SPARSE_KEYS, TARGET_KEY
 

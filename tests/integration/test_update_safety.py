@@ -212,7 +212,7 @@ def test_a_server_replaying_hostile_stream_entries_starts_and_serves_the_newest_
     """Entries in ``rs:updates`` are replayed from 0 at every start: the hostile ones are skipped."""
     from recserve.backends.store.redis_tier import RedisTier
     from recserve.backends.store.updates.stream import UpdateStream
-    from recserve.perf.lab.redis_outage import l3_repository
+    from recserve.perf.harness.l3_repository import l3_repository
 
     wire = generate(spec, 4, seed=9).to_wire(spec)
     with RedisCluster(tmp_path / "redis") as cluster:
