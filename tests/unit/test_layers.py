@@ -25,6 +25,9 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
 BOTTOM = ("recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
 BACKEND_BASE = ("recserve.backends.base",)
 BACKEND_SUBSYSTEMS = ("recserve.backends.features", "recserve.backends.store", "recserve.backends.dense")
+#: what every part of perf may import: what it measures and the tools that start it
+PERF_BASE = (*BOTTOM, "recserve.backends", "recserve.build", "recserve.clients", "recserve.server")
+PERF_FLOORS = ("recserve.perf.harness", "recserve.perf.peers", "recserve.perf.bench")
 #: module prefix -> the prefixes it may import (besides itself); the first matching prefix rules
 ALLOWED = {
     "recserve.sections": (),
@@ -42,7 +45,13 @@ ALLOWED = {
     "recserve.access": (*BOTTOM, "recserve.server"),  # the proxy in front of the servers
     "recserve.commands": ("recserve",),  # the top: the command line may import anything
     "recserve": ("recserve",),  # the top: cli, server
-    "recserve.perf": ("recserve",),
+    # perf in floors of its own: the shared helpers, the peers, what users run, the lab on top of them
+    "recserve.perf": (),  # the package alone (the root's contents: a test below)
+    "recserve.perf.harness": PERF_BASE,
+    "recserve.perf.gpu_check": PERF_BASE,
+    "recserve.perf.peers": (*PERF_BASE, "recserve.perf.harness"),
+    "recserve.perf.bench": (*PERF_BASE, "recserve.perf.harness", "recserve.perf.peers"),
+    "recserve.perf.lab": (*PERF_BASE, "recserve.access", *PERF_FLOORS),
 }
 
 
@@ -111,7 +120,7 @@ def test_upward_and_sideways_imports_are_caught():
         "recserve.build.network"
     ]
     assert violations("recserve.spec", {"recserve.wire", "recserve.sections"}) == ["recserve.wire"]
-    assert violations("recserve.perf.bench", {"recserve.build.configs", "recserve.server"}) == []
+    assert violations("recserve.perf.bench.bench", {"recserve.build.configs", "recserve.server"}) == []
     assert violations("recserve.access.config", {"recserve.build.configs", "recserve.server"}) == [
         "recserve.build.configs"
     ]
@@ -147,4 +156,28 @@ def test_the_backends_floors_are_kept():
 def test_the_backends_root_holds_only_the_package():
     """Every other module of the backends sits in the folder of its floor."""
     root = ROOT / PACKAGE_DIRS["recserve.backends"]
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
+
+
+def test_perf_floors_point_down():
+    """The helpers import no experiment, the benchmarks no lab command; the lab may import both."""
+    assert violations("recserve.perf.harness.traffic", {"recserve.perf.bench.report", "recserve.server"}) == [
+        "recserve.perf.bench.report"
+    ]
+    assert violations(
+        "recserve.perf.bench.bench", {"recserve.perf.lab.overload", "recserve.perf.peers.monolith"}
+    ) == ["recserve.perf.lab.overload"]
+    assert violations("recserve.perf.peers.monolith", {"recserve.perf.bench.report"}) == [
+        "recserve.perf.bench.report"
+    ]
+    assert (
+        violations("recserve.perf.lab.soak", {"recserve.perf.bench.hops", "recserve.perf.harness.stats"})
+        == []
+    )
+    assert violations("recserve.perf.lab.tune", {"recserve.commands.lab"}) == ["recserve.commands.lab"]
+
+
+def test_the_perf_root_holds_only_the_package():
+    """Every module of perf sits in the folder of its purpose."""
+    root = ROOT / PACKAGE_DIRS["recserve.perf"]
     assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
