@@ -230,7 +230,8 @@ def test_the_commands_parse(tmp_path):
 
 
 def test_the_overload_summary_gives_the_two_verdicts():
-    from recserve.perf.lab.overload import SERVED, SHED, Outcome, OverloadReport, phase_stats
+    from recserve.perf.lab.open_loop import SERVED, SHED, Outcome, phase_stats
+    from recserve.perf.lab.overload import OverloadReport
 
     def phase(index, served_ms, shed_ms):
         outcomes = [Outcome(index, i / 100, i / 100, served_ms, SERVED) for i in range(100)]

@@ -1,6 +1,7 @@
 import pytest
 
-from recserve.perf.lab.overload import SERVED, SHED, Cores, Outcome, phase_stats, recovery_s
+from recserve.perf.lab.open_loop import SERVED, SHED, Outcome, phase_stats, recovery_s
+from recserve.perf.lab.overload import Cores
 
 
 def test_the_server_gets_one_core_and_the_load_generator_the_rest():
