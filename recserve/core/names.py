@@ -1,0 +1,65 @@
+"""Names defined once: the ensemble's steps and the tensors between them, and their axes.
+
+The ONNX export, the generated configs, the backends and the clients read these names from here.
+"""
+
+from __future__ import annotations
+
+#: The steps of the ensemble, in request order: each a separately configured Triton model (and a
+#: key of ``[serving.instances]``). ``embedding_lookup`` takes the raw features (feature transform and
+#: lookup in one Python hop) and hands ``dense`` exactly the inputs of the dense contract
+#: (:func:`recserve.core.contract.dense_contract`).
+EMBEDDING_LOOKUP = "embedding_lookup"
+DENSE = "dense"
+STEPS = (EMBEDDING_LOOKUP, DENSE)
+
+
+DENSE_NORMALIZED = "dense_normalized"
+SPARSE_KEYS = "sparse_keys"
+TARGET_KEY = "target_key"
+HISTORY_KEYS = "history_keys"
+HISTORY_MASK = "history_mask"
+#: Keys and pooling weights of the multi-hot features, side by side (only for specs that have them).
+MULTI_HOT_KEYS = "multi_hot_keys"
+MULTI_HOT_WEIGHTS = "multi_hot_weights"
+
+SPARSE_EMBEDDINGS = "sparse_embeddings"
+TARGET_EMBEDDING = "target_embedding"
+HISTORY_EMBEDDINGS = "history_embeddings"
+
+PROBABILITY = "probability"
+#: The output of a dense ONNX that returns logits (``[model] output = "logit"``); served as its sigmoid.
+LOGIT = "logit"
+#: Per row, the version of the ``dense`` model that scored it (hot swaps are visible to clients).
+DENSE_VERSION = "dense_version"
+#: Per row, the version of every embedding table in the store snapshot that served it, in the order of
+#: :attr:`recserve.spec.ModelSpec.table_names` (one snapshot per batch: all rows of a request agree).
+EMBEDDING_VERSION = "embedding_version"
+#: Prefix of ``embedding_lookup``'s candidate-list inputs: the candidates ensemble
+#: (:attr:`recserve.spec.ModelSpec.candidates_model`) hands it each per-candidate wire input ``x``,
+#: ``[users, candidates, ...]``, as ``candidate_x``; the user's sequences keep their names.
+CANDIDATE_PREFIX = "candidate_"
+
+#: For a candidate list at ``dense``: each row's user, the row of ``history_embeddings`` and
+#: ``history_mask`` (which then hold one row per user) that the row attends over.
+HISTORY_USER = "history_user"
+
+#: Request header (gRPC metadata key) naming the user: the access layer hashes it so that a user stays
+#: on one model variant across calls.
+USER_HEADER = "x-recserve-user"
+
+#: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
+DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+#: The inputs of every further attention group are these names with ``__<sequence>`` appended.
+GROUP_INPUTS = (TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+
+#: Dynamic axes of the dense ONNX graph: rows of a batch and positions of a sequence.
+BATCH_AXIS = "batch"
+SEQUENCE_AXIS = "sequence"
+
+
+#: Config parameter of ``embedding_lookup``: the torch device of its L1 and of the vectors it returns
+#: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).
+L1_DEVICE_PARAMETER = "l1_device"
