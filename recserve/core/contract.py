@@ -1,0 +1,174 @@
+"""The dense contract: what the dense network receives and returns under a spec, and its attention inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from recserve.core.names import (
+    DENSE_NET_INPUTS,
+    DENSE_NORMALIZED,
+    GROUP_INPUTS,
+    HISTORY_EMBEDDINGS,
+    HISTORY_MASK,
+    PROBABILITY,
+    SPARSE_EMBEDDINGS,
+)
+from recserve.core.spec import ModelSpec
+
+
+def is_dense_net_input(name: str) -> bool:
+    """True for a name the dense network may take (:data:`DENSE_NET_INPUTS`, a further group's or width's)."""
+    return name in DENSE_NET_INPUTS or name.partition("__")[0] in (*GROUP_INPUTS, SPARSE_EMBEDDINGS)
+
+
+def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
+    """The categorical embeddings' tensors: ``(name, width, slots)`` each.
+
+    ``sparse_embeddings`` (``embedding_dim``), then ``sparse_embeddings__<width>`` per other table
+    width, ascending; ``slots`` are its features, as indices of
+    :attr:`~recserve.spec.CategoricalGroup.slot_names`.
+    """
+    names = {spec.embedding_dim: SPARSE_EMBEDDINGS}
+    return tuple(
+        (names.get(width, f"{SPARSE_EMBEDDINGS}__{width}"), width, spec.sparse_slots(width))
+        for width in (spec.embedding_dim, *spec.other_widths)
+    )
+
+
+def is_sequence_input(name: str) -> bool:
+    """True for a dense input with a sequence axis (axis 1): a history or a mask, of any group."""
+    return name.partition("__")[0] in (HISTORY_EMBEDDINGS, HISTORY_MASK)
+
+
+@dataclass(frozen=True)
+class ContractTensor:
+    """One input or output of the dense network: name, Triton dtype, shape (-1: dynamic), contents."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    holds: str
+
+    def to_json(self) -> dict[str, object]:
+        """``{"name", "dtype", "shape", "holds"}``."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "holds": self.holds}
+
+
+def _span(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """The dense network's inputs of one attention group: its query, its positions and their mask."""
+
+    target: str
+    history: str
+    mask: str
+
+
+def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
+    """Per attention group (:attr:`~recserve.spec.ModelSpec.attention_groups`), its dense inputs.
+
+    The first group's are ``target_embedding``, ``history_embeddings`` and ``history_mask``; each
+    other group's carry its first sequence's name, ``history_embeddings__<sequence>`` and so on.
+    """
+    suffixes = ["" if i == 0 else f"__{g.primary.name}" for i, g in enumerate(spec.attention_groups)]
+    return tuple(AttentionInputs(*(name + suffix for name in GROUP_INPUTS)) for suffix in suffixes)
+
+
+def sequence_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The dense inputs with a sequence axis (axis 1): every group's history and mask."""
+    return tuple(name for group in attention_inputs(spec) for name in (group.history, group.mask))
+
+
+def left_padded_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The histories and masks of the groups padded on the left (``padding = "left"``)."""
+    return tuple(
+        name
+        for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True)
+        if group.primary.padding == "left"
+        for name in (names.history, names.mask)
+    )
+
+
+def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
+    """The dense network's inputs under ``spec``, in the order of :data:`DENSE_NET_INPUTS`.
+
+    ``dense_normalized`` only with numeric features that are not bucketized; the target, history
+    and mask only with a sequence, then those of every further attention group.
+    """
+    first = (DENSE_NORMALIZED,) if spec.normalized_columns else ()
+    sparse = tuple(name for name, _, _ in sparse_inputs(spec))
+    groups = tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
+    return first + sparse + groups
+
+
+def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:
+    """What the dense network receives and returns under ``spec``: ``(inputs, outputs)``.
+
+    Inputs in the order of :func:`dense_net_inputs`; every one FP32 with the batch first. With
+    several attention groups, every history and mask has the same number of positions (the sequence
+    bucket of the request's longest history of any group). The output
+    is named after ``[model] output``: ``probability``, or ``logit`` (which recserve serves as its
+    sigmoid). The built-in network and every imported ONNX follow this contract.
+    """
+    dim = spec.embedding_dim
+    inputs = []
+    if spec.dense is not None and spec.normalized_columns:
+        numeric = [spec.dense.numeric[i] for i in spec.dense.normalized]
+        ops = {c.describe() for c in numeric}
+        how = ops.pop() if len(ops) == 1 else "each by its feature's ops"
+        inputs.append(
+            ContractTensor(
+                DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{_span([c.name for c in numeric])}: {how}"
+            )
+        )
+    for name, width, slots in sparse_inputs(spec):
+        features = [spec.categorical.slot_names[i] for i in slots]
+        inputs.append(
+            ContractTensor(
+                name,
+                "FP32",
+                (-1, len(features), width),
+                f"{_span(features)}: one embedding per feature, in this order",
+            )
+        )
+    for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
+        seq = group.primary
+        target, history = (
+            (
+                f"{group.targets[0].name}: its row of table {group.targets[0].table!r}",
+                f"{seq.name}: rows of table {seq.table!r}",
+            )
+            if len(group.sequences) == 1
+            else (
+                " + ".join(t.name for t in group.targets) + ": the sum of their rows",
+                " + ".join(s.name for s in group.sequences) + ": the sum of their rows at each position",
+            )
+        )
+        inputs += [
+            ContractTensor(names.target, "FP32", (-1, dim), target),
+            ContractTensor(
+                names.history,
+                "FP32",
+                (-1, -1, dim),
+                f"{history}, oldest first, padded to a sequence bucket on the {seq.padding}"
+                + (" (the newest at the last position)" if seq.padding == "left" else ""),
+            ),
+            ContractTensor(
+                names.mask,
+                "FP32",
+                (-1, -1),
+                f"{seq.name}: 1 on real positions, 0 on padding (whose embeddings the network must ignore)",
+            ),
+        ]
+
+    output = ContractTensor(
+        spec.dense_output,
+        "FP32",
+        (-1, 1),
+        "click probability" if spec.dense_output == PROBABILITY else "click logit (served as its sigmoid)",
+    )
+    return tuple(inputs), (output,)
