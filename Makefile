@@ -63,7 +63,7 @@ lint: install
 TYPECHECK_TREE := .typecheck
 typecheck: install
 	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/recserve
-	for f in recserve/*.py recserve/commands recserve/server recserve/access; do ln -s ../../$$f $(TYPECHECK_TREE)/recserve/; done
+	for f in recserve/*.py recserve/commands recserve/core recserve/server recserve/access; do ln -s ../../$$f $(TYPECHECK_TREE)/recserve/; done
 	ln -s ../../python_backends $(TYPECHECK_TREE)/recserve/backends
 	for d in build clients perf; do ln -s ../../$$d $(TYPECHECK_TREE)/recserve/$$d; done
 	cd $(TYPECHECK_TREE) && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p recserve

@@ -1,6 +1,7 @@
 """The dependency direction of the packages, checked on every import (lazy ones included).
 
-Bottom: the spec, the wire names and the domain errors. Above them the backends that run inside
+Bottom, the ground: ``recserve/core/`` and the domain errors (``spec``, ``sections`` and ``wire``
+re-export ``core/``). Above them the backends that run inside
 tritonserver, in floors of their own (one rule per folder): ``base/`` on the bottom alone; the
 subsystems ``features/``, ``store/`` and ``dense/`` on the base, never on each other; ``steps/``
 composed from the subsystems; ``triton/`` (the adapters) on anything in the backends. Then the
@@ -22,7 +23,8 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
     "recserve.clients": "clients",
     "recserve.perf": "perf",
 }
-BOTTOM = ("recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
+#: The ground: ``core/`` and the errors; ``sections``, ``spec`` and ``wire`` re-export names of ``core/``.
+BOTTOM = ("recserve.core", "recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
 BACKEND_BASE = ("recserve.backends.base",)
 BACKEND_SUBSYSTEMS = ("recserve.backends.features", "recserve.backends.store", "recserve.backends.dense")
 #: what every part of perf may import: what it measures and the tools that start it
@@ -30,10 +32,9 @@ PERF_BASE = (*BOTTOM, "recserve.backends", "recserve.build", "recserve.clients",
 PERF_FLOORS = ("recserve.perf.harness", "recserve.perf.peers", "recserve.perf.bench")
 #: module prefix -> the prefixes it may import (besides itself); the first matching prefix rules
 ALLOWED = {
-    "recserve.sections": (),
-    "recserve.spec": ("recserve.sections",),
+    "recserve.core": ("recserve.errors",),  # the ground imports nothing of the project above it
     "recserve.errors": (),
-    "recserve.wire": BOTTOM,
+    **{facade: ("recserve.core",) for facade in ("recserve.sections", "recserve.spec", "recserve.wire")},
     "recserve.backends.base": BOTTOM,
     **{subsystem: (*BOTTOM, *BACKEND_BASE) for subsystem in BACKEND_SUBSYSTEMS},
     "recserve.backends.steps": (*BOTTOM, *BACKEND_BASE, *BACKEND_SUBSYSTEMS),
@@ -119,7 +120,9 @@ def test_upward_and_sideways_imports_are_caught():
     assert violations("recserve.backends.dense.runner", {"recserve.build.network"}) == [
         "recserve.build.network"
     ]
-    assert violations("recserve.spec", {"recserve.wire", "recserve.sections"}) == ["recserve.wire"]
+    assert violations("recserve.core.spec", {"recserve.wire", "recserve.core.sections_base"}) == [
+        "recserve.wire"
+    ]
     assert violations("recserve.perf.bench.bench", {"recserve.build.configs", "recserve.server"}) == []
     assert violations("recserve.access.config", {"recserve.build.configs", "recserve.server"}) == [
         "recserve.build.configs"
@@ -157,6 +160,28 @@ def test_the_backends_root_holds_only_the_package():
     """Every other module of the backends sits in the folder of its floor."""
     root = ROOT / PACKAGE_DIRS["recserve.backends"]
     assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
+
+
+def test_the_ground_stands_alone():
+    """``core/`` imports only itself and the errors; the former ground modules only re-export ``core/``."""
+    assert violations(
+        "recserve.core.rows", {"recserve.core.values", "recserve.errors", "recserve.spec", "recserve.wire"}
+    ) == ["recserve.spec", "recserve.wire"]
+    assert violations("recserve.core.values", {"recserve.backends.features.hashing"}) == [
+        "recserve.backends.features.hashing"
+    ]
+    assert violations("recserve.wire", {"recserve.core.rows", "recserve.spec"}) == ["recserve.spec"]
+
+
+def test_ground_modules_are_short():
+    """Every module of the ground does one job in at most 400 lines."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / "recserve" / "core").glob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 400
+    }
+    assert (ROOT / "recserve" / "core" / "spec.py").is_file()
+    assert not long, f"over 400 lines: {long}"
 
 
 def test_perf_floors_point_down():
