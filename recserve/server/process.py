@@ -32,6 +32,8 @@ from recserve.server.watchdog import (
 LOGGER = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+#: How long the log tail of a dead server waits for the output still in its pipe.
+ECHO_DRAIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class TritonServer(ChildProcess):
         self.cpus = cpus
         self.watchdog: StubWatchdog | None = None
         self._tail: deque[str] = deque(maxlen=200)  # the last lines, when log_path is None
+        self._echo_thread: threading.Thread | None = None  # copies them, when log_path is None
         self._stopping = threading.Event()  # set by stop(): a start in progress gives up
         self.shm_prefix = region_prefix()
 
@@ -173,7 +176,8 @@ class TritonServer(ChildProcess):
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         if self.log_path is None:
-            threading.Thread(target=self._echo, name="tritonserver-log", daemon=True).start()
+            self._echo_thread = threading.Thread(target=self._echo, name="tritonserver-log", daemon=True)
+            self._echo_thread.start()
         self.wait_ready(timeout_s)
         if self.security.model_control == "explicit":
             self.watchdog = StubWatchdog(self, expected_stubs(self.repository))
@@ -220,6 +224,10 @@ class TritonServer(ChildProcess):
     def log_tail(self, lines: int = 60) -> str:
         """The last lines of the server log."""
         if not self.log_path:
+            exited = self.process is not None and self.process.poll() is not None
+            if exited and self._echo_thread is not None:
+                # its last lines may still be in the pipe (its stubs, alive a moment longer, hold it open)
+                self._echo_thread.join(ECHO_DRAIN_S)
             return "\n".join(list(self._tail)[-lines:]) or "(no output)"
         return read_tail(self.log_path, lines, missing="(log not captured)")
 

@@ -29,6 +29,7 @@ LOGGER = logging.getLogger(__name__)
 
 _STACK_FRAME = re.compile(r"^\s*\d+# ")
 _LOG_LEVEL = re.compile(r"^([IWEF])\d{4} ")  # tritonserver's own lines: Info, Warning, Error, Fatal
+_ABORT_REASON = re.compile(r"what\(\):")  # the C++ runtime's line before an uncaught exception aborts
 _ERROR_WORDS = re.compile(r"what\(\):|terminate called|error|exception|abort", re.IGNORECASE)
 
 
@@ -66,11 +67,16 @@ def exit_cause(returncode: int) -> str:
 def error_line(log_tail: str) -> str:
     """The last line of a server log that tells an error, or ``(no error in the log)``.
 
-    tritonserver's own lines count at levels E and F only (a warning that mentions an error is
-    not one); other lines (the C++ runtime's, a backend's) when they name an error or an abort.
-    Stack frames are skipped.
+    The C++ runtime's reason for an abort (``what():  std::bad_alloc``) wins: the server's stubs,
+    dying a moment after it, print errors of their own below it. Otherwise tritonserver's own lines
+    count at levels E and F only (a warning that mentions an error is not one); other lines (the
+    C++ runtime's, a backend's) when they name an error or an abort. Stack frames are skipped.
     """
-    for line in reversed(log_tail.splitlines()):
+    lines = log_tail.splitlines()
+    for line in reversed(lines):
+        if _ABORT_REASON.search(line):
+            return line.strip()[:300]
+    for line in reversed(lines):
         line = line.strip()
         if not line or _STACK_FRAME.match(line):
             continue

@@ -101,7 +101,7 @@ def test_serve_restarts_a_server_killed_by_a_request_and_frees_its_shared_memory
         text = output.read_text(errors="replace")
         died = re.findall(r"died: killed by SIGABRT; last error: (.*); crash (\d) \((\d) in a row\)", text)
         assert [(int(c), int(r)) for _, c, r in died] == [(1, 1), (2, 2), (3, 3)], text[-3000:]
-        assert all("bad_alloc" in error for error, _, _ in died)
+        assert all("bad_alloc" in error for error, _, _ in died), died
         load = Path("/proc/loadavg").read_text().split()[:3]
         times = ", ".join(f"{s:.1f}" for s in down_s)
         print(f"crash -> ready again: {times} s, median {statistics.median(down_s):.1f} s; load {load}")

@@ -75,6 +75,10 @@ def test_the_cause_names_the_signal_or_the_exit_code_and_the_last_error_line():
     assert exit_cause(-9) == "killed by SIGKILL"
     assert exit_cause(1) == "exit code 1"
     assert error_line(CRASH_LOG) == "what():  std::bad_alloc"
+    stubs_dying_after = CRASH_LOG + (
+        "\nFatal Python error: PyThreadState_Get: the function must be called with the GIL held"
+    )
+    assert error_line(stubs_dying_after) == "what():  std::bad_alloc"  # the server's reason, not a stub's
     assert error_line("I1126 one\nE1126 12:00:00 1 server.cc:1] failed to load 'ctr'\nI1126 two") == (
         "E1126 12:00:00 1 server.cc:1] failed to load 'ctr'"
     )
