@@ -43,7 +43,7 @@ from recserve.backends.base.artifacts import file_entry, read_manifest, write_ma
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
-from recserve.perf.traffic import scratch_repository
+from recserve.perf.harness.traffic import scratch_repository
 from recserve.sections import CanarySection
 from recserve.spec import ModelSpec, load_spec, spec_path
 from recserve.wire import USER_HEADER
