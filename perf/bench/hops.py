@@ -32,7 +32,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve import wire
-from recserve.build import configs
+from recserve.build import configs, step_tensors
 from recserve.build.synthetic import generate
 from recserve.perf.harness.inprocess import measure_inprocess
 from recserve.perf.harness.stats import StepTimes, difference, snapshot
@@ -62,8 +62,8 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
 
     The three-step shape passed keys between the feature transform and the lookup.
     """
-    io = configs.step_io(spec)
-    t = configs.intermediate_tensors(spec)
+    io = step_tensors.step_io(spec)
+    t = step_tensors.intermediate_tensors(spec)
     _, sequence = spec.attention("bench-hops")
     served = [
         EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], sequence.name),
@@ -94,7 +94,7 @@ def packed_topology(spec: ModelSpec) -> list[EchoStep]:
     The same bytes travel, each request's positions at its sequence bucket, so the width is
     ``fixed + per_position × bucket``: what packing would save at the floor.
     """
-    io = configs.step_io(spec)
+    io = step_tensors.step_io(spec)
     lookup_inputs, lookup_outputs = io[wire.EMBEDDING_LOOKUP]
     dense_inputs, dense_outputs = io[wire.DENSE]
     packed = WireTensor(PACKED_TENSOR, "FP32", (-1,), ragged=True)
@@ -138,8 +138,8 @@ def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str,
             name=f"{name}_{step.name}",
             backend="python",
             max_batch_size=spec.max_batch_size,
-            input=[configs.model_input(x) for x in step.inputs],
-            output=[configs.model_output(x) for x in step.outputs],
+            input=[step_tensors.model_input(x) for x in step.inputs],
+            output=[step_tensors.model_output(x) for x in step.outputs],
             instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)],
         )
         config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds or 0
@@ -152,8 +152,8 @@ def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str,
         name=name,
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
-        input=[configs.model_input(x) for x in spec.wire_inputs()],
-        output=[configs.model_output(x) for x in ensemble_outputs(steps)],
+        input=[step_tensors.model_input(x) for x in spec.wire_inputs()],
+        output=[step_tensors.model_output(x) for x in ensemble_outputs(steps)],
         ensemble_scheduling=mc.ModelEnsembling(
             step=[
                 mc.ModelEnsembling.Step(

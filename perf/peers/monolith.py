@@ -14,7 +14,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve import wire
-from recserve.build import configs
+from recserve.build import configs, step_tensors
 from recserve.spec import ModelSpec, WireTensor
 
 ADAPTER = "monolith_model.py"
@@ -27,8 +27,8 @@ def monolith_config(spec: ModelSpec, repository: Path, instances: int) -> mc.Mod
         name=spec.name,
         backend="python",
         max_batch_size=spec.max_batch_size,
-        input=[configs.model_input(t) for t in spec.wire_inputs()],
-        output=[configs.model_output(WireTensor(wire.PROBABILITY, "FP32", (1,)))],
+        input=[step_tensors.model_input(t) for t in spec.wire_inputs()],
+        output=[step_tensors.model_output(WireTensor(wire.PROBABILITY, "FP32", (1,)))],
         instance_group=[mc.ModelInstanceGroup(count=instances, kind=mc.ModelInstanceGroup.KIND_CPU)],
     )
     config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds or 0

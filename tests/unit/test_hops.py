@@ -1,7 +1,7 @@
 """The echo ensembles of the hop-floor benchmark have the served steps' shapes, batching and wiring."""
 
 from recserve import wire
-from recserve.build import configs
+from recserve.build import configs, step_tensors
 from recserve.perf.bench.hops import (
     PACKED,
     PACKED_TENSOR,
@@ -14,7 +14,7 @@ from recserve.perf.bench.hops import (
 
 def test_the_served_echo_topology_has_the_served_steps_tensors(spec):
     served = topologies(spec)["echo_2_hops"]
-    io = configs.step_io(spec)
+    io = step_tensors.step_io(spec)
     assert [(s.name, s.inputs, s.outputs) for s in served] == [(step, *io[step]) for step in wire.STEPS]
 
 
