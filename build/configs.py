@@ -15,7 +15,6 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
 from recserve.backends.dense.buckets import spec_buckets
 from recserve.build.step_tensors import (
     CONFIG_DTYPES,
@@ -25,7 +24,17 @@ from recserve.build.step_tensors import (
     model_output,
     step_io,
 )
-from recserve.spec import ModelSpec, QueuePolicy
+from recserve.core.contract import sequence_inputs
+from recserve.core.names import (
+    CANDIDATE_PREFIX,
+    DENSE,
+    EMBEDDING_LOOKUP,
+    EMBEDDING_VERSION,
+    L1_DEVICE_PARAMETER,
+    STEPS,
+)
+from recserve.core.sections_serving import QueuePolicy
+from recserve.core.spec import ModelSpec
 
 #: Config profiles: ``cpu`` (Python backends, ONNX Runtime buckets), ``gpu`` (``dense`` as a
 #: TensorRT engine on Triton's TensorRT backend) and ``cuda`` (the Python ``dense`` on GPU instances:
@@ -43,7 +52,7 @@ def queue_policy(policy: QueuePolicy, step: str) -> mc.ModelQueuePolicy | None:
 
     A step without a policy keeps Triton's payload prefetching, which any limit turns off.
     """
-    entry = step == wire.STEPS[0]
+    entry = step == STEPS[0]
     limits = mc.ModelQueuePolicy(
         timeout_action=mc.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action),
         default_timeout_microseconds=policy.entry_timeout if entry else policy.default_timeout_microseconds,
@@ -63,7 +72,7 @@ def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
     """One ``model_warmup`` sample per bucket of the spec's grid (zeros; mask 0 attends to nothing)."""
-    inputs = step_io(spec)[wire.DENSE][0]
+    inputs = step_io(spec)[DENSE][0]
     return [
         mc.ModelWarmup(
             name=f"bucket_{bucket.rows}x{bucket.length}",
@@ -88,16 +97,16 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
     Requests of one sequence bucket batch together (the feature step pads every request to a sequence
     bucket, so no ragged batching); the dynamic batcher prefers the batch buckets' sizes.
     """
-    inputs, outputs = step_io(spec, "gpu")[wire.DENSE]
+    inputs, outputs = step_io(spec, "gpu")[DENSE]
     return mc.ModelConfig(
-        name=wire.DENSE,
+        name=DENSE,
         platform="tensorrt_plan",
         default_model_filename=TENSORRT_PLAN,
         max_batch_size=spec.max_batch_size,
         input=[model_input(dataclasses.replace(t, ragged=False)) for t in inputs],
         output=[model_output(t) for t in outputs],
         instance_group=[
-            mc.ModelInstanceGroup(count=spec.instances[wire.DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
+            mc.ModelInstanceGroup(count=spec.instances[DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
         ],
         dynamic_batching=mc.ModelDynamicBatching(
             preferred_batch_size=list(spec.batch_buckets),
@@ -118,7 +127,7 @@ class ServingPlan:
 
     max_queue_delay_microseconds: int | None
     preferred_batch_sizes: tuple[int, ...] = ()
-    instances: Mapping[str, int] = field(default_factory=lambda: {step: 1 for step in wire.STEPS})
+    instances: Mapping[str, int] = field(default_factory=lambda: {step: 1 for step in STEPS})
 
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> ServingPlan:
@@ -142,7 +151,7 @@ def step_config(
 
     Args:
         spec: the model spec.
-        step: one of :data:`wire.STEPS`.
+        step: one of :data:`STEPS`.
         profile: ``cpu``; ``gpu`` for the TensorRT ``dense``; ``cuda`` for the Python ``dense`` on
             GPU instances, with ``embedding_lookup``'s L1 and output on the GPU (``l1_device``). In
             both GPU profiles ``embedding_lookup`` runs as KIND_GPU instances.
@@ -151,7 +160,7 @@ def step_config(
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
-    if step == wire.DENSE and profile == "gpu":
+    if step == DENSE and profile == "gpu":
         return dense_tensorrt_config(spec)
     plan = plan or ServingPlan.from_spec(spec)
     inputs, outputs = step_io(spec)[step]
@@ -159,7 +168,7 @@ def step_config(
         extra_inputs, extra_outputs = candidate_io(spec)[step]
         inputs = (*(dataclasses.replace(t, optional=True) for t in inputs), *extra_inputs)
         outputs = (*outputs, *extra_outputs)
-    on_gpu = profile in GPU_PROFILES and (step != wire.DENSE or profile == "cuda")
+    on_gpu = profile in GPU_PROFILES and (step != DENSE or profile == "cuda")
     kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     config = mc.ModelConfig(
         name=step,
@@ -176,15 +185,15 @@ def step_config(
         limits = queue_policy(policy, step)
         if limits is not None:
             config.dynamic_batching.default_queue_policy.CopyFrom(limits)
-    if step == wire.DENSE:
+    if step == DENSE:
         config.model_warmup.extend(dense_warmup(spec))
     config.parameters["spec"].string_value = spec.to_json()
     if on_gpu:  # GPU-resident inputs reach the step (read through DLPack)
         config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "no"
     if (
-        step == wire.EMBEDDING_LOOKUP and profile == "cuda"
+        step == EMBEDDING_LOOKUP and profile == "cuda"
     ):  # L1 and the looked-up vectors stay on the GPU for dense
-        config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cuda"
+        config.parameters[L1_DEVICE_PARAMETER].string_value = "cuda"
     return config
 
 
@@ -196,7 +205,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     """
     io = step_io(spec, profile)
     steps = []
-    for step in wire.STEPS:
+    for step in STEPS:
         inputs, outputs = io[step]
         steps.append(
             mc.ModelEnsembling.Step(
@@ -211,9 +220,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         platform="ensemble",
         max_batch_size=spec.max_batch_size,
         input=[model_input(t) for t in spec.wire_inputs()],
-        output=[
-            model_output(t) for t in (*io[wire.DENSE][1], intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
-        ],
+        output=[model_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
 
@@ -230,24 +237,24 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     """
     assert spec.candidates_model is not None
     io = step_io(spec, profile)
-    lookup_outputs, (dense_inputs, dense_outputs) = io[wire.EMBEDDING_LOOKUP][1], io[wire.DENSE]
+    lookup_outputs, (dense_inputs, dense_outputs) = io[EMBEDDING_LOOKUP][1], io[DENSE]
     if profile != "gpu":  # a TensorRT dense takes rows: the lookup then expands each user's history
-        per_candidate = candidate_io(spec)[wire.DENSE][0]
-        history = tuple(t for t in dense_inputs if t.name in wire.sequence_inputs(spec))
+        per_candidate = candidate_io(spec)[DENSE][0]
+        history = tuple(t for t in dense_inputs if t.name in sequence_inputs(spec))
         dense_inputs = (*per_candidate, *history)
-        lookup_outputs = (*dense_inputs, intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
+        lookup_outputs = (*dense_inputs, intermediate_tensors(spec)[EMBEDDING_VERSION])
     # input_map: the step's input name -> the ensemble's tensor
     inputs = {t.name: t.name for t in spec.user_inputs()}
-    inputs.update({wire.CANDIDATE_PREFIX + t.name: t.name for t in spec.candidate_inputs()})
+    inputs.update({CANDIDATE_PREFIX + t.name: t.name for t in spec.candidate_inputs()})
     steps = [
         mc.ModelEnsembling.Step(
-            model_name=wire.EMBEDDING_LOOKUP,
+            model_name=EMBEDDING_LOOKUP,
             model_version=-1,
             input_map=inputs,
             output_map={t.name: t.name for t in lookup_outputs},
         ),
         mc.ModelEnsembling.Step(
-            model_name=wire.DENSE,
+            model_name=DENSE,
             model_version=-1,
             input_map={t.name: t.name for t in dense_inputs},
             output_map={t.name: t.name for t in dense_outputs},
@@ -255,7 +262,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     ]
     unbatched = [dataclasses.replace(t, dims=(-1, *t.dims)) for t in spec.user_inputs()]
     unbatched += [dataclasses.replace(t, dims=(-1, -1, *t.dims)) for t in spec.candidate_inputs()]
-    outputs = (*dense_outputs, intermediate_tensors(spec)[wire.EMBEDDING_VERSION])
+    outputs = (*dense_outputs, intermediate_tensors(spec)[EMBEDDING_VERSION])
     return mc.ModelConfig(
         name=spec.candidates_model,
         platform="ensemble",
@@ -275,7 +282,7 @@ def all_configs(
     spec: ModelSpec, profile: str = "cpu", plan: ServingPlan | None = None
 ) -> dict[str, mc.ModelConfig]:
     """Every model of the repository by name, in one config profile (``plan`` as in :func:`step_config`)."""
-    configs = {step: step_config(spec, step, profile, plan) for step in wire.STEPS}
+    configs = {step: step_config(spec, step, profile, plan) for step in STEPS}
     configs[spec.name] = ensemble_config(spec, profile)
     if spec.candidates_model:
         configs[spec.candidates_model] = candidates_ensemble_config(spec, profile)
@@ -304,7 +311,7 @@ def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
             raise ValueError(
                 f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs"
             )
-        for step in wire.STEPS:
+        for step in STEPS:
             files[config_path(Path(), step, queue)] = step_config(spec, step, queue=queue)
     return files
 
@@ -339,7 +346,7 @@ def write_variant(
     if target.resolve() == source.resolve():
         raise ValueError("a variant repository needs its own folder")
     shutil.rmtree(target, ignore_errors=True)
-    for step in wire.STEPS:
+    for step in STEPS:
         built = (source / step / str(spec.version)).resolve()
         if not built.is_dir():
             raise FileNotFoundError(f"{built} is missing; run 'recserve build' first")

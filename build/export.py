@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recserve import wire
 from recserve.backends.dense.network import CandidateNet, CTRNet
-from recserve.spec import ModelSpec
+from recserve.core.contract import attention_inputs, dense_net_inputs, sequence_inputs, sparse_inputs
+from recserve.core.names import BATCH_AXIS, DENSE_NORMALIZED, HISTORY_USER, PROBABILITY, SEQUENCE_AXIS
+from recserve.core.spec import ModelSpec
 
 OPSET = 17
 
@@ -24,16 +25,16 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     rng = np.random.default_rng(seed)
     dim = spec.embedding_dim
     inputs = {
-        wire.DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
+        DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
     }
-    for name, width, slots in wire.sparse_inputs(spec):
+    for name, width, slots in sparse_inputs(spec):
         inputs[name] = rng.normal(0, 0.1, (rows, len(slots), width)).astype(np.float32)
-    for group in wire.attention_inputs(spec):
+    for group in attention_inputs(spec):
         lengths = rng.integers(0, length + 1, size=rows)
         inputs[group.target] = rng.normal(0, 0.1, (rows, dim)).astype(np.float32)
         inputs[group.history] = rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32)
         inputs[group.mask] = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
-    return {name: inputs[name] for name in wire.dense_net_inputs(spec)}
+    return {name: inputs[name] for name in dense_net_inputs(spec)}
 
 
 def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -45,7 +46,7 @@ def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write ``net`` as ONNX; batch and sequence axes stay dynamic."""
     example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
-    _export(net, net.input_names, example, _dynamic_axes(spec, history_rows=wire.BATCH_AXIS), path)
+    _export(net, net.input_names, example, _dynamic_axes(spec, history_rows=BATCH_AXIS), path)
 
 
 def candidate_inputs(
@@ -54,9 +55,9 @@ def candidate_inputs(
     """Random inputs of :class:`CandidateNet`: ``users`` histories, ``candidates`` rows for each."""
     rows = example_inputs(spec, users * candidates, length, seed)
     first = np.arange(users) * candidates
-    for name in wire.sequence_inputs(spec):
+    for name in sequence_inputs(spec):
         rows[name] = rows[name][first]
-    rows[wire.HISTORY_USER] = np.repeat(np.arange(users, dtype=np.int64), candidates)
+    rows[HISTORY_USER] = np.repeat(np.arange(users, dtype=np.int64), candidates)
     return rows
 
 
@@ -72,9 +73,9 @@ def _dynamic_axes(spec: ModelSpec, history_rows: str) -> dict[str, dict[int, str
 
     Every group's history and mask share one sequence axis.
     """
-    batch, sequence = wire.BATCH_AXIS, wire.SEQUENCE_AXIS
-    axes = {name: {0: batch} for name in (*wire.dense_net_inputs(spec), wire.HISTORY_USER)}
-    axes.update({name: {0: history_rows, 1: sequence} for name in wire.sequence_inputs(spec)})
+    batch, sequence = BATCH_AXIS, SEQUENCE_AXIS
+    axes = {name: {0: batch} for name in (*dense_net_inputs(spec), HISTORY_USER)}
+    axes.update({name: {0: history_rows, 1: sequence} for name in sequence_inputs(spec)})
     return axes
 
 
@@ -86,7 +87,7 @@ def _export(
     path: Path,
 ) -> None:
     module.eval()
-    axes = {name: dynamic[name] for name in input_names} | {wire.PROBABILITY: {0: wire.BATCH_AXIS}}
+    axes = {name: dynamic[name] for name in input_names} | {PROBABILITY: {0: BATCH_AXIS}}
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -95,7 +96,7 @@ def _export(
             tuple(torch.from_numpy(example[n]) for n in input_names),
             str(path),
             input_names=list(input_names),
-            output_names=[wire.PROBABILITY],
+            output_names=[PROBABILITY],
             dynamic_axes=axes,
             opset_version=OPSET,
             dynamo=False,

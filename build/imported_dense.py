@@ -6,13 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.base.artifacts import file_entry, sha256_file, write_manifest
 from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.build.export import example_inputs
 from recserve.build.repository import DENSE_FORMAT, ONNX_FILE, spec_digest
+from recserve.core.contract import sequence_inputs
+from recserve.core.names import BATCH_AXIS, LOGIT, PROBABILITY, SEQUENCE_AXIS
+from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError
-from recserve.spec import ModelSpec
 
 
 class DenseImportError(ArtifactError):
@@ -31,11 +32,11 @@ def served_onnx(spec: ModelSpec, source: Path) -> bytes:
 
     model = onnx.load(str(source))
     graph = model.graph
-    sequence_inputs = set(wire.sequence_inputs(spec))
+    sequences = set(sequence_inputs(spec))
     renames: dict[str, str] = {}
     for value in [*graph.input, *graph.output]:
         dims = value.type.tensor_type.shape.dim
-        axes = {0: wire.BATCH_AXIS, **({1: wire.SEQUENCE_AXIS} if value.name in sequence_inputs else {})}
+        axes = {0: BATCH_AXIS, **({1: SEQUENCE_AXIS} if value.name in sequences else {})}
         for axis, name in axes.items():
             if dims[axis].dim_param:
                 renames[dims[axis].dim_param] = name
@@ -45,11 +46,9 @@ def served_onnx(spec: ModelSpec, source: Path) -> bytes:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
     if spec.dense_output == "logit":
-        output = next(o for o in graph.output if o.name == wire.LOGIT)
-        graph.node.append(
-            helper.make_node("Sigmoid", [output.name], [wire.PROBABILITY], name="recserve_sigmoid")
-        )
-        served = helper.make_tensor_value_info(wire.PROBABILITY, onnx.TensorProto.FLOAT, [wire.BATCH_AXIS, 1])
+        output = next(o for o in graph.output if o.name == LOGIT)
+        graph.node.append(helper.make_node("Sigmoid", [output.name], [PROBABILITY], name="recserve_sigmoid"))
+        served = helper.make_tensor_value_info(PROBABILITY, onnx.TensorProto.FLOAT, [BATCH_AXIS, 1])
         graph.output.remove(output)
         graph.output.append(served)
     onnx.checker.check_model(model)

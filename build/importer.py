@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.base.artifacts import map_safetensors
 from recserve.backends.base.bounded_files import Header, check_onnx_file, load_npz, map_npy, read_json
 from recserve.backends.dense.compatibility import check_onnx_contract
@@ -44,8 +43,9 @@ from recserve.build.repository import (
     write_tables,
 )
 from recserve.build.train import Progress, stderr_progress
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError, InvalidInput, shorten
-from recserve.spec import ModelSpec
 
 VOCAB_SUFFIX = ".vocab.json"
 VECTOR_SUFFIXES = (".npy", ".safetensors")
@@ -342,9 +342,9 @@ def import_repository(
     try:
         rows = {name: len(t.keys) for name, t in tables.items()}
         progress(f"[import] writing {len(tables)} tables ({sum(rows.values())} rows) to {staging}")
-        write_tables(spec, tables, version_dir(staging, wire.EMBEDDING_LOOKUP, spec))
+        write_tables(spec, tables, version_dir(staging, EMBEDDING_LOOKUP, spec))
         progress(f"[import] checking {dense.name} at every sequence bucket")
-        write_imported_dense(spec, dense, version_dir(staging, wire.DENSE, spec))
+        write_imported_dense(spec, dense, version_dir(staging, DENSE, spec))
         install_adapters(spec, staging)
         configs.write_configs(spec, staging)
         _move_into_place(staging, repository)

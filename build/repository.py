@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import save_file
 
-from recserve import wire
 from recserve.backends.base.artifacts import (
     file_entry,
     load_array,
@@ -38,9 +37,12 @@ from recserve.build.export import (
     torch_predict,
 )
 from recserve.build.train import Progress, stderr_progress, train
+from recserve.core.contract import sequence_inputs
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP, HISTORY_USER, PROBABILITY, STEPS
+from recserve.core.rows import RawRows
+from recserve.core.sections_serving import StoreSection
+from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError
-from recserve.spec import ModelSpec, StoreSection
-from recserve.wire import RawRows
 
 DENSE_FORMAT = "recserve-dense/1"
 ONNX_FILE = "model.onnx"
@@ -74,10 +76,10 @@ def is_built(spec: ModelSpec, repository: Path) -> bool:
     Both artifact manifests exist, were built from this spec and the tables have the current format.
     """
     try:
-        tables = read_manifest(version_dir(repository, wire.EMBEDDING_LOOKUP, spec))
+        tables = read_manifest(version_dir(repository, EMBEDDING_LOOKUP, spec))
         return tables.get("format") == MANIFEST_FORMAT and all(
             read_manifest(version_dir(repository, model, spec)).get("spec_sha256") == spec_digest(spec)
-            for model in (wire.EMBEDDING_LOOKUP, wire.DENSE)
+            for model in (EMBEDDING_LOOKUP, DENSE)
         )
     except ArtifactError:
         return False
@@ -168,10 +170,10 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
         for length in spec.sequence_buckets:
             sample = candidate_inputs(spec, users=3, candidates=4, length=length, seed=length)
             rows = dict(sample)
-            owner = rows.pop(wire.HISTORY_USER)
-            for name in wire.sequence_inputs(spec):  # the same rows, expanded
+            owner = rows.pop(HISTORY_USER)
+            for name in sequence_inputs(spec):  # the same rows, expanded
                 rows[name] = sample[name][owner]
-            served = session.run([wire.PROBABILITY], sample)[0]
+            served = session.run([PROBABILITY], sample)[0]
             worst = max(worst, float(np.abs(served - torch_predict(net, rows)).max()))
         files["candidates"] = file_entry(root, lists)
     if worst > 1e-5:
@@ -203,7 +205,7 @@ def add_tensorrt_engine(
             "the dense step keeps the CPU path (ONNX Runtime)"
         )
         return None
-    root = version_dir(repository, wire.DENSE, spec)
+    root = version_dir(repository, DENSE, spec)
     manifest = read_manifest(root)
     profiles = tensorrt_engine.spec_profiles(spec)
     options = tensorrt_engine.EngineOptions(precision=precision, timing_cache=root / TIMING_CACHE_FILE)
@@ -223,7 +225,7 @@ def add_tensorrt_engine(
 
 def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
     """The trained PyTorch network of a built repository (checked weights, no pickle)."""
-    root = version_dir(repository, wire.DENSE, spec)
+    root = version_dir(repository, DENSE, spec)
     files = read_manifest(root)["files"]
     if "weights" not in files:
         raise ArtifactError(
@@ -236,7 +238,7 @@ def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
 def install_adapters(spec: ModelSpec, repository: Path) -> None:
     """Copy the thin ``model.py`` adapters into each step's version folder."""
     source = resources.files("recserve.backends.triton.models")
-    for step in wire.STEPS:
+    for step in STEPS:
         target = version_dir(repository, step, spec) / "model.py"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(source.joinpath(f"{step}.py").read_text())
@@ -247,8 +249,8 @@ def build_repository(
 ) -> BuildReport:
     """Build every artifact and config of ``spec`` into ``repository``, trained on ``rows`` if given."""
     trained = train(spec, progress, rows)
-    tables_dir = version_dir(repository, wire.EMBEDDING_LOOKUP, spec)
-    dense_dir = version_dir(repository, wire.DENSE, spec)
+    tables_dir = version_dir(repository, EMBEDDING_LOOKUP, spec)
+    dense_dir = version_dir(repository, DENSE, spec)
     for folder in (tables_dir, dense_dir):
         shutil.rmtree(folder, ignore_errors=True)
     progress(f"[build] writing {len(trained.tables)} tables to {tables_dir}")
@@ -266,8 +268,8 @@ def build_repository(
 
 def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch") -> InProcessPipeline:
     """The in-process path over a built repository: the PyTorch net, or ONNX Runtime as served (buckets)."""
-    store = TieredStore.load(version_dir(repository, wire.EMBEDDING_LOOKUP, spec), spec)
-    dense_dir = version_dir(repository, wire.DENSE, spec)
+    store = TieredStore.load(version_dir(repository, EMBEDDING_LOOKUP, spec), spec)
+    dense_dir = version_dir(repository, DENSE, spec)
     if runtime == "torch":
         net = load_reference_net(spec, repository)
         return InProcessPipeline(spec, store, lambda inputs: torch_predict(net, inputs))

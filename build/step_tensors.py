@@ -10,8 +10,18 @@ import dataclasses
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
-from recserve.spec import ModelSpec, WireTensor
+from recserve.core.candidate_lists import candidate_step_inputs, per_candidate_dense_inputs
+from recserve.core.contract import dense_contract, dense_net_inputs, sequence_inputs
+from recserve.core.names import (
+    CANDIDATE_PREFIX,
+    DENSE,
+    DENSE_VERSION,
+    EMBEDDING_LOOKUP,
+    EMBEDDING_VERSION,
+    PROBABILITY,
+)
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import WireTensor
 
 #: The spec's wire dtypes as config data types.
 CONFIG_DTYPES = {
@@ -25,13 +35,13 @@ CONFIG_DTYPES = {
 
 def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
     """Per-row shapes of the tensors passed between steps: the dense contract's inputs and the outputs."""
-    contract, _ = wire.dense_contract(spec)
-    sequence_inputs = wire.sequence_inputs(spec)  # each request at its own bucket
+    contract, _ = dense_contract(spec)
+    ragged = set(sequence_inputs(spec))  # each request at its own bucket
     items = (
-        *(WireTensor(t.name, t.dtype, t.shape[1:], ragged=t.name in sequence_inputs) for t in contract),
-        WireTensor(wire.PROBABILITY, "FP32", (1,)),
-        WireTensor(wire.DENSE_VERSION, "INT64", (1,)),
-        WireTensor(wire.EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
+        *(WireTensor(t.name, t.dtype, t.shape[1:], ragged=t.name in ragged) for t in contract),
+        WireTensor(PROBABILITY, "FP32", (1,)),
+        WireTensor(DENSE_VERSION, "INT64", (1,)),
+        WireTensor(EMBEDDING_VERSION, "INT64", (len(spec.table_names),)),
     )
     return {t.name: t for t in items}
 
@@ -45,12 +55,12 @@ def step_io(
     table versions); a TensorRT ``dense``, profile ``gpu``, has no version output.
     """
     t = intermediate_tensors(spec)
-    dense_inputs = tuple(t[n] for n in wire.dense_net_inputs(spec))
+    dense_inputs = tuple(t[n] for n in dense_net_inputs(spec))
     return {
-        wire.EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[wire.EMBEDDING_VERSION])),
-        wire.DENSE: (
+        EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[EMBEDDING_VERSION])),
+        DENSE: (
             dense_inputs,
-            (t[wire.PROBABILITY],) if profile == "gpu" else (t[wire.PROBABILITY], t[wire.DENSE_VERSION]),
+            (t[PROBABILITY],) if profile == "gpu" else (t[PROBABILITY], t[DENSE_VERSION]),
         ),
     }
 
@@ -67,13 +77,13 @@ def candidate_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tup
         return {}
     t = intermediate_tensors(spec)
     per_candidate = tuple(
-        WireTensor(wire.CANDIDATE_PREFIX + n, t[n].dtype, (-1, *t[n].dims), ragged=True, optional=True)
-        for n in wire.per_candidate_dense_inputs(spec)
+        WireTensor(CANDIDATE_PREFIX + n, t[n].dtype, (-1, *t[n].dims), ragged=True, optional=True)
+        for n in per_candidate_dense_inputs(spec)
     )
     outputs = tuple(dataclasses.replace(x, ragged=False, optional=False) for x in per_candidate)
     return {
-        wire.EMBEDDING_LOOKUP: (wire.candidate_step_inputs(spec), outputs),
-        wire.DENSE: (per_candidate, ()),
+        EMBEDDING_LOOKUP: (candidate_step_inputs(spec), outputs),
+        DENSE: (per_candidate, ()),
     }
 
 

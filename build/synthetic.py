@@ -14,8 +14,10 @@ from dataclasses import replace
 import numpy as np
 
 from recserve.backends.features.hashing import fnv1a64, splitmix64
-from recserve.spec import ModelSpec, MultiHotFeature, RawColumn, SequenceFeature
-from recserve.wire import ABSENT_ITEM, RawRows
+from recserve.core.rows import RawRows
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import MultiHotFeature, RawColumn, SequenceFeature
+from recserve.core.values import ABSENT_ITEM
 
 ITEM_CLUSTERS = 20
 SIGNAL_COLUMNS = 8

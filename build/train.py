@@ -19,14 +19,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from recserve import wire
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.rows import TableArrays
 from recserve.build.evaluation import figure, logloss, roc_auc
 from recserve.build.synthetic import generate
-from recserve.spec import ModelSpec
-from recserve.wire import RawRows, categorical_values
+from recserve.core.contract import attention_inputs, sparse_inputs
+from recserve.core.names import DENSE_NORMALIZED, HISTORY_KEYS, HISTORY_MASK
+from recserve.core.rows import RawRows
+from recserve.core.spec import ModelSpec
+from recserve.core.values import categorical_values
 
 LOGGER = logging.getLogger(__name__)
 
@@ -73,8 +75,8 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
         for group, group_lengths in zip(groups, lengths, strict=True):
             for s in group.sequences:
                 keyed_history = transform.history(rows.sequence(s.name), group_lengths, s, bucket)
-                histories.append(keyed_history[wire.HISTORY_KEYS])
-            masks.append(keyed_history[wire.HISTORY_MASK])
+                histories.append(keyed_history[HISTORY_KEYS])
+            masks.append(keyed_history[HISTORY_MASK])
         history, mask = np.stack(histories, axis=1), np.stack(masks, axis=1)
     dense, numeric = np.zeros((n, 0), np.float32), None
     if spec.dense is not None:
@@ -151,11 +153,11 @@ class TrainingModel(nn.Module):
             vectors = self.embeddings[feature.table](batch["multi"][:, span])
             columns.append((vectors * batch["weights"][:, span, None]).sum(dim=1))
             start += feature.max_length
-        named = {wire.DENSE_NORMALIZED: batch["dense"]}
-        for name, _, slots in wire.sparse_inputs(spec):  # the embeddings of each width, as served
+        named = {DENSE_NORMALIZED: batch["dense"]}
+        for name, _, slots in sparse_inputs(spec):  # the embeddings of each width, as served
             named[name] = torch.stack([columns[i] for i in slots], dim=1)
         first = 0
-        groups = zip(spec.attention_groups, wire.attention_inputs(spec), strict=True)
+        groups = zip(spec.attention_groups, attention_inputs(spec), strict=True)
         for g, (group, names) in enumerate(groups):
             members = range(first, first + len(group.sequences))
             first += len(group.sequences)

@@ -17,9 +17,12 @@ import numpy as np
 
 from recserve.clients.errors import InvalidRequestError, ServerError
 from recserve.clients.rows import CriteoRows
+from recserve.core.candidate_lists import candidate_list_inputs
+from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import load_spec
+from recserve.core.spec_types import NUMPY_DTYPES
 from recserve.errors import cap_message, shorten, shorten_all
-from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
-from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER, candidate_list_inputs
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}

@@ -6,9 +6,10 @@ import warnings
 
 import numpy as np
 
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import CategoricalGroup, RawColumn, SequenceFeature
+from recserve.core.values import categorical_values, multi_hot_values
 from recserve.errors import InvalidInput, shorten
-from recserve.spec import CategoricalGroup, ModelSpec, RawColumn, SequenceFeature
-from recserve.wire import categorical_values, multi_hot_values
 
 WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
 

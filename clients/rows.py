@@ -42,8 +42,9 @@ from recserve.clients.fields import (
     parse_ints,
     text_array,
 )
-from recserve.spec import ModelSpec
-from recserve.wire import ABSENT_ITEM, Rows
+from recserve.core.rows import Rows
+from recserve.core.spec import ModelSpec
+from recserve.core.values import ABSENT_ITEM
 
 LOGGER = logging.getLogger(__name__)
 

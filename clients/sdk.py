@@ -34,8 +34,8 @@ from recserve.clients.errors import (
 )
 from recserve.clients.rows import CriteoRows
 from recserve.clients.shared_memory import SharedMemoryIO
-from recserve.spec import ModelSpec
-from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

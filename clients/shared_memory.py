@@ -12,8 +12,9 @@ import numpy as np
 from recserve.clients.errors import (
     InvalidRequestError,
 )
-from recserve.spec import NUMPY_DTYPES, ModelSpec
-from recserve.wire import PROBABILITY
+from recserve.core.names import PROBABILITY
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import NUMPY_DTYPES
 
 LOGGER = logging.getLogger(__name__)
 

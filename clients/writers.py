@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.spec import ModelSpec
-from recserve.wire import ABSENT_ITEM, RawRows
+from recserve.core.rows import RawRows
+from recserve.core.spec import ModelSpec
+from recserve.core.values import ABSENT_ITEM
 
 
 def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool) -> list[np.ndarray]:

@@ -22,8 +22,8 @@ from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.evaluation import logloss, roc_auc
 from recserve.clients.rows import CriteoRows
+from recserve.core.spec import ModelSpec
 from recserve.errors import shorten
-from recserve.spec import ModelSpec
 
 DEFAULT_TOLERANCE = 1e-5
 WORST_ROWS = 5

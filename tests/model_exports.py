@@ -11,12 +11,20 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import save_file
 
-from recserve import wire
 from recserve.backends.features.hashing import fnv1a64, splitmix64
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.repository import version_dir
-from recserve.spec import ModelSpec
-from recserve.wire import RawRows
+from recserve.core.names import (
+    DENSE_NORMALIZED,
+    EMBEDDING_LOOKUP,
+    HISTORY_EMBEDDINGS,
+    HISTORY_MASK,
+    LOGIT,
+    SPARSE_EMBEDDINGS,
+    TARGET_EMBEDDING,
+)
+from recserve.core.rows import RawRows
+from recserve.core.spec import ModelSpec
 
 
 def table_tokens(spec: ModelSpec, table: str) -> list[str | int]:
@@ -33,7 +41,7 @@ def export_tables(spec: ModelSpec, repository: Path, folder: Path, formats: dict
     """Write each table of a built repository in the format named (``vocabulary``, ``keyed``, ``hugectr``)."""
     from recserve.backends.features.transform import vocabulary_keys
 
-    store = TieredStore.load(version_dir(repository, wire.EMBEDDING_LOOKUP, spec), spec)
+    store = TieredStore.load(version_dir(repository, EMBEDDING_LOOKUP, spec), spec)
     folder.mkdir(parents=True, exist_ok=True)
     for name in spec.table_names:
         table = store.table_arrays(name)
@@ -76,15 +84,15 @@ class HandWrittenModel:
         self.b = np.array([-0.5], np.float32)
         self.y = rng.normal(0, 0.5, (dim, 1)).astype(np.float32)
 
-    def write(self, path: Path, output: str = wire.LOGIT) -> None:
+    def write(self, path: Path, output: str = LOGIT) -> None:
         """The ONNX file, its output ``logit`` (or ``probability``: the sigmoid inside the graph)."""
         f = TensorProto.FLOAT
         inputs = [
-            helper.make_tensor_value_info(wire.DENSE_NORMALIZED, f, ["n", self.w.shape[0]]),
-            helper.make_tensor_value_info(wire.SPARSE_EMBEDDINGS, f, ["n", *self.u.shape]),
-            helper.make_tensor_value_info(wire.TARGET_EMBEDDING, f, ["n", self.v.shape[0]]),
-            helper.make_tensor_value_info(wire.HISTORY_EMBEDDINGS, f, ["n", "len", self.z.shape[0]]),
-            helper.make_tensor_value_info(wire.HISTORY_MASK, f, ["n", "len"]),
+            helper.make_tensor_value_info(DENSE_NORMALIZED, f, ["n", self.w.shape[0]]),
+            helper.make_tensor_value_info(SPARSE_EMBEDDINGS, f, ["n", *self.u.shape]),
+            helper.make_tensor_value_info(TARGET_EMBEDDING, f, ["n", self.v.shape[0]]),
+            helper.make_tensor_value_info(HISTORY_EMBEDDINGS, f, ["n", "len", self.z.shape[0]]),
+            helper.make_tensor_value_info(HISTORY_MASK, f, ["n", "len"]),
         ]
         weights = [
             numpy_helper.from_array(array, name)
@@ -103,15 +111,15 @@ class HandWrittenModel:
         ]
         n = helper.make_node
         nodes = [
-            n("MatMul", [wire.DENSE_NORMALIZED, "w"], ["a"]),
-            n("Mul", [wire.SPARSE_EMBEDDINGS, "u"], ["su"]),
+            n("MatMul", [DENSE_NORMALIZED, "w"], ["a"]),
+            n("Mul", [SPARSE_EMBEDDINGS, "u"], ["su"]),
             n("ReduceSum", ["su", "axes_features"], ["s"], keepdims=0),
             n("Unsqueeze", ["s", "axis_1"], ["s1"]),
-            n("MatMul", [wire.TARGET_EMBEDDING, "v"], ["t"]),
-            n("Unsqueeze", [wire.HISTORY_MASK, "axis_2"], ["m3"]),
-            n("Mul", [wire.HISTORY_EMBEDDINGS, "m3"], ["hm"]),
+            n("MatMul", [TARGET_EMBEDDING, "v"], ["t"]),
+            n("Unsqueeze", [HISTORY_MASK, "axis_2"], ["m3"]),
+            n("Mul", [HISTORY_EMBEDDINGS, "m3"], ["hm"]),
             n("ReduceSum", ["hm", "axis_1"], ["hs"], keepdims=0),
-            n("ReduceSum", [wire.HISTORY_MASK, "axis_1"], ["count"], keepdims=1),
+            n("ReduceSum", [HISTORY_MASK, "axis_1"], ["count"], keepdims=1),
             n("Add", ["count", "one"], ["count1"]),
             n("Div", ["hs", "count1"], ["hmean"]),
             n("MatMul", ["hmean", "z"], ["h"]),
@@ -121,17 +129,15 @@ class HandWrittenModel:
         ]
         if self.newest:
             nodes += [
-                n("Gather", [wire.HISTORY_EMBEDDINGS, "last"], ["last_vector"], axis=1),
-                n("Gather", [wire.HISTORY_MASK, "last"], ["last_mask"], axis=1),
+                n("Gather", [HISTORY_EMBEDDINGS, "last"], ["last_vector"], axis=1),
+                n("Gather", [HISTORY_MASK, "last"], ["last_mask"], axis=1),
                 n("Unsqueeze", ["last_mask", "axis_1"], ["last_mask1"]),
                 n("Mul", ["last_vector", "last_mask1"], ["newest_vector"]),
                 n("MatMul", ["newest_vector", "y"], ["newest_term"]),
                 n("Add", ["x3", "newest_term"], ["x3_newest"]),
             ]
-        nodes.append(
-            n("Add", [nodes[-1].output[0], "b"], [wire.LOGIT if output == wire.LOGIT else "logit_inside"])
-        )
-        if output != wire.LOGIT:
+        nodes.append(n("Add", [nodes[-1].output[0], "b"], [LOGIT if output == LOGIT else "logit_inside"]))
+        if output != LOGIT:
             nodes.append(n("Sigmoid", ["logit_inside"], [output]))
         graph = helper.make_graph(
             nodes, "hand_written_ctr", inputs, [helper.make_tensor_value_info(output, f, ["n", 1])], weights

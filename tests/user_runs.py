@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from recserve.spec import ModelSpec
-from recserve.wire import RawRows
+from recserve.core.rows import RawRows
+from recserve.core.spec import ModelSpec
 
 
 def with_runs(spec: ModelSpec, raw: RawRows, runs: list[slice]) -> RawRows:

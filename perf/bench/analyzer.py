@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from recserve.core.spec import ModelSpec
 from recserve.perf.bench.input_data import write_input_data
-from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

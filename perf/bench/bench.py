@@ -37,9 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from recserve import wire
 from recserve.build import configs
 from recserve.clients import CTRClient
+from recserve.core.names import STEPS
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import spec_path
 from recserve.perf.bench import report
 from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.bench.candidates import measure as measure_candidates
@@ -57,7 +59,6 @@ from recserve.perf.harness.loadgen import (
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.peers.monolith import write_monolith_repository
 from recserve.server import Ports, Security, TritonServer
-from recserve.spec import ModelSpec, spec_path
 
 LOGGER = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ def _perf_point(
             system, report.PERF_ANALYZER, protocol, batch, concurrency, math.nan, math.inf, math.inf,
             math.inf, shared_memory,
         )  # fmt: skip
-    models = (spec.name,) if system.startswith(report.MONOLITH) else wire.STEPS
+    models = (spec.name,) if system.startswith(report.MONOLITH) else STEPS
     steps = difference(before, snapshot(server.http_url), models)
     return Point(
         system, report.PERF_ANALYZER, protocol, batch, concurrency, p.rows_per_s, p.p50_us / 1e3,
@@ -148,7 +149,7 @@ def _load_point(
 ) -> Point:
     before = snapshot(http_url) if http_url else None
     result = run_load(target, concurrency, seconds)
-    steps = difference(before, snapshot(http_url), wire.STEPS) if http_url and before else []
+    steps = difference(before, snapshot(http_url), STEPS) if http_url and before else []
     return Point(
         system, report.HTTP_LOADGEN, "http", target.rows_per_request, concurrency, result.rows_per_s,
         result.p50_ms, result.p95_ms, result.p99_ms, failures=result.failures,
@@ -166,7 +167,7 @@ def _sdk_point(
             client.predict_inputs(inputs)  # warm-up
         before = snapshot(server.http_url)
         latencies_ms, elapsed = time_calls(client.predict_inputs, batches, seconds)
-        steps = difference(before, snapshot(server.http_url), wire.STEPS)
+        steps = difference(before, snapshot(server.http_url), STEPS)
     p50, p95, p99 = (float(v) for v in np.percentile(latencies_ms, [50, 95, 99]))
     shm = "system" if shared_memory else "none"
     return Point(

@@ -24,11 +24,11 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
+from recserve.core.candidate_lists import candidate_list_inputs, with_profiles_of
+from recserve.core.spec import ModelSpec
 from recserve.perf.bench.report import P99_BOUND_MS
 from recserve.perf.harness.traffic import infer_inputs
 from recserve.server import Ports, TritonServer
-from recserve.spec import ModelSpec
-from recserve.wire import candidate_list_inputs, with_profiles_of
 
 TIMEOUT_S = 30.0  # a request unanswered this long counts as failed
 LIST, ROWS = "candidate_list", "rows"

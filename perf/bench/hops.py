@@ -31,14 +31,28 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
 from recserve.build import configs, step_tensors
 from recserve.build.synthetic import generate
+from recserve.core.names import (
+    DENSE,
+    DENSE_NORMALIZED,
+    EMBEDDING_LOOKUP,
+    EMBEDDING_VERSION,
+    HISTORY_EMBEDDINGS,
+    HISTORY_KEYS,
+    HISTORY_MASK,
+    SPARSE_EMBEDDINGS,
+    SPARSE_KEYS,
+    STEPS,
+    TARGET_EMBEDDING,
+    TARGET_KEY,
+)
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import WireTensor
 from recserve.perf.harness.inprocess import measure_inprocess
 from recserve.perf.harness.stats import StepTimes, difference, snapshot
 from recserve.perf.harness.traffic import closed_loop, interleaved
 from recserve.server import Ports, TritonServer
-from recserve.spec import ModelSpec, WireTensor
 
 ECHO_ADAPTER = "echo_model.py"
 #: The echo ensemble whose steps pass the dense network's inputs packed into one FP32 tensor.
@@ -66,24 +80,24 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
     t = step_tensors.intermediate_tensors(spec)
     _, sequence = spec.attention("bench-hops")
     served = [
-        EchoStep(wire.EMBEDDING_LOOKUP, *io[wire.EMBEDDING_LOOKUP], sequence.name),
-        EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
+        EchoStep(EMBEDDING_LOOKUP, *io[EMBEDDING_LOOKUP], sequence.name),
+        EchoStep(DENSE, *io[DENSE], HISTORY_MASK),
     ]
     keys = (
-        WireTensor(wire.SPARSE_KEYS, "INT64", (len(spec.slot_dims),)),
-        WireTensor(wire.TARGET_KEY, "INT64", (1,)),
-        WireTensor(wire.HISTORY_KEYS, "INT64", (-1,), ragged=True),
+        WireTensor(SPARSE_KEYS, "INT64", (len(spec.slot_dims),)),
+        WireTensor(TARGET_KEY, "INT64", (1,)),
+        WireTensor(HISTORY_KEYS, "INT64", (-1,), ragged=True),
     )
-    vectors = tuple(t[n] for n in (wire.SPARSE_EMBEDDINGS, wire.TARGET_EMBEDDING, wire.HISTORY_EMBEDDINGS))
+    vectors = tuple(t[n] for n in (SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS))
     three = [
         EchoStep(
             "feature_transform",
             spec.wire_inputs(),
-            (t[wire.DENSE_NORMALIZED], *keys, t[wire.HISTORY_MASK]),
+            (t[DENSE_NORMALIZED], *keys, t[HISTORY_MASK]),
             sequence.name,
         ),
-        EchoStep(wire.EMBEDDING_LOOKUP, keys, (*vectors, t[wire.EMBEDDING_VERSION]), wire.HISTORY_KEYS),
-        EchoStep(wire.DENSE, *io[wire.DENSE], wire.HISTORY_MASK),
+        EchoStep(EMBEDDING_LOOKUP, keys, (*vectors, t[EMBEDDING_VERSION]), HISTORY_KEYS),
+        EchoStep(DENSE, *io[DENSE], HISTORY_MASK),
     ]
     return {"echo_2_hops": served, "echo_3_hops": three, PACKED: packed_topology(spec)}
 
@@ -95,20 +109,20 @@ def packed_topology(spec: ModelSpec) -> list[EchoStep]:
     ``fixed + per_position × bucket``: what packing would save at the floor.
     """
     io = step_tensors.step_io(spec)
-    lookup_inputs, lookup_outputs = io[wire.EMBEDDING_LOOKUP]
-    dense_inputs, dense_outputs = io[wire.DENSE]
+    lookup_inputs, lookup_outputs = io[EMBEDDING_LOOKUP]
+    dense_inputs, dense_outputs = io[DENSE]
     packed = WireTensor(PACKED_TENSOR, "FP32", (-1,), ragged=True)
     inner = {t.name for t in dense_inputs}
     _, sequence = spec.attention("bench-hops")
     return [
         EchoStep(
-            wire.EMBEDDING_LOOKUP,
+            EMBEDDING_LOOKUP,
             lookup_inputs,
             (packed, *(t for t in lookup_outputs if t.name not in inner)),
             sequence.name,
             packed_widths(dense_inputs),
         ),
-        EchoStep(wire.DENSE, (packed,), dense_outputs, PACKED_TENSOR),
+        EchoStep(DENSE, (packed,), dense_outputs, PACKED_TENSOR),
     ]
 
 
@@ -177,7 +191,7 @@ def write_hops_repository(spec: ModelSpec, source: Path, target: Path) -> dict[s
     """
     configs.write_variant(spec, source, target)
     adapter = resources.files("recserve.perf.bench").joinpath(ECHO_ADAPTER).read_text()
-    systems: dict[str, tuple[str, ...]] = {spec.name: wire.STEPS}
+    systems: dict[str, tuple[str, ...]] = {spec.name: STEPS}
     for name, steps in topologies(spec).items():
         for model, config in echo_configs(spec, name, steps).items():
             (target / model / "1").mkdir(parents=True)

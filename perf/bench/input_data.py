@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from recserve.build.synthetic import generate
-from recserve.spec import ModelSpec
-from recserve.wire import candidate_list_inputs
+from recserve.core.candidate_lists import candidate_list_inputs
+from recserve.core.spec import ModelSpec
 
 DEFAULT_ROWS = 1024
 

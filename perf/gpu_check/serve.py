@@ -201,16 +201,17 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from recserve.build.repository import reference_pipeline
     from recserve.build.synthetic import generate
     from recserve.clients import CTRClient
-    from recserve.spec import DEFAULT_REPOSITORY, DEFAULT_SPEC, load_spec
+    from recserve.core.spec_parse import load_spec
+    from recserve.core.spec_types import DEFAULT_REPOSITORY, DEFAULT_SPEC
 
     spec = load_spec(DEFAULT_SPEC)
     reference = reference_pipeline(spec, Path(DEFAULT_REPOSITORY), runtime="torch")
     worst, rows = 0.0, 0
     with CTRClient(args.url, protocol="grpc", spec=spec) as client:
         for batch, seed in ((1, 1), (7, 2), (64, 3), (256, 4)):
-            wire = generate(spec, batch, seed).to_wire(spec)
-            served = client.predict_inputs(wire)
-            expected = np.asarray(reference.predict(wire)).reshape(-1)
+            wire_inputs = generate(spec, batch, seed).to_wire(spec)
+            served = client.predict_inputs(wire_inputs)
+            expected = np.asarray(reference.predict(wire_inputs)).reshape(-1)
             worst = max(worst, float(np.abs(served - expected).max()))
             rows += batch
     print(
@@ -223,9 +224,10 @@ def cmd_parity(args: argparse.Namespace) -> int:
 
 def cmd_variant(args: argparse.Namespace) -> int:
     """A cuda-profile variant of the built repository with other dense or lookup instance counts."""
-    from recserve import wire
     from recserve.build.configs import ServingPlan, write_variant
-    from recserve.spec import DEFAULT_REPOSITORY, DEFAULT_SPEC, load_spec
+    from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+    from recserve.core.spec_parse import load_spec
+    from recserve.core.spec_types import DEFAULT_REPOSITORY, DEFAULT_SPEC
 
     spec = load_spec(DEFAULT_SPEC)
     plan = ServingPlan.from_spec(spec)
@@ -234,8 +236,8 @@ def cmd_variant(args: argparse.Namespace) -> int:
         plan.preferred_batch_sizes,
         {
             **plan.instances,
-            wire.DENSE: args.dense_instances or 1,
-            wire.EMBEDDING_LOOKUP: args.lookup_instances or plan.instances[wire.EMBEDDING_LOOKUP],
+            DENSE: args.dense_instances or 1,
+            EMBEDDING_LOOKUP: args.lookup_instances or plan.instances[EMBEDDING_LOOKUP],
         },
     )
     print(write_variant(spec, Path(DEFAULT_REPOSITORY), args.target, profile="cuda", plan=plan))

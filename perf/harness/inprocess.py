@@ -12,7 +12,7 @@ import numpy as np
 
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
-from recserve.spec import ModelSpec
+from recserve.core.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from pathlib import Path
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.repository import version_dir, write_tables
-from recserve.spec import ModelSpec, parse_spec
-from recserve.wire import EMBEDDING_LOOKUP
+from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import parse_spec
 
 
 def l3_repository(

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from recserve.build.synthetic import generate
-from recserve.spec import ModelSpec
-from recserve.wire import PROBABILITY
+from recserve.core.names import PROBABILITY
+from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 #: A request slower than this waited out a sleeping batcher (tritonserver's 500 ms slot wait).

@@ -21,9 +21,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
 
 from recserve.build.synthetic import generate
+from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+from recserve.core.spec import ModelSpec
 from recserve.server import TritonServer
-from recserve.spec import ModelSpec
-from recserve.wire import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 
 
 @dataclass

@@ -21,8 +21,10 @@ import tritonclient.grpc as grpcclient
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import load_spec
+from recserve.core.spec_types import DEFAULT_REPOSITORY
 from recserve.perf.harness.traffic import closed_loop
-from recserve.spec import DEFAULT_REPOSITORY, ModelSpec, load_spec
 
 
 def run(

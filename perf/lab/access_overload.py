@@ -20,9 +20,9 @@ from pathlib import Path
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.traffic import scratch_repository
 from recserve.perf.lab.overload import Cores, OverloadReport, measure_capacity, pinned, run_overload
-from recserve.spec import ModelSpec
 
 
 def run_access_overload(

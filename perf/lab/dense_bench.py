@@ -31,7 +31,6 @@ from typing import cast
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
@@ -42,8 +41,10 @@ from recserve.backends.dense.buckets import (
 )
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
+from recserve.core.contract import dense_net_inputs
+from recserve.core.names import DENSE, HISTORY_MASK, PROBABILITY
+from recserve.core.spec import ModelSpec
 from recserve.perf.lab.dense_report import BucketRow, format_report
-from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def realistic_inputs(spec: ModelSpec, repository: Path, batch_size: int) -> list
         raw = rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec)
         # the reference pipeline has no device L1: its lookup returns numpy arrays only
         merged = cast(dict[str, np.ndarray], pipeline.embeddings(raw))
-        batches.append({name: merged[name] for name in wire.dense_net_inputs(spec)})
+        batches.append({name: merged[name] for name in dense_net_inputs(spec)})
     return batches
 
 
@@ -232,7 +233,7 @@ def realistic_table(
             table.append(
                 {
                     "batch_size": batch_size,
-                    "mean_positions": float(np.mean([b[wire.HISTORY_MASK].shape[1] for b in batches])),
+                    "mean_positions": float(np.mean([b[HISTORY_MASK].shape[1] for b in batches])),
                     **runner_vs_dynamic(rows, times),
                 }
             )
@@ -284,13 +285,13 @@ def onnx_runners(spec: ModelSpec, repository: Path, threads: int) -> Runners:
     from recserve.backends.base.artifacts import read_manifest, verified_path
     from recserve.backends.dense.runner import OnnxBucket, OnnxDenseRunner, bucketed_onnx_runner
 
-    root = version_dir(repository, wire.DENSE, spec)
+    root = version_dir(repository, DENSE, spec)
     model = verified_path(root, read_manifest(root)["files"]["model"])
     generic = OnnxDenseRunner(spec, model, threads)
 
     def bare(bucket: Bucket) -> Callable[[Arrays], object]:
         session = OnnxBucket(spec, model, bucket, threads).session
-        return lambda inputs: session.run([wire.PROBABILITY], dict(inputs))
+        return lambda inputs: session.run([PROBABILITY], dict(inputs))
 
     return Runners(
         f"onnxruntime-cpu ({threads} threads)",

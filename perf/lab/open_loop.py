@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.traffic import infer_request
-from recserve.spec import ModelSpec
 
 SERVED, SHED, FAILED = "served", "shed", "failed"
 #: A window after the spike counts as normal again when at most this share of it is shed.

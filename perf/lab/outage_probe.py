@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from recserve.core.names import EMBEDDING_LOOKUP, PROBABILITY
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.traffic import infer_request
 from recserve.server import LOOPBACK, TritonServer
-from recserve.spec import ModelSpec
-from recserve.wire import EMBEDDING_LOOKUP, PROBABILITY
 
 REFERENCE_ATOL = 1e-5  # served (ONNX Runtime, bucketed) against the in-process PyTorch reference
 L3_REASONS = ("timeout", "error", "breaker_open", "busy")

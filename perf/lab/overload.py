@@ -30,14 +30,14 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from recserve import wire
 from recserve.build import configs
 from recserve.build.synthetic import generate
+from recserve.core.names import STEPS
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.stats import Snapshot, StepTimes, difference, snapshot
 from recserve.perf.harness.traffic import infer_inputs, scratch_repository
 from recserve.perf.lab.open_loop import FAILED, SHED, PhaseStats, open_loop, phase_stats, recovery_s
 from recserve.server import Ports, TritonServer
-from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def run_overload(
         back,
         failures,
         reasons,
-        difference(snapshots[1], snapshots[2], wire.STEPS),
+        difference(snapshots[1], snapshots[2], STEPS),
         Cores(server.cpus, client_cores).describe(),
         server.config_name or "",
     )

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.loadgen import STALL_MS, run_load, sample_batches, triton_target
 from recserve.server import Ports, TritonServer
-from recserve.spec import ModelSpec
 
 SERVED = "served"  # the configuration name of the repository's own config.pbtxt
 

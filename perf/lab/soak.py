@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from recserve import wire
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.traffic import (
     TrafficCounts,
     add_version,
@@ -36,7 +37,6 @@ from recserve.perf.harness.traffic import (
     traffic_worker,
 )
 from recserve.server import Ports, Security, TritonServer, expected_stubs
-from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -164,9 +164,7 @@ def detect_leaks(
 class DenseVersionUpdater:
     """Each call puts a new ``dense`` version live (copy of the newest) and drops the replaced one."""
 
-    def __init__(
-        self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = wire.DENSE
-    ) -> None:
+    def __init__(self, repository: Path, grpc_url: str, headers: dict[str, str], model: str = DENSE) -> None:
         self.repository = repository
         self.grpc_url = grpc_url
         self.headers = headers
@@ -195,7 +193,7 @@ class EmbeddingDeltaUpdater:
         from recserve.backends.store.tiered import TieredStore
         from recserve.backends.store.updates.versions import UpdateLog
 
-        folder = repository / wire.EMBEDDING_LOOKUP / str(spec.version)
+        folder = repository / EMBEDDING_LOOKUP / str(spec.version)
         store = TieredStore.load(folder, spec)
         self.table = table or spec.attention("the soak's update stream")[0].table
         self.keys = store.table_arrays(self.table).keys[:rows]

@@ -21,13 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from recserve import wire
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
+from recserve.core.names import STEPS
+from recserve.core.spec import ModelSpec
 from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.bench.input_data import write_input_data
 from recserve.server import Ports, TritonServer
-from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def sweep(
 
     try_all([replace(current, max_queue_delay_microseconds=d) for d in delays])
     try_all([replace(current, preferred_batch_sizes=p) for p in preferred_candidates(spec)])
-    for step in wire.STEPS:
+    for step in STEPS:
         try_all([replace(current, instances={**current.instances, step: n}) for n in instance_counts])
     # a shared machine is noisy: measure the finalists again and decide on both measurements
     ranked = sorted(
@@ -251,7 +251,7 @@ def run_tune(
 
     The cap is :func:`admission_cap`; the regenerated configs are ``repository``'s.
     """
-    from recserve.spec import load_spec
+    from recserve.core.spec_parse import load_spec
 
     with tempfile.TemporaryDirectory(prefix="recserve-tune-") as tmp:
         measure_plan = perf_analyzer_measure(spec, repository, Path(tmp), workloads, measurement_ms)

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
 from recserve.build import configs, step_tensors
-from recserve.spec import ModelSpec, WireTensor
+from recserve.core.names import PROBABILITY
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import WireTensor
 
 ADAPTER = "monolith_model.py"
 
@@ -28,7 +29,7 @@ def monolith_config(spec: ModelSpec, repository: Path, instances: int) -> mc.Mod
         backend="python",
         max_batch_size=spec.max_batch_size,
         input=[step_tensors.model_input(t) for t in spec.wire_inputs()],
-        output=[step_tensors.model_output(WireTensor(wire.PROBABILITY, "FP32", (1,)))],
+        output=[step_tensors.model_output(WireTensor(PROBABILITY, "FP32", (1,)))],
         instance_group=[mc.ModelInstanceGroup(count=instances, kind=mc.ModelInstanceGroup.KIND_CPU)],
     )
     config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds or 0

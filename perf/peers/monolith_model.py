@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.triton.adapter import ModelContext, execute_merged_or_alone
 from recserve.build.repository import reference_pipeline
+from recserve.core.names import PROBABILITY
 
 
 class TritonPythonModel:
@@ -26,7 +26,7 @@ class TritonPythonModel:
 
     def predict(self, inputs: dict) -> dict:
         """Probabilities ``[rows, 1]`` of one (merged) batch."""
-        return {wire.PROBABILITY: self.pipeline.predict(inputs).astype(np.float32).reshape(-1, 1)}
+        return {PROBABILITY: self.pipeline.predict(inputs).astype(np.float32).reshape(-1, 1)}
 
     def execute(self, requests: list) -> list:
         """One response per request."""

@@ -18,7 +18,9 @@ import numpy as np
 
 from recserve.backends.triton import batching
 from recserve.build.repository import reference_pipeline
-from recserve.spec import NUMPY_DTYPES, ModelSpec, load_spec
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import load_spec
+from recserve.core.spec_types import NUMPY_DTYPES
 
 LOGGER = logging.getLogger(__name__)
 

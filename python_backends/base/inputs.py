@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from recserve.core.spec_types import NUMPY_DTYPES
 from recserve.errors import InvalidInput
-from recserve.spec import NUMPY_DTYPES
 
 
 def require(

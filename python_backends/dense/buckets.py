@@ -30,9 +30,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.base.metrics import MetricSample
-from recserve.spec import ModelSpec
+from recserve.core.contract import (
+    attention_inputs,
+    dense_net_inputs,
+    is_dense_net_input,
+    is_sequence_input,
+    sparse_inputs,
+)
+from recserve.core.names import DENSE_NORMALIZED, HISTORY_MASK, SPARSE_EMBEDDINGS
+from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -55,16 +62,14 @@ class Bucket:
     def input_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         """Full shapes of the dense net's inputs at this bucket."""
         dim = spec.embedding_dim
-        shapes: dict[str, tuple[int, ...]] = {
-            wire.DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns))
-        }
-        for name, width, slots in wire.sparse_inputs(spec):
+        shapes: dict[str, tuple[int, ...]] = {DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns))}
+        for name, width, slots in sparse_inputs(spec):
             shapes[name] = (self.rows, len(slots), width)
-        for group in wire.attention_inputs(spec):
+        for group in attention_inputs(spec):
             shapes[group.target] = (self.rows, dim)
             shapes[group.history] = (self.rows, self.length, dim)
             shapes[group.mask] = (self.rows, self.length)
-        return {name: shapes[name] for name in wire.dense_net_inputs(spec)}
+        return {name: shapes[name] for name in dense_net_inputs(spec)}
 
 
 def spec_buckets(spec: ModelSpec) -> tuple[Bucket, ...]:
@@ -81,15 +86,15 @@ def grid_floors(spec: ModelSpec) -> dict[Bucket, Bucket]:
 
 def input_shape(inputs: Arrays) -> tuple[int, int]:
     """``(rows, sequence positions)`` of a dense-step request (1 position without a sequence)."""
-    mask = inputs.get(wire.HISTORY_MASK)
+    mask = inputs.get(HISTORY_MASK)
     if mask is None:
-        return int(inputs[wire.SPARSE_EMBEDDINGS].shape[0]), 1
+        return int(inputs[SPARSE_EMBEDDINGS].shape[0]), 1
     return int(mask.shape[0]), int(mask.shape[1])
 
 
 def present_inputs(inputs: Arrays) -> tuple[str, ...]:
     """The dense net's inputs held by ``inputs``."""
-    return tuple(name for name in inputs if wire.is_dense_net_input(name))
+    return tuple(name for name in inputs if is_dense_net_input(name))
 
 
 @dataclass(frozen=True)
@@ -182,11 +187,11 @@ def pad_to_bucket(
         array = inputs[name]
         shape = (
             (bucket.rows, bucket.length, *array.shape[2:])
-            if wire.is_sequence_input(name)
+            if is_sequence_input(name)
             else (bucket.rows, *array.shape[1:])
         )
         target = out[name] if out is not None else np.empty(shape, dtype=array.dtype)
-        if wire.is_sequence_input(name):
+        if is_sequence_input(name):
             start = bucket.length - length if name in left else 0
             target[:rows, start : start + length] = array
             target[:rows, :start] = 0

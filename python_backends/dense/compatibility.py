@@ -14,10 +14,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from recserve import wire
 from recserve.backends.base.artifacts import read_manifest, verified_path
+from recserve.core.contract import dense_contract
+from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError
-from recserve.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ ONNX_DTYPES = {
 
 def dense_input_dims(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Per-row dims of each dense-network input under ``spec`` (-1: variable length)."""
-    inputs, _ = wire.dense_contract(spec)
+    inputs, _ = dense_contract(spec)
     return {t.name: t.shape[1:] for t in inputs}
 
 
@@ -117,7 +117,7 @@ def onnx_signature(path: Path) -> tuple[GraphSignature, GraphSignature]:
 
 def contract_problems(spec: ModelSpec, inputs: GraphSignature, outputs: GraphSignature) -> list[str]:
     """What differs between a graph's signature and the spec's dense contract (empty: it follows it)."""
-    want_inputs, want_outputs = wire.dense_contract(spec)
+    want_inputs, want_outputs = dense_contract(spec)
     problems = []
     for kind, wanted, declared in (("input", want_inputs, inputs), ("output", want_outputs, outputs)):
         names = {t.name for t in wanted}

@@ -11,8 +11,9 @@ import math
 import torch
 from torch import nn
 
-from recserve import wire
-from recserve.spec import ModelSpec
+from recserve.core.contract import attention_inputs, dense_net_inputs, sparse_inputs
+from recserve.core.names import DENSE_NORMALIZED, HISTORY_USER, SPARSE_EMBEDDINGS
+from recserve.core.spec import ModelSpec
 
 
 def _mlp(widths: list[int], final_activation: bool) -> nn.Sequential:
@@ -91,16 +92,16 @@ class CTRNet(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         dim = spec.embedding_dim
-        self.input_names = wire.dense_net_inputs(spec)
+        self.input_names = dense_net_inputs(spec)
         self.has_dense = bool(spec.normalized_columns)
         self.has_attention = spec.sequence is not None
-        self.groups = wire.attention_inputs(spec)
+        self.groups = attention_inputs(spec)
         if self.has_dense:
             self.bottom = _mlp([len(spec.normalized_columns), *spec.bottom_mlp], final_activation=True)
         if self.has_attention:
             self.attention = TargetAttention(dim, spec.attention_heads)
         # bottom output, sparse (every width), then per attention group its target and context
-        self.widths = wire.sparse_inputs(spec)[1:]
+        self.widths = sparse_inputs(spec)[1:]
         narrow = sum(len(slots) for _, _, slots in self.widths)
         vectors = int(self.has_dense) + spec.num_sparse + narrow + 2 * len(self.groups)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
@@ -120,12 +121,12 @@ class CTRNet(nn.Module):
 
     def score(self, named: dict[str, torch.Tensor], users: torch.Tensor | None = None) -> torch.Tensor:
         """Click probability [B, 1] from the named inputs (``users``: see :class:`TargetAttention`)."""
-        parts = [named[wire.SPARSE_EMBEDDINGS]]
+        parts = [named[SPARSE_EMBEDDINGS]]
         for (name, _, _), projection in zip(self.widths, self.projections, strict=True):
             parts.append(torch.einsum("bfw,fwd->bfd", named[name], projection))
         head = []
         if self.has_dense:
-            bottom = self.bottom(named[wire.DENSE_NORMALIZED])
+            bottom = self.bottom(named[DENSE_NORMALIZED])
             parts.insert(0, bottom[:, None, :])
             head.append(bottom)
         attentions = [self.attention, *self.further] if self.has_attention else []
@@ -150,9 +151,9 @@ class CandidateNet(nn.Module):
         if not net.has_attention:
             raise ValueError("a network without a sequence has no candidate-list form")
         self.net = net
-        self.input_names = (*net.input_names, wire.HISTORY_USER)
+        self.input_names = (*net.input_names, HISTORY_USER)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Click probability [B, 1]."""
         named = dict(zip(self.input_names, inputs, strict=True))
-        return self.net.score(named, named.pop(wire.HISTORY_USER))
+        return self.net.score(named, named.pop(HISTORY_USER))

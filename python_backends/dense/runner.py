@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.base.inputs import require
 from recserve.backends.base.metrics import ScoreHistogram
@@ -30,8 +29,29 @@ from recserve.backends.dense.buckets import (
     pad_to_bucket,
     spec_buckets,
 )
+from recserve.core.candidate_lists import per_candidate_dense_inputs
+from recserve.core.contract import (
+    attention_inputs,
+    dense_net_inputs,
+    is_dense_net_input,
+    left_padded_inputs,
+    sequence_inputs,
+    sparse_inputs,
+)
+from recserve.core.names import (
+    BATCH_AXIS,
+    CANDIDATE_PREFIX,
+    DENSE_NET_INPUTS,
+    DENSE_NORMALIZED,
+    GROUP_INPUTS,
+    HISTORY_MASK,
+    HISTORY_USER,
+    PROBABILITY,
+    SEQUENCE_AXIS,
+    SPARSE_EMBEDDINGS,
+)
+from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError, InvalidInput, NonFiniteOutput
-from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -57,43 +77,43 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if bucket is not None:
-        options.add_free_dimension_override_by_name(wire.BATCH_AXIS, bucket.rows)
-        options.add_free_dimension_override_by_name(wire.SEQUENCE_AXIS, bucket.length)
+        options.add_free_dimension_override_by_name(BATCH_AXIS, bucket.rows)
+        options.add_free_dimension_override_by_name(SEQUENCE_AXIS, bucket.length)
     try:
         session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ArtifactError(f"dense model {model_path.name!r} does not load: {exc}") from None
     names = tuple(i.name for i in session.get_inputs())
     # HISTORY_USER: the candidate-list graph only
-    unknown = [n for n in names if not wire.is_dense_net_input(n) and n != wire.HISTORY_USER]
-    if unknown or wire.SPARSE_EMBEDDINGS not in names:
+    unknown = [n for n in names if not is_dense_net_input(n) and n != HISTORY_USER]
+    if unknown or SPARSE_EMBEDDINGS not in names:
         raise ArtifactError(
-            f"dense model inputs {names} are not among {(*wire.DENSE_NET_INPUTS, wire.HISTORY_USER)} "
-            f"and the further attention groups' {wire.GROUP_INPUTS} + '__<sequence>'"
+            f"dense model inputs {names} are not among {(*DENSE_NET_INPUTS, HISTORY_USER)} "
+            f"and the further attention groups' {GROUP_INPUTS} + '__<sequence>'"
         )
     return session
 
 
 def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Validate the dense step's inputs (shapes must agree with each other and the spec)."""
-    names = wire.dense_net_inputs(spec)
-    sparse = inputs.get(wire.SPARSE_EMBEDDINGS)
+    names = dense_net_inputs(spec)
+    sparse = inputs.get(SPARSE_EMBEDDINGS)
     if sparse is None:
-        raise InvalidInput(wire.SPARSE_EMBEDDINGS, "is required but missing")
+        raise InvalidInput(SPARSE_EMBEDDINGS, "is required but missing")
     rows, dim = sparse.shape[0], spec.embedding_dim
     checked: dict[str, np.ndarray] = {}
     length = 0
-    if wire.HISTORY_MASK in names:
-        checked[wire.HISTORY_MASK] = require(inputs, wire.HISTORY_MASK, "FP32", rows, None)
-        length = checked[wire.HISTORY_MASK].shape[1]
-    expected: dict[str, tuple[int, ...]] = {wire.DENSE_NORMALIZED: (rows, len(spec.normalized_columns))}
-    for name, width, slots in wire.sparse_inputs(spec):
+    if HISTORY_MASK in names:
+        checked[HISTORY_MASK] = require(inputs, HISTORY_MASK, "FP32", rows, None)
+        length = checked[HISTORY_MASK].shape[1]
+    expected: dict[str, tuple[int, ...]] = {DENSE_NORMALIZED: (rows, len(spec.normalized_columns))}
+    for name, width, slots in sparse_inputs(spec):
         expected[name] = (rows, len(slots), width)
-    for group in wire.attention_inputs(spec):  # every group's positions: as many as the first's
+    for group in attention_inputs(spec):  # every group's positions: as many as the first's
         expected.update(
             {group.target: (rows, dim), group.history: (rows, length, dim), group.mask: (rows, length)}
         )
-    expected.pop(wire.HISTORY_MASK, None)  # checked above
+    expected.pop(HISTORY_MASK, None)  # checked above
     for name, shape in expected.items():
         if name not in names:
             continue
@@ -119,8 +139,8 @@ class OnnxDenseRunner:
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """Click probabilities ``[B, 1]`` for checked inputs."""
-        feeds = {name: np.ascontiguousarray(inputs[name]) for name in wire.dense_net_inputs(self.spec)}
-        return self.session.run([wire.PROBABILITY], feeds)[0]
+        feeds = {name: np.ascontiguousarray(inputs[name]) for name in dense_net_inputs(self.spec)}
+        return self.session.run([PROBABILITY], feeds)[0]
 
 
 class OnnxBucket:
@@ -131,17 +151,15 @@ class OnnxBucket:
 
     def __init__(self, spec: ModelSpec, model_path: Path, bucket: Bucket, threads: int = 1) -> None:
         self.bucket = bucket
-        self.left = wire.left_padded_inputs(spec)
+        self.left = left_padded_inputs(spec)
         self.session = open_session(model_path, threads, bucket)
         shapes = bucket.input_shapes(spec)
         self.buffers = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
-        self.session.run([wire.PROBABILITY], self.buffers)  # warm-up: first-run allocations happen here
+        self.session.run([PROBABILITY], self.buffers)  # warm-up: first-run allocations happen here
 
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[bucket.rows, 1]`` for inputs of at most the bucket's shape (padded here)."""
-        return self.session.run(
-            [wire.PROBABILITY], pad_to_bucket(inputs, self.bucket, self.buffers, self.left)
-        )[0]
+        return self.session.run([PROBABILITY], pad_to_bucket(inputs, self.bucket, self.buffers, self.left))[0]
 
 
 def bucketed_onnx_runner(
@@ -186,24 +204,24 @@ class CandidateLists:
         self.spec = spec
         self.rows = rows
         self.session = session
-        self.per_candidate = wire.per_candidate_dense_inputs(spec)
-        self.per_user = wire.sequence_inputs(spec)
-        self.input_names = (*(wire.CANDIDATE_PREFIX + n for n in self.per_candidate), *self.per_user)
+        self.per_candidate = per_candidate_dense_inputs(spec)
+        self.per_user = sequence_inputs(spec)
+        self.input_names = (*(CANDIDATE_PREFIX + n for n in self.per_candidate), *self.per_user)
 
     def __call__(self, inputs: Arrays) -> np.ndarray:
         """Probabilities ``[U * N, 1]``, user by user (raises ``InvalidInput`` on inconsistent shapes)."""
-        sparse = inputs.get(wire.CANDIDATE_PREFIX + wire.SPARSE_EMBEDDINGS)
+        sparse = inputs.get(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS)
         if sparse is None or sparse.ndim != 4:
             raise InvalidInput(
-                wire.CANDIDATE_PREFIX + wire.SPARSE_EMBEDDINGS, "is missing or not [users, candidates, F, D]"
+                CANDIDATE_PREFIX + SPARSE_EMBEDDINGS, "is missing or not [users, candidates, F, D]"
             )
         users, count = sparse.shape[:2]
         flat = {}
         for name in self.per_candidate:
-            array = inputs.get(wire.CANDIDATE_PREFIX + name)
+            array = inputs.get(CANDIDATE_PREFIX + name)
             if array is None or array.shape[:2] != (users, count):
                 raise InvalidInput(
-                    wire.CANDIDATE_PREFIX + name, f"is not [{users}, {count}, ...] as the other inputs"
+                    CANDIDATE_PREFIX + name, f"is not [{users}, {count}, ...] as the other inputs"
                 )
             flat[name] = array.reshape(users * count, *array.shape[2:])
         per_user: dict[str, np.ndarray] = {}
@@ -219,8 +237,8 @@ class CandidateLists:
             rows = {**flat, **{name: array[owner] for name, array in per_user.items()}}
             return self.rows(check_inputs(self.spec, rows))
         feeds = {name: np.ascontiguousarray(array) for name, array in flat.items()}
-        feeds.update({**per_user, wire.HISTORY_USER: owner})
-        return self.session.run([wire.PROBABILITY], feeds)[0]
+        feeds.update({**per_user, HISTORY_USER: owner})
+        return self.session.run([PROBABILITY], feeds)[0]
 
 
 class DenseStep:
@@ -292,7 +310,7 @@ class DenseStep:
 
     def compute(self, merged: Arrays) -> dict[str, np.ndarray]:
         """Probabilities of a merged dynamic batch."""
-        return {wire.PROBABILITY: self.runner.predict(merged)}
+        return {PROBABILITY: self.runner.predict(merged)}
 
     def accept(self, outputs: Mapping[str, object], count: bool = True) -> None:
         """Let one request's probabilities out only when all are finite; count the ones served.
@@ -304,7 +322,7 @@ class DenseStep:
         Raises:
             NonFiniteOutput: a row's probability is NaN or infinite (that request alone fails).
         """
-        probability = outputs[wire.PROBABILITY]
+        probability = outputs[PROBABILITY]
         if hasattr(probability, "detach"):  # a torch tensor, maybe on a GPU
             probability = probability.detach().cpu().numpy()
         values = np.asarray(probability).ravel()

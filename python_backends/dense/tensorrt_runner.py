@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recserve import wire
 from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy
 from recserve.backends.dense.torch_runners import DeviceBuffers, TorchEager
-from recserve.spec import ModelSpec
+from recserve.core.names import PROBABILITY
+from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class TensorRTBucket:
         for name, tensor in zip(self.buffers.names, self.buffers.inputs, strict=True):
             self.context.set_input_shape(name, shapes[name])
             self.context.set_tensor_address(name, tensor.data_ptr())
-        self.context.set_tensor_address(wire.PROBABILITY, self.buffers.output.data_ptr())
+        self.context.set_tensor_address(PROBABILITY, self.buffers.output.data_ptr())
         self(bucket_zeros(spec, bucket))  # warm-up
 
     def __call__(self, inputs: Arrays) -> np.ndarray:

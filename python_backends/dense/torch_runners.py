@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from recserve import wire
 from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
@@ -24,7 +23,8 @@ from recserve.backends.dense.buckets import (
     BucketPolicy,
     pad_to_bucket,
 )
-from recserve.spec import ModelSpec
+from recserve.core.contract import left_padded_inputs
+from recserve.core.spec import ModelSpec
 
 if TYPE_CHECKING:
     from recserve.backends.dense.network import CTRNet
@@ -93,7 +93,7 @@ class DeviceBuffers:
 
     def __init__(self, spec: ModelSpec, bucket: Bucket, device: torch.device) -> None:
         self.bucket = bucket
-        self.left = wire.left_padded_inputs(spec)
+        self.left = left_padded_inputs(spec)
         shapes = bucket.input_shapes(spec)
         self.host = {
             name: torch.zeros(shape, dtype=torch.float32).pin_memory() for name, shape in shapes.items()
@@ -175,7 +175,7 @@ def bucketed_torch_runner(
         return (
             CudaGraphBucket(eager, spec, bucket)
             if eager.device.type == "cuda"
-            else EagerBucket(eager, bucket, wire.left_padded_inputs(spec))
+            else EagerBucket(eager, bucket, left_padded_inputs(spec))
         )
 
     return BucketedRunner(policy or BucketPolicy.from_spec(spec), compile_bucket, eager, prepare, background)

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from recserve.wire import HexParser, hex_bytes, parse_hex
+from recserve.core.values import HexParser, hex_bytes, parse_hex
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 

@@ -25,20 +25,23 @@ from dataclasses import replace
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.base.inputs import require
 from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
-from recserve.errors import InvalidInput, shorten
-from recserve.spec import (
-    CategoricalFeature,
-    CategoricalGroup,
-    Feature,
-    ModelSpec,
-    RawColumn,
-    SequenceFeature,
+from recserve.core.contract import attention_inputs
+from recserve.core.names import (
+    DENSE_NORMALIZED,
+    HISTORY_KEYS,
+    HISTORY_MASK,
+    MULTI_HOT_KEYS,
+    MULTI_HOT_WEIGHTS,
+    SPARSE_KEYS,
+    TARGET_KEY,
 )
-from recserve.wire import ABSENT_ITEM, categorical_values, join_list, multi_hot_values, time_part
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import CategoricalFeature, CategoricalGroup, Feature, RawColumn, SequenceFeature
+from recserve.core.values import ABSENT_ITEM, categorical_values, join_list, multi_hot_values, time_part
+from recserve.errors import InvalidInput, shorten
 
 
 class FeatureTransform:
@@ -75,7 +78,7 @@ class FeatureTransform:
         # per attention group: its length input, its sequences and the name of its mask
         self._groups = tuple(
             (group, names.mask)
-            for group, names in zip(spec.attention_groups, wire.attention_inputs(spec), strict=True)
+            for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True)
         )
         self._length_input = {s.name: g.length_input for g in spec.attention_groups for s in g.sequences}
 
@@ -105,17 +108,17 @@ class FeatureTransform:
             )
             normalized = self.dense_values(*numeric)  # also refuses NaN and Inf
             if spec.normalized_columns:
-                out[wire.DENSE_NORMALIZED] = normalized
-        out[wire.SPARSE_KEYS] = self.categorical_keys(values, empty, numeric)
+                out[DENSE_NORMALIZED] = normalized
+        out[SPARSE_KEYS] = self.categorical_keys(values, empty, numeric)
         if group.multi_hot:
-            out[wire.MULTI_HOT_KEYS], out[wire.MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
+            out[MULTI_HOT_KEYS], out[MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
         if spec.sequences:
             owners = rows if users is None else users
             lengths = [
                 require(inputs, attention.length_input, "INT32", owners, 1)[:, 0]
                 for attention, _ in self._groups
             ]
-            out[wire.TARGET_KEY] = np.concatenate(
+            out[TARGET_KEY] = np.concatenate(
                 [self.target_keys(require(inputs, t.name, "INT64", rows, 1), t) for t in spec.targets], axis=1
             )
             # every group's positions padded to one bucket: that of the longest history of any group
@@ -127,9 +130,9 @@ class FeatureTransform:
                 for sequence in attention.sequences:
                     items = require(inputs, sequence.name, "INT64", owners, None)
                     history = self.history(items, group_lengths, sequence, bucket)
-                    keys.append(history[wire.HISTORY_KEYS])
-                out[mask_name] = history[wire.HISTORY_MASK]
-            out[wire.HISTORY_KEYS] = np.concatenate(keys, axis=1)
+                    keys.append(history[HISTORY_KEYS])
+                out[mask_name] = history[HISTORY_MASK]
+            out[HISTORY_KEYS] = np.concatenate(keys, axis=1)
         return out
 
     def categorical_fields(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -264,7 +267,7 @@ class FeatureTransform:
         keys = np.where(
             mask, keys_for(window.astype(np.uint64), self._salts[seq.table]), self._missing[seq.name]
         )
-        return {wire.HISTORY_KEYS: keys, wire.HISTORY_MASK: mask.astype(np.float32)}
+        return {HISTORY_KEYS: keys, HISTORY_MASK: mask.astype(np.float32)}
 
 
 def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -10,8 +10,9 @@ import numpy as np
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TIERS, TieredStore
-from recserve.spec import NUMERIC_INPUT, CategoricalFeature, ModelSpec
-from recserve.wire import multi_hot_tokens
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
+from recserve.core.values import multi_hot_tokens
 
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 

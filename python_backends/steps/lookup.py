@@ -10,11 +10,29 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
+from recserve.core.candidate_lists import candidate_rows, candidate_step_inputs, per_candidate_dense_inputs
+from recserve.core.contract import (
+    AttentionInputs,
+    attention_inputs,
+    left_padded_inputs,
+    sequence_inputs,
+    sparse_inputs,
+)
+from recserve.core.names import (
+    CANDIDATE_PREFIX,
+    DENSE_NORMALIZED,
+    EMBEDDING_VERSION,
+    HISTORY_KEYS,
+    MULTI_HOT_KEYS,
+    MULTI_HOT_WEIGHTS,
+    SPARSE_EMBEDDINGS,
+    SPARSE_KEYS,
+    TARGET_KEY,
+)
+from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError
-from recserve.spec import ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -63,19 +81,19 @@ class EmbeddingLookup:
         starts = np.cumsum([0, *(f.max_length for f in group.multi_hot)])
         for k, (start, end) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
             self.pooling[start:end, k] = 1.0
-        self.key_inputs = (wire.SPARSE_KEYS,) + ((wire.MULTI_HOT_KEYS,) if group.multi_hot else ())
-        self.key_inputs += (wire.TARGET_KEY, wire.HISTORY_KEYS) if spec.sequences else ()
+        self.key_inputs = (SPARSE_KEYS,) + ((MULTI_HOT_KEYS,) if group.multi_hot else ())
+        self.key_inputs += (TARGET_KEY, HISTORY_KEYS) if spec.sequences else ()
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
         #: per width of the spec's tables: its dense input, its slots and the width (None: one width)
         self.widths = (
-            [(name, list(slots), width) for name, width, slots in wire.sparse_inputs(spec)]
+            [(name, list(slots), width) for name, width, slots in sparse_inputs(spec)]
             if spec.other_widths
             else None
         )
         # per attention group: its dense inputs and the span of its sequences (and targets)
-        self.groups: list[tuple[wire.AttentionInputs, slice]] = []
+        self.groups: list[tuple[AttentionInputs, slice]] = []
         start = 0
-        for attention, names in zip(spec.attention_groups, wire.attention_inputs(spec), strict=True):
+        for attention, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
             self.groups.append((names, slice(start, start + len(attention.sequences))))
             start += len(attention.sequences)
         self._versions: tuple[tuple[int, ...], np.ndarray] = (
@@ -115,11 +133,11 @@ class EmbeddingLookup:
         Per history owner ``[H, S * W]`` (each row, or each user of a candidate list): each sequence's
         positions; None without a sequence.
         """
-        row_keys = np.concatenate([inputs[n] for n in self.key_inputs if n != wire.HISTORY_KEYS], axis=1)
+        row_keys = np.concatenate([inputs[n] for n in self.key_inputs if n != HISTORY_KEYS], axis=1)
         row_tables = np.broadcast_to(self.column_tables, row_keys.shape)
         if not len(self.sequence_tables):
             return (row_keys, row_tables), None
-        history = inputs[wire.HISTORY_KEYS]
+        history = inputs[HISTORY_KEYS]
         width = history.shape[1] // len(self.sequence_tables)
         return (row_keys, row_tables), (
             history,
@@ -175,29 +193,27 @@ class EmbeddingLookup:
                 looked up once, and so does the history returned. None: one history per row.
         """
         result = self.lookup_keys(inputs)
-        rows, single, multi = inputs[wire.SPARSE_KEYS].shape[0], self.single, self.multi_width
+        rows, single, multi = inputs[SPARSE_KEYS].shape[0], self.single, self.multi_width
         width, dim = len(self.column_tables), self.store.dim
         vectors = result.vectors[: rows * width].reshape(rows, width, dim)
         versions = self.table_versions(result.snapshot)
         sparse = vectors[:, :single]
         if multi:  # host path only (see __init__)
-            weighted = (
-                np.asarray(vectors[:, single : single + multi]) * inputs[wire.MULTI_HOT_WEIGHTS][:, :, None]
-            )
+            weighted = np.asarray(vectors[:, single : single + multi]) * inputs[MULTI_HOT_WEIGHTS][:, :, None]
             pooled = np.einsum("bmd,mk->bkd", weighted, self.pooling)
             sparse = np.concatenate([np.asarray(sparse), pooled], axis=1)
         out: dict[str, np.ndarray | torch.Tensor] = {
-            wire.EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0)
+            EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0)
         }
         if self.widths is None:  # every table of embedding_dim: the slots as they are
-            out[wire.SPARSE_EMBEDDINGS] = sparse
+            out[SPARSE_EMBEDDINGS] = sparse
         else:  # the store holds every vector at its widest width: each width's slots, cut to it
             for name, slots, slot_width in self.widths:
                 out[name] = sparse[:, slots, :slot_width]
         count = len(self.sequence_tables)
         if count:  # targets and histories at embedding_dim (the store's rows may be wider)
             targets = vectors[:, single + multi :, : self.spec.embedding_dim]
-            owners, positions = inputs[wire.HISTORY_KEYS].shape
+            owners, positions = inputs[HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
             histories = histories[..., : self.spec.embedding_dim]
             # the sequences of a group (and their targets) are summed: one query, one sequence each
@@ -230,13 +246,13 @@ class FeaturesToEmbeddings:
         self.lookup = lookup
         self.input_names = tuple(t.name for t in spec.wire_inputs())
         #: what the transform computes that goes on to ``dense`` as it is: dense values and masks
-        self.masks = tuple(g.mask for g in wire.attention_inputs(spec))
-        self.passed = (wire.DENSE_NORMALIZED, *self.masks)
-        self.histories = wire.sequence_inputs(spec)
-        self.left_padded = wire.left_padded_inputs(spec)
+        self.masks = tuple(g.mask for g in attention_inputs(spec))
+        self.passed = (DENSE_NORMALIZED, *self.masks)
+        self.histories = sequence_inputs(spec)
+        self.left_padded = left_padded_inputs(spec)
         #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
         self.candidate_input_names = tuple(
-            dict.fromkeys(t.name for t in (*wire.candidate_step_inputs(spec), *spec.user_inputs()))
+            dict.fromkeys(t.name for t in (*candidate_step_inputs(spec), *spec.user_inputs()))
         )
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
@@ -264,7 +280,7 @@ class FeaturesToEmbeddings:
         Raises:
             InvalidInput: naming the first offending input (as the client named it) and value.
         """
-        rows, users = wire.candidate_rows(self.spec, inputs)
+        rows, users = candidate_rows(self.spec, inputs)
         count = int(users[-1]) + 1
         features = self.transform.transform(rows, users=count)
         out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
@@ -273,9 +289,9 @@ class FeaturesToEmbeddings:
             for name in self.histories:
                 out[name] = take_rows(out[name], users)
             return out
-        for name in wire.per_candidate_dense_inputs(self.spec):
+        for name in per_candidate_dense_inputs(self.spec):
             array = out.pop(name)
-            out[wire.CANDIDATE_PREFIX + name] = array.reshape(count, users.size // count, *array.shape[1:])
+            out[CANDIDATE_PREFIX + name] = array.reshape(count, users.size // count, *array.shape[1:])
         return out
 
     def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:

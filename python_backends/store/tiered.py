@@ -49,7 +49,8 @@ from recserve.backends.store.tiers import (  # the tiers' names and types stay i
     Snapshot,
     StoreStats,
 )
-from recserve.spec import ModelSpec, StoreSection
+from recserve.core.sections_serving import StoreSection
+from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -31,8 +31,9 @@ from recserve.backends.base.metrics import MetricSample
 from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import spec_from_json
 from recserve.errors import RequestError, cap_message
-from recserve.spec import ModelSpec, spec_from_json
 
 LOGGER = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from recserve.access.canary_figures import Window, psi
 from recserve.access.config import AccessError
-from recserve.sections import AccessSection, CanarySection
+from recserve.core.sections_serving import AccessSection, CanarySection
 
 STATE_FILE = "canary.json"
 #: Weights are out of this total, so that a step of 0.5 % is still a whole number.

@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 from recserve.access.front_door import GRPC_STREAM_PATH, FrontDoor, buffer_off
-from recserve.sections import AccessSection
+from recserve.core.names import USER_HEADER
+from recserve.core.sections_serving import AccessSection
 from recserve.server import Ports
-from recserve.wire import USER_HEADER
 
 LOOPBACK = "127.0.0.1"
 PROTOCOLS = ("grpc", "http")

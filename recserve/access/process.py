@@ -28,7 +28,7 @@ from recserve.access.config import (
 )
 from recserve.access.envoy import EnvoyProxy, envoy_binary, validate
 from recserve.access.front_door import FrontDoor
-from recserve.sections import AccessSection
+from recserve.core.sections_serving import AccessSection
 from recserve.server import Backoff, Ports, Started, Supervisor, TritonServer, port_in_use
 
 __all__ = ["AccessLayer", "EnvoyProxy", "envoy_binary", "run_foreground", "validate"]

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from recserve.spec import load_spec
+from recserve.core.spec_parse import load_spec
 
 #: the old top-level name of each lab command -> its name under ``recserve lab``
 FLAT_NAMES = {
@@ -50,8 +50,8 @@ def _workloads(text: str) -> tuple[tuple[int, int], ...]:
 
 def _tune(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
+    from recserve.core.spec_parse import spec_path
     from recserve.perf.lab.tune import DEFAULT_WORKLOADS, admission_cap, run_tune
-    from recserve.spec import spec_path
 
     spec = load_spec(args.spec)
     if not is_built(spec, args.repository):

@@ -15,8 +15,8 @@ import sys
 import textwrap
 
 from recserve.commands import access, lab, model, perf, serving, store
+from recserve.core.spec_types import DEFAULT_SPEC, default_repository
 from recserve.errors import ArtifactError
-from recserve.spec import DEFAULT_SPEC, default_repository
 
 SPEC_HELP = "bundled spec name or path to a spec .toml"
 LAB_HELP = "measurements and experiments on private loopback servers, not needed to serve"

@@ -7,13 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from recserve import wire
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
+from recserve.core.contract import ContractTensor, dense_contract
+from recserve.core.names import BATCH_AXIS, SEQUENCE_AXIS
+from recserve.core.spec_parse import load_spec
 from recserve.errors import ArtifactError
-from recserve.spec import load_spec
 
 
-def format_contract(inputs: tuple[wire.ContractTensor, ...], outputs: tuple[wire.ContractTensor, ...]) -> str:
+def format_contract(inputs: tuple[ContractTensor, ...], outputs: tuple[ContractTensor, ...]) -> str:
     """The contract as an aligned table (one line per tensor)."""
     lines = []
     name_width = max(len(t.name) for t in (*inputs, *outputs)) + 2
@@ -64,15 +65,15 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _contract(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    inputs, outputs = wire.dense_contract(spec)
+    inputs, outputs = dense_contract(spec)
     if args.json:
         print(
             json.dumps({"inputs": [t.to_json() for t in inputs], "outputs": [t.to_json() for t in outputs]})
         )
     else:
         print(
-            f"dense network of spec {spec.name!r} (-1: dynamic; name the axes {wire.BATCH_AXIS!r}, "
-            f"{wire.SEQUENCE_AXIS!r}):"
+            f"dense network of spec {spec.name!r} (-1: dynamic; name the axes {BATCH_AXIS!r}, "
+            f"{SEQUENCE_AXIS!r}):"
         )
         print(format_contract(inputs, outputs))
     return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from recserve.spec import load_spec
+from recserve.core.spec_parse import load_spec
 
 
 def _perf(args: argparse.Namespace) -> int:

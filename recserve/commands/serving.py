@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from recserve import wire
-from recserve.spec import load_spec
+from recserve.core.names import DENSE, STEPS
+from recserve.core.spec_parse import load_spec
 
 ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
@@ -29,7 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
         server_env,
     )  # fmt: skip
 
-    if not (args.repository / wire.DENSE).is_dir():
+    if not (args.repository / DENSE).is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
     if args.mps and args.profile == "cpu":
@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         extra = []
         if args.queue and (
             args.profile != "cpu"
-            or not (args.repository / wire.STEPS[0] / "configs" / f"{args.queue}.pbtxt").is_file()
+            or not (args.repository / STEPS[0] / "configs" / f"{args.queue}.pbtxt").is_file()
         ):
             print(
                 f"error: no queue profile {args.queue!r} in {args.repository} "

@@ -8,12 +8,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from recserve.spec import load_spec
+from recserve.core.spec_parse import load_spec
 
 
 def _open(args: argparse.Namespace, start: bool = False):  # returns (spec, ServedStore)
     from recserve.backends.store.served import ServedStore
-    from recserve.wire import EMBEDDING_LOOKUP
+    from recserve.core.names import EMBEDDING_LOOKUP
 
     spec = load_spec(args.spec)
     return spec, ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=start)
@@ -90,7 +90,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _redis_load(args: argparse.Namespace) -> int:
     from recserve.build.repository import upload_remote_tables
-    from recserve.wire import EMBEDDING_LOOKUP
+    from recserve.core.names import EMBEDDING_LOOKUP
 
     spec = load_spec(args.spec)
     options = spec.store

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from recserve.build.repository import build_repository, install_adapters, is_built
+from recserve.core.spec import ModelSpec
 from recserve.server import Ports, TritonServer
-from recserve.spec import ModelSpec
 from tests.conftest import ROOT
 
 REPOSITORY = ROOT / "model_repository"

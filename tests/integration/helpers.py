@@ -18,8 +18,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from recserve.clients import CTRClient, RecserveClientError
+from recserve.core.spec import ModelSpec
 from recserve.perf.harness.traffic import infer_inputs
-from recserve.spec import ModelSpec
 
 __all__ = [
     "ClosedLoopClients",

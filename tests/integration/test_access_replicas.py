@@ -20,13 +20,13 @@ from recserve.backends.store.served import ServedStore
 from recserve.build.repository import build_repository, upload_remote_tables, version_dir
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
+from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.core.spec_parse import load_spec
 from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.perf.harness.stats import snapshot
 from recserve.server import TritonServer
 from recserve.server.watchdog import orphaned_stubs
-from recserve.spec import load_spec
-from recserve.wire import EMBEDDING_LOOKUP
 
 from .helpers import ClosedLoopClients, wait_for
 

@@ -6,8 +6,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from recserve import wire
 from recserve.build.synthetic import generate
+from recserve.core.names import STEPS
 from recserve.perf.harness.traffic import infer_request
 
 from .helpers import grpc_client, http_client, infer_inputs, infer_raw
@@ -293,9 +293,9 @@ def test_one_bad_request_in_a_dynamic_batch_fails_alone(server, spec):
     bad = 13
     requests[bad][spec.dense.name][0, 0], requests[bad][spec.dense_missing_input][0, 0] = np.nan, False
     with grpc_client(server) as client:
-        before = _stats(client, wire.STEPS[0])
+        before = _stats(client, STEPS[0])
         results = _fire(client, spec.name, requests)
-        after = _stats(client, wire.STEPS[0])
+        after = _stats(client, STEPS[0])
         for i, result in enumerate(results):
             if i == bad:
                 assert isinstance(result, InferenceServerException)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from recserve.clients import CTRClient
+from recserve.core.names import STEPS
 from recserve.perf.bench import report
 from recserve.perf.bench.bench import Grid, run_bench
 from recserve.perf.harness.loadgen import sample_batches
 from recserve.perf.lab.queue_stall import SERVED, run_queue_stall
 from recserve.server import Ports, Security, TritonServer
-from recserve.wire import STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 

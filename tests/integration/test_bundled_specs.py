@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from recserve import wire
 from recserve.build.importer import import_repository
 from recserve.build.repository import build_repository, reference_pipeline, version_dir
 from recserve.build.synthetic import generate
 from recserve.clients.writers import write_csv
+from recserve.core.names import DENSE
+from recserve.core.spec_parse import load_spec
 from recserve.server import Ports, TritonServer
-from recserve.spec import load_spec
 from tests.integration.private_server import private_server
 from tests.model_exports import export_tables
 from tests.user_runs import with_runs
@@ -85,10 +85,10 @@ def test_taobao_sends_both_behaviours_and_their_targets_once(taobao):
 
 @pytest.mark.parametrize("batch", [1, 7, 64])
 def test_served_equals_pytorch_reference(bundled, bundled_repository, bundled_server, batch):
-    wire = generate(bundled, batch, seed=batch).to_wire(bundled)
-    expected = reference_pipeline(bundled, bundled_repository, runtime="torch").predict(wire)
+    wire_inputs = generate(bundled, batch, seed=batch).to_wire(bundled)
+    expected = reference_pipeline(bundled, bundled_repository, runtime="torch").predict(wire_inputs)
     with grpc_client(bundled_server) as client:
-        served = infer_raw(grpcclient, client, bundled, wire)
+        served = infer_raw(grpcclient, client, bundled, wire_inputs)
     np.testing.assert_allclose(served, expected, rtol=0, atol=1e-5)
     assert ((served > 0) & (served < 1)).all() and len(np.unique(served)) > batch // 2
 
@@ -178,17 +178,17 @@ def test_explain_names_every_feature(bundled, bundled_repository, tmp_path):
 
 def test_a_bad_value_fails_alone_naming_its_column(bundled, bundled_server):
     column = {"avazu": "banner_pos", "taobao": "tags"}[bundled.name]
-    wire = generate(bundled, 3, seed=2).to_wire(bundled)
-    tensor = column if column in wire else "categorical"  # taobao's tags: a list tensor of their own
+    wire_inputs = generate(bundled, 3, seed=2).to_wire(bundled)
+    tensor = column if column in wire_inputs else "categorical"  # taobao's tags: a list tensor of their own
     if tensor == column:
-        wire[column][1, 0] = b"12a"
+        wire_inputs[column][1, 0] = b"12a"
     else:
         field = bundled.categorical.wire_columns.index(bundled.categorical.columns.index(column))
-        wire["categorical"][1, field] = b"12a"
+        wire_inputs["categorical"][1, field] = b"12a"
     with grpc_client(bundled_server) as client:
         message = rf"input '{tensor}': {column} \(row 1\) is b'12a"
         with pytest.raises(grpcclient.InferenceServerException, match=message):
-            infer_raw(grpcclient, client, bundled, wire)
+            infer_raw(grpcclient, client, bundled, wire_inputs)
         good = generate(bundled, 3, seed=2).to_wire(bundled)
         assert infer_raw(grpcclient, client, bundled, good).shape == (3,)
 
@@ -198,7 +198,7 @@ def test_the_model_imported_from_its_tables_and_onnx_serves_the_same_scores(
 ):
     formats = {name: ("keyed", "hugectr")[i % 2] for i, name in enumerate(bundled.table_names)}
     export_tables(bundled, bundled_repository, tmp_path / "tables", formats)
-    onnx = version_dir(bundled_repository, wire.DENSE, bundled) / "model.onnx"
+    onnx = version_dir(bundled_repository, DENSE, bundled) / "model.onnx"
     import_repository(bundled, tmp_path / "tables", onnx, tmp_path / "imported", lambda message: None)
     rows = generate(bundled, 50, seed=31)
     expected = reference_pipeline(bundled, bundled_repository, runtime="torch").predict(rows.to_wire(bundled))

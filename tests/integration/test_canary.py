@@ -37,16 +37,16 @@ import tritonclient.http as httpclient
 from onnx import helper
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from recserve import wire
 from recserve.access import PROTOCOLS, AccessLayer, ProxyPorts, behind_proxy, canary, cluster_name
 from recserve.backends.base.artifacts import file_entry, read_manifest, write_manifest
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
+from recserve.core.names import PROBABILITY, USER_HEADER
+from recserve.core.sections_serving import CanarySection
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import load_spec, spec_path
 from recserve.perf.harness.traffic import scratch_repository
-from recserve.sections import CanarySection
-from recserve.spec import ModelSpec, load_spec, spec_path
-from recserve.wire import USER_HEADER
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def _candidate(stable: Path, target: Path, rewrite) -> Path:
     folder = dense / str(CANDIDATE)
     model = onnx.load(folder / "model.onnx")
     graph = model.graph
-    (output,) = [o for o in graph.output if o.name == wire.PROBABILITY]
+    (output,) = [o for o in graph.output if o.name == PROBABILITY]
     for node in graph.node:
         node.output[:] = ["raw_probability" if name == output.name else name for name in node.output]
     graph.node.extend(rewrite("raw_probability"))
@@ -88,7 +88,7 @@ def _candidate(stable: Path, target: Path, rewrite) -> Path:
 
 
 def _same(raw: str) -> list:
-    return [helper.make_node("Identity", [raw], [wire.PROBABILITY])]
+    return [helper.make_node("Identity", [raw], [PROBABILITY])]
 
 
 def _nan_below(threshold: float):
@@ -110,7 +110,7 @@ def _nan_below(threshold: float):
             helper.make_node("Sub", [raw, "threshold"], ["margin"]),
             helper.make_node("Sqrt", ["margin"], ["root"]),
             helper.make_node("Mul", ["root", "zero"], ["poison"]),
-            helper.make_node("Add", [raw, "poison"], [wire.PROBABILITY]),
+            helper.make_node("Add", [raw, "poison"], [PROBABILITY]),
         ]
 
     return rewrite
@@ -120,7 +120,7 @@ def _halved(raw: str) -> list:
     half = helper.make_node(
         "Constant", [], ["half"], value=helper.make_tensor("h", onnx.TensorProto.FLOAT, [], [0.5])
     )
-    return [half, helper.make_node("Mul", [raw, "half"], [wire.PROBABILITY])]
+    return [half, helper.make_node("Mul", [raw, "half"], [PROBABILITY])]
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from recserve import wire
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows
 from recserve.clients.writers import write_tsv
+from recserve.core.names import EMBEDDING_LOOKUP, PROBABILITY
 from tests.integration.helpers import run_perf
 
 
@@ -86,7 +86,7 @@ def test_a_bad_candidate_list_fails_alone_naming_the_input(server, spec, candida
             inputs[-1].set_data_from_numpy(array)
         with grpcclient.InferenceServerClient(server.grpc_url) as raw_client:
             try:
-                return raw_client.infer(spec.candidates_model, inputs).as_numpy(wire.PROBABILITY).reshape(-1)
+                return raw_client.infer(spec.candidates_model, inputs).as_numpy(PROBABILITY).reshape(-1)
             except Exception as exc:  # the refusal, checked below
                 return str(exc)
 
@@ -104,7 +104,7 @@ def test_concurrent_candidate_lists_share_executions(server, spec, candidates):
     with grpcclient.InferenceServerClient(server.grpc_url) as stats_client:
 
         def executions():
-            (stats,) = stats_client.get_inference_statistics(wire.EMBEDDING_LOOKUP).model_stats
+            (stats,) = stats_client.get_inference_statistics(EMBEDDING_LOOKUP).model_stats
             return stats.execution_count, stats.inference_count
 
         before = executions()

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from recserve import wire
 from recserve.build import configs
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.core.names import EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
 
 from .helpers import grpc_client, infer_raw
 from .private_server import private_server
@@ -37,9 +37,9 @@ def l1_hits(server) -> float:
 
 def test_device_l1_on_the_cpu_device_serves_the_reference_scores(spec, repository, tmp_path):
     def device_l1(root: Path) -> None:
-        config = configs.step_config(spec, wire.EMBEDDING_LOOKUP)
-        config.parameters[wire.L1_DEVICE_PARAMETER].string_value = "cpu"
-        (root / wire.EMBEDDING_LOOKUP / "config.pbtxt").write_text(configs.render(config))
+        config = configs.step_config(spec, EMBEDDING_LOOKUP)
+        config.parameters[L1_DEVICE_PARAMETER].string_value = "cpu"
+        (root / EMBEDDING_LOOKUP / "config.pbtxt").write_text(configs.render(config))
 
     reference = reference_pipeline(spec, repository, runtime="torch")
     wires = [generate(spec, rows, seed=40 + rows).to_wire(spec) for rows in (1, 3, 8, 17)]  # ragged histories

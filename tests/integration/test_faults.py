@@ -10,8 +10,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from recserve import wire
 from recserve.build.synthetic import generate
+from recserve.core.names import EMBEDDING_LOOKUP
 
 from .helpers import infer_inputs, infer_raw
 from .private_server import private_server
@@ -56,7 +56,7 @@ def _closed_loop(server, spec, stop, log, seed):
             time.sleep(0.002)
 
 
-@pytest.mark.parametrize("model", [wire.EMBEDDING_LOOKUP])
+@pytest.mark.parametrize("model", [EMBEDDING_LOOKUP])
 def test_a_killed_stub_fails_only_requests_until_its_model_is_reloaded(fault_server, spec, model):
     stop, log, threads = threading.Event(), [], []
     for i in range(3):

@@ -29,8 +29,9 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, read_rows
 from recserve.clients.writers import write_tsv
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import load_spec
 from recserve.perf.harness.traffic import infer_request
-from recserve.spec import ModelSpec, load_spec
 
 pytestmark = pytest.mark.integration
 

@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import tomllib
 
-from recserve import wire
 from recserve.build.importer import import_repository
 from recserve.build.repository import build_repository, reference_pipeline, version_dir
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
-from recserve.spec import load_spec, parse_spec, spec_path
+from recserve.core.names import DENSE
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 from tests.integration.private_server import private_server
 from tests.model_exports import HandWrittenModel, export_tables
 
@@ -45,7 +45,7 @@ def test_a_model_imported_in_every_table_format_serves_the_scores_of_the_built_o
     build_repository(spec, tmp_path / "built", quiet)
     formats = {name: FORMATS[i % 3] for i, name in enumerate(spec.table_names)}
     export_tables(spec, tmp_path / "built", tmp_path / "tables", formats)
-    shutil.copy(version_dir(tmp_path / "built", wire.DENSE, spec) / "model.onnx", tmp_path / "model.onnx")
+    shutil.copy(version_dir(tmp_path / "built", DENSE, spec) / "model.onnx", tmp_path / "model.onnx")
     import_repository(spec, tmp_path / "tables", tmp_path / "model.onnx", tmp_path / "imported", quiet)
     rows = generate(spec, 300, seed=21)
     expected = reference_pipeline(spec, tmp_path / "built", "torch")

@@ -10,8 +10,8 @@ import time
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from recserve import wire
 from recserve.build.synthetic import generate
+from recserve.core.names import STEPS
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.harness.traffic import scratch_repository
 from recserve.perf.lab.overload import Cores, pinned_capacity, run_overload
@@ -51,7 +51,7 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
             served, refused, last, deadline = 0, 0, "", time.monotonic() + RECOVERY_S
             while served < 20:
                 if time.monotonic() > deadline:
-                    steps = difference(before, snapshot(server.http_url), wire.STEPS)
+                    steps = difference(before, snapshot(server.http_url), STEPS)
                     raise AssertionError(
                         f"not 20 served in a row within {RECOVERY_S} s: {refused} refused, the last "
                         f"with {last!r}\n{[s.as_dict() for s in steps]}\n{report.table()}"
@@ -68,8 +68,8 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
     assert spike.served > 0 and after.served > 0
     assert set(report.shed_reasons) <= {"Request timeout expired"}, report.shed_reasons
     steps = {s.model: s for s in report.spike_steps}
-    assert steps[wire.STEPS[0]].failed > 0, report.table()
-    assert all(steps[step].failed == 0 for step in wire.STEPS[1:]), (
+    assert steps[STEPS[0]].failed > 0, report.table()
+    assert all(steps[step].failed == 0 for step in STEPS[1:]), (
         "refused after the entry: work was wasted\n" + report.table()
     )
     assert report.queue == QUEUE

@@ -22,10 +22,10 @@ from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.redis_tier import RedisTier, redis_keys
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.core.names import HISTORY_KEYS, TARGET_KEY
 from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, ServerProcessError, TritonServer
-from recserve.wire import HISTORY_KEYS, TARGET_KEY
 
 from .helpers import grpc_client, infer_raw, recserve
 

@@ -17,10 +17,10 @@ from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.clients.writers import write_csv
+from recserve.core.names import SPARSE_KEYS, TARGET_KEY
 from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
-from recserve.wire import SPARSE_KEYS, TARGET_KEY
 
 from .helpers import copy_repository, grpc_client, infer_raw, recserve, wait_for
 

@@ -28,11 +28,12 @@ from recserve.access.process import SUPERVISOR_FILE
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
+from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import load_spec
 from recserve.perf.harness.stats import snapshot
 from recserve.server import Backoff, Ports
 from recserve.server.shm import SHM_DIR
-from recserve.spec import ModelSpec, load_spec
-from recserve.wire import EMBEDDING_LOOKUP
 
 from .helpers import ClosedLoopClients, wait_for
 

@@ -26,9 +26,9 @@ from recserve.backends.store.tiered import DELTA
 from recserve.backends.store.updates.versions import UpdateLog
 from recserve.build.repository import install_adapters
 from recserve.build.synthetic import generate
+from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
-from recserve.wire import EMBEDDING_LOOKUP
 
 from .helpers import copy_repository, grpc_client, infer_raw, recserve, wait_for
 

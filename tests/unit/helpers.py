@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
-from recserve.spec import spec_path
+from recserve.core.spec_parse import spec_path
 
 
 def ctr_spec_document() -> dict:

@@ -9,7 +9,6 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
 from recserve.access import (
     SHADOW_KEY,
     UNBOUNDED,
@@ -33,7 +32,8 @@ from recserve.access.front_door import (
     lua_source,
 )
 from recserve.clients import AsyncCTRClient, CTRClient
-from recserve.sections import AccessSection
+from recserve.core.names import STEPS, USER_HEADER
+from recserve.core.sections_serving import AccessSection
 
 PORTS = ProxyPorts(grpc=18001, http=18000, admin=19901)
 UPSTREAMS = {"stable": [Upstream(7001, 7000)], "candidate": [Upstream(7101, 7100), Upstream(7201, 7200)]}
@@ -126,7 +126,7 @@ def test_routes_split_by_runtime_weights_sticky_on_the_user_header_and_mirror_to
         ("grpc", _routes(envoy_config(access, UPSTREAMS, PORTS))["public_grpc"]),
         ("http", _routes(envoy_config(access, UPSTREAMS, PORTS))["public_http"]),
     ):
-        assert route["hash_policy"] == [{"header": {"header_name": wire.USER_HEADER}}]
+        assert route["hash_policy"] == [{"header": {"header_name": USER_HEADER}}]
         split = route["weighted_clusters"]
         assert split["use_hash_policy"] is True
         weights = {c["name"]: c["weight"] for c in split["clusters"]}
@@ -170,12 +170,12 @@ def test_the_config_is_written_as_json_only(tmp_path):
 def test_the_unbounded_view_clears_queue_policies_and_links_everything_else(tiny_repository, tmp_path):
     source = tmp_path / "source"  # as built from a spec whose [serving.queue] sheds load
     shutil.copytree(tiny_repository, source)
-    for step in wire.STEPS:
+    for step in STEPS:
         (source / step / "config.pbtxt").write_text(
             (source / step / "configs" / "throughput_first.pbtxt").read_text()
         )
     view = unbounded_view(source, tmp_path / "view")
-    for step in wire.STEPS:
+    for step in STEPS:
         built = text_format.Parse((source / step / "config.pbtxt").read_text(), mc.ModelConfig())
         served = text_format.Parse((view / step / "config.pbtxt").read_text(), mc.ModelConfig())
         assert built.dynamic_batching.HasField("default_queue_policy")
@@ -206,11 +206,11 @@ def test_behind_proxy_picks_the_servers_queue_profile(tiny_repository, tmp_path)
 
 def test_the_sdk_sends_a_user_header_only_when_given_a_valid_user_id(tiny_spec):
     with CTRClient("127.0.0.1:1", spec=tiny_spec, user_id="user-42") as client:
-        assert client._headers == {wire.USER_HEADER: "user-42"}
+        assert client._headers == {USER_HEADER: "user-42"}
     with CTRClient("127.0.0.1:1", spec=tiny_spec) as client:
         assert client._headers is None
     assert AsyncCTRClient("127.0.0.1:1", spec=tiny_spec, user_id="user-42")._headers == {
-        wire.USER_HEADER: "user-42"
+        USER_HEADER: "user-42"
     }
     for bad in ("", "line\nbreak", "naïve"):
         for client in (CTRClient, AsyncCTRClient):

@@ -6,8 +6,9 @@ import pytest
 import tomllib
 
 from recserve.build.repository import spec_digest
-from recserve.sections import AccessSection, UnknownKeyError
-from recserve.spec import SpecError, load_spec, parse_spec, spec_path
+from recserve.core.sections_base import SpecError, UnknownKeyError
+from recserve.core.sections_serving import AccessSection
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 
 
 def _doc(access: dict | None = None) -> dict:

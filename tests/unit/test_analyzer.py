@@ -2,8 +2,8 @@
 
 import pytest
 
+from recserve.core.spec_parse import load_spec
 from recserve.perf.bench import analyzer
-from recserve.spec import load_spec
 
 
 @pytest.mark.parametrize(

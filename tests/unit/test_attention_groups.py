@@ -9,14 +9,16 @@ import pytest
 import tomllib
 import torch
 
-from recserve import wire
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.build.export import example_inputs
 from recserve.build.synthetic import generate
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
-from recserve.spec import SpecError, load_spec, parse_spec, spec_path
+from recserve.core.contract import dense_contract, dense_net_inputs
+from recserve.core.names import HISTORY_KEYS, HISTORY_MASK
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 
 CART = ("target_embedding__cart_item_ids", "history_embeddings__cart_item_ids", "history_mask__cart_item_ids")
 
@@ -31,8 +33,8 @@ def test_each_group_has_its_length_its_contract_tensors_and_a_target_may_attend_
     assert [g.length_input for g in groups] == ["hist_item_ids__length", "cart_item_ids__length"]
     names = [t.name for t in taobao.wire_inputs()]
     assert names.count("item_id") == 1 and {"hist_item_ids__length", "cart_item_ids__length"} <= set(names)
-    contract = {t.name: t for t in wire.dense_contract(taobao)[0]}
-    assert wire.dense_net_inputs(taobao)[-3:] == CART
+    contract = {t.name: t for t in dense_contract(taobao)[0]}
+    assert dense_net_inputs(taobao)[-3:] == CART
     assert contract[CART[1]].shape == (-1, -1, 16) and "on the left" in contract[CART[1]].holds
     assert "cart_item_ids + cart_cate_ids" in contract[CART[1]].holds
     assert set(taobao.user_inputs()) >= {t for t in taobao.wire_inputs() if t.name.startswith("cart_")}
@@ -68,8 +70,8 @@ def test_every_group_is_padded_to_the_bucket_of_the_longest_history_of_any_group
     raw.lengths[:] = [0, 1, 2, 40, 3, 0]  # the clicks reach the 64 bucket, the cart stays short
     raw.side["cart_item_ids__length"][:] = [0, 1, 16, 2, 0, 0]
     out = FeatureTransform(taobao).transform(raw.to_wire(taobao))
-    assert out[wire.HISTORY_KEYS].shape == (6, 4 * 64)
-    np.testing.assert_array_equal(out[wire.HISTORY_MASK].sum(1), [0, 1, 2, 40, 3, 0])
+    assert out[HISTORY_KEYS].shape == (6, 4 * 64)
+    np.testing.assert_array_equal(out[HISTORY_MASK].sum(1), [0, 1, 2, 40, 3, 0])
     cart = out[CART[2]]
     np.testing.assert_array_equal(cart.sum(1), [0, 1, 16, 2, 0, 0])
     assert cart[2, -16:].all() and not cart[2, :-16].any()  # the cart on the left

@@ -5,12 +5,12 @@ import threading
 import numpy as np
 import pytest
 
-from recserve import wire
 from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
+from recserve.core.names import DENSE_NET_INPUTS, HISTORY_EMBEDDINGS, HISTORY_MASK, SPARSE_EMBEDDINGS
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +69,12 @@ def test_padding_fills_zeros_and_reused_buffers_forget_earlier_requests(spec):
     buffers = {name: np.empty(shape, np.float32) for name, shape in bucket.input_shapes(spec).items()}
     pad_to_bucket(big, bucket, buffers)
     padded = pad_to_bucket(small, bucket, buffers)
-    for name in wire.DENSE_NET_INPUTS:
+    for name in DENSE_NET_INPUTS:
         assert padded[name].shape == bucket.input_shapes(spec)[name]
         assert not padded[name][3:].any()
-    assert not padded[wire.HISTORY_EMBEDDINGS][:, 8:].any() and not padded[wire.HISTORY_MASK][:, 8:].any()
-    np.testing.assert_array_equal(padded[wire.HISTORY_EMBEDDINGS][:3, :8], small[wire.HISTORY_EMBEDDINGS])
-    np.testing.assert_array_equal(padded[wire.SPARSE_EMBEDDINGS][:3], small[wire.SPARSE_EMBEDDINGS])
+    assert not padded[HISTORY_EMBEDDINGS][:, 8:].any() and not padded[HISTORY_MASK][:, 8:].any()
+    np.testing.assert_array_equal(padded[HISTORY_EMBEDDINGS][:3, :8], small[HISTORY_EMBEDDINGS])
+    np.testing.assert_array_equal(padded[SPARSE_EMBEDDINGS][:3], small[SPARSE_EMBEDDINGS])
 
 
 def test_preallocated_buffers_are_filled_at_the_exact_bucket_shape_too(spec):
@@ -83,7 +83,7 @@ def test_preallocated_buffers_are_filled_at_the_exact_bucket_shape_too(spec):
     exact = example_inputs(spec, 8, 32, seed=3)
     buffers = {name: np.zeros(shape, np.float32) for name, shape in bucket.input_shapes(spec).items()}
     pad_to_bucket(exact, bucket, buffers)
-    for name in wire.DENSE_NET_INPUTS:
+    for name in DENSE_NET_INPUTS:
         np.testing.assert_array_equal(buffers[name], exact[name])
 
 

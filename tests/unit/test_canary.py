@@ -12,15 +12,15 @@ import math
 import numpy as np
 import pytest
 
-from recserve import wire
 from recserve.access import AccessError, canary, canary_figures
 from recserve.access.canary import CanaryState, Stage, Verdict, Window, decide, judge, psi, quantile
 from recserve.backends.base.metrics import PROBABILITY_EDGES, ScoreHistogram
 from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.dense.runner import DenseStep
+from recserve.core.names import PROBABILITY
+from recserve.core.sections_serving import AccessSection, CanarySection
+from recserve.core.spec_parse import load_spec
 from recserve.errors import NonFiniteOutput
-from recserve.sections import AccessSection, CanarySection
-from recserve.spec import load_spec
 
 INF = math.inf
 SETTINGS = CanarySection(
@@ -342,9 +342,9 @@ def test_the_score_histogram_is_cumulative_with_sum_and_count():
 
 def test_a_request_with_a_non_finite_probability_fails_alone_and_is_not_counted():
     step = DenseStep(load_spec("tiny"), runner=None, version="2")  # type: ignore[arg-type]
-    step.accept({wire.PROBABILITY: np.array([[0.2], [0.4]], np.float32)})
+    step.accept({PROBABILITY: np.array([[0.2], [0.4]], np.float32)})
     with pytest.raises(NonFiniteOutput, match=r"returned nan as the probability of row 1 \(2 of 3 rows"):
-        step.accept({wire.PROBABILITY: np.array([[0.2], [np.nan], [np.inf]], np.float32)})
+        step.accept({PROBABILITY: np.array([[0.2], [np.nan], [np.inf]], np.float32)})
     assert NonFiniteOutput.code == "INTERNAL"
     assert step.scores.counts.sum() == 2  # only the served rows
 

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve import wire
 from recserve.backends.dense.runner import CandidateLists, DenseStep
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
@@ -16,9 +15,29 @@ from recserve.build.export import candidate_inputs
 from recserve.build.synthetic import generate
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
+from recserve.core.candidate_lists import (
+    candidate_list_inputs,
+    candidate_rows,
+    candidate_step_inputs,
+    per_candidate_dense_inputs,
+    with_profiles_of,
+)
+from recserve.core.contract import sequence_inputs
+from recserve.core.names import (
+    CANDIDATE_PREFIX,
+    DENSE,
+    EMBEDDING_LOOKUP,
+    EMBEDDING_VERSION,
+    HISTORY_EMBEDDINGS,
+    HISTORY_MASK,
+    HISTORY_USER,
+    PROBABILITY,
+    STEPS,
+)
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 from recserve.errors import InvalidInput
 from recserve.perf.bench.input_data import candidate_input_data
-from recserve.spec import SpecError, load_spec, parse_spec, spec_path
 from tests.store_tables import spec_store
 from tests.user_runs import with_runs
 
@@ -31,19 +50,15 @@ def user_rows(spec, users=2, candidates=3, seed=4):
     first = np.repeat(np.arange(users) * candidates, candidates)  # each row's user's first row
     sequences = [t.name for t in spec.user_inputs() if t.name in inputs and t.name not in spec.profile_lists]
     rows = {name: (array[first] if name in sequences else array) for name, array in inputs.items()}
-    rows = wire.with_profiles_of(spec, rows, first)
+    rows = with_profiles_of(spec, rows, first)
     each = [
-        wire.candidate_list_inputs(
-            spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()}
-        )
+        candidate_list_inputs(spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()})
         for u in range(users)
     ]
     lists = {name: rows[name][::candidates] for name in sequences}
     names = {t.name for t in spec.candidate_inputs()}
     for name in each[0]:
-        lists[wire.CANDIDATE_PREFIX + name if name in names else name] = np.concatenate(
-            [e[name] for e in each]
-        )
+        lists[CANDIDATE_PREFIX + name if name in names else name] = np.concatenate([e[name] for e in each])
     return rows, lists
 
 
@@ -70,34 +85,34 @@ def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
     assert set(expanded) == set(expected)
     for key, array in expected.items():
         np.testing.assert_array_equal(expanded[key], array, err_msg=key)
-    assert float(np.abs(expected[wire.HISTORY_EMBEDDINGS]).sum()) > 0  # real vectors, not defaults
+    assert float(np.abs(expected[HISTORY_EMBEDDINGS]).sum()) > 0  # real vectors, not defaults
     # the list form: per-candidate tensors [users, candidates, ...], the history once per user
-    per_candidate = wire.per_candidate_dense_inputs(spec)
+    per_candidate = per_candidate_dense_inputs(spec)
     assert set(listed) == {
-        *wire.sequence_inputs(spec), wire.EMBEDDING_VERSION,
-        *(wire.CANDIDATE_PREFIX + n for n in per_candidate),
+        *sequence_inputs(spec), EMBEDDING_VERSION,
+        *(CANDIDATE_PREFIX + n for n in per_candidate),
     }  # fmt: skip
     for name in per_candidate:
-        got = listed[wire.CANDIDATE_PREFIX + name]
+        got = listed[CANDIDATE_PREFIX + name]
         assert got.shape[:2] == (2, 3)
         np.testing.assert_array_equal(got.reshape(expected[name].shape), expected[name], err_msg=name)
-    for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+    for name in (HISTORY_EMBEDDINGS, HISTORY_MASK):
         assert listed[name].shape[0] == 2
         np.testing.assert_array_equal(listed[name][[0, 0, 0, 1, 1, 1]], expected[name], err_msg=name)
-    np.testing.assert_array_equal(listed[wire.EMBEDDING_VERSION], expected[wire.EMBEDDING_VERSION])
+    np.testing.assert_array_equal(listed[EMBEDDING_VERSION], expected[EMBEDDING_VERSION])
 
 
 def test_the_dense_step_scores_a_list_as_its_rows_with_and_without_the_list_graph(tiny_spec, tiny_repository):
-    step = DenseStep.load(tiny_spec, tiny_repository / wire.DENSE / "1", instances=1)
+    step = DenseStep.load(tiny_spec, tiny_repository / DENSE / "1", instances=1)
     assert step.lists.session is not None  # the built-in network exports the candidate-list graph
     sample = candidate_inputs(tiny_spec, users=3, candidates=5, length=tiny_spec.sequence_buckets[0], seed=2)
-    owner = sample.pop(wire.HISTORY_USER)
+    owner = sample.pop(HISTORY_USER)
     rows = dict(sample)
-    for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+    for name in (HISTORY_EMBEDDINGS, HISTORY_MASK):
         rows[name] = sample[name][owner]
-    lists = {n: sample[n] for n in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK)}
-    for name in wire.per_candidate_dense_inputs(tiny_spec):
-        lists[wire.CANDIDATE_PREFIX + name] = sample[name].reshape(3, 5, *sample[name].shape[1:])
+    lists = {n: sample[n] for n in (HISTORY_EMBEDDINGS, HISTORY_MASK)}
+    for name in per_candidate_dense_inputs(tiny_spec):
+        lists[CANDIDATE_PREFIX + name] = sample[name].reshape(3, 5, *sample[name].shape[1:])
     expected = step.runner.predict(step.check(rows))
     np.testing.assert_allclose(step.lists(lists), expected, atol=1e-5)
     without = CandidateLists(tiny_spec, step.runner.predict, None)  # an imported model's row graph only
@@ -123,17 +138,15 @@ def test_bad_candidate_lists_name_the_input_the_client_sent(spec):
     _, lists = user_rows(spec, users=1, candidates=4)
     step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, spec_store(spec)[1]))
     group = spec.categorical.name
-    short = dict(lists, **{wire.CANDIDATE_PREFIX + group: lists[wire.CANDIDATE_PREFIX + group][:, :3]})
+    short = dict(lists, **{CANDIDATE_PREFIX + group: lists[CANDIDATE_PREFIX + group][:, :3]})
     with pytest.raises(InvalidInput, match=f"'{group}'.*1 users x 3 candidates, other inputs have 1 x 4"):
         step.candidates(short)
-    flat = dict(lists, **{wire.CANDIDATE_PREFIX + group: lists[wire.CANDIDATE_PREFIX + group][0]})
+    flat = dict(lists, **{CANDIDATE_PREFIX + group: lists[CANDIDATE_PREFIX + group][0]})
     with pytest.raises(
         InvalidInput, match=f"'{group}': has shape \\[4, 26\\], expected \\[users, candidates, 26\\]"
     ):
         step.candidates(flat)
-    wide = {
-        k: np.repeat(v, 65, axis=1) if k.startswith(wire.CANDIDATE_PREFIX) else v for k, v in lists.items()
-    }
+    wide = {k: np.repeat(v, 65, axis=1) if k.startswith(CANDIDATE_PREFIX) else v for k, v in lists.items()}
     with pytest.raises(
         InvalidInput, match=f"1 users x 260 candidates = 260 rows, outside 1..{spec.max_batch_size}"
     ):
@@ -150,22 +163,22 @@ def test_a_users_profile_travels_once_and_a_bad_one_names_its_input():
         "clicks_7d", "user", "cms_segid", "cms_group_id", "final_gender_code", "age_level",
         "shopping_level", "tags",
     )  # fmt: skip
-    categorical = lists[wire.CANDIDATE_PREFIX + taobao.categorical.name]
+    categorical = lists[CANDIDATE_PREFIX + taobao.categorical.name]
     assert lists["profile__categorical"].shape == (2, 6) and categorical.shape == (2, 3, 4)
     assert lists["profile__dense"].shape == (2, 1) and lists["tags"].shape[0] == 2
-    got, users = wire.candidate_rows(taobao, lists)
+    got, users = candidate_rows(taobao, lists)
     for name in ("categorical", "dense", "dense__missing", "tags"):
         np.testing.assert_array_equal(got[name], rows[name], err_msg=name)
     assert users.tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(InvalidInput, match="'profile__categorical': is required but missing"):
-        wire.candidate_rows(taobao, {k: v for k, v in lists.items() if k != "profile__categorical"})
+        candidate_rows(taobao, {k: v for k, v in lists.items() if k != "profile__categorical"})
     with pytest.raises(InvalidInput, match="'profile__dense': has shape \\[1, 1\\], expected \\[2, 1\\]"):
-        wire.candidate_rows(taobao, dict(lists, profile__dense=lists["profile__dense"][:1]))
+        candidate_rows(taobao, dict(lists, profile__dense=lists["profile__dense"][:1]))
     with pytest.raises(InvalidInput, match="'tags': has shape \\[6, 8\\], expected \\[2, ...\\]"):
-        wire.candidate_rows(taobao, dict(lists, tags=np.repeat(lists["tags"], 3, axis=0)))
-    narrow = dict(lists, **{wire.CANDIDATE_PREFIX + "categorical": categorical[:, :, :3]})
+        candidate_rows(taobao, dict(lists, tags=np.repeat(lists["tags"], 3, axis=0)))
+    narrow = dict(lists, **{CANDIDATE_PREFIX + "categorical": categorical[:, :, :3]})
     with pytest.raises(InvalidInput, match="'categorical': has 3 columns, expected 4"):
-        wire.candidate_rows(taobao, narrow)
+        candidate_rows(taobao, narrow)
 
 
 def test_profile_columns_are_columns_of_a_spec_with_a_sequence():
@@ -183,9 +196,9 @@ def test_profile_columns_are_columns_of_a_spec_with_a_sequence():
 
 def test_the_candidates_ensemble_feeds_the_lookup_both_forms_and_batches_rows(spec):
     built = configs.all_configs(spec)
-    ensemble, lookup = built[spec.candidates_model], built[wire.EMBEDDING_LOOKUP]
+    ensemble, lookup = built[spec.candidates_model], built[EMBEDDING_LOOKUP]
     assert ensemble.max_batch_size == 0 and [s.model_name for s in ensemble.ensemble_scheduling.step] == list(
-        wire.STEPS
+        STEPS
     )
     step_inputs = {i.name: i for i in lookup.input}
     first = ensemble.ensemble_scheduling.step[0]
@@ -196,14 +209,14 @@ def test_the_candidates_ensemble_feeds_the_lookup_both_forms_and_batches_rows(sp
     )
     row_form = built[spec.name].ensemble_scheduling.step[0]
     assert set(row_form.input_map) == {t.name for t in spec.wire_inputs()}
-    assert {i.name: list(i.dims) for i in ensemble.output}[wire.PROBABILITY] == [-1, 1]
+    assert {i.name: list(i.dims) for i in ensemble.output}[PROBABILITY] == [-1, 1]
 
 
 def test_a_spec_without_sequences_has_no_candidates_ensemble():
     avazu = load_spec("avazu")
-    assert avazu.candidates_model is None and wire.candidate_step_inputs(avazu) == ()
-    assert set(configs.all_configs(avazu)) == {*wire.STEPS, avazu.name}
-    assert not any(i.optional for i in configs.all_configs(avazu)[wire.EMBEDDING_LOOKUP].input)
+    assert avazu.candidates_model is None and candidate_step_inputs(avazu) == ()
+    assert set(configs.all_configs(avazu)) == {*STEPS, avazu.name}
+    assert not any(i.optional for i in configs.all_configs(avazu)[EMBEDDING_LOOKUP].input)
 
 
 def test_a_users_consecutive_rows_with_the_same_sequences_are_one_run(tmp_path):

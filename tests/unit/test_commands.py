@@ -7,7 +7,7 @@ import pytest
 from recserve.cli import main, parser
 from recserve.commands.lab import FLAT_NAMES
 from recserve.commands.main import resolve_flat_name
-from recserve.spec import DEFAULT_SPEC
+from recserve.core.spec_types import DEFAULT_SPEC
 
 USER_COMMANDS = (
     "build", "import", "contract", "sample", "serve", "predict", "verify", "update", "rollback", "explain",

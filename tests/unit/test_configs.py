@@ -4,8 +4,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
 from recserve.build import configs
+from recserve.core.names import DENSE, STEPS
 from tests.unit.conftest import COMMITTED_CONFIGS
 
 
@@ -32,7 +32,7 @@ def test_every_step_input_is_produced_upstream(spec):
 
 
 def test_steps_batch_dynamically_with_spec_values(spec):
-    for step in wire.STEPS:
+    for step in STEPS:
         config = configs.step_config(spec, step)
         assert config.max_batch_size == spec.max_batch_size
         assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
@@ -46,7 +46,7 @@ def test_steps_batch_dynamically_with_spec_values(spec):
 def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
     files = configs.profile_configs(spec)
     for queue in spec.queue_profiles:
-        for step in wire.STEPS:
+        for step in STEPS:
             variant = files[configs.config_path(Path(), step, queue)]
             default = configs.step_config(spec, step)
             assert (
@@ -60,15 +60,15 @@ def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
 def test_latency_first_admits_by_time_at_the_entry_only(spec):
     """The budget is a timeout at the first step; no size limit anywhere, no policy after the entry."""
     policy = spec.queue_profiles["latency_first"]
-    entry = configs.step_config(spec, wire.STEPS[0], queue="latency_first")
+    entry = configs.step_config(spec, STEPS[0], queue="latency_first")
     limits = entry.dynamic_batching.default_queue_policy
     assert limits.default_timeout_microseconds == policy.entry_timeout > 0 and limits.max_queue_size == 0
     assert limits.timeout_action == limits.REJECT
-    for step in wire.STEPS[1:]:
+    for step in STEPS[1:]:
         later = configs.step_config(spec, step, queue="latency_first")
         assert not later.dynamic_batching.HasField("default_queue_policy"), step
 
 
 def test_an_unknown_queue_profile_is_refused(spec):
     with pytest.raises(ValueError, match="unknown queue profile"):
-        configs.step_config(spec, wire.DENSE, queue="nope")
+        configs.step_config(spec, DENSE, queue="nope")

@@ -13,8 +13,8 @@ from recserve.backends.store.served import ServedStore
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.build.synthetic import zipf_ranks
-from recserve.spec import StoreSection
-from recserve.wire import EMBEDDING_VERSION
+from recserve.core.names import EMBEDDING_VERSION
+from recserve.core.sections_serving import StoreSection
 from tests.store_tables import DIM, make_tables
 
 DEVICES = [

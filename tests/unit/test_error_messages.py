@@ -7,12 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from recserve import wire
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
 from recserve.build.synthetic import generate
+from recserve.core.spec_parse import load_spec
+from recserve.core.values import categorical_values, hash_strings, parse_hex
 from recserve.errors import MESSAGE_LIMIT, InvalidInput, cap_message, shorten, shorten_all
-from recserve.spec import load_spec
-from recserve.wire import parse_hex
 
 
 def test_shorten_keeps_a_short_value_as_its_repr() -> None:
@@ -99,14 +98,14 @@ def test_a_huge_non_ascii_value_is_named_shortened() -> None:
 def test_a_huge_decimal_value_is_named_shortened() -> None:
     group = load_spec("avazu").categorical
     row = [b"14102100", b"9" * HUGE] + [b"1"] * (len(group.raw_columns) - 2)
-    message = _refusal(lambda: wire.categorical_values(np.array([row], dtype=object), group))
+    message = _refusal(lambda: categorical_values(np.array([row], dtype=object), group))
     assert "C1 (row 0) is b'999" in message and f"({HUGE} bytes): not an int64" in message
 
 
 def test_a_huge_time_value_and_its_parse_error_are_shortened() -> None:
     group = load_spec("avazu").categorical
     row = [b"1" * HUGE] + [b"1"] * (len(group.raw_columns) - 1)
-    message = _refusal(lambda: wire.categorical_values(np.array([row], dtype=object), group))
+    message = _refusal(lambda: categorical_values(np.array([row], dtype=object), group))
     assert "hour (row 0) is b'111" in message and "not a time in format" in message
 
 
@@ -164,12 +163,12 @@ def test_long_strings_hash_as_fnv1a_and_in_time_linear_in_their_bytes() -> None:
     from recserve.backends.features.hashing import fnv1a64
 
     texts = ["", "a", "x" * 64, "y" * 65, "café" * 40, "z" * 1000]
-    keys, empty = wire.hash_strings(np.array(texts, dtype=object).reshape(-1, 1))
+    keys, empty = hash_strings(np.array(texts, dtype=object).reshape(-1, 1))
     assert keys[:, 0].tolist() == [fnv1a64(t) for t in texts]
     assert empty[:, 0].tolist() == [True] + [False] * 5
     batch = np.array([[b"s" * (1 << 20)]] + [[b"short"]] * 63, dtype=object)
     started = time.perf_counter()
-    wire.hash_strings(batch)  # was one numpy step per byte of the longest value: 20 to 50 s here
+    hash_strings(batch)  # was one numpy step per byte of the longest value: 20 to 50 s here
     assert time.perf_counter() - started < 5
 
 

@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 
-from recserve import wire as wire_names
 from recserve.backends.features.hashing import missing_key
 from recserve.backends.features.transform import FeatureTransform
 from recserve.build.synthetic import generate
+from recserve.core.names import DENSE_NORMALIZED, HISTORY_KEYS, HISTORY_MASK, SPARSE_KEYS, TARGET_KEY
+from recserve.core.values import parse_hex
 from recserve.errors import InvalidInput
-from recserve.wire import parse_hex
 
 
 @pytest.fixture
@@ -35,21 +35,21 @@ def test_parse_hex_names_the_input_and_value(bad):
 def test_dense_values_are_log1p_of_clipped_values_and_missing_is_zero(spec, transform, wire):
     wire[spec.dense.name][0, :3] = [np.e - 1, -5.0, 123456.0]
     wire[spec.dense_missing_input][0, 2] = True
-    out = transform.transform(wire)[wire_names.DENSE_NORMALIZED]
+    out = transform.transform(wire)[DENSE_NORMALIZED]
     assert out.dtype == np.float32
     np.testing.assert_allclose(out[0, :3], [1.0, 0.0, 0.0], rtol=1e-6)
 
 
 def test_empty_categorical_gets_the_feature_missing_key(spec, transform, wire):
     wire[spec.categorical.name][1, 4] = b""
-    keys = transform.transform(wire)[wire_names.SPARSE_KEYS]
+    keys = transform.transform(wire)[SPARSE_KEYS]
     assert keys.shape == (6, 26)
     assert keys[1, 4] == missing_key(spec.hash_namespace, "C5")
 
 
 def test_absent_target_gets_its_missing_key(spec, transform, wire):
     wire[spec.target.name][2, 0] = -1
-    keys = transform.transform(wire)[wire_names.TARGET_KEY]
+    keys = transform.transform(wire)[TARGET_KEY]
     assert keys[2, 0] == missing_key(spec.hash_namespace, spec.target.name)
 
 
@@ -57,15 +57,15 @@ def test_absent_target_gets_its_missing_key(spec, transform, wire):
 def test_history_is_padded_to_the_bucket_of_the_longest_row(spec, transform, lengths, bucket):
     items = np.arange(1, 2 * 256 + 1, dtype=np.int64).reshape(2, 256)
     out = transform.history(items, np.array(lengths, dtype=np.int32))
-    assert out[wire_names.HISTORY_KEYS].shape == (2, bucket)
-    assert out[wire_names.HISTORY_MASK].sum(1).tolist() == lengths
+    assert out[HISTORY_KEYS].shape == (2, bucket)
+    assert out[HISTORY_MASK].sum(1).tolist() == lengths
 
 
 def test_history_keys_do_not_depend_on_the_client_padding_width(spec, transform):
     items = np.array([[5, 6, 7, 0, 0, 0, 0, 0, 0, 0]], dtype=np.int64)
     wide = transform.history(items, np.array([3], dtype=np.int32))
     narrow = transform.history(items[:, :3], np.array([3], dtype=np.int32))
-    assert np.array_equal(wide[wire_names.HISTORY_KEYS], narrow[wire_names.HISTORY_KEYS])
+    assert np.array_equal(wide[HISTORY_KEYS], narrow[HISTORY_KEYS])
 
 
 def _bad_cases(spec):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from recserve.backends.features import hex_parser
+from recserve.core.values import parse_hex
 from recserve.errors import InvalidInput
-from recserve.wire import parse_hex
 
 PARSER = hex_parser.load()
 pytestmark = pytest.mark.skipif(

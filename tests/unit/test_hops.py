@@ -1,7 +1,7 @@
 """The echo ensembles of the hop-floor benchmark have the served steps' shapes, batching and wiring."""
 
-from recserve import wire
 from recserve.build import configs, step_tensors
+from recserve.core.names import DENSE, DENSE_VERSION, PROBABILITY, STEPS
 from recserve.perf.bench.hops import (
     PACKED,
     PACKED_TENSOR,
@@ -15,7 +15,7 @@ from recserve.perf.bench.hops import (
 def test_the_served_echo_topology_has_the_served_steps_tensors(spec):
     served = topologies(spec)["echo_2_hops"]
     io = step_tensors.step_io(spec)
-    assert [(s.name, s.inputs, s.outputs) for s in served] == [(step, *io[step]) for step in wire.STEPS]
+    assert [(s.name, s.inputs, s.outputs) for s in served] == [(step, *io[step]) for step in STEPS]
 
 
 def test_every_echo_step_input_comes_from_the_request_or_an_earlier_step(spec):
@@ -26,7 +26,7 @@ def test_every_echo_step_input_comes_from_the_request_or_an_earlier_step(spec):
             assert not missing, (name, step.name, missing)
             assert step.width_from in {t.name for t in step.inputs}, (name, step.name)
             available |= {t.name for t in step.outputs}
-        assert {wire.PROBABILITY, wire.DENSE_VERSION} <= available
+        assert {PROBABILITY, DENSE_VERSION} <= available
 
 
 def test_echo_steps_batch_as_the_served_steps_and_the_ensemble_chains_them(spec):
@@ -34,7 +34,7 @@ def test_echo_steps_batch_as_the_served_steps_and_the_ensemble_chains_them(spec)
     ensemble = generated.pop("echo_3_hops")
     assert [s.model_name for s in ensemble.ensemble_scheduling.step] == list(generated)
     assert len(generated) == 3
-    served = configs.step_config(spec, wire.DENSE).dynamic_batching
+    served = configs.step_config(spec, DENSE).dynamic_batching
     for config in generated.values():
         assert config.backend == "python" and config.max_batch_size == spec.max_batch_size
         assert config.dynamic_batching.max_queue_delay_microseconds == served.max_queue_delay_microseconds

@@ -23,11 +23,12 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from recserve import verify, wire
+from recserve import verify
 from recserve.backends.base.artifacts import map_safetensors
 from recserve.backends.base.bounded_files import load_npz, map_npy
 from recserve.build.repository import version_dir
 from recserve.cli import main
+from recserve.core.names import DENSE
 from recserve.errors import ArtifactError
 from tests.hostile_files import npy_header, write_zero_member
 from tests.model_exports import export_tables
@@ -42,7 +43,7 @@ def exported(tiny_spec, tiny_repository, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("hostile")
     formats = {name: ("keyed", "vocabulary")[i % 2] for i, name in enumerate(tiny_spec.table_names)}
     export_tables(tiny_spec, tiny_repository, folder / "tables", formats)
-    shutil.copy(version_dir(tiny_repository, wire.DENSE, tiny_spec) / "model.onnx", folder / "model.onnx")
+    shutil.copy(version_dir(tiny_repository, DENSE, tiny_spec) / "model.onnx", folder / "model.onnx")
     return folder
 
 

@@ -16,7 +16,6 @@ import tomllib
 import torch
 from safetensors.numpy import save_file
 
-from recserve import wire
 from recserve.backends.base.artifacts import map_safetensors
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.steps.pipeline import InProcessPipeline
@@ -26,8 +25,23 @@ from recserve.build.repository import is_built, reference_pipeline, version_dir
 from recserve.build.synthetic import generate
 from recserve.cli import main
 from recserve.clients.writers import write_csv
+from recserve.core.contract import dense_contract
+from recserve.core.names import (
+    BATCH_AXIS,
+    DENSE,
+    DENSE_NET_INPUTS,
+    DENSE_NORMALIZED,
+    EMBEDDING_LOOKUP,
+    HISTORY_EMBEDDINGS,
+    HISTORY_MASK,
+    LOGIT,
+    PROBABILITY,
+    SEQUENCE_AXIS,
+    SPARSE_EMBEDDINGS,
+    TARGET_EMBEDDING,
+)
+from recserve.core.spec_parse import parse_spec, spec_path
 from recserve.errors import ArtifactError
-from recserve.spec import parse_spec, spec_path
 from tests.model_exports import HandWrittenModel, export_tables
 
 FORMATS = ("vocabulary", "keyed", "hugectr")
@@ -51,7 +65,7 @@ def exported(tiny_spec, tiny_repository, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("exported")
     formats = {name: FORMATS[i % 3] for i, name in enumerate(tiny_spec.table_names)}
     export_tables(tiny_spec, tiny_repository, folder / "tables", formats)
-    shutil.copy(version_dir(tiny_repository, wire.DENSE, tiny_spec) / "model.onnx", folder / "model.onnx")
+    shutil.copy(version_dir(tiny_repository, DENSE, tiny_spec) / "model.onnx", folder / "model.onnx")
     return folder
 
 
@@ -91,16 +105,16 @@ def test_the_imported_graph_names_its_axes_and_serves_a_logit_as_a_probability(l
     model.write(tmp_path / "hand.onnx")
     model.random_tables(logit_spec, tmp_path / "tables")
     import_repository(logit_spec, tmp_path / "tables", tmp_path / "hand.onnx", tmp_path / "repo", quiet)
-    graph = onnx.load(str(version_dir(tmp_path / "repo", wire.DENSE, logit_spec) / "model.onnx")).graph
-    assert [o.name for o in graph.output] == [wire.PROBABILITY]
+    graph = onnx.load(str(version_dir(tmp_path / "repo", DENSE, logit_spec) / "model.onnx")).graph
+    assert [o.name for o in graph.output] == [PROBABILITY]
     axes = {i.name: [d.dim_param for d in i.type.tensor_type.shape.dim] for i in graph.input}
-    assert axes[wire.HISTORY_MASK] == [wire.BATCH_AXIS, wire.SEQUENCE_AXIS]
-    assert axes[wire.DENSE_NORMALIZED][0] == wire.BATCH_AXIS
+    assert axes[HISTORY_MASK] == [BATCH_AXIS, SEQUENCE_AXIS]
+    assert axes[DENSE_NORMALIZED][0] == BATCH_AXIS
 
 
 def test_a_probability_model_that_returns_logits_is_refused(tiny_spec, tmp_path):
     model = HandWrittenModel(tiny_spec)
-    model.write(tmp_path / "hand.onnx", output=wire.LOGIT)
+    model.write(tmp_path / "hand.onnx", output=LOGIT)
     model.random_tables(tiny_spec, tmp_path / "tables")
     with pytest.raises(ArtifactError, match="no output 'probability'"):
         import_repository(tiny_spec, tmp_path / "tables", tmp_path / "hand.onnx", tmp_path / "repo", quiet)
@@ -122,7 +136,7 @@ def _rename_input(graph, old, new):
 @pytest.mark.parametrize(
     "edit, named",
     [
-        (lambda g: _rename_input(g, wire.TARGET_EMBEDDING, "item_emb"), "no input 'target_embedding'"),
+        (lambda g: _rename_input(g, TARGET_EMBEDDING, "item_emb"), "no input 'target_embedding'"),
         (
             lambda g: g.input[1].type.tensor_type.shape.dim[1].__setattr__("dim_value", 5),
             "input 'sparse_embeddings' is [?, 5, 8]",
@@ -288,17 +302,17 @@ def test_contract_prints_the_dense_inputs_and_output_of_the_spec(capsys, logit_s
     contract = json.loads(capsys.readouterr().out)
     shapes = {t["name"]: t["shape"] for t in contract["inputs"]}
     assert shapes == {
-        wire.DENSE_NORMALIZED: [-1, 4],
-        wire.SPARSE_EMBEDDINGS: [-1, 4, 8],
-        wire.TARGET_EMBEDDING: [-1, 8],
-        wire.HISTORY_EMBEDDINGS: [-1, -1, 8],
-        wire.HISTORY_MASK: [-1, -1],
+        DENSE_NORMALIZED: [-1, 4],
+        SPARSE_EMBEDDINGS: [-1, 4, 8],
+        TARGET_EMBEDDING: [-1, 8],
+        HISTORY_EMBEDDINGS: [-1, -1, 8],
+        HISTORY_MASK: [-1, -1],
     }
     assert contract["outputs"] == [
         {"name": "probability", "dtype": "FP32", "shape": [-1, 1], "holds": "click probability"}
     ]
-    inputs, outputs = wire.dense_contract(logit_spec)
-    assert [o.name for o in outputs] == [wire.LOGIT] and all(t.dtype == "FP32" for t in inputs)
+    inputs, outputs = dense_contract(logit_spec)
+    assert [o.name for o in outputs] == [LOGIT] and all(t.dtype == "FP32" for t in inputs)
     assert main(["--spec", "tiny", "contract"]) == 0
     assert "sparse_embeddings   FP32  [-1, 4, 8]" in capsys.readouterr().out
 
@@ -327,7 +341,7 @@ class ForeignDense(torch.nn.Module):
 def test_the_guides_pytorch_example_imports_and_verifies(logit_spec, tmp_path, capsys):
     torch.manual_seed(0)
     dense = ForeignDense(logit_spec).eval()
-    names = list(wire.DENSE_NET_INPUTS)
+    names = list(DENSE_NET_INPUTS)
     d, n, f = logit_spec.embedding_dim, len(logit_spec.dense.columns), logit_spec.num_sparse
     example = (
         torch.zeros(2, n),
@@ -377,7 +391,7 @@ def test_the_guides_pytorch_example_imports_and_verifies(logit_spec, tmp_path, c
         return torch.sigmoid(logits).numpy()
 
     rows = generate(logit_spec, 120, seed=13)
-    store = TieredStore.load(version_dir(repo, wire.EMBEDDING_LOOKUP, logit_spec), logit_spec)
+    store = TieredStore.load(version_dir(repo, EMBEDDING_LOOKUP, logit_spec), logit_spec)
     expected = InProcessPipeline(logit_spec, store, torch_dense).predict(rows.to_wire(logit_spec))
     write_csv(tmp_path / "rows.csv", rows, logit_spec, with_label=True)
     (tmp_path / "scores.txt").write_text("".join(f"{p:.9f}\n" for p in expected))

@@ -7,7 +7,7 @@ from recserve.backends.store import kernels
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
-from recserve.spec import StoreSection
+from recserve.core.sections_serving import StoreSection
 
 KERNELS = kernels.load()
 pytestmark = pytest.mark.skipif(

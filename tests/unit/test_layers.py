@@ -1,8 +1,9 @@
 """The dependency direction of the packages, checked on every import (lazy ones included).
 
-Bottom, the ground: ``recserve/core/`` and the domain errors (``spec``, ``sections`` and ``wire``
-re-export ``core/``). Above them the backends that run inside
-tritonserver, in floors of their own (one rule per folder): ``base/`` on the bottom alone; the
+Bottom, the ground: ``recserve/core/`` and the domain errors. (``recserve.spec``, ``.sections`` and
+``.wire`` re-export ``core/`` for users' old imports; nothing of the project imports them.)
+Above them the backends that run inside tritonserver, in floors of their own (one rule per
+folder): ``base/`` on the bottom alone; the
 subsystems ``features/``, ``store/`` and ``dense/`` on the base, never on each other; ``steps/``
 composed from the subsystems; ``triton/`` (the adapters) on anything in the backends. Then the
 build; perf, the command line, the server process and the access layer (the proxy in front of the
@@ -23,8 +24,10 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
     "recserve.clients": "clients",
     "recserve.perf": "perf",
 }
-#: The ground: ``core/`` and the errors; ``sections``, ``spec`` and ``wire`` re-export names of ``core/``.
-BOTTOM = ("recserve.core", "recserve.sections", "recserve.spec", "recserve.wire", "recserve.errors")
+#: The ground: ``core/`` and the errors.
+BOTTOM = ("recserve.core", "recserve.errors")
+#: former paths of the ground, kept as re-exports for users' imports
+FACADES = ("recserve.sections", "recserve.spec", "recserve.wire")
 BACKEND_BASE = ("recserve.backends.base",)
 BACKEND_SUBSYSTEMS = ("recserve.backends.features", "recserve.backends.store", "recserve.backends.dense")
 #: what every part of perf may import: what it measures and the tools that start it
@@ -34,7 +37,7 @@ PERF_FLOORS = ("recserve.perf.harness", "recserve.perf.peers", "recserve.perf.be
 ALLOWED = {
     "recserve.core": ("recserve.errors",),  # the ground imports nothing of the project above it
     "recserve.errors": (),
-    **{facade: ("recserve.core",) for facade in ("recserve.sections", "recserve.spec", "recserve.wire")},
+    **{facade: ("recserve.core",) for facade in FACADES},
     "recserve.backends.base": BOTTOM,
     **{subsystem: (*BOTTOM, *BACKEND_BASE) for subsystem in BACKEND_SUBSYSTEMS},
     "recserve.backends.steps": (*BOTTOM, *BACKEND_BASE, *BACKEND_SUBSYSTEMS),
@@ -111,7 +114,7 @@ def test_imports_point_down(path):
 
 
 def test_upward_and_sideways_imports_are_caught():
-    assert violations("recserve.clients.rows", {"recserve.build.synthetic", "recserve.spec"}) == [
+    assert violations("recserve.clients.rows", {"recserve.build.synthetic", "recserve.core.spec"}) == [
         "recserve.build.synthetic"
     ]
     assert violations("recserve.backends.store.tiered", {"recserve.backends.triton.adapter"}) == [
@@ -132,7 +135,7 @@ def test_upward_and_sideways_imports_are_caught():
 
 def test_the_backends_floors_are_kept():
     assert violations(
-        "recserve.backends.base.metrics", {"recserve.backends.store.tiered", "recserve.spec"}
+        "recserve.backends.base.metrics", {"recserve.backends.store.tiered", "recserve.core.spec"}
     ) == ["recserve.backends.store.tiered"]
     assert violations("recserve.backends.dense.runner", {"recserve.backends.features.transform"}) == [
         "recserve.backends.features.transform"
@@ -171,6 +174,31 @@ def test_the_ground_stands_alone():
         "recserve.backends.features.hashing"
     ]
     assert violations("recserve.wire", {"recserve.core.rows", "recserve.spec"}) == ["recserve.spec"]
+    assert violations("recserve.backends.store.tiered", {"recserve.spec"}) == ["recserve.spec"]
+
+
+def project_files() -> list[Path]:
+    """Every Python file of the project: the packages, the tests and the model repository's adapters."""
+    return sorted(
+        p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+    )
+
+
+def test_nothing_of_the_project_imports_the_former_ground_paths():
+    """The re-exports are for users' code; every module, test and adapter imports ``recserve.core`` itself."""
+    users = sorted(
+        str(p.relative_to(ROOT))
+        for p in project_files()
+        if module_name_or_none(p) not in FACADES and imported(p) & set(FACADES)
+    )
+    assert not users, f"import recserve.core, not its re-exports: {users}"
+
+
+def module_name_or_none(path: Path) -> str | None:
+    try:
+        return module_name(path)
+    except AssertionError:
+        return None
 
 
 def test_ground_modules_are_short():

@@ -1,8 +1,8 @@
 import numpy as np
 
-from recserve import wire
 from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.store.rows import RowBlock
+from recserve.core.names import EMBEDDING_VERSION, HISTORY_KEYS, SPARSE_KEYS, TARGET_KEY
 from tests.store_tables import spec_store
 
 
@@ -11,9 +11,9 @@ def key_inputs(spec, tables, rows=3, width=5):
     sparse = np.stack([rng.choice(tables[f.table].keys, rows) for f in spec.categorical.features], axis=1)
     items = tables[spec.target.table].keys
     return {
-        wire.SPARSE_KEYS: sparse,
-        wire.TARGET_KEY: rng.choice(items, (rows, 1)),
-        wire.HISTORY_KEYS: rng.choice(items, (rows, width)),
+        SPARSE_KEYS: sparse,
+        TARGET_KEY: rng.choice(items, (rows, 1)),
+        HISTORY_KEYS: rng.choice(items, (rows, width)),
     }
 
 
@@ -21,13 +21,13 @@ def test_every_row_reports_the_table_versions_of_one_snapshot_in_spec_order(spec
     tables, store = spec_store(spec, base_version=4)
     lookup = EmbeddingLookup(spec, store)
     inputs = key_inputs(spec, tables)
-    versions = lookup.lookup(inputs)[wire.EMBEDDING_VERSION]
+    versions = lookup.lookup(inputs)[EMBEDDING_VERSION]
     assert versions.shape == (3, len(spec.table_names)) and versions.dtype == np.int64
     assert (versions == 4).all()
 
     item = spec.target.table
     store.install({item: 7}, RowBlock.of(tables[item].keys[:2], np.ones((2, spec.embedding_dim), np.float32)))
-    versions = lookup.lookup(inputs)[wire.EMBEDDING_VERSION]
+    versions = lookup.lookup(inputs)[EMBEDDING_VERSION]
     column = spec.table_names.index(item)
     assert (versions[:, column] == 7).all()
     assert (np.delete(versions, column, axis=1) == 4).all()

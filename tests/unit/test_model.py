@@ -6,11 +6,11 @@ That the trained default model learned the planted signal is tests/integration/t
 import numpy as np
 import pytest
 
-from recserve import wire
 from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.dense.runner import OnnxDenseRunner
 from recserve.build.export import example_inputs, torch_predict
 from recserve.build.repository import load_reference_net, version_dir
+from recserve.core.names import HISTORY_EMBEDDINGS, HISTORY_MASK
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +41,14 @@ def test_padding_never_changes_real_rows(spec, net, runner):
     sample = example_inputs(spec, rows=5, length=8, seed=3)
     base = runner.predict(sample)
     wider = {k: v.copy() for k, v in sample.items()}
-    wider[wire.HISTORY_EMBEDDINGS] = np.concatenate(
+    wider[HISTORY_EMBEDDINGS] = np.concatenate(
         [
-            sample[wire.HISTORY_EMBEDDINGS],
+            sample[HISTORY_EMBEDDINGS],
             np.random.default_rng(0).normal(size=(5, 24, spec.embedding_dim)).astype(np.float32),
         ],
         axis=1,
     )
-    wider[wire.HISTORY_MASK] = np.pad(sample[wire.HISTORY_MASK], ((0, 0), (0, 24)))
+    wider[HISTORY_MASK] = np.pad(sample[HISTORY_MASK], ((0, 0), (0, 24)))
     np.testing.assert_allclose(runner.predict(wider), base, atol=1e-6)
     more_rows = {
         k: np.concatenate([v, np.random.default_rng(1).random(v.shape, dtype=np.float32)])

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve import wire
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
@@ -14,8 +13,18 @@ from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import generate
 from recserve.clients.rows import RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
+from recserve.core.names import (
+    HISTORY_EMBEDDINGS,
+    HISTORY_KEYS,
+    MULTI_HOT_KEYS,
+    MULTI_HOT_WEIGHTS,
+    SPARSE_EMBEDDINGS,
+    SPARSE_KEYS,
+    TARGET_EMBEDDING,
+    TARGET_KEY,
+)
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 from recserve.errors import InvalidInput
-from recserve.spec import load_spec, parse_spec, spec_path
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +34,15 @@ def taobao():
 
 def _store(spec, features):
     """Tables holding every key of the batch that names them, with random vectors."""
-    width = features[wire.HISTORY_KEYS].shape[1] // len(spec.sequences)
+    width = features[HISTORY_KEYS].shape[1] // len(spec.sequences)
     keys: dict[str, list[np.ndarray]] = {name: [] for name in spec.table_names}
     for i, feature in enumerate(spec.categorical.features):
-        keys[feature.table].append(features[wire.SPARSE_KEYS][:, i])
+        keys[feature.table].append(features[SPARSE_KEYS][:, i])
     (tags,) = spec.categorical.multi_hot
-    keys[tags.table].append(features[wire.MULTI_HOT_KEYS].ravel())
+    keys[tags.table].append(features[MULTI_HOT_KEYS].ravel())
     for i, (target, sequence) in enumerate(zip(spec.targets, spec.sequences, strict=True)):
-        keys[target.table].append(features[wire.TARGET_KEY][:, i])
-        keys[sequence.table].append(features[wire.HISTORY_KEYS][:, i * width : (i + 1) * width].ravel())
+        keys[target.table].append(features[TARGET_KEY][:, i])
+        keys[sequence.table].append(features[HISTORY_KEYS][:, i * width : (i + 1) * width].ravel())
     rng = np.random.default_rng(3)
     tables = {}
     for name, parts in keys.items():
@@ -53,30 +62,30 @@ def test_pooled_and_summed_embeddings_equal_numpy(taobao):
         return tables[table].vectors[np.searchsorted(tables[table].keys, key)]
 
     out = FeaturesToEmbeddings(taobao, EmbeddingLookup(taobao, store))(inputs)
-    sparse = np.asarray(out[wire.SPARSE_EMBEDDINGS])
+    sparse = np.asarray(out[SPARSE_EMBEDDINGS])
     (tags,) = taobao.categorical.multi_hot
     column = taobao.categorical.raw_columns[tags.column]
     pools = 0
     for r in range(len(raw)):
         for i, feature in enumerate(taobao.categorical.features):
-            np.testing.assert_allclose(sparse[r, i], vector(feature.table, features[wire.SPARSE_KEYS][r, i]))
+            np.testing.assert_allclose(sparse[r, i], vector(feature.table, features[SPARSE_KEYS][r, i]))
         values = [v for v in raw.categorical[r, tags.column].split(column.separator.encode()) if v]
         values = values[: tags.max_length]
-        assert (features[wire.MULTI_HOT_WEIGHTS][r] > 0).sum() == len(values)
+        assert (features[MULTI_HOT_WEIGHTS][r] > 0).sum() == len(values)
         expected = np.zeros(taobao.embedding_dim, np.float32)
         for k in range(len(values)):  # mean pooling over this row's values
-            expected += vector(tags.table, features[wire.MULTI_HOT_KEYS][r, k]) / len(values)
+            expected += vector(tags.table, features[MULTI_HOT_KEYS][r, k]) / len(values)
         pools += bool(values)
         np.testing.assert_allclose(sparse[r, -1], expected, rtol=1e-5, atol=1e-6)
-        item, cate = features[wire.TARGET_KEY][r, :2]  # item_id and cate_id attend over both behaviours
+        item, cate = features[TARGET_KEY][r, :2]  # item_id and cate_id attend over both behaviours
         target = vector("item", item) + vector("cate", cate)
-        np.testing.assert_allclose(out[wire.TARGET_EMBEDDING][r], target)
+        np.testing.assert_allclose(out[TARGET_EMBEDDING][r], target)
         np.testing.assert_allclose(out["target_embedding__cart_item_ids"][r], target)
-        width = out[wire.HISTORY_EMBEDDINGS].shape[1]
-        keys = features[wire.HISTORY_KEYS][r].reshape(4, width)  # clicks, their categories, cart, ...
+        width = out[HISTORY_EMBEDDINGS].shape[1]
+        keys = features[HISTORY_KEYS][r].reshape(4, width)  # clicks, their categories, cart, ...
         for p in range(int(raw.lengths[r])):
             summed = vector("item", keys[0, p]) + vector("cate", keys[1, p])
-            np.testing.assert_allclose(out[wire.HISTORY_EMBEDDINGS][r, p], summed, rtol=1e-6)
+            np.testing.assert_allclose(out[HISTORY_EMBEDDINGS][r, p], summed, rtol=1e-6)
         cart = int(raw.lengths_of("cart_item_ids__length")[r])
         for p in range(width - cart, width):  # the cart is padded on the left
             summed = vector("item", keys[2, p]) + vector("cate", keys[3, p])
@@ -124,7 +133,7 @@ def test_a_multi_hot_list_travels_as_its_own_tensor_and_keys_as_the_joined_field
     joined = [b"|".join(v for v in row if v) for row in sent["tags"]]
     assert joined == [b"|".join(t for t in f.split(b"|") if t) for f in raw.categorical[:, column]]
     transform = FeatureTransform(taobao)
-    keys = transform.transform(sent)[wire.MULTI_HOT_KEYS]
+    keys = transform.transform(sent)[MULTI_HOT_KEYS]
     np.testing.assert_array_equal(keys, transform.multi_hot_keys(raw.categorical)[0])
     bad = {**sent, "tags": sent["tags"].copy()}
     bad["tags"][3, 0] = b"1|2"

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve import wire
 from recserve.backends.dense.buckets import Bucket, pad_to_bucket
 from recserve.backends.features.transform import FeatureTransform, right_align
 from recserve.backends.steps.explain import explain
@@ -15,7 +14,10 @@ from recserve.backends.triton.batching import merge, split
 from recserve.build.export import example_inputs
 from recserve.build.repository import build_repository, reference_pipeline, version_dir
 from recserve.build.synthetic import generate
-from recserve.spec import SpecError, parse_spec, spec_path
+from recserve.core.contract import dense_contract, left_padded_inputs
+from recserve.core.names import EMBEDDING_LOOKUP, HISTORY_EMBEDDINGS, HISTORY_KEYS, HISTORY_MASK
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import parse_spec, spec_path
 
 
 def _taobao(**padding: str) -> dict:
@@ -28,11 +30,11 @@ def _taobao(**padding: str) -> dict:
 
 def test_the_padding_side_is_the_first_sequences_and_shared_by_its_positions():
     cart = ("history_embeddings__cart_item_ids", "history_mask__cart_item_ids")
-    assert wire.left_padded_inputs(parse_spec(_taobao())) == cart  # the clicks are padded on the right
+    assert left_padded_inputs(parse_spec(_taobao())) == cart  # the clicks are padded on the right
     spec = parse_spec(_taobao(hist_item_ids="left"))
-    assert wire.left_padded_inputs(spec) == (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK, *cart)
+    assert left_padded_inputs(spec) == (HISTORY_EMBEDDINGS, HISTORY_MASK, *cart)
     assert [s.padding for s in spec.sequences] == ["left"] * 4
-    assert "padded to a sequence bucket on the left" in wire.dense_contract(spec)[0][-2].holds
+    assert "padded to a sequence bucket on the left" in dense_contract(spec)[0][-2].holds
 
 
 @pytest.mark.parametrize(
@@ -61,12 +63,12 @@ def test_the_transform_puts_the_newest_id_last_and_the_keys_follow_the_wire():
     lengths = np.array([3, 1], np.int32)
     a = FeatureTransform(right).history(items, lengths)
     b = FeatureTransform(left).history(items, lengths)
-    width = a[wire.HISTORY_KEYS].shape[1]
-    assert b[wire.HISTORY_MASK].tolist() == [[0.0] * (width - 3) + [1.0] * 3, [0.0] * (width - 1) + [1.0]]
-    np.testing.assert_array_equal(b[wire.HISTORY_KEYS][0, -3:], a[wire.HISTORY_KEYS][0, :3])
-    np.testing.assert_array_equal(b[wire.HISTORY_KEYS][1, -1], a[wire.HISTORY_KEYS][1, 0])
-    padding = a[wire.HISTORY_KEYS][0, -1]  # the missing key of the sequence
-    assert (b[wire.HISTORY_KEYS][0, : width - 3] == padding).all()
+    width = a[HISTORY_KEYS].shape[1]
+    assert b[HISTORY_MASK].tolist() == [[0.0] * (width - 3) + [1.0] * 3, [0.0] * (width - 1) + [1.0]]
+    np.testing.assert_array_equal(b[HISTORY_KEYS][0, -3:], a[HISTORY_KEYS][0, :3])
+    np.testing.assert_array_equal(b[HISTORY_KEYS][1, -1], a[HISTORY_KEYS][1, 0])
+    padding = a[HISTORY_KEYS][0, -1]  # the missing key of the sequence
+    assert (b[HISTORY_KEYS][0, : width - 3] == padding).all()
 
 
 def test_left_padded_tensors_merge_and_split_on_the_left():
@@ -82,9 +84,9 @@ def test_left_padded_tensors_merge_and_split_on_the_left():
 def test_a_bucket_pads_left_padded_sequences_before_their_positions():
     spec = parse_spec(_taobao(hist_item_ids="left"))
     inputs = example_inputs(spec, 3, 8, seed=4)
-    inputs[wire.HISTORY_MASK][:] = right_align(inputs[wire.HISTORY_MASK], inputs[wire.HISTORY_MASK].sum(1))
-    padded = pad_to_bucket(inputs, Bucket(4, 32), left=wire.left_padded_inputs(spec))
-    for name in (wire.HISTORY_EMBEDDINGS, wire.HISTORY_MASK):
+    inputs[HISTORY_MASK][:] = right_align(inputs[HISTORY_MASK], inputs[HISTORY_MASK].sum(1))
+    padded = pad_to_bucket(inputs, Bucket(4, 32), left=left_padded_inputs(spec))
+    for name in (HISTORY_EMBEDDINGS, HISTORY_MASK):
         np.testing.assert_array_equal(padded[name][:3, 24:], inputs[name])
         assert not padded[name][:, :24].any() and not padded[name][3:].any()
 
@@ -101,7 +103,7 @@ def test_the_built_in_network_scores_the_same_whichever_side_it_is_trained_and_s
             reference_pipeline(spec, tmp_path / side, runtime).predict(rows.to_wire(spec))
             for runtime in ("torch", "onnx")
         ]
-        store = TieredStore.load(version_dir(tmp_path / side, wire.EMBEDDING_LOOKUP, spec), spec)
+        store = TieredStore.load(version_dir(tmp_path / side, EMBEDDING_LOOKUP, spec), spec)
         history_keys[side] = [
             (e["feature"], e["value"], e["key"])
             for e in explain(spec, store, rows.take(slice(0, 4)).to_wire(spec))

@@ -8,8 +8,8 @@ import pytest
 from recserve.build.synthetic import generate
 from recserve.clients.rows import CriteoRows, RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
-from recserve.spec import NUMPY_DTYPES
-from recserve.wire import parse_hex
+from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.values import parse_hex
 
 
 def _tsv_line(label=None, dense=None, cats=None, extras=None) -> str:

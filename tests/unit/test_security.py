@@ -2,10 +2,17 @@
 
 import pytest
 
-from recserve import wire
 from recserve.backends.dense.compatibility import check_dense_fits
 from recserve.build import configs
 from recserve.cli import parser
+from recserve.core.names import (
+    DENSE_NORMALIZED,
+    HISTORY_EMBEDDINGS,
+    HISTORY_MASK,
+    SPARSE_EMBEDDINGS,
+    STEPS,
+    TARGET_EMBEDDING,
+)
 from recserve.errors import ArtifactError
 from recserve.server import ADMIN_HEADER, Ports, Security, ServerProcessError, server_command
 
@@ -69,11 +76,11 @@ def test_throughput_first_sheds_load_at_every_step(spec):
     assert 0 < policy.entry_max_queue_size <= policy.max_queue_size, (
         "the first step must be the tightest gate"
     )
-    for step in wire.STEPS:
+    for step in STEPS:
         limits = configs.step_config(
             spec, step, queue="throughput_first"
         ).dynamic_batching.default_queue_policy
-        limit = policy.entry_max_queue_size if step == wire.STEPS[0] else policy.max_queue_size
+        limit = policy.entry_max_queue_size if step == STEPS[0] else policy.max_queue_size
         assert limits.max_queue_size == limit > 0
         assert limits.default_timeout_microseconds == policy.default_timeout_microseconds > 0
         assert limits.timeout_action == limits.REJECT
@@ -81,18 +88,18 @@ def test_throughput_first_sheds_load_at_every_step(spec):
 
 def test_the_served_configs_have_no_queue_policy(spec):
     # with one, tritonserver's batcher waits for an idle instance and may sleep 500 ms with requests queued
-    for step in wire.STEPS:
+    for step in STEPS:
         assert not configs.step_config(spec, step).dynamic_batching.HasField("default_queue_policy"), step
 
 
 def _graph(spec, **overrides):
     dim, sparse = spec.embedding_dim, spec.num_sparse
     shapes = {
-        wire.DENSE_NORMALIZED: ["batch", len(spec.dense.columns)],
-        wire.SPARSE_EMBEDDINGS: ["batch", sparse, dim],
-        wire.TARGET_EMBEDDING: ["batch", dim],
-        wire.HISTORY_EMBEDDINGS: ["batch", "length", dim],
-        wire.HISTORY_MASK: ["batch", "length"],
+        DENSE_NORMALIZED: ["batch", len(spec.dense.columns)],
+        SPARSE_EMBEDDINGS: ["batch", sparse, dim],
+        TARGET_EMBEDDING: ["batch", dim],
+        HISTORY_EMBEDDINGS: ["batch", "length", dim],
+        HISTORY_MASK: ["batch", "length"],
     }
     shapes.update(overrides)
     return {k: v for k, v in shapes.items() if v is not None}
@@ -105,11 +112,11 @@ def test_a_dense_graph_built_for_the_spec_fits(spec):
 @pytest.mark.parametrize(
     "overrides, named",
     [
-        ({wire.SPARSE_EMBEDDINGS: ["batch", 26, 32]}, "'sparse_embeddings' is [26, 32]"),
-        ({wire.TARGET_EMBEDDING: ["batch", 8]}, "'target_embedding' is [8]"),
-        ({wire.SPARSE_EMBEDDINGS: ["batch", 25, 16]}, "'sparse_embeddings' is [25, 16]"),
-        ({wire.DENSE_NORMALIZED: ["batch", 12]}, "'dense_normalized' is [12]"),
-        ({wire.HISTORY_MASK: None}, "no input 'history_mask'"),
+        ({SPARSE_EMBEDDINGS: ["batch", 26, 32]}, "'sparse_embeddings' is [26, 32]"),
+        ({TARGET_EMBEDDING: ["batch", 8]}, "'target_embedding' is [8]"),
+        ({SPARSE_EMBEDDINGS: ["batch", 25, 16]}, "'sparse_embeddings' is [25, 16]"),
+        ({DENSE_NORMALIZED: ["batch", 12]}, "'dense_normalized' is [12]"),
+        ({HISTORY_MASK: None}, "no input 'history_mask'"),
     ],
 )
 def test_a_dense_graph_for_other_embeddings_is_refused_with_both_shapes(spec, overrides, named):

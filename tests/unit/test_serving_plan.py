@@ -6,14 +6,14 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-from recserve import wire
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
 from recserve.cli import main
+from recserve.core.names import EMBEDDING_LOOKUP, STEPS
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import parse_spec
 from recserve.server import MpsDaemon, ServerProcessError, visible_gpus
-from recserve.spec import SpecError, parse_spec
-from recserve.wire import STEPS
 
 
 def test_naive_plan_turns_dynamic_batching_off(spec):
@@ -35,7 +35,7 @@ def test_plan_sets_delay_preferred_sizes_and_instances(spec):
 
 @pytest.mark.parametrize("profile", ["gpu", "cuda"])
 def test_gpu_profiles_run_the_lookup_step_on_gpu_instances_with_gpu_inputs(spec, profile):
-    step = wire.EMBEDDING_LOOKUP
+    step = EMBEDDING_LOOKUP
     config = configs.step_config(spec, step, profile=profile)
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"

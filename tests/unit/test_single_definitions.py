@@ -3,20 +3,22 @@
 import numpy as np
 import pytest
 
-from recserve import clients, sections, wire
+from recserve import clients
 from recserve.build.synthetic import generate
 from recserve.clients.rows import CriteoRows, read_rows
 from recserve.clients.writers import write_tsv
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP, STEPS
+from recserve.core.rows import RawRows, Rows
 
 
 def test_the_sdk_rows_and_the_generated_rows_are_one_class():
-    assert CriteoRows is wire.Rows and wire.RawRows is wire.Rows
-    assert clients.CriteoRows is clients.Rows is wire.Rows
+    assert CriteoRows is Rows and RawRows is Rows
+    assert clients.CriteoRows is clients.Rows is Rows
 
 
 def test_the_steps_are_defined_once():
-    assert wire.STEPS is sections.STEPS
-    assert (wire.EMBEDDING_LOOKUP, wire.DENSE) == sections.STEPS
+    assert STEPS is STEPS
+    assert (EMBEDDING_LOOKUP, DENSE) == STEPS
 
 
 def test_rows_read_from_a_file_are_the_generated_rows_class_and_round_trip(tiny_spec, tmp_path):

@@ -10,11 +10,21 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve import wire
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.core.contract import dense_contract, dense_net_inputs
+from recserve.core.name_ranges import expand_names
+from recserve.core.names import (
+    DENSE_NET_INPUTS,
+    DENSE_NORMALIZED,
+    PROBABILITY,
+    SPARSE_EMBEDDINGS,
+    SPARSE_KEYS,
+)
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.values import categorical_values, hash_strings
 from recserve.errors import InvalidInput
-from recserve.spec import SpecError, expand_names, load_spec, parse_spec, spec_path
 
 
 def _doc(name: str = "avazu") -> dict:
@@ -49,23 +59,23 @@ def test_ctr_in_v2_form_is_todays_schema():
 
 def test_the_contract_follows_what_the_spec_has():
     ctr, avazu = load_spec("ctr"), load_spec("avazu")
-    assert wire.dense_net_inputs(ctr) == wire.DENSE_NET_INPUTS
+    assert dense_net_inputs(ctr) == DENSE_NET_INPUTS
     narrow = ("sparse_embeddings__4", "sparse_embeddings__8")  # avazu's smallest tables
-    assert wire.dense_net_inputs(avazu) == (wire.SPARSE_EMBEDDINGS, *narrow)
-    inputs, outputs = wire.dense_contract(avazu)
+    assert dense_net_inputs(avazu) == (SPARSE_EMBEDDINGS, *narrow)
+    inputs, outputs = dense_contract(avazu)
     assert [(t.name, t.shape) for t in inputs] == [
-        (wire.SPARSE_EMBEDDINGS, (-1, 17, 16)),
+        (SPARSE_EMBEDDINGS, (-1, 17, 16)),
         (narrow[0], (-1, 4, 4)),
         (narrow[1], (-1, 2, 8)),
     ]
-    assert outputs[0].name == wire.PROBABILITY
+    assert outputs[0].name == PROBABILITY
 
 
 def test_time_parts_are_read_in_the_columns_time_zone():
     spec = load_spec("avazu")
     transform = FeatureTransform(spec)
     rows = np.array([[b"14102100"] + [b"1"] * 22, [b"14102523"] + [b""] * 22], dtype=object)
-    values, empty = wire.categorical_values(rows, spec.categorical)
+    values, empty = categorical_values(rows, spec.categorical)
     assert values[0, 0] == datetime.datetime(2014, 10, 21, tzinfo=datetime.UTC).timestamp()
     keys = transform.categorical_keys(values, empty)
     ns = spec.hash_namespace
@@ -79,14 +89,14 @@ def test_time_parts_are_read_in_the_columns_time_zone():
 def test_value_types_parse_and_refuse_by_column():
     group = load_spec("avazu").categorical
     row = [b"14102100", b"-3", b"0"] + [b"caf\xc3\xa9"] * 9 + [b"1"] * 11
-    values, _ = wire.categorical_values(np.array([row], dtype=object), group)
+    values, _ = categorical_values(np.array([row], dtype=object), group)
     assert values[0, 1] == np.uint64(2**64 - 3)  # int64 -3, as its two's complement
-    assert values[0, 3] == wire.hash_strings(np.array([b"caf\xc3\xa9"], dtype=object))[0][0]
+    assert values[0, 3] == hash_strings(np.array([b"caf\xc3\xa9"], dtype=object))[0][0]
     for column, bad, why in [(1, b"1.0", "int64"), (2, b"1 2", "int64"), (0, b"2014-10-21", "time")]:
         broken = list(row)
         broken[column] = bad
         with pytest.raises(InvalidInput, match=f"{group.columns[column]} \\(row 0\\) is {bad!r}.*{why}"):
-            wire.categorical_values(np.array([broken], dtype=object), group)
+            categorical_values(np.array([broken], dtype=object), group)
 
 
 def test_unix_times_and_identity_keys():
@@ -102,7 +112,7 @@ def test_unix_times_and_identity_keys():
     assert spec.tables["ts_month"].cardinality == 12
     saturday_ms = int(datetime.datetime(2026, 11, 21, 12, tzinfo=datetime.UTC).timestamp() * 1000)
     rows = np.array([[str(saturday_ms).encode(), b"-42"]], dtype=object)
-    keys = FeatureTransform(spec).categorical_keys(*wire.categorical_values(rows, spec.categorical))
+    keys = FeatureTransform(spec).categorical_keys(*categorical_values(rows, spec.categorical))
     ns = spec.hash_namespace
     assert keys[0, 0] == keys_for(np.uint64(1), table_salt(ns, "ts_is_weekend"))
     assert keys[0, 1] == keys_for(np.uint64(10), table_salt(ns, "ts_month"))
@@ -138,7 +148,7 @@ def test_a_shared_table_and_string_vocabularies():
     spec = parse_spec(doc)
     assert list(spec.tables) == ["city"] and spec.store.float16_tables == ("city",)
     rows = np.array([[b"Paris", b"Paris"]], dtype=object)
-    keys = FeatureTransform(spec).categorical_keys(*wire.categorical_values(rows, spec.categorical))
+    keys = FeatureTransform(spec).categorical_keys(*categorical_values(rows, spec.categorical))
     assert keys[0, 0] == keys[0, 1] == vocabulary_keys(spec, "city", ["Paris"])[0]
 
 
@@ -266,22 +276,20 @@ def test_a_bucketized_numeric_feature_is_a_categorical_one():
     spec = parse_spec(doc)
     assert spec.numeric_columns == ("price", "clicks") and spec.normalized_columns == ("price",)
     assert spec.categorical.slot_names == ("clicks", "k") and spec.tables["clicks"].cardinality == 4
-    inputs, _ = wire.dense_contract(spec)
+    inputs, _ = dense_contract(spec)
     assert [(t.name, t.shape) for t in inputs[:2]] == [
-        (wire.DENSE_NORMALIZED, (-1, 1)),
-        (wire.SPARSE_EMBEDDINGS, (-1, 2, 16)),
+        (DENSE_NORMALIZED, (-1, 1)),
+        (SPARSE_EMBEDDINGS, (-1, 2, 16)),
     ]
     values = np.array([[5.0, 0.0], [5.0, 3.0], [5.0, 250.0], [5.0, 7.0]], np.float32)
     missing = np.array([[False, False], [False, False], [False, False], [False, True]])
     out = FeatureTransform(spec).transform(
         {"dense": values, "dense__missing": missing, "categorical": np.full((4, 1), b"a", dtype=object)}
     )
-    np.testing.assert_allclose(out[wire.DENSE_NORMALIZED][:, 0], np.log1p(5.0), rtol=1e-6)
+    np.testing.assert_allclose(out[DENSE_NORMALIZED][:, 0], np.log1p(5.0), rtol=1e-6)
     ns = spec.hash_namespace
     expected = [keys_for(np.uint64(b), table_salt(ns, "clicks")) for b in (0, 2, 3)]
-    assert list(out[wire.SPARSE_KEYS][:3, 0]) == expected and out[wire.SPARSE_KEYS][3, 0] == missing_key(
-        ns, "clicks"
-    )
+    assert list(out[SPARSE_KEYS][:3, 0]) == expected and out[SPARSE_KEYS][3, 0] == missing_key(ns, "clicks")
     assert vocabulary_keys(spec, "clicks", [2])[0] == expected[1]
     with pytest.raises(SpecError, match="increasing boundaries"):
         parse_spec(

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve import wire
 from recserve.backends.base.artifacts import write_manifest
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
@@ -16,7 +15,10 @@ from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import DEFAULT, L1, L2, TieredStore
 from recserve.backends.store.updates.versions import DeltaError, StoreUpdater, UpdateLog
 from recserve.build.synthetic import generate
-from recserve.spec import SpecError, load_spec, parse_spec, spec_path
+from recserve.core.contract import dense_contract, sparse_inputs
+from recserve.core.names import SPARSE_EMBEDDINGS, SPARSE_KEYS
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 
 
 def _tables() -> dict[str, TableArrays]:
@@ -72,14 +74,14 @@ def test_redis_rows_of_a_narrower_table_fill_the_first_columns():
 def test_avazus_narrow_tables_travel_as_a_dense_input_per_width():
     avazu = load_spec("avazu")
     assert avazu.other_widths == (4, 8)
-    contract = {t.name: t.shape for t in wire.dense_contract(avazu)[0]}
+    contract = {t.name: t.shape for t in dense_contract(avazu)[0]}
     assert contract == {
-        wire.SPARSE_EMBEDDINGS: (-1, 17, 16),
+        SPARSE_EMBEDDINGS: (-1, 17, 16),
         "sparse_embeddings__4": (-1, 4, 4),
         "sparse_embeddings__8": (-1, 2, 8),
     }
     raw = generate(avazu, 9, seed=3)
-    keys = FeatureTransform(avazu).transform(raw.to_wire(avazu))[wire.SPARSE_KEYS]
+    keys = FeatureTransform(avazu).transform(raw.to_wire(avazu))[SPARSE_KEYS]
     rng = np.random.default_rng(0)
     tables = {}
     for i, (name, table) in enumerate(avazu.tables.items()):
@@ -89,7 +91,7 @@ def test_avazus_narrow_tables_travel_as_a_dense_input_per_width():
         tables[name] = TableArrays(name, unique, vectors, np.full(table.dim, i, np.float32))
     store = TieredStore.from_tables(tables)
     out = FeaturesToEmbeddings(avazu, EmbeddingLookup(avazu, store))(raw.to_wire(avazu))
-    for name, width, slots in wire.sparse_inputs(avazu):
+    for name, width, slots in sparse_inputs(avazu):
         assert out[name].shape == (9, len(slots), width)
         for k, slot in enumerate(slots):
             feature = avazu.categorical.features[slot]

@@ -6,7 +6,6 @@ import sys
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve import wire
 from recserve.backends.dense.buckets import Bucket, spec_buckets
 from recserve.backends.dense.tensorrt_engine import (
     EngineOptions,
@@ -18,6 +17,7 @@ from recserve.backends.dense.tensorrt_engine import (
     tensorrt_available,
 )
 from recserve.build import configs
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
 from tests.unit.conftest import COMMITTED_CONFIGS, TINY_SPEC
 
 
@@ -72,7 +72,7 @@ def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(tiny_repos
 
 
 def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
-    config = configs.step_config(spec, wire.DENSE, profile="gpu")
+    config = configs.step_config(spec, DENSE, profile="gpu")
     assert config.platform == "tensorrt_plan" and config.default_model_filename == configs.TENSORRT_PLAN
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.instance_group[0].count == spec.instances["dense"]
@@ -86,7 +86,7 @@ def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
 
 
 def test_cpu_dense_config_warms_every_bucket_at_load(spec):
-    config = configs.step_config(spec, wire.DENSE)
+    config = configs.step_config(spec, DENSE)
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     for warmup, bucket in zip(config.model_warmup, spec_buckets(spec), strict=True):
         assert warmup.batch_size == bucket.rows
@@ -96,8 +96,8 @@ def test_cpu_dense_config_warms_every_bucket_at_load(spec):
 
 
 def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
-    config = configs.step_config(spec, wire.DENSE, profile="cuda")
-    cpu = configs.step_config(spec, wire.DENSE)
+    config = configs.step_config(spec, DENSE, profile="cuda")
+    cpu = configs.step_config(spec, DENSE)
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"  # lookups arrive on the GPU
     cpu.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
@@ -107,17 +107,17 @@ def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
 
 
 def test_the_lookup_step_differs_between_profiles_only_in_instance_kind_and_device_parameters(spec):
-    step = wire.EMBEDDING_LOOKUP
+    step = EMBEDDING_LOOKUP
     for profile in configs.PROFILES:
         config = configs.step_config(spec, step, profile)
         config.instance_group[0].kind = mc.ModelInstanceGroup.KIND_CPU
         if profile != "cpu":
             del config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"]
         l1_device = ""
-        if wire.L1_DEVICE_PARAMETER in config.parameters:
-            l1_device = config.parameters[wire.L1_DEVICE_PARAMETER].string_value
-            del config.parameters[wire.L1_DEVICE_PARAMETER]
-        assert l1_device == ("cuda" if (step, profile) == (wire.EMBEDDING_LOOKUP, "cuda") else "")
+        if L1_DEVICE_PARAMETER in config.parameters:
+            l1_device = config.parameters[L1_DEVICE_PARAMETER].string_value
+            del config.parameters[L1_DEVICE_PARAMETER]
+        assert l1_device == ("cuda" if (step, profile) == (EMBEDDING_LOOKUP, "cuda") else "")
         assert config == configs.step_config(spec, step)
     # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
     hardware = [
@@ -135,4 +135,4 @@ def test_the_lookup_step_differs_between_profiles_only_in_instance_kind_and_devi
         ),
     ]
     with pytest.raises(ValueError, match="profile"):
-        configs.step_config(spec, wire.DENSE, profile="tpu")
+        configs.step_config(spec, DENSE, profile="tpu")

@@ -4,7 +4,6 @@ import functools
 
 import numpy as np
 
-from recserve import wire
 from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.triton.adapter import (
@@ -15,6 +14,8 @@ from recserve.backends.triton.adapter import (
     execute_checked_merged,
     instance_device,
 )
+from recserve.core.contract import dense_net_inputs, left_padded_inputs
+from recserve.core.names import DENSE_VERSION, PROBABILITY
 
 
 class TritonPythonModel:
@@ -28,8 +29,8 @@ class TritonPythonModel:
         self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
         self.version = context.version
         self.warmup_left = context.warmup_requests  # Triton's warm-up comes first: not served scores
-        self.input_names = wire.dense_net_inputs(context.spec)
-        self.left_padded = wire.left_padded_inputs(context.spec)
+        self.input_names = dense_net_inputs(context.spec)
+        self.left_padded = left_padded_inputs(context.spec)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
@@ -66,14 +67,14 @@ class TritonPythonModel:
 
     def score_list(self, inputs: dict, requested: frozenset) -> dict:
         """One candidate list: a row per candidate, user by user; refused whole if any is not finite."""
-        outputs = {wire.PROBABILITY: self.step.lists(inputs)}
+        outputs = {PROBABILITY: self.step.lists(inputs)}
         self.step.accept(outputs)
         return self.versioned(outputs)
 
     def versioned(self, outputs: dict) -> dict:
         """``outputs`` with, per row, the version that computed them."""
-        rows = outputs[wire.PROBABILITY].shape[0]
-        return {**outputs, wire.DENSE_VERSION: np.full((rows, 1), self.version, np.int64)}
+        rows = outputs[PROBABILITY].shape[0]
+        return {**outputs, DENSE_VERSION: np.full((rows, 1), self.version, np.int64)}
 
     def finalize(self) -> None:
         """Stop background compiles; publish the last counts."""

@@ -4,7 +4,6 @@ The feature transform (recserve.backends.features.transform) and the tiered stor
 (recserve.backends.store.tiered) run here together; see recserve.backends.steps.lookup.FeaturesToEmbeddings.
 """
 
-from recserve import wire
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.served import ServedStore
 from recserve.backends.triton.adapter import (
@@ -15,6 +14,7 @@ from recserve.backends.triton.adapter import (
     execute_merged_or_alone,
     instance_device,
 )
+from recserve.core.names import CANDIDATE_PREFIX, L1_DEVICE_PARAMETER, SPARSE_EMBEDDINGS
 
 
 class TritonPythonModel:
@@ -30,7 +30,7 @@ class TritonPythonModel:
         lookup = EmbeddingLookup.for_instance(
             context.spec,
             self.served,
-            context.parameters.get(wire.L1_DEVICE_PARAMETER, ""),
+            context.parameters.get(L1_DEVICE_PARAMETER, ""),
             instance_device(args),
         )
         self.step = FeaturesToEmbeddings(context.spec, lookup)
@@ -68,7 +68,7 @@ class TritonPythonModel:
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
         """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""
-        expand = wire.CANDIDATE_PREFIX + wire.SPARSE_EMBEDDINGS not in requested
+        expand = CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in requested
         return self.step.candidates(inputs, expand=expand)
 
     def is_ready(self) -> bool:
