@@ -64,10 +64,12 @@ def queue_policy(policy: QueuePolicy, step: str) -> mc.ModelQueuePolicy | None:
 def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
     """The spec's ``[serving.queue]`` (None) or one of its ``[serving.queue_profiles]``."""
     if queue is None:
-        return spec.queue
-    if queue not in spec.queue_profiles:
-        raise ValueError(f"unknown queue profile {queue!r}; the spec has {sorted(spec.queue_profiles)}")
-    return spec.queue_profiles[queue]
+        return spec.serving.queue
+    if queue not in spec.serving.queue_profiles:
+        raise ValueError(
+            f"unknown queue profile {queue!r}; the spec has {sorted(spec.serving.queue_profiles)}"
+        )
+    return spec.serving.queue_profiles[queue]
 
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
@@ -102,15 +104,15 @@ def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
         name=DENSE,
         platform="tensorrt_plan",
         default_model_filename=TENSORRT_PLAN,
-        max_batch_size=spec.max_batch_size,
+        max_batch_size=spec.model.max_batch_size,
         input=[model_input(dataclasses.replace(t, ragged=False)) for t in inputs],
         output=[model_output(t) for t in outputs],
         instance_group=[
-            mc.ModelInstanceGroup(count=spec.instances[DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
+            mc.ModelInstanceGroup(count=spec.serving.instances[DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
         ],
         dynamic_batching=mc.ModelDynamicBatching(
-            preferred_batch_size=list(spec.batch_buckets),
-            max_queue_delay_microseconds=spec.max_queue_delay_microseconds,
+            preferred_batch_size=list(spec.serving.batch_buckets),
+            max_queue_delay_microseconds=spec.serving.max_queue_delay_microseconds,
         ),
         model_warmup=dense_warmup(spec),
     )
@@ -132,7 +134,11 @@ class ServingPlan:
     @classmethod
     def from_spec(cls, spec: ModelSpec) -> ServingPlan:
         """The plan written in the spec."""
-        return cls(spec.max_queue_delay_microseconds, spec.preferred_batch_sizes, dict(spec.instances))
+        return cls(
+            spec.serving.max_queue_delay_microseconds,
+            spec.serving.preferred_batch_size,
+            dict(spec.serving.instances),
+        )
 
     @classmethod
     def naive(cls) -> ServingPlan:
@@ -173,7 +179,7 @@ def step_config(
     config = mc.ModelConfig(
         name=step,
         backend="python",
-        max_batch_size=spec.max_batch_size,
+        max_batch_size=spec.model.max_batch_size,
         input=[model_input(t) for t in inputs],
         output=[model_output(t) for t in outputs],
         instance_group=[mc.ModelInstanceGroup(count=plan.instances[step], kind=kind)],
@@ -218,7 +224,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     return mc.ModelConfig(
         name=spec.name,
         platform="ensemble",
-        max_batch_size=spec.max_batch_size,
+        max_batch_size=spec.model.max_batch_size,
         input=[model_input(t) for t in spec.wire_inputs()],
         output=[model_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
@@ -306,7 +312,7 @@ def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
         for name, config in all_configs(spec, profile).items():
             if config != cpu[name]:
                 files[config_path(Path(), name, profile)] = config
-    for queue in spec.queue_profiles:
+    for queue in spec.serving.queue_profiles:
         if queue in PROFILES:
             raise ValueError(
                 f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs"

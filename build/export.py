@@ -23,7 +23,7 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     Every history's real positions come first (right padding), each group with its own lengths.
     """
     rng = np.random.default_rng(seed)
-    dim = spec.embedding_dim
+    dim = spec.model.embedding_dim
     inputs = {
         DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
     }
@@ -45,7 +45,7 @@ def torch_predict(net: CTRNet, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def export_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write ``net`` as ONNX; batch and sequence axes stay dynamic."""
-    example = example_inputs(spec, rows=4, length=spec.sequence_buckets[0])
+    example = example_inputs(spec, rows=4, length=spec.serving.sequence_buckets[0])
     _export(net, net.input_names, example, _dynamic_axes(spec, history_rows=BATCH_AXIS), path)
 
 
@@ -64,7 +64,7 @@ def candidate_inputs(
 def export_candidates_onnx(spec: ModelSpec, net: CTRNet, path: Path) -> None:
     """Write the candidate-list graph of ``net`` (:class:`CandidateNet`) as ONNX."""
     module = CandidateNet(net)
-    example = candidate_inputs(spec, users=2, candidates=3, length=spec.sequence_buckets[0])
+    example = candidate_inputs(spec, users=2, candidates=3, length=spec.serving.sequence_buckets[0])
     _export(module, module.input_names, example, _dynamic_axes(spec, history_rows="users"), path)
 
 

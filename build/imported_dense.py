@@ -45,7 +45,7 @@ def served_onnx(spec: ModelSpec, source: Path) -> bytes:
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
-    if spec.dense_output == "logit":
+    if spec.model.output == "logit":
         output = next(o for o in graph.output if o.name == LOGIT)
         graph.node.append(helper.make_node("Sigmoid", [output.name], [PROBABILITY], name="recserve_sigmoid"))
         served = helper.make_tensor_value_info(PROBABILITY, onnx.TensorProto.FLOAT, [BATCH_AXIS, 1])
@@ -61,7 +61,7 @@ def write_imported_dense(spec: ModelSpec, source: Path, root: Path) -> None:
     path = root / ONNX_FILE
     path.write_bytes(served_onnx(spec, source))
     runner = OnnxDenseRunner(spec, path)
-    for length in spec.sequence_buckets:
+    for length in spec.serving.sequence_buckets:
         try:
             scores = runner.predict(example_inputs(spec, rows=3, length=length, seed=length))
         except Exception as exc:  # onnxruntime raises its own types for graphs that fail at run time
@@ -81,7 +81,7 @@ def write_imported_dense(spec: ModelSpec, source: Path, root: Path) -> None:
             "version": spec.version,
             "spec_sha256": spec_digest(spec),
             "holdout_auc": None,
-            "imported": {"file": source.name, "sha256": sha256_file(source), "output": spec.dense_output},
+            "imported": {"file": source.name, "sha256": sha256_file(source), "output": spec.model.output},
             "files": {"model": file_entry(root, path)},
         },
     )

@@ -159,7 +159,7 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(root / WEIGHTS_FILE))
     runner = OnnxDenseRunner(spec, path)
     worst = 0.0
-    for length in spec.sequence_buckets:
+    for length in spec.serving.sequence_buckets:
         sample = example_inputs(spec, rows=7, length=length, seed=length)
         worst = max(worst, float(np.abs(runner.predict(sample) - torch_predict(net, sample)).max()))
     files = {"model": file_entry(root, path), "weights": file_entry(root, root / WEIGHTS_FILE)}
@@ -167,7 +167,7 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
         lists = root / CANDIDATES_ONNX_FILE
         export_candidates_onnx(spec, net, lists)
         session = open_session(lists, threads=1)
-        for length in spec.sequence_buckets:
+        for length in spec.serving.sequence_buckets:
             sample = candidate_inputs(spec, users=3, candidates=4, length=length, seed=length)
             rows = dict(sample)
             owner = rows.pop(HISTORY_USER)

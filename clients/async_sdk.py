@@ -161,7 +161,7 @@ class AsyncCTRClient(ClientBase):
 
         Args:
             rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
-            batch_size: rows per request, ``1..spec.max_batch_size``.
+            batch_size: rows per request, ``1..spec.model.max_batch_size``.
             max_in_flight: concurrent requests, at least 1.
 
         Returns:

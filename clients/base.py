@@ -124,10 +124,9 @@ class ClientBase:
         if len(rows) != 1:
             raise InvalidRequestError(f"inputs disagree on the batch size: {sorted(rows)}")
         batch = rows.pop()
-        if batch > self.spec.max_batch_size:
-            raise InvalidRequestError(
-                f"batch of {batch} rows exceeds max_batch_size {self.spec.max_batch_size}; use predict()"
-            )
+        limit = self.spec.model.max_batch_size
+        if batch > limit:
+            raise InvalidRequestError(f"batch of {batch} rows exceeds max_batch_size {limit}; use predict()")
         return arrays
 
     def _candidate_requests(
@@ -167,7 +166,7 @@ class ClientBase:
                 user_arrays[sequence.name] = np.zeros((1, max(length, 1)), np.int64)
                 user_arrays[sequence.name][0, :length] = histories[sequence.name]
             user_arrays[group.length_input] = np.array([[length]], np.int32)
-        for part in candidates.batches(spec.max_batch_size):
+        for part in candidates.batches(spec.model.max_batch_size):
             yield {**user_arrays, **candidate_list_inputs(spec, part.to_inputs(spec))}
 
     def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
@@ -217,5 +216,5 @@ class ClientBase:
         )
 
     def _check_batch_size(self, batch_size: int) -> None:
-        if not 1 <= batch_size <= self.spec.max_batch_size:
-            raise ValueError(f"batch_size must be in 1..{self.spec.max_batch_size}, got {batch_size}")
+        if not 1 <= batch_size <= self.spec.model.max_batch_size:
+            raise ValueError(f"batch_size must be in 1..{self.spec.model.max_batch_size}, got {batch_size}")

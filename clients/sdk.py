@@ -132,7 +132,7 @@ class CTRClient(ClientBase):
 
         Args:
             inputs: one array per wire input of the spec (see :meth:`CriteoRows.to_inputs`), at most
-                ``spec.max_batch_size`` rows.
+                ``spec.model.max_batch_size`` rows.
 
         Returns:
             float32 ``[B]`` click probabilities.
@@ -182,7 +182,7 @@ class CTRClient(ClientBase):
                 oldest first, newest last; sequences sharing positions have the same length.
             candidates: the candidate rows (their own sequence columns are ignored, and the user's
                 profile columns, ``[inputs] profile``, are read from the first row). More than
-                ``spec.max_batch_size`` candidates go in several requests.
+                ``spec.model.max_batch_size`` candidates go in several requests.
 
         Returns:
             float32 ``[N]`` click probabilities, in the order of ``candidates``.
@@ -260,7 +260,7 @@ class CTRClient(ClientBase):
 
         Args:
             rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
-            batch_size: rows per request, ``1..spec.max_batch_size``.
+            batch_size: rows per request, ``1..spec.model.max_batch_size``.
 
         Returns:
             float32 ``[N]`` probabilities in the order of ``rows``.

@@ -32,7 +32,7 @@ class SharedMemoryIO:
     def __init__(self, client: Any, spec: ModelSpec) -> None:
         from multiprocessing import shared_memory
 
-        rows = spec.max_batch_size
+        rows = spec.model.max_batch_size
         group = spec.categorical
         per_row = {  # a BYTES element takes 4 bytes of length and its text
             group.name: sum(4 + group.raw_columns[i].max_bytes for i in group.wire_columns),
@@ -43,7 +43,7 @@ class SharedMemoryIO:
         }
         per_row.update({
             w.name: np.dtype(NUMPY_DTYPES[w.dtype]).itemsize
-            * (spec.sequence_buckets[-1] if w.dims[0] == -1 else w.dims[0])  # the longest sequence
+            * (spec.serving.sequence_buckets[-1] if w.dims[0] == -1 else w.dims[0])  # the longest sequence
             for w in spec.wire_inputs()
             if w.dtype != "BYTES"
         })  # fmt: skip

@@ -127,7 +127,8 @@ def compare(
 def score_in_batches(rows: CriteoRows, spec: ModelSpec, predict: Callable[..., np.ndarray]) -> np.ndarray:
     """Scores of all rows through ``predict`` (raw request tensors in), ``max_batch_size`` at a time."""
     parts = [
-        np.asarray(predict(batch.to_inputs(spec))).reshape(-1) for batch in rows.batches(spec.max_batch_size)
+        np.asarray(predict(batch.to_inputs(spec))).reshape(-1)
+        for batch in rows.batches(spec.model.max_batch_size)
     ]
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 

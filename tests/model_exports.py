@@ -76,7 +76,7 @@ class HandWrittenModel:
     def __init__(self, spec: ModelSpec, seed: int = 3, newest: bool = False) -> None:
         self.newest = newest
         rng = np.random.default_rng(seed)
-        dim, features = spec.embedding_dim, spec.num_sparse
+        dim, features = spec.model.embedding_dim, spec.num_sparse
         self.w = rng.normal(0, 0.3, (len(spec.dense.columns), 1)).astype(np.float32)
         self.u = rng.normal(0, 0.3, (features, dim)).astype(np.float32)
         self.v = rng.normal(0, 0.3, (dim, 1)).astype(np.float32)
@@ -176,7 +176,11 @@ class HandWrittenModel:
             items = spec.target.table
             target = vector(items, str(int(rows.target[r])))
             history = [vector(items, str(int(i))) for i in rows.history[r, : rows.lengths[r]]]
-            mean = np.sum(history, axis=0) / (len(history) + 1) if history else np.zeros(spec.embedding_dim)
+            mean = (
+                np.sum(history, axis=0) / (len(history) + 1)
+                if history
+                else np.zeros(spec.model.embedding_dim)
+            )
             logit = dense[r] @ self.w + np.sum(sparse * self.u) + target @ self.v + mean @ self.z + self.b
             if self.newest and history:
                 logit = logit + history[-1] @ self.y

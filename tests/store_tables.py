@@ -43,7 +43,7 @@ def spec_store(spec: ModelSpec, base_version: int = 1) -> tuple[dict[str, TableA
         tables[name] = TableArrays(
             name,
             keys,
-            rng.normal(size=(10, spec.embedding_dim)).astype(np.float32),
-            np.zeros(spec.embedding_dim, np.float32),
+            rng.normal(size=(10, spec.model.embedding_dim)).astype(np.float32),
+            np.zeros(spec.model.embedding_dim, np.float32),
         )
     return tables, TieredStore.from_tables(tables, base_version=base_version)

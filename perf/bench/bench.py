@@ -233,7 +233,7 @@ def run_bench(
         progress(f"[bench] servers ready after {time.monotonic() - started:.0f} s")
 
         def inprocess() -> None:
-            for batch in grid.inprocess_batches or spec.batch_buckets:
+            for batch in grid.inprocess_batches or spec.serving.batch_buckets:
                 rate = measure_inprocess(spec, repository, batch, seconds=grid.inprocess_s)
                 add(
                     Point(

@@ -151,7 +151,7 @@ def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str,
         config = mc.ModelConfig(
             name=f"{name}_{step.name}",
             backend="python",
-            max_batch_size=spec.max_batch_size,
+            max_batch_size=spec.model.max_batch_size,
             input=[step_tensors.model_input(x) for x in step.inputs],
             output=[step_tensors.model_output(x) for x in step.outputs],
             instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)],
@@ -159,13 +159,15 @@ def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str,
         config.dynamic_batching.max_queue_delay_microseconds = plan.max_queue_delay_microseconds or 0
         config.dynamic_batching.preferred_batch_size.extend(plan.preferred_batch_sizes)
         config.parameters["width_from"].string_value = step.width_from
-        config.parameters["width_buckets"].string_value = ",".join(str(b) for b in spec.sequence_buckets)
+        config.parameters["width_buckets"].string_value = ",".join(
+            str(b) for b in spec.serving.sequence_buckets
+        )
         config.parameters["packed"].string_value = ",".join(str(n) for n in step.packed)
         result[config.name] = config
     result[name] = mc.ModelConfig(
         name=name,
         platform="ensemble",
-        max_batch_size=spec.max_batch_size,
+        max_batch_size=spec.model.max_batch_size,
         input=[step_tensors.model_input(x) for x in spec.wire_inputs()],
         output=[step_tensors.model_output(x) for x in ensemble_outputs(steps)],
         ensemble_scheduling=mc.ModelEnsembling(

@@ -59,7 +59,7 @@ def request_pool(spec_name: str, seed: int, count: int = POOL_REQUESTS) -> list[
     """Pre-built request tensors of long-tailed sizes (built once, cycled by the users)."""
     spec = load_spec(spec_name)
     rng = np.random.default_rng(seed)
-    sizes = long_tailed_batch_sizes(rng, count, spec.max_batch_size)
+    sizes = long_tailed_batch_sizes(rng, count, spec.model.max_batch_size)
     rows = generate(spec, int(sizes.sum()), seed)
     bounds = np.cumsum([0, *sizes])
     return [

@@ -33,7 +33,7 @@ def run(
     """Direct and proxied p50/p99 per batch size (medians over rounds)."""
     access = dataclasses.replace(spec.access, weights={"stable": 100}, shadow_fraction=0.0, max_requests=64)
     served, config_name = behind_proxy(
-        {"stable": repository}, access.queue_profile, spec.queue_profiles, workdir
+        {"stable": repository}, access.queue_profile, spec.serving.queue_profiles, workdir
     )
     results = []
     with AccessLayer(access, served, workdir / "access", ProxyPorts.free(), config_name) as layer:

@@ -52,7 +52,9 @@ def run_access_overload(
     access = dataclasses.replace(access, weights={"stable": 100}, shadow_fraction=0.0)
     root = scratch_repository(repository, workdir / "repository")
     proxy_cores = cores.client if proxy_with_client else cores.server
-    served, config_name = behind_proxy({"stable": root}, access.queue_profile, spec.queue_profiles, workdir)
+    served, config_name = behind_proxy(
+        {"stable": root}, access.queue_profile, spec.serving.queue_profiles, workdir
+    )
     layer = AccessLayer(
         access,
         served,

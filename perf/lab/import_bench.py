@@ -95,7 +95,7 @@ def write_item_table(spec: ModelSpec, folder: Path, fmt: str, seed: int = 0) -> 
 
 
 def _salt(spec: ModelSpec, table: str) -> np.uint64:
-    return table_salt(spec.hash_namespace, table)
+    return table_salt(spec.hashing.namespace, table)
 
 
 def _write_safetensors(path: Path, keys: np.ndarray, rows: int, dim: int, rng: np.random.Generator) -> None:

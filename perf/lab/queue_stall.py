@@ -36,9 +36,11 @@ def run_queue_stall(
     logs: Path,
 ) -> dict[str, Any]:
     """Rounds of batch-1 closed-loop load against the served configs and each profile, in turns."""
-    unknown = sorted(set(profiles) - set(spec.queue_profiles))
+    unknown = sorted(set(profiles) - set(spec.serving.queue_profiles))
     if unknown:
-        raise ValueError(f"unknown queue profile(s) {unknown}; the spec has {sorted(spec.queue_profiles)}")
+        raise ValueError(
+            f"unknown queue profile(s) {unknown}; the spec has {sorted(spec.serving.queue_profiles)}"
+        )
     names = (SERVED, *profiles)
     batches = sample_batches(spec, 1, count=64)
     rounds_seen: list[dict[str, Any]] = []

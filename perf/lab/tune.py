@@ -101,7 +101,7 @@ def admission_cap(trial: Trial, p99_target_ms: float, share: float = 0.9) -> int
 
 def preferred_candidates(spec: ModelSpec) -> list[tuple[int, ...]]:
     """Preferred batch sizes worth trying: none, and each batch bucket of at least 8 rows below the max."""
-    return [(), *((b,) for b in spec.batch_buckets if 8 <= b < spec.max_batch_size)]
+    return [(), *((b,) for b in spec.serving.batch_buckets if 8 <= b < spec.model.max_batch_size)]
 
 
 Measure = Callable[[ServingPlan], Trial]

@@ -27,7 +27,7 @@ def monolith_config(spec: ModelSpec, repository: Path, instances: int) -> mc.Mod
     config = mc.ModelConfig(
         name=spec.name,
         backend="python",
-        max_batch_size=spec.max_batch_size,
+        max_batch_size=spec.model.max_batch_size,
         input=[step_tensors.model_input(t) for t in spec.wire_inputs()],
         output=[step_tensors.model_output(WireTensor(PROBABILITY, "FP32", (1,)))],
         instance_group=[mc.ModelInstanceGroup(count=instances, kind=mc.ModelInstanceGroup.KIND_CPU)],

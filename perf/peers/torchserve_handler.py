@@ -83,7 +83,7 @@ class CTRHandler:
             except (KeyError, TypeError, ValueError) as exc:
                 results[i] = {"error": f"bad request: {exc}"}
         rows = [len(a[self.spec.categorical.name]) for a in arrays]
-        for group in row_groups(rows, self.spec.max_batch_size):
+        for group in row_groups(rows, self.spec.model.max_batch_size):
             merged, sizes = batching.merge([arrays[g] for g in group])
             probabilities = self.pipeline.predict(merged)
             for g, part in zip(group, batching.split({"p": probabilities}, sizes), strict=True):

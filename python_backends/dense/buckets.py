@@ -61,7 +61,7 @@ class Bucket:
 
     def input_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         """Full shapes of the dense net's inputs at this bucket."""
-        dim = spec.embedding_dim
+        dim = spec.model.embedding_dim
         shapes: dict[str, tuple[int, ...]] = {DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns))}
         for name, width, slots in sparse_inputs(spec):
             shapes[name] = (self.rows, len(slots), width)
@@ -74,13 +74,19 @@ class Bucket:
 
 def spec_buckets(spec: ModelSpec) -> tuple[Bucket, ...]:
     """The spec's grid: every batch bucket × every sequence bucket, smallest first."""
-    return tuple(Bucket(rows, length) for length in spec.sequence_buckets for rows in spec.batch_buckets)
+    return tuple(
+        Bucket(rows, length)
+        for length in spec.serving.sequence_buckets
+        for rows in spec.serving.batch_buckets
+    )
 
 
 def grid_floors(spec: ModelSpec) -> dict[Bucket, Bucket]:
     """Per grid bucket, the smallest shape the grid pads up to it (one past the previous buckets)."""
-    rows_below = dict(zip(spec.batch_buckets, (0, *spec.batch_buckets[:-1]), strict=True))
-    length_below = dict(zip(spec.sequence_buckets, (0, *spec.sequence_buckets[:-1]), strict=True))
+    rows_below = dict(zip(spec.serving.batch_buckets, (0, *spec.serving.batch_buckets[:-1]), strict=True))
+    length_below = dict(
+        zip(spec.serving.sequence_buckets, (0, *spec.serving.sequence_buckets[:-1]), strict=True)
+    )
     return {b: Bucket(rows_below[b.rows] + 1, length_below[b.length] + 1) for b in spec_buckets(spec)}
 
 
@@ -125,7 +131,7 @@ class BucketPolicy:
     @classmethod
     def from_spec(cls, spec: ModelSpec, **overrides: float) -> BucketPolicy:
         """The policy for a spec's sequence buckets (knobs may be overridden)."""
-        return cls(spec.sequence_buckets, **overrides)  # type: ignore[arg-type]
+        return cls(spec.serving.sequence_buckets, **overrides)  # type: ignore[arg-type]
 
     def tight_bucket(self, rows: int, length: int) -> Bucket:
         """The bucket a miss compiles: the nearest sequence bucket, rows rounded up to the granularity.

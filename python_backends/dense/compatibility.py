@@ -75,7 +75,7 @@ def check_dense_fits(spec: ModelSpec, graph_inputs: Mapping[str, Sequence[Dim]])
             )
     if problems:
         raise ArtifactError(
-            f"dense model does not fit spec '{spec.name}' (embedding_dim {spec.embedding_dim}, "
+            f"dense model does not fit spec '{spec.name}' (embedding_dim {spec.model.embedding_dim}, "
             f"{spec.num_sparse} categorical features): " + "; ".join(problems)
         )
 

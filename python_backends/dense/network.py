@@ -91,24 +91,30 @@ class CTRNet(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        dim = spec.embedding_dim
+        dim = spec.model.embedding_dim
         self.input_names = dense_net_inputs(spec)
         self.has_dense = bool(spec.normalized_columns)
         self.has_attention = spec.sequence is not None
         self.groups = attention_inputs(spec)
         if self.has_dense:
-            self.bottom = _mlp([len(spec.normalized_columns), *spec.bottom_mlp], final_activation=True)
+            self.bottom = _mlp(
+                [len(spec.normalized_columns), *spec.dense_net.bottom_mlp], final_activation=True
+            )
         if self.has_attention:
-            self.attention = TargetAttention(dim, spec.attention_heads)
+            self.attention = TargetAttention(dim, spec.dense_net.attention_heads)
         # bottom output, sparse (every width), then per attention group its target and context
         self.widths = sparse_inputs(spec)[1:]
         narrow = sum(len(slots) for _, _, slots in self.widths)
         vectors = int(self.has_dense) + spec.num_sparse + narrow + 2 * len(self.groups)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pair_index", rows * vectors + cols, persistent=False)
-        self.top = _mlp([dim * int(self.has_dense) + len(rows), *spec.top_mlp, 1], final_activation=False)
+        self.top = _mlp(
+            [dim * int(self.has_dense) + len(rows), *spec.dense_net.top_mlp, 1], final_activation=False
+        )
         # the further groups' attentions (made last: a one-group network starts from the same weights)
-        self.further = nn.ModuleList(TargetAttention(dim, spec.attention_heads) for _ in self.groups[1:])
+        self.further = nn.ModuleList(
+            TargetAttention(dim, spec.dense_net.attention_heads) for _ in self.groups[1:]
+        )
         # per other table width: each of its features projected to embedding_dim for the interaction
         self.projections = nn.ParameterList(
             nn.Parameter(torch.randn(len(slots), width, dim) / math.sqrt(width))

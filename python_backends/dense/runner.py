@@ -100,7 +100,7 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
     sparse = inputs.get(SPARSE_EMBEDDINGS)
     if sparse is None:
         raise InvalidInput(SPARSE_EMBEDDINGS, "is required but missing")
-    rows, dim = sparse.shape[0], spec.embedding_dim
+    rows, dim = sparse.shape[0], spec.model.embedding_dim
     checked: dict[str, np.ndarray] = {}
     length = 0
     if HISTORY_MASK in names:

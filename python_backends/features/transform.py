@@ -49,7 +49,7 @@ class FeatureTransform:
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
-        ns = spec.hash_namespace
+        ns = spec.hashing.namespace
         cat = spec.categorical.features
         self._cat_columns = np.array([f.column for f in cat], dtype=np.intp)
         self._cat_salts = np.array([table_salt(ns, f.table) for f in cat], dtype=np.uint64)
@@ -124,7 +124,7 @@ class FeatureTransform:
             # every group's positions padded to one bucket: that of the longest history of any group
             # (a length over the largest bucket is refused below, naming its input)
             longest = max(int(np.max(n, initial=0)) for n in lengths)
-            bucket = spec.sequence_bucket(min(max(longest, 1), spec.sequence_buckets[-1]))
+            bucket = spec.sequence_bucket(min(max(longest, 1), spec.serving.sequence_buckets[-1]))
             keys = []
             for (attention, mask_name), group_lengths in zip(self._groups, lengths, strict=True):
                 for sequence in attention.sequences:
@@ -145,8 +145,10 @@ class FeatureTransform:
         group = self.spec.categorical
         fields = require(inputs, group.name, "BYTES", None, len(group.wire_columns))
         rows = fields.shape[0]
-        if rows < 1 or rows > self.spec.max_batch_size:
-            raise InvalidInput(group.name, f"batch of {rows} rows outside 1..{self.spec.max_batch_size}")
+        if rows < 1 or rows > self.spec.model.max_batch_size:
+            raise InvalidInput(
+                group.name, f"batch of {rows} rows outside 1..{self.spec.model.max_batch_size}"
+            )
         if not group.list_columns:
             return fields
         categorical = np.empty((rows, len(group.raw_columns)), dtype=object)
@@ -311,7 +313,7 @@ def vocabulary_keys(
     Raises:
         InvalidInput: a token is not a value of that feature (named with its row and value shortened).
     """
-    ns = spec.hash_namespace
+    ns = spec.hashing.namespace
     where = f"{table if len(table) <= 64 else table[:64] + '…'}.vocab"
     feature = next((f for f in spec.categorical.features if f.table == table), None)
     multi = next((f for f in spec.categorical.multi_hot if f.table == table), None)

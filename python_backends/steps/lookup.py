@@ -212,10 +212,10 @@ class EmbeddingLookup:
                 out[name] = sparse[:, slots, :slot_width]
         count = len(self.sequence_tables)
         if count:  # targets and histories at embedding_dim (the store's rows may be wider)
-            targets = vectors[:, single + multi :, : self.spec.embedding_dim]
+            targets = vectors[:, single + multi :, : self.spec.model.embedding_dim]
             owners, positions = inputs[HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
-            histories = histories[..., : self.spec.embedding_dim]
+            histories = histories[..., : self.spec.model.embedding_dim]
             # the sequences of a group (and their targets) are summed: one query, one sequence each
             for names, span in self.groups:
                 one = span.stop - span.start == 1

@@ -147,7 +147,7 @@ class FrontDoor:
                     configs[config.name] = config
                 if "spec" in config.parameters and not longest:
                     spec = spec_from_json(config.parameters["spec"].string_value)
-                    longest = max(spec.sequence_buckets)
+                    longest = max(spec.serving.sequence_buckets)
         if not configs:
             raise FrontDoorError(f"no model config (*/config.pbtxt) in {[str(r) for r in repositories]}")
         return cls.from_configs(

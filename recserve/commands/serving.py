@@ -116,7 +116,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.url:
         try:
             with CTRClient(args.url, protocol=args.protocol, spec=spec) as client:
-                scores[f"server {args.url}"] = client.predict(rows, batch_size=spec.max_batch_size)
+                scores[f"server {args.url}"] = client.predict(rows, batch_size=spec.model.max_batch_size)
         except RecserveClientError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -61,11 +61,11 @@ def candidate_rows(
         if shape is None:
             shape = (array.shape[0], array.shape[1])
             users, count = shape
-            if not 1 <= users * count <= spec.max_batch_size:
+            if not 1 <= users * count <= spec.model.max_batch_size:
                 raise InvalidInput(
                     tensor.name,
                     f"holds {users} users x {count} candidates = {users * count} rows, "
-                    f"outside 1..{spec.max_batch_size}",
+                    f"outside 1..{spec.model.max_batch_size}",
                 )
         elif array.shape[:2] != shape:
             raise InvalidInput(

@@ -29,10 +29,10 @@ def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ..
     width, ascending; ``slots`` are its features, as indices of
     :attr:`~recserve.spec.CategoricalGroup.slot_names`.
     """
-    names = {spec.embedding_dim: SPARSE_EMBEDDINGS}
+    names = {spec.model.embedding_dim: SPARSE_EMBEDDINGS}
     return tuple(
         (names.get(width, f"{SPARSE_EMBEDDINGS}__{width}"), width, spec.sparse_slots(width))
-        for width in (spec.embedding_dim, *spec.other_widths)
+        for width in (spec.model.embedding_dim, *spec.other_widths)
     )
 
 
@@ -114,7 +114,7 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
     is named after ``[model] output``: ``probability``, or ``logit`` (which recserve serves as its
     sigmoid). The built-in network and every imported ONNX follow this contract.
     """
-    dim = spec.embedding_dim
+    dim = spec.model.embedding_dim
     inputs = []
     if spec.dense is not None and spec.normalized_columns:
         numeric = [spec.dense.numeric[i] for i in spec.dense.normalized]
@@ -166,9 +166,9 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
         ]
 
     output = ContractTensor(
-        spec.dense_output,
+        spec.model.output,
         "FP32",
         (-1, 1),
-        "click probability" if spec.dense_output == PROBABILITY else "click logit (served as its sigmoid)",
+        "click probability" if spec.model.output == PROBABILITY else "click logit (served as its sigmoid)",
     )
     return tuple(inputs), (output,)

@@ -16,8 +16,11 @@ from recserve.core.name_ranges import expand_names
 from recserve.core.sections_base import SpecError
 from recserve.core.sections_serving import (
     AccessSection,
+    DenseNetSection,
+    HashingSection,
     InputsSection,
-    QueuePolicy,
+    ModelSection,
+    ServingSection,
     StoreSection,
     TrainingSection,
 )
@@ -38,27 +41,15 @@ from recserve.core.spec_types import (
 class ModelSpec:
     """Everything recserve needs to know about one model."""
 
-    name: str
-    version: int
-    max_batch_size: int
-    embedding_dim: int
-    bottom_mlp: tuple[int, ...]
-    top_mlp: tuple[int, ...]
-    attention_heads: int
-    batch_buckets: tuple[int, ...]
-    sequence_buckets: tuple[int, ...]
-    max_queue_delay_microseconds: int
-    instances: dict[str, int]
+    model: ModelSection
+    dense_net: DenseNetSection
+    serving: ServingSection  # buckets and preferred sizes sorted
     dense: DenseGroup | None  # None: no numeric features
     categorical: CategoricalGroup
     tables: dict[str, TableSpec]
-    training: TrainingSection
-    hash_namespace: str
-    preferred_batch_sizes: tuple[int, ...] = ()
-    queue: QueuePolicy = field(default_factory=QueuePolicy)
-    queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    hashing: HashingSection = field(default_factory=HashingSection)
     store: StoreSection = field(default_factory=StoreSection)
-    dense_output: str = "probability"
     source: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
     access: AccessSection = field(default_factory=AccessSection)  # the proxy's: not in ``source``
     inputs: InputsSection = field(default_factory=InputsSection)
@@ -67,6 +58,16 @@ class ModelSpec:
     targets: tuple[CategoricalFeature, ...] = ()
 
     # ---- derived names -------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The served model's name (``[model] name``)."""
+        return self.model.name
+
+    @property
+    def version(self) -> int:
+        """The served model's version (``[model] version``)."""
+        return self.model.version
+
     @property
     def target(self) -> CategoricalFeature | None:
         """The first attention target (over :attr:`sequence`); None without a sequence."""
@@ -232,7 +233,7 @@ class ModelSpec:
     @property
     def num_sparse(self) -> int:
         """Number of categorical embeddings of ``embedding_dim`` (``sparse_embeddings``'s slots)."""
-        return len(self.sparse_slots(self.embedding_dim))
+        return len(self.sparse_slots(self.model.embedding_dim))
 
     @cached_property
     def slot_dims(self) -> tuple[int, ...]:
@@ -244,7 +245,7 @@ class ModelSpec:
     @property
     def other_widths(self) -> tuple[int, ...]:
         """The widths of categorical tables other than ``embedding_dim``, ascending."""
-        return tuple(sorted(set(self.slot_dims) - {self.embedding_dim}))
+        return tuple(sorted(set(self.slot_dims) - {self.model.embedding_dim}))
 
     def sparse_slots(self, width: int) -> tuple[int, ...]:
         """The categorical embeddings of one width, as indices of :attr:`CategoricalGroup.slot_names`."""
@@ -252,17 +253,19 @@ class ModelSpec:
 
     def sequence_bucket(self, length: int) -> int:
         """Smallest sequence bucket holding ``length`` positions (at least the first bucket)."""
-        for bucket in self.sequence_buckets:
+        for bucket in self.serving.sequence_buckets:
             if length <= bucket:
                 return bucket
-        raise SpecError(f"sequence length {length} exceeds the largest bucket {self.sequence_buckets[-1]}")
+        raise SpecError(
+            f"sequence length {length} exceeds the largest bucket {self.serving.sequence_buckets[-1]}"
+        )
 
     def batch_bucket(self, rows: int) -> int:
         """Smallest batch bucket holding ``rows`` rows."""
-        for bucket in self.batch_buckets:
+        for bucket in self.serving.batch_buckets:
             if rows <= bucket:
                 return bucket
-        raise SpecError(f"batch of {rows} rows exceeds the largest bucket {self.batch_buckets[-1]}")
+        raise SpecError(f"batch of {rows} rows exceeds the largest bucket {self.serving.batch_buckets[-1]}")
 
     def to_json(self) -> str:
         """JSON of the source document (what served models receive), in the document's own order."""

@@ -134,17 +134,11 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     access.check()
     numeric = tuple(features.numeric)
     return ModelSpec(
-        name=model.name,
-        version=model.version,
-        max_batch_size=max_batch,
-        embedding_dim=dim,
-        bottom_mlp=net.bottom_mlp,
-        top_mlp=net.top_mlp,
-        attention_heads=net.attention_heads,
-        batch_buckets=batch_buckets,
-        sequence_buckets=seq_buckets,
-        max_queue_delay_microseconds=serving.max_queue_delay_microseconds,
-        instances=dict(serving.instances),
+        model=model,
+        dense_net=net,
+        serving=replace(
+            serving, batch_buckets=batch_buckets, sequence_buckets=seq_buckets, preferred_batch_size=preferred
+        ),
         dense=DenseGroup(NUMERIC_INPUT, numeric) if numeric else None,
         categorical=CategoricalGroup(
             CATEGORICAL_INPUT,
@@ -154,12 +148,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         ),
         tables=tables,
         training=parse_section(TrainingSection, doc.get("training", {}), "training"),
-        hash_namespace=parse_section(HashingSection, doc.get("hashing", {}), "hashing").namespace,
-        preferred_batch_sizes=preferred,
-        queue=serving.queue,
-        queue_profiles=dict(serving.queue_profiles),
+        hashing=parse_section(HashingSection, doc.get("hashing", {}), "hashing"),
         store=store,
-        dense_output=model.output,
         source={key: value for key, value in doc.items() if key != "access"},
         access=access,
         inputs=inputs,

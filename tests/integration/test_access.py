@@ -52,7 +52,10 @@ def served(tiny: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     candidate = scratch_repository(stable, root / "candidate")
     assert add_version(candidate, "dense") == CANDIDATE
     repositories, config_name = behind_proxy(
-        {"stable": stable, "candidate": candidate}, tiny.access.queue_profile, tiny.queue_profiles, root
+        {"stable": stable, "candidate": candidate},
+        tiny.access.queue_profile,
+        tiny.serving.queue_profiles,
+        root,
     )
     assert config_name is None  # the default profile: no queue policy behind the proxy
     return repositories

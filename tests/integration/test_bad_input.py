@@ -41,7 +41,7 @@ def _cases(spec):
 
     def big_batch(w):
         for k in list(w):
-            w[k] = np.repeat(w[k][:1], spec.max_batch_size + 1, axis=0)
+            w[k] = np.repeat(w[k][:1], spec.model.max_batch_size + 1, axis=0)
 
     cases = {
         # dtypes (refused by the server core or the feature step, naming the input)
@@ -62,7 +62,7 @@ def _cases(spec):
         "target with 2 columns": (replace(t, lambda a: np.repeat(a, 2, axis=1)), t),
         "history length with 2 columns": (replace(hl, lambda a: np.repeat(a, 2, axis=1)), hl),
         "target with one row fewer": (replace(t, lambda a: a[:-1].copy()), t),
-        "batch above max_batch_size": (big_batch, str(spec.max_batch_size)),
+        "batch above max_batch_size": (big_batch, str(spec.model.max_batch_size)),
         # missing and extra inputs
         "missing dense": (lambda w: w.pop(d), d),
         "missing mask": (lambda w: w.pop(dm), dm),
@@ -314,7 +314,7 @@ def test_one_bad_request_in_a_dynamic_batch_fails_alone(server, spec):
 def test_a_bad_request_fails_alone_inside_a_merged_batch(server, spec):
     """Direct calls to the dense step: its requests are merged into one ONNX Runtime call."""
     rng = np.random.default_rng(0)
-    dim = spec.embedding_dim
+    dim = spec.model.embedding_dim
 
     def request(rows, length, mask_length=None):
         return {

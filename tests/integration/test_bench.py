@@ -134,7 +134,7 @@ def shm_server(repository, tmp_path_factory):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_sdk_shared_memory_gives_the_same_probabilities(shm_server, spec, protocol):
     server = shm_server
-    batches = sample_batches(spec, 5, count=3) + sample_batches(spec, spec.max_batch_size, count=1)
+    batches = sample_batches(spec, 5, count=3) + sample_batches(spec, spec.model.max_batch_size, count=1)
     url = server.grpc_url if protocol == "grpc" else server.http_url
     with (
         CTRClient(url, protocol, spec=spec) as wire,

@@ -62,7 +62,7 @@ def test_a_candidate_list_scores_as_its_rows_in_order(server, spec, candidates, 
     np.testing.assert_allclose(many, row_form, atol=1e-6)
     np.testing.assert_allclose(empty_history, expected_empty, atol=1e-6)
     np.testing.assert_array_equal(asyncio.run(run_async()), served)
-    assert len(many) == len(candidates) > spec.max_batch_size
+    assert len(many) == len(candidates) > spec.model.max_batch_size
 
 
 def test_a_bad_candidate_list_fails_alone_naming_the_input(server, spec, candidates):

@@ -251,12 +251,12 @@ def test_oversized_headers_get_431_and_never_eject_a_replica(stack, tiny):
 
 
 def test_legitimate_requests_at_the_largest_batch_pass_as_directly(stack, tiny):
-    rows = generate(tiny, tiny.max_batch_size, seed=4)
+    rows = generate(tiny, tiny.model.max_batch_size, seed=4)
     inputs = rows.to_wire(tiny)
-    longest = max(tiny.sequence_buckets)
-    history = np.resize(inputs["history_items"].reshape(-1), (tiny.max_batch_size, longest))
+    longest = max(tiny.serving.sequence_buckets)
+    history = np.resize(inputs["history_items"].reshape(-1), (tiny.model.max_batch_size, longest))
     inputs["history_items"] = np.ascontiguousarray(history, dtype=np.int64)
-    inputs["history_items__length"] = np.full((tiny.max_batch_size, 1), longest, np.int32)
+    inputs["history_items__length"] = np.full((tiny.model.max_batch_size, 1), longest, np.int32)
     direct = stack.servers["stable"][0]
     with CTRClient(direct.grpc_url, spec=tiny, timeout_s=30) as client:
         expected = client.predict_inputs(inputs)

@@ -57,8 +57,8 @@ def test_garbage_under_item_keys_costs_those_rows_alone_and_is_counted(spec, rep
     targets = keys[TARGET_KEY].reshape(-1)
     spoilt = targets[:3]  # a short row, a row holding NaN, a row of odd length
     garbage = [
-        np.ones(spec.embedding_dim // 2, np.float32).tobytes(),
-        np.full(spec.embedding_dim, np.nan, np.float32).tobytes(),
+        np.ones(spec.model.embedding_dim // 2, np.float32).tobytes(),
+        np.full(spec.model.embedding_dim, np.nan, np.float32).tobytes(),
         b"\x01" * 7,
     ]
     writer = RedisTier.connect(cluster.store_section(redis_deadline_ms=10_000.0))

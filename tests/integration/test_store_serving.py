@@ -82,7 +82,9 @@ def check_update_and_rollback(root, server, spec, tmp_path):
     target_keys = FeatureTransform(spec).transform(wire)[TARGET_KEY][4:, 0]
     keys = np.unique(target_keys)
     np.savez(
-        tmp_path / "delta.npz", keys=keys, vectors=np.full((len(keys), spec.embedding_dim), 0.5, np.float32)
+        tmp_path / "delta.npz",
+        keys=keys,
+        vectors=np.full((len(keys), spec.model.embedding_dim), 0.5, np.float32),
     )
     published = recserve(
         "update",
@@ -141,7 +143,7 @@ def test_responses_name_the_embedding_versions_that_served_them(private, spec, t
         np.savez(
             tmp_path / "delta.npz",
             keys=keys,
-            vectors=np.full((len(keys), spec.embedding_dim), 0.25, np.float32),
+            vectors=np.full((len(keys), spec.model.embedding_dim), 0.25, np.float32),
         )
         thread = threading.Thread(target=traffic)
         thread.start()
@@ -181,13 +183,13 @@ def test_malformed_delta_is_refused_with_a_clear_message_and_nothing_is_publishe
     np.savez(
         tmp_path / "bad.npz",
         keys=np.array([1, 2], np.int64),
-        vectors=np.zeros((2, spec.embedding_dim + 1), np.float32),
+        vectors=np.zeros((2, spec.model.embedding_dim + 1), np.float32),
     )
     result = recserve(
         "update", "--table", "C1", "--delta", str(tmp_path / "bad.npz"), "--repository", str(root)
     )
     assert result.returncode == 1
-    assert f"expected [2, {spec.embedding_dim}]" in result.stderr
+    assert f"expected [2, {spec.model.embedding_dim}]" in result.stderr
     assert not (root / "embedding_lookup" / "updates" / "C1").exists() or not any(
         p.name.startswith("v") for p in (root / "embedding_lookup" / "updates" / "C1").iterdir()
     )
@@ -207,7 +209,9 @@ def test_explain_shows_value_key_table_tier_and_version_per_feature(private, spe
     assert [r["key"] for r in c1] == keys[:, 0].tolist()
     for record in records:
         assert set(record) >= {"row", "feature", "value", "key", "table", "dim", "tier", "version"}
-        assert record["tier"] in {"l1", "delta", "l2", "default"} and record["dim"] == spec.embedding_dim
+        assert (
+            record["tier"] in {"l1", "delta", "l2", "default"} and record["dim"] == spec.model.embedding_dim
+        )
 
 
 def test_served_through_l3_equals_l2_and_a_killed_master_fails_no_inference(spec, repository, tmp_path):

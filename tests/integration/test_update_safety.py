@@ -73,7 +73,7 @@ def hostile(repository, spec, tmp_path_factory):
     install_adapters(spec, root)  # this tree's model.py adapters, whatever the built repository holds
     log = UpdateLog(updates_dir(root / EMBEDDING_LOOKUP / str(spec.version)), spec.version)
     a, b, c = "C1", "C2", "C3"
-    dim = spec.embedding_dim
+    dim = spec.model.embedding_dim
     publish(log, a, [NEW_KEY, NEW_KEY + 1], 0.5, dim)  # a v2: valid
     publish(log, a, [NEW_KEY + 2], 0.75, dim)  # a v3: its manifest loses its parent below
     edit_manifest(log, a, 3, lambda doc: doc.pop("parent"))
@@ -96,7 +96,7 @@ def test_a_hostile_log_never_stops_the_server_and_a_restart_serves_the_same(host
         with grpc_client(server) as client:
             assert np.isfinite(infer_raw(grpcclient, client, spec, wire)).all()
 
-        delta = delta_file(tmp_path / "a.npz", [NEW_KEY + 3], 1.0, spec.embedding_dim)
+        delta = delta_file(tmp_path / "a.npz", [NEW_KEY + 3], 1.0, spec.model.embedding_dim)
         refused = recserve("update", "--table", "C1", "--delta", str(delta), "--repository", str(root))
         assert refused.returncode == 1 and "roll back" in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
@@ -115,10 +115,10 @@ def test_a_hostile_log_never_stops_the_server_and_a_restart_serves_the_same(host
 
 def test_a_key_in_another_tables_published_delta_is_refused_at_the_cli(hostile, spec, tmp_path):
     root, log = hostile
-    own = delta_file(tmp_path / "own.npz", [NEW_KEY + 20, NEW_KEY + 21], 0.5, spec.embedding_dim)
+    own = delta_file(tmp_path / "own.npz", [NEW_KEY + 20, NEW_KEY + 21], 0.5, spec.model.embedding_dim)
     first = recserve("update", "--table", "C4", "--delta", str(own), "--repository", str(root))
     assert first.returncode == 0, first.stderr
-    clash = delta_file(tmp_path / "clash.npz", [NEW_KEY + 21, NEW_KEY + 22], 0.5, spec.embedding_dim)
+    clash = delta_file(tmp_path / "clash.npz", [NEW_KEY + 21, NEW_KEY + 22], 0.5, spec.model.embedding_dim)
     result = recserve("update", "--table", "C5", "--delta", str(clash), "--repository", str(root))
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
@@ -131,7 +131,7 @@ def test_a_key_in_another_tables_published_delta_is_refused_at_the_cli(hostile, 
 
 def test_sixteen_concurrent_updates_over_two_tables_lose_no_version(repository, spec, tmp_path):
     root = copy_repository(repository, tmp_path / "repository")
-    dim, per_table = spec.embedding_dim, 8
+    dim, per_table = spec.model.embedding_dim, 8
     jobs = []
     for t, table in enumerate(("C6", "C7")):
         for n in range(per_table):
@@ -228,8 +228,8 @@ def test_a_server_replaying_hostile_stream_entries_starts_and_serves_the_newest_
         tier = RedisTier.connect(cluster.store_section(redis_deadline_ms=500.0))
         publisher = UpdateLog(tmp_path / "publisher", variant.version)
         sender = UpdateStream(tier.client, publisher)
-        sender.publish("C1", publish(publisher, "C1", [NEW_KEY], 0.5, spec.embedding_dim))  # valid v2
-        version = publish(publisher, "C1", [NEW_KEY + 1], 0.5, spec.embedding_dim)
+        sender.publish("C1", publish(publisher, "C1", [NEW_KEY], 0.5, spec.model.embedding_dim))  # valid v2
+        version = publish(publisher, "C1", [NEW_KEY + 1], 0.5, spec.model.embedding_dim)
         folder = publisher.root / "C1" / f"v{version:08d}"
         manifest = json.loads((folder / "manifest.json").read_text())
         files = {f"file:{n}": (folder / e["path"]).read_bytes() for n, e in manifest["files"].items()}

@@ -257,7 +257,7 @@ def _manager(config: dict, protocol: str) -> dict:
 
 def test_the_front_door_limits_come_from_the_served_configs(tiny_spec, tiny_repository):
     door = FrontDoor.from_repositories([tiny_repository])
-    batch, longest = tiny_spec.max_batch_size, max(tiny_spec.sequence_buckets)
+    batch, longest = tiny_spec.model.max_batch_size, max(tiny_spec.serving.sequence_buckets)
     ensemble = door.inputs[tiny_spec.name]
     dims = {t.name: t.dims for t in tiny_spec.wire_inputs()}
     assert ensemble["dense"] == batch * dims["dense"][0]

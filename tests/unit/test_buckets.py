@@ -27,7 +27,7 @@ def generic(tiny_spec, model_path):
 
 def test_the_grid_is_every_batch_bucket_times_every_sequence_bucket(spec):
     grid = spec_buckets(spec)
-    assert len(grid) == len(spec.batch_buckets) * len(spec.sequence_buckets)
+    assert len(grid) == len(spec.serving.batch_buckets) * len(spec.serving.sequence_buckets)
     assert Bucket(1, 8) in grid and Bucket(256, 256) in grid and len(set(grid)) == len(grid)
 
 

@@ -71,8 +71,8 @@ def served_store(spec, rows):
     tables = {}
     for index, name in enumerate(placeholder.table_names):
         unique = np.unique(keys[table_ids == index])
-        vectors = rng.normal(size=(len(unique), spec.embedding_dim)).astype(np.float32)
-        tables[name] = TableArrays(name, unique, vectors, np.zeros(spec.embedding_dim, np.float32))
+        vectors = rng.normal(size=(len(unique), spec.model.embedding_dim)).astype(np.float32)
+        tables[name] = TableArrays(name, unique, vectors, np.zeros(spec.model.embedding_dim, np.float32))
     return TieredStore.from_tables(tables)
 
 
@@ -105,7 +105,9 @@ def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
 def test_the_dense_step_scores_a_list_as_its_rows_with_and_without_the_list_graph(tiny_spec, tiny_repository):
     step = DenseStep.load(tiny_spec, tiny_repository / DENSE / "1", instances=1)
     assert step.lists.session is not None  # the built-in network exports the candidate-list graph
-    sample = candidate_inputs(tiny_spec, users=3, candidates=5, length=tiny_spec.sequence_buckets[0], seed=2)
+    sample = candidate_inputs(
+        tiny_spec, users=3, candidates=5, length=tiny_spec.serving.sequence_buckets[0], seed=2
+    )
     owner = sample.pop(HISTORY_USER)
     rows = dict(sample)
     for name in (HISTORY_EMBEDDINGS, HISTORY_MASK):
@@ -148,7 +150,7 @@ def test_bad_candidate_lists_name_the_input_the_client_sent(spec):
         step.candidates(flat)
     wide = {k: np.repeat(v, 65, axis=1) if k.startswith(CANDIDATE_PREFIX) else v for k, v in lists.items()}
     with pytest.raises(
-        InvalidInput, match=f"1 users x 260 candidates = 260 rows, outside 1..{spec.max_batch_size}"
+        InvalidInput, match=f"1 users x 260 candidates = 260 rows, outside 1..{spec.model.max_batch_size}"
     ):
         step.candidates(wide)
     length = spec.sequence_length_input

@@ -34,9 +34,11 @@ def test_every_step_input_is_produced_upstream(spec):
 def test_steps_batch_dynamically_with_spec_values(spec):
     for step in STEPS:
         config = configs.step_config(spec, step)
-        assert config.max_batch_size == spec.max_batch_size
-        assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
-        assert config.instance_group[0].count == spec.instances[step]
+        assert config.max_batch_size == spec.model.max_batch_size
+        assert (
+            config.dynamic_batching.max_queue_delay_microseconds == spec.serving.max_queue_delay_microseconds
+        )
+        assert config.instance_group[0].count == spec.serving.instances[step]
         ragged = {
             i.name for i in config.input if i.allow_ragged_batch and not i.name.startswith("candidate_")
         }
@@ -45,7 +47,7 @@ def test_steps_batch_dynamically_with_spec_values(spec):
 
 def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
     files = configs.profile_configs(spec)
-    for queue in spec.queue_profiles:
+    for queue in spec.serving.queue_profiles:
         for step in STEPS:
             variant = files[configs.config_path(Path(), step, queue)]
             default = configs.step_config(spec, step)
@@ -59,7 +61,7 @@ def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
 
 def test_latency_first_admits_by_time_at_the_entry_only(spec):
     """The budget is a timeout at the first step; no size limit anywhere, no policy after the entry."""
-    policy = spec.queue_profiles["latency_first"]
+    policy = spec.serving.queue_profiles["latency_first"]
     entry = configs.step_config(spec, STEPS[0], queue="latency_first")
     limits = entry.dynamic_batching.default_queue_policy
     assert limits.default_timeout_microseconds == policy.entry_timeout > 0 and limits.max_queue_size == 0

@@ -222,10 +222,10 @@ def served_store(store, tmp_path):
 def spec_store(spec, rng):
     tables = {}
     for name in spec.tables:
-        keys = np.unique(keys_for(rng.integers(0, 10**6, size=300), table_salt(spec.hash_namespace, name)))
-        vectors = rng.normal(size=(len(keys), spec.embedding_dim)).astype(np.float32)
-        tables[name] = TableArrays(name, keys, vectors, np.zeros(spec.embedding_dim, np.float32))
-    options = StoreSection(cache_mib=(2000 * (spec.embedding_dim * 4 + 16)) / (1 << 20))
+        keys = np.unique(keys_for(rng.integers(0, 10**6, size=300), table_salt(spec.hashing.namespace, name)))
+        vectors = rng.normal(size=(len(keys), spec.model.embedding_dim)).astype(np.float32)
+        tables[name] = TableArrays(name, keys, vectors, np.zeros(spec.model.embedding_dim, np.float32))
+    options = StoreSection(cache_mib=(2000 * (spec.model.embedding_dim * 4 + 16)) / (1 << 20))
     return tables, TieredStore.from_tables(tables, options=options)
 
 

@@ -44,13 +44,13 @@ def test_empty_categorical_gets_the_feature_missing_key(spec, transform, wire):
     wire[spec.categorical.name][1, 4] = b""
     keys = transform.transform(wire)[SPARSE_KEYS]
     assert keys.shape == (6, 26)
-    assert keys[1, 4] == missing_key(spec.hash_namespace, "C5")
+    assert keys[1, 4] == missing_key(spec.hashing.namespace, "C5")
 
 
 def test_absent_target_gets_its_missing_key(spec, transform, wire):
     wire[spec.target.name][2, 0] = -1
     keys = transform.transform(wire)[TARGET_KEY]
-    assert keys[2, 0] == missing_key(spec.hash_namespace, spec.target.name)
+    assert keys[2, 0] == missing_key(spec.hashing.namespace, spec.target.name)
 
 
 @pytest.mark.parametrize(("lengths", "bucket"), [([0, 0], 8), ([1, 0], 8), ([9, 3], 32), ([255, 1], 256)])

@@ -36,7 +36,7 @@ def test_echo_steps_batch_as_the_served_steps_and_the_ensemble_chains_them(spec)
     assert len(generated) == 3
     served = configs.step_config(spec, DENSE).dynamic_batching
     for config in generated.values():
-        assert config.backend == "python" and config.max_batch_size == spec.max_batch_size
+        assert config.backend == "python" and config.max_batch_size == spec.model.max_batch_size
         assert config.dynamic_batching.max_queue_delay_microseconds == served.max_queue_delay_microseconds
         assert list(config.dynamic_batching.preferred_batch_size) == list(served.preferred_batch_size)
 
@@ -47,7 +47,7 @@ def test_the_packed_echo_passes_the_same_values_in_one_tensor(spec):
     assert [t.name for t in packed[1].inputs] == [PACKED_TENSOR]
     assert {t.dtype for t in dense_inputs} == {"FP32"}
     fixed, per_position = packed_widths(dense_inputs)
-    assert fixed == len(spec.normalized_columns) + (spec.num_sparse + 1) * spec.embedding_dim
-    assert per_position == spec.embedding_dim + 1  # a history embedding and its mask
+    assert fixed == len(spec.normalized_columns) + (spec.num_sparse + 1) * spec.model.embedding_dim
+    assert per_position == spec.model.embedding_dim + 1  # a history embedding and its mask
     assert packed[0].packed == (fixed, per_position)
     assert [t.name for t in ensemble_outputs(packed)] == [t.name for t in ensemble_outputs(served)]

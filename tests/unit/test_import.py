@@ -329,7 +329,10 @@ class ForeignDense(torch.nn.Module):
 
     def __init__(self, spec) -> None:
         super().__init__()
-        dim, width = spec.embedding_dim, len(spec.dense.columns) + (spec.num_sparse + 2) * spec.embedding_dim
+        dim, width = (
+            spec.model.embedding_dim,
+            len(spec.dense.columns) + (spec.num_sparse + 2) * spec.model.embedding_dim,
+        )
         self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         self.dim = dim
 
@@ -342,7 +345,7 @@ def test_the_guides_pytorch_example_imports_and_verifies(logit_spec, tmp_path, c
     torch.manual_seed(0)
     dense = ForeignDense(logit_spec).eval()
     names = list(DENSE_NET_INPUTS)
-    d, n, f = logit_spec.embedding_dim, len(logit_spec.dense.columns), logit_spec.num_sparse
+    d, n, f = logit_spec.model.embedding_dim, len(logit_spec.dense.columns), logit_spec.num_sparse
     example = (
         torch.zeros(2, n),
         torch.zeros(2, f, d),

@@ -26,7 +26,9 @@ def test_every_row_reports_the_table_versions_of_one_snapshot_in_spec_order(spec
     assert (versions == 4).all()
 
     item = spec.target.table
-    store.install({item: 7}, RowBlock.of(tables[item].keys[:2], np.ones((2, spec.embedding_dim), np.float32)))
+    store.install(
+        {item: 7}, RowBlock.of(tables[item].keys[:2], np.ones((2, spec.model.embedding_dim), np.float32))
+    )
     versions = lookup.lookup(inputs)[EMBEDDING_VERSION]
     column = spec.table_names.index(item)
     assert (versions[:, column] == 7).all()

@@ -32,7 +32,7 @@ def runner(spec, tiny_repository):
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 256])
 def test_onnx_matches_pytorch_at_every_sequence_bucket(spec, net, runner, rows):
-    for length in spec.sequence_buckets:
+    for length in spec.serving.sequence_buckets:
         sample = example_inputs(spec, rows, length, seed=rows * 1000 + length)
         np.testing.assert_allclose(runner.predict(sample), torch_predict(net, sample), rtol=1e-5, atol=1e-6)
 
@@ -44,7 +44,7 @@ def test_padding_never_changes_real_rows(spec, net, runner):
     wider[HISTORY_EMBEDDINGS] = np.concatenate(
         [
             sample[HISTORY_EMBEDDINGS],
-            np.random.default_rng(0).normal(size=(5, 24, spec.embedding_dim)).astype(np.float32),
+            np.random.default_rng(0).normal(size=(5, 24, spec.model.embedding_dim)).astype(np.float32),
         ],
         axis=1,
     )

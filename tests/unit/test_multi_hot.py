@@ -47,8 +47,8 @@ def _store(spec, features):
     tables = {}
     for name, parts in keys.items():
         unique = np.unique(np.concatenate(parts))
-        vectors = rng.normal(size=(len(unique), spec.embedding_dim)).astype(np.float32)
-        tables[name] = TableArrays(name, unique, vectors, np.zeros(spec.embedding_dim, np.float32))
+        vectors = rng.normal(size=(len(unique), spec.model.embedding_dim)).astype(np.float32)
+        tables[name] = TableArrays(name, unique, vectors, np.zeros(spec.model.embedding_dim, np.float32))
     return tables, TieredStore.from_tables(tables)
 
 
@@ -72,7 +72,7 @@ def test_pooled_and_summed_embeddings_equal_numpy(taobao):
         values = [v for v in raw.categorical[r, tags.column].split(column.separator.encode()) if v]
         values = values[: tags.max_length]
         assert (features[MULTI_HOT_WEIGHTS][r] > 0).sum() == len(values)
-        expected = np.zeros(taobao.embedding_dim, np.float32)
+        expected = np.zeros(taobao.model.embedding_dim, np.float32)
         for k in range(len(values)):  # mean pooling over this row's values
             expected += vector(tags.table, features[MULTI_HOT_KEYS][r, k]) / len(values)
         pools += bool(values)

@@ -118,7 +118,7 @@ def test_local_checks_raise_invalid_request(spec):
     with pytest.raises(InvalidRequestError, match="batch size"):
         client.predict_inputs({**inputs, spec.target.name: np.zeros((2, 1), dtype=np.int64)})
     with pytest.raises(ValueError):
-        client.predict(CriteoRows(*(np.zeros((0, 1)),) * 6), batch_size=spec.max_batch_size + 1)
+        client.predict(CriteoRows(*(np.zeros((0, 1)),) * 6), batch_size=spec.model.max_batch_size + 1)
     client.close()
 
 

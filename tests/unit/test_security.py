@@ -72,7 +72,7 @@ def test_serve_refuses_a_queue_profile_the_repository_lacks(tiny_repository, cap
 
 
 def test_throughput_first_sheds_load_at_every_step(spec):
-    policy = spec.queue_profiles["throughput_first"]
+    policy = spec.serving.queue_profiles["throughput_first"]
     assert 0 < policy.entry_max_queue_size <= policy.max_queue_size, (
         "the first step must be the tightest gate"
     )
@@ -93,7 +93,7 @@ def test_the_served_configs_have_no_queue_policy(spec):
 
 
 def _graph(spec, **overrides):
-    dim, sparse = spec.embedding_dim, spec.num_sparse
+    dim, sparse = spec.model.embedding_dim, spec.num_sparse
     shapes = {
         DENSE_NORMALIZED: ["batch", len(spec.dense.columns)],
         SPARSE_EMBEDDINGS: ["batch", sparse, dim],
@@ -122,7 +122,7 @@ def test_a_dense_graph_built_for_the_spec_fits(spec):
 def test_a_dense_graph_for_other_embeddings_is_refused_with_both_shapes(spec, overrides, named):
     with pytest.raises(ArtifactError) as err:
         check_dense_fits(spec, _graph(spec, **overrides))
-    assert named in str(err.value) and f"embedding_dim {spec.embedding_dim}" in str(err.value)
+    assert named in str(err.value) and f"embedding_dim {spec.model.embedding_dim}" in str(err.value)
 
 
 def test_the_exported_dense_graph_fits(tiny_spec, tiny_repository):

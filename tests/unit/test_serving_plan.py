@@ -39,7 +39,7 @@ def test_gpu_profiles_run_the_lookup_step_on_gpu_instances_with_gpu_inputs(spec,
     config = configs.step_config(spec, step, profile=profile)
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
-    assert config.dynamic_batching.max_queue_delay_microseconds == spec.max_queue_delay_microseconds
+    assert config.dynamic_batching.max_queue_delay_microseconds == spec.serving.max_queue_delay_microseconds
     assert "FORCE_CPU_ONLY_INPUT_TENSORS" not in configs.step_config(spec, step).parameters
     assert configs.step_config(spec, step).instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
 

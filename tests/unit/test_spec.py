@@ -13,7 +13,7 @@ def test_default_spec_follows_the_criteo_schema(spec):
     assert spec.categorical.columns == tuple(f"C{i}" for i in range(1, 27))
     assert spec.sequence.max_length == 256
     assert spec.target.table == spec.sequence.table == "item"
-    assert len(spec.tables) == 27 and all(t.dim == spec.embedding_dim for t in spec.tables.values())
+    assert len(spec.tables) == 27 and all(t.dim == spec.model.embedding_dim for t in spec.tables.values())
 
 
 def test_wire_inputs_are_derived_from_feature_names(spec):

@@ -78,7 +78,7 @@ def test_time_parts_are_read_in_the_columns_time_zone():
     values, empty = categorical_values(rows, spec.categorical)
     assert values[0, 0] == datetime.datetime(2014, 10, 21, tzinfo=datetime.UTC).timestamp()
     keys = transform.categorical_keys(values, empty)
-    ns = spec.hash_namespace
+    ns = spec.hashing.namespace
     # 2014-10-21 was a Tuesday (weekday 1, Monday 0); 2014-10-25 a Saturday, at 23:00
     for row, (hour, weekday) in enumerate([(0, 1), (23, 5)]):
         assert keys[row, 0] == keys_for(np.uint64(hour), table_salt(ns, "hour_hour_of_day"))
@@ -113,7 +113,7 @@ def test_unix_times_and_identity_keys():
     saturday_ms = int(datetime.datetime(2026, 11, 21, 12, tzinfo=datetime.UTC).timestamp() * 1000)
     rows = np.array([[str(saturday_ms).encode(), b"-42"]], dtype=object)
     keys = FeatureTransform(spec).categorical_keys(*categorical_values(rows, spec.categorical))
-    ns = spec.hash_namespace
+    ns = spec.hashing.namespace
     assert keys[0, 0] == keys_for(np.uint64(1), table_salt(ns, "ts_is_weekend"))
     assert keys[0, 1] == keys_for(np.uint64(10), table_salt(ns, "ts_month"))
     assert keys[0, 2] == -42
@@ -287,7 +287,7 @@ def test_a_bucketized_numeric_feature_is_a_categorical_one():
         {"dense": values, "dense__missing": missing, "categorical": np.full((4, 1), b"a", dtype=object)}
     )
     np.testing.assert_allclose(out[DENSE_NORMALIZED][:, 0], np.log1p(5.0), rtol=1e-6)
-    ns = spec.hash_namespace
+    ns = spec.hashing.namespace
     expected = [keys_for(np.uint64(b), table_salt(ns, "clicks")) for b in (0, 2, 3)]
     assert list(out[SPARSE_KEYS][:3, 0]) == expected and out[SPARSE_KEYS][3, 0] == missing_key(ns, "clicks")
     assert vocabulary_keys(spec, "clicks", [2])[0] == expected[1]

@@ -131,12 +131,12 @@ def test_shards_load_memory_mapped_and_serve_the_same_rows(spec, tmp_path):
     rng = np.random.default_rng(3)
     tables = {}
     for name in spec.tables:
-        keys = np.unique(keys_for(rng.integers(0, 10**9, size=20), table_salt(spec.hash_namespace, name)))
+        keys = np.unique(keys_for(rng.integers(0, 10**9, size=20), table_salt(spec.hashing.namespace, name)))
         tables[name] = TableArrays(
             name,
             keys,
-            rng.normal(size=(len(keys), spec.embedding_dim)).astype(np.float32),
-            np.zeros(spec.embedding_dim, np.float32),
+            rng.normal(size=(len(keys), spec.model.embedding_dim)).astype(np.float32),
+            np.zeros(spec.model.embedding_dim, np.float32),
         )
     write_manifest(tmp_path, {"format": MANIFEST_FORMAT, "version": 3, **write_shards(tmp_path, tables, {})})
     store = TieredStore.load(tmp_path, spec)

@@ -32,7 +32,7 @@ def test_one_profile_per_bucket_tuned_for_the_bucket(spec):
 @pytest.mark.parametrize("length", [1, 8, 9, 32, 100, 256])
 def test_profiles_tile_every_shape_exactly_once(spec, length):
     profiles = spec_profiles(spec)
-    for rows in range(1, spec.max_batch_size + 1):
+    for rows in range(1, spec.model.max_batch_size + 1):
         shapes = Bucket(rows, length).input_shapes(spec)
         holding = [p.bucket for p in profiles if p.holds(shapes)]
         assert holding == [Bucket(spec.batch_bucket(rows), spec.sequence_bucket(length))], (rows, length)
@@ -75,9 +75,9 @@ def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
     config = configs.step_config(spec, DENSE, profile="gpu")
     assert config.platform == "tensorrt_plan" and config.default_model_filename == configs.TENSORRT_PLAN
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
-    assert config.instance_group[0].count == spec.instances["dense"]
-    assert list(config.dynamic_batching.preferred_batch_size) == list(spec.batch_buckets)
-    assert config.max_batch_size == max(spec.batch_buckets)
+    assert config.instance_group[0].count == spec.serving.instances["dense"]
+    assert list(config.dynamic_batching.preferred_batch_size) == list(spec.serving.batch_buckets)
+    assert config.max_batch_size == max(spec.serving.batch_buckets)
     assert not any(i.allow_ragged_batch for i in config.input)
     assert [w.name for w in config.model_warmup] == [
         f"bucket_{b.rows}x{b.length}" for b in spec_buckets(spec)
@@ -90,7 +90,7 @@ def test_cpu_dense_config_warms_every_bucket_at_load(spec):
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU
     for warmup, bucket in zip(config.model_warmup, spec_buckets(spec), strict=True):
         assert warmup.batch_size == bucket.rows
-        assert list(warmup.inputs["history_embeddings"].dims) == [bucket.length, spec.embedding_dim]
+        assert list(warmup.inputs["history_embeddings"].dims) == [bucket.length, spec.model.embedding_dim]
         assert list(warmup.inputs["history_mask"].dims) == [bucket.length]
         assert all(i.zero_data for i in warmup.inputs.values())
 
