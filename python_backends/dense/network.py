@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from recserve.core.contract import attention_inputs, dense_net_inputs, sparse_inputs
-from recserve.core.names import DENSE_NORMALIZED, HISTORY_USER, SPARSE_EMBEDDINGS
+from recserve.core.names import (
+    DENSE_NORMALIZED,
+    HISTORY_EMBEDDINGS,
+    HISTORY_LOG_WEIGHTS,
+    HISTORY_USER,
+    SPARSE_EMBEDDINGS,
+)
 from recserve.core.spec import ModelSpec
 
 
@@ -48,12 +54,15 @@ class TargetAttention(nn.Module):
         history: torch.Tensor,
         mask: torch.Tensor,
         users: torch.Tensor | None = None,
+        log_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``target`` [B, D], ``history`` [B, L, D], ``mask`` [B, L] (1 real, 0 padding) to [B, D].
 
         With ``users`` [B] (int64), ``history`` and ``mask`` hold one row per user, ``[U, L, ...]``,
         and row ``b`` attends over row ``users[b]``: each user's keys and values are projected once,
         whatever the number of rows (a candidate list). The result equals the expanded history's.
+        ``log_weights`` ([B, L], or [U, L] with ``users``) is added to each position's logit before
+        the mask: a token standing for ``c`` identical items carries ``ln c``. None or zeros: today's.
         """
         length, dim = history.shape[1], history.shape[2]
         owners, batch = history.shape[0], target.shape[0]
@@ -62,6 +71,8 @@ class TargetAttention(nn.Module):
         if users is None:
             q = self.query(target).view(batch, self.heads, 1, self.head_dim)
             scores = (q @ k.transpose(-1, -2)).squeeze(2) / math.sqrt(self.head_dim)  # [B, H, L]
+            if log_weights is not None:
+                scores = scores + log_weights[:, None, :]
             gate = mask[:, None, :]
             scores = scores + (gate - 1.0) * 1e9
             weights = torch.softmax(scores, dim=-1) * gate
@@ -70,6 +81,8 @@ class TargetAttention(nn.Module):
             q = self.query(target).view(batch, self.heads, self.head_dim)
             own = (users[:, None] == torch.arange(owners, device=users.device)[None, :]).to(history.dtype)
             scores = torch.einsum("bhd,uhld->buhl", q, k) / math.sqrt(self.head_dim)
+            if log_weights is not None:
+                scores = scores + log_weights[None, :, None, :]
             gate = own[:, :, None, None] * mask[None, :, None, :]
             scores = scores + (gate - 1.0) * 1e9
             weights = torch.softmax(scores, dim=-1) * gate
@@ -138,7 +151,8 @@ class CTRNet(nn.Module):
         attentions = [self.attention, *self.further] if self.has_attention else []
         for group, attention in zip(self.groups, attentions, strict=True):
             target = named[group.target]
-            context = attention(target, named[group.history], named[group.mask], users)
+            weights = named.get(group.history.replace(HISTORY_EMBEDDINGS, HISTORY_LOG_WEIGHTS, 1))
+            context = attention(target, named[group.history], named[group.mask], users, weights)
             parts += [target[:, None, :], context[:, None, :]]
         stacked = torch.cat(parts, dim=1)
         pairs = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)[:, self.pair_index]

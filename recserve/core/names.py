@@ -26,6 +26,9 @@ MULTI_HOT_WEIGHTS = "multi_hot_weights"
 SPARSE_EMBEDDINGS = "sparse_embeddings"
 TARGET_EMBEDDING = "target_embedding"
 HISTORY_EMBEDDINGS = "history_embeddings"
+#: Per history position, a log-weight added to its attention logit (a user state's ``ln count``;
+#: optional: without it, or all zero, the attention is today's).
+HISTORY_LOG_WEIGHTS = "history_log_weights"
 
 PROBABILITY = "probability"
 #: The output of a dense ONNX that returns logits (``[model] output = "logit"``); served as its sigmoid.
