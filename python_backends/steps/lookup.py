@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from recserve.backends.store.device_cache import DeviceL1, DeviceLookup
+    from recserve.backends.store.device_tier import DeviceTier
     from recserve.backends.store.served import ServedStore
 
 
@@ -56,11 +57,14 @@ class EmbeddingLookup:
     Args:
         spec: the model spec.
         store: the tiered store.
-        device_l1: when given, :meth:`lookup` reads L1 on its device and returns device tensors
-            (the ``cuda`` profile); otherwise numpy arrays from the host path.
+        device_l1: when given, :meth:`lookup` looks keys up on its device (resident tables, else
+            L1) and returns device tensors (the ``cuda`` profile); otherwise numpy arrays from the
+            host path.
     """
 
-    def __init__(self, spec: ModelSpec, store: TieredStore, device_l1: DeviceL1 | None = None) -> None:
+    def __init__(
+        self, spec: ModelSpec, store: TieredStore, device_l1: DeviceL1 | DeviceTier | None = None
+    ) -> None:
         self.spec = spec
         self.store = store
         self.device_l1 = device_l1
@@ -105,7 +109,10 @@ class EmbeddingLookup:
     def for_instance(
         cls, spec: ModelSpec, served: ServedStore, l1_device: str = "", instance_device: str = "cpu"
     ) -> EmbeddingLookup:
-        """The step as a served instance runs it; with the device L1 when ``l1_device`` is set.
+        """The step as a served instance runs it; on a device when ``l1_device`` is set.
+
+        There the tables that fit ``[store] device_memory_mib`` are resident on the device and the
+        others behind the device L1 (:func:`~recserve.backends.store.device_tier.device_lookup`).
 
         torch is imported only then: the default profile's step stays numpy. The device copy of L1
         follows the store's upkeep rounds (rebuilds, updates) on the upkeep thread.
@@ -118,11 +125,13 @@ class EmbeddingLookup:
         """
         if not l1_device:
             return cls(spec, served.store)
-        from recserve.backends.store.device_cache import DeviceL1, resolve_device
+        from recserve.backends.store.device_cache import resolve_device
+        from recserve.backends.store.device_tier import device_lookup
 
-        device_l1 = DeviceL1(served.store, resolve_device(l1_device, instance_device))
-        served.maintainer.after_step.append(device_l1.follow)
-        return cls(spec, served.store, device_l1)
+        device = resolve_device(l1_device, instance_device)
+        on_device = device_lookup(served.store, device, spec.store.device_memory_bytes)
+        served.maintainer.after_step.append(on_device.follow)
+        return cls(spec, served.store, on_device)
 
     def key_blocks(
         self, inputs: Mapping[str, np.ndarray]

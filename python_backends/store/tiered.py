@@ -40,6 +40,7 @@ from recserve.backends.store.shards import layout_shards, map_shards
 from recserve.backends.store.tiers import (  # the tiers' names and types stay importable from here
     DEFAULT,
     DELTA,
+    DEVICE,
     L1,
     L2,
     L3,
@@ -58,6 +59,7 @@ __all__ = [
     "DEFAULT",
     "DEFAULT_STORE",
     "DELTA",
+    "DEVICE",
     "L1",
     "L2",
     "L3",

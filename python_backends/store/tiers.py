@@ -1,9 +1,10 @@
 """What the tiered store's lookups pass around: the tiers, a snapshot, a lookup's result, the counters.
 
-The tiers in the order a lookup tries them (:data:`TIERS`, their indexes :data:`L1` ...
-:data:`DEFAULT`), the :class:`Snapshot` a batch reads, the :class:`Lookup` it returns, the
-:class:`StoreStats` it counts into, and what the store needs of an L3 tier (:class:`RemoteTier`).
-The store itself is :class:`~recserve.backends.store.tiered.TieredStore`, which re-exports these names.
+The tiers in the order a host lookup tries them (:data:`TIERS`, their indexes :data:`L1` ...
+:data:`DEFAULT`; :data:`DEVICE` for a device step's resident tables), the :class:`Snapshot` a
+batch reads, the :class:`Lookup` it returns, the :class:`StoreStats` it counts into, and what the
+store needs of an L3 tier (:class:`RemoteTier`). The store itself is
+:class:`~recserve.backends.store.tiered.TieredStore`, which re-exports these names.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.rows import RowBlock
 
-TIERS = ("l1", "delta", "l2", "l3", "default")
-L1, DELTA, L2, L3, DEFAULT = range(len(TIERS))
+TIERS = ("l1", "delta", "l2", "l3", "default", "device")
+#: ``device``: a table resident on the step's device (:mod:`.device_tier`), searched before the host
+#: tiers there; listed last so the host tiers keep their indexes.
+L1, DELTA, L2, L3, DEFAULT, DEVICE = range(len(TIERS))
 
 
 @dataclass(frozen=True)

@@ -141,11 +141,19 @@ class StoreSection:
     redis_ssl_certfile: str = ""  # client certificate, for nodes with tls-auth-clients
     redis_ssl_keyfile: str = ""  # its private key
     redis_ssl_check_hostname: bool = True  # the node's certificate must name the host it is reached by
+    # a device step (profile cuda) holds whole local tables in device memory up to this budget, the
+    # rest behind the device L1; 0: the device L1 alone
+    device_memory_mib: float = 1024.0
 
     @property
     def cache_bytes(self) -> int:
         """The L1 budget in bytes."""
         return int(self.cache_mib * (1 << 20))
+
+    @property
+    def device_memory_bytes(self) -> int:
+        """The device tier's budget in bytes."""
+        return int(self.device_memory_mib * (1 << 20))
 
     @property
     def table_dtypes(self) -> dict[str, str]:
@@ -160,6 +168,10 @@ class StoreSection:
                 raise SpecError(f"[store] {setting} names unknown tables {unknown}")
         if self.remote_tables and not self.redis_nodes:
             raise SpecError("[store] remote_tables needs redis_nodes (the L3 Redis Cluster)")
+        if not self.device_memory_mib >= 0:
+            raise SpecError(
+                f"[store] device_memory_mib must be >= 0 (0: no table resident), got {self.device_memory_mib}"
+            )
         self._check_redis_access()
 
     def _check_redis_access(self) -> None:

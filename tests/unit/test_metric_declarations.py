@@ -64,7 +64,7 @@ def test_served_store_declares_every_table_tier_and_its_counters_at_zero(tmp_pat
         tier._pool.shutdown(wait=False)
     keys = {labels for name, labels in found if name == "recserve_embedding_keys_total"}
     assert keys == {(("table", t), ("tier", tier_name)) for t, tier_name in itertools.product(tables, TIERS)}
-    assert set(TIERS) == {"l1", "delta", "l2", "l3", "default"}
+    assert set(TIERS) == {"l1", "delta", "l2", "l3", "default", "device"}
     for name in ("recserve_table_version", "recserve_table_update_lag_seconds"):
         assert {labels for n, labels in found if n == name} == {(("table", t),) for t in tables}
     for counter in (

@@ -1,0 +1,273 @@
+"""Whole tables resident on a torch device: the keyed lookup done where the dense step runs.
+
+On a GPU instance (config profile ``cuda``) the embedding step holds every local table that fits
+the spec's budget (``[store] device_memory_mib``) on the instance's device, as one sorted int64 key
+tensor and one float32 vector tensor per L2 shard, and the delta rows of the served version the
+same way. A batch's keys go to the device once; ``torch.searchsorted`` and a gather answer them
+there; the tier of each key comes back to the host (one byte per key) for the counters::
+
+    keys ──► device: delta keys ─ searchsorted ─► hit? delta row
+                     shard keys ─ searchsorted ─► hit? shard row ──► [n, dim] on the device
+                     resident table, no L3 ─────► its default row
+             the rest (tables not resident; L3) ─► DeviceL1 / TieredStore.lookup, one call
+
+The keys and tiers follow the host store (:class:`~recserve.backends.store.tiered.TieredStore`):
+the delta rows first (any table), then the key's own table's shard, then L3 and the default, so
+every vector equals the host path's bit for bit; keys answered on the device are counted as tier
+``device`` (:data:`~recserve.backends.store.tiers.DEVICE`). The shards never change while served;
+an update (``install``) or rollback brings a new delta: its tensors are built aside
+(:meth:`DeviceTier.follow` on the upkeep thread, or the first lookup that sees it) and swapped in
+as one reference, so a batch reads one whole version. Tables that do not fit are served by the
+fallback: the device L1 (:class:`~recserve.backends.store.device_cache.DeviceL1`, hot rows on the
+device) or the host store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from recserve.backends.store.device_cache import ATTEMPTS, DeviceL1, DeviceLookup
+from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.tiered import DEFAULT, DEVICE, Snapshot, TieredStore
+
+LOGGER = logging.getLogger(__name__)
+
+#: Tier mark of a key the device does not answer (sent to the fallback); never leaves :class:`DeviceTier`.
+ELSEWHERE = -1
+#: Device bytes of one resident row besides its vector: its int64 key.
+KEY_BYTES = 8
+
+
+@dataclass(frozen=True)
+class SortedRows:
+    """Rows on a device by key: ``keys`` ascending int64 ``[n]``, ``vectors`` float32 ``[n, dim]``."""
+
+    keys: torch.Tensor
+    vectors: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: np.ndarray, vectors: np.ndarray, dim: int, device: torch.device) -> SortedRows:
+        """Sort ``keys`` (unique) with their rows, widen the rows to ``dim`` (zeros), copy to ``device``."""
+        order = np.argsort(keys, kind="stable")
+        wide = np.zeros((len(keys), dim), np.float32)
+        wide[:, : vectors.shape[1]] = vectors[order] if len(keys) else wide[:, : vectors.shape[1]]
+        return cls(
+            torch.from_numpy(np.ascontiguousarray(keys[order], np.int64)).to(device),
+            torch.from_numpy(wide).to(device),
+        )
+
+    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each key's row (clamped into range) and whether it is here."""
+        if self.keys.numel() == 0:
+            return torch.zeros_like(keys), torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)
+        rows = torch.searchsorted(self.keys, keys).clamp_(max=self.keys.numel() - 1)
+        return rows, self.keys.index_select(0, rows) == keys
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the keys and vectors."""
+        return self.keys.numel() * KEY_BYTES + self.vectors.numel() * self.vectors.element_size()
+
+
+@dataclass(frozen=True)
+class DeviceDelta:
+    """The delta rows of one served version on the device (``rows`` None: no delta)."""
+
+    source: RowBlock | None
+    rows: SortedRows | None
+
+
+def resident_tables(store: TieredStore, budget_bytes: int) -> tuple[str, ...]:
+    """The local tables that fit ``budget_bytes`` on the device, in table order (each whole or not at all).
+
+    A row costs its key and its vector at the store's width (:attr:`TieredStore.dim`, float32).
+    Tables held only in L3 (``[store] remote_tables``) have no local rows and are never resident.
+    """
+    remote = set(store.options.remote_tables)
+    row_bytes = KEY_BYTES + store.dim * 4
+    chosen, used = [], 0
+    for name in store.table_names:
+        info = store.tables[name]
+        cost = (info.row_end - info.row_start) * row_bytes
+        if name not in remote and used + cost <= budget_bytes:
+            chosen.append(name)
+            used += cost
+    return tuple(chosen)
+
+
+class DeviceTier:
+    """:meth:`TieredStore.lookup` with whole tables searched on a torch device and the result left there.
+
+    Same arguments, same vectors bit for bit and the same counters as the host path; keys the
+    device answers are counted as tier ``device``.
+
+    Args:
+        store: the host store (its shards, snapshot, counters and key frequencies).
+        device: ``cpu``, ``cuda`` or ``cuda:N``.
+        tables: the tables to hold on the device (:func:`resident_tables`).
+        fallback: serves the keys of the other tables (and every miss when the store has L3); None:
+            the host store.
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        device: str | torch.device,
+        tables: Sequence[str],
+        fallback: DeviceL1 | None = None,
+    ) -> None:
+        self.store = store
+        self.device = torch.device(device)
+        self.tables = tuple(tables)
+        self.fallback = fallback
+        shard_of = np.full(len(store.table_names), -1, np.int64)  # table id -> its resident shard, or -1
+        self.shards: list[SortedRows] = []
+        for number, shard in enumerate(store.shards):
+            members = [store.tables[name] for name in self.tables if store.tables[name].shard == number]
+            if not members:
+                continue
+            rows = np.concatenate([np.arange(t.row_start, t.row_end) for t in members])
+            self.shards.append(SortedRows.of(shard.keys[rows], shard.vectors[rows], store.dim, self.device))
+            shard_of[[t.table_id for t in members]] = len(self.shards) - 1
+        self.shard_of = torch.from_numpy(shard_of).to(self.device)
+        # without L3, a resident table's unknown key gets its default on the device
+        local_default = np.zeros(len(store.table_names), bool)
+        if store.remote is None:
+            local_default[shard_of >= 0] = True
+        self.local_default = torch.from_numpy(local_default).to(self.device)
+        self.defaults = torch.from_numpy(store_defaults(store)).to(self.device)
+        self._delta = DeviceDelta(None, None)
+        self._lock = threading.Lock()
+        self.delta_for(store.snapshot.delta)
+        LOGGER.info(
+            "%d of %d tables resident on %s: %d rows, %d bytes",
+            len(self.tables),
+            len(store.table_names),
+            self.device,
+            sum(int(s.keys.numel()) for s in self.shards),
+            self.nbytes,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the resident shards and the current delta rows."""
+        delta = self._delta.rows
+        return sum(s.nbytes for s in self.shards) + (0 if delta is None else delta.nbytes)
+
+    def delta_for(self, delta: RowBlock | None) -> DeviceDelta:
+        """The device copy of a version's delta rows, made on first use (once, by the first thread asking)."""
+        current = self._delta
+        if current.source is delta:
+            return current
+        with self._lock:
+            if self._delta.source is not delta:
+                rows = (
+                    None
+                    if delta is None
+                    else SortedRows.of(delta.keys, delta.vectors, self.store.dim, self.device)
+                )
+                self._delta = DeviceDelta(delta, rows)  # one reference swap: a lookup sees the old or the new
+            return self._delta
+
+    def follow(self) -> None:
+        """Copy the store's current delta rows to the device now (the upkeep thread, after each round)."""
+        self.delta_for(self.store.snapshot.delta)
+        if self.fallback is not None:
+            self.fallback.follow()
+
+    def lookup(self, keys: np.ndarray, table_ids: np.ndarray, record: bool = True) -> DeviceLookup:
+        """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length), on the device."""
+        started = time.perf_counter()
+        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        table_ids = np.ascontiguousarray(table_ids, dtype=np.int16).reshape(-1)
+        for _ in range(ATTEMPTS):
+            served = self._serve(keys, table_ids)
+            if served is not None:
+                break
+        else:  # updates kept landing mid-batch: the host path reads one snapshot by itself
+            result = self.store.lookup(keys, table_ids, record=False)
+            served = DeviceLookup(
+                torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot
+            )
+        if record:
+            self.store.record_lookup(keys, table_ids, served.tiers, time.perf_counter() - started)
+        return served
+
+    def _serve(self, keys: np.ndarray, table_ids: np.ndarray) -> DeviceLookup | None:
+        """One attempt on the current snapshot; None when an update landed before the fallback answered."""
+        snapshot = self.store.snapshot
+        delta = self.delta_for(snapshot.delta)
+        device_keys = torch.from_numpy(keys).to(self.device)
+        device_tables = torch.from_numpy(table_ids.astype(np.int64)).to(self.device)
+        vectors, tiers = self._on_device(device_keys, device_tables, delta)
+        host_tiers = tiers.cpu().numpy()
+        elsewhere = np.flatnonzero(host_tiers == ELSEWHERE)
+        if elsewhere.size:
+            rest = (self.fallback or self.store).lookup(keys[elsewhere], table_ids[elsewhere], record=False)
+            if not same_version(rest.snapshot, snapshot):
+                return None
+            host_tiers[elsewhere] = rest.tiers
+            rows = torch.from_numpy(elsewhere).to(self.device)
+            vectors.index_copy_(0, rows, torch.as_tensor(rest.vectors).to(self.device))
+        return DeviceLookup(vectors, host_tiers, snapshot)
+
+    def _on_device(
+        self, keys: torch.Tensor, table_ids: torch.Tensor, delta: DeviceDelta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vectors ``[n, dim]`` and tiers ``[n]`` (int8; :data:`ELSEWHERE` for keys left to the fallback)."""
+        vectors = self.defaults.index_select(0, table_ids)
+        tiers = torch.where(
+            self.local_default.index_select(0, table_ids),
+            torch.tensor(DEFAULT, dtype=torch.int8, device=self.device),
+            torch.tensor(ELSEWHERE, dtype=torch.int8, device=self.device),
+        )
+        shard = self.shard_of.index_select(0, table_ids)
+        served = torch.zeros(keys.shape, dtype=torch.bool, device=self.device)
+        sources: list[tuple[SortedRows, torch.Tensor | None]] = [
+            (rows, shard == number) for number, rows in enumerate(self.shards)
+        ]
+        if delta.rows is not None:  # the delta rows first, whatever the table (as the host path)
+            sources.insert(0, (delta.rows, None))
+        for rows, mine in sources:
+            found_at, found = rows.find(keys)
+            found &= ~served
+            if mine is not None:
+                found &= mine
+            vectors = torch.where(found[:, None], rows.vectors.index_select(0, found_at), vectors)
+            served |= found
+        tiers = torch.where(served, torch.tensor(DEVICE, dtype=torch.int8, device=self.device), tiers)
+        return vectors, tiers
+
+
+def same_version(a: Snapshot, b: Snapshot) -> bool:
+    """True when two snapshots serve the same rows (the same versions and delta; L1 may differ)."""
+    return a is b or (a.delta is b.delta and a.versions == b.versions)
+
+
+def store_defaults(store: TieredStore) -> np.ndarray:
+    """float32 ``[tables, dim]``: each table's default row at the store's width (zeros beyond its own)."""
+    out = np.zeros((len(store.table_names), store.dim), np.float32)
+    for info in store.tables.values():
+        row = store.shards[info.shard].vectors[info.default_row]
+        out[info.table_id, : row.shape[0]] = row
+    return out
+
+
+def device_lookup(store: TieredStore, device: str, budget_bytes: int) -> DeviceTier | DeviceL1:
+    """What a device step looks keys up with: the tables that fit ``budget_bytes`` resident, L1 for the rest.
+
+    With no table resident, the device L1 alone (hot rows on the device, the rest on the host).
+    """
+    tables = resident_tables(store, budget_bytes)
+    if not tables:
+        return DeviceL1(store, device)
+    local = [n for n in store.table_names if n not in store.options.remote_tables]
+    fallback = None if len(tables) == len(local) and store.remote is None else DeviceL1(store, device)
+    return DeviceTier(store, device, tables, fallback)
