@@ -122,6 +122,7 @@ TOP_LEVEL_KEYS = (
     "hashing",
     "store",
     "access",
+    "user_state",
 )
 
 

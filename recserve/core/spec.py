@@ -24,6 +24,7 @@ from recserve.core.sections_serving import (
     StoreSection,
     TrainingSection,
 )
+from recserve.core.sections_user_state import UserStateSection
 from recserve.core.spec_types import (
     NUMERIC_INPUT,
     AttentionGroup,
@@ -56,6 +57,7 @@ class ModelSpec:
     # every sequence, group by group (see :attr:`attention_groups`), and the target of each
     sequences: tuple[SequenceFeature, ...] = ()
     targets: tuple[CategoricalFeature, ...] = ()
+    user_state: UserStateSection = field(default_factory=UserStateSection)  # off by default
 
     # ---- derived names -------------------------------------------------------------------
     @property

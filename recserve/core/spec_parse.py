@@ -24,6 +24,7 @@ from recserve.core.sections_serving import (
     StoreSection,
     TrainingSection,
 )
+from recserve.core.sections_user_state import UserStateSection
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_features import attention_features, parse_features, parse_tables
 from recserve.core.spec_types import (
@@ -132,6 +133,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     store = replace(store, float16_tables=tuple(dict.fromkeys((*store.float16_tables, *fp16))))
     access = parse_section(AccessSection, doc.get("access", {}), "access")
     access.check()
+    user_state = parse_section(UserStateSection, doc.get("user_state", {}), "user_state")
+    user_state.check(seq_buckets[-1])
     numeric = tuple(features.numeric)
     return ModelSpec(
         model=model,
@@ -155,6 +158,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         inputs=inputs,
         sequences=sequences,
         targets=targets,
+        user_state=user_state,
     )
 
 

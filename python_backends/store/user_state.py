@@ -1,0 +1,104 @@
+"""A user's state: at most ``T`` tokens, the sequence number of its last event, its mode and versions.
+
+Stored as one byte string (no pickle), read back from storage that is not trusted, so
+:func:`decode_state` checks every field and size before it builds anything::
+
+    b"RSU1"                      magic and format
+    20 ASCII digits              seq: the last event the state includes (zero-padded, so that
+                                 the store's compare-on-write is a byte comparison)
+    <B B I Q Q (little-endian)   mode (0 exact, 1 clustered), 0, tokens n, table version, dense version
+    int64[n]                     item ids, by last occurrence, oldest first
+    uint32[n]                    counts, each >= 1 (the token's log-weight is ln count)
+
+Ids are stored, not vectors: an embedding update or a new dense model never makes a state stale in
+value; a clustered state's grouping was made in one model's key space, so it records the versions.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from recserve.backends.store.user_tokens import Tokens
+from recserve.errors import shorten
+
+MAGIC = b"RSU1"
+SEQ_DIGITS = 20
+_FIELDS = struct.Struct("<BBIQQ")
+HEADER_BYTES = len(MAGIC) + SEQ_DIGITS + _FIELDS.size
+#: The state's mode: every distinct item its own token, or the older items grouped.
+EXACT, CLUSTERED = "exact", "clustered"
+MODES = (EXACT, CLUSTERED)
+
+
+class StateFormatError(ValueError):
+    """A stored value that is not a user state this server can use (the reason names what is wrong)."""
+
+
+@dataclass(frozen=True)
+class UserState:
+    """One user's state as the builder writes it and the lookup step reads it."""
+
+    seq: int  # the last event included
+    mode: str  # EXACT or CLUSTERED
+    tokens: Tokens
+    table_version: int = 0  # of the item table the grouping was made with
+    dense_version: int = 0  # of the dense model whose key space grouped the items
+
+    def encode(self) -> bytes:
+        """The stored bytes."""
+        if not 0 <= self.seq < 10**SEQ_DIGITS or self.mode not in MODES:
+            raise ValueError(f"a state needs 0 <= seq and a mode of {MODES}, got {self.seq}, {self.mode!r}")
+        counts = np.asarray(self.tokens.counts)
+        if counts.size and (counts.min() < 1 or counts.max() > np.iinfo(np.uint32).max):
+            raise ValueError("token counts must lie in 1..2**32-1")
+        head = _FIELDS.pack(
+            MODES.index(self.mode), 0, len(self.tokens), self.table_version, self.dense_version
+        )
+        return b"".join(
+            (
+                MAGIC,
+                b"%020d" % self.seq,
+                head,
+                np.ascontiguousarray(self.tokens.items, "<i8").tobytes(),
+                np.ascontiguousarray(counts, "<u4").tobytes(),
+            )
+        )
+
+
+def seq_bytes(seq: int) -> bytes:
+    """``seq`` as stored (20 zero-padded digits): byte order is numeric order."""
+    return b"%020d" % seq
+
+
+def decode_state(value: object, max_tokens: int) -> UserState:
+    """The state in ``value``, checked; ``max_tokens`` is the most tokens this server accepts.
+
+    Raises:
+        StateFormatError: not bytes, a wrong magic or format, a length that disagrees with its token
+            count, too many tokens, an unknown mode, a count of 0, or an item twice.
+    """
+    if not isinstance(value, bytes | bytearray):
+        raise StateFormatError(f"a {type(value).__name__}, not bytes: {shorten(value)}")
+    value = bytes(value)
+    if len(value) < HEADER_BYTES or not value.startswith(MAGIC):
+        raise StateFormatError(f"{len(value)} bytes, not a user state ({shorten(value, 32)})")
+    digits = value[len(MAGIC) : len(MAGIC) + SEQ_DIGITS]
+    if not digits.isdigit():
+        raise StateFormatError(f"sequence number {shorten(digits, 32)} is not {SEQ_DIGITS} digits")
+    mode, _, n, table_version, dense_version = _FIELDS.unpack_from(value, len(MAGIC) + SEQ_DIGITS)
+    if mode >= len(MODES):
+        raise StateFormatError(f"unknown mode {mode}")
+    if n > max_tokens:
+        raise StateFormatError(f"{n} tokens, over the limit of {max_tokens}")
+    if len(value) != HEADER_BYTES + 12 * n:
+        raise StateFormatError(f"{len(value)} bytes for {n} tokens (expected {HEADER_BYTES + 12 * n})")
+    items = np.frombuffer(value, "<i8", n, HEADER_BYTES).astype(np.int64)
+    counts = np.frombuffer(value, "<u4", n, HEADER_BYTES + 8 * n).astype(np.int64)
+    if n and counts.min() < 1:
+        raise StateFormatError("a token with count 0")
+    if np.unique(items).size != n:
+        raise StateFormatError("an item in two tokens")
+    return UserState(int(digits), MODES[mode], Tokens(items, counts), table_version, dense_version)

@@ -1,0 +1,257 @@
+"""Where user states live: a local SQLite file (the embedded default) or the Redis Cluster tier.
+
+Both write with a compare on the event sequence: a state replaces the stored one only when its
+``seq`` is at least the stored one's, so a slow or restarted builder never puts an older state
+over a newer one. Both keep a state for ``ttl_s`` after its last write, and delete a user's state
+on request (erasure). Reads never raise: a user is ``found``, ``absent``, ``bad_value`` (a stored
+value that is not a state this server accepts: refused, counted, logged at most once a minute) or,
+for the whole call, ``error`` (Redis timed out, failed, or its breaker is open).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from recserve.backends.store.redis_tier import CircuitBreaker, RedisTier, redis_keys
+from recserve.backends.store.user_state import UserState, decode_state, seq_bytes
+from recserve.core.sections_serving import StoreSection
+from recserve.core.sections_user_state import UserStateSection
+
+LOGGER = logging.getLogger(__name__)
+
+FOUND, ABSENT, BAD_VALUE, ERROR = "found", "absent", "bad_value", "error"
+#: Prefix of the states' Redis keys (the hash tag spreads users over the tier's slot groups).
+STATE_PREFIX = "us:"
+BAD_VALUE_LOG_INTERVAL_S = 60.0
+
+#: Set KEYS[1] to ARGV[1] for ARGV[3] ms unless the stored state's seq (bytes 5..24) is newer than
+#: ARGV[2]. Both are zero-padded digits, so comparing the strings compares the numbers.
+_COMPARE_AND_SET = """
+local stored = redis.call('GET', KEYS[1])
+if stored and string.sub(stored, 1, 4) == 'RSU1' and string.sub(stored, 5, 24) > ARGV[2] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class StateFetch:
+    """The states of a batch's users (None where not found) and each user's outcome."""
+
+    states: list[UserState | None]
+    outcomes: list[str]  # FOUND, ABSENT, BAD_VALUE or ERROR, per user
+
+
+class UserStates(Protocol):
+    """What the builder and the lookup step need of a state store."""
+
+    def fetch(self, users: np.ndarray) -> StateFetch:
+        """The stored states of ``users`` (int64)."""
+        ...
+
+    def put(self, user: int, state: UserState) -> bool:
+        """Store ``state`` unless a newer one is stored; True when written."""
+        ...
+
+    def delete(self, user: int) -> bool:
+        """Erase a user's state; True when there was one."""
+        ...
+
+
+class _Decoder:
+    """Decodes stored values, counting and (at most once a minute) logging the refused ones."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.refused = 0
+        self._logged_at = -BAD_VALUE_LOG_INTERVAL_S
+
+    def __call__(self, users: np.ndarray, values: Sequence[object]) -> StateFetch:
+        states: list[UserState | None] = []
+        outcomes = []
+        for user, value in zip(users.tolist(), values, strict=True):
+            if value is None:
+                states.append(None)
+                outcomes.append(ABSENT)
+                continue
+            try:
+                states.append(decode_state(value, self.max_tokens))
+                outcomes.append(FOUND)
+            except ValueError as exc:
+                states.append(None)
+                outcomes.append(BAD_VALUE)
+                self._refuse(user, exc)
+        return StateFetch(states, outcomes)
+
+    def _refuse(self, user: int, exc: ValueError) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._logged_at >= BAD_VALUE_LOG_INTERVAL_S:
+            LOGGER.warning("user state of user %d refused (%d since start): %s", user, self.refused, exc)
+            self._logged_at = now
+
+
+class LocalUserStates:
+    """States in a SQLite file, shared by the builder's process and the servers' on one machine.
+
+    Args:
+        path: the database file (created with its table when missing).
+        ttl_s: how long a state lives after its last write.
+        max_tokens: the most tokens a state read back may hold.
+        clock: seconds since the epoch (processes share the file, so wall time).
+    """
+
+    def __init__(
+        self, path: Path, ttl_s: float, max_tokens: int, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.path, self.ttl_s, self.clock = Path(path), ttl_s, clock
+        self._decode = _Decoder(max_tokens)
+        self._local = threading.local()
+        with self._connection() as db:
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS states "
+                "(user INTEGER PRIMARY KEY, seq INTEGER NOT NULL, expires REAL NOT NULL, value BLOB NOT NULL)"
+            )
+
+    def _connection(self) -> sqlite3.Connection:
+        """This thread's connection (SQLite connections stay on the thread that made them)."""
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self.path, timeout=5.0, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            self._local.db = db
+        return db
+
+    def fetch(self, users: np.ndarray) -> StateFetch:
+        """The states of ``users``; an expired state is absent."""
+        users = np.asarray(users, np.int64).reshape(-1)
+        wanted = [int(u) for u in users.tolist()]
+        rows: dict[int, bytes] = {}
+        for start in range(0, len(wanted), 500):  # SQLite's bound on parameters
+            chunk = wanted[start : start + 500]
+            marks = ",".join("?" * len(chunk))
+            rows.update(
+                self._connection().execute(
+                    f"SELECT user, value FROM states WHERE expires > ? AND user IN ({marks})",  # noqa: S608
+                    (self.clock(), *chunk),
+                )
+            )
+        return self._decode(users, [rows.get(u) for u in wanted])
+
+    def put(self, user: int, state: UserState) -> bool:
+        """Store ``state`` unless the stored one (not expired) has a newer seq."""
+        now = self.clock()
+        cursor = self._connection().execute(
+            "INSERT INTO states VALUES (?, ?, ?, ?) ON CONFLICT(user) DO UPDATE SET "
+            "seq = excluded.seq, expires = excluded.expires, value = excluded.value "
+            "WHERE excluded.seq >= states.seq OR states.expires <= ?",
+            (int(user), state.seq, now + self.ttl_s, state.encode(), now),
+        )
+        return cursor.rowcount == 1
+
+    def delete(self, user: int) -> bool:
+        """Erase a user's state."""
+        return self._connection().execute("DELETE FROM states WHERE user = ?", (int(user),)).rowcount == 1
+
+    def close(self) -> None:
+        """Close this thread's connection."""
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+
+class RedisUserStates:
+    """States in the Redis Cluster of ``[store] redis_nodes``, one string per user.
+
+    Reads are one ``MGET`` per master under ``deadline_s`` behind a circuit breaker, on one worker
+    thread, as L3's are; a call still running past its deadline makes the next ones ``error`` rather
+    than queueing behind it. Writes are a compare-and-set script on the user's key.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        ttl_s: float,
+        max_tokens: int,
+        deadline_s: float,
+        breaker: CircuitBreaker,
+        prefix: str = STATE_PREFIX,
+    ) -> None:
+        self.client, self.ttl_ms, self.deadline_s = client, max(1, int(ttl_s * 1000)), deadline_s
+        self.breaker, self.prefix = breaker, prefix
+        self.errors = 0
+        self._decode = _Decoder(max_tokens)
+        self._script = client.register_script(_COMPARE_AND_SET)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recserve-user-state")
+        self._inflight: Future | None = None
+
+    def _keys(self, users: np.ndarray) -> list[bytes]:
+        return redis_keys(np.asarray(users, np.int64), self.prefix)
+
+    def fetch(self, users: np.ndarray) -> StateFetch:
+        """The states of ``users``; every user ``error`` on timeout, failure or an open breaker."""
+        users = np.asarray(users, np.int64).reshape(-1)
+        failed = StateFetch([None] * users.size, [ERROR] * users.size)
+        if users.size == 0:
+            return StateFetch([], [])
+        if not self.breaker.allow() or (self._inflight is not None and not self._inflight.done()):
+            self.errors += 1
+            return failed
+        self._inflight = self._pool.submit(self.client.mget_nonatomic, self._keys(users))
+        try:
+            values = self._inflight.result(timeout=self.deadline_s)
+        except FutureTimeout:
+            self.errors += 1
+            self.breaker.failure()
+            return failed
+        except Exception as exc:  # any client error: the request is served without states
+            self.errors += 1
+            self.breaker.failure()
+            LOGGER.warning("user state fetch failed: %s", type(exc).__name__)
+            return failed
+        self.breaker.success()
+        if not isinstance(values, list) or len(values) != users.size:
+            return StateFetch([None] * users.size, [BAD_VALUE] * users.size)
+        return self._decode(users, values)
+
+    def put(self, user: int, state: UserState) -> bool:
+        """Store ``state`` unless a newer one is stored (one script call, atomic on the user's key)."""
+        key = self._keys(np.array([user]))[0]
+        written = self._script(keys=[key], args=[state.encode(), seq_bytes(state.seq), self.ttl_ms])
+        return int(written) == 1
+
+    def delete(self, user: int) -> bool:
+        """Erase a user's state."""
+        return int(self.client.delete(self._keys(np.array([user]))[0])) == 1
+
+    def close(self) -> None:
+        """Release the worker thread (the client belongs to the caller)."""
+        self._pool.shutdown(wait=False)
+
+
+def open_user_states(section: UserStateSection, store: StoreSection, folder: Path) -> UserStates:
+    """The store ``[user_state] store`` names: its SQLite file (under ``folder`` when relative) or Redis.
+
+    Raises:
+        L3ConnectError: ``redis`` with a ``[store]`` that reaches no usable cluster.
+    """
+    max_tokens = section.tokens
+    if section.store == "redis":
+        tier = RedisTier.connect(replace(store, redis_deadline_ms=section.deadline_ms))
+        breaker = CircuitBreaker(store.breaker_failures, store.breaker_cooldown_s)
+        return RedisUserStates(tier.client, section.ttl_s, max_tokens, section.deadline_ms / 1000, breaker)
+    return LocalUserStates(folder / section.local_path, section.ttl_s, max_tokens)

@@ -1,0 +1,64 @@
+"""``[user_state]``: a near-line state per user, so long behaviour histories serve at today's latency.
+
+Off by default: without the section (or with ``enabled = false``) requests and models are served
+as they are today. See docs/design/user-state.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recserve.core.sections_base import SpecError
+
+#: Where the builder reads events: a file of JSON lines (the embedded default) or a Redis stream.
+EVENT_LOG_KINDS = ("file", "redis")
+#: Where states live: a SQLite file (the embedded default) or the Redis Cluster of ``[store]``.
+STATE_STORES = ("local", "redis")
+
+
+@dataclass(frozen=True)
+class UserStateSection:
+    """``[user_state]``: the per-user state, its builder and the online merge."""
+
+    enabled: bool = False
+    tokens: int = 192  # T: the most tokens of a stored state (the dense step gets tokens + tail)
+    exact_tokens: int = 160  # clustered mode: the newest distinct items kept exactly; the rest grouped
+    group_radius: float = 0.5  # clustered mode: a group's members lie this close to its representative
+    max_events: int = 4096  # the builder's window of newest events per user
+    tail: int = 64  # the most events a request carries as its real-time tail
+    ttl_s: float = 7 * 86400.0  # a state lives this long after its last write
+    store: str = "local"  # "local" (SQLite file) or "redis" ([store] redis_nodes)
+    local_path: str = "user_states.sqlite"  # the local store's file (relative: to the working folder)
+    event_log: str = "file"  # "file" (JSON lines) or "redis" (a stream on [store] redis_nodes)
+    event_path: str = "user_events.jsonl"  # the file log
+    event_stream: str = "recserve:user_events"  # the Redis stream's key
+    debounce_ms: float = 200.0  # a user is rebuilt at most once per this long (events batch up)
+    deadline_ms: float = 5.0  # the lookup step's batched state read
+    regroup_on_version_change: bool = True  # clustered states are regrouped under a new table or dense
+
+    def check(self, longest_bucket: int) -> None:
+        """Raise :class:`SpecError` on a budget that does not fit the sequence buckets, or bad settings.
+
+        Args:
+            longest_bucket: the largest ``[serving] sequence_buckets``: tokens and tail share it.
+        """
+        if not self.enabled:
+            return
+        if not 1 <= self.exact_tokens < self.tokens:
+            raise SpecError(
+                f"[user_state] needs 1 <= exact_tokens < tokens, got {self.exact_tokens} and {self.tokens}"
+            )
+        if self.tail < 1 or self.tokens + self.tail > longest_bucket:
+            raise SpecError(
+                f"[user_state] tokens + tail ({self.tokens} + {self.tail}) must fit the largest sequence "
+                f"bucket {longest_bucket}, with tail >= 1"
+            )
+        if self.max_events < self.tokens:
+            raise SpecError(f"[user_state] max_events {self.max_events} must be >= tokens {self.tokens}")
+        if self.store not in STATE_STORES or self.event_log not in EVENT_LOG_KINDS:
+            raise SpecError(
+                f"[user_state] store must be one of {STATE_STORES} and event_log one of "
+                f"{EVENT_LOG_KINDS}, got {self.store!r} and {self.event_log!r}"
+            )
+        if min(self.ttl_s, self.deadline_ms, self.group_radius) <= 0 or self.debounce_ms < 0:
+            raise SpecError("[user_state] ttl_s, deadline_ms and group_radius must be > 0, debounce_ms >= 0")

@@ -1,0 +1,139 @@
+"""The user state: its stored bytes (checked on the way back), the local store, the spec section."""
+
+import sqlite3
+import struct
+
+import numpy as np
+import pytest
+
+from recserve.backends.store.user_state import (
+    CLUSTERED,
+    EXACT,
+    HEADER_BYTES,
+    StateFormatError,
+    UserState,
+    decode_state,
+)
+from recserve.backends.store.user_state_store import ABSENT, BAD_VALUE, FOUND, LocalUserStates
+from recserve.backends.store.user_tokens import Tokens, dedup
+from recserve.core.sections_base import SpecError
+from recserve.core.spec_parse import parse_spec
+from tests.unit.helpers import ctr_spec_document
+
+
+def _state(seq=7, mode=EXACT):
+    return UserState(seq, mode, dedup(np.array([3, 9, 3, 12, -5])), table_version=4, dense_version=2)
+
+
+def test_a_state_round_trips_through_its_bytes():
+    state = _state(seq=10**19 + 3, mode=CLUSTERED)
+    back = decode_state(state.encode(), max_tokens=8)
+    assert back.seq == state.seq and back.mode == CLUSTERED
+    assert back.tokens.equals(state.tokens)
+    assert (back.table_version, back.dense_version) == (4, 2)
+    assert decode_state(UserState(0, EXACT, Tokens.empty()).encode(), 1).tokens.events == 0
+
+
+def _patched(value: bytes, at: int, new: bytes) -> bytes:
+    return value[:at] + new + value[at + len(new) :]
+
+
+GOOD = _state().encode()
+COUNTS_AT = HEADER_BYTES + 8 * 4
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("a string", "not bytes"),
+        (None, "not bytes"),
+        (b"", "not a user state"),
+        (b"RSU2" + GOOD[4:], "not a user state"),
+        (_patched(GOOD, 4, b"12345678901234567x90"), "is not 20 digits"),
+        (_patched(GOOD, 24, b"\x07"), "unknown mode"),
+        (GOOD[:-1], "bytes for 4 tokens"),
+        (GOOD + b"\0" * 12, "bytes for 4 tokens"),
+        (_patched(GOOD, 26, struct.pack("<I", 1 << 30)), "over the limit"),
+        (_patched(GOOD, COUNTS_AT, b"\0\0\0\0"), "count 0"),
+        (_patched(GOOD, HEADER_BYTES, GOOD[HEADER_BYTES + 8 : HEADER_BYTES + 16]), "two tokens"),
+    ],
+)
+def test_a_stored_value_that_is_not_a_state_is_refused_naming_what_is_wrong(value, says):
+    with pytest.raises(StateFormatError, match=says):
+        decode_state(value, max_tokens=8)
+
+
+def test_a_state_over_this_servers_token_limit_is_refused():
+    with pytest.raises(StateFormatError, match="4 tokens, over the limit of 3"):
+        decode_state(GOOD, max_tokens=3)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_local_store_never_lets_an_older_build_replace_a_newer_one(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=8)
+    assert states.put(1, _state(seq=10))
+    assert not states.put(1, _state(seq=9))  # an older build, late
+    assert states.put(1, _state(seq=10, mode=CLUSTERED))  # the same events regrouped
+    fetched = states.fetch(np.array([1, 2]))
+    assert fetched.outcomes == [FOUND, ABSENT]
+    assert fetched.states[0].seq == 10 and fetched.states[0].mode == CLUSTERED
+    other = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=8)  # another process's view
+    assert other.fetch(np.array([1])).states[0].seq == 10
+
+
+def test_a_state_expires_after_its_ttl_and_an_expired_one_may_be_replaced_by_any(tmp_path):
+    clock = Clock()
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=8, clock=clock)
+    states.put(5, _state(seq=30))
+    clock.now += 59
+    assert states.fetch(np.array([5])).outcomes == [FOUND]
+    clock.now += 2
+    assert states.fetch(np.array([5])).outcomes == [ABSENT]
+    assert states.put(5, _state(seq=3))  # the log was replayed from its start
+
+
+def test_delete_erases_a_users_state(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=8)
+    states.put(5, _state())
+    assert states.delete(5) and not states.delete(5)
+    assert states.fetch(np.array([5])).outcomes == [ABSENT]
+
+
+def test_a_bad_value_costs_its_own_user_its_state_and_nothing_else(tmp_path):
+    path = tmp_path / "s.sqlite"
+    states = LocalUserStates(path, ttl_s=60, max_tokens=8)
+    states.put(1, _state())
+    states.put(2, _state())
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE states SET value = ? WHERE user = 2", (b"RSU1garbage",))
+    fetched = states.fetch(np.array([1, 2, 3]))
+    assert fetched.outcomes == [FOUND, BAD_VALUE, ABSENT]
+    assert fetched.states[1] is None and fetched.states[0] is not None
+
+
+def _spec(**section):
+    doc = ctr_spec_document()
+    doc["user_state"] = section
+    return parse_spec(doc)
+
+
+def test_the_section_is_off_by_default_and_its_budget_must_fit_the_largest_bucket():
+    assert not parse_spec(ctr_spec_document()).user_state.enabled
+    assert _spec(enabled=True).user_state.tokens + _spec(enabled=True).user_state.tail <= 256
+    with pytest.raises(
+        SpecError, match=r"tokens \+ tail \(250 \+ 64\) must fit the largest sequence bucket 256"
+    ):
+        _spec(enabled=True, tokens=250, exact_tokens=200)
+    with pytest.raises(SpecError, match="exact_tokens < tokens"):
+        _spec(enabled=True, exact_tokens=192)
+    with pytest.raises(SpecError, match="store must be one of"):
+        _spec(enabled=True, store="memcached")
+    with pytest.raises(SpecError, match="unknown key 'token'|token"):
+        _spec(token=3)
