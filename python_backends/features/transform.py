@@ -195,7 +195,11 @@ class FeatureTransform:
                 f"send missing values via {name}__missing",
             )
         clipped = np.clip(np.where(missing, self._fill, values), self._low, self._high)
-        logged = np.where(self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0)), clipped)
+        # log1p in float64, rounded to float32: the same bits on every device (float32 log1p is not;
+        # see recserve.backends.features.device_transform)
+        logged = np.where(
+            self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0).astype(np.float64)), clipped
+        ).astype(np.float32)
         normalized = ((logged - self._shift) / self._scale).astype(np.float32)
         return normalized if len(self._normalized) == values.shape[1] else normalized[:, self._normalized]
 
