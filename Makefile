@@ -40,11 +40,11 @@ serve: build
 	$(BIN)/recserve --spec $(SPEC) serve --repository $(REPOSITORY) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 # Envoy in front of tritonservers (docs/access.md): the public ports and the split come from the
-# spec's [access]; CANDIDATE=<repository> adds the candidate variant.
+# spec's [access]; CANARY=<repository> adds the canary variant (the new version to roll out).
 access: build
-	$(BIN)/recserve --spec $(SPEC) access --repository $(REPOSITORY) $(if $(CANDIDATE),--candidate $(CANDIDATE)) $(if $(WORKDIR),--workdir $(WORKDIR))
+	$(BIN)/recserve --spec $(SPEC) access --repository $(REPOSITORY) $(if $(CANARY),--canary $(CANARY)) $(if $(WORKDIR),--workdir $(WORKDIR))
 
-# Roll the candidate out through `make access CANDIDATE=... WORKDIR=...` running beside it.
+# Roll the canary variant out through `make access CANARY=... WORKDIR=...` running beside it.
 canary: install
 	$(BIN)/recserve --spec $(SPEC) canary --workdir $(WORKDIR)
 

@@ -1,6 +1,6 @@
 """``recserve lab tune``: sweep the step scheduling with perf_analyzer under a p99 target, keep the best.
 
-The sweep is coordinate-wise, one restart of tritonserver per candidate plan (each alone on the
+The sweep is coordinate-wise, one restart of tritonserver per trial plan (each alone on the
 machine): first ``max_queue_delay_microseconds``, then ``preferred_batch_size`` at the best delay,
 then the instance count of each step in turn. Each plan is measured at a ladder of concurrencies
 per client batch size; its capacity at a batch size is the highest rows/s whose p99 meets the
@@ -99,7 +99,7 @@ def admission_cap(trial: Trial, p99_target_ms: float, share: float = 0.9) -> int
     return max(knees, default=1)
 
 
-def preferred_candidates(spec: ModelSpec) -> list[tuple[int, ...]]:
+def preferred_choices(spec: ModelSpec) -> list[tuple[int, ...]]:
     """Preferred batch sizes worth trying: none, and each batch bucket of at least 8 rows below the max."""
     return [(), *((b,) for b in spec.serving.batch_buckets if 8 <= b < spec.model.max_batch_size)]
 
@@ -139,7 +139,7 @@ def sweep(
             current = best.plan
 
     try_all([replace(current, max_queue_delay_microseconds=d) for d in delays])
-    try_all([replace(current, preferred_batch_sizes=p) for p in preferred_candidates(spec)])
+    try_all([replace(current, preferred_batch_sizes=p) for p in preferred_choices(spec)])
     for step in STEPS:
         try_all([replace(current, instances={**current.instances, step: n}) for n in instance_counts])
     # a shared machine is noisy: measure the finalists again and decide on both measurements

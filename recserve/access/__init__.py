@@ -3,7 +3,7 @@
 :mod:`~recserve.access.config` builds the Envoy config from the spec's ``[access]``,
 :mod:`~recserve.access.process` starts and stops the proxy and the servers behind it,
 :mod:`~recserve.access.admin` drives the running proxy (weights, shadow share, stats),
-:mod:`~recserve.access.canary` rolls a candidate out and back through it, and
+:mod:`~recserve.access.canary` rolls a canary out and back through it, and
 :mod:`~recserve.access.observe` writes a Prometheus scrape config and a Grafana dashboard for it.
 """
 

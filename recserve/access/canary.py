@@ -1,15 +1,15 @@
-"""The canary: move a candidate through shadow → 1 → … → 100 %, roll it back when it misbehaves.
+"""The canary: the new version (``canary``) through shadow → 1 → … → 100 %, back at once if it misbehaves.
 
 Every ``period_s`` the controller reads what each variant did since its current stage began (the
-same traffic window for both), compares the candidate with stable and decides:
+same traffic window for both), compares the canary with stable and decides:
 
-* **roll back** at once when the candidate's share of server-side failures exceeds stable's by more
+* **roll back** at once when the canary's share of server-side failures exceeds stable's by more
   than ``max_error_rate_increase``, its p99 through the proxy exceeds ``max_p99_ratio`` × stable's
   (and stable's by more than ``p99_slack_ms``; latency counts from ``settle_s`` into a stage, so that a
-  freshly started candidate may warm up), the population stability index of its served
+  freshly started canary may warm up), the population stability index of its served
   probabilities against stable's exceeds ``max_psi``, or its mean probability over stable's leaves
   ``mean_ratio``; or when its servers stop answering for two periods in a row;
-* **advance** to the next stage once the stage lasted ``dwell_s``, the candidate served
+* **advance** to the next stage once the stage lasted ``dwell_s``, the canary served
   ``min_requests`` in it and every comparison had ``min_judged`` requests (and rows) on both sides;
 * otherwise wait.
 
@@ -20,17 +20,17 @@ server, not its clients. Failures are the server's own (``INTERNAL`` or ``UNAVAI
 a step, a non-finite output included; a step's queue refusals; Envoy's timeouts), counted over the
 judged requests (the ensembles' successes plus those failures). Client errors (malformed input,
 unknown names) are counted apart, reported as the figures ``client_errors_stable`` and
-``client_errors_candidate``, and move no decision: a client choosing its user id (so its variant)
-cannot roll a healthy candidate back, hide a bad one, or fill a stage's ``min_requests``. On every
+``client_errors_canary``, and move no decision: a client choosing its user id (so its variant)
+cannot roll a healthy canary back, hide a bad one, or fill a stage's ``min_requests``. On every
 server of the variant, mirrored copies included. Latency is Envoy's per-cluster request-time
 histogram (live and shadow clusters of the variant); scores are the dense step's
 ``recserve_served_probability`` histogram. A dense step that is not a Python model (TensorRT or
 ONNX Runtime backends on GPUs) exports no score histogram: the score checks are then skipped and
 the decision says so.
 
-The decision is written to ``canary.json`` in the access layer's folder before the proxy is told:
+The decision is written to ``rules.json`` in the access layer's folder before the proxy is told:
 a restarted proxy (:class:`~recserve.access.process.AccessLayer` reads the file) and a restarted
-controller both continue from it. Every stage change and rollback is appended to ``canary.log``
+controller both continue from it. Every stage change and rollback is appended to ``rules.log``
 (JSON lines) and counted on the controller's ``/metrics`` (``recserve_access_*``).
 
 The comparison, the stages and the saved decision are :mod:`~recserve.access.canary_rules`; this
@@ -115,10 +115,10 @@ __all__ = [  # the figures' and the decision rules' names stay importable from h
     "triton_window",
 ]
 
-LOG_FILE = "canary.log"
+LOG_FILE = "rules.log"
 #: Written by ``recserve access``: the admin address and every variant's metrics endpoints.
 STACK_FILE = "stack.json"
-#: Periods in a row without an answer from the candidate's servers before it is rolled back.
+#: Periods in a row without an answer from the canary's servers before it is rolled back.
 UNREACHABLE_PERIODS = 2
 
 
@@ -151,7 +151,7 @@ class Stack:
 
 
 class Unreachable(AccessError):
-    """A part of the stack did not answer: ``who`` is ``proxy``, ``stable`` or ``candidate``."""
+    """A part of the stack did not answer: ``who`` is ``proxy``, ``stable`` or ``canary``."""
 
     def __init__(self, who: str, message: str) -> None:
         super().__init__(message)
@@ -172,7 +172,7 @@ class CanaryController:
     Args:
         model: the ensemble's name (the spec's model), or the names of every ensemble the
             variants serve (e.g. the spec's model and its candidate-list model).
-        canary: the thresholds and stages.
+        rules: the thresholds and stages.
         stack: the running access layer.
         workdir: the access layer's folder (:data:`STATE_FILE`, :data:`LOG_FILE`).
         clock: wall-clock seconds (tests pass their own).
@@ -182,16 +182,16 @@ class CanaryController:
     def __init__(
         self,
         model: str | Sequence[str],
-        canary: CanarySection,
+        rules: CanarySection,
         stack: Stack,
         workdir: Path,
         clock: Callable[[], float] = time.time,
         timeout_s: float = 2.0,
     ) -> None:
-        if "candidate" not in stack.metrics:
-            raise AccessError("the canary needs a running 'candidate' variant (recserve access --candidate)")
+        if "canary" not in stack.metrics:
+            raise AccessError("the canary needs a running 'canary' variant (recserve access --canary)")
         self.model = model
-        self.canary = canary
+        self.rules = rules
         self.stack = stack
         self.admin = AdminClient(stack.admin, timeout_s)
         self.workdir = workdir
@@ -215,7 +215,7 @@ class CanaryController:
         else:
             self.state = CanaryState(stage_started=self.clock())
             self._log(
-                {"event": "start", "time": self.state.stage_started, "stage": stages(self.canary)[0].name}
+                {"event": "start", "time": self.state.stage_started, "stage": stages(self.rules)[0].name}
             )
         self.state.save(self.state_path)
         self.apply()
@@ -233,7 +233,7 @@ class CanaryController:
         except (urllib.error.URLError, OSError) as exc:
             raise Unreachable("proxy", f"Envoy's admin at {self.stack.admin}: {exc}") from exc
         windows = {}
-        for variant in ("stable", "candidate"):
+        for variant in ("stable", "canary"):
             totals = Window()
             for target in self.stack.metrics.get(variant, ()):
                 try:
@@ -263,23 +263,23 @@ class CanaryController:
         try:
             now = self.observe()
             self.unreachable = 0
-        except Unreachable as exc:  # only a silent candidate is held against it
-            self.unreachable = self.unreachable + 1 if exc.who == "candidate" else 0
+        except Unreachable as exc:  # only a silent canary is held against it
+            self.unreachable = self.unreachable + 1 if exc.who == "canary" else 0
             LOGGER.warning("canary period %d: %s", self.periods, exc)
             if self.unreachable < UNREACHABLE_PERIODS:
                 return self.state
-            verdict = Verdict(rollback=f"the candidate did not answer for {self.unreachable} periods: {exc}")
+            verdict = Verdict(rollback=f"the canary did not answer for {self.unreachable} periods: {exc}")
             now = self.start
         else:
-            if not self.settled and self.clock() - self.state.stage_started >= self.canary.settle_s:
+            if not self.settled and self.clock() - self.state.stage_started >= self.rules.settle_s:
                 self.settled = now
-            stable, candidate = self._window(now, "stable"), self._window(now, "candidate")
-            if stable.requests < self.canary.min_judged and self.reference is not None:
+            stable, canary = self._window(now, "stable"), self._window(now, "canary")
+            if stable.requests < self.rules.min_judged and self.reference is not None:
                 stable = (
                     self.reference
                 )  # stable has no live traffic left (at 100 %): its last stage stands in
-            verdict = judge(self.canary, stable, candidate)
-        state = decide(self.canary, self.state, verdict, self.clock())
+            verdict = judge(self.rules, stable, canary)
+        state = decide(self.rules, self.state, verdict, self.clock())
         with self.lock:
             self.verdict = verdict
             changed, self.state = state != self.state, state
@@ -287,14 +287,14 @@ class CanaryController:
             state.save(self.state_path)  # before the proxy is told: the decision outlives both
             self._log(state.events[-1])
             self._stage_began(now)
-            if stable is not None and stable.requests >= self.canary.min_judged:
+            if stable is not None and stable.requests >= self.rules.min_judged:
                 self.reference = stable
         self.apply()
         return state
 
     def _stage_began(self, now: dict[str, Window]) -> None:
         self.start = now
-        self.settled = now if self.canary.settle_s <= 0 else {}
+        self.settled = now if self.rules.settle_s <= 0 else {}
 
     def _window(self, now: Mapping[str, Window], variant: str) -> Window:
         """What ``variant`` did in this stage; its latency only from ``settle_s`` into the stage."""
@@ -307,7 +307,7 @@ class CanaryController:
 
         Idempotent: a proxy restarted since the last period gets them again.
         """
-        weights, shadow = self.state.routing(self.canary)
+        weights, shadow = self.state.routing(self.rules)
         try:
             self.admin.set_weights(weights)
             self.admin.set_shadow_fraction(shadow)
@@ -317,7 +317,7 @@ class CanaryController:
     def run(self, stop: threading.Event, new: bool = False) -> CanaryState:
         """:meth:`begin`, then :meth:`tick` every period until decided or ``stop`` is set."""
         self.begin(new)
-        while self.state.status == RUNNING and not stop.wait(self.canary.period_s):
+        while self.state.status == RUNNING and not stop.wait(self.rules.period_s):
             self.tick()
         return self.state
 
@@ -330,8 +330,9 @@ class CanaryController:
         """The controller's own series (Prometheus text)."""
         with self.lock:
             state, verdict = self.state, self.verdict
-        weights, shadow = state.routing(self.canary)
+        weights, shadow = state.routing(self.rules)
         rollbacks = [e for e in state.events if e["event"] == "rollback"]
+        percent = 100 * weights["canary"] / WEIGHT_TOTAL
         lines = [
             "# HELP recserve_access_canary_stage Index of the canary's stage (0: the first)",
             "# TYPE recserve_access_canary_stage gauge",
@@ -342,22 +343,26 @@ class CanaryController:
                 f'recserve_access_canary_status{{status="{s}"}} {int(state.status == s)}'
                 for s in (RUNNING, PROMOTED, ROLLED_BACK)
             ),
-            "# HELP recserve_access_candidate_percent The candidate's share of live requests, percent",
+            "# HELP recserve_access_canary_percent The canary's share of live requests, percent",
+            "# TYPE recserve_access_canary_percent gauge",
+            f"recserve_access_canary_percent {percent:g}",
+            # the former name of the same gauge, kept for dashboards that plot it
+            "# HELP recserve_access_candidate_percent Deprecated: recserve_access_canary_percent",
             "# TYPE recserve_access_candidate_percent gauge",
-            f"recserve_access_candidate_percent {100 * weights['candidate'] / WEIGHT_TOTAL:g}",
-            "# HELP recserve_access_shadow_fraction Share of live requests mirrored to the candidate",
+            f"recserve_access_candidate_percent {percent:g}",
+            "# HELP recserve_access_shadow_fraction Share of live requests mirrored to the canary",
             "# TYPE recserve_access_shadow_fraction gauge",
             f"recserve_access_shadow_fraction {shadow:g}",
-            "# HELP recserve_access_canary_steps_total Stages the candidate advanced through",
+            "# HELP recserve_access_canary_steps_total Stages the canary advanced through",
             "# TYPE recserve_access_canary_steps_total counter",
             f"recserve_access_canary_steps_total {state.count('step') + state.count('promote')}",
-            "# HELP recserve_access_canary_rollbacks_total Rollbacks of the candidate",
+            "# HELP recserve_access_canary_rollbacks_total Rollbacks of the canary",
             "# TYPE recserve_access_canary_rollbacks_total counter",
             f"recserve_access_canary_rollbacks_total {len(rollbacks)}",
             "# HELP recserve_access_canary_periods_total Comparisons made by this controller",
             "# TYPE recserve_access_canary_periods_total counter",
             f"recserve_access_canary_periods_total {self.periods}",
-            "# HELP recserve_access_canary_figure The last comparison of the candidate with stable",
+            "# HELP recserve_access_canary_figure The last comparison of the canary with stable",
             "# TYPE recserve_access_canary_figure gauge",
             *(
                 f'recserve_access_canary_figure{{figure="{k}"}} {v:g}'
@@ -382,6 +387,6 @@ class CanaryController:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
                 pass
 
-        server = ThreadingHTTPServer((LOOPBACK, self.canary.metrics_port if port is None else port), Handler)
+        server = ThreadingHTTPServer((LOOPBACK, self.rules.metrics_port if port is None else port), Handler)
         threading.Thread(target=server.serve_forever, name="canary-metrics", daemon=True).start()
         return server

@@ -1,4 +1,4 @@
-"""The canary's decision rules: compare the candidate with stable, step through the stages, keep the decision.
+"""The canary's decision rules: compare the canary with stable, step through the stages, keep the decision.
 
 Pure logic over :class:`~recserve.access.canary_figures.Window` figures and the spec's
 :class:`~recserve.sections.CanarySection`; the controller that reads the running stack and puts each
@@ -19,7 +19,7 @@ from recserve.access.canary_figures import Window, psi
 from recserve.access.config import AccessError
 from recserve.core.sections_serving import AccessSection, CanarySection
 
-STATE_FILE = "canary.json"
+STATE_FILE = "rules.json"
 #: Weights are out of this total, so that a step of 0.5 % is still a whole number.
 WEIGHT_TOTAL = 10_000
 RUNNING, PROMOTED, ROLLED_BACK = "running", "promoted", "rolled_back"
@@ -32,15 +32,15 @@ P99_MIN_REQUESTS = 100
 
 @dataclass(frozen=True)
 class Verdict:
-    """One comparison of the candidate with stable over the same window.
+    """One comparison of the canary with stable over the same window.
 
     Attributes:
-        rollback: why the candidate must go (empty: it may stay).
-        judged: every comparison had enough requests and rows on both sides, and the candidate
+        rollback: why the canary must go (empty: it may stay).
+        judged: every comparison had enough requests and rows on both sides, and the canary
             served ``min_requests`` (the stage may end).
         figures: the compared figures (``error_rate_increase``, ``p99_ratio``, ``psi``,
             ``mean_ratio``), those measured; and, never compared, the client errors each side
-            answered (``client_errors_stable``, ``client_errors_candidate``).
+            answered (``client_errors_stable``, ``client_errors_canary``).
         skipped: comparisons that could not be made (e.g. no score histogram exported).
     """
 
@@ -50,8 +50,8 @@ class Verdict:
     skipped: tuple[str, ...] = ()
 
 
-def judge(canary: CanarySection, stable: Window, candidate: Window) -> Verdict:
-    """Compare ``candidate`` with ``stable`` (both over the same window) against the thresholds.
+def judge(rules: CanarySection, stable: Window, canary: Window) -> Verdict:
+    """Compare ``canary`` with ``stable`` (both over the same window) against the thresholds.
 
     A comparison counts once each side has ``min_judged`` requests (timed requests for p99, at least
     :data:`P99_MIN_REQUESTS`; scored rows for the score checks). A failed comparison rolls back even
@@ -59,47 +59,47 @@ def judge(canary: CanarySection, stable: Window, candidate: Window) -> Verdict:
     """
     figures = {
         "client_errors_stable": stable.client_errors,
-        "client_errors_candidate": candidate.client_errors,
+        "client_errors_canary": canary.client_errors,
     }
     reasons, waiting, skipped = [], [], []
-    need = canary.min_judged
-    if min(stable.requests, candidate.requests) >= need:
-        figures["error_rate_increase"] = candidate.error_rate - stable.error_rate
-        if figures["error_rate_increase"] > canary.max_error_rate_increase:
+    need = rules.min_judged
+    if min(stable.requests, canary.requests) >= need:
+        figures["error_rate_increase"] = canary.error_rate - stable.error_rate
+        if figures["error_rate_increase"] > rules.max_error_rate_increase:
             reasons.append(
-                f"error rate {candidate.error_rate:.3f} vs stable's {stable.error_rate:.3f} "
-                f"(more than +{canary.max_error_rate_increase:g})"
+                f"error rate {canary.error_rate:.3f} vs stable's {stable.error_rate:.3f} "
+                f"(more than +{rules.max_error_rate_increase:g})"
             )
     else:
         waiting.append("requests")
-    stable_p99, candidate_p99 = stable.p99_ms(), candidate.p99_ms()
-    timed = min(stable.timed, candidate.timed) >= max(need, P99_MIN_REQUESTS)
-    if timed and stable_p99 is not None and candidate_p99 is not None:
-        figures["p99_ratio"] = candidate_p99 / max(stable_p99, 1e-9)
-        if figures["p99_ratio"] > canary.max_p99_ratio and candidate_p99 - stable_p99 > canary.p99_slack_ms:
+    stable_p99, canary_p99 = stable.p99_ms(), canary.p99_ms()
+    timed = min(stable.timed, canary.timed) >= max(need, P99_MIN_REQUESTS)
+    if timed and stable_p99 is not None and canary_p99 is not None:
+        figures["p99_ratio"] = canary_p99 / max(stable_p99, 1e-9)
+        if figures["p99_ratio"] > rules.max_p99_ratio and canary_p99 - stable_p99 > rules.p99_slack_ms:
             reasons.append(
-                f"p99 {candidate_p99:.1f} ms vs stable's {stable_p99:.1f} ms (over {canary.max_p99_ratio:g}x)"
+                f"p99 {canary_p99:.1f} ms vs stable's {stable_p99:.1f} ms (over {rules.max_p99_ratio:g}x)"
             )
     else:
         waiting.append("timed requests")
-    if not stable.scores or not candidate.scores:
+    if not stable.scores or not canary.scores:
         skipped.append("scores (no served-probability histogram exported)")
-    elif sorted(stable.scores) != sorted(candidate.scores):
+    elif sorted(stable.scores) != sorted(canary.scores):
         skipped.append("scores (the variants' histograms have different buckets)")
-    elif min(stable.scored, candidate.scored) >= need:
-        figures["psi"] = psi(stable.score_shares(), candidate.score_shares())
-        stable_mean, candidate_mean = stable.mean_score(), candidate.mean_score()
-        if stable_mean and candidate_mean is not None:
-            figures["mean_ratio"] = candidate_mean / stable_mean
-        if figures["psi"] > canary.max_psi:
-            reasons.append(f"score distribution moved: PSI {figures['psi']:.3f} (over {canary.max_psi:g})")
-        low, high = canary.mean_ratio
+    elif min(stable.scored, canary.scored) >= need:
+        figures["psi"] = psi(stable.score_shares(), canary.score_shares())
+        stable_mean, canary_mean = stable.mean_score(), canary.mean_score()
+        if stable_mean and canary_mean is not None:
+            figures["mean_ratio"] = canary_mean / stable_mean
+        if figures["psi"] > rules.max_psi:
+            reasons.append(f"score distribution moved: PSI {figures['psi']:.3f} (over {rules.max_psi:g})")
+        low, high = rules.mean_ratio
         ratio = figures.get("mean_ratio")
         if ratio is not None and not low <= ratio <= high:
             reasons.append(f"mean probability {ratio:.3f}x stable's (outside {low:g}..{high:g})")
     else:
         waiting.append("scored rows")
-    if candidate.requests < canary.min_requests:
+    if canary.requests < rules.min_requests:
         waiting.append("the stage's requests")
     return Verdict("; ".join(reasons), not waiting, figures, tuple(skipped))
 
@@ -109,7 +109,7 @@ def judge(canary: CanarySection, stable: Window, candidate: Window) -> Verdict:
 
 @dataclass(frozen=True)
 class Stage:
-    """One stage: the candidate's live share (percent) and the mirrored share."""
+    """One stage: the canary's live share (percent) and the mirrored share."""
 
     name: str
     percent: float
@@ -117,14 +117,14 @@ class Stage:
 
     def weights(self) -> dict[str, int]:
         """Envoy weights of the two variants (out of :data:`WEIGHT_TOTAL`)."""
-        candidate = round(self.percent * WEIGHT_TOTAL / 100)
-        return {"stable": WEIGHT_TOTAL - candidate, "candidate": candidate}
+        canary = round(self.percent * WEIGHT_TOTAL / 100)
+        return {"stable": WEIGHT_TOTAL - canary, "canary": canary}
 
 
-def stages(canary: CanarySection) -> list[Stage]:
+def stages(rules: CanarySection) -> list[Stage]:
     """The shadow stage (when ``shadow_fraction`` > 0), then one stage per step."""
-    shadow = [Stage("shadow", 0.0, canary.shadow_fraction)] if canary.shadow_fraction > 0 else []
-    return shadow + [Stage(f"{step:g}%", step, 0.0) for step in canary.steps]
+    shadow = [Stage("shadow", 0.0, rules.shadow_fraction)] if rules.shadow_fraction > 0 else []
+    return shadow + [Stage(f"{step:g}%", step, 0.0) for step in rules.steps]
 
 
 @dataclass(frozen=True)
@@ -145,13 +145,13 @@ class CanaryState:
     reason: str = ""
     events: tuple[dict[str, Any], ...] = ()
 
-    def routing(self, canary: CanarySection) -> tuple[dict[str, int], float]:
+    def routing(self, rules: CanarySection) -> tuple[dict[str, int], float]:
         """The weights and the mirrored share this decision puts on the proxy."""
         if self.status == PROMOTED:
-            return {"stable": 0, "candidate": WEIGHT_TOTAL}, 0.0
+            return {"stable": 0, "canary": WEIGHT_TOTAL}, 0.0
         if self.status == ROLLED_BACK:
-            return {"stable": WEIGHT_TOTAL, "candidate": 0}, 0.0
-        stage = stages(canary)[self.stage]
+            return {"stable": WEIGHT_TOTAL, "canary": 0}, 0.0
+        stage = stages(rules)[self.stage]
         return stage.weights(), stage.shadow_fraction
 
     def count(self, event: str) -> int:
@@ -184,11 +184,11 @@ class CanaryState:
             raise AccessError(f"{path} is not a canary state: {exc}") from exc
 
 
-def decide(canary: CanarySection, state: CanaryState, verdict: Verdict, now: float) -> CanaryState:
+def decide(rules: CanarySection, state: CanaryState, verdict: Verdict, now: float) -> CanaryState:
     """The next decision: roll back, advance (or promote after the last stage), or stay."""
     if state.status != RUNNING:
         return state
-    plan = stages(canary)
+    plan = stages(rules)
     stage = plan[state.stage]
     record = {"time": now, "stage": stage.name, "after_s": round(now - state.stage_started, 3)}
     record["figures"] = {k: round(v, 4) for k, v in verdict.figures.items()}
@@ -197,7 +197,7 @@ def decide(canary: CanarySection, state: CanaryState, verdict: Verdict, now: flo
         return dataclasses.replace(
             state, status=ROLLED_BACK, reason=verdict.rollback, events=(*state.events, event)
         )
-    if verdict.judged and now - state.stage_started >= canary.dwell_s:
+    if verdict.judged and now - state.stage_started >= rules.dwell_s:
         if state.stage + 1 == len(plan):
             return dataclasses.replace(
                 state, status=PROMOTED, events=(*state.events, {"event": "promote", **record})
@@ -219,5 +219,5 @@ def routed(access: AccessSection, workdir: Path) -> AccessSection:
         return access
     weights, shadow = CanaryState.load(path).routing(access.canary)
     return dataclasses.replace(
-        access, weights={**access.weights, **weights}, shadow_fraction=shadow, shadow_variant="candidate"
+        access, weights={**access.weights, **weights}, shadow_fraction=shadow, shadow_variant="canary"
     )

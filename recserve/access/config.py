@@ -1,7 +1,7 @@
 """The Envoy configuration of the access layer, built as a plain dict from the spec's ``[access]``.
 
 One listener per protocol (gRPC, HTTP) on the public ports; behind each, one cluster per variant
-and protocol (``stable_grpc``, ``candidate_http``, ...) holding that variant's tritonservers, and one
+and protocol (``stable_grpc``, ``canary_http``, ...) holding that variant's tritonservers, and one
 shadow cluster per protocol for the mirrored copies. The parts:
 
 * **Admission** (``circuit_breakers``): a cluster admits at most ``max_requests`` requests per

@@ -1,6 +1,6 @@
 """The loopback topology on a Kubernetes cluster: manifests generated from the spec.
 
-* each variant (``stable``, ``candidate``) is a Deployment of ``[access] replicas`` tritonservers
+* each variant (``stable``, ``canary``) is a Deployment of ``[access] replicas`` tritonservers
   (``recserve serve`` in the user's image, over the variant's repository on a shared read-only
   volume), ready when ``/v2/health/ready`` answers, behind a headless Service;
 * the proxy is a Deployment of Envoy (the official image of the pinned version) whose config, made

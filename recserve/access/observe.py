@@ -145,10 +145,10 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
             ),
         ),
         Panel(
-            "Canary: candidate's share, stage and rollbacks",
+            "Canary: canary's share, stage and rollbacks",
             "short",
             (
-                ("max(recserve_access_candidate_percent)", "candidate live %"),
+                ("max(recserve_access_canary_percent)", "canary live %"),
                 ("max(recserve_access_shadow_fraction) * 100", "mirrored %"),
                 ("max(recserve_access_canary_stage)", "stage"),
                 ("max(recserve_access_canary_rollbacks_total)", "rollbacks"),

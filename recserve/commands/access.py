@@ -20,11 +20,11 @@ def _access(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     repositories = {"stable": args.repository}
-    if args.candidate is not None:  # may come from another spec version; it must serve the same model
-        if not (args.candidate / spec.name / "config.pbtxt").is_file():
-            print(f"error: the candidate {args.candidate} serves no model {spec.name!r}", file=sys.stderr)
+    if args.canary is not None:  # may come from another spec version; it must serve the same model
+        if not (args.canary / spec.name / "config.pbtxt").is_file():
+            print(f"error: the canary {args.canary} serves no model {spec.name!r}", file=sys.stderr)
             return 2
-        repositories["candidate"] = args.candidate
+        repositories["canary"] = args.canary
 
     def announce(layer: AccessLayer) -> None:
         servers = ", ".join(
@@ -59,11 +59,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``access`` to ``recserve``'s sub-command parser."""
     access = sub.add_parser(
         "access",
-        help="Envoy in front of the stable (and candidate) tritonservers, from the spec's [access]",
+        help="Envoy in front of the stable (and canary) tritonservers, from the spec's [access]",
     )
     access.add_argument("--repository", type=Path, default=None, help="the stable variant's repository")
     access.add_argument(
-        "--candidate", type=Path, default=None, help="the candidate variant's repository (none: stable only)"
+        "--canary",
+        "--candidate",  # its former name
+        dest="canary",
+        type=Path,
+        default=None,
+        help="the canary variant's repository: the new version to roll out (none: stable only)",
     )
     access.add_argument(
         "--workdir",
@@ -74,7 +79,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     access.set_defaults(func=_access)
     canary = sub.add_parser(
         "canary",
-        help="roll the candidate out through a running 'access --workdir' (shadow, then the spec's "
+        help="roll the canary variant out through a running 'access --workdir' (shadow, then the spec's "
         "[access.canary] steps), rolling it back when it misbehaves",
     )
     canary.add_argument("--workdir", type=Path, required=True, help="the running access layer's --workdir")
@@ -109,9 +114,9 @@ def _canary(args: argparse.Namespace) -> int:
     from recserve.access import AccessError, canary
 
     spec = load_spec(args.spec)
-    if spec.access.canary.shadow_fraction > 0 and spec.access.shadow_variant != "candidate":
+    if spec.access.canary.shadow_fraction > 0 and spec.access.shadow_variant != "canary":
         variant = spec.access.shadow_variant
-        message = f"[access] shadow_variant is {variant!r}: the canary's shadow stage needs 'candidate'"
+        message = f"[access] shadow_variant is {variant!r}: the canary's shadow stage needs 'canary'"
         print(f"error: {message}", file=sys.stderr)
         return 2
     stop = threading.Event()

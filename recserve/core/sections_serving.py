@@ -194,26 +194,26 @@ class StoreSection:
 
 @dataclass(frozen=True)
 class CanarySection:
-    """``[access.canary]``: how ``recserve canary`` rolls the candidate out, and when it rolls it back.
+    """``[access.canary]``: how ``recserve canary`` rolls the ``canary`` variant out, and when it goes back.
 
-    Stages: a shadow stage (``shadow_fraction`` of live requests mirrored to the candidate; skipped
-    at 0), then the live ``steps`` (the candidate's share of live requests, in percent). A stage
-    ends after ``dwell_s`` once the candidate served ``min_requests`` in it. Every ``period_s`` the
-    candidate is compared with stable over the stage so far; crossing a threshold rolls it back.
+    Stages: a shadow stage (``shadow_fraction`` of live requests mirrored to the canary; skipped
+    at 0), then the live ``steps`` (the canary's share of live requests, in percent). A stage
+    ends after ``dwell_s`` once the canary served ``min_requests`` in it. Every ``period_s`` the
+    canary is compared with stable over the stage so far; crossing a threshold rolls it back.
     """
 
-    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)  # the candidate's live share, percent
+    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)  # the canary's live share, percent
     shadow_fraction: float = 0.1  # mirrored share of the shadow stage; 0: no shadow stage
     dwell_s: float = 60.0  # least time per stage
-    min_requests: int = 200  # least candidate requests per stage (live or mirrored)
+    min_requests: int = 200  # least canary requests per stage (live or mirrored)
     period_s: float = 1.0  # the controller's period: one comparison and decision each
     min_judged: int = 50  # requests (and scored rows) each variant needs before a comparison counts
-    settle_s: float = 5.0  # latency is compared from this far into a stage (a new candidate warms up)
-    max_error_rate_increase: float = 0.01  # candidate's failed share minus stable's
-    max_p99_ratio: float = 1.5  # candidate's p99 through the proxy over stable's
+    settle_s: float = 5.0  # latency is compared from this far into a stage (a new canary warms up)
+    max_error_rate_increase: float = 0.01  # canary's failed share minus stable's
+    max_p99_ratio: float = 1.5  # canary's p99 through the proxy over stable's
     p99_slack_ms: float = 5.0  # p99 differences below this never count (timer noise at low latency)
     max_psi: float = 0.2  # population stability index of the served probability vs stable's
-    mean_ratio: tuple[float, ...] = (0.8, 1.25)  # [low, high] of candidate's mean probability / stable's
+    mean_ratio: tuple[float, ...] = (0.8, 1.25)  # [low, high] of canary's mean probability / stable's
     metrics_port: int = 9902  # the controller's /metrics (recserve_access_*), on 127.0.0.1
 
     def check(self) -> None:
@@ -244,18 +244,32 @@ class CanarySection:
 class AccessSection:
     """``[access]``: the Envoy proxy that ``recserve access`` starts in front of the variants' servers.
 
-    A variant is one tritonserver over its own repository (``stable``, ``candidate``). The proxy's
+    A variant is one tritonserver over its own repository (``stable``, ``canary``). The proxy's
     settings are not part of the model: the section is left out of what served models receive, so
     editing it never forces a rebuild.
     """
 
     host: str = "127.0.0.1"  # address of the public listeners (the admin port is always 127.0.0.1)
+#: the canary variant's former name, read as ``canary`` in ``[access]`` weights and shadow_variant
+FORMER_VARIANT_NAMES = {"candidate": "canary"}
+
+
+def renamed_variants(raw: dict[str, typing.Any]) -> dict[str, typing.Any]:
+    """``[access]`` as written, with the canary variant's former name read as its name."""
+    raw = dict(raw)
+    if isinstance(raw.get("weights"), dict):
+        raw["weights"] = {FORMER_VARIANT_NAMES.get(k, k): v for k, v in raw["weights"].items()}
+    if isinstance(raw.get("shadow_variant"), str):
+        raw["shadow_variant"] = FORMER_VARIANT_NAMES.get(raw["shadow_variant"], raw["shadow_variant"])
+    return raw
+
+
     grpc_port: int = 8001  # public gRPC port on the proxy; the tritonservers get free loopback ports
     http_port: int = 8000  # public HTTP port on the proxy
     admin_port: int = 9901  # Envoy's admin API (/runtime_modify, /stats), loopback only
-    weights: dict[str, int] = field(default_factory=lambda: {"stable": 100, "candidate": 0})
+    weights: dict[str, int] = field(default_factory=lambda: {"stable": 100, "canary": 0})
     max_requests: int = 4  # in flight per replica and protocol; over it: UNAVAILABLE / 503 at once
-    shadow_variant: str = "candidate"  # gets mirrored copies of live requests (responses discarded)
+    shadow_variant: str = "canary"  # gets mirrored copies of live requests (responses discarded)
     shadow_fraction: float = 0.0  # share of live requests mirrored, 0..1
     shadow_max_requests: int = 2  # mirrored copies in flight per replica; over it a copy is dropped
     request_timeout_s: float = 30.0  # per request through the proxy

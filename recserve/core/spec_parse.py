@@ -23,6 +23,7 @@ from recserve.core.sections_serving import (
     ServingSection,
     StoreSection,
     TrainingSection,
+    renamed_variants,
 )
 from recserve.core.sections_user_state import UserStateSection
 from recserve.core.spec import ModelSpec
@@ -131,7 +132,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     store.check(tables)
     fp16 = tuple(name for name, t in tables.items() if t.dtype == "fp16")
     store = replace(store, float16_tables=tuple(dict.fromkeys((*store.float16_tables, *fp16))))
-    access = parse_section(AccessSection, doc.get("access", {}), "access")
+    access = parse_section(AccessSection, renamed_variants(doc.get("access", {})), "access")
     access.check()
     user_state = parse_section(UserStateSection, doc.get("user_state", {}), "user_state")
     user_state.check(seq_buckets[-1])

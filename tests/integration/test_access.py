@@ -1,9 +1,9 @@
-"""The access layer live: a real Envoy in front of two real tritonservers (stable, candidate).
+"""The access layer live: a real Envoy in front of two real tritonservers (stable, canary).
 
-Both variants serve the tiny spec; the candidate's repository has a second ``dense`` version folder,
+Both variants serve the tiny spec; the canary's repository has a second ``dense`` version folder,
 so its responses say ``dense_version`` 2 where stable's say 1. Admission: requests over the in-flight
 cap are refused at once with UNAVAILABLE (HTTP 503). Routing: a user stays on one variant; weights
-change under traffic with no failed request; mirrored copies reach the candidate, their responses
+change under traffic with no failed request; mirrored copies reach the canary, their responses
 never reach a client, and a stalled shadow neither delays nor fails live requests.
 """
 
@@ -49,10 +49,10 @@ def served(tiny: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     root = tmp_path_factory.mktemp("access")
     stable = root / "stable"
     build_repository(tiny, stable)
-    candidate = scratch_repository(stable, root / "candidate")
-    assert add_version(candidate, "dense") == CANDIDATE
+    canary = scratch_repository(stable, root / "canary")
+    assert add_version(canary, "dense") == CANDIDATE
     repositories, config_name = behind_proxy(
-        {"stable": stable, "candidate": candidate},
+        {"stable": stable, "canary": canary},
         tiny.access.queue_profile,
         tiny.serving.queue_profiles,
         root,
@@ -69,7 +69,7 @@ def _ports() -> ProxyPorts:
 def layer(tiny: ModelSpec, served: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     access = dataclasses.replace(
         tiny.access,
-        weights={"stable": 50, "candidate": 50},
+        weights={"stable": 50, "canary": 50},
         max_requests=2,
         shadow_max_requests=2,
         request_timeout_s=10.0,
@@ -89,7 +89,7 @@ def _dense_version(client: CTRClient, request: dict[str, np.ndarray]) -> int:
 
 
 def test_requests_over_the_cap_are_refused_at_once_with_unavailable(layer, tiny):
-    layer.admin.set_weights({"stable": 100, "candidate": 0})
+    layer.admin.set_weights({"stable": 100, "canary": 0})
     message = infer_request(tiny.name, _request(tiny, rows=64))
     refused_before = layer.admin.cluster_stat("stable", "grpc", "upstream_rq_active_overflow")
     with grpc.insecure_channel(layer.grpc_url) as channel:
@@ -155,7 +155,7 @@ def test_requests_over_the_cap_are_refused_at_once_with_unavailable(layer, tiny)
 
 
 def test_a_user_stays_on_one_variant_across_calls_and_protocols(layer, tiny):
-    layer.admin.set_weights({"stable": 50, "candidate": 50})
+    layer.admin.set_weights({"stable": 50, "canary": 50})
     request = _request(tiny)
     seen: dict[int, set[int]] = {}
     for user in range(40):
@@ -167,7 +167,7 @@ def test_a_user_stays_on_one_variant_across_calls_and_protocols(layer, tiny):
     moved = {user: versions for user, versions in seen.items() if len(versions) > 1}
     assert not moved, f"users served by both variants: {moved}"
     on_candidate = sum(versions == {CANDIDATE} for versions in seen.values())
-    assert 0 < on_candidate < len(seen), f"{on_candidate} of {len(seen)} users on the candidate"
+    assert 0 < on_candidate < len(seen), f"{on_candidate} of {len(seen)} users on the canary"
 
     async def over_asyncio() -> dict[int, int]:  # the asyncio client sends the same header
         found = {}
@@ -181,7 +181,7 @@ def test_a_user_stays_on_one_variant_across_calls_and_protocols(layer, tiny):
 
 
 def test_weights_change_under_traffic_with_no_failed_request(layer, tiny):
-    layer.admin.set_weights({"stable": 100, "candidate": 0})
+    layer.admin.set_weights({"stable": 100, "canary": 0})
     stop = threading.Event()
     lock = threading.Lock()
     seen: list[tuple[float, int]] = []  # (when the request started, the dense version that served it)
@@ -210,7 +210,7 @@ def test_weights_change_under_traffic_with_no_failed_request(layer, tiny):
     changes = []
     try:
         for stable_share in (100, 50, 0, 100):
-            weights = {"stable": stable_share, "candidate": 100 - stable_share}
+            weights = {"stable": stable_share, "canary": 100 - stable_share}
             changes.append((time.monotonic(), weights))  # before: the old phase ends as the change starts
             layer.admin.set_weights(weights)
             time.sleep(1.5)
@@ -231,19 +231,19 @@ def test_weights_change_under_traffic_with_no_failed_request(layer, tiny):
     assert set(versions(2)) == {CANDIDATE}, versions(2)
     assert set(versions(3)) == {STABLE}, versions(3)
     runtime = layer.admin.runtime()
-    assert runtime["access.weights.grpc.candidate_grpc"] == "0"
+    assert runtime["access.weights.grpc.canary_grpc"] == "0"
 
 
 def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live_traffic(layer, tiny):
     admin = layer.admin
-    admin.set_weights({"stable": 100, "candidate": 0})
+    admin.set_weights({"stable": 100, "canary": 0})
     admin.set_shadow_fraction(1.0)
 
     def shadow(stat: str) -> int:
-        return admin.cluster_stat("candidate", "grpc", stat, shadow=True)
+        return admin.cluster_stat("canary", "grpc", stat, shadow=True)
 
     def live_candidate() -> int:
-        return admin.cluster_stat("candidate", "grpc", "upstream_rq_total")
+        return admin.cluster_stat("canary", "grpc", "upstream_rq_total")
 
     request = _request(tiny)
     stats = ("upstream_rq_total", "upstream_rq_active_overflow", "upstream_rq_completed")
@@ -260,11 +260,11 @@ def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live
             time.sleep(0.1)
         sent, dropped = (shadow(stat) - before[stat] for stat in stats[:2])
         assert sent + dropped == 30 and sent >= 10, (sent, dropped)
-        assert live_candidate() == live_before  # mirrored copies are not live candidate traffic
+        assert live_candidate() == live_before  # mirrored copies are not live canary traffic
 
-        candidate = layer.servers["candidate"][0].process
-        assert candidate is not None
-        os.kill(candidate.pid, signal.SIGSTOP)  # the shadow stalls: it accepts and never answers
+        canary = layer.servers["canary"][0].process
+        assert canary is not None
+        os.kill(canary.pid, signal.SIGSTOP)  # the shadow stalls: it accepts and never answers
         try:
             dropped_before = shadow("upstream_rq_active_overflow")
             latencies = []
@@ -278,7 +278,7 @@ def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live
             assert max(latencies) < 5.0, max(latencies)
             assert shadow("upstream_rq_active_overflow") - dropped_before >= 30 - 2 * 2
         finally:
-            os.kill(candidate.pid, signal.SIGCONT)
+            os.kill(canary.pid, signal.SIGCONT)
     finally:
         admin.set_shadow_fraction(0.0)
     with CTRClient(layer.grpc_url, spec=tiny, user_id="after") as client:

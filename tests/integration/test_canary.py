@@ -1,16 +1,16 @@
 """The canary live: a real Envoy, real tritonservers, the controller reading their real metrics.
 
-Stable serves dense version 1 of the tiny spec. Each test deploys a candidate (a new repository on
-the candidate's server, restarted in place) and runs ``recserve canary``'s controller against it
+Stable serves dense version 1 of the tiny spec. Each test deploys a canary (a new repository on
+the canary's server, restarted in place) and runs ``recserve canary``'s controller against it
 while clients send traffic through the proxy:
 
-* a candidate whose network returns NaN for a share of rows (its requests fail with INTERNAL) is
+* a canary whose network returns NaN for a share of rows (its requests fail with INTERNAL) is
   rolled back in its shadow stage within two controller periods; clients never see a failure;
-* a candidate whose scores are halved is rolled back at its first live step within two periods;
+* a canary whose scores are halved is rolled back at its first live step within two periods;
   requests never fail, and after the rollback every response is stable's;
-* a healthy candidate goes through shadow → 50 → 100 % and is promoted; the proxy, restarted from
+* a healthy canary goes through shadow → 50 → 100 % and is promoted; the proxy, restarted from
   its folder, still sends everything to it;
-* malformed requests aimed at the candidate and at stable (a client picks its user id, so its
+* malformed requests aimed at the canary and at stable (a client picks its user id, so its
   variant) move no decision: they are counted as client errors, apart from the failures.
 """
 
@@ -126,9 +126,9 @@ def _halved(raw: str) -> list:
 @pytest.fixture(scope="module")
 def layer(tiny: ModelSpec, stable: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AccessLayer]:
     root = tmp_path_factory.mktemp("canary")
-    candidate = _candidate(stable, root / "healthy", _same)
+    canary = _candidate(stable, root / "healthy", _same)
     served, _ = behind_proxy(
-        {"stable": stable, "candidate": candidate}, "unbounded", tiny.serving.queue_profiles, root
+        {"stable": stable, "canary": canary}, "unbounded", tiny.serving.queue_profiles, root
     )
     access = dataclasses.replace(tiny.access, max_requests=8, shadow_max_requests=8, request_timeout_s=10.0)
     with AccessLayer(access, served, root / "run", ProxyPorts.free()) as running:
@@ -136,12 +136,12 @@ def layer(tiny: ModelSpec, stable: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def _deploy(layer: AccessLayer, repository: Path) -> None:
-    """Serve ``repository`` as the candidate (its server restarted in place) from a fresh decision."""
+    """Serve ``repository`` as the canary (its server restarted in place) from a fresh decision."""
     (layer.workdir / canary.STATE_FILE).unlink(missing_ok=True)
-    layer.repositories["candidate"][0] = repository
-    layer.restart("candidate", 0)
+    layer.repositories["canary"][0] = repository
+    layer.restart("canary", 0)
     assert layer.proxy is not None
-    layer.proxy.wait_healthy([cluster_name("candidate", p) for p in PROTOCOLS])
+    layer.proxy.wait_healthy([cluster_name("canary", p) for p in PROTOCOLS])
 
 
 def _settings(tiny: ModelSpec, **changes) -> CanarySection:
@@ -236,7 +236,7 @@ def test_a_candidate_failing_a_share_of_rows_is_rolled_back_in_its_shadow_stage(
     log = [json.loads(line) for line in (layer.workdir / canary.LOG_FILE).read_text().splitlines()]
     assert log[-1]["event"] == "rollback" and log[-2]["event"] == "start"
     assert "recserve_access_canary_rollbacks_total 1" in controller.exposition()
-    print(f"failing candidate rolled back after {rollback['after_s']} s: {rollback['reason']}")
+    print(f"failing canary rolled back after {rollback['after_s']} s: {rollback['reason']}")
 
 
 def test_a_candidate_shifting_its_scores_is_rolled_back_at_its_first_live_step(layer, tiny, tmp_path):
@@ -256,7 +256,7 @@ def test_a_candidate_shifting_its_scores_is_rolled_back_at_its_first_live_step(l
     assert versions[CANDIDATE] > 0, versions  # it was live before it went
     after = {v for t, v in seen.served if t > decided + 0.3}
     assert after == {STABLE}, after
-    print(f"shifted candidate rolled back after {rollback['after_s']} s: {rollback['reason']}")
+    print(f"shifted canary rolled back after {rollback['after_s']} s: {rollback['reason']}")
 
 
 def test_recserve_canary_promotes_a_healthy_candidate_and_a_restarted_proxy_keeps_it(layer, tiny, tmp_path):
@@ -312,7 +312,7 @@ def test_recserve_canary_promotes_a_healthy_candidate_and_a_restarted_proxy_keep
 
 
 def _users_by_variant(layer: AccessLayer, tiny: ModelSpec) -> dict[int, str]:
-    """A user id the proxy routes to each dense version (stable's and the candidate's)."""
+    """A user id the proxy routes to each dense version (stable's and the canary's)."""
     request = generate(tiny, 1, seed=3).to_wire(tiny)
     found: dict[int, str] = {}
     for user in (f"user-{i}" for i in range(200)):
@@ -402,8 +402,8 @@ def test_malformed_requests_at_either_variant_move_no_decision(layer, tiny, tmp_
     assert not seen.failed, seen.failed[:3]
     assert answers["served"] == 0 and sum(answers.values()) > 20, answers  # every one refused
     figures = dict(verdict.figures)
-    assert figures["client_errors_candidate"] > 0 and figures["client_errors_stable"] > 0, figures
+    assert figures["client_errors_canary"] > 0 and figures["client_errors_stable"] > 0, figures
     assert figures["error_rate_increase"] == 0.0, figures  # no failure on either side
     exposition = controller.exposition()
-    assert 'recserve_access_canary_figure{figure="client_errors_candidate"}' in exposition
+    assert 'recserve_access_canary_figure{figure="client_errors_canary"}' in exposition
     print(f"malformed answers {dict(answers)}; figures {figures}")

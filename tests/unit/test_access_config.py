@@ -36,7 +36,7 @@ from recserve.core.names import STEPS, USER_HEADER
 from recserve.core.sections_serving import AccessSection
 
 PORTS = ProxyPorts(grpc=18001, http=18000, admin=19901)
-UPSTREAMS = {"stable": [Upstream(7001, 7000)], "candidate": [Upstream(7101, 7100), Upstream(7201, 7200)]}
+UPSTREAMS = {"stable": [Upstream(7001, 7000)], "canary": [Upstream(7101, 7100), Upstream(7201, 7200)]}
 
 
 def _access(**changes) -> AccessSection:
@@ -58,7 +58,7 @@ def _routes(config: dict) -> dict[str, dict]:
 
 
 def test_the_generated_config_passes_envoy_validate(tmp_path):
-    access = _access(weights={"stable": 90, "candidate": 10}, shadow_fraction=0.05)
+    access = _access(weights={"stable": 90, "canary": 10}, shadow_fraction=0.05)
     path = write_config(envoy_config(access, UPSTREAMS, PORTS), tmp_path / "envoy.json")
     assert "OK" in validate(path)
 
@@ -89,25 +89,25 @@ def test_admission_caps_are_per_replica_and_never_queue():
     assert set(clusters) == {
         "stable_grpc",
         "stable_http",
-        "candidate_grpc",
-        "candidate_http",
-        "candidate_grpc_shadow",
-        "candidate_http_shadow",
+        "canary_grpc",
+        "canary_http",
+        "canary_grpc_shadow",
+        "canary_http_shadow",
     }
 
     def threshold(name: str) -> dict:
         return clusters[name]["circuit_breakers"]["thresholds"][0]
 
     assert threshold("stable_grpc")["max_requests"] == 3
-    assert threshold("candidate_grpc")["max_requests"] == 6  # two replicas
-    assert threshold("candidate_http_shadow")["max_requests"] == 2
+    assert threshold("canary_grpc")["max_requests"] == 6  # two replicas
+    assert threshold("canary_http_shadow")["max_requests"] == 2
     # retries and ejections only where another replica can take the request
     assert threshold("stable_grpc")["max_retries"] == 0 and "outlier_detection" not in clusters["stable_grpc"]
-    assert threshold("candidate_grpc")["max_retries"] == 6
-    assert clusters["candidate_grpc"]["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    assert threshold("canary_grpc")["max_retries"] == 6
+    assert clusters["canary_grpc"]["outlier_detection"]["consecutive_local_origin_failure"] == 1
     ports = [
         e["endpoint"]["address"]["socket_address"]["port_value"]
-        for e in clusters["candidate_http"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        for e in clusters["canary_http"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
     ]
     assert ports == [7100, 7200]
     grpc_options = clusters["stable_grpc"]["typed_extension_protocol_options"]
@@ -121,7 +121,7 @@ def test_admission_caps_are_per_replica_and_never_queue():
 
 
 def test_routes_split_by_runtime_weights_sticky_on_the_user_header_and_mirror_to_the_shadow():
-    access = _access(weights={"stable": 80, "candidate": 20}, shadow_fraction=0.125, request_timeout_s=7)
+    access = _access(weights={"stable": 80, "canary": 20}, shadow_fraction=0.125, request_timeout_s=7)
     for protocol, route in (
         ("grpc", _routes(envoy_config(access, UPSTREAMS, PORTS))["public_grpc"]),
         ("http", _routes(envoy_config(access, UPSTREAMS, PORTS))["public_http"]),
@@ -130,12 +130,12 @@ def test_routes_split_by_runtime_weights_sticky_on_the_user_header_and_mirror_to
         split = route["weighted_clusters"]
         assert split["use_hash_policy"] is True
         weights = {c["name"]: c["weight"] for c in split["clusters"]}
-        assert weights == {cluster_name("stable", protocol): 80, cluster_name("candidate", protocol): 20}
-        for variant in ("stable", "candidate"):
+        assert weights == {cluster_name("stable", protocol): 80, cluster_name("canary", protocol): 20}
+        for variant in ("stable", "canary"):
             prefix = split["runtime_key_prefix"]
             assert f"{prefix}.{cluster_name(variant, protocol)}" == weight_key(variant, protocol)
         (mirror,) = route["request_mirror_policies"]
-        assert mirror["cluster"] == cluster_name("candidate", protocol, shadow=True)
+        assert mirror["cluster"] == cluster_name("canary", protocol, shadow=True)
         assert mirror["runtime_fraction"]["runtime_key"] == SHADOW_KEY
         assert mirror["runtime_fraction"]["default_value"] == {"numerator": 125_000, "denominator": "MILLION"}
         assert route["timeout"] == "7.000s"
@@ -149,15 +149,15 @@ def test_routes_split_by_runtime_weights_sticky_on_the_user_header_and_mirror_to
 
 def test_a_variant_without_a_server_gets_no_cluster_unless_it_takes_traffic():
     stable_only = {"stable": UPSTREAMS["stable"]}
-    config = envoy_config(_access(), stable_only, PORTS)  # candidate weight 0, no shadow: fine
+    config = envoy_config(_access(), stable_only, PORTS)  # canary weight 0, no shadow: fine
     assert set(_clusters(config)) == {"stable_grpc", "stable_http"}
     assert "request_mirror_policies" not in _routes(config)["public_grpc"]
-    with pytest.raises(AccessError, match=r"\['candidate'\] take traffic"):
-        envoy_config(_access(weights={"stable": 50, "candidate": 50}), stable_only, PORTS)
-    with pytest.raises(AccessError, match=r"\['candidate'\] take traffic"):
+    with pytest.raises(AccessError, match=r"\['canary'\] take traffic"):
+        envoy_config(_access(weights={"stable": 50, "canary": 50}), stable_only, PORTS)
+    with pytest.raises(AccessError, match=r"\['canary'\] take traffic"):
         envoy_config(_access(shadow_fraction=0.5), stable_only, PORTS)
     with pytest.raises(AccessError, match="stable"):
-        envoy_config(_access(weights={"stable": 0, "candidate": 1}), {"candidate": [Upstream(1, 2)]}, PORTS)
+        envoy_config(_access(weights={"stable": 0, "canary": 1}), {"canary": [Upstream(1, 2)]}, PORTS)
 
 
 def test_the_config_is_written_as_json_only(tmp_path):
@@ -221,8 +221,8 @@ def test_the_sdk_sends_a_user_header_only_when_given_a_valid_user_id(tiny_spec):
 def test_the_commands_parse(tmp_path):
     from recserve.cli import main, parser
 
-    args = parser().parse_args(["access", "--candidate", str(tmp_path), "--workdir", str(tmp_path)])
-    assert args.candidate == tmp_path and args.workdir == tmp_path
+    args = parser().parse_args(["access", "--canary", str(tmp_path), "--workdir", str(tmp_path)])
+    assert args.canary == tmp_path and args.workdir == tmp_path
     args = parser().parse_args(["lab", "overload", "--access", "--max-requests", "2", "--json", "o.json"])
     assert args.access and args.max_requests == 2 and str(args.json) == "o.json"
     # a repository that is not built is refused before anything starts
@@ -314,7 +314,7 @@ def test_without_a_repository_the_front_door_still_bounds_everything():
 
 
 def test_only_a_dead_replica_is_ejected_never_one_that_answered_an_error():
-    detection = _clusters(envoy_config(_access(), UPSTREAMS, PORTS))["candidate_http"]["outlier_detection"]
+    detection = _clusters(envoy_config(_access(), UPSTREAMS, PORTS))["canary_http"]["outlier_detection"]
     assert detection["consecutive_local_origin_failure"] == 1  # refused or reset: the process is gone
     # a client's malformed body gets Triton's 500: 5xx answers and success rates never eject
     for enforcing in ("consecutive_5xx", "consecutive_gateway_failure", "success_rate", "failure_percentage"):

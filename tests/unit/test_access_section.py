@@ -23,7 +23,7 @@ def test_the_bundled_specs_need_no_access_table():
     for name in ("ctr", "tiny"):
         spec = load_spec(name)
         assert spec.access == AccessSection()
-        assert spec.access.weights == {"stable": 100, "candidate": 0}
+        assert spec.access.weights == {"stable": 100, "canary": 0}
         assert spec.access.queue_profile == "unbounded" and spec.access.shadow_fraction == 0.0
 
 
@@ -34,7 +34,7 @@ def test_an_access_table_is_parsed_into_typed_fields():
                 "grpc_port": 9101,
                 "http_port": 9100,
                 "admin_port": 9199,
-                "weights": {"stable": 90, "candidate": 10},
+                "weights": {"stable": 90, "canary": 10},
                 "max_requests": 3,
                 "shadow_fraction": 0.25,
                 "shadow_max_requests": 1,
@@ -45,16 +45,23 @@ def test_an_access_table_is_parsed_into_typed_fields():
     )
     access = spec.access
     assert (access.grpc_port, access.http_port, access.admin_port) == (9101, 9100, 9199)
-    assert access.weights == {"stable": 90, "candidate": 10}
+    assert access.weights == {"stable": 90, "canary": 10}
     assert access.max_requests == 3 and access.shadow_max_requests == 1
-    assert access.shadow_fraction == 0.25 and access.shadow_variant == "candidate"
+    assert access.shadow_fraction == 0.25 and access.shadow_variant == "canary"
     assert isinstance(access.request_timeout_s, float) and access.request_timeout_s == 5.0
     assert access.host == "127.0.0.1" and access.workers == 1  # defaults kept
 
 
+def test_the_canary_variants_former_name_is_read_as_canary():
+    access = parse_spec(_doc({"weights": {"stable": 70, "candidate": 30}, "shadow_variant": "candidate"})).access
+    assert access.weights == {"stable": 70, "canary": 30} and access.shadow_variant == "canary"
+    other = parse_spec(_doc({"weights": {"stable": 70, "blue": 30}, "shadow_variant": "blue"})).access
+    assert other.weights == {"stable": 70, "blue": 30} and other.shadow_variant == "blue"
+
+
 def test_the_access_table_leaves_the_model_and_its_digest_alone():
     plain = parse_spec(_doc())
-    proxied = parse_spec(_doc({"weights": {"stable": 50, "candidate": 50}, "max_requests": 2}))
+    proxied = parse_spec(_doc({"weights": {"stable": 50, "canary": 50}, "max_requests": 2}))
     assert "access" not in proxied.source
     assert proxied.to_json() == plain.to_json()
     assert spec_digest(proxied) == spec_digest(plain)  # editing [access] never forces a rebuild
@@ -80,15 +87,15 @@ def test_an_unknown_access_key_in_a_spec_file_names_its_line(tmp_path):
     [
         ({"grpc_port": 8000}, "three different ports"),  # same as the default http_port
         ({"admin_port": 70000}, "three different ports"),
-        ({"weights": {"candidate": 100}}, "needs the variant 'stable'"),
-        ({"weights": {"stable": 0, "candidate": 0}}, "positive sum"),
-        ({"weights": {"stable": 100, "candidate": -1}}, "positive sum"),
+        ({"weights": {"canary": 100}}, "needs the variant 'stable'"),
+        ({"weights": {"stable": 0, "canary": 0}}, "positive sum"),
+        ({"weights": {"stable": 100, "canary": -1}}, "positive sum"),
         ({"weights": {"stable": 100, "Canary-1": 0}}, "lower-case identifiers"),
         ({"max_requests": 0}, "must be >= 1"),
         ({"shadow_max_requests": 0}, "must be >= 1"),
         ({"replicas": 0}, "must be >= 1"),
         ({"shadow_fraction": 1.5}, "0..1"),
-        ({"weights": {"stable": 100}, "shadow_fraction": 0.1}, "shadow_variant 'candidate'"),
+        ({"weights": {"stable": 100}, "shadow_fraction": 0.1}, "shadow_variant 'canary'"),
         ({"request_timeout_s": 0}, "must be positive"),
         ({"max_requests": "4"}, "must be an integer"),
         ({"max_requests": 2.5}, "must be an integer"),

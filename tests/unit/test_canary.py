@@ -83,7 +83,7 @@ def test_a_window_is_the_difference_of_running_totals_and_survives_a_counter_res
 def test_an_equal_candidate_passes_every_check_once_there_is_enough_traffic():
     verdict = judge(SETTINGS, _window(), _window())
     compared = {"error_rate_increase": 0.0, "p99_ratio": 1.0, "psi": 0.0, "mean_ratio": 1.0}
-    clients = {"client_errors_stable": 0.0, "client_errors_candidate": 0.0}
+    clients = {"client_errors_stable": 0.0, "client_errors_canary": 0.0}
     assert verdict == Verdict("", True, {**compared, **clients}, ())
     assert not judge(SETTINGS, _window(), _window(requests=10)).judged  # too few to judge
 
@@ -97,7 +97,7 @@ def test_p99s_wait_for_a_hundred_timed_requests_and_a_stage_for_its_minimum():
 
 
 @pytest.mark.parametrize(
-    ("candidate", "reason"),
+    ("canary", "reason"),
     [
         (_window(failures=50), "error rate 0.050 vs stable's 0.000"),
         (_window(p99_ms=40), "p99 40.0 ms vs stable's 10.0 ms"),
@@ -105,8 +105,8 @@ def test_p99s_wait_for_a_hundred_timed_requests_and_a_stage_for_its_minimum():
         (_window(mean=0.05), "mean probability 0.500x stable's"),
     ],
 )
-def test_a_candidate_crossing_a_threshold_is_rolled_back_with_the_reason(candidate, reason):
-    verdict = judge(SETTINGS, _window(), candidate)
+def test_a_candidate_crossing_a_threshold_is_rolled_back_with_the_reason(canary, reason):
+    verdict = judge(SETTINGS, _window(), canary)
     assert reason in verdict.rollback
 
 
@@ -134,8 +134,8 @@ def test_without_a_score_histogram_the_score_checks_are_skipped_and_said_so():
 def test_the_stages_are_a_shadow_stage_then_the_steps_with_whole_weights():
     plan = canary.stages(SETTINGS)
     assert [s.name for s in plan] == ["shadow", "1%", "50%", "100%"]
-    assert plan[0] == Stage("shadow", 0.0, 0.2) and plan[0].weights() == {"stable": 10_000, "candidate": 0}
-    assert Stage("0.5%", 0.5, 0.0).weights() == {"stable": 9_950, "candidate": 50}
+    assert plan[0] == Stage("shadow", 0.0, 0.2) and plan[0].weights() == {"stable": 10_000, "canary": 0}
+    assert Stage("0.5%", 0.5, 0.0).weights() == {"stable": 9_950, "canary": 50}
     assert [s.name for s in canary.stages(dataclasses.replace(SETTINGS, shadow_fraction=0.0))][0] == "1%"
 
 
@@ -147,7 +147,7 @@ def test_a_stage_advances_only_after_its_dwell_time_with_enough_traffic_and_then
     for stage in range(1, 4):
         state = decide(SETTINGS, state, passed, state.stage_started + 10)
         assert state.stage == stage and state.events[-1]["event"] == "step"
-    assert state.routing(SETTINGS) == ({"stable": 0, "candidate": 10_000}, 0.0)  # at 100 %
+    assert state.routing(SETTINGS) == ({"stable": 0, "canary": 10_000}, 0.0)  # at 100 %
     state = decide(SETTINGS, state, passed, state.stage_started + 10)
     assert state.status == canary.PROMOTED and state.count("step") == 3 and state.count("promote") == 1
     assert decide(SETTINGS, state, Verdict("bad"), 1e9) == state  # decided: nothing changes it
@@ -164,7 +164,7 @@ def test_a_rollback_records_its_reason_and_how_long_the_candidate_was_exposed():
         "after_s": 1.5,
         "figures": {},
     }
-    assert state.routing(SETTINGS) == ({"stable": 10_000, "candidate": 0}, 0.0)
+    assert state.routing(SETTINGS) == ({"stable": 10_000, "canary": 0}, 0.0)
 
 
 def test_the_saved_decision_is_read_back_and_routes_a_restarted_proxy(tmp_path):
@@ -174,9 +174,9 @@ def test_the_saved_decision_is_read_back_and_routes_a_restarted_proxy(tmp_path):
     state.save(tmp_path / canary.STATE_FILE)
     assert CanaryState.load(tmp_path / canary.STATE_FILE) == state
     routed = canary.routed(access, tmp_path)
-    assert routed.weights == {"stable": 5_000, "candidate": 5_000} and routed.shadow_fraction == 0.0
+    assert routed.weights == {"stable": 5_000, "canary": 5_000} and routed.shadow_fraction == 0.0
     dataclasses.replace(state, status=canary.ROLLED_BACK).save(tmp_path / canary.STATE_FILE)
-    assert canary.routed(access, tmp_path).weights == {"stable": 10_000, "candidate": 0}
+    assert canary.routed(access, tmp_path).weights == {"stable": 10_000, "canary": 0}
     (tmp_path / canary.STATE_FILE).write_text("{}")
     with pytest.raises(AccessError, match="is not a canary state"):
         canary.routed(access, tmp_path)
@@ -193,10 +193,10 @@ recserve_served_probability_bucket{dense_version="1",le="+Inf"} 40
 recserve_served_probability_sum{dense_version="1"} 6.5
 recserve_served_probability_count{dense_version="1"} 40
 """
-ENVOY = """envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_grpc",le="5"} 3
-envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_grpc",le="+Inf"} 4
-envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_http_shadow",le="5"} 1
-envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="candidate_http_shadow",le="+Inf"} 1
+ENVOY = """envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="canary_grpc",le="5"} 3
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="canary_grpc",le="+Inf"} 4
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="canary_http_shadow",le="5"} 1
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="canary_http_shadow",le="+Inf"} 1
 envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="stable_grpc",le="+Inf"} 100
 """
 
@@ -206,22 +206,22 @@ def test_the_ensembles_counters_and_the_score_histogram_are_read_from_tritons_me
     # steps without error counts by code: every failure of the ensemble is held against the server
     assert (window.requests, window.failures, window.client_errors) == (100, 10, 0)
     assert window.scores == {0.1: 30, INF: 40} and window.score_sum == 6.5 and window.mean_score() == 6.5 / 40
-    clusters = ["candidate_grpc", "candidate_http", "candidate_grpc_shadow", "candidate_http_shadow"]
+    clusters = ["canary_grpc", "canary_http", "canary_grpc_shadow", "canary_http_shadow"]
     assert canary.envoy_latency(ENVOY, clusters) == {5.0: 4, INF: 5}  # live and mirrored, summed
 
 
 def test_the_stack_file_round_trips_and_a_missing_one_says_what_to_run(tmp_path):
-    stack = canary.Stack("127.0.0.1:9901", {"stable": ["127.0.0.1:8002"], "candidate": ["127.0.0.1:18002"]})
+    stack = canary.Stack("127.0.0.1:9901", {"stable": ["127.0.0.1:8002"], "canary": ["127.0.0.1:18002"]})
     stack.save(tmp_path / canary.STACK_FILE)
     assert canary.Stack.load(tmp_path / canary.STACK_FILE) == stack
     with pytest.raises(AccessError, match="no running access layer"):
         canary.Stack.load(tmp_path / "absent.json")
-    with pytest.raises(AccessError, match="needs a running 'candidate'"):
+    with pytest.raises(AccessError, match="needs a running 'canary'"):
         canary.CanaryController("tiny", SETTINGS, canary.Stack("a:1", {"stable": []}), tmp_path)
 
 
 def test_the_controller_exports_its_stage_status_and_counts(tmp_path):
-    stack = canary.Stack("127.0.0.1:1", {"stable": [], "candidate": []})
+    stack = canary.Stack("127.0.0.1:1", {"stable": [], "canary": []})
     controller = canary.CanaryController("tiny", SETTINGS, stack, tmp_path)
     controller.state = CanaryState(status=canary.ROLLED_BACK, stage=1, events=({"event": "rollback"},))
     controller.verdict = Verdict("x", True, {"psi": 0.5})
@@ -235,6 +235,7 @@ def test_the_controller_exports_its_stage_status_and_counts(tmp_path):
         'recserve_access_canary_status{status="running"}': 0,
         'recserve_access_canary_status{status="promoted"}': 0,
         'recserve_access_canary_status{status="rolled_back"}': 1,
+        "recserve_access_canary_percent": 0,
         "recserve_access_candidate_percent": 0,
         "recserve_access_shadow_fraction": 0,
         "recserve_access_canary_steps_total": 0,
@@ -245,12 +246,12 @@ def test_the_controller_exports_its_stage_status_and_counts(tmp_path):
 
 
 def test_an_unreachable_candidate_is_rolled_back_after_two_periods(tmp_path):
-    stack = canary.Stack("127.0.0.1:1", {"stable": [], "candidate": ["127.0.0.1:1"]})
+    stack = canary.Stack("127.0.0.1:1", {"stable": [], "canary": ["127.0.0.1:1"]})
     controller = canary.CanaryController("tiny", SETTINGS, stack, tmp_path, timeout_s=0.5)
     controller.state = CanaryState(stage_started=0.0)
 
     def observe():
-        raise canary.Unreachable("candidate", "candidate's tritonserver metrics at 127.0.0.1:1: refused")
+        raise canary.Unreachable("canary", "canary's tritonserver metrics at 127.0.0.1:1: refused")
 
     controller.observe = observe  # the proxy is not there either: apply() only logs
     assert controller.tick().status == canary.RUNNING
@@ -265,7 +266,7 @@ class _Scripted(canary.CanaryController):
     """A controller over scripted running totals and a scripted clock (no stack behind it)."""
 
     def __init__(self, settings, workdir, totals):
-        stack = canary.Stack("127.0.0.1:1", {"stable": [], "candidate": []})
+        stack = canary.Stack("127.0.0.1:1", {"stable": [], "canary": []})
         self.times = iter(range(0, 10_000, 10))
         super().__init__(
             "tiny", settings, stack, workdir, clock=lambda: float(next(self.times)), timeout_s=0.2
@@ -283,9 +284,9 @@ def test_at_100_percent_stables_last_stage_stands_in_for_it(tmp_path):
         settings,
         tmp_path,
         [
-            {"stable": Window(), "candidate": Window()},
-            {"stable": once, "candidate": once},
-            {"stable": once, "candidate": twice},  # stable served nothing more
+            {"stable": Window(), "canary": Window()},
+            {"stable": once, "canary": once},
+            {"stable": once, "canary": twice},  # stable served nothing more
         ],
     )
     controller.begin()
@@ -310,10 +311,10 @@ def test_latency_counts_only_from_settle_s_into_a_stage(tmp_path):
         settings,
         tmp_path,
         [
-            {"stable": Window(), "candidate": Window()},
-            {"stable": stable, "candidate": cold},  # t=10: before settle_s, p99 not compared
-            {"stable": stable, "candidate": cold},  # t=20: settled here
-            {"stable": stable_later, "candidate": warm},  # t=30: only the warm requests count
+            {"stable": Window(), "canary": Window()},
+            {"stable": stable, "canary": cold},  # t=10: before settle_s, p99 not compared
+            {"stable": stable, "canary": cold},  # t=20: settled here
+            {"stable": stable_later, "canary": warm},  # t=30: only the warm requests count
         ],
     )
     controller.begin()
@@ -384,19 +385,19 @@ def test_client_errors_are_counted_apart_from_the_servers_failures():
 
 
 def test_envoy_timeouts_of_a_variants_clusters_are_its_failures():
-    text = """envoy_cluster_upstream_rq_timeout{envoy_cluster_name="candidate_grpc"} 3
-envoy_cluster_upstream_rq_timeout{envoy_cluster_name="candidate_http_shadow"} 1
+    text = """envoy_cluster_upstream_rq_timeout{envoy_cluster_name="canary_grpc"} 3
+envoy_cluster_upstream_rq_timeout{envoy_cluster_name="canary_http_shadow"} 1
 envoy_cluster_upstream_rq_timeout{envoy_cluster_name="stable_grpc"} 7
 """
-    assert canary.envoy_timeouts(text, ["candidate_grpc", "candidate_http_shadow"]) == 4
+    assert canary.envoy_timeouts(text, ["canary_grpc", "canary_http_shadow"]) == 4
 
 
 def test_client_errors_never_move_the_decision_and_never_fill_a_stage():
     flooded = dataclasses.replace(_window(), client_errors=5000)
     verdict = judge(SETTINGS, _window(), flooded)
     assert not verdict.rollback and verdict.judged, verdict
-    assert verdict.figures["client_errors_candidate"] == 5000 and verdict.figures["error_rate_increase"] == 0
-    # aimed at stable, they do not hide a candidate failing by its own fault
+    assert verdict.figures["client_errors_canary"] == 5000 and verdict.figures["error_rate_increase"] == 0
+    # aimed at stable, they do not hide a canary failing by its own fault
     bad = judge(SETTINGS, dataclasses.replace(_window(), client_errors=5000), _window(failures=50))
     assert "error rate 0.050 vs stable's 0.000" in bad.rollback
     # a stage needs min_requests served or failed by the server; malformed requests are neither
@@ -411,16 +412,16 @@ def _from_metrics(text: str, requests: float) -> Window:
 
 def test_malformed_requests_at_either_variant_move_no_decision_but_server_failures_do(tmp_path):
     settings = dataclasses.replace(SETTINGS, shadow_fraction=0.0, steps=(50.0, 100.0), dwell_s=0, settle_s=0)
-    zero = {"stable": _from_metrics(_triton(0), 0), "candidate": _from_metrics(_triton(0), 0)}
+    zero = {"stable": _from_metrics(_triton(0), 0), "canary": _from_metrics(_triton(0), 0)}
     attacked = [
         zero,
-        {  # malformed requests at the candidate (its user id): 4 of them, then many
+        {  # malformed requests at the canary (its user id): 4 of them, then many
             "stable": _from_metrics(_triton(1000), 1000),
-            "candidate": _from_metrics(_triton(1000, client=4), 1000),
+            "canary": _from_metrics(_triton(1000, client=4), 1000),
         },
         {
             "stable": _from_metrics(_triton(2000), 2000),
-            "candidate": _from_metrics(_triton(2000, client=3000), 2000),
+            "canary": _from_metrics(_triton(2000, client=3000), 2000),
         },
     ]
     controller = _Scripted(settings, tmp_path, attacked)
@@ -428,13 +429,13 @@ def test_malformed_requests_at_either_variant_move_no_decision_but_server_failur
     assert controller.tick().stage == 1, controller.verdict  # advanced on the server's merits
     state = controller.tick()
     assert state.status == canary.PROMOTED, controller.verdict
-    assert controller.verdict.figures["client_errors_candidate"] == 2996
+    assert controller.verdict.figures["client_errors_canary"] == 2996
 
-    hiding = [  # stable flooded with malformed requests; the candidate fails 5 % by its own fault
+    hiding = [  # stable flooded with malformed requests; the canary fails 5 % by its own fault
         zero,
         {
             "stable": _from_metrics(_triton(1000, client=3000), 1000),
-            "candidate": _from_metrics(_triton(950, internal=50), 1000),
+            "canary": _from_metrics(_triton(950, internal=50), 1000),
         },
     ]
     controller = _Scripted(settings, tmp_path / "hiding", hiding)

@@ -18,7 +18,7 @@ VERSION = "1.33"
 def _spec(redis: bool = False):
     spec = load_spec("ctr")
     access = dataclasses.replace(
-        spec.access, weights={"stable": 90, "candidate": 10}, replicas=3, shadow_fraction=0.1
+        spec.access, weights={"stable": 90, "canary": 10}, replicas=3, shadow_fraction=0.1
     )
     store = dataclasses.replace(
         spec.store, redis_nodes=("recserve-redis-0.recserve-redis:6379",) if redis else ()
@@ -30,7 +30,7 @@ def _spec(redis: bool = False):
 def test_every_manifest_fits_the_kubernetes_schema(redis):
     documents = kubernetes.manifests(_spec(redis), "registry.example/recserve:1", namespace="ads")
     kinds = [(d["kind"], d["metadata"]["name"]) for d in documents]
-    assert ("Deployment", "recserve-candidate") in kinds and ("Service", "recserve") in kinds
+    assert ("Deployment", "recserve-canary") in kinds and ("Service", "recserve") in kinds
     assert (("StatefulSet", "recserve-redis") in kinds) == redis
     for document in documents:
         kubernetes_validate.validate(document, VERSION, strict=True)
