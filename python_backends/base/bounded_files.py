@@ -168,24 +168,43 @@ def _npz_headers(name: str, archive: zipfile.ZipFile) -> dict[str, tuple[zipfile
     return members
 
 
-def read_json(path: Path, max_bytes: int, what: str = "") -> Any:
+def read_json(
+    path: Path, max_bytes: int, what: str = "", refused: type[ArtifactError] = ArtifactError
+) -> Any:
     """Parse a JSON file of at most ``max_bytes`` (checked before reading); depth cannot crash it.
 
     Raises:
-        ArtifactError: the file is larger, not UTF-8 JSON, or nested too deeply to parse.
+        ArtifactError: (or ``refused``) the file is missing or not a regular file, is larger, is not UTF-8
+            JSON, or is nested too deeply to parse.
+        OSError: the file could not be read.
     """
     label = f"{what}{path.name}"
     if not path.is_file():
-        raise ArtifactError(f"{label} is not a regular file")
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise ArtifactError(f"{label} has {size_text(size)}; at most {size_text(max_bytes)} are read")
+        raise refused(f"{label} is not a regular file")
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            raise refused(f"{label} has {size_text(size)}; at most {size_text(max_bytes)} are read")
+        data = fh.read(max_bytes + 1)
+    return parse_json(data, max_bytes, label, refused)
+
+
+def parse_json(
+    data: bytes | str, max_bytes: int, label: str, refused: type[ArtifactError] = ArtifactError
+) -> Any:
+    """``data`` (a file's or a message's bytes) as JSON, refused when over ``max_bytes`` or not JSON.
+
+    Raises:
+        ArtifactError: (or ``refused``) ``data`` is larger, not UTF-8 JSON, or nested too deeply to parse.
+    """
+    if len(data) > max_bytes:
+        raise refused(f"{label} has over {size_text(max_bytes)}; at most {size_text(max_bytes)} are read")
     try:
-        return json.loads(path.read_bytes())
+        return json.loads(data)
     except RecursionError:
-        raise ArtifactError(f"{label} is nested too deeply to be read") from None
+        raise refused(f"{label} is nested too deeply to be read") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"{label} is not valid JSON ({shorten(str(exc), EXPLANATION_LIMIT)})") from None
+        raise refused(f"{label} is not valid JSON ({shorten(str(exc), EXPLANATION_LIMIT)})") from None
 
 
 def check_onnx_file(path: Path) -> None:

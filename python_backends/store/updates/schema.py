@@ -10,7 +10,6 @@ shortened. Nothing is created, written or loaded before these checks pass.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -64,23 +63,6 @@ def check_version(value: object, what: str, base: int, allow_base: bool = False)
     if value < base or (value == base and not allow_base):
         raise UpdateRefused(f"{what}: version {value} is not above the base version {base}")
     return value
-
-
-def read_json(path: Path, limit: int, what: str) -> object:
-    """The JSON document in ``path`` (at most ``limit`` bytes)."""
-    with open(path, "rb") as fh:
-        data = fh.read(limit + 1)
-    return parse_json(data, limit, what)
-
-
-def parse_json(data: bytes | str, limit: int, what: str) -> object:
-    """``data`` as JSON, refused when larger than ``limit`` bytes or not JSON."""
-    if len(data) > limit:
-        raise UpdateRefused(f"{what} is over {limit} bytes")
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise UpdateRefused(f"{what} is not JSON ({shorten(str(exc))})") from None
 
 
 def parse_head(doc: object, table: str, base: int) -> int:

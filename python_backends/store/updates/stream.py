@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from recserve.backends.base.bounded_files import parse_json
 from recserve.backends.store.updates.schema import (
     MAX_MANIFEST_BYTES,
     UpdateRefused,
     check_version,
-    parse_json,
     shorten,
 )
 from recserve.backends.store.updates.versions import UpdateLog
@@ -92,7 +92,7 @@ class UpdateStream:
         manifest = text.get("manifest")
         if not isinstance(manifest, bytes | str):
             raise UpdateRefused(f"{what}: no manifest")
-        doc = parse_json(manifest, MAX_MANIFEST_BYTES, f"{what}: the manifest")
+        doc = parse_json(manifest, MAX_MANIFEST_BYTES, f"{what}: the manifest", UpdateRefused)
         version = text.get("version", b"")
         raw = version.decode("ascii", "replace") if isinstance(version, bytes) else version
         number = check_version(

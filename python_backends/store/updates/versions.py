@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from recserve.backends.base.artifacts import load_array, save_array
+from recserve.backends.base.bounded_files import read_json
 from recserve.backends.store.updates.apply import StoreUpdater
 from recserve.backends.store.updates.deltas import (
     DeltaError,
@@ -63,7 +64,6 @@ from recserve.backends.store.updates.schema import (
     inside,
     parse_head,
     parse_manifest,
-    read_json,
 )
 from recserve.backends.store.updates.upkeep import HOT_KEYS_FILE, Maintainer, load_hot_keys, save_hot_keys
 from recserve.errors import ArtifactError
@@ -133,10 +133,10 @@ class UpdateLog:
             ArtifactError: ``HEAD.json`` is unreadable or names no integer version from the base on.
         """
         path = self._table_dir(table) / HEAD_FILE
-        try:
-            doc = read_json(path, MAX_HEAD_BYTES, f"{table}/{HEAD_FILE}")
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             return self.base_version
+        try:
+            doc = read_json(path, MAX_HEAD_BYTES, f"{table}/", UpdateRefused)
         except OSError as exc:
             raise UpdateRefused(f"{table}/{HEAD_FILE} is unreadable: {exc.strerror}") from None
         return parse_head(doc, table, self.base_version)
@@ -146,7 +146,10 @@ class UpdateLog:
         folder = self._folder(table, version)
         try:
             doc = read_json(
-                folder / MANIFEST_FILE, MAX_MANIFEST_BYTES, f"version {version} of table {table!r}"
+                folder / MANIFEST_FILE,
+                MAX_MANIFEST_BYTES,
+                f"version {version} of table {table!r}: ",
+                UpdateRefused,
             )
         except OSError as exc:
             raise UpdateRefused(
