@@ -3,12 +3,12 @@
 Bottom, the ground: ``recserve/core/`` and the domain errors. (``recserve.spec``, ``.sections`` and
 ``.wire`` re-export ``core/`` for users' old imports; nothing of the project imports them.)
 Above them the backends that run inside tritonserver, in floors of their own (one rule per
-folder): ``base/`` on the bottom alone; the
-subsystems ``features/``, ``store/`` and ``dense/`` on the base, never on each other; ``steps/``
-composed from the subsystems; ``triton/`` (the adapters) on anything in the backends. Then the
-build; perf, the command line, the server process and the access layer (the proxy in front of the
-servers, which depends only on them and the bottom) on top. The client SDK depends only on the
-bottom layer, so a client installs without the server's code paths.
+folder): ``base/`` on the bottom alone; the subsystems ``features/``, ``store/`` and ``dense/``
+on the base, never on each other; ``steps/`` composed from the subsystems; ``triton/`` (the
+adapters) on anything in the backends. Then the build. The server processes stand on the bottom
+alone, the access layer (the proxy in front of the servers) on them; ``verify`` on the backends,
+the build and the clients; perf in floors of its own; the command line on top of everything. The
+client SDK depends only on the bottom layer, so a client installs without the server's code paths.
 """
 
 import ast
@@ -42,13 +42,15 @@ ALLOWED = {
     **{subsystem: (*BOTTOM, *BACKEND_BASE) for subsystem in BACKEND_SUBSYSTEMS},
     "recserve.backends.steps": (*BOTTOM, *BACKEND_BASE, *BACKEND_SUBSYSTEMS),
     "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
-    # the package itself and the old path of steps.lookup (the root's contents: a test below)
-    "recserve.backends": (*BOTTOM, "recserve.backends.steps"),
+    "recserve.backends": (),  # the package alone (the root's contents: a test below)
     "recserve.build": (*BOTTOM, "recserve.backends"),
     "recserve.clients": BOTTOM,
+    "recserve.server": BOTTOM,  # the tritonserver processes: started, supervised, stopped
     "recserve.access": (*BOTTOM, "recserve.server"),  # the proxy in front of the servers
+    "recserve.verify": (*BOTTOM, "recserve.backends", "recserve.build", "recserve.clients"),
     "recserve.commands": ("recserve",),  # the top: the command line may import anything
-    "recserve": ("recserve",),  # the top: cli, server
+    "recserve.cli": ("recserve.commands",),  # the console script's entry point
+    "recserve": (),  # the package alone
     # perf in floors of its own: the shared helpers, the peers, what users run, the lab on top of them
     "recserve.perf": (),  # the package alone (the root's contents: a test below)
     "recserve.perf.harness": PERF_BASE,
@@ -130,6 +132,10 @@ def test_upward_and_sideways_imports_are_caught():
     assert violations("recserve.access.config", {"recserve.build.configs", "recserve.server"}) == [
         "recserve.build.configs"
     ]
+    assert violations("recserve.server.runtime", {"recserve.build.configs", "recserve.core.spec"}) == [
+        "recserve.build.configs"
+    ]
+    assert violations("recserve.verify", {"recserve.commands.model"}) == ["recserve.commands.model"]
     assert not within("recserve.backends.storex", "recserve.backends.store")
 
 
