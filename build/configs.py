@@ -25,6 +25,7 @@ from recserve.build.step_tensors import (
     step_io,
 )
 from recserve.core.contract import sequence_inputs
+from recserve.core.gpu_batches import gpu_spec
 from recserve.core.names import (
     CANDIDATE_PREFIX,
     DENSE,
@@ -45,6 +46,11 @@ PROFILES = ("cpu", "gpu", "cuda")
 #: each instance its own process and CUDA stream; inputs may stay on the GPU (read through DLPack).
 GPU_PROFILES = ("gpu", "cuda")
 TENSORRT_PLAN = "model.plan"
+
+
+def profile_spec(spec: ModelSpec, profile: str) -> ModelSpec:
+    """The spec a profile's configs carry: the GPU profiles' with their larger batches (:func:`gpu_spec`)."""
+    return gpu_spec(spec) if profile in GPU_PROFILES else spec
 
 
 def queue_policy(policy: QueuePolicy, step: str) -> mc.ModelQueuePolicy | None:
@@ -166,6 +172,7 @@ def step_config(
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
+    spec = profile_spec(spec, profile)
     if step == DENSE and profile == "gpu":
         return dense_tensorrt_config(spec)
     plan = plan or ServingPlan.from_spec(spec)
@@ -209,6 +216,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     ``dense_version`` comes from ``dense`` (absent from a TensorRT ``dense``), ``embedding_version``
     (every table's version, spec table order) from ``embedding_lookup``.
     """
+    spec = profile_spec(spec, profile)
     io = step_io(spec, profile)
     steps = []
     for step in STEPS:
@@ -242,6 +250,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     user by user: ``[users * candidates, ...]``.
     """
     assert spec.candidates_model is not None
+    spec = profile_spec(spec, profile)
     io = step_io(spec, profile)
     lookup_outputs, (dense_inputs, dense_outputs) = io[EMBEDDING_LOOKUP][1], io[DENSE]
     if profile != "gpu":  # a TensorRT dense takes rows: the lookup then expands each user's history

@@ -207,7 +207,7 @@ def add_tensorrt_engine(
         return None
     root = version_dir(repository, DENSE, spec)
     manifest = read_manifest(root)
-    profiles = tensorrt_engine.spec_profiles(spec)
+    profiles = tensorrt_engine.spec_profiles(configs.profile_spec(spec, "gpu"))  # the gpu profile's batches
     options = tensorrt_engine.EngineOptions(precision=precision, timing_cache=root / TIMING_CACHE_FILE)
     progress(f"[build] building the TensorRT engine: {len(profiles)} profiles, {precision}")
     plan = tensorrt_engine.build_engine(verified_path(root, manifest["files"]["model"]), profiles, options)

@@ -79,6 +79,9 @@ class ServingSection:
     max_queue_delay_microseconds: int
     instances: dict[str, int]
     preferred_batch_size: tuple[int, ...] = ()
+    # the gpu and cuda profiles' largest batch and candidate list (buckets doubling up to it);
+    # 0: [model] max_batch_size, as the cpu profile (recserve.core.gpu_batches)
+    gpu_max_batch_size: int = 0
     queue: QueuePolicy = field(default_factory=QueuePolicy)
     queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
 

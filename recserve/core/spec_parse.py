@@ -113,6 +113,11 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     preferred = tuple(sorted(serving.preferred_batch_size))
     if any(not 1 <= size <= max_batch for size in preferred):
         raise SpecError(f"preferred_batch_size {list(preferred)} must lie in 1..max_batch_size {max_batch}")
+    if serving.gpu_max_batch_size and serving.gpu_max_batch_size < max_batch:
+        raise SpecError(
+            f"[serving] gpu_max_batch_size {serving.gpu_max_batch_size} is below max_batch_size {max_batch} "
+            "(0: the GPU profiles take max_batch_size)"
+        )
     serving.check()
     serving.queue.check("serving.queue")
     for name, policy in serving.queue_profiles.items():
