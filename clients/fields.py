@@ -8,10 +8,10 @@ import numpy as np
 
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import CategoricalGroup, RawColumn, SequenceFeature
-from recserve.core.values import categorical_values, multi_hot_values
+from recserve.core.values import BLANKS, canonical_value, categorical_values, multi_hot_values
 from recserve.errors import InvalidInput, shorten
 
-WHITESPACE = np.array([ord(c) for c in " \t\r\n\v\f"], dtype=np.uint32)
+WHITESPACE = np.frombuffer(BLANKS, dtype=np.uint8).astype(np.uint32)
 
 
 class RowFormatError(ValueError):
@@ -114,15 +114,21 @@ def parse_categorical(
 ) -> np.ndarray:
     """Object array ``[N, C]`` of ``bytes``, each column checked to hold values the server accepts.
 
-    Integers written as floats (``"260.0"``) are cut to integers in hex, int and unix-time columns;
-    strings and formatted times are kept as written.
+    Every field in its canonical form (:func:`~recserve.core.values.canonical_value`: surrounding
+    ASCII whitespace is no part of a value), as the server and ``import`` read values. Integers
+    written as floats (``"260.0"``) are cut to integers in hex, int and unix-time columns; strings
+    and formatted times are kept as written.
     """
     n = len(rows)
-    raw = text_array(rows, (n, len(columns)))
+    raw = np.asarray(rows, dtype=str).reshape(n, len(columns))
     out = np.empty((n, len(columns)), dtype=object)
     for c, column in enumerate(spec.categorical.raw_columns):
+        text = np.ascontiguousarray(raw[:, c])
+        if np.isin(codepoints(text), WHITESPACE).any():  # rare: skip the per-field pass otherwise
+            text = np.array([canonical_value(value).decode() for value in text], dtype=str).reshape(n)
+        canonical = text
         as_written = column.value_type == "string" or bool(column.time_format)
-        text = raw[:, c] if as_written else integral_text(raw[:, c])
+        text = text if as_written else integral_text(text)
         try:
             encoded = text.astype(bytes).astype(object)  # ASCII only: the fast path
         except UnicodeEncodeError:
@@ -143,7 +149,7 @@ def parse_categorical(
                     check(encoded[r : r + 1])
                 except InvalidInput as exc:
                     raise RowFormatError(
-                        _why(raw[r, c], column, exc), line=int(lines[r]), column=columns[c]
+                        _why(canonical[r], column, exc), line=int(lines[r]), column=columns[c]
                     ) from None
         out[:, c] = encoded
     return out

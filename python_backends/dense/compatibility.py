@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from recserve.backends.base.artifacts import read_manifest, verified_path
-from recserve.core.contract import dense_contract
+from recserve.core.contract import ContractTensor, dense_contract
 from recserve.core.spec import ModelSpec
 from recserve.errors import ArtifactError
 
@@ -115,6 +115,30 @@ def onnx_signature(path: Path) -> tuple[GraphSignature, GraphSignature]:
     return signature(graph.input), signature(graph.output)
 
 
+def _slot_note(tensor: ContractTensor, shape: Sequence[Dim]) -> str:
+    """For a packed embedding input: which slots the graph's axis 1 leaves out or has no feature for."""
+    if not tensor.slots:
+        return ""
+    wanted = len(tensor.slots)
+    declared = shape[1] if isinstance(shape[1], int) and shape[1] > 0 else wanted
+    if declared < wanted:
+        first = tensor.slots[declared]
+        return (
+            f"; the graph has no place for slot {declared} (feature {first.feature!r}, table {first.table!r})"
+            + (f" and the {wanted - declared - 1} after it" if wanted - declared > 1 else "")
+            + " (recserve contract --json lists every slot)"
+        )
+    if declared > wanted:
+        last = tensor.slots[-1]
+        return (
+            f"; the contract's last slot is {wanted - 1} (feature {last.feature!r}, table {last.table!r}): "
+            f"slots {wanted}..{declared - 1} of the graph are fed by nothing"
+        )
+    tables = list(dict.fromkeys(s.table for s in tensor.slots))
+    named = ", ".join(tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+    return f"; each slot is a row of {tensor.shape[2]} floats of its table ({named})"
+
+
 def contract_problems(spec: ModelSpec, inputs: GraphSignature, outputs: GraphSignature) -> list[str]:
     """What differs between a graph's signature and the spec's dense contract (empty: it follows it)."""
     want_inputs, want_outputs = dense_contract(spec)
@@ -139,7 +163,7 @@ def contract_problems(spec: ModelSpec, inputs: GraphSignature, outputs: GraphSig
             ):
                 problems.append(
                     f"{kind} '{tensor.name}' is {_render(shape)}, the contract says {_render(tensor.shape)}"
-                    " (? = a dynamic axis)"
+                    " (? = a dynamic axis)" + _slot_note(tensor, shape)
                 )
         extra = sorted(set(declared) - names)
         if extra and kind == "input":
@@ -157,7 +181,7 @@ def check_onnx_contract(spec: ModelSpec, path: Path) -> None:
     if problems:
         raise ArtifactError(
             f"dense model {path.name} does not follow the contract of spec '{spec.name}' "
-            f"(recserve contract --spec {spec.name}): " + "; ".join(problems)
+            f"(recserve contract --spec SPEC prints it): " + "; ".join(problems)
         )
 
 

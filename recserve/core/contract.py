@@ -42,17 +42,50 @@ def is_sequence_input(name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """One embedding of a packed input: the feature whose value is looked up, and the table it is in.
+
+    A feature that feeds several tables has a slot per table, so names may repeat across slots.
+    """
+
+    feature: str
+    table: str
+
+    def to_json(self) -> dict[str, str]:
+        """``{"feature", "table"}``."""
+        return {"feature": self.feature, "table": self.table}
+
+
+@dataclass(frozen=True)
 class ContractTensor:
-    """One input or output of the dense network: name, Triton dtype, shape (-1: dynamic), contents."""
+    """One input or output of the dense network: name, Triton dtype, shape (-1: dynamic), contents.
+
+    ``slots`` (packed embedding inputs only): what each position of axis 1 holds, in order.
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     holds: str
+    slots: tuple[Slot, ...] = ()
 
     def to_json(self) -> dict[str, object]:
-        """``{"name", "dtype", "shape", "holds"}``."""
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "holds": self.holds}
+        """``{"name", "dtype", "shape", "holds"}``, and ``"slots"`` for a packed embedding input."""
+        doc: dict[str, object] = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "holds": self.holds,
+        }
+        if self.slots:
+            doc["slots"] = [slot.to_json() for slot in self.slots]
+        return doc
+
+
+def packed_slots(spec: ModelSpec, indices: Sequence[int]) -> tuple[Slot, ...]:
+    """The slots at ``indices`` of :attr:`~recserve.core.spec_types.CategoricalGroup.slot_names`."""
+    group = spec.categorical
+    return tuple(Slot(group.slot_names[i], group.slot_tables[i]) for i in indices)
 
 
 def _span(names: Sequence[str]) -> str:
@@ -125,14 +158,15 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
                 DENSE_NORMALIZED, "FP32", (-1, len(numeric)), f"{_span([c.name for c in numeric])}: {how}"
             )
         )
-    for name, width, slots in sparse_inputs(spec):
-        features = [spec.categorical.slot_names[i] for i in slots]
+    for name, width, indices in sparse_inputs(spec):
+        slots = packed_slots(spec, indices)
         inputs.append(
             ContractTensor(
                 name,
                 "FP32",
-                (-1, len(features), width),
-                f"{_span(features)}: one embedding per feature, in this order",
+                (-1, len(slots), width),
+                f"{_span([s.feature for s in slots])}: one embedding per slot, in the order of slots",
+                slots,
             )
         )
     for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):

@@ -240,9 +240,7 @@ class ModelSpec:
     @cached_property
     def slot_dims(self) -> tuple[int, ...]:
         """Each categorical embedding's width, in the order of :attr:`CategoricalGroup.slot_names`."""
-        group = self.categorical
-        tables = [f.table for f in group.features] + [f.table for f in group.multi_hot]
-        return tuple(self.tables[table].dim for table in tables)
+        return tuple(self.tables[table].dim for table in self.categorical.slot_tables)
 
     @property
     def other_widths(self) -> tuple[int, ...]:

@@ -198,6 +198,11 @@ class CategoricalGroup:
         return tuple(f.name for f in self.features) + tuple(f.name for f in self.multi_hot)
 
     @property
+    def slot_tables(self) -> tuple[str, ...]:
+        """The table of each embedding, parallel to :attr:`slot_names` (a slot is a feature and a table)."""
+        return tuple(f.table for f in self.features) + tuple(f.table for f in self.multi_hot)
+
+    @property
     def columns(self) -> tuple[str, ...]:
         """Raw column names, in the order of files and of :attr:`wire_columns` then :attr:`list_columns`."""
         return tuple(c.name for c in self.raw_columns)

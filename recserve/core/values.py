@@ -22,6 +22,32 @@ for _i, _c in enumerate(b"ABCDEF"):
 #: Raw ``target_item`` value meaning "no target item".
 ABSENT_ITEM = -1
 
+#: What may surround a categorical value without being part of it: ASCII whitespace (what
+#: ``bytes.strip()`` removes). Inner whitespace is part of the value.
+BLANKS = b" \t\n\r\x0b\x0c"
+
+
+def canonical_value(value: object) -> bytes:
+    """A raw categorical value in its one canonical form: UTF-8 bytes, surrounding ASCII whitespace removed.
+
+    Every path reads values by this rule: the file reader behind ``predict`` and ``verify`` (which
+    sends the canonical form), the server's transform (so a request from the SDK or any other client
+    is read the same way), ``import``'s vocabulary tokens and ``explain``. So ``" a "``, ``"a"`` and
+    ``b"a "`` are one value everywhere, and a vocabulary written with its tokens' spaces serves the
+    rows that send them without (two tokens that differ only by such spaces are refused at import as
+    the same value). Other values are written as ``str()`` gives them (an int token as its digits).
+    """
+    data = value if isinstance(value, bytes) else str(value).encode()
+    return data.strip(BLANKS)
+
+
+def canonical_fields(values: np.ndarray) -> np.ndarray:
+    """:func:`canonical_value` of every field of ``values``: an object array of ``bytes``, same shape."""
+    flat = [canonical_value(v) for v in np.asarray(values, dtype=object).ravel()]
+    out = np.empty(len(flat), dtype=object)
+    out[:] = flat
+    return out.reshape(np.shape(values))
+
 
 #: A parser of hex strings with :func:`parse_hex`'s signature and results.
 HexParser = Callable[[np.ndarray, int, str], tuple[np.ndarray, np.ndarray]]
@@ -54,6 +80,23 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
     Raises:
         InvalidInput: a string is too long or holds a non-hex character.
     """
+    parsed, bad_rows = _parse_hex_fixed(values, max_digits, input_name)
+    if bad_rows.any():  # the fast path takes values as sent: read them again in their canonical form
+        parsed, bad_rows = _parse_hex_fixed(canonical_fields(values), max_digits, input_name)
+    if bad_rows.any():
+        index = int(np.flatnonzero(bad_rows)[0])
+        raw = values.reshape(-1)[index]
+        raise InvalidInput(
+            input_name,
+            f"value {shorten(raw)} at flat index {index} is not a hex string of at most {max_digits} digits",
+        )
+    return parsed
+
+
+def _parse_hex_fixed(
+    values: np.ndarray, max_digits: int, input_name: str
+) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """``((values, missing), bad)`` of :func:`parse_hex`, ``bad`` flagging the flat indices it refuses."""
     fixed = hex_bytes(values, max_digits, input_name)
     width = fixed.dtype.itemsize
     flat = fixed.reshape(-1)
@@ -66,18 +109,11 @@ def parse_hex(values: np.ndarray, max_digits: int, input_name: str) -> tuple[np.
     digits = _HEX_LUT[raw_bytes]
     positions = np.arange(width)[None, :] < lengths[:, None]
     bad_rows = (lengths > max_digits) | ((digits == 255) & positions).any(axis=1)
-    if bad_rows.any():
-        index = int(np.flatnonzero(bad_rows)[0])
-        raw = values.reshape(-1)[index]
-        raise InvalidInput(
-            input_name,
-            f"value {shorten(raw)} at flat index {index} is not a hex string of at most {max_digits} digits",
-        )
     acc = np.zeros(flat.shape[0], dtype=np.uint64)
     for pos in range(max_digits):
         take = positions[:, pos]
         acc = np.where(take, (acc << np.uint64(4)) | digits[:, pos].astype(np.uint64), acc)
-    return acc.reshape(values.shape), (lengths == 0).reshape(values.shape)
+    return (acc.reshape(values.shape), (lengths == 0).reshape(values.shape)), bad_rows
 
 
 def _column_error(input_name: str, column: str, row: int, value: object, why: str) -> InvalidInput:
@@ -100,6 +136,26 @@ def parse_decimal(
     Raises:
         InvalidInput: a value is not a decimal integer of that type (naming the row).
     """
+    parsed = _parse_decimal_fast(values, signed)
+    if parsed is None:  # the fast path takes values as sent: read them again in their canonical form
+        parsed = _parse_decimal_fast(canonical_fields(values), signed)
+    if parsed is not None:
+        return parsed
+    low, high = (-(1 << 63), (1 << 63) - 1) if signed else (0, (1 << 64) - 1)
+    for (row, col), value in np.ndenumerate(np.asarray(values, dtype=object)):  # slow path: name it
+        text = canonical_value(value).decode("utf-8", "replace")
+        digits = text[1:] if signed and text.startswith("-") else text
+        # 20 digits hold any 64-bit value; a longer string is refused before int() reads it
+        if text and not (
+            digits.isascii() and digits.isdigit() and len(digits) <= 20 and low <= int(text) <= high
+        ):
+            kind = "an int64" if signed else "a uint64"
+            raise _column_error(input_name, columns[col], row, value, f"not {kind} in decimal digits")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _parse_decimal_fast(values: np.ndarray, signed: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`parse_decimal`'s result when every value is plainly a decimal of its type, else None."""
     try:
         fixed = np.asarray(values, dtype="S21")
         empty = np.char.str_len(fixed) == 0
@@ -110,17 +166,7 @@ def parse_decimal(
             return parsed.view(np.uint64).reshape(values.shape), empty.reshape(values.shape)
     except (UnicodeEncodeError, ValueError, TypeError, OverflowError):
         pass
-    low, high = (-(1 << 63), (1 << 63) - 1) if signed else (0, (1 << 64) - 1)
-    for (row, col), value in np.ndenumerate(np.asarray(values, dtype=object)):  # slow path: name it
-        text = _as_text(value)
-        digits = text[1:] if signed and text.startswith("-") else text
-        # 20 digits hold any 64-bit value; a longer string is refused before int() reads it
-        if text and not (
-            digits.isascii() and digits.isdigit() and len(digits) <= 20 and low <= int(text) <= high
-        ):
-            kind = "an int64" if signed else "a uint64"
-            raise _column_error(input_name, columns[col], row, value, f"not {kind} in decimal digits")
-    raise AssertionError("unreachable")  # pragma: no cover
+    return None
 
 
 @functools.lru_cache(maxsize=65536)
@@ -154,13 +200,11 @@ def _fnv1a64(data: bytes) -> int:
 
 
 def hash_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """FNV-1a 64 of each string's UTF-8 bytes, vectorised; ``(values, empty)``.
+    """FNV-1a 64 of each string's canonical form (:func:`canonical_value`), vectorised; ``(values, empty)``.
 
     Work is linear in the bytes sent: strings over :data:`VECTOR_HASH_BYTES` are hashed one by one.
     """
-    encoded = [
-        v if isinstance(v, bytes) else str(v).encode() for v in np.asarray(values, dtype=object).ravel()
-    ]
+    encoded = [canonical_value(v) for v in np.asarray(values, dtype=object).ravel()]
     long = [i for i, v in enumerate(encoded) if len(v) > VECTOR_HASH_BYTES]
     short = [b"" if len(v) > VECTOR_HASH_BYTES else v for v in encoded]
     width = max((len(v) for v in short), default=0) or 1
@@ -185,7 +229,8 @@ def parse_times(values: np.ndarray, column: RawColumn, input_name: str) -> tuple
     Raises:
         InvalidInput: a value does not match the format (naming the row).
     """
-    unique, inverse = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
+    sent, inverse = np.unique(np.asarray(values, dtype=object).astype(str), return_inverse=True)
+    unique = np.array([canonical_value(_as_text(t)).decode() for t in sent], dtype=str).reshape(-1)
     seconds = np.zeros(len(unique), dtype=np.uint64)
     for i, text in enumerate(unique):
         if text == "":
@@ -267,9 +312,12 @@ def categorical_values(
 
 
 def multi_hot_tokens(value: object, column: RawColumn) -> list[bytes]:
-    """The elements of one multi-hot field kept for serving: the non-empty ones, the first ``max_length``."""
-    text = value if isinstance(value, bytes) else str(value).encode()
-    return [t for t in text.split(column.separator.encode()) if t][: column.max_length]
+    """The elements of one multi-hot field kept for serving: the non-empty ones, the first ``max_length``.
+
+    Each element in its canonical form (:func:`canonical_value`): ``"a | b"`` holds ``a`` and ``b``.
+    """
+    elements = (canonical_value(t) for t in canonical_value(value).split(column.separator.encode()))
+    return [t for t in elements if t][: column.max_length]
 
 
 def multi_hot_values(values: np.ndarray, column: RawColumn, input_name: str) -> tuple[np.ndarray, np.ndarray]:

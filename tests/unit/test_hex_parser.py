@@ -38,7 +38,7 @@ def test_edge_values():
 
 
 @pytest.mark.parametrize(
-    "bad", [b"12g4", b"12345678901234567", b"ab\x00cd", b" ab", "caf\u00e9", b"-1", b"0x1f"]
+    "bad", [b"12g4", b"12345678901234567", b"ab\x00cd", b"a b", "caf\u00e9", b"-1", b"0x1f"]
 )
 def test_a_bad_value_is_refused_with_the_numpy_paths_message(bad):
     values = np.array([[b"ab", b"cd"], [b"ef", bad]], dtype=object)
@@ -47,3 +47,11 @@ def test_a_bad_value_is_refused_with_the_numpy_paths_message(bad):
     with pytest.raises(InvalidInput) as numpy_path:
         parse_hex(values, 16, "categorical")
     assert str(compiled.value) == str(numpy_path.value) and "categorical" in str(compiled.value)
+
+
+def test_surrounding_whitespace_is_not_part_of_a_value_on_either_path():
+    values = np.array([[b" ab", b"cd\t", b" \r\n", b"ffffffffffffffff "]], dtype=object)
+    for parse in (PARSER, parse_hex):
+        got, empty = parse(values, 16, "c")
+        assert got.tolist() == [[0xAB, 0xCD, 0, 2**64 - 1]]
+        assert empty.tolist() == [[False, False, True, False]]
