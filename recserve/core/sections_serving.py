@@ -243,16 +243,6 @@ class CanarySection:
             raise SpecError(f"[access.canary] metrics_port must lie in 1..65535, got {self.metrics_port}")
 
 
-@dataclass(frozen=True)
-class AccessSection:
-    """``[access]``: the Envoy proxy that ``recserve access`` starts in front of the variants' servers.
-
-    A variant is one tritonserver over its own repository (``stable``, ``canary``). The proxy's
-    settings are not part of the model: the section is left out of what served models receive, so
-    editing it never forces a rebuild.
-    """
-
-    host: str = "127.0.0.1"  # address of the public listeners (the admin port is always 127.0.0.1)
 #: the canary variant's former name, read as ``canary`` in ``[access]`` weights and shadow_variant
 FORMER_VARIANT_NAMES = {"candidate": "canary"}
 
@@ -267,6 +257,16 @@ def renamed_variants(raw: dict[str, typing.Any]) -> dict[str, typing.Any]:
     return raw
 
 
+@dataclass(frozen=True)
+class AccessSection:
+    """``[access]``: the Envoy proxy that ``recserve access`` starts in front of the variants' servers.
+
+    A variant is one tritonserver over its own repository (``stable``, ``canary``). The proxy's
+    settings are not part of the model: the section is left out of what served models receive, so
+    editing it never forces a rebuild.
+    """
+
+    host: str = "127.0.0.1"  # address of the public listeners (the admin port is always 127.0.0.1)
     grpc_port: int = 8001  # public gRPC port on the proxy; the tritonservers get free loopback ports
     http_port: int = 8000  # public HTTP port on the proxy
     admin_port: int = 9901  # Envoy's admin API (/runtime_modify, /stats), loopback only
