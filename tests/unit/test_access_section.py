@@ -53,7 +53,8 @@ def test_an_access_table_is_parsed_into_typed_fields():
 
 
 def test_the_canary_variants_former_name_is_read_as_canary():
-    access = parse_spec(_doc({"weights": {"stable": 70, "candidate": 30}, "shadow_variant": "candidate"})).access
+    former = {"weights": {"stable": 70, "candidate": 30}, "shadow_variant": "candidate"}
+    access = parse_spec(_doc(former)).access
     assert access.weights == {"stable": 70, "canary": 30} and access.shadow_variant == "canary"
     other = parse_spec(_doc({"weights": {"stable": 70, "blue": 30}, "shadow_variant": "blue"})).access
     assert other.weights == {"stable": 70, "blue": 30} and other.shadow_variant == "blue"
