@@ -1,0 +1,177 @@
+"""The user-state builder: events in, states out, debounced per user, with its lag and rate measured.
+
+It keeps each user's newest ``max_events`` events in memory (a restarted builder reads its log
+again from the start). An event at or below the user's last sequence number is a replay and is
+skipped. A user with new events is rebuilt once ``debounce_s`` has passed since the first of them,
+so a burst of events costs one rebuild. The lag of an event is the time from its ``ts`` to the
+write of the first state that includes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from recserve.backends.store.event_log import Events
+from recserve.backends.store.user_state import CLUSTERED
+from recserve.backends.store.user_state_groups import Budget, KeySpace, build_state
+from recserve.backends.store.user_state_store import UserStates
+
+LOGGER = logging.getLogger(__name__)
+
+
+@dataclass
+class _User:
+    items: list[int] = field(default_factory=list)  # the newest events' items, oldest first
+    seq: int = 0  # the last event's sequence number
+    pending_since: float | None = None  # monotonic time of the first event not in a state yet
+    pending_ts: list[float] = field(default_factory=list)  # their event times
+    mode: str = ""  # of the last state written
+
+
+@dataclass
+class BuilderReport:
+    """What the builder did: rebuilds, writes refused as older, modes, the lag and the rate."""
+
+    events: int = 0
+    replayed: int = 0  # events at or below their user's last sequence number, skipped
+    rebuilds: int = 0
+    refused_writes: int = 0  # a newer state was stored already
+    modes: dict[str, int] = field(default_factory=dict)
+    grouped_items: int = 0
+    over_radius: int = 0
+    lags_s: list[float] = field(default_factory=list)
+    busy_s: float = 0.0  # time spent rebuilding and writing
+
+    def lag_percentiles(self) -> tuple[float, float]:
+        """Event to state lag, p50 and p99, in seconds (0 without events)."""
+        if not self.lags_s:
+            return 0.0, 0.0
+        p50, p99 = np.percentile(np.asarray(self.lags_s), [50, 99])
+        return float(p50), float(p99)
+
+    def summary(self, elapsed_s: float) -> dict[str, float | int | dict[str, int]]:
+        """The report as a flat document (``users_per_s`` over ``elapsed_s``)."""
+        p50, p99 = self.lag_percentiles()
+        return {
+            "events": self.events,
+            "replayed": self.replayed,
+            "rebuilds": self.rebuilds,
+            "refused_writes": self.refused_writes,
+            "modes": dict(self.modes),
+            "grouped_items": self.grouped_items,
+            "over_radius": self.over_radius,
+            "lag_p50_s": p50,
+            "lag_p99_s": p99,
+            "users_per_s": self.rebuilds / elapsed_s if elapsed_s > 0 else 0.0,
+            "rebuilds_per_busy_s": self.rebuilds / self.busy_s if self.busy_s > 0 else 0.0,
+        }
+
+
+class UserStateBuilder:
+    """Builds and writes states from events.
+
+    Args:
+        states: where states are written.
+        budget: the token budget.
+        key_space: item ids to the attention's key space (used for clustered states).
+        max_events: the window of newest events kept per user.
+        debounce_s: a user is rebuilt this long after the first event not yet in a state.
+        versions: ``(table version, dense version)`` the key space belongs to.
+        clock: monotonic seconds (debounce); ``wall`` gives seconds since the epoch (lag).
+    """
+
+    def __init__(
+        self,
+        states: UserStates,
+        budget: Budget,
+        key_space: KeySpace,
+        max_events: int,
+        debounce_s: float,
+        versions: tuple[int, int] = (0, 0),
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.states, self.budget, self.key_space = states, budget, key_space
+        self.max_events, self.debounce_s, self.versions = max_events, debounce_s, versions
+        self.clock, self.wall = clock, wall
+        self.users: dict[int, _User] = {}
+        self.report = BuilderReport()
+
+    def ingest(self, events: Events) -> None:
+        """Take events (any users, log order) into the users' windows; they wait for their rebuild."""
+        now = self.clock()
+        for user_id, seq, item, ts in events.rows():
+            user = self.users.setdefault(user_id, _User())
+            self.report.events += 1
+            if seq <= user.seq:
+                self.report.replayed += 1
+                continue
+            user.seq = seq
+            user.items.append(item)
+            if len(user.items) > 2 * self.max_events:  # trimmed now and then, not per event
+                del user.items[: -self.max_events]
+            if user.pending_since is None:
+                user.pending_since = now
+            user.pending_ts.append(ts)
+
+    def set_versions(self, versions: tuple[int, int], regroup: bool = True) -> int:
+        """A new item table or dense model: clustered users are rebuilt in its key space; how many."""
+        self.versions = versions
+        if not regroup:
+            return 0
+        now, marked = self.clock(), 0
+        for user in self.users.values():
+            if user.mode == CLUSTERED and user.pending_since is None:
+                user.pending_since, marked = now, marked + 1
+        return marked
+
+    def flush(self, force: bool = False) -> int:
+        """Rebuild and write every user whose debounce is over (every pending user with ``force``)."""
+        now = self.clock()
+        due = [
+            (uid, user)
+            for uid, user in self.users.items()
+            if user.pending_since is not None and (force or now - user.pending_since >= self.debounce_s)
+        ]
+        started = time.perf_counter()
+        for uid, user in due:
+            self._rebuild(uid, user)
+        self.report.busy_s += time.perf_counter() - started
+        return len(due)
+
+    def _rebuild(self, uid: int, user: _User) -> None:
+        window = np.asarray(user.items[-self.max_events :], np.int64)
+        built = build_state(window, user.seq, self.budget, self.key_space, self.versions)
+        written = self.states.put(uid, built.state)
+        done = self.wall()
+        report = self.report
+        report.rebuilds += 1
+        report.refused_writes += int(not written)
+        report.modes[built.state.mode] = report.modes.get(built.state.mode, 0) + 1
+        report.grouped_items += built.grouped_items
+        report.over_radius += built.over_radius
+        report.lags_s.extend(done - ts for ts in user.pending_ts)
+        user.pending_since, user.pending_ts, user.mode = None, [], built.state.mode
+
+    def run(
+        self,
+        read: Callable[[], Events],
+        stop: Callable[[], bool],
+        poll_s: float = 0.01,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> BuilderReport:
+        """Read, ingest and flush until ``stop()``; then write every pending user once more."""
+        while not stop():
+            events = read()
+            self.ingest(events)
+            self.flush()
+            if not len(events):
+                sleep(poll_s)
+        self.ingest(read())
+        self.flush(force=True)
+        return self.report

@@ -1,0 +1,95 @@
+"""``recserve user-state run`` and ``delete``: the near-line builder of users' states, in its own process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from recserve.core.spec_parse import load_spec
+
+
+def _run(args: argparse.Namespace) -> int:
+    from recserve.backends.steps.user_state_keys import RepositoryKeySpace
+    from recserve.backends.store.event_log import FileEventLog, RedisEventLog
+    from recserve.backends.store.redis_tier import RedisTier
+    from recserve.backends.store.user_state_builder import UserStateBuilder
+    from recserve.backends.store.user_state_groups import Budget
+    from recserve.backends.store.user_state_store import open_user_states
+
+    spec = load_spec(args.spec)
+    section = spec.user_state
+    if not section.enabled:
+        print("note: [user_state] enabled is false: servers will not read these states", file=sys.stderr)
+    key_space = RepositoryKeySpace.load(spec, args.repository, spec.version)
+    states = open_user_states(section, spec.store, args.folder)
+    if section.event_log == "redis":
+        client = RedisTier.connect(replace(spec.store, redis_deadline_ms=1000.0)).client
+        log: FileEventLog | RedisEventLog = RedisEventLog(client, section.event_stream)
+    else:
+        log = FileEventLog(args.folder / section.event_path)
+    builder = UserStateBuilder(
+        states,
+        Budget(section.tokens, section.exact_tokens, section.group_radius),
+        key_space,
+        section.max_events,
+        section.debounce_ms / 1000.0,
+        key_space.versions,
+    )
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    started = time.monotonic()
+    deadline = started + args.duration if args.duration else float("inf")
+
+    def stop() -> bool:
+        if args.drain:  # the log as it is now, then stop
+            return True
+        return bool(stopping) or time.monotonic() >= deadline
+
+    try:
+        report = builder.run(log.read, stop)
+    except KeyboardInterrupt:
+        report = builder.report
+    summary = report.summary(time.monotonic() - started)
+    summary["refused_events"] = log.refused
+    p50, p99 = report.lag_percentiles()
+    print(
+        f"user-state builder: {summary['events']} events, {summary['rebuilds']} rebuilds "
+        f"({summary['users_per_s']:.0f} users/s), lag p50 {1000 * p50:.1f} ms "
+        f"p99 {1000 * p99:.1f} ms, modes {summary['modes']}",
+        file=sys.stderr,
+    )
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from recserve.backends.store.user_state_store import open_user_states
+
+    spec = load_spec(args.spec)
+    states = open_user_states(spec.user_state, spec.store, args.folder)
+    erased = states.delete(args.user)
+    print(f"user {args.user}: {'state erased' if erased else 'no state stored'}", file=sys.stderr)
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``user-state run`` and ``user-state delete`` to ``recserve``'s sub-command parser."""
+    group = sub.add_parser("user-state", help="the near-line builder of users' states ([user_state])")
+    commands = group.add_subparsers(dest="user_state_command", required=True, metavar="NAME")
+    run = commands.add_parser("run", help="consume the event log and write users' states until stopped")
+    run.add_argument("--repository", type=Path, default=None)
+    run.add_argument("--folder", type=Path, default=Path("."), help="where relative store and log paths lie")
+    run.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: never)")
+    run.add_argument("--drain", action="store_true", help="build from the log as it is now, then stop")
+    run.add_argument("--json", type=Path, default=None, help="write the report (lag, users/s, modes) here")
+    run.set_defaults(func=_run)
+    delete = commands.add_parser("delete", help="erase one user's state")
+    delete.add_argument("--user", type=int, required=True)
+    delete.add_argument("--folder", type=Path, default=Path("."))
+    delete.set_defaults(func=_delete)

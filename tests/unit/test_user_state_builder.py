@@ -1,0 +1,127 @@
+"""The builder: exact while the items fit, grouped beyond; the event log; debounce, replays, lag."""
+
+import json
+import time
+
+import numpy as np
+
+from recserve.backends.store.event_log import Events, FileEventLog, append_events
+from recserve.backends.store.user_state import CLUSTERED, EXACT
+from recserve.backends.store.user_state_builder import UserStateBuilder
+from recserve.backends.store.user_state_groups import Budget, build_state, group_tokens
+from recserve.backends.store.user_state_store import FOUND, LocalUserStates
+from recserve.backends.store.user_tokens import Tokens, dedup
+
+RNG = np.random.default_rng(0)
+SPACE = RNG.normal(0, 1, (5000, 4))
+
+
+def key_space(items):
+    return SPACE[items]
+
+
+def test_a_user_whose_distinct_items_fit_is_exact():
+    events = RNG.integers(1, 100, 4096)
+    built = build_state(events, 4096, Budget(tokens=120, exact_tokens=100, radius=0.5), key_space, (3, 4))
+    assert built.state.mode == EXACT and built.state.tokens.equals(dedup(events))
+    assert (built.state.table_version, built.state.dense_version) == (3, 4)
+
+
+def test_beyond_the_budget_the_newest_items_stay_exact_and_the_rest_are_grouped():
+    events = RNG.integers(1, 3000, 4096)
+    budget = Budget(tokens=192, exact_tokens=160, radius=1.0)
+    built = build_state(events, 4096, budget, key_space)
+    tokens, full = built.state.tokens, dedup(events)
+    assert built.state.mode == CLUSTERED and len(tokens) == 192
+    assert tokens.events == 4096  # every event is counted once
+    assert tokens.equals(Tokens(np.concatenate([tokens.items[:32], full.items[-160:]]), tokens.counts))
+    assert np.array_equal(tokens.counts[32:], full.counts[-160:])
+    assert built.grouped_items == len(full) - 160
+    assert set(tokens.items[:32].tolist()) <= set(full.items[:-160].tolist())
+
+
+def test_items_within_the_radius_of_a_leader_join_it():
+    space = np.array([[0.0], [0.1], [5.0], [5.2], [9.0]])
+    tokens = Tokens(np.arange(5), np.array([1, 4, 2, 1, 1]))
+    groups, over = group_tokens(tokens, groups=2, radius=0.5, key_space=lambda items: space[items])
+    assert groups.items.tolist() == [1, 2]  # the most frequent ungrouped item leads each group
+    assert groups.counts.tolist() == [5, 4]  # item 4 is over the radius of both: joins the nearest
+    assert over == 1
+
+
+def test_the_file_log_reads_whole_lines_from_where_it_stopped_and_skips_bad_ones(tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = FileEventLog(path)
+    assert len(log.read()) == 0
+    append_events(path, Events.of([(1, 1, 10, 5.0), (2, 1, 11, 5.0)]))
+    with path.open("a") as fh:
+        fh.write('{"user": 1, "seq": 0, "item": 3, "ts": 1}\n')  # seq starts at 1
+        fh.write("[1, 2]\nnot json\n")
+        fh.write(json.dumps({"user": 1, "seq": 2, "item": -4, "ts": 1}) + "\n")
+        fh.write('{"user": 1, "seq": 2, "item": 12, "ts": 6.0}\n{"user": 1, "se')  # being written
+    assert log.read().rows() == [(1, 1, 10, 5.0), (2, 1, 11, 5.0), (1, 2, 12, 6.0)]
+    assert log.refused == 4
+    with path.open("a") as fh:
+        fh.write('q": 3, "item": 13, "ts": 7.0}\n')
+    assert log.read().rows() == [(1, 3, 13, 7.0)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_builder_debounces_per_user_skips_replays_and_measures_the_lag(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=600, max_tokens=8)
+    clock = Clock()
+    builder = UserStateBuilder(
+        states, Budget(8, 6, 0.5), key_space, 100, debounce_s=0.2, clock=clock, wall=lambda: clock.now
+    )
+    builder.ingest(Events.of([(7, 1, 10, 99.5), (7, 2, 11, 99.9), (8, 1, 10, 100.0)]))
+    assert builder.flush() == 0  # within the debounce
+    clock.now += 0.1
+    builder.ingest(Events.of([(7, 3, 10, 100.1), (7, 2, 11, 100.1)]))  # the last one a replay
+    clock.now += 0.15
+    assert builder.flush() == 2
+    state = states.fetch(np.array([7])).states[0]
+    assert state.seq == 3 and state.tokens.equals(dedup(np.array([10, 11, 10])))
+    assert builder.report.replayed == 1 and builder.report.rebuilds == 2
+    np.testing.assert_allclose(sorted(builder.report.lags_s), [0.15, 0.25, 0.35, 0.75])
+    assert builder.flush(force=True) == 0
+
+
+def test_a_new_key_space_regroups_the_clustered_users_only(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=600, max_tokens=8)
+    builder = UserStateBuilder(states, Budget(8, 6, 0.5), key_space, 100, debounce_s=0.0)
+    builder.ingest(Events.of([(1, s, s, 0.0) for s in range(1, 30)] + [(2, 1, 5, 0.0)]))
+    builder.flush()
+    assert builder.report.modes == {CLUSTERED: 1, EXACT: 1}
+    assert builder.set_versions((2, 1)) == 1
+    builder.flush()
+    fetched = states.fetch(np.array([1, 2]))
+    assert fetched.outcomes == [FOUND, FOUND] and fetched.states[0].table_version == 2
+
+
+def test_the_command_builds_states_from_a_file_log_in_the_repositorys_key_space(tiny_repository, tmp_path):
+    from recserve.commands.main import main
+
+    now = time.time()
+    rows = [(1, s, int(i), now) for s, i in enumerate(RNG.integers(1, 40, 300), 1)]
+    rows += [(2, s, s, now) for s in range(1, 400)]  # 399 distinct items: over the 192 tokens
+    append_events(tmp_path / "user_events.jsonl", Events.of(rows))
+    report = tmp_path / "report.json"
+    argv = ["--spec", "tiny", "user-state", "run", "--repository", str(tiny_repository)]
+    assert main([*argv, "--folder", str(tmp_path), "--drain", "--json", str(report)]) == 0
+    summary = json.loads(report.read_text())
+    assert summary["events"] == 699 and summary["rebuilds"] == 2
+    assert summary["modes"] == {EXACT: 1, CLUSTERED: 1} and summary["lag_p99_s"] > 0
+    fetched = LocalUserStates(tmp_path / "user_states.sqlite", 60, 192).fetch(np.array([1, 2]))
+    exact, clustered = fetched.states
+    assert exact.tokens.equals(dedup(np.array([r[2] for r in rows[:300]])))
+    assert clustered.mode == CLUSTERED and clustered.tokens.events == 399
+    assert 160 < len(clustered.tokens) <= 192  # the newest 160 exact; items with one row share a group
+    assert np.array_equal(clustered.tokens.items[-160:], np.arange(240, 400))
+    assert main(["--spec", "tiny", "user-state", "delete", "--user", "2", "--folder", str(tmp_path)]) == 0
