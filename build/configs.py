@@ -22,6 +22,7 @@ from recserve.build.step_tensors import (
     intermediate_tensors,
     model_input,
     model_output,
+    request_inputs,
     step_io,
 )
 from recserve.core.contract import sequence_inputs
@@ -233,7 +234,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         name=spec.name,
         platform="ensemble",
         max_batch_size=spec.model.max_batch_size,
-        input=[model_input(t) for t in spec.wire_inputs()],
+        input=[model_input(t) for t in request_inputs(spec)],
         output=[model_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
     )
@@ -259,8 +260,9 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
         dense_inputs = (*per_candidate, *history)
         lookup_outputs = (*dense_inputs, intermediate_tensors(spec)[EMBEDDING_VERSION])
     # input_map: the step's input name -> the ensemble's tensor
-    inputs = {t.name: t.name for t in spec.user_inputs()}
-    inputs.update({CANDIDATE_PREFIX + t.name: t.name for t in spec.candidate_inputs()})
+    users, candidates = request_inputs(spec, "user_inputs"), request_inputs(spec, "candidate_inputs")
+    inputs = {t.name: t.name for t in users}
+    inputs.update({CANDIDATE_PREFIX + t.name: t.name for t in candidates})
     steps = [
         mc.ModelEnsembling.Step(
             model_name=EMBEDDING_LOOKUP,
@@ -275,8 +277,8 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
             output_map={t.name: t.name for t in dense_outputs},
         ),
     ]
-    unbatched = [dataclasses.replace(t, dims=(-1, *t.dims)) for t in spec.user_inputs()]
-    unbatched += [dataclasses.replace(t, dims=(-1, -1, *t.dims)) for t in spec.candidate_inputs()]
+    unbatched = [dataclasses.replace(t, dims=(-1, *t.dims)) for t in users]
+    unbatched += [dataclasses.replace(t, dims=(-1, -1, *t.dims)) for t in candidates]
     outputs = (*dense_outputs, intermediate_tensors(spec)[EMBEDDING_VERSION])
     return mc.ModelConfig(
         name=spec.candidates_model,

@@ -19,6 +19,7 @@ from recserve.core.names import (
     EMBEDDING_LOOKUP,
     EMBEDDING_VERSION,
     PROBABILITY,
+    WIRE_FORMS,
 )
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import WireTensor
@@ -46,18 +47,36 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
     return {t.name: t for t in items}
 
 
+def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, ...]:
+    """The tensors of both wire forms (:mod:`recserve.core.wire_forms`), each once, the id form's first.
+
+    A request carries one form: the tensors of one form only are optional.
+
+    Args:
+        spec: the model spec.
+        part: ``inputs`` (the row form), ``user_inputs`` or ``candidate_inputs`` (a candidate list).
+    """
+    forms = [getattr(spec.wire_form(form), part) for form in WIRE_FORMS]
+    common = set.intersection(*({t.name for t in tensors} for tensors in forms))
+    union: dict[str, WireTensor] = {}
+    for tensors in forms:
+        for t in tensors:
+            union.setdefault(t.name, t if t.name in common else dataclasses.replace(t, optional=True))
+    return tuple(union.values())
+
+
 def step_io(
     spec: ModelSpec, profile: str = "cpu"
 ) -> dict[str, tuple[tuple[WireTensor, ...], tuple[WireTensor, ...]]]:
     """Inputs and outputs of each ensemble step.
 
-    ``embedding_lookup`` takes the raw features and returns the dense network's inputs (and the
-    table versions); a TensorRT ``dense``, profile ``gpu``, has no version output.
+    ``embedding_lookup`` takes the raw features (either wire form) and returns the dense network's
+    inputs (and the table versions); a TensorRT ``dense``, profile ``gpu``, has no version output.
     """
     t = intermediate_tensors(spec)
     dense_inputs = tuple(t[n] for n in dense_net_inputs(spec))
     return {
-        EMBEDDING_LOOKUP: (spec.wire_inputs(), (*dense_inputs, t[EMBEDDING_VERSION])),
+        EMBEDDING_LOOKUP: (request_inputs(spec), (*dense_inputs, t[EMBEDDING_VERSION])),
         DENSE: (
             dense_inputs,
             (t[PROBABILITY],) if profile == "gpu" else (t[PROBABILITY], t[DENSE_VERSION]),

@@ -18,14 +18,14 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.rows import CriteoRows
-from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 
 
 class AsyncCTRClient(ClientBase):
-    """asyncio client of the CTR ensemble, same arguments as :class:`CTRClient`.
+    """asyncio client of the CTR ensemble, same arguments as :class:`CTRClient` (but ``shared_memory``).
 
     The transport is created on first use inside the running event loop; use ``async with`` or
     ``await client.close()``.
@@ -39,8 +39,9 @@ class AsyncCTRClient(ClientBase):
         spec: ModelSpec | None = None,
         model_name: str | None = None,
         user_id: str | None = None,
+        wire: str = IDS_WIRE,
     ) -> None:
-        super().__init__(url, protocol, timeout_s, spec, model_name, user_id)
+        super().__init__(url, protocol, timeout_s, spec, model_name, user_id, wire)
         self._module = self._import_module()
         self._client: Any = None
         self._closed = False

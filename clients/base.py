@@ -18,11 +18,19 @@ import numpy as np
 from recserve.clients.errors import InvalidRequestError, ServerError
 from recserve.clients.rows import CriteoRows
 from recserve.core.candidate_lists import candidate_list_inputs
-from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY, USER_HEADER
+from recserve.core.names import (
+    DENSE_VERSION,
+    EMBEDDING_VERSION,
+    IDS_WIRE,
+    PROBABILITY,
+    USER_HEADER,
+    WIRE_FORMS,
+)
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec
 from recserve.core.spec_types import NUMPY_DTYPES
-from recserve.errors import cap_message, shorten, shorten_all
+from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
+from recserve.errors import InvalidInput, cap_message, shorten, shorten_all
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
@@ -80,24 +88,36 @@ class ClientBase:
         spec: ModelSpec | None,
         model_name: str | None,
         user_id: str | None = None,
+        wire: str = IDS_WIRE,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if user_id is not None and (not user_id or not user_id.isascii() or not user_id.isprintable()):
             raise ValueError(f"user_id must be non-empty printable ASCII, got {shorten(user_id)}")
+        self.wire = check_form(wire)
         self.protocol = _check_protocol(protocol)
         self.url, self._ssl = _normalise_url(url, self.protocol)
         self.timeout_s = float(timeout_s)
         self.spec = spec if spec is not None else load_spec()
         self.model_name = model_name or self.spec.name
-        # every request tensor's dtype by name: the row form's and a candidate list's once-per-user ones
-        self._dtypes = {t.name: t.dtype for t in (*self.spec.wire_inputs(), *self.spec.user_inputs())}
+        # every request tensor's dtype by name, of both wire forms: the row form's and a candidate
+        # list's once-per-user ones
+        forms = [self.spec.wire_form(form) for form in WIRE_FORMS]
+        self._dtypes = {t.name: t.dtype for f in forms for t in (*f.inputs, *f.user_inputs)}
         # sent with every request: the access layer keeps a user on one model variant by it
         self._headers = {USER_HEADER: user_id} if user_id is not None else None
 
     def _prepare(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Inputs cast to the wire dtypes, checked for names, rank and a common batch size."""
-        wire = self.spec.wire_inputs()
+        """Inputs cast to the wire dtypes, checked for names, rank and a common batch size.
+
+        ``inputs`` may be of either wire form; those of the bytes form are sent as ids when the
+        client's ``wire`` is ``ids`` (parsed and hashed here, by the value codec).
+        """
+        try:
+            form = request_form(self.spec, [n for n, v in inputs.items() if v is not None])
+        except InvalidInput as exc:
+            raise InvalidRequestError(str(exc)) from None
+        wire = self.spec.wire_form(form).inputs
         names = {w.name for w in wire}
         unknown = sorted(set(inputs) - names)
         if unknown:
@@ -123,6 +143,11 @@ class ClientBase:
         rows = {a.shape[0] for a in arrays.values()}
         if len(rows) != 1:
             raise InvalidRequestError(f"inputs disagree on the batch size: {sorted(rows)}")
+        if form != self.wire == IDS_WIRE:
+            try:
+                arrays = ids_from_bytes(self.spec, arrays)
+            except InvalidInput as exc:
+                raise InvalidRequestError(str(exc)) from None
         batch = rows.pop()
         limit = self.spec.model.max_batch_size
         if batch > limit:
@@ -167,7 +192,11 @@ class ClientBase:
                 user_arrays[sequence.name][0, :length] = histories[sequence.name]
             user_arrays[group.length_input] = np.array([[length]], np.int32)
         for part in candidates.batches(spec.model.max_batch_size):
-            yield {**user_arrays, **candidate_list_inputs(spec, part.to_inputs(spec))}
+            try:
+                rows = part.to_inputs(spec, self.wire)
+            except InvalidInput as exc:
+                raise InvalidRequestError(str(exc)) from None
+            yield {**user_arrays, **candidate_list_inputs(spec, rows, self.wire)}
 
     def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``).

@@ -11,10 +11,12 @@ Example::
     with CTRClient("127.0.0.1:8001", protocol="grpc", spec=spec) as client:
         probabilities = client.predict(read_rows("rows.tsv", spec), batch_size=64)
 
-Inputs are the request tensors of the spec's ensemble (see :meth:`CriteoRows.to_inputs`); the output
-is the click probability per row. :meth:`CTRClient.score_inputs` also returns, per row, the versions
-that served it (:class:`Scores`: the dense model's version and every embedding table's version).
-Every transport error is raised as a :class:`~recserve.clients.errors.RecserveClientError` subclass.
+Inputs are the request tensors of the spec's ensemble (see :meth:`CriteoRows.to_inputs`), sent in
+the id form by default (``wire="ids"``: categorical values as 64-bit ids; ``wire="bytes"``: as
+text); the output is the click probability per row. :meth:`CTRClient.score_inputs` also returns,
+per row, the versions that served it (:class:`Scores`: the dense model's version and every
+embedding table's version). Every transport error is raised as a
+:class:`~recserve.clients.errors.RecserveClientError` subclass.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from recserve.clients.errors import (
 )
 from recserve.clients.rows import CriteoRows
 from recserve.clients.shared_memory import SharedMemoryIO
-from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
+from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class CTRClient(ClientBase):
             message (opt-in; the server must run on the same host).
         user_id: sent with every request as the ``x-recserve-user`` header (gRPC metadata); the
             access layer keeps a user on one model variant by it. None: no header.
+        wire: how categorical values travel: ``"ids"`` (the default), each as its 64-bit id in
+            INT64 tensors, parsed and hashed here; ``"bytes"``, as text in BYTES tensors, parsed by
+            the server (:mod:`recserve.core.wire_forms`). Both give the same scores.
     """
 
     def __init__(
@@ -67,8 +72,9 @@ class CTRClient(ClientBase):
         model_name: str | None = None,
         shared_memory: bool = False,
         user_id: str | None = None,
+        wire: str = IDS_WIRE,
     ) -> None:
-        super().__init__(url, protocol, timeout_s, spec, model_name, user_id)
+        super().__init__(url, protocol, timeout_s, spec, model_name, user_id, wire)
         self._shm: SharedMemoryIO | None = None
         self._module = self._import_module()
         try:
@@ -236,7 +242,7 @@ class CTRClient(ClientBase):
         ``model``: another model than the client's (the candidates ensemble; never through shared memory).
         """
         if self._shm is not None and model is None:
-            infer_inputs = self._shm.place(self._module, self.spec, arrays)
+            infer_inputs = self._shm.place(self._module, arrays)
             outputs = [self._shm.output(self._module, rows), *self._outputs(self._module, extra_outputs)]
         else:
             infer_inputs = self._infer_inputs(self._module, arrays)

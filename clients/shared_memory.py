@@ -12,7 +12,7 @@ import numpy as np
 from recserve.clients.errors import (
     InvalidRequestError,
 )
-from recserve.core.names import PROBABILITY
+from recserve.core.names import PROBABILITY, WIRE_FORMS
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMPY_DTYPES
 
@@ -41,12 +41,14 @@ class SharedMemoryIO:
                 for c in (group.raw_columns[i] for i in group.list_columns)
             },
         }
-        per_row.update({
-            w.name: np.dtype(NUMPY_DTYPES[w.dtype]).itemsize
-            * (spec.serving.sequence_buckets[-1] if w.dims[0] == -1 else w.dims[0])  # the longest sequence
-            for w in spec.wire_inputs()
-            if w.dtype != "BYTES"
-        })  # fmt: skip
+        # a ragged tensor holds at most the longest sequence or multi-hot list
+        longest = max([spec.serving.sequence_buckets[-1], *(c.max_length for c in group.raw_columns)])
+        tensors = {w.name: w for form in WIRE_FORMS for w in spec.wire_form(form).inputs}
+        self.dtypes = {name: w.dtype for name, w in tensors.items()}
+        for name, w in tensors.items():
+            if w.dtype != "BYTES":
+                width = longest if w.dims[0] == -1 else w.dims[0]
+                per_row[name] = np.dtype(NUMPY_DTYPES[w.dtype]).itemsize * width
         self.offsets: dict[str, int] = {}
         size = 0
         for name, row_bytes in per_row.items():
@@ -72,28 +74,28 @@ class SharedMemoryIO:
             raise RuntimeError(f"the shared-memory region {self.name} is closed")
         return buf
 
-    def place(self, module: ModuleType, spec: ModelSpec, arrays: Mapping[str, np.ndarray]) -> list[Any]:
-        """Copy ``arrays`` into the region; ``InferInput`` objects that point at them."""
+    def place(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
+        """Copy ``arrays`` (the tensors of one wire form) into the region; ``InferInput`` objects at them."""
         from tritonclient.utils import serialize_byte_tensor
 
         result = []
-        for w in spec.wire_inputs():
-            array = arrays[w.name]
-            offset, capacity = self.capacity[w.name]
-            if w.dtype == "BYTES":
+        for name, array in arrays.items():
+            dtype = self.dtypes[name]
+            offset, capacity = self.capacity[name]
+            if dtype == "BYTES":
                 data = serialize_byte_tensor(array).item()
                 size = len(data)
             else:
                 size = array.nbytes
             if size > capacity:
                 raise InvalidRequestError(
-                    f"input '{w.name}' of {size} bytes exceeds the shared-memory slot of {capacity}"
+                    f"input '{name}' of {size} bytes exceeds the shared-memory slot of {capacity}"
                 )
-            if w.dtype == "BYTES":
+            if dtype == "BYTES":
                 self._buffer()[offset : offset + size] = data
             else:
                 np.ndarray(array.shape, array.dtype, buffer=self._buffer(), offset=offset)[...] = array
-            infer_input = module.InferInput(w.name, list(array.shape), w.dtype)
+            infer_input = module.InferInput(name, list(array.shape), dtype)
             infer_input.set_shared_memory(self.name, size, offset=offset)
             result.append(infer_input)
         return result

@@ -40,6 +40,7 @@ TARGETS = {
     "vs_monolith_throughput": (">=", 1.0),
     "hop_floor_ratio": ("<=", 1.3),
     "candidate_list_gain": (">=", 3.0),
+    "ids_vs_bytes": (">=", 1.0),
 }
 
 
@@ -133,6 +134,8 @@ def summarize(
       p50 minus in-process p50 over the p50 of an echo ensemble of the served shape, at batch 1.
     * ``candidate_list_gain``: from ``candidates`` (:func:`recserve.perf.bench.candidates.measure`), candidate
       rows/s of one user's list over the same rows sent as rows, each at its best within the bound.
+    * ``ids_vs_bytes``: from ``candidates`` too, candidate rows/s of the list in the id form of the wire
+      over the same list in the bytes form, each at its best within the bound.
 
     When TorchServe meets the bound at no point, the bound cannot pick its point: both servers are
     then compared at TorchServe's highest-rate point (the same offered load) and
@@ -191,6 +194,7 @@ def summarize(
         "vs_monolith_p99": _ratio(_p99(at_monolith), _p99(monolith)),
         "hop_floor_ratio": hops.get("hop_floor_ratio") if hops else None,
         "candidate_list_gain": candidates.get("candidate_list_gain") if candidates else None,
+        "ids_vs_bytes": candidates.get("ids_vs_bytes") if candidates else None,
     }
     targets = {}
     for name, (op, goal) in TARGETS.items():

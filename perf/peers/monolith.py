@@ -28,7 +28,7 @@ def monolith_config(spec: ModelSpec, repository: Path, instances: int) -> mc.Mod
         name=spec.name,
         backend="python",
         max_batch_size=spec.model.max_batch_size,
-        input=[step_tensors.model_input(t) for t in spec.wire_inputs()],
+        input=[step_tensors.model_input(t) for t in step_tensors.request_inputs(spec)],  # both wire forms
         output=[step_tensors.model_output(WireTensor(PROBABILITY, "FP32", (1,)))],
         instance_group=[mc.ModelInstanceGroup(count=instances, kind=mc.ModelInstanceGroup.KIND_CPU)],
     )

@@ -12,7 +12,7 @@ import numpy as np
 
 from recserve.backends.triton.adapter import ModelContext, execute_merged_or_alone
 from recserve.build.repository import reference_pipeline
-from recserve.core.names import PROBABILITY
+from recserve.core.names import PROBABILITY, WIRE_FORMS
 
 
 class TritonPythonModel:
@@ -22,7 +22,8 @@ class TritonPythonModel:
         """Map the built repository's tables and open its dense model."""
         context = ModelContext.from_args(args)
         self.pipeline = reference_pipeline(context.spec, Path(context.parameters["repository"]), "onnx")
-        self.inputs = [t.name for t in context.spec.wire_inputs()]
+        forms = [context.spec.wire_form(form) for form in WIRE_FORMS]  # a request carries one
+        self.inputs = list(dict.fromkeys(t.name for form in forms for t in form.inputs))
 
     def predict(self, inputs: dict) -> dict:
         """Probabilities ``[rows, 1]`` of one (merged) batch."""

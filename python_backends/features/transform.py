@@ -28,11 +28,14 @@ import numpy as np
 from recserve.backends.base.inputs import require
 from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
+from recserve.backends.features.id_inputs import IdReader, RawValues
+from recserve.backends.features.numeric import NumericOps
 from recserve.core.contract import attention_inputs
 from recserve.core.names import (
     DENSE_NORMALIZED,
     HISTORY_KEYS,
     HISTORY_MASK,
+    IDS_WIRE,
     MULTI_HOT_KEYS,
     MULTI_HOT_WEIGHTS,
     SPARSE_KEYS,
@@ -41,6 +44,7 @@ from recserve.core.names import (
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import CategoricalFeature, CategoricalGroup, Feature, RawColumn, SequenceFeature
 from recserve.core.values import ABSENT_ITEM, categorical_values, join_list, multi_hot_values, time_part
+from recserve.core.wire_forms import request_form
 from recserve.errors import InvalidInput, shorten
 
 
@@ -64,14 +68,9 @@ class FeatureTransform:
             for i, f in enumerate(cat)
             if f.numeric >= 0
         ]
-        self._normalized = np.array(spec.dense.normalized if spec.dense else (), dtype=np.intp)
         self._hex_parser = hex_parser.load()  # None where the extension was not built: numpy's
-        self._fill = np.array([c.fill_na for c in numeric], dtype=np.float32)
-        self._low = np.array([c.clip_min for c in numeric], dtype=np.float32)
-        self._high = np.array([c.clip_max for c in numeric], dtype=np.float32)
-        self._log1p = np.array([c.log1p for c in numeric])
-        self._shift = np.array([c.shift for c in numeric], dtype=np.float32)
-        self._scale = np.array([c.scale for c in numeric], dtype=np.float32)
+        self._ids = IdReader(spec)  # the id form of the wire
+        self._numeric = NumericOps(spec)  # the numeric features' values and ops
         named: list[Feature] = [*spec.targets, *spec.sequences, *spec.categorical.multi_hot]
         self._salts = {f.table: table_salt(ns, f.table) for f in named}
         self._missing = {f.name: missing_key(ns, f.name) for f in named}  # absent target, padding
@@ -95,23 +94,26 @@ class FeatureTransform:
         """
         spec = self.spec
         group = spec.categorical
-        categorical = self.categorical_fields(inputs)
-        rows = categorical.shape[0]
-        values, empty = categorical_values(categorical, group, self._hex_parser)
+        raw = self.raw_values(inputs)
+        rows, values, empty = raw.rows, raw.values, raw.empty
         out = {}
         numeric = None
         if spec.dense is not None:
             width = len(spec.dense.columns)
-            numeric = (
-                require(inputs, spec.dense.name, "FP32", rows, width),
-                require(inputs, spec.dense_missing_input, "BOOL", rows, width),
+            numeric = (  # no wire tensor when every numeric feature reads a categorical column
+                require(inputs, spec.dense.name, "FP32", rows, width)
+                if width
+                else np.zeros((rows, 0), np.float32),
+                require(inputs, spec.dense_missing_input, "BOOL", rows, width)
+                if width
+                else np.zeros((rows, 0), bool),
             )
-            normalized = self.dense_values(*numeric)  # also refuses NaN and Inf
+            normalized = self.dense_values(*numeric, parsed=(values, empty))  # also refuses NaN and Inf
             if spec.normalized_columns:
                 out[DENSE_NORMALIZED] = normalized
         out[SPARSE_KEYS] = self.categorical_keys(values, empty, numeric)
         if group.multi_hot:
-            out[MULTI_HOT_KEYS], out[MULTI_HOT_WEIGHTS] = self.multi_hot_keys(categorical)
+            out[MULTI_HOT_KEYS], out[MULTI_HOT_WEIGHTS] = self.pooled_keys(raw.lists)
         if spec.sequences:
             owners = rows if users is None else users
             lengths = [
@@ -134,6 +136,26 @@ class FeatureTransform:
                 out[mask_name] = history[HISTORY_MASK]
             out[HISTORY_KEYS] = np.concatenate(keys, axis=1)
         return out
+
+    def raw_values(self, inputs: Mapping[str, np.ndarray]) -> RawValues:
+        """The categorical values of one request in either wire form (:mod:`recserve.core.wire_forms`).
+
+        The id form is read with whole-array numpy; the bytes form's text is parsed and hashed.
+
+        Raises:
+            InvalidInput: the request carries both forms or neither, or a value is malformed.
+        """
+        if request_form(self.spec, inputs) == IDS_WIRE:
+            return self._ids.read(inputs)
+        group = self.spec.categorical
+        categorical = self.categorical_fields(inputs)
+        values, empty = categorical_values(categorical, group, self._hex_parser)
+        lists = {}
+        for i, column in enumerate(group.raw_columns):
+            if column.separator:
+                name = column.name if column.as_list else group.name
+                lists[i] = multi_hot_values(categorical[:, i], column, name)
+        return RawValues(values, empty, lists)
 
     def categorical_fields(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """Every raw categorical column's fields ``[B, C]``, multi-hot lists joined into theirs.
@@ -161,19 +183,28 @@ class FeatureTransform:
         return categorical
 
     def multi_hot_keys(self, categorical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`pooled_keys` of the raw categorical fields ``[B, C]`` (the bytes form, lists joined)."""
+        group = self.spec.categorical
+        lists = {}
+        for feature in group.multi_hot:
+            column = group.raw_columns[feature.column]
+            name = column.name if column.as_list else group.name
+            lists[feature.column] = multi_hot_values(categorical[:, feature.column], column, name)
+        return self.pooled_keys(lists)
+
+    def pooled_keys(
+        self, lists: Mapping[int, tuple[np.ndarray, np.ndarray]]
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Keys and pooling weights ``[B, sum of max_length]`` of the multi-hot features, side by side.
 
-        A weight is 1 (sum), ``1 / n`` (mean) or ``1 / sqrt(n)`` (sqrtn) on a row's ``n`` values, 0 on
-        padding: the lookup step pools each feature's vectors with them. A row without values pools
-        to zeros.
+        ``lists``: each multi-hot column's values and mask (:attr:`RawValues.lists`). A weight is 1
+        (sum), ``1 / n`` (mean) or ``1 / sqrt(n)`` (sqrtn) on a row's ``n`` values, 0 on padding:
+        the lookup step pools each feature's vectors with them. A row without values pools to zeros.
         """
         group = self.spec.categorical
         keys, weights = [], []
         for feature in group.multi_hot:
-            column = group.raw_columns[feature.column]
-            values, mask = multi_hot_values(
-                categorical[:, feature.column], column, column.name if column.as_list else group.name
-            )
+            values, mask = lists[feature.column]
             keys.append(
                 np.where(mask, keys_for(values, self._salts[feature.table]), self._missing[feature.name])
             )
@@ -182,26 +213,19 @@ class FeatureTransform:
             weights.append((mask / scale).astype(np.float32))
         return np.concatenate(keys, axis=1), np.concatenate(weights, axis=1)
 
-    def dense_values(self, values: np.ndarray, missing: np.ndarray) -> np.ndarray:
-        """Normalised dense values by each column's ops (missing: its fill value); rejects NaN and Inf."""
-        assert self.spec.dense is not None
-        bad = ~np.isfinite(values) & ~missing
-        if bad.any():
-            r, c = (int(i) for i in np.argwhere(bad)[0])
-            name = self.spec.dense.name
-            raise InvalidInput(
-                name,
-                f"{self.spec.dense.columns[c]} (row {r}) is {values[r, c]}; "
-                f"send missing values via {name}__missing",
-            )
-        clipped = np.clip(np.where(missing, self._fill, values), self._low, self._high)
-        # log1p in float64, rounded to float32: the same bits on every device (float32 log1p is not;
-        # see recserve.backends.features.device_transform)
-        logged = np.where(
-            self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0).astype(np.float64)), clipped
-        ).astype(np.float32)
-        normalized = ((logged - self._shift) / self._scale).astype(np.float32)
-        return normalized if len(self._normalized) == values.shape[1] else normalized[:, self._normalized]
+    def dense_values(
+        self,
+        values: np.ndarray,
+        missing: np.ndarray,
+        parsed: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """Normalised dense values by each feature's ops (missing: its fill value); rejects NaN and Inf.
+
+        ``values`` and ``missing`` are the wire tensor's columns; ``parsed`` (the parsed categorical
+        columns) is needed where a numeric feature reads one (see
+        :class:`~recserve.backends.features.numeric.NumericOps`).
+        """
+        return self._numeric.normalize(values, missing, parsed)
 
     def categorical_keys(
         self, values: np.ndarray, empty: np.ndarray, numeric: tuple[np.ndarray, np.ndarray] | None = None
@@ -216,10 +240,12 @@ class FeatureTransform:
         absent = empty[:, self._cat_columns]
         for index, part, timezone in self._parts:
             picked[:, index] = time_part(picked[:, index], part, timezone)
-        for index, column, edges in self._buckets:
+        if self._buckets:
             assert numeric is not None  # a bucketized feature is a numeric column of the spec
-            picked[:, index] = np.searchsorted(edges, numeric[0][:, column], side="right")
-            absent[:, index] = numeric[1][:, column]
+            numbers, unknown = self._numeric.features(*numeric, parsed=(values, empty))
+        for index, column, edges in self._buckets:
+            picked[:, index] = np.searchsorted(edges, numbers[:, column], side="right")
+            absent[:, index] = unknown[:, column]
         keys = keys_for(picked, self._cat_salts[None, :])
         keys = np.where(self._identity[None, :], picked.view(np.int64), keys)
         return np.where(absent, self._cat_missing[None, :], keys)

@@ -25,13 +25,16 @@ from recserve.core.names import (
     DENSE_NORMALIZED,
     EMBEDDING_VERSION,
     HISTORY_KEYS,
+    IDS_WIRE,
     MULTI_HOT_KEYS,
     MULTI_HOT_WEIGHTS,
     SPARSE_EMBEDDINGS,
     SPARSE_KEYS,
     TARGET_KEY,
+    WIRE_FORMS,
 )
 from recserve.core.spec import ModelSpec
+from recserve.core.wire_forms import request_form
 from recserve.errors import ArtifactError
 
 if TYPE_CHECKING:
@@ -253,7 +256,11 @@ class FeaturesToEmbeddings:
         self.spec = spec
         self.transform = FeatureTransform(spec)
         self.lookup = lookup
-        self.input_names = tuple(t.name for t in spec.wire_inputs())
+        #: the tensors of both wire forms (a request carries one: :mod:`recserve.core.wire_forms`)
+        forms = [spec.wire_form(form) for form in WIRE_FORMS]
+        self.input_names = tuple(dict.fromkeys(t.name for form in forms for t in form.inputs))
+        #: the tensor only a request of the id form carries (it and the bytes form's merge apart)
+        self.ids_marker = spec.wire_form(IDS_WIRE).marker
         #: what the transform computes that goes on to ``dense`` as it is: dense values and masks
         self.masks = tuple(g.mask for g in attention_inputs(spec))
         self.passed = (DENSE_NORMALIZED, *self.masks)
@@ -261,7 +268,9 @@ class FeaturesToEmbeddings:
         self.left_padded = left_padded_inputs(spec)
         #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
         self.candidate_input_names = tuple(
-            dict.fromkeys(t.name for t in (*candidate_step_inputs(spec), *spec.user_inputs()))
+            dict.fromkeys(
+                t.name for t in (*candidate_step_inputs(spec), *(t for f in forms for t in f.user_inputs))
+            )
         )
 
     def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
@@ -289,7 +298,7 @@ class FeaturesToEmbeddings:
         Raises:
             InvalidInput: naming the first offending input (as the client named it) and value.
         """
-        rows, users = candidate_rows(self.spec, inputs)
+        rows, users = candidate_rows(self.spec, inputs, request_form(self.spec, inputs))
         count = int(users[-1]) + 1
         features = self.transform.transform(rows, users=count)
         out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}

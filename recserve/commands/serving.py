@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from recserve.core.names import DENSE, STEPS
+from recserve.core.names import DENSE, IDS_WIRE, STEPS, WIRE_FORMS
 from recserve.core.spec_parse import load_spec
 
 ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
@@ -93,7 +93,9 @@ def _predict(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     try:
         rows = read_rows(args.input, spec)
-        with CTRClient(args.url, protocol=args.protocol, timeout_s=args.timeout, spec=spec) as client:
+        with CTRClient(
+            args.url, protocol=args.protocol, timeout_s=args.timeout, spec=spec, wire=args.wire
+        ) as client:
             score = client.predict_by_user if spec.inputs.user else client.predict
             probabilities = score(rows, batch_size=args.batch_size)
     except (RecserveClientError, ValueError, OSError) as exc:
@@ -180,6 +182,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     predict.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    predict.add_argument(
+        "--wire",
+        choices=WIRE_FORMS,
+        default=IDS_WIRE,
+        help="categorical values as 64-bit ids (INT64, the default) or as text (BYTES)",
+    )
     predict.set_defaults(func=_predict)
 
     check = sub.add_parser(

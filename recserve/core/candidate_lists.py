@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from recserve.core.contract import dense_net_inputs, sequence_inputs
-from recserve.core.names import CANDIDATE_PREFIX
+from recserve.core.names import BYTES_WIRE, CANDIDATE_PREFIX, WIRE_FORMS
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import WireTensor
 from recserve.errors import InvalidInput
@@ -17,15 +17,24 @@ from recserve.errors import InvalidInput
 def candidate_step_inputs(spec: ModelSpec) -> tuple[WireTensor, ...]:
     """``embedding_lookup``'s inputs of the candidate-list form, ``[users, candidates, ...]`` each.
 
-    None for a spec without a candidates ensemble.
+    Those of both wire forms (each a request may leave out), each once: first those of both forms
+    (every list carries them), then each form's own. None for a spec without a candidates ensemble.
     """
     if spec.candidates_model is None:
         return ()
-    profile = {p.profile_name for p in spec.profile_parts}
-    return tuple(
-        WireTensor(CANDIDATE_PREFIX + t.name, t.dtype, (-1, *t.dims), ragged=True, optional=True)
-        for t in spec.candidate_inputs()
-    ) + tuple(replace(t, ragged=True, optional=True) for t in spec.user_inputs() if t.name in profile)
+    tensors: dict[str, WireTensor] = {}
+    for form in WIRE_FORMS:
+        wire = spec.wire_form(form)
+        profile = {p.profile_name for p in wire.profile_parts}
+        for t in wire.candidate_inputs:
+            name = CANDIDATE_PREFIX + t.name
+            tensors[name] = WireTensor(name, t.dtype, (-1, *t.dims), ragged=True, optional=True)
+        for t in wire.user_inputs:
+            if t.name in profile:
+                tensors[t.name] = replace(t, ragged=True, optional=True)
+    common = set.intersection(*({t.name for t in spec.wire_form(f).inputs} for f in WIRE_FORMS))
+    shared = [t for t in tensors.values() if t.name.removeprefix(CANDIDATE_PREFIX) in common]
+    return (*shared, *(t for t in tensors.values() if t not in shared))
 
 
 def per_candidate_dense_inputs(spec: ModelSpec) -> tuple[str, ...]:
@@ -35,9 +44,9 @@ def per_candidate_dense_inputs(spec: ModelSpec) -> tuple[str, ...]:
 
 
 def candidate_rows(
-    spec: ModelSpec, inputs: Mapping[str, np.ndarray]
+    spec: ModelSpec, inputs: Mapping[str, np.ndarray], form: str = BYTES_WIRE
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """One candidate list as rows: the row-form inputs and each row's user.
+    """One candidate list of a wire form (``ids`` or ``bytes``) as rows: the row inputs and each row's user.
 
     Each per-candidate input ``[U, N, ...]`` (named as :func:`candidate_step_inputs` says) becomes
     ``[U * N, ...]`` under its wire name, user by user; the user inputs (``[U, ...]``) are passed on
@@ -46,9 +55,10 @@ def candidate_rows(
     Raises:
         InvalidInput: naming the wire input (as the client sent it) and what is wrong with it.
     """
+    wire = spec.wire_form(form)
     rows: dict[str, np.ndarray] = {}
     shape: tuple[int, int] | None = None
-    for tensor in spec.candidate_inputs():
+    for tensor in wire.candidate_inputs:
         array = inputs.get(CANDIDATE_PREFIX + tensor.name)
         if array is None:
             raise InvalidInput(tensor.name, "is required but missing")
@@ -76,7 +86,7 @@ def candidate_rows(
         rows[tensor.name] = array.reshape(shape[0] * shape[1], *array.shape[2:])
     assert shape is not None  # a spec with sequences has per-candidate inputs (the targets)
     users, count = shape
-    for part in spec.profile_parts:  # each candidate row gets its user's profile columns
+    for part in wire.profile_parts:  # each candidate row gets its user's profile columns
         profile = _per_user(inputs, part.profile_name, users, len(part.profile))
         full = np.empty((users * count, len(part.profile) + len(part.other)), profile.dtype)
         full[:, list(part.profile)] = np.repeat(profile, count, axis=0)
@@ -86,11 +96,11 @@ def candidate_rows(
                 raise InvalidInput(part.name, f"has {other.shape[1]} columns, expected {len(part.other)}")
             full[:, list(part.other)] = other
         rows[part.name] = full
-    for name in spec.profile_lists:
+    for name in wire.profile_lists:
         rows[name] = np.repeat(_per_user(inputs, name, users), count, axis=0)
-    expanded = {*spec.profile_lists, *(p.profile_name for p in spec.profile_parts)}
+    expanded = {*wire.profile_lists, *(p.profile_name for p in wire.profile_parts)}
     rows.update(
-        {t.name: inputs[t.name] for t in spec.user_inputs() if t.name in inputs and t.name not in expanded}
+        {t.name: inputs[t.name] for t in wire.user_inputs if t.name in inputs and t.name not in expanded}
     )
     return rows, np.repeat(np.arange(users), count)
 
@@ -107,35 +117,40 @@ def _per_user(inputs: Mapping[str, np.ndarray], name: str, users: int, width: in
 
 
 def with_profiles_of(
-    spec: ModelSpec, rows: Mapping[str, np.ndarray], first: np.ndarray
+    spec: ModelSpec, rows: Mapping[str, np.ndarray], first: np.ndarray, form: str = BYTES_WIRE
 ) -> dict[str, np.ndarray]:
-    """Row-form ``rows`` (by wire name) whose row ``i`` has the profile columns of row ``first[i]``.
+    """Row-form ``rows`` (wire names, ``form``) whose row ``i`` has the profile columns of row ``first[i]``.
 
     Rows that share a ``first`` row then describe one user, as the rows of a candidate list do.
     """
+    wire = spec.wire_form(form)
     out = dict(rows)
-    for part in spec.profile_parts:
+    for part in wire.profile_parts:
         columns = list(part.profile)
         array = out[part.name].copy()
         array[:, columns] = array[first][:, columns]
         out[part.name] = array
-    out.update({name: out[name][first] for name in spec.profile_lists})
+    out.update({name: out[name][first] for name in wire.profile_lists})
     return out
 
 
-def candidate_list_inputs(spec: ModelSpec, rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def candidate_list_inputs(
+    spec: ModelSpec, rows: Mapping[str, np.ndarray], form: str = BYTES_WIRE
+) -> dict[str, np.ndarray]:
     """One user's candidate list from the row form of its candidates (``[N, ...]`` each, by wire name).
 
     Each per-candidate input as ``[1, N, ...]`` and the profile columns once, from the first row,
     as ``[1, ...]``. The sequences and their lengths are left to the caller, who has the user's.
+    ``form``: the wire form of ``rows`` (and of the list).
     """
-    parts = {p.name: p for p in spec.profile_parts}
+    wire = spec.wire_form(form)
+    parts = {p.name: p for p in wire.profile_parts}
     out = {}
-    for tensor in spec.candidate_inputs():
+    for tensor in wire.candidate_inputs:
         array = rows[tensor.name]
         part = parts.get(tensor.name)
         out[tensor.name] = (array if part is None else array[:, list(part.other)])[None]
-    for part in spec.profile_parts:
+    for part in wire.profile_parts:
         out[part.profile_name] = rows[part.name][:1, list(part.profile)]
-    out.update({name: rows[name][:1] for name in spec.profile_lists})
+    out.update({name: rows[name][:1] for name in wire.profile_lists})
     return out

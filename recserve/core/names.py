@@ -66,3 +66,19 @@ SEQUENCE_AXIS = "sequence"
 #: Config parameter of ``embedding_lookup``: the torch device of its L1 and of the vectors it returns
 #: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).
 L1_DEVICE_PARAMETER = "l1_device"
+
+
+#: The two forms of a request's categorical, multi-hot (and time) values, named by ``CTRClient(wire=...)``
+#: and ``recserve predict --wire``: ``ids``, each value as its 64-bit id in INT64 tensors (hex and
+#: integers as their value, strings as their FNV-1a 64, times as unix seconds), or ``bytes``, each
+#: value as text in BYTES tensors (for curl and generic clients). The targets and sequences travel as
+#: INT64 ids in both. A request carries one form; the ``ids`` form is the SDK's default.
+IDS_WIRE = "ids"
+BYTES_WIRE = "bytes"
+WIRE_FORMS = (IDS_WIRE, BYTES_WIRE)
+#: The id form's tensors are named after the BYTES tensor they stand for: ``categorical__ids`` (INT64,
+#: the single-valued columns) with ``categorical__missing`` (BOOL, True where a value is empty), and per
+#: multi-hot column ``<column>__ids`` (INT64, ragged: a row's values first) with ``<column>__length``.
+IDS_SUFFIX = "__ids"
+MISSING_SUFFIX = "__missing"
+LENGTH_SUFFIX = "__length"

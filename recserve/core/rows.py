@@ -8,9 +8,11 @@ from typing import Any
 
 import numpy as np
 
+from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, NUMPY_DTYPES
 from recserve.core.values import split_list
+from recserve.core.wire_forms import check_form, ids_from_bytes
 
 
 class SideSequences:
@@ -128,21 +130,22 @@ class Rows(SideSequences):
             )
         return self.with_labels(self.labels.astype(np.float32))
 
-    def to_inputs(self, spec: ModelSpec) -> dict[str, np.ndarray]:
+    def to_inputs(self, spec: ModelSpec, form: str = BYTES_WIRE) -> dict[str, np.ndarray]:
         """Request tensors of the spec's ensemble for these rows.
 
         The history is trimmed or zero padded to ``W = max(1, longest history of these rows)``.
 
         Args:
             spec: the model spec naming the wire inputs and their dtypes.
+            form: the wire form, ``bytes`` or ``ids`` (:mod:`recserve.core.wire_forms`).
 
         Returns:
-            One array per wire input, keyed by input name, dtypes as in ``spec.wire_inputs()``.
+            One array per wire input, keyed by input name, dtypes as in ``spec.wire_form(form).inputs``.
         """
-        wire_rows = self.with_labels(np.zeros(len(self), np.float32)).to_wire(spec)
+        wire_rows = self.with_labels(np.zeros(len(self), np.float32)).to_wire(spec, form)
         return {
             wire.name: np.ascontiguousarray(wire_rows[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
-            for wire in spec.wire_inputs()
+            for wire in spec.wire_form(form).inputs
         }
 
     def user_runs(self, spec: ModelSpec) -> list[slice]:
@@ -183,8 +186,14 @@ class Rows(SideSequences):
             context.update({s.name: self.sequence(s.name)[row, :length] for s in group.sequences})
         return context
 
-    def to_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
-        """Request tensors of the spec's ensemble for these rows (history width = longest row)."""
+    def to_wire(self, spec: ModelSpec, form: str = BYTES_WIRE) -> dict[str, np.ndarray]:
+        """Request tensors of the spec's ensemble for these rows (history width = longest row).
+
+        ``form``: ``bytes`` (the values as text) or ``ids`` (parsed and hashed by the value codec).
+
+        Raises:
+            InvalidInput: ``ids``, and a value is not of its column's type.
+        """
         values = {
             NUMERIC_INPUT: self.dense.astype(np.float32),
             spec.dense_missing_input: self.dense_missing.astype(bool),
@@ -203,7 +212,8 @@ class Rows(SideSequences):
                     self.sequence(sequence.name)[:, :width], dtype=np.int64
                 )
             values[group.length_input] = lengths.astype(np.int32)[:, None]
-        return {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}
+        wire = {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}
+        return ids_from_bytes(spec, wire) if check_form(form) == IDS_WIRE else wire
 
 
 #: The former name of :class:`Rows` (the rows the build and the tests generate).

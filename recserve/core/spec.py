@@ -8,11 +8,12 @@ from the objects below.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from recserve.core.name_ranges import expand_names
+from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.sections_base import SpecError
 from recserve.core.sections_serving import (
     AccessSection,
@@ -36,6 +37,7 @@ from recserve.core.spec_types import (
     TableSpec,
     WireTensor,
 )
+from recserve.core.wire_forms import WireForm, bytes_form, check_form, id_form, split_user_inputs
 
 
 @dataclass(frozen=True)
@@ -167,16 +169,21 @@ class ModelSpec:
         lengths = [WireTensor(g.length_input, "INT32", (1,)) for g in self.attention_groups]
         per_user = {s.name for s in self.sequences} | {t.name for t in lengths} | set(self.profile_lists)
         tensors += lengths
-        users = [t for t in tensors if t.name in per_user]
-        candidates = [t for t in tensors if t.name not in per_user]
-        for part in self.profile_parts:
-            at = next(i for i, t in enumerate(candidates) if t.name == part.name)
-            users.append(WireTensor(part.profile_name, candidates[at].dtype, (len(part.profile),)))
-            if part.other:
-                candidates[at] = replace(candidates[at], dims=(len(part.other),))
-            else:
-                del candidates[at]
-        return tuple(tensors), tuple(users), tuple(candidates)
+        return (tuple(tensors), *split_user_inputs(tensors, per_user, self.profile_parts))
+
+    def wire_form(self, form: str = BYTES_WIRE) -> WireForm:
+        """One form of the wire (``ids`` or ``bytes``, see :mod:`recserve.core.wire_forms`).
+
+        The bytes form's tensors are :meth:`wire_inputs`, :meth:`user_inputs` and :meth:`candidate_inputs`.
+
+        Raises:
+            ValueError: ``form`` is neither.
+        """
+        return self._wire_forms[check_form(form)]
+
+    @cached_property
+    def _wire_forms(self) -> dict[str, WireForm]:
+        return {BYTES_WIRE: bytes_form(self), IDS_WIRE: id_form(self)}
 
     @cached_property
     def profile_columns(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from recserve.core.names import (
     HISTORY_USER,
     PROBABILITY,
     STEPS,
+    WIRE_FORMS,
 )
 from recserve.core.sections_base import SpecError
 from recserve.core.spec_parse import load_spec, parse_spec, spec_path
@@ -210,7 +211,8 @@ def test_the_candidates_ensemble_feeds_the_lookup_both_forms_and_batches_rows(sp
         step_inputs[name].allow_ragged_batch for name in first.input_map if name.startswith("candidate_")
     )
     row_form = built[spec.name].ensemble_scheduling.step[0]
-    assert set(row_form.input_map) == {t.name for t in spec.wire_inputs()}
+    both = {t.name for form in WIRE_FORMS for t in spec.wire_form(form).inputs}
+    assert set(row_form.input_map) == both
     assert {i.name: list(i.dims) for i in ensemble.output}[PROBABILITY] == [-1, 1]
 
 
@@ -218,7 +220,9 @@ def test_a_spec_without_sequences_has_no_candidates_ensemble():
     avazu = load_spec("avazu")
     assert avazu.candidates_model is None and candidate_step_inputs(avazu) == ()
     assert set(configs.all_configs(avazu)) == {*STEPS, avazu.name}
-    assert not any(i.optional for i in configs.all_configs(avazu)[EMBEDDING_LOOKUP].input)
+    # only the tensors of one wire form are optional: a request carries one form
+    optional = {i.name for i in configs.all_configs(avazu)[EMBEDDING_LOOKUP].input if i.optional}
+    assert optional == {"categorical", "categorical__ids", "categorical__missing"}
 
 
 def test_a_users_consecutive_rows_with_the_same_sequences_are_one_run(tmp_path):
@@ -261,10 +265,11 @@ def test_perf_input_data_for_candidate_lists_holds_one_users_list_per_entry(name
     document = candidate_input_data(spec, candidates=5, lists=3, seed=2)
     assert len(document["data"]) == 3
     for entry in document["data"]:
-        assert set(entry) == {t.name for t in (*spec.user_inputs(), *spec.candidate_inputs())}
-        for tensor in spec.candidate_inputs():
+        ids = spec.wire_form("ids")  # the form perf data is written in by default
+        assert set(entry) == {t.name for t in (*ids.user_inputs, *ids.candidate_inputs)}
+        for tensor in ids.candidate_inputs:
             assert entry[tensor.name]["shape"][:2] == [1, 5]
-        for tensor in spec.user_inputs():
+        for tensor in ids.user_inputs:
             assert entry[tensor.name]["shape"][0] == 1
         for value in entry.values():
             assert len(value["content"]) == int(np.prod(value["shape"]))

@@ -47,24 +47,28 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s.
 
-        Row-form requests are handled as one merged batch; a candidate list (from the candidates
-        ensemble) is handled by itself, each user's sequences looked up once.
+        Row-form requests are handled as one merged batch per wire form; a candidate list (from the
+        candidates ensemble) is handled by itself, each user's sequences looked up once.
         """
         responses = execute_by_form(
             requests,
             self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
-            lambda rows: execute_merged_or_alone(
-                rows,
-                self.step.input_names,
-                self.step,
-                ragged_outputs=self.step.histories,
-                ragged_width=self.step.history_width,
-                left_padded=self.step.left_padded,
-            ),
+            lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
         self.metrics.publish_due(self.served.samples)
         return responses
+
+    def merged(self, requests: list) -> list:
+        """Row-form requests of one wire form (ids, or bytes), transformed and looked up together."""
+        return execute_merged_or_alone(
+            requests,
+            self.step.input_names,
+            self.step,
+            ragged_outputs=self.step.histories,
+            ragged_width=self.step.history_width,
+            left_padded=self.step.left_padded,
+        )
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
         """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""
