@@ -18,18 +18,28 @@ FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
 
 def explain(
-    spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray]
+    spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray], device: str = ""
 ) -> Iterator[dict[str, Any]]:
     """One record per row and feature (and per history position) of a batch of raw inputs.
 
     The keys go through the same transform and the same store lookup as served requests (without
-    counting them), so ``tier`` is the tier this store serves each key from right now.
+    counting them), so ``tier`` is the tier this store serves each key from right now. With
+    ``device`` (``cpu`` or ``cuda``), the lookup of a device step (profile ``cuda``): the tables
+    that fit ``[store] device_memory_mib`` resident there (tier ``device``), the others behind the
+    device L1.
     """
     transform = FeatureTransform(spec)
     features = transform.transform(inputs)
     lookup = EmbeddingLookup(spec, store)
     keys, table_ids = lookup.keys_and_tables(features)
-    result = store.lookup(keys, table_ids, record=False)
+    if device:
+        from recserve.backends.store.device_tier import device_lookup
+
+        result = device_lookup(store, device, spec.store.device_memory_bytes).lookup(
+            keys, table_ids, record=False
+        )
+    else:
+        result = store.lookup(keys, table_ids, record=False)
     tiers = result.tiers.reshape(keys.shape)
     group = spec.categorical
     raw_categorical = transform.categorical_fields(inputs)  # multi-hot lists joined into their fields

@@ -80,7 +80,7 @@ def _explain(args: argparse.Namespace) -> int:
 
     spec, served = _open(args)
     inputs = read_rows(args.input, spec).to_inputs(spec)
-    for record in explain(spec, served.store, inputs):
+    for record in explain(spec, served.store, inputs, args.device):
         if args.json:
             print(json.dumps(record))
         else:
@@ -128,6 +128,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--input", type=Path, required=True, help="rows of the spec: TSV, or CSV with a header"
     )
     explain.add_argument("--json", action="store_true", help="one JSON object per line")
+    explain.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="",
+        help="the tiers of a device step (profile cuda): tables resident on this device report 'device'",
+    )
     explain.add_argument("--repository", type=Path, default=None)
     explain.set_defaults(func=_explain)
 

@@ -4,10 +4,14 @@ import numpy as np
 import pytest
 import torch
 
+from recserve.backends.steps.explain import explain
 from recserve.backends.store.device_cache import DeviceL1
 from recserve.backends.store.device_tier import DeviceTier, device_lookup, resident_tables
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DEVICE, L1, L2, L3, TIERS, TieredStore
+from recserve.build.repository import version_dir
+from recserve.build.synthetic import generate
+from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.sections_base import SpecError
 from recserve.core.sections_serving import StoreSection
 from tests.store_tables import DIM, make_tables
@@ -200,3 +204,15 @@ def test_budget_is_checked():
     assert StoreSection(device_memory_mib=2).device_memory_bytes == 2 << 20
     with pytest.raises(SpecError, match="device_memory_mib"):
         StoreSection(device_memory_mib=-1).check(())
+
+
+def test_explain_reports_the_device_tier(tiny_spec, tiny_repository):
+    store = TieredStore.load(version_dir(tiny_repository, EMBEDDING_LOOKUP, tiny_spec), tiny_spec)
+    wire = generate(tiny_spec, 20, seed=1).to_wire(tiny_spec)
+    host = list(explain(tiny_spec, store, wire))
+    on_device = list(explain(tiny_spec, store, wire, device="cpu"))
+    assert [(r["key"], r["version"]) for r in on_device] == [(r["key"], r["version"]) for r in host]
+    assert [r["tier"] for r in on_device] == [
+        "default" if r["tier"] == "default" else "device" for r in host
+    ]  # every table of the tiny spec fits the default budget
+    assert "device" in {r["tier"] for r in on_device}
