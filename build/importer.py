@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,12 @@ from recserve.backends.features.transform import vocabulary_keys
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.updates.versions import check_delta
 from recserve.build import configs
+from recserve.build.import_values import (
+    canonical_tokens,
+    report_rounding,
+    time_part_problem,
+    with_imported_cardinalities,
+)
 from recserve.build.imported_dense import write_imported_dense
 from recserve.build.repository import (
     install_adapters,
@@ -80,6 +86,7 @@ class ImportReport:
     rows: dict[str, int]  # keyed rows per table
     formats: dict[str, str]
     seconds: float
+    rounded: dict[str, float] = field(default_factory=dict)  # float16 tables: largest |change| of a weight
 
     @property
     def rows_per_second(self) -> float:
@@ -192,9 +199,14 @@ def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
     table, dim = source.table, spec.tables[source.table].dim
     vectors = _vectors(table, source.path, dim)
     tokens, oov, pad = _vocabulary(table, source.vocabulary, len(vectors))
+    tokens = canonical_tokens(tokens)  # as serving reads the values clients send
+    skip = [r for r in (oov, pad) if r is not None]
+    problem = time_part_problem(spec, table, tokens, skip)
+    if problem:
+        raise TableImportError(f"table {table!r}, {source.vocabulary.name}: {problem}")
     rows = np.array([r for r in range(len(tokens)) if r not in (oov, pad)], np.int64)
     try:
-        keys = vocabulary_keys(spec, table, tokens, skip=[r for r in (oov, pad) if r is not None])
+        keys = vocabulary_keys(spec, table, tokens, skip=skip)
     except InvalidInput as exc:
         raise TableImportError(f"table {table!r}, {source.vocabulary.name}: {exc.detail}") from None
     unique, first, counts = np.unique(keys, return_index=True, return_counts=True)
@@ -337,10 +349,12 @@ def import_repository(
     check_onnx_file(dense)
     check_onnx_contract(spec, dense)
     tables, formats = read_tables(spec, tables_dir)
+    rows = {name: len(t.keys) for name, t in tables.items()}
+    spec = with_imported_cardinalities(spec, rows)
+    rounded = report_rounding(spec, tables, progress)
     staging = repository.parent / f".{repository.name}.import-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        rows = {name: len(t.keys) for name, t in tables.items()}
         progress(f"[import] writing {len(tables)} tables ({sum(rows.values())} rows) to {staging}")
         write_tables(spec, tables, version_dir(staging, EMBEDDING_LOOKUP, spec))
         progress(f"[import] checking {dense.name} at every sequence bucket")
@@ -351,7 +365,7 @@ def import_repository(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    report = ImportReport(repository, rows, formats, time.perf_counter() - started)
+    report = ImportReport(repository, rows, formats, time.perf_counter() - started, rounded)
     progress(
         f"[import] repository ready: {repository} ({sum(rows.values())} rows in {report.seconds:.1f} s, "
         f"{report.rows_per_second:,.0f} rows/s)"

@@ -12,7 +12,7 @@ from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
-from recserve.core.values import multi_hot_tokens
+from recserve.core.values import canonical_value, multi_hot_tokens, parse_times, time_part
 
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
@@ -95,13 +95,22 @@ def _raw_value(
 ) -> Any:
     """What the client sent for a single-valued feature: its string, or a bucketized number."""
     if feature.numeric < 0:
-        return _text(categorical[row, feature.column])
+        text = _text(categorical[row, feature.column])
+        return f"{text} ({feature.part} {_part(spec, feature, text)})" if feature.part and text else text
     missing = inputs[spec.dense_missing_input][row, feature.numeric]
     return None if missing else float(inputs[NUMERIC_INPUT][row, feature.numeric])
 
 
+def _part(spec: ModelSpec, feature: CategoricalFeature, text: str) -> int:
+    """The number a time feature looks up: its part of the time ``text`` (which the transform read)."""
+    column = spec.categorical.raw_columns[feature.column]
+    seconds, _ = parse_times(np.array([text.encode()], dtype=object), column, column.name)
+    return int(time_part(seconds, feature.part, column.timezone)[0])
+
+
 def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    """A value as the transform reads it (:func:`~recserve.core.values.canonical_value`), as text."""
+    return canonical_value(value).decode("utf-8", "replace")
 
 
 __all__ = ["FIELDS", "explain"]
