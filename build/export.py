@@ -23,7 +23,6 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
     Every history's real positions come first (right padding), each group with its own lengths.
     """
     rng = np.random.default_rng(seed)
-    dim = spec.model.embedding_dim
     inputs = {
         DENSE_NORMALIZED: rng.random((rows, len(spec.normalized_columns)), dtype=np.float32) * 5,
     }
@@ -31,8 +30,8 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
         inputs[name] = rng.normal(0, 0.1, (rows, len(slots), width)).astype(np.float32)
     for group in attention_inputs(spec):
         lengths = rng.integers(0, length + 1, size=rows)
-        inputs[group.target] = rng.normal(0, 0.1, (rows, dim)).astype(np.float32)
-        inputs[group.history] = rng.normal(0, 0.1, (rows, length, dim)).astype(np.float32)
+        inputs[group.target] = rng.normal(0, 0.1, (rows, group.width)).astype(np.float32)
+        inputs[group.history] = rng.normal(0, 0.1, (rows, length, group.width)).astype(np.float32)
         inputs[group.mask] = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
     return {name: inputs[name] for name in dense_net_inputs(spec)}
 

@@ -163,9 +163,12 @@ class TrainingModel(nn.Module):
             first += len(group.sequences)
             targets = [self.embeddings[spec.targets[i].table](batch["target"][:, i]) for i in members]
             histories = [self.embeddings[spec.sequences[i].table](batch["history"][:, i]) for i in members]
-            # the sequences of a group are summed per position, as the lookup step serves them
-            named[names.target] = functools.reduce(operator.add, targets)
-            named[names.history] = functools.reduce(operator.add, histories)
+            # the sequences of a group summed (or concatenated) per position, as the lookup step serves them
+            if group.combine == "concat":
+                named[names.target], named[names.history] = torch.cat(targets, -1), torch.cat(histories, -1)
+            else:
+                named[names.target] = functools.reduce(operator.add, targets)
+                named[names.history] = functools.reduce(operator.add, histories)
             named[names.mask] = batch["mask"][:, g]
         return self.net(*(named[name] for name in self.net.input_names))
 

@@ -61,13 +61,12 @@ class Bucket:
 
     def input_shapes(self, spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         """Full shapes of the dense net's inputs at this bucket."""
-        dim = spec.model.embedding_dim
         shapes: dict[str, tuple[int, ...]] = {DENSE_NORMALIZED: (self.rows, len(spec.normalized_columns))}
         for name, width, slots in sparse_inputs(spec):
             shapes[name] = (self.rows, len(slots), width)
         for group in attention_inputs(spec):
-            shapes[group.target] = (self.rows, dim)
-            shapes[group.history] = (self.rows, self.length, dim)
+            shapes[group.target] = (self.rows, group.width)
+            shapes[group.history] = (self.rows, self.length, group.width)
             shapes[group.mask] = (self.rows, self.length)
         return {name: shapes[name] for name in dense_net_inputs(spec)}
 

@@ -35,18 +35,23 @@ class TargetAttention(nn.Module):
     """Multi-head attention of the target item over the behaviour sequence.
 
     Masked positions get exactly zero weight, so padding never changes a row's result, and a row
-    with an empty history attends to nothing (zero context).
+    with an empty history attends to nothing (zero context). Target and history rows ``width`` wide
+    (a concatenated group's) are projected to ``dim``, the width the interaction takes.
     """
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, width: int | None = None) -> None:
         super().__init__()
+        width = width or dim
         self.heads = heads
         self.head_dim = dim // heads
-        self.query = nn.Linear(dim, dim)
-        self.key = nn.Linear(dim, dim)
-        self.value = nn.Linear(dim, dim)
+        self.query = nn.Linear(width, dim)
+        self.key = nn.Linear(width, dim)
+        self.value = nn.Linear(width, dim)
         self.out = nn.Linear(dim, dim)
         self.norm = nn.LayerNorm(dim)
+        # the target as the interaction and the residual take it (no module at width == dim: the
+        # weights of a summed group's network stay as they were)
+        self.project_target: nn.Module = nn.Identity() if width == dim else nn.Linear(width, dim)
 
     def forward(
         self,
@@ -56,7 +61,7 @@ class TargetAttention(nn.Module):
         users: torch.Tensor | None = None,
         log_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``target`` [B, D], ``history`` [B, L, D], ``mask`` [B, L] (1 real, 0 padding) to [B, D].
+        """``target`` [B, W], ``history`` [B, L, W], ``mask`` [B, L] (1 real, 0 padding) to [B, D].
 
         With ``users`` [B] (int64), ``history`` and ``mask`` hold one row per user, ``[U, L, ...]``,
         and row ``b`` attends over row ``users[b]``: each user's keys and values are projected once,
@@ -64,7 +69,7 @@ class TargetAttention(nn.Module):
         ``log_weights`` ([B, L], or [U, L] with ``users``) is added to each position's logit before
         the mask: a token standing for ``c`` identical items carries ``ln c``. None or zeros: today's.
         """
-        length, dim = history.shape[1], history.shape[2]
+        length, dim = history.shape[1], self.heads * self.head_dim
         owners, batch = history.shape[0], target.shape[0]
         k = self.key(history).view(owners, length, self.heads, self.head_dim).transpose(1, 2)
         v = self.value(history).view(owners, length, self.heads, self.head_dim).transpose(1, 2)
@@ -87,7 +92,7 @@ class TargetAttention(nn.Module):
             scores = scores + (gate - 1.0) * 1e9
             weights = torch.softmax(scores, dim=-1) * gate
             context = torch.einsum("buhl,uhld->bhd", weights, v).reshape(batch, dim)
-        return self.norm(self.out(context) + target)
+        return self.norm(self.out(context) + self.project_target(target))
 
 
 class CTRNet(nn.Module):
@@ -114,7 +119,7 @@ class CTRNet(nn.Module):
                 [len(spec.normalized_columns), *spec.dense_net.bottom_mlp], final_activation=True
             )
         if self.has_attention:
-            self.attention = TargetAttention(dim, spec.dense_net.attention_heads)
+            self.attention = TargetAttention(dim, spec.dense_net.attention_heads, self.groups[0].width)
         # bottom output, sparse (every width), then per attention group its target and context
         self.widths = sparse_inputs(spec)[1:]
         narrow = sum(len(slots) for _, _, slots in self.widths)
@@ -126,7 +131,7 @@ class CTRNet(nn.Module):
         )
         # the further groups' attentions (made last: a one-group network starts from the same weights)
         self.further = nn.ModuleList(
-            TargetAttention(dim, spec.dense_net.attention_heads) for _ in self.groups[1:]
+            TargetAttention(dim, spec.dense_net.attention_heads, group.width) for group in self.groups[1:]
         )
         # per other table width: each of its features projected to embedding_dim for the interaction
         self.projections = nn.ParameterList(
@@ -153,7 +158,7 @@ class CTRNet(nn.Module):
             target = named[group.target]
             weights = named.get(group.history.replace(HISTORY_EMBEDDINGS, HISTORY_LOG_WEIGHTS, 1))
             context = attention(target, named[group.history], named[group.mask], users, weights)
-            parts += [target[:, None, :], context[:, None, :]]
+            parts += [attention.project_target(target)[:, None, :], context[:, None, :]]
         stacked = torch.cat(parts, dim=1)
         pairs = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)[:, self.pair_index]
         return torch.sigmoid(self.top(torch.cat([*head, pairs], dim=1)))

@@ -100,7 +100,7 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
     sparse = inputs.get(SPARSE_EMBEDDINGS)
     if sparse is None:
         raise InvalidInput(SPARSE_EMBEDDINGS, "is required but missing")
-    rows, dim = sparse.shape[0], spec.model.embedding_dim
+    rows = sparse.shape[0]
     checked: dict[str, np.ndarray] = {}
     length = 0
     if HISTORY_MASK in names:
@@ -111,7 +111,11 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
         expected[name] = (rows, len(slots), width)
     for group in attention_inputs(spec):  # every group's positions: as many as the first's
         expected.update(
-            {group.target: (rows, dim), group.history: (rows, length, dim), group.mask: (rows, length)}
+            {
+                group.target: (rows, group.width),
+                group.history: (rows, length, group.width),
+                group.mask: (rows, length),
+            }
         )
     expected.pop(HISTORY_MASK, None)  # checked above
     for name, shape in expected.items():

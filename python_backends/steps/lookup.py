@@ -51,7 +51,8 @@ class EmbeddingLookup:
     The sparse keys ``[B, F]``, the multi-hot keys ``[B, M]``, the target keys ``[B, T]`` and the
     history keys ``[B, S * L]`` are laid side by side as one key matrix with a matching table-id
     matrix, so the store serves every key of the batch in one vectorised call. The multi-hot vectors
-    are then pooled with their weights; sequences sharing positions, and their targets, are summed.
+    are then pooled with their weights; sequences sharing positions, and their targets, are summed
+    (or concatenated: ``combine = "concat"``).
 
     Each row also reports the store snapshot that served it: every table's version, in the spec's
     table order (``embedding_version``). The store answers a whole batch from one snapshot, so all
@@ -97,11 +98,14 @@ class EmbeddingLookup:
             if spec.other_widths
             else None
         )
-        # per attention group: its dense inputs and the span of its sequences (and targets)
-        self.groups: list[tuple[AttentionInputs, slice]] = []
+        # per attention group: its dense inputs, the span of its sequences (and targets), and the
+        # width of each of them when they are concatenated (empty: summed at embedding_dim)
+        self.groups: list[tuple[AttentionInputs, slice, tuple[int, ...]]] = []
         start = 0
         for attention, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
-            self.groups.append((names, slice(start, start + len(attention.sequences))))
+            widths = tuple(spec.tables[s.table].dim for s in attention.sequences)
+            concat = widths if attention.combine == "concat" else ()
+            self.groups.append((names, slice(start, start + len(attention.sequences)), concat))
             start += len(attention.sequences)
         self._versions: tuple[tuple[int, ...], np.ndarray] = (
             (),
@@ -192,7 +196,7 @@ class EmbeddingLookup:
     def lookup(
         self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
     ) -> dict[str, np.ndarray | torch.Tensor]:
-        """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, D]`` target, ``[B, L, D]`` history.
+        """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, W]`` target, ``[B, L, W]`` history per group.
 
         numpy arrays, or tensors on the device of ``device_l1`` when it is set. Also
         ``embedding_version`` ``[B, T]`` (numpy, on the host): the table versions of the snapshot
@@ -223,17 +227,37 @@ class EmbeddingLookup:
             for name, slots, slot_width in self.widths:
                 out[name] = sparse[:, slots, :slot_width]
         count = len(self.sequence_tables)
-        if count:  # targets and histories at embedding_dim (the store's rows may be wider)
-            targets = vectors[:, single + multi :, : self.spec.model.embedding_dim]
+        if count:
+            targets = vectors[:, single + multi :]
             owners, positions = inputs[HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
-            histories = histories[..., : self.spec.model.embedding_dim]
-            # the sequences of a group (and their targets) are summed: one query, one sequence each
-            for names, span in self.groups:
-                one = span.stop - span.start == 1
-                out[names.target] = targets[:, span.start] if one else targets[:, span].sum(1)
-                out[names.history] = histories[:, span.start] if one else histories[:, span].sum(1)
+            for names, span, concat in self.groups:
+                if concat:  # each sequence (and target) at its table's width, side by side
+                    out[names.target] = side_by_side(
+                        [targets[:, span.start + i, :w] for i, w in enumerate(concat)]
+                    )
+                    out[names.history] = side_by_side(
+                        [histories[:, span.start + i, :, :w] for i, w in enumerate(concat)]
+                    )
+                    continue
+                # summed at embedding_dim (the store's rows may be wider): one query, one sequence each
+                one, cut = span.stop - span.start == 1, self.spec.model.embedding_dim
+                out[names.target] = targets[:, span.start, :cut] if one else targets[:, span, :cut].sum(1)
+                out[names.history] = (
+                    histories[:, span.start, :, :cut] if one else histories[:, span, :, :cut].sum(1)
+                )
         return out
+
+
+def side_by_side(arrays: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
+    """The arrays (numpy, or torch tensors) joined on their last axis; one array: itself."""
+    if len(arrays) == 1:
+        return arrays[0]
+    if isinstance(arrays[0], np.ndarray):
+        return np.concatenate(arrays, axis=-1)
+    import torch
+
+    return torch.cat([torch.as_tensor(a) for a in arrays], dim=-1)
 
 
 def take_rows(array: np.ndarray | torch.Tensor, index: np.ndarray) -> np.ndarray | torch.Tensor:

@@ -15,6 +15,7 @@ from recserve.core.names import (
     SPARSE_EMBEDDINGS,
 )
 from recserve.core.spec import ModelSpec
+from recserve.core.spec_types import AttentionGroup, CategoricalFeature, SequenceFeature
 
 
 def is_dense_net_input(name: str) -> bool:
@@ -92,13 +93,35 @@ def _span(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
 
 
+def _side_by_side(spec: ModelSpec, features: Sequence[CategoricalFeature | SequenceFeature]) -> str:
+    """``"a (table 'x', 0:16) | b (table 'y', 16:24)"``: each feature's rows and their columns."""
+    parts, start = [], 0
+    for feature in features:
+        width = spec.tables[feature.table].dim
+        parts.append(f"{feature.name} (table {feature.table!r}, {start}:{start + width})")
+        start += width
+    return " | ".join(parts)
+
+
 @dataclass(frozen=True)
 class AttentionInputs:
-    """The dense network's inputs of one attention group: its query, its positions and their mask."""
+    """The dense network's inputs of one attention group: its query, its positions and their mask.
+
+    ``width`` is the last axis of the target and the history: ``embedding_dim`` for a summed group,
+    the sum of its tables' widths for a concatenated one (``combine = "concat"``).
+    """
 
     target: str
     history: str
     mask: str
+    width: int
+
+
+def group_width(spec: ModelSpec, group: AttentionGroup) -> int:
+    """The width of a group's target and history rows (see :class:`AttentionInputs`)."""
+    if group.combine == "concat":
+        return sum(spec.tables[s.table].dim for s in group.sequences)
+    return spec.model.embedding_dim
 
 
 def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
@@ -107,8 +130,13 @@ def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
     The first group's are ``target_embedding``, ``history_embeddings`` and ``history_mask``; each
     other group's carry its first sequence's name, ``history_embeddings__<sequence>`` and so on.
     """
-    suffixes = ["" if i == 0 else f"__{g.primary.name}" for i, g in enumerate(spec.attention_groups)]
-    return tuple(AttentionInputs(*(name + suffix for name in GROUP_INPUTS)) for suffix in suffixes)
+    groups = []
+    for i, group in enumerate(spec.attention_groups):
+        target, history, mask = (
+            name + ("" if i == 0 else f"__{group.primary.name}") for name in GROUP_INPUTS
+        )
+        groups.append(AttentionInputs(target, history, mask, group_width(spec, group)))
+    return tuple(groups)
 
 
 def sequence_inputs(spec: ModelSpec) -> tuple[str, ...]:
@@ -147,7 +175,6 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
     is named after ``[model] output``: ``probability``, or ``logit`` (which recserve serves as its
     sigmoid). The built-in network and every imported ONNX follow this contract.
     """
-    dim = spec.model.embedding_dim
     inputs = []
     if spec.dense is not None and spec.normalized_columns:
         numeric = [spec.dense.numeric[i] for i in spec.dense.normalized]
@@ -181,13 +208,18 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
                 " + ".join(t.name for t in group.targets) + ": the sum of their rows",
                 " + ".join(s.name for s in group.sequences) + ": the sum of their rows at each position",
             )
+            if group.combine == "sum"
+            else (
+                _side_by_side(spec, group.targets) + ", side by side",
+                _side_by_side(spec, group.sequences) + ", side by side at each position",
+            )
         )
         inputs += [
-            ContractTensor(names.target, "FP32", (-1, dim), target),
+            ContractTensor(names.target, "FP32", (-1, names.width), target),
             ContractTensor(
                 names.history,
                 "FP32",
-                (-1, -1, dim),
+                (-1, -1, names.width),
                 f"{history}, oldest first, padded to a sequence bucket on the {seq.padding}"
                 + (" (the newest at the last position)" if seq.padding == "left" else ""),
             ),

@@ -62,10 +62,16 @@ class SequenceFeatureSection:
     padding: str = ""
     # between the ids in one field of a file; "": whitespace or commas
     separator: str = ""
+    # how the sequences sharing these positions reach the dense network (and their targets):
+    # "sum" (one embedding_dim row per position) or "concat" (their rows side by side, the sum of
+    # their tables' widths); "": sum, or that of the sequence whose positions it shares
+    combine: str = ""
 
 
 #: Where a sequence's padding goes in the dense network's inputs (``padding``).
 PADDING_SIDES = ("right", "left")
+#: How the sequences sharing positions, and their targets, are combined (``combine``).
+COMBINES = ("sum", "concat")
 #: How requests carry a multi-hot feature (``wire``): a joined field of ``categorical``, or a list.
 MULTI_HOT_WIRE = ("string", "list")
 #: How a multi-hot feature's embeddings are pooled: their sum, mean, or sum over the root of the count.

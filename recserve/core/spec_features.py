@@ -11,6 +11,7 @@ from typing import Any
 from recserve.core.name_ranges import expand_names
 from recserve.core.sections_base import SpecError, parse_section
 from recserve.core.sections_features import (
+    COMBINES,
     ENCODERS,
     MULTI_HOT_WIRE,
     PADDING_SIDES,
@@ -149,6 +150,7 @@ def parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> ParsedFea
                     section.positions,
                     section.padding,
                     section.separator,
+                    section.combine,
                 )
                 for name in names
             ]
@@ -252,7 +254,8 @@ def attention_features(
 
     A group is a sequence with its own positions followed by the sequences sharing them (items and
     their categories); the built-in network attends over each group with one query: the group's
-    sequences are summed per position, and so are their targets.
+    sequences are summed per position, and so are their targets (or, with ``combine = "concat"``
+    on the group's first sequence, concatenated).
     """
     own = [s for s in features.sequences if not s.positions]
     if not own:
@@ -277,7 +280,12 @@ def attention_features(
             )
         if primary.max_length < 1:
             raise SpecError(f"sequence {primary.name!r} needs max_length >= 1")
-        primary = replace(primary, padding=primary.padding or "right")
+        if primary.combine not in ("", *COMBINES):
+            raise SpecError(
+                f"sequence {primary.name!r}: combine must be one of {', '.join(COMBINES)}, "
+                f"got {primary.combine!r}"
+            )
+        primary = replace(primary, padding=primary.padding or "right", combine=primary.combine or "sum")
         sequences.append(primary)
         for sequence in features.sequences:
             if sequence.positions != primary.name:
@@ -292,7 +300,16 @@ def attention_features(
                     f"sequence {sequence.name!r} shares positions with {primary.name!r}: its padding is "
                     f"{primary.padding!r}, got {sequence.padding!r}"
                 )
-            sequences.append(replace(sequence, max_length=primary.max_length, padding=primary.padding))
+            if sequence.combine not in ("", primary.combine):
+                raise SpecError(
+                    f"sequence {sequence.name!r} shares positions with {primary.name!r}: its combine is "
+                    f"{primary.combine!r}, got {sequence.combine!r}"
+                )
+            sequences.append(
+                replace(
+                    sequence, max_length=primary.max_length, padding=primary.padding, combine=primary.combine
+                )
+            )
     by_sequence: dict[str, CategoricalFeature] = {}
     for target, over in features.targets:
         if over not in {s.name for s in sequences}:

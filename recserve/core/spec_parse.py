@@ -73,10 +73,13 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     unused = sorted(set(tables) - set(used))
     if unused:
         raise SpecError(f"tables {unused} are used by no feature")
-    attending = sorted({t.table for t in targets} | {s.table for s in sequences})
-    narrow = [name for name in attending if tables[name].dim != dim]
-    if narrow:
-        raise SpecError(f"tables {narrow} of sequences and their targets must have embedding_dim={dim}")
+    for sequence in sequences:  # a target shares its sequence's table
+        width = tables[sequence.table].dim
+        if sequence.combine == "sum" and width != dim:
+            raise SpecError(
+                f"sequence {sequence.name!r} is summed with its group: its table {sequence.table!r} needs "
+                f'embedding_dim={dim}, got dim {width} (or combine = "concat" on the group\'s first sequence)'
+            )
     slots = [f.table for f in features.categorical] + [f.table for f in features.multi_hot]
     if not any(tables[table].dim == dim for table in slots):
         raise SpecError(f"at least one categorical or multi-hot feature needs a table of embedding_dim={dim}")

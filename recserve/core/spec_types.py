@@ -229,6 +229,7 @@ class SequenceFeature:
     positions: str = ""  # the sequence whose positions (length and mask) this one shares
     padding: str = "right"  # where the dense network finds the padding: right, or left (newest last)
     separator: str = ""  # between the ids in a file's field ("": whitespace or commas)
+    combine: str = "sum"  # with the sequences sharing its positions: sum, or concat (side by side)
 
 
 #: Any feature that has a name and a table.
@@ -240,7 +241,9 @@ class AttentionGroup:
     """A sequence with its own positions, the sequences sharing them, and the target of each.
 
     The built-in network attends over each group with one query: the group's sequences are summed
-    at each position, and so are their targets. Every group has its own length input and mask.
+    at each position, and so are their targets; or, with ``combine = "concat"``, laid side by side
+    (each at its table's width), and so are their targets. Every group has its own length input and
+    mask.
     """
 
     sequences: tuple[SequenceFeature, ...]
@@ -250,6 +253,11 @@ class AttentionGroup:
     def primary(self) -> SequenceFeature:
         """The sequence whose positions the group shares."""
         return self.sequences[0]
+
+    @property
+    def combine(self) -> str:
+        """How the group's sequences (and targets) reach the dense network: ``sum`` or ``concat``."""
+        return self.primary.combine
 
     @property
     def length_input(self) -> str:
