@@ -145,6 +145,20 @@ def explain_rows(spec: ModelSpec, store: TieredStore, rows: CriteoRows, numbers:
     return lines
 
 
+def rounding_note(spec: ModelSpec) -> str:
+    """Why rows may fail against float32 scores: the tables the spec stores as float16 ("": none)."""
+    rounded = spec.store.float16_tables
+    if not rounded:
+        return ""
+    return (
+        f"note: table(s) {', '.join(rounded)} are stored as float16, so their float32 weights were rounded "
+        "(recserve import reported the largest change of a weight per table): scores of the float32 "
+        "weights differ by about that much. Compare against the rounded weights: score your model with "
+        "those tables rounded to float16 (in PyTorch: weight.data = weight.data.half().float()) and "
+        'verify against those scores; or store the tables as float32 (dtype = "fp32" in [tables.<name>]).'
+    )
+
+
 def format_report(comparisons: Sequence[Comparison], expected: np.ndarray, labels: np.ndarray | None) -> str:
     """The comparison table, plus the expected scores' own AUC and logloss."""
     lines = [

@@ -50,7 +50,11 @@ def parser() -> argparse.ArgumentParser:
         description=textwrap.fill(DESCRIPTION, 100),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    top.add_argument("--spec", default=DEFAULT_SPEC, help=SPEC_HELP)
+    top.add_argument(
+        "--spec",
+        default=None,
+        help=f"{SPEC_HELP} (default: {DEFAULT_SPEC}, or the spec a named repository or the server carries)",
+    )
     sub = top.add_subparsers(dest="command", required=True, title="user commands", metavar="COMMAND")
     for group in (model, serving, store, user_state, access, perf):
         group.add_commands(sub)
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``recserve`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parser().parse_args(resolve_flat_name(sys.argv[1:] if argv is None else list(argv)))
+    # without --spec, the commands reading a repository or a server take the spec it carries
+    args.spec_given = args.spec is not None
+    args.spec = DEFAULT_SPEC if args.spec is None else args.spec
+    args.repository_given = getattr(args, "repository", None) is not None
     if getattr(args, "repository", False) is None:
         args.repository = default_repository(args.spec)
     try:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from recserve.commands.spec_source import command_spec
 from recserve.core.spec_parse import load_spec
 
 
@@ -13,7 +14,7 @@ def _perf(args: argparse.Namespace) -> int:
     from recserve.perf.bench.analyzer import run_perf
 
     return run_perf(
-        load_spec(args.spec),
+        command_spec(args, server=True),  # without --spec: the one the server serves
         url=args.url,
         protocol=args.protocol,
         batch_size=args.batch_size,

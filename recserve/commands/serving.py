@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from recserve.commands.spec_source import command_spec
 from recserve.core.names import DENSE, IDS_WIRE, STEPS, WIRE_FORMS
-from recserve.core.spec_parse import load_spec
 
 ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
@@ -90,8 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from recserve.clients import CTRClient, RecserveClientError, read_rows
 
-    spec = load_spec(args.spec)
     try:
+        spec = command_spec(args, server=True)  # without --spec: the one the server serves
         rows = read_rows(args.input, spec)
         with CTRClient(
             args.url, protocol=args.protocol, timeout_s=args.timeout, spec=spec, wire=args.wire
@@ -110,7 +110,7 @@ def _verify(args: argparse.Namespace) -> int:
     from recserve.build.repository import reference_pipeline
     from recserve.clients import CTRClient, RecserveClientError, read_rows
 
-    spec = load_spec(args.spec)
+    spec = command_spec(args)  # without --spec: the one the repository carries
     rows = verify.read_named(args.rows, lambda path: read_rows(path, spec))
     expected = verify.read_named(args.expected, verify.read_expected)
     pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
@@ -133,6 +133,8 @@ def _verify(args: argparse.Namespace) -> int:
         for row in comparison.worst:
             print(f"row {row}: expected {expected[row]:.6f}, got {scores[comparison.source][row]:.6f}")
         print("\n".join(verify.explain_rows(spec, pipeline.lookup.store, rows, comparison.worst)))
+    if failed and verify.rounding_note(spec):
+        print("\n" + verify.rounding_note(spec))
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from recserve.commands.spec_source import command_spec
 from recserve.core.spec_parse import load_spec
 
 
@@ -15,7 +16,7 @@ def _open(args: argparse.Namespace, start: bool = False):  # returns (spec, Serv
     from recserve.backends.store.served import ServedStore
     from recserve.core.names import EMBEDDING_LOOKUP
 
-    spec = load_spec(args.spec)
+    spec = command_spec(args)  # without --spec: the one the repository carries
     return spec, ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=start)
 
 

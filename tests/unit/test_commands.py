@@ -80,7 +80,9 @@ def test_other_words_are_left_alone():
 
 
 def test_spec_goes_before_or_after_the_command_and_after_wins():
-    assert parser().parse_args(["contract"]).spec == DEFAULT_SPEC
+    assert parser().parse_args(["contract"]).spec is None  # not given: the default, or a carried one
+    imported = parser().parse_args(["import", "--spec", "s.toml", "--tables", "t", "--dense", "d.onnx"])
+    assert imported.spec == "s.toml" and imported.command == "import"  # the form import.md writes
     assert parser().parse_args(["--spec", "a", "contract"]).spec == "a"
     assert parser().parse_args(["contract", "--spec", "b"]).spec == "b"
     assert parser().parse_args(["--spec", "a", "contract", "--spec", "b"]).spec == "b"
