@@ -21,12 +21,15 @@ from recserve.core.values import ABSENT_ITEM
 
 ITEM_CLUSTERS = 20
 SIGNAL_COLUMNS = 8
+#: The values a table without a cardinality draws from (an imported spec's may give none).
+DEFAULT_CARDINALITY = 1000
 
 
 def zipf_ranks(
     rng: np.random.Generator, cardinality: int, exponent: float, size: tuple[int, ...]
 ) -> np.ndarray:
-    """Ranks in ``[0, cardinality)`` with ``P(k) ∝ (k + 1) ** -exponent``."""
+    """Ranks in ``[0, cardinality)`` with ``P(k) ∝ (k + 1) ** -exponent`` (0: :data:`DEFAULT_CARDINALITY`)."""
+    cardinality = cardinality or DEFAULT_CARDINALITY
     weights = np.arange(1, cardinality + 1, dtype=np.float64) ** -exponent
     cdf = np.cumsum(weights)
     return np.searchsorted(cdf, rng.random(size) * cdf[-1]).astype(np.int64)
@@ -82,7 +85,7 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
             salt = np.uint64(fnv1a64(column.name))
             values[:, col] = splitmix64(ranks.astype(np.uint64) ^ salt) & np.uint64(0xFFFFFFFF)
         if col < SIGNAL_COLUMNS:
-            effects = signal.normal(0.0, 0.8, size=min(table.cardinality, 2000))
+            effects = signal.normal(0.0, 0.8, size=min(table.cardinality or DEFAULT_CARDINALITY, 2000))
             logit += np.where(ranks < len(effects), effects[np.minimum(ranks, len(effects) - 1)], 0.0)
     empty = rng.random(values.shape) < 0.03
     categorical = np.empty(values.shape, dtype=object)
@@ -114,7 +117,7 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
                 side[name] = group_target
         for other, other_target in zip(group.sequences[1:], group.targets[1:], strict=True):
             # an attribute of each item (its category): a fixed function of the item id
-            cardinality = spec.tables[other.table].cardinality
+            cardinality = spec.tables[other.table].cardinality or DEFAULT_CARDINALITY
             side[other.name] = np.where(group_history > 0, group_history % cardinality, 0)
             side[other_target.name] = np.where(group_target >= 0, group_target % cardinality, ABSENT_ITEM)
     if n_dense >= 2:
@@ -164,7 +167,8 @@ def _sequences(
         clustered = (ids // ITEM_CLUSTERS) * ITEM_CLUSTERS + user_cluster.reshape(
             (-1,) + (1,) * (len(shape) - 1)
         )
-        return np.where(rng.random(shape) < prefer, np.minimum(clustered, items.cardinality - 1), ids)
+        top = (items.cardinality or DEFAULT_CARDINALITY) - 1
+        return np.where(rng.random(shape) < prefer, np.minimum(clustered, top), ids)
 
     history = item_ids((rows, max_len), 0.7)
     history[np.arange(max_len)[None, :] >= lengths[:, None]] = 0

@@ -79,9 +79,10 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
             masks.append(keyed_history[HISTORY_MASK])
         history, mask = np.stack(histories, axis=1), np.stack(masks, axis=1)
     dense, numeric = np.zeros((n, 0), np.float32), None
+    parsed = categorical_values(rows.categorical, spec.categorical)
     if spec.dense is not None:
         dense, numeric = (
-            transform.dense_values(rows.dense, rows.dense_missing),
+            transform.dense_values(rows.dense, rows.dense_missing, parsed),
             (rows.dense, rows.dense_missing),
         )
     multi, weights = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
@@ -89,7 +90,7 @@ def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
         multi, weights = transform.multi_hot_keys(rows.categorical)
     return KeyedRows(
         dense=dense,
-        sparse=transform.categorical_keys(*categorical_values(rows.categorical, spec.categorical), numeric),
+        sparse=transform.categorical_keys(*parsed, numeric),
         multi=multi,
         weights=weights,
         target=target,

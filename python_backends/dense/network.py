@@ -101,8 +101,9 @@ class CTRNet(nn.Module):
     Parts the spec lacks are left out: without numeric features there is no bottom MLP (the top
     MLP sees the interactions only); without a sequence there is no target attention. Each
     attention group (a sequence with its own positions) has its own attention, whose target and
-    context join the interaction. ``forward`` takes the inputs named by :attr:`input_names` (the
-    dense contract), in that order.
+    context join the interaction. With ``[dense_net] first_order``, the 1-wide tables' values are
+    summed into the logit (FM-style first-order terms) and stay out of the interaction.
+    ``forward`` takes the inputs named by :attr:`input_names` (the dense contract), in that order.
     """
 
     pair_index: torch.Tensor  # a buffer, registered in __init__
@@ -121,7 +122,11 @@ class CTRNet(nn.Module):
         if self.has_attention:
             self.attention = TargetAttention(dim, spec.dense_net.attention_heads, self.groups[0].width)
         # bottom output, sparse (every width), then per attention group its target and context
-        self.widths = sparse_inputs(spec)[1:]
+        # with first_order, the 1-wide tables' values go to the logit, not into the interaction
+        self.first_order = tuple(
+            n for n, w, _ in sparse_inputs(spec) if w == 1 and spec.dense_net.first_order
+        )
+        self.widths = tuple(w for w in sparse_inputs(spec)[1:] if w[0] not in self.first_order)
         narrow = sum(len(slots) for _, _, slots in self.widths)
         vectors = int(self.has_dense) + spec.num_sparse + narrow + 2 * len(self.groups)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
@@ -161,7 +166,10 @@ class CTRNet(nn.Module):
             parts += [attention.project_target(target)[:, None, :], context[:, None, :]]
         stacked = torch.cat(parts, dim=1)
         pairs = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)[:, self.pair_index]
-        return torch.sigmoid(self.top(torch.cat([*head, pairs], dim=1)))
+        logit = self.top(torch.cat([*head, pairs], dim=1))
+        for name in self.first_order:  # FM-style first-order terms: each 1-wide slot's value
+            logit = logit + named[name].sum(dim=(1, 2))[:, None]
+        return torch.sigmoid(logit)
 
 
 class CandidateNet(nn.Module):

@@ -97,8 +97,13 @@ def _raw_value(
     if feature.numeric < 0:
         text = _text(categorical[row, feature.column])
         return f"{text} ({feature.part} {_part(spec, feature, text)})" if feature.part and text else text
-    missing = inputs[spec.dense_missing_input][row, feature.numeric]
-    return None if missing else float(inputs[NUMERIC_INPUT][row, feature.numeric])
+    assert spec.dense is not None  # a bucketized feature is a numeric one
+    number = spec.dense.numeric[feature.numeric]
+    if number.categorical >= 0:  # it reads a categorical column as a number
+        return _text(categorical[row, number.categorical]) or None
+    wire = spec.dense.wire_index[feature.numeric]
+    missing = inputs[spec.dense_missing_input][row, wire]
+    return None if missing else float(inputs[NUMERIC_INPUT][row, wire])
 
 
 def _part(spec: ModelSpec, feature: CategoricalFeature, text: str) -> int:

@@ -30,6 +30,9 @@ class NumericFeatureSection:
     minmax: tuple[float, ...] = ()  # [min, max]: (x - min) / (max - min)
     # increasing boundaries: the value's bucket becomes a categorical feature with its own table
     bucketize: tuple[float, ...] = ()
+    # another feature's column read as this feature's value ("": a column of its own): a numeric
+    # column, or an int64 / uint64 categorical one (Avazu's C15 as a number too); sent once
+    column: str = ""
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,11 @@ class CategoricalFeatureSection:
     value_type: str = "hex"
     encoder: str = "hash"
     table: str = ""  # "": the table named like the feature
+    # several tables, each keyed with its own salt (an embedding and a 1-wide first-order weight)
+    tables: tuple[str, ...] = ()
     max_hex_digits: int = 16
+    # another categorical feature's column read by this one ("": a column of its own); sent once
+    column: str = ""
     # sequence features this one is the target of, attending over each (int64 ids); one name or a list
     attends: tuple[str, ...] = ()
 
@@ -93,6 +100,7 @@ class MultiHotFeatureSection:
     wire: str = "string"
     pooling: str = "mean"
     table: str = ""  # "": the table named like the feature
+    tables: tuple[str, ...] = ()  # several tables, each pooled into an embedding of its own
     max_hex_digits: int = 16
 
 

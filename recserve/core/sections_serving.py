@@ -15,18 +15,25 @@ class ModelSection:
 
     name: str
     max_batch_size: int
-    embedding_dim: int  # every interacting embedding has this width (DLRM dot interaction)
+    # every interacting embedding has this width (DLRM dot interaction); 0: the widest table's
+    embedding_dim: int = 0
     version: int = 1
     output: str = "probability"  # what the dense ONNX returns: "probability", or "logit" (served as sigmoid)
 
 
 @dataclass(frozen=True)
 class DenseNetSection:
-    """``[dense_net]``: sizes of the built-in network."""
+    """``[dense_net]``: sizes of the built-in network; each has a default that fits any table widths.
 
-    bottom_mlp: tuple[int, ...]
-    top_mlp: tuple[int, ...]
-    attention_heads: int
+    An imported ONNX uses none of them, so an import's spec may leave the section out.
+    """
+
+    bottom_mlp: tuple[int, ...] = ()  # (): [64, embedding_dim]; it ends at embedding_dim
+    top_mlp: tuple[int, ...] = (64, 32)
+    attention_heads: int = 0  # 0: 2 where embedding_dim is even, else 1
+    # FM-style first-order terms: the values of the 1-wide tables summed into the logit (they
+    # leave the interaction); needs at least one table of dim = 1
+    first_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,11 @@ class QueuePolicy:
 class ServingSection:
     """``[serving]``: shape buckets, dynamic batching, instances and queue policies."""
 
-    batch_buckets: tuple[int, ...]
-    sequence_buckets: tuple[int, ...]
-    max_queue_delay_microseconds: int
-    instances: dict[str, int]
+    # (): 1, 8, 32, ... (times 4) and max_batch_size; sequences: 8, 16, ... and the longest max_length
+    batch_buckets: tuple[int, ...] = ()
+    sequence_buckets: tuple[int, ...] = ()
+    max_queue_delay_microseconds: int = 100
+    instances: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEPS, 1))
     preferred_batch_size: tuple[int, ...] = ()
     # the gpu and cuda profiles' largest batch and candidate list (buckets doubling up to it);
     # 0: [model] max_batch_size, as the cpu profile (recserve.core.gpu_batches)
@@ -118,7 +126,9 @@ class HashingSection:
 class TableSection:
     """``[tables.<name>]``: an embedding table (``<name>`` may expand, e.g. ``C{1..26}``)."""
 
-    cardinality: int  # rows of the synthetic data; a list when the name expands
+    # rows of the synthetic data (a list when the name expands); 0: not given (an import's rows
+    # come from its files; synthetic rows then draw from 1000 values)
+    cardinality: int = 0
     dim: int | None = None  # None: the model's embedding_dim
     dtype: str = "fp32"  # storage: fp32 or fp16 (served as float32)
     zipf_exponent: float = 1.05

@@ -127,7 +127,7 @@ class ModelSpec:
     @cached_property
     def normalized_columns(self) -> tuple[str, ...]:
         """Names of the numeric columns the dense network gets as ``dense_normalized`` (not bucketized)."""
-        return tuple(self.numeric_columns[i] for i in self.dense.normalized) if self.dense else ()
+        return tuple(self.dense.numeric[i].name for i in self.dense.normalized) if self.dense else ()
 
     def wire_inputs(self) -> tuple[WireTensor, ...]:
         """The raw-feature inputs of the ensemble, as clients send them."""
@@ -152,7 +152,8 @@ class ModelSpec:
         Computed once: every request reads them.
         """
         tensors = []
-        if self.dense is not None:
+        # no numeric tensor when every numeric feature reads another feature's column
+        if self.dense is not None and self.dense.columns:
             width = len(self.dense.columns)
             tensors += [
                 WireTensor(self.dense.name, "FP32", (width,)),
@@ -197,7 +198,7 @@ class ModelSpec:
         """The column-wise wire tensors holding profile columns, split for candidate lists."""
         group = self.categorical
         tensors = {group.name: tuple(group.raw_columns[i].name for i in group.wire_columns)}
-        if self.dense is not None:  # the values and their missing mask have the same columns
+        if self.dense is not None and self.dense.columns:  # the values and their mask: same columns
             tensors = {
                 self.dense.name: self.dense.columns,
                 self.dense_missing_input: self.dense.columns,

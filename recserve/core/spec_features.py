@@ -8,6 +8,12 @@ import zoneinfo
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from recserve.core.feature_columns import (
+    ColumnRead,
+    feature_tables,
+    resolve_categorical_reads,
+    resolve_numeric_reads,
+)
 from recserve.core.name_ranges import expand_names
 from recserve.core.sections_base import SpecError, parse_section
 from recserve.core.sections_features import (
@@ -37,16 +43,6 @@ from recserve.core.spec_types import (
 )
 
 
-def _parallel(names: tuple[str, ...], pattern: str, what: str) -> tuple[str, ...]:
-    """``pattern`` expanded alongside ``names``: one name each, or one shared by all."""
-    expanded = expand_names(pattern)
-    if len(expanded) == 1:
-        return expanded * len(names)
-    if len(expanded) != len(names):
-        raise SpecError(f"{what} {pattern!r} names {len(expanded)} tables for {len(names)} features")
-    return expanded
-
-
 def parse_tables(raw_tables: Any, dim: int) -> dict[str, TableSpec]:
     """The spec's ``[tables.<name>]`` by name; ``dim`` is the default width."""
     if not isinstance(raw_tables, dict):
@@ -57,12 +53,16 @@ def parse_tables(raw_tables: Any, dim: int) -> dict[str, TableSpec]:
         if not isinstance(raw, dict):
             raise SpecError(f"[tables.{pattern}] must be a table, got {raw!r}")
         cards: Any = raw.get("cardinality")
-        if len(names) > 1 and not (isinstance(cards, list) and len(cards) == len(names)):
+        if (
+            len(names) > 1
+            and cards is not None
+            and not (isinstance(cards, list) and len(cards) == len(names))
+        ):
             raise SpecError(
                 f"[tables.{pattern}] names {len(names)} tables: cardinality must list {len(names)}"
             )
         for i, name in enumerate(names):
-            one = dict(raw, cardinality=cards[i]) if len(names) > 1 else raw
+            one = dict(raw, cardinality=cards[i]) if len(names) > 1 and cards is not None else raw
             table = parse_section(TableSection, one, f"tables.{pattern}")
             if table.dtype not in TABLE_DTYPES:
                 raise SpecError(f"[tables.{pattern}] dtype must be fp32 or fp16, got {table.dtype!r}")
@@ -85,6 +85,9 @@ class ParsedFeatures:
     sequences: list[SequenceFeature] = field(default_factory=list)
     targets: list[tuple[CategoricalFeature, str]] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
+    # the features reading another feature's column (``column = "..."``), resolved at the end
+    categorical_reads: list[ColumnRead] = field(default_factory=list)
+    numeric_reads: list[ColumnRead] = field(default_factory=list)
 
     def add_name(self, name: str, where: str) -> None:
         """Record a feature's name; SpecError when it is used twice or is no valid name."""
@@ -117,7 +120,9 @@ def _numeric(section: NumericFeatureSection, name: str, where: str) -> NumericCo
         raise SpecError(f"{where}: log1p needs clip with a minimum above -1, got {list(section.clip)}")
     if section.log1p and section.fill_na <= -1:
         raise SpecError(f"{where}: log1p needs fill_na above -1, got {section.fill_na:g}")
-    return NumericColumn(name, section.fill_na, low, high, section.log1p, shift, scale, edges)
+    return NumericColumn(
+        name, section.fill_na, low, high, section.log1p, shift, scale, edges, reads=section.column
+    )
 
 
 def parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> ParsedFeatures:
@@ -132,6 +137,11 @@ def parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> ParsedFea
         for name in names:
             out.add_name(name, where)
         if isinstance(section, NumericFeatureSection):
+            if section.column and len(names) > 1:
+                raise SpecError(f"{where}: column names one column; {section.name!r} names several features")
+            out.numeric_reads += [
+                ColumnRead(name, section.column, where, raw) for name in names if section.column
+            ]
             for name in names:
                 column = _numeric(section, name, where)
                 if column.boundaries:
@@ -159,12 +169,19 @@ def parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> ParsedFea
         elif isinstance(section, TimeFeatureSection):
             _time(section, names, where, tables, out)
         else:
-            _categorical(section, names, where, out)
+            _categorical(section, names, where, out, raw)
+    numeric = [c.name for c in out.numeric]
+    resolve_categorical_reads(out.categorical, out.raw_columns, numeric, out.categorical_reads)
+    resolve_numeric_reads(out.numeric, out.raw_columns, out.numeric_reads)
     return out
 
 
 def _categorical(
-    section: CategoricalFeatureSection, names: tuple[str, ...], where: str, out: ParsedFeatures
+    section: CategoricalFeatureSection,
+    names: tuple[str, ...],
+    where: str,
+    out: ParsedFeatures,
+    raw: Any,
 ) -> None:
     if section.value_type not in VALUE_TYPES:
         raise SpecError(
@@ -172,20 +189,30 @@ def _categorical(
         )
     if section.encoder not in ENCODERS:
         raise SpecError(f"{where}: encoder must be one of {', '.join(ENCODERS)}, got {section.encoder!r}")
-    if section.encoder == "identity" and section.value_type != "int64":
+    if section.encoder == "identity" and section.value_type != "int64" and not section.column:
         raise SpecError(f"{where}: the identity encoder needs value_type int64 (the value is the key)")
     if not 1 <= section.max_hex_digits <= 16:
         raise SpecError(f"{where}: max_hex_digits must lie in 1..16 (64-bit values)")
-    tables = _parallel(names, section.table or section.name, f"{where}: table")
-    for name, table in zip(names, tables, strict=True):
+    per_name = feature_tables(section.table, section.tables, section.name, names, where)
+    if section.column and len(names) > 1:
+        raise SpecError(f"{where}: column names one column; {section.name!r} names several features")
+    for name, tables in zip(names, per_name, strict=True):
         if section.attends:
             if section.value_type != "int64" or section.encoder == "identity":
                 raise SpecError(f"{where}: an attention target is an int64 id with the hash encoder")
-            target = CategoricalFeature(name, table, section.encoder)
+            if len(tables) > 1 or section.column:
+                raise SpecError(
+                    f"{where}: an attention target feeds one table (its sequence's), from its own input"
+                )
+            target = CategoricalFeature(name, tables[0], section.encoder)
             out.targets += [(target, over) for over in section.attends]
             continue
-        out.categorical.append(CategoricalFeature(name, table, section.encoder, len(out.raw_columns)))
-        out.raw_columns.append(RawColumn(name, section.value_type, section.max_hex_digits))
+        if section.column:  # the column is resolved once every feature is read
+            out.categorical_reads.append(ColumnRead(name, section.column, where, raw))
+        column = -1 if section.column else len(out.raw_columns)
+        out.categorical += [CategoricalFeature(name, table, section.encoder, column) for table in tables]
+        if not section.column:
+            out.raw_columns.append(RawColumn(name, section.value_type, section.max_hex_digits))
 
 
 def _multi_hot(
@@ -201,8 +228,8 @@ def _multi_hot(
         raise SpecError(f"{where}: a multi-hot feature needs a separator and max_length >= 1")
     if section.wire not in MULTI_HOT_WIRE:
         raise SpecError(f"{where}: wire must be one of {', '.join(MULTI_HOT_WIRE)}, got {section.wire!r}")
-    tables = _parallel(names, section.table or section.name, f"{where}: table")
-    for name, table in zip(names, tables, strict=True):
+    per_name = feature_tables(section.table, section.tables, section.name, names, where)
+    for name, tables in zip(names, per_name, strict=True):
         column = len(out.raw_columns)
         out.raw_columns.append(
             RawColumn(
@@ -214,7 +241,9 @@ def _multi_hot(
                 as_list=section.wire == "list",
             )
         )
-        out.multi_hot.append(MultiHotFeature(name, table, column, section.max_length, section.pooling))
+        out.multi_hot += [
+            MultiHotFeature(name, table, column, section.max_length, section.pooling) for table in tables
+        ]
 
 
 def _time(

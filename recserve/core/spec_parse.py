@@ -27,6 +27,12 @@ from recserve.core.sections_serving import (
 )
 from recserve.core.sections_user_state import UserStateSection
 from recserve.core.spec import ModelSpec
+from recserve.core.spec_defaults import (
+    check_first_order,
+    default_dense_net,
+    default_embedding_dim,
+    default_serving,
+)
 from recserve.core.spec_features import attention_features, parse_features, parse_tables
 from recserve.core.spec_types import (
     CATEGORICAL_INPUT,
@@ -48,15 +54,16 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     for key in doc:
         if key not in TOP_LEVEL_KEYS:
             raise UnknownKeyError("spec", str(key), sorted(TOP_LEVEL_KEYS))
-    for key in ("model", "dense_net", "serving", "features"):
+    for key in ("model", "features"):  # [dense_net] and [serving] have defaults
         if key not in doc:
             raise SpecError(f"the spec needs a [{key}] section")
     model = parse_section(ModelSection, doc["model"], "model")
-    net = parse_section(DenseNetSection, doc["dense_net"], "dense_net")
-    serving = parse_section(ServingSection, doc["serving"], "serving")
+    net = parse_section(DenseNetSection, doc.get("dense_net", {}), "dense_net")
+    serving = parse_section(ServingSection, doc.get("serving", {}), "serving")
     inputs = parse_section(InputsSection, doc.get("inputs", {}), "inputs")
-    dim = model.embedding_dim
-    tables = parse_tables(doc.get("tables", {}), dim)
+    tables = parse_tables(doc.get("tables", {}), model.embedding_dim)
+    dim = default_embedding_dim(model.embedding_dim, tables)
+    model, net = replace(model, embedding_dim=dim), default_dense_net(net, dim)
     features = parse_features(doc["features"], tables)
     tables = {name: replace(t, dim=t.dim or dim) for name, t in tables.items()}
     if not any(not c.as_list for c in features.raw_columns):
@@ -90,7 +97,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError(f"[inputs] user {inputs.user!r} is not a single-valued categorical column")
     if inputs.user and not sequences:
         raise SpecError(f"[inputs] user {inputs.user!r}: a spec without a sequence has no candidate lists")
-    columns = {c.name for c in features.numeric} | {c.name for c in features.raw_columns}
+    columns = {c.name for c in features.numeric if not c.reads} | {c.name for c in features.raw_columns}
     for pattern in inputs.profile:
         unknown = [name for name in expand_names(pattern) if name not in columns]
         if unknown:
@@ -101,6 +108,10 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         raise SpecError("[inputs] profile: a spec without a sequence has no candidate lists")
     if net.bottom_mlp[-1] != dim:
         raise SpecError(f"bottom_mlp must end at embedding_dim={dim}, got {net.bottom_mlp[-1]}")
+    check_first_order(net, dim, [tables[t].dim for t in slots])
+    serving = default_serving(
+        serving, model.max_batch_size, max((s.max_length for s in sequences), default=0)
+    )
     batch_buckets = tuple(sorted(serving.batch_buckets))
     seq_buckets = tuple(sorted(serving.sequence_buckets))
     max_batch = model.max_batch_size

@@ -78,7 +78,7 @@ class TableSpec:
 
     name: str
     dim: int
-    cardinality: int
+    cardinality: int  # 0: not given (an imported table's rows come from its files)
     zipf_exponent: float
     dtype: str = "fp32"
 
@@ -95,10 +95,12 @@ class NumericColumn:
     shift: float = 0.0
     scale: float = 1.0
     boundaries: tuple[float, ...] = ()  # bucketized: a categorical feature, not a dense value
+    reads: str = ""  # the column it reads ("": its own column of ``dense``): a numeric or categorical one
+    categorical: int = -1  # the index of the categorical raw column it reads (-1: a column of ``dense``)
 
     def describe(self) -> str:
-        """The ops as a formula, for the dense contract."""
-        text = "x"
+        """The ops as a formula, for the dense contract (``x``, or the column it reads by name)."""
+        text = self.reads or "x"
         if self.clip_min > -math.inf or self.clip_max < math.inf:
             text = f"clip({text}, {self.clip_min:g}, {self.clip_max:g})"
         if self.log1p:
@@ -110,15 +112,30 @@ class NumericColumn:
 
 @dataclass(frozen=True)
 class DenseGroup:
-    """The numeric columns, sent together as one FP32 tensor plus a missing mask."""
+    """The numeric features; those with a column of their own are sent as one FP32 tensor and a missing mask.
+
+    A numeric feature may read another feature's column (``column = "C15"``): a numeric column of
+    the wire tensor, or an int64 / uint64 column of ``categorical`` read as a number. The wire
+    carries each column once.
+    """
 
     name: str
     numeric: tuple[NumericColumn, ...]
 
     @cached_property  # these are read on every request
     def columns(self) -> tuple[str, ...]:
-        """Column names in wire order."""
-        return tuple(c.name for c in self.numeric)
+        """The wire tensor's column names, in wire order (the features reading a column of their own)."""
+        return tuple(c.name for c in self.numeric if not c.reads)
+
+    @cached_property
+    def wire_index(self) -> tuple[int, ...]:
+        """Per numeric feature, the wire column it reads (-1: a column of ``categorical``)."""
+        return tuple(self.columns.index(c.reads or c.name) if c.categorical < 0 else -1 for c in self.numeric)
+
+    @cached_property
+    def derived(self) -> bool:
+        """True when some numeric feature reads another feature's column."""
+        return any(c.reads for c in self.numeric)
 
     @cached_property
     def normalized(self) -> tuple[int, ...]:

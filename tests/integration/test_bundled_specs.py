@@ -71,7 +71,9 @@ def test_avazu_has_no_numeric_input_and_no_sequence(avazu):
     assert [t.name for t in avazu.wire_inputs()] == ["categorical"]
     assert avazu.categorical.columns[:3] == ("hour", "C1", "banner_pos")
     names = [f.name for f in avazu.categorical.features]
-    assert names[:2] == ["hour_hour_of_day", "hour_weekday"] and len(names) == 23
+    # every categorical feature twice: its embedding and its first-order weight
+    assert names[:2] == ["hour_hour_of_day", "hour_weekday"] and len(names) == 2 + 2 * 21
+    assert avazu.dense.columns == () and avazu.normalized_columns == ("C15_number",)
 
 
 def test_taobao_sends_both_behaviours_and_their_targets_once(taobao):

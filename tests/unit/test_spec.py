@@ -101,7 +101,11 @@ def test_inconsistent_specs_are_refused(edit, message):
             r"float16_tables names unknown tables \['nope'\]",
         ),
         (lambda d: d["store"].__setitem__("remote_tables", ["item"]), "remote_tables needs redis_nodes"),
-        (lambda d: d["model"].pop("embedding_dim"), r"\[model\] needs the key 'embedding_dim'"),
+        (lambda d: d["model"].pop("max_batch_size"), r"\[model\] needs the key 'max_batch_size'"),
+        (
+            lambda d: d["model"].pop("embedding_dim"),
+            r"\[model\] needs embedding_dim, or \[tables.<name>\] their dim",
+        ),
     ],
 )
 def test_every_section_refuses_unknown_keys_and_wrong_types(edit, message):

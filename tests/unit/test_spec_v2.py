@@ -35,6 +35,7 @@ def _doc(name: str = "avazu") -> dict:
 def _spec(features: list[dict], tables: dict, **sections) -> dict:
     doc = _doc()
     doc["features"], doc["tables"] = features, tables
+    doc["dense_net"].pop("first_order")  # these features have no 1-wide tables
     doc.update(sections)
     return doc
 
@@ -60,13 +61,16 @@ def test_ctr_in_v2_form_is_todays_schema():
 def test_the_contract_follows_what_the_spec_has():
     ctr, avazu = load_spec("ctr"), load_spec("avazu")
     assert dense_net_inputs(ctr) == DENSE_NET_INPUTS
-    narrow = ("sparse_embeddings__4", "sparse_embeddings__8")  # avazu's smallest tables
-    assert dense_net_inputs(avazu) == (SPARSE_EMBEDDINGS, *narrow)
+    # avazu's first-order weights and smallest tables; C15 read as a number too
+    narrow = ("sparse_embeddings__1", "sparse_embeddings__4", "sparse_embeddings__8")
+    assert dense_net_inputs(avazu) == (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, *narrow)
     inputs, outputs = dense_contract(avazu)
     assert [(t.name, t.shape) for t in inputs] == [
+        (DENSE_NORMALIZED, (-1, 1)),
         (SPARSE_EMBEDDINGS, (-1, 17, 16)),
-        (narrow[0], (-1, 4, 4)),
-        (narrow[1], (-1, 2, 8)),
+        (narrow[0], (-1, 21, 1)),
+        (narrow[1], (-1, 4, 4)),
+        (narrow[2], (-1, 2, 8)),
     ]
     assert outputs[0].name == PROBABILITY
 

@@ -73,10 +73,12 @@ def test_redis_rows_of_a_narrower_table_fill_the_first_columns():
 
 def test_avazus_narrow_tables_travel_as_a_dense_input_per_width():
     avazu = load_spec("avazu")
-    assert avazu.other_widths == (4, 8)
+    assert avazu.other_widths == (1, 4, 8)
     contract = {t.name: t.shape for t in dense_contract(avazu)[0]}
     assert contract == {
+        "dense_normalized": (-1, 1),  # C15 read as a number too
         SPARSE_EMBEDDINGS: (-1, 17, 16),
+        "sparse_embeddings__1": (-1, 21, 1),  # the first-order weights
         "sparse_embeddings__4": (-1, 4, 4),
         "sparse_embeddings__8": (-1, 2, 8),
     }
