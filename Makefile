@@ -59,14 +59,16 @@ lint: install
 	$(MAKE) typecheck
 
 # mypy sees the folders as the installed package through a tree of links (python_backends/ is
-# recserve.backends, build/ recserve.build, ...), rebuilt on every run.
-TYPECHECK_TREE := .typecheck
+# recserve.backends, build/ recserve.build, ...), made afresh for each run in a folder of its own
+# (so two runs side by side do not remove each other's links).
 typecheck: install
-	rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/recserve
-	for f in recserve/*.py recserve/commands recserve/core recserve/server recserve/access; do ln -s ../../$$f $(TYPECHECK_TREE)/recserve/; done
-	ln -s ../../python_backends $(TYPECHECK_TREE)/recserve/backends
-	for d in build clients perf; do ln -s ../../$$d $(TYPECHECK_TREE)/recserve/$$d; done
-	cd $(TYPECHECK_TREE) && ../$(BIN)/mypy --config-file ../pyproject.toml --cache-dir ../.mypy_cache -p recserve
+	@tree=$$(mktemp -d .typecheck/run-XXXXXX 2>/dev/null || { mkdir -p .typecheck && mktemp -d .typecheck/run-XXXXXX; }) && \
+	mkdir -p $$tree/recserve && \
+	for f in recserve/*.py recserve/commands recserve/core recserve/server recserve/access; do ln -s $(CURDIR)/$$f $$tree/recserve/; done && \
+	ln -s $(CURDIR)/python_backends $$tree/recserve/backends && \
+	for d in build clients perf; do ln -s $(CURDIR)/$$d $$tree/recserve/$$d; done && \
+	cd $$tree && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache -p recserve; \
+	status=$$?; rm -rf $(CURDIR)/$$tree; exit $$status
 
 unit: install
 	$(BIN)/pytest -ra tests/unit
@@ -80,4 +82,4 @@ gpu-check: install
 	$(BIN)/python -m recserve.perf.gpu_check $(if $(DRY_RUN),dry-run,prepare)
 
 clean:
-	rm -rf $(REPOSITORY)/*/[0-9]*/ .pytest_cache .mypy_cache $(TYPECHECK_TREE)
+	rm -rf $(REPOSITORY)/*/[0-9]*/ .pytest_cache .mypy_cache .typecheck
