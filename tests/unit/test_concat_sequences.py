@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import tomllib
 import torch
@@ -13,11 +14,11 @@ from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.device_cache import DeviceL1
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
-from recserve.build.export import example_inputs
+from recserve.build.export import candidate_inputs, example_inputs, export_candidates_onnx, torch_predict
 from recserve.build.repository import build_repository, reference_pipeline
 from recserve.build.synthetic import generate
-from recserve.core.contract import attention_inputs, dense_contract
-from recserve.core.names import HISTORY_KEYS, SPARSE_KEYS, TARGET_KEY
+from recserve.core.contract import attention_inputs, dense_contract, sequence_inputs
+from recserve.core.names import HISTORY_KEYS, HISTORY_USER, SPARSE_KEYS, TARGET_KEY
 from recserve.core.sections_base import SpecError
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import parse_spec, spec_path
@@ -200,3 +201,18 @@ def test_the_device_l1_serves_a_concatenated_group_as_the_host_path_does():
     for name in ("target_embedding", "history_embeddings"):
         assert isinstance(device[name], torch.Tensor) and host[name].shape[-1] == 12
         np.testing.assert_array_equal(device[name].numpy(), host[name])
+
+
+def test_a_candidate_list_over_concatenated_groups_scores_as_its_rows_in_torch_and_onnx(tmp_path):
+    spec = parse_spec(_taobao(cate_dim=4))
+    torch.manual_seed(1)
+    net = CTRNet(spec).eval()
+    sample = candidate_inputs(spec, users=2, candidates=3, length=8, seed=3)
+    owner = sample[HISTORY_USER]
+    rows = {n: sample[n][owner] if n in sequence_inputs(spec) else sample[n] for n in net.input_names}
+    want = torch_predict(net, rows)
+    export_candidates_onnx(spec, net, tmp_path / "lists.onnx")
+    session = ort.InferenceSession(str(tmp_path / "lists.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, sample)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.std(want) > 1e-4
