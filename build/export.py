@@ -13,6 +13,7 @@ from recserve.backends.dense.network import CandidateNet, CTRNet
 from recserve.core.contract import attention_inputs, dense_net_inputs, sequence_inputs, sparse_inputs
 from recserve.core.names import BATCH_AXIS, DENSE_NORMALIZED, HISTORY_USER, PROBABILITY, SEQUENCE_AXIS
 from recserve.core.spec import ModelSpec
+from recserve.core.user_state_wire import log_weight_inputs
 
 OPSET = 17
 
@@ -33,6 +34,9 @@ def example_inputs(spec: ModelSpec, rows: int, length: int, seed: int = 0) -> di
         inputs[group.target] = rng.normal(0, 0.1, (rows, group.width)).astype(np.float32)
         inputs[group.history] = rng.normal(0, 0.1, (rows, length, group.width)).astype(np.float32)
         inputs[group.mask] = (np.arange(length)[None, :] < lengths[:, None]).astype(np.float32)
+    for name in log_weight_inputs(spec):  # [user_state]: ln count per token of the first group, 0 on padding
+        mask = inputs[attention_inputs(spec)[0].mask]
+        inputs[name] = (np.log1p(rng.integers(0, 5, mask.shape)) * mask).astype(np.float32)
     return {name: inputs[name] for name in dense_net_inputs(spec)}
 
 

@@ -23,6 +23,7 @@ from recserve.core.names import (
 )
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import WireTensor
+from recserve.core.user_state_wire import user_state_inputs
 
 #: The spec's wire dtypes as config data types.
 CONFIG_DTYPES = {
@@ -50,7 +51,8 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
 def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, ...]:
     """The tensors of both wire forms (:mod:`recserve.core.wire_forms`), each once, the id form's first.
 
-    A request carries one form: the tensors of one form only are optional.
+    A request carries one form: the tensors of one form only are optional. The row form ends with
+    the optional ``user_id`` and ``user_seq`` where ``[user_state]`` is on.
 
     Args:
         spec: the model spec.
@@ -62,7 +64,7 @@ def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, .
     for tensors in forms:
         for t in tensors:
             union.setdefault(t.name, t if t.name in common else dataclasses.replace(t, optional=True))
-    return tuple(union.values())
+    return tuple(union.values()) + (user_state_inputs(spec) if part == "inputs" else ())
 
 
 def step_io(

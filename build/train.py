@@ -171,7 +171,7 @@ class TrainingModel(nn.Module):
                 named[names.target] = functools.reduce(operator.add, targets)
                 named[names.history] = functools.reduce(operator.add, histories)
             named[names.mask] = batch["mask"][:, g]
-        return self.net(*(named[name] for name in self.net.input_names))
+        return self.net.score(named)  # no user state in training: no log-weights (today's attention)
 
 
 def _real_positions(

@@ -38,7 +38,7 @@ from recserve.core.contract import (
     is_sequence_input,
     sparse_inputs,
 )
-from recserve.core.names import DENSE_NORMALIZED, HISTORY_MASK, SPARSE_EMBEDDINGS
+from recserve.core.names import DENSE_NORMALIZED, HISTORY_LOG_WEIGHTS, HISTORY_MASK, SPARSE_EMBEDDINGS
 from recserve.core.spec import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -68,6 +68,7 @@ class Bucket:
             shapes[group.target] = (self.rows, group.width)
             shapes[group.history] = (self.rows, self.length, group.width)
             shapes[group.mask] = (self.rows, self.length)
+        shapes[HISTORY_LOG_WEIGHTS] = (self.rows, self.length)  # with [user_state] on
         return {name: shapes[name] for name in dense_net_inputs(spec)}
 
 

@@ -44,6 +44,7 @@ from recserve.core.names import (
     DENSE_NET_INPUTS,
     DENSE_NORMALIZED,
     GROUP_INPUTS,
+    HISTORY_LOG_WEIGHTS,
     HISTORY_MASK,
     HISTORY_USER,
     PROBABILITY,
@@ -117,6 +118,7 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
                 group.mask: (rows, length),
             }
         )
+    expected[HISTORY_LOG_WEIGHTS] = (rows, length)  # with [user_state] on: the first group's
     expected.pop(HISTORY_MASK, None)  # checked above
     for name, shape in expected.items():
         if name not in names:

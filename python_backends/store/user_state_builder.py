@@ -46,6 +46,8 @@ class BuilderReport:
     over_radius: int = 0
     lags_s: list[float] = field(default_factory=list)
     busy_s: float = 0.0  # time spent rebuilding and writing
+    rebuild_requests: int = 0  # users the servers asked to rebuild (no usable state, or a gap)
+    unknown_requests: int = 0  # of them, users without events in this builder's window
 
     def lag_percentiles(self) -> tuple[float, float]:
         """Event to state lag, p50 and p99, in seconds (0 without events)."""
@@ -69,6 +71,8 @@ class BuilderReport:
             "lag_p99_s": p99,
             "users_per_s": self.rebuilds / elapsed_s if elapsed_s > 0 else 0.0,
             "rebuilds_per_busy_s": self.rebuilds / self.busy_s if self.busy_s > 0 else 0.0,
+            "rebuild_requests": self.rebuild_requests,
+            "unknown_requests": self.unknown_requests,
         }
 
 
@@ -130,6 +134,19 @@ class UserStateBuilder:
                 user.pending_since, marked = now, marked + 1
         return marked
 
+    def request_rebuilds(self, users: np.ndarray) -> int:
+        """Users a server found without a usable state: each known one is rebuilt (debounced); how many."""
+        now, marked = self.clock(), 0
+        for uid in np.asarray(users, np.int64).tolist():
+            self.report.rebuild_requests += 1
+            user = self.users.get(uid)
+            if user is None or not user.items:
+                self.report.unknown_requests += 1
+                continue
+            if user.pending_since is None:
+                user.pending_since, marked = now, marked + 1
+        return marked
+
     def flush(self, force: bool = False) -> int:
         """Rebuild and write every user whose debounce is over (every pending user with ``force``)."""
         now = self.clock()
@@ -164,11 +181,17 @@ class UserStateBuilder:
         stop: Callable[[], bool],
         poll_s: float = 0.01,
         sleep: Callable[[float], None] = time.sleep,
+        rebuilds: Callable[[], np.ndarray] | None = None,
     ) -> BuilderReport:
-        """Read, ingest and flush until ``stop()``; then write every pending user once more."""
+        """Read, ingest and flush until ``stop()``; then write every pending user once more.
+
+        ``rebuilds``, when given, returns the users the servers queued for a rebuild since its last call.
+        """
         while not stop():
             events = read()
             self.ingest(events)
+            if rebuilds is not None:
+                self.request_rebuilds(rebuilds())
             self.flush()
             if not len(events):
                 sleep(poll_s)

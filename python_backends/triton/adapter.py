@@ -177,6 +177,7 @@ def execute_merged_or_alone(
     ragged_outputs: Sequence[str] = (),
     ragged_width: Callable[[Arrays], int] | None = None,
     left_padded: Collection[str] = (),
+    output_width: Callable[[Mapping[str, Any]], int] | None = None,
 ) -> list:
     """Handle the whole dynamic batch in one call; if that call fails, handle each request alone.
 
@@ -193,6 +194,8 @@ def execute_merged_or_alone(
         ragged_outputs: outputs whose axis 1 each request gets back at its own width.
         ragged_width: that width, from one request's inputs.
         left_padded: the ragged outputs padded on the left (each request keeps their last columns).
+        output_width: instead of ``ragged_width``, the width from a request's own part of the
+            outputs (where the step, not the request, decides it: a user state merged in).
     """
     inputs = [read_inputs(request, input_names) for request in requests]
     if len(inputs) == 1:
@@ -206,6 +209,9 @@ def execute_merged_or_alone(
     widths = (
         {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
     )
+    if output_width is not None:
+        own = [output_width(part) for part in batching.split(outputs, sizes)]
+        widths = {name: own for name in ragged_outputs}
     return [respond(part) for part in batching.split(outputs, sizes, widths, left_padded)]
 
 

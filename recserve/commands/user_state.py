@@ -17,9 +17,15 @@ def _run(args: argparse.Namespace) -> int:
     from recserve.backends.steps.user_state_keys import RepositoryKeySpace
     from recserve.backends.store.event_log import FileEventLog, RedisEventLog
     from recserve.backends.store.redis_tier import RedisTier
+    from recserve.backends.store.user_rebuilds import (
+        REBUILD_FILE_SUFFIX,
+        REBUILD_SET_SUFFIX,
+        FileRebuilds,
+        RedisRebuilds,
+    )
     from recserve.backends.store.user_state_builder import UserStateBuilder
     from recserve.backends.store.user_state_groups import Budget
-    from recserve.backends.store.user_state_store import open_user_states
+    from recserve.backends.store.user_state_store import RedisUserStates, open_user_states
 
     spec = load_spec(args.spec)
     section = spec.user_state
@@ -32,6 +38,12 @@ def _run(args: argparse.Namespace) -> int:
         log: FileEventLog | RedisEventLog = RedisEventLog(client, section.event_stream)
     else:
         log = FileEventLog(args.folder / section.event_path)
+    # the servers' rebuild requests: beside the states (a Redis set), or a file beside the event file
+    rebuilds: FileRebuilds | RedisRebuilds = (
+        RedisRebuilds(states.client, section.event_stream + REBUILD_SET_SUFFIX)
+        if isinstance(states, RedisUserStates)
+        else FileRebuilds(args.folder / (section.event_path + REBUILD_FILE_SUFFIX))
+    )
     builder = UserStateBuilder(
         states,
         Budget(section.tokens, section.exact_tokens, section.group_radius),
@@ -51,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         return bool(stopping) or time.monotonic() >= deadline
 
     try:
-        report = builder.run(log.read, stop)
+        report = builder.run(log.read, stop, rebuilds=rebuilds.take)
     except KeyboardInterrupt:
         report = builder.report
     summary = report.summary(time.monotonic() - started)

@@ -10,17 +10,22 @@ from recserve.core.names import (
     DENSE_NORMALIZED,
     GROUP_INPUTS,
     HISTORY_EMBEDDINGS,
+    HISTORY_LOG_WEIGHTS,
     HISTORY_MASK,
     PROBABILITY,
     SPARSE_EMBEDDINGS,
 )
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import AttentionGroup, CategoricalFeature, SequenceFeature
+from recserve.core.user_state_wire import log_weight_inputs
 
 
 def is_dense_net_input(name: str) -> bool:
     """True for a name the dense network may take (:data:`DENSE_NET_INPUTS`, a further group's or width's)."""
-    return name in DENSE_NET_INPUTS or name.partition("__")[0] in (*GROUP_INPUTS, SPARSE_EMBEDDINGS)
+    return name in (*DENSE_NET_INPUTS, HISTORY_LOG_WEIGHTS) or name.partition("__")[0] in (
+        *GROUP_INPUTS,
+        SPARSE_EMBEDDINGS,
+    )
 
 
 def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ...]:
@@ -38,8 +43,8 @@ def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ..
 
 
 def is_sequence_input(name: str) -> bool:
-    """True for a dense input with a sequence axis (axis 1): a history or a mask, of any group."""
-    return name.partition("__")[0] in (HISTORY_EMBEDDINGS, HISTORY_MASK)
+    """True for a dense input with a sequence axis (axis 1): a history, a mask or the log-weights."""
+    return name.partition("__")[0] in (HISTORY_EMBEDDINGS, HISTORY_MASK, HISTORY_LOG_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -140,30 +145,34 @@ def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
 
 
 def sequence_inputs(spec: ModelSpec) -> tuple[str, ...]:
-    """The dense inputs with a sequence axis (axis 1): every group's history and mask."""
-    return tuple(name for group in attention_inputs(spec) for name in (group.history, group.mask))
+    """The dense inputs with a sequence axis (axis 1): every group's history and mask, the log-weights."""
+    names = tuple(name for group in attention_inputs(spec) for name in (group.history, group.mask))
+    return names + log_weight_inputs(spec)
 
 
 def left_padded_inputs(spec: ModelSpec) -> tuple[str, ...]:
-    """The histories and masks of the groups padded on the left (``padding = "left"``)."""
-    return tuple(
+    """The histories and masks of the groups padded on the left (``padding = "left"``), their log-weights."""
+    left = tuple(
         name
         for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True)
         if group.primary.padding == "left"
         for name in (names.history, names.mask)
     )
+    first_left = bool(spec.attention_groups) and spec.attention_groups[0].primary.padding == "left"
+    return left + (log_weight_inputs(spec) if first_left else ())
 
 
 def dense_net_inputs(spec: ModelSpec) -> tuple[str, ...]:
     """The dense network's inputs under ``spec``, in the order of :data:`DENSE_NET_INPUTS`.
 
     ``dense_normalized`` only with numeric features that are not bucketized; the target, history
-    and mask only with a sequence, then those of every further attention group.
+    and mask only with a sequence, then those of every further attention group; last, with
+    ``[user_state]`` on, ``history_log_weights`` (the first group's).
     """
     first = (DENSE_NORMALIZED,) if spec.normalized_columns else ()
     sparse = tuple(name for name, _, _ in sparse_inputs(spec))
     groups = tuple(name for g in attention_inputs(spec) for name in (g.target, g.history, g.mask))
-    return first + sparse + groups
+    return first + sparse + groups + log_weight_inputs(spec)
 
 
 def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]]:
@@ -230,6 +239,16 @@ def dense_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tuple[C
                 f"{seq.name}: 1 on real positions, 0 on padding (whose embeddings the network must ignore)",
             ),
         ]
+    inputs += [
+        ContractTensor(
+            name,
+            "FP32",
+            (-1, -1),
+            "per position of the first group's history, added to its attention logit: ln count of a "
+            "user state's token, 0 elsewhere (all zero: the attention without user states)",
+        )
+        for name in log_weight_inputs(spec)
+    ]
 
     output = ContractTensor(
         spec.model.output,

@@ -29,6 +29,11 @@ HISTORY_EMBEDDINGS = "history_embeddings"
 #: Per history position, a log-weight added to its attention logit (a user state's ``ln count``;
 #: optional: without it, or all zero, the attention is today's).
 HISTORY_LOG_WEIGHTS = "history_log_weights"
+#: With ``[user_state]`` on, optional wire inputs per row: the user whose stored state the step merges
+#: the history (then the real-time tail, at most ``[user_state] tail`` events) into, and the sequence
+#: number of the tail's newest event (its events are ``user_seq - length + 1 .. user_seq``).
+USER_ID = "user_id"
+USER_SEQ = "user_seq"
 
 PROBABILITY = "probability"
 #: The output of a dense ONNX that returns logits (``[model] output = "logit"``); served as its sigmoid.

@@ -34,6 +34,8 @@ class UserStateSection:
     event_stream: str = "recserve:user_events"  # the Redis stream's key
     debounce_ms: float = 200.0  # a user is rebuilt at most once per this long (events batch up)
     deadline_ms: float = 5.0  # the lookup step's batched state read
+    cache_users: int = 10_000  # the lookup step's local cache of fetched states (0: none)
+    cache_ttl_ms: float = 1000.0  # a cached state is used this long after its fetch
     regroup_on_version_change: bool = True  # clustered states are regrouped under a new table or dense
 
     def check(self, longest_bucket: int) -> None:
@@ -62,3 +64,5 @@ class UserStateSection:
             )
         if min(self.ttl_s, self.deadline_ms, self.group_radius) <= 0 or self.debounce_ms < 0:
             raise SpecError("[user_state] ttl_s, deadline_ms and group_radius must be > 0, debounce_ms >= 0")
+        if self.cache_users < 0 or self.cache_ttl_ms < 0:
+            raise SpecError("[user_state] cache_users and cache_ttl_ms must be >= 0")

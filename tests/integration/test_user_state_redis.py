@@ -1,4 +1,4 @@
-"""User states in a real Redis Cluster on loopback: compare-on-sequence writes, TTL, delete, untrusted values."""
+"""User states in a loopback Redis Cluster: compare-on-sequence writes, TTL, delete, untrusted values."""
 
 import numpy as np
 import pytest

@@ -122,3 +122,27 @@ def test_state_plus_tail_scores_what_the_full_4096_event_history_scores():
         )
     assert (served - full).abs().max().item() <= 1e-5
     assert (truncated - full).abs().max().item() > 1e-4  # the last 256 events alone are not the same
+
+
+def test_the_exported_graph_with_zero_log_weights_scores_todays_graph_bit_for_bit(tmp_path):
+    import onnxruntime as ort
+
+    from recserve.build.export import example_inputs, export_onnx
+    from recserve.core.spec_parse import parse_spec
+    from tests.unit.helpers import ctr_spec_document
+
+    doc = ctr_spec_document()
+    doc["user_state"] = {"enabled": True}
+    stateful = parse_spec(doc)
+    today, with_weights = _net(), CTRNet(stateful).eval()
+    with_weights.load_state_dict(today.state_dict())
+    export_onnx(SPEC, today, tmp_path / "today.onnx")
+    export_onnx(stateful, with_weights, tmp_path / "state.onnx")
+    assert HISTORY_LOG_WEIGHTS in with_weights.input_names
+    for length in SPEC.serving.sequence_buckets:
+        feeds = example_inputs(stateful, rows=7, length=length, seed=length)
+        feeds[HISTORY_LOG_WEIGHTS] = np.zeros_like(feeds[HISTORY_LOG_WEIGHTS])
+        plain = {name: feeds[name] for name in today.input_names}
+        got = ort.InferenceSession(str(tmp_path / "state.onnx")).run(None, feeds)[0]
+        expected = ort.InferenceSession(str(tmp_path / "today.onnx")).run(None, plain)[0]
+        assert np.array_equal(got, expected)

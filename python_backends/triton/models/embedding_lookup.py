@@ -5,6 +5,8 @@ The feature transform (recserve.backends.features.transform) and the tiered stor
 """
 
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
+from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.served import ServedStore
 from recserve.backends.triton.adapter import (
     MetricsPublisher,
@@ -14,7 +16,8 @@ from recserve.backends.triton.adapter import (
     execute_merged_or_alone,
     instance_device,
 )
-from recserve.core.names import CANDIDATE_PREFIX, L1_DEVICE_PARAMETER, SPARSE_EMBEDDINGS
+from recserve.core.names import CANDIDATE_PREFIX, L1_DEVICE_PARAMETER, SPARSE_EMBEDDINGS, USER_ID
+from recserve.core.user_state_wire import serves_user_state
 
 
 class TritonPythonModel:
@@ -34,9 +37,13 @@ class TritonPythonModel:
             instance_device(args),
         )
         self.step = FeaturesToEmbeddings(context.spec, lookup)
+        self.stateful: StatefulFeaturesToEmbeddings | None = None
+        if serves_user_state(context.spec):  # [user_state]: states from under the repository's folder
+            histories = UserHistories.open(context.spec, context.version_dir.parent.parent)
+            self.step = self.stateful = StatefulFeaturesToEmbeddings(context.spec, lookup, histories)
         self.metrics = MetricsPublisher()  # the request path and the upkeep thread both publish
         # every declared series exists (at 0) before the first request
-        self.metrics.publish_now(self.served.samples)
+        self.metrics.publish_now(self.samples)
         # a newly applied version shows on the metrics endpoint without waiting for a request
         self.served.maintainer.after_step.append(self.publish_versions)
 
@@ -56,11 +63,30 @@ class TritonPythonModel:
             lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
-        self.metrics.publish_due(self.served.samples)
+        self.metrics.publish_due(self.samples)
         return responses
 
+    def samples(self) -> list:
+        """The store's metric samples, and the user states' where ``[user_state]`` is on."""
+        return [*self.served.samples(), *(self.stateful.samples() if self.stateful else ())]
+
     def merged(self, requests: list) -> list:
-        """Row-form requests of one wire form (ids, or bytes), transformed and looked up together."""
+        """Row-form requests of one wire form (ids, or bytes), transformed and looked up together.
+
+        With ``[user_state]`` on, requests carrying a user and those without are merged apart, and
+        each gets its history back at the width its own rows were served with.
+        """
+        if self.stateful is not None:
+            stateful = self.stateful
+            return execute_by_form(
+                requests,
+                USER_ID,
+                lambda plain: self._merged(plain, stateful.served_width),
+                lambda users: self._merged(users, stateful.served_width),
+            )
+        return self._merged(requests, None)
+
+    def _merged(self, requests: list, output_width) -> list:
         return execute_merged_or_alone(
             requests,
             self.step.input_names,
@@ -68,6 +94,7 @@ class TritonPythonModel:
             ragged_outputs=self.step.histories,
             ragged_width=self.step.history_width,
             left_padded=self.step.left_padded,
+            output_width=output_width,
         )
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
@@ -82,4 +109,6 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop the upkeep thread; publish the last counts."""
         self.served.close()
-        self.metrics.publish_now(self.served.samples)
+        if self.stateful is not None:
+            self.stateful.users.close()
+        self.metrics.publish_now(self.samples)

@@ -1,0 +1,146 @@
+"""The ``embedding_lookup`` step with ``[user_state]`` on: today's step, plus users' states merged in.
+
+:class:`StatefulFeaturesToEmbeddings` is :class:`~recserve.backends.steps.lookup.FeaturesToEmbeddings`
+with the optional ``user_id`` and ``user_seq`` inputs read, the rows' states merged into their history
+keys before the one store call (:class:`~recserve.backends.steps.user_history.UserHistories`), and
+``history_log_weights`` in its outputs (all zero for rows served without a state, and for
+candidate lists, which keep today's path). Its counts go to the metrics endpoint:
+
+- ``recserve_user_state_total{outcome}``: rows carrying a user, by outcome (hit, miss, stale, gap, error);
+- ``recserve_user_state_lag_events``: a histogram of how many events the merged state lacked that
+  the request knew of (its newest sequence number minus the state's);
+- ``recserve_user_state_mode_total{mode}``: merged states by mode (exact, clustered);
+- ``recserve_user_state_rebuilds_total{result}``: users queued for a rebuild (queued, dropped, failed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from recserve.backends.base.metrics import MetricSample
+from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
+from recserve.backends.steps.user_history import OUTCOMES, RowStates, UserHistories
+from recserve.backends.store.user_state import MODES
+from recserve.core.contract import attention_inputs
+from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
+from recserve.core.spec import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+#: Upper edges of the lag histogram, in events (a last bucket, ``+Inf``, holds the rest).
+LAG_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+LAG_METRIC = "recserve_user_state_lag_events"
+LAG_HELP = "Events the merged user state lacked that the request knew of (a Prometheus histogram)"
+
+
+class UserStateCounts:
+    """Running counts of the rows' outcomes, lags and modes (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
+        self.modes = dict.fromkeys(MODES, 0)
+        self.lags = np.zeros(len(LAG_EDGES) + 1, np.int64)
+        self.lag_sum = 0.0
+        self._lock = threading.Lock()
+
+    def record(self, rows: RowStates) -> None:
+        """Count one batch's rows (those without a user are not counted)."""
+        named, counts = np.unique(rows.outcomes[rows.outcomes != ""].astype(str), return_counts=True)
+        lags = rows.lag_events[rows.lag_events >= 0]
+        buckets = np.bincount(np.searchsorted(LAG_EDGES, lags, side="left"), minlength=self.lags.size)
+        modes, mode_counts = np.unique(rows.modes[rows.modes != ""].astype(str), return_counts=True)
+        with self._lock:
+            for name, n in zip(named.tolist(), counts.tolist(), strict=True):
+                self.outcomes[name] = self.outcomes.get(name, 0) + n
+            for name, n in zip(modes.tolist(), mode_counts.tolist(), strict=True):
+                self.modes[name] = self.modes.get(name, 0) + n
+            self.lags += buckets
+            self.lag_sum += float(lags.sum())
+
+    def samples(self, queued: int = 0, dropped: int = 0, failed: int = 0) -> list[MetricSample]:
+        """The counts as metric samples (the rebuild queue's counts passed in)."""
+        with self._lock:
+            outcomes, modes = dict(self.outcomes), dict(self.modes)
+            cumulative, total = np.cumsum(self.lags), self.lag_sum
+        help_rows = "Rows carrying a user, by how their user state was served"
+        out = [
+            MetricSample("recserve_user_state_total", "counter", help_rows, (("outcome", k),), float(v))
+            for k, v in outcomes.items()
+        ]
+        out += [
+            MetricSample(
+                "recserve_user_state_mode_total", "counter", "Merged user states by mode", (("mode", k),), v
+            )
+            for k, v in modes.items()
+        ]
+        edges = [*(str(e) for e in LAG_EDGES), "+Inf"]
+        out += [
+            MetricSample(f"{LAG_METRIC}_bucket", "counter", LAG_HELP, (("le", le),), float(n))
+            for le, n in zip(edges, cumulative.tolist(), strict=True)
+        ]
+        out += [
+            MetricSample(f"{LAG_METRIC}_sum", "counter", LAG_HELP, (), total),
+            MetricSample(f"{LAG_METRIC}_count", "counter", LAG_HELP, (), float(cumulative[-1])),
+        ]
+        rebuild_help = "Users queued for a user-state rebuild by the lookup step"
+        out += [
+            MetricSample("recserve_user_state_rebuilds_total", "counter", rebuild_help, (("result", k),), v)
+            for k, v in (("queued", queued), ("dropped", dropped), ("failed", failed))
+        ]
+        return out
+
+
+class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
+    """The served step with users' states merged (see the module docstring).
+
+    Args:
+        spec: the model spec (``[user_state]`` on).
+        lookup: the store lookup.
+        histories: the states, their cache and the rebuild queue.
+    """
+
+    def __init__(self, spec: ModelSpec, lookup: EmbeddingLookup, histories: UserHistories) -> None:
+        super().__init__(spec, lookup)
+        self.users = histories
+        self.input_names = (*self.input_names, USER_ID, USER_SEQ)
+        self.counts = UserStateCounts()
+        self.masks_of_groups = tuple(g.mask for g in attention_inputs(spec))
+        self.last_rows = RowStates.without_users(0)  # the last batch's (for explain in process)
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray | torch.Tensor]:
+        """Today's outputs with the rows' states merged, and ``history_log_weights``.
+
+        Raises:
+            InvalidInput: naming the first offending input and value.
+        """
+        features = self.transform.transform(inputs)
+        rows = self.users.apply(inputs, features)
+        self.counts.record(rows)
+        self.last_rows = rows
+        passed = {n: features[n] for n in self.passed if n in features}
+        return {**passed, **self.lookup.lookup(features), HISTORY_LOG_WEIGHTS: features[HISTORY_LOG_WEIGHTS]}
+
+    def candidates(
+        self, inputs: Mapping[str, np.ndarray], expand: bool = False
+    ) -> dict[str, np.ndarray | torch.Tensor]:
+        """Today's candidate-list outputs with all-zero ``history_log_weights`` (no state merged)."""
+        out = super().candidates(inputs, expand)
+        out[HISTORY_LOG_WEIGHTS] = np.zeros(np.shape(out[self.masks_of_groups[0]]), np.float32)
+        return out
+
+    def served_width(self, outputs: Mapping[str, np.ndarray | torch.Tensor]) -> int:
+        """The history width one request's rows need: the sequence bucket of their longest (masks)."""
+        longest = max(int(np.asarray(outputs[m]).sum(axis=1).max(initial=0)) for m in self.masks_of_groups)
+        return self.spec.sequence_bucket(max(longest, 1))
+
+    def samples(self) -> list[MetricSample]:
+        """The user-state metric samples."""
+        queue = self.users.rebuilds
+        if queue is None:
+            return self.counts.samples()
+        return self.counts.samples(queue.queued, queue.dropped, queue.failed)

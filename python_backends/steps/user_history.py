@@ -1,0 +1,280 @@
+"""The online half of ``[user_state]``, inside ``embedding_lookup``: fetch, merge, tokens to keys.
+
+A row carrying ``user_id`` and ``user_seq`` sends its history as the real-time tail (at most
+``[user_state] tail`` events, the newest at ``user_seq``). The step fetches the states of the
+batch's distinct users (a small local cache, then one batched store call, which for Redis runs
+under ``deadline_ms`` and the breaker), merges each row's newer tail events into its user's tokens
+(:func:`~recserve.backends.store.user_tokens.merge`) and puts the tokens' keys in the row's history,
+``ln count`` per token in ``history_log_weights``. The keys are then looked up with every other key
+of the batch, in the same store call.
+
+Without a usable state the row keeps today's history, its tail as sent, with all-zero log-weights:
+today's answer for that tail, bit for bit. Its outcome is counted (``miss``: none stored; ``stale``:
+a stored value in a format this server does not take; ``error``: the store failed or timed out) and,
+but for ``error``, its user is queued for a rebuild. ``gap`` (events between the state and the tail
+are in neither) serves the state and the whole tail and queues a rebuild too. The long history is
+never computed here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recserve.backends.base.inputs import require
+from recserve.backends.features.hashing import keys_for, missing_key, table_salt
+from recserve.backends.store.user_rebuilds import (
+    REBUILD_FILE_SUFFIX,
+    REBUILD_SET_SUFFIX,
+    FileRebuilds,
+    RebuildQueue,
+    RebuildSink,
+    RedisRebuilds,
+)
+from recserve.backends.store.user_state import UserState
+from recserve.backends.store.user_state_store import (
+    BAD_VALUE,
+    ERROR,
+    FOUND,
+    RedisUserStates,
+    UserStates,
+    open_user_states,
+)
+from recserve.backends.store.user_tokens import GAP, HIT, MISS, merge
+from recserve.core.contract import attention_inputs
+from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
+from recserve.core.spec import ModelSpec
+from recserve.errors import ArtifactError, InvalidInput
+
+LOGGER = logging.getLogger(__name__)
+
+#: A row's outcome: merged (``hit``, ``gap``), or served from its tail alone (``miss``, ``stale``, ``error``).
+STALE = "stale"
+OUTCOMES = (HIT, MISS, STALE, GAP, ERROR)
+_FETCHED = {FOUND: HIT, BAD_VALUE: STALE, ERROR: ERROR}  # absent: MISS
+_REBUILD = (MISS, STALE, GAP)
+
+
+class StateCache:
+    """The states fetched lately, per user, each used for ``ttl_s`` after its fetch (LRU, ``capacity``)."""
+
+    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity, self.ttl_s, self.clock = capacity, ttl_s, clock
+        self._states: OrderedDict[int, tuple[float, UserState]] = OrderedDict()
+
+    def get(self, user: int) -> UserState | None:
+        """The cached state of ``user``; None when not cached or too old."""
+        entry = self._states.get(user)
+        if entry is None:
+            return None
+        if self.clock() - entry[0] > self.ttl_s:
+            del self._states[user]
+            return None
+        self._states.move_to_end(user)
+        return entry[1]
+
+    def put(self, user: int, state: UserState) -> None:
+        """Cache ``state`` (the least recently used user leaves beyond ``capacity``)."""
+        if self.capacity <= 0:
+            return
+        self._states[user] = (self.clock(), state)
+        self._states.move_to_end(user)
+        while len(self._states) > self.capacity:
+            self._states.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class RowStates:
+    """How each row of a batch met its user's state (rows without a user: outcome ``""``)."""
+
+    outcomes: np.ndarray  # str per row: one of OUTCOMES, or "" without a user
+    state_seq: np.ndarray  # int64 per row: the merged state's sequence number, -1 without one
+    modes: np.ndarray  # str per row: the merged state's mode, "" without one
+    lag_events: np.ndarray  # int64 per row: the request's newest event minus the state's (-1: none)
+
+    @classmethod
+    def without_users(cls, rows: int) -> RowStates:
+        """A batch whose rows carry no user."""
+        none = np.full(rows, -1, np.int64)
+        return cls(np.full(rows, "", object), none, np.full(rows, "", object), none.copy())
+
+
+class UserHistories:
+    """Puts users' states into a batch's history keys (see the module docstring).
+
+    Args:
+        spec: the model spec (``[user_state]`` on, exactly one sequence).
+        states: the state store.
+        rebuilds: where users without a usable state are queued (None: nowhere).
+        cache: the local cache (None: ``[user_state] cache_users`` and ``cache_ttl_ms``).
+
+    Raises:
+        ArtifactError: the spec has not exactly one sequence (the state's tokens are its items).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        states: UserStates,
+        rebuilds: RebuildQueue | None = None,
+        cache: StateCache | None = None,
+    ) -> None:
+        if len(spec.sequences) != 1:
+            raise ArtifactError(
+                f"[user_state] needs a spec with exactly one sequence; {spec.name!r} has "
+                f"{len(spec.sequences)}"
+            )
+        section = spec.user_state
+        self.spec, self.states, self.rebuilds = spec, states, rebuilds
+        self.cache = cache or StateCache(section.cache_users, section.cache_ttl_ms / 1000.0)
+        self.sequence = spec.sequences[0]
+        self.group = spec.attention_groups[0]
+        self.mask = attention_inputs(spec)[0].mask
+        self.left = self.sequence.padding == "left"
+        self.salt = table_salt(spec.hashing.namespace, self.sequence.table)
+        self.pad_key = missing_key(spec.hashing.namespace, self.sequence.name)
+
+    @classmethod
+    def open(cls, spec: ModelSpec, folder: Path) -> UserHistories:
+        """The states and rebuild queue ``[user_state]`` names (relative paths: under ``folder``)."""
+        section = spec.user_state
+        states = open_user_states(section, spec.store, folder)
+        sink: RebuildSink
+        if isinstance(states, RedisUserStates):
+            sink = RedisRebuilds(states.client, section.event_stream + REBUILD_SET_SUFFIX)
+        else:
+            sink = FileRebuilds(folder / (section.event_path + REBUILD_FILE_SUFFIX))
+        return cls(spec, states, RebuildQueue(sink))
+
+    def close(self) -> None:
+        """Flush the rebuild queue and release the store's resources."""
+        if self.rebuilds is not None:
+            self.rebuilds.close()
+        close = getattr(self.states, "close", None)
+        if close is not None:
+            close()
+
+    def request_users(
+        self, inputs: Mapping[str, np.ndarray], rows: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's user and newest sequence number, and its tail length, checked.
+
+        Raises:
+            InvalidInput: ``user_seq`` missing or below the tail's length, or a tail over
+                ``[user_state] tail``.
+        """
+        users = require(inputs, USER_ID, "INT64", rows, 1)[:, 0]
+        newest = require(inputs, USER_SEQ, "INT64", rows, 1)[:, 0]
+        lengths = require(inputs, self.group.length_input, "INT32", rows, 1)[:, 0].astype(np.int64)
+        limit = self.spec.user_state.tail
+        over = np.flatnonzero(lengths > limit)
+        if over.size:
+            r = int(over[0])
+            raise InvalidInput(
+                self.group.length_input,
+                f"row {r} is {int(lengths[r])}; with {USER_ID} the history is the real-time tail, "
+                f"at most [user_state] tail = {limit} events",
+            )
+        below = np.flatnonzero(newest < lengths)
+        if below.size:
+            r = int(below[0])
+            raise InvalidInput(
+                USER_SEQ,
+                f"row {r} is {int(newest[r])}, below its history's {int(lengths[r])} events "
+                f"(the tail's events are {USER_SEQ} - length + 1 .. {USER_SEQ}, numbered from 1)",
+            )
+        return users, newest, lengths
+
+    def states_of(self, users: np.ndarray, needed: np.ndarray) -> tuple[list[UserState | None], list[str]]:
+        """Each distinct user's state and outcome: cached when the cached state leaves no gap, else fetched.
+
+        Args:
+            users: distinct users.
+            needed: per user, the lowest state sequence number that leaves none of its rows a gap.
+        """
+        states: list[UserState | None] = [None] * users.size
+        outcomes = [MISS] * users.size
+        todo = []
+        for i, user in enumerate(users.tolist()):
+            cached = self.cache.get(user)
+            if cached is not None and cached.seq >= needed[i]:
+                states[i], outcomes[i] = cached, HIT
+            else:
+                todo.append(i)
+        if todo:
+            fetched = self.states.fetch(users[todo])
+            for i, state, outcome in zip(todo, fetched.states, fetched.outcomes, strict=True):
+                states[i], outcomes[i] = state, _FETCHED.get(outcome, MISS)
+                if state is not None:
+                    self.cache.put(int(users[i]), state)
+        return states, outcomes
+
+    def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
+        """Merge the rows' users' states into ``features`` (the transform's keys), in place.
+
+        Sets ``history_log_weights`` (zeros where no state is merged) and, for merged rows, their
+        history keys and mask (widened to the sequence bucket of the longest row when needed).
+
+        Raises:
+            InvalidInput: see :meth:`request_users`.
+        """
+        keys, mask = features[HISTORY_KEYS], features[self.mask]
+        rows = mask.shape[0]
+        if USER_ID not in inputs:
+            features[HISTORY_LOG_WEIGHTS] = np.zeros(mask.shape, np.float32)
+            return RowStates.without_users(rows)
+        users, newest, lengths = self.request_users(inputs, rows)
+        tails = require(inputs, self.sequence.name, "INT64", rows, None)
+        distinct, where = np.unique(users, return_inverse=True)
+        needed = np.full(distinct.size, np.iinfo(np.int64).min, np.int64)
+        np.maximum.at(needed, where, newest - lengths)
+        states, fetched = self.states_of(distinct, needed)
+        outcomes = np.asarray([fetched[i] for i in where.tolist()], object)
+        state_seq = np.full(rows, -1, np.int64)
+        modes = np.full(rows, "", object)
+        lag = np.full(rows, -1, np.int64)
+        merged = {}
+        for r in range(rows):
+            state = states[where[r]]
+            if state is None:
+                continue
+            result = merge(state.tokens, state.seq, tails[r, : lengths[r]], int(newest[r]))
+            merged[r] = result.tokens
+            outcomes[r], modes[r] = result.outcome, state.mode
+            state_seq[r], lag[r] = state.seq, result.lag_events
+        if self.rebuilds is not None:
+            again = np.isin(outcomes, _REBUILD)
+            if again.any():
+                self.rebuilds.add(users[again])
+        features[HISTORY_LOG_WEIGHTS] = self._put_tokens(features, keys, mask, merged)
+        return RowStates(outcomes, state_seq, modes, lag)
+
+    def _put_tokens(
+        self, features: dict[str, np.ndarray], keys: np.ndarray, mask: np.ndarray, merged: dict
+    ) -> np.ndarray:
+        """Each merged row's token keys, mask and ``ln count`` written (padding side); the log-weights."""
+        longest = max((len(t) for t in merged.values()), default=0)
+        width = max(keys.shape[1], self.spec.sequence_bucket(max(longest, 1)))
+        if width > keys.shape[1]:
+            pad = [(width - keys.shape[1], 0) if self.left else (0, width - keys.shape[1])]
+            keys = np.pad(keys, [(0, 0), *pad], constant_values=self.pad_key)
+            mask = np.pad(mask, [(0, 0), *pad])
+        weights = np.zeros(mask.shape, np.float32)
+        if merged:
+            keys, mask = keys.copy(), mask.copy()
+        for r, tokens in merged.items():
+            n = len(tokens)
+            span = slice(width - n, width) if self.left else slice(0, n)
+            keys[r] = self.pad_key
+            mask[r] = 0.0
+            keys[r, span] = keys_for(tokens.items.astype(np.uint64), self.salt)
+            mask[r, span] = 1.0
+            weights[r, span] = tokens.log_weights()
+        features[HISTORY_KEYS], features[self.mask] = keys, mask
+        return weights

@@ -1,0 +1,136 @@
+"""User states served through Triton: a miss is today's answer, exact mode is the full-length attention.
+
+The tiny spec with ``[user_state]`` on, written to a test-local spec file: its repository is built
+here (seconds), its states put in the local store under the served repository's folder.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomllib
+import torch
+import tritonclient.grpc as grpcclient
+
+from recserve.backends.features.hashing import keys_for, table_salt
+from recserve.backends.store.user_state import EXACT, UserState
+from recserve.backends.store.user_state_store import LocalUserStates
+from recserve.backends.store.user_tokens import dedup
+from recserve.build.repository import build_repository, load_reference_net, reference_pipeline
+from recserve.build.synthetic import generate
+from recserve.core.contract import attention_inputs
+from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
+from recserve.core.spec_parse import load_spec, spec_path
+
+from .helpers import grpc_client, infer_raw, wait_for
+from .private_server import private_server
+
+EVENTS, TAIL, DISTINCT = 4096, 32, 80
+SECTION = f"""
+[user_state]
+enabled = true
+tokens = 96
+exact_tokens = 64
+tail = {TAIL}
+cache_ttl_ms = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def stateful(tmp_path_factory):
+    """The test-local spec and its built repository."""
+    folder = tmp_path_factory.mktemp("user_state")
+    text = spec_path("tiny").read_text()
+    assert "[user_state]" not in text and tomllib.loads(text + SECTION)["user_state"]["enabled"]
+    path = folder / "tiny_user_state.toml"
+    path.write_text(text + SECTION)
+    spec = load_spec(path)
+    repository = folder / "repository"
+    build_repository(spec, repository)
+    return spec, repository
+
+
+def _users(spec, rows, seed):
+    """Wire rows whose history is each user's newest ``TAIL`` of ``EVENTS`` events, and those events."""
+    rng = np.random.default_rng(seed)
+    wire = generate(spec, rows, seed).to_wire(spec)
+    cardinality = spec.tables[spec.sequences[0].table].cardinality
+    events = np.stack([rng.choice(np.arange(1, cardinality), DISTINCT, replace=False)[
+        np.minimum(rng.zipf(1.3, EVENTS) - 1, DISTINCT - 1)] for _ in range(rows)])  # fmt: skip
+    wire[spec.sequences[0].name] = events[:, -TAIL:]
+    wire[spec.attention_groups[0].length_input] = np.full((rows, 1), TAIL, np.int32)
+    wire[USER_ID] = np.arange(100, 100 + rows, dtype=np.int64)[:, None]
+    wire[USER_SEQ] = np.full((rows, 1), EVENTS, np.int64)
+    return wire, events
+
+
+def _metric(server, outcome):
+    url = f"http://127.0.0.1:{server.ports.metrics}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = re.findall(rf'recserve_user_state_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)', text)
+    return sum(float(v) for v in found)
+
+
+def _full_history_reference(spec, repository, wire, events):
+    """PyTorch on each row's whole ``EVENTS``-event history (no state, no truncation)."""
+    pipeline = reference_pipeline(spec, repository, runtime="torch")
+    plain = {k: v for k, v in wire.items() if k not in (USER_ID, USER_SEQ)}
+    named = {k: torch.from_numpy(np.asarray(v)) for k, v in pipeline.embeddings(plain).items()}
+    group, store = attention_inputs(spec)[0], pipeline.lookup.store
+    table = spec.sequences[0].table
+    keys = keys_for(events.reshape(-1).astype(np.uint64), table_salt(spec.hashing.namespace, table))
+    ids = np.full(keys.size, store.table_id(table), np.int16)
+    vectors = store.lookup(keys, ids, record=False).vectors[:, : spec.model.embedding_dim]
+    named[group.history] = torch.from_numpy(np.ascontiguousarray(vectors.reshape(*events.shape, -1)))
+    named[group.mask] = torch.ones(events.shape)
+    named.pop(HISTORY_LOG_WEIGHTS, None)
+    with torch.no_grad():
+        return load_reference_net(spec, repository).score(named).numpy().reshape(-1)
+
+
+def test_a_miss_serves_todays_answer_and_exact_states_serve_the_full_history(stateful, tmp_path):
+    spec, repository = stateful
+    wire, events = _users(spec, 6, seed=5)
+    stored = 3  # users 100..102 have a state built up to event EVENTS - 10; 103..105 have none
+
+    def prepare(root: Path) -> None:
+        states = LocalUserStates(root / spec.user_state.local_path, ttl_s=600, max_tokens=96)
+        for r in range(stored):
+            tokens = dedup(events[r, : EVENTS - 10])
+            assert len(tokens) <= 96
+            states.put(100 + r, UserState(EVENTS - 10, EXACT, tokens))
+        states.close()
+
+    today = {k: v for k, v in wire.items() if k not in (USER_ID, USER_SEQ)}
+    with private_server(repository, tmp_path, model_control="none", prepare=prepare) as server:
+        with grpc_client(server) as client:
+            served = infer_raw(grpcclient, client, spec, wire)
+            without = infer_raw(grpcclient, client, spec, today)
+            misses = infer_raw(grpcclient, client, spec, {k: v[stored:] for k, v in wire.items()})
+            alone = infer_raw(grpcclient, client, spec, {k: v[stored:] for k, v in today.items()})
+        assert np.array_equal(misses, alone)  # a miss: today's answer for the tail, bit for bit
+        assert np.array_equal(served[stored:], without[stored:])
+        expected = _full_history_reference(spec, repository, wire, events)
+        assert np.abs(served[:stored] - expected[:stored]).max() <= 1e-5
+        assert np.abs(without[:stored] - expected[:stored]).max() > 1e-5  # the tail alone differs
+        wait_for(  # published at most once a second: a later request publishes the counts
+            lambda: (
+                infer_raw(grpcclient, grpc_client(server), spec, today) is not None
+                and _metric(server, "hit") == stored
+                and _metric(server, "miss") == 2 * (6 - stored)
+            ),
+            15,
+            "hits and misses on the metrics endpoint",
+        )
+        queued = tmp_path / "repository" / (spec.user_state.event_path + ".rebuild")
+        wait_for(lambda: queued.exists() and "105" in queued.read_text(), 15, "the misses queued")
+        assert {int(line.split(":")[1].strip(" }")) for line in queued.read_text().splitlines()} == {
+            103,
+            104,
+            105,
+        }
+        assert "Traceback" not in server.log_tail(200)

@@ -1,0 +1,204 @@
+"""The online merge in the lookup step: states into history keys, today's rows untouched, outcomes."""
+
+import numpy as np
+import pytest
+
+from recserve.backends.features.hashing import keys_for, table_salt
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.steps.stateful_lookup import UserStateCounts
+from recserve.backends.steps.user_history import StateCache, UserHistories
+from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
+from recserve.backends.store.user_state import EXACT, UserState
+from recserve.backends.store.user_state_builder import UserStateBuilder
+from recserve.backends.store.user_state_groups import Budget
+from recserve.backends.store.user_state_store import LocalUserStates, StateFetch
+from recserve.backends.store.user_tokens import dedup
+from recserve.build.step_tensors import request_inputs, step_io
+from recserve.build.synthetic import generate
+from recserve.core.contract import dense_net_inputs, left_padded_inputs, sequence_inputs
+from recserve.core.names import (
+    EMBEDDING_LOOKUP,
+    HISTORY_KEYS,
+    HISTORY_LOG_WEIGHTS,
+    HISTORY_MASK,
+    USER_ID,
+    USER_SEQ,
+)
+from recserve.core.spec_parse import parse_spec
+from recserve.errors import InvalidInput
+from tests.unit.helpers import ctr_spec_document
+
+TAIL = 16
+
+
+def _spec(**section):
+    doc = ctr_spec_document()
+    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": TAIL, **section}
+    return parse_spec(doc)
+
+
+SPEC = _spec()
+
+
+def _rows(rows, seed, users, newest, tail_items):
+    """Wire rows of ``SPEC`` whose history is ``tail_items[r]`` (the tail), with a user and newest seq."""
+    wire = generate(SPEC, rows, seed).to_wire(SPEC)
+    seq = SPEC.sequences[0]
+    width = max(len(t) for t in tail_items) or 1
+    items = np.zeros((rows, width), np.int64)
+    for r, tail in enumerate(tail_items):
+        items[r, : len(tail)] = tail
+    wire[seq.name] = items
+    wire[SPEC.attention_groups[0].length_input] = np.array([[len(t)] for t in tail_items], np.int32)
+    if users is not None:
+        wire[USER_ID] = np.asarray(users, np.int64).reshape(-1, 1)
+        wire[USER_SEQ] = np.asarray(newest, np.int64).reshape(-1, 1)
+    return wire
+
+
+def _histories(tmp_path, rebuilds=None):
+    states = LocalUserStates(tmp_path / "states.sqlite", ttl_s=60, max_tokens=SPEC.user_state.tokens)
+    return UserHistories(SPEC, states, rebuilds), states
+
+
+def test_without_the_section_nothing_changes_in_the_contract_or_the_wire():
+    plain = parse_spec(ctr_spec_document())
+    assert HISTORY_LOG_WEIGHTS not in dense_net_inputs(plain) + sequence_inputs(plain)
+    assert USER_ID not in {t.name for t in request_inputs(plain)}
+    assert dense_net_inputs(SPEC) == (*dense_net_inputs(plain), HISTORY_LOG_WEIGHTS)
+    assert HISTORY_LOG_WEIGHTS in sequence_inputs(SPEC) and HISTORY_LOG_WEIGHTS not in left_padded_inputs(
+        SPEC
+    )
+    wire = {t.name: t for t in step_io(SPEC)[EMBEDDING_LOOKUP][0]}
+    assert wire[USER_ID].optional and wire[USER_SEQ].optional and wire[USER_ID].dtype == "INT64"
+
+
+def test_rows_without_a_user_keep_todays_keys_with_zero_log_weights(tmp_path):
+    histories, _ = _histories(tmp_path)
+    wire = _rows(3, 1, None, None, [[5, 6, 5], [], [7]])
+    today = FeatureTransform(SPEC).transform(wire)
+    features = FeatureTransform(SPEC).transform(wire)
+    rows = histories.apply(wire, features)
+    assert np.array_equal(features[HISTORY_KEYS], today[HISTORY_KEYS])
+    assert np.array_equal(features[HISTORY_MASK], today[HISTORY_MASK])
+    assert not features[HISTORY_LOG_WEIGHTS].any() and features[HISTORY_LOG_WEIGHTS].shape == (3, 8)
+    assert list(rows.outcomes) == ["", "", ""]
+
+
+def test_a_hit_serves_the_state_merged_with_the_tail_and_a_miss_serves_its_tail_as_today(tmp_path):
+    rebuilds = RebuildQueue(FileRebuilds(tmp_path / "events.jsonl.rebuild"), flush_s=3600)
+    histories, states = _histories(tmp_path, rebuilds)
+    rng = np.random.default_rng(3)
+    events = rng.integers(1, 60, 600)  # user 11's events 1..600; the state holds 1..590
+    states.put(11, UserState(590, EXACT, dedup(events[:590])))
+    tails = [events[-TAIL:], [4, 4, 9]]  # user 11's tail overlaps the state by 6 events; user 12 has none
+    wire = _rows(2, 2, [11, 12], [600, 3], tails)
+    today = FeatureTransform(SPEC).transform(wire)
+    features = FeatureTransform(SPEC).transform(wire)
+    rows = histories.apply(wire, features)
+    assert list(rows.outcomes) == ["hit", "miss"] and rows.state_seq.tolist() == [590, -1]
+    assert rows.lag_events.tolist() == [10, -1] and list(rows.modes) == [EXACT, ""]
+    full = dedup(events)
+    n = len(full)
+    width = features[HISTORY_KEYS].shape[1]
+    assert width == SPEC.sequence_bucket(n)
+    salt = table_salt(SPEC.hashing.namespace, SPEC.sequences[0].table)
+    assert np.array_equal(features[HISTORY_KEYS][0, :n], keys_for(full.items.astype(np.uint64), salt))
+    assert np.array_equal(features[HISTORY_MASK][0], (np.arange(width) < n).astype(np.float32))
+    assert np.allclose(features[HISTORY_LOG_WEIGHTS][0, :n], np.log(full.counts))
+    assert not features[HISTORY_LOG_WEIGHTS][0, n:].any() and not features[HISTORY_LOG_WEIGHTS][1].any()
+    # the miss: today's keys and mask (padded with today's padding key), zero weights
+    old = today[HISTORY_KEYS].shape[1]
+    assert np.array_equal(features[HISTORY_KEYS][1, :old], today[HISTORY_KEYS][1])
+    assert (features[HISTORY_KEYS][1, old:] == today[HISTORY_KEYS][1, -1]).all()
+    assert np.array_equal(features[HISTORY_MASK][1, :old], today[HISTORY_MASK][1])
+    assert rebuilds.flush() == 1 and FileRebuilds(tmp_path / "events.jsonl.rebuild").take().tolist() == [12]
+
+
+def test_a_gap_serves_state_and_tail_and_asks_for_a_rebuild(tmp_path):
+    rebuilds = RebuildQueue(FileRebuilds(tmp_path / "r"), flush_s=3600)
+    histories, states = _histories(tmp_path, rebuilds)
+    states.put(5, UserState(100, EXACT, dedup(np.arange(1, 11))))
+    wire = _rows(1, 3, [5], [200], [[3, 3, 50]])
+    features = FeatureTransform(SPEC).transform(wire)
+    rows = histories.apply(wire, features)
+    assert list(rows.outcomes) == ["gap"] and rows.lag_events.tolist() == [100]
+    assert features[HISTORY_MASK][0].sum() == 11  # 1..10 and 50
+    assert rebuilds.flush() == 1
+
+
+def test_a_failing_store_serves_the_tail_alone_counted_as_error_without_a_rebuild(tmp_path):
+    class Failing:
+        def fetch(self, users):
+            return StateFetch([None] * users.size, ["error"] * users.size)
+
+    rebuilds = RebuildQueue(FileRebuilds(tmp_path / "r"), flush_s=3600)
+    histories = UserHistories(SPEC, Failing(), rebuilds)
+    wire = _rows(2, 4, [1, 1], [5, 9], [[1, 2], [3]])
+    features = FeatureTransform(SPEC).transform(wire)
+    today = FeatureTransform(SPEC).transform(wire)
+    rows = histories.apply(wire, features)
+    assert list(rows.outcomes) == ["error", "error"] and rebuilds.flush() == 0
+    assert np.array_equal(features[HISTORY_KEYS], today[HISTORY_KEYS])
+    counts = UserStateCounts()
+    counts.record(rows)
+    totals = {s.labels: s.value for s in counts.samples() if s.name == "recserve_user_state_total"}
+    assert totals[(("outcome", "error"),)] == 2 and totals[(("outcome", "hit"),)] == 0
+
+
+def test_a_users_state_is_fetched_once_per_batch_and_then_cached_while_it_leaves_no_gap(tmp_path):
+    histories, states = _histories(tmp_path)
+    states.put(7, UserState(50, EXACT, dedup(np.arange(1, 51))))
+    fetched = []
+    fetch = histories.states.fetch
+    histories.states.fetch = lambda users: fetched.append(users.tolist()) or fetch(users)
+    for newest in (51, 52, 53):  # tails of 2 events: 53 needs event 51, which the state lacks
+        wire = _rows(2, 5, [7, 7], [newest, newest], [[1, 2], [3, 4]])
+        histories.apply(wire, FeatureTransform(SPEC).transform(wire))
+    assert fetched == [[7], [7]]  # the second request used the cache; the third fetched again
+
+
+def test_a_state_cache_forgets_after_its_ttl_and_beyond_its_capacity():
+    now = [0.0]
+    cache = StateCache(capacity=2, ttl_s=1.0, clock=lambda: now[0])
+    state = UserState(1, EXACT, dedup(np.array([1])))
+    for user in (1, 2, 3):
+        cache.put(user, state)
+    assert cache.get(1) is None and cache.get(3) is state
+    now[0] = 2.0
+    assert cache.get(3) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "name", "match"),
+    [
+        ({"length": TAIL + 1}, "history_length", f"at most \\[user_state\\] tail = {TAIL}"),
+        ({"newest": 1}, USER_SEQ, "below its history's 2 events"),
+        ({"drop": USER_SEQ}, USER_SEQ, "required but missing"),
+    ],
+)
+def test_a_bad_user_input_is_refused_naming_it(tmp_path, change, name, match):
+    histories, _ = _histories(tmp_path)
+    length = change.get("length", 2)
+    wire = _rows(1, 6, [3], [change.get("newest", 40)], [list(range(1, length + 1))])
+    wire.pop(change.get("drop", ""), None)
+    features = FeatureTransform(SPEC).transform(wire) if length <= 128 else None
+    with pytest.raises(InvalidInput, match=match) as raised:
+        histories.apply(wire, features)
+    assert raised.value.input_name.startswith(name.split("_")[0])
+
+
+def test_the_builder_rebuilds_the_users_the_servers_queue(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=96)
+    builder = UserStateBuilder(
+        states, Budget(96, 64, 0.5), lambda items: np.zeros((len(items), 2)), 4096, 0.0
+    )
+    from recserve.backends.store.event_log import Events
+
+    builder.ingest(Events.of([(1, 1, 5, 0.0), (1, 2, 6, 0.0)]))
+    builder.flush()
+    states.delete(1)  # the state expired, say
+    assert builder.request_rebuilds(np.array([1, 99])) == 1
+    builder.flush()
+    assert states.fetch(np.array([1])).outcomes == ["found"]
+    assert builder.report.rebuild_requests == 2 and builder.report.unknown_requests == 1
