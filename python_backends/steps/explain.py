@@ -9,7 +9,10 @@ import numpy as np
 
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.lookup import EmbeddingLookup
+from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.tiered import TIERS, TieredStore
+from recserve.backends.store.user_state_store import UserStates
+from recserve.core.names import USER_ID
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
 from recserve.core.values import canonical_value, multi_hot_tokens, parse_times, time_part
@@ -18,7 +21,11 @@ FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
 
 def explain(
-    spec: ModelSpec, store: TieredStore, inputs: Mapping[str, np.ndarray], device: str = ""
+    spec: ModelSpec,
+    store: TieredStore,
+    inputs: Mapping[str, np.ndarray],
+    device: str = "",
+    user_states: UserStates | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One record per row and feature (and per history position) of a batch of raw inputs.
 
@@ -26,10 +33,13 @@ def explain(
     counting them), so ``tier`` is the tier this store serves each key from right now. With
     ``device`` (``cpu`` or ``cuda``), the lookup of a device step (profile ``cuda``): the tables
     that fit ``[store] device_memory_mib`` resident there (tier ``device``), the others behind the
-    device L1.
+    device L1. With ``user_states`` and rows carrying ``user_id``, a ``user_state`` record per row
+    first: the state's sequence number, mode, tokens and how the row's tail met it (tier ``state``).
     """
     transform = FeatureTransform(spec)
     features = transform.transform(inputs)
+    if user_states is not None and USER_ID in inputs:
+        yield from _user_state_records(spec, user_states, inputs, dict(features))
     lookup = EmbeddingLookup(spec, store)
     keys, table_ids = lookup.keys_and_tables(features)
     if device:
@@ -84,6 +94,32 @@ def explain(
                 "tier": TIERS[int(tiers[row, column])],
                 "version": store.version_of(table, result.snapshot),
             }
+
+
+def _user_state_records(
+    spec: ModelSpec, states: UserStates, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]
+) -> Iterator[dict[str, Any]]:
+    """Per row, the user state the lookup step would merge (``features`` is a copy it may change)."""
+    rows = UserHistories(spec, states).apply(inputs, features)
+    table = spec.sequences[0].table
+    for row in range(rows.outcomes.size):
+        yield {
+            "row": row,
+            "feature": "user_state",
+            "value": {
+                "user": int(inputs[USER_ID][row, 0]),
+                "seq": int(rows.state_seq[row]),
+                "mode": str(rows.modes[row]),
+                "outcome": str(rows.outcomes[row]),
+                "lag_events": int(rows.lag_events[row]),
+                "tokens": int(features[UserHistories.mask_name(spec)][row].sum()),
+            },
+            "key": None,
+            "table": table,
+            "dim": spec.tables[table].dim,
+            "tier": "state",
+            "version": None,
+        }
 
 
 def _raw_value(

@@ -140,6 +140,11 @@ class UserHistories:
         self.salt = table_salt(spec.hashing.namespace, self.sequence.table)
         self.pad_key = missing_key(spec.hashing.namespace, self.sequence.name)
 
+    @staticmethod
+    def mask_name(spec: ModelSpec) -> str:
+        """The mask of the history a state is merged into (the first group's)."""
+        return attention_inputs(spec)[0].mask
+
     @classmethod
     def open(cls, spec: ModelSpec, folder: Path) -> UserHistories:
         """The states and rebuild queue ``[user_state]`` names (relative paths: under ``folder``)."""

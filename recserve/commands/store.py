@@ -78,10 +78,16 @@ def _rollback(args: argparse.Namespace) -> int:
 def _explain(args: argparse.Namespace) -> int:
     from recserve.backends.steps.explain import FIELDS, explain
     from recserve.clients.rows import read_rows
+    from recserve.core.user_state_wire import serves_user_state
 
     spec, served = _open(args)
     inputs = read_rows(args.input, spec).to_inputs(spec)
-    for record in explain(spec, served.store, inputs, args.device):
+    states = None
+    if serves_user_state(spec):  # the states the served step reads: under the repository's folder
+        from recserve.backends.store.user_state_store import open_user_states
+
+        states = open_user_states(spec.user_state, spec.store, args.repository)
+    for record in explain(spec, served.store, inputs, args.device, states):
         if args.json:
             print(json.dumps(record))
         else:

@@ -202,3 +202,19 @@ def test_the_builder_rebuilds_the_users_the_servers_queue(tmp_path):
     builder.flush()
     assert states.fetch(np.array([1])).outcomes == ["found"]
     assert builder.report.rebuild_requests == 2 and builder.report.unknown_requests == 1
+
+
+def test_explain_shows_each_rows_state_sequence_number_and_mode_first(tmp_path):
+    from itertools import islice
+
+    from recserve.backends.steps.explain import explain
+
+    _, states = _histories(tmp_path)
+    states.put(11, UserState(590, EXACT, dedup(np.arange(1, 41))))
+    wire = _rows(2, 7, [11, 12], [600, 3], [list(range(30, 46)), [4, 4, 9]])
+    records = list(islice(explain(SPEC, None, wire, user_states=states), 2))  # before any store lookup
+    assert [r["feature"] for r in records] == ["user_state", "user_state"]
+    first, second = (r["value"] for r in records)
+    assert (first["seq"], first["mode"], first["outcome"], first["lag_events"]) == (590, EXACT, "hit", 10)
+    assert first["tokens"] == 45 and records[0]["tier"] == "state"
+    assert (second["seq"], second["mode"], second["outcome"], second["tokens"]) == (-1, "", "miss", 3)
