@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
@@ -58,7 +59,21 @@ def _sample(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     writer = write_csv if args.output.suffix == ".csv" else write_tsv
-    writer(args.output, generate(spec, args.rows, args.seed), spec, with_label=not args.no_label)
+    if args.event_log is not None:  # long users: their events in the log, their newest tails as rows
+        from recserve.backends.store.event_log import append_events
+        from recserve.build.synthetic_users import long_users
+
+        made = long_users(spec, args.rows, args.seed)
+        append_events(args.event_log, made.event_log(start_ts=time.time() - spec.user_state.max_events))
+        rows = made.tail_rows(spec.user_state.tail)
+        print(
+            f"wrote {int(made.rows.lengths.sum())} events of users {made.first_user}.."
+            f"{made.first_user + args.rows - 1} to {args.event_log} (row i is user {made.first_user} + i)",
+            file=sys.stderr,
+        )
+    else:
+        rows = generate(spec, args.rows, args.seed)
+    writer(args.output, rows, spec, with_label=not args.no_label)
     print(f"wrote {args.rows} rows to {args.output}", file=sys.stderr)
     return 0
 
@@ -127,4 +142,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sample.add_argument("--rows", type=int, default=20)
     sample.add_argument("--seed", type=int, default=1)
     sample.add_argument("--no-label", action="store_true")
+    sample.add_argument(
+        "--event-log",
+        type=Path,
+        default=None,
+        help="long users instead ([user_state] max_events): append their events to this JSON-lines log "
+        "and write their newest [user_state] tail events as the rows",
+    )
     sample.set_defaults(func=_sample)
