@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,11 +11,15 @@ from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.tiered import TIERS, TieredStore
+from recserve.backends.store.tiers import Lookup
 from recserve.backends.store.user_state_store import UserStates
 from recserve.core.names import USER_ID
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
 from recserve.core.values import canonical_value, multi_hot_tokens, parse_times, time_part
+
+if TYPE_CHECKING:
+    from recserve.backends.store.device_cache import DeviceLookup
 
 FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
 
@@ -42,6 +46,7 @@ def explain(
         yield from _user_state_records(spec, user_states, inputs, dict(features))
     lookup = EmbeddingLookup(spec, store)
     keys, table_ids = lookup.keys_and_tables(features)
+    result: Lookup | DeviceLookup
     if device:
         from recserve.backends.store.device_tier import device_lookup
 
