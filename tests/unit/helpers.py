@@ -2,12 +2,66 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import tomllib
+import torch
 
+from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.tiered import TieredStore
+from recserve.build.synthetic import zipf_ranks
 from recserve.core.spec_parse import spec_path
+from tests.store_tables import DIM
 
 
 def ctr_spec_document() -> dict:
     """The bundled ``ctr`` spec as its parsed TOML document, for a test to edit and parse."""
     with open(spec_path("ctr"), "rb") as fh:
         return tomllib.load(fh)
+
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
+        ),
+    ),
+]
+SLOT_BYTES = DIM * 4 + 16  # what one L1 slot costs in the byte budget
+
+
+def zipf_batch(tables, rng, size, unknown=0.05):
+    """Keys of both tables drawn Zipf(1.05) by row rank, plus a share of unknown keys, and their table ids."""
+    names = sorted(tables)
+    table = rng.integers(0, len(names), size)
+    keys = np.empty(size, np.int64)
+    for number, name in enumerate(names):
+        chosen = table == number
+        keys[chosen] = tables[name].keys[zipf_ranks(rng, len(tables[name].keys), 1.05, (int(chosen.sum()),))]
+    strangers = rng.random(size) < unknown
+    keys[strangers] = rng.integers(1, 1 << 40, int(strangers.sum()))
+    return keys, table.astype(np.int16)
+
+
+def warm(store, tables, rng, batches=20):
+    for _ in range(batches):
+        store.lookup(*zipf_batch(tables, rng, 512))
+    store.refresh_cache()
+
+
+class SwapsMidBatch(TieredStore):
+    """A store whose next lookups each publish a new delta first, as the upkeep thread might."""
+
+    swaps = 0
+    rows: tuple = ()
+
+    def lookup(self, keys, table_ids, record=True):
+        if self.swaps:
+            self.swaps -= 1
+            version = self.version_of("t0") + 1
+            self.install(
+                {"t0": version}, RowBlock.of(self.rows, np.full((len(self.rows), DIM), version, np.float32))
+            )
+        return super().lookup(keys, table_ids, record)

@@ -12,34 +12,10 @@ from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.served import ServedStore
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
-from recserve.build.synthetic import zipf_ranks
 from recserve.core.names import EMBEDDING_VERSION
 from recserve.core.sections_serving import StoreSection
 from tests.store_tables import DIM, make_tables
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)"
-        ),
-    ),
-]
-SLOT_BYTES = DIM * 4 + 16  # what one L1 slot costs in the byte budget
-
-
-def zipf_batch(tables, rng, size, unknown=0.05):
-    """Keys of both tables drawn Zipf(1.05) by row rank, plus a share of unknown keys, and their table ids."""
-    names = sorted(tables)
-    table = rng.integers(0, len(names), size)
-    keys = np.empty(size, np.int64)
-    for number, name in enumerate(names):
-        chosen = table == number
-        keys[chosen] = tables[name].keys[zipf_ranks(rng, len(tables[name].keys), 1.05, (int(chosen.sum()),))]
-    strangers = rng.random(size) < unknown
-    keys[strangers] = rng.integers(1, 1 << 40, int(strangers.sum()))
-    return keys, table.astype(np.int16)
+from tests.unit.helpers import DEVICES, SLOT_BYTES, SwapsMidBatch, warm, zipf_batch
 
 
 def make_store(cache_slots=150):
@@ -51,12 +27,6 @@ def make_store(cache_slots=150):
         options=StoreSection(cache_mib=(cache_slots * SLOT_BYTES) / (1 << 20)),
     )
     return tables, store
-
-
-def warm(store, tables, rng, batches=20):
-    for _ in range(batches):
-        store.lookup(*zipf_batch(tables, rng, 512))
-    store.refresh_cache()
 
 
 def assert_same(device_result, host_result):
@@ -152,22 +122,6 @@ def test_counts_and_key_frequencies_match_the_host_path(device):
     host.refresh_cache()
     on_device.refresh_cache()
     assert np.array_equal(on_device.hot_keys(), host.hot_keys())  # the device path fed the same frequencies
-
-
-class SwapsMidBatch(TieredStore):
-    """A store whose next lookups each publish a new delta first, as the upkeep thread might."""
-
-    swaps = 0
-    rows: tuple = ()
-
-    def lookup(self, keys, table_ids, record=True):
-        if self.swaps:
-            self.swaps -= 1
-            version = self.version_of("t0") + 1
-            self.install(
-                {"t0": version}, RowBlock.of(self.rows, np.full((len(self.rows), DIM), version, np.float32))
-            )
-        return super().lookup(keys, table_ids, record)
 
 
 @pytest.mark.parametrize("swaps", [1, 4])  # 4: every attempt loses, the host path serves it

@@ -15,7 +15,7 @@ from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.sections_base import SpecError
 from recserve.core.sections_serving import StoreSection
 from tests.store_tables import DIM, make_tables
-from tests.unit.test_device_cache import DEVICES, SLOT_BYTES, SwapsMidBatch, warm, zipf_batch
+from tests.unit.helpers import DEVICES, SLOT_BYTES, SwapsMidBatch, warm, zipf_batch
 
 ROW_BYTES = 8 + DIM * 4  # one resident row: its key and its float32 vector
 

@@ -10,7 +10,7 @@ from recserve.backends.features import device_transform, hashing
 from recserve.backends.features.device_transform import DeviceNormalizer, int64_bits, masked_keys
 from recserve.backends.features.transform import FeatureTransform
 from recserve.core.spec_parse import parse_spec
-from tests.unit.test_device_cache import DEVICES
+from tests.unit.helpers import DEVICES
 
 INT64 = np.iinfo(np.int64)
 EDGES = [0, -1, 1, INT64.max, INT64.min, INT64.max - 1, INT64.min + 1]
