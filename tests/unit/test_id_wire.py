@@ -18,35 +18,9 @@ from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.spec_parse import load_spec
 from recserve.core.wire_forms import ids_from_bytes, request_form
 from recserve.errors import InvalidInput
+from tests.wire_rows import column_index, edge_rows
 
 SPECS = ("ctr", "tiny", "avazu", "taobao")
-
-
-def _column(spec, name):
-    return spec.categorical.columns.index(name)
-
-
-def edge_rows(spec, count=64, seed=3):
-    """Synthetic rows with empty values, values no table holds, and awkward text in every column kind."""
-    rows = generate(spec, count, seed)
-    cat = rows.categorical
-    for i, column in enumerate(spec.categorical.raw_columns):
-        cat[1, i] = b""  # empty
-        if column.separator:  # multi-hot: empty elements, more than max_length, one value
-            sep = column.separator.encode()
-            cat[2, i] = sep.join([b"7", b"", b"12"])
-            cat[3, i] = sep.join(str(v).encode() for v in range(column.max_length + 5))
-            cat[4, i] = b"123456789"
-        elif column.value_type == "hex":
-            cat[2, i] = b"00FfA"  # case and leading zeros
-            cat[3, i] = b"f" * column.max_hex_digits  # the widest value, in no table
-        elif column.value_type == "string":
-            cat[2, i] = "café ☕".encode()
-            cat[3, i] = b"x" * 300  # hashed one by one
-        elif column.value_type in ("int64", "uint64"):
-            cat[2, i] = b"-5" if column.value_type == "int64" else b"18446744073709551615"
-            cat[3, i] = b"9223372036854775807"
-    return rows
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -119,7 +93,7 @@ def test_ids_outside_what_the_text_could_say_are_refused():
     transform = FeatureTransform(spec)
     wire = generate(spec, 4, seed=1).to_wire(spec, IDS_WIRE)
     single = spec.wire_form(IDS_WIRE).single
-    time = single.index(_column(spec, "time_stamp"))
+    time = single.index(column_index(spec, "time_stamp"))
     before_1970 = {k: v.copy() for k, v in wire.items()}
     before_1970["categorical__ids"][2, time] = -1
     with pytest.raises(InvalidInput, match=r"time_stamp \(row 2\) is -1: not unix seconds in 0\.\."):
@@ -154,7 +128,7 @@ def test_the_sdk_sends_ids_by_default_and_converts_the_bytes_form():
     assert set(text) == set(inputs)
     bad = dict(inputs)
     bad["categorical"] = bad["categorical"].copy()
-    bad["categorical"][0, _column(spec, "user")] = b"not a number"
+    bad["categorical"][0, column_index(spec, "user")] = b"not a number"
     with pytest.raises(InvalidRequestError, match="user"):
         ClientBase(None, "grpc", 1.0, spec, None)._prepare(bad)
     with pytest.raises(ValueError, match="wire form"):
