@@ -9,7 +9,7 @@ The transports are :class:`~recserve.clients.sdk.CTRClient` and
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +29,7 @@ from recserve.core.names import (
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec
 from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.user_state_wire import user_state_inputs
 from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
 from recserve.errors import InvalidInput, cap_message, shorten, shorten_all
 
@@ -104,6 +105,7 @@ class ClientBase:
         # list's once-per-user ones
         forms = [self.spec.wire_form(form) for form in WIRE_FORMS]
         self._dtypes = {t.name: t.dtype for f in forms for t in (*f.inputs, *f.user_inputs)}
+        self._dtypes.update({t.name: t.dtype for t in user_state_inputs(self.spec)})
         # sent with every request: the access layer keeps a user on one model variant by it
         self._headers = {USER_HEADER: user_id} if user_id is not None else None
 
@@ -113,6 +115,9 @@ class ClientBase:
         ``inputs`` may be of either wire form; those of the bytes form are sent as ids when the
         client's ``wire`` is ``ids`` (parsed and hashed here, by the value codec).
         """
+        state = {t.name for t in user_state_inputs(self.spec)}  # none unless [user_state] is on
+        given = {n: v for n, v in inputs.items() if n in state and v is not None}
+        inputs = {n: v for n, v in inputs.items() if n not in state}
         try:
             form = request_form(self.spec, [n for n, v in inputs.items() if v is not None])
         except InvalidInput as exc:
@@ -140,18 +145,41 @@ class ClientBase:
                     f"input '{w.name}' has shape {list(array.shape)}, expected [batch, ...]"
                 )
             arrays[w.name] = array
+        arrays.update(self._user_state_arrays(given, state))
         rows = {a.shape[0] for a in arrays.values()}
         if len(rows) != 1:
             raise InvalidRequestError(f"inputs disagree on the batch size: {sorted(rows)}")
         if form != self.wire == IDS_WIRE:
             try:
-                arrays = ids_from_bytes(self.spec, arrays)
+                arrays = {**ids_from_bytes(self.spec, arrays), **{n: arrays[n] for n in given}}
             except InvalidInput as exc:
                 raise InvalidRequestError(str(exc)) from None
         batch = rows.pop()
         limit = self.spec.model.max_batch_size
         if batch > limit:
             raise InvalidRequestError(f"batch of {batch} rows exceeds max_batch_size {limit}; use predict()")
+        return arrays
+
+    @staticmethod
+    def _user_state_arrays(given: Mapping[str, np.ndarray], names: set[str]) -> dict[str, np.ndarray]:
+        """``user_id`` and ``user_seq`` as INT64 ``[B, 1]``: both or neither (``[user_state]``)."""
+        if given and set(given) != names:
+            raise InvalidRequestError(
+                f"inputs {sorted(names)} go together (a row's user and its newest event); got {sorted(given)}"
+            )
+        arrays = {}
+        for name, values in given.items():
+            try:
+                array = np.ascontiguousarray(values, dtype=np.int64)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InvalidRequestError(
+                    f"input '{name}' cannot be converted to INT64: {cap_message(str(exc), 200)}"
+                ) from exc
+            arrays[name] = array.reshape(-1, 1) if array.ndim == 1 else array
+            if arrays[name].ndim != 2 or arrays[name].shape[1] != 1:
+                raise InvalidRequestError(
+                    f"input '{name}' has shape {list(array.shape)}, expected [batch, 1]"
+                )
         return arrays
 
     def _candidate_requests(
@@ -193,7 +221,7 @@ class ClientBase:
             user_arrays[group.length_input] = np.array([[length]], np.int32)
         for part in candidates.batches(spec.model.max_batch_size):
             try:
-                rows = part.to_inputs(spec, self.wire)
+                rows = replace(part, users=None, user_seqs=None).to_inputs(spec, self.wire)  # no states
             except InvalidInput as exc:
                 raise InvalidRequestError(str(exc)) from None
             yield {**user_arrays, **candidate_list_inputs(spec, rows, self.wire)}

@@ -10,7 +10,11 @@ Two text layouts are read by :func:`read_rows` (``ctr`` shown; every name comes 
   the label (``[inputs] label``), the sequence and its target are optional; columns listed in
   ``[inputs] ignore`` are skipped, other unknown columns too (with a warning); the order is free.
   History ids are separated by spaces inside the field. A tab-separated file with such a header is
-  read the same way.
+  read the same way. With ``[user_state]`` on, a ``user_seq`` column (the sequence number of each
+  row's newest history event) makes the history each row's real-time tail: the user is then the
+  ``[inputs] user`` column (a ``user_id`` column when the spec names none), an integer, and the
+  rows carry both (:attr:`Rows.users`, :attr:`Rows.user_seqs`), which the clients send as
+  ``user_id`` and ``user_seq``.
 
 Empty numeric fields are missing values, negative numeric values are allowed, empty categorical
 fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError` naming the line
@@ -42,8 +46,10 @@ from recserve.clients.fields import (
     parse_ints,
     text_array,
 )
+from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import Rows
 from recserve.core.spec import ModelSpec
+from recserve.core.user_state_wire import serves_user_state
 from recserve.core.values import ABSENT_ITEM
 
 LOGGER = logging.getLogger(__name__)
@@ -70,6 +76,14 @@ class _Tokens:
     categorical: list[list[str]]
     labels: list[str] | None
     sequences: dict[str, list[str]]  # by name: the sequences and targets the file has
+    user_state: tuple[list[str], list[str]] | None = None  # each row's user and user_seq fields
+
+
+def user_state_columns(spec: ModelSpec) -> tuple[str, str] | None:
+    """The columns of a row's user and of its newest event's number (None: the spec serves no state)."""
+    if not serves_user_state(spec):
+        return None
+    return spec.inputs.user or USER_ID, USER_SEQ
 
 
 def _sequence_columns(spec: ModelSpec) -> list[str]:
@@ -166,7 +180,9 @@ def _read_headed(
         raise RowFormatError(f"header lacks required columns {missing}", line=1)
     sequence = [name.lower() for name in _sequence_columns(spec)]
     label = spec.inputs.label.lower()
-    known = {*required, label, *sequence, *(c.lower() for c in spec.inputs.ignore)}
+    state_columns = user_state_columns(spec)
+    state_names = [c.lower() for c in state_columns] if state_columns else []
+    known = {*required, label, *sequence, *state_names, *(c.lower() for c in spec.inputs.ignore)}
     unknown = [n for n in names if n not in known]
     if unknown:
         LOGGER.warning("ignoring unknown columns %s", unknown)
@@ -174,12 +190,20 @@ def _read_headed(
     cat_idx = [index[c.lower()] for c in spec.categorical.columns]
     label_idx = index.get(label)
     sequence_idx = {name: index[name.lower()] for name in _sequence_columns(spec) if name.lower() in index}
+    state_idx = None
+    if state_columns and state_names[1] in index:
+        if state_names[0] not in index:
+            raise RowFormatError(
+                f"a {state_columns[1]} column needs the user's column {state_columns[0]!r}", line=1
+            )
+        state_idx = (index[state_names[0]], index[state_names[1]])
     tokens = _Tokens(
         lines=[],
         dense=[],
         categorical=[],
         labels=None if label_idx is None else [],
         sequences={name: [] for name in sequence_idx},
+        user_state=None if state_idx is None else ([], []),
     )
     reader = csv.reader(text, delimiter=delimiter, skipinitialspace=True)
     for fields_ in reader:
@@ -199,6 +223,9 @@ def _read_headed(
             tokens.labels.append(fields_[label_idx])  # type: ignore[index]
         for name, i in sequence_idx.items():
             tokens.sequences[name].append(fields_[i])
+        if tokens.user_state is not None and state_idx is not None:
+            tokens.user_state[0].append(fields_[state_idx[0]])
+            tokens.user_state[1].append(fields_[state_idx[1]])
     return tokens
 
 
@@ -292,7 +319,21 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> Rows:
         label_text = text_array(tokens.labels, (n, 1))
         labels = parse_floats(label_text, lines, [spec.inputs.label])[:, 0]
 
-    return Rows(dense, dense_missing, categorical, target, history, lengths, labels, side)
+    rows = Rows(dense, dense_missing, categorical, target, history, lengths, labels, side)
+    columns = user_state_columns(spec)
+    if tokens.user_state is None or columns is None:
+        return rows
+    users, seqs = (
+        parse_ints(text_array(values, (n, 1)), lines, [name])[:, 0]
+        for values, name in zip(tokens.user_state, columns, strict=True)
+    )
+    for values, name in ((users, columns[0]), (seqs, columns[1])):
+        bad = np.flatnonzero(values < (0 if name == columns[0] else lengths))
+        if bad.size:
+            r = int(bad[0])
+            rule = ">= 0" if name == columns[0] else f">= the row's {int(lengths[r])} history events"
+            raise RowFormatError(f"{int(values[r])} is not {rule}", line=int(lines[r]), column=name)
+    return rows.with_user_state(spec, users, seqs)
 
 
 def _parse_target(fields_: list[str] | None, name: str, lines: np.ndarray) -> np.ndarray:

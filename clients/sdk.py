@@ -210,6 +210,9 @@ class CTRClient(ClientBase):
 
         The user is the spec's ``[inputs] user`` column (see :meth:`CriteoRows.user_runs`). Runs of
         one row are sent as rows, ``batch_size`` at a time. The scores are those of :meth:`predict`.
+        Rows that are users' real-time tails (they carry ``users`` and ``user_seqs``, and the spec
+        serves user states) are all sent as rows, so that their states are merged (candidate lists
+        are served without states).
 
         Returns:
             float32 ``[N]`` probabilities in the order of ``rows``.
@@ -219,6 +222,8 @@ class CTRClient(ClientBase):
             RecserveClientError: as :meth:`predict_inputs`.
         """
         self._check_batch_size(batch_size)
+        if rows.user_state_wire(self.spec):
+            return self.predict(rows, batch_size)
         out = np.zeros(len(rows), dtype=np.float32)
         alone = []
         for run in rows.user_runs(self.spec):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import RawRows
 from recserve.core.spec import ModelSpec
 from recserve.core.values import ABSENT_ITEM
@@ -48,6 +49,9 @@ def write_tsv(
 ) -> Path:
     """Write rows in the headerless Criteo TSV layout.
 
+    Rows carrying users' real-time tails (:meth:`RawRows.with_user_state`, for a spec with
+    ``[user_state]`` on) get a header instead, naming their user and ``user_seq`` columns too.
+
     Args:
         path: output file (``.gz`` is compressed).
         raw_rows: the rows, e.g. from :func:`recserve.build.synthetic.generate`.
@@ -69,6 +73,9 @@ def write_csv(
     with_sequence: bool = True,
 ) -> Path:
     """Write rows as CSV with a header row (history ids space-separated inside their field).
+
+    Rows carrying users' real-time tails (:meth:`RawRows.with_user_state`, for a spec with
+    ``[user_state]`` on) get their user and ``user_seq`` columns too.
 
     Args:
         path: output file (``.gz`` is compressed).
@@ -100,6 +107,14 @@ def _write_table(
         columns = columns[: 2 + int(with_label)]
     if with_label:
         names.insert(0, spec.inputs.label)
+    state = raw_rows.user_state_wire(spec) if with_sequence else {}
+    if state:  # the rows are users' real-time tails: their users and newest events' numbers
+        header = True  # read back by name only
+        user_column, seq_column = (spec.inputs.user or USER_ID), USER_SEQ
+        for name, values in ((user_column, state[USER_ID]), (seq_column, state[USER_SEQ])):
+            if name not in names:
+                names.append(name)
+                columns.append(np.char.mod("%d", values).astype(object))
     table = np.concatenate(columns, axis=1)
     out = Path(path)
     opener = gzip.open if out.suffix == ".gz" else open

@@ -65,7 +65,8 @@ def _sample(args: argparse.Namespace) -> int:
 
         made = long_users(spec, args.rows, args.seed)
         append_events(args.event_log, made.event_log(start_ts=time.time() - spec.user_state.max_events))
-        rows = made.tail_rows(spec.user_state.tail)
+        # each row a user's newest tail, with its user and newest event's number (read back by predict)
+        rows = made.tail_rows(spec.user_state.tail).with_user_state(spec, made.users, made.rows.lengths)
         print(
             f"wrote {int(made.rows.lengths.sum())} events of users {made.first_user}.."
             f"{made.first_user + args.rows - 1} to {args.event_log} (row i is user {made.first_user} + i)",
@@ -147,6 +148,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="long users instead ([user_state] max_events): append their events to this JSON-lines log "
-        "and write their newest [user_state] tail events as the rows",
+        "and write their newest [user_state] tail events as the rows, with user and user_seq columns",
     )
     sample.set_defaults(func=_sample)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from recserve.core.names import BYTES_WIRE, IDS_WIRE
+from recserve.core.names import BYTES_WIRE, IDS_WIRE, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, NUMPY_DTYPES
+from recserve.core.user_state_wire import serves_user_state
 from recserve.core.values import split_list
 from recserve.core.wire_forms import check_form, ids_from_bytes
 
@@ -58,6 +59,10 @@ class Rows(SideSequences):
         labels: float32 ``[N]`` click labels, or None when the input had no label column.
         side: the other sequences (``[N, W]``) and their targets (``[N]``) by name, and the lengths
             (``[N]``) of every further attention group by the name of its length input.
+        users: int64 ``[N]``, each row's user (the key of its state, ``[user_state]``), or None.
+        user_seqs: int64 ``[N]``, the sequence number of the newest event of each row's history
+            (the history is then the user's real-time tail), or None. With both, a spec serving
+            user states gets them as ``user_id`` and ``user_seq``.
     """
 
     dense: np.ndarray
@@ -68,6 +73,8 @@ class Rows(SideSequences):
     lengths: np.ndarray
     labels: np.ndarray | None = None
     side: dict[str, np.ndarray] = field(default_factory=dict)
+    users: np.ndarray | None = None
+    user_seqs: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.dense.shape[0])
@@ -116,7 +123,38 @@ class Rows(SideSequences):
             lengths=self.lengths.astype(np.int32),
             labels=labels,
             side=self.side,
+            users=self.users,
+            user_seqs=self.user_seqs,
         )
+
+    def with_user_state(self, spec: ModelSpec, users: np.ndarray, user_seqs: np.ndarray) -> Rows:
+        """These rows as a user's real-time tails: each row's user and its newest event's number.
+
+        Where ``[inputs] user`` names a categorical column, that column holds the users' ids too.
+        """
+        categorical = self.categorical
+        if spec.inputs.user in spec.categorical.columns:
+            categorical = categorical.copy()
+            column = spec.categorical.columns.index(spec.inputs.user)
+            categorical[:, column] = [str(int(u)).encode() for u in np.asarray(users).tolist()]
+        return replace(
+            self,
+            categorical=categorical,
+            users=np.asarray(users, np.int64).reshape(-1),
+            user_seqs=np.asarray(user_seqs, np.int64).reshape(-1),
+        )
+
+    def user_state_wire(self, spec: ModelSpec) -> dict[str, np.ndarray]:
+        """``user_id`` and ``user_seq`` ``[N, 1]`` when the rows carry them and the spec serves states.
+
+        Empty otherwise (no user, or ``[user_state]`` off).
+        """
+        if self.users is None or self.user_seqs is None or not serves_user_state(spec):
+            return {}
+        return {
+            USER_ID: np.ascontiguousarray(self.users, np.int64).reshape(-1, 1),
+            USER_SEQ: np.ascontiguousarray(self.user_seqs, np.int64).reshape(-1, 1),
+        }
 
     def to_raw(self, spec: ModelSpec) -> Rows:
         """The rows to train on: canonical dtypes and float32 labels.
@@ -140,12 +178,16 @@ class Rows(SideSequences):
             form: the wire form, ``bytes`` or ``ids`` (:mod:`recserve.core.wire_forms`).
 
         Returns:
-            One array per wire input, keyed by input name, dtypes as in ``spec.wire_form(form).inputs``.
+            One array per wire input, keyed by input name, dtypes as in ``spec.wire_form(form).inputs``;
+            ``user_id`` and ``user_seq`` too when the rows carry them (:meth:`user_state_wire`).
         """
         wire_rows = self.with_labels(np.zeros(len(self), np.float32)).to_wire(spec, form)
         return {
-            wire.name: np.ascontiguousarray(wire_rows[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
-            for wire in spec.wire_form(form).inputs
+            **{
+                wire.name: np.ascontiguousarray(wire_rows[wire.name], dtype=NUMPY_DTYPES[wire.dtype])
+                for wire in spec.wire_form(form).inputs
+            },
+            **self.user_state_wire(spec),
         }
 
     def user_runs(self, spec: ModelSpec) -> list[slice]:
@@ -213,7 +255,8 @@ class Rows(SideSequences):
                 )
             values[group.length_input] = lengths.astype(np.int32)[:, None]
         wire = {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}
-        return ids_from_bytes(spec, wire) if check_form(form) == IDS_WIRE else wire
+        wire = ids_from_bytes(spec, wire) if check_form(form) == IDS_WIRE else wire
+        return {**wire, **self.user_state_wire(spec)}
 
 
 #: The former name of :class:`Rows` (the rows the build and the tests generate).
