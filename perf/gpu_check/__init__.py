@@ -3,7 +3,8 @@
 The GPU machine (one H100 or H200, x86-64, Python 3.12 with torch/CUDA, onnx, onnxruntime, safetensors,
 pytest, matplotlib, protobuf and grpcio in its image) reaches no package registry, receives at most
 64 MiB per call (the working tree plus the ignored folders named to be carried), runs a command for at
-most 10 minutes and is lent for 30 minutes of device time. So the work is split in two halves:
+most 10 minutes and is lent for about 15 minutes at a time, its start included. So the work is split
+in two halves:
 
 1. ``prepare``, here, with the registries: builds the kit ``.gpu-kit/`` (ignored) with everything the
    GPU machine lacks, for CPython 3.12 manylinux x86_64:
@@ -24,37 +25,46 @@ most 10 minutes and is lent for 30 minutes of device time. So the work is split 
    prints a size table and fails when they do not. The plan is one carried folder, ``.gpu-kit``, for
    every call.
 
-2. ``run``, on the GPU machine, from the carried kit only: a venv over the image's interpreter (torch
-   and the rest come from the image, numpy<2 and the rest from the kit), ``recserve build`` (with the
-   TensorRT engine where TensorRT is importable), the CUDA/TensorRT tests that skip on CPU machines,
-   ``lab dense-bench`` and ``lab store-bench`` on cuda, ``serve --profile cuda`` (and ``gpu`` with TensorRT)
-   under perf_analyzer at client batch 64 and 256, concurrency 1 to 16, parity of the served scores
-   with the in-process PyTorch reference, and 1, 2 and 4 dense instances with and without MPS. Each
-   step has its own time limit and status (ok / failed with the error tail / skipped with a reason);
-   a failing step does not stop the others. Since one command may run 10 minutes, the steps are in
-   four parts, one call each (``--part 1`` to ``4``), run back to back while the machine is
-   warm: the venv and the built repository stay in ignored folders between them (a part that finds
-   them gone redoes the install and build). Every call writes ``summary.md`` (Markdown), ``summary.json``
-   and ``logs.tar.gz`` to ``--output`` (``$OUT`` by default), covering all parts run so far.
+2. ``run``, on the GPU machine, from the carried kit only. Without ``--part`` it is **the bench, in
+   one call of at most 8 minutes** (part 0): a venv over the image's interpreter (torch and the rest
+   from the image, numpy<2 and the rest from the kit), a repository built from the default spec
+   trained on fewer rows (the served shapes unchanged), then on the same card: the in-process bound
+   (recserve's own transform, lookup with the tables resident on the device, and dense network in
+   one process, one user's candidate lists with a 256-long history, at 1,024 / 4,096 / 16,384 rows),
+   ``serve --profile cuda`` with parity of both wire forms against PyTorch, the id form with lists
+   of 256, 1,024 and 4,096 candidates and with rows at 1 to 16 in flight, and the BYTES form for
+   comparison. ``summary.json`` carries ``gpu_bound_rows_per_s``, ``gpu_served_rows_per_s`` (the best
+   id-form point with p99 <= 10 ms), ``gpu_served_vs_bound``, the issue's targets, the per-step
+   queue and compute times from Triton's statistics and the host<->device bytes per row. The
+   longer checks stay as parts 1 to 4, one call each: ``recserve build`` and the CUDA/TensorRT
+   tests; ``lab dense-bench`` and ``lab store-bench`` on cuda and ``serve --profile cuda`` under
+   perf_analyzer; ``--profile gpu`` (TensorRT) and 1, 2 and 4 dense instances with and without MPS;
+   1 to 8 lookup instances. Each step has its own time limit and status (ok / failed with the error
+   tail / skipped with a reason); a failing step does not stop the others; the outputs are rewritten
+   after every step and every few seconds while a measurement runs. The venv and the built
+   repositories stay in ignored folders between calls (a call that finds them gone redoes them).
+   Every call writes ``summary.md`` (Markdown), ``summary.json`` and ``logs.tar.gz`` to ``--output``
+   (``$OUT`` by default), covering all parts run so far.
 
    ``dry-run`` (``make gpu-check DRY_RUN=1``) does all of it that needs no GPU: prepares (or reuses) and
    size-checks the kit, proves that every requirement resolves from the kit alone for cp312 (pip with
    no index, the image's packages given as stand-ins), installs the pure-Python wheels and builds
-   recserve and the geventhttpclient sdist offline for this interpreter in a scratch venv, then walks
-   the same step list with the GPU steps skipped ("no GPU").
+   recserve and the geventhttpclient sdist offline for this interpreter in a scratch venv, walks every
+   step of the bench on the CPU (``device="cpu"``, the ``cpu`` profile, tiny sizes), then the other
+   steps with the GPU ones skipped ("no GPU").
 
 Use::
 
     make gpu-check                                   # here: prepare, then print the calls to make
-    # on the GPU machine, from the working tree's root, carry .gpu-kit, one call per part:
-    python3 -m perf.gpu_check run --part 1
-    python3 -m perf.gpu_check run --part 2
-    python3 -m perf.gpu_check run --part 3
-    python3 -m perf.gpu_check run --part 4
+    # on the GPU machine, from the working tree's root, carry .gpu-kit:
+    python3 -m perf.gpu_check run                    # the bench, one call (at most 8 minutes)
+    python3 -m perf.gpu_check run --part 1           # the longer checks, one call per part (1 to 4)
 
 The ``run`` half uses the standard library only, so that it starts before anything is installed; here
 the same package runs as ``python -m recserve.perf.gpu_check``. Its modules: ``common`` (the constants
 and shared helpers), ``kit`` (building, repacking and verifying the kit), ``context`` (what the steps
 share), ``steps`` (the machine steps, the step list and its runner), ``serve`` (the serving steps and
-their ``parity`` and ``variant`` helpers), ``report`` (the outputs) and ``__main__`` (the command line).
+their ``parity`` and ``variant`` helpers), ``bench_steps`` (the bench's steps), ``bench_spec``,
+``bench_bound`` and ``bench_served`` (the bench's helpers, run in the venv), ``bench_report`` (its
+figures and tables), ``report`` (the outputs) and ``__main__`` (the command line).
 """

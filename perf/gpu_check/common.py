@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 LIMIT_BYTES = 64 * 1024 * 1024  # per call: working tree + carried folders
 KIT = ".gpu-kit"
@@ -65,7 +67,10 @@ LIBB64 = "libb64.so.0d"
 KIT_FORMAT = 1  # bump when the kit's layout or requirement lists change
 PERF_BATCHES = (64, 256)
 PERF_CONCURRENCY = (1, 2, 4, 8, 16)
-PARTS = (1, 2, 3, 4)  # one call each
+BENCH_PART = 0  # the bench: one call of at most 8 minutes (``run`` without ``--part``)
+PARTS = (BENCH_PART, 1, 2, 3, 4)  # one call each
+BENCH_DEADLINE_S = 470.0  # the bench's call stops starting steps then (8 minutes, the outputs included)
+P99_BOUND_MS = 10.0  # gpu_served_rows_per_s: the best served point with p99 within this
 INSTANCES = (1, 2, 4)
 LOOKUP_INSTANCES = (1, 2, 4, 8)
 CUDA_TESTS = (
@@ -75,6 +80,61 @@ CUDA_TESTS = (
     "tests/unit/test_serving_plan.py",
     "tests/integration/test_device_l1.py",
 )
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    """What the bench measures: full size on a GPU, tiny in a dry run (``device="cpu"``)."""
+
+    train_rows: int  # the bench repository's training rows (the served shapes do not depend on them)
+    holdout_rows: int
+    history: int  # one user's history length in the candidate lists and the bound
+    bound: tuple[tuple[int, int], ...]  # the bound's batches: (users, candidates per user)
+    rows_batch: int  # rows per row-form request (capped at the served maximum)
+    lists: tuple[int, ...]  # candidates per list (one user)
+    concurrency: tuple[int, ...]  # requests in flight
+    bytes_lists: tuple[int, ...]  # the BYTES form, for comparison
+    bytes_concurrency: tuple[int, ...]
+    seconds: float  # per served point
+    bound_seconds: float  # per bound batch
+
+    def as_dict(self) -> dict[str, Any]:
+        """For the summary."""
+        return asdict(self)
+
+
+BENCH = BenchSizes(
+    train_rows=20_000,
+    holdout_rows=2_000,
+    history=256,
+    bound=((1, 1024), (1, 4096), (4, 4096)),
+    rows_batch=1024,
+    lists=(4096, 1024, 256),
+    concurrency=(1, 2, 4, 8, 16),
+    bytes_lists=(1024,),
+    bytes_concurrency=(1, 4, 16),
+    seconds=2.0,
+    bound_seconds=2.0,
+)
+BENCH_DRY = BenchSizes(
+    train_rows=2_000,
+    holdout_rows=500,
+    history=32,
+    bound=((1, 32), (2, 64)),
+    rows_batch=16,
+    lists=(64, 16),
+    concurrency=(1, 2),
+    bytes_lists=(16,),
+    bytes_concurrency=(1,),
+    seconds=0.3,
+    bound_seconds=0.3,
+)
+#: The issue's targets on one H100 or H200: (key, what, candidates per list, p99 bound ms, at least)
+TARGETS = (
+    ("lists_4096", "served candidate rows/s, lists of 4,096, p99 <= 10 ms", 4096, 10.0, 1_500_000.0),
+    ("lists_1024", "served candidate rows/s, lists of 1,024, p99 <= 5 ms", 1024, 5.0, 500_000.0),
+)
+SERVED_VS_BOUND_TARGET = 0.6
 
 
 def log(message: str) -> None:

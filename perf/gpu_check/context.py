@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,14 @@ class Skip(Exception):
     """Raised by a step that does not apply here; the message is the reason."""
 
 
+class Failed(Exception):
+    """Raised by a step that failed with results worth keeping (a measurement cut short)."""
+
+    def __init__(self, message: str, data: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.data = data
+
+
 @dataclass
 class Context:
     """What the steps share."""
@@ -44,6 +54,12 @@ class Context:
     tensorrt: bool = False
     deadline: float = 0.0
     logs: Path = field(init=False)
+    #: what steps hand on to later steps of the call (the bench's server, its figures)
+    shared: dict[str, Any] = field(default_factory=dict)
+    #: closes what steps opened for later ones (the bench's server), when the call's steps are done
+    stack: ExitStack = field(default_factory=ExitStack)
+    #: set by the runner: ``partial(step, data)`` rewrites the outputs with a running step's data so far
+    partial: Callable[[str, dict[str, Any]], None] = field(default=lambda step, data: None)
 
     def __post_init__(self) -> None:
         self.logs = self.work / "logs"
@@ -107,6 +123,43 @@ class Context:
             )
         return done.stdout
 
+    def watch(
+        self, name: str, command: Sequence[str], timeout: float, tick: Callable[[], None], every: float = 5.0
+    ) -> None:
+        """Run ``command`` like :meth:`sh`, calling ``tick`` every ``every`` seconds while it runs.
+
+        Raises:
+            RuntimeError: the command failed or ran past ``timeout`` (then it is killed).
+        """
+        timeout = min(timeout, max(self.remaining() - 5, 1))
+        with open(self.logs / f"{name}.log", "a") as fh:
+            fh.write(f"\n$ {' '.join(command)}\n")
+            fh.flush()
+            process = subprocess.Popen(
+                list(command),
+                cwd=self.root,
+                env=self.env(),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            limit = time.monotonic() + timeout
+            while process.poll() is None and time.monotonic() < limit:
+                try:
+                    process.wait(min(every, max(limit - time.monotonic(), 0.1)))
+                except subprocess.TimeoutExpired:
+                    tick()
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                fh.write(f"\n(killed after {timeout:.0f} s)\n")
+                raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(command[:4])}")
+            fh.write(f"\n(exit {process.returncode})\n")
+        tick()
+        if process.returncode != 0:
+            text = (self.logs / f"{name}.log").read_text(errors="replace")
+            raise RuntimeError(f"exit {process.returncode}: {' '.join(command[:4])}\n{tail(text)}")
+
 
 @dataclass(frozen=True)
 class Step:
@@ -119,6 +172,10 @@ class Step:
     gpu: bool = False
     tensorrt: bool = False
     what: str = ""
+    #: a GPU step that a dry run walks on the CPU (``device="cpu"``, tiny sizes) instead of skipping
+    walks_dry: bool = False
+    #: the other parts it runs in (the install runs in the bench's call too)
+    also: tuple[int, ...] = ()
 
 
 def detect_gpus() -> list[str]:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .common import KIT, PARTS
+from .bench_report import bench_figures, bench_markdown
+from .common import BENCH_PART, KIT, PARTS
 from .context import Context, StepResult
 
 
@@ -18,8 +19,8 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
-def summary_markdown(results: Sequence[StepResult], header: str) -> str:
-    """The summary: one row per step, then the measured tables."""
+def summary_markdown(results: Sequence[StepResult], header: str, figures: dict[str, Any]) -> str:
+    """The summary: one row per step, the bench's figures and tables, then the parts' tables."""
     lines = [
         f"# GPU check: {header}",
         "",
@@ -28,6 +29,7 @@ def summary_markdown(results: Sequence[StepResult], header: str) -> str:
     ]
     for r in results:
         lines.append(f"| {r.name} | {r.part} | {r.status} | {r.seconds:.1f} | {cell(r.detail)} |")
+    lines += bench_markdown(results, figures)
     for r in results:
         points = r.data.get("perf") or r.data.get("instances") or r.data.get("lookup-instances")
         if not points:
@@ -48,9 +50,10 @@ def summary_markdown(results: Sequence[StepResult], header: str) -> str:
 def write_outputs(ctx: Context, results: Sequence[StepResult], header: str, extra: dict[str, Any]) -> str:
     """summary.md, summary.json and logs.tar.gz under the output folder; return the Markdown."""
     ctx.output.mkdir(parents=True, exist_ok=True)
-    text = summary_markdown(results, header)
+    figures = bench_figures(results)
+    text = summary_markdown(results, header, figures)
     (ctx.output / "summary.md").write_text(text)
-    document = {"header": header, "steps": [asdict(r) for r in results], **extra}
+    document = {"header": header, **figures, "steps": [asdict(r) for r in results], **extra}
     (ctx.output / "summary.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
@@ -63,5 +66,7 @@ def print_calls(kit_table: str) -> None:
     """What to run on the GPU machine."""
     print(kit_table)
     print(f'\ncarry: ["{KIT}"]  (the same for every call)')
+    print("the bench, one call of at most 8 minutes: python3 -m perf.gpu_check run")
     for part in PARTS:
-        print(f"call {part}: python3 -m perf.gpu_check run --part {part}")
+        if part != BENCH_PART:
+            print(f"the longer checks, call {part}: python3 -m perf.gpu_check run --part {part}")

@@ -45,6 +45,11 @@ class Server:
         """host:port of gRPC."""
         return f"127.0.0.1:{self.port + 1}"
 
+    @property
+    def http(self) -> str:
+        """host:port of HTTP (the health and statistics endpoints)."""
+        return f"127.0.0.1:{self.port}"
+
     def __enter__(self) -> Server:
         limit = time.monotonic() + min(240, max(self.ctx.remaining() - 30, 10))
         while time.monotonic() < limit:

@@ -15,8 +15,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .common import CUDA_TESTS, LIBB64, log, tail
-from .context import Context, Skip, Step, StepResult
+from .bench_steps import (
+    step_bench_bound,
+    step_bench_build,
+    step_bench_bytes,
+    step_bench_ids_lists,
+    step_bench_ids_rows,
+    step_bench_serve,
+)
+from .common import BENCH_PART, CUDA_TESTS, LIBB64, log, tail
+from .context import Context, Failed, Skip, Step, StepResult
 from .kit import check_files, tree_copy, unpack_kit, verify_kit
 from .report import write_outputs
 from .serve import (
@@ -188,7 +196,30 @@ def step_bench_store(ctx: Context) -> tuple[str, dict[str, Any]]:
 
 STEPS = (
     Step("env", 1, 120, step_env, what="machine facts"),
-    Step("install", 1, 420, step_install, what="venv from the kit (dry run: kit checks, offline builds)"),
+    Step(
+        "install",
+        1,
+        420,
+        step_install,
+        what="venv from the kit (dry run: kit checks, offline builds)",
+        also=(BENCH_PART,),
+    ),
+    *(
+        Step(name, BENCH_PART, limit, body, gpu=True, what=what, walks_dry=True)
+        for name, limit, body, what in (
+            ("bench-build", 180, step_bench_build, "the bench spec and its repository"),
+            ("bench-bound", 90, step_bench_bound, "in-process bound on the device: transform, lookup, dense"),
+            ("bench-serve", 150, step_bench_serve, "serve --profile cuda, parity against PyTorch"),
+            (
+                "bench-ids-lists",
+                150,
+                step_bench_ids_lists,
+                "id form: lists of 256/1,024/4,096, 1-16 in flight",
+            ),
+            ("bench-ids-rows", 50, step_bench_ids_rows, "id form: rows, 1-16 in flight"),
+            ("bench-bytes", 50, step_bench_bytes, "BYTES form: lists and rows, for comparison"),
+        )
+    ),
     Step("build", 1, 480, step_build, gpu=True, what="recserve build (TensorRT engine where present)"),
     Step("tests-cuda", 1, 480, step_tests, gpu=True, what="CUDA/TensorRT tests that skip on CPU"),
     Step("bench-dense-cuda", 2, 300, step_bench_dense, gpu=True, what="lab dense-bench --device cuda"),
@@ -214,7 +245,7 @@ def run_step(ctx: Context, step: Step) -> StepResult:
     started = time.monotonic()
     result = StepResult(step.name, step.part, "skipped")
     try:
-        if step.gpu and not ctx.gpus:
+        if step.gpu and not ctx.gpus and not (ctx.dry_run and step.walks_dry):
             raise Skip("no GPU" + (" (dry run)" if ctx.dry_run else " (nvidia-smi lists none)"))
         if step.tensorrt and not ctx.tensorrt:
             raise Skip("TensorRT is not installed")
@@ -235,6 +266,8 @@ def run_step(ctx: Context, step: Step) -> StepResult:
         result.status = "ok"
     except Skip as reason:
         result.detail = str(reason)
+    except Failed as failure:  # with what it measured before it failed
+        result.status, result.detail, result.data = "failed", tail(str(failure), 15), failure.data
     except Exception as exc:  # noqa: BLE001 - one failing step does not stop the others
         result.status = "failed"
         result.detail = tail(f"{type(exc).__name__}: {exc}", 15)
@@ -247,21 +280,39 @@ def run_step(ctx: Context, step: Step) -> StepResult:
 
 
 def run_steps(ctx: Context, parts: Sequence[int], header: str, extra: dict[str, Any]) -> int:
-    """Run the steps of ``parts``, merged with earlier parts' results; 0 unless a step failed."""
+    """Run the steps of ``parts``, merged with earlier parts' results; 0 unless a step failed.
+
+    The outputs are rewritten after every step, and while a step runs whenever it reports data so
+    far (``ctx.partial``): a call cut short still leaves its summary.
+    """
     state = ctx.work / ("results-dry.json" if ctx.dry_run else "results.json")
     earlier = {r["name"]: StepResult(**r) for r in json.loads(state.read_text())} if state.is_file() else {}
-    if 1 in parts:
+    if 1 in parts or BENCH_PART in parts:
         earlier = {}
-    fresh = {}
-    for step in STEPS:
-        if step.part in parts or step.name == "env":
-            fresh[step.name] = run_step(ctx, step)
-    merged = [
-        fresh.get(s.name)
-        or earlier.get(s.name)
-        or StepResult(s.name, s.part, "pending", detail=f"run --part {s.part}")
-        for s in STEPS
-    ]
-    state.write_text(json.dumps([asdict(r) for r in merged], default=str))
-    print(write_outputs(ctx, merged, header, extra))
+    fresh: dict[str, StepResult] = {}
+
+    def merged(running: StepResult | None = None) -> list[StepResult]:
+        return [
+            (running if running is not None and running.name == s.name else None)
+            or fresh.get(s.name)
+            or earlier.get(s.name)
+            or StepResult(s.name, s.part, "pending", detail=f"run --part {s.part}")
+            for s in STEPS
+        ]
+
+    def write(results: list[StepResult]) -> str:
+        state.write_text(json.dumps([asdict(r) for r in results], default=str))
+        return write_outputs(ctx, results, header, extra)
+
+    def partial(name: str, data: dict[str, Any]) -> None:
+        step = next(s for s in STEPS if s.name == name)
+        write(merged(StepResult(name, step.part, "running", detail="running", data=data)))
+
+    ctx.partial = partial
+    with ctx.stack:  # what a step left open for later ones (the bench's server) closes after the last
+        for step in STEPS:
+            if step.name == "env" or any(part in parts for part in (step.part, *step.also)):
+                fresh[step.name] = run_step(ctx, step)
+                write(merged())
+    print(write(merged()))
     return 1 if any(r.status == "failed" for r in fresh.values()) else 0

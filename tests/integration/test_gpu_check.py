@@ -1,5 +1,6 @@
 """The GPU check's dry run end to end: the kit fits one call, resolves for cp312 from itself alone
-(no index), and the summary lists every step with the GPU ones skipped for a reason.
+(no index), the bench walks all of its steps on the CPU (tiny sizes) and its summary carries the
+bench's keys, and the other GPU steps are skipped for a reason.
 
 The dry run downloads the kit's wheels on its first run (then reuses ``.gpu-kit``).
 """
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from recserve.perf.gpu_check.common import KIT, LIMIT_BYTES
+from recserve.perf.gpu_check.bench_report import FIGURES
+from recserve.perf.gpu_check.common import BENCH_DRY, BENCH_PART, KIT, LIMIT_BYTES, TARGETS
 from recserve.perf.gpu_check.kit import check_files, check_resolution, unpack_kit
 from recserve.perf.gpu_check.steps import STEPS
 
@@ -62,7 +64,7 @@ def test_the_summary_lists_every_step_and_skips_the_gpu_ones(dry_run):
     markdown = (out / "summary.md").read_text()
     for step in STEPS:
         assert f"| {step.name} |" in markdown
-        if step.gpu:
+        if step.gpu and not step.walks_dry:
             assert steps[step.name]["status"] == "skipped"
             assert "no GPU" in steps[step.name]["detail"]
         else:
@@ -79,3 +81,44 @@ def test_a_kit_with_a_wheel_removed_fails_the_checks(dry_run, tmp_path):
     assert any("protobuf" in problem for problem in check_files(kit, wheels))
     problems, _ = check_resolution(wheels, tmp_path / "scratch")
     assert problems and "do not resolve from the kit" in problems[0]
+
+
+def test_the_bench_walks_every_step_on_the_cpu_and_reports_its_keys(dry_run):
+    summary, out = dry_run
+    steps = steps_of(summary)
+    bench = [name for name, step in steps.items() if step["part"] == BENCH_PART]
+    assert bench == [
+        "bench-build",
+        "bench-bound",
+        "bench-serve",
+        "bench-ids-lists",
+        "bench-ids-rows",
+        "bench-bytes",
+    ]
+    assert set(FIGURES) <= set(summary)
+    bound = steps["bench-bound"]["data"]
+    assert bound["device"] == "cpu" and bound["lookup"] == "DeviceTier" and bound["resident_tables"] > 0
+    assert [(p["users"], p["candidates"]) for p in bound["points"]] == list(BENCH_DRY.bound)
+    assert summary["gpu_bound_rows_per_s"] == max(p["rows_per_s"] for p in bound["points"]) > 0
+    assert summary["gpu_parity"]["bound"]["max_abs_diff"] < 1e-5
+    served = summary["gpu_parity"]["served"]
+    assert (
+        served["ok"]
+        and served["list_ids_vs_bytes_max_abs_diff"] == served["rows_ids_vs_bytes_max_abs_diff"] == 0
+    )
+    measured = [p for name in bench[3:] for p in steps[name]["data"]["points"]]
+    shapes = {(p["form"], p["shape"], p["candidates"], p["concurrency"]) for p in measured}
+    lists = {("ids", "list", n, c) for n in BENCH_DRY.lists for c in BENCH_DRY.concurrency}
+    rows = {("ids", "rows", BENCH_DRY.rows_batch, c) for c in BENCH_DRY.concurrency}
+    assert lists | rows <= shapes and {p["form"] for p in measured} == {"ids", "bytes"}
+    for point in measured:
+        assert point["rows_per_s"] > 0 and point["failures"] == 0
+        assert {s["model"] for s in point["steps"]} >= {"embedding_lookup", "dense"}
+    # no point of these CPU runs need be within 10 ms; where one is, it is the id form's best such point
+    best = summary["gpu_served_best"]
+    if best is not None:
+        assert best["form"] == "ids" and best["p99_ms"] <= 10.0
+        assert summary["gpu_served_vs_bound"] == best["rows_per_s"] / summary["gpu_bound_rows_per_s"]
+    assert [t["key"] for t in summary["gpu_targets"]] == [key for key, *_ in TARGETS] + ["served_vs_bound"]
+    markdown = (out / "summary.md").read_text()
+    assert "## The bench (cpu)" in markdown and "| ids | list |" in markdown

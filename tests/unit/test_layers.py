@@ -54,7 +54,7 @@ ALLOWED = {
     # perf in floors of its own: the shared helpers, the peers, what users run, the lab on top of them
     "recserve.perf": (),  # the package alone (the root's contents: a test below)
     "recserve.perf.harness": PERF_BASE,
-    "recserve.perf.gpu_check": PERF_BASE,
+    "recserve.perf.gpu_check": (*PERF_BASE, *PERF_FLOORS),  # the GPU kit runs what users run
     "recserve.perf.peers": (*PERF_BASE, "recserve.perf.harness"),
     "recserve.perf.bench": (*PERF_BASE, "recserve.perf.harness", "recserve.perf.peers"),
     "recserve.perf.lab": (*PERF_BASE, "recserve.access", *PERF_FLOORS),
