@@ -8,17 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-_FNV_OFFSET = 0xCBF29CE484222325
-_FNV_PRIME = 0x100000001B3
-_MASK = (1 << 64) - 1
+from recserve.core.values import fnv1a64
 
-
-def fnv1a64(text: str) -> int:
-    """FNV-1a 64-bit hash of a string (used once per table or feature, not per key)."""
-    h = _FNV_OFFSET
-    for byte in text.encode():
-        h = ((h ^ byte) * _FNV_PRIME) & _MASK
-    return h
+__all__ = ["fnv1a64", "keys_for", "missing_key", "splitmix64", "table_salt"]
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

@@ -192,7 +192,13 @@ _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
 
 
-def _fnv1a64(data: bytes) -> int:
+def fnv1a64(data: bytes | str) -> int:
+    """FNV-1a 64 of ``data`` (a string as its UTF-8 bytes): the project's one string hash.
+
+    It hashes string values into ids (:func:`hash_strings`, vectorised) and names into salts.
+    """
+    if isinstance(data, str):
+        data = data.encode()
     h = _FNV_OFFSET
     for byte in data:
         h = ((h ^ byte) * _FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
@@ -218,7 +224,7 @@ def hash_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             acc = np.where(pos < lengths, step, acc)
     for i in long:
         value = encoded[i].rstrip(b"\0")
-        acc[i] = _fnv1a64(value)
+        acc[i] = fnv1a64(value)
         lengths[i] = len(value)
     return acc.reshape(values.shape), (lengths == 0).reshape(values.shape)
 
