@@ -7,6 +7,7 @@ import json
 import tarfile
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from .bench_report import bench_figures, bench_markdown
@@ -47,19 +48,32 @@ def summary_markdown(results: Sequence[StepResult], header: str, figures: dict[s
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(ctx: Context, results: Sequence[StepResult], header: str, extra: dict[str, Any]) -> str:
-    """summary.md, summary.json and logs.tar.gz under the output folder; return the Markdown."""
+def write_outputs(
+    ctx: Context, results: Sequence[StepResult], header: str, extra: dict[str, Any], logs: bool = True
+) -> str:
+    """summary.md, summary.json and (``logs``) logs.tar.gz under the output folder; return the Markdown.
+
+    Each file is written aside and renamed into place, so a call killed mid-write leaves the previous one.
+    """
     ctx.output.mkdir(parents=True, exist_ok=True)
     figures = bench_figures(results)
     text = summary_markdown(results, header, figures)
-    (ctx.output / "summary.md").write_text(text)
     document = {"header": header, **figures, "steps": [asdict(r) for r in results], **extra}
-    (ctx.output / "summary.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        tar.add(ctx.logs, arcname="logs")
-    (ctx.output / "logs.tar.gz").write_bytes(buffer.getvalue())
+    replace(ctx.output / "summary.md", text.encode())
+    replace(ctx.output / "summary.json", (json.dumps(document, indent=2, default=str) + "\n").encode())
+    if logs:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+            tar.add(ctx.logs, arcname="logs")
+        replace(ctx.output / "logs.tar.gz", buffer.getvalue())
     return text
+
+
+def replace(path: Path, content: bytes) -> None:
+    """Write ``content`` to ``path`` through a file beside it renamed into place."""
+    aside = path.with_name(f".{path.name}.partial")
+    aside.write_bytes(content)
+    aside.replace(path)
 
 
 def print_calls(kit_table: str) -> None:

@@ -300,13 +300,13 @@ def run_steps(ctx: Context, parts: Sequence[int], header: str, extra: dict[str, 
             for s in STEPS
         ]
 
-    def write(results: list[StepResult]) -> str:
+    def write(results: list[StepResult], logs: bool = True) -> str:
         state.write_text(json.dumps([asdict(r) for r in results], default=str))
-        return write_outputs(ctx, results, header, extra)
+        return write_outputs(ctx, results, header, extra, logs)
 
-    def partial(name: str, data: dict[str, Any]) -> None:
+    def partial(name: str, data: dict[str, Any]) -> None:  # the summaries only: the logs at the step's end
         step = next(s for s in STEPS if s.name == name)
-        write(merged(StepResult(name, step.part, "running", detail="running", data=data)))
+        write(merged(StepResult(name, step.part, "running", detail="running", data=data)), logs=False)
 
     ctx.partial = partial
     with ctx.stack:  # what a step left open for later ones (the bench's server) closes after the last
