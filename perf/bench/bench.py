@@ -16,8 +16,9 @@ shared memory (the overhead probes). Triton's HTTP endpoint and TorchServe are m
 same HTTP load generator (:mod:`recserve.perf.harness.loadgen`): those two rows are the fair comparison.
 Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
 The hop floor (:mod:`recserve.perf.bench.hops`: the served ensemble at batch 1 against echo ensembles of its
-shape) is measured in the same run. Results go to ``<output>/<run>/``: ``points.csv``,
-``points.json``, ``hops.json``, ``summary.json``, PNG plots.
+shape) is measured in the same run, and so are 4,096-event users through a state
+(:mod:`recserve.perf.bench.longseq`, its ``longseq_*`` keys in the summary). Results go to
+``<output>/<run>/``: ``points.csv``, ``points.json``, ``hops.json``, ``summary.json``, PNG plots.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.bench.candidates import measure as measure_candidates
 from recserve.perf.bench.hops import run_hops
 from recserve.perf.bench.input_data import write_input_data
+from recserve.perf.bench.longseq import LongseqGrid, run_longseq
 from recserve.perf.bench.report import Point
 from recserve.perf.harness.inprocess import measure_inprocess, time_calls
 from recserve.perf.harness.loadgen import (
@@ -64,6 +66,7 @@ LOGGER = logging.getLogger(__name__)
 
 HOPS_FILE = "hops.json"  # the bench-hops summary of the run
 CANDIDATES_FILE = "candidates.json"  # the bench-candidates summary of the run
+LONGSEQ_FILE = "longseq.json"  # the bench-longseq summary of the run
 
 Progress = Callable[[str], None]
 
@@ -87,11 +90,12 @@ class Grid:
     hops_requests: int = 300  # recserve lab hops in the same run (0: left out)
     hops_rounds: int = 3
     candidates_s: float = 3.0  # recserve lab candidate-lists on the tuned server, per point (0: left out)
+    longseq: LongseqGrid | None = None  # recserve bench-longseq in the same run (None: left out)
 
     @classmethod
     def full(cls) -> Grid:
-        """The whole grid (about 10 minutes on 2 cores)."""
-        return cls()
+        """The whole grid (about 10 minutes on 2 cores, and bench-longseq's 7 or so)."""
+        return cls(longseq=LongseqGrid())
 
     @classmethod
     def quick(cls) -> Grid:
@@ -107,6 +111,7 @@ class Grid:
             loadgen_s=3.0,
             overhead_points=((64, 4),),
             sdk_batches=(64,),
+            longseq=LongseqGrid.quick(),
         )
 
 
@@ -275,6 +280,10 @@ def run_bench(
                 spec, tuned.grpc_url, seconds=grid.candidates_s, rounds=grid.hops_rounds
             )
             (run / CANDIDATES_FILE).write_text(json.dumps(lists, indent=1))
+        if grid.longseq is not None and spec.sequences:
+            progress("[bench] 4,096-event users through a state against 256-event rows (bench-longseq)")
+            _, longseq = run_longseq(spec, repository, output, grid.longseq, progress)
+            (run / LONGSEQ_FILE).write_text(json.dumps(longseq, indent=1))
         for batch in grid.loadgen_batches:
             batches = sample_batches(spec, batch)
             targets: dict[str, tuple[HttpTarget, str | None]] = {
@@ -314,6 +323,9 @@ def write_summary(run: Path, points: Sequence[Point]) -> dict[str, Any]:
     )
     summary = report.summarize(points, hops=hops, candidates=lists)
     summary["overheads"] = report.overheads(points)
+    if (run / LONGSEQ_FILE).exists():  # the longseq_* ratios, the exact error and the hit rate
+        longseq = json.loads((run / LONGSEQ_FILE).read_text())
+        summary.update({key: value for key, value in longseq.items() if key.startswith("longseq_")})
     if (run / "run.json").exists():
         summary["run"] = json.loads((run / "run.json").read_text())
     (run / "summary.json").write_text(json.dumps(summary, indent=1))

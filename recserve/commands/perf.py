@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -62,6 +63,34 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _bench_longseq(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from recserve.perf.bench.longseq import LongseqGrid, describe, run_longseq
+
+    spec = load_spec(args.spec)
+    if not spec.sequences:
+        print(f"error: spec {spec.name!r} has no sequence: no behaviour history to lengthen", file=sys.stderr)
+        return 2
+    grid = LongseqGrid.quick() if args.quick else LongseqGrid()
+    overrides = {"rates": args.rates, "rounds": args.rounds, "seconds": args.seconds}
+    grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    run, summary = run_longseq(spec, args.repository, args.output, grid, progress=_progress)
+    print(describe(summary))
+    print(f"\nresults in {run}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add ``perf`` and ``bench`` to ``recserve``'s sub-command parser."""
     perf = sub.add_parser("perf", help="run perf_analyzer against the ensemble with spec-derived data")
@@ -108,3 +137,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="only rewrite summary.json and plots of RUN",
     )
     bench.set_defaults(func=_bench)
+
+    longseq = sub.add_parser(
+        "bench-longseq",
+        help="4,096-event users through a state against today's 256-event rows, interleaved",
+    )
+    longseq.add_argument(
+        "--repository", type=Path, default=None, help="the built model to serve (default: the spec's)"
+    )
+    longseq.add_argument(
+        "--output",
+        type=Path,
+        default=Path("perf/results"),
+        help="the bench repository and a run folder go here",
+    )
+    longseq.add_argument(
+        "--quick", action="store_true", help="one load point, two rounds (under 30 s of load)"
+    )
+    longseq.add_argument("--rates", type=_floats, default=None, help="requests per second, e.g. 20,40,60")
+    longseq.add_argument(
+        "--rounds", type=int, default=None, help="rounds per load point (>= 5 for the targets)"
+    )
+    longseq.add_argument("--seconds", type=float, default=None, help="seconds per workload and round")
+    longseq.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    longseq.set_defaults(func=_bench_longseq)

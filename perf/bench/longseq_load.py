@@ -1,0 +1,124 @@
+"""Offered load for ``recserve bench-longseq``: one workload's requests sent on a fixed schedule.
+
+:func:`offer` sends pre-serialised gRPC requests (cycled) at a fixed rate for a fixed time without
+waiting for answers, as users' traffic arrives, so that every workload of a load point meets the
+same offered load whatever its own speed; :class:`Phase` holds what became of them. A workload the
+server cannot keep up with shows it as latency (and as requests unanswered within the timeout,
+counted as failed), not as a lower offered rate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recserve.perf.harness.traffic import infer_request
+
+#: A request unanswered this long counts as failed.
+TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Requests:
+    """One workload's requests, serialised once: ``rows`` rows each, ``bytes`` on the wire on average."""
+
+    model: str
+    messages: tuple[Any, ...]
+    rows: int
+
+    @classmethod
+    def of(cls, model: str, requests: list[dict[str, np.ndarray]]) -> Requests:
+        """Serialise ``requests`` (all of the same number of rows)."""
+        rows = {next(iter(r.values())).shape[0] for r in requests}
+        if len(rows) != 1:
+            raise ValueError(f"a workload's requests have one number of rows, got {sorted(rows)}")
+        return cls(model, tuple(infer_request(model, r) for r in requests), rows.pop())
+
+    @property
+    def request_bytes(self) -> float:
+        """Mean serialised size of a request, in bytes."""
+        return float(np.mean([m.ByteSize() for m in self.messages]))
+
+
+@dataclass
+class Phase:
+    """What became of one workload's requests in one round at one load point."""
+
+    rate: float
+    seconds: float
+    rows: int
+    latencies_ms: list[float] = field(default_factory=list)
+    failed: int = 0
+    sent: int = 0
+    late_ms: list[float] = field(default_factory=list)  # how late each request left its schedule
+    elapsed_s: float = 0.0
+
+    def figures(self) -> dict[str, float]:
+        """p50/p99 of the served, rows/s served over the phase, failures and the sender's lateness."""
+        served = np.asarray(self.latencies_ms)
+        p50, p99 = (float(v) for v in np.percentile(served, [50, 99])) if served.size else (np.inf, np.inf)
+        return {
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "rows_per_s": served.size * self.rows / self.elapsed_s if self.elapsed_s > 0 else 0.0,
+            "offered_rows_per_s": self.rate * self.rows,
+            "sent": float(self.sent),
+            "failed": float(self.failed),
+            "sender_late_p99_ms": float(np.percentile(self.late_ms, 99)) if self.late_ms else 0.0,
+        }
+
+
+def offer(url: str, requests: Requests, rate: float, seconds: float) -> Phase:
+    """Send ``requests`` (cycled) at ``rate`` per second for ``seconds``; wait for every answer.
+
+    ``elapsed_s`` runs from the first send to the last answer, so a server that falls behind
+    serves fewer rows per second than were offered.
+    """
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    phase = Phase(rate, seconds, requests.rows)
+    lock, done = threading.Lock(), threading.Semaphore(0)
+
+    def record(future: Any, sent_at: float) -> None:
+        latency = (time.monotonic() - sent_at) * 1e3
+        with lock:
+            if future.exception() is None:
+                phase.latencies_ms.append(latency)
+            else:
+                phase.failed += 1
+        done.release()
+
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        count, interval = max(int(rate * seconds), 1), 1.0 / rate
+        start = time.monotonic()
+        for i in range(count):
+            due = start + i * interval
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            sent_at = time.monotonic()
+            phase.late_ms.append((sent_at - due) * 1e3)
+            future = stub.ModelInfer.future(requests.messages[i % len(requests.messages)], timeout=TIMEOUT_S)
+            future.add_done_callback(lambda f, sent_at=sent_at: record(f, sent_at))
+            phase.sent += 1
+        for _ in range(count):
+            done.acquire(timeout=2 * TIMEOUT_S)
+        phase.elapsed_s = time.monotonic() - start
+    return phase
+
+
+def warm(url: str, requests: Requests) -> None:
+    """Each request once, one at a time (buckets, caches and connections warmed before the clock)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for message in requests.messages:
+            stub.ModelInfer(message, timeout=3 * TIMEOUT_S)

@@ -1,0 +1,38 @@
+"""``recserve bench-longseq --quick`` from a fresh output folder builds what it serves and writes its keys."""
+
+import json
+import subprocess
+import sys
+
+KEYS = (
+    "longseq_p99_ratio",
+    "longseq_aa_p99_ratio",
+    "longseq_throughput_ratio",
+    "longseq_aa_throughput_ratio",
+    "longseq_exact_max_abs",
+)
+WORKLOADS = {"w0", "w0_aa", "w1", "w2", "w2_redis", "w2_miss", "w2_builder"}
+
+
+def test_the_quick_longseq_bench_writes_its_keys(repository, tmp_path):
+    written = tmp_path / "longseq.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "bench-longseq", "--quick", "--repository", str(repository),
+         "--output", str(tmp_path / "results"), "--json", str(written)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(written.read_text())
+    runs = list((tmp_path / "results").glob("longseq-*/summary.json"))
+    assert len(runs) == 1 and json.loads(runs[0].read_text()).keys() == summary.keys()
+    for key in KEYS:
+        assert key in summary, key
+    assert "longseq_p99_ratio" in result.stdout
+    point = summary["points"][0]
+    assert set(point["workloads"]) in (WORKLOADS, WORKLOADS - {"w2_redis"})  # no Redis: a note says so
+    for figures in point["workloads"].values():
+        assert {"p50_ms", "p99_ms", "rows_per_s", "request_bytes", "steps"} <= set(figures)
+    error = summary["clustered_error"]
+    assert {"state_vs_full", "truncated_vs_full", "auc"} <= set(error)
+    assert {"p50", "p99", "max"} == set(error["state_vs_full"])
+    assert set(error["auc"]) == {"full", "state", "truncated"}

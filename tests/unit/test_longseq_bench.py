@@ -1,0 +1,76 @@
+"""bench-longseq's pure parts: the bench-local spec, the workloads' requests, ratios and targets."""
+
+import numpy as np
+import pytest
+
+from recserve.core.names import USER_ID, USER_SEQ
+from recserve.core.spec_parse import load_spec
+from recserve.perf.bench import longseq
+from recserve.perf.bench.longseq_load import Phase, Requests
+from recserve.perf.bench.longseq_setup import LONG_EVENTS, bench_users, longseq_spec
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return longseq_spec(load_spec("ctr"))
+
+
+def test_the_bench_spec_serves_states_and_a_4096_bucket_and_nothing_else_changes(spec):
+    base = load_spec("ctr")
+    assert spec.user_state.enabled and not base.user_state.enabled
+    assert spec.serving.sequence_buckets == (*base.serving.sequence_buckets, LONG_EVENTS)
+    assert spec.sequences[0].max_length == LONG_EVENTS
+    assert spec.tables == base.tables and spec.serving.batch_buckets == base.serving.batch_buckets
+    with pytest.raises(ValueError, match="no sequence"):
+        longseq_spec(load_spec("avazu"))
+
+
+def test_the_workloads_send_the_same_users_in_their_own_shapes(spec):
+    users = bench_users(spec, 20, seed=3)
+    assert (users.made.rows.lengths == LONG_EVENTS).all()
+    wires = longseq._requests(spec, users, rows=4)
+    history, length = spec.sequences[0].name, spec.attention_groups[0].length_input
+    assert wires[longseq.W0][history].shape[1] == longseq.TODAY and USER_ID not in wires[longseq.W0]
+    assert wires[longseq.W1][history].shape[1] == LONG_EVENTS
+    assert (wires[longseq.W2][length][:, 0] == longseq.TAIL).all()
+    assert (wires[longseq.W2][USER_SEQ][:, 0] == LONG_EVENTS).all()
+    assert np.array_equal(wires[longseq.W2][history], users.made.rows.history[:, -longseq.TAIL :])
+    missing = wires[longseq.W2_MISS][USER_ID][:, 0] >= users.unknown_first
+    assert missing.sum() == 2 and missing[0] and missing[10]  # one row in ten
+    requests = longseq._split(wires[longseq.W1], 4, spec.name)
+    assert len(requests.messages) == 5 and requests.rows == 4
+    assert (
+        requests.request_bytes > 4 * LONG_EVENTS * 8 > longseq._split(wires[longseq.W2], 4, "x").request_bytes
+    )
+
+
+def test_ratios_are_medians_of_the_rounds_and_the_targets_read_the_control():
+    grid = longseq.LongseqGrid(rows=2)
+
+    def rounds(p99s, rates):
+        return [{"p99_ms": p, "rows_per_s": r, "steps": []} for p, r in zip(p99s, rates, strict=True)]
+
+    phases = {
+        longseq.W0: rounds([10, 10, 10], [100, 100, 100]),
+        longseq.W0_AA: rounds([11, 9, 12], [100, 99, 101]),
+        longseq.W1: rounds([100, 90, 80], [50, 50, 50]),
+        longseq.W2: rounds([10.5, 30, 11], [100, 98, 100]),
+    }
+    point = longseq._point_summary(5.0, grid, phases)
+    assert point["longseq_p99_ratio"] == pytest.approx(1.1)
+    assert point["longseq_aa_p99_ratio"] == pytest.approx(1.1)
+    assert point["longseq_throughput_ratio"] == pytest.approx(1.0)
+    assert point["naive_p99_ratio"] == pytest.approx(9.0)
+    assert point["workloads"][longseq.W2]["p99_ms"] == pytest.approx(11)
+    assert longseq._targets_met(point) is True
+    assert longseq._targets_met({**point, "longseq_p99_ratio": 1.2}) is False
+    assert longseq._targets_met({**point, "longseq_throughput_ratio": None}) is None
+
+
+def test_a_phase_counts_rows_served_over_its_whole_span():
+    phase = Phase(rate=10.0, seconds=1.0, rows=4, latencies_ms=[1.0] * 9, failed=1, sent=10, elapsed_s=2.0)
+    figures = phase.figures()
+    assert figures["rows_per_s"] == 18.0 and figures["offered_rows_per_s"] == 40.0 and figures["failed"] == 1
+    assert Phase(rate=1.0, seconds=1.0, rows=1).figures()["p99_ms"] == np.inf
+    with pytest.raises(ValueError, match="one number of rows"):
+        Requests.of("m", [{"a": np.zeros((2, 1))}, {"a": np.zeros((3, 1))}])
