@@ -201,7 +201,8 @@ def run_longseq(
         append_events(log, Events(events.users[keep], events.seqs[keep], events.items[keep], events.ts[keep]))
         builder = BuilderProcess(repository / setup.SPEC_FILE, repository, local, work / "builder.json")
         stack.callback(builder.stop)
-        progress(f"[bench-longseq] builder took in the log in {builder.wait_idle():.0f} s")
+        took = builder.wait_built(local / spec.user_state.local_path, users.count, spec.user_state.ttl_s)
+        progress(f"[bench-longseq] builder took in the log in {took:.0f} s")
         builder.pause()
         feed = EventFeed(log, users.made, states, grid.event_rate, seed)
         server_of = {

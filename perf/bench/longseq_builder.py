@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +25,6 @@ import numpy as np
 from recserve.backends.store.event_log import Events, append_events
 from recserve.backends.store.user_state_store import UserStates
 from recserve.build.synthetic_users import LongUsers
-
-#: The builder has taken in the log when it spends less CPU than this share of a core.
-IDLE_SHARE = 0.2
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class BuilderProcess:
@@ -46,18 +39,23 @@ class BuilderProcess:
         self.log = (folder / "builder.log").open("w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
-    def wait_idle(self, timeout_s: float = 120.0) -> float:
-        """Wait until the builder has taken in the log (its CPU use falls); the seconds it took."""
-        started = time.monotonic()
-        before = _cpu_s(self.process.pid)
-        while time.monotonic() - started < timeout_s:
-            time.sleep(1.0)
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the builder exited with {self.process.returncode}; see {self.log.name}")
-            now = _cpu_s(self.process.pid)
-            if now - before < IDLE_SHARE and time.monotonic() - started > 2.0:
-                break
-            before = now
+    def wait_built(self, database: Path, users: int, ttl_s: float, timeout_s: float = 180.0) -> float:
+        """Wait until the builder has written a state for each of ``users`` users; the seconds it took.
+
+        A state written by the builder expires ``ttl_s`` after its write, so it is told apart from
+        the ones stored before the builder started by its expiry (read from the local store's file).
+        """
+        started, since = time.monotonic(), time.time() + ttl_s
+        with closing(sqlite3.connect(database, timeout=30)) as db:
+            while time.monotonic() - started < timeout_s:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"the builder exited with {self.process.returncode}; see {self.log.name}"
+                    )
+                (written,) = db.execute("SELECT COUNT(*) FROM states WHERE expires >= ?", (since,)).fetchone()
+                if written >= users:
+                    break
+                time.sleep(0.5)
         return time.monotonic() - started
 
     def pause(self) -> None:
