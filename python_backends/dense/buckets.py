@@ -27,6 +27,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -90,15 +91,18 @@ def grid_floors(spec: ModelSpec) -> dict[Bucket, Bucket]:
     return {b: Bucket(rows_below[b.rows] + 1, length_below[b.length] + 1) for b in spec_buckets(spec)}
 
 
-def input_shape(inputs: Arrays) -> tuple[int, int]:
-    """``(rows, sequence positions)`` of a dense-step request (1 position without a sequence)."""
+def input_shape(inputs: Mapping[str, Any]) -> tuple[int, int]:
+    """``(rows, sequence positions)`` of a dense-step request (1 position without a sequence).
+
+    The inputs may be numpy arrays or torch tensors (a device step's).
+    """
     mask = inputs.get(HISTORY_MASK)
     if mask is None:
         return int(inputs[SPARSE_EMBEDDINGS].shape[0]), 1
     return int(mask.shape[0]), int(mask.shape[1])
 
 
-def present_inputs(inputs: Arrays) -> tuple[str, ...]:
+def present_inputs(inputs: Mapping[str, Any]) -> tuple[str, ...]:
     """The dense net's inputs held by ``inputs``."""
     return tuple(name for name in inputs if is_dense_net_input(name))
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recserve.backends.base.artifacts import read_manifest, verified_path
-from recserve.backends.base.inputs import require
+from recserve.backends.base.device_copies import DeviceCopies
+from recserve.backends.base.inputs import dtype_name, require
 from recserve.backends.base.metrics import ScoreHistogram
 from recserve.backends.dense.buckets import (
     Arrays,
@@ -41,6 +42,7 @@ from recserve.core.contract import (
 from recserve.core.names import (
     BATCH_AXIS,
     CANDIDATE_PREFIX,
+    DENSE,
     DENSE_NET_INPUTS,
     DENSE_NORMALIZED,
     GROUP_INPUTS,
@@ -126,8 +128,10 @@ def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str,
         array = inputs.get(name)
         if array is None:
             raise InvalidInput(name, "is required but missing")
-        if array.dtype != np.float32 or array.shape != shape:
-            raise InvalidInput(name, f"is {array.dtype}{list(array.shape)}, expected float32{list(shape)}")
+        if dtype_name(array) != "float32" or tuple(array.shape) != shape:
+            raise InvalidInput(
+                name, f"is {dtype_name(array)}{list(array.shape)}, expected float32{list(shape)}"
+            )
         checked[name] = array
     return checked
 
@@ -254,6 +258,9 @@ class DenseStep:
         spec: the model spec.
         runner: ONNX Runtime buckets on the CPU, CUDA graphs (or TensorRT) on a GPU.
         version: the dense version served (a label of the served-probability histogram).
+        candidates: the candidate-list ONNX graph (the CPU profile).
+        copies: where the runner counts its host-device bytes; given for a device runner (PyTorch
+            or TensorRT), whose inputs are then read as torch tensors (:attr:`tensors`).
     """
 
     def __init__(
@@ -262,15 +269,21 @@ class DenseStep:
         runner: BucketedRunner,
         version: str = "",
         candidates: ort.InferenceSession | None = None,
+        copies: DeviceCopies | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
+        #: inputs are taken as torch tensors where Triton holds them (DLPack), not as numpy arrays
+        self.tensors = copies is not None
+        self.copies = copies or DeviceCopies(DENSE)
         self.scores = ScoreHistogram((("dense_version", version),))
         #: candidate lists (the candidates ensemble), with the candidate-list graph when given
         self.lists = CandidateLists(spec, lambda rows: self.runner.predict(rows), candidates)
 
     @classmethod
-    def load(cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu") -> DenseStep:
+    def load(
+        cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu", torch_device: str = ""
+    ) -> DenseStep:
         """Verify the artifacts of a version folder and prepare every bucket of the spec's grid.
 
         Args:
@@ -281,11 +294,14 @@ class DenseStep:
                 the build made one and TensorRT is installed, else a CUDA graph per bucket (an imported
                 model has no PyTorch weights for those: it runs on ONNX Runtime; on GPUs the ``gpu``
                 profile serves its TensorRT engine with Triton's TensorRT backend).
+            torch_device: ``cpu`` runs the device path (PyTorch, inputs as tensors) on torch's CPU
+                device, as CI tests it; empty: by ``device``.
         """
         manifest = read_manifest(version_dir)
         files = manifest["files"]
         version = version_dir.name
-        if device == "cpu" or "weights" not in files:
+        device = torch_device or device
+        if (device == "cpu" and not torch_device) or "weights" not in files:
             if device != "cpu":
                 LOGGER.warning(
                     "an imported dense model has no PyTorch weights: ONNX Runtime serves it on the CPU"
@@ -301,14 +317,17 @@ class DenseStep:
         from recserve.backends.dense.torch_runners import bucketed_torch_runner, load_net
 
         net = load_net(spec, verified_path(version_dir, files["weights"]))
-        if "plan" in files and importlib.util.find_spec("tensorrt") is not None:
+        copies = DeviceCopies(DENSE)
+        if "plan" in files and device != "cpu" and importlib.util.find_spec("tensorrt") is not None:
             from recserve.backends.dense.tensorrt_runner import bucketed_tensorrt_runner
 
             plan = verified_path(version_dir, files["plan"]).read_bytes()
             buckets = tuple(Bucket(rows, length) for rows, length in manifest["tensorrt"]["profiles"])
             model_path = verified_path(version_dir, files["model"])
-            return cls(spec, bucketed_tensorrt_runner(spec, plan, buckets, model_path, net, device), version)
-        return cls(spec, bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec)), version)
+            runner = bucketed_tensorrt_runner(spec, plan, buckets, model_path, net, device, copies=copies)
+            return cls(spec, runner, version, copies=copies)
+        runner = bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec), copies=copies)
+        return cls(spec, runner, version, copies=copies)
 
     def check(self, inputs: Arrays) -> dict[str, np.ndarray]:
         """Validate one request's inputs (raises ``InvalidInput``)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy
 from recserve.backends.dense.torch_runners import DeviceBuffers, TorchEager
 from recserve.core.names import PROBABILITY
@@ -49,8 +50,10 @@ class TensorRTEngine:
 class TensorRTBucket:
     """One bucket of an engine: its profile's execution context with static device buffers."""
 
-    def __init__(self, engine: TensorRTEngine, spec: ModelSpec, bucket: Bucket) -> None:
-        self.buffers = DeviceBuffers(spec, bucket, engine.device)
+    def __init__(
+        self, engine: TensorRTEngine, spec: ModelSpec, bucket: Bucket, copies: DeviceCopies | None = None
+    ) -> None:
+        self.buffers = DeviceBuffers(spec, bucket, engine.device, copies)
         self.buffers.stream.wait_stream(torch.cuda.current_stream(engine.device))  # the buffers' zero fill
         self.context = engine.engine.create_execution_context()
         self.context.set_optimization_profile_async(engine.profiles[bucket], self.buffers.stream.cuda_stream)
@@ -83,6 +86,7 @@ def bucketed_tensorrt_runner(
     net: torch.nn.Module,
     device: str = "cuda:0",
     policy: BucketPolicy | None = None,
+    copies: DeviceCopies | None = None,
 ) -> BucketedRunner:
     """TensorRT buckets from the built engine; misses compile a one-profile engine in the background.
 
@@ -94,6 +98,7 @@ def bucketed_tensorrt_runner(
         net: the PyTorch network: the generic graph on the same GPU.
         device: the CUDA device.
         policy: the bucket policy; the spec's by default.
+        copies: counts the host-device bytes of every call.
     """
     from recserve.backends.dense.tensorrt_engine import EngineOptions, OptimizationProfile, build_engine
 
@@ -101,10 +106,9 @@ def bucketed_tensorrt_runner(
 
     def compile_bucket(bucket: Bucket) -> TensorRTBucket:
         if bucket in engine.profiles:
-            return TensorRTBucket(engine, spec, bucket)
+            return TensorRTBucket(engine, spec, bucket, copies)
         own = build_engine(onnx_path, (OptimizationProfile.for_bucket(spec, bucket),), EngineOptions())
-        return TensorRTBucket(TensorRTEngine(own, (bucket,), device), spec, bucket)
+        return TensorRTBucket(TensorRTEngine(own, (bucket,), device), spec, bucket, copies)
 
-    return BucketedRunner(
-        policy or BucketPolicy.from_spec(spec), compile_bucket, TorchEager(net, device), buckets
-    )
+    generic = TorchEager(net, device, copies=copies)
+    return BucketedRunner(policy or BucketPolicy.from_spec(spec), compile_bucket, generic, buckets)

@@ -2,28 +2,34 @@
 
 The GPU path without TensorRT: :class:`TorchEager` is the generic dynamic-shape graph, and
 :class:`CudaGraphBucket` replays a graph captured at one bucket's shape (static input and output
-tensors on the device; a request is padded into pinned host buffers and copied in). On a machine
-without CUDA the same classes run eagerly on the CPU, which is how the padding logic is tested there.
+tensors on the device). Inputs that are already device tensors (the lookup step's, handed over
+through DLPack) are copied device to device into the static inputs, padded there; host arrays are
+padded into pinned host buffers and copied in. On a machine without CUDA the same classes run
+eagerly on the CPU, which is how the padding logic is tested there. Every copy between host memory
+and the device is counted (:class:`~recserve.backends.base.device_copies.DeviceCopies`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
+from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.dense.buckets import (
     Arrays,
     Bucket,
     BucketedRunner,
     BucketPolicy,
+    input_shape,
     pad_to_bucket,
+    present_inputs,
 )
-from recserve.core.contract import left_padded_inputs
+from recserve.core.contract import is_sequence_input, left_padded_inputs
 from recserve.core.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -31,6 +37,8 @@ if TYPE_CHECKING:
 
 LOGGER = logging.getLogger(__name__)
 
+#: A device step's inputs: numpy arrays (host memory) or torch tensors (taken through DLPack).
+Feeds = Mapping[str, "np.ndarray | torch.Tensor"]
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # autocast dtypes
 WARMUP_ITERATIONS = 3  # eager runs on a side stream before capture (cuBLAS handles, allocator pools)
 
@@ -51,6 +59,53 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def on_device(array: np.ndarray | torch.Tensor, device: torch.device, copies: DeviceCopies) -> torch.Tensor:
+    """``array`` as a tensor on ``device``; a host array (or a CPU tensor bound for a GPU) is counted."""
+    if isinstance(array, torch.Tensor):
+        if array.device == device:
+            return array
+        if array.device.type == "cpu":
+            copies.to_device(array.numel() * array.element_size())
+        return array.to(device)
+    host = np.ascontiguousarray(array)
+    copies.to_device(host.nbytes)
+    return torch.from_numpy(host).to(device)
+
+
+def to_host(tensor: torch.Tensor, copies: DeviceCopies) -> np.ndarray:
+    """A device tensor's values in a numpy array, counted as copied to the host."""
+    copies.to_host(tensor.numel() * tensor.element_size())
+    return tensor.cpu().numpy()
+
+
+def holds_tensors(inputs: Feeds) -> bool:
+    """True when any input is a torch tensor (a device step's inputs, taken through DLPack)."""
+    return any(isinstance(value, torch.Tensor) for value in inputs.values())
+
+
+def pad_into(
+    inputs: Mapping[str, torch.Tensor],
+    bucket: Bucket,
+    out: dict[str, torch.Tensor],
+    left: Collection[str] = (),
+) -> dict[str, torch.Tensor]:
+    """:func:`~recserve.backends.dense.buckets.pad_to_bucket` on the device: tensors padded into ``out``.
+
+    ``inputs`` are tensors on the device of ``out`` (of at most the bucket's shape); each is copied
+    into its buffer of the bucket's shape, the rest of which is zeroed.
+    """
+    rows, length = input_shape(inputs)
+    for name in present_inputs(inputs):
+        target, array = out[name], inputs[name]
+        target.zero_()
+        if is_sequence_input(name):
+            start = bucket.length - length if name in left else 0
+            target[:rows, start : start + length].copy_(array)
+        else:
+            target[:rows].copy_(array)
+    return out
+
+
 class TorchEager:
     """The network eagerly on ``device`` for inputs of any shape.
 
@@ -61,11 +116,19 @@ class TorchEager:
             normalisation and the sigmoid stay fp32); outputs come back as fp32.
     """
 
-    def __init__(self, net: torch.nn.Module, device: str = "cpu", precision: str = "fp32") -> None:
+    def __init__(
+        self,
+        net: torch.nn.Module,
+        device: str = "cpu",
+        precision: str = "fp32",
+        copies: DeviceCopies | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.precision = PRECISIONS[precision]
         self.net = net.to(device=self.device).eval()
         self.names: tuple[str, ...] = getattr(net, "input_names")  # noqa: B009 (CTRNet's, in its order)
+        #: the host-device copies of every call (of this runner and its buckets)
+        self.copies = copies or DeviceCopies("dense")
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The network on device tensors, in the runner's precision."""
@@ -77,11 +140,15 @@ class TorchEager:
         ):
             return self.net(*inputs)
 
+    def tensors(self, inputs: Feeds) -> dict[str, torch.Tensor]:
+        """The network's inputs as tensors on the device (numpy arrays and CPU tensors copied there)."""
+        return {n: on_device(inputs[n], self.device, self.copies) for n in self.names if n in inputs}
+
     @torch.inference_mode()
-    def __call__(self, inputs: Arrays) -> np.ndarray:
-        """Probabilities ``[rows, 1]`` as float32."""
-        feeds = [torch.from_numpy(np.ascontiguousarray(inputs[n])).to(self.device) for n in self.names]
-        return self.forward(*feeds).float().cpu().numpy()
+    def __call__(self, inputs: Feeds) -> np.ndarray:
+        """Probabilities ``[rows, 1]`` as float32 (inputs: numpy arrays or torch tensors)."""
+        feeds = self.tensors(inputs)
+        return to_host(self.forward(*(feeds[n] for n in self.names)).float(), self.copies)
 
 
 class DeviceBuffers:
@@ -91,8 +158,12 @@ class DeviceBuffers:
     copied to the static device inputs, run, and the static output copied back.
     """
 
-    def __init__(self, spec: ModelSpec, bucket: Bucket, device: torch.device) -> None:
+    def __init__(
+        self, spec: ModelSpec, bucket: Bucket, device: torch.device, copies: DeviceCopies | None = None
+    ) -> None:
         self.bucket = bucket
+        self.device = device
+        self.copies = copies or DeviceCopies("dense")
         self.left = left_padded_inputs(spec)
         shapes = bucket.input_shapes(spec)
         self.host = {
@@ -105,15 +176,28 @@ class DeviceBuffers:
         self.result = torch.zeros((bucket.rows, 1), dtype=torch.float32).pin_memory()
         self.stream = torch.cuda.Stream(device)
 
-    def upload(self, inputs: Arrays) -> None:
-        """Pad ``inputs`` to the bucket and queue their copy to the device inputs."""
-        pad_to_bucket(inputs, self.bucket, self.host_arrays, self.left)
+    def upload(self, inputs: Feeds) -> None:
+        """Pad ``inputs`` to the bucket into the device inputs, on the buffers' stream (current).
+
+        Device tensors (the lookup step's, through DLPack) are copied and padded on the device, after
+        the work queued on the default stream (where they were made); host arrays among them are
+        copied there first. Inputs that are all host arrays are padded into the pinned host buffers
+        and copied in one by one.
+        """
+        if holds_tensors(inputs):
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+            tensors = {n: on_device(inputs[n], self.device, self.copies) for n in present_inputs(inputs)}
+            pad_into(tensors, self.bucket, dict(zip(self.names, self.inputs, strict=True)), self.left)
+            return
+        pad_to_bucket(cast(Arrays, inputs), self.bucket, self.host_arrays, self.left)
         for name, device_tensor in zip(self.names, self.inputs, strict=True):
             device_tensor.copy_(self.host[name], non_blocking=True)
+            self.copies.to_device(self.host_arrays[name].nbytes)
 
     def download(self) -> np.ndarray:
         """Wait for the stream and return the output ``[bucket.rows, 1]`` as float32."""
         self.result.copy_(self.output, non_blocking=True)
+        self.copies.to_host(self.result.numel() * self.result.element_size())
         self.stream.synchronize()
         return self.result.numpy().copy()
 
@@ -127,7 +211,7 @@ class CudaGraphBucket:
     def __init__(self, eager: TorchEager, spec: ModelSpec, bucket: Bucket) -> None:
         if eager.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.buffers = DeviceBuffers(spec, bucket, eager.device)
+        self.buffers = DeviceBuffers(spec, bucket, eager.device, eager.copies)
         self.buffers.stream.wait_stream(torch.cuda.current_stream(eager.device))  # the buffers' zero fill
         with torch.inference_mode(), torch.cuda.stream(self.buffers.stream):
             for _ in range(WARMUP_ITERATIONS):  # on the side stream, before capture
@@ -155,8 +239,26 @@ class EagerBucket:
         self.left = left
 
     def __call__(self, inputs: Arrays) -> np.ndarray:
-        """Probabilities ``[bucket.rows, 1]`` for inputs padded to the bucket."""
-        return self.eager(pad_to_bucket(inputs, self.bucket, left=self.left))
+        """Probabilities ``[bucket.rows, 1]`` for inputs padded to the bucket (on the device for tensors)."""
+        if not holds_tensors(inputs):
+            return self.eager(pad_to_bucket(inputs, self.bucket, left=self.left))
+        tensors = self.eager.tensors(inputs)
+        shapes = self.bucket_shapes(tensors)
+        out = {
+            n: torch.empty(shape, dtype=torch.float32, device=self.eager.device)
+            for n, shape in shapes.items()
+        }
+        return self.eager(pad_into(tensors, self.bucket, out, self.left))
+
+    def bucket_shapes(self, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+        """Each input's shape padded to the bucket (rows, and sequence positions)."""
+        bucket = self.bucket
+        return {
+            name: (bucket.rows, bucket.length, *t.shape[2:])
+            if is_sequence_input(name)
+            else (bucket.rows, *t.shape[1:])
+            for name, t in tensors.items()
+        }
 
 
 def bucketed_torch_runner(
@@ -167,9 +269,13 @@ def bucketed_torch_runner(
     policy: BucketPolicy | None = None,
     prepare: tuple[Bucket, ...] = (),
     background: bool = True,
+    copies: DeviceCopies | None = None,
 ) -> BucketedRunner:
-    """PyTorch behind the bucket policy: CUDA graphs per bucket on CUDA, eager buckets on the CPU."""
-    eager = TorchEager(net, device, precision)
+    """PyTorch behind the bucket policy: CUDA graphs per bucket on CUDA, eager buckets on the CPU.
+
+    ``copies`` counts the host-device bytes of every call (a new counter by default).
+    """
+    eager = TorchEager(net, device, precision, copies)
 
     def compile_bucket(bucket: Bucket) -> EagerBucket | CudaGraphBucket:
         return (

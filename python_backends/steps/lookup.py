@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.core.candidate_lists import candidate_rows, candidate_step_inputs, per_candidate_dense_inputs
@@ -23,6 +24,7 @@ from recserve.core.contract import (
 from recserve.core.names import (
     CANDIDATE_PREFIX,
     DENSE_NORMALIZED,
+    EMBEDDING_LOOKUP,
     EMBEDDING_VERSION,
     HISTORY_KEYS,
     IDS_WIRE,
@@ -280,6 +282,9 @@ class FeaturesToEmbeddings:
         self.spec = spec
         self.transform = FeatureTransform(spec)
         self.lookup = lookup
+        #: the host-device bytes of a device step (the device lookup's counter; none moved on the host)
+        device = lookup.device_l1
+        self.copies = device.copies if device is not None else DeviceCopies(EMBEDDING_LOOKUP)
         #: the tensors of both wire forms (a request carries one: :mod:`recserve.core.wire_forms`)
         forms = [spec.wire_form(form) for form in WIRE_FORMS]
         self.input_names = tuple(dict.fromkeys(t.name for form in forms for t in form.inputs))

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.keyindex import GOLDEN
 from recserve.backends.store.tiered import L1, Snapshot, TieredStore
+from recserve.core.names import EMBEDDING_LOOKUP
 
 LOGGER = logging.getLogger(__name__)
 
@@ -133,9 +135,13 @@ class DeviceL1:
         device: ``cpu``, ``cuda`` or ``cuda:N``.
     """
 
-    def __init__(self, store: TieredStore, device: str | torch.device) -> None:
+    def __init__(
+        self, store: TieredStore, device: str | torch.device, copies: DeviceCopies | None = None
+    ) -> None:
         self.store = store
         self.device = torch.device(device)
+        #: the host-device bytes of every batch (the mirror's copies are upkeep, not counted)
+        self.copies = copies or DeviceCopies(EMBEDDING_LOOKUP)
         self._mirror: DeviceMirror | None = None
         self._lock = threading.Lock()
         self.mirror_for(store.snapshot.cache)  # the preloaded L1 goes to the device before the first batch
@@ -193,12 +199,15 @@ class DeviceL1:
         hit = mirror.slot_keys.index_select(0, slots) == device_keys
         vectors = mirror.vectors.index_select(0, slots)  # one gather for the batch; misses overwritten below
         miss = np.flatnonzero(~hit.cpu().numpy())
+        self.copies.to_device(keys.nbytes)
+        self.copies.to_host(keys.size)  # the hit mask, a byte per key
         tiers = np.full(keys.size, L1, np.int8)
         if miss.size:
             rest = self.store.lookup(keys[miss], table_ids[miss], record=False)
             if rest.snapshot is not snapshot:
                 return None
             tiers[miss] = rest.tiers
+            self.copies.to_device(miss.nbytes + rest.vectors.nbytes)
             vectors.index_copy_(
                 0, torch.from_numpy(miss).to(self.device), torch.from_numpy(rest.vectors).to(self.device)
             )
@@ -207,4 +216,5 @@ class DeviceL1:
     def _host(self, keys: np.ndarray, table_ids: np.ndarray) -> DeviceLookup:
         """The whole batch through the host path (one snapshot), copied to the device."""
         result = self.store.lookup(keys, table_ids, record=False)
+        self.copies.to_device(result.vectors.nbytes)
         return DeviceLookup(torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot)

@@ -33,9 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.store.device_cache import ATTEMPTS, DeviceL1, DeviceLookup
 from recserve.backends.store.rows import RowBlock
 from recserve.backends.store.tiered import DEFAULT, DEVICE, Snapshot, TieredStore
+from recserve.core.names import EMBEDDING_LOOKUP
 
 LOGGER = logging.getLogger(__name__)
 
@@ -127,6 +129,8 @@ class DeviceTier:
         self.device = torch.device(device)
         self.tables = tuple(tables)
         self.fallback = fallback
+        #: the host-device bytes of every batch, the fallback's included (its counter is this one)
+        self.copies = fallback.copies if fallback is not None else DeviceCopies(EMBEDDING_LOOKUP)
         shard_of = np.full(len(store.table_names), -1, np.int64)  # table id -> its resident shard, or -1
         self.shards: list[SortedRows] = []
         for number, shard in enumerate(store.shards):
@@ -193,6 +197,7 @@ class DeviceTier:
                 break
         else:  # updates kept landing mid-batch: the host path reads one snapshot by itself
             result = self.store.lookup(keys, table_ids, record=False)
+            self.copies.to_device(result.vectors.nbytes)
             served = DeviceLookup(
                 torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot
             )
@@ -208,6 +213,8 @@ class DeviceTier:
         device_tables = torch.from_numpy(table_ids.astype(np.int64)).to(self.device)
         vectors, tiers = self._on_device(device_keys, device_tables, delta)
         host_tiers = tiers.cpu().numpy()
+        self.copies.to_device(keys.nbytes + keys.size * 8)  # the keys and their table ids (int64)
+        self.copies.to_host(host_tiers.nbytes)
         elsewhere = np.flatnonzero(host_tiers == ELSEWHERE)
         if elsewhere.size:
             rest = (self.fallback or self.store).lookup(keys[elsewhere], table_ids[elsewhere], record=False)
@@ -215,6 +222,9 @@ class DeviceTier:
                 return None
             host_tiers[elsewhere] = rest.tiers
             rows = torch.from_numpy(elsewhere).to(self.device)
+            if isinstance(rest.vectors, np.ndarray):  # the host store's: copied here
+                self.copies.to_device(rest.vectors.nbytes)
+            self.copies.to_device(elsewhere.nbytes)
             vectors.index_copy_(0, rows, torch.as_tensor(rest.vectors).to(self.device))
         return DeviceLookup(vectors, host_tiers, snapshot)
 

@@ -122,19 +122,26 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     )
 
 
-def read_inputs(request: Any, names: Sequence[str]) -> Arrays:
+def read_inputs(request: Any, names: Sequence[str], tensors: bool = False) -> Arrays:
     """The named input tensors of a request as numpy arrays (absent ones are left out).
 
     One pass over ``request.inputs()``: ``get_input_tensor_by_name`` would scan the whole list
     (and wrap every tensor) once per name.
+
+    With ``tensors`` (a device step), each input is a torch tensor where Triton holds it, taken
+    through DLPack without a copy: a GPU-resident input stays on the GPU.
     """
     present = {tensor.name(): tensor for tensor in request.inputs()}
-    arrays = {}
+    arrays: dict[str, Any] = {}
     for name in names:
         tensor = present.get(name)
         if tensor is None:
             continue
-        if tensor.is_cpu():
+        if tensors:
+            import torch
+
+            arrays[name] = torch.from_dlpack(tensor.to_dlpack())
+        elif tensor.is_cpu():
             arrays[name] = tensor.as_numpy()
         else:  # a GPU-resident input (gpu profile): one copy to the host through DLPack
             from torch.utils.dlpack import from_dlpack
@@ -219,16 +226,17 @@ def execute_alone(
     requests: Sequence[Any],
     input_names: Sequence[str],
     handle: Callable[..., Mapping[str, Any]],
+    tensors: bool = False,
 ) -> list:
     """Handle each request by itself: one response each, errors mapped per request.
 
     ``handle(inputs, requested=...)`` also gets the names of the outputs the request asks for (an
-    ensemble asks for those its next step takes).
+    ensemble asks for those its next step takes). ``tensors``: read as in :func:`read_inputs`.
     """
     return [
         _handle_one(
             functools.partial(handle, requested=frozenset(request.requested_output_names())),
-            read_inputs(request, input_names),
+            read_inputs(request, input_names, tensors),
         )
         for request in requests
     ]
@@ -263,6 +271,7 @@ def execute_checked_merged(
     ragged_outputs: Mapping[str, str] | None = None,
     accept: Callable[[Mapping[str, Any]], None] | None = None,
     left_padded: Collection[str] = (),
+    tensors: bool = False,
 ) -> list:
     """Check each request alone, then compute all valid ones in one call and split the results.
 
@@ -275,12 +284,14 @@ def execute_checked_merged(
         accept: checks one request's outputs before they are sent (raises ``RequestError``: that
             request alone fails).
         left_padded: ragged inputs padded on the left (merged by padding them on the left).
+        tensors: read the inputs as torch tensors where Triton holds them (:func:`read_inputs`); the
+            merge then concatenates them on their device.
     """
     responses: list = [None] * len(requests)
     valid, checked = [], []
     for i, request in enumerate(requests):
         try:
-            checked.append(check(read_inputs(request, input_names)))
+            checked.append(check(read_inputs(request, input_names, tensors)))
             valid.append(i)
         except Exception as exc:  # mapped per request
             responses[i] = error_response(exc)

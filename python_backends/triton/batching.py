@@ -4,11 +4,14 @@ Triton hands a Python-backend model a list of requests; ragged tensors (sequence
 differ in width between requests. Merging zero-pads them to the widest request (padding positions
 carry mask 0 and never change a row's result), so one vectorised call serves the whole batch.
 Sequences padded on the left (``padding = "left"`` in the spec) are padded and cut on the left.
+A device step's tensors (torch, handed over through DLPack) are merged on their device with
+``torch.cat``: one concatenation per tensor, whatever the number of requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,11 +34,26 @@ def merge(
         width = max(p.shape[1] for p in parts) if parts[0].ndim >= 2 else None
         if width is not None and any(p.shape[1] != width for p in parts):
             parts = [_pad_axis1(p, width, name in left) for p in parts]
-        merged[name] = np.concatenate(parts, axis=0)
+        merged[name] = np.concatenate(parts, axis=0) if isinstance(parts[0], np.ndarray) else _cat(parts)
     return merged, sizes
 
 
-def _pad_axis1(array: np.ndarray, width: int, left: bool) -> np.ndarray:
+def _cat(parts: Sequence[Any]) -> Any:
+    """Torch tensors joined along rows on their device."""
+    import torch
+
+    return torch.cat(list(parts), dim=0)
+
+
+def _pad_axis1(array: Any, width: int, left: bool) -> Any:
+    if not isinstance(array, np.ndarray):  # a torch tensor: padded on its device
+        import torch
+
+        missing = width - array.shape[1]
+        zeros = torch.zeros(
+            (array.shape[0], missing, *array.shape[2:]), dtype=array.dtype, device=array.device
+        )
+        return torch.cat([zeros, array] if left else [array, zeros], dim=1)
     pad = [(0, 0)] * array.ndim
     pad[1] = (width - array.shape[1], 0) if left else (0, width - array.shape[1])
     return np.pad(array, pad)

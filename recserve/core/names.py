@@ -71,6 +71,10 @@ SEQUENCE_AXIS = "sequence"
 #: Config parameter of ``embedding_lookup``: the torch device of its L1 and of the vectors it returns
 #: (``cuda``: the instance's GPU, set by the ``cuda`` profile; ``cpu``: the same code on the host).
 L1_DEVICE_PARAMETER = "l1_device"
+#: Config parameter of ``dense``: ``cpu`` runs its device path (PyTorch, inputs taken as torch tensors
+#: through DLPack) on torch's CPU device, as CI tests the ``cuda`` profile's code; unset, a KIND_GPU
+#: instance runs it on its GPU and a CPU instance runs ONNX Runtime.
+DENSE_DEVICE_PARAMETER = "dense_device"
 
 
 #: The two forms of a request's categorical, multi-hot (and time) values, named by ``CTRClient(wire=...)``

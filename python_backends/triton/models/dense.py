@@ -15,7 +15,7 @@ from recserve.backends.triton.adapter import (
     instance_device,
 )
 from recserve.core.contract import dense_net_inputs, left_padded_inputs
-from recserve.core.names import DENSE_VERSION, PROBABILITY
+from recserve.core.names import DENSE_DEVICE_PARAMETER, DENSE_VERSION, PROBABILITY
 
 
 class TritonPythonModel:
@@ -26,7 +26,13 @@ class TritonPythonModel:
         context = ModelContext.from_args(args)
         device = instance_device(args)
         check_dense_fits(context.spec, onnx_input_dims(context.version_dir))
-        self.step = DenseStep.load(context.spec, context.version_dir, context.instance_count, device)
+        self.step = DenseStep.load(
+            context.spec,
+            context.version_dir,
+            context.instance_count,
+            device,
+            context.parameters.get(DENSE_DEVICE_PARAMETER, ""),
+        )
         self.version = context.version
         self.warmup_left = context.warmup_requests  # Triton's warm-up comes first: not served scores
         self.input_names = dense_net_inputs(context.spec)
@@ -50,16 +56,24 @@ class TritonPythonModel:
                 self.score,
                 accept=accept,
                 left_padded=self.left_padded,
+                tensors=self.step.tensors,
             ),
-            lambda lists: execute_alone(lists, self.step.lists.input_names, self.score_list),
+            lambda lists: execute_alone(
+                lists, self.step.lists.input_names, self.score_list, self.step.tensors
+            ),
         )
+        self.step.copies.executed()
         # published after every warm-up batch, so the counts are whole once the model is READY
         self.metrics.publish_due(self.samples, force=not served)
         return responses
 
     def samples(self) -> list:
-        """Bucket and padding counters, and the served-probability histogram."""
-        return [*self.step.runner.counters.samples(), *self.step.scores.samples()]
+        """Bucket and padding counters, the served-probability histogram, the host-device bytes."""
+        return [
+            *self.step.runner.counters.samples(),
+            *self.step.scores.samples(),
+            *self.step.copies.samples(),
+        ]
 
     def score(self, merged: dict) -> dict:
         """The network's outputs and, per row, the version that computed them."""

@@ -63,12 +63,17 @@ class TritonPythonModel:
             lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
             lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
         )
+        self.step.copies.executed()
         self.metrics.publish_due(self.samples)
         return responses
 
     def samples(self) -> list:
-        """The store's metric samples, and the user states' where ``[user_state]`` is on."""
-        return [*self.served.samples(), *(self.stateful.samples() if self.stateful else ())]
+        """The store's samples, the user states' with ``[user_state]``, the host-device bytes on a device."""
+        return [
+            *self.served.samples(),
+            *(self.stateful.samples() if self.stateful else ()),
+            *(self.step.copies.samples() if self.step.lookup.device_l1 is not None else ()),
+        ]
 
     def merged(self, requests: list) -> list:
         """Row-form requests of one wire form (ids, or bytes), transformed and looked up together.
