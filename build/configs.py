@@ -240,6 +240,28 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     )
 
 
+def single_form_ensemble(spec: ModelSpec, form: str, profile: str = "cpu") -> mc.ModelConfig:
+    """The row ensemble taking one wire form only, none of its inputs optional: ``<name>__<form>``.
+
+    For clients that cannot leave inputs out (perf_analyzer's shared memory refuses a model with
+    optional inputs); the same steps as :func:`ensemble_config`.
+    """
+    config = ensemble_config(spec, profile)
+    names = {t.name for t in spec.wire_form(form).inputs}
+    kept = [
+        mc.ModelInput(name=i.name, data_type=i.data_type, dims=i.dims)
+        for i in config.input
+        if i.name in names
+    ]
+    del config.input[:]
+    config.input.extend(kept)
+    step = config.ensemble_scheduling.step[0]
+    for name in [n for n in step.input_map if n not in names]:
+        del step.input_map[name]
+    config.name = f"{spec.name}__{form}"
+    return config
+
+
 def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
     """The candidate-list ensemble (:attr:`~recserve.spec.ModelSpec.candidates_model`): one request per user.
 

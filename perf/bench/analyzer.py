@@ -122,6 +122,7 @@ def measure(
     shared_memory: str = "none",
     stability_percentage: int = LOOSE_STABILITY,
     candidates: int = 0,
+    model: str = "",
 ) -> tuple[list[PerfPoint], str]:
     """Run perf_analyzer once; return the parsed points and its printed output.
 
@@ -129,10 +130,11 @@ def measure(
     The default :data:`LOOSE_STABILITY` accepts the first three windows (shared, noisy machines);
     pass e.g. 50 to let perf_analyzer insist on stable windows. With ``candidates``, every request
     is one user's list of that many candidates to the candidates ensemble (``batch_size`` 1), and
-    ``rows_per_s`` counts the candidates scored.
+    ``rows_per_s`` counts the candidates scored. ``model``: another row ensemble of the server
+    than the spec's (e.g. :func:`recserve.build.configs.single_form_ensemble`'s).
     """
     url = url or ("127.0.0.1:8001" if protocol == "grpc" else "127.0.0.1:8000")
-    model = spec.name
+    model = model or spec.name
     if candidates:
         if spec.candidates_model is None or batch_size != 1:
             raise PerfError(f"candidate lists need a spec with a sequence and batch size 1 ({spec.name!r})")

@@ -40,7 +40,7 @@ import numpy as np
 
 from recserve.build import configs
 from recserve.clients import CTRClient
-from recserve.core.names import STEPS
+from recserve.core.names import IDS_WIRE, STEPS
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import spec_path
 from recserve.perf.bench import report
@@ -132,9 +132,11 @@ def _perf_point(
 ) -> Point:
     url = server.grpc_url if protocol == "grpc" else server.http_url
     before = snapshot(server.http_url)
+    # perf_analyzer's shared memory refuses optional inputs: the row ensemble of the id form alone
+    model = "" if shared_memory == "none" else configs.single_form_ensemble(spec, IDS_WIRE).name
     p = measure_point(
         spec, url, protocol, batch, concurrency, grid.measurement_ms, data=data,
-        shared_memory=shared_memory, stability_percentage=LOOSE_STABILITY,
+        shared_memory=shared_memory, stability_percentage=LOOSE_STABILITY, model=model,
     )  # fmt: skip
     if p is None:  # kept as a point without figures, which no ratio reads
         return Point(
@@ -217,6 +219,9 @@ def run_bench(
             (report.TUNED, configs.ServingPlan.from_spec(spec)),
         ):
             variant = configs.write_variant(spec, repository, work / system, plan=plan)
+            ids_only = configs.single_form_ensemble(spec, IDS_WIRE)  # for the shared-memory probes
+            (variant / ids_only.name / str(spec.version)).mkdir(parents=True)
+            (variant / ids_only.name / "config.pbtxt").write_text(configs.render(ids_only))
             # the shared-memory probes register client regions: open that API on the bench's own servers
             security = Security(client_shared_memory=True)
             servers[system] = stack.enter_context(

@@ -37,10 +37,9 @@ class TritonPythonModel:
         """One response of zeros per request."""
         responses = []
         for request in requests:
-            arrays = {
-                name: pb_utils.get_input_tensor_by_name(request, name).as_numpy() for name in self.inputs
-            }
-            rows = len(arrays[self.inputs[0]])
+            present = {tensor.name(): tensor for tensor in request.inputs()}  # optional ones may be absent
+            arrays = {name: present[name].as_numpy() for name in self.inputs if name in present}
+            rows = len(next(iter(arrays.values())))
             width = arrays[self.width_from].shape[1] if self.width_from in arrays else 1
             width = next((b for b in self.buckets if b >= width), width)  # as the real step pads
             packed = self.fixed + self.per_position * width  # a [-1] output (the width itself unless packed)

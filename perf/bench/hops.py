@@ -92,7 +92,7 @@ def topologies(spec: ModelSpec) -> dict[str, list[EchoStep]]:
     three = [
         EchoStep(
             "feature_transform",
-            spec.wire_inputs(),
+            step_tensors.request_inputs(spec),
             (t[DENSE_NORMALIZED], *keys, t[HISTORY_MASK]),
             sequence.name,
         ),
@@ -168,7 +168,7 @@ def echo_configs(spec: ModelSpec, name: str, steps: list[EchoStep]) -> dict[str,
         name=name,
         platform="ensemble",
         max_batch_size=spec.model.max_batch_size,
-        input=[step_tensors.model_input(x) for x in spec.wire_inputs()],
+        input=[step_tensors.model_input(x) for x in step_tensors.request_inputs(spec)],  # both wire forms
         output=[step_tensors.model_output(x) for x in ensemble_outputs(steps)],
         ensemble_scheduling=mc.ModelEnsembling(
             step=[

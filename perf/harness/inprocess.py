@@ -12,6 +12,7 @@ import numpy as np
 
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.core.names import IDS_WIRE
 from recserve.core.spec import ModelSpec
 
 
@@ -29,10 +30,16 @@ class InProcessRate:
 def measure_inprocess(
     spec: ModelSpec, repository: Path, batch_size: int, seconds: float = 3.0
 ) -> InProcessRate:
-    """Call the ONNX Runtime pipeline on pre-built request tensors for ``seconds``."""
+    """Call the ONNX Runtime pipeline on pre-built request tensors for ``seconds``.
+
+    The requests are of the id form of the wire, as the served path gets them from the SDK and
+    the perf input data.
+    """
     pipeline = reference_pipeline(spec, repository, runtime="onnx")
     rows = generate(spec, batch_size * 16, seed=7)
-    batches = [rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec) for i in range(16)]
+    batches = [
+        rows.take(slice(i * batch_size, (i + 1) * batch_size)).to_wire(spec, IDS_WIRE) for i in range(16)
+    ]
     for batch in batches[:4]:
         pipeline.predict(batch)  # warm-up
     latencies_ms, elapsed = time_calls(pipeline.predict, batches, seconds)

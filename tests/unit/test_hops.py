@@ -20,7 +20,7 @@ def test_the_served_echo_topology_has_the_served_steps_tensors(spec):
 
 def test_every_echo_step_input_comes_from_the_request_or_an_earlier_step(spec):
     for name, steps in topologies(spec).items():
-        available = {t.name for t in spec.wire_inputs()}
+        available = {t.name for t in step_tensors.request_inputs(spec)}  # both wire forms
         for step in steps:
             missing = {t.name for t in step.inputs} - available
             assert not missing, (name, step.name, missing)
