@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -203,17 +203,25 @@ def bucketed_onnx_runner(
 class CandidateLists:
     """The dense step's candidate lists: per-candidate inputs ``[U, N, ...]``, each user's history once.
 
-    With the candidate-list graph of the built-in network (``session``), every user's history is
-    projected once for all of their candidates. Without it (an imported model has only the row
-    graph), each candidate row gets its user's history and the rows go to ``rows``.
+    With the candidate-list graph of the built-in network (``session``, the CPU profile) or its
+    candidate-list forward on the device (``scorer``, the ``cuda`` profile: the inputs stay torch
+    tensors there), every user's history is projected once for all of their candidates. Without
+    either (an imported model has only the row graph), each candidate row gets its user's history
+    and the rows go to ``rows``.
     """
 
     def __init__(
-        self, spec: ModelSpec, rows: Callable[[Arrays], np.ndarray], session: ort.InferenceSession | None
+        self,
+        spec: ModelSpec,
+        rows: Callable[[Arrays], np.ndarray],
+        session: ort.InferenceSession | None,
+        scorer: Callable[[Mapping[str, Any], int, int], np.ndarray] | None = None,
     ) -> None:
         self.spec = spec
         self.rows = rows
         self.session = session
+        #: ``scorer(inputs, users, candidates)``: probabilities of flat per-candidate and per-user inputs
+        self.scorer = scorer
         self.per_candidate = per_candidate_dense_inputs(spec)
         self.per_user = sequence_inputs(spec)
         self.input_names = (*(CANDIDATE_PREFIX + n for n in self.per_candidate), *self.per_user)
@@ -242,6 +250,11 @@ class CandidateLists:
             per_user[name] = array
         if len({array.shape[1] for array in per_user.values()}) > 1:
             raise InvalidInput(self.per_user[0], "and the other histories differ in their positions")
+        if self.scorer is not None:
+            for name, array in {**flat, **per_user}.items():
+                if dtype_name(array) != "float32":
+                    raise InvalidInput(name, f"is {dtype_name(array)}, expected float32")
+            return self.scorer({**flat, **per_user}, users, count)
         owner = np.repeat(np.arange(users, dtype=np.int64), count)
         if self.session is None:
             rows = {**flat, **{name: array[owner] for name, array in per_user.items()}}
@@ -259,6 +272,7 @@ class DenseStep:
         runner: ONNX Runtime buckets on the CPU, CUDA graphs (or TensorRT) on a GPU.
         version: the dense version served (a label of the served-probability histogram).
         candidates: the candidate-list ONNX graph (the CPU profile).
+        scorer: the network's candidate-list forward on the device (see :class:`CandidateLists`).
         copies: where the runner counts its host-device bytes; given for a device runner (PyTorch
             or TensorRT), whose inputs are then read as torch tensors (:attr:`tensors`).
     """
@@ -270,6 +284,7 @@ class DenseStep:
         version: str = "",
         candidates: ort.InferenceSession | None = None,
         copies: DeviceCopies | None = None,
+        scorer: Callable[[Mapping[str, Any], int, int], np.ndarray] | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
@@ -278,7 +293,7 @@ class DenseStep:
         self.copies = copies or DeviceCopies(DENSE)
         self.scores = ScoreHistogram((("dense_version", version),))
         #: candidate lists (the candidates ensemble), with the candidate-list graph when given
-        self.lists = CandidateLists(spec, lambda rows: self.runner.predict(rows), candidates)
+        self.lists = CandidateLists(spec, lambda rows: self.runner.predict(rows), candidates, scorer)
 
     @classmethod
     def load(
@@ -314,7 +329,7 @@ class DenseStep:
                 else None
             )
             return cls(spec, bucketed_onnx_runner(spec, model_path, threads), version, candidates)
-        from recserve.backends.dense.torch_runners import bucketed_torch_runner, load_net
+        from recserve.backends.dense.torch_runners import TorchEager, bucketed_torch_runner, load_net
 
         net = load_net(spec, verified_path(version_dir, files["weights"]))
         copies = DeviceCopies(DENSE)
@@ -327,7 +342,8 @@ class DenseStep:
             runner = bucketed_tensorrt_runner(spec, plan, buckets, model_path, net, device, copies=copies)
             return cls(spec, runner, version, copies=copies)
         runner = bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec), copies=copies)
-        return cls(spec, runner, version, copies=copies)
+        scorer = TorchEager(net, device, copies=copies).lists if net.has_attention else None
+        return cls(spec, runner, version, copies=copies, scorer=scorer)
 
     def check(self, inputs: Arrays) -> dict[str, np.ndarray]:
         """Validate one request's inputs (raises ``InvalidInput``)."""

@@ -145,6 +145,25 @@ class TorchEager:
         return {n: on_device(inputs[n], self.device, self.copies) for n in self.names if n in inputs}
 
     @torch.inference_mode()
+    def lists(self, inputs: Feeds, users: int, candidates: int) -> np.ndarray:
+        """Probabilities ``[users * candidates, 1]`` of candidate lists, each user's history projected once.
+
+        ``inputs``: the per-candidate inputs flat (``[users * candidates, ...]``) and the histories and
+        masks with a row per user; the network's candidate-list forward (``CTRNet.score`` with each
+        row's user, made on the device).
+        """
+        feeds = self.tensors(inputs)
+        owner = torch.arange(users, device=self.device).repeat_interleave(candidates)
+        with torch.autocast(
+            self.device.type,
+            dtype=self.precision,
+            enabled=self.precision != torch.float32,
+            cache_enabled=False,
+        ):
+            scores = cast("CTRNet", self.net).score(feeds, owner)
+        return to_host(scores.float(), self.copies)
+
+    @torch.inference_mode()
     def __call__(self, inputs: Feeds) -> np.ndarray:
         """Probabilities ``[rows, 1]`` as float32 (inputs: numpy arrays or torch tensors)."""
         feeds = self.tensors(inputs)

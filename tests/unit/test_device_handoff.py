@@ -19,8 +19,9 @@ from recserve.backends.triton import batching
 from recserve.build.export import example_inputs, torch_predict
 from recserve.build.repository import load_reference_net, version_dir
 from recserve.build.synthetic import generate
-from recserve.core.contract import left_padded_inputs
-from recserve.core.names import DENSE, EMBEDDING_LOOKUP, PROBABILITY
+from recserve.core.candidate_lists import per_candidate_dense_inputs
+from recserve.core.contract import left_padded_inputs, sequence_inputs
+from recserve.core.names import CANDIDATE_PREFIX, DENSE, EMBEDDING_LOOKUP, PROBABILITY
 from recserve.errors import InvalidInput
 
 
@@ -112,3 +113,28 @@ def test_copies_are_declared_at_zero_and_counted_by_step_and_direction():
     copies.to_host(4)
     copies.executed()
     assert copies.totals() == {"h2d": 10, "d2h": 4, "executes": 1}
+
+
+def candidate_lists(spec, users, count, length, seed=0):
+    """Candidate-list inputs of the dense step and the same rows in the row form (each with its history)."""
+    rows = example_inputs(spec, users * count, length, seed=seed)
+    owner = np.repeat(np.arange(users), count)
+    per_user = {name: rows[name][::count] for name in sequence_inputs(spec)}  # each user's first row
+    as_rows = {**rows, **{name: array[owner] for name, array in per_user.items()}}
+    lists = {
+        CANDIDATE_PREFIX + name: rows[name].reshape(users, count, *rows[name].shape[1:])
+        for name in per_candidate_dense_inputs(spec)
+    }
+    return {**lists, **per_user}, as_rows
+
+
+def test_candidate_lists_on_the_device_project_each_history_once_and_score_as_rows(tiny_spec, dense_step):
+    lists, as_rows = candidate_lists(tiny_spec, users=3, count=20, length=30, seed=4)
+    expected = dense_step.compute(as_rows)[PROBABILITY]
+    hits = dense_step.runner.counters.snapshot()
+    before = dense_step.copies.totals()
+    got = dense_step.lists(as_tensors(lists))
+    assert dense_step.runner.counters.snapshot() == hits, "the lists were expanded into rows"
+    assert dense_step.copies.totals()["h2d"] == before["h2d"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert got.shape == (60, 1)
