@@ -154,7 +154,9 @@ class RedisTier:
             client = RedisCluster(
                 startup_nodes=nodes,
                 socket_timeout=max(deadline, 0.05),
-                socket_connect_timeout=max(deadline, 0.05),
+                # a connection is made once (at load, or after a node came back), on the worker thread
+                # whose calls the deadline bounds anyway: a busy machine's slow connect fails no load
+                socket_connect_timeout=max(deadline, CONNECT_TIMEOUT_S),
                 require_full_coverage=False,
                 retry=Retry(NoBackoff(), 1),
                 **connection_settings(options, environ),
@@ -319,6 +321,10 @@ class RedisTier:
         """Release the worker thread and the connections."""
         self._pool.shutdown(wait=False)
         self.client.close()
+
+
+#: least time a new connection to a node may take (calls are bounded by the deadline regardless)
+CONNECT_TIMEOUT_S = 1.0
 
 
 def connection_settings(options: Any, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
