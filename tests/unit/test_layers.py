@@ -12,6 +12,7 @@ client SDK depends only on the bottom layer, so a client installs without the se
 """
 
 import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,26 @@ def module_name(path: Path) -> str:
     raise AssertionError(f"{path} is in no package folder")
 
 
+def project_files() -> list[Path]:
+    """Every Python file of the project that git does not ignore (not ``perf/results/``, built folders)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return sorted(ROOT / name for name in listed if (ROOT / name).is_file())
+
+
 def sources() -> list[Path]:
     """Every source file of the installed packages."""
-    files = [p for folder in set(PACKAGE_DIRS.values()) for p in (ROOT / folder).rglob("*.py")]
-    return sorted(p for p in files if "specs" not in p.parts)
+    folders = [ROOT / folder for folder in set(PACKAGE_DIRS.values())]
+    return [
+        p
+        for p in project_files()
+        if any(p.is_relative_to(folder) for folder in folders) and "specs" not in p.parts
+    ]
 
 
 MODULES = {module_name(p) for p in sources()}
@@ -181,13 +198,6 @@ def test_the_ground_stands_alone():
     ]
     assert violations("recserve.wire", {"recserve.core.rows", "recserve.spec"}) == ["recserve.spec"]
     assert violations("recserve.backends.store.tiered", {"recserve.spec"}) == ["recserve.spec"]
-
-
-def project_files() -> list[Path]:
-    """Every Python file of the project: the packages, the tests and the model repository's adapters."""
-    return sorted(
-        p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
-    )
 
 
 def test_nothing_of_the_project_imports_the_former_ground_paths():
