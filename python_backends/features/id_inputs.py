@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recserve.backends.base.inputs import require
+from recserve.backends.features.request_checks import check_rows
 from recserve.core.spec import ModelSpec
 from recserve.core.wire_forms import IdList
 from recserve.errors import InvalidInput
@@ -79,23 +80,28 @@ class IdReader:
                 ``1..max_batch_size`` rows, an id is outside its column's range, or a length is
                 outside ``0..width`` (naming the input, and the column and row where it applies).
         """
-        form = self.form
-        ids = require(inputs, form.marker, "INT64", None, len(form.single))
-        rows = ids.shape[0]
-        if rows < 1 or rows > self.spec.model.max_batch_size:
-            raise InvalidInput(
-                form.marker, f"batch of {rows} rows outside 1..{self.spec.model.max_batch_size}"
-            )
-        missing = require(inputs, form.missing, "BOOL", rows, len(form.single))
-        unsigned = ids.view(np.uint64)
-        if self.limited:
-            self._check(unsigned, self.limits[None, :], ~missing, form.marker, self.single)
+        ids, missing = self.single_ids(inputs)
+        rows, unsigned = ids.shape[0], ids.view(np.uint64)
         values = np.zeros((rows, self.columns), dtype=np.uint64)
         empty = np.zeros((rows, self.columns), dtype=bool)
         values[:, self.single] = np.where(missing, np.uint64(0), unsigned)  # as the bytes form's empty
         empty[:, self.single] = missing
-        lists = {item.column: self._list(inputs, item, rows) for item in form.lists}
+        lists = {item.column: self._list(inputs, item, rows) for item in self.form.lists}
         return RawValues(values, empty, lists)
+
+    def single_ids(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The checked ids ``[B, S]`` of the single-valued raw columns, and their missing mask.
+
+        Raises:
+            InvalidInput: as :meth:`read`, for these two tensors.
+        """
+        form = self.form
+        ids = require(inputs, form.marker, "INT64", None, len(form.single))
+        check_rows(form.marker, ids.shape[0], self.spec.model.max_batch_size)
+        missing = require(inputs, form.missing, "BOOL", ids.shape[0], len(form.single))
+        if self.limited:
+            self._check(ids.view(np.uint64), self.limits[None, :], ~missing, form.marker, self.single)
+        return ids, missing
 
     def _list(
         self, inputs: Mapping[str, np.ndarray], item: IdList, rows: int

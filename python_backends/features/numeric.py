@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from recserve.backends.features.request_checks import check_finite
 from recserve.core.spec import ModelSpec
-from recserve.errors import InvalidInput
 
 
 class NumericOps:
@@ -70,14 +70,7 @@ class NumericOps:
         """
         dense = self.spec.dense
         assert dense is not None
-        bad = ~np.isfinite(values) & ~missing
-        if bad.any():
-            r, c = (int(i) for i in np.argwhere(bad)[0])
-            raise InvalidInput(
-                dense.name,
-                f"{dense.columns[c]} (row {r}) is {values[r, c]}; "
-                f"send missing values via {dense.name}__missing",
-            )
+        check_finite(dense.name, dense.columns, values, missing)
         values, missing = self.features(values, missing, parsed)
         clipped = np.clip(np.where(missing, self._fill, values), self._low, self._high)
         # log1p in float64, rounded to float32: the same bits on every device (float32 log1p is not;

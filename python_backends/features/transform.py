@@ -30,6 +30,7 @@ from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.features.id_inputs import IdReader, RawValues
 from recserve.backends.features.numeric import NumericOps
+from recserve.backends.features.request_checks import check_history, check_rows, check_target
 from recserve.core.contract import attention_inputs
 from recserve.core.names import (
     DENSE_NORMALIZED,
@@ -167,10 +168,7 @@ class FeatureTransform:
         group = self.spec.categorical
         fields = require(inputs, group.name, "BYTES", None, len(group.wire_columns))
         rows = fields.shape[0]
-        if rows < 1 or rows > self.spec.model.max_batch_size:
-            raise InvalidInput(
-                group.name, f"batch of {rows} rows outside 1..{self.spec.model.max_batch_size}"
-            )
+        check_rows(group.name, rows, self.spec.model.max_batch_size)
         if not group.list_columns:
             return fields
         categorical = np.empty((rows, len(group.raw_columns)), dtype=object)
@@ -253,10 +251,7 @@ class FeatureTransform:
     def target_keys(self, target: np.ndarray, feature: CategoricalFeature | None = None) -> np.ndarray:
         """Keys ``[B, 1]`` of a target's item ids (-1: absent, its missing key); by default the first's."""
         feature = feature or self.spec.targets[0]
-        bad = target < ABSENT_ITEM
-        if bad.any():
-            r = int(np.argwhere(bad)[0][0])
-            raise InvalidInput(feature.name, f"row {r} is {int(target[r, 0])}; ids are >= 0, -1 means absent")
+        check_target(target, feature)
         keys = keys_for(target.astype(np.uint64), self._salts[feature.table])
         return np.where(target == ABSENT_ITEM, self._missing[feature.name], keys)
 
@@ -274,26 +269,12 @@ class FeatureTransform:
         at the bucket's last positions.
         """
         seq = sequence or self.spec.sequences[0]
-        name, length_name = seq.name, self._length_input[seq.name]
-        bad = (lengths < 0) | (lengths > seq.max_length) | (lengths > items.shape[1])
-        if bad.any():
-            r = int(np.flatnonzero(bad)[0])
-            raise InvalidInput(
-                length_name,
-                f"row {r} is {int(lengths[r])}; allowed 0..{seq.max_length} and at most the width "
-                f"{items.shape[1]} of {name}",
-            )
-        if items.shape[1] > seq.max_length and items[:, seq.max_length :].any():
-            raise InvalidInput(name, f"has width {items.shape[1]}, longer than the maximum {seq.max_length}")
+        check_history(items, lengths, seq, self._length_input[seq.name])
         bucket = bucket or self.spec.sequence_bucket(max(int(lengths.max()), 1))
         width = min(bucket, items.shape[1])
         window = np.zeros((items.shape[0], bucket), dtype=np.int64)
         window[:, :width] = items[:, :width]
         mask = np.arange(bucket)[None, :] < lengths[:, None]
-        negative = (window < 0) & mask
-        if negative.any():
-            r, p = (int(i) for i in np.argwhere(negative)[0])
-            raise InvalidInput(name, f"row {r} position {p} is {int(window[r, p])}; item ids are >= 0")
         if seq.padding == "left":
             window, mask = right_align(window, lengths), right_align(mask, lengths)
         keys = np.where(
