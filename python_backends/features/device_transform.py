@@ -104,3 +104,12 @@ class DeviceNormalizer:
         )
         normalized = (logged - self.shift) / self.scale
         return normalized if self.columns is None else normalized.index_select(1, self.columns)
+
+
+def right_align(tensor: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """:func:`recserve.backends.features.transform.right_align` on a ``[rows, positions]`` tensor."""
+    positions = tensor.shape[1]
+    source = torch.arange(positions, device=tensor.device)[None, :] - (positions - lengths.long())[:, None]
+    real = source >= 0
+    picked = torch.gather(tensor, 1, torch.where(real, source, 0))
+    return torch.where(real, picked, torch.zeros((), dtype=tensor.dtype, device=tensor.device))

@@ -6,7 +6,7 @@ The step hands ``dense`` exactly the inputs of the dense contract.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
 
@@ -42,9 +42,13 @@ from recserve.errors import ArtifactError
 if TYPE_CHECKING:
     import torch
 
+    from recserve.backends.features.device_keys import DeviceKeys
     from recserve.backends.store.device_cache import DeviceL1, DeviceLookup
     from recserve.backends.store.device_tier import DeviceTier
     from recserve.backends.store.served import ServedStore
+
+#: keys as the transform makes them: numpy on the host, or torch tensors on the lookup's device
+KeyArray: TypeAlias = "np.ndarray | torch.Tensor"
 
 
 class EmbeddingLookup:
@@ -74,6 +78,8 @@ class EmbeddingLookup:
         self.spec = spec
         self.store = store
         self.device_l1 = device_l1
+        #: the lookup takes keys made on its device (the tables resident there: a device tier)
+        self.takes_device_keys = False
         group = spec.categorical
         if device_l1 is not None and group.multi_hot:
             raise ArtifactError(
@@ -135,31 +141,33 @@ class EmbeddingLookup:
         if not l1_device:
             return cls(spec, served.store)
         from recserve.backends.store.device_cache import resolve_device
-        from recserve.backends.store.device_tier import device_lookup
+        from recserve.backends.store.device_tier import DeviceTier, device_lookup
 
         device = resolve_device(l1_device, instance_device)
         on_device = device_lookup(served.store, device, spec.store.device_memory_bytes)
         served.maintainer.after_step.append(on_device.follow)
-        return cls(spec, served.store, on_device)
+        lookup = cls(spec, served.store, on_device)
+        lookup.takes_device_keys = isinstance(on_device, DeviceTier)
+        return lookup
 
     def key_blocks(
-        self, inputs: Mapping[str, np.ndarray]
-    ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+        self, inputs: Mapping[str, np.ndarray | torch.Tensor]
+    ) -> tuple[tuple[KeyArray, np.ndarray], tuple[KeyArray, np.ndarray] | None]:
         """Keys and table ids of the transform's inputs, in two blocks.
 
         Per row ``[B, F + M + T]``: the single-valued features, the multi-hot values and the targets.
         Per history owner ``[H, S * W]`` (each row, or each user of a candidate list): each sequence's
         positions; None without a sequence.
         """
-        row_keys = np.concatenate([inputs[n] for n in self.key_inputs if n != HISTORY_KEYS], axis=1)
-        row_tables = np.broadcast_to(self.column_tables, row_keys.shape)
+        row_keys = joined([inputs[n] for n in self.key_inputs if n != HISTORY_KEYS], axis=1)
+        row_tables = np.broadcast_to(self.column_tables, tuple(row_keys.shape))
         if not len(self.sequence_tables):
             return (row_keys, row_tables), None
         history = inputs[HISTORY_KEYS]
         width = history.shape[1] // len(self.sequence_tables)
         return (row_keys, row_tables), (
             history,
-            np.broadcast_to(np.repeat(self.sequence_tables, width), history.shape),
+            np.broadcast_to(np.repeat(self.sequence_tables, width), tuple(history.shape)),
         )
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -170,19 +178,26 @@ class EmbeddingLookup:
         """
         (keys, table_ids), history = self.key_blocks(inputs)
         if history is None:
-            return keys, np.array(table_ids)
-        return np.concatenate([keys, history[0]], axis=1), np.concatenate([table_ids, history[1]], axis=1)
+            return np.asarray(keys), np.array(table_ids)
+        return (
+            np.concatenate([np.asarray(keys), np.asarray(history[0])], axis=1),
+            np.concatenate([table_ids, history[1]], axis=1),
+        )
 
-    def lookup_keys(self, inputs: Mapping[str, np.ndarray]) -> Lookup | DeviceLookup:
+    def lookup_keys(self, inputs: Mapping[str, np.ndarray | torch.Tensor]) -> Lookup | DeviceLookup:
         """The store's answer for every key of a batch (vectors, tiers, snapshot), in one call.
 
-        The vectors come back as the row block, then the history block, of :meth:`key_blocks`.
+        The vectors come back as the row block, then the history block, of :meth:`key_blocks`. Keys
+        made on the device (torch tensors) stay there: the device tier takes them as they are.
         """
         (keys, table_ids), history = self.key_blocks(inputs)
         if history is not None:
-            keys = np.concatenate([keys.reshape(-1), history[0].reshape(-1)])
+            keys = joined([keys.reshape(-1), history[0].reshape(-1)], axis=0)
             table_ids = np.concatenate([table_ids.reshape(-1), history[1].reshape(-1)])
-        return (self.device_l1 or self.store).lookup(keys, table_ids)
+        if isinstance(keys, np.ndarray):
+            return (self.device_l1 or self.store).lookup(keys, table_ids)
+        assert self.takes_device_keys  # keys are made on the device only for a device tier
+        return cast("DeviceTier", self.device_l1).lookup(keys, table_ids)
 
     def table_versions(self, snapshot: Snapshot) -> np.ndarray:
         """int64 ``[T]``: each table's version in ``snapshot``, in the spec's table order.
@@ -196,7 +211,7 @@ class EmbeddingLookup:
         return cached[1]
 
     def lookup(
-        self, inputs: Mapping[str, np.ndarray], users: np.ndarray | None = None
+        self, inputs: Mapping[str, np.ndarray | torch.Tensor], users: np.ndarray | None = None
     ) -> dict[str, np.ndarray | torch.Tensor]:
         """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, W]`` target, ``[B, L, W]`` history per group.
 
@@ -251,6 +266,15 @@ class EmbeddingLookup:
         return out
 
 
+def joined(arrays: list, axis: int) -> np.ndarray | torch.Tensor:
+    """Arrays joined on ``axis``: numpy arrays, or torch tensors on their device."""
+    if isinstance(arrays[0], np.ndarray):
+        return np.concatenate(arrays, axis=axis)
+    import torch
+
+    return torch.cat(arrays, dim=axis)
+
+
 def side_by_side(arrays: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
     """The arrays (numpy, or torch tensors) joined on their last axis; one array: itself."""
     if len(arrays) == 1:
@@ -285,6 +309,14 @@ class FeaturesToEmbeddings:
         #: the host-device bytes of a device step (the device lookup's counter; none moved on the host)
         device = lookup.device_l1
         self.copies = device.copies if device is not None else DeviceCopies(EMBEDDING_LOOKUP)
+        #: makes the keys of id-form requests on the lookup's device, where the spec allows
+        self.device_keys: DeviceKeys | None = None
+        if lookup.takes_device_keys:
+            from recserve.backends.features.device_keys import DeviceKeys
+
+            assert device is not None  # a lookup on its device
+            if DeviceKeys.serves(spec):
+                self.device_keys = DeviceKeys(spec, device.device, self.copies)
         #: the tensors of both wire forms (a request carries one: :mod:`recserve.core.wire_forms`)
         forms = [spec.wire_form(form) for form in WIRE_FORMS]
         self.input_names = tuple(dict.fromkeys(t.name for form in forms for t in form.inputs))
@@ -308,9 +340,21 @@ class FeaturesToEmbeddings:
         Raises:
             InvalidInput: naming the first offending input and value.
         """
-        features = self.transform.transform(inputs)
+        features = self.features(inputs)
         passed = {n: features[n] for n in self.passed if n in features}
         return {**passed, **self.lookup.lookup(features)}
+
+    def features(
+        self, inputs: Mapping[str, np.ndarray], users: int | None = None
+    ) -> Mapping[str, np.ndarray | torch.Tensor]:
+        """The transform's keys, masks and dense values: made on the device for the id form where it can.
+
+        Raises:
+            InvalidInput: naming the first offending input and value (the same checks either way).
+        """
+        if self.device_keys is not None and request_form(self.spec, inputs) == IDS_WIRE:
+            return self.device_keys(inputs, users)
+        return self.transform.transform(inputs, users=users)
 
     def candidates(
         self, inputs: Mapping[str, np.ndarray], expand: bool = False
@@ -329,7 +373,7 @@ class FeaturesToEmbeddings:
         """
         rows, users = candidate_rows(self.spec, inputs, request_form(self.spec, inputs))
         count = int(users[-1]) + 1
-        features = self.transform.transform(rows, users=count)
+        features = self.features(rows, users=count)
         out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
         out.update(self.lookup.lookup(features, users))
         if expand:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -122,6 +122,8 @@ class DeviceLookup:
     vectors: torch.Tensor  # float32 [n, dim], on the device
     tiers: np.ndarray  # int8 [n], indexes store.TIERS
     snapshot: Snapshot
+    #: the keys sent on to the host tiers, on the host (where the keys came to the step on the device)
+    fallback_keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 class DeviceL1:

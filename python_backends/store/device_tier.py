@@ -186,47 +186,71 @@ class DeviceTier:
         if self.fallback is not None:
             self.fallback.follow()
 
-    def lookup(self, keys: np.ndarray, table_ids: np.ndarray, record: bool = True) -> DeviceLookup:
-        """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length), on the device."""
+    def lookup(
+        self, keys: np.ndarray | torch.Tensor, table_ids: np.ndarray, record: bool = True
+    ) -> DeviceLookup:
+        """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length), on the device.
+
+        ``keys`` may already be on the device (made there: :mod:`recserve.backends.features.device_keys`);
+        then only the keys left to the fallback come to the host, and only they are recorded as the
+        batch's keys for the host tiers' hot set (the device answers the others).
+        """
         started = time.perf_counter()
-        keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+        host: np.ndarray | None = None
+        if isinstance(keys, torch.Tensor):
+            device_keys = keys.to(self.device, torch.int64).reshape(-1)
+        else:
+            host = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
+            self.copies.to_device(host.nbytes)
+            device_keys = torch.from_numpy(host).to(self.device)
         table_ids = np.ascontiguousarray(table_ids, dtype=np.int16).reshape(-1)
         for _ in range(ATTEMPTS):
-            served = self._serve(keys, table_ids)
+            served = self._serve(device_keys, table_ids)
             if served is not None:
                 break
         else:  # updates kept landing mid-batch: the host path reads one snapshot by itself
-            result = self.store.lookup(keys, table_ids, record=False)
+            every = host if host is not None else self._host_keys(device_keys)
+            result = self.store.lookup(every, table_ids, record=False)
             self.copies.to_device(result.vectors.nbytes)
             served = DeviceLookup(
-                torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot
+                torch.from_numpy(result.vectors).to(self.device), result.tiers, result.snapshot, every
             )
         if record:
-            self.store.record_lookup(keys, table_ids, served.tiers, time.perf_counter() - started)
+            seen = host if host is not None else served.fallback_keys
+            self.store.record_lookup(seen, table_ids, served.tiers, time.perf_counter() - started)
         return served
 
-    def _serve(self, keys: np.ndarray, table_ids: np.ndarray) -> DeviceLookup | None:
+    def _host_keys(self, keys: torch.Tensor, rows: torch.Tensor | None = None) -> np.ndarray:
+        """``keys`` (those at ``rows``, when given) copied to the host, counted."""
+        picked = keys if rows is None else keys.index_select(0, rows)
+        host = picked.cpu().numpy()
+        if keys.device.type != "cpu":
+            self.copies.to_host(host.nbytes)
+        return host
+
+    def _serve(self, keys: torch.Tensor, table_ids: np.ndarray) -> DeviceLookup | None:
         """One attempt on the current snapshot; None when an update landed before the fallback answered."""
         snapshot = self.store.snapshot
         delta = self.delta_for(snapshot.delta)
-        device_keys = torch.from_numpy(keys).to(self.device)
         device_tables = torch.from_numpy(table_ids.astype(np.int64)).to(self.device)
-        vectors, tiers = self._on_device(device_keys, device_tables, delta)
+        vectors, tiers = self._on_device(keys, device_tables, delta)
         host_tiers = tiers.cpu().numpy()
-        self.copies.to_device(keys.nbytes + keys.size * 8)  # the keys and their table ids (int64)
+        self.copies.to_device(keys.numel() * 8)  # the table ids (int64)
         self.copies.to_host(host_tiers.nbytes)
         elsewhere = np.flatnonzero(host_tiers == ELSEWHERE)
+        fallback_keys = np.empty(0, np.int64)
         if elsewhere.size:
-            rest = (self.fallback or self.store).lookup(keys[elsewhere], table_ids[elsewhere], record=False)
+            rows = torch.from_numpy(elsewhere).to(self.device)
+            self.copies.to_device(elsewhere.nbytes)
+            fallback_keys = self._host_keys(keys, rows)
+            rest = (self.fallback or self.store).lookup(fallback_keys, table_ids[elsewhere], record=False)
             if not same_version(rest.snapshot, snapshot):
                 return None
             host_tiers[elsewhere] = rest.tiers
-            rows = torch.from_numpy(elsewhere).to(self.device)
             if isinstance(rest.vectors, np.ndarray):  # the host store's: copied here
                 self.copies.to_device(rest.vectors.nbytes)
-            self.copies.to_device(elsewhere.nbytes)
             vectors.index_copy_(0, rows, torch.as_tensor(rest.vectors).to(self.device))
-        return DeviceLookup(vectors, host_tiers, snapshot)
+        return DeviceLookup(vectors, host_tiers, snapshot, fallback_keys)
 
     def _on_device(
         self, keys: torch.Tensor, table_ids: torch.Tensor, delta: DeviceDelta
