@@ -4,7 +4,8 @@ Input layout per request (``B`` rows, names from the spec; ``ctr`` shown)::
 
     dense              FP32  [B, 13]   numeric columns (any value where missing); only with numeric features
     dense__missing     BOOL  [B, 13]   True where the value is absent
-    categorical        BYTES [B, 26]   categorical and time columns as strings, b"" when absent
+    categorical        BYTES [B, 26]   categorical and time columns as strings, b"" when absent; or
+    categorical__ids   INT64 [B, 26]   the same values as 64-bit ids, with categorical__missing BOOL
     target_item        INT64 [B, 1]    item id >= 0, or -1 when absent; only with a sequence
     history_items      INT64 [B, W]    item ids, newest last, row r valid in [0, length[r])
     history_items__length INT32 [B, 1] 0..max_length
