@@ -69,14 +69,14 @@ def queue_policy(policy: QueuePolicy, step: str) -> mc.ModelQueuePolicy | None:
 
 
 def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
-    """The spec's ``[serving.queue]`` (None) or one of its ``[serving.queue_profiles]``."""
+    """The spec's ``[serving.queue]`` (None) or one of its ``[serving.queue_policies]``."""
     if queue is None:
         return spec.serving.queue
-    if queue not in spec.serving.queue_profiles:
+    if queue not in spec.serving.queue_policies:
         raise ValueError(
-            f"unknown queue profile {queue!r}; the spec has {sorted(spec.serving.queue_profiles)}"
+            f"unknown queue policy {queue!r}; the spec has {sorted(spec.serving.queue_policies)}"
         )
-    return spec.serving.queue_profiles[queue]
+    return spec.serving.queue_policies[queue]
 
 
 def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
@@ -169,7 +169,7 @@ def step_config(
             GPU instances, with ``embedding_lookup``'s L1 and output on the GPU (``l1_device``). In
             both GPU profiles ``embedding_lookup`` runs as KIND_GPU instances.
         plan: scheduling of the Python steps; None uses the spec's ``[serving]`` values.
-        queue: a queue profile of the spec (``[serving.queue_profiles]``); None: ``[serving.queue]``.
+        queue: a queue policy of the spec (``[serving.queue_policies]``); None: ``[serving.queue]``.
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown config profile {profile!r}; use one of {PROFILES}")
@@ -336,8 +336,8 @@ def config_path(repository: Path, name: str, profile: str = "cpu") -> Path:
 def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
     """Every config file of the repository, relative to it: the ``cpu`` ones and the differing others.
 
-    Besides the hardware profiles, each queue profile of the spec is a variant of the ``cpu`` steps,
-    ``<step>/configs/<queue profile>.pbtxt`` (served with ``--model-config-name=<queue profile>``).
+    Besides the hardware profiles, each queue policy of the spec is a variant of the ``cpu`` steps,
+    ``<step>/configs/<queue policy>.pbtxt`` (served with ``--model-config-name=<queue policy>``).
     """
     cpu = all_configs(spec)
     files = {config_path(Path(), name): config for name, config in cpu.items()}
@@ -345,11 +345,9 @@ def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
         for name, config in all_configs(spec, profile).items():
             if config != cpu[name]:
                 files[config_path(Path(), name, profile)] = config
-    for queue in spec.serving.queue_profiles:
+    for queue in spec.serving.queue_policies:
         if queue in PROFILES:
-            raise ValueError(
-                f"queue profile {queue!r} would overwrite the {queue} hardware profile's configs"
-            )
+            raise ValueError(f"queue policy {queue!r} would overwrite the {queue} hardware profile's configs")
         for step in STEPS:
             files[config_path(Path(), step, queue)] = step_config(spec, step, queue=queue)
     return files

@@ -1,7 +1,7 @@
 """What the access layer adds to a request: the same requests direct to tritonserver and through Envoy.
 
 ``python -m recserve.perf.lab.access_latency`` starts the access layer over the built repository (one
-``stable`` server, Triton's queues as ``[access] queue_profile`` says, an in-flight cap high enough
+``stable`` server, Triton's queues as ``[access] queue_policy`` says, an in-flight cap high enough
 that one client is never refused) and sends closed-loop gRPC requests, one in flight, at each batch
 size, to the server's own port and to the proxy's port in turns (``rounds`` rounds of ``requests``
 each). It prints one JSON line per batch size: the median over rounds of p50 and p99 for both paths
@@ -33,7 +33,7 @@ def run(
     """Direct and proxied p50/p99 per batch size (medians over rounds)."""
     access = dataclasses.replace(spec.access, weights={"stable": 100}, shadow_fraction=0.0, max_requests=64)
     served, config_name = behind_proxy(
-        {"stable": repository}, access.queue_profile, spec.serving.queue_profiles, workdir
+        {"stable": repository}, access.queue_policy, spec.serving.queue_policies, workdir
     )
     results = []
     with AccessLayer(access, served, workdir / "access", ProxyPorts.free(), config_name) as layer:

@@ -1,6 +1,6 @@
 """``recserve lab overload --access``: the open-loop spike of :mod:`recserve.perf.lab.overload`, via Envoy.
 
-The access layer starts over the repository (Triton's queues as ``[access] queue_profile`` says,
+The access layer starts over the repository (Triton's queues as ``[access] queue_policy`` says,
 ``unbounded`` by default); capacity is measured closed-loop through the proxy with ``max_requests``
 in flight, the most it admits, so that "2x" means twice what the access layer can serve whatever
 the machine's mood; then the three open-loop phases (half capacity, the spike, half capacity) go to
@@ -53,7 +53,7 @@ def run_access_overload(
     root = scratch_repository(repository, workdir / "repository")
     proxy_cores = cores.client if proxy_with_client else cores.server
     served, config_name = behind_proxy(
-        {"stable": root}, access.queue_profile, spec.serving.queue_profiles, workdir
+        {"stable": root}, access.queue_policy, spec.serving.queue_policies, workdir
     )
     layer = AccessLayer(
         access,
@@ -81,11 +81,11 @@ def run_access_overload(
             url=layer.grpc_url,
         )
         overflow = layer.admin.cluster_stat("stable", "grpc", "upstream_rq_active_overflow")
-    label = f"{access.queue_profile} behind Envoy, max_requests {access.max_requests}"
+    label = f"{access.queue_policy} behind Envoy, max_requests {access.max_requests}"
     report = dataclasses.replace(report, queue=label)
     summary = {
         **report.summary(),
-        "queue": access.queue_profile,
+        "queue": access.queue_policy,
         "access": {
             "max_requests": access.max_requests,
             "proxy_refused": overflow,

@@ -124,7 +124,7 @@ def measure_capacity(
 def pinned_capacity(root: Path, spec: ModelSpec, rows: int, cores: Cores, log_path: Path) -> float:
     """Closed-loop capacity of ``root`` served with its ``config.pbtxt``, pinned as ``cores`` says.
 
-    Queue profiles that refuse by a time budget also refuse some closed-loop requests (a client whose
+    Queue policies that refuse by a time budget also refuse some closed-loop requests (a client whose
     request waits is not sending), so capacity is measured on the served configs, which have no queue
     policy in the bundled specs and refuse none.
     """
@@ -179,7 +179,7 @@ class OverloadReport:
     def table(self) -> str:
         """Markdown tables plus the verdict against the targets."""
         lines = [
-            f"queue profile: {self.queue or '[serving.queue]'}; {self.cores}",
+            f"queue policy: {self.queue or '[serving.queue]'}; {self.cores}",
             f"capacity (closed loop, 8 in flight, [serving.queue] configs, same cores) "
             f"{self.capacity_rps:.0f} requests/s",
             "",
@@ -293,7 +293,7 @@ def overload_command(
 
     Prints the tables (and writes :meth:`OverloadReport.summary` as JSON to ``json_path``).
 
-    ``queue`` names a queue profile of the spec (its ``configs/<queue>.pbtxt``); None or ``default``
+    ``queue`` names a queue policy of the spec (its ``configs/<queue>.pbtxt``); None or ``default``
     serves ``[serving.queue]``.
     """
     queue = None if queue in (None, "default") else queue

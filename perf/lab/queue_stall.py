@@ -1,4 +1,4 @@
-"""``recserve lab queue-stall``: the served configs against the spec's queue profiles, closed loop.
+"""``recserve lab queue-stall``: the served configs against the spec's queue policies, closed loop.
 
 With any queue policy tritonserver's dynamic batcher forms a batch only while an instance waits for
 one, and can miss an instance's return and sleep up to 500 ms (docs/design/serving.md#queue-policies).
@@ -29,19 +29,19 @@ SERVED = "served"  # the configuration name of the repository's own config.pbtxt
 def run_queue_stall(
     spec: ModelSpec,
     repository: Path,
-    profiles: tuple[str, ...],
+    policies: tuple[str, ...],
     concurrency: int,
     seconds: float,
     rounds: int,
     logs: Path,
 ) -> dict[str, Any]:
     """Rounds of batch-1 closed-loop load against the served configs and each profile, in turns."""
-    unknown = sorted(set(profiles) - set(spec.serving.queue_profiles))
+    unknown = sorted(set(policies) - set(spec.serving.queue_policies))
     if unknown:
         raise ValueError(
-            f"unknown queue profile(s) {unknown}; the spec has {sorted(spec.serving.queue_profiles)}"
+            f"unknown queue policy(s) {unknown}; the spec has {sorted(spec.serving.queue_policies)}"
         )
-    names = (SERVED, *profiles)
+    names = (SERVED, *policies)
     batches = sample_batches(spec, 1, count=64)
     rounds_seen: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -103,7 +103,7 @@ def format_report(summary: dict[str, Any]) -> str:
 def queue_stall_command(
     spec: ModelSpec,
     repository: Path,
-    profiles: tuple[str, ...],
+    policies: tuple[str, ...],
     concurrency: int,
     seconds: float,
     rounds: int,
@@ -111,7 +111,7 @@ def queue_stall_command(
 ) -> int:
     """Print the report; write the summary as JSON to ``output`` if given."""
     with tempfile.TemporaryDirectory(prefix="recserve-queues-") as scratch:
-        summary = run_queue_stall(spec, repository, profiles, concurrency, seconds, rounds, Path(scratch))
+        summary = run_queue_stall(spec, repository, policies, concurrency, seconds, rounds, Path(scratch))
     print(format_report(summary))
     if output is not None:
         output.write_text(json.dumps(summary, indent=2) + "\n")

@@ -52,7 +52,7 @@ class AccessLayer(Started):
             each with its own update log). ``stable`` is required.
         workdir: where the config and the logs go.
         ports: the proxy's ports; None: the ones in ``access``.
-        config_name: the servers' ``--model-config-name`` (a queue profile); None: ``config.pbtxt``.
+        config_name: the servers' ``--model-config-name`` (a queue policy); None: ``config.pbtxt``.
         server_cpus: cores for the tritonservers (and their stubs); None: not pinned.
         proxy_cpus: cores for Envoy; None: not pinned.
         proxy_priority: Envoy's niceness increment (see :class:`EnvoyProxy`).

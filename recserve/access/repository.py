@@ -19,7 +19,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from recserve.access.config import AccessError
 
 CONFIG = "config.pbtxt"
-#: ``[access] queue_profile`` value: no queue policy in Triton behind the proxy.
+#: ``[access] queue_policy`` value: no queue policy in Triton behind the proxy.
 UNBOUNDED = "unbounded"
 
 
@@ -64,25 +64,25 @@ def unbounded_view(source: Path, target: Path) -> Path:
 
 
 def behind_proxy(
-    repositories: Mapping[str, Path], queue_profile: str, queue_profiles: Iterable[str], workdir: Path
+    repositories: Mapping[str, Path], queue_policy: str, queue_policies: Iterable[str], workdir: Path
 ) -> tuple[dict[str, Path], str | None]:
-    """What each variant's server serves, and its ``--model-config-name``, for ``[access] queue_profile``.
+    """What each variant's server serves, and its ``--model-config-name``, for ``[access] queue_policy``.
 
     ``unbounded``: an :func:`unbounded_view` of each repository under ``workdir``; ``default``: the
-    repositories as built; a ``[serving.queue_profiles]`` name: the repositories with that profile.
+    repositories as built; a ``[serving.queue_policies]`` name: the repositories with that profile.
 
     Raises:
         AccessError: the profile is none of these.
     """
-    if queue_profile == UNBOUNDED:
+    if queue_policy == UNBOUNDED:
         return {
             name: unbounded_view(path, workdir / f"repository-{name}") for name, path in repositories.items()
         }, None
-    if queue_profile == "default":
+    if queue_policy == "default":
         return dict(repositories), None
-    if queue_profile not in set(queue_profiles):
+    if queue_policy not in set(queue_policies):
         raise AccessError(
-            f"[access] queue_profile {queue_profile!r} is not a [serving.queue_profiles] entry, "
+            f"[access] queue_policy {queue_policy!r} is not a [serving.queue_policies] entry, "
             f"{UNBOUNDED!r} or 'default'"
         )
-    return dict(repositories), queue_profile
+    return dict(repositories), queue_policy

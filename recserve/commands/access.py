@@ -45,7 +45,7 @@ def _access(args: argparse.Namespace) -> int:
         workdir = args.workdir or Path(scratch)
         try:
             served, config_name = behind_proxy(
-                repositories, spec.access.queue_profile, spec.serving.queue_profiles, workdir
+                repositories, spec.access.queue_policy, spec.serving.queue_policies, workdir
             )
             return run_foreground(
                 AccessLayer(spec.access, served, workdir, config_name=config_name), announce

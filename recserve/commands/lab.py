@@ -129,10 +129,10 @@ def _bench_candidates(args: argparse.Namespace) -> int:
 def _bench_queues(args: argparse.Namespace) -> int:
     from recserve.perf.lab.queue_stall import queue_stall_command
 
-    profiles = tuple(p for p in args.profiles.split(",") if p)
+    policies = tuple(p for p in args.policies.split(",") if p)
     spec = load_spec(args.spec)
     return queue_stall_command(
-        spec, args.repository, profiles, args.concurrency, args.seconds, args.rounds, args.json
+        spec, args.repository, policies, args.concurrency, args.seconds, args.rounds, args.json
     )
 
 
@@ -169,7 +169,7 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     overload.add_argument(
         "--queue",
         default="latency_first",
-        help="queue profile of the spec to serve; 'default': [serving.queue] (with --access: [access])",
+        help="queue policy of the spec to serve; 'default': [serving.queue] (with --access: [access])",
     )
     overload.add_argument(
         "--access",
@@ -221,9 +221,15 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
 
     queues = lab.add_parser(
         "queue-stall",
-        help="the served configs against queue profiles, batch-1 closed loop: how often a batcher sleeps",
+        help="the served configs against queue policies, batch-1 closed loop: how often a batcher sleeps",
     )
-    queues.add_argument("--profiles", default="throughput_first", help="queue profiles, comma-separated")
+    queues.add_argument(
+        "--policies",
+        "--profiles",  # its former name
+        dest="policies",
+        default="throughput_first",
+        help="queue policies of the spec, comma-separated",
+    )
     queues.add_argument("--concurrency", type=int, default=16, help="batch-1 requests in flight")
     queues.add_argument("--seconds", type=float, default=6.0, help="per configuration and round")
     queues.add_argument("--rounds", type=int, default=6, help="the configurations take turns")

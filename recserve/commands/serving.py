@@ -48,8 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
             or not (args.repository / STEPS[0] / "configs" / f"{args.queue}.pbtxt").is_file()
         ):
             print(
-                f"error: no queue profile {args.queue!r} in {args.repository} "
-                "(queue profiles are cpu configs)",
+                f"error: no queue policy {args.queue!r} in {args.repository} "
+                "(queue policies are cpu configs)",
                 file=sys.stderr,
             )
             return 2
@@ -156,7 +156,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--queue",
-        help="shed load in Triton with a queue profile of the spec ([serving.queue_profiles]: "
+        help="shed load in Triton with a queue policy of the spec ([serving.queue_policies]: "
         "throughput_first, latency_first); by default the steps have no queue policy",
     )
     serve.add_argument(

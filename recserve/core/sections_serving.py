@@ -46,7 +46,7 @@ class QueuePolicy:
     ``default_timeout_microseconds``. 0 means no limit, and a step without any limit gets no policy
     at all: the default. With any policy tritonserver's batcher forms a batch only once an instance
     waits for one, and may miss that instance's return and idle up to 500 ms
-    (docs/design/serving.md#queue-policies), so shedding is opt-in, a ``[serving.queue_profiles]``
+    (docs/design/serving.md#queue-policies), so shedding is opt-in, a ``[serving.queue_policies]``
     entry, and the access layer admits in front of policy-free servers.
     """
 
@@ -91,7 +91,7 @@ class ServingSection:
     # 0: [model] max_batch_size, as the cpu profile (recserve.core.gpu_batches)
     gpu_max_batch_size: int = 0
     queue: QueuePolicy = field(default_factory=QueuePolicy)
-    queue_profiles: dict[str, QueuePolicy] = field(default_factory=dict)
+    queue_policies: dict[str, QueuePolicy] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise :class:`SpecError` unless ``instances`` names each step once, with a count >= 1."""
@@ -253,18 +253,24 @@ class CanarySection:
             raise SpecError(f"[access.canary] metrics_port must lie in 1..65535, got {self.metrics_port}")
 
 
-#: the canary variant's former name, read as ``canary`` in ``[access]`` weights and shadow_variant
+#: keys (per section) and the canary variant under their former names, read as their names
+FORMER_KEYS = {"serving": {"queue_profiles": "queue_policies"}, "access": {"queue_profile": "queue_policy"}}
 FORMER_VARIANT_NAMES = {"candidate": "canary"}
 
 
-def renamed_variants(raw: dict[str, typing.Any]) -> dict[str, typing.Any]:
-    """``[access]`` as written, with the canary variant's former name read as its name."""
-    raw = dict(raw)
-    if isinstance(raw.get("weights"), dict):
-        raw["weights"] = {FORMER_VARIANT_NAMES.get(k, k): v for k, v in raw["weights"].items()}
-    if isinstance(raw.get("shadow_variant"), str):
-        raw["shadow_variant"] = FORMER_VARIANT_NAMES.get(raw["shadow_variant"], raw["shadow_variant"])
-    return raw
+def current_names(where: str, raw: dict[str, typing.Any]) -> dict[str, typing.Any]:
+    """Section ``where`` as written, with former key names (and variant names) read as the current ones.
+
+    A key written under both names keeps the current one.
+    """
+    renamed = FORMER_KEYS.get(where, {})
+    out = {renamed.get(k, k): v for k, v in raw.items() if k not in renamed or renamed[k] not in raw}
+    if where == "access":
+        if isinstance(out.get("weights"), dict):
+            out["weights"] = {FORMER_VARIANT_NAMES.get(k, k): v for k, v in out["weights"].items()}
+        if isinstance(out.get("shadow_variant"), str):
+            out["shadow_variant"] = FORMER_VARIANT_NAMES.get(out["shadow_variant"], out["shadow_variant"])
+    return out
 
 
 @dataclass(frozen=True)
@@ -287,8 +293,8 @@ class AccessSection:
     shadow_max_requests: int = 2  # mirrored copies in flight per replica; over it a copy is dropped
     request_timeout_s: float = 30.0  # per request through the proxy
     # Triton's queues behind the proxy: "unbounded" (no queue policy: the proxy is the admission
-    # gate), "default" ([serving.queue]) or a [serving.queue_profiles] name
-    queue_profile: str = "unbounded"
+    # gate), "default" ([serving.queue]) or a [serving.queue_policies] name
+    queue_policy: str = "unbounded"
     workers: int = 1  # Envoy worker threads
     # tritonservers per variant; with more than one, a dead one is ejected (outlier detection) and a
     # request that could not reach it is sent to another
@@ -298,7 +304,7 @@ class AccessSection:
     def check(self) -> None:
         """Raise :class:`SpecError` on bad ports, weights, caps or fractions.
 
-        A ``queue_profile`` name is checked by ``recserve access`` when it starts the servers: a spec
+        A ``queue_policy`` name is checked by ``recserve access`` when it starts the servers: a spec
         without that profile is fine as long as no proxy is started from it.
         """
         ports = (self.grpc_port, self.http_port, self.admin_port)

@@ -23,7 +23,7 @@ from recserve.core.sections_serving import (
     ServingSection,
     StoreSection,
     TrainingSection,
-    renamed_variants,
+    current_names,
 )
 from recserve.core.sections_user_state import UserStateSection
 from recserve.core.spec import ModelSpec
@@ -59,7 +59,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
             raise SpecError(f"the spec needs a [{key}] section")
     model = parse_section(ModelSection, doc["model"], "model")
     net = parse_section(DenseNetSection, doc.get("dense_net", {}), "dense_net")
-    serving = parse_section(ServingSection, doc.get("serving", {}), "serving")
+    serving = parse_section(ServingSection, current_names("serving", doc.get("serving", {})), "serving")
     inputs = parse_section(InputsSection, doc.get("inputs", {}), "inputs")
     tables = parse_tables(doc.get("tables", {}), model.embedding_dim)
     dim = default_embedding_dim(model.embedding_dim, tables)
@@ -134,10 +134,10 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         )
     serving.check()
     serving.queue.check("serving.queue")
-    for name, policy in serving.queue_profiles.items():
+    for name, policy in serving.queue_policies.items():
         if not name.isidentifier():
-            raise SpecError(f"serving.queue_profiles: {name!r} must be an identifier (it names config files)")
-        policy.check(f"serving.queue_profiles.{name}")
+            raise SpecError(f"serving.queue_policies: {name!r} must be an identifier (it names config files)")
+        policy.check(f"serving.queue_policies.{name}")
     if model.output not in DENSE_OUTPUTS:
         raise SpecError(f"model.output must be one of {', '.join(DENSE_OUTPUTS)}, got {model.output!r}")
     if dim % net.attention_heads:
@@ -151,7 +151,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     store.check(tables)
     fp16 = tuple(name for name, t in tables.items() if t.dtype == "fp16")
     store = replace(store, float16_tables=tuple(dict.fromkeys((*store.float16_tables, *fp16))))
-    access = parse_section(AccessSection, renamed_variants(doc.get("access", {})), "access")
+    access = parse_section(AccessSection, current_names("access", doc.get("access", {})), "access")
     access.check()
     user_state = parse_section(UserStateSection, doc.get("user_state", {}), "user_state")
     user_state.check(seq_buckets[-1])

@@ -99,7 +99,7 @@ class TritonServer(ChildProcess):
 
     Use as a context manager. The server log goes to ``log_path`` (or, when None, to this process's
     stdout, its last lines kept for :meth:`log_tail`). ``config_name`` serves
-    ``<model>/configs/<name>.pbtxt`` where a model has one (a hardware or queue profile); ``cpus``
+    ``<model>/configs/<name>.pbtxt`` where a model has one (a hardware or queue policy); ``cpus``
     pins tritonserver, and with it every stub it starts, to those cores. The Python backend's
     shared-memory regions are named with ``shm_prefix``, and removed once the server is stopped.
     """

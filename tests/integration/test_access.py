@@ -53,8 +53,8 @@ def served(tiny: ModelSpec, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     assert add_version(canary, "dense") == CANDIDATE
     repositories, config_name = behind_proxy(
         {"stable": stable, "canary": canary},
-        tiny.access.queue_profile,
-        tiny.serving.queue_profiles,
+        tiny.access.queue_policy,
+        tiny.serving.queue_policies,
         root,
     )
     assert config_name is None  # the default profile: no queue policy behind the proxy

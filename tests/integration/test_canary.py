@@ -128,7 +128,7 @@ def layer(tiny: ModelSpec, stable: Path, tmp_path_factory: pytest.TempPathFactor
     root = tmp_path_factory.mktemp("canary")
     canary = _candidate(stable, root / "healthy", _same)
     served, _ = behind_proxy(
-        {"stable": stable, "canary": canary}, "unbounded", tiny.serving.queue_profiles, root
+        {"stable": stable, "canary": canary}, "unbounded", tiny.serving.queue_policies, root
     )
     access = dataclasses.replace(tiny.access, max_requests=8, shadow_max_requests=8, request_timeout_s=10.0)
     with AccessLayer(access, served, root / "run", ProxyPorts.free()) as running:

@@ -1,4 +1,4 @@
-"""Open-loop spike above measured capacity on the latency-first queue profile: the excess is refused
+"""Open-loop spike above measured capacity on the latency-first queue policy: the excess is refused
 with UNAVAILABLE at the first step, nothing else fails, and the server serves normally again after.
 
 Latency ratios are printed, not asserted (a shared 2-core machine is too noisy for that); the
@@ -64,7 +64,7 @@ def test_a_spike_above_capacity_is_shed_at_the_entry_and_the_server_recovers(rep
                     served, refused, last = 0, refused + 1, exc.message()
     half, spike, after = report.phases
     assert not report.failures and all(phase.failed == 0 for phase in report.phases), report.table()
-    assert spike.shed > 0, "nothing was shed above capacity: is the queue profile in the configs?"
+    assert spike.shed > 0, "nothing was shed above capacity: is the queue policy in the configs?"
     assert spike.served > 0 and after.served > 0
     assert set(report.shed_reasons) <= {"Request timeout expired"}, report.shed_reasons
     steps = {s.model: s for s in report.spike_steps}

@@ -191,7 +191,7 @@ def test_the_unbounded_view_clears_queue_policies_and_links_everything_else(tiny
         unbounded_view(tmp_path / "view" / "tiny", tmp_path / "nothing")
 
 
-def test_behind_proxy_picks_the_servers_queue_profile(tiny_repository, tmp_path):
+def test_behind_proxy_picks_the_servers_queue_policy(tiny_repository, tmp_path):
     repositories = {"stable": tiny_repository}
     served, name = behind_proxy(repositories, UNBOUNDED, (), tmp_path)
     assert name is None and served["stable"] == tmp_path / "repository-stable"

@@ -24,7 +24,7 @@ def test_the_bundled_specs_need_no_access_table():
         spec = load_spec(name)
         assert spec.access == AccessSection()
         assert spec.access.weights == {"stable": 100, "canary": 0}
-        assert spec.access.queue_profile == "unbounded" and spec.access.shadow_fraction == 0.0
+        assert spec.access.queue_policy == "unbounded" and spec.access.shadow_fraction == 0.0
 
 
 def test_an_access_table_is_parsed_into_typed_fields():
@@ -39,7 +39,7 @@ def test_an_access_table_is_parsed_into_typed_fields():
                 "shadow_fraction": 0.25,
                 "shadow_max_requests": 1,
                 "request_timeout_s": 5,
-                "queue_profile": "latency_first",
+                "queue_policy": "latency_first",
             }
         )
     )
@@ -58,6 +58,14 @@ def test_the_canary_variants_former_name_is_read_as_canary():
     assert access.weights == {"stable": 70, "canary": 30} and access.shadow_variant == "canary"
     other = parse_spec(_doc({"weights": {"stable": 70, "blue": 30}, "shadow_variant": "blue"})).access
     assert other.weights == {"stable": 70, "blue": 30} and other.shadow_variant == "blue"
+
+
+def test_queue_policies_former_key_names_are_read_as_their_names():
+    doc = _doc({"queue_profile": "latency_first"})
+    doc["serving"]["queue_profiles"] = doc["serving"].pop("queue_policies")
+    spec = parse_spec(doc)
+    assert spec.access.queue_policy == "latency_first"
+    assert set(spec.serving.queue_policies) == {"throughput_first", "latency_first"}
 
 
 def test_the_access_table_leaves_the_model_and_its_digest_alone():

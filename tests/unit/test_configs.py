@@ -45,9 +45,9 @@ def test_steps_batch_dynamically_with_spec_values(spec):
         assert ragged <= {"history_items", "history_keys", "history_mask", "history_embeddings"}
 
 
-def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
+def test_queue_policies_are_variants_of_the_cpu_steps(spec):
     files = configs.profile_configs(spec)
-    for queue in spec.serving.queue_profiles:
+    for queue in spec.serving.queue_policies:
         for step in STEPS:
             variant = files[configs.config_path(Path(), step, queue)]
             default = configs.step_config(spec, step)
@@ -61,7 +61,7 @@ def test_queue_profiles_are_variants_of_the_cpu_steps(spec):
 
 def test_latency_first_admits_by_time_at_the_entry_only(spec):
     """The budget is a timeout at the first step; no size limit anywhere, no policy after the entry."""
-    policy = spec.serving.queue_profiles["latency_first"]
+    policy = spec.serving.queue_policies["latency_first"]
     entry = configs.step_config(spec, STEPS[0], queue="latency_first")
     limits = entry.dynamic_batching.default_queue_policy
     assert limits.default_timeout_microseconds == policy.entry_timeout > 0 and limits.max_queue_size == 0
@@ -71,6 +71,6 @@ def test_latency_first_admits_by_time_at_the_entry_only(spec):
         assert not later.dynamic_batching.HasField("default_queue_policy"), step
 
 
-def test_an_unknown_queue_profile_is_refused(spec):
-    with pytest.raises(ValueError, match="unknown queue profile"):
+def test_an_unknown_queue_policy_is_refused(spec):
+    with pytest.raises(ValueError, match="unknown queue policy"):
         configs.step_config(spec, DENSE, queue="nope")

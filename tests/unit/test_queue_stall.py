@@ -38,5 +38,5 @@ def test_totals_count_rounds_with_a_stall_and_take_medians():
 
 
 def test_an_unknown_profile_is_refused_before_any_server_starts(spec, tmp_path):
-    with pytest.raises(ValueError, match=r"unknown queue profile\(s\) \['nope'\]"):
+    with pytest.raises(ValueError, match=r"unknown queue policy\(s\) \['nope'\]"):
         run_queue_stall(spec, tmp_path / "nothing", ("nope",), 16, 1.0, 1, tmp_path)

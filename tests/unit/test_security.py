@@ -65,14 +65,14 @@ def test_serve_defaults_to_loopback_and_no_model_control():
     assert args.host == "127.0.0.1" and args.model_control == "none" and not args.client_shared_memory
 
 
-def test_serve_refuses_a_queue_profile_the_repository_lacks(tiny_repository, capsys):
+def test_serve_refuses_a_queue_policy_the_repository_lacks(tiny_repository, capsys):
     args = parser().parse_args(["serve", "--repository", str(tiny_repository), "--queue", "nope"])
     assert args.func(args) == 2
-    assert "no queue profile 'nope'" in capsys.readouterr().err
+    assert "no queue policy 'nope'" in capsys.readouterr().err
 
 
 def test_throughput_first_sheds_load_at_every_step(spec):
-    policy = spec.serving.queue_profiles["throughput_first"]
+    policy = spec.serving.queue_policies["throughput_first"]
     assert 0 < policy.entry_max_queue_size <= policy.max_queue_size, (
         "the first step must be the tightest gate"
     )

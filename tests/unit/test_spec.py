@@ -57,10 +57,10 @@ def test_json_round_trip_is_lossless(spec):
         (lambda d: d["features"][0].__setitem__("kind", "image"), "unknown feature kind"),
         (lambda d: d["serving"].__setitem__("queue", {"max_queue_size": -1}), "serving.queue needs"),
         (
-            lambda d: d["serving"]["queue_profiles"]["latency_first"].__setitem__("timeout_action", "DROP"),
+            lambda d: d["serving"]["queue_policies"]["latency_first"].__setitem__("timeout_action", "DROP"),
             "timeout_action",
         ),
-        (lambda d: d["serving"]["queue_profiles"].__setitem__("latency first", {}), "identifier"),
+        (lambda d: d["serving"]["queue_policies"].__setitem__("latency first", {}), "identifier"),
     ],
 )
 def test_inconsistent_specs_are_refused(edit, message):
