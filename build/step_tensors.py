@@ -51,19 +51,21 @@ def intermediate_tensors(spec: ModelSpec) -> dict[str, WireTensor]:
 def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, ...]:
     """The tensors of both wire forms (:mod:`recserve.core.wire_forms`), each once, the id form's first.
 
-    A request carries one form: the tensors of one form only are optional. The row form ends with
-    the optional ``user_id`` and ``user_seq`` where ``[user_state]`` is on.
+    A request carries one form, so every tensor is optional where Triton sees it: with optional
+    inputs tritonserver 2.51 checks only how many inputs a request has, so a request missing a
+    tensor both forms need (and carrying another) would pass it and stall the ensemble; the step
+    refuses it instead, naming the input. The row form ends with the optional ``user_id`` and
+    ``user_seq`` where ``[user_state]`` is on.
 
     Args:
         spec: the model spec.
         part: ``inputs`` (the row form), ``user_inputs`` or ``candidate_inputs`` (a candidate list).
     """
     forms = [getattr(spec.wire_form(form), part) for form in WIRE_FORMS]
-    common = set.intersection(*({t.name for t in tensors} for tensors in forms))
     union: dict[str, WireTensor] = {}
     for tensors in forms:
         for t in tensors:
-            union.setdefault(t.name, t if t.name in common else dataclasses.replace(t, optional=True))
+            union.setdefault(t.name, dataclasses.replace(t, optional=True))
     return tuple(union.values()) + (user_state_inputs(spec) if part == "inputs" else ())
 
 
