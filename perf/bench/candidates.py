@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from recserve.core.candidate_lists import candidate_list_inputs, with_profiles_o
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.spec import ModelSpec
 from recserve.perf.bench.report import P99_BOUND_MS
+from recserve.perf.harness.timed_loop import timed_closed_loop
 from recserve.perf.harness.traffic import infer_inputs
 from recserve.server import Ports, TritonServer
 
@@ -79,53 +79,22 @@ def closed_loop_rate(
     Refused requests, and requests unanswered after ``TIMEOUT_S``, are counted (``failures``), not
     timed.
     """
-    latencies: list[float] = []
-    failures = [0]
-    clock = {"began": 0.0, "deadline": 0.0}
 
-    def go() -> None:  # run once, when every client is connected and warmed up
-        clock["began"] = time.perf_counter()
-        clock["deadline"] = clock["began"] + seconds
-
-    lock, start = threading.Lock(), threading.Barrier(concurrency, action=go)
-
-    def call(connection: grpcclient.InferenceServerClient, inputs: list) -> bool:
-        try:
-            connection.infer(model, inputs, client_timeout=TIMEOUT_S)
-            return True
-        except InferenceServerException:  # refused (or lost): counted, not timed
-            return False
-
-    def client() -> None:
+    @contextmanager
+    def sender() -> Iterator[Callable[[], bool]]:
         with grpcclient.InferenceServerClient(url) as connection:
             inputs = infer_inputs(grpcclient, request)  # encoded once
-            call(connection, inputs)  # warm-up
-            mine, refused = [], 0
-            start.wait()
-            while time.perf_counter() < clock["deadline"]:
-                began = time.perf_counter()
-                if call(connection, inputs):
-                    mine.append((time.perf_counter() - began) * 1e3)
-                else:
-                    refused += 1
-            with lock:
-                latencies.extend(mine)
-                failures[0] += refused
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(2 * TIMEOUT_S + seconds)
-    elapsed = time.perf_counter() - clock["began"]
-    p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99])) if latencies else (np.inf, np.inf)
-    return {
-        "rows_per_s": len(latencies) * rows / elapsed,
-        "p50_ms": p50,
-        "p99_ms": p99,
-        "requests": len(latencies),
-        "failures": failures[0],
-    }
+            def send() -> bool:
+                try:
+                    connection.infer(model, inputs, client_timeout=TIMEOUT_S)
+                    return True
+                except InferenceServerException:  # refused (or lost): counted, not timed
+                    return False
+
+            yield send
+
+    return timed_closed_loop(sender, rows, concurrency, seconds, 2 * TIMEOUT_S)
 
 
 def measure(

@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec
 from recserve.perf.bench.candidates import LIST, LIST_BYTES, ROWS, requests_of
 from recserve.perf.harness.stats import difference, snapshot
+from recserve.perf.harness.timed_loop import timed_closed_loop
 from recserve.perf.harness.traffic import infer_inputs, infer_request
 
 from .common import BenchSizes
@@ -62,52 +63,22 @@ def served_limit(url: str) -> int:
 
 def closed_loop(url: str, message: bytes, rows: int, concurrency: int, seconds: float) -> dict[str, Any]:
     """Candidate rows/s and latency percentiles of ``concurrency`` threads sending ``message`` in a loop."""
-    latencies: list[float] = []
-    failures = [0]
-    clock = {"began": 0.0, "deadline": 0.0}
 
-    def go() -> None:  # once every thread is connected and warmed up
-        clock["began"] = time.perf_counter()
-        clock["deadline"] = clock["began"] + seconds
-
-    lock, start = threading.Lock(), threading.Barrier(concurrency, action=go)
-
-    def worker() -> None:
+    @contextmanager
+    def sender() -> Iterator[Callable[[], bool]]:
         with grpc.insecure_channel(url, options=[("grpc.max_receive_message_length", -1)]) as channel:
             call = channel.unary_unary(METHOD)  # bytes in, bytes out: serialized once, never parsed
-            try:
-                call(message, timeout=TIMEOUT_S)  # warm-up
-            except grpc.RpcError:
-                pass
-            mine, refused = [], 0
-            start.wait()
-            while time.perf_counter() < clock["deadline"]:
-                began = time.perf_counter()
+
+            def send() -> bool:
                 try:
                     call(message, timeout=TIMEOUT_S)
-                    mine.append((time.perf_counter() - began) * 1e3)
+                    return True
                 except grpc.RpcError:
-                    refused += 1
-            with lock:
-                latencies.extend(mine)
-                failures[0] += refused
+                    return False
 
-    cpu = time.process_time()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(2 * TIMEOUT_S + seconds)
-    elapsed = time.perf_counter() - clock["began"]
-    p50, p99 = (float(v) for v in np.percentile(latencies, [50, 99])) if latencies else (np.inf, np.inf)
-    return {
-        "rows_per_s": len(latencies) * rows / elapsed,
-        "p50_ms": p50,
-        "p99_ms": p99,
-        "requests": len(latencies),
-        "failures": failures[0],
-        "client_cpu": (time.process_time() - cpu) / elapsed,
-    }
+            yield send
+
+    return timed_closed_loop(sender, rows, concurrency, seconds, 2 * TIMEOUT_S)
 
 
 class PcieCounters:
