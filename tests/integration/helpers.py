@@ -111,3 +111,33 @@ class ClosedLoopClients:
         self._stop.set()
         for thread in self._threads:
             thread.join()
+
+
+def import_torch_model(
+    head, example: tuple, names: list[str], axes: dict, spec_file: Path, folder: Path
+) -> Path:
+    """``head`` exported by plain ``torch.onnx.export`` over the contract's ``names`` and imported with the
+    tables in ``folder/tables`` (``recserve import``); the repository it made (``folder/repository``).
+    """
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            head,
+            example,
+            str(folder / "model.onnx"),
+            input_names=names,
+            output_names=["logit"],
+            dynamic_axes=axes,
+            opset_version=17,
+            dynamo=False,
+        )
+    imported = recserve(
+        "--spec", str(spec_file), "import", "--tables", str(folder / "tables"),
+        "--dense", str(folder / "model.onnx"), "--repository", str(folder / "repository"),
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+    return folder / "repository"

@@ -10,7 +10,6 @@ The served scores must equal the model's own PyTorch scores on rows with unseen 
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import torch
@@ -20,7 +19,7 @@ from recserve.clients import CTRClient
 from recserve.core.contract import dense_net_inputs, sparse_inputs
 from recserve.core.names import BATCH_AXIS, DENSE_NORMALIZED
 from recserve.core.spec_parse import load_spec
-from tests.integration.helpers import recserve
+from tests.integration.helpers import import_torch_model, recserve
 from tests.integration.private_server import private_server
 
 SPEC = """
@@ -182,23 +181,8 @@ def test_a_hand_written_deepfm_serves_its_own_pytorch_scores(tmp_path):
     model = DeepFM().eval()
     _export_tables(model, tmp_path / "tables")
     example = (torch.rand(2, 1), torch.randn(2, 2, 16), torch.randn(2, 4, 1), torch.randn(2, 2, 8))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Head(model),
-            example,
-            str(tmp_path / "deepfm.onnx"),
-            input_names=names,
-            output_names=["logit"],
-            dynamic_axes={name: {0: BATCH_AXIS} for name in [*names, "logit"]},
-            opset_version=17,
-            dynamo=False,
-        )
-    imported = recserve(
-        "--spec", str(spec_file), "import", "--tables", str(tmp_path / "tables"),
-        "--dense", str(tmp_path / "deepfm.onnx"), "--repository", str(tmp_path / "repository"),
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stderr
+    axes = {name: {0: BATCH_AXIS} for name in [*names, "logit"]}
+    import_torch_model(Head(model), example, names, axes, spec_file, tmp_path)
 
     rows = _rows(np.random.default_rng(3), 150)
     want = _reference(model, rows)

@@ -11,7 +11,6 @@ scores on rows with unseen and empty values and short or empty histories.
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ from recserve.clients import CTRClient
 from recserve.core.names import BATCH_AXIS, SEQUENCE_AXIS
 from recserve.core.rows import Rows
 from recserve.core.spec_parse import load_spec
-from tests.integration.helpers import recserve
+from tests.integration.helpers import import_torch_model, recserve
 from tests.integration.private_server import private_server
 
 SPEC = """
@@ -241,23 +240,7 @@ def test_a_hand_written_din_over_concatenated_items_and_categories_serves_its_ow
     )
     axes = {name: {0: BATCH_AXIS} for name in [*names, "logit"]}
     axes["history_embeddings"] = axes["history_mask"] = {0: BATCH_AXIS, 1: SEQUENCE_AXIS}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            Head(model),
-            example,
-            str(tmp_path / "din.onnx"),
-            input_names=names,
-            output_names=["logit"],
-            dynamic_axes=axes,
-            opset_version=17,
-            dynamo=False,
-        )
-    imported = recserve(
-        "--spec", str(spec_file), "import", "--tables", str(tmp_path / "tables"),
-        "--dense", str(tmp_path / "din.onnx"), "--repository", str(tmp_path / "repository"),
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stderr
+    import_torch_model(Head(model), example, names, axes, spec_file, tmp_path)
 
     rows = _rows(np.random.default_rng(5), 200)
     want = _reference(model, rows)
