@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tomllib
@@ -11,6 +14,7 @@ from recserve.backends.store.rows import RowBlock
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import zipf_ranks
 from recserve.core.spec_parse import spec_path
+from tests.conftest import ROOT
 from tests.store_tables import DIM
 
 
@@ -65,3 +69,14 @@ class SwapsMidBatch(TieredStore):
                 {"t0": version}, RowBlock.of(self.rows, np.full((len(self.rows), DIM), version, np.float32))
             )
         return super().lookup(keys, table_ids, record)
+
+
+def python_files() -> list[Path]:
+    """The repository's Python files, sorted: tracked or not ignored (not build outputs, results, venvs, kits)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z", "*.py"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return sorted(p for p in (ROOT / name for name in listed.split("\0") if name) if p.is_file())

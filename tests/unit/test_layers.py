@@ -12,10 +12,11 @@ client SDK depends only on the bottom layer, so a client installs without the se
 """
 
 import ast
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.unit.helpers import python_files
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
@@ -72,24 +73,12 @@ def module_name(path: Path) -> str:
     raise AssertionError(f"{path} is in no package folder")
 
 
-def project_files() -> list[Path]:
-    """Every Python file of the project that git does not ignore (not ``perf/results/``, built folders)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
-    return sorted(ROOT / name for name in listed if (ROOT / name).is_file())
-
-
 def sources() -> list[Path]:
     """Every source file of the installed packages."""
     folders = [ROOT / folder for folder in set(PACKAGE_DIRS.values())]
     return [
         p
-        for p in project_files()
+        for p in python_files()
         if any(p.is_relative_to(folder) for folder in folders) and "specs" not in p.parts
     ]
 
@@ -204,7 +193,7 @@ def test_nothing_of_the_project_imports_the_former_ground_paths():
     """The re-exports are for users' code; every module, test and adapter imports ``recserve.core`` itself."""
     users = sorted(
         str(p.relative_to(ROOT))
-        for p in project_files()
+        for p in python_files()
         if module_name_or_none(p) not in FACADES and imported(p) & set(FACADES)
     )
     assert not users, f"import recserve.core, not its re-exports: {users}"

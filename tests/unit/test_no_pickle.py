@@ -1,10 +1,10 @@
 """No pickle anywhere: every Python file of the repository is scanned for pickle-based loading."""
 
 import re
-import subprocess
 from pathlib import Path
 
 from tests.conftest import ROOT
+from tests.unit.helpers import python_files
 
 FORBIDDEN = (
     (re.compile(r"allow_pickle\s*=\s*True"), "allow_pickle=True"),
@@ -26,18 +26,6 @@ def pickle_uses(text: str) -> list[str]:
     return found
 
 
-def python_files() -> list[Path]:
-    """The repository's Python files: tracked or not ignored (build outputs, venvs and kits are ignored)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z", "*.py"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    paths = [ROOT / name for name in listed.split("\0") if name]
-    return [p for p in paths if p.is_file() and p.resolve() != Path(__file__).resolve()]
-
-
 def test_the_scanner_finds_each_kind_of_pickle_use():
     bad = [
         "np.load(path, allow_pickle=True)",
@@ -53,7 +41,7 @@ def test_the_scanner_finds_each_kind_of_pickle_use():
 
 
 def test_no_file_of_the_repository_uses_pickle():
-    files = python_files()
+    files = [p for p in python_files() if p.resolve() != Path(__file__).resolve()]
     assert len(files) > 30, "the scan found too few files to be looking at the repository"
     offenders = {
         str(p.relative_to(ROOT)): uses for p in files if (uses := pickle_uses(p.read_text(errors="replace")))
