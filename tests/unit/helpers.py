@@ -72,7 +72,7 @@ class SwapsMidBatch(TieredStore):
 
 
 def python_files() -> list[Path]:
-    """The repository's Python files, sorted: tracked or not ignored (not build outputs, results, venvs, kits)."""
+    """The repository's Python files, sorted: tracked or not ignored (no build outputs, results, venvs)."""
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z", "*.py"],
         cwd=ROOT,
