@@ -194,7 +194,13 @@ class TritonServer(ChildProcess):
                 sys.stdout.buffer.flush()
 
     def is_ready(self) -> bool:
-        """True when ``/v2/health/ready`` answers 200 now."""
+        """True when ``/v2/health/ready`` answers 200 and the metrics port listens now.
+
+        tritonserver opens its metrics endpoint after the HTTP one, so a ready HTTP endpoint alone
+        does not mean ``/metrics`` answers yet.
+        """
+        if not port_in_use(self.ports.metrics):
+            return False
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=1) as response:
                 return response.status == 200
