@@ -4,9 +4,9 @@ A row carrying ``user_id`` and ``user_seq`` sends its history as the real-time t
 ``[user_state] tail`` events, the newest at ``user_seq``). The step fetches the states of the
 batch's distinct users (a small local cache, then one batched store call, which for Redis runs
 under ``deadline_ms`` and the breaker), merges each row's newer tail events into its user's tokens
-(:func:`~recserve.backends.store.user_tokens.merge`) and puts the tokens' keys in the row's history,
-``ln count`` per token in ``history_log_weights``. The keys are then looked up with every other key
-of the batch, in the same store call.
+(:func:`~recserve.backends.store.user_tokens.merge_rows`, all rows at once) and puts the tokens'
+keys in the row's history, ``ln count`` per token in ``history_log_weights``. The keys are then
+looked up with every other key of the batch, in the same store call.
 
 Without a usable state the row keeps today's history, its tail as sent, with all-zero log-weights:
 today's answer for that tail, bit for bit. Its outcome is counted (``miss``: none stored; ``stale``:
@@ -46,7 +46,7 @@ from recserve.backends.store.user_state_store import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import GAP, HIT, MISS, merge
+from recserve.backends.store.user_tokens import GAP, HIT, MISS, MergedRows, merge_rows
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec
@@ -240,46 +240,63 @@ class UserHistories:
         needed = np.full(distinct.size, np.iinfo(np.int64).min, np.int64)
         np.maximum.at(needed, where, newest - lengths)
         states, fetched = self.states_of(distinct, needed)
-        outcomes = np.asarray([fetched[i] for i in where.tolist()], object)
+        outcomes = np.asarray(fetched, object)[where]
         state_seq = np.full(rows, -1, np.int64)
         modes = np.full(rows, "", object)
         lag = np.full(rows, -1, np.int64)
-        merged = {}
-        for r in range(rows):
-            state = states[where[r]]
-            if state is None:
-                continue
-            result = merge(state.tokens, state.seq, tails[r, : lengths[r]], int(newest[r]))
-            merged[r] = result.tokens
-            outcomes[r], modes[r] = result.outcome, state.mode
-            state_seq[r], lag[r] = state.seq, result.lag_events
+        found = [i for i, state in enumerate(states) if state is not None]
+        slot = np.full(distinct.size, -1, np.int64)
+        slot[found] = np.arange(len(found))
+        merged_rows = np.flatnonzero(slot[where] >= 0)
+        merged = None
+        if merged_rows.size:
+            kept = [states[i] for i in found]
+            which = slot[where[merged_rows]]
+            merged = merge_rows(
+                [state.tokens for state in kept],
+                np.array([state.seq for state in kept], np.int64),
+                which,
+                tails[merged_rows],
+                lengths[merged_rows],
+                newest[merged_rows],
+            )
+            outcomes[merged_rows] = merged.outcomes
+            modes[merged_rows] = np.array([state.mode for state in kept], object)[which]
+            state_seq[merged_rows] = np.array([state.seq for state in kept], np.int64)[which]
+            lag[merged_rows] = merged.lag_events
         if self.rebuilds is not None:
             again = np.isin(outcomes, _REBUILD)
             if again.any():
                 self.rebuilds.add(users[again])
-        features[HISTORY_LOG_WEIGHTS] = self._put_tokens(features, keys, mask, merged)
+        features[HISTORY_LOG_WEIGHTS] = self._put_tokens(features, keys, mask, merged_rows, merged)
         return RowStates(outcomes, state_seq, modes, lag)
 
     def _put_tokens(
-        self, features: dict[str, np.ndarray], keys: np.ndarray, mask: np.ndarray, merged: dict
+        self,
+        features: dict[str, np.ndarray],
+        keys: np.ndarray,
+        mask: np.ndarray,
+        rows: np.ndarray,
+        merged: MergedRows | None,
     ) -> np.ndarray:
-        """Each merged row's token keys, mask and ``ln count`` written (padding side); the log-weights."""
-        longest = max((len(t) for t in merged.values()), default=0)
-        width = max(keys.shape[1], self.spec.sequence_bucket(max(longest, 1)))
+        """The merged ``rows``' token keys, mask and ``ln count`` written (padding side); the log-weights."""
+        lengths = merged.lengths if merged is not None else np.zeros(0, np.int64)
+        width = max(keys.shape[1], self.spec.sequence_bucket(max(int(lengths.max(initial=0)), 1)))
         if width > keys.shape[1]:
             pad = [(width - keys.shape[1], 0) if self.left else (0, width - keys.shape[1])]
             keys = np.pad(keys, [(0, 0), *pad], constant_values=self.pad_key)
             mask = np.pad(mask, [(0, 0), *pad])
         weights = np.zeros(mask.shape, np.float32)
-        if merged:
+        if merged is not None:
             keys, mask = keys.copy(), mask.copy()
-        for r, tokens in merged.items():
-            n = len(tokens)
-            span = slice(width - n, width) if self.left else slice(0, n)
-            keys[r] = self.pad_key
-            mask[r] = 0.0
-            keys[r, span] = keys_for(tokens.items.astype(np.uint64), self.salt)
-            mask[r, span] = 1.0
-            weights[r, span] = tokens.log_weights()
+            keys[rows] = self.pad_key
+            mask[rows] = 0.0
+            row = np.repeat(rows, lengths)
+            column = np.arange(row.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            if self.left:
+                column += width - np.repeat(lengths, lengths)
+            keys[row, column] = keys_for(merged.items.astype(np.uint64), self.salt)
+            mask[row, column] = 1.0
+            weights[row, column] = merged.log_weights()
         features[HISTORY_KEYS], features[self.mask] = keys, mask
         return weights

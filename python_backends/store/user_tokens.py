@@ -79,6 +79,95 @@ def tail_sequence(tail_length: int, newest_seq: int) -> np.ndarray:
     return np.arange(newest_seq - tail_length + 1, newest_seq + 1, dtype=np.int64)
 
 
+@dataclass(frozen=True)
+class MergedRows:
+    """:func:`merge` of many rows: their tokens (concatenated, row after row) and how each met its state."""
+
+    lengths: np.ndarray  # int64 [rows]: each row's number of tokens
+    items: np.ndarray  # int64 [sum(lengths)]: the rows' tokens, row after row
+    counts: np.ndarray  # int64 [sum(lengths)]
+    outcomes: np.ndarray  # str [rows]: HIT or GAP
+    merged_events: np.ndarray  # int64 [rows]
+    lag_events: np.ndarray  # int64 [rows]
+
+    def row(self, r: int) -> Tokens:
+        """Row ``r``'s tokens."""
+        start = int(self.lengths[:r].sum())
+        span = slice(start, start + int(self.lengths[r]))
+        return Tokens(self.items[span], self.counts[span])
+
+    def log_weights(self) -> np.ndarray:
+        """``ln count`` per token (float32), row after row, as :meth:`Tokens.log_weights`."""
+        return Tokens(self.items, self.counts).log_weights()
+
+
+def merge_rows(
+    states: list[Tokens],
+    state_seqs: np.ndarray,
+    which: np.ndarray,
+    tails: np.ndarray,
+    tail_lengths: np.ndarray,
+    newest_seqs: np.ndarray,
+) -> MergedRows:
+    """:func:`merge` of every row of a batch in a constant number of array operations.
+
+    Args:
+        states: the distinct states (a user's state once, however many rows it has).
+        state_seqs: each state's sequence number.
+        which: per row, the index of its state in ``states``.
+        tails: int64 [rows, width]: each row's tail (oldest first) in its first ``tail_lengths[r]``
+            columns.
+        tail_lengths: per row, its tail's length.
+        newest_seqs: per row, the sequence number of its tail's newest event.
+
+    A row's state tokens keep their order, numbered 0..n-1, and its tail's newer events follow,
+    numbered from n on; grouping a row's (item, number) pairs by item sums the counts and keeps the
+    highest number, and sorting each row's groups by it orders them by last occurrence. That is
+    :func:`merge` row by row, without a Python step per row or per element.
+    """
+    which = np.asarray(which, np.int64)
+    rows = which.size
+    sizes = np.array([len(s) for s in states], np.int64)
+    offsets = np.cumsum(sizes) - sizes
+    seqs = np.asarray(state_seqs, np.int64)[which]
+    tail_lengths = np.asarray(tail_lengths, np.int64)
+    newest_seqs = np.asarray(newest_seqs, np.int64)
+    first = newest_seqs - tail_lengths + 1
+    skip = np.clip(seqs - first + 1, 0, tail_lengths)
+    # the states' tokens, gathered per row: (row, item, count, number)
+    state_len = sizes[which]
+    state_row = np.repeat(np.arange(rows), state_len)
+    number = np.arange(state_row.size) - np.repeat(np.cumsum(state_len) - state_len, state_len)
+    gather = np.repeat(offsets[which], state_len) + number
+    all_items = np.concatenate([s.items for s in states]) if states else np.zeros(0, np.int64)
+    all_counts = np.concatenate([s.counts for s in states]) if states else np.zeros(0, np.int64)
+    # the tails' newer events: columns skip .. length-1
+    columns = np.arange(tails.shape[1])
+    tail_row, tail_col = np.nonzero((columns >= skip[:, None]) & (columns < tail_lengths[:, None]))
+    row = np.concatenate([state_row, tail_row])
+    item = np.concatenate([all_items[gather], tails[tail_row, tail_col].astype(np.int64)])
+    count = np.concatenate([all_counts[gather], np.ones(tail_row.size, np.int64)])
+    number = np.concatenate([number, state_len[tail_row] + tail_col])
+    if row.size:
+        order = np.lexsort((item, row))
+        row, item, count, number = row[order], item[order], count[order], number[order]
+        starts = np.flatnonzero(np.r_[True, (row[1:] != row[:-1]) | (item[1:] != item[:-1])])
+        row, item = row[starts], item[starts]
+        count = np.add.reduceat(count, starts)
+        last = np.maximum.reduceat(number, starts)
+        order = np.argsort(row * (int(last.max()) + 1) + last)  # by row, then last occurrence (distinct)
+        row, item, count = row[order], item[order], count[order]
+    gap = (tail_lengths > 0) & (first > seqs + 1)
+    return MergedRows(
+        lengths=np.bincount(row, minlength=rows).astype(np.int64),
+        items=item,
+        counts=count,
+        outcomes=np.where(gap, GAP, HIT).astype(object),
+        merged_events=tail_lengths - skip,
+        lag_events=np.maximum(0, newest_seqs - seqs),
+    )
+
+
 def merge(state: Tokens | None, state_seq: int, tail: np.ndarray, newest_seq: int) -> Merged:
     """The state's tokens with the tail's events that are newer than the state.
 
@@ -90,27 +179,17 @@ def merge(state: Tokens | None, state_seq: int, tail: np.ndarray, newest_seq: in
     result is the tail's own tokens (``miss``), what today's request with that history computes.
 
     With no gap the result equals :func:`dedup` of all the user's events up to ``newest_seq``.
+    One row of :func:`merge_rows`.
     """
     tail = np.asarray(tail, np.int64).reshape(-1)
     if state is None:
         return Merged(dedup(tail), MISS, int(tail.size), int(tail.size))
-    first_seq = newest_seq - tail.size + 1
-    skip = min(max(0, state_seq - first_seq + 1), tail.size)
-    newer = dedup(tail[skip:])
-    outcome = GAP if tail.size and first_seq > state_seq + 1 else HIT
-    lag = max(0, newest_seq - state_seq)
-    if len(newer) == 0:
-        return Merged(state, outcome, 0, lag)
-    kept = ~np.isin(state.items, newer.items, assume_unique=True)
-    counts = newer.counts.copy()
-    if not kept.all():  # items seen before: their stored counts join the tail's
-        moved = state.items[~kept]
-        sorter = np.argsort(moved, kind="stable")
-        where = np.searchsorted(moved, newer.items, sorter=sorter)
-        where = sorter[np.minimum(where, moved.size - 1)]
-        found = moved[where] == newer.items
-        counts[found] += state.counts[~kept][where[found]]
-    items = np.concatenate([state.items[kept], newer.items])
-    return Merged(
-        Tokens(items, np.concatenate([state.counts[kept], counts])), outcome, int(tail.size - skip), lag
+    rows = merge_rows(
+        [state],
+        np.array([state_seq]),
+        np.zeros(1),
+        tail[None, :],
+        np.array([tail.size]),
+        np.array([newest_seq]),
     )
+    return Merged(rows.row(0), str(rows.outcomes[0]), int(rows.merged_events[0]), int(rows.lag_events[0]))

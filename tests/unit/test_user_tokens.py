@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 
-from recserve.backends.store.user_tokens import GAP, HIT, MISS, Tokens, dedup, merge, tail_sequence
+from recserve.backends.store.user_tokens import (
+    GAP,
+    HIT,
+    MISS,
+    Tokens,
+    dedup,
+    merge,
+    merge_rows,
+    tail_sequence,
+)
 
 
 def test_dedup_counts_each_item_once_ordered_by_its_last_occurrence():
@@ -74,3 +83,36 @@ def test_the_merge_leaves_its_inputs_untouched():
     items, counts = state.items.copy(), state.counts.copy()
     merge(state, 4, np.array([2, 5]), 6)
     assert np.array_equal(state.items, items) and np.array_equal(state.counts, counts)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_tail_events(seed):
+    """Rows of a few users (a user on several rows, with tails of its own), padded tails, gaps, overlaps."""
+    rng = np.random.default_rng(200 + seed)
+    users = int(rng.integers(1, 5))
+    events = [_events(rng, int(rng.integers(1, 200)), int(rng.integers(1, 40))) for _ in range(users)]
+    built = [int(rng.integers(0, e.size + 1)) for e in events]  # user u's state holds 1..built[u]
+    which = rng.integers(0, users, int(rng.integers(1, 9)))
+    spans = []
+    for u in which:
+        n = int(rng.integers(1, events[u].size + 1))  # the row's client knows events 1..n
+        spans.append((int(rng.integers(1, n + 2)), n))  # its tail: events j..n (empty when j = n + 1)
+    tails = [events[u][j - 1 : n] for u, (j, n) in zip(which, spans, strict=True)]
+    padded = np.full((which.size, max(1, max(t.size for t in tails))), -7, np.int64)  # never read
+    for r, tail in enumerate(tails):
+        padded[r, : tail.size] = tail
+    rows = merge_rows(
+        [dedup(e[:k]) for e, k in zip(events, built, strict=True)],
+        np.array(built),
+        which,
+        padded,
+        np.array([t.size for t in tails]),
+        np.array([n for _, n in spans]),
+    )
+    assert rows.lengths.sum() == rows.items.size == rows.counts.size
+    for r, (u, (j, n)) in enumerate(zip(which, spans, strict=True)):
+        k = built[u]
+        expected = dedup(np.concatenate([events[u][:k], events[u][max(j, k + 1) - 1 : n]]))
+        assert rows.row(r).equals(expected), r
+        assert rows.outcomes[r] == (GAP if j <= n and j > k + 1 else HIT)
+        assert rows.merged_events[r] == max(0, n - max(j, k + 1) + 1) and rows.lag_events[r] == max(0, n - k)
