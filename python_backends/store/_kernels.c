@@ -147,3 +147,70 @@ void recserve_count(const int16_t *table_ids, const int8_t *tiers, int64_t n, in
                     int64_t *counts) {
     for (int64_t i = 0; i < n; i++) counts[table_ids[i] * tier_count + tiers[i]] += 1;
 }
+
+/*
+ * The merge of a batch's rows with their users' stored tokens (user_tokens.merge_rows), row by row.
+ *
+ * Row r's state is state_items/state_counts[starts[r] .. starts[r] + sizes[r]) (distinct items,
+ * oldest first); its newer events are tails[r * width + first[r] .. r * width + ends[r]). The
+ * newer events are grouped by item in a small open-addressing table (scratch: 4 * width + 2
+ * slots, then four arrays of width entries); each state token either joins its group's count or is
+ * written as it is; then the groups are written in the order of their last occurrence. Writes
+ * every row's tokens to out_items/out_counts, row after row, and its count to out_lengths; returns
+ * the total.
+ */
+int64_t recserve_merge_rows(const int64_t *state_items, const int64_t *state_counts,
+                            const int64_t *starts, const int64_t *sizes, const int64_t *tails,
+                            int64_t width, const int64_t *first, const int64_t *ends, int64_t rows,
+                            int64_t *scratch, int64_t *out_items, int64_t *out_counts,
+                            int64_t *out_lengths) {
+    int64_t *slots = scratch;                  /* group index + 1 per slot, 0: empty */
+    int64_t *group_item = scratch + 4 * width + 2; /* per group */
+    int64_t *group_count = group_item + width;
+    int64_t *group_last = group_count + width;
+    int64_t *column_group = group_last + width; /* per newer event */
+    int64_t written = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t *events = tails + r * width + first[r];
+        int64_t newer = ends[r] - first[r], groups = 0, bits = 1;
+        while (((int64_t)1 << bits) < 2 * newer) bits++;
+        int64_t mask = ((int64_t)1 << bits) - 1;
+        memset(slots, 0, sizeof(int64_t) * (size_t)(mask + 1));
+        for (int64_t j = 0; j < newer; j++) {
+            int64_t item = events[j];
+            int64_t slot = (int64_t)(((uint64_t)item * GOLDEN) >> (64 - bits));
+            while (slots[slot] && group_item[slots[slot] - 1] != item) slot = (slot + 1) & mask;
+            if (!slots[slot]) {
+                slots[slot] = ++groups;
+                group_item[groups - 1] = item;
+                group_count[groups - 1] = 0;
+            }
+            int64_t g = slots[slot] - 1;
+            group_count[g] += 1;
+            group_last[g] = j;
+            column_group[j] = g;
+        }
+        int64_t begin = written;
+        const int64_t *items = state_items + starts[r], *counts = state_counts + starts[r];
+        for (int64_t i = 0; i < sizes[r]; i++) {
+            int64_t slot = (int64_t)(((uint64_t)items[i] * GOLDEN) >> (64 - bits));
+            while (groups && slots[slot] && group_item[slots[slot] - 1] != items[i])
+                slot = (slot + 1) & mask;
+            if (groups && slots[slot]) {
+                group_count[slots[slot] - 1] += counts[i];
+            } else {
+                out_items[written] = items[i];
+                out_counts[written++] = counts[i];
+            }
+        }
+        for (int64_t j = 0; j < newer; j++) {
+            int64_t g = column_group[j];
+            if (group_last[g] == j) {
+                out_items[written] = group_item[g];
+                out_counts[written++] = group_count[g];
+            }
+        }
+        out_lengths[r] = written - begin;
+    }
+    return written;
+}

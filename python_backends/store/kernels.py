@@ -58,6 +58,9 @@ _SIGNATURES = {
     ],
     # table_ids, tiers, n, tier_count, counts
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
+    # state_items, state_counts, starts, sizes, tails, width, first, ends, rows, scratch,
+    # out_items, out_counts, out_lengths
+    "recserve_merge_rows": [*[_POINTER] * 5, _SIZE, _POINTER, _POINTER, _SIZE, *[_POINTER] * 4],
 }
 
 
@@ -211,6 +214,43 @@ class Kernels:
             counts.shape[1],
             _address(counts),
         )
+
+    def merge_rows(
+        self,
+        state_items: np.ndarray,
+        state_counts: np.ndarray,
+        starts: np.ndarray,
+        sizes: np.ndarray,
+        tails: np.ndarray,
+        first: np.ndarray,
+        ends: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's state tokens merged with its newer events ``tails[r, first[r]:ends[r]]``.
+
+        Row ``r``'s state is ``state_items/state_counts[starts[r]:starts[r] + sizes[r]]``. Returns
+        the rows' tokens (items, counts; row after row) and each row's number of tokens: what
+        :func:`recserve.backends.store.user_tokens.merge_rows` computes with numpy.
+        """
+        rows, width = tails.shape
+        capacity = int(sizes.sum() + (ends - first).sum())
+        items, counts = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
+        lengths = np.empty(rows, np.int64)
+        scratch = np.empty(8 * width + 2, np.int64)
+        arrays = (state_items, state_counts, starts, sizes, tails, first, ends)
+        for array in arrays:
+            _contiguous(array, np.int64)
+        written = self.library.recserve_merge_rows(
+            *(_address(a) for a in arrays[:5]),
+            width,
+            _address(first),
+            _address(ends),
+            rows,
+            _address(scratch),
+            _address(items),
+            _address(counts),
+            _address(lengths),
+        )
+        return items[:written], counts[:written], lengths
 
 
 @lru_cache(maxsize=1)

@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from recserve.backends.store import kernels
+
+KERNELS = kernels.load()  # the compiled merge; None: the numpy path
+
 #: How a request's real-time tail met the user's stored state (the ``outcome`` of the merge).
 HIT, GAP, MISS = "hit", "gap", "miss"
 
@@ -109,7 +113,7 @@ def merge_rows(
     tail_lengths: np.ndarray,
     newest_seqs: np.ndarray,
 ) -> MergedRows:
-    """:func:`merge` of every row of a batch in a constant number of array operations.
+    """:func:`merge` of every row of a batch at once, with no Python step per row or per element.
 
     Args:
         states: the distinct states (a user's state once, however many rows it has).
@@ -120,52 +124,95 @@ def merge_rows(
         tail_lengths: per row, its tail's length.
         newest_seqs: per row, the sequence number of its tail's newest event.
 
-    A row's state tokens keep their order, numbered 0..n-1, and its tail's newer events follow,
-    numbered from n on; grouping a row's (item, number) pairs by item sums the counts and keeps the
-    highest number, and sorting each row's groups by it orders them by last occurrence. That is
-    :func:`merge` row by row, without a Python step per row or per element.
+    The store's compiled loop merges the rows where it is built (``_kernels.c``), else
+    :func:`merge_numpy`; both give the same tokens.
     """
     which = np.asarray(which, np.int64)
-    rows = which.size
-    sizes = np.array([len(s) for s in states], np.int64)
-    offsets = np.cumsum(sizes) - sizes
     seqs = np.asarray(state_seqs, np.int64)[which]
     tail_lengths = np.asarray(tail_lengths, np.int64)
     newest_seqs = np.asarray(newest_seqs, np.int64)
     first = newest_seqs - tail_lengths + 1
-    skip = np.clip(seqs - first + 1, 0, tail_lengths)
-    # the states' tokens, gathered per row: (row, item, count, number)
-    state_len = sizes[which]
-    state_row = np.repeat(np.arange(rows), state_len)
-    number = np.arange(state_row.size) - np.repeat(np.cumsum(state_len) - state_len, state_len)
-    gather = np.repeat(offsets[which], state_len) + number
-    all_items = np.concatenate([s.items for s in states]) if states else np.zeros(0, np.int64)
-    all_counts = np.concatenate([s.counts for s in states]) if states else np.zeros(0, np.int64)
-    # the tails' newer events: columns skip .. length-1
-    columns = np.arange(tails.shape[1])
-    tail_row, tail_col = np.nonzero((columns >= skip[:, None]) & (columns < tail_lengths[:, None]))
-    row = np.concatenate([state_row, tail_row])
-    item = np.concatenate([all_items[gather], tails[tail_row, tail_col].astype(np.int64)])
-    count = np.concatenate([all_counts[gather], np.ones(tail_row.size, np.int64)])
-    number = np.concatenate([number, state_len[tail_row] + tail_col])
-    if row.size:
-        order = np.lexsort((item, row))
-        row, item, count, number = row[order], item[order], count[order], number[order]
-        starts = np.flatnonzero(np.r_[True, (row[1:] != row[:-1]) | (item[1:] != item[:-1])])
-        row, item = row[starts], item[starts]
-        count = np.add.reduceat(count, starts)
-        last = np.maximum.reduceat(number, starts)
-        order = np.argsort(row * (int(last.max()) + 1) + last)  # by row, then last occurrence (distinct)
-        row, item, count = row[order], item[order], count[order]
+    skip = np.clip(seqs - first + 1, 0, tail_lengths)  # the tail's events the state already holds
+    sizes = np.array([len(s) for s in states], np.int64)
+    empty = np.zeros(0, np.int64)
+    arguments = (
+        np.concatenate([s.items for s in states]) if states else empty,
+        np.concatenate([s.counts for s in states]) if states else empty,
+        (np.cumsum(sizes) - sizes)[which],
+        sizes[which],
+        np.ascontiguousarray(tails, np.int64),
+        skip,
+        tail_lengths,
+    )
+    merged = KERNELS.merge_rows(*arguments) if KERNELS is not None else merge_numpy(*arguments)
     gap = (tail_lengths > 0) & (first > seqs + 1)
     return MergedRows(
-        lengths=np.bincount(row, minlength=rows).astype(np.int64),
-        items=item,
-        counts=count,
+        lengths=merged[2],
+        items=merged[0],
+        counts=merged[1],
         outcomes=np.where(gap, GAP, HIT).astype(object),
         merged_events=tail_lengths - skip,
         lag_events=np.maximum(0, newest_seqs - seqs),
     )
+
+
+def merge_numpy(
+    state_items: np.ndarray,
+    state_counts: np.ndarray,
+    starts: np.ndarray,
+    sizes: np.ndarray,
+    tails: np.ndarray,
+    first: np.ndarray,
+    ends: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' merge in whole-array steps (the arguments and result of ``Kernels.merge_rows``).
+
+    Row ``r``'s state is ``state_items/state_counts[starts[r]:starts[r] + sizes[r]]``, its newer
+    events ``tails[r, first[r]:ends[r]]``. Only the newer events are sorted (a few per row): they
+    are grouped per row and item, and the state tokens they name again are found by a search among
+    the groups. A row's result is its other state tokens in their stored order, then its groups by
+    last occurrence, each group's count raised by its stored count.
+    """
+    rows, width = tails.shape
+    columns = np.arange(width)
+    row, column = np.nonzero((columns >= first[:, None]) & (columns < ends[:, None]))
+    item = tails[row, column]
+    order = np.lexsort((item, row))
+    row, item, column = row[order], item[order], column[order]
+    starts_of = np.flatnonzero(np.r_[True, (row[1:] != row[:-1]) | (item[1:] != item[:-1])])
+    starts_of = starts_of if row.size else row
+    new_row, new_item = row[starts_of], item[starts_of]
+    new_count = np.diff(np.r_[starts_of, row.size]).astype(np.int64)
+    new_last = np.maximum.reduceat(column, starts_of) if starts_of.size else starts_of
+    state_row = np.repeat(np.arange(rows), sizes)
+    gather = np.arange(state_row.size) + np.repeat(starts - (np.cumsum(sizes) - sizes), sizes)
+    state_item, state_count = state_items[gather], state_counts[gather]
+    found = np.zeros(state_row.size, bool)
+    if new_row.size:
+        vocab = np.unique(new_item)
+        code = np.minimum(np.searchsorted(vocab, state_item), vocab.size - 1)
+        group_keys = new_row * vocab.size + np.searchsorted(vocab, new_item)  # ascending
+        state_keys = state_row * vocab.size + code
+        at = np.minimum(np.searchsorted(group_keys, state_keys), group_keys.size - 1)
+        found = (vocab[code] == state_item) & (group_keys[at] == state_keys)
+        np.add.at(new_count, at[found], state_count[found])
+    kept = np.flatnonzero(~found)
+    by_last = np.argsort(new_row * (width + 1) + new_last)
+    new_row, new_item, new_count = new_row[by_last], new_item[by_last], new_count[by_last]
+    kept_len = np.bincount(state_row[kept], minlength=rows)
+    new_len = np.bincount(new_row, minlength=rows)
+    lengths = kept_len + new_len
+    items, counts = np.empty(lengths.sum(), np.int64), np.empty(lengths.sum(), np.int64)
+    to_kept = np.repeat(np.cumsum(lengths) - lengths, kept_len) + _ranks(kept_len)
+    to_new = np.repeat(np.cumsum(lengths) - lengths + kept_len, new_len) + _ranks(new_len)
+    items[to_kept], counts[to_kept] = state_item[kept], state_count[kept]
+    items[to_new], counts[to_new] = new_item, new_count
+    return items, counts, lengths.astype(np.int64)
+
+
+def _ranks(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 within each of consecutive runs of ``lengths``."""
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
 
 def merge(state: Tokens | None, state_seq: int, tail: np.ndarray, newest_seq: int) -> Merged:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from recserve.backends.store import kernels
+from recserve.backends.store import kernels, user_tokens
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
@@ -150,3 +150,22 @@ def test_the_numpy_path_can_be_forced(monkeypatch):
     assert kernels.load.__wrapped__() is None
     monkeypatch.delenv("RECSERVE_STORE_KERNELS")
     assert isinstance(kernels.load.__wrapped__(), kernels.Kernels)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_user_state_merge_gives_the_numpy_merge(seed):
+    """Any 64-bit item ids (edge values included), states of any size, tails with or without newer events."""
+    rng = np.random.default_rng(seed)
+    vocabulary = random_keys(rng, int(rng.integers(1, 400)))
+    rows, width = int(rng.integers(1, 40)), int(rng.integers(1, 130))
+    states = [np.unique(rng.choice(vocabulary, int(rng.integers(0, 300)))) for _ in range(rows)]
+    sizes = np.array([s.size for s in states], np.int64)
+    items = np.concatenate([rng.permutation(s) for s in states]).astype(np.int64)
+    counts = rng.integers(1, 1000, items.size).astype(np.int64)
+    tails = rng.choice(vocabulary, (rows, width)).astype(np.int64)
+    ends = rng.integers(0, width + 1, rows).astype(np.int64)
+    first = np.minimum(rng.integers(0, width + 1, rows), ends).astype(np.int64)
+    arguments = (items, counts, np.cumsum(sizes) - sizes, sizes, tails, first, ends)
+    compiled = KERNELS.merge_rows(*arguments)
+    for got, expected in zip(compiled, user_tokens.merge_numpy(*arguments), strict=True):
+        assert np.array_equal(got, expected)

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from recserve.backends.store import user_tokens
 from recserve.backends.store.user_tokens import (
     GAP,
     HIT,
@@ -85,9 +86,16 @@ def test_the_merge_leaves_its_inputs_untouched():
     assert np.array_equal(state.items, items) and np.array_equal(state.counts, counts)
 
 
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_tail_events(seed):
+def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_tail_events(
+    seed, path, monkeypatch
+):
     """Rows of a few users (a user on several rows, with tails of its own), padded tails, gaps, overlaps."""
+    if path == "numpy":
+        monkeypatch.setattr(user_tokens, "KERNELS", None)
+    elif user_tokens.KERNELS is None:
+        pytest.skip("the compiled store kernels are not built (no C compiler at install)")
     rng = np.random.default_rng(200 + seed)
     users = int(rng.integers(1, 5))
     events = [_events(rng, int(rng.integers(1, 200)), int(rng.integers(1, 40))) for _ in range(users)]
