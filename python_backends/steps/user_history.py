@@ -279,24 +279,29 @@ class UserHistories:
         rows: np.ndarray,
         merged: MergedRows | None,
     ) -> np.ndarray:
-        """The merged ``rows``' token keys, mask and ``ln count`` written (padding side); the log-weights."""
+        """The merged ``rows``' token keys, mask and ``ln count`` written (padding side); the log-weights.
+
+        The other rows keep their keys and mask, moved to the padding side of a wider history.
+        """
         lengths = merged.lengths if merged is not None else np.zeros(0, np.int64)
-        width = max(keys.shape[1], self.spec.sequence_bucket(max(int(lengths.max(initial=0)), 1)))
-        if width > keys.shape[1]:
-            pad = [(width - keys.shape[1], 0) if self.left else (0, width - keys.shape[1])]
-            keys = np.pad(keys, [(0, 0), *pad], constant_values=self.pad_key)
-            mask = np.pad(mask, [(0, 0), *pad])
-        weights = np.zeros(mask.shape, np.float32)
+        count, old = keys.shape
+        width = max(old, self.spec.sequence_bucket(max(int(lengths.max(initial=0)), 1)))
+        weights = np.zeros((count, width), np.float32)
+        if merged is None and width == old:
+            return weights
+        out_keys = np.full((count, width), self.pad_key, keys.dtype)
+        out_mask = np.zeros((count, width), mask.dtype)
+        plain = np.ones(count, bool)
+        plain[rows] = False
+        columns = slice(width - old, width) if self.left else slice(0, old)
+        out_keys[plain, columns], out_mask[plain, columns] = keys[plain], mask[plain]
         if merged is not None:
-            keys, mask = keys.copy(), mask.copy()
-            keys[rows] = self.pad_key
-            mask[rows] = 0.0
             row = np.repeat(rows, lengths)
-            column = np.arange(row.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            flat = row * width + np.arange(row.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
             if self.left:
-                column += width - np.repeat(lengths, lengths)
-            keys[row, column] = keys_for(merged.items.astype(np.uint64), self.salt)
-            mask[row, column] = 1.0
-            weights[row, column] = merged.log_weights()
-        features[HISTORY_KEYS], features[self.mask] = keys, mask
+                flat += width - np.repeat(lengths, lengths)
+            out_keys.reshape(-1)[flat] = keys_for(merged.items.astype(np.uint64), self.salt)
+            out_mask.reshape(-1)[flat] = 1.0
+            weights.reshape(-1)[flat] = merged.log_weights()
+        features[HISTORY_KEYS], features[self.mask] = out_keys, out_mask
         return weights
