@@ -18,8 +18,8 @@ from collections.abc import Callable
 import numpy as np
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from recserve.backends.base import batching
 from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec

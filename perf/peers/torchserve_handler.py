@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.triton import batching
+from recserve.backends.base import batching
 from recserve.build.repository import reference_pipeline
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec

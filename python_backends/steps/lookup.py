@@ -12,8 +12,9 @@ import numpy as np
 
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.steps.list_batch import candidate_lists
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
-from recserve.core.candidate_lists import candidate_rows, candidate_step_inputs, per_candidate_dense_inputs
+from recserve.core.candidate_lists import candidate_rows, candidate_step_inputs
 from recserve.core.contract import (
     AttentionInputs,
     attention_inputs,
@@ -22,7 +23,6 @@ from recserve.core.contract import (
     sparse_inputs,
 )
 from recserve.core.names import (
-    CANDIDATE_PREFIX,
     DENSE_NORMALIZED,
     EMBEDDING_LOOKUP,
     EMBEDDING_VERSION,
@@ -371,19 +371,26 @@ class FeaturesToEmbeddings:
         Raises:
             InvalidInput: naming the first offending input (as the client named it) and value.
         """
+        if not expand:
+            return candidate_lists(self, [inputs])[0]
         rows, users = candidate_rows(self.spec, inputs, request_form(self.spec, inputs))
-        count = int(users[-1]) + 1
-        features = self.features(rows, users=count)
+        features = self.features(rows, users=int(users[-1]) + 1)
         out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
         out.update(self.lookup.lookup(features, users))
-        if expand:
-            for name in self.histories:
-                out[name] = take_rows(out[name], users)
-            return out
-        for name in per_candidate_dense_inputs(self.spec):
-            array = out.pop(name)
-            out[CANDIDATE_PREFIX + name] = array.reshape(count, users.size // count, *array.shape[1:])
+        for name in self.histories:
+            out[name] = take_rows(out[name], users)
         return out
+
+    def candidate_lists(self, lists: list[Mapping[str, np.ndarray]]) -> list[dict]:
+        """Several candidate lists of one wire form, each answered as :meth:`candidates` answers it.
+
+        Joined while their rows stay within ``max_batch_size``: one transform and one store call
+        per join (:mod:`~recserve.backends.steps.list_batch`).
+
+        Raises:
+            InvalidInput: naming the first offending input of a list (the caller answers each alone).
+        """
+        return candidate_lists(self, lists)
 
     def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
         """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""

@@ -129,7 +129,13 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
         self, inputs: Mapping[str, np.ndarray], expand: bool = False
     ) -> dict[str, np.ndarray | torch.Tensor]:
         """Today's candidate-list outputs with all-zero ``history_log_weights`` (no state merged)."""
-        out = super().candidates(inputs, expand)
+        return self._with_zero_weights(super().candidates(inputs, expand))
+
+    def candidate_lists(self, lists: list[Mapping[str, np.ndarray]]) -> list[dict]:
+        """Several lists, as :meth:`candidates` answers each (no state merged)."""
+        return [self._with_zero_weights(out) for out in super().candidate_lists(lists)]
+
+    def _with_zero_weights(self, out: dict) -> dict:
         out[HISTORY_LOG_WEIGHTS] = np.zeros(np.shape(out[self.masks_of_groups[0]]), np.float32)
         return out
 

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from recserve.backends.base import batching
 from recserve.backends.base.metrics import MetricSample
 from recserve.backends.base.request_errors import RequestErrorCounts
-from recserve.backends.triton import batching
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import spec_from_json
@@ -227,18 +227,28 @@ def execute_alone(
     input_names: Sequence[str],
     handle: Callable[..., Mapping[str, Any]],
     tensors: bool = False,
+    together: Callable[[list[Arrays], list[frozenset]], list | None] | None = None,
 ) -> list:
     """Handle each request by itself: one response each, errors mapped per request.
 
     ``handle(inputs, requested=...)`` also gets the names of the outputs the request asks for (an
     ensemble asks for those its next step takes). ``tensors``: read as in :func:`read_inputs`.
+    ``together(inputs, requested)``, when given, first answers every request in one call (None:
+    it does not take this batch); if it raises, each request is handled alone and fails alone.
     """
+    inputs = [read_inputs(request, input_names, tensors) for request in requests]
+    requested = [frozenset(request.requested_output_names()) for request in requests]
+    if together is not None and len(requests) > 1:
+        try:
+            outputs = together(inputs, requested)
+        except Exception:  # redone per request below, where each error is mapped
+            LOGGER.debug("a batch of %d requests refused together; handling them one by one", len(inputs))
+            outputs = None
+        if outputs is not None:
+            return [respond(part) for part in outputs]
     return [
-        _handle_one(
-            functools.partial(handle, requested=frozenset(request.requested_output_names())),
-            read_inputs(request, input_names, tensors),
-        )
-        for request in requests
+        _handle_one(functools.partial(handle, requested=wanted), item)
+        for item, wanted in zip(inputs, requested, strict=True)
     ]
 
 

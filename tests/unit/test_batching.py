@@ -1,6 +1,6 @@
 import numpy as np
 
-from recserve.backends.triton.batching import merge, split
+from recserve.backends.base.batching import merge, split
 
 
 def test_merge_pads_ragged_tensors_and_split_restores_each_request():
@@ -19,3 +19,10 @@ def test_single_request_passes_through_unchanged():
     a = {"x": np.arange(6).reshape(3, 2)}
     merged, sizes = merge([a])
     assert merged["x"] is a["x"] and sizes == [3]
+
+
+def test_bytes_tensors_are_padded_with_empty_elements_the_padding_of_a_multi_hot_list():
+    a = {"tags": np.array([[b"x", b"y"]], dtype=object)}
+    b = {"tags": np.array([[b"z"]], dtype=object)}
+    merged, _ = merge([a, b])
+    assert merged["tags"].tolist() == [[b"x", b"y"], [b"z", b""]]

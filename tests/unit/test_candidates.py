@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import tomllib
 
+from recserve.backends.base import batching
 from recserve.backends.dense.runner import CandidateLists, DenseStep
+from recserve.backends.steps.list_batch import groups_within
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
@@ -24,6 +26,7 @@ from recserve.core.candidate_lists import (
 )
 from recserve.core.contract import sequence_inputs
 from recserve.core.names import (
+    BYTES_WIRE,
     CANDIDATE_PREFIX,
     DENSE,
     EMBEDDING_LOOKUP,
@@ -31,6 +34,7 @@ from recserve.core.names import (
     HISTORY_EMBEDDINGS,
     HISTORY_MASK,
     HISTORY_USER,
+    IDS_WIRE,
     PROBABILITY,
     STEPS,
     WIRE_FORMS,
@@ -43,21 +47,24 @@ from tests.store_tables import spec_store
 from tests.user_runs import with_runs
 
 
-def user_rows(spec, users=2, candidates=3, seed=4):
+def user_rows(spec, users=2, candidates=3, seed=4, form=BYTES_WIRE):
     """Row-form inputs where each user's candidates carry that user's sequences and profile, and the
     same as lists.
     """
-    inputs = generate(spec, users * candidates, seed).to_wire(spec)
+    inputs = generate(spec, users * candidates, seed).to_wire(spec, form)
     first = np.repeat(np.arange(users) * candidates, candidates)  # each row's user's first row
-    sequences = [t.name for t in spec.user_inputs() if t.name in inputs and t.name not in spec.profile_lists]
+    wire = spec.wire_form(form)
+    sequences = [t.name for t in wire.user_inputs if t.name in inputs and t.name not in wire.profile_lists]
     rows = {name: (array[first] if name in sequences else array) for name, array in inputs.items()}
-    rows = with_profiles_of(spec, rows, first)
+    rows = with_profiles_of(spec, rows, first, form)
     each = [
-        candidate_list_inputs(spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()})
+        candidate_list_inputs(
+            spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()}, form
+        )
         for u in range(users)
     ]
     lists = {name: rows[name][::candidates] for name in sequences}
-    names = {t.name for t in spec.candidate_inputs()}
+    names = {t.name for t in wire.candidate_inputs}
     for name in each[0]:
         lists[CANDIDATE_PREFIX + name if name in names else name] = np.concatenate([e[name] for e in each])
     return rows, lists
@@ -101,6 +108,34 @@ def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
         assert listed[name].shape[0] == 2
         np.testing.assert_array_equal(listed[name][[0, 0, 0, 1, 1, 1]], expected[name], err_msg=name)
     np.testing.assert_array_equal(listed[EMBEDDING_VERSION], expected[EMBEDDING_VERSION])
+
+
+@pytest.mark.parametrize("form", [IDS_WIRE, BYTES_WIRE])
+@pytest.mark.parametrize("name", ["ctr", "taobao"])  # taobao: a history padded on the left, one on the right
+def test_a_batch_of_lists_looked_up_together_gives_each_list_what_it_gets_alone(name, form):
+    spec = load_spec(name)
+    shapes = [(2, 3, 4), (1, 7, 5), (3, 2, 6), (1, 1, 9)]  # users, candidates, seed
+    made = [user_rows(spec, users, count, seed, form) for users, count, seed in shapes]
+    lists = [one for _, one in made]
+    store = served_store(spec, batching.merge([rows for rows, _ in made])[0])
+    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, store))
+    alone = [step.candidates(one) for one in lists]
+    assert len({step.history_width(one) for one in lists}) > 1  # histories of several widths joined
+    calls = []
+    original = store.lookup
+    store.lookup = lambda keys, tables, record=True: calls.append(keys.size) or original(keys, tables, record)
+    together = step.candidate_lists(lists)
+    assert len(calls) == 1  # one store call for the whole batch
+    for got, expected in zip(together, alone, strict=True):
+        assert set(got) == set(expected)
+        for key, array in expected.items():
+            assert got[key].shape == array.shape, key
+            np.testing.assert_array_equal(got[key], array, err_msg=key)
+
+
+def test_lists_join_while_their_rows_stay_within_the_batch_limit():
+    assert groups_within([3, 4, 2, 9, 1], 9) == [[0, 1, 2], [3], [4]]
+    assert groups_within([12, 1], 9) == [[0], [1]]  # a list over the limit alone
 
 
 def test_the_dense_step_scores_a_list_as_its_rows_with_and_without_the_list_graph(tiny_spec, tiny_repository):

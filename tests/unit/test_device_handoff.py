@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from recserve.backends.base import batching
 from recserve.backends.base.device_copies import COPY_METRIC, EXECUTES_METRIC, DeviceCopies
 from recserve.backends.base.inputs import require
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.served import ServedStore
-from recserve.backends.triton import batching
 from recserve.build.export import example_inputs, torch_predict
 from recserve.build.repository import load_reference_net, version_dir
 from recserve.build.synthetic import generate

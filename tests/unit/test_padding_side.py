@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import tomllib
 
+from recserve.backends.base.batching import merge, split
 from recserve.backends.dense.buckets import Bucket, pad_to_bucket
 from recserve.backends.features.transform import FeatureTransform, right_align
 from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
-from recserve.backends.triton.batching import merge, split
 from recserve.build.export import example_inputs
 from recserve.build.repository import build_repository, reference_pipeline, version_dir
 from recserve.build.synthetic import generate

@@ -54,14 +54,14 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s.
 
-        Row-form requests are handled as one merged batch per wire form; a candidate list (from the
-        candidates ensemble) is handled by itself, each user's sequences looked up once.
+        Row-form requests are handled as one merged batch per wire form, and so are candidate lists
+        (from the candidates ensemble; each user's sequences looked up once).
         """
         responses = execute_by_form(
             requests,
             self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
             lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
-            lambda lists: execute_alone(lists, self.step.candidate_input_names, self.candidate_list),
+            lambda lists: execute_by_form(lists, self.step.ids_marker, self.lists, self.lists),
         )
         self.step.copies.executed()
         self.metrics.publish_due(self.samples)
@@ -101,6 +101,18 @@ class TritonPythonModel:
             left_padded=self.step.left_padded,
             output_width=output_width,
         )
+
+    def lists(self, requests: list) -> list:
+        """Candidate lists of one wire form: looked up together, unless one asks for the row form."""
+        return execute_alone(
+            requests, self.step.candidate_input_names, self.candidate_list, together=self.together
+        )
+
+    def together(self, inputs: list, requested: list) -> list | None:
+        """Every list's outputs from one call; None when a list wants the row form (handled alone)."""
+        if any(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in wanted for wanted in requested):
+            return None
+        return self.step.candidate_lists(inputs)
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
         """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""

@@ -56,7 +56,8 @@ def _pad_axis1(array: Any, width: int, left: bool) -> Any:
         return torch.cat([zeros, array] if left else [array, zeros], dim=1)
     pad = [(0, 0)] * array.ndim
     pad[1] = (width - array.shape[1], 0) if left else (0, width - array.shape[1])
-    return np.pad(array, pad)
+    # BYTES (object) tensors: padded with empty elements, the padding of a multi-hot list
+    return np.pad(array, pad, constant_values=b"" if array.dtype == object else 0)
 
 
 def split(

@@ -1,0 +1,97 @@
+"""Several candidate-list requests of one dynamic batch transformed and looked up in one call.
+
+Each list is checked and flattened alone (:func:`~recserve.core.candidate_lists.candidate_rows`: a
+bad list raises naming its own input, and the caller then answers every list alone, as for rows).
+The lists' candidate rows are joined one list after the other, and their users likewise (each
+list's user numbers shifted past the previous lists'); the join is transformed and looked up once,
+every user's history once; then the outputs are cut back per list: the per-candidate ones to
+``[U, N, ...]``, the histories and masks to the list's users at the list's own width (the
+sequence bucket of its longest history, from the padding side). So a list gets what it gets alone,
+bit for bit, and the host work of a batch of lists is one transform and one store call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from recserve.backends.base import batching
+from recserve.core.candidate_lists import candidate_rows, per_candidate_dense_inputs
+from recserve.core.names import CANDIDATE_PREFIX
+from recserve.core.wire_forms import request_form
+
+if TYPE_CHECKING:
+    from recserve.backends.steps.lookup import FeaturesToEmbeddings
+
+
+def groups_within(rows: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive indices grouped so that each group's ``rows`` sum to at most ``limit``.
+
+    A list over the limit alone makes a group of its own.
+    """
+    groups: list[list[int]] = []
+    total = 0
+    for index, count in enumerate(rows):
+        if groups and total + count <= limit:
+            groups[-1].append(index)
+            total += count
+        else:
+            groups.append([index])
+            total = count
+    return groups
+
+
+def candidate_lists(step: FeaturesToEmbeddings, lists: Sequence[Mapping[str, np.ndarray]]) -> list[dict]:
+    """Each list's outputs, as :meth:`FeaturesToEmbeddings.candidates` gives them, from few calls.
+
+    The lists (of one wire form) are joined while their rows stay within ``max_batch_size``
+    (:func:`groups_within`).
+
+    Raises:
+        InvalidInput: naming the first offending input of a list.
+    """
+    spec = step.spec
+    flat = [candidate_rows(spec, inputs, request_form(spec, inputs)) for inputs in lists]
+    answers = []
+    for group in groups_within([owners.size for _, owners in flat], spec.model.max_batch_size):
+        answers += _joined(step, [lists[i] for i in group], [flat[i] for i in group])
+    return answers
+
+
+def _joined(
+    step: FeaturesToEmbeddings,
+    lists: Sequence[Mapping[str, np.ndarray]],
+    flat: Sequence[tuple[dict[str, np.ndarray], np.ndarray]],
+) -> list[dict]:
+    """The lists' flattened rows joined, transformed and looked up once, and cut back per list."""
+    users = [int(owners[-1]) + 1 for _, owners in flat]
+    rows = [owners.size for _, owners in flat]
+    joined = batching.merge([part for part, _ in flat])[0] if len(flat) > 1 else flat[0][0]
+    starts = np.cumsum(users) - users
+    owners = np.concatenate([o + start for (_, o), start in zip(flat, starts.tolist(), strict=True)])
+    features = step.features(joined, users=sum(users))
+    out: dict[str, Any] = {n: features[n] for n in step.passed if n in features}
+    out.update(step.lookup.lookup(features, owners))
+    per_user = {*step.histories, *step.masks}
+    per_candidate = set(per_candidate_dense_inputs(step.spec))
+    answers = []
+    row_start = 0
+    for inputs, count, start, size in zip(lists, users, starts.tolist(), rows, strict=True):
+        width = step.history_width(inputs)
+        answer = {}
+        for name, array in out.items():
+            if name in per_user:
+                part = array[start : start + count]
+                answer[name] = (
+                    part[:, part.shape[1] - width :] if name in step.left_padded else part[:, :width]
+                )
+            elif name in per_candidate:
+                part = array[row_start : row_start + size]
+                answer[CANDIDATE_PREFIX + name] = part.reshape(count, size // count, *part.shape[1:])
+            else:  # embedding_version: a row per candidate
+                answer[name] = array[row_start : row_start + size]
+        answers.append(answer)
+        row_start += size
+    return answers
