@@ -30,18 +30,16 @@ from recserve.backends.dense.buckets import (
     pad_to_bucket,
     spec_buckets,
 )
-from recserve.core.candidate_lists import per_candidate_dense_inputs
+from recserve.backends.dense.candidate_lists import CandidateLists
 from recserve.core.contract import (
     attention_inputs,
     dense_net_inputs,
     is_dense_net_input,
     left_padded_inputs,
-    sequence_inputs,
     sparse_inputs,
 )
 from recserve.core.names import (
     BATCH_AXIS,
-    CANDIDATE_PREFIX,
     DENSE,
     DENSE_NET_INPUTS,
     DENSE_NORMALIZED,
@@ -200,70 +198,6 @@ def bucketed_onnx_runner(
     )
 
 
-class CandidateLists:
-    """The dense step's candidate lists: per-candidate inputs ``[U, N, ...]``, each user's history once.
-
-    With the candidate-list graph of the built-in network (``session``, the CPU profile) or its
-    candidate-list forward on the device (``scorer``, the ``cuda`` profile: the inputs stay torch
-    tensors there), every user's history is projected once for all of their candidates. Without
-    either (an imported model has only the row graph), each candidate row gets its user's history
-    and the rows go to ``rows``.
-    """
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        rows: Callable[[Arrays], np.ndarray],
-        session: ort.InferenceSession | None,
-        scorer: Callable[[Mapping[str, Any], int, int], np.ndarray] | None = None,
-    ) -> None:
-        self.spec = spec
-        self.rows = rows
-        self.session = session
-        #: ``scorer(inputs, users, candidates)``: probabilities of flat per-candidate and per-user inputs
-        self.scorer = scorer
-        self.per_candidate = per_candidate_dense_inputs(spec)
-        self.per_user = sequence_inputs(spec)
-        self.input_names = (*(CANDIDATE_PREFIX + n for n in self.per_candidate), *self.per_user)
-
-    def __call__(self, inputs: Arrays) -> np.ndarray:
-        """Probabilities ``[U * N, 1]``, user by user (raises ``InvalidInput`` on inconsistent shapes)."""
-        sparse = inputs.get(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS)
-        if sparse is None or sparse.ndim != 4:
-            raise InvalidInput(
-                CANDIDATE_PREFIX + SPARSE_EMBEDDINGS, "is missing or not [users, candidates, F, D]"
-            )
-        users, count = sparse.shape[:2]
-        flat = {}
-        for name in self.per_candidate:
-            array = inputs.get(CANDIDATE_PREFIX + name)
-            if array is None or array.shape[:2] != (users, count):
-                raise InvalidInput(
-                    CANDIDATE_PREFIX + name, f"is not [{users}, {count}, ...] as the other inputs"
-                )
-            flat[name] = array.reshape(users * count, *array.shape[2:])
-        per_user: dict[str, np.ndarray] = {}
-        for name in self.per_user:
-            array = inputs.get(name)
-            if array is None or array.ndim < 2 or array.shape[0] != users:
-                raise InvalidInput(name, f"is not one row per user ({users})")
-            per_user[name] = array
-        if len({array.shape[1] for array in per_user.values()}) > 1:
-            raise InvalidInput(self.per_user[0], "and the other histories differ in their positions")
-        if self.scorer is not None:
-            for name, array in {**flat, **per_user}.items():
-                if dtype_name(array) != "float32":
-                    raise InvalidInput(name, f"is {dtype_name(array)}, expected float32")
-            return self.scorer({**flat, **per_user}, users, count)
-        owner = np.repeat(np.arange(users, dtype=np.int64), count)
-        if self.session is None:
-            rows = {**flat, **{name: array[owner] for name, array in per_user.items()}}
-            return self.rows(check_inputs(self.spec, rows))
-        feeds = {name: np.ascontiguousarray(array) for name, array in flat.items()}
-        feeds.update({**per_user, HISTORY_USER: owner})
-        return self.session.run([PROBABILITY], feeds)[0]
-
-
 class DenseStep:
     """What the Triton ``dense`` model holds: the input checks and a bucketed runner.
 
@@ -284,7 +218,7 @@ class DenseStep:
         version: str = "",
         candidates: ort.InferenceSession | None = None,
         copies: DeviceCopies | None = None,
-        scorer: Callable[[Mapping[str, Any], int, int], np.ndarray] | None = None,
+        scorer: Callable[[Mapping[str, Any], np.ndarray], np.ndarray] | None = None,
     ) -> None:
         self.spec = spec
         self.runner = runner
@@ -293,7 +227,9 @@ class DenseStep:
         self.copies = copies or DeviceCopies(DENSE)
         self.scores = ScoreHistogram((("dense_version", version),))
         #: candidate lists (the candidates ensemble), with the candidate-list graph when given
-        self.lists = CandidateLists(spec, lambda rows: self.runner.predict(rows), candidates, scorer)
+        self.lists = CandidateLists(
+            spec, lambda rows: self.runner.predict(check_inputs(spec, rows)), candidates, scorer
+        )
 
     @classmethod
     def load(

@@ -145,15 +145,15 @@ class TorchEager:
         return {n: on_device(inputs[n], self.device, self.copies) for n in self.names if n in inputs}
 
     @torch.inference_mode()
-    def lists(self, inputs: Feeds, users: int, candidates: int) -> np.ndarray:
-        """Probabilities ``[users * candidates, 1]`` of candidate lists, each user's history projected once.
+    def lists(self, inputs: Feeds, owners: np.ndarray) -> np.ndarray:
+        """Probabilities ``[rows, 1]`` of candidate lists, each user's history projected once.
 
-        ``inputs``: the per-candidate inputs flat (``[users * candidates, ...]``) and the histories and
-        masks with a row per user; the network's candidate-list forward (``CTRNet.score`` with each
-        row's user, made on the device).
+        ``inputs``: the per-candidate inputs flat (``[rows, ...]``) and the histories and masks with
+        a row per user; ``owners``: each candidate row's user. The network's candidate-list forward
+        (``CTRNet.score`` with each row's user, copied to the device once).
         """
         feeds = self.tensors(inputs)
-        owner = torch.arange(users, device=self.device).repeat_interleave(candidates)
+        owner = torch.as_tensor(owners, device=self.device)
         with torch.autocast(
             self.device.type,
             dtype=self.precision,

@@ -7,7 +7,8 @@ import pytest
 import tomllib
 
 from recserve.backends.base import batching
-from recserve.backends.dense.runner import CandidateLists, DenseStep
+from recserve.backends.dense.candidate_lists import CandidateLists
+from recserve.backends.dense.runner import DenseStep
 from recserve.backends.steps.list_batch import groups_within
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
@@ -153,8 +154,35 @@ def test_the_dense_step_scores_a_list_as_its_rows_with_and_without_the_list_grap
         lists[CANDIDATE_PREFIX + name] = sample[name].reshape(3, 5, *sample[name].shape[1:])
     expected = step.runner.predict(step.check(rows))
     np.testing.assert_allclose(step.lists(lists), expected, atol=1e-5)
-    without = CandidateLists(tiny_spec, step.runner.predict, None)  # an imported model's row graph only
+    without = CandidateLists(
+        tiny_spec, lambda rows: step.runner.predict(step.check(rows)), None
+    )  # row graph only
     np.testing.assert_allclose(without(lists), expected, atol=1e-6)
+    step.close()
+
+
+def test_a_batch_of_lists_scores_each_list_as_alone_with_and_without_the_list_graph(
+    tiny_spec, tiny_repository
+):
+    step = DenseStep.load(tiny_spec, tiny_repository / DENSE / "1", instances=1)
+    buckets = tiny_spec.serving.sequence_buckets
+    lists = []
+    for seed, (users, count, length) in enumerate(
+        [(3, 5, buckets[0]), (1, 9, buckets[-1]), (2, 1, buckets[0])]
+    ):
+        sample = candidate_inputs(tiny_spec, users=users, candidates=count, length=length, seed=seed)
+        one = {n: sample[n] for n in sequence_inputs(tiny_spec)}
+        for name in per_candidate_dense_inputs(tiny_spec):
+            one[CANDIDATE_PREFIX + name] = sample[name].reshape(users, count, *sample[name].shape[1:])
+        lists.append(one)
+    without = CandidateLists(tiny_spec, lambda rows: step.runner.predict(step.check(rows)), None)
+    for scorer in (step.lists, without):
+        alone = [scorer(one) for one in lists]
+        for got, expected in zip(scorer.together(lists), alone, strict=True):
+            assert got.shape == expected.shape
+            np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    with pytest.raises(InvalidInput, match="candidate_sparse_embeddings"):
+        step.lists.together([lists[0], {**lists[1], CANDIDATE_PREFIX + "sparse_embeddings": np.zeros(3)}])
     step.close()
 
 

@@ -128,6 +128,20 @@ def candidate_lists(spec, users, count, length, seed=0):
     return {**lists, **per_user}, as_rows
 
 
+def test_a_batch_of_lists_on_the_device_scores_each_list_as_alone_in_one_call(tiny_spec, dense_step):
+    shapes = [(3, 20, 30), (1, 7, 8), (2, 1, 64)]  # users, candidates, history length
+    lists = [candidate_lists(tiny_spec, u, c, n, seed=i)[0] for i, (u, c, n) in enumerate(shapes)]
+    alone = [dense_step.lists(as_tensors(one)) for one in lists]
+    calls = []
+    scorer = dense_step.lists.scorer
+    dense_step.lists.scorer = lambda inputs, owners: calls.append(owners.size) or scorer(inputs, owners)
+    together = dense_step.lists.together([as_tensors(one) for one in lists])
+    assert calls == [sum(u * c for u, c, _ in shapes)]  # one forward for the whole batch
+    for got, expected in zip(together, alone, strict=True):
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
 def test_candidate_lists_on_the_device_project_each_history_once_and_score_as_rows(tiny_spec, dense_step):
     lists, as_rows = candidate_lists(tiny_spec, users=3, count=20, length=30, seed=4)
     expected = dense_step.compute(as_rows)[PROBABILITY]

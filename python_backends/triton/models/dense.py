@@ -16,6 +16,7 @@ from recserve.backends.triton.adapter import (
 )
 from recserve.core.contract import dense_net_inputs, left_padded_inputs
 from recserve.core.names import DENSE_DEVICE_PARAMETER, DENSE_VERSION, PROBABILITY
+from recserve.errors import NonFiniteOutput
 
 
 class TritonPythonModel:
@@ -59,7 +60,7 @@ class TritonPythonModel:
                 tensors=self.step.tensors,
             ),
             lambda lists: execute_alone(
-                lists, self.step.lists.input_names, self.score_list, self.step.tensors
+                lists, self.step.lists.input_names, self.score_list, self.step.tensors, self.score_lists
             ),
         )
         self.step.copies.executed()
@@ -84,6 +85,16 @@ class TritonPythonModel:
         outputs = {PROBABILITY: self.step.lists(inputs)}
         self.step.accept(outputs)
         return self.versioned(outputs)
+
+    def score_lists(self, lists: list, requested: list) -> list:
+        """A batch's candidate lists scored in one call; if any is not finite, refused (then each alone)."""
+        scores = self.step.lists.together(lists)
+        finite = np.isfinite(np.concatenate([s.ravel() for s in scores]))
+        if not finite.all():
+            raise NonFiniteOutput("a candidate list's probabilities are not finite")
+        for probability in scores:
+            self.step.accept({PROBABILITY: probability})
+        return [self.versioned({PROBABILITY: probability}) for probability in scores]
 
     def versioned(self, outputs: dict) -> dict:
         """``outputs`` with, per row, the version that computed them."""
