@@ -17,12 +17,11 @@ import numpy as np
 from recserve.backends.base.inputs import require
 from recserve.backends.features.request_checks import check_rows
 from recserve.core.spec import ModelSpec
+from recserve.core.values import LAST_SECOND
 from recserve.core.wire_forms import IdList
 from recserve.errors import InvalidInput
 
 _NO_LIMIT = np.uint64(np.iinfo(np.uint64).max)
-#: The last unix second a time part can be read of (9999-12-31 23:59:59 UTC); a time id is 0..this.
-LAST_SECOND = 253402300799
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,10 @@ def _parse_decimal_fast(values: np.ndarray, signed: bool) -> tuple[np.ndarray, n
     return None
 
 
+#: The last unix second a time part can be read of (9999-12-31 23:59:59 UTC).
+LAST_SECOND = 253402300799
+
+
 @functools.lru_cache(maxsize=65536)
 def _unix_seconds(text: str, time_format: str, time_unit: str, timezone: str) -> int:
     """Unix seconds of one time value (cached: a batch holds few distinct times)."""
@@ -181,6 +185,8 @@ def _unix_seconds(text: str, time_format: str, time_unit: str, timezone: str) ->
         stamp = int(text) / (1000 if time_unit == "ms" else 1)
     if stamp < 0:
         raise ValueError("before 1970")
+    if stamp > LAST_SECOND:
+        raise ValueError("after 9999-12-31")
     return int(stamp)
 
 

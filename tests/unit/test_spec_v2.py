@@ -121,6 +121,9 @@ def test_unix_times_and_identity_keys():
     assert keys[0, 0] == keys_for(np.uint64(1), table_salt(ns, "ts_is_weekend"))
     assert keys[0, 1] == keys_for(np.uint64(10), table_salt(ns, "ts_month"))
     assert keys[0, 2] == -42
+    after_9999 = np.array([[b"253402300800000", b"1"]], dtype=object)  # 10000-01-01, in ms
+    with pytest.raises(InvalidInput, match="ts \\(row 0\\) is b'253402300800000'.*after 9999-12-31"):
+        categorical_values(after_9999, spec.categorical)
 
 
 def test_numeric_ops_run_in_order():
