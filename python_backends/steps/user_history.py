@@ -244,25 +244,25 @@ class UserHistories:
         state_seq = np.full(rows, -1, np.int64)
         modes = np.full(rows, "", object)
         lag = np.full(rows, -1, np.int64)
-        found = [i for i, state in enumerate(states) if state is not None]
+        kept = [(i, state) for i, state in enumerate(states) if state is not None]
         slot = np.full(distinct.size, -1, np.int64)
-        slot[found] = np.arange(len(found))
+        slot[[i for i, _ in kept]] = np.arange(len(kept))
         merged_rows = np.flatnonzero(slot[where] >= 0)
         merged = None
         if merged_rows.size:
-            kept = [states[i] for i in found]
             which = slot[where[merged_rows]]
+            seqs = np.array([state.seq for _, state in kept], np.int64)
             merged = merge_rows(
-                [state.tokens for state in kept],
-                np.array([state.seq for state in kept], np.int64),
+                [state.tokens for _, state in kept],
+                seqs,
                 which,
                 tails[merged_rows],
                 lengths[merged_rows],
                 newest[merged_rows],
             )
             outcomes[merged_rows] = merged.outcomes
-            modes[merged_rows] = np.array([state.mode for state in kept], object)[which]
-            state_seq[merged_rows] = np.array([state.seq for state in kept], np.int64)[which]
+            modes[merged_rows] = np.asarray([state.mode for _, state in kept], dtype=object)[which]
+            state_seq[merged_rows] = seqs[which]
             lag[merged_rows] = merged.lag_events
         if self.rebuilds is not None:
             again = np.isin(outcomes, _REBUILD)
