@@ -230,8 +230,21 @@ class Kernels:
         Row ``r``'s state is ``state_items/state_counts[starts[r]:starts[r] + sizes[r]]``. Returns
         the rows' tokens (items, counts; row after row) and each row's number of tokens: what
         :func:`recserve.backends.store.user_tokens.merge_rows` computes with numpy.
+
+        Raises:
+            ValueError: a span outside its array (the loop reads and writes raw memory; the
+                request checks come first, this keeps a caller's mistake from reaching it).
         """
         rows, width = tails.shape
+        if rows and not (
+            (first >= 0).all()
+            and (first <= ends).all()
+            and (ends <= width).all()
+            and (starts >= 0).all()
+            and (sizes >= 0).all()
+            and (starts + sizes <= min(state_items.size, state_counts.size)).all()
+        ):
+            raise ValueError("a state or tail span outside its array")
         capacity = int(sizes.sum() + (ends - first).sum())
         items, counts = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
         lengths = np.empty(rows, np.int64)

@@ -169,3 +169,12 @@ def test_the_compiled_user_state_merge_gives_the_numpy_merge(seed):
     compiled = KERNELS.merge_rows(*arguments)
     for got, expected in zip(compiled, user_tokens.merge_numpy(*arguments), strict=True):
         assert np.array_equal(got, expected)
+
+
+def test_the_compiled_merge_refuses_spans_outside_their_arrays():
+    items, counts = np.arange(4, dtype=np.int64), np.ones(4, np.int64)
+    tails = np.zeros((1, 3), np.int64)
+    one = np.array([1], np.int64)
+    for starts, sizes, first, ends in [(one * 2, one * 3, one * 0, one), (one * 0, one, one * 0, one * 4)]:
+        with pytest.raises(ValueError, match="outside its array"):
+            KERNELS.merge_rows(items, counts, starts, sizes, tails, first, ends)
