@@ -87,3 +87,20 @@ def split(
             part[name] = piece
         result.append(part)
     return result
+
+
+def groups_within(rows: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive indices grouped so that each group's ``rows`` sum to at most ``limit``.
+
+    For requests joined into one call within a batch limit; one over the limit is a group of its own.
+    """
+    groups: list[list[int]] = []
+    total = 0
+    for index, count in enumerate(rows):
+        if groups and total + count <= limit:
+            groups[-1].append(index)
+            total += count
+        else:
+            groups.append([index])
+            total = count
+    return groups

@@ -57,17 +57,26 @@ class CandidateLists:
         return self.score(flat, per_user, np.repeat(np.arange(users, dtype=np.int64), count))
 
     def together(self, lists: list[Arrays]) -> list[np.ndarray]:
-        """Each list's probabilities, as :meth:`__call__` gives them, from one call for the batch.
+        """Each list's probabilities, as :meth:`__call__` gives them, from few calls for the batch.
 
-        The lists' candidate rows are joined one list after the other, their users' histories and
-        masks likewise, zero-padded (mask 0) to the widest on their padding side; each row keeps
-        its own user.
+        Lists are joined while their rows stay within ``max_batch_size``
+        (:func:`~recserve.backends.base.batching.groups_within`): their candidate rows one list
+        after the other, their users' histories and masks likewise, zero-padded (mask 0) to the
+        widest on their padding side; each row keeps its own user.
 
         Raises:
             InvalidInput: naming the first offending input of a list (the caller answers each alone).
         """
         checked = [self.checked(inputs) for inputs in lists]
-        users = [count for _, _, count, _ in checked]
+        rows = [users * count for _, _, users, count in checked]
+        scores: list[np.ndarray] = []
+        for group in batching.groups_within(rows, self.spec.model.max_batch_size):
+            scores += self._joined([checked[i] for i in group])
+        return scores
+
+    def _joined(self, checked: list[tuple[dict[str, Any], dict[str, Any], int, int]]) -> list[np.ndarray]:
+        """Checked lists scored in one call, the probabilities split back per list."""
+        users = [each for _, _, each, _ in checked]
         starts = np.cumsum(users) - users
         owners = np.concatenate(
             [
@@ -77,9 +86,9 @@ class CandidateLists:
         )
         flat = batching.merge([part for part, _, _, _ in checked])[0]
         per_user = batching.merge([part for _, part, _, _ in checked], left=self.left_padded)[0]
-        scores = self.score(flat, per_user, owners)
+        probabilities = self.score(flat, per_user, owners)
         edges = np.cumsum([each * count for _, _, each, count in checked])[:-1]
-        return np.split(scores, edges)
+        return np.split(probabilities, edges)
 
     def checked(self, inputs: Arrays) -> tuple[dict[str, Any], dict[str, Any], int, int]:
         """One list's per-candidate inputs flat, its per-user inputs, its users and candidates per user.

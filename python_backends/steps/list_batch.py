@@ -26,28 +26,11 @@ if TYPE_CHECKING:
     from recserve.backends.steps.lookup import FeaturesToEmbeddings
 
 
-def groups_within(rows: Sequence[int], limit: int) -> list[list[int]]:
-    """Consecutive indices grouped so that each group's ``rows`` sum to at most ``limit``.
-
-    A list over the limit alone makes a group of its own.
-    """
-    groups: list[list[int]] = []
-    total = 0
-    for index, count in enumerate(rows):
-        if groups and total + count <= limit:
-            groups[-1].append(index)
-            total += count
-        else:
-            groups.append([index])
-            total = count
-    return groups
-
-
 def candidate_lists(step: FeaturesToEmbeddings, lists: Sequence[Mapping[str, np.ndarray]]) -> list[dict]:
     """Each list's outputs, as :meth:`FeaturesToEmbeddings.candidates` gives them, from few calls.
 
     The lists (of one wire form) are joined while their rows stay within ``max_batch_size``
-    (:func:`groups_within`).
+    (:func:`~recserve.backends.base.batching.groups_within`).
 
     Raises:
         InvalidInput: naming the first offending input of a list.
@@ -55,7 +38,7 @@ def candidate_lists(step: FeaturesToEmbeddings, lists: Sequence[Mapping[str, np.
     spec = step.spec
     flat = [candidate_rows(spec, inputs, request_form(spec, inputs)) for inputs in lists]
     answers = []
-    for group in groups_within([owners.size for _, owners in flat], spec.model.max_batch_size):
+    for group in batching.groups_within([owners.size for _, owners in flat], spec.model.max_batch_size):
         answers += _joined(step, [lists[i] for i in group], [flat[i] for i in group])
     return answers
 

@@ -1,6 +1,6 @@
 import numpy as np
 
-from recserve.backends.base.batching import merge, split
+from recserve.backends.base.batching import groups_within, merge, split
 
 
 def test_merge_pads_ragged_tensors_and_split_restores_each_request():
@@ -26,3 +26,9 @@ def test_bytes_tensors_are_padded_with_empty_elements_the_padding_of_a_multi_hot
     b = {"tags": np.array([[b"z"]], dtype=object)}
     merged, _ = merge([a, b])
     assert merged["tags"].tolist() == [[b"x", b"y"], [b"z", b""]]
+
+
+def test_requests_join_while_their_rows_stay_within_the_batch_limit():
+    assert groups_within([3, 4, 2, 9, 1], 9) == [[0, 1, 2], [3], [4]]
+    assert groups_within([12, 1], 9) == [[0], [1]]  # one over the limit is a group of its own
+    assert groups_within([], 9) == []

@@ -9,7 +9,6 @@ import tomllib
 from recserve.backends.base import batching
 from recserve.backends.dense.candidate_lists import CandidateLists
 from recserve.backends.dense.runner import DenseStep
-from recserve.backends.steps.list_batch import groups_within
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
@@ -132,11 +131,6 @@ def test_a_batch_of_lists_looked_up_together_gives_each_list_what_it_gets_alone(
         for key, array in expected.items():
             assert got[key].shape == array.shape, key
             np.testing.assert_array_equal(got[key], array, err_msg=key)
-
-
-def test_lists_join_while_their_rows_stay_within_the_batch_limit():
-    assert groups_within([3, 4, 2, 9, 1], 9) == [[0, 1, 2], [3], [4]]
-    assert groups_within([12, 1], 9) == [[0], [1]]  # a list over the limit alone
 
 
 def test_the_dense_step_scores_a_list_as_its_rows_with_and_without_the_list_graph(tiny_spec, tiny_repository):
