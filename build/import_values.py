@@ -24,7 +24,8 @@ from recserve.core.sections_features import TIME_PARTS
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import parse_spec
 from recserve.core.spec_types import RawColumn
-from recserve.core.values import canonical_value, parse_times, time_part
+from recserve.core.times import time_part
+from recserve.core.values import canonical_value, parse_times
 from recserve.errors import InvalidInput, shorten
 
 #: Rows of float32 vectors compared with their float16 rounding at a time.

@@ -54,6 +54,7 @@ from recserve.core.names import (
 from recserve.core.rows import RawRows, Rows, SideSequences
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, NUMPY_DTYPES, CategoricalGroup, RawColumn, WireTensor
+from recserve.core.times import time_part
 from recserve.core.values import (
     ABSENT_ITEM,
     VECTOR_HASH_BYTES,
@@ -68,7 +69,6 @@ from recserve.core.values import (
     parse_hex,
     parse_times,
     split_list,
-    time_part,
 )
 
 __all__ = [

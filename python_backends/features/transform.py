@@ -45,7 +45,8 @@ from recserve.core.names import (
 )
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import CategoricalFeature, CategoricalGroup, Feature, RawColumn, SequenceFeature
-from recserve.core.values import ABSENT_ITEM, categorical_values, join_list, multi_hot_values, time_part
+from recserve.core.times import time_part
+from recserve.core.values import ABSENT_ITEM, categorical_values, join_list, multi_hot_values
 from recserve.core.wire_forms import request_form
 from recserve.errors import InvalidInput, shorten
 

@@ -16,7 +16,8 @@ from recserve.backends.store.user_state_store import UserStates
 from recserve.core.names import USER_ID
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
-from recserve.core.values import canonical_value, multi_hot_tokens, parse_times, time_part
+from recserve.core.times import time_part
+from recserve.core.values import canonical_value, multi_hot_tokens, parse_times
 
 if TYPE_CHECKING:
     from recserve.backends.store.device_cache import DeviceLookup

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
-import functools
-import zoneinfo
 from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
 
 from recserve.core.spec_types import CategoricalGroup, RawColumn
+from recserve.core.times import unix_seconds
 from recserve.errors import InvalidInput, cap_message, shorten
 
 _HEX_LUT = np.full(256, 255, dtype=np.uint8)
@@ -169,27 +167,6 @@ def _parse_decimal_fast(values: np.ndarray, signed: bool) -> tuple[np.ndarray, n
     return None
 
 
-#: The last unix second a time part can be read of (9999-12-31 23:59:59 UTC).
-LAST_SECOND = 253402300799
-
-
-@functools.lru_cache(maxsize=65536)
-def _unix_seconds(text: str, time_format: str, time_unit: str, timezone: str) -> int:
-    """Unix seconds of one time value (cached: a batch holds few distinct times)."""
-    if time_format:
-        parsed = datetime.datetime.strptime(text, time_format)
-        stamp = parsed.replace(tzinfo=parsed.tzinfo or zoneinfo.ZoneInfo(timezone)).timestamp()
-    else:
-        if not (text.isascii() and text.isdigit()):
-            raise ValueError("not a number of non-negative digits")
-        stamp = int(text) / (1000 if time_unit == "ms" else 1)
-    if stamp < 0:
-        raise ValueError("before 1970")
-    if stamp > LAST_SECOND:
-        raise ValueError("after 9999-12-31")
-    return int(stamp)
-
-
 #: Strings up to this many bytes are hashed together, one numpy step per byte position; longer ones
 #: one by one (a step costs the same for one string as for a batch, so one long value would make the
 #: whole batch pay a step per byte of it).
@@ -248,7 +225,7 @@ def parse_times(values: np.ndarray, column: RawColumn, input_name: str) -> tuple
         if text == "":
             continue
         try:
-            seconds[i] = _unix_seconds(text, column.time_format, column.time_unit, column.timezone)
+            seconds[i] = unix_seconds(text, column.time_format, column.time_unit, column.timezone)
         except ValueError as exc:
             row = int(np.flatnonzero(inverse == i)[0])
             wanted = f"format {column.time_format!r}" if column.time_format else f"unix {column.time_unit}"
@@ -260,24 +237,6 @@ def parse_times(values: np.ndarray, column: RawColumn, input_name: str) -> tuple
                 f"not a time in {wanted} ({cap_message(str(exc), 96)})",
             ) from None
     return seconds[inverse].reshape(values.shape), (unique[inverse] == "").reshape(values.shape)
-
-
-def time_part(seconds: np.ndarray, part: str, timezone: str) -> np.ndarray:
-    """A part of unix times as seen in ``timezone``.
-
-    hour_of_day 0..23, weekday 0..6 (Monday 0), is_weekend 0/1, day_of_month 0..30, month 0..11.
-    """
-    zone = zoneinfo.ZoneInfo(timezone)
-    unique, inverse = np.unique(seconds, return_inverse=True)
-    local = [datetime.datetime.fromtimestamp(int(s), zone) for s in unique]
-    parts = {
-        "hour_of_day": [t.hour for t in local],
-        "weekday": [t.weekday() for t in local],
-        "is_weekend": [int(t.weekday() >= 5) for t in local],
-        "day_of_month": [t.day - 1 for t in local],
-        "month": [t.month - 1 for t in local],
-    }[part]
-    return np.asarray(parts, dtype=np.uint64)[inverse].reshape(seconds.shape)
 
 
 def categorical_values(
