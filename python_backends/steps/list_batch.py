@@ -51,30 +51,22 @@ def _joined(
     """The lists' flattened rows joined, transformed and looked up once, and cut back per list."""
     users = [int(owners[-1]) + 1 for _, owners in flat]
     rows = [owners.size for _, owners in flat]
-    joined = batching.merge([part for part, _ in flat])[0] if len(flat) > 1 else flat[0][0]
+    joined = batching.merge([part for part, _ in flat])[0]
     starts = np.cumsum(users) - users
     owners = np.concatenate([o + start for (_, o), start in zip(flat, starts.tolist(), strict=True)])
     features = step.features(joined, users=sum(users))
     out: dict[str, Any] = {n: features[n] for n in step.passed if n in features}
     out.update(step.lookup.lookup(features, owners))
-    per_user = {*step.histories, *step.masks}
+    # histories and masks have a row per user, cut to each list's own width; the rest a row per candidate
+    per_user = {n: a for n, a in out.items() if n in {*step.histories, *step.masks}}
+    widths = [step.history_width(inputs) for inputs in lists]
+    by_user = batching.split(per_user, users, dict.fromkeys(per_user, widths), step.left_padded)
+    by_row = batching.split({n: a for n, a in out.items() if n not in per_user}, rows)
     per_candidate = set(per_candidate_dense_inputs(step.spec))
     answers = []
-    row_start = 0
-    for inputs, count, start, size in zip(lists, users, starts.tolist(), rows, strict=True):
-        width = step.history_width(inputs)
-        answer = {}
-        for name, array in out.items():
-            if name in per_user:
-                part = array[start : start + count]
-                answer[name] = (
-                    part[:, part.shape[1] - width :] if name in step.left_padded else part[:, :width]
-                )
-            elif name in per_candidate:
-                part = array[row_start : row_start + size]
-                answer[CANDIDATE_PREFIX + name] = part.reshape(count, size // count, *part.shape[1:])
-            else:  # embedding_version: a row per candidate
-                answer[name] = array[row_start : row_start + size]
-        answers.append(answer)
-        row_start += size
+    for count, size, user_part, row_part in zip(users, rows, by_user, by_row, strict=True):
+        for name in per_candidate & row_part.keys():
+            part = row_part.pop(name)
+            row_part[CANDIDATE_PREFIX + name] = part.reshape(count, size // count, *part.shape[1:])
+        answers.append({**row_part, **user_part})
     return answers
