@@ -16,6 +16,7 @@ candidate lists, which keep today's path). Its counts go to the metrics endpoint
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 #: Upper edges of the lag histogram, in events (a last bucket, ``+Inf``, holds the rest).
 LAG_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+_EDGES = np.array(LAG_EDGES, np.int64)
 LAG_METRIC = "recserve_user_state_lag_events"
 LAG_HELP = "Events the merged user state lacked that the request knew of (a Prometheus histogram)"
 
@@ -50,15 +52,19 @@ class UserStateCounts:
 
     def record(self, rows: RowStates) -> None:
         """Count one batch's rows (those without a user are not counted)."""
-        named, counts = np.unique(rows.outcomes[rows.outcomes != ""].astype(str), return_counts=True)
+        outcomes = Counter(rows.outcomes.tolist())
+        if outcomes.get("", 0) == rows.outcomes.size:
+            return
+        modes = Counter(rows.modes.tolist())
         lags = rows.lag_events[rows.lag_events >= 0]
-        buckets = np.bincount(np.searchsorted(LAG_EDGES, lags, side="left"), minlength=self.lags.size)
-        modes, mode_counts = np.unique(rows.modes[rows.modes != ""].astype(str), return_counts=True)
+        buckets = np.bincount(np.searchsorted(_EDGES, lags, side="left"), minlength=self.lags.size)
         with self._lock:
-            for name, n in zip(named.tolist(), counts.tolist(), strict=True):
-                self.outcomes[name] = self.outcomes.get(name, 0) + n
-            for name, n in zip(modes.tolist(), mode_counts.tolist(), strict=True):
-                self.modes[name] = self.modes.get(name, 0) + n
+            for name, n in outcomes.items():
+                if name:
+                    self.outcomes[name] = self.outcomes.get(name, 0) + n
+            for name, n in modes.items():
+                if name:
+                    self.modes[name] = self.modes.get(name, 0) + n
             self.lags += buckets
             self.lag_sum += float(lags.sum())
 

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -46,7 +47,15 @@ from recserve.backends.store.user_state_store import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import GAP, HIT, MISS, MergedRows, merge_rows
+from recserve.backends.store.user_tokens import (
+    GAP,
+    HIT,
+    MISS,
+    MergedRows,
+    Tokens,
+    merge_rows,
+    place_tokens,
+)
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec
@@ -59,34 +68,45 @@ STALE = "stale"
 OUTCOMES = (HIT, MISS, STALE, GAP, ERROR)
 _FETCHED = {FOUND: HIT, BAD_VALUE: STALE, ERROR: ERROR}  # absent: MISS
 _REBUILD = (MISS, STALE, GAP)
+T = TypeVar("T")
 
 
-class StateCache:
-    """The states fetched lately, per user, each used for ``ttl_s`` after its fetch (LRU, ``capacity``)."""
+class StateCache(Generic[T]):
+    """Values fetched lately, per user, each fresh for ``ttl_s`` after its fetch (LRU, ``capacity``)."""
 
     def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity, self.ttl_s, self.clock = capacity, ttl_s, clock
-        self._states: OrderedDict[int, tuple[float, UserState]] = OrderedDict()
+        self._values: OrderedDict[int, tuple[float, T]] = OrderedDict()
 
-    def get(self, user: int) -> UserState | None:
-        """The cached state of ``user``; None when not cached or too old."""
-        entry = self._states.get(user)
+    def get(self, user: int) -> T | None:
+        """The cached value of ``user``; None when not cached or too old."""
+        value, fresh = self.peek(user)
+        return value if fresh else None
+
+    def peek(self, user: int) -> tuple[T | None, bool]:
+        """The cached value of ``user`` even when too old (None: not cached), and whether it is fresh."""
+        entry = self._values.get(user)
         if entry is None:
-            return None
-        if self.clock() - entry[0] > self.ttl_s:
-            del self._states[user]
-            return None
-        self._states.move_to_end(user)
-        return entry[1]
+            return None, False
+        self._values.move_to_end(user)
+        return entry[1], self.clock() - entry[0] <= self.ttl_s
 
-    def put(self, user: int, state: UserState) -> None:
-        """Cache ``state`` (the least recently used user leaves beyond ``capacity``)."""
+    def put(self, user: int, value: T) -> None:
+        """Cache ``value`` (the least recently used user leaves beyond ``capacity``)."""
         if self.capacity <= 0:
             return
-        self._states[user] = (self.clock(), state)
-        self._states.move_to_end(user)
-        while len(self._states) > self.capacity:
-            self._states.popitem(last=False)
+        self._values[user] = (self.clock(), value)
+        self._values.move_to_end(user)
+        while len(self._values) > self.capacity:
+            self._values.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class KeyedState:
+    """A user's state and its tokens by key (the items hashed once, when the state is read)."""
+
+    state: UserState
+    keyed: Tokens
 
 
 @dataclass(frozen=True)
@@ -123,7 +143,7 @@ class UserHistories:
         spec: ModelSpec,
         states: UserStates,
         rebuilds: RebuildQueue | None = None,
-        cache: StateCache | None = None,
+        cache: StateCache[KeyedState] | None = None,
     ) -> None:
         if len(spec.sequences) != 1:
             raise ArtifactError(
@@ -132,7 +152,9 @@ class UserHistories:
             )
         section = spec.user_state
         self.spec, self.states, self.rebuilds = spec, states, rebuilds
-        self.cache = cache or StateCache(section.cache_users, section.cache_ttl_ms / 1000.0)
+        self.cache: StateCache[KeyedState] = cache or StateCache(
+            section.cache_users, section.cache_ttl_ms / 1000.0
+        )
         self.sequence = spec.sequences[0]
         self.group = spec.attention_groups[0]
         self.mask = attention_inputs(spec)[0].mask
@@ -196,35 +218,45 @@ class UserHistories:
             )
         return users, newest, lengths
 
-    def states_of(self, users: np.ndarray, needed: np.ndarray) -> tuple[list[UserState | None], list[str]]:
+    def states_of(self, users: np.ndarray, needed: np.ndarray) -> tuple[list[KeyedState | None], list[str]]:
         """Each distinct user's state and outcome: cached when the cached state leaves no gap, else fetched.
+
+        A state cached too long ago is fetched again, and reused as it is when the store still
+        holds the same bytes.
 
         Args:
             users: distinct users.
             needed: per user, the lowest state sequence number that leaves none of its rows a gap.
         """
-        states: list[UserState | None] = [None] * users.size
+        states: list[KeyedState | None] = [None] * users.size
         outcomes = [MISS] * users.size
-        todo = []
-        for i, user in enumerate(users.tolist()):
-            cached = self.cache.get(user)
-            if cached is not None and cached.seq >= needed[i]:
+        todo, known = [], []
+        for i, (user, lowest) in enumerate(zip(users.tolist(), needed.tolist(), strict=True)):
+            cached, fresh = self.cache.peek(user)
+            if fresh and cached is not None and cached.state.seq >= lowest:
                 states[i], outcomes[i] = cached, HIT
             else:
                 todo.append(i)
+                known.append(cached)
         if todo:
-            fetched = self.states.fetch(users[todo])
-            for i, state, outcome in zip(todo, fetched.states, fetched.outcomes, strict=True):
-                states[i], outcomes[i] = state, _FETCHED.get(outcome, MISS)
-                if state is not None:
-                    self.cache.put(int(users[i]), state)
+            fetched = self.states.fetch(users[todo], [k.state if k is not None else None for k in known])
+            for i, before, state, outcome in zip(todo, known, fetched.states, fetched.outcomes, strict=True):
+                outcomes[i] = _FETCHED.get(outcome, MISS)
+                if state is None:
+                    continue
+                if before is None or before.state is not state:
+                    items = state.tokens.items.astype(np.uint64)
+                    before = KeyedState(state, Tokens(keys_for(items, self.salt), state.tokens.counts))
+                states[i] = before
+                self.cache.put(int(users[i]), before)
         return states, outcomes
 
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
         """Merge the rows' users' states into ``features`` (the transform's keys), in place.
 
         Sets ``history_log_weights`` (zeros where no state is merged) and, for merged rows, their
-        history keys and mask (widened to the sequence bucket of the longest row when needed).
+        history keys and mask (widened to the sequence bucket of the longest row when needed). The
+        merge runs on keys: the states' (hashed when read) and the tails' (the transform's).
 
         Raises:
             InvalidInput: see :meth:`request_users`.
@@ -235,38 +267,40 @@ class UserHistories:
             features[HISTORY_LOG_WEIGHTS] = np.zeros(mask.shape, np.float32)
             return RowStates.without_users(rows)
         users, newest, lengths = self.request_users(inputs, rows)
-        tails = require(inputs, self.sequence.name, "INT64", rows, None)
         distinct, where = np.unique(users, return_inverse=True)
         needed = np.full(distinct.size, np.iinfo(np.int64).min, np.int64)
         np.maximum.at(needed, where, newest - lengths)
         states, fetched = self.states_of(distinct, needed)
-        outcomes = np.asarray(fetched, object)[where]
+        outcomes = np.array(fetched, object)[where]
         state_seq = np.full(rows, -1, np.int64)
         modes = np.full(rows, "", object)
         lag = np.full(rows, -1, np.int64)
-        kept = [(i, state) for i, state in enumerate(states) if state is not None]
-        slot = np.full(distinct.size, -1, np.int64)
-        slot[[i for i, _ in kept]] = np.arange(len(kept))
-        merged_rows = np.flatnonzero(slot[where] >= 0)
-        merged = None
-        if merged_rows.size:
+        kept = [i for i, state in enumerate(states) if state is not None]
+        merged_rows, merged = np.zeros(0, np.int64), None
+        if kept:
+            slot = np.full(distinct.size, -1, np.int64)
+            slot[kept] = np.arange(len(kept))
+            merged_rows = np.flatnonzero(slot[where] >= 0)
             which = slot[where[merged_rows]]
-            seqs = np.array([state.seq for _, state in kept], np.int64)
+            kept_states = [states[i] for i in kept]
+            seqs = np.array([k.state.seq for k in kept_states], np.int64)
+            tail_lengths = lengths[merged_rows]
             merged = merge_rows(
-                [state.tokens for _, state in kept],
+                [k.keyed for k in kept_states],
                 seqs,
                 which,
-                tails[merged_rows],
-                lengths[merged_rows],
+                keys[merged_rows],
+                tail_lengths,
                 newest[merged_rows],
+                keys.shape[1] - tail_lengths if self.left else None,
             )
             outcomes[merged_rows] = merged.outcomes
-            modes[merged_rows] = np.asarray([state.mode for _, state in kept], dtype=object)[which]
+            modes[merged_rows] = np.array([k.state.mode for k in kept_states], object)[which]
             state_seq[merged_rows] = seqs[which]
             lag[merged_rows] = merged.lag_events
         if self.rebuilds is not None:
-            again = np.isin(outcomes, _REBUILD)
-            if again.any():
+            again = [r for r, outcome in enumerate(outcomes.tolist()) if outcome in _REBUILD]
+            if again:
                 self.rebuilds.add(users[again])
         features[HISTORY_LOG_WEIGHTS] = self._put_tokens(features, keys, mask, merged_rows, merged)
         return RowStates(outcomes, state_seq, modes, lag)
@@ -291,17 +325,12 @@ class UserHistories:
             return weights
         out_keys = np.full((count, width), self.pad_key, keys.dtype)
         out_mask = np.zeros((count, width), mask.dtype)
-        plain = np.ones(count, bool)
-        plain[rows] = False
-        columns = slice(width - old, width) if self.left else slice(0, old)
-        out_keys[plain, columns], out_mask[plain, columns] = keys[plain], mask[plain]
+        if rows.size < count:
+            plain = np.ones(count, bool)
+            plain[rows] = False
+            columns = slice(width - old, width) if self.left else slice(0, old)
+            out_keys[plain, columns], out_mask[plain, columns] = keys[plain], mask[plain]
         if merged is not None:
-            row = np.repeat(rows, lengths)
-            flat = row * width + np.arange(row.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-            if self.left:
-                flat += width - np.repeat(lengths, lengths)
-            out_keys.reshape(-1)[flat] = keys_for(merged.items.astype(np.uint64), self.salt)
-            out_mask.reshape(-1)[flat] = 1.0
-            weights.reshape(-1)[flat] = merged.log_weights()
+            place_tokens(merged, rows, self.left, out_keys, out_mask, weights)
         features[HISTORY_KEYS], features[self.mask] = out_keys, out_mask
         return weights

@@ -11,6 +11,7 @@
  * probes run while the next loads are already in flight, then the rows found are prefetched and
  * copied.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -157,13 +158,19 @@ void recserve_count(const int16_t *table_ids, const int8_t *tiers, int64_t n, in
  * slots, then four arrays of width entries); each state token either joins its group's count or is
  * written as it is; then the groups are written in the order of their last occurrence. Writes
  * every row's tokens to out_items/out_counts, row after row, and its count to out_lengths; returns
- * the total.
+ * the total, or -1 before touching anything when a span lies outside its array (the states hold
+ * state_total tokens).
  */
 int64_t recserve_merge_rows(const int64_t *state_items, const int64_t *state_counts,
-                            const int64_t *starts, const int64_t *sizes, const int64_t *tails,
-                            int64_t width, const int64_t *first, const int64_t *ends, int64_t rows,
-                            int64_t *scratch, int64_t *out_items, int64_t *out_counts,
-                            int64_t *out_lengths) {
+                            int64_t state_total, const int64_t *starts, const int64_t *sizes,
+                            const int64_t *tails, int64_t width, const int64_t *first,
+                            const int64_t *ends, int64_t rows, int64_t *scratch, int64_t *out_items,
+                            int64_t *out_counts, int64_t *out_lengths) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (first[r] < 0 || first[r] > ends[r] || ends[r] > width || starts[r] < 0 || sizes[r] < 0 ||
+            starts[r] > state_total - sizes[r])
+            return -1;
+    }
     int64_t *slots = scratch;                  /* group index + 1 per slot, 0: empty */
     int64_t *group_item = scratch + 4 * width + 2; /* per group */
     int64_t *group_count = group_item + width;
@@ -213,4 +220,31 @@ int64_t recserve_merge_rows(const int64_t *state_items, const int64_t *state_cou
         out_lengths[r] = written - begin;
     }
     return written;
+}
+
+/*
+ * Merged tokens into a history of width columns (user_tokens.place_tokens): row r's lengths[r]
+ * tokens (items/counts, row after row) go to history row rows[r], from its first column or, with
+ * left, ending at its last; each gets mask 1 and the weight ln count. Returns 0, or -1 before
+ * writing when a row's tokens do not fit the width or its history row is outside 0..history_rows.
+ */
+int64_t recserve_place_tokens(const int64_t *items, const int64_t *counts, const int64_t *lengths,
+                              const int64_t *rows, int64_t n, int64_t width, int64_t left,
+                              int64_t history_rows, int64_t *out_keys, float *out_mask,
+                              float *out_weights) {
+    for (int64_t r = 0; r < n; r++) {
+        if (lengths[r] < 0 || lengths[r] > width || rows[r] < 0 || rows[r] >= history_rows) return -1;
+    }
+    int64_t at = 0;
+    for (int64_t r = 0; r < n; r++) {
+        int64_t length = lengths[r];
+        int64_t base = rows[r] * width + (left ? width - length : 0);
+        for (int64_t j = 0; j < length; j++) {
+            out_keys[base + j] = items[at + j];
+            out_mask[base + j] = 1.0f;
+            out_weights[base + j] = (float)log((double)counts[at + j]);
+        }
+        at += length;
+    }
+    return 0;
 }

@@ -58,9 +58,21 @@ _SIGNATURES = {
     ],
     # table_ids, tiers, n, tier_count, counts
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
-    # state_items, state_counts, starts, sizes, tails, width, first, ends, rows, scratch,
-    # out_items, out_counts, out_lengths
-    "recserve_merge_rows": [*[_POINTER] * 5, _SIZE, _POINTER, _POINTER, _SIZE, *[_POINTER] * 4],
+    # state_items, state_counts, state_total, starts, sizes, tails, width, first, ends, rows,
+    # scratch, out_items, out_counts, out_lengths
+    "recserve_merge_rows": [
+        _POINTER,
+        _POINTER,
+        _SIZE,
+        *[_POINTER] * 3,
+        _SIZE,
+        _POINTER,
+        _POINTER,
+        _SIZE,
+        *[_POINTER] * 4,
+    ],
+    # items, counts, lengths, rows, n, width, left, history_rows, out_keys, out_mask, out_weights
+    "recserve_place_tokens": [*[_POINTER] * 4, _SIZE, _SIZE, _SIZE, _SIZE, *[_POINTER] * 3],
 }
 
 
@@ -236,24 +248,18 @@ class Kernels:
                 request checks come first, this keeps a caller's mistake from reaching it).
         """
         rows, width = tails.shape
-        if rows and not (
-            (first >= 0).all()
-            and (first <= ends).all()
-            and (ends <= width).all()
-            and (starts >= 0).all()
-            and (sizes >= 0).all()
-            and (starts + sizes <= min(state_items.size, state_counts.size)).all()
-        ):
-            raise ValueError("a state or tail span outside its array")
-        capacity = int(sizes.sum() + (ends - first).sum())
-        items, counts = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
-        lengths = np.empty(rows, np.int64)
-        scratch = np.empty(8 * width + 2, np.int64)
         arrays = (state_items, state_counts, starts, sizes, tails, first, ends)
         for array in arrays:
             _contiguous(array, np.int64)
+        capacity = max(0, int(sizes.sum() + ends.sum() - first.sum()))
+        items, counts = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
+        lengths = np.empty(rows, np.int64)
+        scratch = np.empty(8 * width + 2, np.int64)
         written = self.library.recserve_merge_rows(
-            *(_address(a) for a in arrays[:5]),
+            _address(state_items),
+            _address(state_counts),
+            min(state_items.size, state_counts.size),
+            *(_address(a) for a in arrays[2:5]),
             width,
             _address(first),
             _address(ends),
@@ -263,7 +269,45 @@ class Kernels:
             _address(counts),
             _address(lengths),
         )
+        if written < 0:
+            raise ValueError("a state or tail span outside its array")
         return items[:written], counts[:written], lengths
+
+    def place_tokens(
+        self,
+        items: np.ndarray,
+        counts: np.ndarray,
+        lengths: np.ndarray,
+        rows: np.ndarray,
+        left: bool,
+        out_keys: np.ndarray,
+        out_mask: np.ndarray,
+        out_weights: np.ndarray,
+    ) -> None:
+        """Write merged tokens into a history, in place: what ``user_tokens.place_numpy`` does.
+
+        Raises:
+            ValueError: a row's tokens wider than the history, or a row outside it.
+        """
+        for array in (items, counts, lengths, rows, out_keys):
+            _contiguous(array, np.int64)
+        for array in (out_mask, out_weights):
+            _contiguous(array, np.float32)
+        history_rows, width = out_keys.shape
+        if out_mask.shape != out_keys.shape or out_weights.shape != out_keys.shape:
+            raise ValueError("the history's keys, mask and weights differ in shape")
+        if items.size < int(lengths.sum()) or counts.size < items.size:
+            raise ValueError("fewer tokens than the rows' lengths")
+        done = self.library.recserve_place_tokens(
+            *(_address(a) for a in (items, counts, lengths, rows)),
+            rows.size,
+            width,
+            int(left),
+            history_rows,
+            *(_address(a) for a in (out_keys, out_mask, out_weights)),
+        )
+        if done < 0:
+            raise ValueError("merged tokens wider than the history, or a row outside it")
 
 
 @lru_cache(maxsize=1)

@@ -17,7 +17,7 @@ value; a clustered state's grouping was made in one model's key space, so it rec
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,8 @@ from recserve.errors import shorten
 
 MAGIC = b"RSU1"
 SEQ_DIGITS = 20
+#: The largest sequence number (a request's ``user_seq`` is an INT64).
+MAX_SEQ = 2**63 - 1
 _FIELDS = struct.Struct("<BBIQQ")
 HEADER_BYTES = len(MAGIC) + SEQ_DIGITS + _FIELDS.size
 #: The state's mode: every distinct item its own token, or the older items grouped.
@@ -46,10 +48,13 @@ class UserState:
     tokens: Tokens
     table_version: int = 0  # of the item table the grouping was made with
     dense_version: int = 0  # of the dense model whose key space grouped the items
+    #: The stored bytes it was read from (b"": built here): a store that reads the same bytes
+    #: again reuses the state instead of decoding and checking it again.
+    raw: bytes = field(default=b"", compare=False, repr=False)
 
     def encode(self) -> bytes:
         """The stored bytes."""
-        if not 0 <= self.seq < 10**SEQ_DIGITS or self.mode not in MODES:
+        if not 0 <= self.seq <= MAX_SEQ or self.mode not in MODES:
             raise ValueError(f"a state needs 0 <= seq and a mode of {MODES}, got {self.seq}, {self.mode!r}")
         counts = np.asarray(self.tokens.counts)
         if counts.size and (counts.min() < 1 or counts.max() > np.iinfo(np.uint32).max):
@@ -88,6 +93,8 @@ def decode_state(value: object, max_tokens: int) -> UserState:
     digits = value[len(MAGIC) : len(MAGIC) + SEQ_DIGITS]
     if not digits.isdigit():
         raise StateFormatError(f"sequence number {shorten(digits, 32)} is not {SEQ_DIGITS} digits")
+    if int(digits) > MAX_SEQ:
+        raise StateFormatError(f"sequence number {int(digits)} is beyond {MAX_SEQ}")
     mode, _, n, table_version, dense_version = _FIELDS.unpack_from(value, len(MAGIC) + SEQ_DIGITS)
     if mode >= len(MODES):
         raise StateFormatError(f"unknown mode {mode}")
@@ -102,4 +109,4 @@ def decode_state(value: object, max_tokens: int) -> UserState:
     ordered = np.sort(items)
     if (ordered[1:] == ordered[:-1]).any():
         raise StateFormatError("an item in two tokens")
-    return UserState(int(digits), MODES[mode], Tokens(items, counts), table_version, dense_version)
+    return UserState(int(digits), MODES[mode], Tokens(items, counts), table_version, dense_version, value)

@@ -58,8 +58,12 @@ class StateFetch:
 class UserStates(Protocol):
     """What the builder and the lookup step need of a state store."""
 
-    def fetch(self, users: np.ndarray) -> StateFetch:
-        """The stored states of ``users`` (int64)."""
+    def fetch(self, users: np.ndarray, known: Sequence[UserState | None] = ()) -> StateFetch:
+        """The stored states of ``users`` (int64).
+
+        ``known``: per user, a state read earlier (or None); where the stored bytes are still
+        that state's, it is returned as it is, not decoded again.
+        """
         ...
 
     def put(self, user: int, state: UserState) -> bool:
@@ -79,13 +83,20 @@ class _Decoder:
         self.refused = 0
         self._logged_at = -BAD_VALUE_LOG_INTERVAL_S
 
-    def __call__(self, users: np.ndarray, values: Sequence[object]) -> StateFetch:
+    def __call__(
+        self, users: np.ndarray, values: Sequence[object], known: Sequence[UserState | None] = ()
+    ) -> StateFetch:
         states: list[UserState | None] = []
         outcomes = []
-        for user, value in zip(users.tolist(), values, strict=True):
+        known = known or [None] * len(values)
+        for user, value, before in zip(users.tolist(), values, known, strict=True):
             if value is None:
                 states.append(None)
                 outcomes.append(ABSENT)
+                continue
+            if before is not None and before.raw and isinstance(value, bytes) and value == before.raw:
+                states.append(before)  # the same bytes: checked when first read
+                outcomes.append(FOUND)
                 continue
             try:
                 states.append(decode_state(value, self.max_tokens))
@@ -135,8 +146,8 @@ class LocalUserStates:
             self._local.db = db
         return db
 
-    def fetch(self, users: np.ndarray) -> StateFetch:
-        """The states of ``users``; an expired state is absent."""
+    def fetch(self, users: np.ndarray, known: Sequence[UserState | None] = ()) -> StateFetch:
+        """The states of ``users``; an expired state is absent (``known``: see :class:`UserStates`)."""
         users = np.asarray(users, np.int64).reshape(-1)
         wanted = [int(u) for u in users.tolist()]
         rows: dict[int, bytes] = {}
@@ -149,7 +160,7 @@ class LocalUserStates:
                     (self.clock(), *chunk),
                 )
             )
-        return self._decode(users, [rows.get(u) for u in wanted])
+        return self._decode(users, [rows.get(u) for u in wanted], known)
 
     def put(self, user: int, state: UserState) -> bool:
         """Store ``state`` unless the stored one (not expired) has a newer seq."""
@@ -202,8 +213,11 @@ class RedisUserStates:
     def _keys(self, users: np.ndarray) -> list[bytes]:
         return redis_keys(np.asarray(users, np.int64), self.prefix)
 
-    def fetch(self, users: np.ndarray) -> StateFetch:
-        """The states of ``users``; every user ``error`` on timeout, failure or an open breaker."""
+    def fetch(self, users: np.ndarray, known: Sequence[UserState | None] = ()) -> StateFetch:
+        """The states of ``users``; every user ``error`` on timeout, failure or an open breaker.
+
+        ``known``: see :class:`UserStates`.
+        """
         users = np.asarray(users, np.int64).reshape(-1)
         failed = StateFetch([None] * users.size, [ERROR] * users.size)
         if users.size == 0:
@@ -226,7 +240,7 @@ class RedisUserStates:
         self.breaker.success()
         if not isinstance(values, list) or len(values) != users.size:
             return StateFetch([None] * users.size, [BAD_VALUE] * users.size)
-        return self._decode(users, values)
+        return self._decode(users, values, known)
 
     def put(self, user: int, state: UserState) -> bool:
         """Store ``state`` unless a newer one is stored (one script call, atomic on the user's key)."""

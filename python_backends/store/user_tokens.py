@@ -22,6 +22,7 @@ KERNELS = kernels.load()  # the compiled merge; None: the numpy path
 
 #: How a request's real-time tail met the user's stored state (the ``outcome`` of the merge).
 HIT, GAP, MISS = "hit", "gap", "miss"
+_HIT_OR_GAP = np.array([HIT, GAP], object)
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,22 @@ def merge_rows(
     tails: np.ndarray,
     tail_lengths: np.ndarray,
     newest_seqs: np.ndarray,
+    tail_starts: np.ndarray | None = None,
 ) -> MergedRows:
     """:func:`merge` of every row of a batch at once, with no Python step per row or per element.
+
+    The merge only compares ids: it gives the same tokens for items as for their keys (a key is a
+    one-to-one function of its item), so the lookup step merges keys and hashes nothing.
 
     Args:
         states: the distinct states (a user's state once, however many rows it has).
         state_seqs: each state's sequence number.
         which: per row, the index of its state in ``states``.
-        tails: int64 [rows, width]: each row's tail (oldest first) in its first ``tail_lengths[r]``
-            columns.
+        tails: int64 [rows, width]: each row's tail (oldest first), ``tail_lengths[r]`` columns from
+            column ``tail_starts[r]`` (0 by default).
         tail_lengths: per row, its tail's length.
         newest_seqs: per row, the sequence number of its tail's newest event.
+        tail_starts: per row, the column where its tail begins (a history padded on the left).
 
     The store's compiled loop merges the rows where it is built (``_kernels.c``), else
     :func:`merge_numpy`; both give the same tokens.
@@ -131,6 +137,7 @@ def merge_rows(
     seqs = np.asarray(state_seqs, np.int64)[which]
     tail_lengths = np.asarray(tail_lengths, np.int64)
     newest_seqs = np.asarray(newest_seqs, np.int64)
+    starts = np.zeros_like(tail_lengths) if tail_starts is None else np.asarray(tail_starts, np.int64)
     first = newest_seqs - tail_lengths + 1
     skip = np.clip(seqs - first + 1, 0, tail_lengths)  # the tail's events the state already holds
     sizes = np.array([len(s) for s in states], np.int64)
@@ -141,8 +148,8 @@ def merge_rows(
         (np.cumsum(sizes) - sizes)[which],
         sizes[which],
         np.ascontiguousarray(tails, np.int64),
-        skip,
-        tail_lengths,
+        starts + skip,
+        starts + tail_lengths,
     )
     merged = KERNELS.merge_rows(*arguments) if KERNELS is not None else merge_numpy(*arguments)
     gap = (tail_lengths > 0) & (first > seqs + 1)
@@ -150,7 +157,7 @@ def merge_rows(
         lengths=merged[2],
         items=merged[0],
         counts=merged[1],
-        outcomes=np.where(gap, GAP, HIT).astype(object),
+        outcomes=_HIT_OR_GAP[gap.astype(np.intp)],
         merged_events=tail_lengths - skip,
         lag_events=np.maximum(0, newest_seqs - seqs),
     )
@@ -208,6 +215,36 @@ def merge_numpy(
     items[to_kept], counts[to_kept] = state_item[kept], state_count[kept]
     items[to_new], counts[to_new] = new_item, new_count
     return items, counts, lengths.astype(np.int64)
+
+
+def place_tokens(
+    merged: MergedRows, rows: np.ndarray, left: bool, keys: np.ndarray, mask: np.ndarray, weights: np.ndarray
+) -> None:
+    """Write each merged row's tokens into history row ``rows[r]``, in place (``[history rows, width]``).
+
+    From the row's first column, or with ``left`` ending at its last; mask 1 and the weight
+    ``ln count`` per token. The compiled loop where it is built and the arrays are of its types,
+    else :func:`place_numpy`; both write the same.
+    """
+    rows = np.asarray(rows, np.int64)
+    if KERNELS is not None and mask.dtype == np.float32 and keys.dtype == np.int64:
+        KERNELS.place_tokens(merged.items, merged.counts, merged.lengths, rows, left, keys, mask, weights)
+    else:
+        place_numpy(merged, rows, left, keys, mask, weights)
+
+
+def place_numpy(
+    merged: MergedRows, rows: np.ndarray, left: bool, keys: np.ndarray, mask: np.ndarray, weights: np.ndarray
+) -> None:
+    """:func:`place_tokens` in whole-array steps (``rows`` ascending: tokens fill a row-major mask)."""
+    width = keys.shape[1]
+    columns = np.arange(width)
+    lengths = merged.lengths[:, None]
+    place = np.zeros(keys.shape, bool)
+    place[rows] = columns >= width - lengths if left else columns < lengths
+    keys[place] = merged.items
+    mask[place] = 1.0
+    weights[place] = merged.log_weights()
 
 
 def _ranks(lengths: np.ndarray) -> np.ndarray:

@@ -10,20 +10,25 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec_parse import load_spec
+
+#: How often the builder looks for a new item table or dense version (and measures its drift).
+KEY_SPACE_POLL_S = 5.0
 
 
 def _run(args: argparse.Namespace) -> int:
     from recserve.backends.steps.user_state_keys import RepositoryKeySpace
     from recserve.backends.store.event_log import FileEventLog, RedisEventLog
     from recserve.backends.store.redis_tier import RedisTier
+    from recserve.backends.store.served import ServedStore
     from recserve.backends.store.user_rebuilds import (
         REBUILD_FILE_SUFFIX,
         REBUILD_SET_SUFFIX,
         FileRebuilds,
         RedisRebuilds,
     )
-    from recserve.backends.store.user_state_builder import UserStateBuilder
+    from recserve.backends.store.user_state_builder import Regrouping, UserStateBuilder
     from recserve.backends.store.user_state_groups import Budget
     from recserve.backends.store.user_state_store import RedisUserStates, open_user_states
 
@@ -31,7 +36,9 @@ def _run(args: argparse.Namespace) -> int:
     section = spec.user_state
     if not section.enabled:
         print("note: [user_state] enabled is false: servers will not read these states", file=sys.stderr)
-    key_space = RepositoryKeySpace.load(spec, args.repository, spec.version)
+    # the item rows as served: published updates applied, new ones followed by the upkeep thread
+    served = ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version))
+    key_space = RepositoryKeySpace.load(spec, args.repository, spec.version, served.store)
     states = open_user_states(section, spec.store, args.folder)
     if section.event_log == "redis":
         client = RedisTier.connect(replace(spec.store, redis_deadline_ms=1000.0)).client
@@ -52,6 +59,15 @@ def _run(args: argparse.Namespace) -> int:
         section.debounce_ms / 1000.0,
         key_space.versions,
     )
+    regrouping = Regrouping(key_space, section.regroup_drift)
+    looked = [time.monotonic()]
+
+    def tick() -> None:  # a new table or dense version: regroup when it moved the keys enough
+        if time.monotonic() - looked[0] >= KEY_SPACE_POLL_S:
+            looked[0] = time.monotonic()
+            key_space.newer_dense(args.repository)
+            regrouping.check(builder, key_space.versions)
+
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     started = time.monotonic()
@@ -63,9 +79,11 @@ def _run(args: argparse.Namespace) -> int:
         return bool(stopping) or time.monotonic() >= deadline
 
     try:
-        report = builder.run(log.read, stop, rebuilds=rebuilds.take)
+        report = builder.run(log.read, stop, rebuilds=rebuilds.take, tick=tick)
     except KeyboardInterrupt:
         report = builder.report
+    finally:
+        served.close()
     summary = report.summary(time.monotonic() - started)
     summary["refused_events"] = log.refused
     p50, p99 = report.lag_percentiles()

@@ -36,7 +36,9 @@ class UserStateSection:
     deadline_ms: float = 5.0  # the lookup step's batched state read
     cache_users: int = 10_000  # the lookup step's local cache of fetched states (0: none)
     cache_ttl_ms: float = 1000.0  # a cached state is used this long after its fetch
-    regroup_on_version_change: bool = True  # clustered states are regrouped under a new table or dense
+    # a new item table or dense version regroups the clustered states when it moved their items'
+    # keys by more than this (median relative move since their last grouping; 0: on any change)
+    regroup_drift: float = 0.05
 
     def check(self, longest_bucket: int) -> None:
         """Raise :class:`SpecError` on a budget that does not fit the sequence buckets, or bad settings.
@@ -64,5 +66,5 @@ class UserStateSection:
             )
         if min(self.ttl_s, self.deadline_ms, self.group_radius) <= 0 or self.debounce_ms < 0:
             raise SpecError("[user_state] ttl_s, deadline_ms and group_radius must be > 0, debounce_ms >= 0")
-        if self.cache_users < 0 or self.cache_ttl_ms < 0:
-            raise SpecError("[user_state] cache_users and cache_ttl_ms must be >= 0")
+        if self.cache_users < 0 or self.cache_ttl_ms < 0 or not self.regroup_drift >= 0:
+            raise SpecError("[user_state] cache_users, cache_ttl_ms and regroup_drift must be >= 0")

@@ -178,3 +178,28 @@ def test_the_compiled_merge_refuses_spans_outside_their_arrays():
     for starts, sizes, first, ends in [(one * 2, one * 3, one * 0, one), (one * 0, one, one * 0, one * 4)]:
         with pytest.raises(ValueError, match="outside its array"):
             KERNELS.merge_rows(items, counts, starts, sizes, tails, first, ends)
+
+
+@pytest.mark.parametrize("left", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_compiled_placement_of_merged_tokens_writes_what_numpy_writes(seed, left):
+    rng = np.random.default_rng(50 + seed)
+    history_rows, width = int(rng.integers(1, 20)), int(rng.integers(1, 70))
+    rows = np.sort(rng.choice(history_rows, int(rng.integers(1, history_rows + 1)), replace=False))
+    lengths = rng.integers(0, width + 1, rows.size).astype(np.int64)
+    items = random_keys(rng, int(lengths.sum()))[: int(lengths.sum())]
+    counts = rng.integers(1, 2**32, items.size).astype(np.int64)
+    merged = user_tokens.MergedRows(lengths, items, counts, *(np.zeros(rows.size),) * 3)
+    written = []
+    for place in (
+        lambda *a: KERNELS.place_tokens(items, counts, lengths, rows, left, *a),
+        lambda *a: user_tokens.place_numpy(merged, rows, left, *a),
+    ):
+        shape = (history_rows, width)
+        out = (np.full(shape, 7, np.int64), np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        place(*out)
+        written.append(out)
+    for got, expected in zip(*written, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    with pytest.raises(ValueError, match="a row outside it"):
+        KERNELS.place_tokens(items, counts, lengths, rows + history_rows, left, *written[0])

@@ -115,6 +115,32 @@ def test_a_hit_serves_the_state_merged_with_the_tail_and_a_miss_serves_its_tail_
     assert rebuilds.flush() == 1 and FileRebuilds(tmp_path / "events.jsonl.rebuild").take().tolist() == [12]
 
 
+def test_a_history_padded_on_the_left_gets_its_merged_tokens_at_its_last_positions(tmp_path):
+    doc = ctr_spec_document()
+    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": TAIL}
+    for feature in doc["features"]:
+        if feature.get("kind") == "sequence":
+            feature["padding"] = "left"
+    spec = parse_spec(doc)
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=96)
+    events = np.random.default_rng(8).integers(1, 40, 300)
+    states.put(4, UserState(295, EXACT, dedup(events[:295])))
+    wire = _rows(2, 9, [4, 5], [300, 2], [events[-TAIL:], [6, 7]])
+    features = FeatureTransform(spec).transform(wire)
+    rows = UserHistories(spec, states).apply(wire, features)
+    assert list(rows.outcomes) == ["hit", "miss"]
+    full, width = dedup(events), features[HISTORY_KEYS].shape[1]
+    salt = table_salt(spec.hashing.namespace, spec.sequences[0].table)
+    n = len(full)
+    assert np.array_equal(
+        features[HISTORY_KEYS][0, width - n :], keys_for(full.items.astype(np.uint64), salt)
+    )
+    assert np.array_equal(features[HISTORY_MASK][0], (np.arange(width) >= width - n).astype(np.float32))
+    assert np.allclose(features[HISTORY_LOG_WEIGHTS][0, width - n :], np.log(full.counts))
+    tail_keys = keys_for(np.array([6, 7], np.uint64), salt)
+    assert np.array_equal(features[HISTORY_KEYS][1, -2:], tail_keys) and features[HISTORY_MASK][1].sum() == 2
+
+
 def test_a_gap_serves_state_and_tail_and_asks_for_a_rebuild(tmp_path):
     rebuilds = RebuildQueue(FileRebuilds(tmp_path / "r"), flush_s=3600)
     histories, states = _histories(tmp_path, rebuilds)
@@ -129,7 +155,7 @@ def test_a_gap_serves_state_and_tail_and_asks_for_a_rebuild(tmp_path):
 
 def test_a_failing_store_serves_the_tail_alone_counted_as_error_without_a_rebuild(tmp_path):
     class Failing:
-        def fetch(self, users):
+        def fetch(self, users, known=()):
             return StateFetch([None] * users.size, ["error"] * users.size)
 
     rebuilds = RebuildQueue(FileRebuilds(tmp_path / "r"), flush_s=3600)
@@ -151,7 +177,7 @@ def test_a_users_state_is_fetched_once_per_batch_and_then_cached_while_it_leaves
     states.put(7, UserState(50, EXACT, dedup(np.arange(1, 51))))
     fetched = []
     fetch = histories.states.fetch
-    histories.states.fetch = lambda users: fetched.append(users.tolist()) or fetch(users)
+    histories.states.fetch = lambda users, known=(): fetched.append(users.tolist()) or fetch(users, known)
     for newest in (51, 52, 53):  # tails of 2 events: 53 needs event 51, which the state lacks
         wire = _rows(2, 5, [7, 7], [newest, newest], [[1, 2], [3, 4]])
         histories.apply(wire, FeatureTransform(SPEC).transform(wire))

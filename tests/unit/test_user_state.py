@@ -26,7 +26,7 @@ def _state(seq=7, mode=EXACT):
 
 
 def test_a_state_round_trips_through_its_bytes():
-    state = _state(seq=10**19 + 3, mode=CLUSTERED)
+    state = _state(seq=2**63 - 1, mode=CLUSTERED)
     back = decode_state(state.encode(), max_tokens=8)
     assert back.seq == state.seq and back.mode == CLUSTERED
     assert back.tokens.equals(state.tokens)
@@ -50,6 +50,7 @@ COUNTS_AT = HEADER_BYTES + 8 * 4
         (b"", "not a user state"),
         (b"RSU2" + GOOD[4:], "not a user state"),
         (_patched(GOOD, 4, b"12345678901234567x90"), "is not 20 digits"),
+        (_patched(GOOD, 4, b"%020d" % 2**63), "beyond 9223372036854775807"),
         (_patched(GOOD, 24, b"\x07"), "unknown mode"),
         (GOOD[:-1], "bytes for 4 tokens"),
         (GOOD + b"\0" * 12, "bytes for 4 tokens"),
@@ -104,6 +105,19 @@ def test_delete_erases_a_users_state(tmp_path):
     states.put(5, _state())
     assert states.delete(5) and not states.delete(5)
     assert states.fetch(np.array([5])).outcomes == [ABSENT]
+
+
+def test_a_state_read_again_with_the_same_bytes_is_reused_and_a_changed_one_decoded(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=8)
+    states.put(1, _state(seq=5))
+    states.put(2, _state(seq=6))
+    first = states.fetch(np.array([1, 2])).states
+    assert first[0].raw == _state(seq=5).encode()
+    states.put(2, _state(seq=9))
+    again = states.fetch(np.array([1, 2]), first).states
+    assert again[0] is first[0] and again[1] is not first[1] and again[1].seq == 9
+    states.delete(1)
+    assert states.fetch(np.array([1]), first[:1]).outcomes == [ABSENT]
 
 
 def test_a_bad_value_costs_its_own_user_its_state_and_nothing_else(tmp_path):

@@ -4,10 +4,11 @@ import json
 import time
 
 import numpy as np
+import pytest
 
 from recserve.backends.store.event_log import Events, FileEventLog, append_events
-from recserve.backends.store.user_state import CLUSTERED, EXACT
-from recserve.backends.store.user_state_builder import UserStateBuilder
+from recserve.backends.store.user_state import CLUSTERED, EXACT, UserState
+from recserve.backends.store.user_state_builder import Regrouping, UserStateBuilder, key_drift
 from recserve.backends.store.user_state_groups import Budget, build_state, group_tokens
 from recserve.backends.store.user_state_store import FOUND, LocalUserStates
 from recserve.backends.store.user_tokens import Tokens, dedup
@@ -93,6 +94,31 @@ def test_the_builder_debounces_per_user_skips_replays_and_measures_the_lag(tmp_p
     assert builder.flush(force=True) == 0
 
 
+def _run_over(builder, batches):
+    """``builder.run`` over ``batches`` of events, then two empty reads (the log read to its end)."""
+    reads = [*batches, Events.of([]), Events.of([])]
+    return builder.run(lambda: reads.pop(0) if reads else Events.of([]), stop=lambda: not reads, poll_s=0)
+
+
+def test_a_stored_state_beyond_the_users_newest_event_in_the_log_is_replaced_once_the_log_is_read(
+    tmp_path,
+):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=600, max_tokens=8)
+    states.put(1, UserState(2**62, EXACT, dedup(np.array([666]))))  # no such event in the log
+    states.put(2, UserState(5, EXACT, dedup(np.array([1, 2, 3, 4, 5]))))  # built before a restart
+    builder = UserStateBuilder(states, Budget(8, 6, 0.5), key_space, 100, debounce_s=0.0)
+    report = _run_over(
+        builder,
+        [
+            Events.of([(1, 1, 7, 0.0), (2, 1, 1, 0.0), (2, 2, 2, 0.0)]),  # refused: older than stored
+            Events.of([(2, s, s, 0.0) for s in range(3, 6)]),  # user 2's log reaches its state
+        ],
+    )
+    fetched = states.fetch(np.array([1, 2])).states
+    assert fetched[0].seq == 1 and fetched[0].tokens.items.tolist() == [7]
+    assert fetched[1].seq == 5 and report.foreign_states == 1 and report.refused_writes == 2
+
+
 def test_a_new_key_space_regroups_the_clustered_users_only(tmp_path):
     states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=600, max_tokens=8)
     builder = UserStateBuilder(states, Budget(8, 6, 0.5), key_space, 100, debounce_s=0.0)
@@ -125,3 +151,50 @@ def test_the_command_builds_states_from_a_file_log_in_the_repositorys_key_space(
     assert 160 < len(clustered.tokens) <= 192  # the newest 160 exact; items with one row share a group
     assert np.array_equal(clustered.tokens.items[-160:], np.arange(240, 400))
     assert main(["--spec", "tiny", "user-state", "delete", "--user", "2", "--folder", str(tmp_path)]) == 0
+
+
+def test_a_new_key_space_regroups_only_once_the_clustered_items_keys_moved_enough(tmp_path):
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=600, max_tokens=8)
+    scale = [1.0]
+
+    def space(items):
+        return SPACE[items] * scale[0]
+
+    builder = UserStateBuilder(states, Budget(8, 6, 0.5), space, 100, debounce_s=0.0, versions=(1, 1))
+    builder.ingest(Events.of([(1, s, s, 0.0) for s in range(1, 30)] + [(2, 1, 5, 0.0)]))
+    builder.flush()
+    regrouping = Regrouping(space, limit=0.05)
+    assert regrouping.check(builder, (1, 1)) is None
+    assert regrouping.items.tolist() == list(range(1, 30))  # the clustered user's items only
+    scale[0] = 1.01
+    assert regrouping.check(builder, (2, 1)) == pytest.approx(0.01)
+    assert builder.flush() == 0 and builder.versions == (2, 1)  # new states use it; none regrouped
+    scale[0] = 1.07  # small steps add up: measured against the last grouping
+    assert regrouping.check(builder, (2, 2)) == pytest.approx(0.07)
+    assert builder.flush() == 1
+    assert states.fetch(np.array([1])).states[0].dense_version == 2
+    assert regrouping.check(builder, (2, 3)) == pytest.approx(0.0)  # the new reference
+
+
+def test_key_drift_is_the_median_relative_move_and_unknown_without_a_reference():
+    before = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
+    assert key_drift(before, before * 1.1) == pytest.approx(0.1)
+    assert key_drift(np.zeros((0, 0)), before) == float("inf")
+
+
+def test_the_key_space_takes_the_newest_dense_version_with_a_key_projection_of_its_shape(tmp_path):
+    from safetensors.numpy import save_file
+
+    from recserve.backends.steps.user_state_keys import KEY_BIAS, KEY_WEIGHT, WEIGHTS_FILE, RepositoryKeySpace
+
+    def write(version, weight):
+        (tmp_path / "dense" / str(version)).mkdir(parents=True)
+        save_file({KEY_WEIGHT: weight, KEY_BIAS: np.zeros(weight.shape[0], np.float32)},
+                  str(tmp_path / "dense" / str(version) / WEIGHTS_FILE))  # fmt: skip
+
+    write(2, np.full((4, 3), 2.0, np.float32))
+    write(3, np.ones((5, 3), np.float32))  # another network: passed over
+    (tmp_path / "dense" / "4").mkdir()  # being written: no weights yet
+    space = RepositoryKeySpace(None, "item", np.uint64(1), np.ones((4, 3), np.float32), np.zeros(4), 1)
+    assert space.newer_dense(tmp_path) and space.dense_version == 2 and space.weight[0, 0] == 2.0
+    assert not space.newer_dense(tmp_path)

@@ -86,10 +86,11 @@ def test_the_merge_leaves_its_inputs_untouched():
     assert np.array_equal(state.items, items) and np.array_equal(state.counts, counts)
 
 
+@pytest.mark.parametrize("padding", ["right", "left"])
 @pytest.mark.parametrize("path", ["compiled", "numpy"])
 @pytest.mark.parametrize("seed", range(10))
 def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_tail_events(
-    seed, path, monkeypatch
+    seed, path, padding, monkeypatch
 ):
     """Rows of a few users (a user on several rows, with tails of its own), padded tails, gaps, overlaps."""
     if path == "numpy":
@@ -106,16 +107,19 @@ def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_t
         n = int(rng.integers(1, events[u].size + 1))  # the row's client knows events 1..n
         spans.append((int(rng.integers(1, n + 2)), n))  # its tail: events j..n (empty when j = n + 1)
     tails = [events[u][j - 1 : n] for u, (j, n) in zip(which, spans, strict=True)]
-    padded = np.full((which.size, max(1, max(t.size for t in tails))), -7, np.int64)  # never read
+    width = max(1, max(t.size for t in tails))
+    padded = np.full((which.size, width), -7, np.int64)  # never read
+    sizes = np.array([t.size for t in tails])
     for r, tail in enumerate(tails):
-        padded[r, : tail.size] = tail
+        padded[r, width - tail.size if padding == "left" else 0 :][: tail.size] = tail
     rows = merge_rows(
         [dedup(e[:k]) for e, k in zip(events, built, strict=True)],
         np.array(built),
         which,
         padded,
-        np.array([t.size for t in tails]),
+        sizes,
         np.array([n for _, n in spans]),
+        width - sizes if padding == "left" else None,
     )
     assert rows.lengths.sum() == rows.items.size == rows.counts.size
     for r, (u, (j, n)) in enumerate(zip(which, spans, strict=True)):
