@@ -25,7 +25,7 @@ def load() -> HexParser | None:
     spec = importlib.util.find_spec(f"{__package__}._hex")
     if spec is None or not spec.origin:
         return None
-    function = ctypes.CDLL(spec.origin).recserve_parse_hex
+    function = ctypes.PyDLL(spec.origin).recserve_parse_hex  # keeps the GIL (see store.kernels)
     function.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER]
     function.restype = ctypes.c_int64
 

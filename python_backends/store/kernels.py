@@ -199,7 +199,7 @@ class IndexProbe:
 class Kernels:
     """The loaded library and typed entry points."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL) -> None:  # a PyDLL (a CDLL that keeps the GIL)
         self.library = library
         for name, arguments in _SIGNATURES.items():
             function = getattr(library, name)
@@ -320,6 +320,8 @@ def load() -> Kernels | None:
     if spec is None or not spec.origin:
         LOGGER.debug("store kernels: the compiled extension is not built; the store uses its numpy path")
         return None
-    kernels = Kernels(ctypes.CDLL(spec.origin))
+    # PyDLL: the loops run for microseconds and keep the GIL; a CDLL call would hand it to any
+    # busy background thread (the L1 refresh, an update) and wait up to a switch interval for it
+    kernels = Kernels(ctypes.PyDLL(spec.origin))
     LOGGER.debug("store kernels: compiled (%s)", os.path.basename(spec.origin))
     return kernels
