@@ -276,13 +276,13 @@ class UserHistories:
         modes = np.full(rows, "", object)
         lag = np.full(rows, -1, np.int64)
         kept = [i for i, state in enumerate(states) if state is not None]
+        kept_states = [state for state in states if state is not None]
         merged_rows, merged = np.zeros(0, np.int64), None
         if kept:
             slot = np.full(distinct.size, -1, np.int64)
             slot[kept] = np.arange(len(kept))
             merged_rows = np.flatnonzero(slot[where] >= 0)
             which = slot[where[merged_rows]]
-            kept_states = [states[i] for i in kept]
             seqs = np.array([k.state.seq for k in kept_states], np.int64)
             tail_lengths = lengths[merged_rows]
             merged = merge_rows(
@@ -295,7 +295,7 @@ class UserHistories:
                 keys.shape[1] - tail_lengths if self.left else None,
             )
             outcomes[merged_rows] = merged.outcomes
-            modes[merged_rows] = np.array([k.state.mode for k in kept_states], object)[which]
+            modes[merged_rows] = np.array([k.state.mode for k in kept_states], dtype=object)[which]
             state_seq[merged_rows] = seqs[which]
             lag[merged_rows] = merged.lag_events
         if self.rebuilds is not None:
