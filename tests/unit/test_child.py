@@ -70,7 +70,12 @@ def test_a_child_that_ignores_the_signal_is_killed_after_the_timeout(tmp_path):
 
 
 def test_the_signal_asked_for_is_the_one_sent(tmp_path):
-    child = Sleeper(tmp_path / "int.log", "import time; print('up', flush=True); time.sleep(60)").start()
+    # SIGINT's default action, whatever was inherited (a shell's background job starts with it ignored)
+    code = (
+        "import signal, time; signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "print('up', flush=True); time.sleep(60)"
+    )
+    child = Sleeper(tmp_path / "int.log", code).start()
     wait_for(tmp_path / "int.log", "up")
     assert child.halt(30.0, signal.SIGINT) == -signal.SIGINT
 
