@@ -118,7 +118,7 @@ class UserStateBuilder:
         self.clock, self.wall = clock, wall
         self.users: dict[int, _User] = {}
         self.report = BuilderReport()
-        self._refused: set[int] = set()  # users whose last write was refused
+        self._refused: set[int] = set()  # users with a write refused since the last reclaim
 
     def ingest(self, events: Events) -> None:
         """Take events (any users, log order) into the users' windows; they wait for their rebuild."""
