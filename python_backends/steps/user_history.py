@@ -4,7 +4,7 @@ A row carrying ``user_id`` and ``user_seq`` sends its history as the real-time t
 ``[user_state] tail`` events, the newest at ``user_seq``). The step fetches the states of the
 batch's distinct users (a small local cache, then one batched store call, which for Redis runs
 under ``deadline_ms`` and the breaker), merges each row's newer tail events into its user's tokens
-(:func:`~recserve.backends.store.user_tokens.merge_rows`, all rows at once) and puts the tokens'
+(:func:`~recserve.backends.store.user_tokens.merge_histories`, all rows at once) and puts the tokens'
 keys in the row's history, ``ln count`` per token in ``history_log_weights``. The keys are then
 looked up with every other key of the batch, in the same store call.
 
@@ -47,15 +47,7 @@ from recserve.backends.store.user_state_store import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import (
-    GAP,
-    HIT,
-    MISS,
-    MergedRows,
-    Tokens,
-    merge_rows,
-    place_tokens,
-)
+from recserve.backends.store.user_tokens import GAP, HIT, MISS, StoredTokens, Tokens, merge_histories
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec
@@ -68,6 +60,7 @@ STALE = "stale"
 OUTCOMES = (HIT, MISS, STALE, GAP, ERROR)
 _FETCHED = {FOUND: HIT, BAD_VALUE: STALE, ERROR: ERROR}  # absent: MISS
 _REBUILD = (MISS, STALE, GAP)
+_LOWEST = -(2**63)
 T = TypeVar("T")
 
 
@@ -106,7 +99,14 @@ class KeyedState:
     """A user's state and its tokens by key (the items hashed once, when the state is read)."""
 
     state: UserState
-    keyed: Tokens
+    keyed: StoredTokens  # what merge_histories reads
+
+    @classmethod
+    def of(cls, state: UserState, salt: np.uint64) -> KeyedState:
+        """``state`` with its items hashed to keys (``salt``: the sequence's table)."""
+        keys = keys_for(state.tokens.items.astype(np.uint64), salt)
+        counts = np.ascontiguousarray(state.tokens.counts, np.int64)
+        return cls(state, StoredTokens(Tokens(keys, counts), state.seq))
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class UserHistories:
             )
         return users, newest, lengths
 
-    def states_of(self, users: np.ndarray, needed: np.ndarray) -> tuple[list[KeyedState | None], list[str]]:
+    def states_of(self, users: list[int], needed: list[int]) -> tuple[list[KeyedState | None], list[str]]:
         """Each distinct user's state and outcome: cached when the cached state leaves no gap, else fetched.
 
         A state cached too long ago is fetched again, and reused as it is when the store still
@@ -228,10 +228,10 @@ class UserHistories:
             users: distinct users.
             needed: per user, the lowest state sequence number that leaves none of its rows a gap.
         """
-        states: list[KeyedState | None] = [None] * users.size
-        outcomes = [MISS] * users.size
+        states: list[KeyedState | None] = [None] * len(users)
+        outcomes = [MISS] * len(users)
         todo, known = [], []
-        for i, (user, lowest) in enumerate(zip(users.tolist(), needed.tolist(), strict=True)):
+        for i, (user, lowest) in enumerate(zip(users, needed, strict=True)):
             cached, fresh = self.cache.peek(user)
             if fresh and cached is not None and cached.state.seq >= lowest:
                 states[i], outcomes[i] = cached, HIT
@@ -239,16 +239,18 @@ class UserHistories:
                 todo.append(i)
                 known.append(cached)
         if todo:
-            fetched = self.states.fetch(users[todo], [k.state if k is not None else None for k in known])
+            fetched = self.states.fetch(
+                np.array([users[i] for i in todo], np.int64),
+                [k.state if k is not None else None for k in known],
+            )
             for i, before, state, outcome in zip(todo, known, fetched.states, fetched.outcomes, strict=True):
                 outcomes[i] = _FETCHED.get(outcome, MISS)
                 if state is None:
                     continue
                 if before is None or before.state is not state:
-                    items = state.tokens.items.astype(np.uint64)
-                    before = KeyedState(state, Tokens(keys_for(items, self.salt), state.tokens.counts))
+                    before = KeyedState.of(state, self.salt)
                 states[i] = before
-                self.cache.put(int(users[i]), before)
+                self.cache.put(users[i], before)
         return states, outcomes
 
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
@@ -267,70 +269,37 @@ class UserHistories:
             features[HISTORY_LOG_WEIGHTS] = np.zeros(mask.shape, np.float32)
             return RowStates.without_users(rows)
         users, newest, lengths = self.request_users(inputs, rows)
-        distinct, where = np.unique(users, return_inverse=True)
-        needed = np.full(distinct.size, np.iinfo(np.int64).min, np.int64)
-        np.maximum.at(needed, where, newest - lengths)
-        states, fetched = self.states_of(distinct, needed)
-        outcomes = np.array(fetched, object)[where]
-        state_seq = np.full(rows, -1, np.int64)
-        modes = np.full(rows, "", object)
-        lag = np.full(rows, -1, np.int64)
-        kept = [i for i, state in enumerate(states) if state is not None]
-        kept_states = [state for state in states if state is not None]
-        merged_rows, merged = np.zeros(0, np.int64), None
-        if kept:
-            slot = np.full(distinct.size, -1, np.int64)
-            slot[kept] = np.arange(len(kept))
-            merged_rows = np.flatnonzero(slot[where] >= 0)
-            which = slot[where[merged_rows]]
-            seqs = np.array([k.state.seq for k in kept_states], np.int64)
-            tail_lengths = lengths[merged_rows]
-            merged = merge_rows(
-                [k.keyed for k in kept_states],
-                seqs,
-                which,
-                keys[merged_rows],
-                tail_lengths,
-                newest[merged_rows],
-                keys.shape[1] - tail_lengths if self.left else None,
-            )
-            outcomes[merged_rows] = merged.outcomes
-            modes[merged_rows] = np.array([k.state.mode for k in kept_states], dtype=object)[which]
-            state_seq[merged_rows] = seqs[which]
-            lag[merged_rows] = merged.lag_events
+        slots: dict[int, int] = {}
+        where = [slots.setdefault(user, len(slots)) for user in users.tolist()]
+        needed = [_LOWEST] * len(slots)
+        for w, oldest in zip(where, (newest - lengths).tolist(), strict=True):
+            needed[w] = max(needed[w], oldest)
+        states, fetched = self.states_of(list(slots), needed)
+        row_states = [states[w] for w in where]
+        old = keys.shape[1]
+        merged = merge_histories(
+            [k.keyed if k is not None else None for k in row_states],
+            keys,
+            mask,
+            lengths,
+            newest,
+            self.left,
+            self.pad_key,
+            lambda longest: max(old, self.spec.sequence_bucket(max(longest, 1))),
+        )
+        outcomes = [
+            fetched[w] if k is None else GAP if gap else HIT
+            for k, w, gap in zip(row_states, where, merged.gaps.tolist(), strict=True)
+        ]
         if self.rebuilds is not None:
-            again = [r for r, outcome in enumerate(outcomes.tolist()) if outcome in _REBUILD]
+            again = [r for r, outcome in enumerate(outcomes) if outcome in _REBUILD]
             if again:
                 self.rebuilds.add(users[again])
-        features[HISTORY_LOG_WEIGHTS] = self._put_tokens(features, keys, mask, merged_rows, merged)
-        return RowStates(outcomes, state_seq, modes, lag)
-
-    def _put_tokens(
-        self,
-        features: dict[str, np.ndarray],
-        keys: np.ndarray,
-        mask: np.ndarray,
-        rows: np.ndarray,
-        merged: MergedRows | None,
-    ) -> np.ndarray:
-        """The merged ``rows``' token keys, mask and ``ln count`` written (padding side); the log-weights.
-
-        The other rows keep their keys and mask, moved to the padding side of a wider history.
-        """
-        lengths = merged.lengths if merged is not None else np.zeros(0, np.int64)
-        count, old = keys.shape
-        width = max(old, self.spec.sequence_bucket(max(int(lengths.max(initial=0)), 1)))
-        weights = np.zeros((count, width), np.float32)
-        if merged is None and width == old:
-            return weights
-        out_keys = np.full((count, width), self.pad_key, keys.dtype)
-        out_mask = np.zeros((count, width), mask.dtype)
-        if rows.size < count:
-            plain = np.ones(count, bool)
-            plain[rows] = False
-            columns = slice(width - old, width) if self.left else slice(0, old)
-            out_keys[plain, columns], out_mask[plain, columns] = keys[plain], mask[plain]
-        if merged is not None:
-            place_tokens(merged, rows, self.left, out_keys, out_mask, weights)
-        features[HISTORY_KEYS], features[self.mask] = out_keys, out_mask
-        return weights
+        features[HISTORY_KEYS], features[self.mask] = merged.keys, merged.mask
+        features[HISTORY_LOG_WEIGHTS] = merged.weights
+        return RowStates(
+            np.array(outcomes, object),
+            np.array([k.state.seq if k is not None else -1 for k in row_states], np.int64),
+            np.array([k.state.mode if k is not None else "" for k in row_states], object),
+            merged.lag_events,
+        )

@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ULL
@@ -149,102 +150,150 @@ void recserve_count(const int16_t *table_ids, const int8_t *tiers, int64_t n, in
     for (int64_t i = 0; i < n; i++) counts[table_ids[i] * tier_count + tiers[i]] += 1;
 }
 
+/* The fields of one row of the merge's table (user_tokens.merge_histories builds it). */
+enum { ROW_ITEMS, ROW_COUNTS, ROW_SIZE, ROW_SEQ, ROW_TAIL, ROW_NEWEST, ROW_FIELDS };
+/* The fields of one row of the merge's result. */
+enum { OUT_LENGTH, OUT_GAP, OUT_LAG, OUT_FIELDS };
+
 /*
- * The merge of a batch's rows with their users' stored tokens (user_tokens.merge_rows), row by row.
- *
- * Row r's state is state_items/state_counts[starts[r] .. starts[r] + sizes[r]) (distinct items,
- * oldest first); its newer events are tails[r * width + first[r] .. r * width + ends[r]). The
- * newer events are grouped by item in a small open-addressing table (scratch: 4 * width + 2
- * slots, then four arrays of width entries); each state token either joins its group's count or is
- * written as it is; then the groups are written in the order of their last occurrence. Writes
- * every row's tokens to out_items/out_counts, row after row, and its count to out_lengths; returns
- * the total, or -1 before touching anything when a span lies outside its array (the states hold
- * state_total tokens).
+ * One row's state tokens (items/counts, size of them: distinct, oldest first) merged with its
+ * newer events (events[0 .. newer)). The events are grouped by item in a small open-addressing
+ * table (slots: up to 4 * newer + 2, then four arrays of newer entries); each state token either
+ * joins its group's count or is written as it is; then the groups are written in the order of
+ * their last occurrence. Returns the number of tokens written to out_items/out_counts.
  */
-int64_t recserve_merge_rows(const int64_t *state_items, const int64_t *state_counts,
-                            int64_t state_total, const int64_t *starts, const int64_t *sizes,
-                            const int64_t *tails, int64_t width, const int64_t *first,
-                            const int64_t *ends, int64_t rows, int64_t *scratch, int64_t *out_items,
-                            int64_t *out_counts, int64_t *out_lengths) {
-    for (int64_t r = 0; r < rows; r++) {
-        if (first[r] < 0 || first[r] > ends[r] || ends[r] > width || starts[r] < 0 || sizes[r] < 0 ||
-            starts[r] > state_total - sizes[r])
-            return -1;
-    }
+static int64_t merge_one(const int64_t *items, const int64_t *counts, int64_t size,
+                         const int64_t *events, int64_t newer, int64_t width, int64_t *scratch,
+                         int64_t *out_items, int64_t *out_counts) {
     int64_t *slots = scratch;                  /* group index + 1 per slot, 0: empty */
     int64_t *group_item = scratch + 4 * width + 2; /* per group */
     int64_t *group_count = group_item + width;
     int64_t *group_last = group_count + width;
     int64_t *column_group = group_last + width; /* per newer event */
-    int64_t written = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t *events = tails + r * width + first[r];
-        int64_t newer = ends[r] - first[r], groups = 0, bits = 1;
-        while (((int64_t)1 << bits) < 2 * newer) bits++;
-        int64_t mask = ((int64_t)1 << bits) - 1;
-        memset(slots, 0, sizeof(int64_t) * (size_t)(mask + 1));
-        for (int64_t j = 0; j < newer; j++) {
-            int64_t item = events[j];
-            int64_t slot = (int64_t)(((uint64_t)item * GOLDEN) >> (64 - bits));
-            while (slots[slot] && group_item[slots[slot] - 1] != item) slot = (slot + 1) & mask;
-            if (!slots[slot]) {
-                slots[slot] = ++groups;
-                group_item[groups - 1] = item;
-                group_count[groups - 1] = 0;
-            }
-            int64_t g = slots[slot] - 1;
-            group_count[g] += 1;
-            group_last[g] = j;
-            column_group[j] = g;
+    int64_t groups = 0, bits = 1, written = 0;
+    while (((int64_t)1 << bits) < 2 * newer) bits++;
+    int64_t mask = ((int64_t)1 << bits) - 1;
+    memset(slots, 0, sizeof(int64_t) * (size_t)(mask + 1));
+    for (int64_t j = 0; j < newer; j++) {
+        int64_t item = events[j];
+        int64_t slot = (int64_t)(((uint64_t)item * GOLDEN) >> (64 - bits));
+        while (slots[slot] && group_item[slots[slot] - 1] != item) slot = (slot + 1) & mask;
+        if (!slots[slot]) {
+            slots[slot] = ++groups;
+            group_item[groups - 1] = item;
+            group_count[groups - 1] = 0;
         }
-        int64_t begin = written;
-        const int64_t *items = state_items + starts[r], *counts = state_counts + starts[r];
-        for (int64_t i = 0; i < sizes[r]; i++) {
-            int64_t slot = (int64_t)(((uint64_t)items[i] * GOLDEN) >> (64 - bits));
-            while (groups && slots[slot] && group_item[slots[slot] - 1] != items[i])
-                slot = (slot + 1) & mask;
-            if (groups && slots[slot]) {
-                group_count[slots[slot] - 1] += counts[i];
-            } else {
-                out_items[written] = items[i];
-                out_counts[written++] = counts[i];
-            }
+        int64_t g = slots[slot] - 1;
+        group_count[g] += 1;
+        group_last[g] = j;
+        column_group[j] = g;
+    }
+    for (int64_t i = 0; i < size; i++) {
+        int64_t slot = (int64_t)(((uint64_t)items[i] * GOLDEN) >> (64 - bits));
+        while (groups && slots[slot] && group_item[slots[slot] - 1] != items[i]) slot = (slot + 1) & mask;
+        if (groups && slots[slot]) {
+            group_count[slots[slot] - 1] += counts[i];
+        } else {
+            out_items[written] = items[i];
+            out_counts[written++] = counts[i];
         }
-        for (int64_t j = 0; j < newer; j++) {
-            int64_t g = column_group[j];
-            if (group_last[g] == j) {
-                out_items[written] = group_item[g];
-                out_counts[written++] = group_count[g];
-            }
+    }
+    for (int64_t j = 0; j < newer; j++) {
+        int64_t g = column_group[j];
+        if (group_last[g] == j) {
+            out_items[written] = group_item[g];
+            out_counts[written++] = group_count[g];
         }
-        out_lengths[r] = written - begin;
     }
     return written;
 }
 
 /*
- * Merged tokens into a history of width columns (user_tokens.place_tokens): row r's lengths[r]
- * tokens (items/counts, row after row) go to history row rows[r], from its first column or, with
- * left, ending at its last; each gets mask 1 and the weight ln count. Returns 0, or -1 before
- * writing when a row's tokens do not fit the width or its history row is outside 0..history_rows.
+ * A batch's rows merged with their users' stored tokens (user_tokens.merge_histories). Row r of
+ * table (ROW_FIELDS int64 each): the addresses of its state's items and counts, the state's size
+ * (-1: no state), its sequence number, the row's tail length and the sequence number of the
+ * tail's newest event. The tail is the row's first tail-length columns of tails (width columns a
+ * row), or with left its last. The tail's events at or below the state's sequence number are in
+ * the state already; the newer ones are merged.
+ *
+ * Writes row r's tokens to out_items/out_counts[r * cap ..] and out_rows[r * OUT_FIELDS ..]: its
+ * number of tokens (-1: no state), 1 when events between the state and the tail are in neither
+ * (a gap), and its lag (newest minus the state's sequence number, at least 0; -1: no state).
+ * Returns the most tokens of a row (0 without states), or -1 before writing anything when a row's
+ * tail does not fit the width, or its state and tail do not fit cap.
  */
-int64_t recserve_place_tokens(const int64_t *items, const int64_t *counts, const int64_t *lengths,
-                              const int64_t *rows, int64_t n, int64_t width, int64_t left,
-                              int64_t history_rows, int64_t *out_keys, float *out_mask,
-                              float *out_weights) {
-    for (int64_t r = 0; r < n; r++) {
-        if (lengths[r] < 0 || lengths[r] > width || rows[r] < 0 || rows[r] >= history_rows) return -1;
+int64_t recserve_merge_table(const int64_t *table, int64_t rows, const int64_t *tails,
+                             int64_t width, int64_t left, int64_t cap, int64_t *out_items,
+                             int64_t *out_counts, int64_t *out_rows) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t *row = table + r * ROW_FIELDS;
+        if (row[ROW_TAIL] < 0 || row[ROW_TAIL] > width || row[ROW_SIZE] < -1 ||
+            (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > cap - row[ROW_TAIL]))
+            return -1;
     }
-    int64_t at = 0;
-    for (int64_t r = 0; r < n; r++) {
-        int64_t length = lengths[r];
-        int64_t base = rows[r] * width + (left ? width - length : 0);
-        for (int64_t j = 0; j < length; j++) {
-            out_keys[base + j] = items[at + j];
-            out_mask[base + j] = 1.0f;
-            out_weights[base + j] = (float)log((double)counts[at + j]);
+    int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(8 * width + 2));
+    if (!scratch) return -1;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t *row = table + r * ROW_FIELDS;
+        int64_t *out = out_rows + r * OUT_FIELDS;
+        int64_t size = row[ROW_SIZE], seq = row[ROW_SEQ], length = row[ROW_TAIL];
+        if (size < 0) {
+            out[OUT_LENGTH] = -1, out[OUT_GAP] = 0, out[OUT_LAG] = -1;
+            continue;
         }
-        at += length;
+        int64_t first = row[ROW_NEWEST] - length + 1; /* the tail's oldest event */
+        int64_t skip = seq < first ? 0 : (seq - first + 1 < length ? seq - first + 1 : length);
+        const int64_t *events = tails + r * width + (left ? width - length : 0) + skip;
+        int64_t n = merge_one((const int64_t *)(intptr_t)row[ROW_ITEMS], (const int64_t *)(intptr_t)row[ROW_COUNTS],
+                              size, events, length - skip, width, scratch, out_items + r * cap,
+                              out_counts + r * cap);
+        out[OUT_LENGTH] = n;
+        out[OUT_GAP] = length > 0 && first - 1 > seq;
+        out[OUT_LAG] = row[ROW_NEWEST] > seq ? row[ROW_NEWEST] - seq : 0;
+        if (n > longest) longest = n;
+    }
+    free(scratch);
+    return longest;
+}
+
+/*
+ * A batch's history of out_width columns (user_tokens.merge_histories): a merged row's tokens
+ * (out_rows, items and counts from recserve_merge_table) from its first column or, with left,
+ * ending at its last, each with mask 1 and the weight ln count; a row without a state keeps its
+ * keys and mask (width columns) on the same side. Other positions get pad_key, mask 0, weight 0.
+ * Returns 0, or -1 before writing when out_width is below width or a row's tokens exceed it.
+ */
+int64_t recserve_place_table(const int64_t *out_rows, int64_t rows, const int64_t *items,
+                             const int64_t *counts, int64_t cap, const int64_t *keys,
+                             const float *mask, int64_t width, int64_t left, int64_t pad_key,
+                             int64_t out_width, int64_t *out_keys, float *out_mask,
+                             float *out_weights) {
+    if (out_width < width) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t length = out_rows[r * OUT_FIELDS + OUT_LENGTH];
+        if (length > out_width || length > cap) return -1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t length = out_rows[r * OUT_FIELDS + OUT_LENGTH];
+        int64_t *row_keys = out_keys + r * out_width;
+        float *row_mask = out_mask + r * out_width, *row_weights = out_weights + r * out_width;
+        for (int64_t j = 0; j < out_width; j++) row_keys[j] = pad_key;
+        memset(row_mask, 0, sizeof(float) * (size_t)out_width);
+        memset(row_weights, 0, sizeof(float) * (size_t)out_width);
+        if (length < 0) {
+            int64_t at = left ? out_width - width : 0;
+            memcpy(row_keys + at, keys + r * width, sizeof(int64_t) * (size_t)width);
+            memcpy(row_mask + at, mask + r * width, sizeof(float) * (size_t)width);
+            continue;
+        }
+        int64_t at = left ? out_width - length : 0;
+        const int64_t *row_items = items + r * cap, *row_counts = counts + r * cap;
+        for (int64_t j = 0; j < length; j++) {
+            row_keys[at + j] = row_items[j];
+            row_mask[at + j] = 1.0f;
+            row_weights[at + j] = row_counts[j] == 1 ? 0.0f : (float)log((double)row_counts[j]);
+        }
     }
     return 0;
 }

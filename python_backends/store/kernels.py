@@ -58,21 +58,21 @@ _SIGNATURES = {
     ],
     # table_ids, tiers, n, tier_count, counts
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
-    # state_items, state_counts, state_total, starts, sizes, tails, width, first, ends, rows,
-    # scratch, out_items, out_counts, out_lengths
-    "recserve_merge_rows": [
+    # table, rows, tails, width, left, cap, out_items, out_counts, out_rows
+    "recserve_merge_table": [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, *[_POINTER] * 3],
+    # out_rows, rows, items, counts, cap, keys, mask, width, left, pad_key, out_width, out_keys,
+    # out_mask, out_weights
+    "recserve_place_table": [
+        _POINTER,
+        _SIZE,
         _POINTER,
         _POINTER,
         _SIZE,
+        _POINTER,
+        _POINTER,
+        *[_SIZE] * 4,
         *[_POINTER] * 3,
-        _SIZE,
-        _POINTER,
-        _POINTER,
-        _SIZE,
-        *[_POINTER] * 4,
     ],
-    # items, counts, lengths, rows, n, width, left, history_rows, out_keys, out_mask, out_weights
-    "recserve_place_tokens": [*[_POINTER] * 4, _SIZE, _SIZE, _SIZE, _SIZE, *[_POINTER] * 3],
 }
 
 
@@ -227,87 +227,69 @@ class Kernels:
             _address(counts),
         )
 
-    def merge_rows(
+    def merge_histories(
         self,
-        state_items: np.ndarray,
-        state_counts: np.ndarray,
-        starts: np.ndarray,
-        sizes: np.ndarray,
+        table: np.ndarray,
         tails: np.ndarray,
-        first: np.ndarray,
-        ends: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each row's state tokens merged with its newer events ``tails[r, first[r]:ends[r]]``.
+        mask: np.ndarray,
+        left: bool,
+        pad_key: int,
+        cap: int,
+        width_for: Callable[[int], int],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What ``user_tokens.merge_numpy_histories`` computes, in two passes over the rows.
 
-        Row ``r``'s state is ``state_items/state_counts[starts[r]:starts[r] + sizes[r]]``. Returns
-        the rows' tokens (items, counts; row after row) and each row's number of tokens: what
-        :func:`recserve.backends.store.user_tokens.merge_rows` computes with numpy.
+        ``table`` (int64 ``[rows, 6]``) gives each row the addresses of its state's items and
+        counts (:attr:`Tokens.addresses <recserve.backends.store.user_tokens.Tokens.addresses>`:
+        live arrays of at least the size given), the state's size (-1: none) and sequence number,
+        its tail's length and newest sequence number. ``cap`` bounds a row's state plus tail.
+        ``width_for(longest)`` gives the width of the history for the longest merged row.
+
+        Returns:
+            The history's keys, mask and log-weights, and per row its tokens (-1: no state), gap
+            (1/0) and lag (-1: no state), int64 ``[rows, 3]``.
 
         Raises:
-            ValueError: a span outside its array (the loop reads and writes raw memory; the
-                request checks come first, this keeps a caller's mistake from reaching it).
+            ValueError: a table of another shape, a tail wider than its history, or a row beyond
+                ``cap`` or beyond the width asked for (the loops write raw memory; the request
+                checks come first, these keep a caller's mistake from reaching it).
         """
         rows, width = tails.shape
-        arrays = (state_items, state_counts, starts, sizes, tails, first, ends)
-        for array in arrays:
+        for array in (table, tails):
             _contiguous(array, np.int64)
-        capacity = max(0, int(sizes.sum() + ends.sum() - first.sum()))
-        items, counts = np.empty(capacity, np.int64), np.empty(capacity, np.int64)
-        lengths = np.empty(rows, np.int64)
-        scratch = np.empty(8 * width + 2, np.int64)
-        written = self.library.recserve_merge_rows(
-            _address(state_items),
-            _address(state_counts),
-            min(state_items.size, state_counts.size),
-            *(_address(a) for a in arrays[2:5]),
-            width,
-            _address(first),
-            _address(ends),
-            rows,
-            _address(scratch),
-            _address(items),
-            _address(counts),
-            _address(lengths),
+        _contiguous(mask, np.float32)
+        if table.shape != (rows, 6) or mask.shape != tails.shape:
+            raise ValueError(f"a table {table.shape} and mask {mask.shape} for tails {tails.shape}")
+        work = np.empty(rows * (2 * cap + 3), np.int64)  # items, counts [rows, cap]; results [rows, 3]
+        items = _address(work)
+        counts, results = items + 8 * rows * cap, items + 16 * rows * cap
+        longest = self.library.recserve_merge_table(
+            _address(table), rows, _address(tails), width, int(left), cap, items, counts, results
         )
-        if written < 0:
-            raise ValueError("a state or tail span outside its array")
-        return items[:written], counts[:written], lengths
-
-    def place_tokens(
-        self,
-        items: np.ndarray,
-        counts: np.ndarray,
-        lengths: np.ndarray,
-        rows: np.ndarray,
-        left: bool,
-        out_keys: np.ndarray,
-        out_mask: np.ndarray,
-        out_weights: np.ndarray,
-    ) -> None:
-        """Write merged tokens into a history, in place: what ``user_tokens.place_numpy`` does.
-
-        Raises:
-            ValueError: a row's tokens wider than the history, or a row outside it.
-        """
-        for array in (items, counts, lengths, rows, out_keys):
-            _contiguous(array, np.int64)
-        for array in (out_mask, out_weights):
-            _contiguous(array, np.float32)
-        history_rows, width = out_keys.shape
-        if out_mask.shape != out_keys.shape or out_weights.shape != out_keys.shape:
-            raise ValueError("the history's keys, mask and weights differ in shape")
-        if items.size < int(lengths.sum()) or counts.size < items.size:
-            raise ValueError("fewer tokens than the rows' lengths")
-        done = self.library.recserve_place_tokens(
-            *(_address(a) for a in (items, counts, lengths, rows)),
-            rows.size,
+        if longest < 0:
+            raise ValueError("a row's tail wider than its history, or its state and tail beyond cap")
+        out_width = width_for(longest)
+        out_keys = np.empty((rows, out_width), np.int64)
+        floats = np.empty((2, rows, out_width), np.float32)  # mask, weights
+        done = self.library.recserve_place_table(
+            results,
+            rows,
+            items,
+            counts,
+            cap,
+            _address(tails),
+            _address(mask),
             width,
             int(left),
-            history_rows,
-            *(_address(a) for a in (out_keys, out_mask, out_weights)),
+            int(pad_key),
+            out_width,
+            _address(out_keys),
+            _address(floats),
+            _address(floats) + 4 * rows * out_width,
         )
         if done < 0:
-            raise ValueError("merged tokens wider than the history, or a row outside it")
+            raise ValueError(f"a history of {out_width} columns for {width} columns and {longest} tokens")
+        return out_keys, floats[0], floats[1], work[2 * rows * cap :].reshape(rows, 3)
 
 
 @lru_cache(maxsize=1)

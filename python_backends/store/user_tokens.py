@@ -12,13 +12,16 @@ last ones, which is what the clustered mode keeps exactly (see :mod:`.user_state
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from recserve.backends.store import kernels
 
 KERNELS = kernels.load()  # the compiled merge; None: the numpy path
+_NO_STATE = (0, 0, -1, -1)  # a row's table entry without a state (see merge_histories)
 
 #: How a request's real-time tail met the user's stored state (the ``outcome`` of the merge).
 HIT, GAP, MISS = "hit", "gap", "miss"
@@ -52,6 +55,31 @@ class Tokens:
     def equals(self, other: Tokens) -> bool:
         """Same items with the same counts in the same order."""
         return np.array_equal(self.items, other.items) and np.array_equal(self.counts, other.counts)
+
+
+@dataclass(frozen=True)
+class StoredTokens:
+    """A stored state's tokens and sequence number, as the online merge reads them."""
+
+    tokens: Tokens
+    seq: int
+
+    @cached_property
+    def entry(self) -> tuple[int, int, int, int]:
+        """The compiled merge's fields of a row with this state, taken once.
+
+        The addresses of the items and counts, their number, the sequence number.
+
+        Raises:
+            ValueError: items and counts not contiguous int64 arrays of one size.
+        """
+        items, counts = self.tokens.items, self.tokens.counts
+        for array in (items, counts):
+            if array.dtype != np.int64 or not array.flags.c_contiguous:
+                raise ValueError(f"tokens need contiguous int64 arrays, got {array.dtype}")
+        if items.shape != counts.shape:
+            raise ValueError(f"{items.size} items with {counts.size} counts")
+        return items.ctypes.data, counts.ctypes.data, items.size, self.seq
 
 
 def dedup(items: np.ndarray) -> Tokens:
@@ -130,8 +158,7 @@ def merge_rows(
         newest_seqs: per row, the sequence number of its tail's newest event.
         tail_starts: per row, the column where its tail begins (a history padded on the left).
 
-    The store's compiled loop merges the rows where it is built (``_kernels.c``), else
-    :func:`merge_numpy`; both give the same tokens.
+    The lookup step merges straight into its history with :func:`merge_histories`.
     """
     which = np.asarray(which, np.int64)
     seqs = np.asarray(state_seqs, np.int64)[which]
@@ -151,8 +178,8 @@ def merge_rows(
         starts + skip,
         starts + tail_lengths,
     )
-    merged = KERNELS.merge_rows(*arguments) if KERNELS is not None else merge_numpy(*arguments)
-    gap = (tail_lengths > 0) & (first > seqs + 1)
+    merged = merge_numpy(*arguments)
+    gap = (tail_lengths > 0) & (first - 1 > seqs)
     return MergedRows(
         lengths=merged[2],
         items=merged[0],
@@ -172,7 +199,7 @@ def merge_numpy(
     first: np.ndarray,
     ends: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows' merge in whole-array steps (the arguments and result of ``Kernels.merge_rows``).
+    """The rows' merge in whole-array steps.
 
     Row ``r``'s state is ``state_items/state_counts[starts[r]:starts[r] + sizes[r]]``, its newer
     events ``tails[r, first[r]:ends[r]]``. Only the newer events are sorted (a few per row): they
@@ -217,26 +244,105 @@ def merge_numpy(
     return items, counts, lengths.astype(np.int64)
 
 
-def place_tokens(
-    merged: MergedRows, rows: np.ndarray, left: bool, keys: np.ndarray, mask: np.ndarray, weights: np.ndarray
-) -> None:
-    """Write each merged row's tokens into history row ``rows[r]``, in place (``[history rows, width]``).
+@dataclass(frozen=True)
+class MergedHistories:
+    """A batch's history with its rows' states merged (:func:`merge_histories`)."""
 
-    From the row's first column, or with ``left`` ending at its last; mask 1 and the weight
-    ``ln count`` per token. The compiled loop where it is built and the arrays are of its types,
-    else :func:`place_numpy`; both write the same.
+    keys: np.ndarray  # int64 [rows, width]
+    mask: np.ndarray  # float32 [rows, width]
+    weights: np.ndarray  # float32 [rows, width]: ln count per merged token, 0 elsewhere
+    lengths: np.ndarray  # int64 [rows]: each row's tokens, -1 for a row without a state
+    gaps: np.ndarray  # int64 [rows]: 1 where events between the state and the tail are in neither
+    lag_events: np.ndarray  # int64 [rows]: the row's newest sequence number minus its state's (-1: none)
+
+
+def merge_histories(
+    states: Sequence[StoredTokens | None],
+    keys: np.ndarray,
+    mask: np.ndarray,
+    tail_lengths: np.ndarray,
+    newest_seqs: np.ndarray,
+    left: bool,
+    pad_key: int,
+    width_for: Callable[[int], int],
+) -> MergedHistories:
+    """Each row's state (None: none) merged with its tail, as a history.
+
+    Row ``r``'s tail is its first ``tail_lengths[r]`` columns of ``keys`` (with ``left``, its
+    last), ending at sequence number ``newest_seqs[r]``; its merged tokens are those of
+    :func:`merge_rows`. They go to a history of ``width_for(longest merged row)`` columns (at least
+    ``keys``' width): from its first column or, with ``left``, ending at its last, with mask 1 and
+    ``ln count``. A row without a state keeps its keys and mask on the same side, weights 0; other
+    positions hold ``pad_key`` and mask 0.
+
+    The store's compiled loops do it in two calls where they are built and the arrays are of their
+    types (``_kernels.c``), else :func:`merge_numpy_histories`; both give the same history.
     """
-    rows = np.asarray(rows, np.int64)
-    if KERNELS is not None and mask.dtype == np.float32 and keys.dtype == np.int64:
-        KERNELS.place_tokens(merged.items, merged.counts, merged.lengths, rows, left, keys, mask, weights)
-    else:
-        place_numpy(merged, rows, left, keys, mask, weights)
+    if KERNELS is None or keys.dtype != np.int64 or mask.dtype != np.float32:
+        return merge_numpy_histories(states, keys, mask, tail_lengths, newest_seqs, left, pad_key, width_for)
+    table = np.array(
+        [
+            (*(state.entry if state is not None else _NO_STATE), length, newest)
+            for state, length, newest in zip(states, tail_lengths.tolist(), newest_seqs.tolist(), strict=True)
+        ],
+        np.int64,
+    ).reshape(len(states), 6)
+    cap = int(table[:, 2].max(initial=0)) + keys.shape[1]
+    out_keys, out_mask, weights, rows = KERNELS.merge_histories(
+        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, cap, width_for
+    )
+    return MergedHistories(out_keys, out_mask, weights, rows[:, 0], rows[:, 1], rows[:, 2])
+
+
+def merge_numpy_histories(
+    states: Sequence[StoredTokens | None],
+    keys: np.ndarray,
+    mask: np.ndarray,
+    tail_lengths: np.ndarray,
+    newest_seqs: np.ndarray,
+    left: bool,
+    pad_key: int,
+    width_for: Callable[[int], int],
+) -> MergedHistories:
+    """:func:`merge_histories` with :func:`merge_rows` and :func:`place_numpy`."""
+    count, old = keys.shape
+    lengths, gaps, lag = np.full(count, -1, np.int64), np.zeros(count, np.int64), np.full(count, -1, np.int64)
+    merged_rows = np.array([r for r, state in enumerate(states) if state is not None], np.int64)
+    merged = None
+    if merged_rows.size:
+        kept = [state for state in states if state is not None]
+        tails = np.asarray(tail_lengths, np.int64)[merged_rows]
+        merged = merge_rows(
+            [state.tokens for state in kept],
+            np.array([state.seq for state in kept], np.int64),
+            np.arange(len(kept)),
+            keys[merged_rows],
+            tails,
+            np.asarray(newest_seqs, np.int64)[merged_rows],
+            old - tails if left else None,
+        )
+        lengths[merged_rows] = merged.lengths
+        gaps[merged_rows] = merged.outcomes == GAP
+        lag[merged_rows] = merged.lag_events
+    width = width_for(int(lengths.max(initial=0)))
+    out_keys = np.full((count, width), pad_key, keys.dtype)
+    out_mask, weights = np.zeros((count, width), mask.dtype), np.zeros((count, width), np.float32)
+    plain = lengths < 0
+    columns = slice(width - old, width) if left else slice(0, old)
+    out_keys[plain, columns], out_mask[plain, columns] = keys[plain], mask[plain]
+    if merged is not None:
+        place_numpy(merged, merged_rows, left, out_keys, out_mask, weights)
+    return MergedHistories(out_keys, out_mask, weights, lengths, gaps, lag)
 
 
 def place_numpy(
     merged: MergedRows, rows: np.ndarray, left: bool, keys: np.ndarray, mask: np.ndarray, weights: np.ndarray
 ) -> None:
-    """:func:`place_tokens` in whole-array steps (``rows`` ascending: tokens fill a row-major mask)."""
+    """Write each merged row's tokens into history row ``rows[r]``, in place (``[history rows, width]``).
+
+    From the row's first column, or with ``left`` ending at its last; mask 1 and the weight
+    ``ln count`` per token (``rows`` ascending: tokens fill a row-major mask).
+    """
     width = keys.shape[1]
     columns = np.arange(width)
     lengths = merged.lengths[:, None]

@@ -152,54 +152,57 @@ def test_the_numpy_path_can_be_forced(monkeypatch):
     assert isinstance(kernels.load.__wrapped__(), kernels.Kernels)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_compiled_user_state_merge_gives_the_numpy_merge(seed):
-    """Any 64-bit item ids (edge values included), states of any size, tails with or without newer events."""
-    rng = np.random.default_rng(seed)
+def _histories_batch(rng):
+    """Rows with or without a state (any 64-bit ids, edge values included), tails of any length and
+    sequence numbers that overlap, leave gaps or are older than the state."""
     vocabulary = random_keys(rng, int(rng.integers(1, 400)))
     rows, width = int(rng.integers(1, 40)), int(rng.integers(1, 130))
-    states = [np.unique(rng.choice(vocabulary, int(rng.integers(0, 300)))) for _ in range(rows)]
-    sizes = np.array([s.size for s in states], np.int64)
-    items = np.concatenate([rng.permutation(s) for s in states]).astype(np.int64)
-    counts = rng.integers(1, 1000, items.size).astype(np.int64)
-    tails = rng.choice(vocabulary, (rows, width)).astype(np.int64)
-    ends = rng.integers(0, width + 1, rows).astype(np.int64)
-    first = np.minimum(rng.integers(0, width + 1, rows), ends).astype(np.int64)
-    arguments = (items, counts, np.cumsum(sizes) - sizes, sizes, tails, first, ends)
-    compiled = KERNELS.merge_rows(*arguments)
-    for got, expected in zip(compiled, user_tokens.merge_numpy(*arguments), strict=True):
-        assert np.array_equal(got, expected)
-
-
-def test_the_compiled_merge_refuses_spans_outside_their_arrays():
-    items, counts = np.arange(4, dtype=np.int64), np.ones(4, np.int64)
-    tails = np.zeros((1, 3), np.int64)
-    one = np.array([1], np.int64)
-    for starts, sizes, first, ends in [(one * 2, one * 3, one * 0, one), (one * 0, one, one * 0, one * 4)]:
-        with pytest.raises(ValueError, match="outside its array"):
-            KERNELS.merge_rows(items, counts, starts, sizes, tails, first, ends)
+    states = []
+    for _ in range(rows):
+        if rng.random() < 0.2:
+            states.append(None)
+            continue
+        items = rng.permutation(np.unique(rng.choice(vocabulary, int(rng.integers(0, 300))))).astype(np.int64)
+        counts = rng.integers(1, 4, items.size) * rng.integers(1, 2**20, items.size) ** (rng.random() < 0.3)
+        states.append(
+            user_tokens.StoredTokens(
+                user_tokens.Tokens(items, counts.astype(np.int64)), int(rng.integers(0, 200))
+            )
+        )
+    keys = rng.choice(vocabulary, (rows, width)).astype(np.int64)
+    mask = rng.integers(0, 2, (rows, width)).astype(np.float32)
+    lengths = rng.integers(0, width + 1, rows).astype(np.int64)
+    newest = lengths + rng.integers(0, 250, rows)
+    return states, keys, mask, lengths, newest
 
 
 @pytest.mark.parametrize("left", [False, True])
-@pytest.mark.parametrize("seed", range(4))
-def test_the_compiled_placement_of_merged_tokens_writes_what_numpy_writes(seed, left):
-    rng = np.random.default_rng(50 + seed)
-    history_rows, width = int(rng.integers(1, 20)), int(rng.integers(1, 70))
-    rows = np.sort(rng.choice(history_rows, int(rng.integers(1, history_rows + 1)), replace=False))
-    lengths = rng.integers(0, width + 1, rows.size).astype(np.int64)
-    items = random_keys(rng, int(lengths.sum()))[: int(lengths.sum())]
-    counts = rng.integers(1, 2**32, items.size).astype(np.int64)
-    merged = user_tokens.MergedRows(lengths, items, counts, *(np.zeros(rows.size),) * 3)
-    written = []
-    for place in (
-        lambda *a: KERNELS.place_tokens(items, counts, lengths, rows, left, *a),
-        lambda *a: user_tokens.place_numpy(merged, rows, left, *a),
-    ):
-        shape = (history_rows, width)
-        out = (np.full(shape, 7, np.int64), np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-        place(*out)
-        written.append(out)
-    for got, expected in zip(*written, strict=True):
-        np.testing.assert_array_equal(got, expected)
-    with pytest.raises(ValueError, match="a row outside it"):
-        KERNELS.place_tokens(items, counts, lengths, rows + history_rows, left, *written[0])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_compiled_merge_into_the_history_gives_the_numpy_one(seed, left):
+    """Tokens, mask and log-weights of merged rows, the kept rows of rows without a state, the padding."""
+    rng = np.random.default_rng(seed)
+    states, keys, mask, lengths, newest = _histories_batch(rng)
+    extra = int(rng.integers(0, 20))
+    arguments = (states, keys, mask, lengths, newest, left, -5, lambda n: max(keys.shape[1], n) + extra)
+    compiled = user_tokens.merge_histories(*arguments)
+    expected = user_tokens.merge_numpy_histories(*arguments)
+    for field in ("keys", "mask", "weights", "lengths", "gaps", "lag_events"):
+        np.testing.assert_array_equal(getattr(compiled, field), getattr(expected, field), err_msg=field)
+
+
+def test_the_compiled_merge_refuses_rows_outside_its_arrays():
+    tokens = user_tokens.Tokens(np.arange(4, dtype=np.int64), np.ones(4, np.int64))
+    table = np.array([[*user_tokens.StoredTokens(tokens, 0).entry, 3, 3]], np.int64)
+    tails, mask = np.zeros((1, 3), np.int64), np.zeros((1, 3), np.float32)
+
+    def merge(table, cap=7, width_for=lambda n: max(3, n)):
+        return KERNELS.merge_histories(table, tails, mask, False, 0, cap, width_for)
+
+    assert merge(table)[3].tolist() == [[4, 0, 3]]  # item 0 of the tail joins the state's
+    for bad in ({"table": table + [0, 0, 0, 0, 1, 0]}, {"table": table, "cap": 6}):
+        with pytest.raises(ValueError, match="beyond cap"):
+            merge(**bad)
+    with pytest.raises(ValueError, match="a history of 3 columns"):
+        merge(table, width_for=lambda n: 3)
+    with pytest.raises(ValueError, match="a table"):
+        merge(table[:, :5].copy())

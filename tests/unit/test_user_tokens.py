@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from recserve.backends.store import user_tokens
 from recserve.backends.store.user_tokens import (
     GAP,
     HIT,
     MISS,
+    StoredTokens,
     Tokens,
     dedup,
     merge,
@@ -87,16 +87,9 @@ def test_the_merge_leaves_its_inputs_untouched():
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
-@pytest.mark.parametrize("path", ["compiled", "numpy"])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_tail_events(
-    seed, path, padding, monkeypatch
-):
+def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_tail_events(seed, padding):
     """Rows of a few users (a user on several rows, with tails of its own), padded tails, gaps, overlaps."""
-    if path == "numpy":
-        monkeypatch.setattr(user_tokens, "KERNELS", None)
-    elif user_tokens.KERNELS is None:
-        pytest.skip("the compiled store kernels are not built (no C compiler at install)")
     rng = np.random.default_rng(200 + seed)
     users = int(rng.integers(1, 5))
     events = [_events(rng, int(rng.integers(1, 200)), int(rng.integers(1, 40))) for _ in range(users)]
@@ -128,3 +121,15 @@ def test_a_batch_merged_at_once_gives_each_row_its_states_events_and_its_newer_t
         assert rows.row(r).equals(expected), r
         assert rows.outcomes[r] == (GAP if j <= n and j > k + 1 else HIT)
         assert rows.merged_events[r] == max(0, n - max(j, k + 1) + 1) and rows.lag_events[r] == max(0, n - k)
+
+
+def test_a_stored_state_gives_the_compiled_merge_its_addresses_only_for_contiguous_int64_arrays_of_one_size():
+    tokens = Tokens(np.arange(3, dtype=np.int64), np.ones(3, np.int64))
+    assert StoredTokens(tokens, 9).entry == (tokens.items.ctypes.data, tokens.counts.ctypes.data, 3, 9)
+    for items, counts in [
+        (np.arange(3, dtype=np.int32), np.ones(3, np.int64)),
+        (np.arange(6, dtype=np.int64)[::2], np.ones(3, np.int64)),
+        (np.arange(3, dtype=np.int64), np.ones(2, np.int64)),
+    ]:
+        with pytest.raises(ValueError):
+            _ = StoredTokens(Tokens(items, counts), 0).entry
