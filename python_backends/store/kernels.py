@@ -260,17 +260,27 @@ class Kernels:
         _contiguous(mask, np.float32)
         if table.shape != (rows, 6) or mask.shape != tails.shape:
             raise ValueError(f"a table {table.shape} and mask {mask.shape} for tails {tails.shape}")
-        work = np.empty(rows * (2 * cap + 3), np.int64)  # items, counts [rows, cap]; results [rows, 3]
-        items = _address(work)
-        counts, results = items + 8 * rows * cap, items + 16 * rows * cap
+        # one buffer in, one out: an address each (the table copied in costs less than an address)
+        work = np.empty(rows * (6 + 2 * cap + 3), np.int64)  # table; items, counts [rows, cap]; results
+        work[: rows * 6] = table.reshape(-1)
+        base = _address(work)
+        items, counts, results = (
+            base + 48 * rows,
+            base + 8 * rows * (6 + cap),
+            base + 8 * rows * (6 + 2 * cap),
+        )
         longest = self.library.recserve_merge_table(
-            _address(table), rows, _address(tails), width, int(left), cap, items, counts, results
+            base, rows, _address(tails), width, int(left), cap, items, counts, results
         )
         if longest < 0:
             raise ValueError("a row's tail wider than its history, or its state and tail beyond cap")
         out_width = width_for(longest)
-        out_keys = np.empty((rows, out_width), np.int64)
-        floats = np.empty((2, rows, out_width), np.float32)  # mask, weights
+        cells = rows * out_width
+        out = np.empty(16 * cells, np.uint8)  # keys (int64), mask, weights (float32)
+        out_keys = out[: 8 * cells].view(np.int64).reshape(rows, out_width)
+        out_mask = out[8 * cells : 12 * cells].view(np.float32).reshape(rows, out_width)
+        weights = out[12 * cells :].view(np.float32).reshape(rows, out_width)
+        at = _address(out)
         done = self.library.recserve_place_table(
             results,
             rows,
@@ -283,13 +293,13 @@ class Kernels:
             int(left),
             int(pad_key),
             out_width,
-            _address(out_keys),
-            _address(floats),
-            _address(floats) + 4 * rows * out_width,
+            at,
+            at + 8 * cells,
+            at + 12 * cells,
         )
         if done < 0:
             raise ValueError(f"a history of {out_width} columns for {width} columns and {longest} tokens")
-        return out_keys, floats[0], floats[1], work[2 * rows * cap :].reshape(rows, 3)
+        return out_keys, out_mask, weights, work[rows * (6 + 2 * cap) :].reshape(rows, 3)
 
 
 @lru_cache(maxsize=1)
