@@ -19,8 +19,6 @@ never computed here.
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -67,95 +65,33 @@ T = TypeVar("T")
 
 
 class StateCache(Generic[T]):
-    """Values fetched lately, per user, each fresh for ``ttl_s`` after its fetch (LRU, ``capacity``).
-
-    Thread-safe: the lookup step reads it while its renewal thread writes.
-    """
+    """Values fetched lately, per user, each fresh for ``ttl_s`` after its fetch (LRU, ``capacity``)."""
 
     def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.capacity, self.ttl_s, self.clock = capacity, ttl_s, clock
         self._values: OrderedDict[int, tuple[float, T]] = OrderedDict()
-        self._lock = threading.Lock()
 
     def get(self, user: int) -> T | None:
         """The cached value of ``user``; None when not cached or too old."""
-        value, age = self.peek(user)
-        return value if age <= self.ttl_s else None
+        value, fresh = self.peek(user)
+        return value if fresh else None
 
-    def peek(self, user: int) -> tuple[T | None, float]:
-        """The cached value of ``user`` even when too old (None: not cached), and its age in seconds."""
-        with self._lock:
-            entry = self._values.get(user)
-            if entry is None:
-                return None, math.inf
-            self._values.move_to_end(user)
-        return entry[1], self.clock() - entry[0]
+    def peek(self, user: int) -> tuple[T | None, bool]:
+        """The cached value of ``user`` even when too old (None: not cached), and whether it is fresh."""
+        entry = self._values.get(user)
+        if entry is None:
+            return None, False
+        self._values.move_to_end(user)
+        return entry[1], self.clock() - entry[0] <= self.ttl_s
 
     def put(self, user: int, value: T) -> None:
         """Cache ``value`` (the least recently used user leaves beyond ``capacity``)."""
         if self.capacity <= 0:
             return
-        with self._lock:
-            self._values[user] = (self.clock(), value)
-            self._values.move_to_end(user)
-            while len(self._values) > self.capacity:
-                self._values.popitem(last=False)
-
-    def drop(self, user: int) -> None:
-        """Forget ``user``'s value."""
-        with self._lock:
-            self._values.pop(user, None)
-
-
-class Renewal:
-    """Users handed in by the request path, handed to ``work`` in batches on a thread of its own.
-
-    The thread starts with the first users; a user handed in again before its batch is taken is
-    taken once. ``work`` failing is logged, and the thread goes on.
-    """
-
-    def __init__(self, work: Callable[[list[int]], None]) -> None:
-        self.work = work
-        self._due: set[int] = set()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def add(self, users: list[int]) -> None:
-        """Hand ``users`` in (a no-op once closed)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._due.update(users)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="recserve-user-state-renewal", daemon=True
-                )
-                self._thread.start()
-        self._wake.set()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread (users still due are dropped)."""
-        with self._lock:
-            self._closed = True
-            thread = self._thread
-        self._wake.set()
-        if thread is not None:
-            thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            with self._lock:
-                if self._closed:
-                    return
-                users, self._due = sorted(self._due), set()
-                self._wake.clear()
-            try:
-                self.work(users)
-            except Exception:  # the request path goes on: a state past its time is fetched there
-                LOGGER.exception("renewing %d cached user states failed", len(users))
+        self._values[user] = (self.clock(), value)
+        self._values.move_to_end(user)
+        while len(self._values) > self.capacity:
+            self._values.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -219,7 +155,6 @@ class UserHistories:
         self.cache: StateCache[KeyedState] = cache or StateCache(
             section.cache_users, section.cache_ttl_ms / 1000.0
         )
-        self._renewal = Renewal(self.renew)
         self.sequence = spec.sequences[0]
         self.group = spec.attention_groups[0]
         self.mask = attention_inputs(spec)[0].mask
@@ -245,8 +180,7 @@ class UserHistories:
         return cls(spec, states, RebuildQueue(sink))
 
     def close(self) -> None:
-        """Stop renewing, flush the rebuild queue and release the store's resources."""
-        self._renewal.close()
+        """Flush the rebuild queue and release the store's resources."""
         if self.rebuilds is not None:
             self.rebuilds.close()
         close = getattr(self.states, "close", None)
@@ -266,17 +200,15 @@ class UserHistories:
         newest = require(inputs, USER_SEQ, "INT64", rows, 1)[:, 0]
         lengths = require(inputs, self.group.length_input, "INT32", rows, 1)[:, 0].astype(np.int64)
         limit = self.spec.user_state.tail
-        over = np.flatnonzero(lengths > limit)
-        if over.size:
-            r = int(over[0])
+        if (lengths > limit).any():
+            r = int(np.argmax(lengths > limit))
             raise InvalidInput(
                 self.group.length_input,
                 f"row {r} is {int(lengths[r])}; with {USER_ID} the history is the real-time tail, "
                 f"at most [user_state] tail = {limit} events",
             )
-        below = np.flatnonzero(newest < lengths)
-        if below.size:
-            r = int(below[0])
+        if (newest < lengths).any():
+            r = int(np.argmax(newest < lengths))
             raise InvalidInput(
                 USER_SEQ,
                 f"row {r} is {int(newest[r])}, below its history's {int(lengths[r])} events "
@@ -287,10 +219,8 @@ class UserHistories:
     def states_of(self, users: list[int], needed: list[int]) -> tuple[list[KeyedState | None], list[str]]:
         """Each distinct user's state and outcome: cached when the cached state leaves no gap, else fetched.
 
-        A state is served from the cache for ``cache_ttl_ms`` after its fetch. Past half that age
-        it is still served, and re-read in the background (:meth:`renew`), so an active user's
-        state is renewed before it runs out; past the whole, it is fetched again here. Either way a
-        re-read state with the same bytes is reused as it is.
+        A state cached too long ago is fetched again, and reused as it is when the store still
+        holds the same bytes.
 
         Args:
             users: distinct users.
@@ -298,19 +228,14 @@ class UserHistories:
         """
         states: list[KeyedState | None] = [None] * len(users)
         outcomes = [MISS] * len(users)
-        todo, known, due = [], [], []
-        ttl = self.cache.ttl_s
+        todo, known = [], []
         for i, (user, lowest) in enumerate(zip(users, needed, strict=True)):
-            cached, age = self.cache.peek(user)
-            if cached is not None and age <= ttl and cached.state.seq >= lowest:
+            cached, fresh = self.cache.peek(user)
+            if fresh and cached is not None and cached.state.seq >= lowest:
                 states[i], outcomes[i] = cached, HIT
-                if age > ttl / 2:
-                    due.append(user)
             else:
                 todo.append(i)
                 known.append(cached)
-        if due:
-            self._renewal.add(due)
         if todo:
             fetched = self.states.fetch(
                 np.array([users[i] for i in todo], np.int64),
@@ -318,34 +243,13 @@ class UserHistories:
             )
             for i, before, state, outcome in zip(todo, known, fetched.states, fetched.outcomes, strict=True):
                 outcomes[i] = _FETCHED.get(outcome, MISS)
-                if state is not None:
-                    states[i] = self._keep(users[i], before, state)
+                if state is None:
+                    continue
+                if before is None or before.state is not state:
+                    before = KeyedState.of(state, self.salt)
+                states[i] = before
+                self.cache.put(users[i], before)
         return states, outcomes
-
-    def renew(self, users: list[int]) -> None:
-        """Re-read the cached states of ``users`` (the renewal thread's work).
-
-        A state found is cached anew (a newer one cached meanwhile is kept); a state no longer
-        stored, or no longer readable, leaves the cache; a failed read leaves it as it was, to
-        run out.
-        """
-        known = [self.cache.peek(user)[0] for user in users]
-        fetched = self.states.fetch(
-            np.array(users, np.int64), [k.state if k is not None else None for k in known]
-        )
-        for user, before, state, outcome in zip(users, known, fetched.states, fetched.outcomes, strict=True):
-            if state is not None:
-                now = self.cache.peek(user)[0]
-                if now is None or now.state.seq <= state.seq:
-                    self._keep(user, before, state)
-            elif outcome != ERROR:
-                self.cache.drop(user)
-
-    def _keep(self, user: int, before: KeyedState | None, state: UserState) -> KeyedState:
-        """Cache ``state`` (its keys hashed, unless it is ``before``'s state reused) and return it."""
-        kept = before if before is not None and before.state is state else KeyedState.of(state, self.salt)
-        self.cache.put(user, kept)
-        return kept
 
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
         """Merge the rows' users' states into ``features`` (the transform's keys), in place.

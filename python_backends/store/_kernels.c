@@ -209,45 +209,66 @@ static int64_t merge_one(const int64_t *items, const int64_t *counts, int64_t si
 }
 
 /*
- * A batch's rows merged with their users' stored tokens (user_tokens.merge_histories). Row r of
- * table (ROW_FIELDS int64 each): the addresses of its state's items and counts, the state's size
- * (-1: no state), its sequence number, the row's tail length and the sequence number of the
- * tail's newest event. The tail is the row's first tail-length columns of tails (width columns a
- * row), or with left its last. The tail's events at or below the state's sequence number are in
- * the state already; the newer ones are merged.
+ * A batch's rows merged with their users' stored tokens, written as a history of out_width columns
+ * (user_tokens.merge_histories). Row r of table (ROW_FIELDS int64 each): the addresses of its
+ * state's items and counts, the state's size (-1: no state), its sequence number, the row's tail
+ * length and the sequence number of the tail's newest event. The tail is the row's first
+ * tail-length columns of keys (width columns a row), or with left its last. The tail's events at
+ * or below the state's sequence number are in the state already; the newer ones are merged.
  *
- * Writes row r's tokens to out_items/out_counts[r * cap ..] and out_rows[r * OUT_FIELDS ..]: its
- * number of tokens (-1: no state), 1 when events between the state and the tail are in neither
- * (a gap), and its lag (newest minus the state's sequence number, at least 0; -1: no state).
- * Returns the most tokens of a row (0 without states), or -1 before writing anything when a row's
- * tail does not fit the width, or its state and tail do not fit cap.
+ * A merged row's tokens go to its first columns or, with left, end at its last, each with mask 1
+ * and the weight ln count; a row without a state keeps its keys and mask on the same side. Other
+ * positions get pad_key, mask 0 and weight 0. out_rows[r * OUT_FIELDS ..] gets the row's number
+ * of tokens (-1: no state), 1 when events between the state and the tail are in neither (a gap),
+ * and its lag (newest minus the state's sequence number, at least 0; -1: no state).
+ *
+ * Returns the most tokens of a row (0 without states), or -1 before writing anything when out_width
+ * is below width, a row's tail does not fit the width, or its state and tail do not fit out_width.
  */
-int64_t recserve_merge_table(const int64_t *table, int64_t rows, const int64_t *tails,
-                             int64_t width, int64_t left, int64_t cap, int64_t *out_items,
-                             int64_t *out_counts, int64_t *out_rows) {
+int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64_t *keys,
+                                 const float *mask, int64_t width, int64_t left, int64_t pad_key,
+                                 int64_t out_width, int64_t *out_keys, float *out_mask,
+                                 float *out_weights, int64_t *out_rows) {
+    if (out_width < width) return -1;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *row = table + r * ROW_FIELDS;
         if (row[ROW_TAIL] < 0 || row[ROW_TAIL] > width || row[ROW_SIZE] < -1 ||
-            (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > cap - row[ROW_TAIL]))
+            (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > out_width - row[ROW_TAIL]))
             return -1;
     }
-    int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(8 * width + 2));
+    /* the groups' table (8 * width + 2), then one row's merged items and counts */
+    int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(8 * width + 2 + 2 * out_width));
     if (!scratch) return -1;
+    int64_t *items = scratch + 8 * width + 2, *counts = items + out_width;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *row = table + r * ROW_FIELDS;
         int64_t *out = out_rows + r * OUT_FIELDS;
+        int64_t *row_keys = out_keys + r * out_width;
+        float *row_mask = out_mask + r * out_width, *row_weights = out_weights + r * out_width;
         int64_t size = row[ROW_SIZE], seq = row[ROW_SEQ], length = row[ROW_TAIL];
+        for (int64_t j = 0; j < out_width; j++) row_keys[j] = pad_key;
+        memset(row_mask, 0, sizeof(float) * (size_t)out_width);
+        memset(row_weights, 0, sizeof(float) * (size_t)out_width);
         if (size < 0) {
+            int64_t at = left ? out_width - width : 0;
+            memcpy(row_keys + at, keys + r * width, sizeof(int64_t) * (size_t)width);
+            memcpy(row_mask + at, mask + r * width, sizeof(float) * (size_t)width);
             out[OUT_LENGTH] = -1, out[OUT_GAP] = 0, out[OUT_LAG] = -1;
             continue;
         }
         int64_t first = row[ROW_NEWEST] - length + 1; /* the tail's oldest event */
         int64_t skip = seq < first ? 0 : (seq - first + 1 < length ? seq - first + 1 : length);
-        const int64_t *events = tails + r * width + (left ? width - length : 0) + skip;
-        int64_t n = merge_one((const int64_t *)(intptr_t)row[ROW_ITEMS], (const int64_t *)(intptr_t)row[ROW_COUNTS],
-                              size, events, length - skip, width, scratch, out_items + r * cap,
-                              out_counts + r * cap);
+        const int64_t *events = keys + r * width + (left ? width - length : 0) + skip;
+        int64_t n = merge_one((const int64_t *)(intptr_t)row[ROW_ITEMS],
+                              (const int64_t *)(intptr_t)row[ROW_COUNTS], size, events, length - skip,
+                              width, scratch, items, counts);
+        int64_t at = left ? out_width - n : 0;
+        for (int64_t j = 0; j < n; j++) {
+            row_keys[at + j] = items[j];
+            row_mask[at + j] = 1.0f;
+            row_weights[at + j] = counts[j] == 1 ? 0.0f : (float)log((double)counts[j]);
+        }
         out[OUT_LENGTH] = n;
         out[OUT_GAP] = length > 0 && first - 1 > seq;
         out[OUT_LAG] = row[ROW_NEWEST] > seq ? row[ROW_NEWEST] - seq : 0;
@@ -255,45 +276,4 @@ int64_t recserve_merge_table(const int64_t *table, int64_t rows, const int64_t *
     }
     free(scratch);
     return longest;
-}
-
-/*
- * A batch's history of out_width columns (user_tokens.merge_histories): a merged row's tokens
- * (out_rows, items and counts from recserve_merge_table) from its first column or, with left,
- * ending at its last, each with mask 1 and the weight ln count; a row without a state keeps its
- * keys and mask (width columns) on the same side. Other positions get pad_key, mask 0, weight 0.
- * Returns 0, or -1 before writing when out_width is below width or a row's tokens exceed it.
- */
-int64_t recserve_place_table(const int64_t *out_rows, int64_t rows, const int64_t *items,
-                             const int64_t *counts, int64_t cap, const int64_t *keys,
-                             const float *mask, int64_t width, int64_t left, int64_t pad_key,
-                             int64_t out_width, int64_t *out_keys, float *out_mask,
-                             float *out_weights) {
-    if (out_width < width) return -1;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t length = out_rows[r * OUT_FIELDS + OUT_LENGTH];
-        if (length > out_width || length > cap) return -1;
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t length = out_rows[r * OUT_FIELDS + OUT_LENGTH];
-        int64_t *row_keys = out_keys + r * out_width;
-        float *row_mask = out_mask + r * out_width, *row_weights = out_weights + r * out_width;
-        for (int64_t j = 0; j < out_width; j++) row_keys[j] = pad_key;
-        memset(row_mask, 0, sizeof(float) * (size_t)out_width);
-        memset(row_weights, 0, sizeof(float) * (size_t)out_width);
-        if (length < 0) {
-            int64_t at = left ? out_width - width : 0;
-            memcpy(row_keys + at, keys + r * width, sizeof(int64_t) * (size_t)width);
-            memcpy(row_mask + at, mask + r * width, sizeof(float) * (size_t)width);
-            continue;
-        }
-        int64_t at = left ? out_width - length : 0;
-        const int64_t *row_items = items + r * cap, *row_counts = counts + r * cap;
-        for (int64_t j = 0; j < length; j++) {
-            row_keys[at + j] = row_items[j];
-            row_mask[at + j] = 1.0f;
-            row_weights[at + j] = row_counts[j] == 1 ? 0.0f : (float)log((double)row_counts[j]);
-        }
-    }
-    return 0;
 }

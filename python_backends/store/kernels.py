@@ -58,21 +58,9 @@ _SIGNATURES = {
     ],
     # table_ids, tiers, n, tier_count, counts
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
-    # table, rows, tails, width, left, cap, out_items, out_counts, out_rows
-    "recserve_merge_table": [_POINTER, _SIZE, _POINTER, _SIZE, _SIZE, _SIZE, *[_POINTER] * 3],
-    # out_rows, rows, items, counts, cap, keys, mask, width, left, pad_key, out_width, out_keys,
-    # out_mask, out_weights
-    "recserve_place_table": [
-        _POINTER,
-        _SIZE,
-        _POINTER,
-        _POINTER,
-        _SIZE,
-        _POINTER,
-        _POINTER,
-        *[_SIZE] * 4,
-        *[_POINTER] * 3,
-    ],
+    # table, rows, keys, mask, width, left, pad_key, out_width, out_keys, out_mask, out_weights,
+    # out_rows
+    "recserve_merge_histories": [_POINTER, _SIZE, _POINTER, _POINTER, *[_SIZE] * 4, *[_POINTER] * 4],
 }
 
 
@@ -228,66 +216,39 @@ class Kernels:
         )
 
     def merge_histories(
-        self,
-        table: np.ndarray,
-        tails: np.ndarray,
-        mask: np.ndarray,
-        left: bool,
-        pad_key: int,
-        cap: int,
-        width_for: Callable[[int], int],
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What ``user_tokens.merge_numpy_histories`` computes, in two passes over the rows.
+        self, table: np.ndarray, keys: np.ndarray, mask: np.ndarray, left: bool, pad_key: int, out_width: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        """What ``user_tokens.merge_numpy_histories`` computes, in one pass over the rows.
 
         ``table`` (int64 ``[rows, 6]``) gives each row the addresses of its state's items and
-        counts (:attr:`Tokens.addresses <recserve.backends.store.user_tokens.Tokens.addresses>`:
+        counts (:attr:`StoredTokens.entry <recserve.backends.store.user_tokens.StoredTokens.entry>`:
         live arrays of at least the size given), the state's size (-1: none) and sequence number,
-        its tail's length and newest sequence number. ``cap`` bounds a row's state plus tail.
-        ``width_for(longest)`` gives the width of the history for the longest merged row.
+        its tail's length and newest sequence number. Each row's state and tail must fit
+        ``out_width`` columns.
 
         Returns:
-            The history's keys, mask and log-weights, and per row its tokens (-1: no state), gap
-            (1/0) and lag (-1: no state), int64 ``[rows, 3]``.
+            The history's keys, mask and log-weights (``out_width`` columns), per row its tokens
+            (-1: no state), gap (1/0) and lag (-1: no state) as int64 ``[rows, 3]``, and the most
+            tokens of a row.
 
         Raises:
-            ValueError: a table of another shape, a tail wider than its history, or a row beyond
-                ``cap`` or beyond the width asked for (the loops write raw memory; the request
-                checks come first, these keep a caller's mistake from reaching it).
+            ValueError: a table of another shape, a tail wider than its history, or a row's state
+                and tail wider than ``out_width`` (the loop writes raw memory; the request checks
+                come first, these keep a caller's mistake from reaching it).
         """
-        rows, width = tails.shape
-        for array in (table, tails):
+        rows, width = keys.shape
+        for array in (table, keys):
             _contiguous(array, np.int64)
         _contiguous(mask, np.float32)
-        if table.shape != (rows, 6) or mask.shape != tails.shape:
-            raise ValueError(f"a table {table.shape} and mask {mask.shape} for tails {tails.shape}")
-        # one buffer in, one out: an address each (the table copied in costs less than an address)
-        work = np.empty(rows * (6 + 2 * cap + 3), np.int64)  # table; items, counts [rows, cap]; results
-        work[: rows * 6] = table.reshape(-1)
-        base = _address(work)
-        items, counts, results = (
-            base + 48 * rows,
-            base + 8 * rows * (6 + cap),
-            base + 8 * rows * (6 + 2 * cap),
-        )
-        longest = self.library.recserve_merge_table(
-            base, rows, _address(tails), width, int(left), cap, items, counts, results
-        )
-        if longest < 0:
-            raise ValueError("a row's tail wider than its history, or its state and tail beyond cap")
-        out_width = width_for(longest)
+        if table.shape != (rows, 6) or mask.shape != keys.shape:
+            raise ValueError(f"a table {table.shape} and mask {mask.shape} for keys {keys.shape}")
         cells = rows * out_width
-        out = np.empty(16 * cells, np.uint8)  # keys (int64), mask, weights (float32)
-        out_keys = out[: 8 * cells].view(np.int64).reshape(rows, out_width)
-        out_mask = out[8 * cells : 12 * cells].view(np.float32).reshape(rows, out_width)
-        weights = out[12 * cells :].view(np.float32).reshape(rows, out_width)
+        out = np.empty(16 * cells + 24 * rows, np.uint8)  # keys (int64), mask, weights (float32), rows
         at = _address(out)
-        done = self.library.recserve_place_table(
-            results,
+        longest = self.library.recserve_merge_histories(
+            _address(table),
             rows,
-            items,
-            counts,
-            cap,
-            _address(tails),
+            _address(keys),
             _address(mask),
             width,
             int(left),
@@ -296,10 +257,17 @@ class Kernels:
             at,
             at + 8 * cells,
             at + 12 * cells,
+            at + 16 * cells,
         )
-        if done < 0:
-            raise ValueError(f"a history of {out_width} columns for {width} columns and {longest} tokens")
-        return out_keys, out_mask, weights, work[rows * (6 + 2 * cap) :].reshape(rows, 3)
+        if longest < 0:
+            raise ValueError(f"a row's tail or its state and tail wider than {width} or {out_width} columns")
+        return (
+            out[: 8 * cells].view(np.int64).reshape(rows, out_width),
+            out[8 * cells : 12 * cells].view(np.float32).reshape(rows, out_width),
+            out[12 * cells : 16 * cells].view(np.float32).reshape(rows, out_width),
+            out[16 * cells :].view(np.int64).reshape(rows, 3),
+            longest,
+        )
 
 
 @lru_cache(maxsize=1)

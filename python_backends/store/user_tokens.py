@@ -275,8 +275,8 @@ def merge_histories(
     ``ln count``. A row without a state keeps its keys and mask on the same side, weights 0; other
     positions hold ``pad_key`` and mask 0.
 
-    The store's compiled loops do it in two calls where they are built and the arrays are of their
-    types (``_kernels.c``), else :func:`merge_numpy_histories`; both give the same history.
+    The store's compiled loop does it in one pass where it is built and the arrays are of its types
+    (``_kernels.c``), else :func:`merge_numpy_histories`; both give the same history.
     """
     if KERNELS is None or keys.dtype != np.int64 or mask.dtype != np.float32:
         return merge_numpy_histories(states, keys, mask, tail_lengths, newest_seqs, left, pad_key, width_for)
@@ -287,10 +287,17 @@ def merge_histories(
         ],
         np.int64,
     ).reshape(len(states), 6)
-    cap = int(table[:, 2].max(initial=0)) + keys.shape[1]
-    out_keys, out_mask, weights, rows = KERNELS.merge_histories(
-        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, cap, width_for
+    # written at the width of the longest state and tail, narrowed when the merged rows are shorter
+    out_width = width_for(int((table[:, 2] + table[:, 4]).max(initial=0)))
+    out_keys, out_mask, weights, rows, longest = KERNELS.merge_histories(
+        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, out_width
     )
+    width = width_for(longest)
+    if width < out_width:
+        columns = slice(out_width - width, None) if left else slice(0, width)
+        out_keys, out_mask, weights = (
+            np.ascontiguousarray(a[:, columns]) for a in (out_keys, out_mask, weights)
+        )
     return MergedHistories(out_keys, out_mask, weights, rows[:, 0], rows[:, 1], rows[:, 2])
 
 

@@ -182,8 +182,12 @@ def test_the_compiled_merge_into_the_history_gives_the_numpy_one(seed, left):
     """Tokens, mask and log-weights of merged rows, the kept rows of rows without a state, the padding."""
     rng = np.random.default_rng(seed)
     states, keys, mask, lengths, newest = _histories_batch(rng)
-    extra = int(rng.integers(0, 20))
-    arguments = (states, keys, mask, lengths, newest, left, -5, lambda n: max(keys.shape[1], n) + extra)
+    buckets = np.cumsum(rng.integers(1, 60, 30)) + keys.shape[1] - 1  # the narrowest is the tails' width
+
+    def width_for(longest):
+        return int(buckets[np.searchsorted(buckets, longest)])
+
+    arguments = (states, keys, mask, lengths, newest, left, -5, width_for)
     compiled = user_tokens.merge_histories(*arguments)
     expected = user_tokens.merge_numpy_histories(*arguments)
     for field in ("keys", "mask", "weights", "lengths", "gaps", "lag_events"):
@@ -195,14 +199,13 @@ def test_the_compiled_merge_refuses_rows_outside_its_arrays():
     table = np.array([[*user_tokens.StoredTokens(tokens, 0).entry, 3, 3]], np.int64)
     tails, mask = np.zeros((1, 3), np.int64), np.zeros((1, 3), np.float32)
 
-    def merge(table, cap=7, width_for=lambda n: max(3, n)):
-        return KERNELS.merge_histories(table, tails, mask, False, 0, cap, width_for)
+    def merge(table, out_width=7):
+        return KERNELS.merge_histories(table, tails, mask, False, 0, out_width)
 
-    assert merge(table)[3].tolist() == [[4, 0, 3]]  # item 0 of the tail joins the state's
-    for bad in ({"table": table + [0, 0, 0, 0, 1, 0]}, {"table": table, "cap": 6}):
-        with pytest.raises(ValueError, match="beyond cap"):
+    merged = merge(table)
+    assert merged[3].tolist() == [[4, 0, 3]] and merged[4] == 4  # item 0 of the tail joins the state's
+    for bad in ({"table": table + [0, 0, 0, 0, 1, 0]}, {"table": table, "out_width": 6}):
+        with pytest.raises(ValueError, match="wider than 3 or"):
             merge(**bad)
-    with pytest.raises(ValueError, match="a history of 3 columns"):
-        merge(table, width_for=lambda n: 3)
     with pytest.raises(ValueError, match="a table"):
         merge(table[:, :5].copy())

@@ -1,20 +1,17 @@
 """The online merge in the lookup step: states into history keys, today's rows untouched, outcomes."""
 
-import threading
-import time
-
 import numpy as np
 import pytest
 
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.stateful_lookup import UserStateCounts
-from recserve.backends.steps.user_history import Renewal, StateCache, UserHistories
+from recserve.backends.steps.user_history import StateCache, UserHistories
 from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
 from recserve.backends.store.user_state import EXACT, UserState
 from recserve.backends.store.user_state_builder import UserStateBuilder
 from recserve.backends.store.user_state_groups import Budget
-from recserve.backends.store.user_state_store import ERROR, LocalUserStates, StateFetch
+from recserve.backends.store.user_state_store import LocalUserStates, StateFetch
 from recserve.backends.store.user_tokens import dedup
 from recserve.build.step_tensors import request_inputs, step_io
 from recserve.build.synthetic import generate
@@ -196,79 +193,6 @@ def test_a_state_cache_forgets_after_its_ttl_and_beyond_its_capacity():
     assert cache.get(1) is None and cache.get(3) is state
     now[0] = 2.0
     assert cache.get(3) is None
-
-
-def _until(condition, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "not within the timeout"
-        time.sleep(0.01)
-
-
-def test_a_cached_state_past_half_its_time_is_served_and_renewed_off_the_request_path(tmp_path):
-    states = LocalUserStates(tmp_path / "states.sqlite", ttl_s=60, max_tokens=SPEC.user_state.tokens)
-    now = [0.0]
-    histories = UserHistories(SPEC, states, None, StateCache(100, 1.0, clock=lambda: now[0]))
-    states.put(7, UserState(50, EXACT, dedup(np.arange(1, 51))))
-    states.put(8, UserState(50, EXACT, dedup(np.arange(1, 51))))
-    wire = _rows(2, 5, [7, 8], [51, 51], [[1], [2]])
-    fetched = []
-    fetch = states.fetch
-    states.fetch = lambda users, known=(): fetched.append(users.tolist()) or fetch(users, known)
-    histories.apply(wire, FeatureTransform(SPEC).transform(wire))
-    states.put(7, UserState(60, EXACT, dedup(np.arange(1, 61))))  # rebuilt since
-    states.delete(8)  # erased
-    now[0] = 0.6
-    rows = histories.apply(wire, FeatureTransform(SPEC).transform(wire))
-    assert rows.state_seq.tolist() == [50, 50]  # served from the cache, not fetched on the path
-    _until(lambda: len(fetched) == 2)
-    _until(lambda: histories.cache.peek(8)[0] is None)
-    assert fetched == [[7, 8], [7, 8]] and histories.cache.get(7).state.seq == 60
-    histories.close()
-
-
-def test_a_failed_renewal_leaves_the_cached_state_to_run_out_and_a_state_past_its_time_is_fetched(tmp_path):
-    states = LocalUserStates(tmp_path / "states.sqlite", ttl_s=60, max_tokens=SPEC.user_state.tokens)
-    now = [0.0]
-    histories = UserHistories(SPEC, states, None, StateCache(100, 1.0, clock=lambda: now[0]))
-    states.put(7, UserState(50, EXACT, dedup(np.arange(1, 51))))
-    wire = _rows(1, 5, [7], [51], [[1]])
-    histories.apply(wire, FeatureTransform(SPEC).transform(wire))
-    fetch, calls = states.fetch, []
-    states.fetch = lambda users, known=(): (
-        calls.append(1) or StateFetch([None] * len(users), [ERROR] * len(users))
-    )
-    now[0] = 0.6
-    histories.apply(wire, FeatureTransform(SPEC).transform(wire))
-    _until(lambda: len(calls) == 1)
-    assert histories.cache.peek(7)[0] is not None
-    states.fetch = fetch
-    now[0] = 1.5
-    rows = histories.apply(wire, FeatureTransform(SPEC).transform(wire))
-    assert rows.outcomes.tolist() == ["hit"] and histories.cache.peek(7)[1] == 0.0  # fetched again here
-    histories.close()
-
-
-def test_renewal_hands_users_over_in_batches_and_goes_on_after_a_failure():
-    batches, ready = [], threading.Event()
-
-    def work(users):
-        batches.append(users)
-        ready.wait(5)
-        if len(batches) == 1:
-            raise RuntimeError("the store is down")
-
-    renewal = Renewal(work)
-    renewal.add([3, 1])
-    _until(lambda: len(batches) == 1)
-    renewal.add([2, 2])
-    renewal.add([1])
-    ready.set()
-    _until(lambda: len(batches) == 2)
-    renewal.close()
-    renewal.add([9])
-    time.sleep(0.05)
-    assert batches == [[1, 3], [1, 2]]
 
 
 @pytest.mark.parametrize(
