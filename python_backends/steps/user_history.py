@@ -160,7 +160,7 @@ class UserHistories:
         self.mask = attention_inputs(spec)[0].mask
         self.left = self.sequence.padding == "left"
         self.salt = table_salt(spec.hashing.namespace, self.sequence.table)
-        self.pad_key = missing_key(spec.hashing.namespace, self.sequence.name)
+        self.pad_key = int(missing_key(spec.hashing.namespace, self.sequence.name))
 
     @staticmethod
     def mask_name(spec: ModelSpec) -> str:
