@@ -71,11 +71,6 @@ class StateCache(Generic[T]):
         self.capacity, self.ttl_s, self.clock = capacity, ttl_s, clock
         self._values: OrderedDict[int, tuple[float, T]] = OrderedDict()
 
-    def get(self, user: int) -> T | None:
-        """The cached value of ``user``; None when not cached or too old."""
-        value, fresh = self.peek(user)
-        return value if fresh else None
-
     def peek(self, user: int) -> tuple[T | None, bool]:
         """The cached value of ``user`` even when too old (None: not cached), and whether it is fresh."""
         entry = self._values.get(user)
@@ -254,8 +249,9 @@ class UserHistories:
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
         """Merge the rows' users' states into ``features`` (the transform's keys), in place.
 
-        Sets ``history_log_weights`` (zeros where no state is merged) and, for merged rows, their
-        history keys and mask (widened to the sequence bucket of the longest row when needed). The
+        Replaces the history keys and mask (merged rows: their tokens; the others: their own keys
+        and mask, on the padding side of a history widened to the sequence bucket of the longest
+        row when needed) and sets ``history_log_weights`` (zeros where no state is merged). The
         merge runs on keys: the states' (hashed when read) and the tails' (the transform's).
 
         Raises:
@@ -270,8 +266,8 @@ class UserHistories:
         slots: dict[int, int] = {}
         where = [slots.setdefault(user, len(slots)) for user in users.tolist()]
         needed = [_LOWEST] * len(slots)
-        for w, oldest in zip(where, (newest - lengths).tolist(), strict=True):
-            needed[w] = max(needed[w], oldest)
+        for w, lowest in zip(where, (newest - lengths).tolist(), strict=True):
+            needed[w] = max(needed[w], lowest)  # the event just before the row's tail
         states, fetched = self.states_of(list(slots), needed)
         row_states = [states[w] for w in where]
         old = keys.shape[1]

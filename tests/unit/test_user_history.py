@@ -190,9 +190,9 @@ def test_a_state_cache_forgets_after_its_ttl_and_beyond_its_capacity():
     state = UserState(1, EXACT, dedup(np.array([1])))
     for user in (1, 2, 3):
         cache.put(user, state)
-    assert cache.get(1) is None and cache.get(3) is state
+    assert cache.peek(1) == (None, False) and cache.peek(3) == (state, True)
     now[0] = 2.0
-    assert cache.get(3) is None
+    assert cache.peek(3) == (state, False)
 
 
 @pytest.mark.parametrize(
