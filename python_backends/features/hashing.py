@@ -13,14 +13,29 @@ from recserve.core.values import fnv1a64
 __all__ = ["fnv1a64", "keys_for", "missing_key", "splitmix64", "table_salt"]
 
 
+_GAMMA, _MIX1, _MIX2 = (
+    np.uint64(0x9E3779B97F4A7C15),
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+)
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser applied element-wise to a ``uint64`` array."""
-    z = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    """The splitmix64 finaliser applied element-wise to a ``uint64`` array (a new array)."""
+    z = np.add(np.asarray(x, dtype=np.uint64), _GAMMA)
+    if not isinstance(z, np.ndarray) or z.ndim == 0:  # one value: numpy's scalar arithmetic, which warns
+        with np.errstate(over="ignore"):
+            z = (z ^ (z >> _SHIFTS[0])) * _MIX1
+            z = (z ^ (z >> _SHIFTS[1])) * _MIX2
+            return z ^ (z >> _SHIFTS[2])
+    # arrays wrap around silently: in place, without temporaries beyond the shifts
+    z ^= z >> _SHIFTS[0]
+    z *= _MIX1
+    z ^= z >> _SHIFTS[1]
+    z *= _MIX2
+    z ^= z >> _SHIFTS[2]
+    return z
 
 
 def table_salt(namespace: str, table: str) -> np.uint64:

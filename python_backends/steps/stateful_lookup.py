@@ -16,7 +16,6 @@ candidate lists, which keep today's path). Its counts go to the metrics endpoint
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -44,34 +43,32 @@ class UserStateCounts:
     """Running counts of the rows' outcomes, lags and modes (thread-safe)."""
 
     def __init__(self) -> None:
-        self.outcomes = dict.fromkeys(OUTCOMES, 0)
-        self.modes = dict.fromkeys(MODES, 0)
+        self.outcomes = np.zeros(len(OUTCOMES), np.int64)  # by outcome code
+        self.modes = np.zeros(len(MODES), np.int64)  # by mode code
         self.lags = np.zeros(len(LAG_EDGES) + 1, np.int64)
         self.lag_sum = 0.0
         self._lock = threading.Lock()
 
     def record(self, rows: RowStates) -> None:
         """Count one batch's rows (those without a user are not counted)."""
-        outcomes = Counter(rows.outcomes.tolist())
-        if outcomes.get("", 0) == rows.outcomes.size:
+        codes = rows.outcome_codes
+        if not codes.size or codes.max() < 0:
             return
-        modes = Counter(rows.modes.tolist())
+        outcomes = np.bincount(codes + 1, minlength=len(OUTCOMES) + 1)[1:]  # -1 (no user): left out
+        modes = np.bincount(rows.mode_codes + 1, minlength=len(MODES) + 1)[1:]
         lags = rows.lag_events[rows.lag_events >= 0]
         buckets = np.bincount(np.searchsorted(_EDGES, lags, side="left"), minlength=self.lags.size)
         with self._lock:
-            for name, n in outcomes.items():
-                if name:
-                    self.outcomes[name] = self.outcomes.get(name, 0) + n
-            for name, n in modes.items():
-                if name:
-                    self.modes[name] = self.modes.get(name, 0) + n
+            self.outcomes += outcomes
+            self.modes += modes
             self.lags += buckets
             self.lag_sum += float(lags.sum())
 
     def samples(self, queued: int = 0, dropped: int = 0, failed: int = 0) -> list[MetricSample]:
         """The counts as metric samples (the rebuild queue's counts passed in)."""
         with self._lock:
-            outcomes, modes = dict(self.outcomes), dict(self.modes)
+            outcomes = dict(zip(OUTCOMES, self.outcomes.tolist(), strict=True))
+            modes = dict(zip(MODES, self.modes.tolist(), strict=True))
             cumulative, total = np.cumsum(self.lags), self.lag_sum
         help_rows = "Rows carrying a user, by how their user state was served"
         out = [

@@ -38,7 +38,7 @@ from recserve.backends.store.user_rebuilds import (
     RebuildSink,
     RedisRebuilds,
 )
-from recserve.backends.store.user_state import UserState
+from recserve.backends.store.user_state import MODES, UserState
 from recserve.backends.store.user_state_store import (
     BAD_VALUE,
     ERROR,
@@ -58,8 +58,12 @@ LOGGER = logging.getLogger(__name__)
 #: A row's outcome: merged (``hit``, ``gap``), or served from its tail alone (``miss``, ``stale``, ``error``).
 STALE = "stale"
 OUTCOMES = (HIT, MISS, STALE, GAP, ERROR)
-_FETCHED = {FOUND: HIT, BAD_VALUE: STALE, ERROR: ERROR}  # absent: MISS
-_REBUILD = (MISS, STALE, GAP)
+_HIT, _MISS, _STALE, _GAP, _ERROR = range(len(OUTCOMES))  # a row's outcome as its index in OUTCOMES
+_FETCHED = {FOUND: _HIT, BAD_VALUE: _STALE, ERROR: _ERROR}  # absent: MISS
+_REBUILD = (_MISS, _STALE, _GAP)
+_NO_USER = -1
+_OUTCOME_NAMES = np.array([*OUTCOMES, ""], object)  # by code; -1 (no user): ""
+_MODE_NAMES = np.array([*MODES, ""], object)  # by code; -1 (no state): ""
 _LOWEST = -(2**63)
 T = TypeVar("T")
 
@@ -95,29 +99,53 @@ class KeyedState:
 
     state: UserState
     keyed: StoredTokens  # what merge_histories reads
+    mode: int  # the state's mode, its index in MODES
 
     @classmethod
     def of(cls, state: UserState, salt: np.uint64) -> KeyedState:
         """``state`` with its items hashed to keys (``salt``: the sequence's table)."""
-        keys = keys_for(state.tokens.items.astype(np.uint64), salt)
-        counts = np.ascontiguousarray(state.tokens.counts, np.int64)
-        return cls(state, StoredTokens(Tokens(keys, counts), state.seq))
+        return cls.many([state], salt)[0]
+
+    @classmethod
+    def many(cls, states: list[UserState], salt: np.uint64) -> list[KeyedState]:
+        """:meth:`of` for each of ``states``, their items hashed in one call."""
+        items = [state.tokens.items for state in states]
+        keys = np.split(
+            keys_for(np.concatenate(items).astype(np.uint64), salt), np.cumsum([i.size for i in items])[:-1]
+        )
+        return [
+            cls(
+                state,
+                StoredTokens(Tokens(k, np.ascontiguousarray(state.tokens.counts, np.int64)), state.seq),
+                MODES.index(state.mode),
+            )
+            for state, k in zip(states, keys, strict=True)
+        ]
 
 
 @dataclass(frozen=True)
 class RowStates:
-    """How each row of a batch met its user's state (rows without a user: outcome ``""``)."""
+    """How each row of a batch met its user's state: codes (by name: :attr:`outcomes`, :attr:`modes`)."""
 
-    outcomes: np.ndarray  # str per row: one of OUTCOMES, or "" without a user
+    outcome_codes: np.ndarray  # int64 per row: the outcome's index in OUTCOMES, -1 without a user
     state_seq: np.ndarray  # int64 per row: the merged state's sequence number, -1 without one
-    modes: np.ndarray  # str per row: the merged state's mode, "" without one
+    mode_codes: np.ndarray  # int64 per row: the merged state's mode's index in MODES, -1 without one
     lag_events: np.ndarray  # int64 per row: the request's newest event minus the state's (-1: none)
 
     @classmethod
     def without_users(cls, rows: int) -> RowStates:
         """A batch whose rows carry no user."""
-        none = np.full(rows, -1, np.int64)
-        return cls(np.full(rows, "", object), none, np.full(rows, "", object), none.copy())
+        return cls(*(np.full(rows, -1, np.int64) for _ in range(4)))
+
+    @property
+    def outcomes(self) -> np.ndarray:
+        """Each row's outcome, one of OUTCOMES ("" without a user)."""
+        return _OUTCOME_NAMES[self.outcome_codes]
+
+    @property
+    def modes(self) -> np.ndarray:
+        """Each row's merged state's mode ("" without one)."""
+        return _MODE_NAMES[self.mode_codes]
 
 
 class UserHistories:
@@ -211,8 +239,8 @@ class UserHistories:
             )
         return users, newest, lengths
 
-    def states_of(self, users: list[int], needed: list[int]) -> tuple[list[KeyedState | None], list[str]]:
-        """Each distinct user's state and outcome: cached when the cached state leaves no gap, else fetched.
+    def states_of(self, users: list[int], needed: list[int]) -> tuple[list[KeyedState | None], list[int]]:
+        """Each distinct user's state and outcome (its code): cached when it leaves no gap, else fetched.
 
         A state cached too long ago is fetched again, and reused as it is when the store still
         holds the same bytes.
@@ -222,12 +250,12 @@ class UserHistories:
             needed: per user, the lowest state sequence number that leaves none of its rows a gap.
         """
         states: list[KeyedState | None] = [None] * len(users)
-        outcomes = [MISS] * len(users)
+        outcomes = [_MISS] * len(users)
         todo, known = [], []
         for i, (user, lowest) in enumerate(zip(users, needed, strict=True)):
             cached, fresh = self.cache.peek(user)
             if fresh and cached is not None and cached.state.seq >= lowest:
-                states[i], outcomes[i] = cached, HIT
+                states[i], outcomes[i] = cached, _HIT
             else:
                 todo.append(i)
                 known.append(cached)
@@ -236,14 +264,20 @@ class UserHistories:
                 np.array([users[i] for i in todo], np.int64),
                 [k.state if k is not None else None for k in known],
             )
+            new = []  # (position, state) of each state read now, keyed below in one call
             for i, before, state, outcome in zip(todo, known, fetched.states, fetched.outcomes, strict=True):
-                outcomes[i] = _FETCHED.get(outcome, MISS)
+                outcomes[i] = _FETCHED.get(outcome, _MISS)
                 if state is None:
                     continue
                 if before is None or before.state is not state:
-                    before = KeyedState.of(state, self.salt)
+                    new.append((i, state))
+                    continue
                 states[i] = before
                 self.cache.put(users[i], before)
+            if new:
+                for (i, _), keyed in zip(new, KeyedState.many([s for _, s in new], self.salt), strict=True):
+                    states[i] = keyed
+                    self.cache.put(users[i], keyed)
         return states, outcomes
 
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
@@ -281,19 +315,20 @@ class UserHistories:
             self.pad_key,
             lambda longest: max(old, self.spec.sequence_bucket(max(longest, 1))),
         )
-        outcomes = [
-            fetched[w] if k is None else GAP if gap else HIT
-            for k, w, gap in zip(row_states, where, merged.gaps.tolist(), strict=True)
-        ]
+        outcomes, seqs, modes = [], [], []
+        for k, w, gap in zip(row_states, where, merged.gaps.tolist(), strict=True):
+            if k is None:
+                outcomes.append(fetched[w])
+                seqs.append(-1)
+                modes.append(-1)
+            else:
+                outcomes.append(_GAP if gap else _HIT)
+                seqs.append(k.state.seq)
+                modes.append(k.mode)
         if self.rebuilds is not None:
             again = [r for r, outcome in enumerate(outcomes) if outcome in _REBUILD]
             if again:
                 self.rebuilds.add(users[again])
         features[HISTORY_KEYS], features[self.mask] = merged.keys, merged.mask
         features[HISTORY_LOG_WEIGHTS] = merged.weights
-        return RowStates(
-            np.array(outcomes, object),
-            np.array([k.state.seq if k is not None else -1 for k in row_states], np.int64),
-            np.array([k.state.mode if k is not None else "" for k in row_states], object),
-            merged.lag_events,
-        )
+        return RowStates(np.array(outcomes), np.array(seqs), np.array(modes), merged.lag_events)

@@ -150,6 +150,13 @@ void recserve_count(const int16_t *table_ids, const int8_t *tiers, int64_t n, in
     for (int64_t i = 0; i < n; i++) counts[table_ids[i] * tier_count + tiers[i]] += 1;
 }
 
+/* ln n as float for the counts a state usually holds, computed once when the library is loaded. */
+#define LOG_COUNTS 4097
+static float log_counts[LOG_COUNTS];
+__attribute__((constructor)) static void fill_log_counts(void) {
+    for (int64_t n = 1; n < LOG_COUNTS; n++) log_counts[n] = (float)log((double)n);
+}
+
 /* The fields of one row of the merge's table (user_tokens.merge_histories builds it). */
 enum { ROW_ITEMS, ROW_COUNTS, ROW_SIZE, ROW_SEQ, ROW_TAIL, ROW_NEWEST, ROW_FIELDS };
 /* The fields of one row of the merge's result. */
@@ -267,7 +274,8 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
         for (int64_t j = 0; j < n; j++) {
             row_keys[at + j] = items[j];
             row_mask[at + j] = 1.0f;
-            row_weights[at + j] = counts[j] == 1 ? 0.0f : (float)log((double)counts[j]);
+            int64_t c = counts[j];
+            row_weights[at + j] = c > 0 && c < LOG_COUNTS ? log_counts[c] : (float)log((double)c);
         }
         out[OUT_LENGTH] = n;
         out[OUT_GAP] = length > 0 && first - 1 > seq;

@@ -17,8 +17,12 @@ import logging
 import os
 from collections.abc import Callable
 from functools import lru_cache
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 LOGGER = logging.getLogger(__name__)
 
@@ -64,7 +68,13 @@ _SIGNATURES = {
 }
 
 
+_CHAR_AT, _ADDRESS_OF = ctypes.c_char.from_buffer, ctypes.addressof
+
+
 def _address(array: np.ndarray) -> int:
+    flags = array.flags
+    if flags.writeable and flags.c_contiguous and array.size:  # a third of ``ctypes.data``'s cost
+        return _ADDRESS_OF(_CHAR_AT(cast("Buffer", array)))
     return array.ctypes.data
 
 

@@ -22,3 +22,18 @@ def test_keys_are_deterministic_and_separate_tables():
 
 def test_missing_keys_differ_per_feature():
     assert missing_key("recserve", "C1") != missing_key("recserve", "C2")
+
+
+def test_splitmix64_of_an_array_matches_it_value_by_value_and_leaves_the_input_alone():
+    import warnings
+
+    values = np.array([[0, 1, 2**63, 2**64 - 1], [12345, 7, 99, 2**40]], dtype=np.uint64)
+    before = values.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # wrap-around is the hash, never a warning
+        hashed = splitmix64(values)
+        one_by_one = [int(splitmix64(np.uint64(v))) for v in values.reshape(-1).tolist()]
+        zero_dim = splitmix64(np.array(values[0, 3]))
+    assert np.array_equal(values, before)
+    assert hashed.shape == values.shape and hashed.reshape(-1).tolist() == one_by_one
+    assert int(zero_dim) == one_by_one[3]

@@ -209,3 +209,11 @@ def test_the_compiled_merge_refuses_rows_outside_its_arrays():
             merge(**bad)
     with pytest.raises(ValueError, match="a table"):
         merge(table[:, :5].copy())
+
+
+def test_an_arrays_address_is_its_data_pointer_writable_or_not():
+    array = np.arange(12, dtype=np.int64)
+    frozen = array.copy()
+    frozen.flags.writeable = False
+    for a in (array, array[3:], frozen, array[::2], np.zeros(0, np.int64), array.reshape(3, 4).T):
+        assert kernels._address(a) == a.ctypes.data

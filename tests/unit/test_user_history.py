@@ -6,7 +6,7 @@ import pytest
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.stateful_lookup import UserStateCounts
-from recserve.backends.steps.user_history import StateCache, UserHistories
+from recserve.backends.steps.user_history import KeyedState, StateCache, UserHistories
 from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
 from recserve.backends.store.user_state import EXACT, UserState
 from recserve.backends.store.user_state_builder import UserStateBuilder
@@ -244,3 +244,23 @@ def test_explain_shows_each_rows_state_sequence_number_and_mode_first(tmp_path):
     assert (first["seq"], first["mode"], first["outcome"], first["lag_events"]) == (590, EXACT, "hit", 10)
     assert first["tokens"] == 45 and records[0]["tier"] == "state"
     assert (second["seq"], second["mode"], second["outcome"], second["tokens"]) == (-1, "", "miss", 3)
+
+
+def test_states_keyed_together_are_keyed_as_each_alone():
+    from recserve.backends.store.user_state import CLUSTERED
+    from recserve.backends.store.user_tokens import Tokens
+
+    salt = table_salt("recserve", "items")
+    states = [
+        UserState(9, EXACT, dedup(np.array([4, 5, 4, 6]))),
+        UserState(3, CLUSTERED, Tokens.empty()),
+        UserState(70, EXACT, dedup(np.arange(1, 40))),
+    ]
+    together = KeyedState.many(states, salt)
+    for state, keyed in zip(states, together, strict=True):
+        alone = KeyedState.of(state, salt)
+        assert keyed.state is state and keyed.mode == alone.mode and keyed.keyed.seq == state.seq
+        assert keyed.keyed.tokens.equals(alone.keyed.tokens)
+        assert np.array_equal(keyed.keyed.tokens.items, keys_for(state.tokens.items.astype(np.uint64), salt))
+        assert keyed.keyed.entry[2] == len(state.tokens)  # contiguous: the compiled merge takes it
+    assert [k.mode for k in together] == [0, 1, 0]
