@@ -16,7 +16,9 @@ candidate lists, which keep today's path). Its counts go to the metrics endpoint
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 
 #: Upper edges of the lag histogram, in events (a last bucket, ``+Inf``, holds the rest).
 LAG_EDGES = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-_EDGES = np.array(LAG_EDGES, np.int64)
 LAG_METRIC = "recserve_user_state_lag_events"
 LAG_HELP = "Events the merged user state lacked that the request knew of (a Prometheus histogram)"
 
@@ -43,33 +44,40 @@ class UserStateCounts:
     """Running counts of the rows' outcomes, lags and modes (thread-safe)."""
 
     def __init__(self) -> None:
-        self.outcomes = np.zeros(len(OUTCOMES), np.int64)  # by outcome code
-        self.modes = np.zeros(len(MODES), np.int64)  # by mode code
-        self.lags = np.zeros(len(LAG_EDGES) + 1, np.int64)
-        self.lag_sum = 0.0
+        self.outcomes = [0] * len(OUTCOMES)  # by outcome code
+        self.modes = [0] * len(MODES)  # by mode code
+        self.lags = [0] * (len(LAG_EDGES) + 1)  # by bucket (the last: beyond the last edge)
+        self.lag_sum = 0
         self._lock = threading.Lock()
 
     def record(self, rows: RowStates) -> None:
-        """Count one batch's rows (those without a user are not counted)."""
-        codes = rows.outcome_codes
-        if not codes.size or codes.max() < 0:
-            return
-        outcomes = np.bincount(codes + 1, minlength=len(OUTCOMES) + 1)[1:]  # -1 (no user): left out
-        modes = np.bincount(rows.mode_codes + 1, minlength=len(MODES) + 1)[1:]
-        lags = rows.lag_events[rows.lag_events >= 0]
-        buckets = np.bincount(np.searchsorted(_EDGES, lags, side="left"), minlength=self.lags.size)
+        """Count one batch's rows (those without a user are not counted).
+
+        Plain Python over the batch's few rows: cheaper than numpy's calls on a request path whose
+        code and data are cold between requests.
+        """
+        outcomes, modes, lags = (
+            rows.outcome_codes.tolist(),
+            rows.mode_codes.tolist(),
+            rows.lag_events.tolist(),
+        )
         with self._lock:
-            self.outcomes += outcomes
-            self.modes += modes
-            self.lags += buckets
-            self.lag_sum += float(lags.sum())
+            for outcome, mode, lag in zip(outcomes, modes, lags, strict=True):
+                if outcome < 0:
+                    continue
+                self.outcomes[outcome] += 1
+                if mode >= 0:
+                    self.modes[mode] += 1
+                if lag >= 0:
+                    self.lags[bisect_left(LAG_EDGES, lag)] += 1
+                    self.lag_sum += lag
 
     def samples(self, queued: int = 0, dropped: int = 0, failed: int = 0) -> list[MetricSample]:
         """The counts as metric samples (the rebuild queue's counts passed in)."""
         with self._lock:
-            outcomes = dict(zip(OUTCOMES, self.outcomes.tolist(), strict=True))
-            modes = dict(zip(MODES, self.modes.tolist(), strict=True))
-            cumulative, total = np.cumsum(self.lags), self.lag_sum
+            outcomes = dict(zip(OUTCOMES, self.outcomes, strict=True))
+            modes = dict(zip(MODES, self.modes, strict=True))
+            cumulative, total = list(accumulate(self.lags)), float(self.lag_sum)
         help_rows = "Rows carrying a user, by how their user state was served"
         out = [
             MetricSample("recserve_user_state_total", "counter", help_rows, (("outcome", k),), float(v))
@@ -84,7 +92,7 @@ class UserStateCounts:
         edges = [*(str(e) for e in LAG_EDGES), "+Inf"]
         out += [
             MetricSample(f"{LAG_METRIC}_bucket", "counter", LAG_HELP, (("le", le),), float(n))
-            for le, n in zip(edges, cumulative.tolist(), strict=True)
+            for le, n in zip(edges, cumulative, strict=True)
         ]
         out += [
             MetricSample(f"{LAG_METRIC}_sum", "counter", LAG_HELP, (), total),

@@ -271,11 +271,12 @@ class Kernels:
         )
         if longest < 0:
             raise ValueError(f"a row's tail or its state and tail wider than {width} or {out_width} columns")
+        shape = (rows, out_width)
         return (
-            out[: 8 * cells].view(np.int64).reshape(rows, out_width),
-            out[8 * cells : 12 * cells].view(np.float32).reshape(rows, out_width),
-            out[12 * cells : 16 * cells].view(np.float32).reshape(rows, out_width),
-            out[16 * cells :].view(np.int64).reshape(rows, 3),
+            np.ndarray(shape, np.int64, out, 0),
+            np.ndarray(shape, np.float32, out, 8 * cells),
+            np.ndarray(shape, np.float32, out, 12 * cells),
+            np.ndarray((rows, 3), np.int64, out, 16 * cells),
             longest,
         )
 

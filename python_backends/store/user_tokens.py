@@ -280,15 +280,13 @@ def merge_histories(
     """
     if KERNELS is None or keys.dtype != np.int64 or mask.dtype != np.float32:
         return merge_numpy_histories(states, keys, mask, tail_lengths, newest_seqs, left, pad_key, width_for)
-    table = np.array(
-        [
-            (*(state.entry if state is not None else _NO_STATE), length, newest)
-            for state, length, newest in zip(states, tail_lengths.tolist(), newest_seqs.tolist(), strict=True)
-        ],
-        np.int64,
-    ).reshape(len(states), 6)
+    entries = [
+        (*(state.entry if state is not None else _NO_STATE), length, newest)
+        for state, length, newest in zip(states, tail_lengths.tolist(), newest_seqs.tolist(), strict=True)
+    ]
+    table = np.array(entries, np.int64).reshape(len(states), 6)
     # written at the width of the longest state and tail, narrowed when the merged rows are shorter
-    out_width = width_for(int((table[:, 2] + table[:, 4]).max(initial=0)))
+    out_width = width_for(max((entry[2] + entry[4] for entry in entries), default=0))
     out_keys, out_mask, weights, rows, longest = KERNELS.merge_histories(
         table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, out_width
     )

@@ -6,7 +6,7 @@ import pytest
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.stateful_lookup import UserStateCounts
-from recserve.backends.steps.user_history import KeyedState, StateCache, UserHistories
+from recserve.backends.steps.user_history import KeyedState, RowStates, StateCache, UserHistories
 from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
 from recserve.backends.store.user_state import EXACT, UserState
 from recserve.backends.store.user_state_builder import UserStateBuilder
@@ -264,3 +264,27 @@ def test_states_keyed_together_are_keyed_as_each_alone():
         assert np.array_equal(keyed.keyed.tokens.items, keys_for(state.tokens.items.astype(np.uint64), salt))
         assert keyed.keyed.entry[2] == len(state.tokens)  # contiguous: the compiled merge takes it
     assert [k.mode for k in together] == [0, 1, 0]
+
+
+def test_the_counts_take_each_rows_outcome_mode_and_lag_and_leave_rows_without_a_user_out():
+    counts = UserStateCounts()
+    # hit (exact, lag 0), gap (clustered, lag 100), miss, a row without a user, hit (exact, lag 3)
+    counts.record(
+        RowStates(
+            *(
+                np.array(c)
+                for c in ([0, 3, 1, -1, 0], [5, 9, -1, -1, 7], [0, 1, -1, -1, 0], [0, 100, -1, -1, 3])
+            )
+        )
+    )
+    counts.record(RowStates.without_users(4))
+    samples = {(s.name, s.labels): s.value for s in counts.samples()}
+    outcomes = {k[1][0][1]: v for k, v in samples.items() if k[0] == "recserve_user_state_total"}
+    assert outcomes == {"hit": 2, "miss": 1, "stale": 0, "gap": 1, "error": 0}
+    modes = {k[1][0][1]: v for k, v in samples.items() if k[0] == "recserve_user_state_mode_total"}
+    assert modes == {"exact": 2, "clustered": 1}
+    buckets = {k[1][0][1]: v for k, v in samples.items() if k[0] == "recserve_user_state_lag_events_bucket"}
+    assert buckets["0"] == 1 and buckets["2"] == 1 and buckets["4"] == 2 and buckets["64"] == 2
+    assert buckets["128"] == 3 and buckets["+Inf"] == 3
+    assert samples[("recserve_user_state_lag_events_sum", ())] == 103.0
+    assert samples[("recserve_user_state_lag_events_count", ())] == 3.0
