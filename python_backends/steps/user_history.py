@@ -61,7 +61,6 @@ OUTCOMES = (HIT, MISS, STALE, GAP, ERROR)
 _HIT, _MISS, _STALE, _GAP, _ERROR = range(len(OUTCOMES))  # a row's outcome as its index in OUTCOMES
 _FETCHED = {FOUND: _HIT, BAD_VALUE: _STALE, ERROR: _ERROR}  # absent: MISS
 _REBUILD = (_MISS, _STALE, _GAP)
-_NO_USER = -1
 _OUTCOME_NAMES = np.array([*OUTCOMES, ""], object)  # by code; -1 (no user): ""
 _MODE_NAMES = np.array([*MODES, ""], object)  # by code; -1 (no state): ""
 _LOWEST = -(2**63)

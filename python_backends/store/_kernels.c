@@ -243,15 +243,6 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
             (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > out_width - row[ROW_TAIL]))
             return -1;
     }
-    /* the states are scattered in the heap and cold between requests: ask for all their lines at
-     * once, so the loads overlap instead of each row waiting for its own */
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t *row = table + r * ROW_FIELDS;
-        for (int64_t at = 0; at < row[ROW_SIZE]; at += 8) {
-            prefetch((const int64_t *)(intptr_t)row[ROW_ITEMS] + at);
-            prefetch((const int64_t *)(intptr_t)row[ROW_COUNTS] + at);
-        }
-    }
     /* the groups' table (8 * width + 2), then one row's merged items and counts */
     int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(8 * width + 2 + 2 * out_width));
     if (!scratch) return -1;
