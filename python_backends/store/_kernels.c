@@ -144,6 +144,26 @@ int64_t recserve_index_take(const int64_t *keys, const int64_t *positions, int64
     return missed;
 }
 
+/*
+ * out[p] = rows[table_ids[p]] and tiers[p] = tier for each of the n positions p (the default rows;
+ * `tables` of them; out, tiers and table_ids have `size` entries). Returns 0, or -1 before writing
+ * anything when a position is outside them or its table id is not one of the rows.
+ */
+int64_t recserve_fill_rows(const int64_t *positions, int64_t n, int64_t size, const int16_t *table_ids,
+                           const float *rows, int64_t tables, int64_t dim, float *out, int8_t *tiers,
+                           int8_t tier) {
+    for (int64_t i = 0; i < n; i++)
+        if (positions[i] < 0 || positions[i] >= size || table_ids[positions[i]] < 0 ||
+            table_ids[positions[i]] >= tables)
+            return -1;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = positions[i];
+        memcpy(out + p * dim, rows + (int64_t)table_ids[p] * dim, sizeof(float) * (size_t)dim);
+        tiers[p] = tier;
+    }
+    return 0;
+}
+
 /* counts[table_ids[i] * tier_count + tiers[i]] += 1 for every key of the batch. */
 void recserve_count(const int16_t *table_ids, const int8_t *tiers, int64_t n, int64_t tier_count,
                     int64_t *counts) {

@@ -62,6 +62,8 @@ _SIGNATURES = {
     ],
     # table_ids, tiers, n, tier_count, counts
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
+    # positions, n, size, table_ids, rows, tables, dim, out, tiers, tier
+    "recserve_fill_rows": [_POINTER, *[_SIZE] * 2, *[_POINTER] * 2, *[_SIZE] * 2, *[_POINTER] * 2, _SMALL],
     # table, rows, keys, mask, width, left, pad_key, out_width, out_keys, out_mask, out_weights,
     # out_rows
     "recserve_merge_histories": [_POINTER, _SIZE, _POINTER, _POINTER, *[_SIZE] * 4, *[_POINTER] * 4],
@@ -224,6 +226,49 @@ class Kernels:
             counts.shape[1],
             _address(counts),
         )
+
+    def fill_rows(
+        self,
+        positions: np.ndarray,
+        table_ids: np.ndarray,
+        rows: np.ndarray,
+        out: np.ndarray,
+        tiers: np.ndarray,
+        tier: int,
+    ) -> None:
+        """``out[p] = rows[table_ids[p]]``, ``tiers[p] = tier`` for each of ``positions`` (in place).
+
+        Raises:
+            ValueError: ``rows`` and ``out`` of other widths, arrays of other types or sizes, or a
+                position outside ``out`` or whose table id is not a row of ``rows`` (nothing is
+                written then).
+        """
+        for array, dtype in (
+            (positions, np.int64),
+            (table_ids, np.int16),
+            (rows, np.float32),
+            (out, np.float32),
+            (tiers, np.int8),
+        ):
+            _contiguous(array, dtype)
+        if rows.ndim != 2 or out.ndim != 2 or rows.shape[1] != out.shape[1]:
+            raise ValueError(f"rows {rows.shape} for an output of {out.shape}")
+        if not table_ids.size == tiers.size == out.shape[0]:
+            raise ValueError(f"{table_ids.size} table ids and {tiers.size} tiers for {out.shape[0]} rows")
+        filled = self.library.recserve_fill_rows(
+            _address(positions),
+            positions.size,
+            out.shape[0],
+            _address(table_ids),
+            _address(rows),
+            rows.shape[0],
+            out.shape[1],
+            _address(out),
+            _address(tiers),
+            tier,
+        )
+        if filled < 0:
+            raise ValueError(f"a position outside {out.shape[0]} rows, or a table id outside {rows.shape[0]}")
 
     def merge_histories(
         self, table: np.ndarray, keys: np.ndarray, mask: np.ndarray, left: bool, pad_key: int, out_width: int

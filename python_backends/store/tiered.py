@@ -138,8 +138,7 @@ class TieredStore:
         if todo.size and self.remote is not None:
             todo = self._take_remote(keys, todo, vectors, tiers, table_ids)
         if todo.size:
-            vectors[todo] = self._defaults[table_ids[todo]]
-            tiers[todo] = DEFAULT
+            self._take_defaults(table_ids, todo, vectors, tiers)
         if record:
             self.record_lookup(keys, table_ids, tiers, time.perf_counter() - started)
         return Lookup(vectors, tiers, snapshot)
@@ -150,6 +149,17 @@ class TieredStore:
         """Count a batch served partly outside :meth:`lookup` (the device L1) as ``lookup`` counts its own."""
         self.tracker.record(keys)
         self._count(table_ids, tiers, seconds)
+
+    def _take_defaults(
+        self, table_ids: np.ndarray, todo: np.ndarray, out: np.ndarray, tiers: np.ndarray
+    ) -> None:
+        """Each table's default row for the keys no tier holds (in a padded history: every padding key)."""
+        if self.compiled:
+            assert KERNELS is not None  # compiled is set only when the kernels loaded
+            KERNELS.fill_rows(todo, table_ids, self._defaults, out, tiers, DEFAULT)
+            return
+        out[todo] = self._defaults[table_ids[todo]]
+        tiers[todo] = DEFAULT
 
     def _take_cache(
         self, cache: HotCache, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray

@@ -217,3 +217,19 @@ def test_an_arrays_address_is_its_data_pointer_writable_or_not():
     frozen.flags.writeable = False
     for a in (array, array[3:], frozen, array[::2], np.zeros(0, np.int64), array.reshape(3, 4).T):
         assert kernels._address(a) == a.ctypes.data
+
+
+def test_the_default_fill_refuses_rows_of_another_width_or_type():
+    out, tiers = np.zeros((4, DIM), np.float32), np.zeros(4, np.int8)
+    positions, table_ids = np.array([0, 2]), np.zeros(4, np.int16)
+    KERNELS.fill_rows(positions, table_ids, np.ones((1, DIM), np.float32), out, tiers, DEFAULT)
+    assert out[[0, 2]].min() == 1.0 and not out[[1, 3]].any() and tiers.tolist() == [DEFAULT, 0, DEFAULT, 0]
+    with pytest.raises(ValueError):
+        KERNELS.fill_rows(positions, table_ids, np.ones((1, DIM + 1), np.float32), out, tiers, DEFAULT)
+    with pytest.raises(ValueError):
+        KERNELS.fill_rows(positions, table_ids.astype(np.int32), np.ones((1, DIM), np.float32), out, tiers, 4)
+    with pytest.raises(ValueError):  # a position past the output, or a table without a default row
+        KERNELS.fill_rows(np.array([4]), table_ids, np.ones((1, DIM), np.float32), out, tiers, DEFAULT)
+    with pytest.raises(ValueError):
+        KERNELS.fill_rows(positions, table_ids + 1, np.ones((1, DIM), np.float32), out, tiers, DEFAULT)
+    assert tiers.tolist() == [DEFAULT, 0, DEFAULT, 0]  # nothing written by a refused call
