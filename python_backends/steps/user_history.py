@@ -101,13 +101,8 @@ class KeyedState:
     mode: int  # the state's mode, its index in MODES
 
     @classmethod
-    def of(cls, state: UserState, salt: np.uint64) -> KeyedState:
-        """``state`` with its items hashed to keys (``salt``: the sequence's table)."""
-        return cls.many([state], salt)[0]
-
-    @classmethod
     def many(cls, states: list[UserState], salt: np.uint64) -> list[KeyedState]:
-        """:meth:`of` for each of ``states``, their items hashed in one call."""
+        """Each of ``states`` with its items hashed to keys (``salt``: the sequence's table), in one call."""
         items = [state.tokens.items for state in states]
         keys = np.split(
             keys_for(np.concatenate(items).astype(np.uint64), salt), np.cumsum([i.size for i in items])[:-1]
@@ -263,20 +258,21 @@ class UserHistories:
                 np.array([users[i] for i in todo], np.int64),
                 [k.state if k is not None else None for k in known],
             )
-            new = []  # (position, state) of each state read now, keyed below in one call
+            kept: list[tuple[int, KeyedState]] = []  # (position, state) of the states read unchanged
+            new: list[tuple[int, UserState]] = []  # and of those read anew, keyed below in one call
             for i, before, state, outcome in zip(todo, known, fetched.states, fetched.outcomes, strict=True):
                 outcomes[i] = _FETCHED.get(outcome, _MISS)
                 if state is None:
                     continue
-                if before is None or before.state is not state:
+                if before is not None and before.state is state:
+                    kept.append((i, before))
+                else:
                     new.append((i, state))
-                    continue
-                states[i] = before
-                self.cache.put(users[i], before)
             if new:
-                for (i, _), keyed in zip(new, KeyedState.many([s for _, s in new], self.salt), strict=True):
-                    states[i] = keyed
-                    self.cache.put(users[i], keyed)
+                kept += zip([i for i, _ in new], KeyedState.many([s for _, s in new], self.salt), strict=True)
+            for i, keyed in kept:
+                states[i] = keyed
+                self.cache.put(users[i], keyed)
         return states, outcomes
 
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:

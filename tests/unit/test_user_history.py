@@ -258,7 +258,7 @@ def test_states_keyed_together_are_keyed_as_each_alone():
     ]
     together = KeyedState.many(states, salt)
     for state, keyed in zip(states, together, strict=True):
-        alone = KeyedState.of(state, salt)
+        (alone,) = KeyedState.many([state], salt)
         assert keyed.state is state and keyed.mode == alone.mode and keyed.keyed.seq == state.seq
         assert keyed.keyed.tokens.equals(alone.keyed.tokens)
         assert np.array_equal(keyed.keyed.tokens.items, keys_for(state.tokens.items.astype(np.uint64), salt))
