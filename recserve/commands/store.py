@@ -28,14 +28,21 @@ def _announce(served, table: str, version: int) -> None:
 
 
 def _applied_here(served, table: str, version: int) -> int:
-    """0 when this machine's store applies ``version`` of ``table``, else 1 with an ``error:`` line."""
+    """0 when this machine's store serves ``version`` of ``table``, else 1 with an ``error:`` line.
+
+    A newer version published meanwhile on top of ``version`` (a concurrent update) serves it too;
+    one that rolled back past it does not.
+    """
     served.updater.poll()
-    if served.updater.applied[table] == version:
+    applied = served.updater.applied[table]
+    if applied == version or (
+        applied > version and version in (r.version for r in served.updater.log.chain(table, applied))
+    ):
         return 0
     reason = served.updater.problems.get(table, "another version is served")
     print(
         f"error: version {version} of table {table!r} was published but this store cannot apply it "
-        f"(serving version {served.updater.applied[table]}): {reason}",
+        f"(serving version {applied}): {reason}",
         file=sys.stderr,
     )
     return 1

@@ -60,6 +60,23 @@ def test_publish_and_rollback_only_move_versions_forward(tmp_path, tables, store
     assert not updater.poll()  # nothing new
 
 
+def test_a_command_counts_its_version_served_when_a_newer_one_builds_on_it(tmp_path, tables, store, capsys):
+    from types import SimpleNamespace
+
+    from recserve.commands.store import _applied_here
+
+    log = UpdateLog(tmp_path, base_version=1)
+    served = SimpleNamespace(updater=StoreUpdater(store, log))
+    keys = tables["t0"].keys[:2]
+    assert log.publish("t0", keys, np.full((2, DIM), 5, np.float32), DIM) == 2
+    assert log.publish("t0", keys, np.full((2, DIM), 6, np.float32), DIM) == 3  # a concurrent update
+    assert _applied_here(served, "t0", 2) == 0  # version 3's parent is 2: 2 is served
+    assert _applied_here(served, "t0", 3) == 0
+    assert log.rollback("t0", 1) == 4  # rolled back past 2 and 3
+    assert _applied_here(served, "t0", 2) == 1
+    assert "version 2 of table 't0' was published" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("keys", "vectors", "message"),
     [
