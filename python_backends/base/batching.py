@@ -39,10 +39,15 @@ def merge(
 
 
 def _cat(parts: Sequence[Any]) -> Any:
-    """Torch tensors joined along rows on their device."""
+    """Torch tensors joined along rows on their device.
+
+    Parts on different devices (a GPU step's inputs that Triton placed in host memory when its CUDA
+    pool was full) are joined on the first part's device that is not the host.
+    """
     import torch
 
-    return torch.cat(list(parts), dim=0)
+    device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
+    return torch.cat([p.to(device) for p in parts], dim=0)
 
 
 def _pad_axis1(array: Any, width: int, left: bool) -> Any:

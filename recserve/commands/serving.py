@@ -21,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
         Security,
         ServerProcessError,
         TritonServer,
+        config_arguments,
         require_gpu,
         run_child,
         run_foreground,
@@ -42,7 +43,6 @@ def _serve(args: argparse.Namespace) -> int:
             args.model_control, os.environ.get(ADMIN_KEY_ENV) or None, args.client_shared_memory
         )
         ports = Ports(args.http_port, args.grpc_port, args.metrics_port)
-        extra = []
         if args.queue and (
             args.profile != "cpu"
             or not (args.repository / STEPS[0] / "configs" / f"{args.queue}.pbtxt").is_file()
@@ -55,9 +55,11 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         if args.profile != "cpu":
             print(f"GPUs: {', '.join(require_gpu())}", file=sys.stderr)
-        if args.profile != "cpu" or args.queue:  # <model>/configs/<name>.pbtxt where present
-            extra.append(f"--model-config-name={args.queue or args.profile}")
-        command = server_command(args.repository, ports, args.host, extra, security=security)
+        config_name = args.queue or (None if args.profile == "cpu" else args.profile)
+        # <model>/configs/<name>.pbtxt where present
+        command = server_command(
+            args.repository, ports, args.host, config_arguments(config_name), security=security
+        )
     except ServerProcessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,7 +72,6 @@ def _serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if not args.mps:  # stay the parent: restart a server that dies; the stub watchdog needs the admin API
-        config_name = args.queue or (None if args.profile == "cpu" else args.profile)
         server = TritonServer(
             args.repository, ports, host=args.host, security=security, config_name=config_name
         )

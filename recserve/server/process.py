@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.server.child import ChildProcess, read_tail
+from recserve.server.mps import visible_gpus
 from recserve.server.runtime import ServerProcessError, prepare_runtime, server_env
 from recserve.server.security import Security
 from recserve.server.shm import backend_argument, region_prefix, remove_regions
@@ -56,6 +57,32 @@ class Ports:
             for s in sockets:
                 s.close()
         return cls(http, grpc, metrics)
+
+
+#: the profiles whose instances run on a GPU (``<model>/configs/<profile>.pbtxt``)
+GPU_PROFILES = ("gpu", "cuda")
+
+#: Triton's CUDA memory pool on each GPU (its own default is 64 MiB). The GPU tensors that the
+#: ensemble's steps hand each other stay in GPU memory only while they fit in it: past it Triton falls
+#: back to pinned host memory, a copy each way, and in 2.51 the Python stub then fails to load some of
+#: those buffers. One list of 4,096 candidates is about 7 MB of lookup outputs, 1,024 rows with their
+#: own 256-long histories about 19 MB: 1 GiB holds over 50 of the largest requests in flight.
+CUDA_POOL_BYTES = 1 << 30
+
+
+def config_arguments(config_name: str | None) -> list[str]:
+    """The server arguments that serve ``<model>/configs/<config_name>.pbtxt`` (none: the default).
+
+    A GPU profile also gets a CUDA memory pool of :data:`CUDA_POOL_BYTES` on every visible GPU.
+    """
+    if not config_name:
+        return []
+    arguments = [f"--model-config-name={config_name}"]
+    if config_name in GPU_PROFILES:
+        arguments += [
+            f"--cuda-memory-pool-byte-size={gpu}:{CUDA_POOL_BYTES}" for gpu in range(len(visible_gpus()))
+        ]
+    return arguments
 
 
 def server_command(
@@ -160,8 +187,7 @@ class TritonServer(ChildProcess):
         if self._stopping.is_set() and self.process is None:  # stopped before it started
             raise ServerProcessError("tritonserver was stopped before it started")
         self._stopping.clear()
-        extra = [f"--model-config-name={self.config_name}"] if self.config_name else []
-        extra.append(backend_argument(self.shm_prefix))
+        extra = [*config_arguments(self.config_name), backend_argument(self.shm_prefix)]
         cpus = self.cpus
         self.spawn(
             server_command(

@@ -32,3 +32,18 @@ def test_requests_join_while_their_rows_stay_within_the_batch_limit():
     assert groups_within([3, 4, 2, 9, 1], 9) == [[0, 1, 2], [3], [4]]
     assert groups_within([12, 1], 9) == [[0], [1]]  # one over the limit is a group of its own
     assert groups_within([], 9) == []
+
+
+def test_tensors_on_the_host_and_on_a_device_join_on_the_device():
+    import torch
+
+    # Triton places a GPU step's input in host memory when its CUDA pool is full: such a request
+    # joins the others on their device ("meta" stands in for the GPU on a machine without one)
+    on_device = {"x": torch.ones((2, 3), device="meta")}
+    on_host = {"x": torch.ones((1, 5))}
+    for batch in ([on_host, on_device], [on_device, on_host]):
+        merged, sizes = merge(batch)
+        assert sizes == [len(b["x"]) for b in batch]
+        assert merged["x"].device.type == "meta" and tuple(merged["x"].shape) == (3, 5)
+    merged, _ = merge([on_host, {"x": torch.zeros((1, 5))}])
+    assert merged["x"].device.type == "cpu" and merged["x"].sum() == 5
