@@ -76,6 +76,8 @@ LOOKUP_INSTANCES = (1, 2, 4, 8)
 CUDA_TESTS = (
     "tests/unit/test_dense_parity.py",
     "tests/unit/test_device_cache.py",
+    "tests/unit/test_device_tier.py",
+    "tests/unit/test_device_transform.py",
     "tests/unit/test_tensorrt_engine.py",
     "tests/unit/test_serving_plan.py",
     "tests/integration/test_device_l1.py",
