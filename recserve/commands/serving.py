@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from recserve.commands.spec_source import command_spec
-from recserve.core.names import DENSE, IDS_WIRE, STEPS, WIRE_FORMS
+from recserve.core.names import DENSE, IDS_WIRE, PROFILES, STEPS, WIRE_FORMS
 
 ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
@@ -151,7 +151,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-port", type=int, default=8002)
     serve.add_argument(
         "--profile",
-        choices=("cpu", "gpu", "cuda"),
+        choices=PROFILES,
         default="cpu",
         help="gpu / cuda: serve the configs/<profile>.pbtxt variants (KIND_GPU instances; needs a GPU)",
     )

@@ -13,6 +13,15 @@ EMBEDDING_LOOKUP = "embedding_lookup"
 DENSE = "dense"
 STEPS = (EMBEDDING_LOOKUP, DENSE)
 
+#: Config profiles: ``cpu`` (Python backends, ONNX Runtime buckets), ``gpu`` (``dense`` as a
+#: TensorRT engine on Triton's TensorRT backend) and ``cuda`` (the Python ``dense`` on GPU instances:
+#: the engine's profiles where TensorRT is installed, else CUDA graphs). The variants are written as
+#: ``<model>/configs/<profile>.pbtxt``, which tritonserver picks with ``--model-config-name=<profile>``.
+PROFILES = ("cpu", "gpu", "cuda")
+#: Profiles whose Python ``embedding_lookup`` runs as KIND_GPU instances:
+#: each instance its own process and CUDA stream; inputs may stay on the GPU (read through DLPack).
+GPU_PROFILES = ("gpu", "cuda")
+
 
 DENSE_NORMALIZED = "dense_normalized"
 SPARSE_KEYS = "sparse_keys"

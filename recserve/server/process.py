@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from recserve.core.names import GPU_PROFILES
 from recserve.server.child import ChildProcess, read_tail
 from recserve.server.mps import visible_gpus
 from recserve.server.runtime import ServerProcessError, prepare_runtime, server_env
@@ -58,9 +59,6 @@ class Ports:
                 s.close()
         return cls(http, grpc, metrics)
 
-
-#: the profiles whose instances run on a GPU (``<model>/configs/<profile>.pbtxt``)
-GPU_PROFILES = ("gpu", "cuda")
 
 #: Triton's CUDA memory pool on each GPU (its own default is 64 MiB). The GPU tensors that the
 #: ensemble's steps hand each other stay in GPU memory only while they fit in it: past it Triton falls

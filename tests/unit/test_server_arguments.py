@@ -1,10 +1,11 @@
+from recserve.core.names import GPU_PROFILES
 from recserve.server import process
 
 
 def test_a_gpu_profile_gets_a_cuda_pool_on_every_visible_gpu(monkeypatch):
     monkeypatch.setattr(process, "visible_gpus", lambda: ["GPU 0: one", "GPU 1: two"])
     pool = process.CUDA_POOL_BYTES
-    for profile in process.GPU_PROFILES:
+    for profile in GPU_PROFILES:
         assert process.config_arguments(profile) == [
             f"--model-config-name={profile}",
             f"--cuda-memory-pool-byte-size=0:{pool}",
