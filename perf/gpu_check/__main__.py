@@ -43,8 +43,16 @@ def make_context(args: argparse.Namespace, dry_run: bool) -> Context:
     work.mkdir(exist_ok=True)
     gpus = [] if dry_run else detect_gpus()
     seconds = args.deadline or (BENCH_DEADLINE_S if getattr(args, "part", None) == BENCH_PART else 570.0)
-    ctx = Context(root, root / KIT, work, output, dry_run, gpus, deadline=time.monotonic() + seconds)
-    return ctx
+    return Context(
+        root,
+        root / KIT,
+        work,
+        output,
+        dry_run,
+        gpus,
+        deadline=time.monotonic() + seconds,
+        lookup_instances=getattr(args, "lookup_instances", None),
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -97,7 +105,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     """Write the bench spec; print its changes from the default spec as one JSON line."""
     from .bench_spec import write_bench_spec
 
-    print(json.dumps(write_bench_spec(args.base, BENCH_DRY if args.dry else BENCH, args.target)))
+    sizes = BENCH_DRY if args.dry else BENCH
+    print(json.dumps(write_bench_spec(args.base, sizes, args.target, args.lookup_instances)))
     return 0
 
 
@@ -159,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
                 default=BENCH_PART,
                 help=f"default {BENCH_PART}: the bench in one call; 1-4: the longer checks",
             )
+            command.add_argument(
+                "--lookup-instances",
+                type=int,
+                default=None,
+                help="the bench's embedding_lookup instances (default: the spec's)",
+            )
         else:
             command.add_argument("--force", action="store_true", help="rebuild the kit")
         command.set_defaults(func=func)
@@ -174,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_spec = sub.add_parser("bench-spec", help="write the bench spec (JSON); print its changes")
     bench_spec.add_argument("--base", default="ctr", help="the spec it derives from (default: ctr)")
     bench_spec.add_argument("--target", type=Path, required=True)
+    bench_spec.add_argument("--lookup-instances", type=int, default=None, help="default: the spec's")
     bench_spec.set_defaults(func=cmd_bench_spec)
     bound = sub.add_parser("bound", help="the in-process bound on a device (JSON)")
     bound.add_argument("--device", default="cuda")

@@ -14,14 +14,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec, parse_spec
 
 from .common import BenchSizes
 
 
-def bench_document(spec: ModelSpec, sizes: BenchSizes) -> tuple[dict[str, Any], list[str]]:
-    """The bench spec's document and what differs from ``spec``'s, in words."""
+def bench_document(
+    spec: ModelSpec, sizes: BenchSizes, lookup_instances: int | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """The bench spec's document and what differs from ``spec``'s, in words.
+
+    ``lookup_instances``: ``[serving.instances] embedding_lookup`` (None: the spec's).
+    """
     doc = copy.deepcopy(spec.source)
     training = doc.setdefault("training", {})
     training.update(rows=sizes.train_rows, holdout_rows=sizes.holdout_rows, epochs=1)
@@ -31,13 +37,20 @@ def bench_document(spec: ModelSpec, sizes: BenchSizes) -> tuple[dict[str, Any], 
     if gpu_largest is not None and max(gpu_largest, spec.model.max_batch_size) < largest:
         doc.setdefault("serving", {})["gpu_max_batch_size"] = largest
         changes.append(f"[serving] gpu_max_batch_size {largest} (was {gpu_largest})")
+    if lookup_instances is not None:
+        instances = doc.setdefault("serving", {}).setdefault("instances", dict(spec.serving.instances))
+        was = instances.get(EMBEDDING_LOOKUP)
+        instances[EMBEDDING_LOOKUP] = lookup_instances
+        changes.append(f"[serving.instances] {EMBEDDING_LOOKUP} {lookup_instances} (was {was})")
     parse_spec(copy.deepcopy(doc))  # refuses a document the build would refuse
     return doc, changes
 
 
-def write_bench_spec(base: str | Path, sizes: BenchSizes, target: Path) -> list[str]:
+def write_bench_spec(
+    base: str | Path, sizes: BenchSizes, target: Path, lookup_instances: int | None = None
+) -> list[str]:
     """Write the bench spec of the spec ``base`` (a bundled name or a path) as JSON; return the changes."""
-    doc, changes = bench_document(load_spec(base), sizes)
+    doc, changes = bench_document(load_spec(base), sizes, lookup_instances)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(doc, indent=1) + "\n")
     return changes

@@ -50,7 +50,8 @@ def repository(ctx: Context) -> Path:
 
 def step_bench_build(ctx: Context) -> tuple[str, dict[str, Any]]:
     """The bench spec (fewer training rows) and its repository (``recserve build --if-missing``)."""
-    out = ctx.sh("bench-build", helper(ctx, "bench-spec", "--target", str(spec_path(ctx))), 120)
+    instances = [] if ctx.lookup_instances is None else ["--lookup-instances", str(ctx.lookup_instances)]
+    out = ctx.sh("bench-build", helper(ctx, "bench-spec", "--target", str(spec_path(ctx)), *instances), 120)
     changes = json.loads(out.strip().splitlines()[-1])
     recserve = str(ctx.venv / "bin" / "recserve")
     command = [recserve, "--spec", str(spec_path(ctx)), "build", "--repository", str(repository(ctx))]

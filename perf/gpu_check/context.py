@@ -53,6 +53,8 @@ class Context:
     gpus: list[str]
     tensorrt: bool = False
     deadline: float = 0.0
+    #: the bench's ``embedding_lookup`` instances (None: the spec's ``[serving.instances]``)
+    lookup_instances: int | None = None
     logs: Path = field(init=False)
     #: what steps hand on to later steps of the call (the bench's server, its figures)
     shared: dict[str, Any] = field(default_factory=dict)

@@ -21,6 +21,17 @@ def test_the_bench_spec_trains_on_fewer_rows_and_serves_the_same_shapes(spec, tm
     assert json.loads(json.dumps(changes)) == changes
 
 
+def test_the_bench_spec_can_serve_more_lookup_instances(spec):
+    doc, changes = bench_document(spec, BENCH, lookup_instances=4)
+    bench = parse_spec(doc)
+    assert bench.serving.instances == {**spec.serving.instances, "embedding_lookup": 4}
+    was = spec.serving.instances["embedding_lookup"]
+    assert changes[-1] == f"[serving.instances] embedding_lookup 4 (was {was})"
+    assert bench_document(spec, BENCH)[0]["serving"].get("instances") == spec.source.get("serving", {}).get(
+        "instances"
+    )
+
+
 def test_the_bound_takes_batches_beyond_the_served_maximum(spec):
     wide = widened(spec, 16_384)
     assert wide.model.max_batch_size == 16_384 and wide.serving.batch_buckets[-1] == 16_384
