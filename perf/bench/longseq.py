@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import tempfile
@@ -167,6 +168,21 @@ def _targets_met(point: dict[str, Any]) -> bool | None:
     return bool(p99 <= aa + 0.05 and rate >= aa_rate - 0.05)
 
 
+def round_order(names: list[str], number: int) -> list[str]:
+    """The order of the workloads in round ``number``: a new start and a new stride each round.
+
+    Each workload follows a different one in each round (as long as there are strides coprime with
+    the count: 7 workloads, 6 rounds), so no workload pays for, or profits from, always running after
+    the same one. A mere rotation would keep every workload's predecessor: W2 would nearly always
+    run after W1, the 4,096-event workload, and the A/A copy after W0.
+    """
+    count = len(names)
+    strides = [s for s in range(1, count) if math.gcd(s, count) == 1] or [1]
+    stride = strides[number % len(strides)]
+    start = 2 * number  # the last workload, start - stride, changes from round to round too
+    return [names[(start + step * stride) % count] for step in range(count)]
+
+
 def run_longseq(
     base: ModelSpec,
     source: Path,
@@ -216,8 +232,7 @@ def run_longseq(
         for rate in grid.rates:
             phases: dict[str, list[dict[str, Any]]] = {name: [] for name in active}
             for number in range(grid.rounds):
-                # each round starts one workload later: no workload always follows the same one
-                for name in active[number % len(active) :] + active[: number % len(active)]:
+                for name in round_order(active, number):
                     server = server_of[name]
                     before = snapshot(server.http_url)
                     if name == W2_BUILDER:

@@ -74,3 +74,15 @@ def test_a_phase_counts_rows_served_over_its_whole_span():
     assert Phase(rate=1.0, seconds=1.0, rows=1).figures()["p99_ms"] == np.inf
     with pytest.raises(ValueError, match="one number of rows"):
         Requests.of("m", [{"a": np.zeros((2, 1))}, {"a": np.zeros((3, 1))}])
+
+
+@pytest.mark.parametrize("count", [1, 2, 6, 7])
+def test_each_round_runs_every_workload_once_after_a_new_predecessor(count):
+    names = [f"w{i}" for i in range(count)]
+    rounds = [longseq.round_order(names, number) for number in range(5)]
+    assert all(sorted(order) == names for order in rounds)
+    if count == len(longseq.WORKLOADS):  # the bench's seven: five different predecessors each
+        for name in names:
+            before = [order[order.index(name) - 1] for order in rounds if order.index(name) > 0]
+            assert len(set(before)) == len(before), (name, before)
+        assert len({order[0] for order in rounds}) == len({order[-1] for order in rounds}) == 5
