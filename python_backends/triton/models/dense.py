@@ -4,6 +4,7 @@ import functools
 
 import numpy as np
 
+from recserve.backends.base.heap import freeze_startup_heap
 from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.triton.adapter import (
@@ -41,6 +42,7 @@ class TritonPythonModel:
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
+        freeze_startup_heap()  # last: what the instance holds from now on is never walked again
 
     def execute(self, requests: list) -> list:
         """Finite probabilities for every valid request; metrics published at most once a second."""

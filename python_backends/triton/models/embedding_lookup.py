@@ -4,6 +4,7 @@ The feature transform (recserve.backends.features.transform) and the tiered stor
 (recserve.backends.store.tiered) run here together; see recserve.backends.steps.lookup.FeaturesToEmbeddings.
 """
 
+from recserve.backends.base.heap import freeze_startup_heap
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
@@ -46,6 +47,7 @@ class TritonPythonModel:
         self.metrics.publish_now(self.samples)
         # a newly applied version shows on the metrics endpoint without waiting for a request
         self.served.maintainer.after_step.append(self.publish_versions)
+        freeze_startup_heap()  # last: what the instance holds from now on is never walked again
 
     def publish_versions(self) -> None:
         """Publish the served table versions (from the upkeep thread, after each round)."""
