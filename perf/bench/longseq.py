@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import tempfile
@@ -48,7 +47,7 @@ from recserve.core.spec import ModelSpec
 from recserve.perf.bench import longseq_setup as setup
 from recserve.perf.bench.longseq_builder import BuilderProcess, EventFeed
 from recserve.perf.bench.longseq_error import FRESH_EVENTS, measure_error
-from recserve.perf.bench.longseq_load import Requests, offer, warm
+from recserve.perf.bench.longseq_load import Requests, offer, round_order, warm
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.server import Ports, ServerProcessError, TritonServer
 
@@ -166,21 +165,6 @@ def _targets_met(point: dict[str, Any]) -> bool | None:
     if None in (p99, aa, rate, aa_rate):
         return None
     return bool(p99 <= aa + 0.05 and rate >= aa_rate - 0.05)
-
-
-def round_order(names: list[str], number: int) -> list[str]:
-    """The order of the workloads in round ``number``: a new start and a new stride each round.
-
-    Each workload follows a different one in each round (as long as there are strides coprime with
-    the count: 7 workloads, 6 rounds), so no workload pays for, or profits from, always running after
-    the same one. A mere rotation would keep every workload's predecessor: W2 would nearly always
-    run after W1, the 4,096-event workload, and the A/A copy after W0.
-    """
-    count = len(names)
-    strides = [s for s in range(1, count) if math.gcd(s, count) == 1] or [1]
-    stride = strides[number % len(strides)]
-    start = 2 * number  # the last workload, start - stride, changes from round to round too
-    return [names[(start + step * stride) % count] for step in range(count)]
 
 
 def run_longseq(

@@ -9,6 +9,7 @@ counted as failed), not as a lower offered rate.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -122,3 +123,18 @@ def warm(url: str, requests: Requests) -> None:
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         for message in requests.messages:
             stub.ModelInfer(message, timeout=3 * TIMEOUT_S)
+
+
+def round_order(names: list[str], number: int) -> list[str]:
+    """The order of the workloads in round ``number``: a new start and a new stride each round.
+
+    Each workload follows a different one in each round (as long as there are strides coprime with
+    the count: 7 workloads, 6 rounds), so no workload pays for, or profits from, always running after
+    the same one. A mere rotation would keep every workload's predecessor: W2 would nearly always
+    run after W1, the 4,096-event workload, and the A/A copy after W0.
+    """
+    count = len(names)
+    strides = [s for s in range(1, count) if math.gcd(s, count) == 1] or [1]
+    stride = strides[number % len(strides)]
+    start = 2 * number  # the last workload, start - stride, changes from round to round too
+    return [names[(start + step * stride) % count] for step in range(count)]

@@ -6,7 +6,7 @@ import pytest
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.spec_parse import load_spec
 from recserve.perf.bench import longseq
-from recserve.perf.bench.longseq_load import Phase, Requests
+from recserve.perf.bench.longseq_load import Phase, Requests, round_order
 from recserve.perf.bench.longseq_setup import LONG_EVENTS, bench_users, longseq_spec
 
 
@@ -79,7 +79,7 @@ def test_a_phase_counts_rows_served_over_its_whole_span():
 @pytest.mark.parametrize("count", [1, 2, 6, 7])
 def test_each_round_runs_every_workload_once_after_a_new_predecessor(count):
     names = [f"w{i}" for i in range(count)]
-    rounds = [longseq.round_order(names, number) for number in range(5)]
+    rounds = [round_order(names, number) for number in range(5)]
     assert all(sorted(order) == names for order in rounds)
     if count == len(longseq.WORKLOADS):  # the bench's seven: five different predecessors each
         for name in names:
