@@ -35,6 +35,7 @@ class ServedStore:
     store: TieredStore
     updater: StoreUpdater
     maintainer: Maintainer
+    lookup_p99_s: float = 0.0  # of the batches since the last samples() that had any (idle: kept)
 
     @classmethod
     def open(cls, spec: ModelSpec, version_dir: Path, start: bool = True) -> ServedStore:
@@ -131,7 +132,8 @@ class ServedStore:
                     )
                 )
         latencies = store.stats.drain_latencies()
-        p99 = float(np.quantile(latencies, 0.99)) if latencies else 0.0
+        if latencies:
+            self.lookup_p99_s = float(np.quantile(latencies, 0.99))
         out += [
             MetricSample(
                 "recserve_store_lookups_total", "counter", "Batches looked up", (), float(store.stats.calls)
@@ -146,9 +148,9 @@ class ServedStore:
             MetricSample(
                 "recserve_store_lookup_p99_seconds",
                 "gauge",
-                "p99 batch lookup latency since the last publication",
+                "p99 batch lookup latency since the last publication that followed lookups",
                 (),
-                p99,
+                self.lookup_p99_s,
             ),
             MetricSample(
                 "recserve_store_l1_rows",

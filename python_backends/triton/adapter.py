@@ -18,7 +18,6 @@ import functools
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +40,8 @@ Arrays = dict[str, np.ndarray]
 #: The errors this stub process (one model instance) answered with, by code; every
 #: :class:`MetricsPublisher` of the process publishes them.
 REQUEST_ERRORS = RequestErrorCounts()
-#: Each metric update is a message from the stub to the server: the request path publishes at most
-#: this often (:meth:`MetricsPublisher.publish_due`).
+#: Each metric update is a message from the stub to the server: a background thread publishes
+#: this often (:meth:`MetricsPublisher.start`).
 METRICS_INTERVAL_S = 1.0
 
 
@@ -328,14 +327,15 @@ class MetricsPublisher:
     """Publishes :class:`~recserve.backends.base.metrics.MetricSample` lists as ``pb_utils.MetricFamily``.
 
     Counters arrive as running totals and are published as increments; only changed values are
-    sent, because every update is a message from the stub to the server. The first time a sample
-    is seen its metric is created even at 0 (a counter without an increment, a gauge set), so every
-    label combination a producer declares is on the endpoint from the first publication on.
+    sent, because every update is a message from the stub to the server (and waits for its answer).
+    The first time a sample is seen its metric is created even at 0 (a counter without an
+    increment, a gauge set), so every label combination a producer declares is on the endpoint from
+    the first publication on.
 
-    A model publishes through :meth:`publish_now` (in ``initialize``, from a background thread,
-    in ``finalize``) and :meth:`publish_due` (after each batch: at most once every ``interval_s``).
-    Both take the samples and send them under one lock, so the request path and a background
-    thread may publish at the same time.
+    A model publishes through :meth:`publish_now` (in ``initialize``, in ``finalize``, and where its
+    counts must be whole at once) and :meth:`start`: a daemon thread that publishes every
+    ``interval_s``, so no request waits for the messages (sent from the request path, they stalled
+    the request that sent them: docs/design/serving.md). Both send under one lock.
     """
 
     def __init__(self, interval_s: float = METRICS_INTERVAL_S) -> None:
@@ -343,27 +343,38 @@ class MetricsPublisher:
         self.metrics: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self.published: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self.interval_s = interval_s
-        self.published_at = 0.0  # time.monotonic() of the last publish_due that published
         self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def publish_now(self, samples: Callable[[], Sequence[MetricSample]]) -> None:
         """Take ``samples()`` and send what changed, under the publisher's lock."""
         with self.lock:
             self.publish(samples())
 
-    def publish_due(self, samples: Callable[[], Sequence[MetricSample]], force: bool = False) -> None:
-        """:meth:`publish_now` if ``interval_s`` has passed since the last call that published, or ``force``.
+    def start(self, samples: Callable[[], Sequence[MetricSample]]) -> None:
+        """Publish ``samples()`` every ``interval_s`` from a daemon thread until :meth:`stop`."""
 
-        The first call publishes (the interval counts from the start of the monotonic clock).
-        """
-        if force or time.monotonic() - self.published_at >= self.interval_s:
-            self.published_at = time.monotonic()
-            self.publish_now(samples)
+        def run() -> None:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self.publish_now(samples)
+                except Exception:  # the metrics must never stop serving
+                    LOGGER.exception("publishing metrics failed")
+
+        self._thread = threading.Thread(target=run, name="recserve-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (waits for a publication under way)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def publish(self, samples: Sequence[MetricSample]) -> None:
         """Send what changed since the last call (and the process's error counts by code), unlocked.
 
-        :meth:`publish_now` and :meth:`publish_due` call it under the lock.
+        :meth:`publish_now` calls it under the lock.
         """
         for sample in [*samples, *REQUEST_ERRORS.samples()]:
             key = (sample.name, sample.labels)

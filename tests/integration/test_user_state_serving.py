@@ -117,7 +117,7 @@ def test_a_miss_serves_todays_answer_and_exact_states_serve_the_full_history(sta
         expected = _full_history_reference(spec, repository, wire, events)
         assert np.abs(served[:stored] - expected[:stored]).max() <= 1e-5
         assert np.abs(without[:stored] - expected[:stored]).max() > 1e-5  # the tail alone differs
-        wait_for(  # published at most once a second: a later request publishes the counts
+        wait_for(  # published once a second, by the metrics thread
             lambda: (
                 infer_raw(grpcclient, grpc_client(server), spec, today) is not None
                 and _metric(server, "hit") == stored

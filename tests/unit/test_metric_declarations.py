@@ -78,3 +78,16 @@ def test_served_store_declares_every_table_tier_and_its_counters_at_zero(tmp_pat
     assert reasons == set(L3_ERROR_REASONS)
     counters = [value for (name, _), value in found.items() if name.endswith("_total")]
     assert counters and set(counters) == {0.0}
+
+
+def test_the_lookup_p99_gauge_keeps_its_value_through_idle_publications(tmp_path):
+    store = TieredStore.from_tables(make_tables())
+    log = UpdateLog(tmp_path / "updates", store.base_version)
+    updater = StoreUpdater(store, log)
+    served = ServedStore(store, updater, Maintainer(store, updater, tmp_path / "updates", 1.0))  # not started
+    p99 = ("recserve_store_lookup_p99_seconds", ())
+    assert series(served.samples())[p99] == 0.0
+    store.stats.latencies.extend([0.002] * 50 + [0.009] * 2)
+    busy = series(served.samples())[p99]
+    assert 0.002 < busy <= 0.009
+    assert series(served.samples())[p99] == busy  # no lookup since: the metrics thread publishes the same

@@ -42,10 +42,11 @@ class TritonPythonModel:
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
+        self.metrics.start(self.samples)  # from now on once a second, off the request path
         freeze_startup_heap()  # last: what the instance holds from now on is never walked again
 
     def execute(self, requests: list) -> list:
-        """Finite probabilities for every valid request; metrics published at most once a second."""
+        """Finite probabilities for every valid request."""
         served = self.warmup_left <= 0
         self.warmup_left -= len(requests)
         accept = self.step.accept if served else functools.partial(self.step.accept, count=False)
@@ -66,8 +67,8 @@ class TritonPythonModel:
             ),
         )
         self.step.copies.executed()
-        # published after every warm-up batch, so the counts are whole once the model is READY
-        self.metrics.publish_due(self.samples, force=not served)
+        if not served:  # published after every warm-up batch, so the counts are whole once READY
+            self.metrics.publish_now(self.samples)
         return responses
 
     def samples(self) -> list:
@@ -105,5 +106,6 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         """Stop background compiles; publish the last counts."""
+        self.metrics.stop()
         self.step.close()
         self.metrics.publish_now(self.samples)

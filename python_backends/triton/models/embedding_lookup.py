@@ -42,9 +42,10 @@ class TritonPythonModel:
         if serves_user_state(context.spec):  # [user_state]: states from under the repository's folder
             histories = UserHistories.open(context.spec, context.version_dir.parent.parent)
             self.step = self.stateful = StatefulFeaturesToEmbeddings(context.spec, lookup, histories)
-        self.metrics = MetricsPublisher()  # the request path and the upkeep thread both publish
+        self.metrics = MetricsPublisher()  # its own thread and the upkeep thread both publish
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
+        self.metrics.start(self.samples)  # from now on once a second, off the request path
         # a newly applied version shows on the metrics endpoint without waiting for a request
         self.served.maintainer.after_step.append(self.publish_versions)
         freeze_startup_heap()  # last: what the instance holds from now on is never walked again
@@ -54,7 +55,7 @@ class TritonPythonModel:
         self.metrics.publish_now(self.served.version_samples)
 
     def execute(self, requests: list) -> list:
-        """One response per request (a bad request fails alone with INVALID_ARG); metrics at most 1/s.
+        """One response per request (a bad request fails alone with INVALID_ARG).
 
         Row-form requests are handled as one merged batch per wire form, and so are candidate lists
         (from the candidates ensemble; each user's sequences looked up once).
@@ -66,7 +67,6 @@ class TritonPythonModel:
             lambda lists: execute_by_form(lists, self.step.ids_marker, self.lists, self.lists),
         )
         self.step.copies.executed()
-        self.metrics.publish_due(self.samples)
         return responses
 
     def samples(self) -> list:
@@ -126,7 +126,8 @@ class TritonPythonModel:
         return self.served.store.healthy()
 
     def finalize(self) -> None:
-        """Stop the upkeep thread; publish the last counts."""
+        """Stop the upkeep and metrics threads; publish the last counts."""
+        self.metrics.stop()
         self.served.close()
         if self.stateful is not None:
             self.stateful.users.close()
