@@ -26,6 +26,9 @@ class UserStateSection:
     group_radius: float = 0.5  # clustered mode: a group's members lie this close to its representative
     max_events: int = 4096  # the builder's window of newest events per user
     tail: int = 64  # the most events a request carries as its real-time tail
+    # the sequence buckets gain tokens + bucket_margin (when below the largest), so a state merged
+    # with up to this many newer events is served at its own width, not the next bucket's (0: none)
+    bucket_margin: int = 16
     ttl_s: float = 7 * 86400.0  # a state lives this long after its last write
     store: str = "local"  # "local" (SQLite file) or "redis" ([store] redis_nodes)
     local_path: str = "user_states.sqlite"  # the local store's file (relative: to the working folder)
@@ -60,6 +63,8 @@ class UserStateSection:
                 f"[user_state] tokens + tail ({self.tokens} + {self.tail}) must fit the largest sequence "
                 f"bucket {longest_bucket}, with tail >= 1"
             )
+        if self.bucket_margin < 0:
+            raise SpecError(f"[user_state] bucket_margin must be >= 0, got {self.bucket_margin}")
         if self.max_events < self.tokens:
             raise SpecError(f"[user_state] max_events {self.max_events} must be >= tokens {self.tokens}")
         if self.store not in STATE_STORES or self.event_log not in EVENT_LOG_KINDS:
@@ -71,3 +76,13 @@ class UserStateSection:
             raise SpecError("[user_state] ttl_s, deadline_ms and group_radius must be > 0, debounce_ms >= 0")
         if self.cache_users < 0 or self.cache_ttl_ms < 0 or not self.regroup_drift >= 0:
             raise SpecError("[user_state] cache_users, cache_ttl_ms and regroup_drift must be >= 0")
+
+    def state_buckets(self, buckets: tuple[int, ...]) -> tuple[int, ...]:
+        """``buckets`` (sorted) with the states' own bucket, ``tokens + bucket_margin``.
+
+        Added when it is new and below the largest; unchanged when off or with no margin.
+        """
+        width = self.tokens + self.bucket_margin
+        if not self.enabled or not self.bucket_margin or width >= buckets[-1] or width in buckets:
+            return buckets
+        return tuple(sorted({*buckets, width}))

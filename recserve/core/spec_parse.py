@@ -155,6 +155,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     access.check()
     user_state = parse_section(UserStateSection, doc.get("user_state", {}), "user_state")
     user_state.check(seq_buckets[-1])
+    seq_buckets = user_state.state_buckets(seq_buckets)
     numeric = tuple(features.numeric)
     return ModelSpec(
         model=model,

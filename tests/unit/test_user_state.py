@@ -151,3 +151,23 @@ def test_the_section_is_off_by_default_and_its_budget_must_fit_the_largest_bucke
         _spec(enabled=True, store="memcached")
     with pytest.raises(SpecError, match="unknown key 'token'|token"):
         _spec(token=3)
+    with pytest.raises(SpecError, match="bucket_margin must be >= 0"):
+        _spec(enabled=True, bucket_margin=-1)
+
+
+def test_states_get_their_own_sequence_bucket_below_the_largest():
+    today = parse_spec(ctr_spec_document()).serving.sequence_buckets
+    assert today[-2:] == (128, 256)
+    assert _spec(enabled=True).serving.sequence_buckets == (*today[:-1], 192 + 16, 256)
+    assert _spec(enabled=True, tokens=100, exact_tokens=90, bucket_margin=4).serving.sequence_buckets == (
+        *today[:-1],
+        104,
+        256,
+    )
+    for unchanged in (
+        _spec(),  # off
+        _spec(enabled=True, bucket_margin=0),
+        _spec(enabled=True, bucket_margin=64),  # 256: the largest already
+        _spec(enabled=True, tokens=120, exact_tokens=100, bucket_margin=8),  # 128: a bucket already
+    ):
+        assert unchanged.serving.sequence_buckets == today
