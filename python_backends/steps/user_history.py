@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -104,16 +105,18 @@ class KeyedState:
     def many(cls, states: list[UserState], salt: np.uint64) -> list[KeyedState]:
         """Each of ``states`` with its items hashed to keys (``salt``: the sequence's table), in one call."""
         items = [state.tokens.items for state in states]
-        keys = np.split(
-            keys_for(np.concatenate(items).astype(np.uint64), salt), np.cumsum([i.size for i in items])[:-1]
-        )
+        keys = keys_for(np.concatenate(items).astype(np.uint64), salt)
+        ends = list(accumulate(i.size for i in items))
         return [
             cls(
                 state,
-                StoredTokens(Tokens(k, np.ascontiguousarray(state.tokens.counts, np.int64)), state.seq),
+                StoredTokens(
+                    Tokens(keys[end - i.size : end], np.ascontiguousarray(state.tokens.counts, np.int64)),
+                    state.seq,
+                ),
                 MODES.index(state.mode),
             )
-            for state, k in zip(states, keys, strict=True)
+            for state, i, end in zip(states, items, ends, strict=True)
         ]
 
 

@@ -17,6 +17,7 @@ value; a clustered state's grouping was made in one model's key space, so it rec
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +86,52 @@ def decode_state(value: object, max_tokens: int) -> UserState:
         StateFormatError: not bytes, a wrong magic or format, a length that disagrees with its token
             count, too many tokens, an unknown mode, a count of 0, or an item twice.
     """
+    decoded = decode_states([value], max_tokens)[0]
+    if isinstance(decoded, StateFormatError):
+        raise decoded
+    return decoded
+
+
+def decode_states(values: Sequence[object], max_tokens: int) -> list[UserState | StateFormatError]:
+    """Each of ``values`` decoded and checked as :func:`decode_state` does, or the error it raises.
+
+    The headers are read one by one; the tokens of all the values are converted and their counts
+    checked in one pass (a batch's states cost a few numpy calls, not a few per state).
+    """
+    out: list[UserState | StateFormatError] = []
+    headers: list[tuple[int, bytes, int, int, int, int, int]] = []  # (position, value, seq, mode, n, ...)
+    for position, value in enumerate(values):
+        try:
+            headers.append((position, *_header(value, max_tokens)))
+            out.append(_PENDING)
+        except StateFormatError as exc:
+            out.append(exc)
+    if not headers:
+        return out
+    items = np.frombuffer(
+        b"".join(value[HEADER_BYTES : HEADER_BYTES + 8 * n] for _, value, _, _, n, _, _ in headers), "<i8"
+    ).astype(np.int64)
+    counts = np.frombuffer(
+        b"".join(value[HEADER_BYTES + 8 * n :] for _, value, _, _, n, _, _ in headers), "<u4"
+    ).astype(np.int64)
+    zero_count = bool(counts.size) and counts.min() < 1
+    end = 0
+    for position, value, seq, mode, n, table_version, dense_version in headers:
+        start, end = end, end + n
+        state_items, state_counts = items[start:end], counts[start:end]
+        ordered = np.sort(state_items)
+        if zero_count and n and state_counts.min() < 1:
+            out[position] = StateFormatError("a token with count 0")
+        elif (ordered[1:] == ordered[:-1]).any():
+            out[position] = StateFormatError("an item in two tokens")
+        else:
+            tokens = Tokens(state_items, state_counts)
+            out[position] = UserState(seq, MODES[mode], tokens, table_version, dense_version, value)
+    return out
+
+
+def _header(value: object, max_tokens: int) -> tuple[bytes, int, int, int, int, int]:
+    """The bytes of ``value`` and its header's sequence number, mode, tokens and versions, checked."""
     if not isinstance(value, bytes | bytearray):
         raise StateFormatError(f"a {type(value).__name__}, not bytes: {shorten(value)}")
     value = bytes(value)
@@ -93,8 +140,9 @@ def decode_state(value: object, max_tokens: int) -> UserState:
     digits = value[len(MAGIC) : len(MAGIC) + SEQ_DIGITS]
     if not digits.isdigit():
         raise StateFormatError(f"sequence number {shorten(digits, 32)} is not {SEQ_DIGITS} digits")
-    if int(digits) > MAX_SEQ:
-        raise StateFormatError(f"sequence number {int(digits)} is beyond {MAX_SEQ}")
+    seq = int(digits)
+    if seq > MAX_SEQ:
+        raise StateFormatError(f"sequence number {seq} is beyond {MAX_SEQ}")
     mode, _, n, table_version, dense_version = _FIELDS.unpack_from(value, len(MAGIC) + SEQ_DIGITS)
     if mode >= len(MODES):
         raise StateFormatError(f"unknown mode {mode}")
@@ -102,11 +150,8 @@ def decode_state(value: object, max_tokens: int) -> UserState:
         raise StateFormatError(f"{n} tokens, over the limit of {max_tokens}")
     if len(value) != HEADER_BYTES + 12 * n:
         raise StateFormatError(f"{len(value)} bytes for {n} tokens (expected {HEADER_BYTES + 12 * n})")
-    items = np.frombuffer(value, "<i8", n, HEADER_BYTES).astype(np.int64)
-    counts = np.frombuffer(value, "<u4", n, HEADER_BYTES + 8 * n).astype(np.int64)
-    if n and counts.min() < 1:
-        raise StateFormatError("a token with count 0")
-    ordered = np.sort(items)
-    if (ordered[1:] == ordered[:-1]).any():
-        raise StateFormatError("an item in two tokens")
-    return UserState(int(digits), MODES[mode], Tokens(items, counts), table_version, dense_version, value)
+    return value, seq, mode, n, table_version, dense_version
+
+
+#: A value not decoded yet (replaced before :func:`decode_states` returns).
+_PENDING = StateFormatError("not decoded")

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from recserve.backends.store.redis_tier import CircuitBreaker, RedisTier, redis_keys
-from recserve.backends.store.user_state import UserState, decode_state, seq_bytes
+from recserve.backends.store.user_state import StateFormatError, UserState, decode_states, seq_bytes
 from recserve.core.sections_serving import StoreSection
 from recserve.core.sections_user_state import UserStateSection
 
@@ -89,22 +89,28 @@ class _Decoder:
         states: list[UserState | None] = []
         outcomes = []
         known = known or [None] * len(values)
-        for user, value, before in zip(users.tolist(), values, known, strict=True):
+        todo: list[int] = []  # positions of the values to decode, decoded together below
+        for value, before in zip(values, known, strict=True):
             if value is None:
                 states.append(None)
                 outcomes.append(ABSENT)
-                continue
-            if before is not None and before.raw and isinstance(value, bytes) and value == before.raw:
+            elif before is not None and before.raw and isinstance(value, bytes) and value == before.raw:
                 states.append(before)  # the same bytes: checked when first read
                 outcomes.append(FOUND)
-                continue
-            try:
-                states.append(decode_state(value, self.max_tokens))
-                outcomes.append(FOUND)
-            except ValueError as exc:
+            else:
+                todo.append(len(states))
                 states.append(None)
-                outcomes.append(BAD_VALUE)
-                self._refuse(user, exc)
+                outcomes.append(FOUND)
+        if todo:
+            user_ids = users.tolist()
+            for i, decoded in zip(
+                todo, decode_states([values[i] for i in todo], self.max_tokens), strict=True
+            ):
+                if isinstance(decoded, StateFormatError):
+                    outcomes[i] = BAD_VALUE
+                    self._refuse(user_ids[i], decoded)
+                else:
+                    states[i] = decoded
         return StateFetch(states, outcomes)
 
     def _refuse(self, user: int, exc: ValueError) -> None:

@@ -13,6 +13,7 @@ from recserve.backends.store.user_state import (
     StateFormatError,
     UserState,
     decode_state,
+    decode_states,
 )
 from recserve.backends.store.user_state_store import ABSENT, BAD_VALUE, FOUND, LocalUserStates
 from recserve.backends.store.user_tokens import Tokens, dedup
@@ -62,6 +63,25 @@ COUNTS_AT = HEADER_BYTES + 8 * 4
 def test_a_stored_value_that_is_not_a_state_is_refused_naming_what_is_wrong(value, says):
     with pytest.raises(StateFormatError, match=says):
         decode_state(value, max_tokens=8)
+
+
+def test_a_batch_decodes_each_value_as_alone_and_a_bad_one_costs_only_its_own_place():
+    other = UserState(9, CLUSTERED, dedup(np.array([5, 6, 5, 5])), table_version=1).encode()
+    zero_count = _patched(GOOD, COUNTS_AT, b"\0\0\0\0")
+    twice = _patched(GOOD, HEADER_BYTES, GOOD[HEADER_BYTES + 8 : HEADER_BYTES + 16])
+    values = [GOOD, b"junk", other, zero_count, UserState(3, EXACT, Tokens.empty()).encode(), twice, GOOD]
+    decoded = decode_states(values, max_tokens=8)
+    assert [type(d).__name__ for d in decoded] == [
+        "UserState", "StateFormatError", "UserState", "StateFormatError", "UserState", "StateFormatError",
+        "UserState",
+    ]  # fmt: skip
+    for value, got in zip(values, decoded, strict=True):
+        if isinstance(got, UserState):
+            alone = decode_state(value, max_tokens=8)
+            assert (got.seq, got.mode, got.raw) == (alone.seq, alone.mode, value)
+            assert got.tokens.equals(alone.tokens) and got.tokens.items.dtype == np.int64
+    assert "count 0" in str(decoded[3]) and "two tokens" in str(decoded[5])
+    assert decode_states([], max_tokens=8) == []
 
 
 def test_a_state_over_this_servers_token_limit_is_refused():
@@ -160,8 +180,9 @@ def test_states_get_their_own_sequence_bucket_below_the_largest():
     assert today[-2:] == (128, 256)
     assert _spec(enabled=True).serving.sequence_buckets == (*today[:-1], 192 + 16, 256)
     assert _spec(enabled=True, tokens=100, exact_tokens=90, bucket_margin=4).serving.sequence_buckets == (
-        *today[:-1],
+        *today[:-2],
         104,
+        128,
         256,
     )
     for unchanged in (
