@@ -78,7 +78,14 @@ def test_device_steps_on_the_cpu_device_serve_the_reference(spec, repository, tm
             served = client.score_candidates({spec.sequences[0].name: history}, candidates)
         expected = reference.predict(as_rows(spec, history, candidates)).reshape(-1)
         np.testing.assert_allclose(np.asarray(served).reshape(-1), expected, rtol=0, atol=1e-5)
-        wait_for(lambda: copied(server).get((DENSE, "executes"), 0) > 0, 10, "the dense step's counts")
+        wait_for(  # each step's metrics thread publishes once a second
+            lambda: (
+                copied(server).get(("h2d", EMBEDDING_LOOKUP), 0) > 0
+                and copied(server).get(("d2h", DENSE), 0) > 0
+            ),
+            10,
+            "both steps' copy counts",
+        )
         counts = copied(server)
         assert counts[("h2d", DENSE)] == 0, "dense copied host arrays: an input did not arrive as a tensor"
         assert counts[("d2h", DENSE)] > 0  # the probabilities

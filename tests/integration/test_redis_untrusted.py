@@ -27,7 +27,7 @@ from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, ServerProcessError, TritonServer
 
-from .helpers import grpc_client, infer_raw, recserve
+from .helpers import grpc_client, infer_raw, recserve, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,9 +72,15 @@ def test_garbage_under_item_keys_costs_those_rows_alone_and_is_counted(spec, rep
             got = infer_raw(grpcclient, grpc, spec, wire)  # before: INTERNAL for the whole request
         assert np.isfinite(got).all()
         np.testing.assert_allclose(got[~touched], expected[~touched], rtol=0, atol=1e-5)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read()
-        counted = sum(float(v) for v in _BAD_VALUES.findall(text.decode()))
-        assert counted >= len(spoilt), text.decode()[-2000:]
+
+        def bad_values() -> float:
+            text = urllib.request.urlopen(
+                f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10
+            ).read()
+            return sum(float(v) for v in _BAD_VALUES.findall(text.decode()))
+
+        # the metrics thread publishes once a second
+        wait_for(lambda: bad_values() >= len(spoilt), 10, "the refused values on the metrics endpoint")
         assert "refused" in (root / "server.log").read_text(errors="replace")  # one warning, naming a key
 
 

@@ -107,7 +107,7 @@ def check_update_and_rollback(root, server, spec, tmp_path):
     print(f"delta served {lag:.2f} s after publication")
 
     def version_metric() -> bool:
-        predict(server, spec, wire)  # metrics are published from the request path
+        predict(server, spec, wire)
         text = (
             urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10)
             .read()
@@ -254,7 +254,7 @@ def test_the_served_store_runs_the_compiled_loops(private, spec):
 
     def compiled_metric() -> bool:
         with grpc_client(server) as client:
-            infer_raw(grpcclient, client, spec, wire)  # metrics are published from the request path
+            infer_raw(grpcclient, client, spec, wire)
         text = (
             urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10)
             .read()

@@ -8,13 +8,13 @@ from recserve.backends.base.heap import freeze_startup_heap
 from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.triton.adapter import (
-    MetricsPublisher,
     ModelContext,
     execute_alone,
     execute_by_form,
     execute_checked_merged,
     instance_device,
 )
+from recserve.backends.triton.publisher import MetricsPublisher
 from recserve.core.contract import dense_net_inputs, left_padded_inputs
 from recserve.core.names import DENSE_DEVICE_PARAMETER, DENSE_VERSION, PROBABILITY
 from recserve.errors import NonFiniteOutput

@@ -10,13 +10,13 @@ from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.served import ServedStore
 from recserve.backends.triton.adapter import (
-    MetricsPublisher,
     ModelContext,
     execute_alone,
     execute_by_form,
     execute_merged_or_alone,
     instance_device,
 )
+from recserve.backends.triton.publisher import MetricsPublisher
 from recserve.core.names import CANDIDATE_PREFIX, L1_DEVICE_PARAMETER, SPARSE_EMBEDDINGS, USER_ID
 from recserve.core.user_state_wire import serves_user_state
 
