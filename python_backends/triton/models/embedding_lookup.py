@@ -42,17 +42,13 @@ class TritonPythonModel:
         if serves_user_state(context.spec):  # [user_state]: states from under the repository's folder
             histories = UserHistories.open(context.spec, context.version_dir.parent.parent)
             self.step = self.stateful = StatefulFeaturesToEmbeddings(context.spec, lookup, histories)
-        self.metrics = MetricsPublisher()  # its own thread and the upkeep thread both publish
+        self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
-        self.metrics.start(self.samples)  # from now on once a second, off the request path
-        # a newly applied version shows on the metrics endpoint without waiting for a request
-        self.served.maintainer.after_step.append(self.publish_versions)
+        # from now on once a second, off the request path: a newly applied version shows on the
+        # metrics endpoint within a second, without waiting for a request
+        self.metrics.start(self.samples)
         freeze_startup_heap()  # last: what the instance holds from now on is never walked again
-
-    def publish_versions(self) -> None:
-        """Publish the served table versions (from the upkeep thread, after each round)."""
-        self.metrics.publish_now(self.served.version_samples)
 
     def execute(self, requests: list) -> list:
         """One response per request (a bad request fails alone with INVALID_ARG).
