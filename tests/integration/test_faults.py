@@ -110,7 +110,7 @@ def _drain_and_stop(fault_server, spec):
     regions = _shared_memory_regions(stubs)
     assert stubs and regions
     # enough that several are still in flight when the stop begins, however fast the steps are
-    requests = [generate(spec, 64, seed=200 + i).to_wire(spec) for i in range(32)]
+    requests = [generate(spec, 64, seed=200 + i).to_wire(spec) for i in range(64)]
     results, finished, done = [None] * len(requests), [0.0] * len(requests), threading.Semaphore(0)
 
     def record(index):
@@ -125,7 +125,10 @@ def _drain_and_stop(fault_server, spec):
             infer_raw(grpcclient, client, spec, inputs)
         for i, inputs in enumerate(requests):
             client.async_infer(spec.name, infer_inputs(grpcclient, inputs), record(i))
-        time.sleep(0.05)
+        # the stop begins as the first answer comes back: the server has taken the requests, and
+        # most are still queued (a fixed pause was too long once, on a fast run: all had finished)
+        assert done.acquire(timeout=60)
+        done.release()
         signalled = time.monotonic()
         stopper = threading.Thread(target=fault_server.stop, kwargs={"signum": signal.SIGTERM})
         stopper.start()
