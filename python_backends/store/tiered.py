@@ -270,14 +270,19 @@ class TieredStore:
             self._take_remote(keys, todo, vectors, tiers, None)  # no table ids: the L1 rebuild (bulk)
         return vectors, tiers != DEFAULT
 
-    def build_cache(self, hot_keys: np.ndarray, delta: RowBlock | None) -> HotCache | None:
-        """An L1 cache of the hottest keys that fit the byte budget, resolved for ``delta``."""
+    def build_cache(
+        self, hot_keys: np.ndarray, delta: RowBlock | None, known: HotCache | None = None
+    ) -> HotCache | None:
+        """An L1 cache of the hottest keys that fit the byte budget, resolved for ``delta``.
+
+        ``known``: a cache built for the same versions and delta, whose rows are copied rather
+        than resolved again (see :meth:`HotCache.claimed`).
+        """
         slots = self.cache_slots
         if slots == 0 or len(hot_keys) == 0:
             return None
         keys = np.asarray(hot_keys[: 2 * slots], np.int64)  # twice the slots: conflicts leave some out
-        vectors, found = self.resolve(keys, delta)
-        return HotCache.of(slots, keys[found], vectors[found])
+        return HotCache.claimed(slots, keys, self.dim, lambda todo: self.resolve(todo, delta), known)
 
     @property
     def cache_slots(self) -> int:
@@ -306,7 +311,9 @@ class TieredStore:
             else:
                 hot = self.tracker.hottest(2 * self.cache_slots)
             current = self.snapshot
-            cache = self.build_cache(hot, current.delta)
+            # rows stay what they were for the same versions and delta, except L3's: read again
+            known = current.cache if self.remote is None else None
+            cache = self.build_cache(hot, current.delta, known)
             self.snapshot = Snapshot(current.versions, current.delta, cache)
             self.refreshed_at = time.monotonic()
             return 0 if cache is None else len(cache.keys)

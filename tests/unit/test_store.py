@@ -5,7 +5,7 @@ import pytest
 
 from recserve.backends.base.artifacts import load_array, read_manifest, save_array, write_manifest
 from recserve.backends.features.hashing import keys_for, table_salt
-from recserve.backends.store.hot_cache import FrequencyTracker
+from recserve.backends.store.hot_cache import CLAIM_ROUNDS, FrequencyTracker, HotCache
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
@@ -125,6 +125,68 @@ def test_frequency_tracker_ranks_by_decayed_counts():
     assert tracker.hottest(2).tolist() == [1, 2]
     tracker.record(np.array([3, 3, 3, 3]))  # 3: 0.5 + 4 beats 1: 1.5
     assert tracker.hottest(1).tolist() == [3]
+
+
+def test_frequency_tracker_keeps_what_a_full_recount_keeps():
+    rng = np.random.default_rng(3)
+    tracker, limit = FrequencyTracker(budget=1 << 20, decay=0.5), 40
+    counts: dict[int, float] = {}
+    for _ in range(6):
+        batch = rng.zipf(1.2, 3000).astype(np.int64)
+        tracker.record(batch[:1000])
+        tracker.record(batch[1000:])
+        counts = {k: c * 0.5 for k, c in counts.items()}
+        for key, times in zip(*np.unique(batch, return_counts=True), strict=True):
+            counts[int(key)] = counts.get(int(key), 0.0) + float(times)
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))  # ties at a cut: the lower keys
+        counts = dict(ranked[: 2 * limit])
+        hot = tracker.hottest(limit).tolist()
+        assert set(hot) == {k for k, _ in ranked[:limit]}
+        assert [counts[k] for k in hot] == [c for _, c in ranked[:limit]]  # hottest first
+
+
+def test_an_l1_rebuild_copies_the_rows_it_holds_and_resolves_only_new_claimants():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=(64 * (DIM * 4 + 16)) / (1 << 20)))
+    keys = tables["t0"].keys
+    before = store.build_cache(keys[:100], None)
+    asked: list[int] = []
+    resolve = store.resolve
+    store.resolve = lambda k, delta: (asked.append(k.size), resolve(k, delta))[1]  # type: ignore[method-assign]
+    hot = np.concatenate([keys[50:60], keys[:100]])  # a new order: some slots change hands
+    scratch = store.build_cache(hot, None)
+    fresh = sum(asked)
+    asked.clear()
+    again = store.build_cache(hot, None, known=before)
+    assert np.array_equal(again.slot_keys, scratch.slot_keys) and np.array_equal(
+        again.vectors, scratch.vectors
+    )
+    assert np.array_equal(again.keys, scratch.keys)
+    assert (
+        fresh == len(scratch.keys) > sum(asked) == np.isin(scratch.keys, before.keys, invert=True).sum() > 0
+    )
+
+
+def test_a_hot_key_no_tier_holds_gives_its_l1_slot_to_the_next_claimant():
+    tables = make_tables()
+    store = TieredStore.from_tables(tables, options=StoreSection(cache_mib=(64 * (DIM * 4 + 16)) / (1 << 20)))
+    keys = tables["t0"].keys
+    slot = HotCache.slot_of(keys, 64)
+    absent = np.arange(1, 1 << 20, dtype=np.int64)
+    absent = absent[~np.isin(absent, np.concatenate([t.keys for t in tables.values()]))]
+    home = HotCache.slot_of(absent, 64)
+    target = int(slot[0])
+    unknown = absent[home == target][: CLAIM_ROUNDS + 1]
+    cache = store.build_cache(
+        np.concatenate([unknown[:2], keys[slot == target][:1], keys[slot != target]]), None
+    )
+    assert cache.slot_keys[target] == keys[slot == target][0]  # two missing keys passed the slot on
+    assert not np.isin(unknown, cache.keys).any()
+    cache = store.build_cache(np.concatenate([unknown, keys[slot == target][:1]]), None)
+    assert (
+        cache.keys.size == 0
+        and (store.lookup(unknown, np.zeros(unknown.size, np.int16)).tiers == DEFAULT).all()
+    )
 
 
 def test_shards_load_memory_mapped_and_serve_the_same_rows(spec, tmp_path):
