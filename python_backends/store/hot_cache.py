@@ -190,12 +190,12 @@ def _merged(keys: np.ndarray, counts: np.ndarray, recent: np.ndarray) -> tuple[n
 
 def _top(counts: np.ndarray, sizes: tuple[int, ...]) -> list[np.ndarray]:
     """For each size, the positions of that many highest counts, ascending (ties at the cut: the first)."""
-    cuts = [counts.size - size for size in sizes if size < counts.size]
+    cuts = [counts.size - size for size in sizes if 0 < size < counts.size]
     thresholds = iter(np.partition(counts, cuts)[cuts].tolist() if cuts else [])
     tops = []
     for size in sizes:
-        if size >= counts.size:
-            tops.append(np.arange(counts.size))
+        if size <= 0 or size >= counts.size:
+            tops.append(np.arange(counts.size if size > 0 else 0))
             continue
         cut = next(thresholds)
         above = np.flatnonzero(counts > cut)

@@ -125,6 +125,7 @@ def test_frequency_tracker_ranks_by_decayed_counts():
     assert tracker.hottest(2).tolist() == [1, 2]
     tracker.record(np.array([3, 3, 3, 3]))  # 3: 0.5 + 4 beats 1: 1.5
     assert tracker.hottest(1).tolist() == [3]
+    assert tracker.hottest(0).size == 0  # a store without L1
 
 
 def test_frequency_tracker_keeps_what_a_full_recount_keeps():
