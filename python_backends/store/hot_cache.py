@@ -46,23 +46,14 @@ class HotCache:
         return np.sort(first[first < keys.size])
 
     @classmethod
-    def of(cls, slots: int, keys: np.ndarray, vectors: np.ndarray) -> HotCache:
-        """Place ``keys`` (hottest first) and their vectors; a slot keeps its hottest claimant.
-
-        Empty slots hold a key that maps to another slot, so no lookup can match them.
-        """
-        keys = np.asarray(keys, np.int64)
-        first = cls.claimants(keys, slots)
-        return cls.placed(slots, keys[first], vectors[first])
-
-    @classmethod
     def placed(
         cls, slots: int, keys: np.ndarray, vectors: np.ndarray, base: HotCache | None = None
     ) -> HotCache:
         """A cache of ``keys`` (hottest first, at most one per slot).
 
         ``vectors``: every key's, in order; with ``base`` (a cache of as many slots, for the same
-        rows), only those of the keys ``base`` does not hold: the others are copied from it.
+        rows), only those of the keys ``base`` does not hold: the others are copied from it. Empty
+        slots hold a key that maps to another slot, so no lookup can match them.
         """
         slot_keys = np.zeros(slots, np.int64)
         home_of_zero = int(cls.slot_of(np.zeros(1, np.int64), slots)[0])
