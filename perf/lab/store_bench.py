@@ -12,6 +12,7 @@ One run, on one machine, side by side:
   count once) against the raw size of keys + vectors.
 * **warm-up**: p99 of the first batches after a restart with L1 preloaded from the recorded hot keys,
   and without, against the steady state.
+* **L1 rebuild**: the median time of a rebuild from the key counts, as the upkeep thread runs one.
 * with ``--device cuda`` (or ``cpu``): the **device L1**
   (:class:`~recserve.backends.store.device_cache.DeviceL1`, result left on the device) against the
   host path, the same batches interleaved.
@@ -67,6 +68,7 @@ class StoreBenchReport:
     steady_p99_us: float
     restart_warm_p99_us: float
     restart_cold_p99_us: float
+    l1_rebuild_ms: float  # median of 8 rebuilds from the key counts, each after an eighth of the batches
     device: DeviceFigures | None = None
 
 
@@ -261,6 +263,12 @@ def run(
         figures = compare_device(store, queries[batches:], device) if device else None
         hit_rates = {tier: float(counts[i] / counts.sum()) for i, tier in enumerate(TIERS)}
         steady = _p99_us(store_s[-500:])
+        rebuilds = []
+        for part in np.array_split(queries[batches:], 8):
+            timed_lookups(store, part)
+            started = time.perf_counter()
+            store.refresh_cache()
+            rebuilds.append(time.perf_counter() - started)
 
         # restart: a new store over the same (page-cached) files, with and without the recorded hot keys
         hot = store.hot_keys()
@@ -299,6 +307,7 @@ def run(
             steady_p99_us=steady,
             restart_warm_p99_us=warm,
             restart_cold_p99_us=cold,
+            l1_rebuild_ms=1e3 * float(np.median(rebuilds)),
             device=figures,
         )
 
@@ -321,6 +330,7 @@ def format_report(report: StoreBenchReport) -> str:
             f"{report.resident_ratio:.2f} x raw ({report.raw_bytes / 2**20:,.0f} MiB)",
             f"p99 after restart: {report.restart_warm_p99_us:.1f} us with warm-up, "
             f"{report.restart_cold_p99_us:.1f} us cold; steady {report.steady_p99_us:.1f} us",
+            f"L1 rebuild from the key counts: {report.l1_rebuild_ms:.1f} ms (median of 8)",
             *([] if report.device is None else [format_device(report.device)]),
         ]
     )

@@ -9,6 +9,7 @@ def test_store_bench_measures_every_figure_on_a_small_table():
     assert report.bytes_per_key_fp16 < report.bytes_per_key
     assert report.resident_bytes_two_processes > report.keys * 8 * 4  # both processes touched every row
     assert "ratio to floor" in format_report(report) and "numpy path" in format_report(report)
+    assert report.l1_rebuild_ms > 0 and "L1 rebuild" in format_report(report)
     assert (
         report.device.device_keys_per_s > 0
         and report.device.host_keys_per_s > 0
