@@ -1,5 +1,5 @@
 """Raw tritonclient requests (what the SDK would refuse to build too), closed-loop clients, waiting,
-the ``recserve`` command as a subprocess, private copies of a repository."""
+the ``recserve`` command as a subprocess, private copies of a repository, the metrics endpoint."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = [
     "http_client",
     "infer_inputs",
     "infer_raw",
+    "metrics_text",
     "recserve",
     "wait_for",
 ]
@@ -63,6 +65,12 @@ def run_perf(url: str, output: Path, *options: str) -> subprocess.CompletedProce
 
 def grpc_client(server) -> grpcclient.InferenceServerClient:
     return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def metrics_text(server) -> str:
+    """What ``server``'s metrics endpoint shows now (Prometheus text)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as response:
+        return response.read().decode()
 
 
 def http_client(server) -> httpclient.InferenceServerClient:

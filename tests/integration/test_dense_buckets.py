@@ -12,16 +12,16 @@ from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.server import Ports, TritonServer
 
-from .helpers import grpc_client, infer_raw
+from .helpers import grpc_client, infer_raw, metrics_text
 
 DEADLINE_S = 60.0
 
 
 def dense_metrics(server) -> dict[str, float]:
     """The dense step's counters from the metrics endpoint, keyed ``family{label}``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    found = re.findall(r'^(recserve_dense_\w+)\{\w+="(\w+)"\} (\S+)$', text, flags=re.MULTILINE)
+    found = re.findall(
+        r'^(recserve_dense_\w+)\{\w+="(\w+)"\} (\S+)$', metrics_text(server), flags=re.MULTILINE
+    )
     return {f"{family}{{{label}}}": float(value) for family, label, value in found}
 
 

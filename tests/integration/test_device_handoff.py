@@ -10,7 +10,6 @@ publish their host-device bytes.
 from __future__ import annotations
 
 import re
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from recserve.clients import CTRClient, read_rows
 from recserve.clients.writers import write_tsv
 from recserve.core.names import DENSE, DENSE_DEVICE_PARAMETER, EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
 
-from .helpers import grpc_client, infer_raw, wait_for
+from .helpers import grpc_client, infer_raw, metrics_text, wait_for
 from .private_server import private_server
 
 
@@ -41,11 +40,10 @@ def on_cpu_device(spec):
 
 def copied(server) -> dict[tuple[str, str], float]:
     """Bytes by (direction, step) of the copy counter; each step's executions as (step, "executes")."""
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
-    )
     found = {}
-    for name, labels, value in re.findall(r"^(recserve_device_\w+)\{([^}]*)\} (\S+)$", text, re.M):
+    for name, labels, value in re.findall(
+        r"^(recserve_device_\w+)\{([^}]*)\} (\S+)$", metrics_text(server), re.M
+    ):
         named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
         if name == "recserve_device_copy_bytes_total":
             found[(named["direction"], named["step"])] = float(value)
@@ -80,8 +78,8 @@ def test_device_steps_on_the_cpu_device_serve_the_reference(spec, repository, tm
         np.testing.assert_allclose(np.asarray(served).reshape(-1), expected, rtol=0, atol=1e-5)
         wait_for(  # each step's metrics thread publishes once a second
             lambda: (
-                copied(server).get(("h2d", EMBEDDING_LOOKUP), 0) > 0
-                and copied(server).get(("d2h", DENSE), 0) > 0
+                (counts := copied(server)).get(("h2d", EMBEDDING_LOOKUP), 0) > 0
+                and counts.get(("d2h", DENSE), 0) > 0
             ),
             10,
             "both steps' copy counts",

@@ -12,7 +12,6 @@ import copy
 import json
 import re
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,14 +24,12 @@ from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.core.names import EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
 
-from .helpers import grpc_client, infer_raw
+from .helpers import grpc_client, infer_raw, metrics_text
 from .private_server import private_server
 
 
 def tier_hits(server, tier: str = "l1") -> float:
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read().decode()
-    )
+    text = metrics_text(server)
     return sum(
         float(v)
         for v in re.findall(rf'recserve_embedding_keys_total\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)', text)

@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, ServerProcessError, TritonServer
 
-from .helpers import grpc_client, infer_raw, recserve, wait_for
+from .helpers import grpc_client, infer_raw, metrics_text, recserve, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -74,10 +73,7 @@ def test_garbage_under_item_keys_costs_those_rows_alone_and_is_counted(spec, rep
         np.testing.assert_allclose(got[~touched], expected[~touched], rtol=0, atol=1e-5)
 
         def bad_values() -> float:
-            text = urllib.request.urlopen(
-                f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10
-            ).read()
-            return sum(float(v) for v in _BAD_VALUES.findall(text.decode()))
+            return sum(float(v) for v in _BAD_VALUES.findall(metrics_text(server)))
 
         # the metrics thread publishes once a second
         wait_for(lambda: bad_values() >= len(spoilt), 10, "the refused values on the metrics endpoint")

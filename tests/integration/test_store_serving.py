@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
 
-from .helpers import copy_repository, grpc_client, infer_raw, recserve, wait_for
+from .helpers import copy_repository, grpc_client, infer_raw, metrics_text, recserve, wait_for
 
 
 def predict(server, spec, wire) -> np.ndarray:
@@ -108,11 +107,7 @@ def check_update_and_rollback(root, server, spec, tmp_path):
 
     def version_metric() -> bool:
         predict(server, spec, wire)
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = metrics_text(server)
         return f'recserve_table_version{{table="{spec.target.table}"}} 3' in text and 'tier="l2"' in text
 
     wait_for(version_metric, timeout_s=10)
@@ -255,11 +250,7 @@ def test_the_served_store_runs_the_compiled_loops(private, spec):
     def compiled_metric() -> bool:
         with grpc_client(server) as client:
             infer_raw(grpcclient, client, spec, wire)
-        text = (
-            urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        text = metrics_text(server)
         return "\nrecserve_store_compiled 1" in text
 
     wait_for(compiled_metric, timeout_s=10)

@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,16 +29,15 @@ from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
 
-from .helpers import copy_repository, grpc_client, infer_raw, recserve, wait_for
+from .helpers import copy_repository, grpc_client, infer_raw, metrics_text, recserve, wait_for
 
 NEW_KEY = 10**15  # keys far from the built tables': deltas may add rows
 
 
 def metric_values(server: TritonServer, name: str) -> dict[str, float]:
     """``name``'s values by label text, read from the metrics port (no inference request is sent)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10).read()
     found: dict[str, float] = {}
-    for labels, value in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text.decode(), re.MULTILINE):
+    for labels, value in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", metrics_text(server), re.MULTILINE):
         found[labels] = max(found.get(labels, float("-inf")), float(value))
     return found
 
