@@ -174,8 +174,13 @@ def run_longseq(
     grid: LongseqGrid,
     progress: Callable[[str], None] = LOGGER.info,
     seed: int = 41,
+    profile: str = "cpu",
 ) -> tuple[Path, dict[str, Any]]:
-    """Measure every workload at every load point; write ``summary.json`` in a run folder of ``output``."""
+    """Measure every workload at every load point; write ``summary.json`` in a run folder of ``output``.
+
+    ``profile``: the configs the servers run (``cuda``: the steps' instances on the GPU, Triton's
+    CUDA pool); a variant repository has no ``configs/`` folder, so Triton reads its ``config.pbtxt``.
+    """
     spec = setup.longseq_spec(base)
     run = output / time.strftime("longseq-%Y%m%d-%H%M%S", time.gmtime())
     run.mkdir(parents=True, exist_ok=True)
@@ -187,14 +192,18 @@ def run_longseq(
     results: dict[str, Any] = {"points": [], "outcomes": {}, "builder": None, "notes": []}
     with tempfile.TemporaryDirectory(prefix="recserve-longseq-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        local = configs.write_variant(spec, repository, work / "local")
+        local = configs.write_variant(spec, repository, work / "local", profile)
         states = stack.enter_context(_closing(setup.local_states(spec, local)))
         modes = setup.write_states(spec, repository, users.made, states, FRESH_EVENTS)
         progress(f"[bench-longseq] {users.count} users' states written: {modes}")
         servers: dict[str, TritonServer | None] = {
-            "local": stack.enter_context(TritonServer(local, Ports.free(), log_path=work / "local.log"))
+            "local": stack.enter_context(
+                TritonServer(local, Ports.free(), log_path=work / "local.log", config_name=profile)
+            )
         }
-        servers["redis"] = _redis_server(spec, repository, users, work, stack, results["notes"], progress)
+        servers["redis"] = _redis_server(
+            spec, repository, users, work, stack, results["notes"], progress, profile
+        )
         log = local / spec.user_state.event_path
         events = users.made.event_log(start_ts=time.time() - 3600)
         keep = events.seqs <= users.made.rows.lengths[events.users - users.made.first_user] - FRESH_EVENTS
@@ -248,13 +257,14 @@ def run_longseq(
     held_out = setup.bench_users(spec, grid.error_users, seed + 1).made
     results["error"] = measure_error(spec, repository, held_out, grid.error_users // 2)
     summary = _summary(results, grid, base, time.monotonic() - started)
+    summary["run"]["profile"] = profile
     (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return run, summary
 
 
 def _redis_server(
     spec: ModelSpec, repository: Path, users: setup.BenchUsers, work: Path, stack: ExitStack,
-    notes: list[str], progress: Callable[[str], None],
+    notes: list[str], progress: Callable[[str], None], profile: str,
 ) -> TritonServer | None:  # fmt: skip
     """A server whose states live only in a loopback Redis Cluster (None, with a note, without Redis)."""
     from recserve.perf.harness.redis_cluster import RedisCluster
@@ -266,14 +276,14 @@ def _redis_server(
         progress(f"[bench-longseq] {notes[-1]}")
         return None
     variant = setup.redis_variant(spec, cluster.nodes, cluster.password_env)
-    folder = configs.write_variant(variant, repository, work / "redis_variant")
+    folder = configs.write_variant(variant, repository, work / "redis_variant", profile)
     writer = replace(variant.user_state, deadline_ms=2000.0)
     states = stack.enter_context(_closing(open_user_states(writer, variant.store, folder)))
     setup.write_states(variant, repository, users.made, states, FRESH_EVENTS)
     for attempt in (1, 2):  # the step connects under [user_state] deadline_ms: a busy machine may miss it
         try:
             return stack.enter_context(
-                TritonServer(folder, Ports.free(), log_path=work / f"redis{attempt}.log")
+                TritonServer(folder, Ports.free(), log_path=work / f"redis{attempt}.log", config_name=profile)
             )
         except ServerProcessError as exc:
             reason = str(exc).splitlines()[-1] if str(exc) else type(exc).__name__

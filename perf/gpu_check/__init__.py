@@ -36,13 +36,14 @@ in two halves:
    comparison. ``summary.json`` carries ``gpu_bound_rows_per_s``, ``gpu_served_rows_per_s`` (the best
    id-form point with p99 <= 10 ms), ``gpu_served_vs_bound``, the issue's targets, the per-step
    queue and compute times from Triton's statistics and the host<->device bytes per row. The
-   longer checks stay as parts 1 to 4, one call each: ``recserve build`` and the CUDA/TensorRT
+   longer checks stay as parts 1 to 5, one call each: ``recserve build`` and the CUDA/TensorRT
    tests; ``lab dense-bench`` and ``lab store-bench`` on cuda and ``serve --profile cuda`` under
    perf_analyzer; ``--profile gpu`` (TensorRT) and 1, 2 and 4 dense instances with and without MPS;
-   1 to 8 lookup instances. Each step has its own time limit and status (ok / failed with the error
-   tail / skipped with a reason); a failing step does not stop the others; the outputs are rewritten
-   after every step and every few seconds while a measurement runs. The venv and the built
-   repositories stay in ignored folders between calls (a call that finds them gone redoes them).
+   1 to 8 lookup instances; ``recserve bench-longseq --profile cuda`` (users' states on the GPU path).
+   Each step has its own time limit and status (ok / failed with the error tail / skipped with a
+   reason); a failing step does not stop the others; the outputs are rewritten after every step and
+   every few seconds while a measurement runs. The venv and the built repositories stay in ignored
+   folders between calls (a call that finds them gone redoes them).
    Every call writes ``summary.md`` (Markdown), ``summary.json`` and ``logs.tar.gz`` to ``--output``
    (``$OUT`` by default), covering all parts run so far.
 
@@ -58,7 +59,7 @@ Use::
     make gpu-check                                   # here: prepare, then print the calls to make
     # on the GPU machine, from the working tree's root, carry .gpu-kit:
     python3 -m perf.gpu_check run                    # the bench, one call (at most 8 minutes)
-    python3 -m perf.gpu_check run --part 1           # the longer checks, one call per part (1 to 4)
+    python3 -m perf.gpu_check run --part 1           # the longer checks, one call per part (1 to 5)
 
 The ``run`` half uses the standard library only, so that it starts before anything is installed; here
 the same package runs as ``python -m recserve.perf.gpu_check``. Its modules: ``common`` (the constants

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 type=int,
                 choices=PARTS,
                 default=BENCH_PART,
-                help=f"default {BENCH_PART}: the bench in one call; 1-4: the longer checks",
+                help=f"default {BENCH_PART}: the bench in one call; 1-5: the longer checks",
             )
             command.add_argument(
                 "--lookup-instances",

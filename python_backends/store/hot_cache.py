@@ -168,6 +168,8 @@ class FrequencyTracker:
 
 def _merged(keys: np.ndarray, counts: np.ndarray, recent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct ``keys`` and ``counts`` (updated in place), plus one per sorted ``recent`` key."""
+    if not recent.size:  # only empty batches: a device tier records just the keys it sent to the host
+        return keys, counts
     starts = np.flatnonzero(np.concatenate(([True], recent[1:] != recent[:-1])))
     fresh = recent[starts]
     times = np.diff(np.append(starts, recent.size)).astype(np.float64)

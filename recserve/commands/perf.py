@@ -79,7 +79,9 @@ def _bench_longseq(args: argparse.Namespace) -> int:
     grid = LongseqGrid.quick() if args.quick else LongseqGrid()
     overrides = {"rates": args.rates, "rounds": args.rounds, "seconds": args.seconds}
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
-    run, summary = run_longseq(spec, args.repository, args.output, grid, progress=_progress)
+    run, summary = run_longseq(
+        spec, args.repository, args.output, grid, progress=_progress, profile=args.profile
+    )
     print(describe(summary))
     print(f"\nresults in {run}")
     if args.json is not None:
@@ -160,4 +162,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     longseq.add_argument("--seconds", type=float, default=None, help="seconds per workload and round")
     longseq.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    longseq.add_argument(
+        "--profile",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="the configs served: cuda puts both steps' instances on the GPU (needs one)",
+    )
     longseq.set_defaults(func=_bench_longseq)

@@ -128,6 +128,19 @@ def test_frequency_tracker_ranks_by_decayed_counts():
     assert tracker.hottest(0).size == 0  # a store without L1
 
 
+def test_frequency_tracker_takes_empty_batches():
+    """A device tier whose keys were made on the device records only those it sent to the host."""
+    tracker = FrequencyTracker(budget=1000, decay=0.5)
+    tracker.record(np.array([5, 5, 7], np.int64))
+    assert tracker.hottest(2).tolist() == [5, 7]
+    tracker.record(np.empty(0, np.int64))
+    tracker.record(np.empty(0, np.int64))
+    assert tracker.hottest(2).tolist() == [5, 7]  # the decayed counts, unchanged in order
+    tracker.record(np.empty(0, np.int64))
+    tracker.record(np.array([7, 7, 7], np.int64))
+    assert tracker.hottest(2).tolist() == [7, 5]
+
+
 def test_frequency_tracker_keeps_what_a_full_recount_keeps():
     rng = np.random.default_rng(3)
     tracker, limit = FrequencyTracker(budget=1 << 20, decay=0.5), 40
