@@ -176,7 +176,7 @@ def run_longseq(
     seed: int = 41,
     profile: str = "cpu",
 ) -> tuple[Path, dict[str, Any]]:
-    """Measure every workload at every load point; write ``summary.json`` in a run folder of ``output``.
+    """Measure every workload at every load point; ``summary.json`` and the servers' logs go in a run folder.
 
     ``profile``: the configs the servers run (``cuda``: the steps' instances on the GPU, Triton's
     CUDA pool); a variant repository has no ``configs/`` folder, so Triton reads its ``config.pbtxt``.
@@ -198,11 +198,11 @@ def run_longseq(
         progress(f"[bench-longseq] {users.count} users' states written: {modes}")
         servers: dict[str, TritonServer | None] = {
             "local": stack.enter_context(
-                TritonServer(local, Ports.free(), log_path=work / "local.log", config_name=profile)
+                TritonServer(local, Ports.free(), log_path=run / "local.log", config_name=profile)
             )
         }
         servers["redis"] = _redis_server(
-            spec, repository, users, work, stack, results["notes"], progress, profile
+            spec, repository, users, work, run, stack, results["notes"], progress, profile
         )
         log = local / spec.user_state.event_path
         events = users.made.event_log(start_ts=time.time() - 3600)
@@ -257,13 +257,13 @@ def run_longseq(
     held_out = setup.bench_users(spec, grid.error_users, seed + 1).made
     results["error"] = measure_error(spec, repository, held_out, grid.error_users // 2)
     summary = _summary(results, grid, base, time.monotonic() - started)
-    summary["run"]["profile"] = profile
+    summary["run"] |= {"profile": profile, "folder": str(run)}
     (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return run, summary
 
 
 def _redis_server(
-    spec: ModelSpec, repository: Path, users: setup.BenchUsers, work: Path, stack: ExitStack,
+    spec: ModelSpec, repository: Path, users: setup.BenchUsers, work: Path, run: Path, stack: ExitStack,
     notes: list[str], progress: Callable[[str], None], profile: str,
 ) -> TritonServer | None:  # fmt: skip
     """A server whose states live only in a loopback Redis Cluster (None, with a note, without Redis)."""
@@ -283,7 +283,7 @@ def _redis_server(
     for attempt in (1, 2):  # the step connects under [user_state] deadline_ms: a busy machine may miss it
         try:
             return stack.enter_context(
-                TritonServer(folder, Ports.free(), log_path=work / f"redis{attempt}.log", config_name=profile)
+                TritonServer(folder, Ports.free(), log_path=run / f"redis{attempt}.log", config_name=profile)
             )
         except ServerProcessError as exc:
             reason = str(exc).splitlines()[-1] if str(exc) else type(exc).__name__

@@ -70,7 +70,7 @@ PERF_CONCURRENCY = (1, 2, 4, 8, 16)
 BENCH_PART = 0  # the bench: one call of at most 8 minutes (``run`` without ``--part``)
 PARTS = (BENCH_PART, 1, 2, 3, 4, 5)  # one call each
 #: part 5's ``recserve bench-longseq`` grid (with ``--quick``'s users and held-out users)
-LONGSEQ_GRID = ("--rates", "20,60", "--rounds", "5", "--seconds", "2")
+LONGSEQ_GRID = ("--rates", "20,40,60", "--rounds", "5", "--seconds", "2")
 LONGSEQ_DRY = ("--rates", "25", "--rounds", "2", "--seconds", "0.5")
 BENCH_DEADLINE_S = 470.0  # the bench's call stops starting steps then (8 minutes, the outputs included)
 P99_BOUND_MS = 10.0  # gpu_served_rows_per_s: the best served point with p99 within this

@@ -25,6 +25,8 @@ def test_the_quick_longseq_bench_writes_its_keys(repository, tmp_path):
     summary = json.loads(written.read_text())
     runs = list((tmp_path / "results").glob("longseq-*/summary.json"))
     assert len(runs) == 1 and json.loads(runs[0].read_text()).keys() == summary.keys()
+    assert summary["run"]["folder"] == str(runs[0].parent) and summary["run"]["profile"] == "cpu"
+    assert "ready" in (runs[0].parent / "local.log").read_text().lower()  # the server's log is kept
     for key in KEYS:
         assert key in summary, key
     assert "longseq_p99_ratio" in result.stdout

@@ -8,6 +8,7 @@ The dry run downloads the kit's wheels on its first run (then reuses ``.gpu-kit`
 import json
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,8 @@ def test_the_summary_lists_every_step_and_skips_the_gpu_ones(dry_run):
             assert "no GPU" in steps[step.name]["detail"]
         else:
             assert steps[step.name]["status"] == "ok", steps[step.name]["detail"]
-    assert (out / "logs.tar.gz").is_file()
+    with tarfile.open(out / "logs.tar.gz") as logs:
+        assert "logs/longseq-local.log" in logs.getnames()  # part 5 keeps its servers' logs
 
 
 def test_a_kit_with_a_wheel_removed_fails_the_checks(dry_run, tmp_path):
