@@ -54,8 +54,8 @@ def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, .
     A request carries one form, so every tensor is optional where Triton sees it: with optional
     inputs tritonserver 2.51 checks only how many inputs a request has, so a request missing a
     tensor both forms need (and carrying another) would pass it and stall the ensemble; the step
-    refuses it instead, naming the input. The row form ends with the optional ``user_id`` and
-    ``user_seq`` where ``[user_state]`` is on.
+    refuses it instead, naming the input. The row form and a list's user inputs end with the
+    optional ``user_id`` and ``user_seq`` where ``[user_state]`` is on.
 
     Args:
         spec: the model spec.
@@ -66,7 +66,7 @@ def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, .
     for tensors in forms:
         for t in tensors:
             union.setdefault(t.name, dataclasses.replace(t, optional=True))
-    return tuple(union.values()) + (user_state_inputs(spec) if part == "inputs" else ())
+    return tuple(union.values()) + (user_state_inputs(spec) if part != "candidate_inputs" else ())
 
 
 def step_io(

@@ -188,7 +188,8 @@ class ClientBase:
         """The candidates ensemble's requests for one user: at most ``max_batch_size`` candidates each.
 
         The user's sequences travel once per request (``[1, L]``, the length ``[1, 1]``), each
-        per-candidate input as ``[1, N, ...]``.
+        per-candidate input as ``[1, N, ...]``; with ``[user_state]``, ``user_id`` and ``user_seq``
+        where the user gives them (``[1, 1]``; the sequence is then the real-time tail).
         """
         spec = self.spec
         if spec.candidates_model is None:
@@ -196,9 +197,17 @@ class ClientBase:
                 f"spec {spec.name!r} has no sequence, so no user context: score the candidates with predict()"
             )
         names = [s.name for s in spec.sequences]
-        unknown = sorted(set(user) - set(names))
+        state = {t.name for t in user_state_inputs(spec)}  # the user's state: none unless [user_state]
+        unknown = sorted(set(user) - set(names) - state)
         if unknown:
-            raise InvalidRequestError(f"unknown user inputs [{shorten_all(unknown)}]; a user carries {names}")
+            carried = names + sorted(state)
+            raise InvalidRequestError(
+                f"unknown user inputs [{shorten_all(unknown)}]; a user carries {carried}"
+            )
+        given = {n: np.asarray(user[n]).reshape(-1) for n in state if user.get(n) is not None}
+        state_arrays = self._user_state_arrays(given, state)
+        if any(a.shape[0] != 1 for a in state_arrays.values()):
+            raise InvalidRequestError(f"a candidate list has one user: {sorted(state)} take one value each")
         histories = {}
         for name in names:
             try:
@@ -224,7 +233,7 @@ class ClientBase:
                 rows = replace(part, users=None, user_seqs=None).to_inputs(spec, self.wire)  # no states
             except InvalidInput as exc:
                 raise InvalidRequestError(str(exc)) from None
-            yield {**user_arrays, **candidate_list_inputs(spec, rows, self.wire)}
+            yield {**user_arrays, **state_arrays, **candidate_list_inputs(spec, rows, self.wire)}
 
     def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``).

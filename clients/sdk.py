@@ -185,7 +185,10 @@ class CTRClient(ClientBase):
 
         Args:
             user: each sequence of the spec by name (e.g. ``{"history_items": [...]}``), its item ids
-                oldest first, newest last; sequences sharing positions have the same length.
+                oldest first, newest last; sequences sharing positions have the same length. With
+                ``[user_state]`` on, also ``user_id`` and ``user_seq`` (the user's newest event's
+                sequence number): the sequence is then the real-time tail, merged into the user's
+                state by the server.
             candidates: the candidate rows (their own sequence columns are ignored, and the user's
                 profile columns, ``[inputs] profile``, are read from the first row). More than
                 ``spec.model.max_batch_size`` candidates go in several requests.
@@ -211,8 +214,8 @@ class CTRClient(ClientBase):
         The user is the spec's ``[inputs] user`` column (see :meth:`CriteoRows.user_runs`). Runs of
         one row are sent as rows, ``batch_size`` at a time. The scores are those of :meth:`predict`.
         Rows that are users' real-time tails (they carry ``users`` and ``user_seqs``, and the spec
-        serves user states) are all sent as rows, so that their states are merged (candidate lists
-        are served without states).
+        serves user states) go in a list with their user's ``user_id`` and ``user_seq``, whose state
+        the server merges; a run whose rows differ in them is sent as rows.
 
         Returns:
             float32 ``[N]`` probabilities in the order of ``rows``.
@@ -222,15 +225,17 @@ class CTRClient(ClientBase):
             RecserveClientError: as :meth:`predict_inputs`.
         """
         self._check_batch_size(batch_size)
-        if rows.user_state_wire(self.spec):
-            return self.predict(rows, batch_size)
+        state = rows.user_state_wire(self.spec)
         out = np.zeros(len(rows), dtype=np.float32)
-        alone = []
+        alone: list[int] = []
         for run in rows.user_runs(self.spec):
-            if run.stop - run.start == 1:
-                alone.append(run.start)
+            user: dict[str, Any] = rows.user_of(self.spec, run.start)
+            for name, values in state.items():  # one user and newest event per list
+                user[name] = values[run.start, 0] if (values[run] == values[run.start]).all() else None
+            if run.stop - run.start == 1 or any(user.get(name) is None for name in state):
+                alone += range(run.start, run.stop)
             else:
-                out[run] = self.score_candidates(rows.user_of(self.spec, run.start), rows.take(run))
+                out[run] = self.score_candidates(user, rows.take(run))
         if alone:
             out[alone] = self.predict(rows.take(np.asarray(alone)), batch_size)
         return out

@@ -54,12 +54,12 @@ def _joined(
     joined = batching.merge([part for part, _ in flat])[0]
     starts = np.cumsum(users) - users
     owners = np.concatenate([o + start for (_, o), start in zip(flat, starts.tolist(), strict=True)])
-    features = step.features(joined, users=sum(users))
+    features = step.list_features(joined, lists, sum(users))
     out: dict[str, Any] = {n: features[n] for n in step.passed if n in features}
     out.update(step.lookup.lookup(features, owners))
     # histories and masks have a row per user, cut to each list's own width; the rest a row per candidate
     per_user = {n: a for n, a in out.items() if n in {*step.histories, *step.masks}}
-    widths = [step.history_width(inputs) for inputs in lists]
+    widths = step.list_widths(lists, out, users)
     by_user = batching.split(per_user, users, dict.fromkeys(per_user, widths), step.left_padded)
     by_row = batching.split({n: a for n, a in out.items() if n not in per_user}, rows)
     per_candidate = set(per_candidate_dense_inputs(step.spec))

@@ -5,11 +5,12 @@ The step hands ``dense`` exactly the inputs of the dense contract.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, TypeAlias, cast
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
 
+from recserve.backends.base.arrays import joined, side_by_side, take_rows
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.list_batch import candidate_lists
@@ -266,35 +267,6 @@ class EmbeddingLookup:
         return out
 
 
-def joined(arrays: list, axis: int) -> np.ndarray | torch.Tensor:
-    """Arrays joined on ``axis``: numpy arrays, or torch tensors on their device."""
-    if isinstance(arrays[0], np.ndarray):
-        return np.concatenate(arrays, axis=axis)
-    import torch
-
-    return torch.cat(arrays, dim=axis)
-
-
-def side_by_side(arrays: list[np.ndarray | torch.Tensor]) -> np.ndarray | torch.Tensor:
-    """The arrays (numpy, or torch tensors) joined on their last axis; one array: itself."""
-    if len(arrays) == 1:
-        return arrays[0]
-    if isinstance(arrays[0], np.ndarray):
-        return np.concatenate(arrays, axis=-1)
-    import torch
-
-    return torch.cat([torch.as_tensor(a) for a in arrays], dim=-1)
-
-
-def take_rows(array: np.ndarray | torch.Tensor, index: np.ndarray) -> np.ndarray | torch.Tensor:
-    """``array[index]`` for a numpy array or a torch tensor (indexed on its own device)."""
-    if isinstance(array, np.ndarray):
-        return array[index]
-    import torch
-
-    return array[torch.as_tensor(index, device=array.device)]
-
-
 class FeaturesToEmbeddings:
     """The served ``embedding_lookup`` step: raw request tensors in, the dense network's inputs out.
 
@@ -374,7 +346,7 @@ class FeaturesToEmbeddings:
         if not expand:
             return candidate_lists(self, [inputs])[0]
         rows, users = candidate_rows(self.spec, inputs, request_form(self.spec, inputs))
-        features = self.features(rows, users=int(users[-1]) + 1)
+        features = self.list_features(rows, [inputs], int(users[-1]) + 1)
         out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
         out.update(self.lookup.lookup(features, users))
         for name in self.histories:
@@ -391,6 +363,18 @@ class FeaturesToEmbeddings:
             InvalidInput: naming the first offending input of a list (the caller answers each alone).
         """
         return candidate_lists(self, lists)
+
+    def list_features(
+        self, rows: Mapping[str, np.ndarray], lists: Sequence[Mapping[str, np.ndarray]], users: int
+    ) -> Mapping[str, np.ndarray | torch.Tensor]:
+        """The transform of ``lists`` flattened to ``rows`` (with ``users`` users, their histories once)."""
+        return self.features(rows, users=users)
+
+    def list_widths(
+        self, lists: Sequence[Mapping[str, np.ndarray]], outputs: Mapping[str, Any], users: Sequence[int]
+    ) -> list[int]:
+        """The history width each of ``lists`` gets back (``outputs``: their joined outputs)."""
+        return [self.history_width(inputs) for inputs in lists]
 
     def history_width(self, inputs: Mapping[str, np.ndarray]) -> int:
         """The sequence bucket of one request's longest history: the width it gets back (1: no sequence)."""

@@ -3,8 +3,9 @@
 :class:`StatefulFeaturesToEmbeddings` is :class:`~recserve.backends.steps.lookup.FeaturesToEmbeddings`
 with the optional ``user_id`` and ``user_seq`` inputs read, the rows' states merged into their history
 keys before the one store call (:class:`~recserve.backends.steps.user_history.UserHistories`), and
-``history_log_weights`` in its outputs (all zero for rows served without a state, and for
-candidate lists, which keep today's path). Its counts go to the metrics endpoint:
+``history_log_weights`` in its outputs (all zero for rows served without a state). A candidate list
+may carry them too, ``[users, 1]``: each user's state is then merged into the user's one history
+row. Its counts go to the metrics endpoint (a list's counts are per user, a row's per row):
 
 - ``recserve_user_state_total{outcome}``: rows carrying a user, by outcome (hit, miss, stale, gap, error);
 - ``recserve_user_state_lag_events``: a histogram of how many events the merged state lacked that
@@ -17,9 +18,9 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -119,6 +120,8 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
         super().__init__(spec, lookup)
         self.users = histories
         self.input_names = (*self.input_names, USER_ID, USER_SEQ)
+        self.candidate_input_names = (*self.candidate_input_names, USER_ID, USER_SEQ)
+        self.passed = (*self.passed, HISTORY_LOG_WEIGHTS)  # set by the merge (a list without users: below)
         self.counts = UserStateCounts()
         self.masks_of_groups = tuple(g.mask for g in attention_inputs(spec))
         self.last_rows = RowStates.without_users(0)  # the last batch's (for explain in process)
@@ -130,24 +133,70 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
             InvalidInput: naming the first offending input and value.
         """
         features = self.transform.transform(inputs)
+        self._merge(inputs, features)
+        passed = {n: features[n] for n in self.passed if n in features}
+        return {**passed, **self.lookup.lookup(features)}
+
+    def _merge(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> None:
+        """Merge the users' states into ``features`` (one row per user of ``inputs``) and count them."""
         rows = self.users.apply(inputs, features)
         self.counts.record(rows)
         self.last_rows = rows
-        passed = {n: features[n] for n in self.passed if n in features}
-        return {**passed, **self.lookup.lookup(features), HISTORY_LOG_WEIGHTS: features[HISTORY_LOG_WEIGHTS]}
 
     def candidates(
         self, inputs: Mapping[str, np.ndarray], expand: bool = False
     ) -> dict[str, np.ndarray | torch.Tensor]:
-        """Today's candidate-list outputs with all-zero ``history_log_weights`` (no state merged)."""
-        return self._with_zero_weights(super().candidates(inputs, expand))
+        """Today's candidate-list outputs, the user's state merged where the list carries ``user_id``.
+
+        A list without a user gets all-zero ``history_log_weights``.
+        """
+        return self._weighted(super().candidates(inputs, expand))
 
     def candidate_lists(self, lists: list[Mapping[str, np.ndarray]]) -> list[dict]:
-        """Several lists, as :meth:`candidates` answers each (no state merged)."""
-        return [self._with_zero_weights(out) for out in super().candidate_lists(lists)]
+        """Several lists, as :meth:`candidates` answers each: those with users and those without apart."""
+        answers: list[dict] = [{}] * len(lists)
+        for users in (True, False):
+            part = [i for i, inputs in enumerate(lists) if (USER_ID in inputs) == users]
+            if part:
+                for i, out in zip(part, super().candidate_lists([lists[i] for i in part]), strict=True):
+                    answers[i] = self._weighted(out)
+        return answers
 
-    def _with_zero_weights(self, out: dict) -> dict:
-        out[HISTORY_LOG_WEIGHTS] = np.zeros(np.shape(out[self.masks_of_groups[0]]), np.float32)
+    def list_features(
+        self, rows: Mapping[str, np.ndarray], lists: Sequence[Mapping[str, np.ndarray]], users: int
+    ) -> Mapping[str, np.ndarray | torch.Tensor]:
+        """Lists that carry ``user_id`` (all or none of ``lists``): each user's state merged.
+
+        The transform then runs on the host, where the merge is (the id form's keys are not made
+        on the device for them).
+        """
+        if USER_ID not in lists[0]:
+            return super().list_features(rows, lists, users)
+        features = self.transform.transform(rows, users=users)
+        given = {  # one missing from a list: refused by the merge, naming it
+            name: np.concatenate([inputs[name] for inputs in lists])
+            for name in (USER_ID, USER_SEQ)
+            if all(name in inputs for inputs in lists)
+        }
+        self._merge({**rows, **given}, features)
+        return features
+
+    def list_widths(
+        self, lists: Sequence[Mapping[str, np.ndarray]], outputs: Mapping[str, Any], users: Sequence[int]
+    ) -> list[int]:
+        """With users: each list's width is the bucket of its longest merged history."""
+        if USER_ID not in lists[0]:
+            return super().list_widths(lists, outputs, users)
+        starts = np.cumsum(users) - users
+        return [
+            self.served_width({m: outputs[m][start : start + count] for m in self.masks_of_groups})
+            for start, count in zip(starts.tolist(), users, strict=True)
+        ]
+
+    def _weighted(self, out: dict) -> dict:
+        """``out`` with all-zero ``history_log_weights`` where no state was merged."""
+        if HISTORY_LOG_WEIGHTS not in out:
+            out[HISTORY_LOG_WEIGHTS] = np.zeros(np.shape(out[self.masks_of_groups[0]]), np.float32)
         return out
 
     def served_width(self, outputs: Mapping[str, np.ndarray | torch.Tensor]) -> int:

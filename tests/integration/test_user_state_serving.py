@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from recserve.backends.store.user_state_store import LocalUserStates
 from recserve.backends.store.user_tokens import dedup
 from recserve.build.repository import build_repository, load_reference_net, reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.clients import CTRClient
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec_parse import load_spec, spec_path
@@ -37,6 +39,9 @@ tokens = 96
 exact_tokens = 64
 tail = {TAIL}
 cache_ttl_ms = 0
+
+[inputs]
+user = "C1"
 """
 
 
@@ -134,3 +139,33 @@ def test_a_miss_serves_todays_answer_and_exact_states_serve_the_full_history(sta
             105,
         }
         assert "Traceback" not in server.log_tail(200)
+
+
+def test_a_candidate_list_with_its_user_scores_as_its_rows_do(stateful, tmp_path):
+    """The list's user's state is merged once for all its candidates, through the candidates ensemble."""
+    spec, repository = stateful
+    _, events = _users(spec, 1, seed=9)
+    tail, count, user = events[0, -TAIL:], 12, 100
+    rows = generate(spec, count, 10)
+    rows = replace(rows, history=np.tile(tail, (count, 1)), lengths=np.full(count, TAIL, np.int32))
+    rows = rows.with_user_state(spec, np.full(count, user), np.full(count, EVENTS))
+
+    def prepare(root: Path) -> None:
+        states = LocalUserStates(root / spec.user_state.local_path, ttl_s=600, max_tokens=96)
+        states.put(user, UserState(EVENTS - 10, EXACT, dedup(events[0, : EVENTS - 10])))
+        states.close()
+
+    context = {spec.sequences[0].name: tail, USER_ID: user, USER_SEQ: EVENTS}
+    with private_server(repository, tmp_path, model_control="none", prepare=prepare) as server:
+        with CTRClient(server.grpc_url, spec=spec) as client:
+            as_rows = client.predict(rows)
+            as_list = client.score_candidates(context, rows)
+            by_user = client.predict_by_user(rows)  # one run of one user: sent as that list
+            today = client.score_candidates({spec.sequences[0].name: tail}, rows)
+        wait_for(lambda: _metric(server, "hit") == count + 2, 15, "a hit per row, then one per list")
+        assert "Traceback" not in server.log_tail(200)
+    assert np.abs(as_list - as_rows).max() <= 1e-6  # the list graph against the row graph
+    np.testing.assert_array_equal(by_user, as_list)
+    full = _full_history_reference(spec, repository, rows.to_wire(spec), np.tile(events[0], (count, 1)))
+    assert np.abs(as_list - full).max() <= 1e-5  # exact: the whole 4,096-event history
+    assert np.abs(today - full).max() > 1e-5  # the tail alone differs

@@ -10,19 +10,15 @@ from recserve.backends.base import batching
 from recserve.backends.dense.candidate_lists import CandidateLists
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
-from recserve.backends.store.rows import TableArrays
-from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.export import candidate_inputs
 from recserve.build.synthetic import generate
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
 from recserve.core.candidate_lists import (
-    candidate_list_inputs,
     candidate_rows,
     candidate_step_inputs,
     per_candidate_dense_inputs,
-    with_profiles_of,
 )
 from recserve.core.contract import sequence_inputs
 from recserve.core.names import (
@@ -43,45 +39,9 @@ from recserve.core.sections_base import SpecError
 from recserve.core.spec_parse import load_spec, parse_spec, spec_path
 from recserve.errors import InvalidInput
 from recserve.perf.bench.input_data import candidate_input_data
+from tests.candidate_list_rows import served_store, user_rows
 from tests.store_tables import spec_store
 from tests.user_runs import with_runs
-
-
-def user_rows(spec, users=2, candidates=3, seed=4, form=BYTES_WIRE):
-    """Row-form inputs where each user's candidates carry that user's sequences and profile, and the
-    same as lists.
-    """
-    inputs = generate(spec, users * candidates, seed).to_wire(spec, form)
-    first = np.repeat(np.arange(users) * candidates, candidates)  # each row's user's first row
-    wire = spec.wire_form(form)
-    sequences = [t.name for t in wire.user_inputs if t.name in inputs and t.name not in wire.profile_lists]
-    rows = {name: (array[first] if name in sequences else array) for name, array in inputs.items()}
-    rows = with_profiles_of(spec, rows, first, form)
-    each = [
-        candidate_list_inputs(
-            spec, {n: a[u * candidates : (u + 1) * candidates] for n, a in rows.items()}, form
-        )
-        for u in range(users)
-    ]
-    lists = {name: rows[name][::candidates] for name in sequences}
-    names = {t.name for t in wire.candidate_inputs}
-    for name in each[0]:
-        lists[CANDIDATE_PREFIX + name if name in names else name] = np.concatenate([e[name] for e in each])
-    return rows, lists
-
-
-def served_store(spec, rows):
-    """A store holding every key the rows look up, with random vectors (so equality means something)."""
-    _, placeholder = spec_store(spec)
-    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, placeholder))
-    keys, table_ids = step.lookup.keys_and_tables(step.transform.transform(rows))
-    rng = np.random.default_rng(3)
-    tables = {}
-    for index, name in enumerate(placeholder.table_names):
-        unique = np.unique(keys[table_ids == index])
-        vectors = rng.normal(size=(len(unique), spec.model.embedding_dim)).astype(np.float32)
-        tables[name] = TableArrays(name, unique, vectors, np.zeros(spec.model.embedding_dim, np.float32))
-    return TieredStore.from_tables(tables)
 
 
 @pytest.mark.parametrize("name", ["ctr", "taobao"])
