@@ -19,6 +19,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -99,38 +100,49 @@ def decode_states(values: Sequence[object], max_tokens: int) -> list[UserState |
     checked in one pass (a batch's states cost a few numpy calls, not a few per state).
     """
     out: list[UserState | StateFormatError] = []
-    headers: list[tuple[int, bytes, int, int, int, int, int]] = []  # (position, value, seq, mode, n, ...)
+    headers: list[tuple[int, _Header]] = []  # (position in values, its header)
     for position, value in enumerate(values):
         try:
-            headers.append((position, *_header(value, max_tokens)))
+            headers.append((position, _header(value, max_tokens)))
             out.append(_PENDING)
         except StateFormatError as exc:
             out.append(exc)
     if not headers:
         return out
     items = np.frombuffer(
-        b"".join(value[HEADER_BYTES : HEADER_BYTES + 8 * n] for _, value, _, _, n, _, _ in headers), "<i8"
+        b"".join(h.value[HEADER_BYTES : HEADER_BYTES + 8 * h.tokens] for _, h in headers), "<i8"
     ).astype(np.int64)
     counts = np.frombuffer(
-        b"".join(value[HEADER_BYTES + 8 * n :] for _, value, _, _, n, _, _ in headers), "<u4"
+        b"".join(h.value[HEADER_BYTES + 8 * h.tokens :] for _, h in headers), "<u4"
     ).astype(np.int64)
     zero_count = bool(counts.size) and counts.min() < 1
     end = 0
-    for position, value, seq, mode, n, table_version, dense_version in headers:
-        start, end = end, end + n
+    for position, h in headers:
+        start, end = end, end + h.tokens
         state_items, state_counts = items[start:end], counts[start:end]
         ordered = np.sort(state_items)
-        if zero_count and n and state_counts.min() < 1:
+        if zero_count and h.tokens and state_counts.min() < 1:
             out[position] = StateFormatError("a token with count 0")
         elif (ordered[1:] == ordered[:-1]).any():
             out[position] = StateFormatError("an item in two tokens")
         else:
             tokens = Tokens(state_items, state_counts)
-            out[position] = UserState(seq, MODES[mode], tokens, table_version, dense_version, value)
+            out[position] = UserState(h.seq, MODES[h.mode], tokens, h.table_version, h.dense_version, h.value)
     return out
 
 
-def _header(value: object, max_tokens: int) -> tuple[bytes, int, int, int, int, int]:
+class _Header(NamedTuple):
+    """A stored value's bytes and what its header says, checked (:func:`_header`)."""
+
+    value: bytes
+    seq: int
+    mode: int  # the index in MODES
+    tokens: int
+    table_version: int
+    dense_version: int
+
+
+def _header(value: object, max_tokens: int) -> _Header:
     """The bytes of ``value`` and its header's sequence number, mode, tokens and versions, checked."""
     if not isinstance(value, bytes | bytearray):
         raise StateFormatError(f"a {type(value).__name__}, not bytes: {shorten(value)}")
@@ -150,7 +162,7 @@ def _header(value: object, max_tokens: int) -> tuple[bytes, int, int, int, int, 
         raise StateFormatError(f"{n} tokens, over the limit of {max_tokens}")
     if len(value) != HEADER_BYTES + 12 * n:
         raise StateFormatError(f"{len(value)} bytes for {n} tokens (expected {HEADER_BYTES + 12 * n})")
-    return value, seq, mode, n, table_version, dense_version
+    return _Header(value, seq, mode, n, table_version, dense_version)
 
 
 #: A value not decoded yet (replaced before :func:`decode_states` returns).
