@@ -135,8 +135,12 @@ class FrequencyTracker:
         self._lock = threading.Lock()
 
     def record(self, keys: np.ndarray) -> None:
-        """Remember a batch's keys (cheap: a reference, until the budget is used)."""
-        if self._seen < self.budget:
+        """Remember a batch's keys (cheap: a reference, until the budget is used).
+
+        An empty batch is not kept: a device tier given keys made on the device records only the
+        keys it sends on to the host, often none.
+        """
+        if keys.size and self._seen < self.budget:
             with self._lock:
                 self._recent.append(keys)
                 self._seen += keys.size
@@ -168,8 +172,6 @@ class FrequencyTracker:
 
 def _merged(keys: np.ndarray, counts: np.ndarray, recent: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Sorted distinct ``keys`` and ``counts`` (updated in place), plus one per sorted ``recent`` key."""
-    if not recent.size:  # only empty batches: a device tier records just the keys it sent to the host
-        return keys, counts
     starts = np.flatnonzero(np.concatenate(([True], recent[1:] != recent[:-1])))
     fresh = recent[starts]
     times = np.diff(np.append(starts, recent.size)).astype(np.float64)
