@@ -2,7 +2,6 @@
 
 import re
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -80,9 +79,7 @@ def test_a_missed_shape_is_served_then_compiled_and_then_hits(fresh, spec, repos
 def test_counters_are_exported_at_zero_as_soon_as_the_server_is_ready(repository, tmp_path):
     """Series a dashboard alerts on exist before their first event: zero is told apart from missing."""
     with TritonServer(repository, Ports.free(), log_path=tmp_path / "server.log") as fresh:  # no request
-        url = f"http://127.0.0.1:{fresh.ports.metrics}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
+        text = metrics_text(fresh)
     for series in (
         r'recserve_dense_bucket_requests_total\{[^}]*event="fallback"[^}]*\}',
         r'recserve_dense_bucket_requests_total\{[^}]*event="compile_failure"[^}]*\}',

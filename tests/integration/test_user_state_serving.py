@@ -7,7 +7,6 @@ here (seconds), its states put in the local store under the served repository's 
 from __future__ import annotations
 
 import re
-import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec_parse import load_spec, spec_path
 
-from .helpers import grpc_client, infer_raw, wait_for
+from .helpers import grpc_client, infer_raw, metrics_text, wait_for
 from .private_server import private_server
 
 EVENTS, TAIL, DISTINCT = 4096, 32, 80
@@ -74,9 +73,9 @@ def _users(spec, rows, seed):
 
 
 def _metric(server, outcome):
-    url = f"http://127.0.0.1:{server.ports.metrics}/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    found = re.findall(rf'recserve_user_state_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)', text)
+    found = re.findall(
+        rf'recserve_user_state_total\{{[^}}]*outcome="{outcome}"[^}}]*\}} (\S+)', metrics_text(server)
+    )
     return sum(float(v) for v in found)
 
 
