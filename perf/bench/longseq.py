@@ -1,7 +1,11 @@
 """``recserve bench-longseq``: 4,096-event users through a state against today's 256-event rows.
 
 One run, the workloads interleaved at each load point with the same users and the same offered
-load (requests of ``rows`` rows at ``rate`` per second, :mod:`.longseq_load`), round after round:
+load (requests of ``rows`` rows at ``rate`` per second, :mod:`.longseq_load`), round after round.
+In each round ``w0``, ``w0_aa`` and the ``w2`` workloads but ``w2_builder`` share one stream,
+interleaved request by request in a new order each cycle, so that the machine's drift from second
+to second reaches them alike; ``w1`` and ``w2_builder`` each run alone (the blocks' order changes
+from round to round):
 
 * ``w0``: today: every row a full 256-event history (each user's newest 256 events), no user;
 * ``w0_aa``: the same requests again: the A/A control for a noisy machine;
@@ -13,8 +17,9 @@ load (requests of ``rows`` rows at ``rate`` per second, :mod:`.longseq_load`), r
 * ``w2_miss``: as ``w2`` with one row in ten a user without a state (served from its tail alone);
 * ``w2_builder``: as ``w2`` while ``recserve user-state run`` rebuilds states from new events.
 
-Per workload and load point: p50/p99 latency, rows/s, request bytes and the steps' times (Triton's
-statistics), medians over the rounds; the ratios per round, then their median. The states' outcomes
+Per workload and load point: p50/p99 latency, rows/s and request bytes, medians over the rounds,
+and the steps' times (Triton's statistics; a mixed workload's from one phase of its own after the
+rounds); the ratios per round, then their median. The states' outcomes
 (hit, miss, ...) come from each server's metrics, the builder's lag from outside it (the store the
 servers read). The accuracy figures (:mod:`.longseq_error`) are measured in process on held-out
 users. ``summary.json`` (and ``--json``) carry ``longseq_p99_ratio`` (w2 / w0),
@@ -26,14 +31,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +48,11 @@ from recserve.backends.store.user_state_store import open_user_states
 from recserve.build import configs
 from recserve.core.names import IDS_WIRE, STEPS
 from recserve.core.spec import ModelSpec
+from recserve.perf.bench import longseq_report as report
 from recserve.perf.bench import longseq_setup as setup
 from recserve.perf.bench.longseq_builder import BuilderProcess, EventFeed
 from recserve.perf.bench.longseq_error import FRESH_EVENTS, measure_error
-from recserve.perf.bench.longseq_load import Requests, offer, round_order, warm
+from recserve.perf.bench.longseq_load import Requests, offer_mixed, round_order, warm
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.server import Ports, ServerProcessError, TritonServer
 
@@ -60,13 +65,10 @@ WORKLOADS = (W0, W0_AA, W1, W2, W2_REDIS, W2_MISS, W2_BUILDER)
 #: The lengths of today's rows (W0) and of a request's real-time tail (W2).
 TODAY, TAIL = 256, 64
 MISS_EVERY = 10  # w2_miss: one row in ten has no state
-#: The summary's ratios (of the highest load point), medians of the per-round ratios.
-RATIO_KEYS = (
-    "longseq_p99_ratio",
-    "longseq_aa_p99_ratio",
-    "longseq_throughput_ratio",
-    "longseq_aa_throughput_ratio",
-)
+#: Sent interleaved, request by request, in one stream per round. w1 and w2_builder each run alone:
+#: w1's long requests would delay whichever request follows them, and the builder runs beside
+#: w2_builder only.
+MIXED = (W0, W0_AA, W2, W2_REDIS, W2_MISS)
 OUTCOME = re.compile(r'recserve_user_state_total\{[^}]*outcome="(\w+)"[^}]*\} (\S+)')
 
 
@@ -139,12 +141,18 @@ def _ratios(phases: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -
     return _median(per_round)
 
 
-def _point_summary(rate: float, grid: LongseqGrid, phases: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def _point_summary(
+    rate: float,
+    grid: LongseqGrid,
+    phases: dict[str, list[dict[str, Any]]],
+    steps: dict[str, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """Medians over the rounds; ``steps``: the steps' times of the mixed workloads (each alone once)."""
     workloads = {}
     for name, rounds in phases.items():
         keys = [k for k in rounds[0] if k != "steps"]
         workloads[name] = {k: _median([r[k] for r in rounds]) for k in keys}
-        workloads[name]["steps"] = rounds[-1]["steps"]
+        workloads[name]["steps"] = (steps or {}).get(name) or rounds[-1]["steps"]
     return {
         "rate": rate,
         "offered_rows_per_s": rate * grid.rows,
@@ -222,28 +230,23 @@ def run_longseq(
         active = list(server_of)
         for name in active:
             warm(server_of[name].grpc_url, requests[name])
+        blocks = [tuple(n for n in active if n in MIXED), *((n,) for n in active if n not in MIXED)]
         for rate in grid.rates:
             phases: dict[str, list[dict[str, Any]]] = {name: [] for name in active}
             for number in range(grid.rounds):
-                for name in round_order(active, number):
-                    server = server_of[name]
-                    before = snapshot(server.http_url)
-                    if name == W2_BUILDER:
-                        builder.resume()
-                        feed.start()
-                    phase = offer(server.grpc_url, requests[name], rate, grid.seconds)
-                    if name == W2_BUILDER:
-                        feed.stop()
-                        builder.pause()
-                    steps = difference(before, snapshot(server.http_url), STEPS)
-                    figures: dict[str, Any] = phase.figures()
-                    figures["request_bytes"] = requests[name].request_bytes
-                    figures["steps"] = [s.as_dict() for s in steps]
-                    phases[name].append(figures)
-            point = _point_summary(rate, grid, phases)
+                for block in round_order(blocks, number):
+                    for name, figures in _run_block(
+                        block, server_of, requests, rate, grid, builder, feed, number
+                    ):
+                        phases[name].append(figures)
+            steps = {  # each mixed workload alone once, for its steps' times
+                name: _run_block((name,), server_of, requests, rate, grid, builder, feed, 0)[0][1]["steps"]
+                for name in blocks[0]
+            }
+            point = _point_summary(rate, grid, phases, steps)
             point["targets_met"] = _targets_met(point)
             results["points"].append(point)
-            progress(f"[bench-longseq] {rate:g} requests/s: {_describe_point(point)}")
+            progress(f"[bench-longseq] {rate:g} requests/s: {report.describe_point(point)}")
         time.sleep(1.2)  # the outcome counters are published at most once a second
         for name, server in servers.items():
             if server is not None:
@@ -256,10 +259,44 @@ def run_longseq(
     progress("[bench-longseq] accuracy: exact and clustered states against the full-length attention")
     held_out = setup.bench_users(spec, grid.error_users, seed + 1).made
     results["error"] = measure_error(spec, repository, held_out, grid.error_users // 2)
-    summary = _summary(results, grid, base, time.monotonic() - started)
+    summary = report.summary(results, grid, base, time.monotonic() - started)
     summary["run"] |= {"profile": profile, "folder": str(run)}
     (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return run, summary
+
+
+def _run_block(
+    block: tuple[str, ...],
+    server_of: dict[str, TritonServer],
+    requests: dict[str, Requests],
+    rate: float,
+    grid: LongseqGrid,
+    builder: BuilderProcess,
+    feed: EventFeed,
+    seed: int,
+) -> list[tuple[str, dict[str, Any]]]:
+    """One round's phase of ``block``: its workloads in one stream, or one workload alone.
+
+    A workload alone also gets its steps' times (Triton's statistics); the builder runs beside
+    ``w2_builder`` only.
+    """
+    alone = len(block) == 1
+    url = server_of[block[0]].http_url
+    before = snapshot(url) if alone else None
+    if block == (W2_BUILDER,):
+        builder.resume()
+        feed.start()
+    phases = offer_mixed(
+        {name: (server_of[name].grpc_url, requests[name]) for name in block}, rate, grid.seconds, seed
+    )
+    if block == (W2_BUILDER,):
+        feed.stop()
+        builder.pause()
+    steps = [s.as_dict() for s in difference(before, snapshot(url), STEPS)] if before is not None else []
+    return [
+        (name, {**phase.figures(), "request_bytes": requests[name].request_bytes, "steps": steps})
+        for name, phase in phases.items()
+    ]
 
 
 def _redis_server(
@@ -307,90 +344,3 @@ class _closing:
         close = getattr(self.store, "close", None)
         if close is not None:
             close()
-
-
-def _hit_rate(outcomes: dict[str, float]) -> float | None:
-    total = sum(outcomes.values())
-    return outcomes.get("hit", 0.0) / total if total else None
-
-
-def _summary(results: dict[str, Any], grid: LongseqGrid, base: ModelSpec, seconds: float) -> dict[str, Any]:
-    last = results["points"][-1]
-    error = results["error"]
-    keys = (
-        "longseq_p99_ratio",
-        "longseq_aa_p99_ratio",
-        "longseq_throughput_ratio",
-        "longseq_aa_throughput_ratio",
-    )
-    met = [p["targets_met"] for p in results["points"]]
-    return {
-        **{k: last[k] for k in keys},
-        "longseq_exact_max_abs": error["longseq_exact_max_abs"],
-        "longseq_targets_met": None if None in met else all(met),
-        "longseq_hit_rate": {name: _hit_rate(o) for name, o in results["outcomes"].items()},
-        "longseq_builder_lag_p50_s": (results["builder"] or {}).get("lag_p50_s"),
-        "longseq_builder_lag_p99_s": (results["builder"] or {}).get("lag_p99_s"),
-        # users rebuilt per second of the builder's own work (it is paused between its phases)
-        "longseq_builder_users_per_s": (results["builder"] or {})
-        .get("report", {})
-        .get("rebuilds_per_busy_s"),
-        "clustered_error": error["clustered"],
-        "error": error,
-        "points": results["points"],
-        "outcomes": results["outcomes"],
-        "builder": results["builder"],
-        "notes": results["notes"],
-        "run": {
-            "spec": base.name,
-            "grid": asdict(grid),
-            "seconds": round(seconds, 1),
-            "cpus": len(os.sched_getaffinity(0)),
-            "load_average_at_end": os.getloadavg(),
-        },
-    }
-
-
-def _describe_point(point: dict[str, Any]) -> str:
-    parts = []
-    for name, w in point["workloads"].items():
-        p99 = w["p99_ms"]
-        parts.append(
-            f"{name} p99 {'n/a' if p99 is None else f'{p99:.1f}'} ms {w['rows_per_s'] or 0:.0f} rows/s"
-        )
-    return "; ".join(parts)
-
-
-def _figure(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def describe(summary: dict[str, Any]) -> str:
-    """A table per load point, the ratios, the hit rate, the builder's lag and the measured error."""
-    lines = []
-    for point in summary["points"]:
-        lines += [
-            f"offered {point['rate']:g} requests/s ({point['offered_rows_per_s']:g} rows/s):",
-            "| workload | p50 ms | p99 ms | rows/s | request bytes | failed |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for name, w in point["workloads"].items():
-            figures = [_figure(w[k], d) for k, d in (("p50_ms", 1), ("p99_ms", 1), ("rows_per_s", 0))]
-            figures += [_figure(w["request_bytes"], 0), _figure(w["failed"], 0)]
-            lines.append(f"| {name} | {' | '.join(figures)} |")
-    ratios = ", ".join(f"{key} {_figure(summary[key])}" for key in RATIO_KEYS)
-    lines.append(f"{ratios}; targets met: {summary['longseq_targets_met']}")
-    lag = [_figure(summary[f"longseq_builder_lag_{q}_s"], 3) for q in ("p50", "p99")]
-    lines.append(f"hit rate {summary['longseq_hit_rate']}; builder lag p50 {lag[0]} s, p99 {lag[1]} s")
-    c = summary["clustered_error"]
-    spread = {
-        name: " ".join(f"{q} {c[name][q]:.4f}" for q in ("p50", "p99", "max"))
-        for name in ("state_vs_full", "truncated_vs_full")
-    }
-    auc = ", ".join(f"{name} {_figure(value, 4)}" for name, value in c["auc"].items())
-    lines += [
-        f"exact mode: max |dp| against the full-length attention {summary['longseq_exact_max_abs']:.1e}",
-        f"clustered ({c['clustered_share']:.0%} of {c['users']} held-out users): |dp| against the full "
-        f"length {spread['state_vs_full']}; truncation to 256: {spread['truncated_vs_full']}; AUC {auc}",
-    ]
-    return "\n".join(lines)

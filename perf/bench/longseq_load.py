@@ -1,10 +1,12 @@
-"""Offered load for ``recserve bench-longseq``: one workload's requests sent on a fixed schedule.
+"""Offered load for ``recserve bench-longseq``: workloads' requests sent on a fixed schedule.
 
-:func:`offer` sends pre-serialised gRPC requests (cycled) at a fixed rate for a fixed time without
-waiting for answers, as users' traffic arrives, so that every workload of a load point meets the
-same offered load whatever its own speed; :class:`Phase` holds what became of them. A workload the
-server cannot keep up with shows it as latency (and as requests unanswered within the timeout,
-counted as failed), not as a lower offered rate.
+:func:`offer_mixed` sends pre-serialised gRPC requests (cycled) at a fixed rate for a fixed time
+without waiting for answers, as users' traffic arrives, so that every workload of a load point meets
+the same offered load whatever its own speed; several workloads share one stream, interleaved
+request by request, so that the machine's drift from second to second reaches them alike.
+:func:`offer` sends one workload alone. :class:`Phase` holds what became of a workload's requests.
+A workload the server cannot keep up with shows it as latency (and as requests unanswered within
+the timeout, counted as failed), not as a lower offered rate.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,13 +83,28 @@ def offer(url: str, requests: Requests, rate: float, seconds: float) -> Phase:
     ``elapsed_s`` runs from the first send to the last answer, so a server that falls behind
     serves fewer rows per second than were offered.
     """
+    return offer_mixed({"": (url, requests)}, rate, seconds)[""]
+
+
+def offer_mixed(
+    streams: Mapping[str, tuple[str, Requests]], rate: float, seconds: float, seed: int = 0
+) -> dict[str, Phase]:
+    """Several workloads' requests interleaved one by one in one stream of ``rate`` per second.
+
+    ``streams``: per workload, the server's gRPC address and its requests (cycled). Each workload
+    sends ``rate * seconds`` requests, in cycles of one request of each in a new order
+    (:func:`mixed_order`), so the stream lasts ``seconds`` per workload and every workload meets the
+    same moments of the machine. A workload's ``elapsed_s`` is its share of the stream's span (the
+    span over the number of workloads): its rows/s are those it served at the offered rate.
+    """
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    phase = Phase(rate, seconds, requests.rows)
+    names = list(streams)
+    phases = {name: Phase(rate, seconds, streams[name][1].rows) for name in names}
     lock, done = threading.Lock(), threading.Semaphore(0)
 
-    def record(future: Any, sent_at: float) -> None:
+    def record(future: Any, phase: Phase, sent_at: float) -> None:
         latency = (time.monotonic() - sent_at) * 1e3
         with lock:
             if future.exception() is None:
@@ -94,24 +113,43 @@ def offer(url: str, requests: Requests, rate: float, seconds: float) -> Phase:
                 phase.failed += 1
         done.release()
 
-    with grpc.insecure_channel(url) as channel:
-        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-        count, interval = max(int(rate * seconds), 1), 1.0 / rate
+    each = max(int(rate * seconds), 1)
+    order = mixed_order(names, each, seed)
+    with ExitStack() as stack:
+        channels = {
+            url: stack.enter_context(grpc.insecure_channel(url)) for url in {u for u, _ in streams.values()}
+        }
+        stubs = {url: service_pb2_grpc.GRPCInferenceServiceStub(c) for url, c in channels.items()}
+        interval, sent = 1.0 / rate, dict.fromkeys(names, 0)
         start = time.monotonic()
-        for i in range(count):
+        for i, name in enumerate(order):
             due = start + i * interval
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            sent_at = time.monotonic()
+            url, requests = streams[name]
+            phase, sent_at = phases[name], time.monotonic()
             phase.late_ms.append((sent_at - due) * 1e3)
-            future = stub.ModelInfer.future(requests.messages[i % len(requests.messages)], timeout=TIMEOUT_S)
-            future.add_done_callback(lambda f, sent_at=sent_at: record(f, sent_at))
+            message = requests.messages[sent[name] % len(requests.messages)]
+            future = stubs[url].ModelInfer.future(message, timeout=TIMEOUT_S)
+            future.add_done_callback(lambda f, p=phase, s=sent_at: record(f, p, s))
+            sent[name] += 1
             phase.sent += 1
-        for _ in range(count):
+        for _ in order:
             done.acquire(timeout=2 * TIMEOUT_S)
-        phase.elapsed_s = time.monotonic() - start
-    return phase
+        span = time.monotonic() - start
+    for phase in phases.values():
+        phase.elapsed_s = span / len(names)
+    return phases
+
+
+def mixed_order(names: list[str], each: int, seed: int) -> list[str]:
+    """``each`` cycles of ``names``, every cycle in a new random order (seeded): a stream's schedule.
+
+    No workload always follows the same one, so none pays for, or profits from, another's requests.
+    """
+    rng = np.random.default_rng(seed)
+    return [names[i] for _ in range(each) for i in rng.permutation(len(names))]
 
 
 def warm(url: str, requests: Requests) -> None:

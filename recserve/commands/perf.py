@@ -70,7 +70,8 @@ def _floats(text: str) -> tuple[float, ...]:
 def _bench_longseq(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from recserve.perf.bench.longseq import LongseqGrid, describe, run_longseq
+    from recserve.perf.bench.longseq import LongseqGrid, run_longseq
+    from recserve.perf.bench.longseq_report import describe
 
     spec = load_spec(args.spec)
     if not spec.sequences:

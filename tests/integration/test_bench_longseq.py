@@ -32,8 +32,14 @@ def test_the_quick_longseq_bench_writes_its_keys(repository, tmp_path):
     assert "longseq_p99_ratio" in result.stdout
     point = summary["points"][0]
     assert set(point["workloads"]) in (WORKLOADS, WORKLOADS - {"w2_redis"})  # no Redis: a note says so
-    for figures in point["workloads"].values():
+    for name, figures in point["workloads"].items():
         assert {"p50_ms", "p99_ms", "rows_per_s", "request_bytes", "steps"} <= set(figures)
+        assert figures["sent"] == point["rate"] * summary["run"]["grid"]["seconds"], name  # mixed or alone
+        assert figures["failed"] == 0 and 0.5 < figures["rows_per_s"] / point["offered_rows_per_s"] < 1.5, (
+            name
+        )
+        lookup = {s["model"]: s for s in figures["steps"]}["embedding_lookup"]  # mixed: from its own phase
+        assert lookup["requests"] > 0, name
     error = summary["clustered_error"]
     assert {"state_vs_full", "truncated_vs_full", "auc"} <= set(error)
     assert {"p50", "p99", "max"} == set(error["state_vs_full"])

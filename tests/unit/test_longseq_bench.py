@@ -6,7 +6,7 @@ import pytest
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.spec_parse import load_spec
 from recserve.perf.bench import longseq
-from recserve.perf.bench.longseq_load import Phase, Requests, round_order
+from recserve.perf.bench.longseq_load import Phase, Requests, mixed_order, round_order
 from recserve.perf.bench.longseq_setup import LONG_EVENTS, bench_users, longseq_spec
 
 
@@ -89,3 +89,26 @@ def test_each_round_runs_every_workload_once_after_a_new_predecessor(count):
             before = [order[order.index(name) - 1] for order in rounds if order.index(name) > 0]
             assert len(set(before)) == len(before), (name, before)
         assert len({order[0] for order in rounds}) == len({order[-1] for order in rounds}) == 5
+
+
+def test_a_mixed_stream_sends_each_workload_once_a_cycle_after_varying_ones():
+    names = list(longseq.MIXED)
+    order = mixed_order(names, 40, seed=5)
+    assert len(order) == 40 * len(names)
+    cycles = [order[i : i + len(names)] for i in range(0, len(order), len(names))]
+    assert all(sorted(cycle) == sorted(names) for cycle in cycles)
+    for name in names:  # no workload always follows the same one
+        before = {order[i - 1] for i in range(1, len(order)) if order[i] == name}
+        assert before >= set(names) - {name}, (name, before)  # itself too, across two cycles
+    assert mixed_order(names, 40, seed=5) == order != mixed_order(names, 40, seed=6)
+
+
+def test_a_mixed_workload_reports_the_steps_of_its_own_phase():
+    grid = longseq.LongseqGrid(rows=2)
+    rounds = [{"p99_ms": 5.0, "rows_per_s": 10.0, "steps": []}]
+    phases = dict.fromkeys((longseq.W0, longseq.W0_AA, longseq.W1, longseq.W2), rounds)
+    point = longseq._point_summary(5.0, grid, phases, {longseq.W0: ["own"]})
+    assert (
+        point["workloads"][longseq.W0]["steps"] == ["own"]
+        and point["workloads"][longseq.W0_AA]["steps"] == []
+    )
