@@ -148,7 +148,7 @@ def _point_summary(
     steps: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Medians over the rounds; ``steps``: the steps' times of the mixed workloads (each alone once)."""
-    workloads = {}
+    workloads: dict[str, dict[str, Any]] = {}
     for name, rounds in phases.items():
         keys = [k for k in rounds[0] if k != "steps"]
         workloads[name] = {k: _median([r[k] for r in rounds]) for k in keys}

@@ -14,14 +14,16 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from recserve.perf.harness.traffic import infer_request
+
+T = TypeVar("T")
 
 #: A request unanswered this long counts as failed.
 TIMEOUT_S = 10.0
@@ -163,7 +165,7 @@ def warm(url: str, requests: Requests) -> None:
             stub.ModelInfer(message, timeout=3 * TIMEOUT_S)
 
 
-def round_order(names: list[str], number: int) -> list[str]:
+def round_order(names: Sequence[T], number: int) -> list[T]:
     """The order of the workloads in round ``number``: a new start and a new stride each round.
 
     Each workload follows a different one in each round (as long as there are strides coprime with
