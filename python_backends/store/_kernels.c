@@ -236,52 +236,54 @@ static int64_t merge_one(const int64_t *items, const int64_t *counts, int64_t si
 }
 
 /*
- * A batch's rows merged with their users' stored tokens, written as a history of out_width columns
+ * A batch's rows merged with their users' stored tokens, written as a history
  * (user_tokens.merge_histories). Row r of table (ROW_FIELDS int64 each): the addresses of its
  * state's items and counts, the state's size (-1: no state), its sequence number, the row's tail
  * length and the sequence number of the tail's newest event. The tail is the row's first
  * tail-length columns of keys (width columns a row), or with left its last. The tail's events at
  * or below the state's sequence number are in the state already; the newer ones are merged.
  *
- * A merged row's tokens go to its first columns or, with left, end at its last, each with mask 1
- * and the weight ln count; a row without a state keeps its keys and mask on the same side. Other
- * positions get pad_key, mask 0 and weight 0. out_rows[r * OUT_FIELDS ..] gets the row's number
- * of tokens (-1: no state), 1 when events between the state and the tail are in neither (a gap),
- * and its lag (newest minus the state's sequence number, at least 0; -1: no state).
+ * The history's width is the first of widths (ascending, width_count of them) that holds the
+ * longest merged row (at least 1 token), and at least width. It is written in out (room for
+ * max_width columns): keys (int64), mask and weights (float32), rows * W each, then out_rows
+ * (OUT_FIELDS int64 per row). A merged row's tokens go to its first columns or, with left, end at
+ * its last, each with mask 1 and the weight ln count; a row without a state keeps its keys and
+ * mask on the same side. Other positions get pad_key, mask 0 and weight 0. A row's out_rows: its
+ * number of tokens (-1: no state), 1 when events between the state and the tail are in neither (a
+ * gap), and its lag (newest minus the state's sequence number, at least 0; -1: no state).
  *
- * Returns the most tokens of a row (0 without states), or -1 before writing anything when out_width
- * is below width, a row's tail does not fit the width, or its state and tail do not fit out_width.
+ * Returns W, or -1 before writing anything when max_width is below width, a row's tail does not
+ * fit the width, its state and tail do not fit max_width, or no width up to max_width holds the
+ * longest merged row.
  */
 int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64_t *keys,
                                  const float *mask, int64_t width, int64_t left, int64_t pad_key,
-                                 int64_t out_width, int64_t *out_keys, float *out_mask,
-                                 float *out_weights, int64_t *out_rows) {
-    if (out_width < width) return -1;
+                                 const int64_t *widths, int64_t width_count, int64_t max_width,
+                                 uint8_t *out) {
+    if (max_width < width) return -1;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *row = table + r * ROW_FIELDS;
         if (row[ROW_TAIL] < 0 || row[ROW_TAIL] > width || row[ROW_SIZE] < -1 ||
-            (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > out_width - row[ROW_TAIL]))
+            (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > max_width - row[ROW_TAIL]))
             return -1;
     }
-    /* the groups' table (8 * width + 2), then one row's merged items and counts */
-    int64_t *scratch = malloc(sizeof(int64_t) * (size_t)(8 * width + 2 + 2 * out_width));
+    /* the groups' table (8 * width + 2), then each row's merged items and counts (max_width each) */
+    size_t room = (size_t)(8 * width + 2) + 2 * (size_t)rows * (size_t)max_width;
+    int64_t *scratch = malloc(sizeof(int64_t) * (room ? room : 1));
     if (!scratch) return -1;
-    int64_t *items = scratch + 8 * width + 2, *counts = items + out_width;
+    int64_t *items = scratch + 8 * width + 2, *counts = items + rows * max_width;
+    int64_t *lengths = malloc(sizeof(int64_t) * (size_t)(rows ? 3 * rows : 1));
+    if (!lengths) {
+        free(scratch);
+        return -1;
+    }
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *row = table + r * ROW_FIELDS;
-        int64_t *out = out_rows + r * OUT_FIELDS;
-        int64_t *row_keys = out_keys + r * out_width;
-        float *row_mask = out_mask + r * out_width, *row_weights = out_weights + r * out_width;
         int64_t size = row[ROW_SIZE], seq = row[ROW_SEQ], length = row[ROW_TAIL];
-        for (int64_t j = 0; j < out_width; j++) row_keys[j] = pad_key;
-        memset(row_mask, 0, sizeof(float) * (size_t)out_width);
-        memset(row_weights, 0, sizeof(float) * (size_t)out_width);
+        int64_t *fields = lengths + 3 * r;
         if (size < 0) {
-            int64_t at = left ? out_width - width : 0;
-            memcpy(row_keys + at, keys + r * width, sizeof(int64_t) * (size_t)width);
-            memcpy(row_mask + at, mask + r * width, sizeof(float) * (size_t)width);
-            out[OUT_LENGTH] = -1, out[OUT_GAP] = 0, out[OUT_LAG] = -1;
+            fields[OUT_LENGTH] = -1, fields[OUT_GAP] = 0, fields[OUT_LAG] = -1;
             continue;
         }
         int64_t first = row[ROW_NEWEST] - length + 1; /* the tail's oldest event */
@@ -289,19 +291,48 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
         const int64_t *events = keys + r * width + (left ? width - length : 0) + skip;
         int64_t n = merge_one((const int64_t *)(intptr_t)row[ROW_ITEMS],
                               (const int64_t *)(intptr_t)row[ROW_COUNTS], size, events, length - skip,
-                              width, scratch, items, counts);
-        int64_t at = left ? out_width - n : 0;
-        for (int64_t j = 0; j < n; j++) {
-            row_keys[at + j] = items[j];
-            row_mask[at + j] = 1.0f;
-            int64_t c = counts[j];
-            row_weights[at + j] = c > 0 && c < LOG_COUNTS ? log_counts[c] : (float)log((double)c);
-        }
-        out[OUT_LENGTH] = n;
-        out[OUT_GAP] = length > 0 && first - 1 > seq;
-        out[OUT_LAG] = row[ROW_NEWEST] > seq ? row[ROW_NEWEST] - seq : 0;
+                              width, scratch, items + r * max_width, counts + r * max_width);
+        fields[OUT_LENGTH] = n;
+        fields[OUT_GAP] = length > 0 && first - 1 > seq;
+        fields[OUT_LAG] = row[ROW_NEWEST] > seq ? row[ROW_NEWEST] - seq : 0;
         if (n > longest) longest = n;
     }
+    int64_t w = -1;
+    for (int64_t i = 0; i < width_count && w < 0; i++)
+        if (widths[i] >= (longest > 1 ? longest : 1)) w = widths[i];
+    if (w >= 0 && w < width) w = width;
+    if (w < 0 || w > max_width) {
+        free(lengths);
+        free(scratch);
+        return -1;
+    }
+    int64_t cells = rows * w;
+    int64_t *out_keys = (int64_t *)out, *out_rows = (int64_t *)(out + 16 * cells);
+    float *out_mask = (float *)(out + 8 * cells), *out_weights = (float *)(out + 12 * cells);
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t *row_keys = out_keys + r * w, *fields = lengths + 3 * r;
+        float *row_mask = out_mask + r * w, *row_weights = out_weights + r * w;
+        for (int64_t j = 0; j < w; j++) row_keys[j] = pad_key;
+        memset(row_mask, 0, sizeof(float) * (size_t)w);
+        memset(row_weights, 0, sizeof(float) * (size_t)w);
+        memcpy(out_rows + r * OUT_FIELDS, fields, sizeof(int64_t) * OUT_FIELDS);
+        int64_t n = fields[OUT_LENGTH];
+        if (n < 0) {
+            int64_t at = left ? w - width : 0;
+            memcpy(row_keys + at, keys + r * width, sizeof(int64_t) * (size_t)width);
+            memcpy(row_mask + at, mask + r * width, sizeof(float) * (size_t)width);
+            continue;
+        }
+        const int64_t *row_items = items + r * max_width, *row_counts = counts + r * max_width;
+        int64_t at = left ? w - n : 0;
+        for (int64_t j = 0; j < n; j++) {
+            row_keys[at + j] = row_items[j];
+            row_mask[at + j] = 1.0f;
+            int64_t c = row_counts[j];
+            row_weights[at + j] = c > 0 && c < LOG_COUNTS ? log_counts[c] : (float)log((double)c);
+        }
+    }
+    free(lengths);
     free(scratch);
-    return longest;
+    return w;
 }

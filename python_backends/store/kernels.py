@@ -64,9 +64,17 @@ _SIGNATURES = {
     "recserve_count": [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER],
     # positions, n, size, table_ids, rows, tables, dim, out, tiers, tier
     "recserve_fill_rows": [_POINTER, *[_SIZE] * 2, *[_POINTER] * 2, *[_SIZE] * 2, *[_POINTER] * 2, _SMALL],
-    # table, rows, keys, mask, width, left, pad_key, out_width, out_keys, out_mask, out_weights,
-    # out_rows
-    "recserve_merge_histories": [_POINTER, _SIZE, _POINTER, _POINTER, *[_SIZE] * 4, *[_POINTER] * 4],
+    # table, rows, keys, mask, width, left, pad_key, widths, width_count, max_width, out
+    "recserve_merge_histories": [
+        _POINTER,
+        _SIZE,
+        _POINTER,
+        _POINTER,
+        *[_SIZE] * 3,
+        _POINTER,
+        *[_SIZE] * 2,
+        _POINTER,
+    ],
 }
 
 
@@ -271,36 +279,42 @@ class Kernels:
             raise ValueError(f"a position outside {out.shape[0]} rows, or a table id outside {rows.shape[0]}")
 
     def merge_histories(
-        self, table: np.ndarray, keys: np.ndarray, mask: np.ndarray, left: bool, pad_key: int, out_width: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+        self,
+        table: np.ndarray,
+        keys: np.ndarray,
+        mask: np.ndarray,
+        left: bool,
+        pad_key: int,
+        widths: np.ndarray,
+        max_width: int,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """What ``user_tokens.merge_numpy_histories`` computes, in one pass over the rows.
 
         ``table`` (int64 ``[rows, 6]``) gives each row the addresses of its state's items and
         counts (:attr:`StoredTokens.entry <recserve.backends.store.user_tokens.StoredTokens.entry>`:
         live arrays of at least the size given), the state's size (-1: none) and sequence number,
-        its tail's length and newest sequence number. Each row's state and tail must fit
-        ``out_width`` columns.
+        its tail's length and newest sequence number. The history is as wide as the first of
+        ``widths`` (int64, ascending) that holds the longest merged row, and at least as ``keys``;
+        each row's state and tail must fit ``max_width`` columns.
 
         Returns:
-            The history's keys, mask and log-weights (``out_width`` columns), per row its tokens
-            (-1: no state), gap (1/0) and lag (-1: no state) as int64 ``[rows, 3]``, and the most
-            tokens of a row.
+            The history's keys, mask and log-weights, and per row its tokens (-1: no state), gap
+            (1/0) and lag (-1: no state) as int64 ``[rows, 3]``.
 
         Raises:
-            ValueError: a table of another shape, a tail wider than its history, or a row's state
-                and tail wider than ``out_width`` (the loop writes raw memory; the request checks
-                come first, these keep a caller's mistake from reaching it).
+            ValueError: a table of another shape, a tail wider than its history, a row's state and
+                tail wider than ``max_width``, or no width up to it holding the longest merged row
+                (the loop writes raw memory; the request checks come first, these keep a caller's
+                mistake from reaching it).
         """
         rows, width = keys.shape
-        for array in (table, keys):
+        for array in (table, keys, widths):
             _contiguous(array, np.int64)
         _contiguous(mask, np.float32)
         if table.shape != (rows, 6) or mask.shape != keys.shape:
             raise ValueError(f"a table {table.shape} and mask {mask.shape} for keys {keys.shape}")
-        cells = rows * out_width
-        out = np.empty(16 * cells + 24 * rows, np.uint8)  # keys (int64), mask, weights (float32), rows
-        at = _address(out)
-        longest = self.library.recserve_merge_histories(
+        out = np.empty(16 * rows * max_width + 24 * rows, np.uint8)  # keys (int64), mask, weights, rows
+        history = self.library.recserve_merge_histories(
             _address(table),
             rows,
             _address(keys),
@@ -308,21 +322,19 @@ class Kernels:
             width,
             int(left),
             int(pad_key),
-            out_width,
-            at,
-            at + 8 * cells,
-            at + 12 * cells,
-            at + 16 * cells,
+            _address(widths),
+            widths.size,
+            max_width,
+            _address(out),
         )
-        if longest < 0:
-            raise ValueError(f"a row's tail or its state and tail wider than {width} or {out_width} columns")
-        shape = (rows, out_width)
+        if history < 0:
+            raise ValueError(f"a row's tail or its state and tail wider than {width} or {max_width} columns")
+        shape, cells = (rows, history), rows * history
         return (
             np.ndarray(shape, np.int64, out, 0),
             np.ndarray(shape, np.float32, out, 8 * cells),
             np.ndarray(shape, np.float32, out, 12 * cells),
             np.ndarray((rows, 3), np.int64, out, 16 * cells),
-            longest,
         )
 
 

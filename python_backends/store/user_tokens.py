@@ -12,7 +12,7 @@ last ones, which is what the clustered mode keeps exactly (see :mod:`.user_state
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -256,46 +256,53 @@ class MergedHistories:
     lag_events: np.ndarray  # int64 [rows]: the row's newest sequence number minus its state's (-1: none)
 
 
+def history_width(buckets: np.ndarray, longest: int, width: int) -> int:
+    """The first of ``buckets`` (ascending) holding ``longest`` tokens (at least 1), and at least ``width``.
+
+    Raises:
+        ValueError: ``longest`` is over the last bucket.
+    """
+    at = int(np.searchsorted(buckets, max(longest, 1)))
+    if at == len(buckets):
+        raise ValueError(f"a merged history of {longest} tokens is over the largest sequence bucket")
+    return max(width, int(buckets[at]))
+
+
 def merge_histories(
     states: Sequence[StoredTokens | None],
     keys: np.ndarray,
     mask: np.ndarray,
-    tail_lengths: np.ndarray,
-    newest_seqs: np.ndarray,
+    tail_lengths: Sequence[int],
+    newest_seqs: Sequence[int],
     left: bool,
     pad_key: int,
-    width_for: Callable[[int], int],
+    buckets: np.ndarray,
 ) -> MergedHistories:
     """Each row's state (None: none) merged with its tail, as a history.
 
     Row ``r``'s tail is its first ``tail_lengths[r]`` columns of ``keys`` (with ``left``, its
     last), ending at sequence number ``newest_seqs[r]``; its merged tokens are those of
-    :func:`merge_rows`. They go to a history of ``width_for(longest merged row)`` columns (at least
-    ``keys``' width): from its first column or, with ``left``, ending at its last, with mask 1 and
-    ``ln count``. A row without a state keeps its keys and mask on the same side, weights 0; other
-    positions hold ``pad_key`` and mask 0.
+    :func:`merge_rows`. They go to a history as wide as the sequence bucket of the longest merged
+    row (:func:`history_width` of ``buckets``, int64, at least ``keys``' width): from its first
+    column or, with ``left``, ending at its last, with mask 1 and ``ln count``. A row without a
+    state keeps its keys and mask on the same side, weights 0; other positions hold ``pad_key``
+    and mask 0.
 
     The store's compiled loop does it in one pass where it is built and the arrays are of its types
     (``_kernels.c``), else :func:`merge_numpy_histories`; both give the same history.
     """
     if KERNELS is None or keys.dtype != np.int64 or mask.dtype != np.float32:
-        return merge_numpy_histories(states, keys, mask, tail_lengths, newest_seqs, left, pad_key, width_for)
+        return merge_numpy_histories(states, keys, mask, tail_lengths, newest_seqs, left, pad_key, buckets)
     entries = [
         (*(state.entry if state is not None else _NO_STATE), length, newest)
-        for state, length, newest in zip(states, tail_lengths.tolist(), newest_seqs.tolist(), strict=True)
+        for state, length, newest in zip(states, tail_lengths, newest_seqs, strict=True)
     ]
     table = np.array(entries, np.int64).reshape(len(states), 6)
-    # written at the width of the longest state and tail, narrowed when the merged rows are shorter
-    out_width = width_for(max((entry[2] + entry[4] for entry in entries), default=0))
-    out_keys, out_mask, weights, rows, longest = KERNELS.merge_histories(
-        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, out_width
+    # room for the widest state and tail; the loop writes the history at its merged rows' width
+    room = history_width(buckets, max((entry[2] + entry[4] for entry in entries), default=0), keys.shape[1])
+    out_keys, out_mask, weights, rows = KERNELS.merge_histories(
+        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, buckets, room
     )
-    width = width_for(longest)
-    if width < out_width:
-        columns = slice(out_width - width, None) if left else slice(0, width)
-        out_keys, out_mask, weights = (
-            np.ascontiguousarray(a[:, columns]) for a in (out_keys, out_mask, weights)
-        )
     return MergedHistories(out_keys, out_mask, weights, rows[:, 0], rows[:, 1], rows[:, 2])
 
 
@@ -303,11 +310,11 @@ def merge_numpy_histories(
     states: Sequence[StoredTokens | None],
     keys: np.ndarray,
     mask: np.ndarray,
-    tail_lengths: np.ndarray,
-    newest_seqs: np.ndarray,
+    tail_lengths: Sequence[int],
+    newest_seqs: Sequence[int],
     left: bool,
     pad_key: int,
-    width_for: Callable[[int], int],
+    buckets: np.ndarray,
 ) -> MergedHistories:
     """:func:`merge_histories` with :func:`merge_rows` and :func:`place_numpy`."""
     count, old = keys.shape
@@ -329,7 +336,7 @@ def merge_numpy_histories(
         lengths[merged_rows] = merged.lengths
         gaps[merged_rows] = merged.outcomes == GAP
         lag[merged_rows] = merged.lag_events
-    width = width_for(int(lengths.max(initial=0)))
+    width = history_width(buckets, int(lengths.max(initial=0)), old)
     out_keys = np.full((count, width), pad_key, keys.dtype)
     out_mask, weights = np.zeros((count, width), mask.dtype), np.zeros((count, width), np.float32)
     plain = lengths < 0

@@ -182,12 +182,8 @@ def test_the_compiled_merge_into_the_history_gives_the_numpy_one(seed, left):
     """Tokens, mask and log-weights of merged rows, the kept rows of rows without a state, the padding."""
     rng = np.random.default_rng(seed)
     states, keys, mask, lengths, newest = _histories_batch(rng)
-    buckets = np.cumsum(rng.integers(1, 60, 30)) + keys.shape[1] - 1  # the narrowest is the tails' width
-
-    def width_for(longest):
-        return int(buckets[np.searchsorted(buckets, longest)])
-
-    arguments = (states, keys, mask, lengths, newest, left, -5, width_for)
+    buckets = np.cumsum(rng.integers(1, 60, 30)) + int(rng.integers(-40, 10))  # some below the tails' width
+    arguments = (states, keys, mask, lengths.tolist(), newest.tolist(), left, -5, buckets)
     compiled = user_tokens.merge_histories(*arguments)
     expected = user_tokens.merge_numpy_histories(*arguments)
     for field in ("keys", "mask", "weights", "lengths", "gaps", "lag_events"):
@@ -199,12 +195,17 @@ def test_the_compiled_merge_refuses_rows_outside_its_arrays():
     table = np.array([[*user_tokens.StoredTokens(tokens, 0).entry, 3, 3]], np.int64)
     tails, mask = np.zeros((1, 3), np.int64), np.zeros((1, 3), np.float32)
 
-    def merge(table, out_width=7):
-        return KERNELS.merge_histories(table, tails, mask, False, 0, out_width)
+    def merge(table, out_width=7, widths=(2, 5, 7)):
+        return KERNELS.merge_histories(table, tails, mask, False, 0, np.array(widths, np.int64), out_width)
 
     merged = merge(table)
-    assert merged[3].tolist() == [[4, 0, 3]] and merged[4] == 4  # item 0 of the tail joins the state's
-    for bad in ({"table": table + [0, 0, 0, 0, 1, 0]}, {"table": table, "out_width": 6}):
+    assert merged[3].tolist() == [[4, 0, 3]]  # the tail's item 0 joins the state's: 4 tokens
+    assert merged[0].shape == (1, 5) and merge(table, widths=(4, 9))[0].shape == (1, 4)
+    for bad in (
+        {"table": table + [0, 0, 0, 0, 1, 0]},
+        {"table": table, "out_width": 6},
+        {"table": table, "widths": (2, 3)},  # no width holds 4 tokens
+    ):
         with pytest.raises(ValueError, match="wider than 3 or"):
             merge(**bad)
     with pytest.raises(ValueError, match="a table"):
