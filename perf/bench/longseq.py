@@ -83,6 +83,8 @@ class LongseqGrid:
     seconds: float = 4.0  # per workload, round and load point
     event_rate: float = 50.0  # new events per second during w2_builder
     error_users: int = 512  # held-out users of the clustered error (and half as many exact ones)
+    #: False: every workload in a phase of its own, as until 2026-11-27 (the A/A spread to compare)
+    mixed: bool = True
 
     @classmethod
     def quick(cls) -> LongseqGrid:
@@ -230,7 +232,8 @@ def run_longseq(
         active = list(server_of)
         for name in active:
             warm(server_of[name].grpc_url, requests[name])
-        blocks = [tuple(n for n in active if n in MIXED), *((n,) for n in active if n not in MIXED)]
+        blocks = round_blocks(active, grid.mixed)
+        together = blocks[0] if len(blocks[0]) > 1 else ()
         for rate in grid.rates:
             phases: dict[str, list[dict[str, Any]]] = {name: [] for name in active}
             for number in range(grid.rounds):
@@ -241,7 +244,7 @@ def run_longseq(
                         phases[name].append(figures)
             steps = {  # each mixed workload alone once, for its steps' times
                 name: _run_block((name,), server_of, requests, rate, grid, builder, feed, 0)[0][1]["steps"]
-                for name in blocks[0]
+                for name in together
             }
             point = _point_summary(rate, grid, phases, steps)
             point["targets_met"] = _targets_met(point)
@@ -263,6 +266,12 @@ def run_longseq(
     summary["run"] |= {"profile": profile, "folder": str(run)}
     (run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return run, summary
+
+
+def round_blocks(active: list[str], mixed: bool) -> list[tuple[str, ...]]:
+    """A round's blocks: with ``mixed``, those of MIXED in one stream, then every other workload alone."""
+    together = tuple(n for n in active if n in MIXED) if mixed else ()
+    return [b for b in (together, *((n,) for n in active if n not in together)) if b]
 
 
 def _run_block(

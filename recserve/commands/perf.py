@@ -79,6 +79,8 @@ def _bench_longseq(args: argparse.Namespace) -> int:
         return 2
     grid = LongseqGrid.quick() if args.quick else LongseqGrid()
     overrides = {"rates": args.rates, "rounds": args.rounds, "seconds": args.seconds}
+    if args.alone:
+        grid = replace(grid, mixed=False)
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     run, summary = run_longseq(
         spec, args.repository, args.output, grid, progress=_progress, profile=args.profile
@@ -163,6 +165,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     longseq.add_argument("--seconds", type=float, default=None, help="seconds per workload and round")
     longseq.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    longseq.add_argument(
+        "--alone",
+        action="store_true",
+        help="every workload in a phase of its own, not one stream per round (to compare the A/A spread)",
+    )
     longseq.add_argument(
         "--profile",
         choices=("cpu", "cuda"),

@@ -112,3 +112,20 @@ def test_a_mixed_workload_reports_the_steps_of_its_own_phase():
         point["workloads"][longseq.W0]["steps"] == ["own"]
         and point["workloads"][longseq.W0_AA]["steps"] == []
     )
+
+
+def test_a_round_sends_the_mixed_workloads_in_one_stream_unless_each_runs_alone():
+    names = list(longseq.WORKLOADS)
+    assert longseq.round_blocks(names, mixed=True) == [
+        (longseq.W0, longseq.W0_AA, longseq.W2, longseq.W2_REDIS, longseq.W2_MISS),
+        (longseq.W1,),
+        (longseq.W2_BUILDER,),
+    ]
+    assert longseq.round_blocks(names, mixed=False) == [(name,) for name in names]
+    without_redis = [n for n in names if n != longseq.W2_REDIS]
+    assert longseq.round_blocks(without_redis, mixed=True)[0] == (
+        longseq.W0,
+        longseq.W0_AA,
+        longseq.W2,
+        longseq.W2_MISS,
+    )
