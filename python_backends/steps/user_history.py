@@ -48,7 +48,15 @@ from recserve.backends.store.user_state_store import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import GAP, HIT, MISS, StoredTokens, Tokens, merge_histories
+from recserve.backends.store.user_tokens import (
+    GAP,
+    HIT,
+    MISS,
+    Buckets,
+    StoredTokens,
+    Tokens,
+    merge_histories,
+)
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec
@@ -181,7 +189,7 @@ class UserHistories:
         self.left = self.sequence.padding == "left"
         self.salt = table_salt(spec.hashing.namespace, self.sequence.table)
         self.pad_key = int(missing_key(spec.hashing.namespace, self.sequence.name))
-        self.buckets = np.array(spec.serving.sequence_buckets, np.int64)
+        self.buckets = Buckets.of(spec.serving.sequence_buckets)
 
     @staticmethod
     def mask_name(spec: ModelSpec) -> str:

@@ -12,6 +12,7 @@ last ones, which is what the clustered mode keeps exactly (see :mod:`.user_state
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -256,16 +257,29 @@ class MergedHistories:
     lag_events: np.ndarray  # int64 [rows]: the row's newest sequence number minus its state's (-1: none)
 
 
-def history_width(buckets: np.ndarray, longest: int, width: int) -> int:
-    """The first of ``buckets`` (ascending) holding ``longest`` tokens (at least 1), and at least ``width``.
+@dataclass(frozen=True)
+class Buckets:
+    """Sequence buckets (ascending) as Python ints, and as the int64 array the compiled merge reads."""
 
-    Raises:
-        ValueError: ``longest`` is over the last bucket.
-    """
-    at = int(np.searchsorted(buckets, max(longest, 1)))
-    if at == len(buckets):
-        raise ValueError(f"a merged history of {longest} tokens is over the largest sequence bucket")
-    return max(width, int(buckets[at]))
+    widths: tuple[int, ...]
+    array: np.ndarray
+
+    @classmethod
+    def of(cls, widths: Sequence[int]) -> Buckets:
+        """``widths`` sorted."""
+        ordered = tuple(sorted(int(w) for w in widths))
+        return cls(ordered, np.array(ordered, np.int64))
+
+    def width(self, longest: int, at_least: int) -> int:
+        """The first bucket holding ``longest`` tokens (at least 1), and at least ``at_least``.
+
+        Raises:
+            ValueError: ``longest`` is over the last bucket.
+        """
+        at = bisect_left(self.widths, max(longest, 1))
+        if at == len(self.widths):
+            raise ValueError(f"a merged history of {longest} tokens is over the largest sequence bucket")
+        return max(at_least, self.widths[at])
 
 
 def merge_histories(
@@ -276,14 +290,14 @@ def merge_histories(
     newest_seqs: Sequence[int],
     left: bool,
     pad_key: int,
-    buckets: np.ndarray,
+    buckets: Buckets,
 ) -> MergedHistories:
     """Each row's state (None: none) merged with its tail, as a history.
 
     Row ``r``'s tail is its first ``tail_lengths[r]`` columns of ``keys`` (with ``left``, its
     last), ending at sequence number ``newest_seqs[r]``; its merged tokens are those of
     :func:`merge_rows`. They go to a history as wide as the sequence bucket of the longest merged
-    row (:func:`history_width` of ``buckets``, int64, at least ``keys``' width): from its first
+    row (:meth:`Buckets.width`, at least ``keys``' width): from its first
     column or, with ``left``, ending at its last, with mask 1 and ``ln count``. A row without a
     state keeps its keys and mask on the same side, weights 0; other positions hold ``pad_key``
     and mask 0.
@@ -299,9 +313,9 @@ def merge_histories(
     ]
     table = np.array(entries, np.int64).reshape(len(states), 6)
     # room for the widest state and tail; the loop writes the history at its merged rows' width
-    room = history_width(buckets, max((entry[2] + entry[4] for entry in entries), default=0), keys.shape[1])
+    room = buckets.width(max((entry[2] + entry[4] for entry in entries), default=0), keys.shape[1])
     out_keys, out_mask, weights, rows = KERNELS.merge_histories(
-        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, buckets, room
+        table, np.ascontiguousarray(keys), np.ascontiguousarray(mask), left, pad_key, buckets.array, room
     )
     return MergedHistories(out_keys, out_mask, weights, rows[:, 0], rows[:, 1], rows[:, 2])
 
@@ -314,7 +328,7 @@ def merge_numpy_histories(
     newest_seqs: Sequence[int],
     left: bool,
     pad_key: int,
-    buckets: np.ndarray,
+    buckets: Buckets,
 ) -> MergedHistories:
     """:func:`merge_histories` with :func:`merge_rows` and :func:`place_numpy`."""
     count, old = keys.shape
@@ -336,7 +350,7 @@ def merge_numpy_histories(
         lengths[merged_rows] = merged.lengths
         gaps[merged_rows] = merged.outcomes == GAP
         lag[merged_rows] = merged.lag_events
-    width = history_width(buckets, int(lengths.max(initial=0)), old)
+    width = buckets.width(int(lengths.max(initial=0)), old)
     out_keys = np.full((count, width), pad_key, keys.dtype)
     out_mask, weights = np.zeros((count, width), mask.dtype), np.zeros((count, width), np.float32)
     plain = lengths < 0

@@ -183,7 +183,16 @@ def test_the_compiled_merge_into_the_history_gives_the_numpy_one(seed, left):
     rng = np.random.default_rng(seed)
     states, keys, mask, lengths, newest = _histories_batch(rng)
     buckets = np.cumsum(rng.integers(1, 60, 30)) + int(rng.integers(-40, 10))  # some below the tails' width
-    arguments = (states, keys, mask, lengths.tolist(), newest.tolist(), left, -5, buckets)
+    arguments = (
+        states,
+        keys,
+        mask,
+        lengths.tolist(),
+        newest.tolist(),
+        left,
+        -5,
+        user_tokens.Buckets.of(buckets),
+    )
     compiled = user_tokens.merge_histories(*arguments)
     expected = user_tokens.merge_numpy_histories(*arguments)
     for field in ("keys", "mask", "weights", "lengths", "gaps", "lag_events"):
