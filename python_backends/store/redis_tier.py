@@ -150,33 +150,33 @@ class RedisTier:
 
         deadline = options.redis_deadline_ms / 1000.0
         nodes = [ClusterNode(*_host_port(node)) for node in options.redis_nodes]
-        try:
-            client = RedisCluster(
-                startup_nodes=nodes,
-                socket_timeout=max(deadline, 0.05),
-                # a connection is made once (at load, or after a node came back), on the worker thread
-                # whose calls the deadline bounds anyway: a busy machine's slow connect fails no load
-                socket_connect_timeout=max(deadline, CONNECT_TIMEOUT_S),
-                require_full_coverage=False,
-                retry=Retry(NoBackoff(), 1),
-                **connection_settings(options, environ),
-            )
-        except (AuthenticationError, RedisClusterException, ResponseError) as exc:
-            if not _refused_credentials(exc):
+        for attempt in range(STARTUP_ATTEMPTS):
+            try:
+                client = RedisCluster(
+                    startup_nodes=nodes,
+                    socket_timeout=max(deadline, 0.05),
+                    # a connection is made once (at load, or after a node came back), on the worker
+                    # thread whose calls the deadline bounds anyway: a busy machine's slow connect
+                    # fails no load
+                    socket_connect_timeout=max(deadline, CONNECT_TIMEOUT_S),
+                    require_full_coverage=False,
+                    retry=Retry(NoBackoff(), 1),
+                    **connection_settings(options, environ),
+                )
+                break
+            except (AuthenticationError, RedisClusterException, ResponseError) as exc:
+                if _refused_credentials(exc):
+                    raise _refused(options, exc) from None
+                if attempt + 1 < STARTUP_ATTEMPTS and _timed_out(exc):
+                    # the first answers (the slot map) come under the deadline too: on a busy
+                    # machine they can be late, once, without the cluster being away
+                    LOGGER.info("the Redis Cluster answered late (%s); connecting again", shorten(exc, 120))
+                    time.sleep(STARTUP_BACKOFF_S * 2**attempt)
+                    continue
                 raise L3ConnectError(
                     f"no node of the Redis Cluster at {','.join(options.redis_nodes)} answered: "
                     f"{_auth_reason(exc)[:200]}"
                 ) from None
-            who = f"user {options.redis_username!r}" if options.redis_username else "the default user"
-            how = (
-                f"the password in ${options.redis_password_env}"
-                if options.redis_password_env
-                else "no password ([store] redis_password_env is not set)"
-            )
-            raise L3ConnectError(
-                f"the Redis Cluster at {','.join(options.redis_nodes)} refused {who} with {how}: "
-                f"{_auth_reason(exc)[:200]}"
-            ) from None
         return cls(client, deadline, CircuitBreaker(options.breaker_failures, options.breaker_cooldown_s))
 
     def fetch(
@@ -325,6 +325,10 @@ class RedisTier:
 
 #: least time a new connection to a node may take (calls are bounded by the deadline regardless)
 CONNECT_TIMEOUT_S = 1.0
+#: Connecting again when the cluster's first answers come later than the deadline: how often in
+#: all, and the first pause (doubled each time).
+STARTUP_ATTEMPTS = 3
+STARTUP_BACKOFF_S = 0.25
 
 
 def connection_settings(options: Any, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -359,6 +363,25 @@ def connection_settings(options: Any, environ: Mapping[str, str] | None = None) 
 
 #: What redis-py's errors say when a node refuses the credentials (no password, a wrong one, no such user).
 _AUTH_WORDS = ("NOAUTH", "WRONGPASS", "authenticat", "Authenticat", "username-password", "invalid password")
+
+
+def _refused(options: Any, exc: BaseException) -> L3ConnectError:
+    """The error for credentials the cluster refused."""
+    who = f"user {options.redis_username!r}" if options.redis_username else "the default user"
+    how = (
+        f"the password in ${options.redis_password_env}"
+        if options.redis_password_env
+        else "no password ([store] redis_password_env is not set)"
+    )
+    return L3ConnectError(
+        f"the Redis Cluster at {','.join(options.redis_nodes)} refused {who} with {how}: "
+        f"{_auth_reason(exc)[:200]}"
+    )
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Did the cluster answer too late (rather than refuse, or not listen)?"""
+    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
 
 
 def _refused_credentials(exc: BaseException) -> bool:

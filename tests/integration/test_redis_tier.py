@@ -2,12 +2,14 @@
 
 import dataclasses
 import shutil
+import signal
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from recserve.backends.store import redis_tier
 from recserve.backends.store.redis_tier import L3ConnectError, RedisTier, redis_keys
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import DEFAULT, L2, L3, TieredStore
@@ -237,6 +239,43 @@ def test_the_cluster_requires_its_password_and_a_refusal_is_a_clear_error(cluste
         RedisTier.connect(cluster.store_section())
     for refused in (missing, wrong):
         assert cluster.password not in str(refused.value) and "\n" not in str(refused.value)
+
+
+def _pause(cluster, sig):
+    for process in cluster.processes.values():
+        process.send_signal(sig)
+
+
+def test_a_cluster_answering_late_at_load_is_connected_to_again(cluster, monkeypatch):
+    """Every node stopped (a busy machine) when the tier connects: the slot map times out under the
+    5 ms deadline; the nodes go on when the tier pauses to connect again, and it then connects."""
+    options = cluster.store_section(redis_deadline_ms=5.0)
+    pauses = []
+
+    def pause(seconds):
+        pauses.append(seconds)
+        _pause(cluster, signal.SIGCONT)
+
+    _pause(cluster, signal.SIGSTOP)
+    try:
+        with monkeypatch.context() as patched:  # time.sleep of the connect only
+            patched.setattr(redis_tier.time, "sleep", pause)
+            tier = RedisTier.connect(options)
+    finally:
+        _pause(cluster, signal.SIGCONT)
+    assert pauses == [redis_tier.STARTUP_BACKOFF_S]
+    tier.deadline_s = 1.0
+    assert tier.upload(np.array([7], np.int64), np.ones((1, DIM), np.float32)) == 1
+    vectors, found = tier.fetch(np.array([7], np.int64), DIM)
+    assert found.all() and vectors.min() == 1.0
+    monkeypatch.setattr(redis_tier, "STARTUP_ATTEMPTS", 1)  # without connecting again: the load fails
+    _pause(cluster, signal.SIGSTOP)
+    try:
+        with pytest.raises(L3ConnectError, match="no node of the Redis Cluster .* answered"):
+            RedisTier.connect(options)
+    finally:
+        _pause(cluster, signal.SIGCONT)
+    assert pauses == [redis_tier.STARTUP_BACKOFF_S]
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test cluster's certificates")
