@@ -234,18 +234,15 @@ def run_longseq(
             warm(server_of[name].grpc_url, requests[name])
         blocks = round_blocks(active, grid.mixed)
         together = blocks[0] if len(blocks[0]) > 1 else ()
-        for rate in grid.rates:
+        stage = _Stage(server_of, requests, builder, feed, grid.seconds)
+        for point_number, rate in enumerate(grid.rates):
             phases: dict[str, list[dict[str, Any]]] = {name: [] for name in active}
             for number in range(grid.rounds):
                 for block in round_order(blocks, number):
-                    for name, figures in _run_block(
-                        block, server_of, requests, rate, grid, builder, feed, number
-                    ):
+                    for name, figures in stage.run(block, rate, seed=1000 * point_number + number):
                         phases[name].append(figures)
-            steps = {  # each mixed workload alone once, for its steps' times
-                name: _run_block((name,), server_of, requests, rate, grid, builder, feed, 0)[0][1]["steps"]
-                for name in together
-            }
+            # each mixed workload alone once, for its steps' times
+            steps = {name: stage.run((name,), rate, seed=0)[0][1]["steps"] for name in together}
             point = _point_summary(rate, grid, phases, steps)
             point["targets_met"] = _targets_met(point)
             results["points"].append(point)
@@ -274,38 +271,37 @@ def round_blocks(active: list[str], mixed: bool) -> list[tuple[str, ...]]:
     return [b for b in (together, *((n,) for n in active if n not in together)) if b]
 
 
-def _run_block(
-    block: tuple[str, ...],
-    server_of: dict[str, TritonServer],
-    requests: dict[str, Requests],
-    rate: float,
-    grid: LongseqGrid,
-    builder: BuilderProcess,
-    feed: EventFeed,
-    seed: int,
-) -> list[tuple[str, dict[str, Any]]]:
-    """One round's phase of ``block``: its workloads in one stream, or one workload alone.
+@dataclass(frozen=True)
+class _Stage:
+    """What a round's phases run on: the servers, the requests, the builder and its event feed."""
 
-    A workload alone also gets its steps' times (Triton's statistics); the builder runs beside
-    ``w2_builder`` only.
-    """
-    alone = len(block) == 1
-    url = server_of[block[0]].http_url
-    before = snapshot(url) if alone else None
-    if block == (W2_BUILDER,):
-        builder.resume()
-        feed.start()
-    phases = offer_mixed(
-        {name: (server_of[name].grpc_url, requests[name]) for name in block}, rate, grid.seconds, seed
-    )
-    if block == (W2_BUILDER,):
-        feed.stop()
-        builder.pause()
-    steps = [s.as_dict() for s in difference(before, snapshot(url), STEPS)] if before is not None else []
-    return [
-        (name, {**phase.figures(), "request_bytes": requests[name].request_bytes, "steps": steps})
-        for name, phase in phases.items()
-    ]
+    server_of: dict[str, TritonServer]
+    requests: dict[str, Requests]
+    builder: BuilderProcess
+    feed: EventFeed
+    seconds: float
+
+    def run(self, block: tuple[str, ...], rate: float, seed: int) -> list[tuple[str, dict[str, Any]]]:
+        """One phase of ``block``: its workloads in one stream, or one workload alone.
+
+        A workload alone also gets its steps' times (Triton's statistics); the builder runs beside
+        ``w2_builder`` only.
+        """
+        url = self.server_of[block[0]].http_url
+        before = snapshot(url) if len(block) == 1 else None
+        if block == (W2_BUILDER,):
+            self.builder.resume()
+            self.feed.start()
+        streams = {name: (self.server_of[name].grpc_url, self.requests[name]) for name in block}
+        phases = offer_mixed(streams, rate, self.seconds, seed)
+        if block == (W2_BUILDER,):
+            self.feed.stop()
+            self.builder.pause()
+        steps = [s.as_dict() for s in difference(before, snapshot(url), STEPS)] if before is not None else []
+        return [
+            (name, {**phase.figures(), "request_bytes": self.requests[name].request_bytes, "steps": steps})
+            for name, phase in phases.items()
+        ]
 
 
 def _redis_server(
