@@ -4,7 +4,7 @@ A row carrying ``user_id`` and ``user_seq`` sends its history as the real-time t
 ``[user_state] tail`` events, the newest at ``user_seq``). The step fetches the states of the
 batch's distinct users (a small local cache, then one batched store call, which for Redis runs
 under ``deadline_ms`` and the breaker), merges each row's newer tail events into its user's tokens
-(:func:`~recserve.backends.store.user_tokens.merge_histories`, all rows at once) and puts the tokens'
+(:func:`~recserve.backends.store.history_merge.merge_histories`, all rows at once) and puts the tokens'
 keys in the row's history, ``ln count`` per token in ``history_log_weights``. The keys are then
 looked up with every other key of the batch, in the same store call.
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from recserve.backends.base.inputs import require
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
+from recserve.backends.store.history_merge import Buckets, merge_histories
 from recserve.backends.store.user_rebuilds import (
     REBUILD_FILE_SUFFIX,
     REBUILD_SET_SUFFIX,
@@ -48,15 +49,7 @@ from recserve.backends.store.user_state_store import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import (
-    GAP,
-    HIT,
-    MISS,
-    Buckets,
-    StoredTokens,
-    Tokens,
-    merge_histories,
-)
+from recserve.backends.store.user_tokens import GAP, HIT, MISS, StoredTokens, Tokens
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec

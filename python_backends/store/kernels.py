@@ -288,7 +288,7 @@ class Kernels:
         widths: np.ndarray,
         max_width: int,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What ``user_tokens.merge_numpy_histories`` computes, in one pass over the rows.
+        """What ``history_merge.merge_numpy_histories`` computes, in one pass over the rows.
 
         ``table`` (int64 ``[rows, 6]``) gives each row the addresses of its state's items and
         counts (:attr:`StoredTokens.entry <recserve.backends.store.user_tokens.StoredTokens.entry>`:

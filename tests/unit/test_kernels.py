@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from recserve.backends.store import kernels, user_tokens
+from recserve.backends.store import history_merge, kernels, user_tokens
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
@@ -191,10 +191,10 @@ def test_the_compiled_merge_into_the_history_gives_the_numpy_one(seed, left):
         newest.tolist(),
         left,
         -5,
-        user_tokens.Buckets.of(buckets),
+        history_merge.Buckets.of(buckets),
     )
-    compiled = user_tokens.merge_histories(*arguments)
-    expected = user_tokens.merge_numpy_histories(*arguments)
+    compiled = history_merge.merge_histories(*arguments)
+    expected = history_merge.merge_numpy_histories(*arguments)
     for field in ("keys", "mask", "weights", "lengths", "gaps", "lag_events"):
         np.testing.assert_array_equal(getattr(compiled, field), getattr(expected, field), err_msg=field)
 
