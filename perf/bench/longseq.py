@@ -52,7 +52,7 @@ from recserve.perf.bench import longseq_report as report
 from recserve.perf.bench import longseq_setup as setup
 from recserve.perf.bench.longseq_builder import BuilderProcess, EventFeed
 from recserve.perf.bench.longseq_error import FRESH_EVENTS, measure_error
-from recserve.perf.bench.longseq_load import Requests, offer_mixed, round_order, warm
+from recserve.perf.bench.longseq_load import Requests, offer, round_order, warm
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.server import Ports, ServerProcessError, TritonServer
 
@@ -293,7 +293,7 @@ class _Stage:
             self.builder.resume()
             self.feed.start()
         streams = {name: (self.server_of[name].grpc_url, self.requests[name]) for name in block}
-        phases = offer_mixed(streams, rate, self.seconds, seed)
+        phases = offer(streams, rate, self.seconds, seed)
         if block == (W2_BUILDER,):
             self.feed.stop()
             self.builder.pause()

@@ -1,12 +1,12 @@
 """Offered load for ``recserve bench-longseq``: workloads' requests sent on a fixed schedule.
 
-:func:`offer_mixed` sends pre-serialised gRPC requests (cycled) at a fixed rate for a fixed time
-without waiting for answers, as users' traffic arrives, so that every workload of a load point meets
-the same offered load whatever its own speed; several workloads share one stream, interleaved
+:func:`offer` sends pre-serialised gRPC requests (cycled) at a fixed rate for a fixed time without
+waiting for answers, as users' traffic arrives, so that every workload of a load point meets the
+same offered load whatever its own speed; several workloads may share one stream, interleaved
 request by request, so that the machine's drift from second to second reaches them alike.
-:func:`offer` sends one workload alone. :class:`Phase` holds what became of a workload's requests.
-A workload the server cannot keep up with shows it as latency (and as requests unanswered within
-the timeout, counted as failed), not as a lower offered rate.
+:class:`Phase` holds what became of a workload's requests. A workload the server cannot keep up
+with shows it as latency (and as requests unanswered within the timeout, counted as failed), not as
+a lower offered rate.
 """
 
 from __future__ import annotations
@@ -79,25 +79,17 @@ class Phase:
         }
 
 
-def offer(url: str, requests: Requests, rate: float, seconds: float) -> Phase:
-    """Send ``requests`` (cycled) at ``rate`` per second for ``seconds``; wait for every answer.
-
-    ``elapsed_s`` runs from the first send to the last answer, so a server that falls behind
-    serves fewer rows per second than were offered.
-    """
-    return offer_mixed({"": (url, requests)}, rate, seconds)[""]
-
-
-def offer_mixed(
+def offer(
     streams: Mapping[str, tuple[str, Requests]], rate: float, seconds: float, seed: int = 0
 ) -> dict[str, Phase]:
-    """Several workloads' requests interleaved one by one in one stream of ``rate`` per second.
+    """One or more workloads' requests, interleaved one by one in one stream of ``rate`` per second.
 
     ``streams``: per workload, the server's gRPC address and its requests (cycled). Each workload
     sends ``rate * seconds`` requests, in cycles of one request of each in a new order
     (:func:`mixed_order`), so the stream lasts ``seconds`` per workload and every workload meets the
-    same moments of the machine. A workload's ``elapsed_s`` is its share of the stream's span (the
-    span over the number of workloads): its rows/s are those it served at the offered rate.
+    same moments of the machine. A workload's ``elapsed_s`` is its share of the stream's span, from
+    the first send to the last answer (the span over the number of workloads): a server that falls
+    behind serves fewer rows per second than were offered.
     """
     import grpc
     from tritonclient.grpc import service_pb2_grpc
