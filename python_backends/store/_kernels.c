@@ -267,21 +267,18 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
             (row[ROW_SIZE] >= 0 && row[ROW_SIZE] > max_width - row[ROW_TAIL]))
             return -1;
     }
-    /* the groups' table (8 * width + 2), then each row's merged items and counts (max_width each) */
-    size_t room = (size_t)(8 * width + 2) + 2 * (size_t)rows * (size_t)max_width;
-    int64_t *scratch = malloc(sizeof(int64_t) * (room ? room : 1));
+    /* the groups' table (8 * width + 2), each row's merged items and counts (max_width each),
+     * then each row's out_rows fields until the history's width is known */
+    size_t room = (size_t)(8 * width + 2) + (size_t)rows * (2 * (size_t)max_width + OUT_FIELDS);
+    int64_t *scratch = malloc(sizeof(int64_t) * room);
     if (!scratch) return -1;
     int64_t *items = scratch + 8 * width + 2, *counts = items + rows * max_width;
-    int64_t *lengths = malloc(sizeof(int64_t) * (size_t)(rows ? 3 * rows : 1));
-    if (!lengths) {
-        free(scratch);
-        return -1;
-    }
+    int64_t *lengths = counts + rows * max_width;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t *row = table + r * ROW_FIELDS;
         int64_t size = row[ROW_SIZE], seq = row[ROW_SEQ], length = row[ROW_TAIL];
-        int64_t *fields = lengths + 3 * r;
+        int64_t *fields = lengths + OUT_FIELDS * r;
         if (size < 0) {
             fields[OUT_LENGTH] = -1, fields[OUT_GAP] = 0, fields[OUT_LAG] = -1;
             continue;
@@ -302,7 +299,6 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
         if (widths[i] >= (longest > 1 ? longest : 1)) w = widths[i];
     if (w >= 0 && w < width) w = width;
     if (w < 0 || w > max_width) {
-        free(lengths);
         free(scratch);
         return -1;
     }
@@ -310,7 +306,7 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
     int64_t *out_keys = (int64_t *)out, *out_rows = (int64_t *)(out + 16 * cells);
     float *out_mask = (float *)(out + 8 * cells), *out_weights = (float *)(out + 12 * cells);
     for (int64_t r = 0; r < rows; r++) {
-        int64_t *row_keys = out_keys + r * w, *fields = lengths + 3 * r;
+        int64_t *row_keys = out_keys + r * w, *fields = lengths + OUT_FIELDS * r;
         float *row_mask = out_mask + r * w, *row_weights = out_weights + r * w;
         for (int64_t j = 0; j < w; j++) row_keys[j] = pad_key;
         memset(row_mask, 0, sizeof(float) * (size_t)w);
@@ -332,7 +328,6 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
             row_weights[at + j] = c > 0 && c < LOG_COUNTS ? log_counts[c] : (float)log((double)c);
         }
     }
-    free(lengths);
     free(scratch);
     return w;
 }
