@@ -381,7 +381,8 @@ def _refused(options: Any, exc: BaseException) -> L3ConnectError:
 
 def _timed_out(exc: BaseException) -> bool:
     """Did the cluster answer too late (rather than refuse, or not listen)?"""
-    return "timeout" in str(exc).lower() or "timed out" in str(exc).lower()
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
 
 
 def _refused_credentials(exc: BaseException) -> bool:
