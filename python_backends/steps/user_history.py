@@ -8,6 +8,10 @@ under ``deadline_ms`` and the breaker), merges each row's newer tail events into
 keys in the row's history, ``ln count`` per token in ``history_log_weights``. The keys are then
 looked up with every other key of the batch, in the same store call.
 
+A batch whose every row is a fresh cached hit leaving no gap (the common case) is merged in one
+compiled call (:class:`~recserve.backends.store.state_index.StateIndex`); the rest take the path
+below, which gives the same history.
+
 Without a usable state the row keeps today's history, its tail as sent, with all-zero log-weights:
 today's answer for that tail, bit for bit. Its outcome is counted (``miss``: none stored; ``stale``:
 a stored value in a format this server does not take; ``error``: the store failed or timed out) and,
@@ -19,19 +23,17 @@ never computed here.
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import numpy as np
 
 from recserve.backends.base.inputs import require
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.store.history_merge import Buckets, merge_histories
+from recserve.backends.store.state_index import StateCache, StateIndex
 from recserve.backends.store.user_rebuilds import (
     REBUILD_FILE_SUFFIX,
     REBUILD_SET_SUFFIX,
@@ -66,32 +68,6 @@ _REBUILD = (_MISS, _STALE, _GAP)
 _OUTCOME_NAMES = np.array([*OUTCOMES, ""], object)  # by code; -1 (no user): ""
 _MODE_NAMES = np.array([*MODES, ""], object)  # by code; -1 (no state): ""
 _LOWEST = -(2**63)
-T = TypeVar("T")
-
-
-class StateCache(Generic[T]):
-    """Values fetched lately, per user, each fresh for ``ttl_s`` after its fetch (LRU, ``capacity``)."""
-
-    def __init__(self, capacity: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.capacity, self.ttl_s, self.clock = capacity, ttl_s, clock
-        self._values: OrderedDict[int, tuple[float, T]] = OrderedDict()
-
-    def peek(self, user: int) -> tuple[T | None, bool]:
-        """The cached value of ``user`` even when too old (None: not cached), and whether it is fresh."""
-        entry = self._values.get(user)
-        if entry is None:
-            return None, False
-        self._values.move_to_end(user)
-        return entry[1], self.clock() - entry[0] <= self.ttl_s
-
-    def put(self, user: int, value: T) -> None:
-        """Cache ``value`` (the least recently used user leaves beyond ``capacity``)."""
-        if self.capacity <= 0:
-            return
-        self._values[user] = (self.clock(), value)
-        self._values.move_to_end(user)
-        while len(self._values) > self.capacity:
-            self._values.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -101,6 +77,11 @@ class KeyedState:
     state: UserState
     keyed: StoredTokens  # what merge_histories reads
     mode: int  # the state's mode, its index in MODES
+
+    @property
+    def index_entry(self) -> tuple[int, int, int, int, int]:
+        """What :class:`StateIndex` names: the keys' and counts' addresses, size, sequence number, mode."""
+        return (*self.keyed.entry, self.mode)
 
     @classmethod
     def many(cls, states: list[UserState], salt: np.uint64) -> list[KeyedState]:
@@ -153,7 +134,8 @@ class UserHistories:
         spec: the model spec (``[user_state]`` on, exactly one sequence).
         states: the state store.
         rebuilds: where users without a usable state are queued (None: nowhere).
-        cache: the local cache (None: ``[user_state] cache_users`` and ``cache_ttl_ms``).
+        cache: the local cache (None: ``[user_state] cache_users`` and ``cache_ttl_ms``, followed by a
+            :class:`StateIndex` where the kernels are built).
 
     Raises:
         ArtifactError: the spec has not exactly one sequence (the state's tokens are its items).
@@ -173,9 +155,12 @@ class UserHistories:
             )
         section = spec.user_state
         self.spec, self.states, self.rebuilds = spec, states, rebuilds
-        self.cache: StateCache[KeyedState] = cache or StateCache(
-            section.cache_users, section.cache_ttl_ms / 1000.0
-        )
+        if cache is None:
+            index = StateIndex.of(section.cache_users)
+            cache = StateCache(section.cache_users, section.cache_ttl_ms / 1000.0, mirror=index)
+        self.cache: StateCache[KeyedState] = cache
+        #: where a batch of fresh hits is merged in one call (None: every batch takes the other path)
+        self.index = cache.mirror if isinstance(cache.mirror, StateIndex) else None
         self.sequence = spec.sequences[0]
         self.group = spec.attention_groups[0]
         self.mask = attention_inputs(spec)[0].mask
@@ -183,6 +168,7 @@ class UserHistories:
         self.salt = table_salt(spec.hashing.namespace, self.sequence.table)
         self.pad_key = int(missing_key(spec.hashing.namespace, self.sequence.name))
         self.buckets = Buckets.of(spec.serving.sequence_buckets)
+        self.room = self.buckets.width(section.tokens + section.tail, 1)  # the widest state and tail
 
     @staticmethod
     def mask_name(spec: ModelSpec) -> str:
@@ -209,6 +195,18 @@ class UserHistories:
         if close is not None:
             close()
 
+    def wire(self, inputs: Mapping[str, np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each row's user, newest sequence number and tail length (``[rows, 1]`` each), types checked.
+
+        Raises:
+            InvalidInput: one missing, or not of its type and shape.
+        """
+        return (
+            require(inputs, USER_ID, "INT64", rows, 1),
+            require(inputs, USER_SEQ, "INT64", rows, 1),
+            require(inputs, self.group.length_input, "INT32", rows, 1),
+        )
+
     def request_users(
         self, inputs: Mapping[str, np.ndarray], rows: int
     ) -> tuple[list[int], list[int], list[int]]:
@@ -218,12 +216,10 @@ class UserHistories:
         whose code and data are cold between requests.
 
         Raises:
-            InvalidInput: ``user_seq`` missing or below the tail's length, or a tail over
-                ``[user_state] tail``.
+            InvalidInput: one of them missing or not of its type and shape, ``user_seq`` below
+                the tail's length, or a tail over ``[user_state] tail``.
         """
-        users = require(inputs, USER_ID, "INT64", rows, 1).ravel().tolist()
-        newest = require(inputs, USER_SEQ, "INT64", rows, 1).ravel().tolist()
-        lengths = require(inputs, self.group.length_input, "INT32", rows, 1).ravel().tolist()
+        users, newest, lengths = (array.ravel().tolist() for array in self.wire(inputs, rows))
         limit = self.spec.user_state.tail
         for r, (seq, length) in enumerate(zip(newest, lengths, strict=True)):
             if length > limit:
@@ -298,6 +294,22 @@ class UserHistories:
         if USER_ID not in inputs:
             features[HISTORY_LOG_WEIGHTS] = np.zeros(mask.shape, np.float32)
             return RowStates.without_users(rows)
+        if self.index is not None:
+            fast = self.index.merge(
+                (inputs.get(USER_ID), inputs.get(USER_SEQ), inputs.get(self.group.length_input)),
+                self.spec.user_state.tail,
+                self.cache.clock(),
+                keys,
+                mask,
+                self.left,
+                self.pad_key,
+                self.buckets.array,
+                max(self.room, keys.shape[1]),
+            )
+            if fast is not None:  # every row a hit
+                self._served(features, *fast[:3])
+                fields = fast[3]
+                return RowStates(np.full(rows, _HIT), fields[:, 0], fields[:, 1], fields[:, 2])
         users, newest, lengths = self.request_users(inputs, rows)
         slots: dict[int, int] = {}
         where = [slots.setdefault(user, len(slots)) for user in users]
@@ -330,6 +342,11 @@ class UserHistories:
             again = [users[r] for r, outcome in enumerate(outcomes) if outcome in _REBUILD]
             if again:
                 self.rebuilds.add(np.array(again, np.int64))
-        features[HISTORY_KEYS], features[self.mask] = merged.keys, merged.mask
-        features[HISTORY_LOG_WEIGHTS] = merged.weights
+        self._served(features, merged.keys, merged.mask, merged.weights)
         return RowStates(np.array(outcomes), np.array(seqs), np.array(modes), merged.lag_events)
+
+    def _served(
+        self, features: dict[str, np.ndarray], keys: np.ndarray, mask: np.ndarray, weights: np.ndarray
+    ) -> None:
+        """The merged history in the transform's place, and its log-weights."""
+        features[HISTORY_KEYS], features[self.mask], features[HISTORY_LOG_WEIGHTS] = keys, mask, weights

@@ -1,9 +1,10 @@
-"""The store's compiled probe-and-gather loops (``_kernels.c``), called through ctypes.
+"""The store's compiled probe-and-gather loops (``_kernels.c``) and user-state merge (``_user_merge.c``).
 
-``pip install`` compiles ``_kernels.c`` into the optional extension ``recserve.backends.store._kernels``
-(plain C, no Python API: it is loaded as a shared library, not imported). Where it could not be
-built (no C compiler), :func:`load` returns ``None`` and the store keeps its numpy path, which gives
-the same results bit for bit, only slower. ``RECSERVE_STORE_KERNELS=numpy`` forces the numpy path.
+Called through ctypes. ``pip install`` compiles both files into the optional extension
+``recserve.backends.store._kernels`` (plain C, no Python API: it is loaded as a shared library,
+not imported). Where it could not be built (no C compiler), :func:`load` returns ``None`` and the
+store keeps its numpy path, which gives the same results bit for bit, only slower.
+``RECSERVE_STORE_KERNELS=numpy`` forces the numpy path.
 
 The addresses of arrays that live as long as a table version (index, vectors, cache) are resolved
 once, when a probe is bound; a call only converts the per-batch buffers.
@@ -75,20 +76,37 @@ _SIGNATURES = {
         *[_SIZE] * 2,
         _POINTER,
     ],
+    # index, slots, entry (state_index.StateIndex)
+    "recserve_index_put": [_POINTER, _SIZE, _POINTER],
+    # index, slots, user
+    "recserve_index_remove": [_POINTER, _SIZE, _SIZE],
+    # index, slots, users, newest, lengths, rows, tail_limit, now, then as recserve_merge_histories
+    # from keys to out, then row_states
+    "recserve_merge_cached": [
+        *[_POINTER] * 5,
+        *[_SIZE] * 3,
+        *[_POINTER] * 2,
+        *[_SIZE] * 3,
+        _POINTER,
+        *[_SIZE] * 2,
+        *[_POINTER] * 2,
+    ],
 }
 
 
 _CHAR_AT, _ADDRESS_OF = ctypes.c_char.from_buffer, ctypes.addressof
 
 
-def _address(array: np.ndarray) -> int:
+def address(array: np.ndarray) -> int:
+    """Where ``array``'s data starts (for the compiled loops)."""
     flags = array.flags
     if flags.writeable and flags.c_contiguous and array.size:  # a third of ``ctypes.data``'s cost
         return _ADDRESS_OF(_CHAR_AT(cast("Buffer", array)))
     return array.ctypes.data
 
 
-def _contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
+def contiguous(array: np.ndarray, dtype: type) -> np.ndarray:
+    """``array`` itself, checked to be C-contiguous of ``dtype`` (raises ValueError otherwise)."""
     if array.dtype != dtype or not array.flags.c_contiguous:
         raise ValueError(
             f"expected a C-contiguous {np.dtype(dtype).name} array, got {array.dtype} {array.shape}"
@@ -102,8 +120,8 @@ class CacheProbe:
     def __init__(self, function: Callable[..., int], slot_keys: np.ndarray, vectors: np.ndarray) -> None:
         self._function = function
         self._arrays = (slot_keys, vectors)  # kept alive: the library reads them through raw addresses
-        self._slot_keys, self._slots = _address(_contiguous(slot_keys, np.int64)), slot_keys.size
-        self._vectors, self._dim = _address(_contiguous(vectors, np.float32)), vectors.shape[1]
+        self._slot_keys, self._slots = address(contiguous(slot_keys, np.int64)), slot_keys.size
+        self._vectors, self._dim = address(contiguous(vectors, np.float32)), vectors.shape[1]
 
     def take(
         self, keys: np.ndarray, out: np.ndarray, tiers: np.ndarray, tier: int, misses: np.ndarray
@@ -116,22 +134,22 @@ class CacheProbe:
             How many keys missed (the first entries of ``misses``).
         """
         (
-            _contiguous(keys, np.int64),
-            _contiguous(out, np.float32),
-            _contiguous(tiers, np.int8),
-            _contiguous(misses, np.int64),
+            contiguous(keys, np.int64),
+            contiguous(out, np.float32),
+            contiguous(tiers, np.int8),
+            contiguous(misses, np.int64),
         )
         return self._function(
-            _address(keys),
+            address(keys),
             keys.size,
             self._slot_keys,
             self._slots,
             self._vectors,
             self._dim,
-            _address(out),
-            _address(tiers),
+            address(out),
+            address(tiers),
             tier,
-            _address(misses),
+            address(misses),
         )
 
 
@@ -150,16 +168,16 @@ class IndexProbe:
         self._function = function
         self._arrays = (buckets, overflow_keys, overflow_rows, vectors)  # kept alive, as above
         self._buckets, self._shift = (
-            _address(_contiguous(buckets, np.int64)),
+            address(contiguous(buckets, np.int64)),
             64 - (len(buckets).bit_length() - 1),
         )
         self._overflow_keys, self._overflow = (
-            _address(_contiguous(overflow_keys, np.int64)),
+            address(contiguous(overflow_keys, np.int64)),
             overflow_keys.size,
         )
-        self._overflow_rows = _address(_contiguous(overflow_rows, np.int32))
+        self._overflow_rows = address(contiguous(overflow_rows, np.int32))
         self._vectors, self._dim = (
-            _address(_contiguous(vectors, np.float16 if half else np.float32)),
+            address(contiguous(vectors, np.float16 if half else np.float32)),
             vectors.shape[1],
         )
         self._half = int(half)
@@ -179,15 +197,15 @@ class IndexProbe:
             How many positions were not found (the first entries of ``misses``).
         """
         (
-            _contiguous(keys, np.int64),
-            _contiguous(positions, np.int64),
-            _contiguous(out, np.float32),
-            _contiguous(tiers, np.int8),
-            _contiguous(misses, np.int64),
+            contiguous(keys, np.int64),
+            contiguous(positions, np.int64),
+            contiguous(out, np.float32),
+            contiguous(tiers, np.int8),
+            contiguous(misses, np.int64),
         )
         return self._function(
-            _address(keys),
-            _address(positions),
+            address(keys),
+            address(positions),
             positions.size,
             self._buckets,
             self._shift,
@@ -197,10 +215,10 @@ class IndexProbe:
             self._vectors,
             self._dim,
             self._half,
-            _address(out),
-            _address(tiers),
+            address(out),
+            address(tiers),
             tier,
-            _address(misses),
+            address(misses),
         )
 
 
@@ -226,13 +244,13 @@ class Kernels:
 
     def count(self, table_ids: np.ndarray, tiers: np.ndarray, counts: np.ndarray) -> None:
         """``counts[table, tier] += 1`` for every key (``counts`` int64 ``[tables, tiers]``, in place)."""
-        _contiguous(counts, np.int64)
+        contiguous(counts, np.int64)
         self.library.recserve_count(
-            _address(_contiguous(table_ids, np.int16)),
-            _address(_contiguous(tiers, np.int8)),
+            address(contiguous(table_ids, np.int16)),
+            address(contiguous(tiers, np.int8)),
             tiers.size,
             counts.shape[1],
-            _address(counts),
+            address(counts),
         )
 
     def fill_rows(
@@ -258,21 +276,21 @@ class Kernels:
             (out, np.float32),
             (tiers, np.int8),
         ):
-            _contiguous(array, dtype)
+            contiguous(array, dtype)
         if rows.ndim != 2 or out.ndim != 2 or rows.shape[1] != out.shape[1]:
             raise ValueError(f"rows {rows.shape} for an output of {out.shape}")
         if not table_ids.size == tiers.size == out.shape[0]:
             raise ValueError(f"{table_ids.size} table ids and {tiers.size} tiers for {out.shape[0]} rows")
         filled = self.library.recserve_fill_rows(
-            _address(positions),
+            address(positions),
             positions.size,
             out.shape[0],
-            _address(table_ids),
-            _address(rows),
+            address(table_ids),
+            address(rows),
             rows.shape[0],
             out.shape[1],
-            _address(out),
-            _address(tiers),
+            address(out),
+            address(tiers),
             tier,
         )
         if filled < 0:
@@ -309,33 +327,45 @@ class Kernels:
         """
         rows, width = keys.shape
         for array in (table, keys, widths):
-            _contiguous(array, np.int64)
-        _contiguous(mask, np.float32)
+            contiguous(array, np.int64)
+        contiguous(mask, np.float32)
         if table.shape != (rows, 6) or mask.shape != keys.shape:
             raise ValueError(f"a table {table.shape} and mask {mask.shape} for keys {keys.shape}")
-        out = np.empty(16 * rows * max_width + 24 * rows, np.uint8)  # keys (int64), mask, weights, rows
+        out = np.empty(history_bytes(rows, max_width), np.uint8)
         history = self.library.recserve_merge_histories(
-            _address(table),
+            address(table),
             rows,
-            _address(keys),
-            _address(mask),
+            address(keys),
+            address(mask),
             width,
             int(left),
             int(pad_key),
-            _address(widths),
+            address(widths),
             widths.size,
             max_width,
-            _address(out),
+            address(out),
         )
         if history < 0:
             raise ValueError(f"a row's tail or its state and tail wider than {width} or {max_width} columns")
-        shape, cells = (rows, history), rows * history
-        return (
-            np.ndarray(shape, np.int64, out, 0),
-            np.ndarray(shape, np.float32, out, 8 * cells),
-            np.ndarray(shape, np.float32, out, 12 * cells),
-            np.ndarray((rows, 3), np.int64, out, 16 * cells),
-        )
+        return history_views(out, rows, history)
+
+
+def history_bytes(rows: int, max_width: int) -> int:
+    """The bytes the compiled merge writes a history of up to ``max_width`` columns into."""
+    return 16 * rows * max_width + 24 * rows  # keys (int64), mask, weights, then 3 int64 per row
+
+
+def history_views(
+    out: np.ndarray, rows: int, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The compiled merge's history in ``out`` (``width`` columns): keys, mask, weights, row fields."""
+    shape, cells = (rows, width), rows * width
+    return (
+        np.ndarray(shape, np.int64, out, 0),
+        np.ndarray(shape, np.float32, out, 8 * cells),
+        np.ndarray(shape, np.float32, out, 12 * cells),
+        np.ndarray((rows, 3), np.int64, out, 16 * cells),
+    )
 
 
 @lru_cache(maxsize=1)

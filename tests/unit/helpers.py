@@ -12,8 +12,10 @@ import torch
 
 from recserve.backends.store.rows import RowBlock
 from recserve.backends.store.tiered import TieredStore
-from recserve.build.synthetic import zipf_ranks
-from recserve.core.spec_parse import spec_path
+from recserve.build.synthetic import generate, zipf_ranks
+from recserve.core.names import USER_ID, USER_SEQ
+from recserve.core.spec import ModelSpec
+from recserve.core.spec_parse import parse_spec, spec_path
 from tests.conftest import ROOT
 from tests.store_tables import DIM
 
@@ -80,3 +82,35 @@ def python_files() -> list[Path]:
         check=True,
     ).stdout.decode()
     return sorted(p for p in (ROOT / name for name in listed.split("\0") if name) if p.is_file())
+
+
+#: The real-time tail of the user-state specs below.
+USER_TAIL = 16
+
+
+def user_state_spec(padding: str = "right", **section: object) -> ModelSpec:
+    """The ctr spec with ``[user_state]`` on (96 tokens, a tail of :data:`USER_TAIL`), padded so."""
+    doc = ctr_spec_document()
+    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": USER_TAIL, **section}
+    for feature in doc["features"]:
+        if feature.get("kind") == "sequence":
+            feature["padding"] = padding
+    return parse_spec(doc)
+
+
+def user_rows(spec: ModelSpec, rows: int, seed: int, users, newest, tail_items) -> dict[str, np.ndarray]:
+    """Wire rows of ``spec`` whose history is ``tail_items[r]`` (the tail); with users and newest seqs.
+
+    ``users`` None: rows without a user.
+    """
+    wire = generate(spec, rows, seed).to_wire(spec)
+    width = max(len(t) for t in tail_items) or 1
+    items = np.zeros((rows, width), np.int64)
+    for r, tail in enumerate(tail_items):
+        items[r, : len(tail)] = tail
+    wire[spec.sequences[0].name] = items
+    wire[spec.attention_groups[0].length_input] = np.array([[len(t)] for t in tail_items], np.int32)
+    if users is not None:
+        wire[USER_ID] = np.asarray(users, np.int64).reshape(-1, 1)
+        wire[USER_SEQ] = np.asarray(newest, np.int64).reshape(-1, 1)
+    return wire

@@ -226,7 +226,7 @@ def test_an_arrays_address_is_its_data_pointer_writable_or_not():
     frozen = array.copy()
     frozen.flags.writeable = False
     for a in (array, array[3:], frozen, array[::2], np.zeros(0, np.int64), array.reshape(3, 4).T):
-        assert kernels._address(a) == a.ctypes.data
+        assert kernels.address(a) == a.ctypes.data
 
 
 def test_the_default_fill_refuses_rows_of_another_width_or_type():

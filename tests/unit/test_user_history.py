@@ -6,7 +6,8 @@ import pytest
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.stateful_lookup import UserStateCounts
-from recserve.backends.steps.user_history import KeyedState, RowStates, StateCache, UserHistories
+from recserve.backends.steps.user_history import KeyedState, RowStates, UserHistories
+from recserve.backends.store.state_index import StateCache
 from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
 from recserve.backends.store.user_state import EXACT, UserState
 from recserve.backends.store.user_state_builder import UserStateBuilder
@@ -14,7 +15,6 @@ from recserve.backends.store.user_state_groups import Budget
 from recserve.backends.store.user_state_store import LocalUserStates, StateFetch
 from recserve.backends.store.user_tokens import dedup
 from recserve.build.step_tensors import request_inputs, step_io
-from recserve.build.synthetic import generate
 from recserve.core.contract import dense_net_inputs, left_padded_inputs, sequence_inputs
 from recserve.core.names import (
     EMBEDDING_LOOKUP,
@@ -26,34 +26,14 @@ from recserve.core.names import (
 )
 from recserve.core.spec_parse import parse_spec
 from recserve.errors import InvalidInput
-from tests.unit.helpers import ctr_spec_document
+from tests.unit.helpers import USER_TAIL, ctr_spec_document, user_rows, user_state_spec
 
-TAIL = 16
-
-
-def _spec(**section):
-    doc = ctr_spec_document()
-    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": TAIL, **section}
-    return parse_spec(doc)
-
-
-SPEC = _spec()
+TAIL = USER_TAIL
+SPEC = user_state_spec()
 
 
 def _rows(rows, seed, users, newest, tail_items):
-    """Wire rows of ``SPEC`` whose history is ``tail_items[r]`` (the tail), with a user and newest seq."""
-    wire = generate(SPEC, rows, seed).to_wire(SPEC)
-    seq = SPEC.sequences[0]
-    width = max(len(t) for t in tail_items) or 1
-    items = np.zeros((rows, width), np.int64)
-    for r, tail in enumerate(tail_items):
-        items[r, : len(tail)] = tail
-    wire[seq.name] = items
-    wire[SPEC.attention_groups[0].length_input] = np.array([[len(t)] for t in tail_items], np.int32)
-    if users is not None:
-        wire[USER_ID] = np.asarray(users, np.int64).reshape(-1, 1)
-        wire[USER_SEQ] = np.asarray(newest, np.int64).reshape(-1, 1)
-    return wire
+    return user_rows(SPEC, rows, seed, users, newest, tail_items)
 
 
 def _histories(tmp_path, rebuilds=None):
@@ -116,12 +96,7 @@ def test_a_hit_serves_the_state_merged_with_the_tail_and_a_miss_serves_its_tail_
 
 
 def test_a_history_padded_on_the_left_gets_its_merged_tokens_at_its_last_positions(tmp_path):
-    doc = ctr_spec_document()
-    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": TAIL}
-    for feature in doc["features"]:
-        if feature.get("kind") == "sequence":
-            feature["padding"] = "left"
-    spec = parse_spec(doc)
+    spec = user_state_spec("left")
     states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=96)
     events = np.random.default_rng(8).integers(1, 40, 300)
     states.put(4, UserState(295, EXACT, dedup(events[:295])))
