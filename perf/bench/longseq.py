@@ -92,7 +92,7 @@ class LongseqGrid:
         return cls(rates=(25.0,), users=64, rounds=2, seconds=2.0, error_users=128)
 
 
-def _requests(spec: ModelSpec, users: setup.BenchUsers, rows: int) -> dict[str, dict[str, np.ndarray]]:
+def workload_wires(spec: ModelSpec, users: setup.BenchUsers) -> dict[str, dict[str, np.ndarray]]:
     """The wire of every workload (all users, one row each), in the SDK's id form."""
     made = users.made
     tails = made.tail_rows(TAIL).with_user_state(spec, made.users, made.rows.lengths)
@@ -197,7 +197,7 @@ def run_longseq(
     started = time.monotonic()
     repository = setup.bench_repository(base, spec, source, output, progress)
     users = setup.bench_users(spec, grid.users, seed)
-    wires = _requests(spec, users, grid.rows)
+    wires = workload_wires(spec, users)
     requests = {name: _split(wire, grid.rows, spec.name) for name, wire in wires.items()}
     results: dict[str, Any] = {"points": [], "outcomes": {}, "builder": None, "notes": []}
     with tempfile.TemporaryDirectory(prefix="recserve-longseq-") as tmp, ExitStack() as stack:

@@ -133,11 +133,11 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
             InvalidInput: naming the first offending input and value.
         """
         features = self.transform.transform(inputs)
-        self._merge(inputs, features)
+        self.merge_states(inputs, features)
         passed = {n: features[n] for n in self.passed if n in features}
         return {**passed, **self.lookup.lookup(features)}
 
-    def _merge(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> None:
+    def merge_states(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> None:
         """Merge the users' states into ``features`` (one row per user of ``inputs``) and count them."""
         rows = self.users.apply(inputs, features)
         self.counts.record(rows)
@@ -178,7 +178,7 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
             for name in (USER_ID, USER_SEQ)
             if all(name in inputs for inputs in lists)
         }
-        self._merge({**rows, **given}, features)
+        self.merge_states({**rows, **given}, features)
         return features
 
     def list_widths(

@@ -33,7 +33,7 @@ import numpy as np
 from recserve.backends.base.inputs import require
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.store.history_merge import Buckets, merge_histories
-from recserve.backends.store.state_index import StateCache, StateIndex
+from recserve.backends.store.state_index import FRESH, REFRESH, Refresher, StateCache, StateIndex
 from recserve.backends.store.user_rebuilds import (
     REBUILD_FILE_SUFFIX,
     REBUILD_SET_SUFFIX,
@@ -136,6 +136,8 @@ class UserHistories:
         rebuilds: where users without a usable state are queued (None: nowhere).
         cache: the local cache (None: ``[user_state] cache_users`` and ``cache_ttl_ms``, followed by a
             :class:`StateIndex` where the kernels are built).
+        refresh: serve stale cached states while a thread reads them again (else read them on the
+            request path once past their time to live).
 
     Raises:
         ArtifactError: the spec has not exactly one sequence (the state's tokens are its items).
@@ -147,6 +149,7 @@ class UserHistories:
         states: UserStates,
         rebuilds: RebuildQueue | None = None,
         cache: StateCache[KeyedState] | None = None,
+        refresh: bool = True,
     ) -> None:
         if len(spec.sequences) != 1:
             raise ArtifactError(
@@ -161,6 +164,8 @@ class UserHistories:
         self.cache: StateCache[KeyedState] = cache
         #: where a batch of fresh hits is merged in one call (None: every batch takes the other path)
         self.index = cache.mirror if isinstance(cache.mirror, StateIndex) else None
+        #: reads stale cached states again off the request path (None: no cache, or ``refresh`` off)
+        self.refresher = Refresher(self._refresh) if refresh and cache.capacity > 0 else None
         self.sequence = spec.sequences[0]
         self.group = spec.attention_groups[0]
         self.mask = attention_inputs(spec)[0].mask
@@ -188,7 +193,9 @@ class UserHistories:
         return cls(spec, states, RebuildQueue(sink))
 
     def close(self) -> None:
-        """Flush the rebuild queue and release the store's resources."""
+        """Stop the refresher, flush the rebuild queue and release the store's resources."""
+        if self.refresher is not None:
+            self.refresher.close()
         if self.rebuilds is not None:
             self.rebuilds.close()
         close = getattr(self.states, "close", None)
@@ -239,8 +246,9 @@ class UserHistories:
     def states_of(self, users: list[int], needed: list[int]) -> tuple[list[KeyedState | None], list[int]]:
         """Each distinct user's state and outcome (its code): cached when it leaves no gap, else fetched.
 
-        A state cached too long ago is fetched again, and reused as it is when the store still
-        holds the same bytes.
+        A state cached longer ago than its time to live is still served (it merges exactly while it
+        leaves no gap) and read again off the request path (:class:`Refresher`); past twice that
+        age it is read here. Either way it is reused as it is when the store holds the same bytes.
 
         Args:
             users: distinct users.
@@ -248,35 +256,58 @@ class UserHistories:
         """
         states: list[KeyedState | None] = [None] * len(users)
         outcomes = [_MISS] * len(users)
-        todo, known = [], []
+        todo, known, again = [], [], []
+        servable = (FRESH, REFRESH) if self.refresher is not None else (FRESH,)
         for i, (user, lowest) in enumerate(zip(users, needed, strict=True)):
-            cached, fresh = self.cache.peek(user)
-            if fresh and cached is not None and cached.state.seq >= lowest:
+            cached, age = self.cache.peek(user)
+            if cached is not None and age in servable and cached.state.seq >= lowest:
                 states[i], outcomes[i] = cached, _HIT
+                if age == REFRESH:
+                    again.append(user)
             else:
                 todo.append(i)
                 known.append(cached)
+        if again and self.refresher is not None:
+            self.refresher.add(again)
         if todo:
-            fetched = self.states.fetch(
-                np.array([users[i] for i in todo], np.int64),
-                [k.state if k is not None else None for k in known],
-            )
-            kept: list[tuple[int, KeyedState]] = []  # (position, state) of the states read unchanged
-            new: list[tuple[int, UserState]] = []  # and of those read anew, keyed below in one call
-            for i, before, state, outcome in zip(todo, known, fetched.states, fetched.outcomes, strict=True):
-                outcomes[i] = _FETCHED.get(outcome, _MISS)
-                if state is None:
-                    continue
-                if before is not None and before.state is state:
-                    kept.append((i, before))
-                else:
-                    new.append((i, state))
-            if new:
-                kept += zip([i for i, _ in new], KeyedState.many([s for _, s in new], self.salt), strict=True)
-            for i, keyed in kept:
-                states[i] = keyed
-                self.cache.put(users[i], keyed)
+            read, codes = self._read([users[i] for i in todo], known)
+            for i, state, code in zip(todo, read, codes, strict=True):
+                states[i], outcomes[i] = state, code
         return states, outcomes
+
+    def _refresh(self, users: list[int]) -> None:
+        """Read ``users``' states again into the cache (on the refresher's thread)."""
+        self._read(users, [self.cache.peek(user)[0] for user in users])
+
+    def _read(
+        self, users: list[int], known: list[KeyedState | None]
+    ) -> tuple[list[KeyedState | None], list[int]]:
+        """``users``' states from the store (``known``: what the cache held), cached; their outcome codes.
+
+        A state the store no longer holds, or holds in a format this server does not take, leaves
+        the cache; after a store error the cached one stays.
+        """
+        fetched = self.states.fetch(
+            np.array(users, np.int64), [k.state if k is not None else None for k in known]
+        )
+        states: list[KeyedState | None] = [None] * len(users)
+        codes = [_FETCHED.get(outcome, _MISS) for outcome in fetched.outcomes]
+        new: list[tuple[int, UserState]] = []  # the states read anew, keyed below in one call
+        for i, (before, read) in enumerate(zip(known, fetched.states, strict=True)):
+            if read is None:
+                if codes[i] != _ERROR:
+                    self.cache.remove(users[i])
+            elif before is not None and before.state is read:  # the same bytes: reused as it is
+                states[i] = before
+            else:
+                new.append((i, read))
+        if new:
+            for (i, _), keyed in zip(new, KeyedState.many([s for _, s in new], self.salt), strict=True):
+                states[i] = keyed
+        for user, state in zip(users, states, strict=True):
+            if state is not None:
+                self.cache.put(user, state)
+        return states, codes
 
     def apply(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> RowStates:
         """Merge the rows' users' states into ``features`` (the transform's keys), in place.
@@ -299,6 +330,7 @@ class UserHistories:
                 (inputs.get(USER_ID), inputs.get(USER_SEQ), inputs.get(self.group.length_input)),
                 self.spec.user_state.tail,
                 self.cache.clock(),
+                self.refresher is not None,
                 keys,
                 mask,
                 self.left,
@@ -309,6 +341,8 @@ class UserHistories:
             if fast is not None:  # every row a hit
                 self._served(features, *fast[:3])
                 fields = fast[3]
+                if self.refresher is not None and fields[:, 3].any():  # served past their freshness
+                    self.refresher.add(inputs[USER_ID][fields[:, 3] == 1, 0].tolist())
                 return RowStates(np.full(rows, _HIT), fields[:, 0], fields[:, 1], fields[:, 2])
         users, newest, lengths = self.request_users(inputs, rows)
         slots: dict[int, int] = {}

@@ -180,10 +180,11 @@ int64_t recserve_merge_histories(const int64_t *table, int64_t rows, const int64
  * The cached states (state_index.py): slots of IX_FIELDS int64 each, a power of two of them (at
  * least 2, at most half full), probed linearly from (user * GOLDEN) >> (64 - bits). A used slot
  * holds its user, the addresses of the state's keys and counts (arrays the Python cache keeps
- * alive while the slot names them), the state's size, sequence number and mode, and the time its
- * cache entry stops being fresh (the cache's clock, in microseconds).
+ * alive while the slot names them), the state's size, sequence number and mode, the time its cache
+ * entry stops being fresh and the time it may no longer be served stale (the cache's clock, in
+ * microseconds).
  */
-enum { IX_USED, IX_USER, IX_ITEMS, IX_COUNTS, IX_SIZE, IX_SEQ, IX_MODE, IX_EXPIRES, IX_FIELDS };
+enum { IX_USED, IX_USER, IX_ITEMS, IX_COUNTS, IX_SIZE, IX_SEQ, IX_MODE, IX_FRESH, IX_EXPIRES, IX_FIELDS };
 
 static inline int64_t index_home(int64_t slots, int64_t user) {
     return (int64_t)(((uint64_t)user * GOLDEN) >> (64 - __builtin_ctzll((uint64_t)slots)));
@@ -227,9 +228,10 @@ int64_t recserve_index_remove(int64_t *index, int64_t slots, int64_t user) {
  * recserve_merge_histories with its table built from the index: row r's user users[r], the newest
  * sequence number of its tail newest[r] and the tail's length lengths[r]. Served only when every
  * row's tail is valid (0 .. tail_limit events, newest at least the length), its user's slot is
- * fresh at now and its state leaves the tail no gap (sequence number at least newest - length):
- * every row is then a hit. row_states gets each row's state sequence number, mode and lag (its
- * newest sequence number minus the state's, at least 0).
+ * fresh at now (with stale_ok, not yet expired) and its state leaves the tail no gap (sequence
+ * number at least newest - length): every row is then a hit. row_states gets each row's state
+ * sequence number, mode, lag (its newest sequence number minus the state's, at least 0) and 1
+ * where the state was served past its freshness (else 0).
  *
  * Returns what recserve_merge_histories returns (the history's width, or -1), or 0 when a row is
  * not served so: the history is not written then (the caller takes its other path, which checks
@@ -237,26 +239,27 @@ int64_t recserve_index_remove(int64_t *index, int64_t slots, int64_t user) {
  */
 int64_t recserve_merge_cached(const int64_t *index, int64_t slots, const int64_t *users,
                               const int64_t *newest, const int32_t *lengths, int64_t rows,
-                              int64_t tail_limit, int64_t now, const int64_t *keys, const float *mask,
-                              int64_t width, int64_t left, int64_t pad_key, const int64_t *widths,
-                              int64_t width_count, int64_t max_width, uint8_t *out,
-                              int64_t *row_states) {
+                              int64_t tail_limit, int64_t now, int64_t stale_ok, const int64_t *keys,
+                              const float *mask, int64_t width, int64_t left, int64_t pad_key,
+                              const int64_t *widths, int64_t width_count, int64_t max_width,
+                              uint8_t *out, int64_t *row_states) {
     int64_t *table = malloc(sizeof(int64_t) * (size_t)(rows > 0 ? rows * ROW_FIELDS : 1));
     if (!table) return -1;
     for (int64_t r = 0; r < rows; r++) {
         int64_t length = lengths[r], slot = index_find(index, slots, users[r]);
         const int64_t *at = index + (slot < 0 ? 0 : slot) * IX_FIELDS;
         if (length < 0 || length > tail_limit || newest[r] < length || slot < 0 || !at[IX_USED] ||
-            now > at[IX_EXPIRES] || at[IX_SEQ] < newest[r] - length) {
+            now > at[stale_ok ? IX_EXPIRES : IX_FRESH] || at[IX_SEQ] < newest[r] - length) {
             free(table);
             return 0;
         }
         int64_t *row = table + r * ROW_FIELDS;
         row[ROW_ITEMS] = at[IX_ITEMS], row[ROW_COUNTS] = at[IX_COUNTS], row[ROW_SIZE] = at[IX_SIZE];
         row[ROW_SEQ] = at[IX_SEQ], row[ROW_TAIL] = length, row[ROW_NEWEST] = newest[r];
-        int64_t *fields = row_states + 3 * r;
+        int64_t *fields = row_states + 4 * r;
         fields[0] = at[IX_SEQ], fields[1] = at[IX_MODE];
         fields[2] = newest[r] > at[IX_SEQ] ? newest[r] - at[IX_SEQ] : 0;
+        fields[3] = now > at[IX_FRESH];
     }
     int64_t w = recserve_merge_histories(table, rows, keys, mask, width, left, pad_key, widths,
                                          width_count, max_width, out);

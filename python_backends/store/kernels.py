@@ -80,11 +80,11 @@ _SIGNATURES = {
     "recserve_index_put": [_POINTER, _SIZE, _POINTER],
     # index, slots, user
     "recserve_index_remove": [_POINTER, _SIZE, _SIZE],
-    # index, slots, users, newest, lengths, rows, tail_limit, now, then as recserve_merge_histories
-    # from keys to out, then row_states
+    # index, slots, users, newest, lengths, rows, tail_limit, now, stale_ok, then as
+    # recserve_merge_histories from keys to out, then row_states
     "recserve_merge_cached": [
         *[_POINTER] * 5,
-        *[_SIZE] * 3,
+        *[_SIZE] * 4,
         *[_POINTER] * 2,
         *[_SIZE] * 3,
         _POINTER,

@@ -12,6 +12,8 @@ fetches the states, and gives the same history.
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,7 +24,9 @@ import numpy as np
 from recserve.backends.store import kernels
 from recserve.backends.store.kernels import address, history_bytes, history_views
 
-FIELDS = 8  # a slot's int64 fields (IX_FIELDS in _user_merge.c)
+LOGGER = logging.getLogger(__name__)
+
+FIELDS = 9  # a slot's int64 fields (IX_FIELDS in _user_merge.c)
 MICROS = 1_000_000  # the index keeps the cache's clock in microseconds
 T = TypeVar("T")
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -32,18 +36,25 @@ _WIRE = (np.dtype(np.int64), np.dtype(np.int64), np.dtype(np.int32))  # users, n
 class CacheMirror(Protocol[T_contra]):
     """What follows a :class:`StateCache`'s values (the compiled merge's index)."""
 
-    def put(self, user: int, value: T_contra, expires: float) -> None:
-        """``user``'s value is now ``value``, fresh until ``expires``."""
+    def put(self, user: int, value: T_contra, fresh_until: float, expires: float) -> None:
+        """``user``'s value is now ``value``: fresh until ``fresh_until``, served stale until ``expires``."""
 
     def remove(self, user: int) -> None:
         """``user``'s value is about to leave the cache."""
 
 
+#: How old a cached value is: within its time to live; past it but served while it is read again
+#: off the request path (up to twice the time to live); older (read again on the request path).
+FRESH, REFRESH, EXPIRED = "fresh", "refresh", "expired"
+
+
 class StateCache(Generic[T]):
     """Values fetched lately, per user, each fresh for ``ttl_s`` after its fetch (LRU, ``capacity``).
 
-    ``mirror`` learns of every value put and every value evicted, before the cache lets it go. A
-    value it serves is not moved to the end of the LRU order (it is looked up where the cache is not).
+    Past ``ttl_s`` a value is :data:`REFRESH` until twice that age, then :data:`EXPIRED`. ``mirror``
+    learns of every value put and every value evicted or removed, before the cache lets it go. A
+    value it serves is not moved to the end of the LRU order (it is looked up where the cache is
+    not). Safe to use from several threads.
     """
 
     def __init__(
@@ -55,29 +66,91 @@ class StateCache(Generic[T]):
     ) -> None:
         self.capacity, self.ttl_s, self.clock, self.mirror = capacity, ttl_s, clock, mirror
         self._values: OrderedDict[int, tuple[float, T]] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def peek(self, user: int) -> tuple[T | None, bool]:
-        """The cached value of ``user`` even when too old (None: not cached), and whether it is fresh."""
-        entry = self._values.get(user)
-        if entry is None:
-            return None, False
-        self._values.move_to_end(user)
-        return entry[1], self.clock() - entry[0] <= self.ttl_s
+    def peek(self, user: int) -> tuple[T | None, str]:
+        """The cached value of ``user`` however old (None: not cached), and how old it is."""
+        with self._lock:
+            entry = self._values.get(user)
+            if entry is None:
+                return None, EXPIRED
+            self._values.move_to_end(user)
+        age = self.clock() - entry[0]
+        return entry[1], FRESH if age <= self.ttl_s else REFRESH if age <= 2 * self.ttl_s else EXPIRED
 
     def put(self, user: int, value: T) -> None:
         """Cache ``value`` (the least recently used user leaves beyond ``capacity``)."""
         if self.capacity <= 0:
             return
-        now = self.clock()
-        if self.mirror is not None:
-            self.mirror.put(user, value, now + self.ttl_s)
-        self._values[user] = (now, value)
-        self._values.move_to_end(user)
-        while len(self._values) > self.capacity:
-            oldest = next(iter(self._values))
+        with self._lock:
+            now = self.clock()
             if self.mirror is not None:
-                self.mirror.remove(oldest)
-            del self._values[oldest]
+                self.mirror.put(user, value, now + self.ttl_s, now + 2 * self.ttl_s)
+            self._values[user] = (now, value)
+            self._values.move_to_end(user)
+            while len(self._values) > self.capacity:
+                self._drop(next(iter(self._values)))
+
+    def remove(self, user: int) -> None:
+        """Forget ``user``'s value, if cached."""
+        with self._lock:
+            if user in self._values:
+                self._drop(user)
+
+    def _drop(self, user: int) -> None:
+        if self.mirror is not None:
+            self.mirror.remove(user)
+        del self._values[user]
+
+
+class Refresher:
+    """Users whose cached states are served past their time to live, read again on a thread of their own.
+
+    ``refresh(users)`` reads them and updates the cache; a failure is logged and leaves them stale
+    (the request path reads them itself once they expire).
+    """
+
+    def __init__(self, refresh: Callable[[list[int]], None], batch: int = 512) -> None:
+        self.refresh, self.batch = refresh, batch
+        self.refreshed = self.failed = 0
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="recserve-state-refresh", daemon=True)
+        self._thread.start()
+
+    def add(self, users: list[int]) -> None:
+        """Queue ``users`` (a set update under a lock; the thread is woken)."""
+        with self._lock:
+            self._pending.update(users)
+        self._wake.set()
+
+    def run_once(self) -> int:
+        """Refresh up to ``batch`` queued users now; how many."""
+        with self._lock:
+            users = [self._pending.pop() for _ in range(min(self.batch, len(self._pending)))]
+        if not users:
+            return 0
+        try:
+            self.refresh(users)
+            self.refreshed += len(users)
+        except Exception as exc:  # the store's failure must not stop the thread
+            self.failed += len(users)
+            LOGGER.warning("refreshing %d cached user states failed: %s", len(users), type(exc).__name__)
+        return len(users)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            while self.run_once():
+                pass
+
+    def close(self) -> None:
+        """Stop the thread (what is queued is left)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
 
 
 class Indexed(Protocol):
@@ -117,13 +190,15 @@ class StateIndex:
     def __len__(self) -> int:
         return int(np.count_nonzero(self.table[:, 0]))
 
-    def put(self, user: int, value: Indexed, expires: float) -> None:
-        """Name ``value`` as ``user``'s state, fresh until ``expires`` (the cache's clock).
+    def put(self, user: int, value: Indexed, fresh_until: float, expires: float) -> None:
+        """Name ``value`` as ``user``'s state: fresh until ``fresh_until``, stale until ``expires``.
+
+        Both on the cache's clock.
 
         Raises:
             RuntimeError: no free slot (the cache holds more users than the index was made for).
         """
-        self._entry[:] = (user, *value.index_entry, _micros(expires))
+        self._entry[:] = (user, *value.index_entry, _micros(fresh_until), _micros(expires))
         if self.library.recserve_index_put(self._table, self.slots, address(self._entry)) < 0:
             raise RuntimeError(f"the state index of {self.slots} slots is full")
 
@@ -136,6 +211,7 @@ class StateIndex:
         wire: tuple[Any, Any, Any],
         tail_limit: int,
         now: float,
+        stale_ok: bool,
         keys: np.ndarray,
         mask: np.ndarray,
         left: bool,
@@ -153,6 +229,7 @@ class StateIndex:
                 ``[rows, 1]`` each, as the request sent them.
             tail_limit: the most events a tail may have.
             now: the cache's clock.
+            stale_ok: serve a state past its freshness until it expires (it is being read again).
             keys: the tails' keys, ``[rows, width]`` int64.
             mask: their mask, float32 of the same shape.
             left: the history is padded on the left.
@@ -162,10 +239,10 @@ class StateIndex:
 
         Returns:
             The history's keys, mask and log-weights, and per row its state's sequence number,
-            mode and lag (int64 ``[rows, 3]``); or None when a row is not served so (an input
-            missing or not of its type and shape, an invalid tail, a user not cached or not
-            fresh, a state leaving a gap): the caller's other path then answers, naming what is
-            wrong.
+            mode, lag and 1 where it was served past its freshness (int64 ``[rows, 4]``); or
+            None when a row is not served so (an input missing or not of its type and shape, an
+            invalid tail, a user not cached or not servable, a state leaving a gap): the
+            caller's other path then answers, naming what is wrong.
 
         Raises:
             ValueError: a state and tail wider than ``max_width``.
@@ -183,7 +260,7 @@ class StateIndex:
             raise ValueError(f"a mask {mask.shape} or room {max_width} for a history {keys.shape}")
         keys, mask = kernels.contiguous(keys, np.int64), kernels.contiguous(mask, np.float32)
         room = history_bytes(rows, max_width)
-        out = np.empty(room + 24 * rows, np.uint8)  # the history, then each row's state fields
+        out = np.empty(room + 32 * rows, np.uint8)  # the history, then each row's state fields
         at = address(out)
         history = self.library.recserve_merge_cached(
             self._table,
@@ -192,6 +269,7 @@ class StateIndex:
             rows,
             tail_limit,
             _micros(now),
+            int(stale_ok),
             address(keys),
             address(mask),
             width,
@@ -208,4 +286,4 @@ class StateIndex:
         if history < 0:
             raise ValueError(f"a row's state and tail wider than {max_width} columns")
         merged_keys, merged_mask, weights, _ = history_views(out, rows, history)
-        return merged_keys, merged_mask, weights, np.ndarray((rows, 3), np.int64, out, room)
+        return merged_keys, merged_mask, weights, np.ndarray((rows, 4), np.int64, out, room)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from recserve.commands.spec_source import command_spec
+from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec
 
 
@@ -32,8 +34,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from recserve.build.repository import is_built
     from recserve.perf.bench.bench import Grid, format_result, run_bench
 
@@ -68,8 +68,6 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _bench_longseq(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from recserve.perf.bench.longseq import LongseqGrid, run_longseq
     from recserve.perf.bench.longseq_report import describe
 
@@ -77,6 +75,8 @@ def _bench_longseq(args: argparse.Namespace) -> int:
     if not spec.sequences:
         print(f"error: spec {spec.name!r} has no sequence: no behaviour history to lengthen", file=sys.stderr)
         return 2
+    if args.in_process:
+        return _longseq_steps(spec, args)
     grid = LongseqGrid.quick() if args.quick else LongseqGrid()
     overrides = {"rates": args.rates, "rounds": args.rounds, "seconds": args.seconds}
     if args.alone:
@@ -87,6 +87,19 @@ def _bench_longseq(args: argparse.Namespace) -> int:
     )
     print(describe(summary))
     print(f"\nresults in {run}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def _longseq_steps(spec: ModelSpec, args: argparse.Namespace) -> int:
+    from recserve.perf.bench.longseq_steps import StepGrid, describe_steps, run_steps
+
+    grid = StepGrid(calls=100, rounds=2) if args.quick else StepGrid()
+    if args.rounds is not None:
+        grid = replace(grid, rounds=args.rounds)
+    summary = run_steps(spec, args.repository, args.output, grid, progress=_progress)
+    print(describe_steps(summary))
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     return 0
@@ -169,6 +182,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--alone",
         action="store_true",
         help="every workload in a phase of its own, not one stream per round (to compare the A/A spread)",
+    )
+    longseq.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no server: the lookup step's parts timed for w0 and w2 rows in one process",
     )
     longseq.add_argument(
         "--profile",

@@ -31,7 +31,7 @@ def test_the_bench_spec_serves_states_and_a_4096_bucket_and_nothing_else_changes
 def test_the_workloads_send_the_same_users_in_their_own_shapes(spec):
     users = bench_users(spec, 20, seed=3)
     assert (users.made.rows.lengths == LONG_EVENTS).all()
-    wires = longseq._requests(spec, users, rows=4)
+    wires = longseq.workload_wires(spec, users)
     history, length = spec.sequences[0].name, spec.attention_groups[0].length_input
     assert wires[longseq.W0][history].shape[1] == longseq.TODAY and USER_ID not in wires[longseq.W0]
     assert wires[longseq.W1][history].shape[1] == LONG_EVENTS

@@ -5,13 +5,16 @@ A batch whose every row is a fresh cached hit is merged in one compiled call
 fetches. Both must give the same keys, mask, weights and row states, bit for bit.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store import kernels
-from recserve.backends.store.state_index import StateCache, StateIndex
+from recserve.backends.store.state_index import FRESH, Refresher, StateCache, StateIndex
 from recserve.backends.store.user_state import CLUSTERED, EXACT, UserState
 from recserve.backends.store.user_state_store import LocalUserStates
 from recserve.backends.store.user_tokens import dedup
@@ -32,12 +35,13 @@ class Entry:
         self.index_entry = (0, 0, size, seq, mode)
 
 
-def _found(index: StateIndex, user: int, now: float = 0.0) -> int | None:
-    """The sequence number the index serves ``user``'s one-row batch with (None: not served)."""
+def _found(index: StateIndex, user: int, now: float = 0.0, stale_ok: bool = False) -> tuple[int, int] | None:
+    """The sequence number and stale flag ``user``'s one-row batch is served with (None: not served)."""
     served = index.merge(
         (np.array([[user]], np.int64), np.array([[0]], np.int64), np.array([[0]], np.int32)),
         TAIL,
         now,
+        stale_ok,
         np.zeros((1, 8), np.int64),
         np.zeros((1, 8), np.float32),
         False,
@@ -45,7 +49,7 @@ def _found(index: StateIndex, user: int, now: float = 0.0) -> int | None:
         np.array([8], np.int64),
         8,
     )
-    return None if served is None else int(served[3][0, 0])
+    return None if served is None else (int(served[3][0, 0]), int(served[3][0, 3]))
 
 
 def test_the_index_finds_every_user_put_and_none_removed_through_collisions():
@@ -60,16 +64,18 @@ def test_the_index_finds_every_user_put_and_none_removed_through_collisions():
             del held[gone]
             assert _found(index, gone) is None
         else:
-            index.put(user, Entry(seq=step), expires=10.0)
+            index.put(user, Entry(seq=step), fresh_until=10.0, expires=10.0)
             held[user] = step
         assert len(index) == len(held)
-    assert all(_found(index, user) == seq for user, seq in held.items())
+    assert all(_found(index, user) == (seq, 0) for user, seq in held.items())
 
 
-def test_an_entry_is_served_until_it_expires_and_not_after():
+def test_an_entry_is_served_while_fresh_then_stale_where_allowed_then_not():
     index = StateIndex.of(4)
-    index.put(7, Entry(seq=3), expires=2.0)
-    assert _found(index, 7, now=2.0) == 3 and _found(index, 7, now=2.000002) is None
+    index.put(7, Entry(seq=3), fresh_until=2.0, expires=4.0)
+    assert _found(index, 7, now=2.0) == (3, 0) and _found(index, 7, now=2.000002) is None
+    assert _found(index, 7, now=4.0, stale_ok=True) == (3, 1)
+    assert _found(index, 7, now=4.000002, stale_ok=True) is None
 
 
 def test_a_cache_tells_its_index_of_every_value_put_and_evicted():
@@ -78,11 +84,14 @@ def test_a_cache_tells_its_index_of_every_value_put_and_evicted():
     cache = StateCache(2, ttl_s=1.0, clock=lambda: now[0], mirror=index)
     for user in (1, 2, 3):
         cache.put(user, Entry(seq=user))
-    assert len(index) == 2 and _found(index, 1) is None and _found(index, 3) == 3
+    assert len(index) == 2 and _found(index, 1) is None and _found(index, 3) == (3, 0)
     now[0] = 1.5
     assert _found(index, 3, now=now[0]) is None  # as the cache: no longer fresh
+    assert _found(index, 3, now=now[0], stale_ok=True) == (3, 1)  # served while read again
     cache.put(3, Entry(seq=9))
-    assert _found(index, 3, now=now[0]) == 9
+    assert _found(index, 3, now=now[0]) == (9, 0)
+    cache.remove(3)
+    assert len(index) == 1 and _found(index, 3, now=now[0], stale_ok=True) is None
 
 
 def _pair(tmp_path, spec=SPEC):
@@ -161,3 +170,84 @@ def test_a_bad_input_of_a_cached_user_is_refused_naming_it(tmp_path, change, nam
     with pytest.raises(InvalidInput, match=match) as raised:
         _apply(indexed, SPEC, wire)
     assert raised.value.input_name == name
+
+
+class Reads:
+    """The store, with the threads that read it noted (the store itself runs)."""
+
+    def __init__(self, states: LocalUserStates) -> None:
+        self.states, self.threads = states, []
+
+    def fetch(self, users, known=()):
+        self.threads.append(threading.current_thread().name)
+        return self.states.fetch(users, known)
+
+    def close(self) -> None:
+        self.states.close()
+
+
+def _wait(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.01)
+
+
+def _aging(tmp_path):
+    """Histories over a real store, a cache of a 1 s time to live on a clock the test sets."""
+    now = [0.0]
+    states = LocalUserStates(tmp_path / "states.sqlite", ttl_s=60, max_tokens=SPEC.user_state.tokens)
+    reads = Reads(states)
+    histories = UserHistories(SPEC, reads, cache=StateCache(100, 1.0, clock=lambda: now[0]))
+    states.put(7, UserState(50, EXACT, dedup(np.arange(1, 51))))
+    wire = user_rows(SPEC, 1, 5, [7], [52], [[1, 2]])
+    assert list(_apply(histories, SPEC, wire)[1].outcomes) == ["hit"]  # read on the request path
+    return now, states, reads, histories, wire
+
+
+def test_a_state_past_its_time_to_live_is_served_and_read_again_off_the_request_path(tmp_path):
+    now, states, reads, histories, wire = _aging(tmp_path)
+    states.put(7, UserState(51, EXACT, dedup(np.arange(1, 52))))  # rebuilt since
+    now[0] = 1.5
+    rows = _apply(histories, SPEC, wire)[1]
+    assert list(rows.outcomes) == ["hit"] and rows.state_seq.tolist() == [50]  # the cached one
+    _wait(lambda: histories.cache.peek(7)[1] == FRESH)
+    assert reads.threads == ["MainThread", "recserve-state-refresh"]
+    assert _apply(histories, SPEC, wire)[1].state_seq.tolist() == [51]
+    histories.close()
+
+
+def test_an_erased_state_leaves_the_cache_when_read_again(tmp_path):
+    now, states, reads, histories, wire = _aging(tmp_path)
+    states.delete(7)
+    now[0] = 1.5
+    assert list(_apply(histories, SPEC, wire)[1].outcomes) == ["hit"]  # served once more, read again
+    _wait(lambda: histories.cache.peek(7)[0] is None)
+    assert list(_apply(histories, SPEC, wire)[1].outcomes) == ["miss"]
+    histories.close()
+
+
+def test_a_state_past_twice_its_time_to_live_is_read_on_the_request_path(tmp_path):
+    now, states, reads, histories, wire = _aging(tmp_path)
+    states.put(7, UserState(51, EXACT, dedup(np.arange(1, 52))))
+    now[0] = 2.5
+    assert _apply(histories, SPEC, wire)[1].state_seq.tolist() == [51]
+    assert reads.threads == ["MainThread", "MainThread"]
+    histories.close()
+
+
+def test_a_failing_refresh_is_counted_and_the_thread_goes_on():
+    calls = []
+
+    def refresh(users):
+        calls.append(sorted(users))
+        if len(calls) == 1:
+            raise ConnectionError("store down")
+
+    refresher = Refresher(refresh)
+    refresher.add([1, 2])
+    _wait(lambda: refresher.failed == 2)
+    refresher.add([3])
+    _wait(lambda: refresher.refreshed == 1)
+    assert calls == [[1, 2], [3]]
+    refresher.close()

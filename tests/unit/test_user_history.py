@@ -7,7 +7,7 @@ from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.stateful_lookup import UserStateCounts
 from recserve.backends.steps.user_history import KeyedState, RowStates, UserHistories
-from recserve.backends.store.state_index import StateCache
+from recserve.backends.store.state_index import EXPIRED, FRESH, REFRESH, StateCache
 from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
 from recserve.backends.store.user_state import EXACT, UserState
 from recserve.backends.store.user_state_builder import UserStateBuilder
@@ -165,9 +165,13 @@ def test_a_state_cache_forgets_after_its_ttl_and_beyond_its_capacity():
     state = UserState(1, EXACT, dedup(np.array([1])))
     for user in (1, 2, 3):
         cache.put(user, state)
-    assert cache.peek(1) == (None, False) and cache.peek(3) == (state, True)
+    assert cache.peek(1) == (None, EXPIRED) and cache.peek(3) == (state, FRESH)
     now[0] = 2.0
-    assert cache.peek(3) == (state, False)
+    assert cache.peek(3) == (state, REFRESH)
+    now[0] = 2.01
+    assert cache.peek(3) == (state, EXPIRED)
+    cache.remove(3)
+    assert cache.peek(3) == (None, EXPIRED)
 
 
 @pytest.mark.parametrize(
