@@ -3,12 +3,13 @@
 The served step (``embedding_lookup``) is built in process as an instance builds it: the bench
 repository's store, the bench's users and their states in a local store, the step's cache of states.
 It is then called with ``w0``'s requests (256-event rows, no user) and ``w2``'s (user id and a
-64-event tail, every state cached), and ``w2`` once more through a second step whose cache has no
-compiled index (``w2_fetching``: every batch takes the path that checks, fetches from the cache and
-merges row by row in Python, as before the index). The calls are interleaved one by one in a new
-order each cycle, one every ``1 / rate`` seconds: between two calls the process sleeps as a served
-instance waits between requests, so the step meets the cold caches it meets there. Each call is
-timed in three parts: the feature transform, the states' merge (with its counts), the lookup.
+64-event tail, every state cached), and ``w2`` once more through a second step whose cache has
+neither the compiled index nor the refresher (``w2_python``: every batch takes the Python path,
+and a state past its time to live is read on the request path, as before them). The calls are
+interleaved one by one in a new order each cycle, one every ``1 / rate`` seconds: between two calls
+the process sleeps as a served instance waits between requests, so the step meets the cold caches
+it meets there. Each call is timed in three parts: the feature transform, the states' merge (with
+its counts), the lookup.
 
 Per workload and part: the median over a round's calls, then the median over the rounds; the
 excess of a ``w2`` workload over ``w0`` (their totals' difference) per round, then its median.
@@ -41,7 +42,7 @@ from recserve.perf.bench.longseq_load import mixed_order
 
 LOGGER = logging.getLogger(__name__)
 
-W0, W2, W2_FETCHING = "w0", "w2", "w2_fetching"
+W0, W2, W2_PYTHON = "w0", "w2", "w2_python"
 PARTS = ("transform", "merge", "lookup", "total")
 
 
@@ -89,21 +90,22 @@ def run_steps(
         ]
         for name in (W0, W2)
     }
-    requests[W2_FETCHING] = requests[W2]
+    requests[W2_PYTHON] = requests[W2]
     made = users.made
     rounds: list[dict[str, np.ndarray]] = []
     with tempfile.TemporaryDirectory(prefix="recserve-longseq-steps-") as tmp:
         states = setup.local_states(spec, Path(tmp))
         setup.write_states(spec, repository, made, states, FRESH_EVENTS)
         served = ServedStore.open(spec, version_dir(repository, EMBEDDING_LOOKUP, spec), start=False)
+        steps: dict[str, StatefulFeaturesToEmbeddings] = {}
         try:
             lookup = EmbeddingLookup(spec, served.store)
             section = spec.user_state
             without_index: StateCache[Any] = StateCache(section.cache_users, section.cache_ttl_ms / 1000.0)
             steps = {
                 W0: StatefulFeaturesToEmbeddings(spec, lookup, UserHistories(spec, states)),
-                W2_FETCHING: StatefulFeaturesToEmbeddings(
-                    spec, lookup, UserHistories(spec, states, cache=without_index)
+                W2_PYTHON: StatefulFeaturesToEmbeddings(
+                    spec, lookup, UserHistories(spec, states, cache=without_index, refresh=False)
                 ),
             }
             steps[W2] = steps[W0]
@@ -114,6 +116,8 @@ def run_steps(
                 progress(f"[bench-longseq --in-process] round {number + 1} of {grid.rounds}")
                 rounds.append(_round(steps, requests, grid, seed=number))
         finally:
+            for step in {id(s): s for s in steps.values()}.values():
+                step.users.close()
             served.close()
     return _summary(rounds, grid)
 
@@ -144,9 +148,7 @@ def _summary(rounds: list[dict[str, np.ndarray]], grid: StepGrid) -> dict[str, A
         name: {part: float(np.median([m[name][i] for m in medians])) for i, part in enumerate(PARTS)}
         for name in medians[0]
     }
-    excess = {
-        name: float(np.median([m[name][-1] - m[W0][-1] for m in medians])) for name in (W2, W2_FETCHING)
-    }
+    excess = {name: float(np.median([m[name][-1] - m[W0][-1] for m in medians])) for name in (W2, W2_PYTHON)}
     return {
         "rate": grid.rate,
         "calls": grid.calls,
@@ -155,7 +157,7 @@ def _summary(rounds: list[dict[str, np.ndarray]], grid: StepGrid) -> dict[str, A
         "parts_us": parts,
         "excess_us": excess,
         "excess_per_round_us": {
-            name: [float(m[name][-1] - m[W0][-1]) for m in medians] for name in (W2, W2_FETCHING)
+            name: [float(m[name][-1] - m[W0][-1]) for m in medians] for name in (W2, W2_PYTHON)
         },
         "load_average": os.getloadavg()[0],
     }
@@ -175,7 +177,7 @@ def describe_steps(summary: dict[str, Any]) -> str:
         f"{name} - w0: {summary['excess_us'][name]:.0f} us (rounds: "
         + ", ".join(f"{x:.0f}" for x in summary["excess_per_round_us"][name])
         + ")"
-        for name in (W2, W2_FETCHING)
+        for name in (W2, W2_PYTHON)
     ]
     lines.append(f"load average {summary['load_average']:.2f}")
     return "\n".join(lines)

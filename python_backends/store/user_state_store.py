@@ -194,9 +194,10 @@ class LocalUserStates:
 class RedisUserStates:
     """States in the Redis Cluster of ``[store] redis_nodes``, one string per user.
 
-    Reads are one ``MGET`` per master under ``deadline_s`` behind a circuit breaker, on one worker
-    thread, as L3's are; a call still running past its deadline makes the next ones ``error`` rather
-    than queueing behind it. Writes are a compare-and-set script on the user's key.
+    Reads are one ``MGET`` per master under ``deadline_s`` behind a circuit breaker, on a worker
+    thread, as L3's are; a call still running past its deadline makes the next ones of the same
+    calling thread ``error`` rather than queueing behind it (the request path and the step's
+    refresher each have their own). Writes are a compare-and-set script on the user's key.
     """
 
     def __init__(
@@ -213,8 +214,8 @@ class RedisUserStates:
         self.errors = 0
         self._decode = _Decoder(max_tokens)
         self._script = client.register_script(_COMPARE_AND_SET)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recserve-user-state")
-        self._inflight: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="recserve-user-state")
+        self._calls = threading.local()  # each calling thread's call in flight (``inflight``)
 
     def _keys(self, users: np.ndarray) -> list[bytes]:
         return redis_keys(np.asarray(users, np.int64), self.prefix)
@@ -228,12 +229,13 @@ class RedisUserStates:
         failed = StateFetch([None] * users.size, [ERROR] * users.size)
         if users.size == 0:
             return StateFetch([], [])
-        if not self.breaker.allow() or (self._inflight is not None and not self._inflight.done()):
+        inflight: Future | None = getattr(self._calls, "inflight", None)
+        if not self.breaker.allow() or (inflight is not None and not inflight.done()):
             self.errors += 1
             return failed
-        self._inflight = self._pool.submit(self.client.mget_nonatomic, self._keys(users))
+        self._calls.inflight = inflight = self._pool.submit(self.client.mget_nonatomic, self._keys(users))
         try:
-            values = self._inflight.result(timeout=self.deadline_s)
+            values = inflight.result(timeout=self.deadline_s)
         except FutureTimeout:
             self.errors += 1
             self.breaker.failure()

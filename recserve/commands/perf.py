@@ -95,7 +95,7 @@ def _bench_longseq(args: argparse.Namespace) -> int:
 def _longseq_steps(spec: ModelSpec, args: argparse.Namespace) -> int:
     from recserve.perf.bench.longseq_steps import StepGrid, describe_steps, run_steps
 
-    grid = StepGrid(calls=100, rounds=2) if args.quick else StepGrid()
+    grid = StepGrid(calls=60, rounds=2) if args.quick else StepGrid()
     if args.rounds is not None:
         grid = replace(grid, rounds=args.rounds)
     summary = run_steps(spec, args.repository, args.output, grid, progress=_progress)

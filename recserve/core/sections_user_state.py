@@ -38,9 +38,10 @@ class UserStateSection:
     debounce_ms: float = 200.0  # a user is rebuilt at most once per this long (events batch up)
     deadline_ms: float = 5.0  # the lookup step's batched state read
     cache_users: int = 10_000  # the lookup step's local cache of fetched states (0: none)
-    # a cached state is used this long after its fetch. The merge is exact with any cached state
-    # that leaves the row's tail no gap (a gap fetches again), so this bounds only how late an
-    # erased, regrouped or rebuilt state reaches the step
+    # a cached state is used this long after its fetch; up to twice as long it is still served while
+    # a thread of the step reads it again. The merge is exact with any cached state that leaves the
+    # row's tail no gap (a gap fetches again), so this bounds only how late an erased, regrouped or
+    # rebuilt state reaches the step
     cache_ttl_ms: float = 10_000.0
     # a new item table or dense version regroups the clustered states when it moved their items'
     # keys by more than this (median relative move since their last grouping; 0: on any change)

@@ -1,4 +1,7 @@
-"""``recserve bench-longseq --quick`` from a fresh output folder builds what it serves and writes its keys."""
+"""``recserve bench-longseq --quick`` from a fresh output folder builds what it serves and writes its keys.
+
+``--in-process`` then times the lookup step's parts on the bench repository it built.
+"""
 
 import json
 import subprocess
@@ -44,3 +47,22 @@ def test_the_quick_longseq_bench_writes_its_keys(repository, tmp_path):
     assert {"state_vs_full", "truncated_vs_full", "auc"} <= set(error)
     assert {"p50", "p99", "max"} == set(error["state_vs_full"])
     assert set(error["auc"]) == {"full", "state", "truncated"}
+    _in_process(repository, tmp_path)
+
+
+def _in_process(repository, tmp_path):
+    """``--in-process`` on the bench repository just built: every part timed for every workload."""
+    written = tmp_path / "steps.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "bench-longseq", "--in-process", "--quick", "--repository",
+         str(repository), "--output", str(tmp_path / "results"), "--json", str(written)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(written.read_text())
+    assert set(summary["parts_us"]) == {"w0", "w2", "w2_python"}
+    for name, parts in summary["parts_us"].items():
+        assert all(parts[p] > 0 for p in ("transform", "merge", "lookup")), name
+        assert parts["total"] >= max(parts["transform"], parts["merge"], parts["lookup"]), name
+    assert set(summary["excess_us"]) == {"w2", "w2_python"} and len(summary["excess_per_round_us"]["w2"]) == 2
+    assert "w2 - w0" in result.stdout

@@ -1,5 +1,8 @@
 """User states in a loopback Redis Cluster: compare-on-sequence writes, TTL, delete, untrusted values."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -78,3 +81,30 @@ def test_with_the_cluster_down_every_user_is_an_error_and_nothing_raises(tmp_pat
         cluster.kill_all()
         assert states.fetch(np.array([1, 2])).outcomes == [ERROR, ERROR]
         assert states.fetch(np.array([1])).outcomes == [ERROR]  # the breaker is open: no call
+
+
+class Held:
+    """The cluster's client, but a read of ``held``'s key waits until ``release`` is set."""
+
+    def __init__(self, client, held: bytes) -> None:
+        self.client, self.held, self.release = client, held, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def mget_nonatomic(self, keys):
+        if self.held in keys:
+            self.release.wait(10)
+        return self.client.mget_nonatomic(keys)
+
+
+def test_a_read_stuck_on_one_thread_fails_that_threads_next_reads_only(states):
+    assert states.put(1, _state(2))
+    held = Held(states.client, redis_keys(np.array([666]), STATE_PREFIX)[0])
+    shared = RedisUserStates(held, 30.0, 64, 0.2, states.breaker)
+    with ThreadPoolExecutor(max_workers=1) as refresher:  # one thread of its own, as the step's refresher
+        assert refresher.submit(shared.fetch, np.array([666])).result().outcomes == [ERROR]  # still in flight
+        assert shared.fetch(np.array([1])).outcomes == [FOUND]  # this thread's reads are not held back
+        assert refresher.submit(shared.fetch, np.array([1])).result().outcomes == [ERROR]  # that thread's are
+        held.release.set()
+    shared.close()
