@@ -11,8 +11,9 @@ the process sleeps as a served instance waits between requests, so the step meet
 it meets there. Each call is timed in three parts: the feature transform, the states' merge (with
 its counts), the lookup.
 
-Per workload and part: the median over a round's calls, then the median over the rounds; the
-excess of a ``w2`` workload over ``w0`` (their totals' difference) per round, then its median.
+Per workload and part: the median over a round's calls, then the median over the rounds (and the
+totals' 90th percentile, where the calls that read states on the request path show); the excess of
+a ``w2`` workload over ``w0`` (their totals' difference) per round, then its median.
 """
 
 from __future__ import annotations
@@ -149,12 +150,17 @@ def _summary(rounds: list[dict[str, np.ndarray]], grid: StepGrid) -> dict[str, A
         for name in medians[0]
     }
     excess = {name: float(np.median([m[name][-1] - m[W0][-1] for m in medians])) for name in (W2, W2_PYTHON)}
+    # the slow tenth of the calls: where a batch's users' states are read on the request path
+    p90 = {
+        name: float(np.median([np.percentile(r[name][:, -1], 90) * 1e6 for r in rounds])) for name in parts
+    }
     return {
         "rate": grid.rate,
         "calls": grid.calls,
         "rounds": grid.rounds,
         "rows": grid.rows,
         "parts_us": parts,
+        "total_p90_us": p90,
         "excess_us": excess,
         "excess_per_round_us": {
             name: [float(m[name][-1] - m[W0][-1]) for m in medians] for name in (W2, W2_PYTHON)
@@ -173,6 +179,7 @@ def describe_steps(summary: dict[str, Any]) -> str:
     ]
     for part in PARTS:
         lines.append(f"{part:<10}" + "".join(f"{summary['parts_us'][n][part]:>13.0f}" for n in names))
+    lines.append(f"{'total p90':<10}" + "".join(f"{summary['total_p90_us'][n]:>13.0f}" for n in names))
     lines += [
         f"{name} - w0: {summary['excess_us'][name]:.0f} us (rounds: "
         + ", ".join(f"{x:.0f}" for x in summary["excess_per_round_us"][name])

@@ -64,5 +64,6 @@ def _in_process(repository, tmp_path):
     for name, parts in summary["parts_us"].items():
         assert all(parts[p] > 0 for p in ("transform", "merge", "lookup")), name
         assert parts["total"] >= max(parts["transform"], parts["merge"], parts["lookup"]), name
+        assert summary["total_p90_us"][name] >= parts["total"], name
     assert set(summary["excess_us"]) == {"w2", "w2_python"} and len(summary["excess_per_round_us"]["w2"]) == 2
     assert "w2 - w0" in result.stdout
