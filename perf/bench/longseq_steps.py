@@ -38,6 +38,7 @@ from recserve.build.repository import version_dir
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec import ModelSpec
 from recserve.perf.bench import longseq_setup as setup
+from recserve.perf.bench.longseq import workload_wires
 from recserve.perf.bench.longseq_error import FRESH_EVENTS
 from recserve.perf.bench.longseq_load import mixed_order
 
@@ -79,8 +80,6 @@ def run_steps(
     seed: int = 41,
 ) -> dict[str, Any]:
     """Time the step's parts for every workload; the figures as a summary (see the module docstring)."""
-    from recserve.perf.bench.longseq import workload_wires
-
     spec = setup.longseq_spec(base)
     repository = setup.bench_repository(base, spec, source, output, progress)
     users = setup.bench_users(spec, grid.users, seed)
