@@ -202,18 +202,6 @@ class UserHistories:
         if close is not None:
             close()
 
-    def wire(self, inputs: Mapping[str, np.ndarray], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each row's user, newest sequence number and tail length (``[rows, 1]`` each), types checked.
-
-        Raises:
-            InvalidInput: one missing, or not of its type and shape.
-        """
-        return (
-            require(inputs, USER_ID, "INT64", rows, 1),
-            require(inputs, USER_SEQ, "INT64", rows, 1),
-            require(inputs, self.group.length_input, "INT32", rows, 1),
-        )
-
     def request_users(
         self, inputs: Mapping[str, np.ndarray], rows: int
     ) -> tuple[list[int], list[int], list[int]]:
@@ -226,7 +214,9 @@ class UserHistories:
             InvalidInput: one of them missing or not of its type and shape, ``user_seq`` below
                 the tail's length, or a tail over ``[user_state] tail``.
         """
-        users, newest, lengths = (array.ravel().tolist() for array in self.wire(inputs, rows))
+        users = require(inputs, USER_ID, "INT64", rows, 1).ravel().tolist()
+        newest = require(inputs, USER_SEQ, "INT64", rows, 1).ravel().tolist()
+        lengths = require(inputs, self.group.length_input, "INT32", rows, 1).ravel().tolist()
         limit = self.spec.user_state.tail
         for r, (seq, length) in enumerate(zip(newest, lengths, strict=True)):
             if length > limit:
