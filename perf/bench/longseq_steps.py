@@ -3,17 +3,21 @@
 The served step (``embedding_lookup``) is built in process as an instance builds it: the bench
 repository's store, the bench's users and their states in a local store, the step's cache of states.
 It is then called with ``w0``'s requests (256-event rows, no user) and ``w2``'s (user id and a
-64-event tail, every state cached), and ``w2`` once more through a second step whose cache has
+64-event tail, every state cached), ``w2`` once more through a second step whose cache has
 neither the compiled index nor the refresher (``w2_python``: every batch takes the Python path,
-and a state past its time to live is read on the request path, as before them). The calls are
-interleaved one by one in a new order each cycle, one every ``1 / rate`` seconds: between two calls
-the process sleeps as a served instance waits between requests, so the step meets the cold caches
-it meets there. Each call is timed in three parts: the feature transform, the states' merge (with
-its counts), the lookup.
+and a state past its time to live is read on the request path, as before them), and once more
+through a third step whose refresher reads as soon as it is handed users, while the call that
+handed them still runs (``w2_eager``: as before the refresher waited for the step's quiet
+moments). The calls are interleaved one by one in a new order each cycle, one every ``1 / rate``
+seconds: between two calls the process sleeps as a served instance waits between requests, so the
+step meets the cold caches it meets there. Each call is timed in three parts: the feature
+transform, the states' merge (with its counts), the lookup.
 
 Per workload and part: the median over a round's calls, then the median over the rounds (and the
 totals' 90th percentile, where the calls that read states on the request path show); the excess of
-a ``w2`` workload over ``w0`` (their totals' difference) per round, then its median.
+a ``w2`` workload over ``w0`` (their totals' difference) per round, then its median. For the
+workloads with a refresher, the calls that handed it users (their states past their time to live)
+apart: how many per round, and their totals' median, medians over the rounds.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ from recserve.perf.bench.longseq_load import mixed_order
 
 LOGGER = logging.getLogger(__name__)
 
-W0, W2, W2_PYTHON = "w0", "w2", "w2_python"
+W0, W2, W2_PYTHON, W2_EAGER = "w0", "w2", "w2_python", "w2_eager"
 PARTS = ("transform", "merge", "lookup", "total")
+W2S = (W2, W2_PYTHON, W2_EAGER)
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,22 @@ class StepGrid:
 
 
 def _timed(step: StatefulFeaturesToEmbeddings, inputs: dict[str, np.ndarray]) -> list[float]:
-    """One call of the step, as ``step(inputs)`` runs it: each part's seconds, then the total."""
-    start = time.perf_counter()
-    features = step.transform.transform(inputs)
-    transformed = time.perf_counter()
-    step.merge_states(inputs, features)
-    merged = time.perf_counter()
-    step.lookup.lookup(features)
-    done = time.perf_counter()
-    return [transformed - start, merged - transformed, done - merged, done - start]
+    """One call of the step, as ``step(inputs)`` runs it.
+
+    Each part's seconds, the total, and 1 where the call handed users to the step's refresher.
+    """
+    refresher = step.users.refresher
+    handed = refresher.queued if refresher is not None else 0
+    with step.users.serving():
+        start = time.perf_counter()
+        features = step.transform.transform(inputs)
+        transformed = time.perf_counter()
+        step.merge_states(inputs, features)
+        merged = time.perf_counter()
+        step.lookup.lookup(features)
+        done = time.perf_counter()
+    refreshing = refresher is not None and refresher.queued != handed
+    return [transformed - start, merged - transformed, done - merged, done - start, float(refreshing)]
 
 
 def run_steps(
@@ -90,7 +102,7 @@ def run_steps(
         ]
         for name in (W0, W2)
     }
-    requests[W2_PYTHON] = requests[W2]
+    requests[W2_PYTHON] = requests[W2_EAGER] = requests[W2]
     made = users.made
     rounds: list[dict[str, np.ndarray]] = []
     with tempfile.TemporaryDirectory(prefix="recserve-longseq-steps-") as tmp:
@@ -107,7 +119,11 @@ def run_steps(
                 W2_PYTHON: StatefulFeaturesToEmbeddings(
                     spec, lookup, UserHistories(spec, states, cache=without_index, refresh=False)
                 ),
+                W2_EAGER: StatefulFeaturesToEmbeddings(spec, lookup, UserHistories(spec, states)),
             }
+            eager = steps[W2_EAGER].users.refresher
+            if eager is not None:  # reads at once, even while a call runs
+                eager.quiet_s = eager.patience_s = 0.0
             steps[W2] = steps[W0]
             for name, step in steps.items():  # states cached, code warm
                 for inputs in requests[name]:
@@ -128,7 +144,7 @@ def _round(
     grid: StepGrid,
     seed: int,
 ) -> dict[str, np.ndarray]:
-    """Each workload's per-call parts (seconds, ``[calls, 4]``), the calls interleaved at ``rate``."""
+    """Each workload's calls (``[calls, 5]``: see :func:`_timed`), interleaved at ``rate``."""
     times: dict[str, list[list[float]]] = {name: [] for name in steps}
     sent = dict.fromkeys(steps, 0)
     interval = 1.0 / grid.rate
@@ -143,16 +159,15 @@ def _round(
 
 
 def _summary(rounds: list[dict[str, np.ndarray]], grid: StepGrid) -> dict[str, Any]:
-    medians = [{name: np.median(t, axis=0) * 1e6 for name, t in r.items()} for r in rounds]
+    medians = [{name: np.median(t[:, :4], axis=0) * 1e6 for name, t in r.items()} for r in rounds]
     parts = {
         name: {part: float(np.median([m[name][i] for m in medians])) for i, part in enumerate(PARTS)}
         for name in medians[0]
     }
-    excess = {name: float(np.median([m[name][-1] - m[W0][-1] for m in medians])) for name in (W2, W2_PYTHON)}
+    excess = {name: float(np.median([m[name][-1] - m[W0][-1] for m in medians])) for name in W2S}
     # the slow tenth of the calls: where a batch's users' states are read on the request path
-    p90 = {
-        name: float(np.median([np.percentile(r[name][:, -1], 90) * 1e6 for r in rounds])) for name in parts
-    }
+    p90 = {name: float(np.median([np.percentile(r[name][:, 3], 90) * 1e6 for r in rounds])) for name in parts}
+    refreshing = {name: _refreshing(rounds, name) for name in (W2, W2_EAGER)}
     return {
         "rate": grid.rate,
         "calls": grid.calls,
@@ -161,9 +176,8 @@ def _summary(rounds: list[dict[str, np.ndarray]], grid: StepGrid) -> dict[str, A
         "parts_us": parts,
         "total_p90_us": p90,
         "excess_us": excess,
-        "excess_per_round_us": {
-            name: [float(m[name][-1] - m[W0][-1]) for m in medians] for name in (W2, W2_PYTHON)
-        },
+        "excess_per_round_us": {name: [float(m[name][-1] - m[W0][-1]) for m in medians] for name in W2S},
+        "refreshing": refreshing,
         "load_average": os.getloadavg()[0],
     }
 
@@ -183,7 +197,26 @@ def describe_steps(summary: dict[str, Any]) -> str:
         f"{name} - w0: {summary['excess_us'][name]:.0f} us (rounds: "
         + ", ".join(f"{x:.0f}" for x in summary["excess_per_round_us"][name])
         + ")"
-        for name in (W2, W2_PYTHON)
+        for name in W2S
     ]
+    for name, calls in summary["refreshing"].items():
+        if calls["total_us"] is not None:
+            lines.append(
+                f"{name}, calls that handed users to the refresher: {calls['calls']:.0f} a round, "
+                f"total {calls['total_us']:.0f} us (the others: {calls['others_us']:.0f} us)"
+            )
     lines.append(f"load average {summary['load_average']:.2f}")
     return "\n".join(lines)
+
+
+def _refreshing(rounds: list[dict[str, np.ndarray]], name: str) -> dict[str, float | None]:
+    """``name``'s calls that handed users to its refresher, and the others: count and median totals."""
+    calls = [r[name] for r in rounds]
+    handed = [c[c[:, 4] == 1, 3] for c in calls]
+    others = [c[c[:, 4] == 0, 3] for c in calls]
+    totals = [float(np.median(h)) * 1e6 for h in handed if h.size]
+    return {
+        "calls": float(np.median([h.size for h in handed])),
+        "total_us": float(np.median(totals)) if totals else None,
+        "others_us": float(np.median([np.median(o) * 1e6 for o in others if o.size])),
+    }

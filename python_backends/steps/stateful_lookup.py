@@ -132,10 +132,11 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
         Raises:
             InvalidInput: naming the first offending input and value.
         """
-        features = self.transform.transform(inputs)
-        self.merge_states(inputs, features)
-        passed = {n: features[n] for n in self.passed if n in features}
-        return {**passed, **self.lookup.lookup(features)}
+        with self.users.serving():
+            features = self.transform.transform(inputs)
+            self.merge_states(inputs, features)
+            passed = {n: features[n] for n in self.passed if n in features}
+            return {**passed, **self.lookup.lookup(features)}
 
     def merge_states(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> None:
         """Merge the users' states into ``features`` (one row per user of ``inputs``) and count them."""
@@ -150,16 +151,18 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
 
         A list without a user gets all-zero ``history_log_weights``.
         """
-        return self._weighted(super().candidates(inputs, expand))
+        with self.users.serving():
+            return self._weighted(super().candidates(inputs, expand))
 
     def candidate_lists(self, lists: list[Mapping[str, np.ndarray]]) -> list[dict]:
         """Several lists, as :meth:`candidates` answers each: those with users and those without apart."""
         answers: list[dict] = [{}] * len(lists)
-        for users in (True, False):
-            part = [i for i, inputs in enumerate(lists) if (USER_ID in inputs) == users]
-            if part:
-                for i, out in zip(part, super().candidate_lists([lists[i] for i in part]), strict=True):
-                    answers[i] = self._weighted(out)
+        with self.users.serving():
+            for users in (True, False):
+                part = [i for i, inputs in enumerate(lists) if (USER_ID in inputs) == users]
+                if part:
+                    for i, out in zip(part, super().candidate_lists([lists[i] for i in part]), strict=True):
+                        answers[i] = self._weighted(out)
         return answers
 
     def list_features(

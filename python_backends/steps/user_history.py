@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -201,6 +202,10 @@ class UserHistories:
         close = getattr(self.states, "close", None)
         if close is not None:
             close()
+
+    def serving(self) -> AbstractContextManager[None]:
+        """Held around a request's work in the step: stale states are read again between requests."""
+        return self.refresher.serving() if self.refresher is not None else nullcontext()
 
     def request_users(
         self, inputs: Mapping[str, np.ndarray], rows: int

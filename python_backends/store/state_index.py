@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -107,22 +108,51 @@ class Refresher:
     """Users whose cached states are served past their time to live, read again on a thread of their own.
 
     ``refresh(users)`` reads them and updates the cache; a failure is logged and leaves them stale
-    (the request path reads them itself once they expire).
+    (the request path reads them itself once they expire). The thread reads in the step's quiet
+    moments: once no request has been in the step (:meth:`serving`) for ``quiet_s``, or after
+    ``patience_s`` without one. A read in the middle of a request would take the interpreter from
+    it: that request, the one that found its states past their time to live, would pay for it.
     """
 
-    def __init__(self, refresh: Callable[[list[int]], None], batch: int = 512) -> None:
+    def __init__(
+        self,
+        refresh: Callable[[list[int]], None],
+        batch: int = 512,
+        quiet_s: float = 0.001,
+        patience_s: float = 0.05,
+    ) -> None:
         self.refresh, self.batch = refresh, batch
-        self.refreshed = self.failed = 0
+        self.quiet_s, self.patience_s = quiet_s, patience_s
+        self.queued = self.refreshed = self.failed = 0  # users handed over, read again, failed
         self._pending: set[int] = set()
         self._lock = threading.Lock()
+        self._serving, self._left = 0, 0.0  # requests in the step; when the last one left it
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._loop, name="recserve-state-refresh", daemon=True)
         self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """A request is in the step."""
+        return self._serving > 0
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """A request in the step: the thread waits until it and the next ``quiet_s`` are over."""
+        with self._lock:
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._serving -= 1
+                self._left = time.monotonic()
 
     def add(self, users: list[int]) -> None:
         """Queue ``users`` (a set update under a lock; the thread is woken)."""
         with self._lock:
             self._pending.update(users)
+            self.queued += len(users)
         self._wake.set()
 
     def run_once(self) -> int:
@@ -143,8 +173,20 @@ class Refresher:
         while not self._stop.is_set():
             self._wake.wait()
             self._wake.clear()
-            while self.run_once():
+            while self._await_quiet() and self.run_once():
                 pass
+
+    def _await_quiet(self) -> bool:
+        """Wait for the step's quiet moment (at most ``patience_s``); False once stopped."""
+        give_up = time.monotonic() + self.patience_s
+        while not self._stop.is_set():
+            now = time.monotonic()
+            with self._lock:
+                quiet = self._serving == 0 and now - self._left >= self.quiet_s
+            if quiet or now >= give_up:
+                return True
+            time.sleep(self.quiet_s)
+        return False
 
     def close(self) -> None:
         """Stop the thread (what is queued is left)."""

@@ -60,10 +60,13 @@ def _in_process(repository, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(written.read_text())
-    assert set(summary["parts_us"]) == {"w0", "w2", "w2_python"}
+    assert set(summary["parts_us"]) == {"w0", "w2", "w2_python", "w2_eager"}
     for name, parts in summary["parts_us"].items():
         assert all(parts[p] > 0 for p in ("transform", "merge", "lookup")), name
         assert parts["total"] >= max(parts["transform"], parts["merge"], parts["lookup"]), name
         assert summary["total_p90_us"][name] >= parts["total"], name
-    assert set(summary["excess_us"]) == {"w2", "w2_python"} and len(summary["excess_per_round_us"]["w2"]) == 2
+    assert set(summary["excess_us"]) == {"w2", "w2_python", "w2_eager"}
+    assert len(summary["excess_per_round_us"]["w2"]) == 2
+    assert set(summary["refreshing"]) == {"w2", "w2_eager"}
+    assert all(calls["others_us"] > 0 for calls in summary["refreshing"].values())
     assert "w2 - w0" in result.stdout

@@ -251,3 +251,25 @@ def test_a_failing_refresh_is_counted_and_the_thread_goes_on():
     _wait(lambda: refresher.refreshed == 1)
     assert calls == [[1, 2], [3]]
     refresher.close()
+
+
+def test_the_refresher_reads_between_requests_not_during_one():
+    calls = []
+    refresher = Refresher(calls.append, quiet_s=0.01, patience_s=60.0)
+    with refresher.serving():
+        refresher.add([1])
+        time.sleep(0.2)  # the request that found the state stale is still in the step
+        assert calls == []
+    _wait(lambda: refresher.refreshed == 1)  # read once the step is quiet
+    assert calls == [[1]]
+    refresher.close()
+
+
+def test_the_refresher_reads_after_its_patience_when_the_step_is_never_quiet():
+    calls = []
+    refresher = Refresher(calls.append, quiet_s=0.01, patience_s=0.05)
+    with refresher.serving():
+        refresher.add([1])
+        _wait(lambda: refresher.refreshed == 1)
+    assert calls == [[1]]
+    refresher.close()

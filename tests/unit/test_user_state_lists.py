@@ -129,3 +129,18 @@ def test_a_list_with_a_user_but_no_user_seq_is_refused_naming_it(tmp_path):
     del lists[USER_SEQ]
     with pytest.raises(InvalidInput, match=USER_SEQ):
         _step(spec, stored, [rows]).candidates(lists)
+
+
+def test_the_step_keeps_the_refresher_out_while_it_serves_rows_and_lists(tmp_path):
+    spec = _spec("right")
+    stored = _states(tmp_path, spec)
+    rows, lists = _case(spec, 2, 5, 60, stored)
+    step = _step(spec, stored, [rows])
+    refresher = step.users.refresher
+    seen, lookup = [], step.lookup.lookup
+    step.lookup.lookup = lambda *args, **kwargs: seen.append(refresher.busy) or lookup(*args, **kwargs)
+    step(rows)
+    step.candidates(lists)
+    step.candidate_lists([lists])
+    assert seen == [True, True, True] and not refresher.busy
+    step.users.close()
