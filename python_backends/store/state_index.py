@@ -173,8 +173,8 @@ class Refresher:
         while not self._stop.is_set():
             self._wake.wait()
             self._wake.clear()
-            while self._await_quiet() and self.run_once():
-                pass
+            while self._pending and self._await_quiet() and self.run_once():
+                pass  # waits for a quiet moment only while users are queued
 
     def _await_quiet(self) -> bool:
         """Wait for the step's quiet moment (at most ``patience_s``); False once stopped."""
