@@ -26,9 +26,10 @@ shadow cluster per protocol for the mirrored copies. The parts:
   already sent is never retried: inference work is not repeated, and at most the requests in flight
   on a dying replica fail. A cluster of one replica allows no retries.
 * **Front door** (:mod:`recserve.access.front_door`): headers over Triton's limit answered 431, bodies
-  over what the served models take 413, HTTP inference bodies whose shapes Triton would allocate
-  unchecked 400, all by Envoy before any tritonserver sees them; only a refused or reset connection
-  (a dead process) ejects a replica, never a request's answer.
+  over what the served models take 413, inference bodies (JSON or gRPC) whose shapes or names Triton
+  would allocate or echo unchecked 400, models that are not public 404, all by Envoy before any
+  tritonserver sees them; only a refused or reset connection (a dead process) ejects a replica,
+  never a request's answer.
 * **Admin** on 127.0.0.1 only, with an admin runtime layer (what ``/runtime_modify`` writes).
 """
 
@@ -268,9 +269,10 @@ def listener(
 ) -> dict[str, Any]:
     """A public listener: one HTTP connection manager (HTTP/1.1 and HTTP/2), the front door, the router.
 
-    Headers over the front door's limit are answered 431 by Envoy itself; on HTTP, the body is
-    bounded and its shapes checked (:mod:`recserve.access.front_door`); on gRPC, unary bodies are
-    bounded, the stream call is not buffered.
+    Headers over the front door's limit are answered 431 by Envoy itself; the body is bounded and
+    what Triton will read of it checked (:mod:`recserve.access.front_door`): JSON on HTTP, one
+    protobuf message per unary call on gRPC; the stream call is not buffered, the front door refuses
+    it before its body.
     """
     door = front_door or FrontDoor()
     name = f"public_{protocol}"
@@ -280,17 +282,22 @@ def listener(
         stream["match"] = {"path": GRPC_STREAM_PATH}
         stream["typed_per_filter_config"] = buffer_off()
         routes.insert(0, stream)
-    filters = door.http_filters() if protocol == "http" else [door.buffer_filter()]
     manager: dict[str, Any] = {
         "@type": _HCM,
         "stat_prefix": name,
         "codec_type": "AUTO",
+        # the front door reads the model from the path: one spelling of each path
+        "normalize_path": True,
+        "merge_slashes": True,
         "max_request_headers_kb": door.max_headers_kb,
         "route_config": {
             "name": name,
             "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}],
         },
-        "http_filters": [*filters, {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+        "http_filters": [
+            *door.http_filters(),
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
         "local_reply_config": door.local_replies(protocol),
     }
     return {

@@ -2,24 +2,27 @@
 
 tritonserver 2.51 allocates a JSON input's declared shape before it reads ``data``: one HTTP body
 declaring ``"shape": [1099511627776, 13]`` aborts the process (``std::bad_alloc``). So the proxy
-proves every HTTP inference body safe first, with what Envoy ships:
+proves every request safe first, with what Envoy ships:
 
 * **Headers** (``max_request_headers_kb``): Triton drops the connection on a header line of 8 KiB or
   more, which Envoy would read as a dead replica. Envoy answers 431 itself above
   :data:`MAX_HEADERS_KB` in all, so such a request never leaves the proxy.
 * **Body size** (``envoy.filters.http.buffer``, ``max_request_bytes``): the largest body a client can
   legitimately send, derived from the served configs (:meth:`FrontDoor.from_repositories`); over it,
-  413. On the gRPC listener the same bound holds for unary calls (the stream call is not buffered).
-* **Shapes** (``envoy.filters.http.lua``): a bounded, linear-time scanner of the JSON inference body
-  (or of the JSON header of the binary form) reads each input's ``name``, ``shape`` and ``data``
-  without building values. Refused with 400: JSON it cannot parse or nested deeper than
-  :data:`MAX_DEPTH`, a dimension that is not a non-negative integer, a shape holding more elements
-  than the model takes (max batch × per-row elements from its config), or ``data`` whose element
-  count (flat or nested) differs from the shape's. Compressed inference bodies (which Triton would
+  413, on both listeners (one gRPC message per unary call; the stream call is refused).
+* **What Triton will read** (``envoy.filters.http.lua``, :mod:`recserve.access.lua`):
+  a strict JSON parse of the inference body (or of the binary form's JSON header) with escapes decoded
+  and duplicate or unknown keys refused, and a protobuf walk of the gRPC message. Refused with 400
+  (gRPC ``INVALID_ARGUMENT``): a shape holding more elements than the model takes (max batch ×
+  per-row elements from its config), ``data`` whose element count differs from the shape's, a name
+  the model does not have, a name over :data:`MAX_NAME_BYTES`. Compressed bodies (which Triton would
   inflate) are refused with 415.
+* **Public models** (:attr:`FrontDoor.public`): the served ensembles; a path or call naming any other
+  model (an ensemble's steps) is answered 404 (gRPC ``NOT_FOUND``), so clients cannot call a step
+  directly (nor steer a canary's figures through it).
 
-Every refusal is a JSON ``{"error": "..."}`` naming the input and the offending value (truncated), as
-Triton's own errors look.
+Every refusal is a JSON ``{"error": "..."}`` (or a ``grpc-message``) naming the input and the
+offending value (truncated), as Triton's own errors look.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve.access.front_door_scanner import SCANNER
+from recserve.access.lua.frame import ENTRY, PRELUDE
+from recserve.access.lua.grpc_message import GRPC_MESSAGE
+from recserve.access.lua.json_body import JSON_BODY
 
 #: Request headers Envoy accepts, in KiB in all; Triton drops a connection on one line of 8 KiB.
 MAX_HEADERS_KB = 7
@@ -49,6 +54,8 @@ JSON_STRING_BYTES = 160
 BODY_MARGIN_BYTES = 64 * 1024
 #: Echoed values are cut to this many characters, with their length.
 SHOWN_CHARS = 64
+#: Longest name (input, output, parameter, version) the proxy passes for a model it does not know.
+MAX_NAME_BYTES = 256
 
 _BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 _BUFFER_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
@@ -67,6 +74,9 @@ class FrontDoor:
 
     Attributes:
         inputs: model -> input -> the most elements one request may declare for it.
+        outputs: model -> its output names (a model not here: any name up to
+            :data:`MAX_NAME_BYTES`).
+        public: the models clients may reach; every other name is answered 404. Empty: every model.
         max_elements: the bound for a model not in ``inputs`` (the largest a client-facing model
             takes; Triton refuses unknown models, this only keeps their shapes bounded). An input
             name a known model does not have is refused by the proxy: Triton's own refusal echoes
@@ -76,6 +86,8 @@ class FrontDoor:
     """
 
     inputs: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    outputs: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    public: frozenset[str] = frozenset()
     max_elements: int = 256 * 256 * 16
     max_body_bytes: int = 8 * 1024 * 1024
     max_headers_kb: int = MAX_HEADERS_KB
@@ -93,7 +105,8 @@ class FrontDoor:
         dims are users and candidates, at most ``max_batch_size`` rows together) takes, per input,
         what a batched model takes under the same name, else the largest batch × its other dims.
         The body size is the largest a client-facing model (an ensemble, or every model where the
-        repository has no ensemble) can take as JSON, plus :data:`BODY_MARGIN_BYTES`.
+        repository has no ensemble) can take as JSON, plus :data:`BODY_MARGIN_BYTES`; only those
+        models are :attr:`public`.
 
         Raises:
             FrontDoorError: no config, or ``longest`` < 1.
@@ -121,7 +134,8 @@ class FrontDoor:
         public = [c for c in configs if c.platform == "ensemble"] or configs
         body = max(sum(inputs[c.name][t.name] * _json_bytes(t.data_type) for t in c.input) for c in public)
         most = max((inputs[c.name][t.name] for c in public for t in c.input), default=batch)
-        return cls(inputs, most, body + BODY_MARGIN_BYTES)
+        outputs = {c.name: frozenset(t.name for t in c.output) for c in configs}
+        return cls(inputs, outputs, frozenset(c.name for c in public), most, body + BODY_MARGIN_BYTES)
 
     @classmethod
     def from_repositories(cls, repositories: Iterable[Path]) -> FrontDoor:
@@ -155,7 +169,7 @@ class FrontDoor:
         )
 
     def http_filters(self) -> list[dict[str, Any]]:
-        """The public HTTP listener's filters before the router: buffer (size), then Lua (shapes)."""
+        """A public listener's filters before the router: buffer (size), then Lua (what Triton reads)."""
         return [self.buffer_filter(), lua_filter(lua_source(self))]
 
     def buffer_filter(self) -> dict[str, Any]:
@@ -217,20 +231,28 @@ def lua_filter(source: str) -> dict[str, Any]:
 
 
 def lua_source(door: FrontDoor) -> str:
-    """The Lua scanner with ``door``'s limits written in as a table literal."""
-    table = ", ".join(
-        f"[{_lua_string(model)}] = {{"
-        + ", ".join(f"[{_lua_string(name)}] = {count}" for name, count in sorted(limits.items()))
-        + "}"
-        for model, limits in sorted(door.inputs.items())
-    )
+    """The front door's Lua (:mod:`recserve.access.lua`) with ``door``'s limits written in as literals."""
+    outputs = {model: dict.fromkeys(names, "true") for model, names in door.outputs.items()}
     return (
-        SCANNER.replace("@LIMITS@", "{" + table + "}")
+        (PRELUDE + JSON_BODY + GRPC_MESSAGE + ENTRY)
+        .replace("@LIMITS@", _lua_table(door.inputs))
+        .replace("@OUTPUTS@", _lua_table(outputs))
+        .replace("@PUBLIC@", _lua_table(dict.fromkeys(door.public, "true")))
         .replace("@MAX_ELEMENTS@", str(door.max_elements))
+        .replace("@MAX_NAME@", str(MAX_NAME_BYTES))
         .replace("@MAX_DEPTH@", str(MAX_DEPTH))
         .replace("@MAX_DIMS@", str(MAX_DIMS))
         .replace("@SHOWN@", str(SHOWN_CHARS))
     )
+
+
+def _lua_table(table: Mapping[str, Any]) -> str:
+    """A Lua table literal of ``table``: string keys, values as they are or (mappings) nested tables."""
+    items = (
+        f"[{_lua_string(key)}] = {_lua_table(item) if isinstance(item, Mapping) else item}"
+        for key, item in sorted(table.items())
+    )
+    return "{" + ", ".join(items) + "}"
 
 
 def _lua_string(text: str) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from recserve.access import AccessLayer, EnvoyProxy, ProxyPorts, write_config
 from recserve.access.config import listener
@@ -146,11 +146,42 @@ def scanner(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "an inference body is a JSON object, found '\x00\xff\xfe garbage'",
         ),
         (b'{"inputs":[]} trailing', "bytes after the JSON body"),
+        # keys and names are compared as Triton's parser decodes them
+        (
+            _bomb("[1099511627776,13]").replace(b'"inputs"', b'"in\\u0070uts"'),
+            "input 'dense': shape [1099511627776,13] holds 14293651161088 elements",
+        ),
+        (
+            _bomb("[1,13]").replace(b'"shape"', b'"sh\\u0061pe":[1099511627776,13],"shape"'),
+            "inputs[0]: key 'shape' given twice",
+        ),
+        (
+            _bomb("[1099511627776,13]", name="d\\u0065nse"),
+            "input 'dense': shape [1099511627776,13] holds",
+        ),
+        (_bomb("[1,4]", name="\\ud800x"), "a lone surrogate escape"),
+        (_bomb("[1,4]", name="\\x"), "a bad escape in a JSON string"),
+        (_bomb("[1,4]", name="a\tb"), "a raw control character (byte 9)"),
+        (b'{"id":"1","id":"2","inputs":[]}', "key 'id' given twice"),
+        (b'{"input":[' + _bomb("[1099511627776,13]")[11:], "unknown key 'input' in an inference request"),
+        (_bomb("[1,4]").replace(b'"data"', b'"datas"'), "input 'dense': unknown key 'datas'"),
+        (_bomb("[1,4]").replace(b'"FP32"', b'"XX"'), "datatype 'XX' is not a KServe v2 datatype"),
+        (_bomb("[01,4]"), "a dimension must be a non-negative integer, got '01'"),
+        (_bomb("[1,1]", "[01]"), "expected ',' or ']', found '1]"),
+        (_bomb("[1,1]", "[1.]"), "unexpected '1.]"),
+        (_bomb("[1,1]", "[NaN]"), "unexpected 'NaN]"),
+        (_bomb("[1,1]", "[+1]"), "unexpected '+1]"),
+        (
+            b'{"inputs":[],"outputs":[{"name":"' + b"p" * 1000 + b'"}]}',
+            "output '" + "p" * 64 + "... (1000 characters)' is not an output of model 'tiny'",
+        ),
+        (b'{"inputs":[],"parameters":{"a":1,"a":2}}', "the request parameters: key 'a' given twice"),
         (b"", "an inference request needs a JSON body"),
     ],
     ids=lambda value: value[:40] if isinstance(value, str) else "body",
 )
 def test_the_scanner_refuses_what_it_cannot_prove_safe(scanner, body, message):
+    """Refused with a message naming the input; escapes, duplicates and unknown keys as Triton reads them."""
     status, answer = _post(f"{scanner}/v2/models/tiny/infer", body)
     assert status == 400, answer
     error = json.loads(answer)["error"]
@@ -158,12 +189,38 @@ def test_the_scanner_refuses_what_it_cannot_prove_safe(scanner, body, message):
     assert len(error) < 400  # echoed values are truncated
 
 
-@pytest.mark.parametrize(
-    "path", ["/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer", "/v2/models/other/infer?x=1"]
-)
+@pytest.mark.parametrize("path", ["/v2/models/tiny/infer", "/v2/models/tiny/versions/1/infer?x=1"])
 def test_every_inference_path_is_scanned(scanner, path):
     status, _ = _post(scanner + path, _bomb("[4294967300,13]"))
     assert status == 400
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v2/models/dense/infer",
+        "/v2/models/embedding_lookup/versions/1/infer",
+        "/v2/models/dense/ready",
+        "/v2/models/dense",
+        "/v2/models/dense/stats",
+        "/v2/models/%64ense/infer",
+        "//v2//models/dense/infer",
+        "/v2/models/tiny/../dense/infer",
+        "/v2/models/other/infer?x=1",
+    ],
+)
+def test_only_the_served_ensembles_are_public(scanner, path):
+    """An ensemble's steps (and any other name) are answered 404 on every path, however spelled."""
+    for method in ("GET", "POST"):
+        request = urllib.request.Request(scanner + path, data=_bomb("[1,4]"), method=method)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 404, path
+        assert (
+            "is not served through this proxy (served: tiny, tiny_candidates)"
+            in refused.value.read().decode()
+        )
+    assert _post(f"{scanner}/v2/models/tiny/ready", b"")[0] == 200
 
 
 def test_the_scanner_passes_valid_bodies_and_other_paths(scanner, tiny):
@@ -223,11 +280,16 @@ def test_json_shape_bombs_through_the_proxy_are_refused_and_kill_nothing(stack, 
     replicas = stack.servers["stable"]
     pids = [server.process.pid for server in replicas]
     url = f"http://{stack.http_url}/v2/models/{tiny.name}/infer"
-    for shape in ("[1099511627776,13]", "[9223372036854775807,2]", "[4294967300,13]"):
+    escaped = _bomb("[1099511627776,13]").replace(b'"inputs"', b'"in\\u0070uts"')
+    shadowed = _bomb("[1,13]").replace(b'"shape"', b'"sh\\u0061pe":[1099511627776,13],"shape"')
+    bombs = [_bomb(s) for s in ("[1099511627776,13]", "[9223372036854775807,2]", "[4294967300,13]")]
+    for body in [*bombs, escaped, shadowed]:
         for _ in range(len(replicas)):  # round robin: each replica would get one
-            status, answer = _post(url, _bomb(shape), {"Content-Type": "application/json"})
+            status, answer = _post(url, body, {"Content-Type": "application/json"})
             assert status == 400, answer
-            assert "input 'dense'" in json.loads(answer)["error"]
+            assert (
+                "input 'dense'" in json.loads(answer)["error"] or "inputs[0]" in json.loads(answer)["error"]
+            )
     assert [server.process.pid for server in replicas] == pids
     assert all(server.process.poll() is None and server.is_ready() for server in replicas)
     with CTRClient(stack.http_url, protocol="http", spec=tiny, timeout_s=30) as client:
@@ -290,3 +352,55 @@ def test_an_oversized_grpc_message_is_refused_at_the_proxy(stack, tiny, reposito
         assert str(door.max_body_bytes) in (refused.value.details() or "")
         assert stub.ModelInfer(infer_request(tiny.name, generate(tiny, 4, seed=6).to_wire(tiny)), timeout=30)
     assert stack.admin.cluster_stat("stable", "grpc", "upstream_rq_total") == sent + 1  # only the valid one
+
+
+def _refused(call: object, *args: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        result = call(*args, timeout=30)  # type: ignore[operator]
+        if not isinstance(result, service_pb2.ModelInferResponse):
+            list(result)  # a stream answers as it is read
+    return refused.value
+
+
+def test_grpc_reaches_only_the_served_ensembles_by_bounded_names(stack, tiny):
+    """Steps are NOT_FOUND, long or unknown names and huge shapes INVALID_ARGUMENT, the stream call
+    UNIMPLEMENTED: none reaches a tritonserver, none ejects a replica, a valid call is served."""
+    inputs = generate(tiny, 4, seed=7).to_wire(tiny)
+    sent = stack.admin.cluster_stat("stable", "grpc", "upstream_rq_total")
+    with grpc.insecure_channel(stack.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for model in ("dense", "embedding_lookup", ""):
+            message = infer_request(tiny.name, inputs)
+            message.model_name = model
+            error = _refused(stub.ModelInfer, message)
+            assert error.code() == grpc.StatusCode.NOT_FOUND, error
+            assert f"model '{model}' is not served through this proxy" in (error.details() or "")
+        for call, request in (
+            (stub.ModelMetadata, service_pb2.ModelMetadataRequest(name="dense")),
+            (stub.ModelReady, service_pb2.ModelReadyRequest(name="embedding_lookup")),
+            (stub.ModelConfig, service_pb2.ModelConfigRequest(name="dense")),
+            (stub.ModelStatistics, service_pb2.ModelStatisticsRequest(name="dense")),
+        ):
+            assert _refused(call, request).code() == grpc.StatusCode.NOT_FOUND
+        long_name = infer_request(tiny.name, inputs)
+        long_name.inputs[0].name = "x" * 100_000
+        long_output = infer_request(tiny.name, inputs)
+        long_output.outputs.add().name = "p" * 100_000
+        huge = infer_request(tiny.name, inputs)
+        huge.inputs[0].shape[:] = [2**40, 13]
+        for message, text in (
+            (long_name, "input '" + "x" * 64 + "... (100000 characters)' is not an input of model 'tiny'"),
+            (long_output, "output '" + "p" * 64 + "... (100000 characters)' is not an output"),
+            (huge, "shape [1099511627776,13] holds 14293651161088 elements"),
+        ):
+            error = _refused(stub.ModelInfer, message)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and text in (error.details() or "")
+            assert len(error.details() or "") < 400
+        stream = _refused(stub.ModelStreamInfer, iter([infer_request(tiny.name, inputs)]))
+        assert stream.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert stub.ModelInfer(infer_request(tiny.name, inputs), timeout=30).outputs
+        assert stub.ModelReady(service_pb2.ModelReadyRequest(name=tiny.name), timeout=30).ready
+        every = stub.ModelStatistics(service_pb2.ModelStatisticsRequest(), timeout=30)  # perf_analyzer's
+        assert {"dense", tiny.name} <= {m.name for m in every.model_stats}
+    assert stack.admin.cluster_stat("stable", "grpc", "upstream_rq_total") == sent + 3  # only the valid ones
+    assert _ejections(stack) == 0

@@ -277,24 +277,24 @@ def test_the_public_listeners_carry_the_front_door_and_pass_envoy_validate(tiny_
     config = envoy_config(_access(), UPSTREAMS, PORTS, door)
     http, grpc = _manager(config, "http"), _manager(config, "grpc")
     assert http["max_request_headers_kb"] == grpc["max_request_headers_kb"] == MAX_HEADERS_KB < 8
-    assert [f["name"] for f in http["http_filters"]] == [
-        "envoy.filters.http.buffer",
-        "envoy.filters.http.lua",
-        "envoy.filters.http.router",
-    ]
-    assert http["http_filters"][0]["typed_config"]["max_request_bytes"] == door.max_body_bytes
+    for manager in (http, grpc):  # both listeners: the body bounded, then what Triton reads checked
+        assert [f["name"] for f in manager["http_filters"]] == [
+            "envoy.filters.http.buffer",
+            "envoy.filters.http.lua",
+            "envoy.filters.http.router",
+        ]
+        assert manager["http_filters"][0]["typed_config"]["max_request_bytes"] == door.max_body_bytes
+        assert manager["normalize_path"] and manager["merge_slashes"]  # one spelling of each model path
     source = http["http_filters"][1]["typed_config"]["default_source_code"]["inline_string"]
     assert "@" not in source and f"local MAX_ELEMENTS = {door.max_elements}" in source
     assert '["tiny"] = {' in source and '["history_items"] = ' in source
+    assert 'local PUBLIC = {["tiny"] = true, ["tiny_candidates"] = true}' in source  # the steps are not
+    assert '["probability"] = true' in source  # the ensemble's outputs
     assert {
         m["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
         for m in http["local_reply_config"]["mappers"]
     } == {413, 431}
-    # gRPC: unary bodies bounded, the stream call (whose body never ends) not buffered
-    assert [f["name"] for f in grpc["http_filters"]] == [
-        "envoy.filters.http.buffer",
-        "envoy.filters.http.router",
-    ]
+    # gRPC: the stream call (whose body never ends) is not buffered; the front door refuses it at once
     stream, catch_all = grpc["route_config"]["virtual_hosts"][0]["routes"]
     assert (
         stream["match"] == {"path": GRPC_STREAM_PATH}
