@@ -34,6 +34,7 @@ from recserve.backends.base.bounded_files import Header, check_onnx_file, load_n
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.features.transform import vocabulary_keys
 from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.updates.deltas import little_endian
 from recserve.backends.store.updates.versions import check_delta
 from recserve.build import configs
 from recserve.build.import_values import (
@@ -235,7 +236,7 @@ def read_keyed_table(spec: ModelSpec, source: TableSource) -> TableArrays:
             f"table {table!r}: {source.path.name} has no array(s) {sorted(missing)}; "
             "it needs 'keys' and 'vectors'"
         )
-    keys, vectors = arrays["keys"], arrays["vectors"]
+    keys, vectors = arrays["keys"], little_endian(arrays["vectors"])  # the delta check takes little-endian
     check_delta(table, keys, vectors, dim, STORED_DTYPES, what="table")
     default = np.asarray(arrays.get("default", np.zeros(dim, np.float32)), np.float32)
     if default.shape != (dim,):

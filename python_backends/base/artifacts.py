@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from recserve.backends.base.bounded_files import sized_npy_header
 from recserve.errors import ArtifactError, shorten
 
 MANIFEST = "manifest.json"
@@ -66,15 +68,27 @@ def verified_path(root: Path, entry: dict[str, Any]) -> Path:
 
 
 def load_array(root: Path, entry: dict[str, Any], mmap: bool = False) -> np.ndarray:
-    """Load a checked ``.npy`` entry; its shape and dtype must match the manifest."""
+    """Load a checked ``.npy`` entry; its shape and dtype must match the manifest.
+
+    The header is read and checked (against the manifest and the file's size) before numpy
+    allocates anything, so a header that lies about its size is refused, never a ``MemoryError``.
+
+    Raises:
+        ArtifactError: the file is missing, outside ``root``, fails its checksum, or is no ``.npy``
+            array of the manifest's shape and dtype in exactly its size.
+    """
     path = verified_path(root, entry)
-    array = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
-    if list(array.shape) != list(entry["shape"]) or str(array.dtype) != entry["dtype"]:
+    name = f"artifact {shorten(entry['path'])}"
+    with open(path, "rb") as fh:
+        shape, dtype = sized_npy_header(fh, name, os.fstat(fh.fileno()).st_size)
+    if list(shape) != list(entry["shape"]) or str(dtype) != entry["dtype"]:
         raise ArtifactError(
-            f"artifact {entry['path']!r} holds {array.dtype}{list(array.shape)}, "
-            f"manifest says {entry['dtype']}{entry['shape']}"
+            f"{name} holds {dtype}{shorten(list(shape))}, manifest says {entry['dtype']}{entry['shape']}"
         )
-    return array
+    try:
+        return np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{name} is not a readable .npy file ({shorten(str(exc), 160)})") from None
 
 
 #: safetensors dtype names of the arrays recserve reads.
@@ -180,12 +194,21 @@ def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def first_non_finite(array: np.ndarray, block_rows: int = 1 << 16) -> int | None:
-    """Index of the first row of ``array`` with NaN or Inf (None: all finite), a block at a time."""
+#: The largest magnitude of an embedding value recserve serves, from any source (import, update,
+#: Redis). Trained embeddings are orders of magnitude smaller; a finite value near float32's limit
+#: (3.4e38) overflows the first product or sum it enters and turns the request's scores into Inf
+#: or NaN, while 1e6 squared times any table width stays far inside float32's range.
+MAX_EMBEDDING_VALUE = 1e6
+
+
+def first_unservable(array: np.ndarray, block_rows: int = 1 << 16) -> int | None:
+    """Index of the first row of ``array`` holding NaN, Inf or a value over :data:`MAX_EMBEDDING_VALUE`.
+
+    None when every value is servable; read a block of rows at a time (``array`` may be a memory map).
+    """
     for start in range(0, len(array), block_rows):
-        bad = ~np.isfinite(np.asarray(array[start : start + block_rows])).reshape(
-            min(block_rows, len(array) - start), -1
-        ).all(axis=1)
+        block = np.asarray(array[start : start + block_rows]).reshape(min(block_rows, len(array) - start), -1)
+        bad = ~(np.abs(block) <= MAX_EMBEDDING_VALUE).all(axis=1)  # NaN compares False: refused too
         if bad.any():
             return start + int(np.flatnonzero(bad)[0])
     return None

@@ -63,9 +63,10 @@ def npy_header(stream: IO[bytes], name: str) -> Header:
             shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
         else:
             raise ValueError(f".npy format version {version[0]}.{version[1]}, not 1.0 or 2.0")
-    except (ValueError, SyntaxError) as exc:
+    except Exception as exc:  # numpy's parser raises ValueError, SyntaxError, TypeError, TokenError...
         raise ArtifactError(
-            f"{name} has no readable .npy header ({shorten(str(exc), EXPLANATION_LIMIT)})"
+            f"{name} has no readable .npy header "
+            f"({shorten(str(exc) or type(exc).__name__, EXPLANATION_LIMIT)})"
         ) from None
     if dtype.hasobject:
         raise ArtifactError(f"{name} holds Python objects; recserve reads arrays of numbers only")
@@ -80,6 +81,26 @@ def array_bytes(header: Header) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def sized_npy_header(stream: IO[bytes], name: str, size: int) -> Header:
+    """The ``.npy`` header at the start of ``stream``, checked against the ``size`` bytes it comes in.
+
+    What a header claims is never trusted: the data it declares must be exactly the bytes after it,
+    so reading the array allocates at most ``size`` bytes (a header claiming 2**40 rows in a small
+    file is refused here, before numpy allocates anything).
+
+    Raises:
+        ArtifactError: what :func:`npy_header` refuses, or a size that differs from the header's.
+    """
+    header = npy_header(stream, name)
+    needed = stream.tell() + array_bytes(header)
+    if size != needed:
+        raise ArtifactError(
+            f"{name} has {size:,} bytes; its header {header[1]}{shorten(list(header[0]))} needs "
+            f"{needed:,} (truncated or padded, or the header lies)"
+        )
+    return header
+
+
 def map_npy(path: Path) -> np.ndarray:
     """A ``.npy`` file memory-mapped read-only, after its header and size are checked.
 
@@ -89,14 +110,7 @@ def map_npy(path: Path) -> np.ndarray:
     if not path.is_file():
         raise ArtifactError(f"{path.name} is not a regular file")
     with open(path, "rb") as fh:
-        header = npy_header(fh, path.name)
-        offset = fh.tell()
-    size, needed = path.stat().st_size, offset + array_bytes(header)
-    if size != needed:
-        raise ArtifactError(
-            f"{path.name} has {size:,} bytes; its header {header[1]}{list(header[0])} needs {needed:,} "
-            "(truncated or padded)"
-        )
+        sized_npy_header(fh, path.name, os.fstat(fh.fileno()).st_size)
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:

@@ -11,7 +11,8 @@ row. Its counts go to the metrics endpoint (a list's counts are per user, a row'
 - ``recserve_user_state_lag_events``: a histogram of how many events the merged state lacked that
   the request knew of (its newest sequence number minus the state's);
 - ``recserve_user_state_mode_total{mode}``: merged states by mode (exact, clustered);
-- ``recserve_user_state_rebuilds_total{result}``: users queued for a rebuild (queued, dropped, failed).
+- ``recserve_user_state_rebuilds_total{result}``: users queued for a rebuild (queued, dropped, failed);
+- ``recserve_user_state_set_aside_total``: corrupt local user-state databases set aside at load.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ class UserStateCounts:
                     self.lags[bisect_left(LAG_EDGES, lag)] += 1
                     self.lag_sum += lag
 
-    def samples(self, queued: int = 0, dropped: int = 0, failed: int = 0) -> list[MetricSample]:
-        """The counts as metric samples (the rebuild queue's counts passed in)."""
+    def samples(
+        self, queued: int = 0, dropped: int = 0, failed: int = 0, set_aside: int = 0
+    ) -> list[MetricSample]:
+        """The counts as metric samples (the rebuild queue's and the local file's counts passed in)."""
         with self._lock:
             outcomes = dict(zip(OUTCOMES, self.outcomes, strict=True))
             modes = dict(zip(MODES, self.modes, strict=True))
@@ -104,6 +107,15 @@ class UserStateCounts:
             MetricSample("recserve_user_state_rebuilds_total", "counter", rebuild_help, (("result", k),), v)
             for k, v in (("queued", queued), ("dropped", dropped), ("failed", failed))
         ]
+        out.append(
+            MetricSample(
+                "recserve_user_state_set_aside_total",
+                "counter",
+                "Corrupt local user-state databases set aside (and replaced by an empty one) at load",
+                (),
+                float(set_aside),
+            )
+        )
         return out
 
 
@@ -209,7 +221,7 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
 
     def samples(self) -> list[MetricSample]:
         """The user-state metric samples."""
-        queue = self.users.rebuilds
+        queue, set_aside = self.users.rebuilds, int(getattr(self.users.states, "set_aside", 0))
         if queue is None:
-            return self.counts.samples()
-        return self.counts.samples(queue.queued, queue.dropped, queue.failed)
+            return self.counts.samples(set_aside=set_aside)
+        return self.counts.samples(queue.queued, queue.dropped, queue.failed, set_aside)

@@ -7,10 +7,10 @@ or while the breaker is open, the keys are reported as not found (the store serv
 and a counter goes up.
 
 Redis is untrusted storage: anyone who can write to it can put anything under a key. A value that
-is not the float32 row of its key's width (too short, too long, empty, not bytes) or that holds NaN
-or Inf is refused for that key alone (``bad_value``): the key gets its default row, the other keys
-of the batch are served. ``MGET`` answers nil for a key holding another type (a hash, a list), so
-such a key reads as absent.
+is not the float32 row of its key's width (too short, too long, empty, not bytes) or holds NaN, Inf
+or a value over 1e6 in magnitude is refused for that key alone (``bad_value``): the key gets its
+default row, the other keys of the batch are served. ``MGET`` answers nil for a key holding another
+type (a hash, a list), so such a key reads as absent.
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ class RedisTier:
             dim: the width of the returned vectors (the store's widest table).
             widths: each key's row width in floats (its table's width); None: every row is ``dim``
                 wide; a width of 0 accepts any whole number of floats up to ``dim``. A value of
-                another length, not bytes, or holding NaN or Inf is refused: its key is not found,
-                and ``bad_value`` counts it.
+                another length, not bytes, or holding NaN, Inf or a value over 1e6 is refused: its
+                key is not found, and ``bad_value`` counts it.
         """
         vectors = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)

@@ -6,7 +6,8 @@ queued here so that the builder writes a state from the events it holds. Two for
 event log:
 
 - a file of JSON lines ``{"rebuild": <user>}`` next to the file log (``<event_path>.rebuild``),
-  read forward from an offset as the event file is;
+  read forward from an offset and emptied whenever the builder has read it all, so it holds only
+  the requests not yet taken (at most :data:`MAX_REBUILD_FILE_BYTES`);
 - a Redis set ``<event_stream>:rebuild`` (``SADD``; the builder takes members with ``SPOP``).
 
 The lookup step never writes on its request path: :class:`RebuildQueue` collects users in memory
@@ -16,9 +17,12 @@ that round's users (counted); they are queued again by their next request.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,6 +33,10 @@ LOGGER = logging.getLogger(__name__)
 
 REBUILD_FILE_SUFFIX = ".rebuild"
 REBUILD_SET_SUFFIX = ":rebuild"
+#: The most bytes the rebuild file holds (about 600,000 pending users) while no builder takes them.
+MAX_REBUILD_FILE_BYTES = 16 << 20
+#: Seconds between two warnings about rebuild requests a sink refused.
+LOST_LOG_INTERVAL_S = 60.0
 
 
 class RebuildSink(Protocol):
@@ -43,31 +51,74 @@ class RebuildSink(Protocol):
         ...
 
 
-class FileRebuilds:
-    """Rebuild requests as JSON lines in a file beside the event log."""
+class RebuildsFull(OSError):
+    """The rebuild file holds its most bytes: the builder is not taking them; these users are not queued."""
 
-    def __init__(self, path: Path, max_line_bytes: int = 256) -> None:
+
+class FileRebuilds:
+    """Rebuild requests as JSON lines in a file beside the event log, bounded in size.
+
+    Writers (every server's lookup step) and the taker (the builder) hold an exclusive ``flock`` on
+    the file for each append or take. A take that reads to the end of the file truncates it, so the
+    file holds only the requests not yet taken; while no builder takes them it grows to at most
+    ``max_bytes``, after which appends are refused (:class:`RebuildsFull`; the users are queued
+    again by their next request).
+
+    Args:
+        path: the file.
+        max_line_bytes: the longest line taken (a longer one is counted in ``refused``).
+        max_bytes: the most bytes the file may hold.
+    """
+
+    def __init__(
+        self, path: Path, max_line_bytes: int = 256, max_bytes: int = MAX_REBUILD_FILE_BYTES
+    ) -> None:
         self.path, self.offset, self.max_line_bytes = Path(path), 0, max_line_bytes
+        self.max_bytes = max_bytes
         self.refused = 0
+        self.truncated = 0  # times a take emptied the file
 
     def add(self, users: Iterable[int]) -> None:
-        """Append one line per user (one write)."""
-        text = "".join(json.dumps({"rebuild": int(u)}) + "\n" for u in users)
-        if text:
-            with self.path.open("a") as fh:
-                fh.write(text)
+        """Append one line per user (one write, under the file's lock).
+
+        Raises:
+            RebuildsFull: the file would grow over ``max_bytes`` (nothing is written).
+        """
+        text = "".join(json.dumps({"rebuild": int(u)}) + "\n" for u in users).encode()
+        if not text:
+            return
+        with self.path.open("ab") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            size = os.fstat(fh.fileno()).st_size
+            if size + len(text) > self.max_bytes:
+                raise RebuildsFull(f"{self.path.name} holds {size:,} bytes, at most {self.max_bytes:,}")
+            fh.write(text)
+            fh.flush()
 
     def take(self, chunk_bytes: int = 1 << 20) -> np.ndarray:
-        """The users of the whole lines appended since the last call; malformed lines are counted."""
-        if not self.path.exists():
+        """The users of the whole lines appended since the last call; malformed lines are counted.
+
+        When this call has read every line, the file is emptied (under its lock, so no append is lost).
+        """
+        try:
+            fh = self.path.open("r+b")
+        except FileNotFoundError:
             return np.zeros(0, np.int64)
-        with self.path.open("rb") as fh:
+        with fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            size = os.fstat(fh.fileno()).st_size
+            if self.offset > size:  # emptied by another taker: start again
+                self.offset = 0
             fh.seek(self.offset)
             data = fh.read(chunk_bytes)
-        end = data.rfind(b"\n")
-        if end < 0:
-            return np.zeros(0, np.int64)
-        self.offset += end + 1
+            end = data.rfind(b"\n")
+            if end < 0:
+                return np.zeros(0, np.int64)
+            self.offset += end + 1
+            if self.offset == size:
+                fh.truncate(0)
+                self.offset = 0
+                self.truncated += 1
         users = []
         for line in data[:end].split(b"\n"):
             try:
@@ -113,6 +164,7 @@ class RebuildQueue:
         self.sink, self.flush_s, self.capacity = sink, flush_s, capacity
         self.queued = self.dropped = self.failed = 0
         self._users: set[int] = set()
+        self._lost_logged_at = -LOST_LOG_INTERVAL_S
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="recserve-user-rebuilds", daemon=True)
@@ -137,7 +189,15 @@ class RebuildQueue:
             self.sink.add(sorted(users))
         except Exception as exc:  # a sink outage must not reach requests; next requests queue again
             self.failed += len(users)
-            LOGGER.warning("user rebuild requests lost (%d users): %s", len(users), type(exc).__name__)
+            now = time.monotonic()
+            if now - self._lost_logged_at >= LOST_LOG_INTERVAL_S:
+                self._lost_logged_at = now
+                LOGGER.warning(
+                    "user rebuild requests lost (%d users; %d since start): %s",
+                    len(users),
+                    self.failed,
+                    exc if isinstance(exc, RebuildsFull) else type(exc).__name__,
+                )
             return 0
         return len(users)
 

@@ -5,7 +5,8 @@ Both write with a compare on the event sequence: a state replaces the stored one
 over a newer one. Both keep a state for ``ttl_s`` after its last write, and delete a user's state
 on request (erasure). Reads never raise: a user is ``found``, ``absent``, ``bad_value`` (a stored
 value that is not a state this server accepts: refused, counted, logged at most once a minute) or,
-for the whole call, ``error`` (Redis timed out, failed, or its breaker is open).
+for the whole call, ``error`` (Redis timed out, failed, or its breaker is open; the local file
+could not be read). A local file that is corrupt when opened is set aside, never a failed start.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from recserve.backends.store.redis_tier import CircuitBreaker, RedisTier, redis_keys
 from recserve.backends.store.user_state import StateFormatError, UserState, decode_states, seq_bytes
+from recserve.backends.store.user_state_files import STATE_COLUMNS, opening_lock, set_aside_if_corrupt
 from recserve.core.sections_serving import StoreSection
 from recserve.core.sections_user_state import UserStateSection
 
@@ -124,6 +126,11 @@ class _Decoder:
 class LocalUserStates:
     """States in a SQLite file, shared by the builder's process and the servers' on one machine.
 
+    The file is checked when opened (:func:`~recserve.backends.store.user_state_files.corruption`):
+    a corrupt one, or one that is not a user-state database, is set aside beside it
+    (``<name>.corrupt-<time>``; counted in ``set_aside``, logged) and an empty one takes its place,
+    whose states the builder writes again as users come back. A corrupt file never stops a start.
+
     Args:
         path: the database file (created with its table when missing).
         ttl_s: how long a state lives after its last write.
@@ -135,13 +142,13 @@ class LocalUserStates:
         self, path: Path, ttl_s: float, max_tokens: int, clock: Callable[[], float] = time.time
     ) -> None:
         self.path, self.ttl_s, self.clock = Path(path), ttl_s, clock
+        self.errors = 0  # fetches that failed on the file (every user ``error``)
         self._decode = _Decoder(max_tokens)
         self._local = threading.local()
-        with self._connection() as db:
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS states "
-                "(user INTEGER PRIMARY KEY, seq INTEGER NOT NULL, expires REAL NOT NULL, value BLOB NOT NULL)"
-            )
+        with opening_lock(self.path):
+            self.set_aside = int(set_aside_if_corrupt(self.path) is not None)
+            with self._connection() as db:
+                db.execute(f"CREATE TABLE IF NOT EXISTS states ({STATE_COLUMNS})")
 
     def _connection(self) -> sqlite3.Connection:
         """This thread's connection (SQLite connections stay on the thread that made them)."""
@@ -157,15 +164,23 @@ class LocalUserStates:
         users = np.asarray(users, np.int64).reshape(-1)
         wanted = [int(u) for u in users.tolist()]
         rows: dict[int, bytes] = {}
-        for start in range(0, len(wanted), 500):  # SQLite's bound on parameters
-            chunk = wanted[start : start + 500]
-            marks = ",".join("?" * len(chunk))
-            rows.update(
-                self._connection().execute(
-                    f"SELECT user, value FROM states WHERE expires > ? AND user IN ({marks})",  # noqa: S608
-                    (self.clock(), *chunk),
+        try:
+            for start in range(0, len(wanted), 500):  # SQLite's bound on parameters
+                chunk = wanted[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                rows.update(
+                    self._connection().execute(
+                        f"SELECT user, value FROM states WHERE expires > ? AND user IN ({marks})",  # noqa: S608
+                        (self.clock(), *chunk),
+                    )
                 )
-            )
+        except sqlite3.DatabaseError as exc:  # a file damaged while served: the rows go without states
+            self.errors += 1
+            if self.errors == 1 or self.errors % 1000 == 0:
+                LOGGER.warning(
+                    "user states unreadable in %s (%d times): %s", self.path.name, self.errors, exc
+                )
+            return StateFetch([None] * users.size, [ERROR] * users.size)
         return self._decode(users, [rows.get(u) for u in wanted], known)
 
     def put(self, user: int, state: UserState) -> bool:

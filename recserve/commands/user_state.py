@@ -12,6 +12,7 @@ from pathlib import Path
 
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec_parse import load_spec
+from recserve.errors import shorten
 
 #: How often the builder looks for a new item table or dense version (and measures its drift).
 KEY_SPACE_POLL_S = 5.0
@@ -101,6 +102,8 @@ def _run(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     from recserve.backends.store.user_state_store import open_user_states
 
+    if not -(2**63) <= args.user < 2**63:
+        raise ValueError(f"--user {shorten(args.user)} is not a user id (user ids are int64)")
     spec = load_spec(args.spec)
     states = open_user_states(spec.user_state, spec.store, args.folder)
     erased = states.delete(args.user)

@@ -39,6 +39,8 @@ GARBAGE = {
     "odd length": GOOD[:-1],
     "nan": row(1, math.nan, 3, 4),
     "inf": row(1, 2, -math.inf, 4),
+    "huge": row(1, 2, 3e38, 4),  # finite, but Inf in the first product it enters: the score's NaN
+    "over the bound": row(1, -2e6, 3, 4),
     "text": "a string, not bytes",
     "number": 12,
     "list": [GOOD],
@@ -60,7 +62,7 @@ def test_every_kind_of_garbage_in_one_batch_leaves_the_good_rows_exact():
     rng = np.random.default_rng(0)
     good = rng.normal(size=(64, DIM)).astype(np.float32)
     values: list = [r.tobytes() for r in good]
-    bad_at = list(range(3, 64, 7))[: len(GARBAGE)]
+    bad_at = list(range(3, 64, 5))[: len(GARBAGE)]
     for at, kind in zip(bad_at, sorted(GARBAGE), strict=True):
         values[at] = GARBAGE[kind]
     vectors = np.zeros((64, DIM), np.float32)
@@ -90,6 +92,14 @@ def test_a_narrow_row_holding_nan_is_refused_and_its_neighbours_kept():
     assert vectors.tolist() == [[1, 2, 0, 0], [0, 0, 0, 0], [3, 4, 5, 6]]
 
 
+def test_values_at_the_bound_are_served_and_just_over_it_refused():
+    vectors = np.zeros((4, DIM), np.float32)
+    values = [row(1e6, -1e6, 0, 0), row(0, 0, 0, 1.0001e6), row(1e6, 1e6), row(-1.0001e6, 0)]
+    found, refused = decode_rows(values, vectors, np.array([4, 4, 2, 2]))
+    assert found.tolist() == [True, False, True, False] and refused.tolist() == [1, 3]
+    assert vectors[0].tolist() == [1e6, -1e6, 0, 0] and vectors[2].tolist() == [1e6, 1e6, 0, 0]
+
+
 def test_a_reply_of_the_wrong_size_refuses_every_key():
     vectors = np.zeros((3, DIM), np.float32)
     found, refused = decode_rows([GOOD, GOOD], vectors)
@@ -112,7 +122,10 @@ def _timed(call) -> float:
 
 
 def test_the_log_describes_a_refused_value_without_echoing_it():
-    assert describe_value(row(1, math.nan)) == "8 bytes holding NaN or Inf"
+    assert (
+        describe_value(row(1, math.nan)) == "8 bytes holding NaN or Inf, or a value over 1e+06 in magnitude"
+    )
+    assert describe_value(row(1, 3e38)).startswith("8 bytes holding NaN or Inf, or a value over")
     assert describe_value(b"\x00" * 5).startswith("5 bytes, not the key's row of float32")
     text = describe_value("x" * 100_000)
     assert text.startswith("a str, not bytes") and len(text) < 200 and "(100000 chars)" in text

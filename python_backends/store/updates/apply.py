@@ -4,7 +4,8 @@ A version is applied only when its whole chain (manifests, checksums, shapes, va
 against the local tier and against the other tables' deltas) checks out. A table whose head does
 not is kept on the newest valid version of that chain: the head's parent, its parent, and so on
 down to the base version, so a malformed or hostile version never stops a model from loading and
-a restart serves what the server served before it. Each refused version is counted once. A table
+a restart serves what the server served before it. Any failure while loading a version (a refused
+artifact, or anything a reader raises) refuses that version; each is counted once. A table
 whose ``HEAD.json`` is unreadable serves the newest valid published version.
 
 Tables whose heads changed are applied in the order their oldest pending versions were published,
@@ -131,9 +132,10 @@ class StoreUpdater:
                 others = {n: r for n, r in rows.items() if n != name}
                 check_foreign_deltas(others, applied, name, table_rows[0])
                 return version, table_rows, stamp
-            except ArtifactError as exc:
-                self._refuse(name, version, exc)
-                self.problems.setdefault(name, f"version {version}: {exc}")
+            except Exception as exc:  # whatever loading a version raises refuses that version alone
+                reason = exc if isinstance(exc, ArtifactError) else f"{type(exc).__name__}: {exc}"
+                self._refuse(name, version, reason)
+                self.problems.setdefault(name, f"version {version}: {reason}")
                 version = self._fallback(name, version)
         return version, (np.empty(0, np.int64), np.empty((0, self.store.dim), np.float32)), None
 
@@ -148,7 +150,7 @@ class StoreUpdater:
         below = [v for v in self.log.versions(name) if version is None or v < version]
         return max(below, default=self.log.base_version)
 
-    def _refuse(self, name: str, version: int, exc: Exception) -> None:
+    def _refuse(self, name: str, version: int, exc: object) -> None:
         if (name, version) in self._refused:
             return
         self._refused.add((name, version))

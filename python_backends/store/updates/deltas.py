@@ -1,4 +1,9 @@
-"""Delta files and their checks: the rows one update brings, refused before they are published or applied."""
+"""Delta files and their checks: the rows one update brings, refused before they are published or applied.
+
+:func:`check_delta` is the one check of a delta's rows: ``recserve update`` runs it before it
+publishes and every server after it loads a version, so nothing is published that the servers
+would refuse (byte order included: the update log holds little-endian arrays only).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.backends.base.artifacts import first_non_finite, map_safetensors
+from recserve.backends.base.artifacts import MAX_EMBEDDING_VALUE, first_unservable, map_safetensors
 from recserve.backends.base.bounded_files import load_npz
 from recserve.backends.store.tiered import TieredStore
 from recserve.errors import ArtifactError
@@ -36,7 +41,13 @@ def read_delta_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise DeltaError(
             f"delta {path.name}: missing array(s) {sorted(missing)}; it needs 'keys' and 'vectors'"
         )
-    return arrays["keys"], arrays["vectors"]
+    return little_endian(arrays["keys"]), little_endian(arrays["vectors"])
+
+
+def little_endian(array: np.ndarray) -> np.ndarray:
+    """``array`` with its numbers in little-endian order (a copy only when they are not already)."""
+    wanted = array.dtype.newbyteorder("<")
+    return array if array.dtype == wanted else array.astype(wanted)
 
 
 def check_delta(
@@ -47,14 +58,20 @@ def check_delta(
     dtypes: tuple[str, ...] = ("float32",),
     what: str = "delta for",
 ) -> None:
-    """Refuse a delta whose dtypes, shapes or values do not fit ``table`` (width ``dim``).
+    """Refuse a delta whose dtypes, byte order, shapes or values do not fit ``table`` (width ``dim``).
 
-    ``what`` starts each message (``recserve import`` checks whole keyed tables: ``table``).
+    Values must be finite and at most :data:`MAX_EMBEDDING_VALUE` in magnitude (the bound L3
+    applies to Redis values). ``what`` starts each message (``recserve import`` checks whole keyed
+    tables: ``table``).
     """
-    if keys.dtype != np.int64 or keys.ndim != 1:
-        raise DeltaError(f"{what} {table!r}: keys are {keys.dtype}{list(keys.shape)}, expected int64[n]")
-    if vectors.dtype.name not in dtypes:
-        raise DeltaError(f"{what} {table!r}: vectors are {vectors.dtype}, expected {' or '.join(dtypes)}")
+    if keys.dtype != np.dtype("<i8") or keys.ndim != 1:
+        raise DeltaError(
+            f"{what} {table!r}: keys are {keys.dtype}{list(keys.shape)}, expected int64[n] (little-endian)"
+        )
+    if vectors.dtype.name not in dtypes or vectors.dtype != vectors.dtype.newbyteorder("<"):
+        raise DeltaError(
+            f"{what} {table!r}: vectors are {vectors.dtype}, expected {' or '.join(dtypes)} (little-endian)"
+        )
     if vectors.shape != (len(keys), dim):
         raise DeltaError(
             f"{what} {table!r}: vectors are {list(vectors.shape)}, "
@@ -64,9 +81,12 @@ def check_delta(
         raise DeltaError(f"{what} {table!r} holds no rows")
     if len(np.unique(keys)) != len(keys):
         raise DeltaError(f"{what} {table!r} repeats keys")
-    bad = first_non_finite(vectors)
+    bad = first_unservable(vectors)
     if bad is not None:
-        raise DeltaError(f"{what} {table!r}: row {bad} holds NaN or Inf values")
+        raise DeltaError(
+            f"{what} {table!r}: row {bad} holds NaN or Inf, or a value over {MAX_EMBEDDING_VALUE:g} "
+            "in magnitude"
+        )
 
 
 def check_ownership(store: TieredStore, table: str, keys: np.ndarray) -> None:
@@ -105,4 +125,11 @@ def check_foreign_deltas(
             )
 
 
-__all__ = ["DeltaError", "check_delta", "check_foreign_deltas", "check_ownership", "read_delta_file"]
+__all__ = [
+    "DeltaError",
+    "check_delta",
+    "check_foreign_deltas",
+    "check_ownership",
+    "little_endian",
+    "read_delta_file",
+]

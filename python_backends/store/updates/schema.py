@@ -10,6 +10,7 @@ shortened. Nothing is created, written or loaded before these checks pass.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import re
 from collections.abc import Collection, Mapping
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from recserve.backends.base.bounded_files import sized_npy_header
 from recserve.errors import ArtifactError, shorten
 
 DELTA_FORMAT = "recserve-delta/1"
@@ -169,14 +171,17 @@ def _file_entry(entry: object, what: str) -> dict[str, Any]:
 
 def inside(folder: Path, name: str) -> Path:
     """``folder / name``, refused unless it resolves to a direct child of ``folder``."""
-    path = (folder / name).resolve()
-    if path.parent != folder.resolve():
+    try:
+        path, parent = (folder / name).resolve(), folder.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop, an unreadable link
+        raise UpdateRefused(f"file {shorten(name)} does not resolve ({shorten(str(exc), 120)})") from None
+    if path.parent != parent:
         raise UpdateRefused(f"file {shorten(name)} resolves outside its version folder")
     return path
 
 
 def check_entry_files(manifest: Manifest, files: Mapping[str, object]) -> dict[str, bytes]:
-    """The file contents of a stream entry: exactly the manifest's files, sizes and checksums matching."""
+    """The file contents of a stream entry: the manifest's files, sizes, checksums and headers matching."""
     what = f"version {manifest.version} of table {manifest.table!r}"
     if sorted(files) != sorted(manifest.files):
         raise UpdateRefused(
@@ -190,8 +195,27 @@ def check_entry_files(manifest: Manifest, files: Mapping[str, object]) -> dict[s
             raise UpdateRefused(f"{what}: file {name!r} is not the {entry['bytes']} bytes its manifest lists")
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise UpdateRefused(f"{what}: file {name!r} fails its checksum")
+        check_npy_bytes(data, entry, f"{what}: file {name!r}")
         checked[name] = data
     return checked
+
+
+def check_npy_bytes(data: bytes, entry: Mapping[str, Any], what: str) -> None:
+    """Refuse ``.npy`` bytes whose header is not the manifest entry's shape and dtype in exactly ``data``.
+
+    Raises:
+        UpdateRefused: no ``.npy`` header, a header claiming more (or fewer) bytes than ``data``
+            holds, or another shape or dtype than the manifest lists.
+    """
+    try:
+        with io.BytesIO(data) as stream:
+            shape, dtype = sized_npy_header(stream, what, len(data))
+    except ArtifactError as exc:
+        raise UpdateRefused(str(exc)) from None
+    if list(shape) != list(entry["shape"]) or str(dtype) != entry["dtype"]:
+        raise UpdateRefused(
+            f"{what} holds {dtype}{shorten(list(shape))}, the manifest lists {entry['dtype']}{entry['shape']}"
+        )
 
 
 __all__ = [
@@ -199,6 +223,7 @@ __all__ = [
     "Manifest",
     "UpdateRefused",
     "check_entry_files",
+    "check_npy_bytes",
     "check_table",
     "check_version",
     "inside",

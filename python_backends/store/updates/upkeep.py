@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from recserve.backends.base.bounded_files import map_npy
 from recserve.backends.store.tiered import TieredStore
+from recserve.errors import ArtifactError
 
 if TYPE_CHECKING:
     from recserve.backends.store.updates.apply import StoreUpdater
@@ -31,10 +33,10 @@ def save_hot_keys(folder: Path, keys: np.ndarray) -> None:
 
 
 def load_hot_keys(folder: Path) -> np.ndarray:
-    """The recorded hot keys, or none."""
+    """The recorded hot keys, or none (a missing file, or one whose header and size disagree)."""
     try:
-        keys = np.load(folder / HOT_KEYS_FILE, allow_pickle=False)
-    except (OSError, ValueError):
+        keys = map_npy(folder / HOT_KEYS_FILE)
+    except (ArtifactError, OSError):
         return np.empty(0, np.int64)
     return keys.astype(np.int64).reshape(-1) if keys.dtype.kind == "i" else np.empty(0, np.int64)
 
