@@ -1,6 +1,6 @@
 """``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
 
-``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``,
+``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``, ``fuzz``,
 ``candidate-lists`` and ``queue-stall``. Each used to be a top-level command; :data:`FLAT_NAMES` maps those
 old names to the new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
 """
@@ -278,3 +278,12 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     store_bench.add_arguments(bench)
     bench.set_defaults(func=store_bench.run_from_args)
+
+    from recserve.perf.lab import fuzz
+
+    fuzzer = lab.add_parser(
+        "fuzz",
+        help="seeded JSON inference bodies through the proxy to supervised servers (crashes, valid failed)",
+    )
+    fuzz.add_arguments(fuzzer)
+    fuzzer.set_defaults(func=fuzz.run_from_args)

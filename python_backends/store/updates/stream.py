@@ -29,6 +29,8 @@ from recserve.backends.store.updates.versions import UpdateLog
 LOGGER = logging.getLogger(__name__)
 
 STREAM = "rs:updates"
+#: The longest version number an entry may carry (Python refuses to convert over 4,300 digits).
+MAX_VERSION_DIGITS = 18
 
 
 class UpdateStream:
@@ -95,11 +97,8 @@ class UpdateStream:
         doc = parse_json(manifest, MAX_MANIFEST_BYTES, f"{what}: the manifest", UpdateRefused)
         version = text.get("version", b"")
         raw = version.decode("ascii", "replace") if isinstance(version, bytes) else version
-        number = check_version(
-            int(raw) if isinstance(raw, str) and raw.isascii() and raw.isdigit() else raw,
-            what,
-            self.log.base_version,
-        )
+        digits = isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= MAX_VERSION_DIGITS
+        number = check_version(int(raw) if digits else raw, what, self.log.base_version)
         if not isinstance(doc, dict) or doc.get("version") != number:
             raise UpdateRefused(f"{what}: the entry's version {shorten(version)} is not its manifest's")
         files = {name[len("file:") :]: value for name, value in text.items() if name.startswith("file:")}
