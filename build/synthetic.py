@@ -61,7 +61,9 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
     signal = np.random.default_rng(spec.training.seed)  # the planted model, fixed per spec
     n_dense, columns = len(spec.numeric_columns), spec.categorical.raw_columns
 
-    dense = np.floor(rng.lognormal(mean=1.0, sigma=1.5, size=(rows, n_dense))).astype(np.float32)
+    counts = rng.lognormal(mean=1.0, sigma=1.5, size=(rows, n_dense))
+    real = np.array([c.real for c in spec.dense.numeric if not c.reads] if spec.dense else [], dtype=bool)
+    dense = np.where(real, np.round(counts, 2), np.floor(counts)).astype(np.float32)  # or prices
     dense[rng.random((rows, n_dense)) < 0.02] = -1.0
     dense_missing = rng.random((rows, n_dense)) < 0.1
 

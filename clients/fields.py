@@ -89,6 +89,26 @@ def parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.nd
     return values
 
 
+def parse_numbers(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
+    """float32 values of a ``[N, K]`` string array of numeric fields; raises on the first bad field.
+
+    Integers (``"260"``, ``"260.0"``) are read as integers first, so each becomes the float32 nearest
+    to it, as the SDK's own arrays do; real values (``"8.3"``, ``"1e-3"``) as floats. A field that is
+    no number (``"1_000"`` included, which Python's ``float`` would take) or not finite is refused.
+    """
+    try:
+        return parse_ints(text, lines, columns).astype(np.float32)
+    except RowFormatError:
+        pass
+    underscore = (codepoints(text) == ord("_")).any(axis=-1)
+    if underscore.any():
+        r, c = np.argwhere(underscore)[0]
+        raise RowFormatError(
+            f"{shorten(str(text[r, c]))} is not a number", line=int(lines[r]), column=columns[c]
+        )
+    return parse_floats(text, lines, columns)
+
+
 def parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
     """float32 values of a ``[N, K]`` string array; raises on the first malformed or non-finite field."""
     try:
@@ -98,11 +118,13 @@ def parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.
     if values is not None and np.isfinite(values).all():
         return values
     for (r, c), value in np.ndenumerate(text):
-        try:
-            ok = np.isfinite(float(value))
+        try:  # float32 holds up to 3.4e38: a larger finite double is no value either
+            finite = abs(float(value)) <= np.finfo(np.float32).max
         except ValueError:
-            ok = False
-        if not ok:
+            raise RowFormatError(
+                f"{shorten(value)} is not a number", line=int(lines[r]), column=columns[c]
+            ) from None
+        if not finite:
             raise RowFormatError(
                 f"{shorten(value)} is not a finite number", line=int(lines[r]), column=columns[c]
             )

@@ -44,6 +44,7 @@ from recserve.clients.fields import (
     parse_floats,
     parse_history,
     parse_ints,
+    parse_numbers,
     text_array,
 )
 from recserve.core.names import USER_ID, USER_SEQ
@@ -288,7 +289,7 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> Rows:
 
     dense_text = text_array(tokens.dense, (n, len(dense_cols)))
     dense_missing = dense_text == ""
-    dense = parse_ints(np.where(dense_missing, "0", dense_text), lines, dense_cols).astype(np.float32)
+    dense = parse_numbers(np.where(dense_missing, "0", dense_text), lines, dense_cols)
 
     categorical = parse_categorical(tokens.categorical, spec, lines, cat_cols)
 

@@ -15,9 +15,20 @@ from recserve.core.spec import ModelSpec
 from recserve.core.values import ABSENT_ITEM
 
 
+def numeric_text(values: np.ndarray) -> np.ndarray:
+    """Numeric fields as text: integral values as integers, others as their shortest exact text.
+
+    The shortest text that reads back as the same float32: ``8.3``, not ``8.30000019``.
+    """
+    real = (values != np.trunc(values)) | (np.abs(values) >= 2**53)
+    text = np.char.mod("%d", np.where(real, 0, values).astype(np.int64)).astype(object)
+    text[real] = [str(np.float32(v)) for v in values[real]]
+    return text
+
+
 def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool) -> list[np.ndarray]:
     """String columns ``[N, K]`` in file order: label, dense, categorical, the histories, their targets."""
-    dense = np.char.mod("%d", raw.dense.astype(np.int64)).astype(object)
+    dense = numeric_text(raw.dense)
     dense[raw.dense_missing] = ""
     categorical = np.vectorize(bytes.decode, otypes=[object])(raw.categorical)
     columns = [dense, categorical]

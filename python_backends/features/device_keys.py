@@ -81,13 +81,13 @@ class DeviceKeys:
 
     @staticmethod
     def serves(spec: ModelSpec) -> bool:
-        """Whether the device makes every key of ``spec``: no list, time part, bucket or derived number."""
+        """Whether the device makes every key of ``spec``: no list, time part, bucket, categorical number."""
         group = spec.categorical
         return (
             not group.multi_hot
             and not spec.wire_form(IDS_WIRE).lists
             and not any(f.part or f.numeric >= 0 for f in group.features)
-            and not (spec.dense is not None and spec.dense.derived)
+            and not (spec.dense is not None and any(c.categorical >= 0 for c in spec.dense.numeric))
         )
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:

@@ -90,9 +90,21 @@ class DeviceNormalizer:
         self.scale = put([c.scale for c in numeric])
         normalized = list(spec.dense.normalized) if spec.dense else []
         self.columns = None if len(normalized) == len(numeric) else put(normalized, np.int64)
+        # features reading another numeric column (missing flags among them) gather it from the wire's
+        derived = spec.dense is not None and spec.dense.derived
+        self.wire = put(list(spec.dense.wire_index), np.int64) if derived and spec.dense else None
+        self.indicator = (
+            put([c.indicator for c in numeric], bool) if any(c.indicator for c in numeric) else None
+        )
 
     def __call__(self, values: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
-        """Normalised float32 ``[B, normalised columns]`` of checked ``values`` and ``missing`` ``[B, C]``."""
+        """Normalised float32 ``[B, normalised columns]`` of checked ``values`` and ``missing`` ``[B, C]``.
+
+        ``values`` and ``missing`` are the wire's columns; a feature reading another numeric column
+        takes it from them (features reading a categorical column are made on the host).
+        """
+        if self.wire is not None:
+            values, missing = values.index_select(1, self.wire), missing.index_select(1, self.wire)
         filled = torch.where(missing, self.fill, values)
         # np.clip's comparisons (not torch.clamp's), so a -0.0 clipped at 0.0 comes out as numpy's
         raised = torch.where(filled > self.low, filled, self.low)
@@ -103,6 +115,8 @@ class DeviceNormalizer:
             clipped,
         )
         normalized = (logged - self.shift) / self.scale
+        if self.indicator is not None:  # missing flags: 1.0 where the column they read is missing
+            normalized = torch.where(self.indicator, missing.float(), normalized)
         return normalized if self.columns is None else normalized.index_select(1, self.columns)
 
 

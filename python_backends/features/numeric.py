@@ -2,7 +2,8 @@
 
 A numeric feature reads its own column of the ``dense`` wire tensor, or another feature's column
 (``column = "..."``): a numeric column of ``dense``, or an int64 / uint64 column of ``categorical``
-read as a number. The wire carries every column once.
+read as a number. The wire carries every column once. A missing flag (``missing_flag = true``) is a
+feature of its own reading its feature's column: 1.0 where that value is missing, else 0.0.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class NumericOps:
         self._shift = np.array([c.shift for c in numeric], dtype=np.float32)
         self._scale = np.array([c.scale for c in numeric], dtype=np.float32)
         self._wire = np.array(spec.dense.wire_index if spec.dense else (), dtype=np.intp)
+        self._indicator = np.array([c.indicator for c in numeric], dtype=bool)
         self._signed = {
             c.categorical: spec.categorical.raw_columns[c.categorical].value_type == "int64"
             for c in numeric
@@ -79,4 +81,6 @@ class NumericOps:
             self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0).astype(np.float64)), clipped
         ).astype(np.float32)
         normalized = ((logged - self._shift) / self._scale).astype(np.float32)
+        if self._indicator.any():  # missing flags: 1.0 where the column they read is missing
+            normalized = np.where(self._indicator, missing.astype(np.float32), normalized)
         return normalized if len(self._normalized) == values.shape[1] else normalized[:, self._normalized]

@@ -102,8 +102,20 @@ def _predict(args: argparse.Namespace) -> int:
     except (RecserveClientError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    sys.stdout.write("".join(f"{p:.6f}\n" for p in probabilities))
+    sys.stdout.write("".join(f"{score_text(p, args.digits)}\n" for p in probabilities))
     return 0
+
+
+def score_text(score: float, digits: int | None) -> str:
+    """A score as ``predict`` prints it: full float32 precision, or ``digits`` decimals.
+
+    Full precision is the shortest decimal text that reads back as the same float32 (``0.12345679``).
+    """
+    import numpy as np
+
+    if digits is None:
+        return np.format_float_positional(np.float32(score), unique=True, trim="-")
+    return f"{score:.{digits}f}"
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -184,6 +196,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     predict.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8001 gRPC, :8000 HTTP)")
     predict.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     predict.add_argument("--batch-size", type=int, default=64)
+    predict.add_argument(
+        "--digits",
+        type=int,
+        default=None,
+        help="decimals per score (default: full float32 precision, as served)",
+    )
     predict.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
     predict.add_argument(
         "--wire",

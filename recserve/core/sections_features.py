@@ -33,6 +33,15 @@ class NumericFeatureSection:
     # another feature's column read as this feature's value ("": a column of its own): a numeric
     # column, or an int64 / uint64 categorical one (Avazu's C15 as a number too); sent once
     column: str = ""
+    # "integer" (counts) or "real" (prices, bids, ratios): what synthetic rows hold; every reader
+    # takes both
+    value_type: str = "integer"
+    # a second dense input column, "<name>_missing": 1.0 where the value is missing, else 0.0
+    missing_flag: bool = False
+
+
+#: What a numeric feature's values are (``value_type``).
+NUMERIC_VALUE_TYPES = ("integer", "real")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from recserve.core.sections_features import (
     COMBINES,
     ENCODERS,
     MULTI_HOT_WIRE,
+    NUMERIC_VALUE_TYPES,
     PADDING_SIDES,
     POOLINGS,
     TIME_PARTS,
@@ -120,8 +121,21 @@ def _numeric(section: NumericFeatureSection, name: str, where: str) -> NumericCo
         raise SpecError(f"{where}: log1p needs clip with a minimum above -1, got {list(section.clip)}")
     if section.log1p and section.fill_na <= -1:
         raise SpecError(f"{where}: log1p needs fill_na above -1, got {section.fill_na:g}")
+    if section.value_type not in NUMERIC_VALUE_TYPES:
+        raise SpecError(
+            f"{where}: value_type must be one of {', '.join(NUMERIC_VALUE_TYPES)}, got {section.value_type!r}"
+        )
     return NumericColumn(
-        name, section.fill_na, low, high, section.log1p, shift, scale, edges, reads=section.column
+        name,
+        section.fill_na,
+        low,
+        high,
+        section.log1p,
+        shift,
+        scale,
+        edges,
+        reads=section.column,
+        real=section.value_type == "real",
     )
 
 
@@ -148,6 +162,12 @@ def parse_features(raw_features: Any, tables: dict[str, TableSpec]) -> ParsedFea
                     tables.setdefault(name, TableSpec(name, 0, len(column.boundaries) + 1, 0.0))
                     out.categorical.append(CategoricalFeature(name, name, numeric=len(out.numeric)))
                 out.numeric.append(column)
+                if section.missing_flag:  # reads the feature's column: sent once
+                    flag = f"{name}_missing"
+                    out.add_name(flag, where)
+                    read = section.column or name
+                    out.numeric.append(NumericColumn(flag, reads=read, indicator=True))
+                    out.numeric_reads.append(ColumnRead(flag, read, where, raw))
         elif isinstance(section, SequenceFeatureSection):
             if re.search(r"[\d\-+]", section.separator):
                 raise SpecError(f"{where}: separator {section.separator!r} may not hold digits, '-' or '+'")

@@ -97,9 +97,13 @@ class NumericColumn:
     boundaries: tuple[float, ...] = ()  # bucketized: a categorical feature, not a dense value
     reads: str = ""  # the column it reads ("": its own column of ``dense``): a numeric or categorical one
     categorical: int = -1  # the index of the categorical raw column it reads (-1: a column of ``dense``)
+    real: bool = False  # real values (prices), not counts: what synthetic rows hold
+    indicator: bool = False  # the missing flag of the column it reads: 1.0 where missing, else 0.0
 
     def describe(self) -> str:
         """The ops as a formula, for the dense contract (``x``, or the column it reads by name)."""
+        if self.indicator:
+            return f"1 where {self.reads} is missing, else 0"
         text = self.reads or "x"
         if self.clip_min > -math.inf or self.clip_max < math.inf:
             text = f"clip({text}, {self.clip_min:g}, {self.clip_max:g})"

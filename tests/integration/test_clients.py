@@ -60,11 +60,17 @@ def test_predict_command_prints_one_probability_per_row_in_order(server, spec, r
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    printed = np.array([float(line) for line in done.stdout.splitlines()])
+    printed = np.array([np.float32(line) for line in done.stdout.splitlines()])
     assert len(printed) == len(raw)
     with CTRClient(server.grpc_url, spec=spec) as client:
         direct = client.predict(read_rows(path, spec))
-    np.testing.assert_allclose(printed, direct, atol=1e-6)
+    np.testing.assert_array_equal(printed, direct.astype(np.float32))  # every float32 digit printed
+    shortened = subprocess.run(
+        [sys.executable, "-m", "recserve.cli", "predict", "--input", str(path), "--url", url,
+         "--protocol", protocol, "--digits", "3"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shortened.stdout.splitlines() == [f"{p:.3f}" for p in direct]
 
 
 def test_sample_then_predict_as_the_readme_says(server, tmp_path):

@@ -69,8 +69,11 @@ def test_masked_keys_match_the_host_history_keys(device, spec):
     assert np.array_equal(got.cpu().numpy(), host["history_keys"])
 
 
-def varied_spec(spec):
-    """The default spec with numeric columns that clip, log, standardize and min-max differently."""
+def varied_spec(spec, flags=False):
+    """The default spec with numeric columns that clip, log, standardize and min-max differently.
+
+    With ``flags``: real-valued columns with missing flags, and a feature reading another's column.
+    """
     doc = copy.deepcopy(spec.source)
     numeric = [
         {"name": "I{1..4}", "kind": "numeric", "fill_na": 0.0, "clip": [0.0, 1e9], "log1p": True},
@@ -91,13 +94,16 @@ def varied_spec(spec):
         },
         {"name": "I{11..13}", "kind": "numeric", "fill_na": 0.5},
     ]
+    if flags:
+        numeric[-1] |= {"value_type": "real", "missing_flag": True}
+        numeric.append({"name": "I5_log", "kind": "numeric", "column": "I5", "log1p": True, "clip": [0, 9]})
     doc["features"] = numeric + [f for f in doc["features"] if f.get("kind") != "numeric"]
     return parse_spec(doc)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_normalisation_matches_the_host_bit_for_bit(device, spec):
-    for variant in (spec, varied_spec(spec)):
+    for variant in (spec, varied_spec(spec), varied_spec(spec, flags=True)):
         transform = FeatureTransform(variant)
         rng = np.random.default_rng(21)
         columns = len(variant.dense.columns)
@@ -113,3 +119,17 @@ def test_normalisation_matches_the_host_bit_for_bit(device, spec):
         assert np.array_equal(
             got.cpu().numpy().view(np.int32), want.view(np.int32)
         )  # bit for bit, signs of 0 too
+
+
+def test_a_missing_flag_is_its_own_dense_column_reading_its_features_column(spec):
+    flagged = varied_spec(spec, flags=True)
+    assert flagged.dense.columns == tuple(f"I{i}" for i in range(1, 14))  # the wire carries each once
+    names = flagged.normalized_columns
+    assert names[names.index("I11") + 1] == "I11_missing" and names[-1] == "I5_log"
+    values = np.arange(2 * 13, dtype=np.float32).reshape(2, 13) + 0.25
+    missing = np.zeros((2, 13), bool)
+    missing[0, 10] = missing[1, 12] = True  # I11 missing in row 0, I13 in row 1
+    dense = FeatureTransform(flagged).dense_values(values, missing)
+    flags = dense[:, [names.index(f"I{i}_missing") for i in (11, 12, 13)]]
+    np.testing.assert_array_equal(flags, [[1, 0, 0], [0, 0, 1]])
+    np.testing.assert_array_equal(dense[:, names.index("I11")], [0.5, values[1, 10]])  # filled as before

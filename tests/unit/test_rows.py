@@ -8,6 +8,7 @@ import pytest
 from recserve.build.synthetic import generate
 from recserve.clients.rows import CriteoRows, RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
+from recserve.core.spec_parse import load_spec
 from recserve.core.spec_types import NUMPY_DTYPES
 from recserve.core.values import parse_hex
 
@@ -140,11 +141,9 @@ def test_bad_extras_name_the_column(spec, extras, column):
         read_rows(io.StringIO(text), spec)
 
 
-def test_bad_label_and_float_dense_are_rejected(spec):
+def test_a_bad_label_is_rejected(spec):
     with pytest.raises(RowFormatError, match="line 1, column label"):
         read_rows(io.StringIO(_tsv_line("yes")), spec)
-    with pytest.raises(RowFormatError, match="column I1"):
-        read_rows(io.StringIO(_tsv_line("1", dense=["1.5"] + ["0"] * 12)), spec)
 
 
 def test_bad_hex_is_rejected(spec):
@@ -285,10 +284,42 @@ def test_integers_written_as_floats_are_read_as_integers(spec):
     assert rows.history[0, :2].tolist() == [2**62 + 1, 5] and rows.target[0] == 12
 
 
-@pytest.mark.parametrize("value", ["260.5", "1.0.0", ".0", "1e3", "nan"])
-def test_a_float_that_is_not_an_integer_names_line_and_column(spec, value):
+def test_numeric_columns_take_real_values_and_integers_stay_exact(spec):
+    """Prices, bids and ratios are real numbers: read as float32, integers as the nearest float32."""
+    dense = ["8.3", "1e3", ".5", "-0.25", "16777217", "260.0"] + ["0"] * 7
+    rows = read_rows(io.StringIO(_tsv_line("1", dense=dense)), spec)
+    np.testing.assert_array_equal(
+        rows.dense[0, :6], np.array([8.3, 1000.0, 0.5, -0.25, 16777217, 260.0], dtype=np.float32)
+    )
+    assert rows.dense[0, 4] == np.float32(np.int64(16777217))  # read as an integer, not through float64
+
+
+def test_sample_rows_of_a_real_valued_feature_round_trip_exactly(tmp_path):
+    """The taobao spec's price is real (``value_type = "real"``): written short, read back the same."""
+    taobao = load_spec("taobao")
+    raw = generate(taobao, 200, seed=4)
+    price = taobao.numeric_columns.index("price")
+    assert (raw.dense[:, price] != np.trunc(raw.dense[:, price])).any()  # real values, not counts
+    for path in (write_tsv(tmp_path / "a.tsv.gz", raw, taobao), write_csv(tmp_path / "a.csv", raw, taobao)):
+        rows = read_rows(path, taobao)
+        np.testing.assert_array_equal(rows.dense[~rows.dense_missing], raw.dense[~raw.dense_missing])
+        np.testing.assert_array_equal(rows.dense_missing, raw.dense_missing)
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("1.0.0", "is not a number"),
+        ("abc", "is not a number"),
+        ("1_000", "is not a number"),
+        ("nan", "is not a finite number"),
+        ("-inf", "is not a finite number"),
+        ("1e39", "is not a finite number"),
+    ],
+)
+def test_a_field_that_is_no_finite_number_names_line_and_column(spec, value, why):
     text = _tsv_line("1") + _tsv_line("1", dense=["0", "0", value] + ["0"] * 10)
-    with pytest.raises(RowFormatError, match=rf"line 2, column I3: '{value}' is not an integer"):
+    with pytest.raises(RowFormatError, match=rf"line 2, column I3: '{value}' {why}"):
         read_rows(io.StringIO(text), spec)
 
 

@@ -180,6 +180,19 @@ def test_a_shared_table_and_string_vocabularies():
             "used twice",
         ),
         ([{"name": "n", "kind": "numeric", "log1p": True}], {}, "log1p needs clip"),
+        (
+            [{"name": "n", "kind": "numeric", "value_type": "float"}],
+            {},
+            "value_type must be one of integer, real",
+        ),
+        (
+            [
+                {"name": "n", "kind": "numeric", "missing_flag": True},
+                {"name": "n_missing", "kind": "numeric"},
+            ],
+            {},
+            "the name 'n_missing' is used twice",
+        ),
         ([{"name": "t", "kind": "time"}], {}, "either format"),
         ([{"name": "t", "kind": "time", "unit": "s", "timezone": "Mars/Base"}], {}, "unknown timezone"),
         ([{"name": "t", "kind": "time", "unit": "s", "parts": ["minute"]}], {}, "parts must be some of"),
