@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
             args.repository, ports, host=args.host, security=security, config_name=config_name
         )
         try:
-            return run_foreground(server)
+            return run_foreground(server, status_path=args.status_file)
         except ServerProcessError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -181,6 +181,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default="none",
         help=f"'explicit': models can be (re)loaded by callers sending the {ADMIN_KEY_ENV} value "
         "in the recserve-admin-key header (required then)",
+    )
+    serve.add_argument(
+        "--status-file",
+        type=Path,
+        default=None,
+        help="write the supervisor's counts here as JSON after every death and restart, and as "
+        "Prometheus text beside it (.prom)",
     )
     serve.add_argument(
         "--client-shared-memory",

@@ -1,36 +1,69 @@
-"""Restart a tritonserver that died on its own: counted, logged with its cause, with a bounded backoff.
+"""Restart a tritonserver that died on its own, or lost a stub: counted, logged with its cause, backed off.
 
 tritonserver 2.51 can be killed by one request (a JSON body declaring a huge shape aborts it with
 ``std::bad_alloc``), and a killed server takes with it the process that watches it unless someone
-starts it again. :class:`Supervisor` watches named servers (``recserve serve``'s one, or every
-replica of ``recserve access``) and, when one exits without being asked to, stops what it left
-(its stubs, its shared-memory regions), keeps its log as ``<log>.previous``, waits out the backoff
-and starts it again on the same ports. A deliberate stop (SIGINT/SIGTERM to the stack) is never
-taken for a crash: the supervisor is stopped first, and a server that exits with code 0 was told
-to stop by someone, so it is left down.
+starts it again. Worse, a Python-backend stub that dies (killed, out of memory) leaves its server
+up and ready while every request through that model fails ("Stub process ... is not healthy"):
+the backend never starts it again. :class:`Supervisor` watches named processes (``recserve
+serve``'s server, or every replica and the proxy of ``recserve access``) and, when one exits
+without being asked to or a server runs fewer stubs than it had when it became ready, stops what is
+left (the server, its stubs, its shared-memory regions), keeps its log as ``<log>.previous``, waits
+out the backoff and starts it again on the same ports. A deliberate stop (SIGINT/SIGTERM to the
+stack) is never taken for a crash: the supervisor is stopped first, and a process that exits with
+code 0 was told to stop by someone, so it is left down. Deaths and restarts are counted by cause
+(:data:`~recserve.server.causes.CAUSE_KINDS`) in the status file and, beside it, as Prometheus text.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 import signal
+import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from recserve.server.causes import (
+    CAUSE_KINDS,
+    PROCESS_DIED,
+    START_FAILED,
+    STUB_DIED,
+    dead_stub,
+    error_line,
+    exit_cause,
+    start_error,
+    stub_cause,
+    stub_error,
+)
 from recserve.server.process import TritonServer
 from recserve.server.runtime import ServerProcessError
+from recserve.server.watchdog import dead_stubs
+
+__all__ = ["Backoff", "Supervised", "Supervisor", "error_line", "exit_cause", "run_foreground"]
 
 LOGGER = logging.getLogger(__name__)
 
-_STACK_FRAME = re.compile(r"^\s*\d+# ")
-_LOG_LEVEL = re.compile(r"^([IWEF])\d{4} ")  # tritonserver's own lines: Info, Warning, Error, Fatal
-_ABORT_REASON = re.compile(r"what\(\):")  # the C++ runtime's line before an uncaught exception aborts
-_ERROR_WORDS = re.compile(r"what\(\):|terminate called|error|exception|abort", re.IGNORECASE)
+#: How long a server that lost a stub gets to exit on its signal before SIGKILL: it never would on
+#: its own (the model whose stub died does not unload, so it waits out its whole exit timeout).
+STUB_DEATH_STOP_S = 1.0
+
+
+class Supervised(Protocol):
+    """What the supervisor uses of a process it watches (a :class:`TritonServer`, the proxy)."""
+
+    process: subprocess.Popen[bytes] | None
+    log_path: Path | None
+
+    def log_tail(self, lines: int = ...) -> str:
+        """The last lines of its log."""
+
+    def stop(self, timeout_s: float = ...) -> int | None:
+        """Stop it and whatever it left (stubs, shared memory)."""
 
 
 @dataclass(frozen=True)
@@ -54,41 +87,9 @@ class Backoff:
         return min(self.max_s, self.initial_s * self.factor ** max(0, crashes_in_row - 1))
 
 
-def exit_cause(returncode: int) -> str:
-    """``killed by SIGABRT`` or ``exit code 1``: how a process ended, from its return code."""
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
-
-
-def error_line(log_tail: str) -> str:
-    """The last line of a server log that tells an error, or ``(no error in the log)``.
-
-    The C++ runtime's reason for an abort (``what():  std::bad_alloc``) wins: the server's stubs,
-    dying a moment after it, print errors of their own below it. Otherwise tritonserver's own lines
-    count at levels E and F only (a warning that mentions an error is not one); other lines (the
-    C++ runtime's, a backend's) when they name an error or an abort. Stack frames are skipped.
-    """
-    lines = log_tail.splitlines()
-    for line in reversed(lines):
-        if _ABORT_REASON.search(line):
-            return line.strip()[:300]
-    for line in reversed(lines):
-        line = line.strip()
-        if not line or _STACK_FRAME.match(line):
-            continue
-        level = _LOG_LEVEL.match(line)
-        if (level.group(1) in "EF") if level else bool(_ERROR_WORDS.search(line)):
-            return line[:300]
-    return "(no error in the log)"
-
-
 @dataclass
 class ServerRecord:
-    """What the supervisor knows of one server, as written to its status file."""
+    """What the supervisor knows of one process, as written to its status file."""
 
     crashes: int = 0
     restarts: int = 0
@@ -102,25 +103,33 @@ class ServerRecord:
     up_since: float = field(default_factory=time.monotonic, repr=False)
     due: float | None = field(default=None, repr=False)  # when to restart, while down
     down_at: float = field(default=0.0, repr=False)
+    down_kind: str = field(default=PROCESS_DIED, repr=False)  # the cause kind that took it down
+    stubs: dict[int, str] | None = field(default=None, repr=False)  # its stubs when it became ready
+    stubs_of: int | None = field(default=None, repr=False)  # the pid those stubs belong to
+
+
+_HIDDEN = ("up_since", "due", "down_at", "down_kind", "stubs", "stubs_of")
 
 
 class Supervisor(threading.Thread):
-    """Watch servers by name and start again each one that died on its own.
+    """Watch processes by name and start again each one that died on its own or lost a stub.
 
     Args:
-        servers: returns the servers to watch now, by name (read at every poll: a restart may
-            replace a server object).
-        restart: starts the named server again (a new process on the same ports) and returns it
-            once ready; raises :class:`ServerProcessError` when it does not become ready.
+        servers: returns the processes to watch now, by name (read at every poll: a restart may
+            replace one). A process with a ``stubs()`` method (a :class:`TritonServer`) is also
+            checked for its stubs, unless a stub watchdog of its own reloads their models.
+        restart: starts the named process again (on the same ports) and returns it once ready;
+            raises :class:`ServerProcessError` when it does not become ready.
         backoff: the restart schedule.
-        status_path: where the counts go as JSON after every change (None: not written).
-        interval_s: how often the servers are polled.
+        status_path: where the counts go as JSON after every change, and as Prometheus text
+            beside it (``.prom``); None: not written.
+        interval_s: how often the processes are polled.
     """
 
     def __init__(
         self,
-        servers: Callable[[], Mapping[str, TritonServer]],
-        restart: Callable[[str], TritonServer],
+        servers: Callable[[], Mapping[str, Supervised]],
+        restart: Callable[[str], Supervised],
         backoff: Backoff | None = None,
         status_path: Path | None = None,
         interval_s: float = 0.2,
@@ -132,6 +141,8 @@ class Supervisor(threading.Thread):
         self.status_path = status_path
         self.interval_s = interval_s
         self.records: dict[str, ServerRecord] = {}
+        self.deaths: Counter[tuple[str, str]] = Counter()  # (name, cause kind)
+        self.restarts: Counter[tuple[str, str]] = Counter()  # (name, the kind of cause it ended)
         self._stopping = threading.Event()
         self._lock = threading.Lock()
 
@@ -142,17 +153,44 @@ class Supervisor(threading.Thread):
             self.join(timeout_s)
 
     def status(self) -> dict[str, dict[str, object]]:
-        """Per server: crashes, restarts, whether it is up, its pid, the last cause and error line."""
+        """Per process: crashes, restarts, whether it is up, its pid, the last cause and error line."""
         with self._lock:
             return {
-                name: {k: v for k, v in asdict(r).items() if k not in ("up_since", "due", "down_at")}
+                name: {k: v for k, v in asdict(r).items() if k not in _HIDDEN}
                 for name, r in self.records.items()
             }
+
+    def exposition(self) -> str:
+        """The counts as Prometheus text: deaths and restarts by process and cause, and who is up."""
+        with self._lock:
+            names = sorted(self.records)
+            lines = []
+            for metric, counts, what in (
+                ("deaths", self.deaths, "processes found dead or short of a stub"),
+                ("restarts", self.restarts, "processes started again, by the cause of their outage"),
+            ):
+                lines += [
+                    f"# HELP recserve_supervisor_{metric}_total {what.capitalize()}.",
+                    f"# TYPE recserve_supervisor_{metric}_total counter",
+                ]
+                lines += [
+                    f'recserve_supervisor_{metric}_total{{process="{name}",cause="{kind}"}} '
+                    f"{counts[(name, kind)]}"
+                    for name in names
+                    for kind in CAUSE_KINDS
+                ]
+            lines += [
+                "# HELP recserve_supervisor_up 1 while the process serves.",
+                "# TYPE recserve_supervisor_up gauge",
+            ]
+            lines += [f'recserve_supervisor_up{{process="{n}"}} {int(self.records[n].up)}' for n in names]
+        return "\n".join(lines) + "\n"
 
     def run(self) -> None:
         """Poll until stopped."""
         for name, server in self.servers().items():
             self.records[name] = ServerRecord(pid=server.process.pid if server.process else None)
+            self._note_stubs(self.records[name], server)
         self._save()
         while not self._stopping.wait(self.interval_s):
             for name, server in list(self.servers().items()):
@@ -160,32 +198,63 @@ class Supervisor(threading.Thread):
                     return
                 self.check(name, server)
 
-    def check(self, name: str, server: TritonServer) -> None:
-        """Note ``server``'s death, or restart it when it is down and its backoff is over."""
+    def check(self, name: str, server: Supervised) -> None:
+        """Note ``server``'s death or a dead stub, or restart it when it is down and its backoff is over."""
         record = self.records.setdefault(name, ServerRecord())
         process = server.process
         if record.up and process is not None and process.poll() is not None:
             if process.returncode == 0:
                 if record.last_cause != "exit code 0":
-                    LOGGER.warning("server %s (pid %d) exited with code 0: left stopped", name, process.pid)
+                    LOGGER.warning("%s (pid %d) exited with code 0: left stopped", name, process.pid)
                     record.last_cause = "exit code 0"
                 return
-            self._died(name, server, exit_cause(process.returncode), error_line(server.log_tail(80)))
+            error = error_line(server.log_tail(80), process.pid)
+            self._died(name, server, exit_cause(process.returncode), error, PROCESS_DIED)
+        elif record.up and process is not None:
+            self._check_stubs(name, record, server)
         if not record.up and record.due is not None and time.monotonic() >= record.due:
             self._restart(name)
 
-    def _died(self, name: str, server: TritonServer, cause: str, error: str) -> None:
+    def _note_stubs(self, record: ServerRecord, server: Supervised) -> None:
+        """Keep the stubs of a ready server (None for a process without stubs or with a watchdog)."""
+        stubs = getattr(server, "stubs", None)
+        watched = getattr(server, "watchdog", None) is not None  # it reloads a model whose stub died
+        record.stubs = stubs() if callable(stubs) and not watched else None
+        record.stubs_of = server.process.pid if server.process is not None else None
+
+    def _check_stubs(self, name: str, record: ServerRecord, server: Supervised) -> None:
+        assert server.process is not None
+        if record.stubs_of != server.process.pid:  # started by someone else: note its stubs once ready
+            is_ready = getattr(server, "is_ready", None)
+            if callable(is_ready) and is_ready():
+                self._note_stubs(record, server)
+            return
+        stubs = getattr(server, "stubs", None)
+        if record.stubs is None or not callable(stubs):
+            return
+        zombies = dead_stubs(server.process.pid)  # died before or after the stubs were noted
+        dead = (zombies[0], record.stubs.get(zombies[0])) if zombies else dead_stub(record.stubs, stubs())
+        if dead is None or server.process.poll() is not None:  # a dying server takes its stubs along
+            return
+        pid, model = dead
+        cause, error = stub_cause(pid, model), stub_error(server.log_tail(80), model)
+        self._died(name, server, cause, error, STUB_DIED)
+
+    def _died(self, name: str, server: Supervised, cause: str, error: str, kind: str) -> None:
         record = self.records[name]
         now = time.monotonic()
         with self._lock:
             record.crashes += 1
+            self.deaths[(name, kind)] += 1
             stable = record.up and now - record.up_since >= self.backoff.stable_s  # a failed start never is
             record.crashes_in_row = 1 if stable else record.crashes_in_row + 1
+            if record.up:
+                record.down_kind, record.down_at = kind, now
             record.up, record.last_cause, record.last_error = False, cause, error
-            record.last_crash_unix, record.down_at = time.time(), now
+            record.last_crash_unix = time.time()
             record.due = now + self.backoff.delay(record.crashes_in_row)
         LOGGER.error(
-            "server %s (pid %s) died: %s; last error: %s; crash %d (%d in a row), restart in %.1f s",
+            "%s (pid %s) died: %s; last error: %s; crash %d (%d in a row), restart in %.1f s",
             name,
             server.process.pid if server.process else "-",
             cause,
@@ -194,7 +263,8 @@ class Supervisor(threading.Thread):
             record.crashes_in_row,
             record.due - now,
         )
-        server.stop()  # its stubs and shared-memory regions
+        # its stubs and shared-memory regions; a server short of a stub never exits by itself
+        server.stop(timeout_s=STUB_DEATH_STOP_S) if kind == STUB_DIED else server.stop()
         if server.log_path is not None and server.log_path.exists():
             server.log_path.replace(server.log_path.with_name(server.log_path.name + ".previous"))
         self._save()
@@ -206,8 +276,9 @@ class Supervisor(threading.Thread):
         except ServerProcessError as exc:
             if self._stopping.is_set():
                 return
-            lines = str(exc).splitlines()
-            self._died(name, self.servers()[name], "did not start again", error_line("\n".join(lines[-80:])))
+            failed = self.servers()[name]
+            error = start_error(str(exc), failed.process.pid if failed.process else None)
+            self._died(name, failed, "did not start again", error, START_FAILED)
             return
         if self._stopping.is_set():  # a deliberate stop came while it started
             server.stop()
@@ -215,27 +286,34 @@ class Supervisor(threading.Thread):
         now = time.monotonic()
         with self._lock:
             record.restarts += 1
+            self.restarts[(name, record.down_kind)] += 1
             record.up, record.due, record.up_since = True, None, now
             record.pid = server.process.pid if server.process else None
             record.last_down_s = round(now - record.down_at, 3)
+        self._note_stubs(record, server)
         LOGGER.warning(
-            "server %s restarted (pid %s, restart %d) %.1f s after it died",
+            "%s restarted (pid %s, restart %d) %.1f s after it went down (%s)",
             name,
             record.pid,
             record.restarts,
             record.last_down_s,
+            record.down_kind,
         )
         self._save()
 
     def _save(self) -> None:
         if self.status_path is None:
             return
-        partial = self.status_path.with_name(self.status_path.name + ".partial")
-        try:
-            partial.write_text(json.dumps(self.status(), indent=2, sort_keys=True))
-            partial.replace(self.status_path)
-        except OSError as exc:
-            LOGGER.warning("could not write %s: %s", self.status_path, exc)
+        for path, text in (
+            (self.status_path, json.dumps(self.status(), indent=2, sort_keys=True)),
+            (self.status_path.with_suffix(".prom"), self.exposition()),
+        ):
+            partial = path.with_name(path.name + ".partial")
+            try:
+                partial.write_text(text)
+                partial.replace(path)
+            except OSError as exc:
+                LOGGER.warning("could not write %s: %s", path, exc)
 
 
 def run_foreground(

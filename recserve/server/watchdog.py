@@ -42,6 +42,42 @@ def stub_processes(server_pid: int) -> dict[int, str]:
     return stubs
 
 
+def zombie_returncode(pid: int) -> int | None:
+    """How a dead child that its parent has not reaped yet ended, as :attr:`Popen.returncode` reads.
+
+    ``/proc/<pid>/stat`` of a zombie keeps its wait status (field 52, Linux 3.5 and later): a
+    signal's number as a negative code, or the exit code. None when ``pid`` is gone, alive, or the
+    field is not there.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != "Z" or len(fields) < 50:  # fields[0] is field 3, the state
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def dead_stubs(server_pid: int) -> list[int]:
+    """Stub processes of a live tritonserver ``server_pid`` that died and were not reaped (zombies).
+
+    The Python backend of tritonserver 2.51 does not wait for a stub that died under it, so a
+    dead stub stays its zombie child: named (``triton_python_b``, the command truncated by the
+    kernel) but without a command line.
+    """
+    found = []
+    for pid in _children(server_pid):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        name, _, rest = stat.partition(" (")[2].rpartition(")")
+        if name.startswith("triton_python_b") and rest.split()[:1] == ["Z"]:
+            found.append(pid)
+    return found
+
+
 def orphaned_stubs(server_pid: int) -> list[int]:
     """Stub processes still alive that tritonserver ``server_pid`` started before it died.
 
