@@ -30,6 +30,8 @@ from recserve.access.envoy import EnvoyProxy, envoy_binary, validate
 from recserve.access.front_door import FrontDoor
 from recserve.core.sections_serving import AccessSection
 from recserve.server import Backoff, Ports, Started, Supervisor, TritonServer, port_in_use
+from recserve.server.runtime import ServerProcessError
+from recserve.server.supervisor import Supervised
 
 __all__ = ["AccessLayer", "EnvoyProxy", "envoy_binary", "run_foreground", "validate"]
 
@@ -37,6 +39,7 @@ LOGGER = logging.getLogger(__name__)
 
 CONFIG_FILE = "envoy.json"
 SUPERVISOR_FILE = "supervisor.json"  # per server: crashes, restarts, last cause (see Supervisor)
+PROXY_NAME = "envoy"  # the proxy's name in the supervisor's counts
 
 
 class AccessLayer(Started):
@@ -133,8 +136,13 @@ class AccessLayer(Started):
         LOGGER.info("access layer up: gRPC %s, HTTP %s", self.grpc_url, self.http_url)
         return self
 
-    def start_proxy(self) -> EnvoyProxy:
-        """Write the config for the running servers, start Envoy, wait until the clusters are healthy."""
+    def start_proxy(self, healthy: bool = True) -> EnvoyProxy:
+        """Write the config for the running servers, start Envoy, wait until the clusters are healthy.
+
+        Args:
+            healthy: wait until every cluster's hosts passed their health checks (False: until Envoy
+                is live; its health checks take the servers in as they answer).
+        """
         path = write_config(self.config(), self.workdir / CONFIG_FILE)
         self.proxy = EnvoyProxy(
             path,
@@ -145,7 +153,8 @@ class AccessLayer(Started):
             self.proxy_priority,
         )
         self.proxy.start()
-        self.proxy.wait_healthy([cluster_name(v, p) for v in self.servers for p in PROTOCOLS])
+        if healthy:
+            self.proxy.wait_healthy([cluster_name(v, p) for v in self.servers for p in PROTOCOLS])
         return self.proxy
 
     def restart_proxy(self) -> EnvoyProxy:
@@ -188,18 +197,32 @@ class AccessLayer(Started):
         return server.start(timeout_s)
 
     def supervise(self, backoff: Backoff | None = None) -> Supervisor:
-        """Restart every server that dies on its own (counted in ``workdir/supervisor.json``).
+        """Restart every server that dies on its own or loses a stub, and the proxy when it dies.
 
-        Envoy's health checks and outlier detection take a dead replica out of rotation and the
-        restarted one back: the other replicas serve meanwhile.
+        Counted in ``workdir/supervisor.json`` and ``supervisor.prom``. Envoy's health checks and
+        outlier detection take a dead replica out of rotation and the restarted one back: the other
+        replicas serve meanwhile. A dead proxy is started again on its ports with the config of the
+        running servers (runtime changes are lost; a canary's saved decision is not).
         """
         names = {f"{v}-{i}": (v, i) for v, replicas in self.servers.items() for i in range(len(replicas))}
-        self.supervisor = Supervisor(
-            lambda: {name: self.servers[v][i] for name, (v, i) in names.items()},
-            lambda name: self.restart(*names[name]),
-            backoff,
-            self.workdir / SUPERVISOR_FILE,
-        )
+
+        def watched() -> dict[str, Supervised]:
+            processes: dict[str, Supervised] = {name: self.servers[v][i] for name, (v, i) in names.items()}
+            if self.proxy is not None:
+                processes[PROXY_NAME] = self.proxy
+            return processes
+
+        def restart(name: str) -> Supervised:
+            if name != PROXY_NAME:
+                return self.restart(*names[name])
+            if self.proxy is not None:
+                self.proxy.stop()
+            try:
+                return self.start_proxy(healthy=False)
+            except AccessError as exc:
+                raise ServerProcessError(str(exc)) from exc
+
+        self.supervisor = Supervisor(watched, restart, backoff, self.workdir / SUPERVISOR_FILE)
         self.supervisor.start()
         return self.supervisor
 
@@ -239,10 +262,11 @@ class AccessLayer(Started):
 
 
 def run_foreground(layer: AccessLayer, on_ready: Callable[[AccessLayer], None] | None = None) -> int:
-    """Run ``layer`` until SIGINT or SIGTERM, or until the proxy exits; then stop it all.
+    """Run ``layer`` until SIGINT or SIGTERM, or until the proxy exits with code 0; then stop it all.
 
-    A tritonserver that dies is restarted (:meth:`AccessLayer.supervise`); the stack stays up.
-    Returns 0 after a signal, 1 when the proxy died on its own.
+    A tritonserver that dies or loses a stub, and a proxy that dies, are restarted
+    (:meth:`AccessLayer.supervise`); the stack stays up. Returns 0 after a signal, 1 when the proxy
+    was stopped by someone else.
     """
     stopping = threading.Event()
 
@@ -255,12 +279,13 @@ def run_foreground(layer: AccessLayer, on_ready: Callable[[AccessLayer], None] |
             layer.supervise()
             if on_ready is not None:
                 on_ready(layer)
-            proxy = layer.proxy.process if layer.proxy is not None else None
-            while proxy is not None and proxy.poll() is None and not stopping.wait(0.5):
-                pass
-            died = not stopping.is_set()
-            if died:
-                LOGGER.error("the proxy of the access layer exited:\n%s", layer.log_tails())
+            died = False
+            while not stopping.wait(0.5):
+                proxy = layer.proxy.process if layer.proxy is not None else None
+                if proxy is not None and proxy.poll() == 0:  # stopped by someone: not restarted
+                    died = True
+                    LOGGER.error("the proxy of the access layer exited:\n%s", layer.log_tails())
+                    break
         return 1 if died else 0
     finally:
         for s, handler in previous.items():

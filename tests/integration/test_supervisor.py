@@ -4,13 +4,16 @@ The crash is the real one: tritonserver 2.51 aborts (``std::bad_alloc``) on an H
 input declares a huge shape, sent straight to its own port. ``recserve serve`` restarts it on the
 same ports after the backoff, removes the dead server's shared-memory regions, and serves the next
 request. Behind the access layer, with two replicas, requests through Envoy keep being answered
-while one replica is down and restarted.
+while one replica is down and restarted. A killed Python-backend stub leaves its server ready while
+every request through its model fails: the supervisor notices the missing stub and restarts the
+server; a killed proxy is started again on its ports.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import signal
 import statistics
@@ -27,7 +30,7 @@ from recserve.access import AccessLayer, ProxyPorts
 from recserve.access.process import SUPERVISOR_FILE
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
-from recserve.clients import CTRClient
+from recserve.clients import CTRClient, RecserveClientError
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec
@@ -160,3 +163,47 @@ def test_a_replica_killed_by_a_request_is_restarted_while_the_proxy_serves_on(tm
         f"served through the proxy meanwhile, {counts['failed']} failed of {sum(counts.values())}; "
         f"load {Path('/proc/loadavg').read_text().split()[:3]}"
     )
+
+
+def _served(url: str, spec: ModelSpec, wire: dict) -> bool:
+    try:
+        with CTRClient(url, spec=spec, timeout_s=5) as client:
+            return len(client.predict_inputs(wire)) == len(next(iter(wire.values())))
+    except RecserveClientError:
+        return False
+
+
+def test_a_dead_stub_and_a_dead_proxy_are_noticed_restarted_and_counted(tmp_path: Path) -> None:
+    """kill -9 of a stub left the server ready and every request failing; of Envoy, the stack down."""
+    tiny = load_spec("tiny")
+    build_repository(tiny, tmp_path / "built")
+    access = dataclasses.replace(
+        tiny.access, weights={"stable": 100}, shadow_fraction=0.0, max_requests=IN_FLIGHT, replicas=1
+    )
+    wire = generate(tiny, 8, seed=5).to_wire(tiny)
+    with AccessLayer(access, {"stable": tmp_path / "built"}, tmp_path / "access", ProxyPorts.free()) as layer:
+        supervisor = layer.supervise()
+        server = layer.servers["stable"][0]
+        assert _served(layer.grpc_url, tiny, wire)
+        stub = next(pid for pid, model in server.stubs().items() if model == EMBEDDING_LOOKUP)
+        killed_at = time.monotonic()
+        os.kill(stub, signal.SIGKILL)
+        wait_for(lambda: _served(layer.grpc_url, tiny, wire), 60, "served again after the stub died")
+        stub_s = time.monotonic() - killed_at
+        assert layer.servers["stable"][0] is not server  # started again, not only reloaded
+        assert layer.proxy is not None and layer.proxy.process is not None
+        proxy = layer.proxy.process
+        killed_at = time.monotonic()
+        proxy.kill()
+        wait_for(lambda: _served(layer.grpc_url, tiny, wire), 60, "served again after the proxy died")
+        proxy_s = time.monotonic() - killed_at
+        wait_for(lambda: supervisor.status()["envoy"]["restarts"] == 1, 30, "the proxy's restart counted")
+        status = json.loads((layer.workdir / SUPERVISOR_FILE).read_text())
+        prom = (layer.workdir / SUPERVISOR_FILE).with_suffix(".prom").read_text()
+    assert status["stable-0"]["last_cause"] == f"stub of '{EMBEDDING_LOOKUP}' (pid {stub}) killed by SIGKILL"
+    assert status["stable-0"]["restarts"] == 1
+    assert status["envoy"]["last_cause"] == "killed by SIGKILL" and status["envoy"]["restarts"] == 1
+    assert 'recserve_supervisor_restarts_total{process="stable-0",cause="stub_died"} 1' in prom
+    assert 'recserve_supervisor_restarts_total{process="envoy",cause="process_died"} 1' in prom
+    assert stub_s < 30 and proxy_s < 30
+    print(f"served again {stub_s:.1f} s after the stub died, {proxy_s:.1f} s after the proxy died")
