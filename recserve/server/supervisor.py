@@ -56,8 +56,13 @@ STUB_DEATH_STOP_S = 1.0
 class Supervised(Protocol):
     """What the supervisor uses of a process it watches (a :class:`TritonServer`, the proxy)."""
 
-    process: subprocess.Popen[bytes] | None
-    log_path: Path | None
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The running (or dead) process; None before it was started."""
+
+    @property
+    def log_path(self) -> Path | None:
+        """Its log file, if it has one."""
 
     def log_tail(self, lines: int = ...) -> str:
         """The last lines of its log."""
