@@ -231,7 +231,13 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         input=[model_input(t) for t in request_inputs(spec)],
         output=[model_output(t) for t in (*io[DENSE][1], intermediate_tensors(spec)[EMBEDDING_VERSION])],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
+        parameters=served_spec_parameter(spec),
     )
+
+
+def served_spec_parameter(spec: ModelSpec) -> dict[str, mc.ModelParameter]:
+    """An ensemble's ``spec`` parameter: clients of the public models read the served spec from it."""
+    return {"spec": mc.ModelParameter(string_value=spec.to_json())}
 
 
 def single_form_ensemble(spec: ModelSpec, form: str, profile: str = "cpu") -> mc.ModelConfig:
@@ -303,6 +309,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
         input=[model_input(dataclasses.replace(t, ragged=False)) for t in unbatched],
         output=[model_output(dataclasses.replace(t, dims=(-1, *t.dims))) for t in outputs],
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
+        parameters=served_spec_parameter(spec),
     )
 
 

@@ -93,7 +93,7 @@ class AsyncCTRClient(ClientBase):
         except Exception as exc:
             error = map_exception(exc)
             if isinstance(error, (ServerUnavailableError, RequestTimeoutError)):
-                LOGGER.debug("model %s not ready: %s", self.model_name, error)
+                LOGGER.debug("model %s not ready: %s", self._model_name or "(the served one)", error)
                 return False
             raise error from exc
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from types import ModuleType
 from typing import Any
 
@@ -27,7 +28,6 @@ from recserve.core.names import (
     WIRE_FORMS,
 )
 from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
 from recserve.core.spec_types import NUMPY_DTYPES
 from recserve.core.user_state_wire import user_state_inputs
 from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
@@ -99,15 +99,41 @@ class ClientBase:
         self.protocol = _check_protocol(protocol)
         self.url, self._ssl = _normalise_url(url, self.protocol)
         self.timeout_s = float(timeout_s)
-        self.spec = spec if spec is not None else load_spec()
-        self.model_name = model_name or self.spec.name
-        # every request tensor's dtype by name, of both wire forms: the row form's and a candidate
-        # list's once-per-user ones
-        forms = [self.spec.wire_form(form) for form in WIRE_FORMS]
-        self._dtypes = {t.name: t.dtype for f in forms for t in (*f.inputs, *f.user_inputs)}
-        self._dtypes.update({t.name: t.dtype for t in user_state_inputs(self.spec)})
+        self._spec = spec
+        self._model_name = model_name
         # sent with every request: the access layer keeps a user on one model variant by it
         self._headers = {USER_HEADER: user_id} if user_id is not None else None
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's spec: the one given, else the one the server serves (read once, at first use).
+
+        Without a spec, the client reads it from ``model_name``'s config (from ``embedding_lookup``'s
+        when no model is named either: through the access layer, where only the ensembles are
+        public, name the model).
+
+        Raises:
+            RecserveClientError: no spec was given and the server's cannot be read.
+        """
+        if self._spec is None:
+            from recserve.clients.served_spec import served_spec
+
+            scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
+            self._spec = served_spec(scheme + self.url, self.protocol, self.timeout_s, self._model_name)
+        return self._spec
+
+    @property
+    def model_name(self) -> str:
+        """The ensemble the client calls: the one given, else the spec's row ensemble."""
+        return self._model_name or self.spec.name
+
+    @cached_property
+    def _dtypes(self) -> dict[str, str]:
+        """Every request tensor's dtype by name: both wire forms', a candidate list's user ones too."""
+        forms = [self.spec.wire_form(form) for form in WIRE_FORMS]
+        dtypes = {t.name: t.dtype for f in forms for t in (*f.inputs, *f.user_inputs)}
+        dtypes.update({t.name: t.dtype for t in user_state_inputs(self.spec)})
+        return dtypes
 
     def _prepare(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Inputs cast to the wire dtypes, checked for names, rank and a common batch size.

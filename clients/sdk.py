@@ -5,11 +5,9 @@
 Example::
 
     from recserve.clients import CTRClient, read_rows
-    from recserve.spec import load_spec
 
-    spec = load_spec()
-    with CTRClient("127.0.0.1:8001", protocol="grpc", spec=spec) as client:
-        probabilities = client.predict(read_rows("rows.tsv", spec), batch_size=64)
+    with CTRClient("127.0.0.1:8001", protocol="grpc") as client:  # the spec: the server's own
+        probabilities = client.predict(read_rows("rows.tsv", client.spec), batch_size=64)
 
 Inputs are the request tensors of the spec's ensemble (see :meth:`CriteoRows.to_inputs`), sent in
 the id form by default (``wire="ids"``: categorical values as 64-bit ids; ``wire="bytes"``: as
@@ -52,7 +50,8 @@ class CTRClient(ClientBase):
             ``127.0.0.1:8001`` for gRPC, ``127.0.0.1:8000`` for HTTP.
         protocol: ``"grpc"`` or ``"http"``.
         timeout_s: deadline of each request (gRPC) or connection and network timeout (HTTP).
-        spec: the model spec; None loads the bundled default spec.
+        spec: the model spec; None: the one the server serves, read from its config at first use
+            (through the access layer, name the model too: only the ensembles are public).
         model_name: the served model; None uses ``spec.name``.
         shared_memory: pass tensors through a system shared-memory region instead of the request
             message (opt-in; the server must run on the same host).
@@ -129,7 +128,7 @@ class CTRClient(ClientBase):
         except Exception as exc:
             error = map_exception(exc)
             if isinstance(error, (ServerUnavailableError, RequestTimeoutError)):
-                LOGGER.debug("model %s not ready: %s", self.model_name, error)
+                LOGGER.debug("model %s not ready: %s", self._model_name or "(the served one)", error)
                 return False
             raise error from exc
 

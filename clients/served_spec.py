@@ -1,7 +1,9 @@
-"""The spec a server serves, read from its ``embedding_lookup`` config (its ``spec`` parameter).
+"""The spec a server serves, read from a model's config (its ``spec`` parameter).
 
-``recserve predict`` and ``perf`` against a server need no ``--spec``: every step's config carries
-the spec the repository was built or imported with, and the server reports it.
+``recserve predict`` and ``perf`` against a server, and an SDK client made without a spec, need no
+spec file: every step's and every ensemble's config carries the spec the repository was built or
+imported with, and the server reports it. Through the access layer only the ensembles are public,
+so a client there names its model.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import spec_from_json
 
 
-def _config(url: str | None, protocol: str, timeout_s: float) -> dict[str, Any]:
-    """The ``embedding_lookup`` model config as JSON, over gRPC or HTTP."""
+def _config(url: str | None, protocol: str, timeout_s: float, model: str) -> dict[str, Any]:
+    """``model``'s config as JSON, over gRPC or HTTP."""
     address = (url or DEFAULT_URLS[protocol]).strip().rstrip("/")
     scheme, separator, rest = address.partition("://")
     ssl = bool(separator) and scheme.lower() in ("https", "grpcs")
@@ -26,32 +28,33 @@ def _config(url: str | None, protocol: str, timeout_s: float) -> dict[str, Any]:
         import tritonclient.grpc as grpc
 
         with grpc.InferenceServerClient(address, ssl=ssl) as client:
-            reply = client.get_model_config(EMBEDDING_LOOKUP, as_json=True, client_timeout=timeout_s)
+            reply = client.get_model_config(model, as_json=True, client_timeout=timeout_s)
             return dict(reply.get("config", {}))
     import tritonclient.http as http
 
     with http.InferenceServerClient(
         address, ssl=ssl, connection_timeout=timeout_s, network_timeout=timeout_s
     ) as client:
-        return dict(client.get_model_config(EMBEDDING_LOOKUP))
+        return dict(client.get_model_config(model))
 
 
-def served_spec(url: str | None = None, protocol: str = "grpc", timeout_s: float = 10.0) -> ModelSpec:
-    """The spec the server at ``url`` serves.
+def served_spec(
+    url: str | None = None, protocol: str = "grpc", timeout_s: float = 10.0, model: str | None = None
+) -> ModelSpec:
+    """The spec the server at ``url`` serves, from ``model``'s config (None: ``embedding_lookup``'s).
 
     Raises:
         RecserveClientError: the server cannot be reached, or serves no recserve model (a
             :class:`~recserve.clients.errors.ServerError` naming what is missing).
     """
+    model = model or EMBEDDING_LOOKUP
     try:
-        config = _config(url, protocol, timeout_s)
+        config = _config(url, protocol, timeout_s, model)
     except Exception as exc:  # tritonclient raises its own exception types
         raise map_exception(exc) from exc
     text = config.get("parameters", {}).get("spec", {}).get("string_value")
     if not text:
-        raise ServerError(
-            f"the server's {EMBEDDING_LOOKUP} model carries no spec; pass --spec (the spec it serves)"
-        )
+        raise ServerError(f"the server's {model} model carries no spec; pass the spec it serves")
     try:
         return spec_from_json(text)
     except (ValueError, json.JSONDecodeError) as exc:

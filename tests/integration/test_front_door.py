@@ -27,7 +27,7 @@ from recserve.access.config import listener
 from recserve.access.front_door import FrontDoor
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
-from recserve.clients import CTRClient, read_rows
+from recserve.clients import CTRClient, RecserveClientError, read_rows
 from recserve.clients.writers import write_tsv
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_parse import load_spec
@@ -404,3 +404,18 @@ def test_grpc_reaches_only_the_served_ensembles_by_bounded_names(stack, tiny):
         assert {"dense", tiny.name} <= {m.name for m in every.model_stats}
     assert stack.admin.cluster_stat("stable", "grpc", "upstream_rq_total") == sent + 3  # only the valid ones
     assert _ejections(stack) == 0
+
+
+def test_a_client_without_a_spec_reads_the_served_one_directly_and_through_the_proxy(stack, tiny):
+    """A step's config (on a server) or the ensemble's (the public model) carries the spec."""
+    inputs = generate(tiny, 4, seed=8).to_wire(tiny)
+    direct = stack.servers["stable"][0]
+    with CTRClient(direct.grpc_url, timeout_s=30) as client:
+        assert client.spec.to_json() == tiny.to_json() and client.model_name == tiny.name
+        expected = client.predict_inputs(inputs)
+    for protocol, url in (("grpc", stack.grpc_url), ("http", stack.http_url)):
+        with CTRClient(url, protocol=protocol, model_name=tiny.name, timeout_s=30) as client:
+            np.testing.assert_array_equal(client.predict_inputs(inputs), expected)
+        with CTRClient(url, protocol=protocol, timeout_s=30) as client:  # the steps are not public
+            with pytest.raises(RecserveClientError, match="is not served through this proxy"):
+                client.predict_inputs(inputs)
