@@ -14,7 +14,7 @@ class ModelSection:
     """``[model]``: the served model's name, version and limits."""
 
     name: str
-    max_batch_size: int
+    max_batch_size: int = 256  # rows per request (and per candidate list)
     # every interacting embedding has this width (DLRM dot interaction); 0: the widest table's
     embedding_dim: int = 0
     version: int = 1

@@ -8,6 +8,12 @@ from recserve.core.spec_parse import load_spec, parse_spec, spec_from_json, spec
 from tests.unit.helpers import ctr_spec_document
 
 
+def test_max_batch_size_defaults_to_256():
+    doc = load_spec("tiny").source | {}
+    doc = {**doc, "model": {k: v for k, v in doc["model"].items() if k != "max_batch_size"}}
+    assert parse_spec(doc).model.max_batch_size == 256
+
+
 def test_default_spec_follows_the_criteo_schema(spec):
     assert spec.dense.columns == tuple(f"I{i}" for i in range(1, 14))
     assert spec.categorical.columns == tuple(f"C{i}" for i in range(1, 27))
@@ -101,7 +107,6 @@ def test_inconsistent_specs_are_refused(edit, message):
             r"float16_tables names unknown tables \['nope'\]",
         ),
         (lambda d: d["store"].__setitem__("remote_tables", ["item"]), "remote_tables needs redis_nodes"),
-        (lambda d: d["model"].pop("max_batch_size"), r"\[model\] needs the key 'max_batch_size'"),
         (
             lambda d: d["model"].pop("embedding_dim"),
             r"\[model\] needs embedding_dim, or \[tables.<name>\] their dim",
