@@ -193,8 +193,10 @@ def test_a_server_whose_stub_died_is_stopped_restarted_and_counted_by_cause(supe
     assert "is not healthy" in str(status["last_error"])
     assert servers["server"] is not first and first.stops[0] <= 1.0  # not the server's whole exit timeout
     assert supervisor.deaths[("server", STUB_DIED)] == 1 and supervisor.restarts[("server", STUB_DIED)] == 1
-    prom = (tmp_path / "status.prom").read_text()
-    assert 'recserve_supervisor_restarts_total{process="server",cause="stub_died"} 1' in prom
+    line = 'recserve_supervisor_restarts_total{process="server",cause="stub_died"} 1'
+    while line not in (prom := (tmp_path / "status.prom").read_text()):  # written just after
+        assert time.monotonic() < deadline, prom
+        time.sleep(0.05)
     assert 'recserve_supervisor_deaths_total{process="server",cause="process_died"} 0' in prom
     assert 'recserve_supervisor_up{process="server"} 1' in prom
     # the restarted server's stubs are watched in turn
@@ -212,6 +214,10 @@ def test_a_stub_that_died_before_the_supervisor_looked_is_found_by_its_zombie(tm
     servers = {"server": FakeServer(tmp_path).start()}
     victim = next(iter(servers["server"].stubs()))
     os.kill(victim, signal.SIGKILL)  # before the stubs of the ready server are noted
+    deadline = time.monotonic() + 10
+    while zombie_returncode(victim) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
     def restart(name: str) -> FakeServer:
         servers[name] = FakeServer(tmp_path).start()
