@@ -1,4 +1,10 @@
-"""Why a row scored as it did: every feature's raw value, key, table, tier and table version."""
+"""Why a row scored as it did: every feature's raw value, key, table, row, tier and table version.
+
+A categorical feature's record gives its key, the table and the row of it the key hit (a ``vocab``
+feature's vocabulary row; -1 where the table holds no such key: the default vector, an update's or
+L3's row); a numeric feature's record gives its raw value (None: missing) and, as ``normalized``,
+what the dense network receives (tier ``dense``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.backends.store.tiers import Lookup
 from recserve.backends.store.user_state_store import UserStates
-from recserve.core.names import USER_ID
+from recserve.core.names import DENSE_NORMALIZED, USER_ID
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
 from recserve.core.times import time_part
@@ -22,7 +28,7 @@ from recserve.core.values import canonical_value, multi_hot_tokens, parse_times
 if TYPE_CHECKING:
     from recserve.backends.store.device_cache import DeviceLookup
 
-FIELDS = ("row", "feature", "value", "key", "table", "dim", "tier", "version")
+FIELDS = ("row", "feature", "value", "normalized", "key", "table", "table_row", "dim", "tier", "version")
 
 
 def explain(
@@ -57,8 +63,13 @@ def explain(
     else:
         result = store.lookup(keys, table_ids, record=False)
     tiers = result.tiers.reshape(keys.shape)
-    group = spec.categorical
+    table_rows = np.full(keys.shape, -1, np.int64)
+    for t, name in enumerate(store.table_names):
+        hit = table_ids == t
+        table_rows[hit] = store.table_rows(name, keys[hit])
     raw_categorical = transform.categorical_fields(inputs)  # multi-hot lists joined into their fields
+    numeric = _numeric_records(spec, inputs, features, raw_categorical)
+    group = spec.categorical
     single, targets = len(group.features), len(spec.targets)
     multi = single + sum(f.max_length for f in group.multi_hot)  # where the targets start
     width = (keys.shape[1] - multi - targets) // max(len(spec.sequences), 1)
@@ -88,18 +99,63 @@ def explain(
                     for p in range(length)
                 ]
                 j += 1
+        yield from ({"row": row, **record} for record in numeric[row])
         for feature, value, column in values:
             table = store.table_names[int(table_ids[row, column])]
             yield {
                 "row": row,
                 "feature": feature,
                 "value": value,
+                "normalized": None,
                 "key": int(keys[row, column]),
                 "table": table,
+                "table_row": int(table_rows[row, column]),
                 "dim": store.table_dim(table),
                 "tier": TIERS[int(tiers[row, column])],
                 "version": store.version_of(table, result.snapshot),
             }
+
+
+def _numeric_records(
+    spec: ModelSpec,
+    inputs: Mapping[str, np.ndarray],
+    features: Mapping[str, np.ndarray],
+    categorical: np.ndarray,
+) -> list[list[dict[str, Any]]]:
+    """Per row, a record per numeric feature the dense network receives: raw value and normalised.
+
+    A missing flag's value is whether the value it flags was missing.
+    """
+    rows = len(categorical)
+    if spec.dense is None or DENSE_NORMALIZED not in features:
+        return [[] for _ in range(rows)]
+    dense = inputs.get(NUMERIC_INPUT, np.zeros((rows, len(spec.dense.columns)), np.float32))
+    missing = inputs.get(spec.dense_missing_input, np.ones(dense.shape, bool))  # not sent: missing
+    normalized = features[DENSE_NORMALIZED]
+    records: list[list[dict[str, Any]]] = [[] for _ in range(rows)]
+    for position, index in enumerate(spec.dense.normalized):
+        column, wire = spec.dense.numeric[index], spec.dense.wire_index[index]
+        for row in range(rows):
+            if wire < 0:  # it reads a categorical column as a number
+                text = _text(categorical[row, column.categorical])
+                absent, raw = not text, text or None
+            else:
+                absent = bool(missing[row, wire])
+                raw = None if absent else float(dense[row, wire])
+            records[row].append(
+                {
+                    "feature": column.name,
+                    "value": absent if column.indicator else raw,
+                    "normalized": float(normalized[row, position]),
+                    "key": None,
+                    "table": None,
+                    "table_row": None,
+                    "dim": None,
+                    "tier": "dense",
+                    "version": None,
+                }
+            )
+    return records
 
 
 def _user_state_records(
@@ -120,8 +176,10 @@ def _user_state_records(
                 "lag_events": int(rows.lag_events[row]),
                 "tokens": int(features[UserHistories.mask_name(spec)][row].sum()),
             },
+            "normalized": None,
             "key": None,
             "table": table,
+            "table_row": None,
             "dim": spec.tables[table].dim,
             "tier": "state",
             "version": None,

@@ -137,7 +137,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rollback.add_argument("--repository", type=Path, default=None)
     rollback.set_defaults(func=_rollback)
 
-    explain = sub.add_parser("explain", help="per row and feature: value, key, table, dim, tier, version")
+    explain = sub.add_parser(
+        "explain", help="per row and feature: value, normalized, key, table, table row, dim, tier, version"
+    )
     explain.add_argument(
         "--input", type=Path, required=True, help="rows of the spec: TSV, or CSV with a header"
     )
