@@ -136,6 +136,7 @@ def _numeric_records(
     for position, index in enumerate(spec.dense.normalized):
         column, wire = spec.dense.numeric[index], spec.dense.wire_index[index]
         for row in range(rows):
+            raw: str | float | None
             if wire < 0:  # it reads a categorical column as a number
                 text = _text(categorical[row, column.categorical])
                 absent, raw = not text, text or None
