@@ -54,11 +54,12 @@ def test_garbage_under_item_keys_costs_those_rows_alone_and_is_counted(spec, rep
     expected = reference_pipeline(spec, repository, runtime="torch").predict(wire)
     keys = FeatureTransform(spec).transform(wire)
     targets = keys[TARGET_KEY].reshape(-1)
-    spoilt = targets[:3]  # a short row, a row holding NaN, a row of odd length
+    spoilt = targets[:4]  # a short row, a row holding NaN, a row of odd length, a huge finite row
     garbage = [
         np.ones(spec.model.embedding_dim // 2, np.float32).tobytes(),
         np.full(spec.model.embedding_dim, np.nan, np.float32).tobytes(),
         b"\x01" * 7,
+        np.full(spec.model.embedding_dim, 3e38, np.float32).tobytes(),  # before: NaN scores, uncounted
     ]
     writer = RedisTier.connect(cluster.store_section(redis_deadline_ms=10_000.0))
     try:

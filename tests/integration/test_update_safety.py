@@ -9,6 +9,8 @@ into a real Redis Cluster.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import re
 import subprocess
@@ -62,6 +64,30 @@ def edit_manifest(log: UpdateLog, table: str, version: int, change) -> None:
     doc = json.loads(path.read_text())
     change(doc)
     path.write_text(json.dumps(doc))
+
+
+def lying_entry(log: UpdateLog, table: str, dim: int) -> dict:
+    """A stream entry for ``table``'s next version whose vectors' header claims 2**40 rows."""
+    version = publish(log, table, [NEW_KEY + 50], 0.5, dim)
+    folder = log.root / table / f"v{version:08d}"
+    data = np.load(folder / "vectors.npy").tobytes()
+    claimed = [1 << 40, dim]
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": tuple(claimed)}
+    )
+    content = header.getvalue() + data
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["vectors"].update(
+        sha256=hashlib.sha256(content).hexdigest(), bytes=len(content), shape=claimed
+    )
+    return {
+        "table": table,
+        "version": str(version),
+        "manifest": json.dumps(manifest),
+        "file:keys": (folder / "keys.npy").read_bytes(),
+        "file:vectors": content,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +233,12 @@ def test_hostile_stream_entries_are_refused_and_write_nothing_outside(tmp_path):
 def test_a_server_replaying_hostile_stream_entries_starts_and_serves_the_newest_valid_version(
     spec, repository, tmp_path
 ):
-    """Entries in ``rs:updates`` are replayed from 0 at every start: the hostile ones are skipped."""
+    """Entries in ``rs:updates`` are replayed from 0 at every start: the hostile ones are skipped.
+
+    One of them is a well-formed version of C2 whose ``vectors.npy`` header claims 2**40 rows (its
+    manifest agreeing, checksums right): before, every start allocated what it claimed and the
+    MemoryError kept the model from loading; now it is refused when mirrored, like the others.
+    """
     from recserve.backends.store.redis_tier import RedisTier
     from recserve.backends.store.updates.stream import UpdateStream
     from recserve.perf.harness.l3_repository import l3_repository
@@ -240,12 +271,13 @@ def test_a_server_replaying_hostile_stream_entries_starts_and_serves_the_newest_
             "rs:updates",
             {"table": "../../outside", "version": "2", "manifest": json.dumps(traversal), **files},
         )
+        tier.client.xadd("rs:updates", lying_entry(publisher, "C2", spec.model.embedding_dim))
         tier.close()
 
         for start in ("first", "restart"):
             with TritonServer(root, Ports.free(), log_path=tmp_path / f"{start}.log") as server:
-                assert served_versions(server, ["C1"]) == {"C1": 2}, start
-                assert metric_values(server, "recserve_store_updates_rejected_total")[""] >= 2
+                assert served_versions(server, ["C1", "C2"]) == {"C1": 2, "C2": variant.version}, start
+                assert metric_values(server, "recserve_store_updates_rejected_total")[""] >= 3
                 with grpc_client(server) as client:
                     assert np.isfinite(infer_raw(grpcclient, client, spec, wire)).all()
             assert not (root / "outside").exists() and not (root.parent / "outside").exists()

@@ -168,3 +168,32 @@ def test_a_candidate_list_with_its_user_scores_as_its_rows_do(stateful, tmp_path
     full = _full_history_reference(spec, repository, rows.to_wire(spec), np.tile(events[0], (count, 1)))
     assert np.abs(as_list - full).max() <= 1e-5  # exact: the whole 4,096-event history
     assert np.abs(today - full).max() > 1e-5  # the tail alone differs
+
+
+def _set_aside(server) -> float:
+    found = re.findall(
+        r"^recserve_user_state_set_aside_total(?:\{[^}]*\})? (\S+)$", metrics_text(server), re.M
+    )
+    return sum(float(v) for v in found)
+
+
+def test_a_corrupt_state_database_is_set_aside_once_and_the_server_serves(stateful, tmp_path):
+    """Before: ``file is not a database`` in the lookup step's initialize: the server never went READY."""
+    spec, repository = stateful
+    wire, _ = _users(spec, 4, seed=11)
+    today = {k: v for k, v in wire.items() if k not in (USER_ID, USER_SEQ)}
+
+    def prepare(root: Path) -> None:
+        (root / spec.user_state.local_path).write_bytes(b"\x00 not a database " * 512)
+
+    with private_server(repository, tmp_path, model_control="none", prepare=prepare) as server:
+        with grpc_client(server) as client:
+            served = infer_raw(grpcclient, client, spec, wire)
+            alone = infer_raw(grpcclient, client, spec, today)
+        assert np.array_equal(served, alone)  # every user a miss on the fresh file: today's answer
+        # every lookup instance opened the file at load; one set it aside, the others found the new one
+        wait_for(lambda: _set_aside(server) == 1 and _metric(server, "miss") == 4, 15, "one set-aside")
+        assert "set aside as" in server.log_tail(400) and "Traceback" not in server.log_tail(400)
+    root = tmp_path / "repository"
+    (aside,) = root.glob(Path(spec.user_state.local_path).name + ".corrupt-*[0-9]")
+    assert aside.read_bytes().startswith(b"\x00 not a database")
