@@ -66,7 +66,7 @@ def explain(
     table_rows = np.full(keys.shape, -1, np.int64)
     for t, name in enumerate(store.table_names):
         hit = table_ids == t
-        table_rows[hit] = store.table_rows(name, keys[hit])
+        table_rows[hit] = _table_rows(store, name, keys[hit])
     raw_categorical = transform.categorical_fields(inputs)  # multi-hot lists joined into their fields
     numeric = _numeric_records(spec, inputs, features, raw_categorical)
     group = spec.categorical
@@ -114,6 +114,17 @@ def explain(
                 "tier": TIERS[int(tiers[row, column])],
                 "version": store.version_of(table, result.snapshot),
             }
+
+
+def _table_rows(store: TieredStore, name: str, keys: np.ndarray) -> np.ndarray:
+    """Each key's row in table ``name`` as stored locally, ``-1`` where the table holds no such key.
+
+    A ``vocab`` feature's row is its vocabulary row; a key of an update or of L3 has none here.
+    """
+    info = store.tables[name]
+    rows = store.shards[info.shard].index.find(keys).astype(np.int64)
+    inside = (rows >= info.row_start) & (rows < info.row_end)
+    return np.where(inside, rows - info.row_start, -1)
 
 
 def _numeric_records(

@@ -357,16 +357,6 @@ class TieredStore:
         """Version of one table in ``snapshot`` (default: the current one)."""
         return (snapshot or self.snapshot).versions[self.table_id(name)]
 
-    def table_rows(self, name: str, keys: np.ndarray) -> np.ndarray:
-        """Each key's row in table ``name`` as stored locally, ``-1`` where the table holds no such key.
-
-        A ``vocab`` feature's row is its vocabulary row; a key of an update or of L3 has none here.
-        """
-        info = self.tables[name]
-        rows = self.shards[info.shard].index.find(keys).astype(np.int64)
-        inside = (rows >= info.row_start) & (rows < info.row_end)
-        return np.where(inside, rows - info.row_start, -1)
-
     def table_of_row(self, shard: int, rows: np.ndarray) -> np.ndarray:
         """Table id owning each local row of ``shard`` (-1 for rows of no table)."""
         infos = sorted((t for t in self.tables.values() if t.shard == shard), key=lambda t: t.row_start)
