@@ -70,6 +70,10 @@ def _bomb(shape: str, data: str = "[0]", name: str = "dense") -> bytes:
     return f'{{"inputs":[{{"name":"{name}","shape":{shape},"datatype":"FP32","data":{data}}}]}}'.encode()
 
 
+def _typed(datatype: str, data: str) -> bytes:
+    return f'{{"inputs":[{{"name":"history_items","shape":[1,1],"data":{data},"datatype":"{datatype}"}}]}}'.encode()
+
+
 @pytest.fixture(scope="module")
 def tiny() -> ModelSpec:
     return load_spec("tiny")
@@ -176,6 +180,15 @@ def scanner(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "output '" + "p" * 64 + "... (1000 characters)' is not an output of model 'tiny'",
         ),
         (b'{"inputs":[],"parameters":{"a":1,"a":2}}', "the request parameters: key 'a' given twice"),
+        # elements Triton's reader would take for another type (its 500, a client's error)
+        (_typed("INT64", "[1.5]"), "input 'history_items': 'data' holds '1.5]"),
+        (_typed("INT64", "[-0]"), "not a signed 64-bit integer"),
+        (_typed("INT64", "[1e3]"), "not a signed 64-bit integer"),
+        (_typed("INT64", "[9223372036854775808]"), "not a signed 64-bit integer"),
+        (_typed("UINT64", "[-1]"), "not a unsigned 64-bit integer"),
+        (_typed("BYTES", "[1]"), "not a string"),
+        (_typed("BOOL", "[1]"), "not a true or false"),
+        (_bomb("[1,1]", "[1e400]"), "unexpected '1e400]"),
         (b"", "an inference request needs a JSON body"),
     ],
     ids=lambda value: value[:40] if isinstance(value, str) else "body",

@@ -95,7 +95,65 @@ local function number(s, i)
     if not e then return nil end
     j = e + 1
   end
+  -- RapidJSON refuses a number beyond double's range ("Number too big to be stored in double")
+  if j - i > 300 or c == 101 or c == 69 then
+    if math.abs(tonumber(s:sub(i, j - 1))) == math.huge then return nil end
+  end
   return j
+end
+
+-- What Triton's JSON reader takes for a datatype's elements: RapidJSON's IsInt64, IsUint64,
+-- IsNumber, IsBool, IsString. Anything else is Triton's 500 (INTERNAL), not a client's 400.
+local ELEMENTS = {BOOL = "bool", BYTES = "string", FP16 = "number", FP32 = "number", FP64 = "number",
+  BF16 = "number", INT8 = "int", INT16 = "int", INT32 = "int", INT64 = "int", UINT8 = "uint",
+  UINT16 = "uint", UINT32 = "uint", UINT64 = "uint"}
+local ELEMENT_NAMES = {bool = "true or false", string = "string", number = "number",
+  int = "signed 64-bit integer", uint = "unsigned 64-bit integer"}
+
+local function within(digits, most)
+  return #digits < #most or (#digits == #most and digits <= most)
+end
+
+local function element(s, i, kind)
+  local c = s:byte(i)
+  if kind == "string" then
+    if c ~= 34 then return nil end
+    local _, e = str(s, i, false)
+    return e
+  elseif kind == "bool" then
+    if s:sub(i, i + 3) == "true" then return i + 4 end
+    if s:sub(i, i + 4) == "false" then return i + 5 end
+    return nil
+  end
+  local e = number(s, i)
+  if not e or kind == "number" then return e end
+  local text = s:sub(i, e - 1)
+  local negative = text:byte(1) == 45
+  local digits = negative and text:sub(2) or text
+  if not digits:find("^%d+$") or (negative and (kind == "uint" or digits == "0")) then return nil end
+  local most = kind == "uint" and "18446744073709551615" or negative and "9223372036854775808"
+    or "9223372036854775807"
+  return within(digits, most) and e or nil
+end
+
+-- Checks every element of the data at s[i] (flat or nested lists) against the datatype's kind.
+local function typed(s, i, depth, kind, where)
+  if s:byte(i) == 91 then
+    if depth > MAX_DEPTH then refuse("JSON nested deeper than " .. MAX_DEPTH .. " levels") end
+    i = ws(s, i + 1)
+    if s:byte(i) == 93 then return i + 1 end
+    while true do
+      i = ws(s, typed(s, i, depth + 1, kind, where))
+      local c = s:byte(i)
+      if c == 93 then return i + 1 end
+      i = ws(s, i + 1)  -- a ',' (the count pass read this list already)
+    end
+  end
+  local e = element(s, i, kind)
+  if not e then
+    refuse(where .. ": 'data' holds " .. near(s, i) .. ", not a " .. ELEMENT_NAMES[kind])
+  end
+  return e
 end
 
 local value
@@ -237,7 +295,7 @@ local function scan_json(s, model)
         return n
       elseif key == "data" then
         local n, count = value(s, k, d)
-        found.data = count
+        found.data, found.data_at, found.depth = count, k, d
         return n
       elseif key == "parameters" then
         return parameters(s, k, d, where)
@@ -249,6 +307,9 @@ local function scan_json(s, model)
     if names[found.name] then refuse(where .. " given twice") end
     names[found.name] = true
     check_input(model, where, found.name, found.shape, found.product, found.data)
+    if found.data_at and found.datatype then  -- the datatype may come after the data
+      typed(s, found.data_at, found.depth, ELEMENTS[found.datatype], where)
+    end
     return j, 1
   end
   local function output(s, i, depth)
