@@ -1,8 +1,8 @@
 """``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
 
 ``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``, ``fuzz``,
-``candidate-lists`` and ``queue-stall``. Each used to be a top-level command; :data:`FLAT_NAMES` maps those
-old names to the new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
+``chaos``, ``candidate-lists`` and ``queue-stall``. Each used to be a top-level command; :data:`FLAT_NAMES`
+maps those old names to the new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
 """
 
 from __future__ import annotations
@@ -287,3 +287,11 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     fuzz.add_arguments(fuzzer)
     fuzzer.set_defaults(func=fuzz.run_from_args)
+
+    from recserve.perf.lab import chaos
+
+    killer = lab.add_parser(
+        "chaos", help="kill each kind of process of the stack under bounded load (seconds to served again)"
+    )
+    chaos.add_arguments(killer)
+    killer.set_defaults(func=chaos.run_from_args)
