@@ -13,7 +13,7 @@ USER_COMMANDS = (
     "build", "import", "contract", "sample", "serve", "predict", "verify", "update", "rollback", "explain",
     "redis-load", "access", "canary", "observe", "k8s", "perf", "bench", "lab",
 )  # fmt: skip
-LAB_COMMANDS = (*FLAT_NAMES.values(), "fuzz")  # the lab commands that never had a top-level name too
+LAB_COMMANDS = (*FLAT_NAMES.values(), "fuzz", "chaos")  # the lab commands that never had a top-level name too
 
 
 def help_text(argv, capsys):
