@@ -64,8 +64,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     access.add_argument("--repository", type=Path, default=None, help="the stable variant's repository")
     access.add_argument(
         "--canary",
-        "--candidate",  # its former name
-        dest="canary",
         type=Path,
         default=None,
         help="the canary variant's repository: the new version to roll out (none: stable only)",

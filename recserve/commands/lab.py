@@ -225,8 +225,6 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     queues.add_argument(
         "--policies",
-        "--profiles",  # its former name
-        dest="policies",
         default="throughput_first",
         help="queue policies of the spec, comma-separated",
     )

@@ -12,7 +12,6 @@ from recserve.server.process import (
     server_command,
 )
 from recserve.server.runtime import (
-    ServerError,  # the old name of ServerProcessError, kept for compatibility
     ServerProcessError,
     prepare_runtime,
     runtime_dir,
@@ -31,7 +30,6 @@ __all__ = [
     "MpsDaemon",
     "Ports",
     "Security",
-    "ServerError",
     "ServerProcessError",
     "Started",
     "StubWatchdog",

@@ -23,11 +23,6 @@ class ServerProcessError(RuntimeError):
     """
 
 
-# The name this class had before; kept so that code importing it from here or from recserve.server goes on
-# working. New code: ServerProcessError.
-ServerError = ServerProcessError
-
-
 def _site_packages_of(package: str) -> Path:
     import importlib.util
 

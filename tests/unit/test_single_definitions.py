@@ -16,9 +16,11 @@ def test_the_sdk_rows_and_the_generated_rows_are_one_class():
     assert clients.CriteoRows is clients.Rows is Rows
 
 
-def test_the_steps_are_defined_once():
-    assert STEPS is STEPS
+def test_the_steps_are_defined_once_in_ensemble_order(tiny_spec):
+    from recserve.build.configs import ensemble_config
+
     assert (EMBEDDING_LOOKUP, DENSE) == STEPS
+    assert tuple(s.model_name for s in ensemble_config(tiny_spec).ensemble_scheduling.step) == STEPS
 
 
 def test_rows_read_from_a_file_are_the_generated_rows_class_and_round_trip(tiny_spec, tmp_path):
