@@ -13,7 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from recserve.backends.base.artifacts import file_entry, load_array, read_manifest, save_array
+from recserve.backends.base.artifacts import (
+    MAX_EMBEDDING_VALUE,
+    file_entry,
+    load_array,
+    read_manifest,
+    save_array,
+)
 from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import STORAGE_DTYPES, Shard, TableArrays, TableInfo
 from recserve.errors import ArtifactError
@@ -88,12 +94,14 @@ COPY_ROWS = 1 << 16
 def write_vectors(
     path: Path, tables: Mapping[str, TableArrays], members: list[str], dtype: str
 ) -> np.ndarray:
-    """Write a shard's vectors to ``path`` (``.npy``) a block of rows at a time; refuse NaN and Inf.
+    """Write a shard's vectors to ``path`` (``.npy``) a block of rows at a time; refuse unservable values.
 
     The sources may be memory-mapped: no table is ever held whole in memory.
 
     Raises:
-        ArtifactError: a vector holds NaN or Inf (named by table and row).
+        ArtifactError: a vector holds NaN, Inf or a value over
+            :data:`~recserve.backends.base.artifacts.MAX_EMBEDDING_VALUE` in magnitude (named by
+            table and row): what L3 would refuse when read back from Redis.
     """
     rows = sum(len(tables[n].keys) for n in members) + len(members)
     dim = tables[members[0]].default.shape[0]
@@ -116,15 +124,18 @@ def write_vectors(
 
 
 def _refuse_non_finite(table: TableArrays, block: np.ndarray, start: int | None) -> None:
-    """Raise naming the first row of ``block`` (keys from ``start``; None: the default) with NaN or Inf."""
-    bad = ~np.isfinite(block).all(axis=1)
+    """Raise naming the first row of ``block`` (keys from ``start``; None: the default) not servable."""
+    bad = ~(np.abs(block) <= MAX_EMBEDDING_VALUE).all(axis=1)  # NaN compares False
     if bad.any():
         if start is None:
             where = "the default row"
         else:
             key = start + int(np.flatnonzero(bad)[0])
             where = f"row {key if table.rows is None else int(table.rows[key])}"
-        raise ArtifactError(f"table {table.name!r}: {where} holds NaN or Inf")
+        raise ArtifactError(
+            f"table {table.name!r}: {where} holds NaN or Inf, or a value over {MAX_EMBEDDING_VALUE:g} "
+            "in magnitude"
+        )
 
 
 def write_shards(root: Path, tables: Mapping[str, TableArrays], dtypes: Mapping[str, str]) -> dict:

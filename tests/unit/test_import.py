@@ -217,6 +217,12 @@ def _with_nan(vectors):
     return vectors
 
 
+def _with_huge(vectors):
+    vectors = vectors.copy()
+    vectors[3, 1] = 3e38  # finite, but the scores of any row using it overflow: refused as Redis refuses it
+    return vectors
+
+
 def _duplicate_key(arrays):
     arrays["keys"][1] = arrays["keys"][0]
     return arrays
@@ -247,6 +253,7 @@ def _missing_table(folder: Path) -> str:
         (_npy_edit(lambda v: v[:, :4]), r"vectors are \[\d+, 4\], expected \[rows, 8\]"),
         (_npy_edit(lambda v: v.astype(np.float64)), "vectors are float64"),
         (_npy_edit(_with_nan), "row 3 holds NaN or Inf"),
+        (_npy_edit(_with_huge), "row 3 holds NaN or Inf, or a value over 1e\\+06 in magnitude"),
         (_npy_edit(lambda v: v[:-1]), r"the vocabulary has \d+ tokens, the vectors \d+ rows"),
         (_vocab_edit(lambda d: d["tokens"].__setitem__(1, d["tokens"][0])), "are the same value"),
         (_vocab_edit(lambda d: d.__setitem__("unk", 0)), "unknown keys"),
