@@ -1,6 +1,7 @@
 """The command line's shape: user commands and lab commands apart, old lab names kept, ``--spec`` anywhere."""
 
 import json
+import re
 
 import pytest
 
@@ -101,3 +102,21 @@ def test_spec_after_the_command_is_the_one_used(capsys):
     assert main(["contract", "--json"]) == 0
     default = json.loads(capsys.readouterr().out)
     assert before == after == both != default
+
+
+def test_the_docs_index_lists_every_command():
+    """docs/README.md's command tables name every user and lab command the parser has."""
+    import argparse
+    from pathlib import Path
+
+    def commands(command_parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        (sub,) = [a for a in command_parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return dict(sub.choices)
+
+    top = commands(parser())
+    expected = {name for name in top if name != "lab"} | {f"lab {name}" for name in commands(top["lab"])}
+    text = (Path(__file__).resolve().parents[2] / "docs" / "README.md").read_text()
+    rows = [line.split("|")[1] for line in text.splitlines() if line.startswith("| `")]
+    named = {m for row in rows for m in re.findall(r"`recserve ((?:lab )?[a-z0-9-]+)", row)}
+    assert expected - named == set()
+    assert {"user-state", "bench-longseq", "lab fuzz"} <= expected
