@@ -217,7 +217,7 @@ def parse_json(
         return json.loads(data)
     except RecursionError:
         raise refused(f"{label} is nested too deeply to be read") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer too long for Python's int()
         raise refused(f"{label} is not valid JSON ({shorten(str(exc), EXPLANATION_LIMIT)})") from None
 
 
