@@ -155,6 +155,12 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     access.check()
     user_state = parse_section(UserStateSection, doc.get("user_state", {}), "user_state")
     user_state.check(seq_buckets[-1])
+    if user_state.enabled and len(features.sequences) > 1:  # refused here, not first by the server
+        names = ", ".join(s.name for s in features.sequences)
+        raise SpecError(
+            f"[user_state] keeps one sequence per user (its items); the spec has {len(features.sequences)} "
+            f"({names}): serve it with [user_state] enabled = false"
+        )
     seq_buckets = user_state.state_buckets(seq_buckets)
     numeric = tuple(features.numeric)
     return ModelSpec(

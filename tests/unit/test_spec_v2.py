@@ -315,3 +315,13 @@ def test_a_bucketized_numeric_feature_is_a_categorical_one():
         parse_spec(
             _spec([{"name": "c", "kind": "numeric", "bucketize": [3, 1]}, doc["features"][2]], doc["tables"])
         )
+
+
+def test_a_user_state_over_several_sequences_is_refused_when_the_spec_is_read():
+    """``contract`` and ``import`` read the spec first: the refusal comes there, not at model load."""
+    doc = _doc("taobao")
+    doc["user_state"] = {"enabled": True, "tokens": 32, "exact_tokens": 16, "tail": 16}
+    with pytest.raises(
+        SpecError, match=r"\[user_state\] keeps one sequence per user .* the spec has 4 \(hist_item_ids"
+    ):
+        parse_spec(doc)
