@@ -80,7 +80,7 @@ def test_serve_restarts_a_server_killed_by_a_request_and_frees_its_shared_memory
         serve = subprocess.Popen(
             [sys.executable, "-m", "recserve.cli", "serve", "--repository", str(repository),
              "--http-port", str(ports.http), "--grpc-port", str(ports.grpc),
-             "--metrics-port", str(ports.metrics)],
+             "--metrics-port", str(ports.metrics), "--status-file", str(tmp_path / "supervisor.json")],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
@@ -99,6 +99,9 @@ def test_serve_restarts_a_server_killed_by_a_request_and_frees_its_shared_memory
             assert not regions(prefix), "the dead server's shared memory is still there"
             with CTRClient(f"127.0.0.1:{ports.grpc}", spec=spec, timeout_s=30) as client:
                 assert len(client.predict_inputs(wire)) == 4
+        counted = 'recserve_supervisor_restarts_total{process="tritonserver",cause="process_died"} 3'
+        prom = tmp_path / "supervisor.prom"
+        wait_for(lambda: prom.is_file() and counted in prom.read_text(), 30, "3 restarts counted")
         backoff = Backoff()
         for crash, seconds in enumerate(down_s, start=1):
             assert seconds >= backoff.delay(crash), (crash, seconds)  # never faster than the backoff
