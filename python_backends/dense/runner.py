@@ -289,6 +289,20 @@ class DenseStep:
         """Probabilities of a merged dynamic batch."""
         return {PROBABILITY: self.runner.predict(merged)}
 
+    def score_lists(self, lists: list[Arrays]) -> list[np.ndarray]:
+        """A batch's candidate lists scored in one call, each list's probabilities accepted.
+
+        Raises:
+            NonFiniteOutput: a list's probabilities are not all finite (then each list is answered alone).
+        """
+        scores = self.lists.together(lists)
+        finite = np.isfinite(np.concatenate([s.ravel() for s in scores]))
+        if not finite.all():
+            raise NonFiniteOutput("a candidate list's probabilities are not finite")
+        for probability in scores:
+            self.accept({PROBABILITY: probability})
+        return scores
+
     def accept(self, outputs: Mapping[str, object], count: bool = True) -> None:
         """Let one request's probabilities out only when all are finite; count the ones served.
 

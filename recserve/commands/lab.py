@@ -1,7 +1,8 @@
 """``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
 
 ``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``, ``fuzz``,
-``chaos``, ``candidate-lists`` and ``queue-stall``. Each used to be a top-level command; :data:`FLAT_NAMES`
+``chaos``, ``candidate-lists``, ``queue-stall`` and ``device-ops``. Each but the last used to be a
+top-level command; :data:`FLAT_NAMES`
 maps those old names to the new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
 """
 
@@ -276,6 +277,15 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     store_bench.add_arguments(bench)
     bench.set_defaults(func=store_bench.run_from_args)
+
+    from recserve.perf.lab import device_ops
+
+    counter = lab.add_parser(
+        "device-ops",
+        help="torch operators and host synchronisations per batch of the device path (lookup, dense)",
+    )
+    device_ops.add_arguments(counter)
+    counter.set_defaults(func=device_ops.run_from_args)
 
     from recserve.perf.lab import fuzz
 

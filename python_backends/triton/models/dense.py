@@ -17,7 +17,6 @@ from recserve.backends.triton.adapter import (
 from recserve.backends.triton.publisher import MetricsPublisher
 from recserve.core.contract import dense_net_inputs, left_padded_inputs
 from recserve.core.names import DENSE_DEVICE_PARAMETER, DENSE_VERSION, PROBABILITY
-from recserve.errors import NonFiniteOutput
 
 
 class TritonPythonModel:
@@ -91,13 +90,7 @@ class TritonPythonModel:
 
     def score_lists(self, lists: list, requested: list) -> list:
         """A batch's candidate lists scored in one call; if any is not finite, refused (then each alone)."""
-        scores = self.step.lists.together(lists)
-        finite = np.isfinite(np.concatenate([s.ravel() for s in scores]))
-        if not finite.all():
-            raise NonFiniteOutput("a candidate list's probabilities are not finite")
-        for probability in scores:
-            self.step.accept({PROBABILITY: probability})
-        return [self.versioned({PROBABILITY: probability}) for probability in scores]
+        return [self.versioned({PROBABILITY: probability}) for probability in self.step.score_lists(lists)]
 
     def versioned(self, outputs: dict) -> dict:
         """``outputs`` with, per row, the version that computed them."""
