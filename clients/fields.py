@@ -112,7 +112,8 @@ def parse_numbers(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np
 def parse_floats(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
     """float32 values of a ``[N, K]`` string array; raises on the first malformed or non-finite field."""
     try:
-        values = text.astype(np.float32)
+        with np.errstate(over="ignore"):  # beyond float32: inf, refused below with its line
+            values = text.astype(np.float32)
     except ValueError:
         values = None
     if values is not None and np.isfinite(values).all():
