@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from recserve.backends.store.event_log import Events
+from recserve.backends.store.user_state.events import Events
 from recserve.build.synthetic import generate
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import RawRows

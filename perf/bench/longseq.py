@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.store.event_log import Events, append_events
-from recserve.backends.store.user_state_store import open_user_states
+from recserve.backends.store.user_state.events import Events, append_events
+from recserve.backends.store.user_state.states import open_user_states
 from recserve.build import configs
 from recserve.core.names import IDS_WIRE, STEPS
 from recserve.core.spec import ModelSpec

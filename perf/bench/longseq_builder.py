@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from recserve.backends.store.event_log import Events, append_events
-from recserve.backends.store.user_state_store import UserStates
+from recserve.backends.store.user_state.events import Events, append_events
+from recserve.backends.store.user_state.states import UserStates
 from recserve.build.synthetic_users import LongUsers
 
 

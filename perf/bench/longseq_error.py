@@ -25,9 +25,9 @@ import torch
 
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.steps.user_state_keys import RepositoryKeySpace
-from recserve.backends.store.user_state import CLUSTERED, EXACT
-from recserve.backends.store.user_state_groups import Budget, build_state
-from recserve.backends.store.user_tokens import Tokens, merge
+from recserve.backends.store.user_state.groups import Budget, build_state
+from recserve.backends.store.user_state.state import CLUSTERED, EXACT
+from recserve.backends.store.user_state.tokens import Tokens, merge
 from recserve.build.evaluation import roc_auc
 from recserve.build.repository import load_reference_net, reference_pipeline
 from recserve.build.synthetic import generate

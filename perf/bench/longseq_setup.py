@@ -23,8 +23,8 @@ import numpy as np
 from recserve.backends.base.artifacts import read_manifest
 from recserve.backends.steps.user_state_keys import RepositoryKeySpace
 from recserve.backends.store.tiered import TieredStore
-from recserve.backends.store.user_state_groups import Budget, build_state
-from recserve.backends.store.user_state_store import UserStates, open_user_states
+from recserve.backends.store.user_state.groups import Budget, build_state
+from recserve.backends.store.user_state.states import UserStates, open_user_states
 from recserve.build import configs
 from recserve.build.repository import (
     build_repository,

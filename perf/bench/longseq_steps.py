@@ -37,7 +37,7 @@ from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.served import ServedStore
-from recserve.backends.store.state_index import StateCache
+from recserve.backends.store.user_state.index import StateCache
 from recserve.build.repository import version_dir
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec import ModelSpec

@@ -18,7 +18,7 @@ from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.backends.store.tiers import Lookup
-from recserve.backends.store.user_state_store import UserStates
+from recserve.backends.store.user_state.states import UserStates
 from recserve.core.names import DENSE_NORMALIZED, USER_ID
 from recserve.core.spec import ModelSpec
 from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature

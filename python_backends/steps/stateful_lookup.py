@@ -28,7 +28,7 @@ import numpy as np
 from recserve.backends.base.metrics import MetricSample
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.steps.user_history import OUTCOMES, RowStates, UserHistories
-from recserve.backends.store.user_state import MODES
+from recserve.backends.store.user_state.state import MODES
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec

@@ -4,12 +4,12 @@ A row carrying ``user_id`` and ``user_seq`` sends its history as the real-time t
 ``[user_state] tail`` events, the newest at ``user_seq``). The step fetches the states of the
 batch's distinct users (a small local cache, then one batched store call, which for Redis runs
 under ``deadline_ms`` and the breaker), merges each row's newer tail events into its user's tokens
-(:func:`~recserve.backends.store.history_merge.merge_histories`, all rows at once) and puts the tokens'
+(:func:`~recserve.backends.store.user_state.merge.merge_histories`, all rows at once) and puts the tokens'
 keys in the row's history, ``ln count`` per token in ``history_log_weights``. The keys are then
 looked up with every other key of the batch, in the same store call.
 
 A batch whose every row is a fresh cached hit leaving no gap (the common case) is merged in one
-compiled call (:class:`~recserve.backends.store.state_index.StateIndex`); the rest take the path
+compiled call (:class:`~recserve.backends.store.user_state.index.StateIndex`); the rest take the path
 below, which gives the same history.
 
 Without a usable state the row keeps today's history, its tail as sent, with all-zero log-weights:
@@ -33,9 +33,9 @@ import numpy as np
 
 from recserve.backends.base.inputs import require
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
-from recserve.backends.store.history_merge import Buckets, merge_histories
-from recserve.backends.store.state_index import FRESH, REFRESH, Refresher, StateCache, StateIndex
-from recserve.backends.store.user_rebuilds import (
+from recserve.backends.store.user_state.index import FRESH, REFRESH, Refresher, StateCache, StateIndex
+from recserve.backends.store.user_state.merge import Buckets, merge_histories
+from recserve.backends.store.user_state.rebuilds import (
     REBUILD_FILE_SUFFIX,
     REBUILD_SET_SUFFIX,
     FileRebuilds,
@@ -43,8 +43,8 @@ from recserve.backends.store.user_rebuilds import (
     RebuildSink,
     RedisRebuilds,
 )
-from recserve.backends.store.user_state import MODES, UserState
-from recserve.backends.store.user_state_store import (
+from recserve.backends.store.user_state.state import MODES, UserState
+from recserve.backends.store.user_state.states import (
     BAD_VALUE,
     ERROR,
     FOUND,
@@ -52,7 +52,7 @@ from recserve.backends.store.user_state_store import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import GAP, HIT, MISS, StoredTokens, Tokens
+from recserve.backends.store.user_state.tokens import GAP, HIT, MISS, StoredTokens, Tokens
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec import ModelSpec

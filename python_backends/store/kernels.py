@@ -76,7 +76,7 @@ _SIGNATURES = {
         *[_SIZE] * 2,
         _POINTER,
     ],
-    # index, slots, entry (state_index.StateIndex)
+    # index, slots, entry (user_state.index.StateIndex)
     "recserve_index_put": [_POINTER, _SIZE, _POINTER],
     # index, slots, user
     "recserve_index_remove": [_POINTER, _SIZE, _SIZE],
@@ -306,10 +306,10 @@ class Kernels:
         widths: np.ndarray,
         max_width: int,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What ``history_merge.merge_numpy_histories`` computes, in one pass over the rows.
+        """What ``user_state.merge.merge_numpy_histories`` computes, in one pass over the rows.
 
         ``table`` (int64 ``[rows, 6]``) gives each row the addresses of its state's items and
-        counts (:attr:`StoredTokens.entry <recserve.backends.store.user_tokens.StoredTokens.entry>`:
+        counts (:attr:`StoredTokens.entry <recserve.backends.store.user_state.tokens.StoredTokens.entry>`:
         live arrays of at least the size given), the state's size (-1: none) and sequence number,
         its tail's length and newest sequence number. The history is as wide as the first of
         ``widths`` (int64, ascending) that holds the longest merged row, and at least as ``keys``;

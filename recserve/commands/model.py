@@ -60,7 +60,7 @@ def _sample(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     writer = write_csv if args.output.suffix == ".csv" else write_tsv
     if args.event_log is not None:  # long users: their events in the log, their newest tails as rows
-        from recserve.backends.store.event_log import append_events
+        from recserve.backends.store.user_state.events import append_events
         from recserve.build.synthetic_users import long_users
 
         made = long_users(spec, args.rows, args.seed)

@@ -91,7 +91,7 @@ def _explain(args: argparse.Namespace) -> int:
     inputs = read_rows(args.input, spec).to_inputs(spec)
     states = None
     if serves_user_state(spec):  # the states the served step reads: under the repository's folder
-        from recserve.backends.store.user_state_store import open_user_states
+        from recserve.backends.store.user_state.states import open_user_states
 
         states = open_user_states(spec.user_state, spec.store, args.repository)
     for record in explain(spec, served.store, inputs, args.device, states):

@@ -20,18 +20,18 @@ KEY_SPACE_POLL_S = 5.0
 
 def _run(args: argparse.Namespace) -> int:
     from recserve.backends.steps.user_state_keys import RepositoryKeySpace
-    from recserve.backends.store.event_log import FileEventLog, RedisEventLog
     from recserve.backends.store.redis_tier import RedisTier
     from recserve.backends.store.served import ServedStore
-    from recserve.backends.store.user_rebuilds import (
+    from recserve.backends.store.user_state.builder import Regrouping, UserStateBuilder
+    from recserve.backends.store.user_state.events import FileEventLog, RedisEventLog
+    from recserve.backends.store.user_state.groups import Budget
+    from recserve.backends.store.user_state.rebuilds import (
         REBUILD_FILE_SUFFIX,
         REBUILD_SET_SUFFIX,
         FileRebuilds,
         RedisRebuilds,
     )
-    from recserve.backends.store.user_state_builder import Regrouping, UserStateBuilder
-    from recserve.backends.store.user_state_groups import Budget
-    from recserve.backends.store.user_state_store import RedisUserStates, open_user_states
+    from recserve.backends.store.user_state.states import RedisUserStates, open_user_states
 
     spec = load_spec(args.spec)
     section = spec.user_state
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from recserve.backends.store.user_state_store import open_user_states
+    from recserve.backends.store.user_state.states import open_user_states
 
     if not -(2**63) <= args.user < 2**63:
         raise ValueError(f"--user {shorten(args.user)} is not a user id (user ids are int64)")

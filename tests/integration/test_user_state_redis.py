@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from recserve.backends.store.redis_tier import redis_keys
-from recserve.backends.store.user_state import CLUSTERED, EXACT, UserState
-from recserve.backends.store.user_state_store import (
+from recserve.backends.store.user_state.state import CLUSTERED, EXACT, UserState
+from recserve.backends.store.user_state.states import (
     ABSENT,
     BAD_VALUE,
     ERROR,
@@ -17,7 +17,7 @@ from recserve.backends.store.user_state_store import (
     RedisUserStates,
     open_user_states,
 )
-from recserve.backends.store.user_tokens import dedup
+from recserve.backends.store.user_state.tokens import dedup
 from recserve.core.sections_user_state import UserStateSection
 from recserve.perf.harness.redis_cluster import RedisCluster
 

@@ -17,9 +17,9 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from recserve.backends.features.hashing import keys_for, table_salt
-from recserve.backends.store.user_state import EXACT, UserState
-from recserve.backends.store.user_state_store import LocalUserStates
-from recserve.backends.store.user_tokens import dedup
+from recserve.backends.store.user_state.state import EXACT, UserState
+from recserve.backends.store.user_state.states import LocalUserStates
+from recserve.backends.store.user_state.tokens import dedup
 from recserve.build.repository import build_repository, load_reference_net, reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient

@@ -32,10 +32,10 @@ from recserve.backends.store.updates.versions import (
     read_delta_file,
     save_hot_keys,
 )
-from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue, RebuildsFull
-from recserve.backends.store.user_state import EXACT, UserState
-from recserve.backends.store.user_state_store import ERROR, LocalUserStates
-from recserve.backends.store.user_tokens import Tokens
+from recserve.backends.store.user_state.rebuilds import FileRebuilds, RebuildQueue, RebuildsFull
+from recserve.backends.store.user_state.state import EXACT, UserState
+from recserve.backends.store.user_state.states import ERROR, LocalUserStates
+from recserve.backends.store.user_state.tokens import Tokens
 from recserve.cli import main
 from recserve.errors import ArtifactError
 from tests.hostile_files import npy_header

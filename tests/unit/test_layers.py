@@ -32,6 +32,7 @@ BOTTOM = ("recserve.core", "recserve.errors")
 FACADES = ("recserve.sections", "recserve.spec", "recserve.wire")
 BACKEND_BASE = ("recserve.backends.base",)
 BACKEND_SUBSYSTEMS = ("recserve.backends.features", "recserve.backends.store", "recserve.backends.dense")
+USER_STATE = "recserve.backends.store.user_state"
 #: what every part of perf may import: what it measures and the tools that start it
 PERF_BASE = (*BOTTOM, "recserve.backends", "recserve.build", "recserve.clients", "recserve.server")
 PERF_FLOORS = ("recserve.perf.harness", "recserve.perf.peers", "recserve.perf.bench")
@@ -42,6 +43,8 @@ ALLOWED = {
     **{facade: ("recserve.core",) for facade in FACADES},
     "recserve.backends.base": BOTTOM,
     **{subsystem: (*BOTTOM, *BACKEND_BASE) for subsystem in BACKEND_SUBSYSTEMS},
+    # the near-line user state: a room of the store, on the store's shared parts (kernels, Redis tier)
+    USER_STATE: (*BOTTOM, *BACKEND_BASE, "recserve.backends.store"),
     "recserve.backends.steps": (*BOTTOM, *BACKEND_BASE, *BACKEND_SUBSYSTEMS),
     "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
     "recserve.backends": (),  # the package alone (the root's contents: a test below)
@@ -143,6 +146,18 @@ def test_upward_and_sideways_imports_are_caught():
     ]
     assert violations("recserve.verify", {"recserve.commands.model"}) == ["recserve.commands.model"]
     assert not within("recserve.backends.storex", "recserve.backends.store")
+
+
+def test_the_embedding_store_never_imports_the_user_state_room():
+    """store/user_state/ stands on the store's shared parts; the rest of the store stands without it."""
+    store = [p for p in sources() if within(module_name(p), "recserve.backends.store")]
+    outside = [p for p in store if not within(module_name(p), USER_STATE)]
+    inward = {module_name(p): sorted(m for m in imported(p) if within(m, USER_STATE)) for p in outside}
+    assert outside and {module: names for module, names in inward.items() if names} == {}
+    assert violations(f"{USER_STATE}.states", {"recserve.backends.store.redis_tier"}) == []
+    assert violations(f"{USER_STATE}.states", {"recserve.backends.features.hashing"}) == [
+        "recserve.backends.features.hashing"
+    ]
 
 
 def test_the_backends_floors_are_kept():

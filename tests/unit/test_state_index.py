@@ -1,7 +1,7 @@
 """The compiled merge from cached states: the same history and outcomes as the step's other path.
 
 A batch whose every row is a fresh cached hit is merged in one compiled call
-(:class:`~recserve.backends.store.state_index.StateIndex`); every other batch takes the path that
+(:class:`~recserve.backends.store.user_state.index.StateIndex`); every other batch takes the path that
 fetches. Both must give the same keys, mask, weights and row states, bit for bit.
 """
 
@@ -14,10 +14,10 @@ import pytest
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store import kernels
-from recserve.backends.store.state_index import FRESH, Refresher, StateCache, StateIndex
-from recserve.backends.store.user_state import CLUSTERED, EXACT, UserState
-from recserve.backends.store.user_state_store import LocalUserStates
-from recserve.backends.store.user_tokens import dedup
+from recserve.backends.store.user_state.index import FRESH, Refresher, StateCache, StateIndex
+from recserve.backends.store.user_state.state import CLUSTERED, EXACT, UserState
+from recserve.backends.store.user_state.states import LocalUserStates
+from recserve.backends.store.user_state.tokens import dedup
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, HISTORY_MASK
 from recserve.errors import InvalidInput
 from tests.unit.helpers import USER_TAIL as TAIL

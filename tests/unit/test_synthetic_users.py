@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from recserve.backends.store.user_tokens import dedup
+from recserve.backends.store.user_state.tokens import dedup
 from recserve.build.synthetic_users import long_users
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.spec_parse import parse_spec

@@ -7,13 +7,13 @@ from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.stateful_lookup import UserStateCounts
 from recserve.backends.steps.user_history import KeyedState, RowStates, UserHistories
-from recserve.backends.store.state_index import EXPIRED, FRESH, REFRESH, StateCache
-from recserve.backends.store.user_rebuilds import FileRebuilds, RebuildQueue
-from recserve.backends.store.user_state import EXACT, UserState
-from recserve.backends.store.user_state_builder import UserStateBuilder
-from recserve.backends.store.user_state_groups import Budget
-from recserve.backends.store.user_state_store import LocalUserStates, StateFetch
-from recserve.backends.store.user_tokens import dedup
+from recserve.backends.store.user_state.builder import UserStateBuilder
+from recserve.backends.store.user_state.groups import Budget
+from recserve.backends.store.user_state.index import EXPIRED, FRESH, REFRESH, StateCache
+from recserve.backends.store.user_state.rebuilds import FileRebuilds, RebuildQueue
+from recserve.backends.store.user_state.state import EXACT, UserState
+from recserve.backends.store.user_state.states import LocalUserStates, StateFetch
+from recserve.backends.store.user_state.tokens import dedup
 from recserve.build.step_tensors import request_inputs, step_io
 from recserve.core.contract import dense_net_inputs, left_padded_inputs, sequence_inputs
 from recserve.core.names import (
@@ -198,7 +198,7 @@ def test_the_builder_rebuilds_the_users_the_servers_queue(tmp_path):
     builder = UserStateBuilder(
         states, Budget(96, 64, 0.5), lambda items: np.zeros((len(items), 2)), 4096, 0.0
     )
-    from recserve.backends.store.event_log import Events
+    from recserve.backends.store.user_state.events import Events
 
     builder.ingest(Events.of([(1, 1, 5, 0.0), (1, 2, 6, 0.0)]))
     builder.flush()
@@ -226,8 +226,8 @@ def test_explain_shows_each_rows_state_sequence_number_and_mode_first(tmp_path):
 
 
 def test_states_keyed_together_are_keyed_as_each_alone():
-    from recserve.backends.store.user_state import CLUSTERED
-    from recserve.backends.store.user_tokens import Tokens
+    from recserve.backends.store.user_state.state import CLUSTERED
+    from recserve.backends.store.user_state.tokens import Tokens
 
     salt = table_salt("recserve", "items")
     states = [

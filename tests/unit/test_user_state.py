@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from recserve.backends.store.user_state import (
+from recserve.backends.store.user_state.state import (
     CLUSTERED,
     EXACT,
     HEADER_BYTES,
@@ -15,8 +15,8 @@ from recserve.backends.store.user_state import (
     decode_state,
     decode_states,
 )
-from recserve.backends.store.user_state_store import ABSENT, BAD_VALUE, FOUND, LocalUserStates
-from recserve.backends.store.user_tokens import Tokens, dedup
+from recserve.backends.store.user_state.states import ABSENT, BAD_VALUE, FOUND, LocalUserStates
+from recserve.backends.store.user_state.tokens import Tokens, dedup
 from recserve.core.sections_base import SpecError
 from recserve.core.spec_parse import parse_spec
 from tests.unit.helpers import ctr_spec_document

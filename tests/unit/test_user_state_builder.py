@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from recserve.backends.store.event_log import Events, FileEventLog, append_events
-from recserve.backends.store.user_state import CLUSTERED, EXACT, UserState
-from recserve.backends.store.user_state_builder import Regrouping, UserStateBuilder, key_drift
-from recserve.backends.store.user_state_groups import Budget, build_state, group_tokens
-from recserve.backends.store.user_state_store import FOUND, LocalUserStates
-from recserve.backends.store.user_tokens import Tokens, dedup
+from recserve.backends.store.user_state.builder import Regrouping, UserStateBuilder, key_drift
+from recserve.backends.store.user_state.events import Events, FileEventLog, append_events
+from recserve.backends.store.user_state.groups import Budget, build_state, group_tokens
+from recserve.backends.store.user_state.state import CLUSTERED, EXACT, UserState
+from recserve.backends.store.user_state.states import FOUND, LocalUserStates
+from recserve.backends.store.user_state.tokens import Tokens, dedup
 
 RNG = np.random.default_rng(0)
 SPACE = RNG.normal(0, 1, (5000, 4))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recserve.backends.dense.network import CandidateNet, CTRNet
-from recserve.backends.store.user_tokens import dedup, merge
+from recserve.backends.store.user_state.tokens import dedup, merge
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, HISTORY_USER
 from recserve.core.spec_parse import load_spec

@@ -13,9 +13,9 @@ from recserve.backends.base import batching
 from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
-from recserve.backends.store.user_state import EXACT, UserState
-from recserve.backends.store.user_state_store import LocalUserStates
-from recserve.backends.store.user_tokens import dedup
+from recserve.backends.store.user_state.state import EXACT, UserState
+from recserve.backends.store.user_state.states import LocalUserStates
+from recserve.backends.store.user_state.tokens import dedup
 from recserve.core.names import (
     BYTES_WIRE,
     CANDIDATE_PREFIX,

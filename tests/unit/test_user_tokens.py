@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from recserve.backends.store.user_tokens import (
+from recserve.backends.store.user_state.tokens import (
     GAP,
     HIT,
     MISS,

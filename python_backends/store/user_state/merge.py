@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recserve.backends.store import kernels
-from recserve.backends.store.user_tokens import GAP, MergedRows, StoredTokens, merge_rows
+from recserve.backends.store.user_state.tokens import GAP, MergedRows, StoredTokens, merge_rows
 
 KERNELS = kernels.load()  # the compiled merge; None: the numpy path
 _NO_STATE = (0, 0, -1, -1)  # a row's table entry without a state (see merge_histories)

@@ -153,7 +153,7 @@ def merge_rows(
         tail_starts: per row, the column where its tail begins (a history padded on the left).
 
     The lookup step merges straight into its history with
-    :func:`~recserve.backends.store.history_merge.merge_histories`.
+    :func:`~recserve.backends.store.user_state.merge.merge_histories`.
     """
     which = np.asarray(which, np.int64)
     seqs = np.asarray(state_seqs, np.int64)[which]

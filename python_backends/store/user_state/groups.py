@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recserve.backends.store.user_state import CLUSTERED, EXACT, UserState
-from recserve.backends.store.user_tokens import Tokens, dedup
+from recserve.backends.store.user_state.state import CLUSTERED, EXACT, UserState
+from recserve.backends.store.user_state.tokens import Tokens, dedup
 
 #: Item ids to their vectors in the attention's key space ``[n, d]``.
 KeySpace = Callable[[np.ndarray], np.ndarray]

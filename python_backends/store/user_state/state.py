@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from recserve.backends.store.user_tokens import Tokens
+from recserve.backends.store.user_state.tokens import Tokens
 from recserve.errors import shorten
 
 MAGIC = b"RSU1"

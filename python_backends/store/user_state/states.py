@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from recserve.backends.store.redis_tier import CircuitBreaker, RedisTier, redis_keys
-from recserve.backends.store.user_state import StateFormatError, UserState, decode_states, seq_bytes
-from recserve.backends.store.user_state_files import STATE_COLUMNS, opening_lock, set_aside_if_corrupt
+from recserve.backends.store.user_state.files import STATE_COLUMNS, opening_lock, set_aside_if_corrupt
+from recserve.backends.store.user_state.state import StateFormatError, UserState, decode_states, seq_bytes
 from recserve.core.sections_serving import StoreSection
 from recserve.core.sections_user_state import UserStateSection
 
@@ -126,7 +126,7 @@ class _Decoder:
 class LocalUserStates:
     """States in a SQLite file, shared by the builder's process and the servers' on one machine.
 
-    The file is checked when opened (:func:`~recserve.backends.store.user_state_files.corruption`):
+    The file is checked when opened (:func:`~recserve.backends.store.user_state.files.corruption`):
     a corrupt one, or one that is not a user-state database, is set aside beside it
     (``<name>.corrupt-<time>``; counted in ``set_aside``, logged) and an empty one takes its place,
     whose states the builder writes again as users come back. A corrupt file never stops a start.

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recserve.backends.store.event_log import Events
-from recserve.backends.store.user_state import CLUSTERED
-from recserve.backends.store.user_state_groups import Budget, KeySpace, build_state
-from recserve.backends.store.user_state_store import UserStates
+from recserve.backends.store.user_state.events import Events
+from recserve.backends.store.user_state.groups import Budget, KeySpace, build_state
+from recserve.backends.store.user_state.state import CLUSTERED
+from recserve.backends.store.user_state.states import UserStates
 
 LOGGER = logging.getLogger(__name__)
 _NONE = np.zeros(0, np.int64)
