@@ -71,7 +71,8 @@ def _bomb(shape: str, data: str = "[0]", name: str = "dense") -> bytes:
 
 
 def _typed(datatype: str, data: str) -> bytes:
-    return f'{{"inputs":[{{"name":"history_items","shape":[1,1],"data":{data},"datatype":"{datatype}"}}]}}'.encode()
+    body = {"inputs": [{"name": "history_items", "shape": [1, 1], "data": "@", "datatype": datatype}]}
+    return json.dumps(body).replace('"@"', data).encode()
 
 
 @pytest.fixture(scope="module")
