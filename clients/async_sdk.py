@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.clients.base import ClientBase, Scores
+from recserve.clients.base import ClientBase, Scores, part_ids, request_id_of
 from recserve.clients.errors import (
     RequestTimeoutError,
     ServerError,
@@ -97,49 +97,68 @@ class AsyncCTRClient(ClientBase):
                 return False
             raise error from exc
 
-    async def predict_inputs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    async def predict_inputs(
+        self, inputs: Mapping[str, np.ndarray], request_id: str | None = None
+    ) -> np.ndarray:
         """Send one request (see :meth:`CTRClient.predict_inputs`).
 
         Returns:
             float32 ``[B]`` click probabilities.
         """
+        request_id = request_id_of(request_id)
         arrays = self._prepare(inputs)
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
             return np.zeros(0, dtype=np.float32)
-        return self._probabilities(await self._infer(arrays, (PROBABILITY,)), rows)
+        return self._probabilities(await self._infer(arrays, (PROBABILITY,), request_id=request_id), rows)
 
-    async def score_inputs(self, inputs: Mapping[str, np.ndarray]) -> Scores:
-        """Send one request; probabilities and the versions that served them.
+    async def score_inputs(self, inputs: Mapping[str, np.ndarray], request_id: str | None = None) -> Scores:
+        """Send one request; probabilities, the versions that served them and the request's id.
 
         See :meth:`CTRClient.score_inputs`.
         """
+        request_id = request_id_of(request_id)
         arrays = self._prepare(inputs)
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
-            return self._empty_scores()
-        return self._scores(await self._infer(arrays, (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)), rows)
+            return self._empty_scores(request_id)
+        names = (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)
+        result = await self._infer(arrays, names, request_id=request_id)
+        return self._scores(result, rows, request_id=request_id)
 
     async def score_candidates(
-        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+        self,
+        user: Mapping[str, Sequence[int] | np.ndarray],
+        candidates: CriteoRows,
+        request_id: str | None = None,
     ) -> np.ndarray:
-        """Score one user's candidate list (see :meth:`CTRClient.score_candidates`).
+        """Score one user's candidate list (see :meth:`CTRClient.score_candidates`, ids too).
 
         Returns:
             float32 ``[N]`` click probabilities, in the order of ``candidates``.
         """
         model = self.spec.candidates_model
-        parts = [
-            self._probabilities(
-                await self._infer(arrays, (PROBABILITY,), model), arrays[self.spec.target_names[0]].shape[1]
-            )
-            for arrays in self._candidate_requests(user, candidates)
-        ]
+        requests = list(self._candidate_requests(user, candidates))
+        ids = part_ids(request_id, len(requests))
+        with self._collect_ids():
+            parts = [
+                self._probabilities(
+                    await self._infer(arrays, (PROBABILITY,), model, rid),
+                    arrays[self.spec.target_names[0]].shape[1],
+                )
+                for arrays, rid in zip(requests, ids, strict=True)
+            ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
     async def _infer(
-        self, arrays: Mapping[str, np.ndarray], names: tuple[str, ...], model: str | None = None
+        self,
+        arrays: Mapping[str, np.ndarray],
+        names: tuple[str, ...],
+        model: str | None = None,
+        request_id: str | None = None,
     ) -> Any:
+        """One request; ``request_id`` None: a new one (noted in :attr:`last_request_ids` either way)."""
+        request_id = self._sent(request_id_of(request_id))
         client = self._transport()
         infer_inputs = self._infer_inputs(self._module, arrays)
         outputs = self._outputs(self._module, names)
@@ -152,8 +171,11 @@ class AsyncCTRClient(ClientBase):
                     outputs=outputs,
                     client_timeout=self.timeout_s,
                     headers=self._headers,
+                    request_id=request_id,
                 )
-            return await client.infer(model, infer_inputs, outputs=outputs, headers=self._headers)
+            return await client.infer(
+                model, infer_inputs, outputs=outputs, headers=self._headers, request_id=request_id
+            )
         except Exception as exc:
             raise map_exception(exc) from exc
 

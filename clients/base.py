@@ -8,6 +8,8 @@ The transports are :class:`~recserve.clients.sdk.CTRClient` and
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -59,16 +61,44 @@ class Scores:
             store snapshot that served it, in the order of :attr:`tables`. A request is served by one
             snapshot, so its rows agree.
         tables: table names, the columns of ``embedding_version`` (the spec's ``table_names``).
+        request_id: the id the request was sent with (the caller's, or one the client made): the
+            server's request log and click events name the request by it.
     """
 
     probabilities: np.ndarray
     dense_version: np.ndarray
     embedding_version: np.ndarray
     tables: tuple[str, ...]
+    request_id: str = ""
 
     def table_versions(self, row: int = 0) -> dict[str, int]:
         """Table name -> version that served ``row``."""
         return dict(zip(self.tables, (int(v) for v in self.embedding_version[row]), strict=True))
+
+
+#: The longest request id the client sends (Triton takes any string; a log keys its records by it).
+MAX_REQUEST_ID = 128
+
+
+def request_id_of(given: str | None) -> str:
+    """``given`` checked (printable ASCII, 1..128 characters), or a new random id (32 hex digits).
+
+    Raises:
+        ValueError: ``given`` is empty, too long or not printable ASCII.
+    """
+    if given is None:
+        return uuid.uuid4().hex
+    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isascii() or not given.isprintable():
+        raise ValueError(
+            f"request_id must be 1..{MAX_REQUEST_ID} printable ASCII characters, got {shorten(given)}"
+        )
+    return given
+
+
+def part_ids(request_id: str | None, parts: int) -> list[str]:
+    """The ids of a call sent as ``parts`` requests: ``request_id`` itself for one, else ``<id>.<k>``."""
+    base = request_id_of(request_id)
+    return [base] if parts == 1 else [f"{base}.{k}" for k in range(parts)]
 
 
 def _check_protocol(protocol: str) -> str:
@@ -103,6 +133,29 @@ class ClientBase:
         self._model_name = model_name
         # sent with every request: the access layer keeps a user on one model variant by it
         self._headers = {USER_HEADER: user_id} if user_id is not None else None
+        #: the ids of the requests the latest call sent, in order (one per request it made)
+        self.last_request_ids: list[str] = []
+        self._collecting: list[str] | None = None
+
+    @contextlib.contextmanager
+    def _collect_ids(self) -> Iterator[None]:
+        """Gather the ids sent inside the block into :attr:`last_request_ids` (the outermost call's)."""
+        if self._collecting is not None:  # a call inside another: the outer one collects
+            yield
+            return
+        self._collecting = []
+        try:
+            yield
+        finally:
+            self.last_request_ids, self._collecting = self._collecting, None
+
+    def _sent(self, request_id: str) -> str:
+        """Note ``request_id`` as sent by the current call; returns it."""
+        if self._collecting is not None:
+            self._collecting.append(request_id)
+        else:
+            self.last_request_ids = [request_id]
+        return request_id
 
     @property
     def spec(self) -> ModelSpec:
@@ -293,18 +346,25 @@ class ClientBase:
     def _probabilities(self, result: Any, rows: int) -> np.ndarray:
         return self._output(result, PROBABILITY, rows, np.float32).reshape(-1)
 
-    def _scores(self, result: Any, rows: int, probabilities: np.ndarray | None = None) -> Scores:
+    def _scores(
+        self, result: Any, rows: int, probabilities: np.ndarray | None = None, request_id: str = ""
+    ) -> Scores:
         return Scores(
             self._probabilities(result, rows) if probabilities is None else probabilities,
             self._output(result, DENSE_VERSION, rows, np.int64).reshape(-1),
             self._output(result, EMBEDDING_VERSION, rows, np.int64).reshape(rows, -1),
             self.spec.table_names,
+            request_id,
         )
 
-    def _empty_scores(self) -> Scores:
+    def _empty_scores(self, request_id: str = "") -> Scores:
         tables = self.spec.table_names
         return Scores(
-            np.zeros(0, np.float32), np.zeros(0, np.int64), np.zeros((0, len(tables)), np.int64), tables
+            np.zeros(0, np.float32),
+            np.zeros(0, np.int64),
+            np.zeros((0, len(tables)), np.int64),
+            tables,
+            request_id,
         )
 
     def _check_batch_size(self, batch_size: int) -> None:

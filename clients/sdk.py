@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.clients.base import DEFAULT_URLS, PROTOCOLS, ClientBase, Scores
+from recserve.clients.base import DEFAULT_URLS, PROTOCOLS, ClientBase, Scores, part_ids, request_id_of
 from recserve.clients.errors import (
     RequestTimeoutError,
     ServerUnavailableError,
@@ -132,12 +132,14 @@ class CTRClient(ClientBase):
                 return False
             raise error from exc
 
-    def predict_inputs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    def predict_inputs(self, inputs: Mapping[str, np.ndarray], request_id: str | None = None) -> np.ndarray:
         """Send one request.
 
         Args:
             inputs: one array per wire input of the spec (see :meth:`CriteoRows.to_inputs`), at most
                 ``spec.model.max_batch_size`` rows.
+            request_id: the request's id (printable ASCII, at most 128 characters); None: a new
+                random one. Either way it is in :attr:`last_request_ids` after the call.
 
         Returns:
             float32 ``[B]`` click probabilities.
@@ -148,37 +150,44 @@ class CTRClient(ClientBase):
             RequestTimeoutError: no answer within ``timeout_s``.
             ServerError: any other failure.
         """
+        request_id = request_id_of(request_id)
         arrays = self._prepare(inputs)
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
             return np.zeros(0, dtype=np.float32)
-        result = self._infer(arrays, rows, ())
+        result = self._infer(arrays, rows, (), request_id=request_id)
         if self._shm is not None:
             return self._shm.probabilities(rows)
         return self._probabilities(result, rows)
 
-    def score_inputs(self, inputs: Mapping[str, np.ndarray]) -> Scores:
+    def score_inputs(self, inputs: Mapping[str, np.ndarray], request_id: str | None = None) -> Scores:
         """Send one request; the probabilities with the dense and embedding versions that served each row.
 
         Args:
             inputs: as for :meth:`predict_inputs`.
+            request_id: as for :meth:`predict_inputs`.
 
         Returns:
-            :class:`Scores`.
+            :class:`Scores`, with the request's id.
 
         Raises:
             RecserveClientError: as :meth:`predict_inputs`; ``ServerError`` also when the served
                 model has no version outputs (a TensorRT ``dense`` has no ``dense_version``).
         """
+        request_id = request_id_of(request_id)
         arrays = self._prepare(inputs)
         rows = next(iter(arrays.values())).shape[0]
         if rows == 0:
-            return self._empty_scores()
-        result = self._infer(arrays, rows, (DENSE_VERSION, EMBEDDING_VERSION))
-        return self._scores(result, rows, self._shm.probabilities(rows) if self._shm is not None else None)
+            return self._empty_scores(request_id)
+        result = self._infer(arrays, rows, (DENSE_VERSION, EMBEDDING_VERSION), request_id=request_id)
+        probabilities = self._shm.probabilities(rows) if self._shm is not None else None
+        return self._scores(result, rows, probabilities, request_id)
 
     def score_candidates(
-        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+        self,
+        user: Mapping[str, Sequence[int] | np.ndarray],
+        candidates: CriteoRows,
+        request_id: str | None = None,
     ) -> np.ndarray:
         """Score one user's candidate list: the user's sequences and profile are sent once.
 
@@ -191,6 +200,8 @@ class CTRClient(ClientBase):
             candidates: the candidate rows (their own sequence columns are ignored, and the user's
                 profile columns, ``[inputs] profile``, are read from the first row). More than
                 ``spec.model.max_batch_size`` candidates go in several requests.
+            request_id: the list's id (as for :meth:`predict_inputs`); a list sent as several
+                requests sends ``<id>.0``, ``<id>.1``, ... (:attr:`last_request_ids`).
 
         Returns:
             float32 ``[N]`` click probabilities, in the order of ``candidates``.
@@ -201,10 +212,16 @@ class CTRClient(ClientBase):
             RecserveClientError: as :meth:`predict_inputs`.
         """
         model = self.spec.candidates_model
-        parts = [
-            self._probabilities(self._infer(arrays, 0, (), model), arrays[self.spec.target_names[0]].shape[1])
-            for arrays in self._candidate_requests(user, candidates)
-        ]
+        requests = list(self._candidate_requests(user, candidates))
+        ids = part_ids(request_id, len(requests))
+        with self._collect_ids():
+            parts = [
+                self._probabilities(
+                    self._infer(arrays, 0, (), model, request_id=rid),
+                    arrays[self.spec.target_names[0]].shape[1],
+                )
+                for arrays, rid in zip(requests, ids, strict=True)
+            ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
     def predict_by_user(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:
@@ -224,6 +241,10 @@ class CTRClient(ClientBase):
             RecserveClientError: as :meth:`predict_inputs`.
         """
         self._check_batch_size(batch_size)
+        with self._collect_ids():  # every request's id, in the order sent
+            return self._predict_by_user(rows, batch_size)
+
+    def _predict_by_user(self, rows: CriteoRows, batch_size: int) -> np.ndarray:
         state = rows.user_state_wire(self.spec)
         out = np.zeros(len(rows), dtype=np.float32)
         alone: list[int] = []
@@ -245,11 +266,14 @@ class CTRClient(ClientBase):
         rows: int,
         extra_outputs: tuple[str, ...],
         model: str | None = None,
+        request_id: str | None = None,
     ) -> Any:
         """One request of prepared arrays; the probabilities through shared memory when it is on.
 
         ``model``: another model than the client's (the candidates ensemble; never through shared memory).
+        ``request_id``: the request's id (None: a new one); noted in :attr:`last_request_ids`.
         """
+        request_id = self._sent(request_id_of(request_id))
         if self._shm is not None and model is None:
             infer_inputs = self._shm.place(self._module, arrays)
             outputs = [self._shm.output(self._module, rows), *self._outputs(self._module, extra_outputs)]
@@ -265,8 +289,11 @@ class CTRClient(ClientBase):
                     outputs=outputs,
                     client_timeout=self.timeout_s,
                     headers=self._headers,
+                    request_id=request_id,
                 )
-            return self._client.infer(model, infer_inputs, outputs=outputs, headers=self._headers)
+            return self._client.infer(
+                model, infer_inputs, outputs=outputs, headers=self._headers, request_id=request_id
+            )
         except Exception as exc:
             raise map_exception(exc) from exc
 
@@ -285,7 +312,8 @@ class CTRClient(ClientBase):
             RecserveClientError: as :meth:`predict_inputs`; earlier batches' results are discarded.
         """
         self._check_batch_size(batch_size)
-        parts = [self.predict_inputs(batch.to_inputs(self.spec)) for batch in rows.batches(batch_size)]
+        with self._collect_ids():  # one id per batch, in :attr:`last_request_ids`
+            parts = [self.predict_inputs(batch.to_inputs(self.spec)) for batch in rows.batches(batch_size)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
 

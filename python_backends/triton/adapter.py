@@ -36,6 +36,9 @@ from recserve.errors import RequestError, cap_message
 LOGGER = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
+#: Called once per successful request with its inputs and its own outputs, before the response is
+#: sent (the request log); whatever it raises is logged, never the request's failure.
+Observer = Callable[[Any, Arrays, Mapping[str, Any]], None]
 #: The errors this stub process (one model instance) answered with, by code; every
 #: :class:`~recserve.backends.triton.publisher.MetricsPublisher` of the process publishes them.
 REQUEST_ERRORS = RequestErrorCounts()
@@ -165,9 +168,24 @@ def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
     )
 
 
-def _handle_one(handle: Callable[[Arrays], Mapping[str, Any]], inputs: Arrays) -> pb_utils.InferenceResponse:
+def observed(observe: Observer | None, request: Any, inputs: Arrays, outputs: Mapping[str, Any]) -> Any:
+    """``outputs`` after ``observe`` saw them (a failing observer is logged, the request unharmed)."""
+    if observe is not None:
+        try:
+            observe(request, inputs, outputs)
+        except Exception:  # the observer's failure is never the request's
+            LOGGER.exception("observing a served request failed")
+    return outputs
+
+
+def _handle_one(
+    handle: Callable[[Arrays], Mapping[str, Any]],
+    inputs: Arrays,
+    request: Any = None,
+    observe: Observer | None = None,
+) -> pb_utils.InferenceResponse:
     try:
-        return respond(handle(inputs))
+        return respond(observed(observe, request, inputs, handle(inputs)))
     except Exception as exc:  # mapped per request
         return error_response(exc)
 
@@ -180,6 +198,7 @@ def execute_merged_or_alone(
     ragged_width: Callable[[Arrays], int] | None = None,
     left_padded: Collection[str] = (),
     output_width: Callable[[Mapping[str, Any]], int] | None = None,
+    observe: Observer | None = None,
 ) -> list:
     """Handle the whole dynamic batch in one call; if that call fails, handle each request alone.
 
@@ -198,23 +217,28 @@ def execute_merged_or_alone(
         left_padded: the ragged outputs padded on the left (each request keeps their last columns).
         output_width: instead of ``ragged_width``, the width from a request's own part of the
             outputs (where the step, not the request, decides it: a user state merged in).
+        observe: sees each served request (:data:`Observer`).
     """
     inputs = [read_inputs(request, input_names) for request in requests]
     if len(inputs) == 1:
-        return [_handle_one(handle, inputs[0])]
+        return [_handle_one(handle, inputs[0], requests[0], observe)]
     try:
         merged, sizes = batching.merge(inputs)
         outputs = handle(merged)
     except Exception:  # redone per request below, where each error is mapped
         LOGGER.debug("merged batch of %d requests refused; handling them one by one", len(inputs))
-        return [_handle_one(handle, item) for item in inputs]
+        return [_handle_one(handle, *pair, observe) for pair in zip(inputs, requests, strict=True)]
     widths = (
         {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
     )
     if output_width is not None:
         own = [output_width(part) for part in batching.split(outputs, sizes)]
         widths = {name: own for name in ragged_outputs}
-    return [respond(part) for part in batching.split(outputs, sizes, widths, left_padded)]
+    parts = batching.split(outputs, sizes, widths, left_padded)
+    return [
+        respond(observed(observe, request, item, part))
+        for request, item, part in zip(requests, inputs, parts, strict=True)
+    ]
 
 
 def execute_alone(
@@ -223,6 +247,7 @@ def execute_alone(
     handle: Callable[..., Mapping[str, Any]],
     tensors: bool = False,
     together: Callable[[list[Arrays], list[frozenset]], list | None] | None = None,
+    observe: Observer | None = None,
 ) -> list:
     """Handle each request by itself: one response each, errors mapped per request.
 
@@ -230,6 +255,7 @@ def execute_alone(
     ensemble asks for those its next step takes). ``tensors``: read as in :func:`read_inputs`.
     ``together(inputs, requested)``, when given, first answers every request in one call (None:
     it does not take this batch); if it raises, each request is handled alone and fails alone.
+    ``observe`` sees each served request (:data:`Observer`).
     """
     inputs = [read_inputs(request, input_names, tensors) for request in requests]
     requested = [frozenset(request.requested_output_names()) for request in requests]
@@ -240,10 +266,13 @@ def execute_alone(
             LOGGER.debug("a batch of %d requests refused together; handling them one by one", len(inputs))
             outputs = None
         if outputs is not None:
-            return [respond(part) for part in outputs]
+            return [
+                respond(observed(observe, request, item, part))
+                for request, item, part in zip(requests, inputs, outputs, strict=True)
+            ]
     return [
-        _handle_one(functools.partial(handle, requested=wanted), item)
-        for item, wanted in zip(inputs, requested, strict=True)
+        _handle_one(functools.partial(handle, requested=wanted), item, request, observe)
+        for request, item, wanted in zip(requests, inputs, requested, strict=True)
     ]
 
 
@@ -277,6 +306,7 @@ def execute_checked_merged(
     accept: Callable[[Mapping[str, Any]], None] | None = None,
     left_padded: Collection[str] = (),
     tensors: bool = False,
+    observe: Observer | None = None,
 ) -> list:
     """Check each request alone, then compute all valid ones in one call and split the results.
 
@@ -291,6 +321,7 @@ def execute_checked_merged(
         left_padded: ragged inputs padded on the left (merged by padding them on the left).
         tensors: read the inputs as torch tensors where Triton holds them (:func:`read_inputs`); the
             merge then concatenates them on their device.
+        observe: sees each served request (:data:`Observer`; its inputs as checked).
     """
     responses: list = [None] * len(requests)
     valid, checked = [], []
@@ -309,11 +340,11 @@ def execute_checked_merged(
             for i in valid:
                 responses[i] = error_response(exc)
             return responses
-        for i, part in zip(valid, parts, strict=True):
+        for i, item, part in zip(valid, checked, parts, strict=True):
             try:
                 if accept is not None:
                     accept(part)
-                responses[i] = respond(part)
+                responses[i] = respond(observed(observe, requests[i], item, part))
             except Exception as exc:  # mapped per request
                 responses[i] = error_response(exc)
     return responses

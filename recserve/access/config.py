@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from recserve.access.front_door import GRPC_STREAM_PATH, FrontDoor, buffer_off
-from recserve.core.names import USER_HEADER
+from recserve.core.names import TRAFFIC_HEADER, USER_HEADER, VARIANT_HEADER
 from recserve.core.sections_serving import AccessSection
 from recserve.server import Ports
 
@@ -217,10 +217,18 @@ def cluster(name: str, protocol: str, upstreams: list[Upstream], max_requests: i
     return config
 
 
+def routed_headers(variant: str, traffic: str) -> list[dict[str, Any]]:
+    """The variant and traffic headers (live, shadow) the steps get, over any the client sent."""
+    pairs = ((VARIANT_HEADER, variant), (TRAFFIC_HEADER, traffic))
+    action = "OVERWRITE_IF_EXISTS_OR_ADD"
+    return [{"header": {"key": k, "value": v}, "append_action": action} for k, v in pairs]
+
+
 def route(access: AccessSection, protocol: str, variants: list[str]) -> dict[str, Any]:
     """The catch-all route of a listener: sticky weighted split, mirror, timeout, safe retries.
 
-    Only a request that never reached a replica is retried, once, on another one.
+    Only a request that never reached a replica is retried, once, on another one. Each variant's
+    requests carry its name (:func:`routed_headers`), the mirrored copies ``shadow``.
     """
     action: dict[str, Any] = {
         "timeout": _seconds(access.request_timeout_s),
@@ -239,8 +247,10 @@ def route(access: AccessSection, protocol: str, variants: list[str]) -> dict[str
         "weighted_clusters": {
             "use_hash_policy": True,
             "runtime_key_prefix": f"{WEIGHT_PREFIX}.{protocol}",
-            "clusters": [
-                {"name": cluster_name(v, protocol), "weight": access.weights.get(v, 0)} for v in variants
+            "clusters": [  # each variant's requests tell the steps its name (the request log's)
+                {"name": cluster_name(v, protocol), "weight": access.weights.get(v, 0)}
+                | {"request_headers_to_add": routed_headers(v, "live")}
+                for v in variants
             ],
         },
     }
@@ -255,6 +265,9 @@ def route(access: AccessSection, protocol: str, variants: list[str]) -> dict[str
                     },
                     "runtime_key": SHADOW_KEY,
                 },
+                "request_headers_mutations": [
+                    {"append": header} for header in routed_headers(access.shadow_variant, "shadow")
+                ],
             }
         ]
     return {"match": {"prefix": "/"}, "route": action}

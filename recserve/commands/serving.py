@@ -15,6 +15,7 @@ ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    from recserve.core.sections_logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV
     from recserve.server import (
         MpsDaemon,
         Ports,
@@ -33,6 +34,14 @@ def _serve(args: argparse.Namespace) -> int:
     if not (args.repository / DENSE).is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
+    if args.log_sample_rate is not None and not 0.0 <= args.log_sample_rate <= 1.0:
+        print(f"error: --log-sample-rate lies in 0..1, got {args.log_sample_rate}", file=sys.stderr)
+        return 2
+    if args.log_dir is not None:  # the steps read it at load: the server inherits this environment
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        os.environ[LOG_DIR_ENV] = str(args.log_dir.resolve())
+        if args.log_sample_rate is not None:
+            os.environ[LOG_SAMPLE_RATE_ENV] = repr(args.log_sample_rate)
     if args.mps and args.profile == "cpu":
         print(
             "error: --mps shares a GPU between instances; use it with --profile gpu or cuda", file=sys.stderr
@@ -99,9 +108,12 @@ def _predict(args: argparse.Namespace) -> int:
         ) as client:
             score = client.predict_by_user if spec.inputs.user else client.predict
             probabilities = score(rows, batch_size=args.batch_size)
+            request_ids = client.last_request_ids
     except (RecserveClientError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.request_ids is not None:  # which request served each row: the log and events name it
+        args.request_ids.write_text("".join(f"{rid}\n" for rid in request_ids))
     sys.stdout.write("".join(f"{score_text(p, args.digits)}\n" for p in probabilities))
     return 0
 
@@ -194,6 +206,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="let every client register shared memory (locked by default)",
     )
+    serve.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="log the requests served (features and scores) as Parquet segments in this folder, "
+        "whatever the spec's [logging] says (docs/design/loop.md)",
+    )
+    serve.add_argument(
+        "--log-sample-rate", type=float, default=None, help="with --log-dir: the share of requests logged"
+    )
     serve.set_defaults(func=_serve)
 
     predict = sub.add_parser(
@@ -215,6 +237,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         choices=WIRE_FORMS,
         default=IDS_WIRE,
         help="categorical values as 64-bit ids (INT64, the default) or as text (BYTES)",
+    )
+    predict.add_argument(
+        "--request-ids",
+        type=Path,
+        default=None,
+        help="write the id of each request sent here, one a line, in the order sent",
     )
     predict.set_defaults(func=_predict)
 

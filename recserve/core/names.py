@@ -27,6 +27,8 @@ DENSE_NORMALIZED = "dense_normalized"
 SPARSE_KEYS = "sparse_keys"
 TARGET_KEY = "target_key"
 HISTORY_KEYS = "history_keys"
+#: every key of a batch made on the device, flat (the device lookup's one input; never on the wire)
+ALL_KEYS = "all_keys"
 HISTORY_MASK = "history_mask"
 #: Keys and pooling weights of the multi-hot features, side by side (only for specs that have them).
 MULTI_HOT_KEYS = "multi_hot_keys"
@@ -64,6 +66,12 @@ HISTORY_USER = "history_user"
 #: Request header (gRPC metadata key) naming the user: the access layer hashes it so that a user stays
 #: on one model variant across calls.
 USER_HEADER = "x-recserve-user"
+
+#: Request header (gRPC metadata key) the access layer sets to the variant it routed a request to
+#: (``stable``, ``canary``); tritonserver forwards it to every step as a request parameter.
+VARIANT_HEADER = "recserve-variant"
+#: Request header the access layer sets to ``live``, or ``shadow`` on a mirrored copy (never an impression).
+TRAFFIC_HEADER = "recserve-traffic"
 
 #: Inputs of the dense network, in the order of its ``forward`` and of the ONNX graph.
 DENSE_NET_INPUTS = (DENSE_NORMALIZED, SPARSE_EMBEDDINGS, TARGET_EMBEDDING, HISTORY_EMBEDDINGS, HISTORY_MASK)

@@ -146,6 +146,7 @@ TOP_LEVEL_KEYS = (
     "store",
     "access",
     "user_state",
+    "logging",
 )
 
 

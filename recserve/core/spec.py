@@ -15,6 +15,7 @@ from typing import Any
 from recserve.core.name_ranges import expand_names
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.sections_base import SpecError
+from recserve.core.sections_logging import LoggingSection
 from recserve.core.sections_serving import (
     AccessSection,
     DenseNetSection,
@@ -60,6 +61,7 @@ class ModelSpec:
     sequences: tuple[SequenceFeature, ...] = ()
     targets: tuple[CategoricalFeature, ...] = ()
     user_state: UserStateSection = field(default_factory=UserStateSection)  # off by default
+    logging: LoggingSection = field(default_factory=LoggingSection)  # request logging: off by default
 
     # ---- derived names -------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ import tomllib
 from recserve.core.name_ranges import expand_names
 from recserve.core.sections_base import SpecError, UnknownKeyError, parse_section
 from recserve.core.sections_features import TOP_LEVEL_KEYS
+from recserve.core.sections_logging import LoggingSection
 from recserve.core.sections_serving import (
     AccessSection,
     DenseNetSection,
@@ -162,6 +163,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
             f"({names}): serve it with [user_state] enabled = false"
         )
     seq_buckets = user_state.state_buckets(seq_buckets)
+    request_log = parse_section(LoggingSection, doc.get("logging", {}), "logging")
+    request_log.check()
     numeric = tuple(features.numeric)
     return ModelSpec(
         model=model,
@@ -186,6 +189,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         sequences=sequences,
         targets=targets,
         user_state=user_state,
+        logging=request_log,
     )
 
 

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from recserve.core.names import GPU_PROFILES
+from recserve.core.names import GPU_PROFILES, TRAFFIC_HEADER, VARIANT_HEADER
 from recserve.server.child import ChildProcess, read_tail
 from recserve.server.mps import visible_gpus
 from recserve.server.runtime import ServerProcessError, prepare_runtime, server_env
@@ -83,6 +83,12 @@ def config_arguments(config_name: str | None) -> list[str]:
     return arguments
 
 
+#: The request headers tritonserver hands every step as request parameters: the variant the access
+#: layer routed a request to and its traffic kind (the request log's). Anchored: no other header (the
+#: admin key least of all) reaches a model.
+FORWARDED_HEADERS = f"^({VARIANT_HEADER}|{TRAFFIC_HEADER})$"
+
+
 def server_command(
     repository: Path,
     ports: Ports,
@@ -107,6 +113,8 @@ def server_command(
         f"--metrics-port={ports.metrics}",
         *security.arguments(),
         f"--exit-timeout-secs={exit_timeout_s}",
+        f"--http-header-forward-pattern={FORWARDED_HEADERS}",
+        f"--grpc-header-forward-pattern={FORWARDED_HEADERS}",
         "--log-verbose=0",
         *(extra or []),
     ]

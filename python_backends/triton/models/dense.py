@@ -7,6 +7,7 @@ import numpy as np
 from recserve.backends.base.heap import freeze_startup_heap
 from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_dims
 from recserve.backends.dense.runner import DenseStep
+from recserve.backends.request_log.step_log import score_log
 from recserve.backends.triton.adapter import (
     ModelContext,
     execute_alone,
@@ -38,6 +39,7 @@ class TritonPythonModel:
         self.warmup_left = context.warmup_requests  # Triton's warm-up comes first: not served scores
         self.input_names = dense_net_inputs(context.spec)
         self.left_padded = left_padded_inputs(context.spec)
+        self.log = score_log(context.spec)  # None unless [logging] or serve --log-dir turn it on
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
@@ -49,6 +51,7 @@ class TritonPythonModel:
         served = self.warmup_left <= 0
         self.warmup_left -= len(requests)
         accept = self.step.accept if served else functools.partial(self.step.accept, count=False)
+        observe = self.log if served else None  # Triton's warm-up is not logged
         responses = execute_by_form(
             requests,
             self.step.lists.input_names[0],
@@ -60,9 +63,15 @@ class TritonPythonModel:
                 accept=accept,
                 left_padded=self.left_padded,
                 tensors=self.step.tensors,
+                observe=observe,
             ),
             lambda lists: execute_alone(
-                lists, self.step.lists.input_names, self.score_list, self.step.tensors, self.score_lists
+                lists,
+                self.step.lists.input_names,
+                self.score_list,
+                self.step.tensors,
+                self.score_lists,
+                observe=observe,
             ),
         )
         self.step.copies.executed()
@@ -76,6 +85,7 @@ class TritonPythonModel:
             *self.step.runner.counters.samples(),
             *self.step.scores.samples(),
             *self.step.copies.samples(),
+            *(self.log.writer.samples() if self.log is not None else ()),
         ]
 
     def score(self, merged: dict) -> dict:
@@ -101,4 +111,6 @@ class TritonPythonModel:
         """Stop background compiles; publish the last counts."""
         self.metrics.stop()
         self.step.close()
+        if self.log is not None:
+            self.log.writer.close()  # what is queued is written
         self.metrics.publish_now(self.samples)

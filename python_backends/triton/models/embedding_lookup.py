@@ -5,6 +5,7 @@ The feature transform (recserve.backends.features.transform) and the tiered stor
 """
 
 from recserve.backends.base.heap import freeze_startup_heap
+from recserve.backends.request_log.step_log import feature_log
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
@@ -42,6 +43,7 @@ class TritonPythonModel:
         if serves_user_state(context.spec):  # [user_state]: states from under the repository's folder
             histories = UserHistories.open(context.spec, context.version_dir.parent.parent)
             self.step = self.stateful = StatefulFeaturesToEmbeddings(context.spec, lookup, histories)
+        self.log = feature_log(context.spec)  # None unless [logging] or serve --log-dir turn it on
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
@@ -71,6 +73,7 @@ class TritonPythonModel:
             *self.served.samples(),
             *(self.stateful.samples() if self.stateful else ()),
             *(self.step.copies.samples() if self.step.lookup.device_l1 is not None else ()),
+            *(self.log.writer.samples() if self.log is not None else ()),
         ]
 
     def merged(self, requests: list) -> list:
@@ -98,12 +101,17 @@ class TritonPythonModel:
             ragged_width=self.step.history_width,
             left_padded=self.step.left_padded,
             output_width=output_width,
+            observe=self.log.rows if self.log is not None else None,
         )
 
     def lists(self, requests: list) -> list:
         """Candidate lists of one wire form: looked up together, unless one asks for the row form."""
         return execute_alone(
-            requests, self.step.candidate_input_names, self.candidate_list, together=self.together
+            requests,
+            self.step.candidate_input_names,
+            self.candidate_list,
+            together=self.together,
+            observe=self.log.lists if self.log is not None else None,
         )
 
     def together(self, inputs: list, requested: list) -> list | None:
@@ -127,4 +135,6 @@ class TritonPythonModel:
         self.served.close()
         if self.stateful is not None:
             self.stateful.users.close()
+        if self.log is not None:
+            self.log.writer.close()  # what is queued is written
         self.metrics.publish_now(self.samples)
