@@ -17,7 +17,7 @@ same HTTP load generator (:mod:`recserve.perf.harness.loadgen`): those two rows 
 Every Triton point carries the per-step queue/compute breakdown from the server's statistics.
 The hop floor (:mod:`recserve.perf.bench.hops`: the served ensemble at batch 1 against echo ensembles of its
 shape) is measured in the same run, and so are 4,096-event users through a state
-(:mod:`recserve.perf.bench.longseq`, its ``longseq_*`` keys in the summary). Results go to
+(:mod:`recserve.perf.bench.longseq.bench`, its ``longseq_*`` keys in the summary). Results go to
 ``<output>/<run>/``: ``points.csv``, ``points.json``, ``hops.json``, ``summary.json``, PNG plots.
 """
 
@@ -48,7 +48,7 @@ from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.bench.candidates import measure as measure_candidates
 from recserve.perf.bench.hops import run_hops
 from recserve.perf.bench.input_data import write_input_data
-from recserve.perf.bench.longseq import LongseqGrid, run_longseq
+from recserve.perf.bench.longseq.bench import LongseqGrid, run_longseq
 from recserve.perf.bench.report import Point
 from recserve.perf.harness.inprocess import measure_inprocess, time_calls
 from recserve.perf.harness.loadgen import (

@@ -68,8 +68,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _bench_longseq(args: argparse.Namespace) -> int:
-    from recserve.perf.bench.longseq import LongseqGrid, run_longseq
-    from recserve.perf.bench.longseq_report import describe
+    from recserve.perf.bench.longseq.bench import LongseqGrid, run_longseq
+    from recserve.perf.bench.longseq.report import describe
 
     spec = load_spec(args.spec)
     if not spec.sequences:
@@ -93,7 +93,7 @@ def _bench_longseq(args: argparse.Namespace) -> int:
 
 
 def _longseq_steps(spec: ModelSpec, args: argparse.Namespace) -> int:
-    from recserve.perf.bench.longseq_steps import StepGrid, describe_steps, run_steps
+    from recserve.perf.bench.longseq.steps import StepGrid, describe_steps, run_steps
 
     grid = StepGrid(calls=60, rounds=2) if args.quick else StepGrid()
     if args.rounds is not None:

@@ -5,9 +5,9 @@ import pytest
 
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.spec_parse import load_spec
-from recserve.perf.bench import longseq
-from recserve.perf.bench.longseq_load import Phase, Requests, mixed_order, round_order
-from recserve.perf.bench.longseq_setup import LONG_EVENTS, bench_users, longseq_spec
+from recserve.perf.bench.longseq import bench as longseq
+from recserve.perf.bench.longseq.load import Phase, Requests, mixed_order, round_order
+from recserve.perf.bench.longseq.setup import LONG_EVENTS, bench_users, longseq_spec
 
 
 @pytest.fixture(scope="module")

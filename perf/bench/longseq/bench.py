@@ -1,7 +1,7 @@
 """``recserve bench-longseq``: 4,096-event users through a state against today's 256-event rows.
 
 One run, the workloads interleaved at each load point with the same users and the same offered
-load (requests of ``rows`` rows at ``rate`` per second, :mod:`.longseq_load`), round after round.
+load (requests of ``rows`` rows at ``rate`` per second, :mod:`.load`), round after round.
 In each round ``w0``, ``w0_aa`` and the ``w2`` workloads but ``w2_builder`` share one stream,
 interleaved request by request in a new order each cycle, so that the machine's drift from second
 to second reaches them alike; ``w1`` and ``w2_builder`` each run alone (the blocks' order changes
@@ -21,7 +21,7 @@ Per workload and load point: p50/p99 latency, rows/s and request bytes, medians 
 and the steps' times (Triton's statistics; a mixed workload's from one phase of its own after the
 rounds); the ratios per round, then their median. The states' outcomes
 (hit, miss, ...) come from each server's metrics, the builder's lag from outside it (the store the
-servers read). The accuracy figures (:mod:`.longseq_error`) are measured in process on held-out
+servers read). The accuracy figures (:mod:`.error`) are measured in process on held-out
 users. ``summary.json`` (and ``--json``) carry ``longseq_p99_ratio`` (w2 / w0),
 ``longseq_aa_p99_ratio`` (w0_aa / w0), ``longseq_throughput_ratio``, ``longseq_aa_throughput_ratio``
 (at the highest load point; every point is in ``points``) and ``longseq_exact_max_abs``.
@@ -48,11 +48,11 @@ from recserve.backends.store.user_state.states import open_user_states
 from recserve.build import configs
 from recserve.core.names import IDS_WIRE, STEPS
 from recserve.core.spec import ModelSpec
-from recserve.perf.bench import longseq_report as report
-from recserve.perf.bench import longseq_setup as setup
-from recserve.perf.bench.longseq_builder import BuilderProcess, EventFeed
-from recserve.perf.bench.longseq_error import FRESH_EVENTS, measure_error
-from recserve.perf.bench.longseq_load import Requests, offer, round_order, warm
+from recserve.perf.bench.longseq import report as report
+from recserve.perf.bench.longseq import setup as setup
+from recserve.perf.bench.longseq.builder import BuilderProcess, EventFeed
+from recserve.perf.bench.longseq.error import FRESH_EVENTS, measure_error
+from recserve.perf.bench.longseq.load import Requests, offer, round_order, warm
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.server import Ports, ServerProcessError, TritonServer
 

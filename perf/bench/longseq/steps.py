@@ -41,10 +41,10 @@ from recserve.backends.store.user_state.index import StateCache
 from recserve.build.repository import version_dir
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec import ModelSpec
-from recserve.perf.bench import longseq_setup as setup
-from recserve.perf.bench.longseq import workload_wires
-from recserve.perf.bench.longseq_error import FRESH_EVENTS
-from recserve.perf.bench.longseq_load import mixed_order
+from recserve.perf.bench.longseq import setup as setup
+from recserve.perf.bench.longseq.bench import workload_wires
+from recserve.perf.bench.longseq.error import FRESH_EVENTS
+from recserve.perf.bench.longseq.load import mixed_order
 
 LOGGER = logging.getLogger(__name__)
 
