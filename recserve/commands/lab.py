@@ -287,7 +287,7 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     device_ops.add_arguments(counter)
     counter.set_defaults(func=device_ops.run_from_args)
 
-    from recserve.perf.lab import fuzz
+    from recserve.perf.lab.fuzz import run as fuzz
 
     fuzzer = lab.add_parser(
         "fuzz",

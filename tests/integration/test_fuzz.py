@@ -15,7 +15,7 @@ import pytest
 
 from recserve.build.repository import build_repository
 from recserve.core.spec_parse import load_spec
-from recserve.perf.lab.fuzz import format_report, run_fuzz
+from recserve.perf.lab.fuzz.run import format_report, run_fuzz
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.access.front_door import MAX_DEPTH, MAX_DIMS, FrontDoor, lua_source
-from recserve.perf.lab.fuzz_bodies import HEADER_LENGTH, Limits, Members, Raw, Writer, depth, parse, problem
+from recserve.perf.lab.fuzz.bodies import HEADER_LENGTH, Limits, Members, Raw, Writer, depth, parse, problem
 
 luajit = pytest.importorskip("lupa.luajit21")
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from recserve.build.synthetic import generate
 from recserve.core.spec_parse import load_spec
-from recserve.perf.lab.fuzz_bodies import ANY, HEADER_LENGTH, INVALID, VALID, Limits, Writer, classify, parse
-from recserve.perf.lab.fuzz_cases import CaseMaker, request
+from recserve.perf.lab.fuzz.bodies import ANY, HEADER_LENGTH, INVALID, VALID, Limits, Writer, classify, parse
+from recserve.perf.lab.fuzz.cases import CaseMaker, request
 
 LIMITS = Limits("m", {"dense": 32, "ids": 48}, {"dense": "FP32", "ids": "INT64"}, 70_000)
 BASE = '{"id":"1","inputs":[{"name":"dense","shape":[1,4],"datatype":"FP32","data":[1.5,0.0,2.0,3.25]}]}'

@@ -3,10 +3,10 @@
 :class:`CaseMaker` holds a pool of valid requests (the spec's synthetic rows, as
 :func:`recserve.build.synthetic.generate` makes them; one at the largest batch) and draws each case
 from a seeded :class:`random.Random`: a valid request written in another spelling
-(:class:`~recserve.perf.lab.fuzz_bodies.Writer`), or one mutation of it (escaped keys over a shape
+(:class:`~recserve.perf.lab.fuzz.bodies.Writer`), or one mutation of it (escaped keys over a shape
 bomb, duplicate and unknown keys, number forms, nesting, truncation, stray bytes, unicode, shapes
 and bodies near and over each limit, the binary form with ``Inference-Header-Content-Length``).
-Each case carries what :func:`~recserve.perf.lab.fuzz_bodies.classify` expects of it.
+Each case carries what :func:`~recserve.perf.lab.fuzz.bodies.classify` expects of it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
-from recserve.perf.lab.fuzz_bodies import HEADER_LENGTH, Limits, Members, Raw, Writer, classify, parse
+from recserve.perf.lab.fuzz.bodies import HEADER_LENGTH, Limits, Members, Raw, Writer, classify, parse
 
 #: Ids of valid requests (echoed back by Triton): plain, escaped, quoted, beyond ASCII and the BMP.
 IDS = ("1", "fuzz", "", 'a "quoted" \\ id', "ünïcødé ☃", "😀 emoji", "/v2/models", "\t")

@@ -1,10 +1,10 @@
 """``recserve lab fuzz``: a seeded differential fuzzer of JSON inference bodies through the real proxy.
 
 The access layer (Envoy with the front door, in front of supervised tritonservers on loopback) is
-started over the repository; cases from :class:`~recserve.perf.lab.fuzz_cases.CaseMaker` are sent,
+started over the repository; cases from :class:`~recserve.perf.lab.fuzz.cases.CaseMaker` are sent,
 one at a time, to the public HTTP listener. After each answer the fuzzer checks that every
 tritonserver is the process it was (same pid, alive, no death in the supervisor's counts) and holds
-the answer against what :func:`~recserve.perf.lab.fuzz_bodies.classify` expects:
+the answer against what :func:`~recserve.perf.lab.fuzz.bodies.classify` expects:
 
 * ``fuzz_crashes``: a tritonserver died (or was restarted) after the case;
 * ``fuzz_failed_valid``: a valid request not answered 200 with outputs;
@@ -36,8 +36,8 @@ from recserve.access.front_door import MAX_DEPTH, MAX_DIMS, FrontDoor
 from recserve.build.synthetic import generate
 from recserve.core.spec import ModelSpec
 from recserve.errors import shorten
-from recserve.perf.lab.fuzz_bodies import ANY, INVALID, VALID, Limits
-from recserve.perf.lab.fuzz_cases import Case, CaseMaker
+from recserve.perf.lab.fuzz.bodies import ANY, INVALID, VALID, Limits
+from recserve.perf.lab.fuzz.cases import Case, CaseMaker
 
 #: Failing cases kept in the report (the counts go on).
 KEPT_FAILURES = 20
