@@ -36,6 +36,12 @@ def read_log(directory: Path) -> pa.Table:
     """
     features = read_kind(directory, FEATURES)
     scores = read_kind(directory, SCORES).select([*JOIN_KEYS, "score", "dense_version"])
-    return features.join(scores, JOIN_KEYS, join_type="inner").sort_by(
+    # Acero joins no list columns: join the keys and a position, then take the features' rows
+    positions = features.select(JOIN_KEYS).append_column("position", pa.array(range(features.num_rows)))
+    matched = positions.join(scores, JOIN_KEYS, join_type="inner").sort_by(
         [("request_id", "ascending"), ("row", "ascending")]
+    )
+    joined = features.take(matched["position"])
+    return joined.append_column("score", matched["score"]).append_column(
+        "dense_version", matched["dense_version"]
     )

@@ -1,0 +1,212 @@
+"""The request log: record schema, sampling, identity, queue and drop accounting, rotation, atomic segments,
+the SDK's request ids and the access layer's variant headers."""
+
+import dataclasses
+import re
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recserve.access import ProxyPorts, Upstream, envoy_config, validate, write_config
+from recserve.backends.request_log.read import read_kind, read_log, segment_paths
+from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
+from recserve.backends.request_log.segments import ParquetSegments
+from recserve.backends.request_log.step_log import FeatureLog, ScoreLog
+from recserve.backends.request_log.writer import Entry, RecordWriter
+from recserve.clients.base import part_ids, request_id_of
+from recserve.core.names import TRAFFIC_HEADER, VARIANT_HEADER
+from recserve.core.sections_base import SpecError
+from recserve.core.sections_logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
+from recserve.core.sections_serving import AccessSection
+from recserve.server.process import FORWARDED_HEADERS
+
+
+class Request:
+    """The two calls of a Triton request the log makes (the adapter hands it the real ones)."""
+
+    def __init__(self, request_id: str, parameters: str = "{}") -> None:
+        self._id, self._parameters = request_id, parameters
+
+    def request_id(self) -> str:
+        return self._id
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+def scores_batch(request_id: str, rows: int) -> pa.RecordBatch:
+    return ScoreLog.build(
+        Identity(request_id), 1_000, np.full(rows, 0.25, np.float32), np.ones(rows, np.int64)
+    )
+
+
+def test_sampling_is_decided_by_the_id_alone_at_about_the_rate():
+    ids = [f"request-{i}" for i in range(20_000)]
+    assert all(sampled(i, 1.0) for i in ids[:10]) and not any(sampled(i, 0.0) for i in ids[:10])
+    share = np.mean([sampled(i, 0.1) for i in ids])
+    assert 0.09 < share < 0.11
+    assert [sampled(i, 0.1) for i in ids[:500]] == [sampled(i, 0.1) for i in ids[:500]]
+
+
+def test_identity_reads_the_forwarded_headers_and_survives_junk():
+    assert Identity.of("a", f'{{"{VARIANT_HEADER}": "canary", "{TRAFFIC_HEADER}": "shadow"}}') == Identity(
+        "a", "canary", "shadow"
+    )
+    assert Identity.of("a", "not json") == Identity("a", "", "live")
+    assert Identity.of("a", f'{{"{VARIANT_HEADER}": 3, "{TRAFFIC_HEADER}": "other"}}') == Identity("a")
+
+
+def test_score_records_follow_the_schema():
+    batch = scores_batch("r1", 3)
+    assert batch.schema == SCHEMAS[SCORES]
+    assert batch.column("row").to_pylist() == [0, 1, 2]
+    assert {"request_id", "row", "score"} <= set(SCHEMAS[FEATURES].names) | set(SCHEMAS[SCORES].names)
+
+
+def test_feature_records_hold_keys_dense_values_and_each_history_once(spec, tmp_path):
+    from recserve.build.synthetic import generate
+    from recserve.clients import read_rows
+    from recserve.clients.writers import write_tsv
+
+    log = FeatureLog(spec, LoggingSection(enabled=True), writer=None)  # builds only
+    rows = read_rows(write_tsv(tmp_path / "rows.tsv", generate(spec, 4, seed=5), spec), spec)
+    inputs = rows.to_inputs(spec)
+    inputs[spec.sequences[0].name][2] = inputs[spec.sequences[0].name][0]  # row 2 shares row 0's history
+    inputs[spec.sequence_length_input][2] = inputs[spec.sequence_length_input][0]
+    versions = np.ones((4, len(spec.table_names)), np.int64)
+    batch = log.build(Identity("r"), 0, inputs, None, versions, False)
+    assert batch.schema == SCHEMAS[FEATURES]
+    table = batch.to_pydict()
+    assert table["history_row"][2] == 0 and table["history"][2] is None
+    assert table["history"][0] is not None and len(table["history"][0]) == int(rows.lengths[0])
+    assert len(table["keys"][0]) == len(spec.categorical.features) + len(spec.targets)
+
+
+def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
+    sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
+    release = threading.Event()
+    writer = RecordWriter(sink, capacity=2)
+    writer.offer(Entry(SCORES, 1, lambda: (release.wait(10), scores_batch("held", 1))[1]))
+    offered = [writer.offer(Entry(SCORES, 5, lambda i=i: scores_batch(f"r{i}", 5))) for i in range(6)]
+    assert offered.count(False) >= 3
+    release.set()
+    writer.close()
+    counts = writer.counts()
+    assert counts["dropped"] == 5 * offered.count(False)
+    assert counts["written"] + counts["dropped"] == 1 + 30
+    assert {s.labels for s in writer.samples() if s.name == "recserve_log_records_total"} == {
+        (("outcome", o),) for o in ("written", "dropped", "failed", "unidentified")
+    }
+
+
+def test_a_record_that_cannot_be_built_or_written_is_counted_as_failed(tmp_path):
+    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
+    writer.offer(Entry(SCORES, 4, lambda: 1 / 0))
+    writer.offer(Entry(SCORES, 2, lambda: scores_batch("ok", 2)))
+    writer.close()
+    assert writer.counts() == {"written": 2, "dropped": 0, "failed": 4, "unidentified": 0}
+
+
+def test_requests_without_an_id_or_not_sampled_are_not_logged(tmp_path):
+    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
+    log = ScoreLog(LoggingSection(enabled=True, sample_rate=0.0), writer)
+    outputs = {"probability": np.zeros((3, 1), np.float32), "dense_version": np.ones((3, 1), np.int64)}
+    log(Request(""), {}, outputs)
+    log(Request("x"), {}, outputs)
+    writer.close()
+    assert writer.counts()["unidentified"] == 3 and writer.counts()["written"] == 0
+
+
+def test_segments_rotate_by_size_and_by_time(tmp_path):
+    now = [0.0]
+    sink = ParquetSegments(tmp_path, segment_bytes=scores_batch("a", 100).nbytes * 2, segment_seconds=5.0,
+                           clock=lambda: now[0])  # fmt: skip
+    assert sink.add(SCORES, scores_batch("a", 100)) == 0
+    assert sink.add(SCORES, scores_batch("b", 100)) == 200  # full: one segment
+    assert sink.add(SCORES, scores_batch("c", 10)) == 0
+    now[0] = 4.9
+    assert sink.due() == 0
+    now[0] = 5.0
+    assert sink.due() == 10  # old enough: its own segment
+    assert len(segment_paths(tmp_path, SCORES)) == 2
+    assert read_kind(tmp_path, SCORES).num_rows == 210
+
+
+def test_a_segment_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
+    sink.add(SCORES, scores_batch("a", 10))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pq, "write_table", broken)
+    with pytest.raises(OSError):
+        sink.flush()
+    assert segment_paths(tmp_path, SCORES) == [] and not any((tmp_path / SCORES).iterdir())
+    (tmp_path / SCORES / ".left-by-a-killed-writer.parquet.tmp").write_bytes(b"PAR1")
+    ParquetSegments(tmp_path, 1 << 30, 3600.0)  # the next writer clears it
+    assert not any((tmp_path / SCORES).iterdir())
+
+
+def test_read_log_joins_features_and_scores_by_request_and_row(tmp_path, spec):
+    sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
+    sink.add(SCORES, scores_batch("r", 2))
+    columns = {
+        "request_id": ["r", "r", "other"], "row": [1, 0, 0], "time": [0, 0, 0], "variant": [""] * 3,
+        "traffic": ["live"] * 3, "keys": [[1], [2], [3]], "dense": [[0.5]] * 3,
+        "embedding_version": [[1]] * 3, "history_row": [-1] * 3, "history": [None] * 3,
+    }  # fmt: skip
+    table = pa.table(columns, schema=SCHEMAS[FEATURES].remove_metadata())
+    sink.add(FEATURES, table.to_batches()[0])
+    sink.flush()
+    joined = read_log(tmp_path).to_pydict()
+    assert joined["request_id"] == ["r", "r"] and joined["row"] == [0, 1] and joined["keys"] == [[2], [1]]
+    assert joined["score"] == [0.25, 0.25]
+
+
+def test_logging_settings_from_the_spec_and_the_serve_flags():
+    with pytest.raises(SpecError, match="sample_rate"):
+        LoggingSection(sample_rate=1.5).check()
+    with pytest.raises(SpecError, match="sink"):
+        LoggingSection(sink="kafka").check()
+    assert LoggingSection().from_environment({}) == LoggingSection()
+    on = LoggingSection().from_environment({LOG_DIR_ENV: "/logs", LOG_SAMPLE_RATE_ENV: "0.25"})
+    assert on.enabled and on.directory == "/logs" and on.sample_rate == 0.25
+    with pytest.raises(SpecError, match=LOG_SAMPLE_RATE_ENV):
+        LoggingSection().from_environment({LOG_DIR_ENV: "/logs", LOG_SAMPLE_RATE_ENV: "lots"})
+
+
+def test_request_ids_are_the_callers_or_new_ones():
+    assert request_id_of("mine-1") == "mine-1"
+    made = request_id_of(None)
+    assert len(made) == 32 and made != request_id_of(None)
+    for bad in ("", "x" * 129, "tab\there", "é"):
+        with pytest.raises(ValueError, match="request_id"):
+            request_id_of(bad)
+    assert part_ids("list", 1) == ["list"] and part_ids("list", 3) == ["list.0", "list.1", "list.2"]
+
+
+def test_the_access_layer_names_the_variant_and_marks_shadow_copies(tmp_path):
+    access = dataclasses.replace(AccessSection(), weights={"stable": 90, "canary": 10}, shadow_fraction=0.05)
+    upstreams = {"stable": [Upstream(7001, 7000)], "canary": [Upstream(7101, 7100)]}
+    config = envoy_config(access, upstreams, ProxyPorts(18001, 18000, 19901))
+    assert "OK" in validate(write_config(config, tmp_path / "envoy.json"))
+    manager = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    action = manager["route_config"]["virtual_hosts"][0]["routes"][-1]["route"]
+    for entry in action["weighted_clusters"]["clusters"]:
+        headers = {h["header"]["key"]: h["header"]["value"] for h in entry["request_headers_to_add"]}
+        assert headers == {VARIANT_HEADER: entry["name"].split("_")[0], TRAFFIC_HEADER: "live"}
+        assert {h["append_action"] for h in entry["request_headers_to_add"]} == {"OVERWRITE_IF_EXISTS_OR_ADD"}
+    (mirror,) = action["request_mirror_policies"]
+    marked = {
+        m["append"]["header"]["key"]: m["append"]["header"]["value"]
+        for m in mirror["request_headers_mutations"]
+    }
+    assert marked == {VARIANT_HEADER: access.shadow_variant, TRAFFIC_HEADER: "shadow"}
+    assert re.search(FORWARDED_HEADERS, VARIANT_HEADER) and re.search(FORWARDED_HEADERS, TRAFFIC_HEADER)
+    assert not re.search(FORWARDED_HEADERS, "recserve-admin-key") and not re.search(
+        FORWARDED_HEADERS, "x-" + VARIANT_HEADER
+    )
