@@ -9,8 +9,9 @@ both without a GPU: the served steps' own objects run their device code under to
   ``masked_select``, ``item`` and ``_local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``),
   an index by a boolean mask, ``unique`` and a copy from a device to the host are host synchronisations;
 - a :class:`~torch.overrides.TorchFunctionMode` that sees tensor methods which never reach the
-  dispatcher on the CPU: ``.cpu()``, ``.numpy()``, ``.tolist()`` and ``__array__`` (a device
-  tensor read into numpy) are host synchronisations too (``.cpu().numpy()`` counts once).
+  dispatcher on the CPU: ``.cpu()``, and ``.numpy()``, ``.tolist()`` and ``__array__`` of a tensor
+  an operator made (a device tensor read into numpy) are host synchronisations too
+  (``.cpu().numpy()`` counts once; the numpy view of a host staging buffer is none).
 
 Measured on one user's candidate list in the id form (history 256) of 256 and of 4,096
 candidates, as the ``candidates`` ensemble hands them to the steps: the lookup step's
@@ -55,6 +56,8 @@ SYNC_OPERATORS = frozenset(
 HOST_READS = frozenset({"cpu", "numpy", "tolist", "__array__"})
 #: calls that place host data on a device when given one
 PLACING = frozenset({"to", "cuda", "tensor", "as_tensor"})
+#: operators whose result holds nothing computed (host data lifted, a fresh allocation)
+FRESH = frozenset({"lift_fresh", "empty", "empty_strided"})
 #: operators that change only a tensor's metadata (no kernel)
 METADATA = frozenset({"detach", "detach_", "alias", "lift_fresh"})
 
@@ -115,7 +118,7 @@ class _Dispatched(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         result = func(*args, **kwargs)
-        if isinstance(result, torch.Tensor) and name != "lift_fresh":  # lift_fresh: from host data
+        if isinstance(result, torch.Tensor) and name not in FRESH:
             self.count.made[result] = True
         if name not in METADATA and (not func.is_view or _copies(args, result)):
             self.count.operators[name] += 1
@@ -150,7 +153,8 @@ class _Methods(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name in PLACING and _places(args, kwargs) and not (args and args[0] in self.count.made):
             self.count.uploads[name] += 1
-        if name in HOST_READS:
+        host_buffer = name != "cpu" and bool(args) and args[0] not in self.count.made
+        if name in HOST_READS and not host_buffer:  # a host buffer's numpy view reads no device
             if args and id(args[0]) in self.read:  # ``.cpu().numpy()``: one read
                 self.read.discard(id(args[0]))
             else:

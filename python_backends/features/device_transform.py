@@ -33,6 +33,28 @@ _MIX1 = int64_bits(0xBF58476D1CE4E5B9)
 _MIX2 = int64_bits(0x94D049BB133111EB)
 
 
+#: the multiplicative inverses of the mixing constants modulo 2**64 (for :func:`unmix64`)
+_UNMIX1, _UNMIX2 = (np.uint64(pow(c, -1, 1 << 64)) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def unmix64(keys: np.ndarray | np.integer) -> np.ndarray:
+    """The int64 values whose :func:`splitmix64` are ``keys`` (int64): the finaliser is a bijection.
+
+    Each xor-shift is undone by xoring the further shifts, each multiplication by the constant's
+    inverse modulo 2**64, the addition by a subtraction; numpy's uint64 arithmetic wraps as the
+    finaliser's does.
+    """
+    z = np.asarray(keys, np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = z ^ (z >> np.uint64(31)) ^ (z >> np.uint64(62))
+        z = z * _UNMIX2
+        z = z ^ (z >> np.uint64(27)) ^ (z >> np.uint64(54))
+        z = z * _UNMIX1
+        z = z ^ (z >> np.uint64(30)) ^ (z >> np.uint64(60))
+        z = z - np.uint64(0x9E3779B97F4A7C15)
+    return np.asarray(z).view(np.int64)
+
+
 def shift_right(z: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 ``z`` by ``bits`` (1..63): the uint64 shift's bits."""
     return torch.bitwise_and(torch.bitwise_right_shift(z, bits), (1 << (64 - bits)) - 1)

@@ -24,6 +24,7 @@ from recserve.core.contract import (
     sparse_inputs,
 )
 from recserve.core.names import (
+    ALL_KEYS,
     DENSE_NORMALIZED,
     EMBEDDING_LOOKUP,
     EMBEDDING_VERSION,
@@ -136,7 +137,8 @@ class EmbeddingLookup:
         Args:
             spec: the model spec.
             served: the instance's store with its upkeep.
-            l1_device: the config's :data:`~recserve.wire.L1_DEVICE_PARAMETER` (``""``, ``cpu`` or ``cuda``).
+            l1_device: the config's :data:`~recserve.core.names.L1_DEVICE_PARAMETER` (``""``, ``cpu``,
+                ``cuda``).
             instance_device: where Triton placed the instance (``cpu`` or ``cuda:N``).
         """
         if not l1_device:
@@ -191,6 +193,17 @@ class EmbeddingLookup:
         The vectors come back as the row block, then the history block, of :meth:`key_blocks`. Keys
         made on the device (torch tensors) stay there: the device tier takes them as they are.
         """
+        if ALL_KEYS in inputs:  # made on the device, flat: the device tier's constants by shape
+            histories, count = inputs.get(HISTORY_KEYS), len(self.sequence_tables)
+            owners, width = (0, 0) if histories is None else (histories.shape[0], histories.shape[1] // count)
+            tier = cast("DeviceTier", self.device_l1)
+            layout = tier.layout(
+                self.column_tables,
+                inputs[SPARSE_KEYS].shape[0],
+                np.repeat(self.sequence_tables, width),
+                owners,
+            )
+            return tier.lookup(inputs[ALL_KEYS], layout)
         (keys, table_ids), history = self.key_blocks(inputs)
         if history is not None:
             keys = joined([keys.reshape(-1), history[0].reshape(-1)], axis=0)
@@ -338,7 +351,7 @@ class FeaturesToEmbeddings:
         (what ``dense`` takes from the candidates ensemble); ``embedding_version`` has a row per
         candidate. With ``expand``, the row form's outputs instead: every candidate row with its
         user's history (for a ``dense`` that takes rows only). See
-        :func:`recserve.wire.candidate_rows` for the inputs.
+        :func:`recserve.core.candidate_lists.candidate_rows` for the inputs.
 
         Raises:
             InvalidInput: naming the first offending input (as the client named it) and value.

@@ -41,7 +41,8 @@ GOLDEN_INT64 = int(np.array(GOLDEN, np.uint64).view(np.int64))
 LOW_32_BITS = 0xFFFFFFFF
 #: Attempts to serve a batch on one snapshot while updates land, before the host path serves it whole.
 ATTEMPTS = 3
-#: Values of the embedding step's ``l1_device`` config parameter (:data:`recserve.wire.L1_DEVICE_PARAMETER`).
+#: Values of the embedding step's ``l1_device`` config parameter
+#: (:data:`recserve.core.names.L1_DEVICE_PARAMETER`).
 L1_DEVICES = ("cpu", "cuda")
 
 
@@ -120,7 +121,8 @@ class DeviceLookup:
     """Result of one batch: vectors on the device, the tier that served each key, the snapshot used."""
 
     vectors: torch.Tensor  # float32 [n, dim], on the device
-    tiers: np.ndarray  # int8 [n], indexes store.TIERS
+    #: int8 [n], indexes store.TIERS; on the device where every key was answered there (DeviceTier)
+    tiers: np.ndarray | torch.Tensor
     snapshot: Snapshot
     #: the keys sent on to the host tiers, on the host (where the keys came to the step on the device)
     fallback_keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
@@ -187,7 +189,7 @@ class DeviceL1:
             LOGGER.debug("snapshot changed %d times during one batch; served by the host path", ATTEMPTS)
             served = self._host(keys, table_ids)
         if record:
-            self.store.record_lookup(keys, table_ids, served.tiers, time.perf_counter() - started)
+            self.store.record_lookup(keys, table_ids, np.asarray(served.tiers), time.perf_counter() - started)
         return served
 
     def _serve(self, keys: np.ndarray, table_ids: np.ndarray) -> DeviceLookup | None:

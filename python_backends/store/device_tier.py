@@ -35,55 +35,15 @@ import torch
 
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.store.device_cache import ATTEMPTS, DeviceL1, DeviceLookup
+from recserve.backends.store.device_rows import KEY_BYTES, DeviceDelta, SortedRows
 from recserve.backends.store.rows import RowBlock
-from recserve.backends.store.tiered import DEFAULT, DEVICE, Snapshot, TieredStore
+from recserve.backends.store.tiered import DEFAULT, DEVICE, TIERS, Snapshot, TieredStore
 from recserve.core.names import EMBEDDING_LOOKUP
 
 LOGGER = logging.getLogger(__name__)
 
 #: Tier mark of a key the device does not answer (sent to the fallback); never leaves :class:`DeviceTier`.
 ELSEWHERE = -1
-#: Device bytes of one resident row besides its vector: its int64 key.
-KEY_BYTES = 8
-
-
-@dataclass(frozen=True)
-class SortedRows:
-    """Rows on a device by key: ``keys`` ascending int64 ``[n]``, ``vectors`` float32 ``[n, dim]``."""
-
-    keys: torch.Tensor
-    vectors: torch.Tensor
-
-    @classmethod
-    def of(cls, keys: np.ndarray, vectors: np.ndarray, dim: int, device: torch.device) -> SortedRows:
-        """Sort ``keys`` (unique) with their rows, widen the rows to ``dim`` (zeros), copy to ``device``."""
-        order = np.argsort(keys, kind="stable")
-        wide = np.zeros((len(keys), dim), np.float32)
-        wide[:, : vectors.shape[1]] = vectors[order] if len(keys) else wide[:, : vectors.shape[1]]
-        return cls(
-            torch.from_numpy(np.ascontiguousarray(keys[order], np.int64)).to(device),
-            torch.from_numpy(wide).to(device),
-        )
-
-    def find(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each key's row (clamped into range) and whether it is here."""
-        if self.keys.numel() == 0:
-            return torch.zeros_like(keys), torch.zeros(keys.shape, dtype=torch.bool, device=keys.device)
-        rows = torch.searchsorted(self.keys, keys).clamp_(max=self.keys.numel() - 1)
-        return rows, self.keys.index_select(0, rows) == keys
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of the keys and vectors."""
-        return self.keys.numel() * KEY_BYTES + self.vectors.numel() * self.vectors.element_size()
-
-
-@dataclass(frozen=True)
-class DeviceDelta:
-    """The delta rows of one served version on the device (``rows`` None: no delta)."""
-
-    source: RowBlock | None
-    rows: SortedRows | None
 
 
 def resident_tables(store: TieredStore, budget_bytes: int) -> tuple[str, ...]:
@@ -102,6 +62,39 @@ def resident_tables(store: TieredStore, budget_bytes: int) -> tuple[str, ...]:
             chosen.append(name)
             used += cost
     return tuple(chosen)
+
+
+#: Batch layouts (shapes) whose constants a device tier keeps (:meth:`DeviceTier.layout`).
+LAYOUTS = 8
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Per-key constants of one layout of tables, on the device: what a batch of that shape reads.
+
+    ``table_ids`` (host, int16 ``[n]``); on the device each key's default row ``[n, dim]``, its tier
+    when no row answers it (``default``; :data:`ELSEWHERE` for a table left to the fallback),
+    ``table_id * len(TIERS)`` (int64, for the counters) and per resident shard whether the key's
+    table is held there (None: every key's).
+    """
+
+    table_ids: np.ndarray
+    defaults: torch.Tensor
+    tiers: torch.Tensor
+    count_base: torch.Tensor
+    shard_masks: tuple[torch.Tensor | None, ...]
+
+    @classmethod
+    def of(cls, tier: DeviceTier, table_ids: np.ndarray) -> BatchLayout:
+        """The constants of ``table_ids`` for ``tier`` (made once per shape, on the first batch of it)."""
+        ids = torch.from_numpy(table_ids.astype(np.int64)).to(tier.device)
+        shard = tier.shard_of.index_select(0, ids)
+        masks = []
+        for number in range(len(tier.shards)):
+            mine = shard == number
+            masks.append(None if bool(mine.all()) else mine)
+        tiers = torch.where(tier.local_default.index_select(0, ids), DEFAULT, ELSEWHERE).to(torch.int8)
+        return cls(table_ids, tier.defaults.index_select(0, ids), tiers, ids * len(TIERS), tuple(masks))
 
 
 class DeviceTier:
@@ -149,6 +142,17 @@ class DeviceTier:
         self.defaults = torch.from_numpy(store_defaults(store)).to(self.device)
         self._delta = DeviceDelta(None, None)
         self._lock = threading.Lock()
+        #: every key is answered here (all local tables resident, no L3): no key goes to the host
+        self.whole = fallback is None and store.remote is None and bool(local_default[shard_of >= 0].all())
+        self.whole = self.whole and len(self.tables) == len(store.table_names)
+        #: the per-key constants of a batch's layout of tables, on the device (:meth:`layout`)
+        self._layouts: dict[tuple, BatchLayout] = {}
+        #: keys per (table, tier) counted on the device, added to the store's counters off the request path
+        self._counts = torch.zeros(len(store.table_names) * len(TIERS), dtype=torch.int64, device=self.device)
+        self._one = torch.ones(1, dtype=torch.int64, device=self.device)
+        self._device_tier = torch.tensor(DEVICE, dtype=torch.int8, device=self.device)
+        self._counts_lock = threading.Lock()
+        store.stats.pending.append(self.take_counts)
         self.delta_for(store.snapshot.delta)
         LOGGER.info(
             "%d of %d tables resident on %s: %d rows, %d bytes",
@@ -180,6 +184,34 @@ class DeviceTier:
                 self._delta = DeviceDelta(delta, rows)  # one reference swap: a lookup sees the old or the new
             return self._delta
 
+    def take_counts(self) -> np.ndarray:
+        """The keys per (table, tier) counted on the device since the last call (a read of the device)."""
+        with self._counts_lock:
+            taken, self._counts = self._counts, torch.zeros_like(self._counts)
+        return taken.cpu().numpy().reshape(len(self.store.table_names), len(TIERS))
+
+    def layout(
+        self, row_tables: np.ndarray, rows: int, history_tables: np.ndarray, owners: int
+    ) -> BatchLayout:
+        """The table ids of a batch of ``rows`` rows and ``owners`` histories, their constants on the device.
+
+        Keys laid out as :meth:`EmbeddingLookup.key_blocks
+        <recserve.backends.steps.lookup.EmbeddingLookup.key_blocks>` joins them: ``row_tables`` per
+        row, then ``history_tables`` per history owner. Made once per shape (the last
+        :data:`LAYOUTS` kept), so a batch of a known shape uploads no table id.
+        """
+        key = (rows, owners, row_tables.tobytes(), history_tables.tobytes())
+        made = self._layouts.get(key)
+        if made is None:
+            table_ids = np.concatenate([np.tile(row_tables, rows), np.tile(history_tables, owners)]).astype(
+                np.int16
+            )
+            made = BatchLayout.of(self, table_ids)
+            while len(self._layouts) >= LAYOUTS:
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = made
+        return made
+
     def follow(self) -> None:
         """Copy the store's current delta rows to the device now (the upkeep thread, after each round)."""
         self.delta_for(self.store.snapshot.delta)
@@ -187,7 +219,7 @@ class DeviceTier:
             self.fallback.follow()
 
     def lookup(
-        self, keys: np.ndarray | torch.Tensor, table_ids: np.ndarray, record: bool = True
+        self, keys: np.ndarray | torch.Tensor, table_ids: np.ndarray | BatchLayout, record: bool = True
     ) -> DeviceLookup:
         """Vectors of ``keys`` (flat int64) whose tables are ``table_ids`` (same length), on the device.
 
@@ -196,6 +228,10 @@ class DeviceTier:
         batch's keys for the host tiers' hot set (the device answers the others).
         """
         started = time.perf_counter()
+        if isinstance(table_ids, BatchLayout) and self.whole and isinstance(keys, torch.Tensor):
+            return self._whole(keys, table_ids, record, started)
+        if isinstance(table_ids, BatchLayout):
+            table_ids = table_ids.table_ids
         host: np.ndarray | None = None
         if isinstance(keys, torch.Tensor):
             device_keys = keys.to(self.device, torch.int64).reshape(-1)
@@ -217,8 +253,39 @@ class DeviceTier:
             )
         if record:
             seen = host if host is not None else served.fallback_keys
-            self.store.record_lookup(seen, table_ids, served.tiers, time.perf_counter() - started)
+            self.store.record_lookup(seen, table_ids, np.asarray(served.tiers), time.perf_counter() - started)
         return served
+
+    def _whole(self, keys: torch.Tensor, layout: BatchLayout, record: bool, started: float) -> DeviceLookup:
+        """Every key answered on the device with the layout's constants: no copy, no host synchronisation.
+
+        The tiers stay on the device and are counted there (:meth:`take_counts` reads them off the
+        request path); the store counts the call and its seconds.
+        """
+        snapshot = self.store.snapshot
+        vectors, served = layout.defaults, None
+        delta = self.delta_for(snapshot.delta)
+        sources: list[tuple[SortedRows, torch.Tensor | None]] = []
+        if delta.rows is not None:  # the delta rows first, whatever the table (as the host path)
+            sources.append((delta.rows, None))
+        sources += [(rows, layout.shard_masks[number]) for number, rows in enumerate(self.shards)]
+        for rows, mine in sources:
+            found_at, found = rows.find(keys)
+            if served is not None:
+                found &= ~served
+            if mine is not None:
+                found &= mine
+            vectors = torch.where(found[:, None], rows.vectors.index_select(0, found_at), vectors)
+            served = found if served is None else served | found
+        tiers = layout.tiers if served is None else torch.where(served, self._device_tier, layout.tiers)
+        with self._counts_lock:
+            self._counts.index_add_(0, layout.count_base + tiers, self._one.expand(keys.numel()))
+        if record:
+            none = np.empty(0, np.int64)
+            self.store.record_lookup(
+                none, none.astype(np.int16), none.astype(np.int8), time.perf_counter() - started
+            )
+        return DeviceLookup(vectors, tiers, snapshot)
 
     def _host_keys(self, keys: torch.Tensor, rows: torch.Tensor | None = None) -> np.ndarray:
         """``keys`` (those at ``rows``, when given) copied to the host, counted."""
@@ -276,7 +343,7 @@ class DeviceTier:
                 found &= mine
             vectors = torch.where(found[:, None], rows.vectors.index_select(0, found_at), vectors)
             served |= found
-        tiers = torch.where(served, torch.tensor(DEVICE, dtype=torch.int8, device=self.device), tiers)
+        tiers = torch.where(served, self._device_tier, tiers)
         return vectors, tiers
 
 

@@ -120,6 +120,7 @@ class ServedStore:
     def samples(self) -> list[MetricSample]:
         """Current values of every store metric."""
         store, out = self.store, []
+        store.stats.flush()  # the device tier's counts, read here (off the request path)
         for table_id, name in enumerate(store.table_names):
             for tier_id, tier in enumerate(TIERS):
                 out.append(

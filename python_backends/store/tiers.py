@@ -9,6 +9,7 @@ store needs of an L3 tier (:class:`RemoteTier`). The store itself is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,8 +69,16 @@ class StoreStats:
     calls: int = 0
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)  # since the last drain, at most MAX_LATENCIES
+    #: counts kept elsewhere (a device tier's, on its device): each call returns ``[tables, tiers]``
+    #: counted since its last call; :meth:`flush` adds them here, off the request path
+    pending: list[Callable[[], np.ndarray]] = field(default_factory=list)
 
     MAX_LATENCIES = 100_000
+
+    def flush(self) -> None:
+        """Add the counts kept elsewhere (:attr:`pending`) to :attr:`by_table_tier`."""
+        for take in self.pending:
+            self.by_table_tier += take()
 
     def drain_latencies(self) -> list[float]:
         """Latencies recorded since the last call."""

@@ -216,3 +216,25 @@ def test_explain_reports_the_device_tier(tiny_spec, tiny_repository):
         "default" if r["tier"] == "default" else "device" for r in host
     ]  # every table of the tiny spec fits the default budget
     assert "device" in {r["tier"] for r in on_device}
+
+
+def test_keys_made_on_the_device_are_answered_and_counted_there():
+    tables, store = make_store()
+    tier = device_lookup(store, "cpu", 10**9)
+    assert isinstance(tier, DeviceTier) and tier.whole
+    row_tables = np.array([0, 1, 2], np.int16)  # one key of each table per row
+    keys = np.stack([tables[name].keys[:200] for name in ("t0", "t1", "t2")], axis=1)
+    keys[:5] = 12345  # unknown keys: each table's default
+    ids = np.broadcast_to(row_tables, keys.shape)
+    layout = tier.layout(row_tables, keys.shape[0], np.empty(0, np.int16), 0)
+    assert tier.layout(row_tables, keys.shape[0], np.empty(0, np.int16), 0) is layout  # once per shape
+    got = tier.lookup(torch.from_numpy(keys.ravel()), layout)
+    host = store.lookup(keys.ravel(), ids.ravel(), record=False)
+    assert_same_vectors(got, host)
+    assert np.array_equal(got.tiers, on_device_tiers(host.tiers))
+    assert store.stats.calls == 1 and store.stats.by_table_tier.sum() == 0  # counted on the device
+    store.stats.flush()  # as the metrics thread does
+    assert store.stats.by_table_tier[:, DEVICE].sum() == (host.tiers != DEFAULT).sum() > 0
+    assert store.stats.by_table_tier.sum() == keys.size
+    store.stats.flush()
+    assert store.stats.by_table_tier.sum() == keys.size  # taken once
