@@ -23,8 +23,8 @@ class DenseImportError(ArtifactError):
 def served_onnx(spec: ModelSpec, source: Path) -> bytes:
     """The user's ONNX as recserve serves it: its dynamic axes named, a logit turned into a probability.
 
-    The batch axis of every input and output is named :data:`~recserve.wire.BATCH_AXIS` and the
-    positions of the sequence inputs :data:`~recserve.wire.SEQUENCE_AXIS` (the CPU path fixes them per
+    The batch axis of every input and output is named :data:`~recserve.core.names.BATCH_AXIS` and the
+    positions of the sequence inputs :data:`~recserve.core.names.SEQUENCE_AXIS` (the CPU path fixes them per
     bucket by these names); a ``logit`` output gets a ``Sigmoid`` to ``probability``.
     """
     import onnx

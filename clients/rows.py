@@ -20,7 +20,7 @@ Empty numeric fields are missing values, negative numeric values are allowed, em
 fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError` naming the line
 and column.
 
-:mod:`recserve.clients.writers` writes :class:`recserve.wire.Rows` in those layouts, so tests and
+:mod:`recserve.clients.writers` writes :class:`recserve.core.rows.Rows` in those layouts, so tests and
 examples can produce input files; :mod:`recserve.clients.fields` parses the columns.
 """
 
@@ -61,7 +61,7 @@ LABEL_COLUMN = "label"
 PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
 
 
-#: The SDK's name of :class:`recserve.wire.Rows`, the one row container (what :func:`read_rows` returns).
+#: The SDK's name of :class:`recserve.core.rows.Rows`, the one row container (what :func:`read_rows` returns).
 CriteoRows = Rows
 
 

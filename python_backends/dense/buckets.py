@@ -184,7 +184,7 @@ def pad_to_bucket(
         bucket: the target shape.
         out: preallocated arrays of the bucket's shapes, always filled (the pinned buffers that a
             device copy reads); without them, new arrays, or the inputs as they are when they fit.
-        left: the sequences padded on the left (:func:`recserve.wire.left_padded_inputs`): new
+        left: the sequences padded on the left (:func:`recserve.core.contract.left_padded_inputs`): new
             positions go before their real ones.
     """
     rows, length = input_shape(inputs)

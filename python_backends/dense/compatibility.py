@@ -1,6 +1,6 @@
 """Does a dense network follow the contract of the spec it will be fed by?
 
-The contract (:func:`recserve.wire.dense_contract`) names every input and output of the dense
+The contract (:func:`recserve.core.contract.dense_contract`) names every input and output of the dense
 network with its dtype and shape. A new ``dense`` version is refused at load when the shapes its
 graph declares disagree with the spec the ``embedding_lookup`` step serves (another embedding dim,
 another number of categorical features, another dense width), so a mismatched pair never goes

@@ -176,7 +176,7 @@ class CandidateNet(nn.Module):
     """The same network over candidate lists: one history row per user, ``history_user`` per row.
 
     ``forward`` takes :attr:`input_names`: the dense contract's inputs, whose history and mask hold
-    a row per user, then :data:`~recserve.wire.HISTORY_USER`. Exported as a second ONNX graph.
+    a row per user, then :data:`~recserve.core.names.HISTORY_USER`. Exported as a second ONNX graph.
     """
 
     def __init__(self, net: CTRNet) -> None:

@@ -1,4 +1,4 @@
-"""The compiled hex parser (``_hex.c``) behind :func:`recserve.wire.parse_hex`'s signature.
+"""The compiled hex parser (``_hex.c``) behind :func:`recserve.core.values.parse_hex`'s signature.
 
 ``pip install`` compiles ``_hex.c`` into the optional extension ``recserve.backends.features._hex``
 (plain C loaded with ctypes, like the store's kernels). Where it was not built, :func:`load` returns

@@ -230,7 +230,7 @@ class FeatureTransform:
     def categorical_keys(
         self, values: np.ndarray, empty: np.ndarray, numeric: tuple[np.ndarray, np.ndarray] | None = None
     ) -> np.ndarray:
-        """Keys ``[B, F]`` of the parsed raw columns (:func:`~recserve.wire.categorical_values`).
+        """Keys ``[B, F]`` of the parsed raw columns (:func:`~recserve.core.values.categorical_values`).
 
         Each feature reads its column (a time feature its part of it; a bucketized numeric feature
         the bucket of its value in ``numeric``, the raw numeric values and their missing mask); an
@@ -288,7 +288,7 @@ class FeatureTransform:
 def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Each row's first ``lengths[r]`` positions (axis 1) moved to its end, zeros before them.
 
-    The left padding of a sequence (:attr:`recserve.spec.SequenceFeature.padding`) from its right
+    The left padding of a sequence (:attr:`recserve.core.spec_types.SequenceFeature.padding`) from its right
     padding; ``array`` is ``[rows, positions, ...]`` with every row's real positions first.
     """
     positions = array.shape[1]

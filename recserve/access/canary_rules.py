@@ -1,8 +1,8 @@
 """The canary's decision rules: compare the canary with stable, step through the stages, keep the decision.
 
 Pure logic over :class:`~recserve.access.canary_figures.Window` figures and the spec's
-:class:`~recserve.sections.CanarySection`; the controller that reads the running stack and puts each
-decision on the proxy is :mod:`~recserve.access.canary`, which re-exports every name here.
+:class:`~recserve.core.sections_serving.CanarySection`; the controller that reads the running stack and
+puts each decision on the proxy is :mod:`~recserve.access.canary`, which re-exports every name here.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ shadow cluster per protocol for the mirrored copies. The parts:
   HTTP/2 pools multiplex, so a gRPC request over the cap has nowhere to wait; for HTTP/1.1 the pool
   may open as many connections as it likes, so a request only waits for its connection to open.
 * **Weighted split with sticky users** (``weighted_clusters`` + ``hash_policy``): the variant is
-  picked from a hash of the :data:`~recserve.wire.USER_HEADER` header, so a user stays on one variant
+  picked from a hash of the :data:`~recserve.core.names.USER_HEADER` header, so a user stays on one variant
   while the weights stand; requests without the header are split at random. Each weight is read
   from the runtime key :func:`weight_key` first, so ``POST /runtime_modify`` changes the split
   without a reload.

@@ -1,4 +1,4 @@
-"""The compiled hex parser gives recserve.wire.parse_hex's results bit for bit, and its errors."""
+"""The compiled hex parser gives recserve.core.values.parse_hex's results bit for bit, and its errors."""
 
 import numpy as np
 import pytest

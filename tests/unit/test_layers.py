@@ -1,7 +1,6 @@
 """The dependency direction of the packages, checked on every import (lazy ones included).
 
-Bottom, the ground: ``recserve/core/`` and the domain errors. (``recserve.spec``, ``.sections`` and
-``.wire`` re-export ``core/`` for users' old imports; nothing of the project imports them.)
+Bottom, the ground: ``recserve/core/`` and the domain errors (no other module re-exports them).
 Above them the backends that run inside tritonserver, in floors of their own (one rule per
 folder): ``base/`` on the bottom alone; the subsystems ``features/``, ``store/`` and ``dense/``
 on the base, never on each other; ``steps/`` composed from the subsystems; ``triton/`` (the
@@ -28,8 +27,6 @@ PACKAGE_DIRS = {  # import name -> folder, as pyproject.toml maps them
 }
 #: The ground: ``core/`` and the errors.
 BOTTOM = ("recserve.core", "recserve.errors")
-#: former paths of the ground, kept as re-exports for users' imports
-FACADES = ("recserve.sections", "recserve.spec", "recserve.wire")
 BACKEND_BASE = ("recserve.backends.base",)
 BACKEND_SUBSYSTEMS = ("recserve.backends.features", "recserve.backends.store", "recserve.backends.dense")
 USER_STATE = "recserve.backends.store.user_state"
@@ -40,7 +37,6 @@ PERF_FLOORS = ("recserve.perf.harness", "recserve.perf.peers", "recserve.perf.be
 ALLOWED = {
     "recserve.core": ("recserve.errors",),  # the ground imports nothing of the project above it
     "recserve.errors": (),
-    **{facade: ("recserve.core",) for facade in FACADES},
     "recserve.backends.base": BOTTOM,
     **{subsystem: (*BOTTOM, *BACKEND_BASE) for subsystem in BACKEND_SUBSYSTEMS},
     # the near-line user state: a room of the store, on the store's shared parts (kernels, Redis tier)
@@ -96,7 +92,7 @@ def imported(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("recserve"):
-            for alias in node.names:  # ``from recserve import wire`` imports the module recserve.wire
+            for alias in node.names:  # ``from recserve import verify`` imports the module recserve.verify
                 submodule = f"{node.module}.{alias.name}"
                 names.add(submodule if submodule in MODULES else node.module)
         elif isinstance(node, ast.Import):
@@ -136,8 +132,8 @@ def test_upward_and_sideways_imports_are_caught():
     assert violations("recserve.backends.dense.runner", {"recserve.build.network"}) == [
         "recserve.build.network"
     ]
-    assert violations("recserve.core.spec", {"recserve.wire", "recserve.core.sections_base"}) == [
-        "recserve.wire"
+    assert violations("recserve.core.spec", {"recserve.verify", "recserve.core.sections_base"}) == [
+        "recserve.verify"
     ]
     assert violations("recserve.perf.bench.bench", {"recserve.build.configs", "recserve.server"}) == []
     assert violations("recserve.access.config", {"recserve.build.configs", "recserve.server"}) == [
@@ -195,32 +191,18 @@ def test_the_backends_root_holds_only_the_package():
 
 
 def test_the_ground_stands_alone():
-    """``core/`` imports only itself and the errors; the former ground modules only re-export ``core/``."""
+    """``core/`` imports only itself and the errors."""
     assert violations(
-        "recserve.core.rows", {"recserve.core.values", "recserve.errors", "recserve.spec", "recserve.wire"}
-    ) == ["recserve.spec", "recserve.wire"]
+        "recserve.core.rows", {"recserve.core.values", "recserve.errors", "recserve.clients.rows"}
+    ) == ["recserve.clients.rows"]
     assert violations("recserve.core.values", {"recserve.backends.features.hashing"}) == [
         "recserve.backends.features.hashing"
     ]
-    assert violations("recserve.wire", {"recserve.core.rows", "recserve.spec"}) == ["recserve.spec"]
-    assert violations("recserve.backends.store.tiered", {"recserve.spec"}) == ["recserve.spec"]
 
 
-def test_nothing_of_the_project_imports_the_former_ground_paths():
-    """The re-exports are for users' code; every module, test and adapter imports ``recserve.core`` itself."""
-    users = sorted(
-        str(p.relative_to(ROOT))
-        for p in python_files()
-        if module_name_or_none(p) not in FACADES and imported(p) & set(FACADES)
-    )
-    assert not users, f"import recserve.core, not its re-exports: {users}"
-
-
-def module_name_or_none(path: Path) -> str | None:
-    try:
-        return module_name(path)
-    except AssertionError:
-        return None
+def test_the_former_ground_paths_are_gone():
+    """``recserve.spec``, ``.sections`` and ``.wire`` (re-exports of ``core/``) are gone."""
+    assert not {"recserve.spec", "recserve.sections", "recserve.wire"} & MODULES
 
 
 def test_ground_modules_are_short():
