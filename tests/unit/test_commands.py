@@ -8,13 +8,14 @@ import pytest
 from recserve.cli import main, parser
 from recserve.commands.lab import FLAT_NAMES
 from recserve.commands.main import resolve_flat_name
-from recserve.core.spec_types import DEFAULT_SPEC
+from recserve.core.spec.types import DEFAULT_SPEC
 
 USER_COMMANDS = (
     "build", "import", "contract", "sample", "serve", "predict", "verify", "update", "rollback", "explain",
     "redis-load", "access", "canary", "observe", "k8s", "perf", "bench", "lab",
 )  # fmt: skip
-LAB_COMMANDS = (*FLAT_NAMES.values(), "fuzz", "chaos")  # the lab commands that never had a top-level name too
+# the lab commands that never had a top-level name too
+LAB_COMMANDS = (*FLAT_NAMES.values(), "fuzz", "chaos", "device-ops")
 
 
 def help_text(argv, capsys):
