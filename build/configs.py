@@ -37,8 +37,8 @@ from recserve.core.names import (
     PROFILES,
     STEPS,
 )
-from recserve.core.sections_serving import QueuePolicy
-from recserve.core.spec import ModelSpec
+from recserve.core.sections.serving import QueuePolicy
+from recserve.core.spec.model import ModelSpec
 
 TENSORRT_PLAN = "model.plan"
 
@@ -263,7 +263,7 @@ def single_form_ensemble(spec: ModelSpec, form: str, profile: str = "cpu") -> mc
 
 
 def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
-    """The candidate-list ensemble (:attr:`~recserve.core.spec.ModelSpec.candidates_model`), a user a request.
+    """The candidate-list ensemble (``ModelSpec.candidates_model``): one request per user.
 
     Its inputs have no batch dimension of their own (``max_batch_size`` 0): the user inputs are
     ``[users, ...]``, the per-candidate ones ``[users, candidates, ...]``. Both steps batch such

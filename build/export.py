@@ -12,7 +12,7 @@ import torch
 from recserve.backends.dense.network import CandidateNet, CTRNet
 from recserve.core.contract import attention_inputs, dense_net_inputs, sequence_inputs, sparse_inputs
 from recserve.core.names import BATCH_AXIS, DENSE_NORMALIZED, HISTORY_USER, PROBABILITY, SEQUENCE_AXIS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.user_state_wire import log_weight_inputs
 
 OPSET = 17

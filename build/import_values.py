@@ -20,10 +20,10 @@ import numpy as np
 
 from recserve.backends.store.rows import TableArrays
 from recserve.core.name_ranges import expand_names
-from recserve.core.sections_features import TIME_PARTS
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec
-from recserve.core.spec_types import RawColumn
+from recserve.core.sections.features import TIME_PARTS
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
+from recserve.core.spec.types import RawColumn
 from recserve.core.times import time_part
 from recserve.core.values import canonical_value, parse_times
 from recserve.errors import InvalidInput, shorten

@@ -12,7 +12,7 @@ from recserve.build.export import example_inputs
 from recserve.build.repository import DENSE_FORMAT, ONNX_FILE, spec_digest
 from recserve.core.contract import sequence_inputs
 from recserve.core.names import BATCH_AXIS, LOGIT, PROBABILITY, SEQUENCE_AXIS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError
 
 

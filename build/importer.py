@@ -51,7 +51,7 @@ from recserve.build.repository import (
 )
 from recserve.build.train import Progress, stderr_progress
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError, InvalidInput, shorten
 
 VOCAB_SUFFIX = ".vocab.json"

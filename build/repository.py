@@ -40,8 +40,8 @@ from recserve.build.train import Progress, stderr_progress, train
 from recserve.core.contract import sequence_inputs
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP, HISTORY_USER, PROBABILITY, STEPS
 from recserve.core.rows import RawRows
-from recserve.core.sections_serving import StoreSection
-from recserve.core.spec import ModelSpec
+from recserve.core.sections.serving import StoreSection
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError
 
 DENSE_FORMAT = "recserve-dense/1"

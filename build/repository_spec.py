@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import spec_from_json
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import spec_from_json
 from recserve.errors import ArtifactError
 
 #: The config parameter holding the served spec (see :func:`recserve.build.configs.step_config`).

@@ -21,8 +21,8 @@ from recserve.core.names import (
     PROBABILITY,
     WIRE_FORMS,
 )
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import WireTensor
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import WireTensor
 from recserve.core.user_state_wire import user_state_inputs
 
 #: The spec's wire dtypes as config data types.

@@ -15,8 +15,8 @@ import numpy as np
 
 from recserve.backends.features.hashing import fnv1a64, splitmix64
 from recserve.core.rows import RawRows
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import MultiHotFeature, RawColumn, SequenceFeature
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import MultiHotFeature, RawColumn, SequenceFeature
 from recserve.core.values import ABSENT_ITEM
 
 ITEM_CLUSTERS = 20

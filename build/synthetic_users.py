@@ -17,7 +17,7 @@ from recserve.backends.store.user_state.events import Events
 from recserve.build.synthetic import generate
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import RawRows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from recserve.build.synthetic import generate
 from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED, HISTORY_KEYS, HISTORY_MASK
 from recserve.core.rows import RawRows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.values import categorical_values
 
 LOGGER = logging.getLogger(__name__)

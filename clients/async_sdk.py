@@ -19,7 +19,7 @@ from recserve.clients.errors import (
 )
 from recserve.clients.rows import CriteoRows
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from recserve.core.names import (
     USER_HEADER,
     WIRE_FORMS,
 )
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import NUMPY_DTYPES
 from recserve.core.user_state_wire import user_state_inputs
 from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
 from recserve.errors import InvalidInput, cap_message, shorten, shorten_all

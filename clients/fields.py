@@ -6,8 +6,8 @@ import warnings
 
 import numpy as np
 
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import CategoricalGroup, RawColumn, SequenceFeature
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import CategoricalGroup, RawColumn, SequenceFeature
 from recserve.core.values import BLANKS, canonical_value, categorical_values, multi_hot_values
 from recserve.errors import InvalidInput, shorten
 

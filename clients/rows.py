@@ -49,7 +49,7 @@ from recserve.clients.fields import (
 )
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import Rows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.user_state_wire import serves_user_state
 from recserve.core.values import ABSENT_ITEM
 

@@ -14,8 +14,8 @@ from typing import Any
 from recserve.clients.base import DEFAULT_URLS
 from recserve.clients.errors import ServerError, map_exception
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import spec_from_json
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import spec_from_json
 
 
 def _config(url: str | None, protocol: str, timeout_s: float, model: str) -> dict[str, Any]:

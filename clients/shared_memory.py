@@ -13,8 +13,8 @@ from recserve.clients.errors import (
     InvalidRequestError,
 )
 from recserve.core.names import PROBABILITY, WIRE_FORMS
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import NUMPY_DTYPES
 
 LOGGER = logging.getLogger(__name__)
 

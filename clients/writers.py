@@ -11,7 +11,7 @@ import numpy as np
 
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import RawRows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.values import ABSENT_ITEM
 
 

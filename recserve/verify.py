@@ -22,7 +22,7 @@ from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.evaluation import logloss, roc_auc
 from recserve.clients.rows import CriteoRows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import shorten
 
 DEFAULT_TOLERANCE = 1e-5

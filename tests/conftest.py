@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 

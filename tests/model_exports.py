@@ -24,7 +24,7 @@ from recserve.core.names import (
     TARGET_EMBEDDING,
 )
 from recserve.core.rows import RawRows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 def table_tokens(spec: ModelSpec, table: str) -> list[str | int]:

@@ -6,7 +6,7 @@ import numpy as np
 
 from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 DIM = 4  # the width of :func:`make_tables`' vectors
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from recserve.core.rows import RawRows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 def with_runs(spec: ModelSpec, raw: RawRows, runs: list[slice]) -> RawRows:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from recserve.build.synthetic import generate
 from recserve.core.rows import Rows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 def column_index(spec: ModelSpec, name: str) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.bench.input_data import write_input_data
 
 LOGGER = logging.getLogger(__name__)

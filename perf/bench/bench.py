@@ -41,8 +41,8 @@ import numpy as np
 from recserve.build import configs
 from recserve.clients import CTRClient
 from recserve.core.names import IDS_WIRE, STEPS
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import spec_path
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import spec_path
 from recserve.perf.bench import report
 from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.bench.candidates import measure as measure_candidates

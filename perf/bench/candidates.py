@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 from recserve.build.synthetic import generate
 from recserve.core.candidate_lists import candidate_list_inputs, with_profiles_of
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.bench.report import P99_BOUND_MS
 from recserve.perf.harness.timed_loop import timed_closed_loop
 from recserve.perf.harness.traffic import infer_inputs

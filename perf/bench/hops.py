@@ -47,8 +47,8 @@ from recserve.core.names import (
     TARGET_EMBEDDING,
     TARGET_KEY,
 )
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import WireTensor
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import WireTensor
 from recserve.perf.harness.inprocess import measure_inprocess
 from recserve.perf.harness.stats import StepTimes, difference, snapshot
 from recserve.perf.harness.traffic import closed_loop, interleaved

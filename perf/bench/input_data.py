@@ -18,7 +18,7 @@ import numpy as np
 from recserve.build.synthetic import generate
 from recserve.core.candidate_lists import candidate_list_inputs
 from recserve.core.names import IDS_WIRE
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 DEFAULT_ROWS = 1024
 

@@ -26,7 +26,7 @@ from locust import User, events, task
 
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from recserve.backends.store.served import ServedStore
 from recserve.build.repository import load_reference_net, reference_pipeline, version_dir
 from recserve.core.candidate_lists import candidate_step_inputs
 from recserve.core.names import CANDIDATE_PREFIX, EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec, parse_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec, parse_spec
 from recserve.perf.bench.candidates import LIST, ROWS, requests_of
 from recserve.perf.harness.inprocess import time_calls
 

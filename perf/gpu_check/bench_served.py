@@ -38,8 +38,8 @@ import tritonclient.grpc as grpcclient
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.core.names import BYTES_WIRE, EMBEDDING_LOOKUP, IDS_WIRE, PROBABILITY, STEPS
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.bench.candidates import LIST, LIST_BYTES, ROWS, requests_of
 from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.harness.timed_loop import timed_closed_loop

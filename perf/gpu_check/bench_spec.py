@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec, parse_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec, parse_spec
 
 from .common import BenchSizes
 

@@ -206,8 +206,8 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from recserve.build.repository import reference_pipeline
     from recserve.build.synthetic import generate
     from recserve.clients import CTRClient
-    from recserve.core.spec_parse import load_spec
-    from recserve.core.spec_types import DEFAULT_REPOSITORY, DEFAULT_SPEC
+    from recserve.core.spec.parse import load_spec
+    from recserve.core.spec.types import DEFAULT_REPOSITORY, DEFAULT_SPEC
 
     spec = load_spec(DEFAULT_SPEC)
     reference = reference_pipeline(spec, Path(DEFAULT_REPOSITORY), runtime="torch")
@@ -231,8 +231,8 @@ def cmd_variant(args: argparse.Namespace) -> int:
     """A cuda-profile variant of the built repository with other dense or lookup instance counts."""
     from recserve.build.configs import ServingPlan, write_variant
     from recserve.core.names import DENSE, EMBEDDING_LOOKUP
-    from recserve.core.spec_parse import load_spec
-    from recserve.core.spec_types import DEFAULT_REPOSITORY, DEFAULT_SPEC
+    from recserve.core.spec.parse import load_spec
+    from recserve.core.spec.types import DEFAULT_REPOSITORY, DEFAULT_SPEC
 
     spec = load_spec(DEFAULT_SPEC)
     plan = ServingPlan.from_spec(spec)

@@ -13,7 +13,7 @@ import numpy as np
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.core.names import IDS_WIRE
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.repository import version_dir, write_tables
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
 
 
 def l3_repository(

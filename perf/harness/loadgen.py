@@ -21,7 +21,7 @@ import numpy as np
 
 from recserve.build.synthetic import generate
 from recserve.core.names import PROBABILITY
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 #: A request slower than this waited out a sleeping batcher (tritonserver's 500 ms slot wait).

@@ -25,7 +25,7 @@ from typing import Any
 
 import redis
 
-from recserve.core.sections_serving import StoreSection
+from recserve.core.sections.serving import StoreSection
 
 LOOPBACK = "127.0.0.1"
 #: The environment variable that holds a running cluster's password (``[store] redis_password_env``).

@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype, ser
 
 from recserve.build.synthetic import generate
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.server import TritonServer
 
 

@@ -21,9 +21,9 @@ import tritonclient.grpc as grpcclient
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
-from recserve.core.spec_types import DEFAULT_REPOSITORY
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
+from recserve.core.spec.types import DEFAULT_REPOSITORY
 from recserve.perf.harness.traffic import closed_loop
 
 

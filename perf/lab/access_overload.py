@@ -20,7 +20,7 @@ from pathlib import Path
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy
 from recserve.build.synthetic import generate
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import scratch_repository
 from recserve.perf.lab.overload import Cores, OverloadReport, measure_capacity, pinned, run_overload
 

@@ -41,7 +41,7 @@ from recserve.build.repository import upload_remote_tables, version_dir
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.perf.lab.chaos_load import Outage, PacedLoad, outage
@@ -242,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run, print the table (and write it as JSON); 0 when every kind passed."""
-    from recserve.core.spec_parse import load_spec
+    from recserve.core.spec.parse import load_spec
 
     with tempfile.TemporaryDirectory(prefix="recserve-chaos-") as scratch:
         results = run_chaos(load_spec(args.spec), args.repository, Path(scratch), args.replicas, args.rate)

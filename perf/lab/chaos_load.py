@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recserve.clients import CTRClient, RecserveClientError
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 #: Each request's deadline: a request to a dead server fails at once, one to a stuck one at this.
 REQUEST_TIMEOUT_S = 5.0

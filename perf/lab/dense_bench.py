@@ -43,7 +43,7 @@ from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
 from recserve.core.contract import dense_net_inputs
 from recserve.core.names import DENSE, HISTORY_MASK, PROBABILITY
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.lab.dense_report import BucketRow, format_report
 
 LOGGER = logging.getLogger(__name__)

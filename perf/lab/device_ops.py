@@ -42,8 +42,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from recserve.core.candidate_lists import candidate_step_inputs
 from recserve.core.gpu_batches import gpu_spec
 from recserve.core.names import CANDIDATE_PREFIX
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec, parse_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec, parse_spec
 
 #: the list sizes measured (candidates of one user) and the history length
 SIZES = (256, 4096)

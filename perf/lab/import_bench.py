@@ -26,8 +26,8 @@ from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.build.export import export_onnx
 from recserve.build.importer import import_repository
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec, spec_path
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec, spec_path
 
 BLOCK_ROWS = 1 << 18
 FORMATS = ("hugectr", "keyed", "vocabulary")

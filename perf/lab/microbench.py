@@ -21,8 +21,8 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 from recserve.backends.base import batching
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.harness.loadgen import sample_batches
 
 LOGGER = logging.getLogger(__name__)

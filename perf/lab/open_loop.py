@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import infer_request
 
 SERVED, SHED, FAILED = "served", "shed", "failed"

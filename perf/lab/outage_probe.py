@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recserve.core.names import EMBEDDING_LOOKUP, PROBABILITY
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import infer_request
 from recserve.server import LOOPBACK, TritonServer
 

@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.core.names import STEPS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.stats import Snapshot, StepTimes, difference, snapshot
 from recserve.perf.harness.traffic import infer_inputs, scratch_repository
 from recserve.perf.lab.open_loop import FAILED, SHED, PhaseStats, open_loop, phase_stats, recovery_s

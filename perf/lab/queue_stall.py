@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.loadgen import STALL_MS, run_load, sample_batches, triton_target
 from recserve.server import Ports, TritonServer
 

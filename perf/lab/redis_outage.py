@@ -32,7 +32,7 @@ import numpy as np
 from recserve.build.repository import reference_pipeline, upload_remote_tables, version_dir
 from recserve.build.synthetic import generate
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.perf.lab.outage_probe import L3_REASONS, OutageProbe, PhaseResult, breaker_opened, l3_serving

@@ -28,7 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import (
     TrafficCounts,
     add_version,

@@ -38,7 +38,7 @@ from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.build.synthetic import zipf_ranks
-from recserve.core.sections_serving import StoreSection
+from recserve.core.sections.serving import StoreSection
 
 TABLE = "bench"
 

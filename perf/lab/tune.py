@@ -24,7 +24,7 @@ from pathlib import Path
 from recserve.build import configs
 from recserve.build.configs import ServingPlan
 from recserve.core.names import STEPS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.bench.analyzer import LOOSE_STABILITY, measure_point
 from recserve.perf.bench.input_data import write_input_data
 from recserve.server import Ports, TritonServer
@@ -251,7 +251,7 @@ def run_tune(
 
     The cap is :func:`admission_cap`; the regenerated configs are ``repository``'s.
     """
-    from recserve.core.spec_parse import load_spec
+    from recserve.core.spec.parse import load_spec
 
     with tempfile.TemporaryDirectory(prefix="recserve-tune-") as tmp:
         measure_plan = perf_analyzer_measure(spec, repository, Path(tmp), workloads, measurement_ms)

@@ -30,8 +30,8 @@ from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
 from recserve.build.synthetic import generate
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from recserve.core.wire_forms import ids_from_bytes
 
 LOGGER = logging.getLogger(__name__)

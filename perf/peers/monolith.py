@@ -15,8 +15,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.build import configs, step_tensors
 from recserve.core.names import PROBABILITY
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import WireTensor
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import WireTensor
 
 ADAPTER = "monolith_model.py"
 

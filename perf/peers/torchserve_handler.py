@@ -18,9 +18,9 @@ import numpy as np
 
 from recserve.backends.base import batching
 from recserve.build.repository import reference_pipeline
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
-from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
+from recserve.core.spec.types import NUMPY_DTYPES
 
 LOGGER = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.spec.types import NUMPY_DTYPES
 from recserve.errors import InvalidInput
 
 

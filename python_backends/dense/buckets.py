@@ -40,7 +40,7 @@ from recserve.core.contract import (
     sparse_inputs,
 )
 from recserve.core.names import DENSE_NORMALIZED, HISTORY_LOG_WEIGHTS, HISTORY_MASK, SPARSE_EMBEDDINGS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from recserve.backends.dense.buckets import Arrays
 from recserve.core.candidate_lists import per_candidate_dense_inputs
 from recserve.core.contract import left_padded_inputs, sequence_inputs
 from recserve.core.names import CANDIDATE_PREFIX, HISTORY_USER, PROBABILITY, SPARSE_EMBEDDINGS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import InvalidInput
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.core.contract import ContractTensor, dense_contract
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError
 
 LOGGER = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from recserve.core.names import (
     HISTORY_USER,
     SPARSE_EMBEDDINGS,
 )
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 def _mlp(widths: list[int], final_activation: bool) -> nn.Sequential:

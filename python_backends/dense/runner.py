@@ -51,7 +51,7 @@ from recserve.core.names import (
     SEQUENCE_AXIS,
     SPARSE_EMBEDDINGS,
 )
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError, InvalidInput, NonFiniteOutput
 
 if TYPE_CHECKING:

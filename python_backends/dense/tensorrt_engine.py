@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.backends.dense.buckets import Bucket, grid_floors
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

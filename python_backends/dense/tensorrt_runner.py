@@ -18,7 +18,7 @@ from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.dense.buckets import Arrays, Bucket, BucketedRunner, BucketPolicy
 from recserve.backends.dense.torch_runners import DeviceBuffers, TorchEager
 from recserve.core.names import PROBABILITY
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from recserve.backends.dense.buckets import (
     present_inputs,
 )
 from recserve.core.contract import is_sequence_input, left_padded_inputs
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from recserve.backends.dense.network import CTRNet

@@ -49,7 +49,7 @@ from recserve.core.names import (
     SPARSE_KEYS,
     TARGET_KEY,
 )
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.values import ABSENT_ITEM
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 _MASK64 = (1 << 64) - 1
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from recserve.backends.base.inputs import require
 from recserve.backends.features.request_checks import check_rows
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.times import LAST_SECOND
 from recserve.core.wire_forms import IdList
 from recserve.errors import InvalidInput

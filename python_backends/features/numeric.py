@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from recserve.backends.features.request_checks import check_finite
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 
 class NumericOps:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recserve.core.spec_types import CategoricalFeature, SequenceFeature
+from recserve.core.spec.types import CategoricalFeature, SequenceFeature
 from recserve.core.values import ABSENT_ITEM
 from recserve.errors import InvalidInput
 

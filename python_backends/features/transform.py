@@ -43,8 +43,8 @@ from recserve.core.names import (
     SPARSE_KEYS,
     TARGET_KEY,
 )
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import CategoricalFeature, CategoricalGroup, Feature, RawColumn, SequenceFeature
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import CategoricalFeature, CategoricalGroup, Feature, RawColumn, SequenceFeature
 from recserve.core.times import time_part
 from recserve.core.values import ABSENT_ITEM, categorical_values, join_list, multi_hot_values
 from recserve.core.wire_forms import request_form
@@ -288,7 +288,7 @@ class FeatureTransform:
 def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Each row's first ``lengths[r]`` positions (axis 1) moved to its end, zeros before them.
 
-    The left padding of a sequence (:attr:`recserve.core.spec_types.SequenceFeature.padding`) from its right
+    The left padding of a sequence (:attr:`recserve.core.spec.types.SequenceFeature.padding`) from its right
     padding; ``array`` is ``[rows, positions, ...]`` with every row's real positions first.
     """
     positions = array.shape[1]

@@ -36,8 +36,8 @@ from recserve.core.names import (
     SPARSE_KEYS,
     TARGET_KEY,
 )
-from recserve.core.sections_logging import LoggingSection
-from recserve.core.spec import ModelSpec
+from recserve.core.sections.logging import LoggingSection
+from recserve.core.spec.model import ModelSpec
 from recserve.core.wire_forms import request_form
 
 

@@ -20,8 +20,8 @@ from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.backends.store.tiers import Lookup
 from recserve.backends.store.user_state.states import UserStates
 from recserve.core.names import DENSE_NORMALIZED, USER_ID
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import NUMERIC_INPUT, CategoricalFeature
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import NUMERIC_INPUT, CategoricalFeature
 from recserve.core.times import time_part
 from recserve.core.values import canonical_value, multi_hot_tokens, parse_times
 

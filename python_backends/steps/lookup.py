@@ -37,7 +37,7 @@ from recserve.core.names import (
     TARGET_KEY,
     WIRE_FORMS,
 )
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.core.wire_forms import request_form
 from recserve.errors import ArtifactError
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.tiered import TieredStore
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 DenseFn = Callable[[Mapping[str, np.ndarray]], np.ndarray]
 

@@ -31,7 +31,7 @@ from recserve.backends.steps.user_history import OUTCOMES, RowStates, UserHistor
 from recserve.backends.store.user_state.state import MODES
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     import torch

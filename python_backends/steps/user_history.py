@@ -55,7 +55,7 @@ from recserve.backends.store.user_state.states import (
 from recserve.backends.store.user_state.tokens import GAP, HIT, MISS, StoredTokens, Tokens
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError, InvalidInput
 
 LOGGER = logging.getLogger(__name__)

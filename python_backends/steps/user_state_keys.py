@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

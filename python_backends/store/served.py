@@ -16,7 +16,7 @@ import numpy as np
 from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from recserve.backends.store.tiers import (  # the tiers' names and types stay i
     Snapshot,
     StoreStats,
 )
-from recserve.core.sections_serving import StoreSection
-from recserve.core.spec import ModelSpec
+from recserve.core.sections.serving import StoreSection
+from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ import triton_python_backend_utils as pb_utils
 from recserve.backends.base import batching
 from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.triton.bytes_codec import decode_bytes_tensor
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import spec_from_json
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import spec_from_json
 from recserve.errors import RequestError, cap_message
 
 LOGGER = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ from recserve.access.canary_rules import (
     stages,
 )
 from recserve.access.config import LOOPBACK, PROTOCOLS, AccessError, cluster_name
-from recserve.core.sections_serving import CanarySection
+from recserve.core.sections.serving import CanarySection
 
 LOGGER = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The canary's decision rules: compare the canary with stable, step through the stages, keep the decision.
 
 Pure logic over :class:`~recserve.access.canary_figures.Window` figures and the spec's
-:class:`~recserve.core.sections_serving.CanarySection`; the controller that reads the running stack and
+:class:`~recserve.core.sections.serving.CanarySection`; the controller that reads the running stack and
 puts each decision on the proxy is :mod:`~recserve.access.canary`, which re-exports every name here.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from recserve.access.canary_figures import Window, psi
 from recserve.access.config import AccessError
-from recserve.core.sections_serving import AccessSection, CanarySection
+from recserve.core.sections.serving import AccessSection, CanarySection
 
 STATE_FILE = "rules.json"
 #: Weights are out of this total, so that a step of 0.5 % is still a whole number.

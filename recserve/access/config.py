@@ -45,7 +45,7 @@ from typing import Any
 
 from recserve.access.front_door import GRPC_STREAM_PATH, FrontDoor, buffer_off
 from recserve.core.names import TRAFFIC_HEADER, USER_HEADER, VARIANT_HEADER
-from recserve.core.sections_serving import AccessSection
+from recserve.core.sections.serving import AccessSection
 from recserve.server import Ports
 
 LOOPBACK = "127.0.0.1"

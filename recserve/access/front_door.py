@@ -147,7 +147,7 @@ class FrontDoor:
         Raises:
             FrontDoorError: a repository without any model config.
         """
-        from recserve.core.spec_parse import spec_from_json
+        from recserve.core.spec.parse import spec_from_json
 
         repositories = list(repositories)
         configs: dict[str, mc.ModelConfig] = {}

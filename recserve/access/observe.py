@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 #: Files :func:`write` puts into its folder.
 PROMETHEUS_FILE = "prometheus.yml"

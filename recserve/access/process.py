@@ -28,7 +28,7 @@ from recserve.access.config import (
 )
 from recserve.access.envoy import EnvoyProxy, envoy_binary, validate
 from recserve.access.front_door import FrontDoor
-from recserve.core.sections_serving import AccessSection
+from recserve.core.sections.serving import AccessSection
 from recserve.server import Backoff, Ports, Started, Supervisor, TritonServer, port_in_use
 from recserve.server.runtime import ServerProcessError
 from recserve.server.supervisor import Supervised

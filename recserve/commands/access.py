@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 
 def _access(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 #: the old top-level name of each lab command -> its name under ``recserve lab``
 FLAT_NAMES = {
@@ -51,7 +51,7 @@ def _workloads(text: str) -> tuple[tuple[int, int], ...]:
 
 def _tune(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
-    from recserve.core.spec_parse import spec_path
+    from recserve.core.spec.parse import spec_path
     from recserve.perf.lab.tune import DEFAULT_WORKLOADS, admission_cap, run_tune
 
     spec = load_spec(args.spec)

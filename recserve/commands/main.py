@@ -15,7 +15,7 @@ import sys
 import textwrap
 
 from recserve.commands import access, lab, model, perf, serving, store, user_state
-from recserve.core.spec_types import DEFAULT_SPEC, default_repository
+from recserve.core.spec.types import DEFAULT_SPEC, default_repository
 from recserve.errors import ArtifactError
 
 SPEC_HELP = "bundled spec name or path to a spec .toml"

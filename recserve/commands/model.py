@@ -11,7 +11,7 @@ from pathlib import Path
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
 from recserve.core.contract import ContractTensor, dense_contract
 from recserve.core.names import BATCH_AXIS, SEQUENCE_AXIS
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.errors import ArtifactError
 
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from recserve.commands.spec_source import command_spec
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 
 
 def _perf(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 def _serve(args: argparse.Namespace) -> int:
     import os
 
-    from recserve.core.sections_logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV
+    from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV
     from recserve.server import (
         MpsDaemon,
         Ports,

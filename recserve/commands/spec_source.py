@@ -13,8 +13,8 @@ import argparse
 import logging
 
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from recserve.commands.spec_source import command_spec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 
 def _open(args: argparse.Namespace, start: bool = False):  # returns (spec, ServedStore)

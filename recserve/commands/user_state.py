@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.errors import shorten
 
 #: How often the builder looks for a new item table or dense version (and measures its drift).

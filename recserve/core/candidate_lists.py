@@ -9,8 +9,8 @@ import numpy as np
 
 from recserve.core.contract import dense_net_inputs, sequence_inputs
 from recserve.core.names import BYTES_WIRE, CANDIDATE_PREFIX, WIRE_FORMS
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import WireTensor
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import WireTensor
 from recserve.errors import InvalidInput
 
 

@@ -15,8 +15,8 @@ from recserve.core.names import (
     PROBABILITY,
     SPARSE_EMBEDDINGS,
 )
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import AttentionGroup, CategoricalFeature, SequenceFeature
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import AttentionGroup, CategoricalFeature, SequenceFeature
 from recserve.core.user_state_wire import log_weight_inputs
 
 
@@ -33,7 +33,7 @@ def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ..
 
     ``sparse_embeddings`` (``embedding_dim``), then ``sparse_embeddings__<width>`` per other table
     width, ascending; ``slots`` are its features, as indices of
-    :attr:`~recserve.core.spec_types.CategoricalGroup.slot_names`.
+    :attr:`~recserve.core.spec.types.CategoricalGroup.slot_names`.
     """
     names = {spec.model.embedding_dim: SPARSE_EMBEDDINGS}
     return tuple(
@@ -89,7 +89,7 @@ class ContractTensor:
 
 
 def packed_slots(spec: ModelSpec, indices: Sequence[int]) -> tuple[Slot, ...]:
-    """The slots at ``indices`` of :attr:`~recserve.core.spec_types.CategoricalGroup.slot_names`."""
+    """The slots at ``indices`` of :attr:`~recserve.core.spec.types.CategoricalGroup.slot_names`."""
     group = spec.categorical
     return tuple(Slot(group.slot_names[i], group.slot_tables[i]) for i in indices)
 
@@ -130,7 +130,7 @@ def group_width(spec: ModelSpec, group: AttentionGroup) -> int:
 
 
 def attention_inputs(spec: ModelSpec) -> tuple[AttentionInputs, ...]:
-    """Per attention group (:attr:`~recserve.core.spec.ModelSpec.attention_groups`), its dense inputs.
+    """Per attention group (:attr:`~recserve.core.spec.model.ModelSpec.attention_groups`), its dense inputs.
 
     The first group's are ``target_embedding``, ``history_embeddings`` and ``history_mask``; each
     other group's carry its first sequence's name, ``history_embeddings__<sequence>`` and so on.

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from recserve.core.name_ranges import expand_names
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_types import CategoricalFeature, NumericColumn, RawColumn
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.types import CategoricalFeature, NumericColumn, RawColumn
 
 #: The value types a numeric feature may read from a categorical column, as numbers.
 NUMBER_TYPES = ("int64", "uint64")

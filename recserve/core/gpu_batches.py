@@ -13,8 +13,8 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
 
 
 def gpu_batch_buckets(spec: ModelSpec) -> tuple[int, ...]:

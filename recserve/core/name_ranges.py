@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from recserve.core.sections_base import SpecError
+from recserve.core.sections.base import SpecError
 
 
 def expand_names(pattern: str) -> tuple[str, ...]:

@@ -52,10 +52,11 @@ LOGIT = "logit"
 #: Per row, the version of the ``dense`` model that scored it (hot swaps are visible to clients).
 DENSE_VERSION = "dense_version"
 #: Per row, the version of every embedding table in the store snapshot that served it, in the order of
-#: :attr:`recserve.core.spec.ModelSpec.table_names` (one snapshot per batch: all rows of a request agree).
+#: :attr:`recserve.core.spec.model.ModelSpec.table_names` (one snapshot per batch: a request's rows
+#: agree).
 EMBEDDING_VERSION = "embedding_version"
 #: Prefix of ``embedding_lookup``'s candidate-list inputs: the candidates ensemble
-#: (:attr:`recserve.core.spec.ModelSpec.candidates_model`) hands it each per-candidate wire input ``x``,
+#: (:attr:`recserve.core.spec.model.ModelSpec.candidates_model`) hands it each per-candidate wire input ``x``,
 #: ``[users, candidates, ...]``, as ``candidate_x``; the user's sequences keep their names.
 CANDIDATE_PREFIX = "candidate_"
 

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from recserve.core.names import BYTES_WIRE, IDS_WIRE, USER_ID, USER_SEQ
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_types import NUMERIC_INPUT, NUMPY_DTYPES
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import NUMERIC_INPUT, NUMPY_DTYPES
 from recserve.core.user_state_wire import serves_user_state
 from recserve.core.values import split_list
 from recserve.core.wire_forms import check_form, ids_from_bytes

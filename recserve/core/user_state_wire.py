@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
-from recserve.core.spec_types import WireTensor
+from recserve.core.spec.types import WireTensor
 
 if TYPE_CHECKING:
-    from recserve.core.spec import ModelSpec
+    from recserve.core.spec.model import ModelSpec
 
 
 def serves_user_state(spec: ModelSpec) -> bool:

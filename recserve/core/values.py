@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from recserve.core.spec_types import CategoricalGroup, RawColumn
+from recserve.core.spec.types import CategoricalGroup, RawColumn
 from recserve.core.times import unix_seconds
 from recserve.errors import InvalidInput, cap_message, shorten
 

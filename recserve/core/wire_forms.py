@@ -34,12 +34,12 @@ from recserve.core.names import (
     MISSING_SUFFIX,
     WIRE_FORMS,
 )
-from recserve.core.spec_types import PROFILE_PREFIX, CategoricalGroup, ProfilePart, WireTensor
+from recserve.core.spec.types import PROFILE_PREFIX, CategoricalGroup, ProfilePart, WireTensor
 from recserve.core.values import categorical_values, join_list, multi_hot_values
 from recserve.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from recserve.core.spec import ModelSpec
+    from recserve.core.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def split_user_inputs(
 
 
 def bytes_form(spec: ModelSpec) -> WireForm:
-    """The bytes form, as the spec describes its wire (:meth:`~recserve.core.spec.ModelSpec.wire_inputs`)."""
+    """The bytes form, as the spec describes its wire (``ModelSpec.wire_inputs``)."""
     return WireForm(
         BYTES_WIRE,
         spec.wire_inputs(),

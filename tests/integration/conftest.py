@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from recserve.build.repository import build_repository, install_adapters, is_built
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.server import Ports, TritonServer
 from tests.conftest import ROOT
 

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from recserve.clients import CTRClient, RecserveClientError
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import infer_inputs
 
 __all__ = [

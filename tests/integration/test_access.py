@@ -29,8 +29,8 @@ from recserve.access import AccessLayer, ProxyPorts, behind_proxy, canary, obser
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.harness.traffic import add_version, infer_request, scratch_repository
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from recserve.build.repository import build_repository, upload_remote_tables, ve
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.harness.l3_repository import l3_repository
 from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.perf.harness.stats import snapshot

@@ -22,7 +22,7 @@ from recserve.build.repository import build_repository, reference_pipeline, vers
 from recserve.build.synthetic import generate
 from recserve.clients.writers import write_csv
 from recserve.core.names import DENSE
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.server import Ports, TritonServer
 from tests.integration.private_server import private_server
 from tests.model_exports import export_tables

@@ -43,9 +43,9 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
 from recserve.core.names import PROBABILITY, USER_HEADER
-from recserve.core.sections_serving import CanarySection
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec, spec_path
+from recserve.core.sections.serving import CanarySection
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec, spec_path
 from recserve.perf.harness.traffic import scratch_repository
 
 pytestmark = pytest.mark.integration

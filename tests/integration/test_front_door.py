@@ -29,8 +29,8 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError, read_rows
 from recserve.clients.writers import write_tsv
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.harness.traffic import infer_request
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from recserve.build.repository import build_repository
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.lab.fuzz.run import format_report, run_fuzz
 
 pytestmark = pytest.mark.integration

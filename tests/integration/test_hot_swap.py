@@ -11,7 +11,7 @@ from tritonclient.utils import InferenceServerException
 from recserve.backends.base.artifacts import file_entry, write_manifest
 from recserve.backends.dense.network import CTRNet
 from recserve.build.export import export_onnx
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.parse import parse_spec
 from recserve.perf.harness.traffic import add_version
 
 from .private_server import background_traffic, private_server

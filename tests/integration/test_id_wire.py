@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 from recserve.build.repository import build_repository
 from recserve.clients import CTRClient, InvalidRequestError
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.server import Ports, TritonServer
 from tests.wire_rows import edge_rows
 

@@ -18,7 +18,7 @@ from recserve.build.repository import build_repository, reference_pipeline, vers
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.core.names import DENSE
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from tests.integration.private_server import private_server
 from tests.model_exports import HandWrittenModel, export_tables
 

@@ -18,7 +18,7 @@ from torch import nn
 from recserve.clients import CTRClient
 from recserve.core.contract import dense_net_inputs, sparse_inputs
 from recserve.core.names import BATCH_AXIS, DENSE_NORMALIZED
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from tests.integration.helpers import import_torch_model, recserve
 from tests.integration.private_server import private_server
 

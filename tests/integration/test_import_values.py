@@ -15,7 +15,7 @@ from recserve.cli import main
 from recserve.clients import CTRClient
 from recserve.clients.served_spec import served_spec
 from recserve.clients.writers import write_csv
-from recserve.core.spec_parse import parse_spec, spec_path
+from recserve.core.spec.parse import parse_spec, spec_path
 from tests.integration.private_server import private_server
 from tests.model_exports import HandWrittenModel
 

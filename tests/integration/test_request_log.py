@@ -25,7 +25,7 @@ from recserve.core.names import (
     TRAFFIC_HEADER,
     VARIANT_HEADER,
 )
-from recserve.core.sections_logging import LOG_DIR_ENV
+from recserve.core.sections.logging import LOG_DIR_ENV
 from recserve.server import Ports, TritonServer
 from tests.integration.helpers import infer_inputs
 

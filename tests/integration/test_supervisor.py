@@ -32,8 +32,8 @@ from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, RecserveClientError
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.harness.stats import snapshot
 from recserve.server import Backoff, Ports
 from recserve.server.shm import SHM_DIR

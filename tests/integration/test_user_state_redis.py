@@ -18,7 +18,7 @@ from recserve.backends.store.user_state.states import (
     open_user_states,
 )
 from recserve.backends.store.user_state.tokens import dedup
-from recserve.core.sections_user_state import UserStateSection
+from recserve.core.sections.user_state import UserStateSection
 from recserve.perf.harness.redis_cluster import RedisCluster
 
 

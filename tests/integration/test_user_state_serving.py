@@ -25,7 +25,7 @@ from recserve.build.synthetic import generate
 from recserve.clients import CTRClient
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
-from recserve.core.spec_parse import load_spec, spec_path
+from recserve.core.spec.parse import load_spec, spec_path
 
 from .helpers import grpc_client, infer_raw, metrics_text, wait_for
 from .private_server import private_server

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from recserve.build.repository import build_repository
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import load_spec
 from tests.conftest import ROOT
 
 TINY_SPEC = "tiny"  # build/specs/tiny.toml; `recserve --spec tiny ...` names it too

@@ -14,8 +14,8 @@ from recserve.backends.store.rows import RowBlock
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import generate, zipf_ranks
 from recserve.core.names import USER_ID, USER_SEQ
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec, spec_path
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec, spec_path
 from tests.conftest import ROOT
 from tests.store_tables import DIM
 

@@ -33,7 +33,7 @@ from recserve.access.front_door import (
 )
 from recserve.clients import AsyncCTRClient, CTRClient
 from recserve.core.names import STEPS, USER_HEADER
-from recserve.core.sections_serving import AccessSection
+from recserve.core.sections.serving import AccessSection
 
 PORTS = ProxyPorts(grpc=18001, http=18000, admin=19901)
 UPSTREAMS = {"stable": [Upstream(7001, 7000)], "canary": [Upstream(7101, 7100), Upstream(7201, 7200)]}

@@ -6,9 +6,9 @@ import pytest
 import tomllib
 
 from recserve.build.repository import spec_digest
-from recserve.core.sections_base import SpecError, UnknownKeyError
-from recserve.core.sections_serving import AccessSection
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.sections.base import SpecError, UnknownKeyError
+from recserve.core.sections.serving import AccessSection
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 
 
 def _doc(access: dict | None = None) -> dict:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.bench import analyzer
 
 

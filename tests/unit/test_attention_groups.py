@@ -17,8 +17,8 @@ from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
 from recserve.core.contract import dense_contract, dense_net_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_MASK
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 
 CART = ("target_embedding__cart_item_ids", "history_embeddings__cart_item_ids", "history_mask__cart_item_ids")
 

@@ -18,8 +18,8 @@ from recserve.backends.base.metrics import PROBABILITY_EDGES, ScoreHistogram
 from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.dense.runner import DenseStep
 from recserve.core.names import PROBABILITY
-from recserve.core.sections_serving import AccessSection, CanarySection
-from recserve.core.spec_parse import load_spec
+from recserve.core.sections.serving import AccessSection, CanarySection
+from recserve.core.spec.parse import load_spec
 from recserve.errors import NonFiniteOutput
 
 INF = math.inf

@@ -35,8 +35,8 @@ from recserve.core.names import (
     STEPS,
     WIRE_FORMS,
 )
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from recserve.errors import InvalidInput
 from recserve.perf.bench.input_data import candidate_input_data
 from tests.candidate_list_rows import served_store, user_rows

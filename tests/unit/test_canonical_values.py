@@ -20,7 +20,7 @@ from recserve.build.synthetic import generate
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
 from recserve.core.names import SPARSE_KEYS
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.core.values import canonical_fields, canonical_value
 
 #: A row's values for the avazu spec's site_id (string), C1 (int64) and hour (a time), with and

@@ -19,9 +19,9 @@ from recserve.build.repository import build_repository, reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.core.contract import attention_inputs, dense_contract, sequence_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_USER, SPARSE_KEYS, TARGET_KEY
-from recserve.core.sections_base import SpecError
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec, spec_path
 
 CART = ("target_embedding__cart_item_ids", "history_embeddings__cart_item_ids", "history_mask__cart_item_ids")
 

@@ -16,7 +16,7 @@ from recserve.build.synthetic import generate
 from recserve.cli import main
 from recserve.core.contract import Slot, dense_contract
 from recserve.core.names import EMBEDDING_LOOKUP, PROBABILITY, SPARSE_EMBEDDINGS
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from tests.model_exports import HandWrittenModel
 
 

@@ -13,7 +13,7 @@ from recserve.backends.store.served import ServedStore
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.core.names import EMBEDDING_VERSION
-from recserve.core.sections_serving import StoreSection
+from recserve.core.sections.serving import StoreSection
 from tests.store_tables import DIM, make_tables
 from tests.unit.helpers import DEVICES, SLOT_BYTES, SwapsMidBatch, warm, zipf_batch
 

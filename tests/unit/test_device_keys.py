@@ -30,7 +30,7 @@ from recserve.core.names import (
     SPARSE_KEYS,
     TARGET_KEY,
 )
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.errors import InvalidInput
 from tests.wire_rows import edge_rows
 

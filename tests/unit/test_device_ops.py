@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.lab.device_ops import count_operators, measure
 
 

@@ -12,8 +12,8 @@ from recserve.backends.store.tiered import DEFAULT, DEVICE, L1, L2, L3, TIERS, T
 from recserve.build.repository import version_dir
 from recserve.build.synthetic import generate
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.sections_base import SpecError
-from recserve.core.sections_serving import StoreSection
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.serving import StoreSection
 from tests.store_tables import DIM, make_tables
 from tests.unit.helpers import DEVICES, SLOT_BYTES, SwapsMidBatch, warm, zipf_batch
 

@@ -9,7 +9,7 @@ import torch
 from recserve.backends.features import device_transform, hashing
 from recserve.backends.features.device_transform import DeviceNormalizer, int64_bits, masked_keys
 from recserve.backends.features.transform import FeatureTransform
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.parse import parse_spec
 from tests.unit.helpers import DEVICES
 
 INT64 = np.iinfo(np.int64)

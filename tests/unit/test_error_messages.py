@@ -9,7 +9,7 @@ import pytest
 
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
 from recserve.build.synthetic import generate
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.core.values import categorical_values, hash_strings, parse_hex
 from recserve.errors import MESSAGE_LIMIT, InvalidInput, cap_message, shorten, shorten_all
 

@@ -15,8 +15,8 @@ from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.contract import dense_net_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS, SPARSE_KEYS
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import parse_spec
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import parse_spec
 from recserve.core.values import hash_strings
 
 

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recserve.build.synthetic import generate
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.lab.fuzz.bodies import ANY, HEADER_LENGTH, INVALID, VALID, Limits, Writer, classify, parse
 from recserve.perf.lab.fuzz.cases import CaseMaker, request
 

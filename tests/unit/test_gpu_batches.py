@@ -11,8 +11,8 @@ from recserve.build import configs
 from recserve.build.synthetic import generate
 from recserve.core.gpu_batches import gpu_batch_buckets, gpu_spec
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import parse_spec, spec_from_json
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import parse_spec, spec_from_json
 from recserve.errors import InvalidInput
 
 

@@ -15,7 +15,7 @@ from recserve.clients.base import ClientBase
 from recserve.clients.errors import InvalidRequestError
 from recserve.core.candidate_lists import candidate_list_inputs, candidate_rows, with_profiles_of
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.core.wire_forms import ids_from_bytes, request_form
 from recserve.errors import InvalidInput
 from tests.wire_rows import column_index, edge_rows

@@ -40,7 +40,7 @@ from recserve.core.names import (
     SPARSE_EMBEDDINGS,
     TARGET_EMBEDDING,
 )
-from recserve.core.spec_parse import parse_spec, spec_path
+from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import ArtifactError
 from tests.model_exports import HandWrittenModel, export_tables
 

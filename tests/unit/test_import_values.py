@@ -16,7 +16,7 @@ from recserve.build.importer import TableImportError, TableSource, import_reposi
 from recserve.build.repository import reference_pipeline
 from recserve.build.repository_spec import repository_spec
 from recserve.build.synthetic import generate
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from recserve.errors import InvalidInput
 from tests.model_exports import HandWrittenModel
 

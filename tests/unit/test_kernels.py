@@ -9,7 +9,7 @@ from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.user_state import merge as history_merge
 from recserve.backends.store.user_state import tokens as user_tokens
-from recserve.core.sections_serving import StoreSection
+from recserve.core.sections.serving import StoreSection
 
 KERNELS = kernels.load()
 pytestmark = pytest.mark.skipif(

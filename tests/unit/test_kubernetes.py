@@ -9,7 +9,7 @@ import pytest
 
 from recserve.access import kubernetes, validate
 from recserve.cli import main
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 VERSION = "1.33"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from recserve.core.names import USER_ID, USER_SEQ
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.perf.bench.longseq import bench as longseq
 from recserve.perf.bench.longseq.load import Phase, Requests, mixed_order, round_order
 from recserve.perf.bench.longseq.setup import LONG_EVENTS, bench_users, longseq_spec

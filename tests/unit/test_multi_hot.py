@@ -23,7 +23,7 @@ from recserve.core.names import (
     TARGET_EMBEDDING,
     TARGET_KEY,
 )
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from recserve.errors import InvalidInput
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from recserve.access import observe
 from recserve.cli import main
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 
 def test_metric_names_are_the_series_a_query_reads():

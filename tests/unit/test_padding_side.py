@@ -16,8 +16,8 @@ from recserve.build.repository import build_repository, reference_pipeline, vers
 from recserve.build.synthetic import generate
 from recserve.core.contract import dense_contract, left_padded_inputs
 from recserve.core.names import EMBEDDING_LOOKUP, HISTORY_EMBEDDINGS, HISTORY_KEYS, HISTORY_MASK
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import parse_spec, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import parse_spec, spec_path
 
 
 def _taobao(**padding: str) -> dict:

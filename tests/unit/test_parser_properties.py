@@ -29,8 +29,8 @@ from recserve.backends.store.updates.schema import (
 )
 from recserve.backends.store.updates.stream import UpdateStream
 from recserve.backends.store.updates.versions import UpdateLog
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import key_line, load_spec, parse_spec, spec_from_json
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import key_line, load_spec, parse_spec, spec_from_json
 from recserve.errors import ArtifactError
 
 

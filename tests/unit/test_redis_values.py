@@ -18,9 +18,9 @@ from recserve.backends.store.redis_tier import (
     connection_settings,
 )
 from recserve.backends.store.redis_values import decode_rows, describe_value
-from recserve.core.sections_base import SpecError
-from recserve.core.sections_serving import StoreSection
-from recserve.core.spec_parse import parse_spec
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.serving import StoreSection
+from recserve.core.spec.parse import parse_spec
 from tests.unit.helpers import ctr_spec_document
 
 DIM = 4

@@ -18,9 +18,9 @@ from recserve.backends.request_log.step_log import FeatureLog, ScoreLog
 from recserve.backends.request_log.writer import Entry, RecordWriter
 from recserve.clients.base import part_ids, request_id_of
 from recserve.core.names import TRAFFIC_HEADER, VARIANT_HEADER
-from recserve.core.sections_base import SpecError
-from recserve.core.sections_logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
-from recserve.core.sections_serving import AccessSection
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
+from recserve.core.sections.serving import AccessSection
 from recserve.server.process import FORWARDED_HEADERS
 
 

@@ -8,8 +8,8 @@ import pytest
 from recserve.build.synthetic import generate
 from recserve.clients.rows import CriteoRows, RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
-from recserve.core.spec_parse import load_spec
-from recserve.core.spec_types import NUMPY_DTYPES
+from recserve.core.spec.parse import load_spec
+from recserve.core.spec.types import NUMPY_DTYPES
 from recserve.core.values import parse_hex
 
 

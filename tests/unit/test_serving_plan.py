@@ -11,8 +11,8 @@ from recserve.build import configs
 from recserve.build.configs import ServingPlan
 from recserve.cli import main
 from recserve.core.names import EMBEDDING_LOOKUP, STEPS
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import parse_spec
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import parse_spec
 from recserve.server import MpsDaemon, ServerProcessError, visible_gpus
 
 

@@ -2,9 +2,9 @@ import copy
 
 import pytest
 
-from recserve.core.sections_base import SpecError
-from recserve.core.sections_serving import StoreSection, TrainingSection
-from recserve.core.spec_parse import load_spec, parse_spec, spec_from_json, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.serving import StoreSection, TrainingSection
+from recserve.core.spec.parse import load_spec, parse_spec, spec_from_json, spec_path
 from tests.unit.helpers import ctr_spec_document
 
 

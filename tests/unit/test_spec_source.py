@@ -16,7 +16,7 @@ from recserve.build.synthetic import generate
 from recserve.cli import main
 from recserve.clients.writers import write_csv
 from recserve.commands.spec_source import command_spec
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from recserve.errors import ArtifactError
 from tests.model_exports import HandWrittenModel
 

@@ -21,8 +21,8 @@ from recserve.core.names import (
     SPARSE_EMBEDDINGS,
     SPARSE_KEYS,
 )
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from recserve.core.values import categorical_values, hash_strings
 from recserve.errors import InvalidInput
 

@@ -10,7 +10,7 @@ from recserve.backends.store.keyindex import KeyIndex
 from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TieredStore
-from recserve.core.sections_serving import StoreSection
+from recserve.core.sections.serving import StoreSection
 from recserve.errors import ArtifactError
 from tests.store_tables import DIM, make_tables
 

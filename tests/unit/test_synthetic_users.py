@@ -5,7 +5,7 @@ import numpy as np
 from recserve.backends.store.user_state.tokens import dedup
 from recserve.build.synthetic_users import long_users
 from recserve.core.names import USER_ID, USER_SEQ
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.parse import parse_spec
 from tests.unit.helpers import ctr_spec_document
 
 

@@ -17,8 +17,8 @@ from recserve.backends.store.updates.versions import DeltaError, StoreUpdater, U
 from recserve.build.synthetic import generate
 from recserve.core.contract import dense_contract, sparse_inputs
 from recserve.core.names import SPARSE_EMBEDDINGS, SPARSE_KEYS
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 
 
 def _tables() -> dict[str, TableArrays]:

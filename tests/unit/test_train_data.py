@@ -7,7 +7,7 @@ from recserve.build.train import split_holdout
 from recserve.cli import main
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv, write_tsv
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 from recserve.verify import score_in_batches
 from tests.unit.conftest import TINY_SPEC
 

@@ -3,7 +3,7 @@ import tomllib
 
 from recserve.build.configs import ServingPlan
 from recserve.core.names import STEPS
-from recserve.core.spec_parse import load_spec, parse_spec, spec_path
+from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 from recserve.perf.lab import tune
 
 LADDER = ((1, 4), (1, 16), (64, 1), (64, 4))

@@ -24,7 +24,7 @@ from recserve.core.names import (
     USER_ID,
     USER_SEQ,
 )
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.parse import parse_spec
 from recserve.errors import InvalidInput
 from tests.unit.helpers import USER_TAIL, ctr_spec_document, user_rows, user_state_spec
 

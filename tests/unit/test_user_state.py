@@ -17,8 +17,8 @@ from recserve.backends.store.user_state.state import (
 )
 from recserve.backends.store.user_state.states import ABSENT, BAD_VALUE, FOUND, LocalUserStates
 from recserve.backends.store.user_state.tokens import Tokens, dedup
-from recserve.core.sections_base import SpecError
-from recserve.core.spec_parse import parse_spec
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import parse_spec
 from tests.unit.helpers import ctr_spec_document
 
 

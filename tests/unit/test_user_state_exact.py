@@ -12,7 +12,7 @@ from recserve.backends.dense.network import CandidateNet, CTRNet
 from recserve.backends.store.user_state.tokens import dedup, merge
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, HISTORY_USER
-from recserve.core.spec_parse import load_spec
+from recserve.core.spec.parse import load_spec
 
 SPEC = load_spec("ctr")
 GROUP = attention_inputs(SPEC)[0]
@@ -128,7 +128,7 @@ def test_the_exported_graph_with_zero_log_weights_scores_todays_graph_bit_for_bi
     import onnxruntime as ort
 
     from recserve.build.export import example_inputs, export_onnx
-    from recserve.core.spec_parse import parse_spec
+    from recserve.core.spec.parse import parse_spec
     from tests.unit.helpers import ctr_spec_document
 
     doc = ctr_spec_document()

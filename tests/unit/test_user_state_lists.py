@@ -26,7 +26,7 @@ from recserve.core.names import (
     USER_ID,
     USER_SEQ,
 )
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.parse import parse_spec
 from recserve.errors import InvalidInput
 from tests.candidate_list_rows import served_store, user_rows
 from tests.unit.helpers import ctr_spec_document

@@ -11,7 +11,7 @@ from recserve.clients.errors import InvalidRequestError
 from recserve.clients.rows import RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
 from recserve.core.names import BYTES_WIRE, IDS_WIRE, USER_ID, USER_SEQ
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.parse import parse_spec
 from tests.unit.helpers import ctr_spec_document
 
 

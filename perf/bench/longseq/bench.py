@@ -47,7 +47,7 @@ from recserve.backends.store.user_state.events import Events, append_events
 from recserve.backends.store.user_state.states import open_user_states
 from recserve.build import configs
 from recserve.core.names import IDS_WIRE, STEPS
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.bench.longseq import report as report
 from recserve.perf.bench.longseq import setup as setup
 from recserve.perf.bench.longseq.builder import BuilderProcess, EventFeed

@@ -34,7 +34,7 @@ from recserve.build.synthetic import generate
 from recserve.build.synthetic_users import LongUsers
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 #: Today's longest history: what truncation keeps.
 TRUNCATED = 256

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict
 from typing import Any
 
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 
 #: The summary's ratios (of the highest load point), medians of the per-round ratios.
 RATIO_KEYS = (

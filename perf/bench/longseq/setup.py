@@ -37,8 +37,8 @@ from recserve.build.repository import (
 )
 from recserve.build.synthetic_users import LongUsers, long_users
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_parse import parse_spec
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
 
 LOGGER = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from recserve.backends.store.served import ServedStore
 from recserve.backends.store.user_state.index import StateCache
 from recserve.build.repository import version_dir
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.perf.bench.longseq import setup as setup
 from recserve.perf.bench.longseq.bench import workload_wires
 from recserve.perf.bench.longseq.error import FRESH_EVENTS

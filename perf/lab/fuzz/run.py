@@ -34,7 +34,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from recserve.access import AccessLayer, ProxyPorts
 from recserve.access.front_door import MAX_DEPTH, MAX_DIMS, FrontDoor
 from recserve.build.synthetic import generate
-from recserve.core.spec import ModelSpec
+from recserve.core.spec.model import ModelSpec
 from recserve.errors import shorten
 from recserve.perf.lab.fuzz.bodies import ANY, INVALID, VALID, Limits
 from recserve.perf.lab.fuzz.cases import Case, CaseMaker
@@ -261,7 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     """Run with parsed options; exit 1 when a server died or a valid request failed."""
     from recserve.build.repository import is_built
-    from recserve.core.spec_parse import load_spec
+    from recserve.core.spec.parse import load_spec
 
     spec, repository = load_spec(args.spec), args.repository
     if not is_built(spec, repository):

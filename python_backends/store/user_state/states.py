@@ -27,8 +27,8 @@ import numpy as np
 from recserve.backends.store.redis_tier import CircuitBreaker, RedisTier, redis_keys
 from recserve.backends.store.user_state.files import STATE_COLUMNS, opening_lock, set_aside_if_corrupt
 from recserve.backends.store.user_state.state import StateFormatError, UserState, decode_states, seq_bytes
-from recserve.core.sections_serving import StoreSection
-from recserve.core.sections_user_state import UserStateSection
+from recserve.core.sections.serving import StoreSection
+from recserve.core.sections.user_state import UserStateSection
 
 LOGGER = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from recserve.core.feature_columns import (
     resolve_numeric_reads,
 )
 from recserve.core.name_ranges import expand_names
-from recserve.core.sections_base import SpecError, parse_section
-from recserve.core.sections_features import (
+from recserve.core.sections.base import SpecError, parse_section
+from recserve.core.sections.features import (
     COMBINES,
     ENCODERS,
     MULTI_HOT_WIRE,
@@ -32,8 +32,8 @@ from recserve.core.sections_features import (
     TimeFeatureSection,
     parse_feature,
 )
-from recserve.core.sections_serving import TableSection
-from recserve.core.spec_types import (
+from recserve.core.sections.serving import TableSection
+from recserve.core.spec.types import (
     TABLE_DTYPES,
     CategoricalFeature,
     MultiHotFeature,

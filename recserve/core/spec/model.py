@@ -14,9 +14,9 @@ from typing import Any
 
 from recserve.core.name_ranges import expand_names
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
-from recserve.core.sections_base import SpecError
-from recserve.core.sections_logging import LoggingSection
-from recserve.core.sections_serving import (
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.logging import LoggingSection
+from recserve.core.sections.serving import (
     AccessSection,
     DenseNetSection,
     HashingSection,
@@ -26,8 +26,8 @@ from recserve.core.sections_serving import (
     StoreSection,
     TrainingSection,
 )
-from recserve.core.sections_user_state import UserStateSection
-from recserve.core.spec_types import (
+from recserve.core.sections.user_state import UserStateSection
+from recserve.core.spec.types import (
     NUMERIC_INPUT,
     AttentionGroup,
     CategoricalFeature,

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from recserve.core.sections_base import SpecError
-from recserve.core.sections_serving import DenseNetSection, ServingSection
-from recserve.core.spec_types import TableSpec
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.serving import DenseNetSection, ServingSection
+from recserve.core.spec.types import TableSpec
 
 #: The default bottom MLP's first width (it then ends at ``embedding_dim``).
 BOTTOM_WIDTH = 64

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from recserve.core.sections_base import SpecError, parse_section
+from recserve.core.sections.base import SpecError, parse_section
 
 VALUE_TYPES = ("hex", "int64", "uint64", "string")
 #: How a categorical value becomes a key: ``hash`` (64-bit keys of table and value), ``vocab`` (the

@@ -6,7 +6,7 @@ import typing
 from dataclasses import dataclass, field
 
 from recserve.core.names import STEPS
-from recserve.core.sections_base import ENV_NAME, SpecError
+from recserve.core.sections.base import ENV_NAME, SpecError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Reading a spec: a TOML or JSON document checked and built into a :class:`~recserve.core.spec.ModelSpec`."""
+"""Reading a spec: a TOML or JSON document checked and built into a ``ModelSpec``."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import tomllib
 
 from recserve.core.name_ranges import expand_names
-from recserve.core.sections_base import SpecError, UnknownKeyError, parse_section
-from recserve.core.sections_features import TOP_LEVEL_KEYS
-from recserve.core.sections_logging import LoggingSection
-from recserve.core.sections_serving import (
+from recserve.core.sections.base import SpecError, UnknownKeyError, parse_section
+from recserve.core.sections.features import TOP_LEVEL_KEYS
+from recserve.core.sections.logging import LoggingSection
+from recserve.core.sections.serving import (
     AccessSection,
     DenseNetSection,
     HashingSection,
@@ -26,16 +26,16 @@ from recserve.core.sections_serving import (
     TrainingSection,
     current_names,
 )
-from recserve.core.sections_user_state import UserStateSection
-from recserve.core.spec import ModelSpec
-from recserve.core.spec_defaults import (
+from recserve.core.sections.user_state import UserStateSection
+from recserve.core.spec.defaults import (
     check_first_order,
     default_dense_net,
     default_embedding_dim,
     default_serving,
 )
-from recserve.core.spec_features import attention_features, parse_features, parse_tables
-from recserve.core.spec_types import (
+from recserve.core.spec.features import attention_features, parse_features, parse_tables
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.types import (
     CATEGORICAL_INPUT,
     DEFAULT_SPEC,
     DENSE_OUTPUTS,

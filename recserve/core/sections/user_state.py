@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from recserve.core.sections_base import SpecError
+from recserve.core.sections.base import SpecError
 
 #: Where the builder reads events: a file of JSON lines (the embedded default) or a Redis stream.
 EVENT_LOG_KINDS = ("file", "redis")

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from recserve.core.sections_base import SpecError
+from recserve.core.sections.base import SpecError
 from recserve.errors import shorten
 
 #: Where records go: Parquet segment files in a folder (the one sink built so far).
