@@ -65,7 +65,7 @@ The ``run`` half uses the standard library only, so that it starts before anythi
 the same package runs as ``python -m recserve.perf.gpu_check``. Its modules: ``common`` (the constants
 and shared helpers), ``kit`` (building, repacking and verifying the kit), ``context`` (what the steps
 share), ``steps`` (the machine steps, the step list and its runner), ``serve`` (the serving steps and
-their ``parity`` and ``variant`` helpers), ``bench_steps`` (the bench's steps), ``bench_spec``,
-``bench_bound`` and ``bench_served`` (the bench's helpers, run in the venv), ``bench_report`` (its
+their ``parity`` and ``variant`` helpers), ``bench.steps`` (the bench's steps), ``bench.spec``,
+``bench.bound`` and ``bench.served`` (the bench's helpers, run in the venv), ``bench.report`` (its
 figures and tables), ``report`` (the outputs) and ``__main__`` (the command line).
 """

@@ -103,7 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_bench_spec(args: argparse.Namespace) -> int:
     """Write the bench spec; print its changes from the default spec as one JSON line."""
-    from .bench_spec import write_bench_spec
+    from .bench.spec import write_bench_spec
 
     sizes = BENCH_DRY if args.dry else BENCH
     print(json.dumps(write_bench_spec(args.base, sizes, args.target, args.lookup_instances)))
@@ -113,7 +113,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
 def cmd_bound(args: argparse.Namespace) -> int:
     """Measure the in-process bound; write its JSON."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from .bench_bound import measure_bound
+    from .bench.bound import measure_bound
 
     figures = measure_bound(args.spec, args.repository, args.device, BENCH_DRY if args.dry else BENCH)
     args.json.write_text(json.dumps(figures, indent=1) + "\n")
@@ -123,7 +123,7 @@ def cmd_bound(args: argparse.Namespace) -> int:
 def cmd_served(args: argparse.Namespace) -> int:
     """One group of the served bench; its points appended to the JSON-lines file."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from .bench_served import cmd_served as served
+    from .bench.served import cmd_served as served
 
     sizes = BENCH_DRY if args.dry else BENCH
     urls = (args.grpc, args.http)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .bench_report import bench_figures, bench_markdown
+from .bench.report import bench_figures, bench_markdown
 from .common import BENCH_PART, KIT, PARTS
 from .context import Context, StepResult
 

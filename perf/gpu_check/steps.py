@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .bench_steps import (
+from .bench.steps import (
     repository,
     spec_path,
     step_bench_bound,

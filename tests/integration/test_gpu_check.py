@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recserve.perf.gpu_check.bench_report import FIGURES
+from recserve.perf.gpu_check.bench.report import FIGURES
 from recserve.perf.gpu_check.common import BENCH_DRY, BENCH_PART, KIT, LIMIT_BYTES, TARGETS
 from recserve.perf.gpu_check.kit import check_files, check_resolution, unpack_kit
 from recserve.perf.gpu_check.steps import STEPS

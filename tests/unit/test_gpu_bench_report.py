@@ -1,6 +1,6 @@
 """The GPU bench's summary figures: the best served point within the p99 bound, its ratio to the bound."""
 
-from recserve.perf.gpu_check.bench_report import FIGURES, bench_figures, bench_markdown
+from recserve.perf.gpu_check.bench.report import FIGURES, bench_figures, bench_markdown
 from recserve.perf.gpu_check.context import StepResult
 
 

@@ -3,8 +3,8 @@
 import json
 
 from recserve.core.spec.parse import load_spec, parse_spec
-from recserve.perf.gpu_check.bench_bound import widened
-from recserve.perf.gpu_check.bench_spec import bench_document, write_bench_spec
+from recserve.perf.gpu_check.bench.bound import widened
+from recserve.perf.gpu_check.bench.spec import bench_document, write_bench_spec
 from recserve.perf.gpu_check.common import BENCH, BENCH_DRY
 
 

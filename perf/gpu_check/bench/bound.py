@@ -38,7 +38,7 @@ from recserve.core.spec.parse import load_spec, parse_spec
 from recserve.perf.bench.candidates import LIST, ROWS, requests_of
 from recserve.perf.harness.inprocess import time_calls
 
-from .common import BenchSizes
+from ..common import BenchSizes
 
 LOGGER = logging.getLogger(__name__)
 

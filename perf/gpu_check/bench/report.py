@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .common import BENCH_PART, P99_BOUND_MS, SERVED_VS_BOUND_TARGET, TARGETS
-from .context import StepResult
+from ..common import BENCH_PART, P99_BOUND_MS, SERVED_VS_BOUND_TARGET, TARGETS
+from ..context import StepResult
 
 FIGURES = (
     "gpu_device",

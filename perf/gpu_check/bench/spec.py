@@ -18,7 +18,7 @@ from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec, parse_spec
 
-from .common import BenchSizes
+from ..common import BenchSizes
 
 
 def bench_document(

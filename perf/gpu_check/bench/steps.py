@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .common import BENCH, BENCH_DRY, BenchSizes, tail
-from .context import Context, Failed, Skip
-from .serve import Server
+from ..common import BENCH, BENCH_DRY, BenchSizes, tail
+from ..context import Context, Failed, Skip
+from ..serve import Server
 
 BENCH_PORT = 18500
 #: the served helpers' groups, by step

@@ -45,7 +45,7 @@ from recserve.perf.harness.stats import difference, snapshot
 from recserve.perf.harness.timed_loop import timed_closed_loop
 from recserve.perf.harness.traffic import infer_inputs, infer_request
 
-from .common import BenchSizes
+from ..common import BenchSizes
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 TIMEOUT_S = 30.0  # a request unanswered this long counts as failed
