@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.core.name_ranges import expand_names
 from recserve.core.sections.features import TIME_PARTS
 from recserve.core.spec.model import ModelSpec

@@ -33,7 +33,7 @@ from recserve.backends.base.artifacts import map_safetensors
 from recserve.backends.base.bounded_files import Header, check_onnx_file, load_npz, map_npy, read_json
 from recserve.backends.dense.compatibility import check_onnx_contract
 from recserve.backends.features.transform import vocabulary_keys
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.updates.deltas import little_endian
 from recserve.backends.store.updates.versions import check_delta
 from recserve.build import configs

@@ -24,8 +24,8 @@ from recserve.backends.dense.network import CTRNet
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner, open_session
 from recserve.backends.dense.torch_runners import load_net
 from recserve.backends.steps.pipeline import InProcessPipeline
-from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
 from recserve.build.evaluation import figure
@@ -39,7 +39,7 @@ from recserve.build.export import (
 from recserve.build.train import Progress, stderr_progress, train
 from recserve.core.contract import sequence_inputs
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP, HISTORY_USER, PROBABILITY, STEPS
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.sections.serving import StoreSection
 from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError
@@ -245,7 +245,7 @@ def install_adapters(spec: ModelSpec, repository: Path) -> None:
 
 
 def build_repository(
-    spec: ModelSpec, repository: Path, progress: Progress = stderr_progress, rows: RawRows | None = None
+    spec: ModelSpec, repository: Path, progress: Progress = stderr_progress, rows: Rows | None = None
 ) -> BuildReport:
     """Build every artifact and config of ``spec`` into ``repository``, trained on ``rows`` if given."""
     trained = train(spec, progress, rows)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 
 from recserve.backends.features.hashing import fnv1a64, splitmix64
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.types import MultiHotFeature, RawColumn, SequenceFeature
 from recserve.core.values import ABSENT_ITEM
@@ -55,7 +55,7 @@ def render(values: np.ndarray, column: RawColumn) -> np.ndarray:
     return np.char.encode(np.char.mod(pattern, values)).astype(object)
 
 
-def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
+def generate(spec: ModelSpec, rows: int, seed: int) -> Rows:
     """Generate ``rows`` rows; the same ``(spec, rows, seed)`` always gives the same data."""
     rng = np.random.default_rng(seed)
     signal = np.random.default_rng(spec.training.seed)  # the planted model, fixed per spec
@@ -127,7 +127,7 @@ def generate(spec: ModelSpec, rows: int, seed: int) -> RawRows:
         planted = planted + 0.5 * (log_dense[:, 0] - 1.0) - 0.4 * (log_dense[:, 1] - 1.0)
     logit += planted
     labels = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    return RawRows(dense, dense_missing, categorical, target, history, lengths, labels, side)
+    return Rows(dense, dense_missing, categorical, target, history, lengths, labels, side)
 
 
 def _multi_hot(

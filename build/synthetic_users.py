@@ -16,7 +16,7 @@ import numpy as np
 from recserve.backends.store.user_state.events import Events
 from recserve.build.synthetic import generate
 from recserve.core.names import USER_ID, USER_SEQ
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 
 
@@ -25,7 +25,7 @@ class LongUsers:
     """One row per user, with the user's whole history; the first user's id is ``first_user``."""
 
     spec: ModelSpec  # the spec with the long sequence (for the rows' full histories)
-    rows: RawRows
+    rows: Rows
     first_user: int = 1
 
     @property
@@ -59,7 +59,7 @@ class LongUsers:
         wire[USER_SEQ] = self.rows.lengths.astype(np.int64)[:, None]
         return wire
 
-    def tail_rows(self, tail: int) -> RawRows:
+    def tail_rows(self, tail: int) -> Rows:
         """The rows with each history cut to its newest ``tail`` events (what a request sends)."""
         lengths = self.rows.lengths.astype(np.int64)
         kept = np.minimum(lengths, tail)

@@ -21,12 +21,12 @@ from torch import nn
 
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.build.evaluation import figure, logloss, roc_auc
 from recserve.build.synthetic import generate
 from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED, HISTORY_KEYS, HISTORY_MASK
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.values import categorical_values
 
@@ -55,7 +55,7 @@ class KeyedRows:
     labels: np.ndarray
 
 
-def keyed(spec: ModelSpec, rows: RawRows) -> KeyedRows:
+def keyed(spec: ModelSpec, rows: Rows) -> KeyedRows:
     """Run the serving feature transform's numeric steps over raw rows (parts the spec lacks: empty)."""
     transform = FeatureTransform(spec)
     n = len(rows)
@@ -198,7 +198,7 @@ class TrainedModel:
     holdout_auc: float | None  # None when the held-out rows hold one class only
 
 
-def split_holdout(rows: RawRows, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[RawRows, RawRows]:
+def split_holdout(rows: Rows, seed: int, fraction: float = HOLDOUT_FRACTION) -> tuple[Rows, Rows]:
     """Shuffle ``rows`` (the same way for the same seed) and hold ``fraction`` of them out.
 
     Raises:
@@ -211,7 +211,7 @@ def split_holdout(rows: RawRows, seed: int, fraction: float = HOLDOUT_FRACTION) 
     return rows.take(order[held:]), rows.take(order[:held])
 
 
-def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: RawRows | None = None) -> TrainedModel:
+def train(spec: ModelSpec, progress: Progress = stderr_progress, rows: Rows | None = None) -> TrainedModel:
     """Train on ``rows`` (else on the spec's synthetic rows), evaluate on held-out rows, export tables.
 
     Args:

@@ -14,20 +14,19 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.fields import RowFormatError
-from recserve.clients.rows import CriteoRows, Rows, read_rows
+from recserve.clients.rows import Rows, read_rows
 from recserve.clients.sdk import CTRClient, Scores
 from recserve.clients.writers import write_csv, write_tsv
 
 __all__ = [
     "AsyncCTRClient",
     "CTRClient",
-    "CriteoRows",
+    "Rows",
     "InvalidRequestError",
     "RecserveClientError",
     "RequestTimeoutError",
     "RowFormatError",
     "Scores",
-    "Rows",
     "ServerError",
     "ServerUnavailableError",
     "map_exception",

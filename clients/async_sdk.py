@@ -17,7 +17,7 @@ from recserve.clients.errors import (
     ServerUnavailableError,
     map_exception,
 )
-from recserve.clients.rows import CriteoRows
+from recserve.clients.rows import Rows
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from recserve.core.spec.model import ModelSpec
 
@@ -129,7 +129,7 @@ class AsyncCTRClient(ClientBase):
     async def score_candidates(
         self,
         user: Mapping[str, Sequence[int] | np.ndarray],
-        candidates: CriteoRows,
+        candidates: Rows,
         request_id: str | None = None,
     ) -> np.ndarray:
         """Score one user's candidate list (see :meth:`CTRClient.score_candidates`, ids too).
@@ -179,7 +179,7 @@ class AsyncCTRClient(ClientBase):
         except Exception as exc:
             raise map_exception(exc) from exc
 
-    async def predict(self, rows: CriteoRows, batch_size: int = 64, max_in_flight: int = 4) -> np.ndarray:
+    async def predict(self, rows: Rows, batch_size: int = 64, max_in_flight: int = 4) -> np.ndarray:
         """Score all rows in batches, up to ``max_in_flight`` requests at a time.
 
         Args:
@@ -199,7 +199,7 @@ class AsyncCTRClient(ClientBase):
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         limit = asyncio.Semaphore(max_in_flight)
 
-        async def one(batch: CriteoRows) -> np.ndarray:
+        async def one(batch: Rows) -> np.ndarray:
             async with limit:
                 return await self.predict_inputs(batch.to_inputs(self.spec))
 

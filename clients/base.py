@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from recserve.clients.errors import InvalidRequestError, ServerError
-from recserve.clients.rows import CriteoRows
+from recserve.clients.rows import Rows
 from recserve.core.candidate_lists import candidate_list_inputs
 from recserve.core.names import (
     DENSE_VERSION,
@@ -262,7 +262,7 @@ class ClientBase:
         return arrays
 
     def _candidate_requests(
-        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: CriteoRows
+        self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: Rows
     ) -> Iterator[dict[str, np.ndarray]]:
         """The candidates ensemble's requests for one user: at most ``max_batch_size`` candidates each.
 

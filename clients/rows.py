@@ -61,10 +61,6 @@ LABEL_COLUMN = "label"
 PathOrFile = str | os.PathLike[str] | IO[str] | IO[bytes]
 
 
-#: The SDK's name of :class:`recserve.core.rows.Rows`, the one row container (what :func:`read_rows` returns).
-CriteoRows = Rows
-
-
 # ---- reading ---------------------------------------------------------------------------------
 
 
@@ -356,8 +352,7 @@ def _parse_target(fields_: list[str] | None, name: str, lines: np.ndarray) -> np
 
 __all__ = [
     "LABEL_COLUMN",
-    "CriteoRows",
-    "RowFormatError",
     "Rows",
+    "RowFormatError",
     "read_rows",
 ]

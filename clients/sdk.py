@@ -9,7 +9,7 @@ Example::
     with CTRClient("127.0.0.1:8001", protocol="grpc") as client:  # the spec: the server's own
         probabilities = client.predict(read_rows("rows.tsv", client.spec), batch_size=64)
 
-Inputs are the request tensors of the spec's ensemble (see :meth:`CriteoRows.to_inputs`), sent in
+Inputs are the request tensors of the spec's ensemble (see :meth:`Rows.to_inputs`), sent in
 the id form by default (``wire="ids"``: categorical values as 64-bit ids; ``wire="bytes"``: as
 text); the output is the click probability per row. :meth:`CTRClient.score_inputs` also returns,
 per row, the versions that served it (:class:`Scores`: the dense model's version and every
@@ -32,7 +32,7 @@ from recserve.clients.errors import (
     ServerUnavailableError,
     map_exception,
 )
-from recserve.clients.rows import CriteoRows
+from recserve.clients.rows import Rows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from recserve.core.spec.model import ModelSpec
@@ -136,7 +136,7 @@ class CTRClient(ClientBase):
         """Send one request.
 
         Args:
-            inputs: one array per wire input of the spec (see :meth:`CriteoRows.to_inputs`), at most
+            inputs: one array per wire input of the spec (see :meth:`Rows.to_inputs`), at most
                 ``spec.model.max_batch_size`` rows.
             request_id: the request's id (printable ASCII, at most 128 characters); None: a new
                 random one. Either way it is in :attr:`last_request_ids` after the call.
@@ -186,7 +186,7 @@ class CTRClient(ClientBase):
     def score_candidates(
         self,
         user: Mapping[str, Sequence[int] | np.ndarray],
-        candidates: CriteoRows,
+        candidates: Rows,
         request_id: str | None = None,
     ) -> np.ndarray:
         """Score one user's candidate list: the user's sequences and profile are sent once.
@@ -224,10 +224,10 @@ class CTRClient(ClientBase):
             ]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
-    def predict_by_user(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:
+    def predict_by_user(self, rows: Rows, batch_size: int = 64) -> np.ndarray:
         """Score all rows; each user's consecutive rows that share their sequences as one candidate list.
 
-        The user is the spec's ``[inputs] user`` column (see :meth:`CriteoRows.user_runs`). Runs of
+        The user is the spec's ``[inputs] user`` column (see :meth:`Rows.user_runs`). Runs of
         one row are sent as rows, ``batch_size`` at a time. The scores are those of :meth:`predict`.
         Rows that are users' real-time tails (they carry ``users`` and ``user_seqs``, and the spec
         serves user states) go in a list with their user's ``user_id`` and ``user_seq``, whose state
@@ -244,7 +244,7 @@ class CTRClient(ClientBase):
         with self._collect_ids():  # every request's id, in the order sent
             return self._predict_by_user(rows, batch_size)
 
-    def _predict_by_user(self, rows: CriteoRows, batch_size: int) -> np.ndarray:
+    def _predict_by_user(self, rows: Rows, batch_size: int) -> np.ndarray:
         state = rows.user_state_wire(self.spec)
         out = np.zeros(len(rows), dtype=np.float32)
         alone: list[int] = []
@@ -297,7 +297,7 @@ class CTRClient(ClientBase):
         except Exception as exc:
             raise map_exception(exc) from exc
 
-    def predict(self, rows: CriteoRows, batch_size: int = 64) -> np.ndarray:
+    def predict(self, rows: Rows, batch_size: int = 64) -> np.ndarray:
         """Score all rows, sending them in batches of ``batch_size``.
 
         Args:

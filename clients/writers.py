@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from recserve.core.names import USER_ID, USER_SEQ
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.values import ABSENT_ITEM
 
@@ -26,7 +26,7 @@ def numeric_text(values: np.ndarray) -> np.ndarray:
     return text
 
 
-def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool) -> list[np.ndarray]:
+def _text_columns(raw: Rows, spec: ModelSpec, with_label: bool) -> list[np.ndarray]:
     """String columns ``[N, K]`` in file order: label, dense, categorical, the histories, their targets."""
     dense = numeric_text(raw.dense)
     dense[raw.dense_missing] = ""
@@ -53,14 +53,14 @@ def _text_columns(raw: RawRows, spec: ModelSpec, with_label: bool) -> list[np.nd
 
 def write_tsv(
     path: str | os.PathLike[str],
-    raw_rows: RawRows,
+    raw_rows: Rows,
     spec: ModelSpec,
     with_label: bool = True,
     with_sequence: bool = True,
 ) -> Path:
     """Write rows in the headerless Criteo TSV layout.
 
-    Rows carrying users' real-time tails (:meth:`RawRows.with_user_state`, for a spec with
+    Rows carrying users' real-time tails (:meth:`Rows.with_user_state`, for a spec with
     ``[user_state]`` on) get a header instead, naming their user and ``user_seq`` columns too.
 
     Args:
@@ -78,14 +78,14 @@ def write_tsv(
 
 def write_csv(
     path: str | os.PathLike[str],
-    raw_rows: RawRows,
+    raw_rows: Rows,
     spec: ModelSpec,
     with_label: bool = True,
     with_sequence: bool = True,
 ) -> Path:
     """Write rows as CSV with a header row (history ids space-separated inside their field).
 
-    Rows carrying users' real-time tails (:meth:`RawRows.with_user_state`, for a spec with
+    Rows carrying users' real-time tails (:meth:`Rows.with_user_state`, for a spec with
     ``[user_state]`` on) get their user and ``user_seq`` columns too.
 
     Args:
@@ -103,7 +103,7 @@ def write_csv(
 
 def _write_table(
     path: str | os.PathLike[str],
-    raw_rows: RawRows,
+    raw_rows: Rows,
     spec: ModelSpec,
     with_label: bool,
     with_sequence: bool,

@@ -21,7 +21,7 @@ import numpy as np
 from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.evaluation import logloss, roc_auc
-from recserve.clients.rows import CriteoRows
+from recserve.clients.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.errors import shorten
 
@@ -124,7 +124,7 @@ def compare(
     )
 
 
-def score_in_batches(rows: CriteoRows, spec: ModelSpec, predict: Callable[..., np.ndarray]) -> np.ndarray:
+def score_in_batches(rows: Rows, spec: ModelSpec, predict: Callable[..., np.ndarray]) -> np.ndarray:
     """Scores of all rows through ``predict`` (raw request tensors in), ``max_batch_size`` at a time."""
     parts = [
         np.asarray(predict(batch.to_inputs(spec))).reshape(-1)
@@ -133,7 +133,7 @@ def score_in_batches(rows: CriteoRows, spec: ModelSpec, predict: Callable[..., n
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
-def explain_rows(spec: ModelSpec, store: TieredStore, rows: CriteoRows, numbers: Sequence[int]) -> list[str]:
+def explain_rows(spec: ModelSpec, store: TieredStore, rows: Rows, numbers: Sequence[int]) -> list[str]:
     """``explain``'s records of the given rows, one line each (numbers are the rows' 0-based places)."""
     if not numbers:
         return []

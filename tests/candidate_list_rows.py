@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import generate
 from recserve.core.candidate_lists import candidate_list_inputs, with_profiles_of

@@ -23,7 +23,7 @@ from recserve.core.names import (
     SPARSE_EMBEDDINGS,
     TARGET_EMBEDDING,
 )
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 
 
@@ -160,7 +160,7 @@ class HandWrittenModel:
             tables[name] = {"rows": {str(t): i + 1 for i, t in enumerate(tokens)}, "vectors": vectors}
         return tables
 
-    def reference(self, spec: ModelSpec, tables: dict[str, dict], rows: RawRows) -> np.ndarray:
+    def reference(self, spec: ModelSpec, tables: dict[str, dict], rows: Rows) -> np.ndarray:
         """Probabilities of ``rows`` computed from raw values, tokens and this model's weights in numpy."""
 
         def vector(table: str, token: str) -> np.ndarray:

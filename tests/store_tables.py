@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.spec.model import ModelSpec
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from recserve.core.rows import RawRows
+from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 
 
-def with_runs(spec: ModelSpec, raw: RawRows, runs: list[slice]) -> RawRows:
+def with_runs(spec: ModelSpec, raw: Rows, runs: list[slice]) -> Rows:
     """``raw`` rewritten so that each run of rows has its first row's user, profile and sequences."""
     columns = [
         spec.categorical.columns.index(n) for n in spec.profile_columns if n in spec.categorical.columns

@@ -238,7 +238,7 @@ class DeviceSteps:
 def synthetic_store(spec: ModelSpec, rows: int = 64) -> Any:
     """A store of ``rows`` rows per table of ``spec``: the keys of ids 0..rows-1 of the table's features."""
     from recserve.backends.features.hashing import keys_for, table_salt
-    from recserve.backends.store.rows import TableArrays
+    from recserve.backends.store.table_data import TableArrays
     from recserve.backends.store.tiered import TieredStore
 
     rng = np.random.default_rng(7)

@@ -34,8 +34,8 @@ import numpy as np
 
 from recserve.backends.base.artifacts import write_manifest
 from recserve.backends.features.hashing import splitmix64
-from recserve.backends.store.rows import TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TIERS, TieredStore
 from recserve.build.synthetic import zipf_ranks
 from recserve.core.sections.serving import StoreSection

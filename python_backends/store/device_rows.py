@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.table_data import RowBlock
 
 #: Device bytes of one resident row besides its vector: its int64 key.
 KEY_BYTES = 8

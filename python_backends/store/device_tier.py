@@ -36,7 +36,7 @@ import torch
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.store.device_cache import ATTEMPTS, DeviceL1, DeviceLookup
 from recserve.backends.store.device_rows import KEY_BYTES, DeviceDelta, SortedRows
-from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.table_data import RowBlock
 from recserve.backends.store.tiered import DEFAULT, DEVICE, TIERS, Snapshot, TieredStore
 from recserve.core.names import EMBEDDING_LOOKUP
 

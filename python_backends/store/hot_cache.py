@@ -11,7 +11,7 @@ import numpy as np
 
 from recserve.backends.store import kernels
 from recserve.backends.store.keyindex import GOLDEN
-from recserve.backends.store.rows import KERNELS
+from recserve.backends.store.table_data import KERNELS
 
 TRACKED_KEYS_PER_REFRESH = 1 << 18  # at most this many recent keys feed the frequency count
 COUNT_DECAY = 0.5  # weight of older counts at each L1 rebuild

@@ -21,7 +21,7 @@ from recserve.backends.base.artifacts import (
     save_array,
 )
 from recserve.backends.store.keyindex import KeyIndex
-from recserve.backends.store.rows import STORAGE_DTYPES, Shard, TableArrays, TableInfo
+from recserve.backends.store.table_data import STORAGE_DTYPES, Shard, TableArrays, TableInfo
 from recserve.errors import ArtifactError
 
 LOGGER = logging.getLogger(__name__)

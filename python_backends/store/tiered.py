@@ -35,8 +35,8 @@ from recserve.backends.store.hot_cache import (
     FrequencyTracker,
     HotCache,
 )
-from recserve.backends.store.rows import KERNELS, RowBlock, Shard, TableArrays, TableInfo
 from recserve.backends.store.shards import layout_shards, map_shards
+from recserve.backends.store.table_data import KERNELS, RowBlock, Shard, TableArrays, TableInfo
 from recserve.backends.store.tiers import (  # the tiers' names and types stay importable from here
     DEFAULT,
     DELTA,

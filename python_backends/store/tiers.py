@@ -17,7 +17,7 @@ import numpy as np
 
 from recserve.backends.base.metrics import MetricSample
 from recserve.backends.store.hot_cache import HotCache
-from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.table_data import RowBlock
 
 TIERS = ("l1", "delta", "l2", "l3", "default", "device")
 #: ``device``: a table resident on the step's device (:mod:`.device_tier`), searched before the host

@@ -257,7 +257,3 @@ class Rows(SideSequences):
         wire = {tensor.name: values[tensor.name] for tensor in spec.wire_inputs()}
         wire = ids_from_bytes(spec, wire) if check_form(form) == IDS_WIRE else wire
         return {**wire, **self.user_state_wire(spec)}
-
-
-#: The former name of :class:`Rows` (the rows the build and the tests generate).
-RawRows = Rows

@@ -11,7 +11,7 @@ import pytest
 
 from recserve.backends.store import redis_tier
 from recserve.backends.store.redis_tier import L3ConnectError, RedisTier, redis_keys
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import DEFAULT, L2, L3, TieredStore
 from recserve.core.sections.serving import StoreSection
 from recserve.perf.harness.redis_cluster import RedisCluster

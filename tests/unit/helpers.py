@@ -10,7 +10,7 @@ import pytest
 import tomllib
 import torch
 
-from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.table_data import RowBlock
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import generate, zipf_ranks
 from recserve.core.names import USER_ID, USER_SEQ

@@ -13,7 +13,7 @@ import pytest
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
 from recserve.backends.steps.explain import explain
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.repository import write_tables
 from recserve.build.synthetic import generate

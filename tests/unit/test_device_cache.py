@@ -8,8 +8,8 @@ from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.steps.lookup import EmbeddingLookup
 from recserve.backends.store.device_cache import DeviceL1, resolve_device, slot_of
 from recserve.backends.store.hot_cache import HotCache
-from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.served import ServedStore
+from recserve.backends.store.table_data import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.updates.versions import Maintainer, StoreUpdater, UpdateLog
 from recserve.core.names import EMBEDDING_VERSION

@@ -11,7 +11,7 @@ from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
 from recserve.backends.steps.explain import explain
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.contract import dense_net_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS, SPARSE_KEYS

@@ -5,7 +5,7 @@ import pytest
 
 from recserve.backends.store import kernels
 from recserve.backends.store.keyindex import KeyIndex
-from recserve.backends.store.rows import RowBlock, TableArrays
+from recserve.backends.store.table_data import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TIERS, TieredStore
 from recserve.backends.store.user_state import merge as history_merge
 from recserve.backends.store.user_state import tokens as user_tokens

@@ -1,7 +1,7 @@
 import numpy as np
 
 from recserve.backends.steps.lookup import EmbeddingLookup
-from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.table_data import RowBlock
 from recserve.core.names import EMBEDDING_VERSION, HISTORY_KEYS, SPARSE_KEYS, TARGET_KEY
 from tests.store_tables import spec_store
 

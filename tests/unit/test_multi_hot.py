@@ -8,7 +8,7 @@ import tomllib
 
 from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
-from recserve.backends.store.rows import TableArrays
+from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.synthetic import generate
 from recserve.clients.rows import RowFormatError, read_rows

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from recserve.build.synthetic import generate
-from recserve.clients.rows import CriteoRows, RowFormatError, read_rows
+from recserve.clients.rows import RowFormatError, Rows, read_rows
 from recserve.clients.writers import write_csv, write_tsv
 from recserve.core.spec.parse import load_spec
 from recserve.core.spec.types import NUMPY_DTYPES
@@ -35,7 +35,7 @@ def _full_row(**overrides: str) -> dict[str, str]:
     return row
 
 
-def _assert_matches_wire(rows: CriteoRows, raw, spec) -> None:
+def _assert_matches_wire(rows: Rows, raw, spec) -> None:
     got, expected = rows.to_inputs(spec), raw.to_wire(spec)
     # The server ignores dense values flagged missing; files carry them as empty fields (read as 0).
     expected[spec.dense.name] = np.where(raw.dense_missing, 0.0, raw.dense).astype(np.float32)

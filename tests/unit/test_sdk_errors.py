@@ -9,11 +9,11 @@ from tritonclient.utils import InferenceServerException
 from recserve.build.synthetic import generate
 from recserve.clients import (
     AsyncCTRClient,
-    CriteoRows,
     CTRClient,
     InvalidRequestError,
     RecserveClientError,
     RequestTimeoutError,
+    Rows,
     ServerError,
     ServerUnavailableError,
     map_exception,
@@ -118,12 +118,12 @@ def test_local_checks_raise_invalid_request(spec):
     with pytest.raises(InvalidRequestError, match="batch size"):
         client.predict_inputs({**inputs, spec.target.name: np.zeros((2, 1), dtype=np.int64)})
     with pytest.raises(ValueError):
-        client.predict(CriteoRows(*(np.zeros((0, 1)),) * 6), batch_size=spec.model.max_batch_size + 1)
+        client.predict(Rows(*(np.zeros((0, 1)),) * 6), batch_size=spec.model.max_batch_size + 1)
     client.close()
 
 
 def test_predict_with_no_rows_does_not_contact_the_server(spec):
-    empty = CriteoRows(
+    empty = Rows(
         dense=np.zeros((0, 13), np.float32),
         dense_missing=np.zeros((0, 13), bool),
         categorical=np.zeros((0, 26), object),

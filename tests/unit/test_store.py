@@ -7,8 +7,8 @@ from recserve.backends.base.artifacts import load_array, read_manifest, save_arr
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.store.hot_cache import CLAIM_ROUNDS, FrequencyTracker, HotCache
 from recserve.backends.store.keyindex import KeyIndex
-from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.table_data import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DELTA, L1, L2, TieredStore
 from recserve.core.sections.serving import StoreSection
 from recserve.errors import ArtifactError

@@ -10,8 +10,8 @@ from recserve.backends.base.artifacts import write_manifest
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.redis_values import decode_rows
-from recserve.backends.store.rows import RowBlock, TableArrays
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
+from recserve.backends.store.table_data import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, L1, L2, TieredStore
 from recserve.backends.store.updates.versions import DeltaError, StoreUpdater, UpdateLog
 from recserve.build.synthetic import generate

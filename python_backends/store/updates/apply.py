@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from recserve.backends.store.rows import RowBlock
+from recserve.backends.store.table_data import RowBlock
 from recserve.backends.store.tiered import TieredStore
 from recserve.backends.store.updates.deltas import (
     DeltaError,

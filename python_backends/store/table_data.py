@@ -1,4 +1,4 @@
-"""Rows of the store in memory: tables as training writes them, L2 shards, delta rows.
+"""Table data of the store in memory: tables as training writes them, L2 shards, delta row blocks.
 
 Each structure that is probed for keys binds its compiled probe once (:mod:`.kernels`); without the
 compiled loops the probe is ``None`` and the store takes its numpy path.
