@@ -37,13 +37,16 @@ def _bench(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
     from recserve.perf.bench.bench import Grid, format_result, run_bench
 
+    if args.make_baseline:
+        return _make_baseline(args.make_baseline, args.baseline_file)
     if args.summarize is not None:  # no measuring: recompute summary.json and plots of a finished run
         from recserve.perf.bench.bench import write_summary
         from recserve.perf.bench.report import read_points
 
         points = read_points(args.summarize)
-        print(format_result(points, write_summary(args.summarize, points)))
-        return 0
+        summary = write_summary(args.summarize, points)
+        print(format_result(points, summary))
+        return _compare(summary, args.compare)
     spec = load_spec(args.spec)
     if not is_built(spec, args.repository):
         print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
@@ -60,6 +63,29 @@ def _bench(args: argparse.Namespace) -> int:
     run, points, summary = run_bench(spec, args.spec, args.repository, args.output, grid, args.run_name)
     print(format_result(points, summary))
     print(f"\nresults in {run}")
+    return _compare(summary, args.compare)
+
+
+def _compare(summary: dict, baseline_file: Path | None) -> int:
+    """Exit status of ``--compare``: 1 when a ratio is worse than the baseline beyond its noise."""
+    if baseline_file is None:
+        return 0
+    from recserve.perf.bench.baseline import read_baseline, report
+
+    text, passed = report(summary, read_baseline(baseline_file))
+    print(f"\nagainst {baseline_file}:\n{text}")
+    return 0 if passed else 1
+
+
+def _make_baseline(runs: list[Path], out: Path) -> int:
+    import json
+
+    from recserve.perf.bench.baseline import make_baseline
+
+    summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
+    baseline = make_baseline(summaries, [run.name for run in runs])
+    out.write_text(json.dumps(baseline, indent=1) + "\n")
+    print(f"wrote {out}: {', '.join(baseline['ratios'])}")
     return 0
 
 
@@ -154,6 +180,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         metavar="RUN",
         help="only rewrite summary.json and plots of RUN",
     )
+    bench.add_argument(
+        "--compare",
+        type=Path,
+        default=None,
+        metavar="BASELINE",
+        help="compare the run's ratios with a baseline (perf/baseline.json); exit 1 on a regression",
+    )
+    bench.add_argument(
+        "--make-baseline",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RUN",
+        help="write the baseline of these runs (at least three quick runs) to --baseline-file",
+    )
+    bench.add_argument("--baseline-file", type=Path, default=Path("perf/baseline.json"))
     bench.set_defaults(func=_bench)
 
     longseq = sub.add_parser(
