@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tomllib
 import torch
+from hypothesis import HealthCheck, settings
 
 from recserve.backends.store.table_data import RowBlock
 from recserve.backends.store.tiered import TieredStore
@@ -114,3 +115,14 @@ def user_rows(spec: ModelSpec, rows: int, seed: int, users, newest, tail_items) 
         wire[USER_ID] = np.asarray(users, np.int64).reshape(-1, 1)
         wire[USER_SEQ] = np.asarray(newest, np.int64).reshape(-1, 1)
     return wire
+
+
+def fast(examples: int) -> settings:
+    """Hypothesis settings for the unit suite: few, reproducible examples, no database, no deadline."""
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )

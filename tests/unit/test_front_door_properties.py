@@ -24,24 +24,15 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2 as mc
 
 from recserve.access.front_door import MAX_DEPTH, MAX_DIMS, FrontDoor, lua_source
 from recserve.perf.lab.fuzz.bodies import HEADER_LENGTH, Limits, Members, Raw, Writer, depth, parse, problem
+from tests.unit.helpers import fast
 
 luajit = pytest.importorskip("lupa.luajit21")
-
-
-def fast(examples: int) -> settings:
-    return settings(
-        max_examples=examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
 
 
 INPUTS = {

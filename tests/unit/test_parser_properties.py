@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from recserve.backends.base.bounded_files import npy_header, parse_json
@@ -32,17 +32,7 @@ from recserve.backends.store.updates.versions import UpdateLog
 from recserve.core.sections.base import SpecError
 from recserve.core.spec.parse import key_line, load_spec, parse_spec, spec_from_json
 from recserve.errors import ArtifactError
-
-
-def fast(examples: int) -> settings:
-    return settings(
-        max_examples=examples,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    )
-
+from tests.unit.helpers import fast
 
 SCALARS = (
     st.none()
