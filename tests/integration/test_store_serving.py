@@ -11,6 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.steps.explain import FIELDS
 from recserve.backends.store import kernels
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
@@ -196,14 +197,17 @@ def test_explain_shows_value_key_table_tier_and_version_per_feature(private, spe
     write_csv(tmp_path / "rows.csv", rows, spec, with_label=False)
     result = recserve("explain", "--input", str(tmp_path / "rows.csv"), "--json", "--repository", str(root))
     assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in result.stdout.splitlines()]
+    everything = [json.loads(line) for line in result.stdout.splitlines()]
+    numeric = [r for r in everything if r["tier"] == "dense"]  # what the dense network gets of each number
+    assert len(numeric) == 3 * len(spec.normalized_columns)
+    records = [r for r in everything if r["tier"] != "dense"]
     history = int(rows.lengths.sum())
     assert len(records) == 3 * (spec.num_sparse + 1) + history
     keys = FeatureTransform(spec).transform(rows.to_wire(spec))[SPARSE_KEYS]
     c1 = [r for r in records if r["feature"] == "C1"]
     assert [r["key"] for r in c1] == keys[:, 0].tolist()
     for record in records:
-        assert set(record) >= {"row", "feature", "value", "key", "table", "dim", "tier", "version"}
+        assert set(record) == set(FIELDS)
         assert (
             record["tier"] in {"l1", "delta", "l2", "default"} and record["dim"] == spec.model.embedding_dim
         )
