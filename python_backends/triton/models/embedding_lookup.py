@@ -1,7 +1,8 @@
 """Triton model ``embedding_lookup``: raw features to the dense network's inputs in one Python hop.
 
 The feature transform (recserve.backends.features.transform) and the tiered store's lookup
-(recserve.backends.store.tiered) run here together; see recserve.backends.steps.lookup.FeaturesToEmbeddings.
+(recserve.backends.store.tiered) run here together; see recserve.backends.steps.lookup.FeaturesToEmbeddings,
+and recserve.backends.triton.lookup_requests for how a dynamic batch is handled.
 """
 
 from recserve.backends.base.heap import freeze_startup_heap
@@ -10,15 +11,10 @@ from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.served import ServedStore
-from recserve.backends.triton.adapter import (
-    ModelContext,
-    execute_alone,
-    execute_by_form,
-    execute_merged_or_alone,
-    instance_device,
-)
+from recserve.backends.triton.adapter import ModelContext, instance_device
+from recserve.backends.triton.lookup_requests import LookupRequests
 from recserve.backends.triton.publisher import MetricsPublisher
-from recserve.core.names import CANDIDATE_PREFIX, L1_DEVICE_PARAMETER, SPARSE_EMBEDDINGS, USER_ID
+from recserve.core.names import L1_DEVICE_PARAMETER
 from recserve.core.user_state_wire import serves_user_state
 
 
@@ -44,6 +40,7 @@ class TritonPythonModel:
             histories = UserHistories.open(context.spec, context.version_dir.parent.parent)
             self.step = self.stateful = StatefulFeaturesToEmbeddings(context.spec, lookup, histories)
         self.log = feature_log(context.spec)  # None unless [logging] or serve --log-dir turn it on
+        self.requests = LookupRequests(self.step, self.stateful, self.log)
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
@@ -53,19 +50,8 @@ class TritonPythonModel:
         freeze_startup_heap()  # last: what the instance holds from now on is never walked again
 
     def execute(self, requests: list) -> list:
-        """One response per request (a bad request fails alone with INVALID_ARG).
-
-        Row-form requests are handled as one merged batch per wire form, and so are candidate lists
-        (from the candidates ensemble; each user's sequences looked up once).
-        """
-        responses = execute_by_form(
-            requests,
-            self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
-            lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
-            lambda lists: execute_by_form(lists, self.step.ids_marker, self.lists, self.lists),
-        )
-        self.step.copies.executed()
-        return responses
+        """One response per request (a bad request fails alone with INVALID_ARG); see LookupRequests."""
+        return self.requests.execute(requests)
 
     def samples(self) -> list:
         """The store's samples, the user states' with ``[user_state]``, the host-device bytes on a device."""
@@ -75,55 +61,6 @@ class TritonPythonModel:
             *(self.step.copies.samples() if self.step.lookup.device_l1 is not None else ()),
             *(self.log.writer.samples() if self.log is not None else ()),
         ]
-
-    def merged(self, requests: list) -> list:
-        """Row-form requests of one wire form (ids, or bytes), transformed and looked up together.
-
-        With ``[user_state]`` on, requests carrying a user and those without are merged apart, and
-        each gets its history back at the width its own rows were served with.
-        """
-        if self.stateful is not None:
-            stateful = self.stateful
-            return execute_by_form(
-                requests,
-                USER_ID,
-                lambda plain: self._merged(plain, stateful.served_width),
-                lambda users: self._merged(users, stateful.served_width),
-            )
-        return self._merged(requests, None)
-
-    def _merged(self, requests: list, output_width) -> list:
-        return execute_merged_or_alone(
-            requests,
-            self.step.input_names,
-            self.step,
-            ragged_outputs=self.step.histories,
-            ragged_width=self.step.history_width,
-            left_padded=self.step.left_padded,
-            output_width=output_width,
-            observe=self.log.rows if self.log is not None else None,
-        )
-
-    def lists(self, requests: list) -> list:
-        """Candidate lists of one wire form: looked up together, unless one asks for the row form."""
-        return execute_alone(
-            requests,
-            self.step.candidate_input_names,
-            self.candidate_list,
-            together=self.together,
-            observe=self.log.lists if self.log is not None else None,
-        )
-
-    def together(self, inputs: list, requested: list) -> list | None:
-        """Every list's outputs from one call; None when a list wants the row form (handled alone)."""
-        if any(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in wanted for wanted in requested):
-            return None
-        return self.step.candidate_lists(inputs)
-
-    def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
-        """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""
-        expand = CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in requested
-        return self.step.candidates(inputs, expand=expand)
 
     def is_ready(self) -> bool:
         """Readiness (Python backends that support it): the local tiers are mapped."""

@@ -1,0 +1,92 @@
+"""How ``embedding_lookup`` handles a dynamic batch: by request form, then merged or alone.
+
+Row-form requests are merged per wire form (ids, or bytes) and, with ``[user_state]``, apart for
+requests carrying a user; candidate lists (from the candidates ensemble) are looked up together,
+each user's sequences once, unless one asks for the row form (a TensorRT ``dense`` takes rows).
+"""
+
+from __future__ import annotations
+
+from recserve.backends.request_log.step_log import FeatureLog
+from recserve.backends.steps.lookup import FeaturesToEmbeddings
+from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
+from recserve.backends.triton.adapter import execute_alone, execute_by_form, execute_merged_or_alone
+from recserve.core.names import CANDIDATE_PREFIX, SPARSE_EMBEDDINGS, USER_ID
+
+
+class LookupRequests:
+    """The lookup step's requests, one response each (a bad request fails alone with INVALID_ARG).
+
+    Args:
+        step: the step (features to embeddings).
+        stateful: the same step when it merges users' states (``[user_state]``), else None.
+        log: the request log (None: logging off).
+    """
+
+    def __init__(
+        self,
+        step: FeaturesToEmbeddings,
+        stateful: StatefulFeaturesToEmbeddings | None,
+        log: FeatureLog | None,
+    ) -> None:
+        self.step, self.stateful, self.log = step, stateful, log
+
+    def execute(self, requests: list) -> list:
+        """Row-form requests as one merged batch per wire form; candidate lists likewise."""
+        responses = execute_by_form(
+            requests,
+            self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
+            lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
+            lambda lists: execute_by_form(lists, self.step.ids_marker, self.lists, self.lists),
+        )
+        self.step.copies.executed()
+        return responses
+
+    def merged(self, requests: list) -> list:
+        """Row-form requests of one wire form (ids, or bytes), transformed and looked up together.
+
+        With ``[user_state]`` on, requests carrying a user and those without are merged apart, and
+        each gets its history back at the width its own rows were served with.
+        """
+        if self.stateful is not None:
+            stateful = self.stateful
+            return execute_by_form(
+                requests,
+                USER_ID,
+                lambda plain: self._merged(plain, stateful.served_width),
+                lambda users: self._merged(users, stateful.served_width),
+            )
+        return self._merged(requests, None)
+
+    def _merged(self, requests: list, output_width) -> list:
+        return execute_merged_or_alone(
+            requests,
+            self.step.input_names,
+            self.step,
+            ragged_outputs=self.step.histories,
+            ragged_width=self.step.history_width,
+            left_padded=self.step.left_padded,
+            output_width=output_width,
+            observe=self.log.rows if self.log is not None else None,
+        )
+
+    def lists(self, requests: list) -> list:
+        """Candidate lists of one wire form: looked up together, unless one asks for the row form."""
+        return execute_alone(
+            requests,
+            self.step.candidate_input_names,
+            self.candidate_list,
+            together=self.together,
+            observe=self.log.lists if self.log is not None else None,
+        )
+
+    def together(self, inputs: list, requested: list) -> list | None:
+        """Every list's outputs from one call; None when a list wants the row form (handled alone)."""
+        if any(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in wanted for wanted in requested):
+            return None
+        return self.step.candidate_lists(inputs)
+
+    def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
+        """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""
+        expand = CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in requested
+        return self.step.candidates(inputs, expand=expand)
