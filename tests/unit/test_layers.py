@@ -238,3 +238,23 @@ def test_the_perf_root_holds_only_the_package():
     """Every module of perf sits in the folder of its purpose."""
     root = ROOT / PACKAGE_DIRS["recserve.perf"]
     assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
+
+
+def test_the_docs_draw_every_folder_rule():
+    """docs/README.md's "Who may import whom" names every folder (or module) that has a rule here."""
+    text = (ROOT / "docs" / "README.md").read_text()
+    drawing = text.split("### Who may import whom", 1)[1].split("```")[1]
+    roots = {"recserve", "recserve.backends", "recserve.perf"}  # the packages alone: no arrow of their own
+    missing = []
+    for prefix in ALLOWED:
+        if prefix in roots:
+            continue
+        parts = prefix.split(".")[1:]
+        if parts[0] == "backends":
+            parts = parts[1:]
+        name = "/".join(parts)
+        is_module = (ROOT / "recserve" / f"{parts[-1]}.py").is_file() and len(parts) == 1
+        label = f"{name}.py" if is_module else (name if name.startswith("perf/") else f"{name}/")
+        if label not in drawing:
+            missing.append(label)
+    assert not missing, f"draw these in docs/README.md's import drawing: {missing}"
