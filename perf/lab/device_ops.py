@@ -206,7 +206,7 @@ class DeviceSteps:
         from recserve.backends.dense.runner import DenseStep
         from recserve.backends.dense.torch_runners import TorchEager, bucketed_torch_runner
         from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
-        from recserve.backends.store.device_tier import device_lookup
+        from recserve.backends.store.device.tier import device_lookup
 
         self.spec = spec
         store = synthetic_store(spec)

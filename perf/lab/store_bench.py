@@ -14,7 +14,7 @@ One run, on one machine, side by side:
   and without, against the steady state.
 * **L1 rebuild**: the median time of a rebuild from the key counts, as the upkeep thread runs one.
 * with ``--device cuda`` (or ``cpu``): the **device L1**
-  (:class:`~recserve.backends.store.device_cache.DeviceL1`, result left on the device) against the
+  (:class:`~recserve.backends.store.device.cache.DeviceL1`, result left on the device) against the
   host path, the same batches interleaved.
 """
 
@@ -183,7 +183,7 @@ def compare_device(store: TieredStore, queries: np.ndarray, device: str) -> Devi
     """
     import torch
 
-    from recserve.backends.store.device_cache import DeviceL1
+    from recserve.backends.store.device.cache import DeviceL1
 
     device_l1 = DeviceL1(store, device)
     if device_l1.device.type == "cpu":

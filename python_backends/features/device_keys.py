@@ -1,6 +1,6 @@
 """Keys of the id form made on the step's device: one upload, one fused hash, nothing comes back.
 
-On a device instance whose tables are resident (:mod:`recserve.backends.store.device_tier`), a
+On a device instance whose tables are resident (:mod:`recserve.backends.store.device.tier`), a
 request of the id form is checked on the host as the host transform checks it
 (:mod:`.request_checks`, :class:`~recserve.backends.features.id_inputs.IdReader`). The host then
 lays every value to be hashed side by side in one staging buffer, already XORed with its table's

@@ -26,7 +26,7 @@ from recserve.core.times import time_part
 from recserve.core.values import canonical_value, multi_hot_tokens, parse_times
 
 if TYPE_CHECKING:
-    from recserve.backends.store.device_cache import DeviceLookup
+    from recserve.backends.store.device.cache import DeviceLookup
 
 FIELDS = ("row", "feature", "value", "normalized", "key", "table", "table_row", "dim", "tier", "version")
 
@@ -55,7 +55,7 @@ def explain(
     keys, table_ids = lookup.keys_and_tables(features)
     result: Lookup | DeviceLookup
     if device:
-        from recserve.backends.store.device_tier import device_lookup
+        from recserve.backends.store.device.tier import device_lookup
 
         result = device_lookup(store, device, spec.store.device_memory_bytes).lookup(
             keys, table_ids, record=False

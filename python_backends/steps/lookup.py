@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     import torch
 
     from recserve.backends.features.device_keys import DeviceKeys
-    from recserve.backends.store.device_cache import DeviceL1, DeviceLookup
-    from recserve.backends.store.device_tier import DeviceTier
+    from recserve.backends.store.device.cache import DeviceL1, DeviceLookup
+    from recserve.backends.store.device.tier import DeviceTier
     from recserve.backends.store.served import ServedStore
 
 #: keys as the transform makes them: numpy on the host, or torch tensors on the lookup's device
@@ -129,7 +129,7 @@ class EmbeddingLookup:
         """The step as a served instance runs it; on a device when ``l1_device`` is set.
 
         There the tables that fit ``[store] device_memory_mib`` are resident on the device and the
-        others behind the device L1 (:func:`~recserve.backends.store.device_tier.device_lookup`).
+        others behind the device L1 (:func:`~recserve.backends.store.device.tier.device_lookup`).
 
         torch is imported only then: the default profile's step stays numpy. The device copy of L1
         follows the store's upkeep rounds (rebuilds, updates) on the upkeep thread.
@@ -143,8 +143,8 @@ class EmbeddingLookup:
         """
         if not l1_device:
             return cls(spec, served.store)
-        from recserve.backends.store.device_cache import resolve_device
-        from recserve.backends.store.device_tier import DeviceTier, device_lookup
+        from recserve.backends.store.device.cache import resolve_device
+        from recserve.backends.store.device.tier import DeviceTier, device_lookup
 
         device = resolve_device(l1_device, instance_device)
         on_device = device_lookup(served.store, device, spec.store.device_memory_bytes)

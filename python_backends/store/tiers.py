@@ -20,7 +20,7 @@ from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.table_data import RowBlock
 
 TIERS = ("l1", "delta", "l2", "l3", "default", "device")
-#: ``device``: a table resident on the step's device (:mod:`.device_tier`), searched before the host
+#: ``device``: a table resident on the step's device (:mod:`.device.tier`), searched before the host
 #: tiers there; listed last so the host tiers keep their indexes.
 L1, DELTA, L2, L3, DEFAULT, DEVICE = range(len(TIERS))
 

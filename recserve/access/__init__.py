@@ -3,11 +3,11 @@
 :mod:`~recserve.access.config` builds the Envoy config from the spec's ``[access]``,
 :mod:`~recserve.access.process` starts and stops the proxy and the servers behind it,
 :mod:`~recserve.access.admin` drives the running proxy (weights, shadow share, stats),
-:mod:`~recserve.access.canary` rolls a canary out and back through it, and
+:mod:`~recserve.access.canary.controller` rolls a canary out and back through it, and
 :mod:`~recserve.access.observe` writes a Prometheus scrape config and a Grafana dashboard for it.
 """
 
-from recserve.access import canary, observe
+from recserve.access import observe
 from recserve.access.admin import AdminClient
 from recserve.access.config import (
     PROTOCOLS,
@@ -27,7 +27,6 @@ __all__ = [
     "PROTOCOLS",
     "SHADOW_KEY",
     "UNBOUNDED",
-    "canary",
     "observe",
     "AccessError",
     "AccessLayer",

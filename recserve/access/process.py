@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from recserve.access import canary
 from recserve.access.admin import AdminClient
+from recserve.access.canary import controller as canary
 from recserve.access.config import (
     LOOPBACK,
     PROTOCOLS,

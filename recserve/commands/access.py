@@ -109,7 +109,8 @@ def _canary(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from recserve.access import AccessError, canary
+    from recserve.access import AccessError
+    from recserve.access.canary import controller as canary
 
     spec = load_spec(args.spec)
     if spec.access.canary.shadow_fraction > 0 and spec.access.shadow_variant != "canary":

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2_grpc
 
-from recserve.access import AccessLayer, ProxyPorts, behind_proxy, canary, observe
+from recserve.access import AccessLayer, ProxyPorts, behind_proxy, observe
+from recserve.access.canary import controller as canary
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError

@@ -37,7 +37,8 @@ import tritonclient.http as httpclient
 from onnx import helper
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from recserve.access import PROTOCOLS, AccessLayer, ProxyPorts, behind_proxy, canary, cluster_name
+from recserve.access import PROTOCOLS, AccessLayer, ProxyPorts, behind_proxy, cluster_name
+from recserve.access.canary import controller as canary
 from recserve.backends.base.artifacts import file_entry, read_manifest, write_manifest
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate

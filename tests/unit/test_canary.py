@@ -12,8 +12,19 @@ import math
 import numpy as np
 import pytest
 
-from recserve.access import AccessError, canary, canary_figures
-from recserve.access.canary import CanaryState, Stage, Verdict, Window, decide, judge, psi, quantile
+from recserve.access import AccessError
+from recserve.access.canary import controller as canary
+from recserve.access.canary import figures as canary_figures
+from recserve.access.canary.controller import (
+    CanaryState,
+    Stage,
+    Verdict,
+    Window,
+    decide,
+    judge,
+    psi,
+    quantile,
+)
 from recserve.backends.base.metrics import PROBABILITY_EDGES, ScoreHistogram
 from recserve.backends.base.request_errors import RequestErrorCounts
 from recserve.backends.dense.runner import DenseStep

@@ -11,7 +11,7 @@ import torch
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
-from recserve.backends.store.device_cache import DeviceL1
+from recserve.backends.store.device.cache import DeviceL1
 from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build.export import candidate_inputs, example_inputs, export_candidates_onnx, torch_predict

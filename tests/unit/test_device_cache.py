@@ -6,7 +6,7 @@ import torch
 
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.steps.lookup import EmbeddingLookup
-from recserve.backends.store.device_cache import DeviceL1, resolve_device, slot_of
+from recserve.backends.store.device.cache import DeviceL1, resolve_device, slot_of
 from recserve.backends.store.hot_cache import HotCache
 from recserve.backends.store.served import ServedStore
 from recserve.backends.store.table_data import RowBlock, TableArrays

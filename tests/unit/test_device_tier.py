@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from recserve.backends.steps.explain import explain
-from recserve.backends.store.device_cache import DeviceL1
-from recserve.backends.store.device_tier import DeviceTier, device_lookup, resident_tables
+from recserve.backends.store.device.cache import DeviceL1
+from recserve.backends.store.device.tier import DeviceTier, device_lookup, resident_tables
 from recserve.backends.store.table_data import RowBlock, TableArrays
 from recserve.backends.store.tiered import DEFAULT, DEVICE, L1, L2, L3, TIERS, TieredStore
 from recserve.build.repository import version_dir

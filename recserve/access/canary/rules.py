@@ -1,8 +1,9 @@
 """The canary's decision rules: compare the canary with stable, step through the stages, keep the decision.
 
-Pure logic over :class:`~recserve.access.canary_figures.Window` figures and the spec's
+Pure logic over :class:`~recserve.access.canary.figures.Window` figures and the spec's
 :class:`~recserve.core.sections.serving.CanarySection`; the controller that reads the running stack and
-puts each decision on the proxy is :mod:`~recserve.access.canary`, which re-exports every name here.
+puts each decision on the proxy is :mod:`~recserve.access.canary.controller`, which re-exports every
+name here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recserve.access.canary_figures import Window, psi
+from recserve.access.canary.figures import Window, psi
 from recserve.access.config import AccessError
 from recserve.core.sections.serving import AccessSection, CanarySection
 

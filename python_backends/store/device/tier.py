@@ -18,7 +18,7 @@ every vector equals the host path's bit for bit; keys answered on the device are
 an update (``install``) or rollback brings a new delta: its tensors are built aside
 (:meth:`DeviceTier.follow` on the upkeep thread, or the first lookup that sees it) and swapped in
 as one reference, so a batch reads one whole version. Tables that do not fit are served by the
-fallback: the device L1 (:class:`~recserve.backends.store.device_cache.DeviceL1`, hot rows on the
+fallback: the device L1 (:class:`~recserve.backends.store.device.cache.DeviceL1`, hot rows on the
 device) or the host store.
 """
 
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from recserve.backends.base.device_copies import DeviceCopies
-from recserve.backends.store.device_cache import ATTEMPTS, DeviceL1, DeviceLookup
-from recserve.backends.store.device_rows import KEY_BYTES, DeviceDelta, SortedRows
+from recserve.backends.store.device.cache import ATTEMPTS, DeviceL1, DeviceLookup
+from recserve.backends.store.device.resident import KEY_BYTES, DeviceDelta, SortedRows
 from recserve.backends.store.table_data import RowBlock
 from recserve.backends.store.tiered import DEFAULT, DEVICE, TIERS, Snapshot, TieredStore
 from recserve.core.names import EMBEDDING_LOOKUP

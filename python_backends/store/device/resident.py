@@ -1,6 +1,6 @@
 """Rows held on a torch device by key: a sorted int64 key tensor and its vectors, searched there.
 
-The device tier (:mod:`.device_tier`) holds each resident shard, and the served version's delta
+The device tier (:mod:`.device.tier`) holds each resident shard, and the served version's delta
 rows, as one :class:`SortedRows`; ``torch.searchsorted`` and a gather answer a batch's keys.
 """
 

@@ -15,7 +15,7 @@ same traffic window for both), compares the canary with stable and decides:
 
 Once stable gets no live traffic (the 100 % stage), its window of the last stage stands in for it.
 
-Where the figures come from (:mod:`~recserve.access.canary_figures`): the canary judges the
+Where the figures come from (:mod:`~recserve.access.canary.figures`): the canary judges the
 server, not its clients. Failures are the server's own (``INTERNAL`` or ``UNAVAILABLE`` answered by
 a step, a non-finite output included; a step's queue refusals; Envoy's timeouts), counted over the
 judged requests (the ensembles' successes plus those failures). Client errors (malformed input,
@@ -33,7 +33,7 @@ a restarted proxy (:class:`~recserve.access.process.AccessLayer` reads the file)
 controller both continue from it. Every stage change and rollback is appended to ``rules.log``
 (JSON lines) and counted on the controller's ``/metrics`` (``recserve_access_*``).
 
-The comparison, the stages and the saved decision are :mod:`~recserve.access.canary_rules`; this
+The comparison, the stages and the saved decision are :mod:`~recserve.access.canary.rules`; this
 module is the controller, and re-exports the names of both.
 """
 
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from recserve.access.admin import AdminClient
-from recserve.access.canary_figures import (
+from recserve.access.canary.figures import (
     CLIENT_CODES,
     PROBABILITY,
     REQUEST_ERRORS,
@@ -66,7 +66,7 @@ from recserve.access.canary_figures import (
     quantile,
     triton_window,
 )
-from recserve.access.canary_rules import (
+from recserve.access.canary.rules import (
     P99_MIN_REQUESTS,
     PROMOTED,
     ROLLED_BACK,
