@@ -314,7 +314,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
 
 
 def ensemble_names(spec: ModelSpec) -> tuple[str, ...]:
-    """The repository's ensembles: the row form, and the candidate-list form where the spec has one."""
+    """The repository's ensembles: the row layout, and the candidate-list layout where the spec has one."""
     return (spec.name,) + ((spec.candidates_model,) if spec.candidates_model else ())
 
 

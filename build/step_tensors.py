@@ -54,12 +54,12 @@ def request_inputs(spec: ModelSpec, part: str = "inputs") -> tuple[WireTensor, .
     A request carries one form, so every tensor is optional where Triton sees it: with optional
     inputs tritonserver 2.51 checks only how many inputs a request has, so a request missing a
     tensor both forms need (and carrying another) would pass it and stall the ensemble; the step
-    refuses it instead, naming the input. The row form and a list's user inputs end with the
+    refuses it instead, naming the input. The row layout and a list's user inputs end with the
     optional ``user_id`` and ``user_seq`` where ``[user_state]`` is on.
 
     Args:
         spec: the model spec.
-        part: ``inputs`` (the row form), ``user_inputs`` or ``candidate_inputs`` (a candidate list).
+        part: ``inputs`` (the row layout), ``user_inputs`` or ``candidate_inputs`` (a candidate list).
     """
     forms = [getattr(spec.wire_form(form), part) for form in WIRE_FORMS]
     union: dict[str, WireTensor] = {}

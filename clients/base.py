@@ -317,7 +317,7 @@ class ClientBase:
     def _infer_inputs(self, module: ModuleType, arrays: Mapping[str, np.ndarray]) -> list[Any]:
         """``InferInput`` objects of the protocol's module (``tritonclient.grpc`` or ``.http``).
 
-        ``arrays``: the row form's wire inputs, or a candidate list's (its profile tensors among them).
+        ``arrays``: the row layout's wire inputs, or a candidate list's (its profile tensors among them).
         """
         result = []
         for name, array in arrays.items():

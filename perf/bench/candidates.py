@@ -1,12 +1,12 @@
-"""One user's candidate list against the same rows in the row form: ``candidate_list_gain``.
+"""One user's candidate list against the same rows in the row layout: ``candidate_list_gain``.
 
 ``recserve lab candidate-lists`` (and ``recserve bench``, on its tuned server) sends the same ``N``
 candidate rows of one user with a ``length``-long history two ways, closed loop over gRPC, in
 turns: as one candidate list to the candidates ensemble (the history travels and is looked up once
-per request) and as one row-form request of ``N`` rows to the row ensemble (every row carries the
+per request) and as one row-layout request of ``N`` rows to the row ensemble (every row carries the
 history). Both are encoded once before the clock starts. Per concurrency and round, candidate rows
-per second and latency percentiles; ``candidate_list_gain`` is the list form's best rows/s within
-the p99 bound over the row form's, medians over the rounds. Both travel in the id form of the wire
+per second and latency percentiles; ``candidate_list_gain`` is the list layout's best rows/s within
+the p99 bound over the row layout's, medians over the rounds. Both travel in the id form of the wire
 (categorical values as 64-bit ids, as the SDK sends them); the same list is also sent in the bytes
 form (values as text, parsed by the server), and ``ids_vs_bytes`` is the id form's best rows/s over
 the bytes form's, measured in the same turns.
@@ -48,7 +48,7 @@ def requests_of(
     bytes form.
     """
     if spec.candidates_model is None:
-        raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list form")
+        raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list layout")
     raw = generate(spec, candidates, seed)
     pool = generate(spec, 4 * length, seed + 1)
     user = {}

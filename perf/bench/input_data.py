@@ -43,10 +43,10 @@ def candidate_input_data(
     one entry per request (the ensemble batches nothing itself, ``max_batch_size: 0``).
 
     Raises:
-        ValueError: the spec has no candidate-list form.
+        ValueError: the spec has no candidate-list layout.
     """
     if spec.candidates_model is None:
-        raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list form")
+        raise ValueError(f"spec {spec.name!r} has no sequence: it has no candidate-list layout")
     raw = generate(spec, lists * candidates, seed)
     entries = []
     for user in range(lists):
@@ -78,7 +78,7 @@ def write_input_data(
     candidates: int = 0,
     form: str = IDS_WIRE,
 ) -> Path:
-    """Write the input-data JSON and return its path (``candidates``: the candidate-list form's).
+    """Write the input-data JSON and return its path (``candidates``: the candidate-list layout's).
 
     ``form``: the wire form of the requests, ``ids`` (the default) or ``bytes``.
     """

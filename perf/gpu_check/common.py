@@ -95,7 +95,7 @@ class BenchSizes:
     holdout_rows: int
     history: int  # one user's history length in the candidate lists and the bound
     bound: tuple[tuple[int, int], ...]  # the bound's batches: (users, candidates per user)
-    rows_batch: int  # rows per row-form request (capped at the served maximum)
+    rows_batch: int  # rows per row-layout request (capped at the served maximum)
     lists: tuple[int, ...]  # candidates per list (one user)
     concurrency: tuple[int, ...]  # requests in flight
     bytes_lists: tuple[int, ...]  # the BYTES form, for comparison

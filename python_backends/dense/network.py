@@ -182,7 +182,7 @@ class CandidateNet(nn.Module):
     def __init__(self, net: CTRNet) -> None:
         super().__init__()
         if not net.has_attention:
-            raise ValueError("a network without a sequence has no candidate-list form")
+            raise ValueError("a network without a sequence has no candidate-list layout")
         self.net = net
         self.input_names = (*net.input_names, HISTORY_USER)
 

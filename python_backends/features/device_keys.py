@@ -122,7 +122,7 @@ class DeviceKeys:
         """The transform's outputs for one (merged) request of the id form, as tensors on the device.
 
         Args:
-            inputs: the row-form wire inputs (host arrays).
+            inputs: the row-layout wire inputs (host arrays).
             users: as :meth:`FeatureTransform.transform`'s: the history owners of a candidate list.
 
         Raises:

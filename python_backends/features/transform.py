@@ -88,7 +88,7 @@ class FeatureTransform:
         """Validate one request's raw tensors and compute the keys the lookup step needs.
 
         Args:
-            inputs: the row-form wire inputs.
+            inputs: the row-layout wire inputs.
             users: for a candidate list, how many users' sequences (one row each) the rows share; the
                 history keys and mask then have one row per user. None: one per row.
 

@@ -1,6 +1,6 @@
 """The log's record schema, the sampling decision and a request's identity (id, variant, traffic).
 
-Two record kinds, one row per served row (a candidate of a list, or a row of a row-form request),
+Two record kinds, one row per served row (a candidate of a list, or a row of a row-layout request),
 joined by ``request_id`` and ``row`` (:func:`~recserve.backends.request_log.read.read_log`):
 
 * ``features`` (the ``embedding_lookup`` step): the keys of the row's slots as the transform made

@@ -109,7 +109,7 @@ class FeatureLog(_Observer):
         ]
 
     def rows(self, request: Any, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
-        """Observe a row-form request."""
+        """Observe a row-layout request."""
         self._observe(request, inputs, outputs, False)
 
     def lists(self, request: Any, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:

@@ -174,7 +174,7 @@ class EmbeddingLookup:
         )
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """The key and table-id matrices of the transform's row-form inputs, side by side.
+        """The key and table-id matrices of the transform's row-layout inputs, side by side.
 
         ``[B, F + M + T + S * W]``: the single-valued features, the multi-hot values, the targets and
         each sequence's positions.
@@ -312,7 +312,7 @@ class FeaturesToEmbeddings:
         self.passed = (DENSE_NORMALIZED, *self.masks)
         self.histories = sequence_inputs(spec)
         self.left_padded = left_padded_inputs(spec)
-        #: a request of the candidate-list form carries these instead of the per-candidate wire inputs
+        #: a request of the candidate-list layout carries these instead of the per-candidate wire inputs
         self.candidate_input_names = tuple(
             dict.fromkeys(
                 t.name for t in (*candidate_step_inputs(spec), *(t for f in forms for t in f.user_inputs))
@@ -349,7 +349,7 @@ class FeaturesToEmbeddings:
         The per-candidate inputs of the dense contract come back as ``candidate_<name>``,
         ``[U, N, ...]``, and the history and its mask with one row per user, ``[U, L, ...]``
         (what ``dense`` takes from the candidates ensemble); ``embedding_version`` has a row per
-        candidate. With ``expand``, the row form's outputs instead: every candidate row with its
+        candidate. With ``expand``, the row layout's outputs instead: every candidate row with its
         user's history (for a ``dense`` that takes rows only). See
         :func:`recserve.core.candidate_lists.candidate_rows` for the inputs.
 

@@ -4,7 +4,7 @@
 ``initialize`` and hand their requests to one of the request loops: :func:`execute_merged_or_alone`
 (one merged call, redone request by request if it fails), :func:`execute_checked_merged` (each
 request checked alone, the valid ones computed together), :func:`execute_alone` (each request by
-itself), and :func:`execute_by_form` (which sends a batch's two request forms to two of those).
+itself), and :func:`execute_by_input` (which sends a batch's two request forms to two of those).
 Their counters reach the metrics endpoint through one
 :class:`~recserve.backends.triton.publisher.MetricsPublisher` each.
 
@@ -276,7 +276,7 @@ def execute_alone(
     ]
 
 
-def execute_by_form(
+def execute_by_input(
     requests: Sequence[Any],
     marker: str,
     rows: Callable[[list], list],
@@ -284,9 +284,10 @@ def execute_by_form(
 ) -> list:
     """Requests holding the input ``marker`` go to ``other``, the rest to ``rows``; responses in order.
 
-    For a step taking two request forms (rows, and one user's candidate list) in one dynamic batch.
+    For a step taking two request layouts (rows, and one user's candidate list), or both wire forms
+    (ids, text), in one dynamic batch.
     """
-    if not marker:  # a step with one form
+    if not marker:  # a step with one layout
         return rows(list(requests))
     forms = [any(tensor.name() == marker for tensor in request.inputs()) for request in requests]
     if not any(forms):

@@ -14,7 +14,7 @@ import numpy as np
 
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.request_log.step_log import ScoreLog
-from recserve.backends.triton.adapter import execute_alone, execute_by_form, execute_checked_merged
+from recserve.backends.triton.adapter import execute_alone, execute_by_input, execute_checked_merged
 from recserve.core.contract import dense_net_inputs, left_padded_inputs
 from recserve.core.names import DENSE_VERSION, PROBABILITY
 from recserve.core.spec.model import ModelSpec
@@ -44,7 +44,7 @@ class DenseRequests:
         self.warmup_left -= len(requests)
         accept = self.step.accept if served else functools.partial(self.step.accept, count=False)
         observe = self.log if served else None  # Triton's warm-up is not logged
-        responses = execute_by_form(
+        responses = execute_by_input(
             requests,
             self.step.lists.input_names[0],
             lambda rows: execute_checked_merged(

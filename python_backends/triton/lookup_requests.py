@@ -2,7 +2,7 @@
 
 Row-form requests are merged per wire form (ids, or bytes) and, with ``[user_state]``, apart for
 requests carrying a user; candidate lists (from the candidates ensemble) are looked up together,
-each user's sequences once, unless one asks for the row form (a TensorRT ``dense`` takes rows).
+each user's sequences once, unless one asks for the row layout (a TensorRT ``dense`` takes rows).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from recserve.backends.request_log.step_log import FeatureLog
 from recserve.backends.steps.lookup import FeaturesToEmbeddings
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
-from recserve.backends.triton.adapter import execute_alone, execute_by_form, execute_merged_or_alone
+from recserve.backends.triton.adapter import execute_alone, execute_by_input, execute_merged_or_alone
 from recserve.core.names import CANDIDATE_PREFIX, SPARSE_EMBEDDINGS, USER_ID
 
 
@@ -33,11 +33,11 @@ class LookupRequests:
 
     def execute(self, requests: list) -> list:
         """Row-form requests as one merged batch per wire form; candidate lists likewise."""
-        responses = execute_by_form(
+        responses = execute_by_input(
             requests,
             self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
-            lambda rows: execute_by_form(rows, self.step.ids_marker, self.merged, self.merged),
-            lambda lists: execute_by_form(lists, self.step.ids_marker, self.lists, self.lists),
+            lambda rows: execute_by_input(rows, self.step.ids_marker, self.merged, self.merged),
+            lambda lists: execute_by_input(lists, self.step.ids_marker, self.lists, self.lists),
         )
         self.step.copies.executed()
         return responses
@@ -50,7 +50,7 @@ class LookupRequests:
         """
         if self.stateful is not None:
             stateful = self.stateful
-            return execute_by_form(
+            return execute_by_input(
                 requests,
                 USER_ID,
                 lambda plain: self._merged(plain, stateful.served_width),
@@ -71,7 +71,7 @@ class LookupRequests:
         )
 
     def lists(self, requests: list) -> list:
-        """Candidate lists of one wire form: looked up together, unless one asks for the row form."""
+        """Candidate lists of one wire form: looked up together, unless one asks for the row layout."""
         return execute_alone(
             requests,
             self.step.candidate_input_names,
@@ -81,12 +81,12 @@ class LookupRequests:
         )
 
     def together(self, inputs: list, requested: list) -> list | None:
-        """Every list's outputs from one call; None when a list wants the row form (handled alone)."""
+        """Every list's outputs from one call; None when a list wants the row layout (handled alone)."""
         if any(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in wanted for wanted in requested):
             return None
         return self.step.candidate_lists(inputs)
 
     def candidate_list(self, inputs: dict, requested: frozenset) -> dict:
-        """One candidate list; as rows when the next step asks for the row form (a TensorRT ``dense``)."""
+        """One candidate list; as rows when the next step asks for the row layout (a TensorRT ``dense``)."""
         expand = CANDIDATE_PREFIX + SPARSE_EMBEDDINGS not in requested
         return self.step.candidates(inputs, expand=expand)

@@ -6,7 +6,7 @@
 - :mod:`~recserve.core.name_ranges`: name ranges (``C{1..26}``) of the spec's features;
   :mod:`~recserve.core.feature_columns`: features reading another feature's column.
 - :mod:`~recserve.core.contract`: the dense contract.
-- :mod:`~recserve.core.candidate_lists`: a user's candidate list in list form and as rows.
+- :mod:`~recserve.core.candidate_lists`: a user's candidate list in list layout and as rows.
 - :mod:`~recserve.core.values`: the value codec (raw values parsed into numbers and ids);
   :mod:`~recserve.core.times`: time values and their parts; :mod:`~recserve.core.wire_forms`: the two
   forms of a request's categorical values (ids, text).

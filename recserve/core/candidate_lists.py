@@ -1,4 +1,4 @@
-"""Candidate lists: a user's list of items in the list form of the wire and as rows, one per item."""
+"""Candidate lists: a user's list of items in the list layout of the wire and as rows, one per item."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from recserve.errors import InvalidInput
 
 
 def candidate_step_inputs(spec: ModelSpec) -> tuple[WireTensor, ...]:
-    """``embedding_lookup``'s inputs of the candidate-list form, ``[users, candidates, ...]`` each.
+    """``embedding_lookup``'s inputs of the candidate-list layout, ``[users, candidates, ...]`` each.
 
     Those of both wire forms (each a request may leave out), each once: first those of both forms
     (every list carries them), then each form's own. None for a spec without a candidates ensemble.
@@ -137,7 +137,7 @@ def with_profiles_of(
 def candidate_list_inputs(
     spec: ModelSpec, rows: Mapping[str, np.ndarray], form: str = BYTES_WIRE
 ) -> dict[str, np.ndarray]:
-    """One user's candidate list from the row form of its candidates (``[N, ...]`` each, by wire name).
+    """One user's candidate list from the row layout of its candidates (``[N, ...]`` each, by wire name).
 
     Each per-candidate input as ``[1, N, ...]`` and the profile columns once, from the first row,
     as ``[1, ...]``. The sequences and their lengths are left to the caller, who has the user's.

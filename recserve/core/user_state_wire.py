@@ -1,6 +1,6 @@
 """What ``[user_state]`` adds to the wire and to the dense contract, and when.
 
-With ``[user_state] enabled`` on a spec with a sequence, the row form takes two optional INT64
+With ``[user_state] enabled`` on a spec with a sequence, the row layout takes two optional INT64
 inputs, ``user_id`` and ``user_seq`` (``[B, 1]``), and the dense network takes
 ``history_log_weights`` (``[B, L]``, FP32) beside the first group's history: ``ln count`` per
 token of a user's merged state, 0 elsewhere. Without the section nothing changes: no wire input,

@@ -57,7 +57,7 @@ class WireForm:
 
     Attributes:
         name: ``ids`` or ``bytes``.
-        inputs: the row form's tensors.
+        inputs: the row layout's tensors.
         user_inputs: those a candidate list carries once per user (profile parts as ``profile__<name>``).
         candidate_inputs: those a candidate list carries per candidate.
         profile_parts: the column-wise tensors split into a user's profile columns and the others.
@@ -165,7 +165,7 @@ def id_form(spec: ModelSpec) -> WireForm:
 
 
 def request_form(spec: ModelSpec, names: Collection[str]) -> str:
-    """The form of a request carrying the tensors ``names`` (of the row form or a candidate list).
+    """The form of a request carrying the tensors ``names`` (of the row layout or a candidate list).
 
     Raises:
         InvalidInput: the request carries both forms' categorical tensor, or neither (naming them).
@@ -212,7 +212,7 @@ def categorical_fields(spec: ModelSpec, wire: Mapping[str, np.ndarray]) -> np.nd
 
 
 def ids_from_bytes(spec: ModelSpec, wire: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A row-form request of the bytes form in the id form: the text parsed and hashed by the codec.
+    """A row-layout request of the bytes form in the id form: the text parsed and hashed by the codec.
 
     The tensors both forms share are passed on as they are; the result holds every tensor of the
     id form present in the request.

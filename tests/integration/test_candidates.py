@@ -28,7 +28,7 @@ def user_of(rows, row=3):
 
 
 def as_rows(spec, user, rows):
-    """The row form of a candidate list: every row carries the user's sequences."""
+    """The row layout of a candidate list: every row carries the user's sequences."""
     inputs = rows.to_inputs(spec)
     (name,) = user
     items = np.asarray(user[name], np.int64)
@@ -48,7 +48,7 @@ def test_a_candidate_list_scores_as_its_rows_in_order(server, spec, candidates, 
         served = client.score_candidates(user, first)
         # more candidates than max_batch_size: several requests, one order
         many = client.score_candidates(user, candidates)
-        row_form = np.concatenate(
+        row_layout = np.concatenate(
             [client.predict_inputs(as_rows(spec, user, part)) for part in candidates.batches(100)]
         )
         empty_history = client.score_candidates({"history_items": []}, first)
@@ -59,7 +59,7 @@ def test_a_candidate_list_scores_as_its_rows_in_order(server, spec, candidates, 
             return await client.score_candidates(user, first)
 
     np.testing.assert_allclose(served, expected, atol=1e-6)
-    np.testing.assert_allclose(many, row_form, atol=1e-6)
+    np.testing.assert_allclose(many, row_layout, atol=1e-6)
     np.testing.assert_allclose(empty_history, expected_empty, atol=1e-6)
     np.testing.assert_array_equal(asyncio.run(run_async()), served)
     assert len(many) == len(candidates) > spec.model.max_batch_size

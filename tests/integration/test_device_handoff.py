@@ -53,7 +53,7 @@ def copied(server) -> dict[tuple[str, str], float]:
 
 
 def as_rows(spec, history, rows):
-    """The row form of one user's candidate list: every row carries the user's history."""
+    """The row layout of one user's candidate list: every row carries the user's history."""
     inputs = rows.to_inputs(spec)
     items = np.asarray(history, np.int64)
     inputs[spec.sequences[0].name] = np.tile(items if items.size else np.zeros(1, np.int64), (len(rows), 1))

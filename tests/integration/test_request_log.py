@@ -96,7 +96,7 @@ def test_the_logged_keys_and_dense_values_are_those_the_transform_gives(served, 
     keys = np.concatenate([features[SPARSE_KEYS], features[TARGET_KEY]], axis=1)
     np.testing.assert_array_equal(np.array(mine["keys"].to_pylist()), keys)
     np.testing.assert_array_equal(np.array(mine["dense"].to_pylist(), np.float32), features[DENSE_NORMALIZED])
-    # each row-form row carries its own history: once per distinct history, the others point to it
+    # each row-layout row carries its own history: once per distinct history, the others point to it
     for row, (history_row, history) in enumerate(
         zip(mine["history_row"].to_pylist(), mine["history"].to_pylist(), strict=True)
     ):

@@ -263,7 +263,7 @@ def test_the_front_door_limits_come_from_the_served_configs(tiny_spec, tiny_repo
     assert ensemble["dense"] == batch * dims["dense"][0]
     assert ensemble["history_items"] == batch * longest  # a variable dim holds the longest sequence
     assert ensemble["history_items__length"] == batch
-    # the candidate-list ensemble (no batch dimension): users x candidates rows, as the row form
+    # the candidate-list ensemble (no batch dimension): users x candidates rows, as the row layout
     assert door.inputs[tiny_spec.candidates_model] == ensemble
     assert door.max_elements == max(ensemble.values())
     per_row = sum(ensemble.values()) // batch

@@ -1,4 +1,4 @@
-"""One user's candidate list per request: the same dense inputs as the row form, the history once."""
+"""One user's candidate list per request: the same dense inputs as the row layout, the history once."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_a_candidate_list_gives_the_row_forms_dense_inputs(name):
     for key, array in expected.items():
         np.testing.assert_array_equal(expanded[key], array, err_msg=key)
     assert float(np.abs(expected[HISTORY_EMBEDDINGS]).sum()) > 0  # real vectors, not defaults
-    # the list form: per-candidate tensors [users, candidates, ...], the history once per user
+    # the list layout: per-candidate tensors [users, candidates, ...], the history once per user
     per_candidate = per_candidate_dense_inputs(spec)
     assert set(listed) == {
         *sequence_inputs(spec), EMBEDDING_VERSION,
@@ -227,9 +227,9 @@ def test_the_candidates_ensemble_feeds_the_lookup_both_forms_and_batches_rows(sp
     assert all(
         step_inputs[name].allow_ragged_batch for name in first.input_map if name.startswith("candidate_")
     )
-    row_form = built[spec.name].ensemble_scheduling.step[0]
+    row_layout = built[spec.name].ensemble_scheduling.step[0]
     both = {t.name for form in WIRE_FORMS for t in spec.wire_form(form).inputs}
-    assert set(row_form.input_map) == both
+    assert set(row_layout.input_map) == both
     assert {i.name: list(i.dims) for i in ensemble.output}[PROBABILITY] == [-1, 1]
 
 
@@ -290,5 +290,5 @@ def test_perf_input_data_for_candidate_lists_holds_one_users_list_per_entry(name
             assert entry[tensor.name]["shape"][0] == 1
         for value in entry.values():
             assert len(value["content"]) == int(np.prod(value["shape"]))
-    with pytest.raises(ValueError, match="no candidate-list form"):
+    with pytest.raises(ValueError, match="no candidate-list layout"):
         candidate_input_data(load_spec("avazu"), candidates=5)

@@ -116,7 +116,7 @@ def test_copies_are_declared_at_zero_and_counted_by_step_and_direction():
 
 
 def candidate_lists(spec, users, count, length, seed=0):
-    """Candidate-list inputs of the dense step and the same rows in the row form (each with its history)."""
+    """Candidate-list inputs of the dense step and the same rows in the row layout (each with its history)."""
     rows = example_inputs(spec, users * count, length, seed=seed)
     owner = np.repeat(np.arange(users), count)
     per_user = {name: rows[name][::count] for name in sequence_inputs(spec)}  # each user's first row

@@ -12,7 +12,7 @@ server, no copies between processes: what the served path could reach on this ca
 Per batch: candidate rows/s (= user-item pairs/s) and per-call p50/p99 over ``seconds`` of
 back-to-back calls, and, on a CUDA device, the host-to-device and device-to-host bytes of one call
 per row, read from the CUDA memcpy records of a torch profiler trace. Parity: the bound's scores
-against the in-process PyTorch reference on the host (the same rows in the row form).
+against the in-process PyTorch reference on the host (the same rows in the row layout).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def measure_bound(spec_path: Path, repository: Path, device: str, sizes: BenchSi
             if not parity:  # the first batch: the bound's scores against the host's PyTorch reference
                 expected = np.asarray(reference.predict(as_rows)).reshape(-1)
                 worst = float(np.abs(bound(request) - expected).max())
-                parity = {"max_abs_diff": worst, "rows": rows, "against": "PyTorch on the host (row form)"}
+                parity = {"max_abs_diff": worst, "rows": rows, "against": "PyTorch on the host (row layout)"}
             for _ in range(3):
                 bound(request)  # warm-up: kernels, allocator, cuBLAS handles
             latencies, elapsed = time_calls(bound, [request], sizes.bound_seconds)

@@ -8,7 +8,7 @@ short still leaves the points before it):
   in-process PyTorch reference on the host, and the id form's against the BYTES form's;
 * ``ids-lists``: one user's candidate list (``history`` long) of each of ``lists`` candidates, at
   each of ``concurrency`` requests in flight, in the id form;
-* ``ids-rows``: row-form requests of ``rows_batch`` synthetic rows (each with its own history), id form;
+* ``ids-rows``: row-layout requests of ``rows_batch`` synthetic rows (each with its own history), id form;
 * ``bytes``: the same lists (``bytes_lists``) and rows in the BYTES form, for comparison.
 
 The load is closed loop over gRPC: each of ``concurrency`` threads sends one request serialized once
@@ -150,7 +150,7 @@ def measure_point(
 
 
 def rows_request(spec: ModelSpec, rows: int, form: str) -> dict[str, np.ndarray]:
-    """``rows`` synthetic rows in the row form of ``form`` (each with its own history)."""
+    """``rows`` synthetic rows in the row layout of ``form`` (each with its own history)."""
     return generate(spec, rows, seed=5).to_wire(spec, form)
 
 

@@ -53,7 +53,7 @@ class ProfilePart:
     columns travel once per user, the others per candidate.
     """
 
-    name: str  # the tensor of the row form; the candidates' part keeps this name
+    name: str  # the tensor of the row layout; the candidates' part keeps this name
     profile: tuple[int, ...]  # its columns sent once per user, as ``profile__<name>``
     other: tuple[int, ...]  # its columns sent per candidate
 
