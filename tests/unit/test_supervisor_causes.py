@@ -44,7 +44,7 @@ Python runtime state: initialized
 
 Thread 0x00007f579affd000 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 331 in wait
-  File "/work/python_backends/triton/publisher.py", line 55 in run
+  File "/opt/recserve/python_backends/triton/publisher.py", line 55 in run
 Thread 0x00007f57ef31f000 (most recent call first):
   <no Python frame>
 """
