@@ -64,18 +64,25 @@ def integral_text(text: np.ndarray) -> np.ndarray:
     return np.where(cut, head, text)
 
 
+def _as_ints(text: np.ndarray) -> np.ndarray | None:
+    """int64 values of integral ``text`` in one numpy call; None when some field is no integer."""
+    if (codepoints(text) == ord("_")).any():  # int() would accept "1_000"
+        return None
+    try:
+        return text.astype(np.int64)
+    except (ValueError, OverflowError):
+        return None
+
+
 def parse_ints(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np.ndarray:
     """int64 values of a ``[N, K]`` string array; raises on the first malformed field.
 
     Integers written as floats with a zero fraction (``"260.0"``) are accepted as integers.
     """
     text = integral_text(text)
-    try:
-        if (codepoints(text) == ord("_")).any():  # int() would accept "1_000"
-            raise ValueError("underscore")
-        return text.astype(np.int64)
-    except (ValueError, OverflowError):
-        pass
+    fast = _as_ints(text)
+    if fast is not None:
+        return fast
     values = np.zeros(text.shape, dtype=np.int64)
     for (r, c), value in np.ndenumerate(text):  # slow path: find and name the offending field
         try:
@@ -96,10 +103,9 @@ def parse_numbers(text: np.ndarray, lines: np.ndarray, columns: list[str]) -> np
     to it, as the SDK's own arrays do; real values (``"8.3"``, ``"1e-3"``) as floats. A field that is
     no number (``"1_000"`` included, which Python's ``float`` would take) or not finite is refused.
     """
-    try:
-        return parse_ints(text, lines, columns).astype(np.float32)
-    except RowFormatError:
-        pass
+    integers = _as_ints(integral_text(text))  # no per-field search for the first real value
+    if integers is not None:
+        return integers.astype(np.float32)
     underscore = (codepoints(text) == ord("_")).any(axis=-1)
     if underscore.any():
         r, c = np.argwhere(underscore)[0]

@@ -29,6 +29,7 @@ class NumericOps:
         self._scale = np.array([c.scale for c in numeric], dtype=np.float32)
         self._wire = np.array(spec.dense.wire_index if spec.dense else (), dtype=np.intp)
         self._indicator = np.array([c.indicator for c in numeric], dtype=bool)
+        self._flags = bool(self._indicator.any())  # any missing flag: decided once, not per batch
         self._signed = {
             c.categorical: spec.categorical.raw_columns[c.categorical].value_type == "int64"
             for c in numeric
@@ -81,6 +82,6 @@ class NumericOps:
             self._log1p, np.log1p(np.where(self._log1p, clipped, 0.0).astype(np.float64)), clipped
         ).astype(np.float32)
         normalized = ((logged - self._shift) / self._scale).astype(np.float32)
-        if self._indicator.any():  # missing flags: 1.0 where the column they read is missing
+        if self._flags:  # missing flags: 1.0 where the column they read is missing
             normalized = np.where(self._indicator, missing.astype(np.float32), normalized)
         return normalized if len(self._normalized) == values.shape[1] else normalized[:, self._normalized]
