@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,6 +129,16 @@ class DeviceLookup:
     fallback_keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
+def first_whole(attempt: Callable[[], DeviceLookup | None]) -> DeviceLookup | None:
+    """The first of :data:`ATTEMPTS` tries that read one snapshot whole; None when updates kept landing."""
+    for _ in range(ATTEMPTS):
+        served = attempt()
+        if served is not None:
+            return served
+    LOGGER.debug("snapshot changed %d times during one batch; served by the host path", ATTEMPTS)
+    return None
+
+
 class DeviceL1:
     """:meth:`TieredStore.lookup` with L1 on a torch device and the result left there.
 
@@ -181,12 +192,8 @@ class DeviceL1:
         started = time.perf_counter()
         keys = np.ascontiguousarray(keys, dtype=np.int64).reshape(-1)
         table_ids = np.ascontiguousarray(table_ids, dtype=np.int16).reshape(-1)
-        for _ in range(ATTEMPTS):
-            served = self._serve(keys, table_ids)
-            if served is not None:
-                break
-        else:  # updates kept landing mid-batch: the host path reads one snapshot by itself
-            LOGGER.debug("snapshot changed %d times during one batch; served by the host path", ATTEMPTS)
+        served = first_whole(lambda: self._serve(keys, table_ids))
+        if served is None:  # updates kept landing mid-batch: the host path reads one snapshot by itself
             served = self._host(keys, table_ids)
         if record:
             self.store.record_lookup(keys, table_ids, np.asarray(served.tiers), time.perf_counter() - started)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from recserve.backends.base.device_copies import DeviceCopies
-from recserve.backends.store.device.cache import ATTEMPTS, DeviceL1, DeviceLookup
+from recserve.backends.store.device.cache import DeviceL1, DeviceLookup, first_whole
 from recserve.backends.store.device.resident import KEY_BYTES, DeviceDelta, SortedRows
 from recserve.backends.store.table_data import RowBlock
 from recserve.backends.store.tiered import DEFAULT, DEVICE, TIERS, Snapshot, TieredStore
@@ -240,11 +240,8 @@ class DeviceTier:
             self.copies.to_device(host.nbytes)
             device_keys = torch.from_numpy(host).to(self.device)
         table_ids = np.ascontiguousarray(table_ids, dtype=np.int16).reshape(-1)
-        for _ in range(ATTEMPTS):
-            served = self._serve(device_keys, table_ids)
-            if served is not None:
-                break
-        else:  # updates kept landing mid-batch: the host path reads one snapshot by itself
+        served = first_whole(lambda: self._serve(device_keys, table_ids))
+        if served is None:  # updates kept landing mid-batch: the host path reads one snapshot by itself
             every = host if host is not None else self._host_keys(device_keys)
             result = self.store.lookup(every, table_ids, record=False)
             self.copies.to_device(result.vectors.nbytes)
