@@ -136,24 +136,13 @@ local function element(s, i, kind)
   return within(digits, most) and e or nil
 end
 
--- Checks every element of the data at s[i] (flat or nested lists) against the datatype's kind.
-local function typed(s, i, depth, kind, where)
-  if s:byte(i) == 91 then
-    if depth > MAX_DEPTH then refuse("JSON nested deeper than " .. MAX_DEPTH .. " levels") end
-    i = ws(s, i + 1)
-    if s:byte(i) == 93 then return i + 1 end
-    while true do
-      i = ws(s, typed(s, i, depth + 1, kind, where))
-      local c = s:byte(i)
-      if c == 93 then return i + 1 end
-      i = ws(s, i + 1)  -- a ',' (the count pass read this list already)
+-- A check of each scalar of an input's data against its datatype's kind (for value's walk).
+local function elements_of(kind, where)
+  return function(s, i)
+    if not element(s, i, kind) then
+      refuse(where .. ": 'data' holds " .. near(s, i) .. ", not a " .. ELEMENT_NAMES[kind])
     end
   end
-  local e = element(s, i, kind)
-  if not e then
-    refuse(where .. ": 'data' holds " .. near(s, i) .. ", not a " .. ELEMENT_NAMES[kind])
-  end
-  return e
 end
 
 local value
@@ -190,14 +179,14 @@ local function object(s, i, depth, member, where)
   end
 end
 
-local function array(s, i, depth, item)
+local function array(s, i, depth, item, check)
   if depth > MAX_DEPTH then refuse("JSON nested deeper than " .. MAX_DEPTH .. " levels") end
   i = ws(s, i + 1)
   if s:byte(i) == 93 then return i + 1, 0 end
   local count = 0
   while true do
     local n
-    if item then i, n = item(s, i, depth) else i, n = value(s, i, depth) end
+    if item then i, n = item(s, i, depth) else i, n = value(s, i, depth, check) end
     count = count + n
     i = ws(s, i)
     local c = s:byte(i)
@@ -211,13 +200,18 @@ local function array(s, i, depth, item)
   end
 end
 
--- Returns the index after the value and how many scalars it holds (nested lists flattened).
-value = function(s, i, depth)
+-- Returns the index after the value and how many scalars it holds (nested lists flattened);
+-- ``check`` (optional) is called on every scalar and object found, once it is known to be JSON.
+value = function(s, i, depth, check)
   local c = s:byte(i)
-  if c == 123 then return object(s, i, depth + 1, nil), 1 end
-  if c == 91 then return array(s, i, depth + 1, nil) end
+  if c == 123 then
+    if check then check(s, i) end
+    return object(s, i, depth + 1, nil), 1
+  end
+  if c == 91 then return array(s, i, depth + 1, nil, check) end
   if c == 34 then
     local _, j = str(s, i, false)
+    if check then check(s, i) end
     return j, 1
   end
   local e = number(s, i)
@@ -227,6 +221,7 @@ value = function(s, i, depth)
     end
   end
   if not e then refuse("unexpected " .. near(s, i)) end
+  if check then check(s, i) end
   return e, 1
 end
 
@@ -293,9 +288,10 @@ local function scan_json(s, model)
         local n, dims, product = shape(s, k, where)
         found.shape, found.product = dims, product
         return n
-      elseif key == "data" then
-        local n, count = value(s, k, d)
-        found.data, found.data_at, found.depth = count, k, d
+      elseif key == "data" then  -- its elements checked in the same walk once the datatype is known
+        local check = found.datatype and elements_of(ELEMENTS[found.datatype], where)
+        local n, count = value(s, k, d, check)
+        found.data, found.data_at, found.depth, found.checked = count, k, d, check ~= nil
         return n
       elseif key == "parameters" then
         return parameters(s, k, d, where)
@@ -307,8 +303,8 @@ local function scan_json(s, model)
     if names[found.name] then refuse(where .. " given twice") end
     names[found.name] = true
     check_input(model, where, found.name, found.shape, found.product, found.data)
-    if found.data_at and found.datatype then  -- the datatype may come after the data
-      typed(s, found.data_at, found.depth, ELEMENTS[found.datatype], where)
+    if found.data_at and found.datatype and not found.checked then  -- the datatype came after it
+      value(s, found.data_at, found.depth, elements_of(ELEMENTS[found.datatype], where))
     end
     return j, 1
   end
