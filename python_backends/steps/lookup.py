@@ -132,7 +132,8 @@ class EmbeddingLookup:
         others behind the device L1 (:func:`~recserve.backends.store.device.tier.device_lookup`).
 
         torch is imported only then: the default profile's step stays numpy. The device copy of L1
-        follows the store's upkeep rounds (rebuilds, updates) on the upkeep thread.
+        follows the store's upkeep rounds (rebuilds, updates) on the upkeep thread. With every table
+        resident (and no L3) no key reads the host L1, so the upkeep stops rebuilding it.
 
         Args:
             spec: the model spec.
@@ -151,6 +152,8 @@ class EmbeddingLookup:
         served.maintainer.after_step.append(on_device.follow)
         lookup = cls(spec, served.store, on_device)
         lookup.takes_device_keys = isinstance(on_device, DeviceTier)
+        if isinstance(on_device, DeviceTier) and on_device.whole:  # no key reads the host L1
+            served.maintainer.rebuild_l1 = False
         return lookup
 
     def key_blocks(

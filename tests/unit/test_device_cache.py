@@ -1,5 +1,7 @@
 """The device L1 against the host path: same vectors bit for bit, same tiers, same counters."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -212,3 +214,16 @@ def test_served_step_lays_out_device_tensors_as_the_host_step_does(spec, device,
         assert isinstance(tensor, torch.Tensor) and tensor.device.type == device
         assert np.array_equal(tensor.cpu().numpy(), want[name]), name
     assert store.stats.by_table_tier[:, L1].sum() > 0
+
+
+def test_upkeep_stops_rebuilding_the_host_l1_when_every_table_is_resident(spec, tmp_path):
+    _, store = spec_store(spec, np.random.default_rng(3))
+    store.options = dataclasses.replace(store.options, cache_refresh_s=0.0)  # a rebuild due every round
+    partly = dataclasses.replace(spec, store=dataclasses.replace(spec.store, device_memory_mib=0.0))
+    for served_spec, resident in ((partly, False), (spec, True)):  # no table fits / every table fits
+        served = served_store(store, tmp_path)
+        EmbeddingLookup.for_instance(served_spec, served, "cpu", "cpu")
+        assert served.maintainer.rebuild_l1 is not resident
+        before = store.refreshed_at
+        served.maintainer.step()
+        assert (store.refreshed_at == before) is resident  # all resident: nothing reads the host L1

@@ -42,7 +42,12 @@ def load_hot_keys(folder: Path) -> np.ndarray:
 
 
 class Maintainer:
-    """Background upkeep of a served store: apply updates, rebuild L1, record hot keys."""
+    """Background upkeep of a served store: apply updates, rebuild L1, record hot keys.
+
+    :attr:`rebuild_l1` is turned off by a step whose every table is resident on its device
+    (:attr:`DeviceTier.whole <recserve.backends.store.device.tier.DeviceTier.whole>`): no key reads
+    the host L1 there, so its rebuild every ``cache_refresh_s`` would be work for nothing.
+    """
 
     def __init__(
         self,
@@ -58,6 +63,8 @@ class Maintainer:
         self.state_dir = state_dir
         self.interval_s = interval_s
         self.after_step: list[Callable[[], None]] = []  # run after each round, on the upkeep thread
+        #: rebuild L1 from the key frequencies when due (off when no key is served by the host L1)
+        self.rebuild_l1 = True
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="recserve-store", daemon=True)
 
@@ -83,7 +90,7 @@ class Maintainer:
         """One round of upkeep (what the thread does every ``interval_s``)."""
         self._mirror()
         self.updater.poll()
-        if self.store.refresh_due():
+        if self.rebuild_l1 and self.store.refresh_due():
             self.store.refresh_cache()
             save_hot_keys(self.state_dir, self.store.hot_keys())
         for hook in self.after_step:
