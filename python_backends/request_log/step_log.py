@@ -22,6 +22,7 @@ import pyarrow as pa
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
 from recserve.backends.request_log.segments import ParquetSegments
+from recserve.backends.request_log.streams import RedisStreams, cluster_client
 from recserve.backends.request_log.writer import Entry, RecordWriter
 from recserve.core.candidate_lists import candidate_rows
 from recserve.core.contract import attention_inputs
@@ -41,8 +42,23 @@ from recserve.core.spec.model import ModelSpec
 from recserve.core.wire_forms import request_form
 
 
-def open_writer(settings: LoggingSection, base: Path | None = None) -> RecordWriter:
-    """The writer of ``settings``' Parquet segments (a relative directory: under ``base``, else the cwd)."""
+def open_writer(settings: LoggingSection, base: Path | None = None, store: Any = None) -> RecordWriter:
+    """The writer of ``settings``' sink: Parquet segments or Redis Streams.
+
+    Args:
+        settings: ``[logging]``.
+        base: a relative segment directory lies under it (None: the working folder).
+        store: ``[store]``, whose Redis Cluster holds the streams (``sink = "redis"``).
+    """
+    if settings.sink == "redis":
+        streams = RedisStreams(
+            functools.partial(cluster_client, store),
+            settings.stream_prefix,
+            settings.streams,
+            settings.stream_max_len,
+            settings.stream_flush_ms / 1000.0,
+        )
+        return RecordWriter(streams, settings.queue_records)
     directory = Path(settings.directory)
     if base is not None and not directory.is_absolute():
         directory = base / directory
@@ -213,10 +229,10 @@ class ScoreLog(_Observer):
 def feature_log(spec: ModelSpec) -> FeatureLog | None:
     """The lookup step's log when ``[logging]`` (or ``recserve serve --log-dir``) turns it on; else None."""
     settings = spec.logging.from_environment()
-    return FeatureLog(spec, settings, open_writer(settings)) if settings.enabled else None
+    return FeatureLog(spec, settings, open_writer(settings, store=spec.store)) if settings.enabled else None
 
 
 def score_log(spec: ModelSpec) -> ScoreLog | None:
     """The dense step's log when ``[logging]`` (or ``recserve serve --log-dir``) turns it on; else None."""
     settings = spec.logging.from_environment()
-    return ScoreLog(settings, open_writer(settings)) if settings.enabled else None
+    return ScoreLog(settings, open_writer(settings, store=spec.store)) if settings.enabled else None

@@ -2,8 +2,9 @@
 
 A step hands each logged request over with :meth:`RecordWriter.offer` and never waits: when the
 queue is full the request's records are dropped and counted, never the request. The writer thread
-builds the records (the part that costs: columns, keys) and hands them to the sink, which writes
-segments (:class:`~recserve.backends.request_log.segments.ParquetSegments`). Every record ends in
+builds the records (the part that costs: columns, keys) and hands them to the sink (:class:`Sink`:
+Parquet segments, :class:`~recserve.backends.request_log.segments.ParquetSegments`, or Redis
+Streams, :class:`~recserve.backends.request_log.streams.RedisStreams`). Every record ends in
 one outcome of ``recserve_log_records_total{outcome}``: ``written`` (in a segment on disk),
 ``dropped`` (the queue was full), ``failed`` (building or writing failed), ``unidentified`` (the
 request had no id, so its records could never be joined: not logged).
@@ -16,11 +17,11 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import pyarrow as pa
 
 from recserve.backends.base.metrics import MetricSample
-from recserve.backends.request_log.segments import ParquetSegments
 
 LOGGER = logging.getLogger(__name__)
 
@@ -31,6 +32,31 @@ DEPTH_METRIC = "recserve_log_queue_depth"
 DEPTH_HELP = "Requests waiting in the log's queue for its writer"
 #: how often the writer wakes to close segments that are due by time
 POLL_S = 0.2
+
+
+class Sink(Protocol):
+    """Where the writer thread hands built batches; a Kafka or NATS sink would be one more of these.
+
+    ``add`` keeps a batch and may write; ``due`` writes what has waited long enough; ``flush`` writes
+    everything kept. Each returns the rows it wrote; on failure it raises, having dropped what it
+    tried to write (``pending_rows`` no longer counts them), so the writer counts them as failed.
+    """
+
+    def add(self, kind: str, batch: pa.RecordBatch) -> int:
+        """Keep one request's records of ``kind``."""
+        ...
+
+    def due(self) -> int:
+        """Write what is due by time."""
+        ...
+
+    def flush(self, kind: str | None = None) -> int:
+        """Write everything kept (of ``kind``)."""
+        ...
+
+    def pending_rows(self) -> int:
+        """Rows kept, not yet written."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +76,7 @@ class RecordWriter:
         capacity: entries (requests) waiting at most; past it :meth:`offer` drops.
     """
 
-    def __init__(self, sink: ParquetSegments, capacity: int) -> None:
+    def __init__(self, sink: Sink, capacity: int) -> None:
         self.sink = sink
         self._queue: queue.Queue[Entry | None] = queue.Queue(maxsize=capacity)
         self._counts = dict.fromkeys(OUTCOMES, 0)

@@ -21,6 +21,7 @@ from recserve.core.names import TRAFFIC_HEADER, VARIANT_HEADER
 from recserve.core.sections.base import SpecError
 from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
 from recserve.core.sections.serving import AccessSection
+from recserve.core.streams import stream_keys, stream_shard
 from recserve.server.process import FORWARDED_HEADERS
 
 
@@ -177,6 +178,18 @@ def test_logging_settings_from_the_spec_and_the_serve_flags():
     assert on.enabled and on.directory == "/logs" and on.sample_rate == 0.25
     with pytest.raises(SpecError, match=LOG_SAMPLE_RATE_ENV):
         LoggingSection().from_environment({LOG_DIR_ENV: "/logs", LOG_SAMPLE_RATE_ENV: "lots"})
+    LoggingSection(sink="redis").check()
+    for bad in ({"streams": 0}, {"stream_prefix": "a{b}"}, {"stream_max_len": 0}, {"stream_flush_ms": 0.0}):
+        with pytest.raises(SpecError, match=next(iter(bad))):
+            LoggingSection(sink="redis", **bad).check()
+
+
+def test_a_request_id_has_one_stream_shard_and_ids_spread_over_them():
+    ids = [f"request-{i}" for i in range(4000)]
+    shards = [stream_shard(i, 4) for i in ids]
+    assert shards == [stream_shard(i, 4) for i in ids] and {stream_shard(i, 1) for i in ids} == {0}
+    assert all(900 < shards.count(s) < 1100 for s in range(4))
+    assert stream_keys("rs:log", "scores", 2) == ["rs:log:scores:{0}", "rs:log:scores:{1}"]
 
 
 def test_request_ids_are_the_callers_or_new_ones():

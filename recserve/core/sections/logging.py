@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from recserve.core.sections.base import SpecError
 from recserve.errors import shorten
 
-#: Where records go: Parquet segment files in a folder (the one sink built so far).
-LOG_SINKS = ("parquet",)
+#: Where records go: Parquet segment files in a folder, or Redis Streams on the ``[store]`` Redis Cluster.
+LOG_SINKS = ("parquet", "redis")
 #: ``recserve serve --log-dir``: the folder of the segments; set, it turns logging on.
 LOG_DIR_ENV = "RECSERVE_LOG_DIR"
 #: ``recserve serve --log-sample-rate``: the share of requests logged (with ``--log-dir``).
@@ -37,6 +37,13 @@ class LoggingSection:
     queue_records: int = 4096  # requests waiting for the writer at most; past it, records are dropped
     segment_mib: float = 32.0  # a segment is closed once its records hold this much
     segment_seconds: float = 30.0  # ... or once its oldest record is this old
+    # sink = "redis": the records go to ``<stream_prefix>:<kind>:{<shard>}`` on the [store] Redis Cluster,
+    # a request's records to the shard of its id (recserve.core.streams), at most ``stream_max_len``
+    # entries kept per stream (XADD MAXLEN ~), sent at most ``stream_flush_ms`` after they were served
+    streams: int = 4
+    stream_prefix: str = "rs:log"
+    stream_max_len: int = 100_000
+    stream_flush_ms: float = 100.0
 
     def check(self) -> None:
         """Raise :class:`SpecError` on a value out of range."""
@@ -52,6 +59,16 @@ class LoggingSection:
             raise SpecError(f"[logging] segment_mib lies in (0, 4096], got {self.segment_mib}")
         if not 0.0 < self.segment_seconds <= 86400.0:
             raise SpecError(f"[logging] segment_seconds lies in (0, 86400], got {self.segment_seconds}")
+        if not 1 <= self.streams <= 1024:
+            raise SpecError(f"[logging] streams lies in 1..1024, got {self.streams}")
+        if not self.stream_prefix or any(c in self.stream_prefix for c in "{} "):
+            raise SpecError(
+                f"[logging] stream_prefix: non-empty, no braces or spaces, got {self.stream_prefix!r}"
+            )
+        if not 1 <= self.stream_max_len <= 1_000_000_000:
+            raise SpecError(f"[logging] stream_max_len lies in 1..1e9, got {self.stream_max_len}")
+        if not 0.0 < self.stream_flush_ms <= 60_000.0:
+            raise SpecError(f"[logging] stream_flush_ms lies in (0, 60000], got {self.stream_flush_ms}")
 
     def from_environment(self, environ: Mapping[str, str] | None = None) -> LoggingSection:
         """This section with ``recserve serve --log-dir`` / ``--log-sample-rate`` applied.
