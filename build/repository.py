@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -61,8 +62,12 @@ class BuildReport:
 
 
 def spec_digest(spec: ModelSpec) -> str:
-    """SHA-256 of the canonical spec; manifests record it so a changed spec forces a rebuild."""
-    return hashlib.sha256(spec.to_json().encode()).hexdigest()
+    """SHA-256 of the canonical spec; manifests record it so a changed spec forces a rebuild.
+
+    ``[degrade]`` is left out: how requests are served under load changes no artifact.
+    """
+    built = {key: value for key, value in spec.source.items() if key != "degrade"}
+    return hashlib.sha256(json.dumps(built, separators=(",", ":")).encode()).hexdigest()
 
 
 def version_dir(repository: Path, model: str, spec: ModelSpec) -> Path:

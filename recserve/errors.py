@@ -107,6 +107,23 @@ class InvalidInput(RequestError):
         self.detail = message
 
 
+class InvalidParameter(RequestError):
+    """A request parameter (or the header forwarded as one) holds a value the server cannot use."""
+
+    code = "INVALID_ARG"
+
+    def __init__(self, parameter: str, message: str) -> None:
+        super().__init__(f"parameter '{parameter}': {message}")
+        self.parameter = parameter
+        self.detail = message
+
+
+class Refused(RequestError):
+    """The server is overloaded and a request's value does not pay for serving it now: retry later."""
+
+    code = "UNAVAILABLE"
+
+
 class NonFiniteOutput(RequestError):
     """A model returned NaN or infinity for a row: the request fails rather than serve that score."""
 

@@ -15,6 +15,7 @@ from typing import Any
 from recserve.core.name_ranges import expand_names
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.sections.base import SpecError
+from recserve.core.sections.degrade import DegradeSection
 from recserve.core.sections.logging import LoggingSection
 from recserve.core.sections.serving import (
     AccessSection,
@@ -62,6 +63,7 @@ class ModelSpec:
     targets: tuple[CategoricalFeature, ...] = ()
     user_state: UserStateSection = field(default_factory=UserStateSection)  # off by default
     logging: LoggingSection = field(default_factory=LoggingSection)  # request logging: off by default
+    degrade: DegradeSection = field(default_factory=DegradeSection)  # value-aware degradation: off by default
 
     # ---- derived names -------------------------------------------------------------------
     @property

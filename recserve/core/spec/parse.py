@@ -13,6 +13,7 @@ import tomllib
 
 from recserve.core.name_ranges import expand_names
 from recserve.core.sections.base import SpecError, UnknownKeyError, parse_section
+from recserve.core.sections.degrade import DegradeSection
 from recserve.core.sections.features import TOP_LEVEL_KEYS
 from recserve.core.sections.logging import LoggingSection
 from recserve.core.sections.serving import (
@@ -165,6 +166,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     seq_buckets = user_state.state_buckets(seq_buckets)
     request_log = parse_section(LoggingSection, doc.get("logging", {}), "logging")
     request_log.check()
+    degrade = parse_section(DegradeSection, doc.get("degrade", {}), "degrade")
+    degrade.check(seq_buckets)
     numeric = tuple(features.numeric)
     return ModelSpec(
         model=model,
@@ -190,6 +193,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         targets=targets,
         user_state=user_state,
         logging=request_log,
+        degrade=degrade,
     )
 
 

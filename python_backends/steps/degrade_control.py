@@ -1,0 +1,89 @@
+"""The degradation controller: which level serves a request, and lambda following the load.
+
+Each level ``l`` (0: full, then the spec's ``[[degrade.levels]]``, last the refusal) has a cost
+``c_l`` and a quality ``q_l`` against the full level's (1, 1; the refusal's are 0, 0). A request of
+value ``v`` (over the spec's default value) is served at the level that maximises
+``v x q_l - lambda x c_l``: at ``lambda = 0`` every request is served in full; as lambda grows the
+lowest values move to cheaper levels first, and are refused last (DCAF's choice of how much to compute
+per request). Lambda follows the load through a multiplicative feedback loop: every
+``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with ``target_queue_ms`` and
+``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update); below a floor lambda is 0.
+
+Plain Python, without Triton: the first step's adapter feeds it the measured wait
+(recserve.backends.steps.queue_wait) and asks it for each request's level.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+from recserve.core.sections.degrade import DegradeSection
+
+#: Below this lambda is 0: every request is served in full.
+LAMBDA_FLOOR = 1e-3
+#: The highest lambda: every request of a positive value refused (or at the cheapest level).
+LAMBDA_CEILING = 1e6
+#: The most lambda grows in one update (``exp(gain x MAX_EXCESS)``): a burst moves it by steps.
+MAX_EXCESS = 3.0
+
+
+class DegradeController:
+    """Chooses each request's level; lambda is updated from the measured queue wait.
+
+    Thread-safe: the wait arrives from a background thread, levels are asked for on the request path.
+
+    Args:
+        section: the spec's ``[degrade]`` (its ``fixed_lambda``, when >= 0, holds lambda there).
+    """
+
+    def __init__(self, section: DegradeSection) -> None:
+        self.section = section
+        levels = section.levels
+        self.costs = (1.0, *(level.cost for level in levels), *((0.0,) if section.refuse else ()))
+        self.qualities = (1.0, *(level.quality for level in levels), *((0.0,) if section.refuse else ()))
+        self.scale = section.default_value or 1.0
+        self.fixed = section.fixed_lambda >= 0
+        self._lambda = max(section.fixed_lambda, 0.0)
+        self.load = 0.0  # the latest wait over the target
+        self._lock = threading.Lock()
+
+    @property
+    def lam(self) -> float:
+        """The current lambda (value per unit of cost a level must earn)."""
+        return self._lambda
+
+    @property
+    def refused_level(self) -> int | None:
+        """The refusal's level number (the last), or None where the spec never refuses."""
+        return len(self.costs) - 1 if self.section.refuse else None
+
+    def update(self, wait_ms: float | None) -> float:
+        """Lambda after one measurement of the mean queue wait (None: no request since: no load)."""
+        load = 0.0 if wait_ms is None else max(wait_ms, 0.0) / self.section.target_queue_ms
+        with self._lock:
+            self.load = load
+            if self.fixed:
+                return self._lambda
+            lam = self._lambda
+            if load > 1.0:
+                lam = max(lam, LAMBDA_FLOOR) * math.exp(self.section.gain * min(load - 1.0, MAX_EXCESS))
+            else:
+                lam *= math.exp(self.section.gain * (load - 1.0))
+            self._lambda = 0.0 if lam < LAMBDA_FLOOR else min(lam, LAMBDA_CEILING)
+            return self._lambda
+
+    def level(self, value: float) -> int:
+        """The level serving a request of ``value``: best ``v x quality - lambda x cost`` (ties: fuller)."""
+        lam = self._lambda
+        if lam == 0.0:
+            return 0
+        v = value / self.scale
+        gains = [v * q - lam * c for q, c in zip(self.qualities, self.costs, strict=True)]
+        best = max(gains)
+        return gains.index(best)
+
+    def levels(self, values: Sequence[float]) -> list[int]:
+        """:meth:`level` of each value."""
+        return [self.level(v) for v in values]

@@ -1,0 +1,149 @@
+"""``[degrade]``: value-aware degradation, the cheaper ways to serve a request and how one is chosen.
+
+Off by default: without the section (or with ``enabled = false``) nothing changes, no config gains a
+tensor and every request is served in full. On, each request carries a value (the ``recserve-value``
+header or request parameter: a number, or a tier name of ``[degrade.tiers]``; without one it is
+``default``'s), and the first step serves it at one of the levels: ``full`` (level 0), the cheaper
+``[[degrade.levels]]`` in order (1, 2, ...), and last ``refused`` (UNAVAILABLE). A level caps the
+candidates scored per list (the caller's order is its prior: the first ``max_candidates`` are scored,
+the rest get ``fallback_score``) and the history (its newest ``history_length`` items). The level
+is chosen by the controller (recserve.backends.steps.degrade_control), which maximises
+``value x quality - lambda x cost`` with lambda following the steps' queue wait against
+``target_queue_ms``. See docs/design/degrade.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from recserve.core.sections.base import SpecError
+from recserve.errors import InvalidParameter, shorten
+
+#: The request header (gRPC metadata key) and request parameter carrying a request's value.
+VALUE_HEADER = "recserve-value"
+#: The served level of every response, ``[rows or users, 1]`` INT32 (0: full).
+DEGRADE_LEVEL = "degrade_level"
+#: ``dense``'s input in the candidates ensemble with ``[degrade]`` on: the list's targets as the
+#: caller sent them, ``[users, candidates, 1]``, so a list scored only in part is answered in full.
+REQUESTED_CANDIDATES = "requested_candidates"
+#: The names of the levels around the spec's own: the first and the last.
+FULL = "full"
+REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class DegradeLevel:
+    """One ``[[degrade.levels]]`` entry: a cheaper way to serve, its cost and quality against full.
+
+    ``cost`` and ``quality`` are fractions of the full level's (compute spent, value retained).
+    """
+
+    name: str
+    cost: float
+    quality: float
+    max_candidates: int = 0  # candidates scored per list (0: all)
+    history_length: int = 0  # history items kept, the newest (0: all); one of the sequence buckets
+
+
+@dataclass(frozen=True)
+class DegradeSection:
+    """``[degrade]``: the tiers, the default value, the levels and the controller's target."""
+
+    enabled: bool = False
+    # tier name -> value; a request names a tier or gives a number
+    tiers: dict[str, float] = field(default_factory=dict)
+    default: str = ""  # the value of a request without one: a tier name or a number ("": 1.0)
+    levels: tuple[DegradeLevel, ...] = ()
+    refuse: bool = True  # the last level: refusal (false: the cheapest level serves everything)
+    fallback_score: float = 0.0  # the score of a candidate past a level's cap
+    target_queue_ms: float = 5.0  # lambda rises while the steps' mean queue wait is above this
+    interval_s: float = 0.25  # how often lambda is updated from the measured queue wait
+    gain: float = 0.5  # lambda's step per update: lambda *= exp(gain x (load - 1)), load = wait / target
+    fixed_lambda: float = -1.0  # >= 0: lambda held there, no feedback (a drill; tests); < 0: feedback
+
+    @property
+    def level_names(self) -> tuple[str, ...]:
+        """Every level's name by number: ``full``, the spec's, and ``refused`` where it refuses."""
+        return (FULL, *(level.name for level in self.levels), *((REFUSED,) if self.refuse else ()))
+
+    @property
+    def default_value(self) -> float:
+        """The value of a request that carries none."""
+        return self.value_of(self.default) if self.default else 1.0
+
+    def value_of(self, raw: object) -> float:
+        """A request's value from its header or parameter: a tier name or a non-negative number.
+
+        Raises:
+            InvalidParameter: neither a tier name nor a finite number >= 0.
+        """
+        if raw is None or raw == "":
+            return self.default_value
+        if isinstance(raw, str):
+            if raw in self.tiers:
+                return self.tiers[raw]
+            try:
+                number = float(raw)
+            except ValueError:
+                number = math.nan
+        elif isinstance(raw, int | float) and not isinstance(raw, bool):
+            number = float(raw)
+        else:
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            tiers = f"one of the tiers {', '.join(self.tiers)} or " if self.tiers else ""
+            raise InvalidParameter(VALUE_HEADER, f"must be {tiers}a number >= 0, got {shorten(raw)}")
+        return number
+
+    def value_from(self, parameters: Mapping[str, object]) -> float:
+        """The value named by a request's parameters (Triton's ``request.parameters()``, parsed)."""
+        return self.value_of(parameters.get(VALUE_HEADER))
+
+    def check(self, sequence_buckets: tuple[int, ...]) -> None:
+        """Raise :class:`SpecError` on a value out of range, a level out of order or an unknown tier."""
+        if not self.enabled:
+            return
+        for name, value in self.tiers.items():
+            if not name.isidentifier() or not math.isfinite(value) or value < 0:
+                raise SpecError(
+                    f"[degrade.tiers] {name!r} needs an identifier name and a value >= 0, got {value}"
+                )
+        if self.default:
+            try:
+                self.value_of(self.default)
+            except InvalidParameter as exc:
+                raise SpecError(f"[degrade] default {self.default!r}: {exc.detail}") from None
+        names = [level.name for level in self.levels]
+        if len(set(names)) != len(names) or {FULL, REFUSED} & set(names):
+            raise SpecError(
+                f"[degrade.levels] need distinct names other than {FULL!r} and {REFUSED!r}: {names}"
+            )
+        previous_cost, previous_quality = 1.0, 1.0
+        for level in self.levels:
+            where = f"[degrade.levels] {level.name!r}"
+            if not 0.0 < level.cost < previous_cost or not 0.0 < level.quality <= previous_quality:
+                raise SpecError(
+                    f"{where}: each level costs less than the one before (full: 1) and keeps at most its "
+                    f"quality, both above 0; got cost {level.cost}, quality {level.quality}"
+                )
+            if level.max_candidates < 0 or (
+                level.history_length and level.history_length not in sequence_buckets
+            ):
+                raise SpecError(
+                    f"{where}: max_candidates >= 0 (0: all) and history_length 0 (all) or one of the "
+                    f"sequence buckets {list(sequence_buckets)}, "
+                    f"got {level.max_candidates}, {level.history_length}"
+                )
+            previous_cost, previous_quality = level.cost, level.quality
+        if not self.levels and not self.refuse:
+            raise SpecError("[degrade] needs levels or refuse = true: there is nothing cheaper to serve")
+        positive = (self.target_queue_ms, self.interval_s, self.gain)
+        finite = math.isfinite(self.fallback_score) and math.isfinite(self.fixed_lambda)
+        if not all(math.isfinite(x) and x > 0 for x in positive) or not finite:
+            raise SpecError(
+                "[degrade] target_queue_ms, interval_s and gain must be > 0, fallback_score and fixed_lambda "
+                f"finite, got {self.target_queue_ms}, {self.interval_s}, {self.gain}, {self.fallback_score}, "
+                f"{self.fixed_lambda}"
+            )

@@ -1,0 +1,141 @@
+"""Value-aware degradation: the ``[degrade]`` section, request values, and the controller's choices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tomllib
+
+from recserve.backends.steps.degrade_control import LAMBDA_FLOOR, DegradeController
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.degrade import FULL, REFUSED, VALUE_HEADER, DegradeLevel, DegradeSection
+from recserve.core.spec.parse import parse_spec, spec_path
+from recserve.errors import InvalidParameter
+
+DEGRADE = {
+    "enabled": True,
+    "tiers": {"low": 0.2, "standard": 1.0, "premium": 5.0},
+    "default": "standard",
+    "levels": [
+        {"name": "trimmed", "cost": 0.4, "quality": 0.97, "max_candidates": 64, "history_length": 32},
+        {"name": "minimal", "cost": 0.15, "quality": 0.85, "max_candidates": 16, "history_length": 8},
+    ],
+    "target_queue_ms": 5.0,
+}
+
+
+def ctr_doc(**sections) -> dict:
+    with open(spec_path("ctr"), "rb") as fh:
+        doc = tomllib.load(fh)
+    doc.update(sections)
+    return doc
+
+
+def section(**changes) -> DegradeSection:
+    return parse_spec(ctr_doc(degrade={**DEGRADE, **changes})).degrade
+
+
+def test_without_the_section_nothing_is_degraded_and_the_served_spec_is_unchanged(spec):
+    assert not spec.degrade.enabled and "degrade" not in spec.to_json()
+    assert DegradeController(spec.degrade).level(0.0) == 0
+
+
+def test_the_section_names_levels_tiers_and_the_default():
+    degrade = section()
+    assert degrade.level_names == (FULL, "trimmed", "minimal", REFUSED)
+    assert degrade.levels[0] == DegradeLevel("trimmed", 0.4, 0.97, 64, 32)
+    assert degrade.default_value == 1.0 and section(default="premium").default_value == 5.0
+    assert section(refuse=False).level_names == (FULL, "trimmed", "minimal")
+
+
+def test_a_request_value_is_a_tier_or_a_number_and_anything_else_is_refused_naming_the_parameter():
+    degrade = section()
+    assert degrade.value_from({VALUE_HEADER: "premium"}) == 5.0
+    assert degrade.value_from({VALUE_HEADER: "2.5"}) == 2.5 and degrade.value_from({VALUE_HEADER: 3}) == 3.0
+    assert degrade.value_from({}) == 1.0 and degrade.value_from({VALUE_HEADER: ""}) == 1.0
+    for bad in ("gold", "-1", "nan", "inf", True, [1]):
+        with pytest.raises(InvalidParameter, match=f"parameter '{VALUE_HEADER}'.*one of the tiers low"):
+            degrade.value_from({VALUE_HEADER: bad})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"default": "gold"}, "default 'gold'"),
+        ({"levels": [{"name": "full", "cost": 0.5, "quality": 0.9}]}, "distinct names"),
+        (
+            {
+                "levels": [
+                    {"name": "a", "cost": 0.5, "quality": 0.9},
+                    {"name": "b", "cost": 0.6, "quality": 0.8},
+                ]
+            },
+            "costs less",
+        ),
+        ({"levels": [{"name": "a", "cost": 0.5, "quality": 0.9, "history_length": 33}]}, "sequence buckets"),
+        ({"levels": [], "refuse": False}, "nothing cheaper"),
+        ({"target_queue_ms": 0.0}, "must be > 0"),
+        ({"tiers": {"low": -1.0}}, "value >= 0"),
+    ],
+)
+def test_a_section_out_of_range_is_refused_with_what_is_wrong(changes, message):
+    with pytest.raises(SpecError, match=message):
+        section(**changes)
+
+
+def test_an_unknown_key_is_refused():
+    with pytest.raises(SpecError, match="unknown key 'levles'"):
+        parse_spec(ctr_doc(degrade={**DEGRADE, "levles": []}))
+
+
+def run(controller: DegradeController, waits: list[float]) -> list[float]:
+    return [controller.update(w) for w in waits]
+
+
+def test_lambda_rises_under_load_and_falls_back_to_zero_after():
+    controller = DegradeController(section())
+    assert run(controller, [0.0, 1.0, 4.0]) == [0.0, 0.0, 0.0]  # at or under the target: nothing
+    rising = run(controller, [20.0] * 8)
+    assert rising[0] >= LAMBDA_FLOOR and all(b > a for a, b in zip(rising, rising[1:], strict=False))
+    falling = run(controller, [0.0] * 40)
+    assert all(b <= a for a, b in zip(falling, falling[1:], strict=False)) and falling[-1] == 0.0
+    assert controller.update(None) == 0.0  # no request measured: no load
+
+
+def test_the_lowest_values_are_degraded_first_and_refused_last():
+    controller = DegradeController(section(fixed_lambda=0.0))
+    values = [0.01, 0.1, 0.5, 1.0, 5.0, 50.0]
+    assert controller.levels(values) == [0] * 6  # normal load: everything in full
+    for lam in (0.001, 0.01, 0.1, 1.0, 10.0, 100.0):
+        controller._lambda = lam
+        levels = controller.levels(values)
+        assert levels == sorted(levels, reverse=True)  # a higher value is never served worse
+    controller._lambda = 0.01
+    assert controller.levels(values)[-3:] == [0, 0, 0] and controller.level(0.01) > 0
+    controller._lambda = 1.0
+    refused = controller.refused_level
+    assert controller.level(0.01) == refused and controller.level(50.0) == 0
+    # degraded before refused: as lambda grows a value passes every cheaper level on its way out
+    seen = []
+    for lam in np.geomspace(1e-3, 1e3, 200):
+        controller._lambda = float(lam)
+        seen.append(controller.level(0.5))
+    assert sorted(set(seen)) == [0, 1, 2, 3] and seen == sorted(seen)
+
+
+def test_the_top_decile_is_untouched_at_moderate_load():
+    values = np.random.default_rng(4).lognormal(0.0, 1.0, 10_000)
+    controller = DegradeController(section())
+    while True:  # raise lambda by measured overload until a fifth of the traffic is degraded
+        controller.update(15.0)
+        levels = np.asarray(controller.levels(values.tolist()))
+        if (levels > 0).mean() >= 0.2:
+            break
+    top = values >= np.quantile(values, 0.9)
+    assert (levels[top] == 0).all()
+    assert (levels[~top] == 0).mean() < 0.9 and (levels == controller.refused_level).mean() < 0.05
+
+
+def test_a_fixed_lambda_ignores_the_load():
+    controller = DegradeController(section(fixed_lambda=0.5))
+    assert run(controller, [100.0, 0.0]) == [0.5, 0.5] and controller.load == 0.0
