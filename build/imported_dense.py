@@ -55,9 +55,14 @@ def served_onnx(spec: ModelSpec, source: Path) -> bytes:
     return model.SerializeToString()
 
 
-def write_imported_dense(spec: ModelSpec, source: Path, root: Path) -> None:
-    """The ``dense`` version folder of an imported ONNX; refuses one that does not run at every bucket."""
+def write_imported_dense(spec: ModelSpec, source: Path, root: Path, original: Path | None = None) -> None:
+    """The ``dense`` version folder of an imported ONNX; refuses one that does not run at every bucket.
+
+    ``original``: the user's file when ``source`` was made from it (a network split at its lookups);
+    errors and the manifest name it.
+    """
     root.mkdir(parents=True, exist_ok=True)
+    original = original or source
     path = root / ONNX_FILE
     path.write_bytes(served_onnx(spec, source))
     runner = OnnxDenseRunner(spec, path)
@@ -66,11 +71,11 @@ def write_imported_dense(spec: ModelSpec, source: Path, root: Path) -> None:
             scores = runner.predict(example_inputs(spec, rows=3, length=length, seed=length))
         except Exception as exc:  # onnxruntime raises its own types for graphs that fail at run time
             raise DenseImportError(
-                f"dense model {source.name} fails on a batch of 3 x {length}: {exc}"
+                f"dense model {original.name} fails on a batch of 3 x {length}: {exc}"
             ) from None
         if scores.shape != (3, 1) or not np.all((scores >= 0) & (scores <= 1)):
             raise DenseImportError(
-                f"dense model {source.name} returns {scores.reshape(-1)[:3]} (shape {list(scores.shape)}) "
+                f"dense model {original.name} returns {scores.reshape(-1)[:3]} (shape {list(scores.shape)}) "
                 f'for 3 x {length} rows; expected probabilities in [0, 1] (set [model] output = "logit" '
                 "for a model that returns logits)"
             )
@@ -81,7 +86,12 @@ def write_imported_dense(spec: ModelSpec, source: Path, root: Path) -> None:
             "version": spec.version,
             "spec_sha256": spec_digest(spec),
             "holdout_auc": None,
-            "imported": {"file": source.name, "sha256": sha256_file(source), "output": spec.model.output},
+            "imported": {
+                "file": original.name,
+                "sha256": sha256_file(original),
+                "output": spec.model.output,
+                "lookups": spec.model.lookups,
+            },
             "files": {"model": file_entry(root, path)},
         },
     )

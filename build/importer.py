@@ -44,12 +44,14 @@ from recserve.build.import_values import (
     with_imported_cardinalities,
 )
 from recserve.build.imported_dense import write_imported_dense
+from recserve.build.in_model_split import SplitModel, check_split, split_at_lookups
 from recserve.build.repository import (
     install_adapters,
     version_dir,
     write_tables,
 )
 from recserve.build.train import Progress, stderr_progress
+from recserve.core.in_model import IN_MODEL
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
 from recserve.core.spec.model import ModelSpec
 from recserve.errors import ArtifactError, InvalidInput, shorten
@@ -197,19 +199,24 @@ def _vocabulary(table: str, path: Path, rows: int) -> tuple[list[object], int | 
 def read_vocabulary_table(spec: ModelSpec, source: TableSource) -> TableArrays:
     """Format (a): a row matrix plus its vocabulary, keyed as serving keys the tokens."""
     assert source.vocabulary is not None
-    table, dim = source.table, spec.tables[source.table].dim
-    vectors = _vectors(table, source.path, dim)
-    tokens, oov, pad = _vocabulary(table, source.vocabulary, len(vectors))
+    vectors = _vectors(source.table, source.path, spec.tables[source.table].dim)
+    return vocabulary_table(spec, source.table, vectors, source.vocabulary)
+
+
+def vocabulary_table(spec: ModelSpec, table: str, vectors: np.ndarray, vocabulary: Path) -> TableArrays:
+    """A table's rows ``[rows, dim]`` keyed by its vocabulary file, as serving keys the tokens."""
+    dim = spec.tables[table].dim
+    tokens, oov, pad = _vocabulary(table, vocabulary, len(vectors))
     tokens = canonical_tokens(tokens)  # as serving reads the values clients send
     skip = [r for r in (oov, pad) if r is not None]
     problem = time_part_problem(spec, table, tokens, skip)
     if problem:
-        raise TableImportError(f"table {table!r}, {source.vocabulary.name}: {problem}")
+        raise TableImportError(f"table {table!r}, {vocabulary.name}: {problem}")
     rows = np.array([r for r in range(len(tokens)) if r not in (oov, pad)], np.int64)
     try:
         keys = vocabulary_keys(spec, table, tokens, skip=skip)
     except InvalidInput as exc:
-        raise TableImportError(f"table {table!r}, {source.vocabulary.name}: {exc.detail}") from None
+        raise TableImportError(f"table {table!r}, {vocabulary.name}: {exc.detail}") from None
     unique, first, counts = np.unique(keys, return_index=True, return_counts=True)
     if len(unique) != len(keys):
         again = int(np.flatnonzero(keys == unique[np.argmax(counts > 1)])[1])
@@ -328,6 +335,27 @@ def read_tables(spec: ModelSpec, folder: Path) -> tuple[dict[str, TableArrays], 
     return tables, {name: s.format for name, s in sources.items()}
 
 
+def read_in_model_tables(
+    spec: ModelSpec, folder: Path, split: SplitModel
+) -> tuple[dict[str, TableArrays], dict[str, str]]:
+    """Every table of an in-model network: its rows from the graph, its keys from ``<table>.vocab.json``."""
+    if not folder.is_dir():
+        raise TableImportError(f"tables folder {folder} does not exist")
+    others = sorted(p.name for p in folder.iterdir() if not p.name.endswith(VOCAB_SUFFIX))
+    if others:
+        raise TableImportError(
+            f'{folder} holds {shorten(others)}; with [model] lookups = "{IN_MODEL}" the tables are the '
+            f"model's own weights and the folder holds one <table>{VOCAB_SUFFIX} per table"
+        )
+    tables = {}
+    for table in spec.table_names:
+        vocabulary = folder / f"{table}{VOCAB_SUFFIX}"
+        if not vocabulary.is_file():
+            raise TableImportError(f"table {table!r}: no {vocabulary.name} in {folder}")
+        tables[table] = vocabulary_table(spec, table, split.tables[table], vocabulary)
+    return tables, dict.fromkeys(tables, f"vocabulary ({IN_MODEL})")
+
+
 def import_repository(
     spec: ModelSpec,
     tables_dir: Path,
@@ -348,8 +376,14 @@ def import_repository(
     if not dense.is_file():
         raise TableImportError(f"dense model {dense} does not exist")
     check_onnx_file(dense)
-    check_onnx_contract(spec, dense)
-    tables, formats = read_tables(spec, tables_dir)
+    split = None
+    if spec.model.lookups == IN_MODEL:  # the user's network as written: split at its lookups
+        split = split_at_lookups(spec, dense)
+        tables, formats = read_in_model_tables(spec, tables_dir, split)
+        check_split(spec, dense, split, progress)
+    else:
+        check_onnx_contract(spec, dense)
+        tables, formats = read_tables(spec, tables_dir)
     rows = {name: len(t.keys) for name, t in tables.items()}
     spec = with_imported_cardinalities(spec, rows)
     rounded = report_rounding(spec, tables, progress)
@@ -359,7 +393,13 @@ def import_repository(
         progress(f"[import] writing {len(tables)} tables ({sum(rows.values())} rows) to {staging}")
         write_tables(spec, tables, version_dir(staging, EMBEDDING_LOOKUP, spec))
         progress(f"[import] checking {dense.name} at every sequence bucket")
-        write_imported_dense(spec, dense, version_dir(staging, DENSE, spec))
+        served = dense
+        if split is not None:
+            served = staging / f"{dense.stem}.split.onnx"
+            served.write_bytes(split.model)
+        write_imported_dense(spec, served, version_dir(staging, DENSE, spec), original=dense)
+        if split is not None:
+            served.unlink()
         install_adapters(spec, staging)
         configs.write_configs(spec, staging)
         _move_into_place(staging, repository)

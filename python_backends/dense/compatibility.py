@@ -139,9 +139,18 @@ def _slot_note(tensor: ContractTensor, shape: Sequence[Dim]) -> str:
     return f"; each slot is a row of {tensor.shape[2]} floats of its table ({named})"
 
 
-def contract_problems(spec: ModelSpec, inputs: GraphSignature, outputs: GraphSignature) -> list[str]:
-    """What differs between a graph's signature and the spec's dense contract (empty: it follows it)."""
-    want_inputs, want_outputs = dense_contract(spec)
+def contract_problems(
+    spec: ModelSpec,
+    inputs: GraphSignature,
+    outputs: GraphSignature,
+    contract: tuple[tuple[ContractTensor, ...], tuple[ContractTensor, ...]] | None = None,
+) -> list[str]:
+    """What differs between a graph's signature and a contract (empty: it follows it).
+
+    ``contract``: ``(inputs, outputs)`` as :func:`~recserve.core.contract.dense_contract` gives them
+    (None: the spec's dense contract).
+    """
+    want_inputs, want_outputs = contract or dense_contract(spec)
     problems = []
     for kind, wanted, declared in (("input", want_inputs, inputs), ("output", want_outputs, outputs)):
         names = {t.name for t in wanted}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from recserve.backends.dense.tensorrt_engine import PRECISIONS
 from recserve.core.contract import ContractTensor, dense_contract
+from recserve.core.in_model import IN_MODEL, in_model_contract
 from recserve.core.names import BATCH_AXIS, SEQUENCE_AXIS
 from recserve.core.spec.parse import load_spec
 from recserve.errors import ArtifactError
@@ -81,17 +82,24 @@ def _sample(args: argparse.Namespace) -> int:
 
 def _contract(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
-    inputs, outputs = dense_contract(spec)
+    in_model = spec.model.lookups == IN_MODEL and not args.served
+    inputs, outputs = in_model_contract(spec) if in_model else dense_contract(spec)
     if args.json:
-        print(
-            json.dumps({"inputs": [t.to_json() for t in inputs], "outputs": [t.to_json() for t in outputs]})
-        )
+        doc = {"inputs": [t.to_json() for t in inputs], "outputs": [t.to_json() for t in outputs]}
+        print(json.dumps({"lookups": IN_MODEL, **doc} if in_model else doc))
+        return 0
+    axes = f"-1: dynamic; name the axes {BATCH_AXIS!r}, {SEQUENCE_AXIS!r}"
+    if in_model:
+        print(f"network of spec {spec.name!r} with its own tables, as exported ({axes}):")
     else:
+        print(f"dense network of spec {spec.name!r} ({axes}):")
+    print(format_contract(inputs, outputs))
+    if in_model:
         print(
-            f"dense network of spec {spec.name!r} (-1: dynamic; name the axes {BATCH_AXIS!r}, "
-            f"{SEQUENCE_AXIS!r}):"
+            "each table is the weight its features' Gather nodes read, its rows those of <table>.vocab.json; "
+            "recserve import splits the network at those lookups and serves the rest over the dense "
+            "contract (--served prints it)"
         )
-        print(format_contract(inputs, outputs))
     return 0
 
 
@@ -123,6 +131,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     contract = sub.add_parser("contract", help="what the dense network receives and returns under the spec")
     contract.add_argument("--json", action="store_true", help='{"inputs": [...], "outputs": [...]}')
+    contract.add_argument(
+        "--served",
+        action="store_true",
+        help='with [model] lookups = "in_model": the dense contract the split network is served over',
+    )
     contract.set_defaults(func=_contract)
 
     imported = sub.add_parser(

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from recserve.core.names import STEPS
 from recserve.core.sections.base import ENV_NAME, SpecError
 
+#: Where an imported ONNX's embedding lookups are (``[model] lookups``): ``store``, the network takes
+#: the looked-up embeddings (the dense contract); ``in_model``, it takes each feature's vocabulary rows
+#: and holds its tables (:mod:`recserve.core.in_model`).
+MODEL_LOOKUPS = ("store", "in_model")
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -19,6 +24,12 @@ class ModelSection:
     embedding_dim: int = 0
     version: int = 1
     output: str = "probability"  # what the dense ONNX returns: "probability", or "logit" (served as sigmoid)
+    # where an imported ONNX looks its embeddings up: "store" (it takes them), "in_model" (it takes rows)
+    lookups: str = "store"
+
+    def __post_init__(self) -> None:
+        if self.lookups not in MODEL_LOOKUPS:
+            raise SpecError(f"model.lookups must be one of {', '.join(MODEL_LOOKUPS)}, got {self.lookups!r}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,244 @@
+"""``recserve import`` of a network that looks up its own tables, split at its lookups.
+
+The user's ONNX follows the in-model contract (:func:`~recserve.core.in_model.in_model_contract`):
+each feature's vocabulary rows in, its tables inside. Every use of a row input must be a lookup: a
+``Gather`` (axis 0) of a weight of the graph (directly or through an ``Identity``) at those rows.
+The split takes each table's rows from the weight its features' lookups read, replaces each lookup
+by a read of the dense contract's input that carries the feature's embedding (a slot of a packed
+input, a span of a target's or history's columns), and drops the weights nothing reads any more.
+What remains is the user's network over the dense contract's inputs, node for node; the tables go
+to the store, so they are served, tiered and updated online like any imported table.
+
+:func:`check_split` proves the split on rows of every table: the whole graph on the rows and the
+split one on the rows' embeddings must score the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recserve.backends.dense.compatibility import contract_problems, onnx_signature
+from recserve.build.export import example_inputs
+from recserve.core.contract import dense_contract, sequence_inputs
+from recserve.core.in_model import RowInput, in_model_contract, row_inputs
+from recserve.core.names import BATCH_AXIS, SEQUENCE_AXIS
+from recserve.core.sections.base import SpecError
+from recserve.core.spec.model import ModelSpec
+from recserve.errors import ArtifactError
+
+#: The largest difference allowed between the whole and the split network's outputs on the same rows.
+SPLIT_TOLERANCE = 1e-5
+#: Prefix of the names the split gives its constants.
+SPLIT_PREFIX = "recserve_split"
+
+
+class SplitError(ArtifactError):
+    """An in-model network that cannot be split at its lookups; nothing was written."""
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """A network split at its lookups: its tables and the rest of it over the dense contract's inputs."""
+
+    tables: dict[str, np.ndarray]  # each table's rows [rows, dim], as the graph holds them
+    weights: dict[str, str]  # each table's weight in the graph
+    model: bytes  # the network over the dense contract's inputs (a serialized ONNX model)
+    lookups: int  # how many lookups were replaced
+
+
+def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
+    """Split the in-model network in ``path`` at its lookups.
+
+    Raises:
+        SplitError: the graph does not follow the in-model contract, uses a row input other than in a
+            lookup, reads one table from two weights, or holds a table that does not fit the spec.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    label = f"dense model {path.name}"
+    try:
+        wanted = in_model_contract(spec)
+    except SpecError as exc:
+        raise SplitError(str(exc)) from None
+    problems = contract_problems(spec, *onnx_signature(path), contract=wanted)
+    if problems:
+        raise SplitError(
+            f"{label} does not follow the in-model contract of spec {spec.name!r} "
+            "(recserve contract --spec SPEC prints it): " + "; ".join(problems)
+        )
+    model = onnx.load(str(path))
+    graph = model.graph
+    rows = {r.name: r for r in row_inputs(spec)}
+    weights = {w.name: w for w in graph.initializer}
+    aliases = {
+        n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity" and n.input[0] in weights
+    }
+    read: dict[str, str] = {}  # table -> weight
+    lookups: list[tuple[int, RowInput, str]] = []  # (node index, row input, output)
+    for index, node in enumerate(graph.node):
+        for position, name in enumerate(node.input):
+            if name not in rows:
+                continue
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            weight = aliases.get(node.input[0], node.input[0])
+            if node.op_type != "Gather" or position != 1 or axis != 0 or weight not in weights:
+                raise SplitError(
+                    f"{label}: input {name!r} feeds node {node.name or index!r} ({node.op_type}); a row "
+                    "input may only be looked up: a Gather (axis 0) of a weight of the graph at its rows"
+                )
+            row = rows[name]
+            if read.setdefault(row.table, weight) != weight:
+                raise SplitError(
+                    f"{label}: table {row.table!r} is read from two weights, {read[row.table]!r} and "
+                    f"{weight!r}; the features of one table look up one weight"
+                )
+            lookups.append((index, row, node.output[0]))
+    tables = {}
+    for table, weight in read.items():
+        array = numpy_helper.to_array(weights[weight])
+        dim = spec.tables[table].dim
+        if array.dtype != np.float32 or array.ndim != 2 or array.shape[1] != dim:
+            raise SplitError(
+                f"{label}: table {table!r} (weight {weight!r}) is {array.dtype}{list(array.shape)}, "
+                f"expected float32 [rows, {dim}] (the spec's dim)"
+            )
+        tables[table] = array
+    unread = [t for t in dict.fromkeys(r.table for r in rows.values()) if t not in read]
+    if unread:
+        raise SplitError(f"{label} looks up no row of table(s) {unread}; each table of the spec is looked up")
+
+    widths = {t.name: t.shape[-1] for t in dense_contract(spec)[0]}
+    constants: dict[str, np.ndarray] = {}
+
+    def constant(value: list[int] | int) -> str:
+        name = f"{SPLIT_PREFIX}_{len(constants)}"
+        constants[name] = np.array(value, np.int64)
+        return name
+
+    replaced = {}
+    for index, row, output in lookups:
+        where = f"{SPLIT_PREFIX}_{output}"
+        if row.slot >= 0:
+            node = helper.make_node("Gather", [row.embedding, constant(row.slot)], [output], where, axis=1)
+        elif row.columns == (0, widths[row.embedding]):
+            node = helper.make_node("Identity", [row.embedding], [output], where)
+        else:
+            start, stop = row.columns
+            ends = [constant([start]), constant([stop]), constant([-1])]
+            node = helper.make_node("Slice", [row.embedding, *ends], [output], where)
+        replaced[index] = node
+    nodes = [replaced.get(i, node) for i, node in enumerate(graph.node)]
+    del graph.node[:]
+    graph.node.extend(_live(nodes, {o.name for o in graph.output}))
+    used = {name for node in graph.node for name in node.input}
+    made = {name for node in graph.node for name in node.output}
+    infos = [v for v in graph.value_info if v.name in made]
+    del graph.value_info[:]
+    graph.value_info.extend(infos)
+    kept = [w for w in graph.initializer if w.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend([*kept, *(numpy_helper.from_array(v, n) for n, v in constants.items())])
+    present = {v.name: v for v in graph.input if v.name not in rows and v.name not in weights}
+    sequences = set(sequence_inputs(spec))
+    inputs = []
+    for tensor in dense_contract(spec)[0]:
+        if tensor.name in present:
+            inputs.append(present.pop(tensor.name))
+            continue
+        dims: list[str | int] = [BATCH_AXIS, *tensor.shape[1:]]
+        if tensor.name in sequences:
+            dims[1] = SEQUENCE_AXIS
+        inputs.append(helper.make_tensor_value_info(tensor.name, onnx.TensorProto.FLOAT, dims))
+    del graph.input[:]
+    graph.input.extend([*inputs, *present.values()])
+    onnx.checker.check_model(model)
+    return SplitModel(tables, read, model.SerializeToString(), len(lookups))
+
+
+def _live(nodes: list, outputs: set[str]) -> list:
+    """``nodes`` less those whose outputs nothing reads (a weight's ``Identity`` only lookups read)."""
+    while True:
+        read = outputs | {name for node in nodes for name in node.input}
+        live = [node for node in nodes if any(name in read for name in node.output)]
+        if len(live) == len(nodes):
+            return live
+        nodes = live
+
+
+def check_split(
+    spec: ModelSpec, source: Path, split: SplitModel, progress: Callable[[str], None] = lambda _: None
+) -> float:
+    """The largest difference between the whole and the split network on random rows of every table.
+
+    At every sequence bucket, 3 examples: each feature a random row of its table, the dense values
+    and masks of :func:`~recserve.build.export.example_inputs`; the split network gets the rows'
+    embeddings, laid out as the dense contract lays them out.
+
+    Raises:
+        SplitError: the two differ by more than :data:`SPLIT_TOLERANCE` (or the whole one fails).
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    whole = ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+    part = ort.InferenceSession(split.model, options, providers=["CPUExecutionProvider"])
+    largest = 0.0
+    for length in spec.serving.sequence_buckets:
+        dense = example_inputs(spec, rows=3, length=length, seed=length)
+        rows = _random_rows(spec, split.tables, length, np.random.default_rng(length))
+        embedded = _embeddings(spec, split.tables, rows, dense)
+        try:
+            want = whole.run(None, {**{n: v for n, v in dense.items() if n not in embedded}, **rows})[0]
+        except Exception as exc:  # onnxruntime raises its own types for graphs that fail at run time
+            raise SplitError(
+                f"dense model {source.name} fails on 3 rows of {length} positions: {exc}"
+            ) from None
+        got = part.run(None, {**dense, **embedded})[0]
+        delta = float(np.max(np.abs(np.asarray(got, np.float64) - want), initial=0.0))
+        if not delta <= SPLIT_TOLERANCE * max(1.0, float(np.max(np.abs(want), initial=0.0))):
+            raise SplitError(
+                f"dense model {source.name} split at its lookups scores 3 rows of {length} positions "
+                f"differently from the whole graph (max |Δ| = {delta:.3g}); import it over embeddings "
+                '([model] lookups = "store")'
+            )
+        largest = max(largest, delta)
+    read = ", ".join(f"{table} <- {weight}" for table, weight in split.weights.items())
+    progress(
+        f"[import] {source.name} split at its {split.lookups} lookups ({read}): the split network scores "
+        f"as the whole one to max |Δ| = {largest:.2g}"
+    )
+    return largest
+
+
+def _random_rows(
+    spec: ModelSpec, tables: Mapping[str, np.ndarray], length: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    return {
+        r.name: rng.integers(0, len(tables[r.table]), (3, length) if r.sequence else 3).astype(np.int64)
+        for r in row_inputs(spec)
+    }
+
+
+def _embeddings(
+    spec: ModelSpec,
+    tables: Mapping[str, np.ndarray],
+    rows: Mapping[str, np.ndarray],
+    dense: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """The dense contract's embedding inputs holding the embeddings of ``rows`` (zeros elsewhere)."""
+    out: dict[str, np.ndarray] = {}
+    for row in row_inputs(spec):
+        if row.embedding not in out:
+            out[row.embedding] = np.zeros_like(dense[row.embedding])
+        vectors = tables[row.table][rows[row.name]]
+        if row.slot >= 0:
+            out[row.embedding][:, row.slot, :] = vectors
+        else:
+            out[row.embedding][..., row.columns[0] : row.columns[1]] = vectors
+    return out
