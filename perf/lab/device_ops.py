@@ -197,11 +197,13 @@ class DeviceSteps:
     """The lookup and dense steps as a ``cuda`` instance holds them, on ``device``, with synthetic tables.
 
     Every table resident on the device (a few rows each, keys of ids 0..63), no L3; the dense
-    network with seeded random weights, its candidate lists scored on the device.
+    network with seeded random weights, its candidate lists scored on the device at a bucket's
+    static shape (a CUDA graph per bucket on CUDA, the same forward eagerly on the CPU).
     """
 
     def __init__(self, spec: ModelSpec, device: str = "cpu") -> None:
         from recserve.backends.dense.buckets import spec_buckets
+        from recserve.backends.dense.list_graphs import list_scorer
         from recserve.backends.dense.network import CTRNet
         from recserve.backends.dense.runner import DenseStep
         from recserve.backends.dense.torch_runners import TorchEager, bucketed_torch_runner
@@ -218,7 +220,7 @@ class DeviceSteps:
         net = CTRNet(spec).eval()
         copies = self.lookup.copies
         runner = bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec)[:1], background=False)
-        scorer = TorchEager(net, device, copies=copies).lists
+        scorer = list_scorer(spec, TorchEager(net, device, copies=copies))  # the served step's
         self.dense = DenseStep(spec, runner, copies=copies, scorer=scorer)
 
     def looked_up(self, request: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:

@@ -29,7 +29,9 @@ class CandidateLists:
 
     With the candidate-list graph of the built-in network (``session``, the CPU profile) or its
     candidate-list forward on the device (``scorer``, the ``cuda`` profile: the inputs stay torch
-    tensors there), every user's history is projected once for all of their candidates. Without
+    tensors there, padded to a bucket's static shape, a CUDA graph per bucket:
+    :class:`~recserve.backends.dense.list_graphs.ListGraphs`), every user's history is projected
+    once for all of their candidates. Without
     either (an imported model has only the row graph), each candidate row gets its user's history
     and the rows go to ``rows``.
     """
@@ -46,6 +48,8 @@ class CandidateLists:
         self.session = session
         #: ``scorer(inputs, owners)``: probabilities of flat per-candidate and per-user inputs
         self.scorer = scorer
+        #: the scorer refuses scores that are not finite itself (on the device: ``checks_finite``)
+        self.checks_finite = bool(getattr(scorer, "checks_finite", False))
         self.per_candidate = per_candidate_dense_inputs(spec)
         self.per_user = sequence_inputs(spec)
         self.left_padded = left_padded_inputs(spec)

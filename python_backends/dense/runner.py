@@ -277,8 +277,10 @@ class DenseStep:
             model_path = verified_path(version_dir, files["model"])
             runner = bucketed_tensorrt_runner(spec, plan, buckets, model_path, net, device, copies=copies)
             return cls(spec, runner, version, copies=copies)
+        from recserve.backends.dense.list_graphs import list_scorer
+
         runner = bucketed_torch_runner(spec, net, device, prepare=spec_buckets(spec), copies=copies)
-        scorer = TorchEager(net, device, copies=copies).lists if net.has_attention else None
+        scorer = list_scorer(spec, TorchEager(net, device, copies=copies)) if net.has_attention else None
         return cls(spec, runner, version, copies=copies, scorer=scorer)
 
     def check(self, inputs: Arrays) -> dict[str, np.ndarray]:
@@ -292,10 +294,17 @@ class DenseStep:
     def score_lists(self, lists: list[Arrays]) -> list[np.ndarray]:
         """A batch's candidate lists scored in one call, each list's probabilities accepted.
 
+        The device path's scorer checks finiteness on the device, in the forward (its one read of the
+        scores says whether any is not finite); the others' scores are checked here, on the host.
+
         Raises:
             NonFiniteOutput: a list's probabilities are not all finite (then each list is answered alone).
         """
         scores = self.lists.together(lists)
+        if self.lists.checks_finite:
+            for probability in scores:
+                self.scores.observe(probability.ravel())
+            return scores
         finite = np.isfinite(np.concatenate([s.ravel() for s in scores]))
         if not finite.all():
             raise NonFiniteOutput("a candidate list's probabilities are not finite")

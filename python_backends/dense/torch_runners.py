@@ -154,14 +154,17 @@ class TorchEager:
         """
         feeds = self.tensors(inputs)
         owner = torch.as_tensor(owners, device=self.device)
+        return to_host(self.score_lists(feeds, owner), self.copies)
+
+    def score_lists(self, feeds: Mapping[str, torch.Tensor], owners: torch.Tensor) -> torch.Tensor:
+        """The candidate-list forward on device tensors: float32 probabilities ``[rows, 1]`` on the device."""
         with torch.autocast(
             self.device.type,
             dtype=self.precision,
             enabled=self.precision != torch.float32,
             cache_enabled=False,
         ):
-            scores = cast("CTRNet", self.net).score(feeds, owner)
-        return to_host(scores.float(), self.copies)
+            return cast("CTRNet", self.net).score(dict(feeds), owners).float()
 
     @torch.inference_mode()
     def __call__(self, inputs: Feeds) -> np.ndarray:
