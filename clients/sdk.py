@@ -20,7 +20,7 @@ embedding table's version). Every transport error is raised as a
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -32,6 +32,7 @@ from recserve.clients.errors import (
     ServerUnavailableError,
     map_exception,
 )
+from recserve.clients.feedback import FeedbackLike, FeedbackSink, to_events
 from recserve.clients.rows import Rows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
@@ -60,6 +61,8 @@ class CTRClient(ClientBase):
         wire: how categorical values travel: ``"ids"`` (the default), each as its 64-bit id in
             INT64 tensors, parsed and hashed here; ``"bytes"``, as text in BYTES tensors, parsed by
             the server (:mod:`recserve.core.wire_forms`). Both give the same scores.
+        feedback: where :meth:`report_feedback` writes (:func:`~recserve.clients.feedback.feedback_sink`
+            makes the one ``[loop]`` names); None: reporting is refused.
     """
 
     def __init__(
@@ -72,8 +75,10 @@ class CTRClient(ClientBase):
         shared_memory: bool = False,
         user_id: str | None = None,
         wire: str = IDS_WIRE,
+        feedback: FeedbackSink | None = None,
     ) -> None:
         super().__init__(url, protocol, timeout_s, spec, model_name, user_id, wire)
+        self.feedback = feedback
         self._shm: SharedMemoryIO | None = None
         self._module = self._import_module()
         try:
@@ -111,6 +116,23 @@ class CTRClient(ClientBase):
             if self._shm is not None:
                 self._shm.close()
             self._client.close()
+
+    def report_feedback(self, events: Iterable[FeedbackLike]) -> int:
+        """Report what became of served rows (shown, clicked) to the loop's joiner; how many were written.
+
+        Args:
+            events: each a :class:`~recserve.core.feedback.FeedbackEvent`, its fields as a mapping,
+                or a tuple ``(request_id, row, event[, time])``: the id the row was served under
+                (:attr:`Scores.request_id`, or a part's id from :attr:`last_request_ids`), its row,
+                ``"impression"`` or ``"click"``, and seconds since the epoch (default: now).
+
+        Raises:
+            FeedbackError: an event does not follow the form (nothing is written then).
+            ValueError: the client was made without a ``feedback`` sink.
+        """
+        if self.feedback is None:
+            raise ValueError("this client has no feedback sink: pass feedback=feedback_sink(spec)")
+        return self.feedback.write(to_events(events))
 
     def is_ready(self) -> bool:
         """Whether the server answers and the model is ready.

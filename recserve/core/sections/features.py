@@ -147,6 +147,7 @@ TOP_LEVEL_KEYS = (
     "access",
     "user_state",
     "logging",
+    "loop",
     "degrade",
 )
 

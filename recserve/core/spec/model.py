@@ -17,6 +17,7 @@ from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.sections.base import SpecError
 from recserve.core.sections.degrade import DegradeSection
 from recserve.core.sections.logging import LoggingSection
+from recserve.core.sections.loop import LoopSection
 from recserve.core.sections.serving import (
     AccessSection,
     DenseNetSection,
@@ -63,6 +64,7 @@ class ModelSpec:
     targets: tuple[CategoricalFeature, ...] = ()
     user_state: UserStateSection = field(default_factory=UserStateSection)  # off by default
     logging: LoggingSection = field(default_factory=LoggingSection)  # request logging: off by default
+    loop: LoopSection = field(default_factory=LoopSection)  # the joiner (recserve join)
     degrade: DegradeSection = field(default_factory=DegradeSection)  # value-aware degradation: off by default
 
     # ---- derived names -------------------------------------------------------------------

@@ -16,6 +16,7 @@ from recserve.core.sections.base import SpecError, UnknownKeyError, parse_sectio
 from recserve.core.sections.degrade import DegradeSection
 from recserve.core.sections.features import TOP_LEVEL_KEYS
 from recserve.core.sections.logging import LoggingSection
+from recserve.core.sections.loop import LoopSection
 from recserve.core.sections.serving import (
     AccessSection,
     DenseNetSection,
@@ -166,6 +167,8 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     seq_buckets = user_state.state_buckets(seq_buckets)
     request_log = parse_section(LoggingSection, doc.get("logging", {}), "logging")
     request_log.check()
+    loop = parse_section(LoopSection, doc.get("loop", {}), "loop")
+    loop.check()
     degrade = parse_section(DegradeSection, doc.get("degrade", {}), "degrade")
     degrade.check(seq_buckets)
     numeric = tuple(features.numeric)
@@ -193,6 +196,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         targets=targets,
         user_state=user_state,
         logging=request_log,
+        loop=loop,
         degrade=degrade,
     )
 

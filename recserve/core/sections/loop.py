@@ -1,0 +1,57 @@
+"""``[loop]``: the closed loop's joiner: the feedback it reads, its window, down-sampling and output.
+
+``recserve join`` pairs the records the steps logged (``[logging]``: where it reads them) with the
+feedback events that follow (:mod:`recserve.core.feedback`). See docs/design/loop.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from recserve.core.sections.base import SpecError
+
+FEEDBACK_SOURCES = ("files", "redis")
+
+
+@dataclass(frozen=True)
+class LoopSection:
+    """``[loop]``: the join window, the late horizon, the negatives' rate, the feedback and the output."""
+
+    # a click within this many seconds of the row being served makes a positive; a row whose
+    # window closes unclicked makes a negative
+    window_seconds: float = 300.0
+    # a closed row is kept this much longer: a click in that time re-emits it as a (late) positive
+    late_seconds: float = 3600.0
+    # the share of negatives kept (w, decided by a hash of request id and row); each example
+    # records its rate, so a learner corrects for it (ln w in the logit)
+    negative_rate: float = 1.0
+    # true: a row that closes without an impression event was not shown and makes no example
+    require_impression: bool = False
+    feedback: str = "files"  # "files": JSON lines in feedback_directory; "redis": streams on [store]
+    feedback_directory: str = "feedback"
+    feedback_prefix: str = "rs:loop"  # streams ``<prefix>:feedback:{<shard>}``
+    feedback_streams: int = 4
+    examples_directory: str = "examples"  # the joiner's output segments (and its state, in .state/)
+    commit_seconds: float = 5.0  # examples are written (and inputs acknowledged) this often
+
+    def check(self) -> None:
+        """Raise :class:`SpecError` on a value out of range."""
+        for name in ("window_seconds", "late_seconds", "commit_seconds"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 30 * 86400.0 or math.isnan(value):
+                raise SpecError(f"[loop] {name} lies in (0, 30 days], got {value}")
+        if not 0.0 < self.negative_rate <= 1.0 or math.isnan(self.negative_rate):
+            raise SpecError(f"[loop] negative_rate lies in (0, 1], got {self.negative_rate}")
+        if self.feedback not in FEEDBACK_SOURCES:
+            raise SpecError(
+                f"[loop] feedback must be one of {', '.join(FEEDBACK_SOURCES)}, got {self.feedback!r}"
+            )
+        if not 1 <= self.feedback_streams <= 1024:
+            raise SpecError(f"[loop] feedback_streams lies in 1..1024, got {self.feedback_streams}")
+        if not self.feedback_directory or not self.examples_directory:
+            raise SpecError("[loop] feedback_directory and examples_directory must not be empty")
+        if not self.feedback_prefix or any(c in self.feedback_prefix for c in "{} "):
+            raise SpecError(
+                f"[loop] feedback_prefix: non-empty, no braces or spaces, got {self.feedback_prefix!r}"
+            )
