@@ -27,11 +27,12 @@ from recserve.core.names import (
     IDS_WIRE,
     PROBABILITY,
     USER_HEADER,
+    USER_ID,
     WIRE_FORMS,
 )
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.types import NUMPY_DTYPES
-from recserve.core.user_state_wire import user_state_inputs
+from recserve.core.user_state_wire import user_keys, user_state_inputs
 from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
 from recserve.errors import InvalidInput, cap_message, shorten, shorten_all
 
@@ -241,7 +242,10 @@ class ClientBase:
 
     @staticmethod
     def _user_state_arrays(given: Mapping[str, np.ndarray], names: set[str]) -> dict[str, np.ndarray]:
-        """``user_id`` and ``user_seq`` as INT64 ``[B, 1]``: both or neither (``[user_state]``)."""
+        """``user_id`` and ``user_seq`` as INT64 ``[B, 1]``: both or neither (``[user_state]``).
+
+        A user id may be a string: it is sent as its :func:`~recserve.core.user_state_wire.user_key`.
+        """
         if given and set(given) != names:
             raise InvalidRequestError(
                 f"inputs {sorted(names)} go together (a row's user and its newest event); got {sorted(given)}"
@@ -249,7 +253,11 @@ class ClientBase:
         arrays = {}
         for name, values in given.items():
             try:
-                array = np.ascontiguousarray(values, dtype=np.int64)
+                if name == USER_ID:  # string user ids become their int64 (user_key)
+                    raw = np.asarray(values, dtype=object)
+                    array = user_keys(raw.ravel()).reshape(raw.shape)
+                else:
+                    array = np.ascontiguousarray(values, dtype=np.int64)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise InvalidRequestError(
                     f"input '{name}' cannot be converted to INT64: {cap_message(str(exc), 200)}"

@@ -12,9 +12,9 @@ Two text layouts are read by :func:`read_rows` (``ctr`` shown; every name comes 
   History ids are separated by spaces inside the field. A tab-separated file with such a header is
   read the same way. With ``[user_state]`` on, a ``user_seq`` column (the sequence number of each
   row's newest history event) makes the history each row's real-time tail: the user is then the
-  ``[inputs] user`` column (a ``user_id`` column when the spec names none), an integer, and the
-  rows carry both (:attr:`Rows.users`, :attr:`Rows.user_seqs`), which the clients send as
-  ``user_id`` and ``user_seq``.
+  ``[inputs] user`` column (a ``user_id`` column when the spec names none), an integer or a
+  string (sent as its ``user_key``), and the rows carry both (:attr:`Rows.users`,
+  :attr:`Rows.user_seqs`), which the clients send as ``user_id`` and ``user_seq``.
 
 Empty numeric fields are missing values, negative numeric values are allowed, empty categorical
 fields are sent as ``b""``. Any other malformed field raises :class:`RowFormatError` naming the line
@@ -50,7 +50,7 @@ from recserve.clients.fields import (
 from recserve.core.names import USER_ID, USER_SEQ
 from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
-from recserve.core.user_state_wire import serves_user_state
+from recserve.core.user_state_wire import serves_user_state, user_key
 from recserve.core.values import ABSENT_ITEM
 
 LOGGER = logging.getLogger(__name__)
@@ -320,16 +320,21 @@ def _convert(tokens: _Tokens, spec: ModelSpec) -> Rows:
     columns = user_state_columns(spec)
     if tokens.user_state is None or columns is None:
         return rows
-    users, seqs = (
-        parse_ints(text_array(values, (n, 1)), lines, [name])[:, 0]
-        for values, name in zip(tokens.user_state, columns, strict=True)
-    )
-    for values, name in ((users, columns[0]), (seqs, columns[1])):
-        bad = np.flatnonzero(values < (0 if name == columns[0] else lengths))
-        if bad.size:
-            r = int(bad[0])
-            rule = ">= 0" if name == columns[0] else f">= the row's {int(lengths[r])} history events"
-            raise RowFormatError(f"{int(values[r])} is not {rule}", line=int(lines[r]), column=name)
+    users, seq_fields = tokens.user_state
+    for r, user in enumerate(users):
+        try:
+            user_key(user)
+        except ValueError as exc:
+            raise RowFormatError(str(exc), line=int(lines[r]), column=columns[0]) from None
+    seqs = parse_ints(text_array(seq_fields, (n, 1)), lines, [columns[1]])[:, 0]
+    bad = np.flatnonzero(seqs < lengths)
+    if bad.size:
+        r = int(bad[0])
+        raise RowFormatError(
+            f"{int(seqs[r])} is not >= the row's {int(lengths[r])} history events",
+            line=int(lines[r]),
+            column=columns[1],
+        )
     return rows.with_user_state(spec, users, seqs)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from recserve.core.values import fnv1a64
 
-__all__ = ["fnv1a64", "keys_for", "missing_key", "splitmix64", "table_salt"]
+__all__ = ["combined_keys", "fnv1a64", "keys_for", "missing_key", "splitmix64", "table_salt"]
 
 
 _GAMMA, _MIX1, _MIX2 = (
@@ -56,3 +56,17 @@ def missing_key(namespace: str, feature: str) -> np.int64:
     return splitmix64(np.array([fnv1a64(f"{namespace}/{feature}#missing")], dtype=np.uint64)).view(np.int64)[
         0
     ]
+
+
+def combined_keys(columns: list[np.ndarray]) -> np.ndarray:
+    """One int64 key per position for the keys of several aligned columns (same shapes).
+
+    ``splitmix64`` chained over the columns: tuples of keys that differ anywhere get different keys
+    (but for the odds of a 64-bit collision); one column is returned as it is.
+    """
+    acc = np.asarray(columns[0], np.int64)
+    for column in columns[1:]:
+        with np.errstate(over="ignore"):
+            mixed = acc.view(np.uint64) * _MIX1 ^ np.asarray(column, np.int64).view(np.uint64)
+        acc = splitmix64(mixed).view(np.int64)
+    return acc

@@ -12,6 +12,11 @@ A batch whose every row is a fresh cached hit leaving no gap (the common case) i
 compiled call (:class:`~recserve.backends.store.user_state.index.StateIndex`); the rest take the path
 below, which gives the same history.
 
+With sequences aligned to the items (their categories, say: a spec's ``positions``), a token is an
+(item, attributes) tuple. The merge runs on one combined key per position
+(:func:`~recserve.backends.features.hashing.combined_keys`); each sequence's keys are then put back
+from the states' and the tails' own. Such batches take the path below, not the one-call merge.
+
 Without a usable state the row keeps today's history, its tail as sent, with all-zero log-weights:
 today's answer for that tail, bit for bit. Its outcome is counted (``miss``: none stored; ``stale``:
 a stored value in a format this server does not take; ``error``: the store failed or timed out) and,
@@ -26,13 +31,13 @@ import logging
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
 
 from recserve.backends.base.inputs import require
-from recserve.backends.features.hashing import keys_for, missing_key, table_salt
+from recserve.backends.features.hashing import combined_keys, missing_key, table_salt
+from recserve.backends.steps.keyed_states import KeyedState, aligned_keys
 from recserve.backends.store.user_state.index import FRESH, REFRESH, Refresher, StateCache, StateIndex
 from recserve.backends.store.user_state.merge import Buckets, merge_histories
 from recserve.backends.store.user_state.rebuilds import (
@@ -52,7 +57,7 @@ from recserve.backends.store.user_state.states import (
     UserStates,
     open_user_states,
 )
-from recserve.backends.store.user_state.tokens import GAP, HIT, MISS, StoredTokens, Tokens
+from recserve.backends.store.user_state.tokens import GAP, HIT, MISS
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_KEYS, HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
 from recserve.core.spec.model import ModelSpec
@@ -69,38 +74,6 @@ _REBUILD = (_MISS, _STALE, _GAP)
 _OUTCOME_NAMES = np.array([*OUTCOMES, ""], object)  # by code; -1 (no user): ""
 _MODE_NAMES = np.array([*MODES, ""], object)  # by code; -1 (no state): ""
 _LOWEST = -(2**63)
-
-
-@dataclass(frozen=True)
-class KeyedState:
-    """A user's state and its tokens by key (the items hashed once, when the state is read)."""
-
-    state: UserState
-    keyed: StoredTokens  # what merge_histories reads
-    mode: int  # the state's mode, its index in MODES
-
-    @property
-    def index_entry(self) -> tuple[int, int, int, int, int]:
-        """What :class:`StateIndex` names: the keys' and counts' addresses, size, sequence number, mode."""
-        return (*self.keyed.entry, self.mode)
-
-    @classmethod
-    def many(cls, states: list[UserState], salt: np.uint64) -> list[KeyedState]:
-        """Each of ``states`` with its items hashed to keys (``salt``: the sequence's table), in one call."""
-        items = [state.tokens.items for state in states]
-        keys = keys_for(np.concatenate(items).astype(np.uint64), salt)
-        ends = list(accumulate(i.size for i in items))
-        return [
-            cls(
-                state,
-                StoredTokens(
-                    Tokens(keys[end - i.size : end], np.ascontiguousarray(state.tokens.counts, np.int64)),
-                    state.seq,
-                ),
-                MODES.index(state.mode),
-            )
-            for state, i, end in zip(states, items, ends, strict=True)
-        ]
 
 
 @dataclass(frozen=True)
@@ -132,7 +105,7 @@ class UserHistories:
     """Puts users' states into a batch's history keys (see the module docstring).
 
     Args:
-        spec: the model spec (``[user_state]`` on, exactly one sequence).
+        spec: the model spec (``[user_state]`` on, one sequence and those aligned to it).
         states: the state store.
         rebuilds: where users without a usable state are queued (None: nowhere).
         cache: the local cache (None: ``[user_state] cache_users`` and ``cache_ttl_ms``, followed by a
@@ -141,7 +114,7 @@ class UserHistories:
             request path once past their time to live).
 
     Raises:
-        ArtifactError: the spec has not exactly one sequence (the state's tokens are its items).
+        ArtifactError: the spec's sequences are not one group (one sequence and those aligned to it).
     """
 
     def __init__(
@@ -152,10 +125,10 @@ class UserHistories:
         cache: StateCache[KeyedState] | None = None,
         refresh: bool = True,
     ) -> None:
-        if len(spec.sequences) != 1:
+        if len(spec.attention_groups) != 1:
             raise ArtifactError(
-                f"[user_state] needs a spec with exactly one sequence; {spec.name!r} has "
-                f"{len(spec.sequences)}"
+                f"[user_state] needs one behaviour sequence (with the sequences aligned to it); "
+                f"{spec.name!r} has {len(spec.attention_groups)}"
             )
         section = spec.user_state
         self.spec, self.states, self.rebuilds = spec, states, rebuilds
@@ -171,8 +144,11 @@ class UserHistories:
         self.group = spec.attention_groups[0]
         self.mask = attention_inputs(spec)[0].mask
         self.left = self.sequence.padding == "left"
-        self.salt = table_salt(spec.hashing.namespace, self.sequence.table)
-        self.pad_key = int(missing_key(spec.hashing.namespace, self.sequence.name))
+        namespace = spec.hashing.namespace
+        #: the items' table's salt, then the aligned sequences' (their keys are merged together)
+        self.salts = [table_salt(namespace, s.table) for s in self.group.sequences]
+        self.pad_keys = [int(missing_key(namespace, s.name)) for s in self.group.sequences]
+        self.pad_key = self.pad_keys[0]
         self.buckets = Buckets.of(spec.serving.sequence_buckets)
         self.room = self.buckets.width(section.tokens + section.tail, 1)  # the widest state and tail
 
@@ -185,7 +161,7 @@ class UserHistories:
     def open(cls, spec: ModelSpec, folder: Path) -> UserHistories:
         """The states and rebuild queue ``[user_state]`` names (relative paths: under ``folder``)."""
         section = spec.user_state
-        states = open_user_states(section, spec.store, folder)
+        states = open_user_states(section, spec.store, folder, attributes=len(spec.sequences) - 1)
         sink: RebuildSink
         if isinstance(states, RedisUserStates):
             sink = RedisRebuilds(states.client, section.event_stream + REBUILD_SET_SUFFIX)
@@ -297,7 +273,7 @@ class UserHistories:
             else:
                 new.append((i, read))
         if new:
-            for (i, _), keyed in zip(new, KeyedState.many([s for _, s in new], self.salt), strict=True):
+            for (i, _), keyed in zip(new, KeyedState.many([s for _, s in new], self.salts), strict=True):
                 states[i] = keyed
         for user, state in zip(users, states, strict=True):
             if state is not None:
@@ -320,7 +296,12 @@ class UserHistories:
         if USER_ID not in inputs:
             features[HISTORY_LOG_WEIGHTS] = np.zeros(mask.shape, np.float32)
             return RowStates.without_users(rows)
-        if self.index is not None:
+        columns = None
+        if len(self.salts) > 1:  # aligned sequences: merged on one combined key per position
+            width = keys.shape[1] // len(self.salts)
+            columns = [keys[:, s * width : (s + 1) * width] for s in range(len(self.salts))]
+            keys = combined_keys(columns)
+        elif self.index is not None:
             fast = self.index.merge(
                 (inputs.get(USER_ID), inputs.get(USER_SEQ), inputs.get(self.group.length_input)),
                 self.spec.user_state.tail,
@@ -371,7 +352,11 @@ class UserHistories:
             again = [users[r] for r, outcome in enumerate(outcomes) if outcome in _REBUILD]
             if again:
                 self.rebuilds.add(np.array(again, np.int64))
-        self._served(features, merged.keys, merged.mask, merged.weights)
+        served = merged.keys
+        if columns is not None:
+            known = [s for s in states if s is not None]
+            served = aligned_keys(merged.keys, merged.mask, known, keys, mask, columns, self.pad_keys)
+        self._served(features, served, merged.mask, merged.weights)
         return RowStates(np.array(outcomes), np.array(seqs), np.array(modes), merged.lag_events)
 
     def _served(

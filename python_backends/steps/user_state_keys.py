@@ -2,7 +2,8 @@
 
 An item's key vector is the first attention's key projection of the item's embedding row (the
 row the lookup step would serve for it), so two items close in this space get close attention
-logits from every target.
+logits from every target. An imported network's attention is not known: there the key is the item's
+embedding row itself (what any attention over it reads).
 """
 
 from __future__ import annotations
@@ -51,16 +52,22 @@ class RepositoryKeySpace:
         ``store``: the lookup store to read rows from (one that follows online updates), instead of
         the version folder's tables as built.
 
+        Without the built-in network's weights in the dense folder (an imported model) the key is
+        the item's row: an identity projection, kept whatever dense version comes.
+
         Raises:
             ValueError: the spec has no sequence.
-            FileNotFoundError: the dense folder has no weights of the built-in network (an imported model).
         """
         if spec.sequence is None:
             raise ValueError(f"spec {spec.name!r} has no sequence: there is no user state to build")
         store = store or TieredStore.load(repository / EMBEDDING_LOOKUP / str(version), spec)
         table = spec.sequence.table
+        salt = table_salt(spec.hashing.namespace, table)
+        if not (repository / DENSE / str(version) / WEIGHTS_FILE).is_file():
+            width = spec.tables[table].dim
+            return cls(store, table, salt, np.eye(width, dtype=np.float32), np.zeros(width, np.float32), 0)
         weight, bias = _key_projection(repository / DENSE / str(version))
-        return cls(store, table, table_salt(spec.hashing.namespace, table), weight, bias, version)
+        return cls(store, table, salt, weight, bias, version)
 
     def newer_dense(self, repository: Path) -> bool:
         """Take the key projection of ``repository``'s newest dense version above this one; whether one was.
@@ -69,6 +76,8 @@ class RepositoryKeySpace:
         being written, or another model), is passed over, logged.
         """
         folder = repository / DENSE
+        if not self.dense_version:  # an imported network: the rows themselves, whatever its version
+            return False
         numbers = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
         for number in sorted((n for n in numbers if n > self.dense_version), reverse=True):
             try:

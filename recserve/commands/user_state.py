@@ -12,7 +12,7 @@ from pathlib import Path
 
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec.parse import load_spec
-from recserve.errors import shorten
+from recserve.core.user_state_wire import user_key
 
 #: How often the builder looks for a new item table or dense version (and measures its drift).
 KEY_SPACE_POLL_S = 5.0
@@ -40,12 +40,13 @@ def _run(args: argparse.Namespace) -> int:
     # the item rows as served: published updates applied, new ones followed by the upkeep thread
     served = ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version))
     key_space = RepositoryKeySpace.load(spec, args.repository, spec.version, served.store)
-    states = open_user_states(section, spec.store, args.folder)
+    attributes = tuple(s.name for s in spec.sequences[1:])  # the sequences aligned to the items
+    states = open_user_states(section, spec.store, args.folder, attributes=len(attributes))
     if section.event_log == "redis":
         client = RedisTier.connect(replace(spec.store, redis_deadline_ms=1000.0)).client
-        log: FileEventLog | RedisEventLog = RedisEventLog(client, section.event_stream)
+        log: FileEventLog | RedisEventLog = RedisEventLog(client, section.event_stream, attributes=attributes)
     else:
-        log = FileEventLog(args.folder / section.event_path)
+        log = FileEventLog(args.folder / section.event_path, attributes=attributes)
     # the servers' rebuild requests: beside the states (a Redis set), or a file beside the event file
     rebuilds: FileRebuilds | RedisRebuilds = (
         RedisRebuilds(states.client, section.event_stream + REBUILD_SET_SUFFIX)
@@ -102,11 +103,13 @@ def _run(args: argparse.Namespace) -> int:
 def _delete(args: argparse.Namespace) -> int:
     from recserve.backends.store.user_state.states import open_user_states
 
-    if not -(2**63) <= args.user < 2**63:
-        raise ValueError(f"--user {shorten(args.user)} is not a user id (user ids are int64)")
+    try:
+        user = user_key(args.user)
+    except ValueError as exc:
+        raise ValueError(f"--user: {exc}") from None
     spec = load_spec(args.spec)
-    states = open_user_states(spec.user_state, spec.store, args.folder)
-    erased = states.delete(args.user)
+    states = open_user_states(spec.user_state, spec.store, args.folder, attributes=len(spec.sequences) - 1)
+    erased = states.delete(user)
     print(f"user {args.user}: {'state erased' if erased else 'no state stored'}", file=sys.stderr)
     return 0
 
@@ -123,6 +126,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--json", type=Path, default=None, help="write the report (lag, users/s, modes) here")
     run.set_defaults(func=_run)
     delete = commands.add_parser("delete", help="erase one user's state")
-    delete.add_argument("--user", type=int, required=True)
+    delete.add_argument("--user", required=True, help="the user's id (an integer or a string)")
     delete.add_argument("--folder", type=Path, default=Path("."))
     delete.set_defaults(func=_delete)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -11,8 +11,8 @@ import numpy as np
 from recserve.core.names import BYTES_WIRE, IDS_WIRE, USER_ID, USER_SEQ
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.types import NUMERIC_INPUT, NUMPY_DTYPES
-from recserve.core.user_state_wire import serves_user_state
-from recserve.core.values import split_list
+from recserve.core.user_state_wire import serves_user_state, user_keys
+from recserve.core.values import canonical_value, split_list
 from recserve.core.wire_forms import check_form, ids_from_bytes
 
 
@@ -127,20 +127,23 @@ class Rows(SideSequences):
             user_seqs=self.user_seqs,
         )
 
-    def with_user_state(self, spec: ModelSpec, users: np.ndarray, user_seqs: np.ndarray) -> Rows:
+    def with_user_state(
+        self, spec: ModelSpec, users: Sequence[object] | np.ndarray, user_seqs: np.ndarray
+    ) -> Rows:
         """These rows as a user's real-time tails: each row's user and its newest event's number.
 
-        Where ``[inputs] user`` names a categorical column, that column holds the users' ids too.
+        ``users``: ids as integers or strings; the rows carry their :func:`user_key`. Where
+        ``[inputs] user`` names a categorical column, that column holds the users' ids as given.
         """
         categorical = self.categorical
         if spec.inputs.user in spec.categorical.columns:
             categorical = categorical.copy()
             column = spec.categorical.columns.index(spec.inputs.user)
-            categorical[:, column] = [str(int(u)).encode() for u in np.asarray(users).tolist()]
+            categorical[:, column] = [canonical_value(u) for u in np.asarray(users, object).tolist()]
         return replace(
             self,
             categorical=categorical,
-            users=np.asarray(users, np.int64).reshape(-1),
+            users=user_keys(np.asarray(users, object).reshape(-1)),
             user_seqs=np.asarray(user_seqs, np.int64).reshape(-1),
         )
 

@@ -317,11 +317,14 @@ def test_a_bucketized_numeric_feature_is_a_categorical_one():
         )
 
 
-def test_a_user_state_over_several_sequences_is_refused_when_the_spec_is_read():
-    """``contract`` and ``import`` read the spec first: the refusal comes there, not at model load."""
+def test_a_user_state_over_two_behaviours_is_refused_when_the_spec_is_read():
+    """``contract`` and ``import`` read the spec first: the refusal comes there, not at model load.
+
+    Sequences aligned to the first (its events' attributes) are kept; a second behaviour is not."""
     doc = _doc("taobao")
     doc["user_state"] = {"enabled": True, "tokens": 32, "exact_tokens": 16, "tail": 16}
     with pytest.raises(
-        SpecError, match=r"\[user_state\] keeps one sequence per user .* the spec has 4 \(hist_item_ids"
+        SpecError,
+        match=r"\[user_state\] keeps one behaviour.*not aligned to it: cart_item_ids, cart_cate_ids\.",
     ):
         parse_spec(doc)

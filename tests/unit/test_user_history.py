@@ -5,8 +5,9 @@ import pytest
 
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.steps.keyed_states import KeyedState
 from recserve.backends.steps.stateful_lookup import UserStateCounts
-from recserve.backends.steps.user_history import KeyedState, RowStates, UserHistories
+from recserve.backends.steps.user_history import RowStates, UserHistories
 from recserve.backends.store.user_state.builder import UserStateBuilder
 from recserve.backends.store.user_state.groups import Budget
 from recserve.backends.store.user_state.index import EXPIRED, FRESH, REFRESH, StateCache
@@ -235,9 +236,9 @@ def test_states_keyed_together_are_keyed_as_each_alone():
         UserState(3, CLUSTERED, Tokens.empty()),
         UserState(70, EXACT, dedup(np.arange(1, 40))),
     ]
-    together = KeyedState.many(states, salt)
+    together = KeyedState.many(states, [salt])
     for state, keyed in zip(states, together, strict=True):
-        (alone,) = KeyedState.many([state], salt)
+        (alone,) = KeyedState.many([state], [salt])
         assert keyed.state is state and keyed.mode == alone.mode and keyed.keyed.seq == state.seq
         assert keyed.keyed.tokens.equals(alone.keyed.tokens)
         assert np.array_equal(keyed.keyed.tokens.items, keys_for(state.tokens.items.astype(np.uint64), salt))
@@ -267,3 +268,57 @@ def test_the_counts_take_each_rows_outcome_mode_and_lag_and_leave_rows_without_a
     assert buckets["128"] == 3 and buckets["+Inf"] == 3
     assert samples[("recserve_user_state_lag_events_sum", ())] == 103.0
     assert samples[("recserve_user_state_lag_events_count", ())] == 3.0
+
+
+def _aligned_spec():
+    """The ctr spec with each behaviour's category aligned to its item, and ``[user_state]`` on."""
+    doc = ctr_spec_document()
+    doc["features"] += [
+        {"name": "history_cates", "kind": "sequence", "table": "cate", "positions": "history_items"},
+        {"name": "target_cate", "kind": "categorical", "value_type": "int64", "table": "cate",
+         "attends": "history_cates"},
+    ]  # fmt: skip
+    doc["tables"]["cate"] = {"dim": doc["model"]["embedding_dim"], "cardinality": 100}
+    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": USER_TAIL}
+    return parse_spec(doc)
+
+
+def test_aligned_sequences_merge_as_item_and_attribute_tuples(tmp_path):
+    """A token is an (item, category) tuple: the same item in another category is another token."""
+    from recserve.backends.store.user_state.groups import build_state
+
+    spec = _aligned_spec()
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=96, attributes=1)
+    rng = np.random.default_rng(4)
+    items, cates = rng.integers(1, 30, 300), rng.integers(0, 3, 300)
+    budget = Budget(96, 64, 0.5)
+    built = build_state(
+        items[:290], 290, budget, lambda ids: ids[:, None] * 1.0, attributes=cates[:290, None]
+    )
+    states.put(5, built.state)
+    wire = user_rows(spec, 2, 6, [5, 6], [300, 3], [items[-TAIL:], [3, 3, 8]])
+    wire["history_cates"] = np.zeros_like(wire["history_items"])
+    wire["history_cates"][0, :TAIL] = cates[-TAIL:]
+    wire["history_cates"][1, :3] = [1, 2, 1]
+    features = FeatureTransform(spec).transform(wire)
+    rows = UserHistories(spec, states).apply(wire, features)
+    assert list(rows.outcomes) == ["hit", "miss"]
+    everything = build_state(
+        items, 300, budget, lambda ids: ids[:, None] * 1.0, attributes=cates[:, None]
+    ).state
+    n, width = len(everything.tokens), features[HISTORY_MASK].shape[1]
+    assert n > len(np.unique(items))  # some item in two categories: two tokens
+    keys = features[HISTORY_KEYS]
+    salts = [table_salt(spec.hashing.namespace, t) for t in ("item", "cate")]
+    assert np.array_equal(keys[0, :n], keys_for(everything.tokens.items.astype(np.uint64), salts[0]))
+    assert np.array_equal(
+        keys[0, width : width + n], keys_for(everything.attribute_array[:, 0].astype(np.uint64), salts[1])
+    )
+    assert np.allclose(features[HISTORY_LOG_WEIGHTS][0, :n], np.log(everything.tokens.counts))
+    # the miss keeps its tail as sent, in both sequences
+    assert np.array_equal(keys[1, :3], keys_for(np.array([3, 3, 8], np.uint64), salts[0]))
+    assert np.array_equal(keys[1, width : width + 3], keys_for(np.array([1, 2, 1], np.uint64), salts[1]))
+    assert features[HISTORY_MASK][1].sum() == 3
+    # a stored state without the attribute columns this spec keeps is a stale value, not an error
+    plain = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=96)
+    assert plain.fetch(np.array([5])).outcomes == ["bad_value"]

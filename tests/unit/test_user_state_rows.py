@@ -12,6 +12,7 @@ from recserve.clients.rows import RowFormatError, read_rows
 from recserve.clients.writers import write_csv, write_tsv
 from recserve.core.names import BYTES_WIRE, IDS_WIRE, USER_ID, USER_SEQ
 from recserve.core.spec.parse import parse_spec
+from recserve.core.user_state_wire import user_key
 from tests.unit.helpers import ctr_spec_document
 
 
@@ -72,9 +73,11 @@ def test_bad_user_state_fields_name_their_line_and_column():
     with pytest.raises(RowFormatError, match=r"line 3.*user_seq|user_seq.*line 3"):
         read_rows(io.StringIO("\n".join(lines) + "\n"), spec)
     lines = text.splitlines()
-    lines[1] = lines[1].rsplit(",", 2)[0] + ",x," + lines[1].rsplit(",", 1)[1]
-    with pytest.raises(RowFormatError, match="not an integer"):
+    lines[1] = lines[1].rsplit(",", 2)[0] + ",99999999999999999999," + lines[1].rsplit(",", 1)[1]
+    with pytest.raises(RowFormatError, match=r"line 2.*user_id.*beyond int64|beyond int64.*line 2"):
         read_rows(io.StringIO("\n".join(lines) + "\n"), spec)
+    lines[1] = lines[1].rsplit(",", 2)[0] + ", u-17 ," + lines[1].rsplit(",", 1)[1]
+    assert read_rows(io.StringIO("\n".join(lines) + "\n"), spec).users[0] == user_key("u-17")  # a string id
     header = text.splitlines()[0].split(",")
     without_user = [",".join(f for f, h in zip(line.split(","), header, strict=True) if h != USER_ID)
                     for line in text.splitlines()]  # fmt: skip

@@ -38,6 +38,7 @@ _NONE = np.zeros(0, np.int64)
 @dataclass
 class _User:
     items: list[int] = field(default_factory=list)  # the newest events' items, oldest first
+    attributes: list[tuple[int, ...]] = field(default_factory=list)  # theirs, with aligned sequences
     seq: int = 0  # the last event's sequence number
     pending_since: float | None = None  # monotonic time of the first event not in a state yet
     pending_ts: list[float] = field(default_factory=list)  # their event times
@@ -123,7 +124,7 @@ class UserStateBuilder:
     def ingest(self, events: Events) -> None:
         """Take events (any users, log order) into the users' windows; they wait for their rebuild."""
         now = self.clock()
-        for user_id, seq, item, ts in events.rows():
+        for (user_id, seq, item, ts), attributes in zip(events.rows(), events.attribute_rows, strict=True):
             user = self.users.setdefault(user_id, _User())
             self.report.events += 1
             if seq <= user.seq:
@@ -131,8 +132,11 @@ class UserStateBuilder:
                 continue
             user.seq = seq
             user.items.append(item)
+            if attributes:
+                user.attributes.append(attributes)
             if len(user.items) > 2 * self.max_events:  # trimmed now and then, not per event
                 del user.items[: -self.max_events]
+                del user.attributes[: -self.max_events]
             if user.pending_since is None:
                 user.pending_since = now
             user.pending_ts.append(ts)
@@ -182,7 +186,8 @@ class UserStateBuilder:
 
     def _rebuild(self, uid: int, user: _User) -> None:
         window = np.asarray(user.items[-self.max_events :], np.int64)
-        built = build_state(window, user.seq, self.budget, self.key_space, self.versions)
+        attributes = np.asarray(user.attributes[-self.max_events :], np.int64) if user.attributes else None
+        built = build_state(window, user.seq, self.budget, self.key_space, self.versions, attributes)
         written = self.states.put(uid, built.state)
         done = self.wall()
         report = self.report

@@ -8,6 +8,9 @@ group and takes every ungrouped item within ``radius`` of it, until the budget's
 items left over join their nearest leader (they are counted, as the radius does not hold for them).
 A group is one token: its leader's id with the group's total count. This is an approximation: its
 error is measured (``recserve user-state`` and the tests report it), never assumed.
+
+With attributes (the values of the sequences aligned to the items, e.g. each event's category), a
+token is a distinct (item, attributes) tuple, placed in the key space by its item.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def build_state(
     budget: Budget,
     key_space: KeySpace,
     versions: tuple[int, int] = (0, 0),
+    attributes: np.ndarray | None = None,
 ) -> Built:
     """The state of a user whose newest events are ``items`` (oldest first), the last one ``seq``.
 
@@ -57,7 +61,19 @@ def build_state(
         budget: the token budget.
         key_space: item ids to key vectors; called only when the items do not fit.
         versions: ``(table version, dense version)`` the key space belongs to.
+        attributes: int64 ``[events, k]``: each event's attributes (None: none); a token is then a
+            distinct (item, attributes) tuple.
     """
+    if attributes is not None and attributes.shape[1]:
+        # each distinct tuple as a local id: the tokens are built over the ids, then mapped back
+        tuples, local = np.unique(np.column_stack([items, attributes]), axis=0, return_inverse=True)
+        built = build_state(local.reshape(-1), seq, budget, lambda ids: key_space(tuples[ids, 0]), versions)
+        state, ids = built.state, built.state.tokens.items
+        tokens = Tokens(tuples[ids, 0].copy(), state.tokens.counts)
+        with_attributes = UserState(
+            seq, state.mode, tokens, state.table_version, state.dense_version, tuples[ids, 1:].copy()
+        )
+        return Built(with_attributes, built.grouped_items, built.over_radius)
     tokens = dedup(items)
     if len(tokens) <= budget.tokens:
         return Built(UserState(seq, EXACT, tokens, *versions), 0, 0)

@@ -80,8 +80,8 @@ class UserStates(Protocol):
 class _Decoder:
     """Decodes stored values, counting and (at most once a minute) logging the refused ones."""
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
+    def __init__(self, max_tokens: int, attributes: int = 0) -> None:
+        self.max_tokens, self.attributes = max_tokens, attributes
         self.refused = 0
         self._logged_at = -BAD_VALUE_LOG_INTERVAL_S
 
@@ -106,7 +106,7 @@ class _Decoder:
         if todo:
             user_ids = users.tolist()
             for i, decoded in zip(
-                todo, decode_states([values[i] for i in todo], self.max_tokens), strict=True
+                todo, decode_states([values[i] for i in todo], self.max_tokens, self.attributes), strict=True
             ):
                 if isinstance(decoded, StateFormatError):
                     outcomes[i] = BAD_VALUE
@@ -136,14 +136,20 @@ class LocalUserStates:
         ttl_s: how long a state lives after its last write.
         max_tokens: the most tokens a state read back may hold.
         clock: seconds since the epoch (processes share the file, so wall time).
+        attributes: the attribute columns of a state read back (the spec's aligned sequences).
     """
 
     def __init__(
-        self, path: Path, ttl_s: float, max_tokens: int, clock: Callable[[], float] = time.time
+        self,
+        path: Path,
+        ttl_s: float,
+        max_tokens: int,
+        clock: Callable[[], float] = time.time,
+        attributes: int = 0,
     ) -> None:
         self.path, self.ttl_s, self.clock = Path(path), ttl_s, clock
         self.errors = 0  # fetches that failed on the file (every user ``error``)
-        self._decode = _Decoder(max_tokens)
+        self._decode = _Decoder(max_tokens, attributes)
         self._local = threading.local()
         with opening_lock(self.path):
             self.set_aside = int(set_aside_if_corrupt(self.path) is not None)
@@ -223,11 +229,12 @@ class RedisUserStates:
         deadline_s: float,
         breaker: CircuitBreaker,
         prefix: str = STATE_PREFIX,
+        attributes: int = 0,
     ) -> None:
         self.client, self.ttl_ms, self.deadline_s = client, max(1, int(ttl_s * 1000)), deadline_s
         self.breaker, self.prefix = breaker, prefix
         self.errors = 0
-        self._decode = _Decoder(max_tokens)
+        self._decode = _Decoder(max_tokens, attributes)
         self._script = client.register_script(_COMPARE_AND_SET)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="recserve-user-state")
         self._calls = threading.local()  # each calling thread's call in flight (``inflight``)
@@ -280,8 +287,12 @@ class RedisUserStates:
         self._pool.shutdown(wait=False)
 
 
-def open_user_states(section: UserStateSection, store: StoreSection, folder: Path) -> UserStates:
+def open_user_states(
+    section: UserStateSection, store: StoreSection, folder: Path, attributes: int = 0
+) -> UserStates:
     """The store ``[user_state] store`` names: its SQLite file (under ``folder`` when relative) or Redis.
+
+    ``attributes``: the attribute columns of the states (the spec's sequences aligned to the items).
 
     Raises:
         L3ConnectError: ``redis`` with a ``[store]`` that reaches no usable cluster.
@@ -290,5 +301,7 @@ def open_user_states(section: UserStateSection, store: StoreSection, folder: Pat
     if section.store == "redis":
         tier = RedisTier.connect(replace(store, redis_deadline_ms=section.deadline_ms))
         breaker = CircuitBreaker(store.breaker_failures, store.breaker_cooldown_s)
-        return RedisUserStates(tier.client, section.ttl_s, max_tokens, section.deadline_ms / 1000, breaker)
-    return LocalUserStates(folder / section.local_path, section.ttl_s, max_tokens)
+        return RedisUserStates(
+            tier.client, section.ttl_s, max_tokens, section.deadline_ms / 1000, breaker, attributes=attributes
+        )
+    return LocalUserStates(folder / section.local_path, section.ttl_s, max_tokens, attributes=attributes)

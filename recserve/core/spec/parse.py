@@ -158,11 +158,12 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     access.check()
     user_state = parse_section(UserStateSection, doc.get("user_state", {}), "user_state")
     user_state.check(seq_buckets[-1])
-    if user_state.enabled and len(features.sequences) > 1:  # refused here, not first by the server
-        names = ", ".join(s.name for s in features.sequences)
+    apart = [s.name for s in sequences[1:] if s.positions != sequences[0].name]
+    if user_state.enabled and apart:  # refused here, not first by the server
         raise SpecError(
-            f"[user_state] keeps one sequence per user (its items); the spec has {len(features.sequences)} "
-            f"({names}): serve it with [user_state] enabled = false"
+            f"[user_state] keeps one behaviour sequence per user, with the sequences aligned to it "
+            f"(positions = {sequences[0].name!r}) as its events' attributes; not aligned to it: "
+            f"{', '.join(apart)}. Serve the spec with [user_state] enabled = false"
         )
     seq_buckets = user_state.state_buckets(seq_buckets)
     request_log = parse_section(LoggingSection, doc.get("logging", {}), "logging")
