@@ -53,28 +53,29 @@ def _normalise_url(url: str | None, protocol: str) -> tuple[str, bool]:
 
 @dataclass(frozen=True)
 class Scores:
-    """One response with the versions that served it.
+    """One response with the versions that served it (once for the request: its rows agree).
 
     Attributes:
         probabilities: float32 ``[B]`` click probabilities.
-        dense_version: int64 ``[B]``: the ``dense`` model version that scored each row.
-        embedding_version: int64 ``[B, T]``: per row, the version of each embedding table in the
-            store snapshot that served it, in the order of :attr:`tables`. A request is served by one
-            snapshot, so its rows agree.
-        tables: table names, the columns of ``embedding_version`` (the spec's ``table_names``).
+        dense_version: the ``dense`` model version that scored the request's rows (0 for an empty
+            request: nothing served it).
+        embedding_version: int64 ``[T]``: the version of each embedding table in the store
+            snapshot that served the request, in the order of :attr:`tables` (a request is served by
+            one snapshot; zeros for an empty request).
+        tables: table names, the order of ``embedding_version`` (the spec's ``table_names``).
         request_id: the id the request was sent with (the caller's, or one the client made): the
             server's request log and click events name the request by it.
     """
 
     probabilities: np.ndarray
-    dense_version: np.ndarray
+    dense_version: int
     embedding_version: np.ndarray
     tables: tuple[str, ...]
     request_id: str = ""
 
-    def table_versions(self, row: int = 0) -> dict[str, int]:
-        """Table name -> version that served ``row``."""
-        return dict(zip(self.tables, (int(v) for v in self.embedding_version[row]), strict=True))
+    def table_versions(self) -> dict[str, int]:
+        """Table name -> version that served the request."""
+        return dict(zip(self.tables, (int(v) for v in self.embedding_version), strict=True))
 
 
 #: The longest request id the client sends (Triton takes any string; a log keys its records by it).
@@ -357,23 +358,18 @@ class ClientBase:
     def _scores(
         self, result: Any, rows: int, probabilities: np.ndarray | None = None, request_id: str = ""
     ) -> Scores:
+        # the versions leave once per request (one row), not once per row
         return Scores(
             self._probabilities(result, rows) if probabilities is None else probabilities,
-            self._output(result, DENSE_VERSION, rows, np.int64).reshape(-1),
-            self._output(result, EMBEDDING_VERSION, rows, np.int64).reshape(rows, -1),
+            int(self._output(result, DENSE_VERSION, 1, np.int64).reshape(-1)[0]),
+            self._output(result, EMBEDDING_VERSION, 1, np.int64).reshape(-1),
             self.spec.table_names,
             request_id,
         )
 
     def _empty_scores(self, request_id: str = "") -> Scores:
         tables = self.spec.table_names
-        return Scores(
-            np.zeros(0, np.float32),
-            np.zeros(0, np.int64),
-            np.zeros((0, len(tables)), np.int64),
-            tables,
-            request_id,
-        )
+        return Scores(np.zeros(0, np.float32), 0, np.zeros(len(tables), np.int64), tables, request_id)
 
     def _check_batch_size(self, batch_size: int) -> None:
         if not 1 <= batch_size <= self.spec.model.max_batch_size:

@@ -11,9 +11,9 @@ Example::
 
 Inputs are the request tensors of the spec's ensemble (see :meth:`Rows.to_inputs`), sent in
 the id form by default (``wire="ids"``: categorical values as 64-bit ids; ``wire="bytes"``: as
-text); the output is the click probability per row. :meth:`CTRClient.score_inputs` also returns,
-per row, the versions that served it (:class:`Scores`: the dense model's version and every
-embedding table's version). Every transport error is raised as a
+text); the output is the click probability per row. :meth:`CTRClient.score_inputs` also returns
+the versions that served the request, once for it (:class:`Scores`: the dense model's version and
+every embedding table's version). Every transport error is raised as a
 :class:`~recserve.clients.errors.RecserveClientError` subclass.
 """
 
@@ -183,7 +183,7 @@ class CTRClient(ClientBase):
         return self._probabilities(result, rows)
 
     def score_inputs(self, inputs: Mapping[str, np.ndarray], request_id: str | None = None) -> Scores:
-        """Send one request; the probabilities with the dense and embedding versions that served each row.
+        """Send one request; the probabilities with the dense and embedding versions that served it.
 
         Args:
             inputs: as for :meth:`predict_inputs`.

@@ -11,6 +11,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,11 +115,17 @@ def infer_inputs(module: Any, inputs: dict[str, np.ndarray]) -> list[Any]:
     return tensors
 
 
-def infer_request(model: str, inputs: dict[str, np.ndarray]) -> Any:
-    """A ready-to-send gRPC ``ModelInferRequest`` (raw binary contents; BYTES length-prefixed), built once."""
+def infer_request(model: str, inputs: dict[str, np.ndarray], outputs: Sequence[str] = (PROBABILITY,)) -> Any:
+    """A ready-to-send gRPC ``ModelInferRequest`` (raw binary contents; BYTES length-prefixed), built once.
+
+    It asks for ``outputs`` only (the probabilities by default): a request naming no output gets
+    every output of the model back.
+    """
     from tritonclient.grpc import service_pb2
 
     message = service_pb2.ModelInferRequest(model_name=model)
+    for name in outputs:
+        message.outputs.add(name=name)
     for name, array in inputs.items():
         tensor = message.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype))
         tensor.shape.extend(array.shape)
@@ -131,18 +138,18 @@ def infer_request(model: str, inputs: dict[str, np.ndarray]) -> Any:
 def _send(
     module: Any, client: Any, spec: ModelSpec, inputs: dict[str, np.ndarray]
 ) -> tuple[int, tuple[int, ...]]:
-    """One request; the dense version and the table versions that served it (every row must agree)."""
+    """One request; the dense version and the table versions that served it (one row for the request)."""
     tensors = infer_inputs(module, inputs)
     outputs = [module.InferRequestedOutput(name) for name in (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)]
     result = client.infer(spec.name, tensors, outputs=outputs)
     if result.as_numpy(PROBABILITY) is None:
         raise InferenceServerException("response without probability")
-    embedding = result.as_numpy(EMBEDDING_VERSION)
-    if (embedding != embedding[0]).any():
+    embedding, dense = result.as_numpy(EMBEDDING_VERSION), result.as_numpy(DENSE_VERSION)
+    if embedding.shape != (1, len(spec.table_names)) or dense.size != 1:
         raise InferenceServerException(
-            f"the rows of one response name different embedding versions: {np.unique(embedding, axis=0)}"
+            f"versions are one row per request: got {list(dense.shape)} and {list(embedding.shape)}"
         )
-    return int(result.as_numpy(DENSE_VERSION).reshape(-1)[0]), tuple(int(v) for v in embedding[0])
+    return int(dense.reshape(-1)[0]), tuple(int(v) for v in embedding[0])
 
 
 def traffic_worker(

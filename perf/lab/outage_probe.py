@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recserve.core.names import EMBEDDING_LOOKUP, PROBABILITY
+from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import infer_request
 from recserve.server import LOOPBACK, TritonServer
@@ -109,8 +109,7 @@ class OutageProbe:
 
         self.server = server
         self.models = (spec.name, EMBEDDING_LOOKUP)  # readiness: the ensemble and the L3 step
-        self.message = infer_request(spec.name, wire)
-        self.message.outputs.add(name=PROBABILITY)
+        self.message = infer_request(spec.name, wire)  # asks for the probabilities only
         self.channel = grpc.insecure_channel(server.grpc_url)
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self.reference = reference  # the scores when L3 serves every item row

@@ -5,7 +5,9 @@ differ in width between requests. Merging zero-pads them to the widest request (
 carry mask 0 and never change a row's result), so one vectorised call serves the whole batch.
 Sequences padded on the left (``padding = "left"`` in the spec) are padded and cut on the left.
 A device step's tensors (torch, handed over through DLPack) are merged on their device with
-``torch.cat``: one concatenation per tensor, whatever the number of requests.
+``torch.cat``: one concatenation per tensor, whatever the number of requests. What a step returns
+once per request (the versions that served it: :data:`~recserve.core.names.PER_REQUEST_OUTPUTS`)
+is made once for the merged batch, and every request gets that one row.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from recserve.core.names import PER_REQUEST_OUTPUTS
 
 
 def merge(
@@ -70,6 +74,7 @@ def split(
     sizes: Sequence[int],
     widths: Mapping[str, Sequence[int]] | None = None,
     left: Collection[str] = (),
+    whole: Collection[str] = PER_REQUEST_OUTPUTS,
 ) -> list[dict[str, np.ndarray]]:
     """Split merged outputs back into per-request outputs.
 
@@ -78,6 +83,8 @@ def split(
         sizes: rows of each request, in order.
         widths: for ragged outputs, each request's own width along axis 1 (padding is cut off).
         left: the ragged outputs padded on the left: each request keeps its last columns.
+        whole: the outputs made once for the merged batch (one row: the versions that served it);
+            every request gets them as they are.
     """
     widths = widths or {}
     bounds = np.cumsum([0, *sizes])
@@ -85,6 +92,9 @@ def split(
     for i in range(len(sizes)):
         part = {}
         for name, array in outputs.items():
+            if name in whole:
+                part[name] = array
+                continue
             piece = array[bounds[i] : bounds[i + 1]]
             if name in widths:
                 width = widths[name][i]

@@ -34,6 +34,7 @@ from recserve.core.names import (
     HISTORY_KEYS,
     MULTI_HOT_KEYS,
     PROBABILITY,
+    SPARSE_EMBEDDINGS,
     SPARSE_KEYS,
     TARGET_KEY,
 )
@@ -71,6 +72,14 @@ def host(array: Any) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array.copy()
     return np.asarray(array.detach().cpu().numpy()).copy()
+
+
+def served_rows(outputs: Mapping[str, Any]) -> int:
+    """The rows of one lookup response: its sparse vectors' rows (a list's: users × candidates)."""
+    listed = outputs.get(CANDIDATE_PREFIX + SPARSE_EMBEDDINGS)
+    if listed is not None:
+        return int(listed.shape[0] * listed.shape[1])
+    return int(outputs[SPARSE_EMBEDDINGS].shape[0])
 
 
 def _lists(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
@@ -135,10 +144,12 @@ class FeatureLog(_Observer):
     def _observe(
         self, request: Any, inputs: Mapping[str, Any], outputs: Mapping[str, Any], is_list: bool
     ) -> None:
-        versions = host(outputs[EMBEDDING_VERSION])
-        identity = self.identify(request, versions.shape[0])
+        rows = served_rows(outputs)
+        identity = self.identify(request, rows)
         if identity is None:
             return
+        # the request's one row of versions, every row's (a record per row keeps them)
+        versions = np.broadcast_to(host(outputs[EMBEDDING_VERSION])[:1], (rows, len(self.spec.table_names)))
         dense = outputs.get(DENSE_NORMALIZED, outputs.get(CANDIDATE_PREFIX + DENSE_NORMALIZED))
         copied = {name: host(value) for name, value in inputs.items()}
         build = functools.partial(
@@ -146,11 +157,11 @@ class FeatureLog(_Observer):
             identity,
             time.time_ns() // 1000,
             copied,
-            None if dense is None else host(dense).reshape(versions.shape[0], -1),
+            None if dense is None else host(dense).reshape(rows, -1),
             versions,
             is_list,
         )
-        self.writer.offer(Entry(FEATURES, versions.shape[0], build))
+        self.writer.offer(Entry(FEATURES, rows, build))
 
     def build(
         self,
@@ -211,7 +222,7 @@ class ScoreLog(_Observer):
         identity = self.identify(request, scores.shape[0])
         if identity is None:
             return
-        versions = host(outputs[DENSE_VERSION]).reshape(-1)
+        versions = np.broadcast_to(host(outputs[DENSE_VERSION]).reshape(-1)[:1], scores.shape)
         build = functools.partial(self.build, identity, time.time_ns() // 1000, scores, versions)
         self.writer.offer(Entry(SCORES, scores.shape[0], build))
 

@@ -62,9 +62,9 @@ class EmbeddingLookup:
     are then pooled with their weights; sequences sharing positions, and their targets, are summed
     (or concatenated: ``combine = "concat"``).
 
-    Each row also reports the store snapshot that served it: every table's version, in the spec's
-    table order (``embedding_version``). The store answers a whole batch from one snapshot, so all
-    rows of a batch carry the same versions.
+    Each batch also reports the store snapshot that served it: every table's version, in the spec's
+    table order (``embedding_version``, one row ``[1, T]``). The store answers a whole batch from one
+    snapshot, so that one row is every request's of the batch.
 
     Args:
         spec: the model spec.
@@ -233,8 +233,8 @@ class EmbeddingLookup:
         """Vectors for one batch: ``[B, F, D]`` sparse, ``[B, W]`` target, ``[B, L, W]`` history per group.
 
         numpy arrays, or tensors on the device of ``device_l1`` when it is set. Also
-        ``embedding_version`` ``[B, T]`` (numpy, on the host): the table versions of the snapshot
-        that served the batch.
+        ``embedding_version`` ``[1, T]`` (numpy, on the host): the table versions of the snapshot
+        that served the batch, once for the batch (every request of it gets that row).
 
         Args:
             inputs: the keys as :class:`~recserve.backends.features.transform.FeatureTransform` made
@@ -252,9 +252,7 @@ class EmbeddingLookup:
             weighted = np.asarray(vectors[:, single : single + multi]) * inputs[MULTI_HOT_WEIGHTS][:, :, None]
             pooled = np.einsum("bmd,mk->bkd", weighted, self.pooling)
             sparse = np.concatenate([np.asarray(sparse), pooled], axis=1)
-        out: dict[str, np.ndarray | torch.Tensor] = {
-            EMBEDDING_VERSION: np.repeat(versions[None, :], rows, axis=0)
-        }
+        out: dict[str, np.ndarray | torch.Tensor] = {EMBEDDING_VERSION: versions[None, :]}
         if self.widths is None:  # every table of embedding_dim: the slots as they are
             out[SPARSE_EMBEDDINGS] = sparse
         else:  # the store holds every vector at its widest width: each width's slots, cut to it
@@ -351,8 +349,8 @@ class FeaturesToEmbeddings:
 
         The per-candidate inputs of the dense contract come back as ``candidate_<name>``,
         ``[U, N, ...]``, and the history and its mask with one row per user, ``[U, L, ...]``
-        (what ``dense`` takes from the candidates ensemble); ``embedding_version`` has a row per
-        candidate. With ``expand``, the row layout's outputs instead: every candidate row with its
+        (what ``dense`` takes from the candidates ensemble); ``embedding_version`` has one row for
+        the list. With ``expand``, the row layout's outputs instead: every candidate row with its
         user's history (for a ``dense`` that takes rows only). See
         :func:`recserve.core.candidate_lists.candidate_rows` for the inputs.
 

@@ -26,7 +26,7 @@ class DenseRequests:
     Args:
         spec: the model spec (the network's inputs, those padded on the left).
         step: the dense step.
-        version: the dense model's version, returned per row.
+        version: the dense model's version, returned once per request.
         warmup_requests: how many of the first requests are Triton's warm-up.
         log: the request log (None: logging off).
     """
@@ -36,6 +36,7 @@ class DenseRequests:
     ) -> None:
         self.step, self.version, self.warmup_left, self.log = step, version, warmup_requests, log
         self.input_names = dense_net_inputs(spec)
+        self.version_row = np.full((1, 1), version, np.int64)
         self.left_padded = left_padded_inputs(spec)
 
     def execute(self, requests: list) -> tuple[list, bool]:
@@ -70,7 +71,7 @@ class DenseRequests:
         return responses, served
 
     def score(self, merged: dict) -> dict:
-        """The network's outputs and, per row, the version that computed them."""
+        """The network's outputs and the version that computed them (one row, every request's)."""
         return self.versioned(self.step.compute(merged))
 
     def score_list(self, inputs: dict, requested: frozenset) -> dict:
@@ -84,6 +85,5 @@ class DenseRequests:
         return [self.versioned({PROBABILITY: probability}) for probability in self.step.score_lists(lists)]
 
     def versioned(self, outputs: dict) -> dict:
-        """``outputs`` with, per row, the version that computed them."""
-        rows = outputs[PROBABILITY].shape[0]
-        return {**outputs, DENSE_VERSION: np.full((rows, 1), self.version, np.int64)}
+        """``outputs`` with the version that computed them: ``[1, 1]``, once per request, not per row."""
+        return {**outputs, DENSE_VERSION: self.version_row}

@@ -49,12 +49,16 @@ USER_SEQ = "user_seq"
 PROBABILITY = "probability"
 #: The output of a dense ONNX that returns logits (``[model] output = "logit"``); served as its sigmoid.
 LOGIT = "logit"
-#: Per row, the version of the ``dense`` model that scored it (hot swaps are visible to clients).
+#: Per request, the version of the ``dense`` model that scored its rows (hot swaps are visible to
+#: clients): one row, ``[1, 1]``, whatever the rows of the request.
 DENSE_VERSION = "dense_version"
-#: Per row, the version of every embedding table in the store snapshot that served it, in the order of
-#: :attr:`recserve.core.spec.model.ModelSpec.table_names` (one snapshot per batch: a request's rows
-#: agree).
+#: Per request, the version of every embedding table in the store snapshot that served it, in the order
+#: of :attr:`recserve.core.spec.model.ModelSpec.table_names` (one snapshot per batch, so every row of a
+#: request agrees): one row, ``[1, T]``, whatever the rows of the request.
 EMBEDDING_VERSION = "embedding_version"
+#: The outputs a step returns once per request, not once per row: a merged batch's one row is every
+#: request's own (:func:`recserve.backends.base.batching.split`).
+PER_REQUEST_OUTPUTS = (DENSE_VERSION, EMBEDDING_VERSION)
 #: Prefix of ``embedding_lookup``'s candidate-list inputs: the candidates ensemble
 #: (:attr:`recserve.core.spec.model.ModelSpec.candidates_model`) hands it each per-candidate wire input ``x``,
 #: ``[users, candidates, ...]``, as ``candidate_x``; the user's sequences keep their names.

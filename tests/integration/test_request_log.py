@@ -84,8 +84,8 @@ def test_every_step_logs_the_client_request_id_with_the_scores_it_got(served):
         assert len(by_request[request_id]) == len(scores)
         np.testing.assert_array_equal(logged, scores)  # bit for bit: the score the client got
     # both steps saw the same id (a features row met its score row) and the dense version
-    assert set(log["dense_version"]) == {int(got["grpc"].dense_version[0])}
-    assert log["embedding_version"][0] == list(got["grpc"].embedding_version[0])
+    assert set(log["dense_version"]) == {got["grpc"].dense_version}
+    assert log["embedding_version"][0] == list(got["grpc"].embedding_version)
 
 
 def test_the_logged_keys_and_dense_values_are_those_the_transform_gives(served, spec):

@@ -47,3 +47,11 @@ def test_tensors_on_the_host_and_on_a_device_join_on_the_device():
         assert merged["x"].device.type == "meta" and tuple(merged["x"].shape) == (3, 5)
     merged, _ = merge([on_host, {"x": torch.zeros((1, 5))}])
     assert merged["x"].device.type == "cpu" and merged["x"].sum() == 5
+
+
+def test_the_versions_made_once_for_a_merged_batch_go_whole_to_every_request():
+    merged, sizes = merge([{"x": np.zeros((3, 2))}, {"x": np.ones((5, 2))}])
+    versions = np.array([[4, 7]], np.int64)  # one row for the batch, not one per row
+    parts = split({"probability": np.arange(8.0)[:, None], "embedding_version": versions}, sizes)
+    assert [p["probability"].shape for p in parts] == [(3, 1), (5, 1)]
+    assert all(p["embedding_version"] is versions for p in parts)

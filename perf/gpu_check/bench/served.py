@@ -208,7 +208,12 @@ def run_points(
 def served_scores(url: str, model: str, request: dict[str, np.ndarray]) -> np.ndarray:
     """One request's probabilities."""
     with grpcclient.InferenceServerClient(url) as client:
-        result = client.infer(model, infer_inputs(grpcclient, request), client_timeout=TIMEOUT_S)
+        result = client.infer(
+            model,
+            infer_inputs(grpcclient, request),
+            outputs=[grpcclient.InferRequestedOutput(PROBABILITY)],  # the versions are not read here
+            client_timeout=TIMEOUT_S,
+        )
     return np.asarray(result.as_numpy(PROBABILITY)).reshape(-1)
 
 
