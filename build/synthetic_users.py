@@ -37,14 +37,29 @@ class LongUsers:
         """The items of row ``user``'s events (its index among the rows), oldest first."""
         return self.rows.history[user, : self.rows.lengths[user]].astype(np.int64)
 
+    @property
+    def attribute_names(self) -> tuple[str, ...]:
+        """The sequences aligned to the first (each event's attributes, by name)."""
+        return tuple(s.name for s in self.spec.sequences[1:] if s.positions == self.spec.sequences[0].name)
+
     def event_log(self, start_ts: float = 0.0) -> Events:
-        """Every user's events as the builder reads them: ``(user, seq, item, ts)``, one second apart."""
+        """Every user's events as the builder reads them: ``(user, seq, item, ts)``, one second apart.
+
+        With sequences aligned to the first, each event carries their values at its position.
+        """
+        names = self.attribute_names
         rows = [
-            (int(user), seq + 1, int(item), start_ts + seq)
+            (
+                int(user),
+                seq + 1,
+                int(item),
+                start_ts + seq,
+                tuple(int(self.rows.side[n][index, seq]) for n in names),
+            )
             for index, user in enumerate(self.users.tolist())
             for seq, item in enumerate(self.events(index).tolist())
         ]
-        return Events.of(rows)
+        return Events.of(rows, len(names))
 
     def wire(self, served: ModelSpec, tail: int | None = None) -> dict[str, np.ndarray]:
         """Request tensors for ``served``: each user's newest ``tail`` events, ``user_id`` and ``user_seq``.
@@ -60,13 +75,18 @@ class LongUsers:
         return wire
 
     def tail_rows(self, tail: int) -> Rows:
-        """The rows with each history cut to its newest ``tail`` events (what a request sends)."""
+        """The rows with each history (and the sequences aligned to it) cut to its newest ``tail`` events."""
         lengths = self.rows.lengths.astype(np.int64)
         kept = np.minimum(lengths, tail)
-        history = np.zeros((lengths.size, max(int(kept.max(initial=0)), 1)), np.int64)
+        width = max(int(kept.max(initial=0)), 1)
+        columns = {"": self.rows.history, **{n: self.rows.side[n] for n in self.attribute_names}}
+        cut = {name: np.zeros((lengths.size, width), np.int64) for name in columns}
         for r, (n, k) in enumerate(zip(lengths.tolist(), kept.tolist(), strict=True)):
-            history[r, :k] = self.rows.history[r, n - k : n]
-        return replace(self.rows, history=history, lengths=kept.astype(np.int32))
+            for name, column in columns.items():
+                cut[name][r, :k] = column[r, n - k : n]
+        history = cut.pop("")
+        side = {**self.rows.side, **cut}
+        return replace(self.rows, history=history, lengths=kept.astype(np.int32), side=side)
 
 
 def long_spec(spec: ModelSpec, max_events: int, mean_events: float) -> ModelSpec:

@@ -65,7 +65,8 @@ def _sample(args: argparse.Namespace) -> int:
         from recserve.build.synthetic_users import long_users
 
         made = long_users(spec, args.rows, args.seed)
-        append_events(args.event_log, made.event_log(start_ts=time.time() - spec.user_state.max_events))
+        events = made.event_log(start_ts=time.time() - spec.user_state.max_events)
+        append_events(args.event_log, events, made.attribute_names)
         # each row a user's newest tail, with its user and newest event's number (read back by predict)
         rows = made.tail_rows(spec.user_state.tail).with_user_state(spec, made.users, made.rows.lengths)
         print(

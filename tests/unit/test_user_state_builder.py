@@ -198,3 +198,34 @@ def test_the_key_space_takes_the_newest_dense_version_with_a_key_projection_of_i
     space = RepositoryKeySpace(None, "item", np.uint64(1), np.ones((4, 3), np.float32), np.zeros(4), 1)
     assert space.newer_dense(tmp_path) and space.dense_version == 2 and space.weight[0, 0] == 2.0
     assert not space.newer_dense(tmp_path)
+
+
+def test_events_with_attributes_build_tuple_tokens_and_string_users_read_as_their_keys(tmp_path):
+    """Aligned sequences: an event's category travels with it, and the same item in two categories
+    is two tokens; a string user is its ``user_key``; an event without its attribute is refused."""
+    from recserve.core.user_state_wire import user_key
+
+    path = tmp_path / "events.jsonl"
+    lines = [
+        {"user": "u-1", "seq": 1, "item": 5, "ts": 0.0, "cate": 2},
+        {"user": "u-1", "seq": 2, "item": 5, "ts": 0.0, "cate": 3},
+        {"user": "u-1", "seq": 3, "item": 5, "ts": 0.0, "cate": 2},
+        {"user": "u-1", "seq": 4, "item": 6, "ts": 0.0},  # no category: refused
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    log = FileEventLog(path, attributes=("cate",))
+    events = log.read()
+    assert log.refused == 1 and events.users.tolist() == [user_key("u-1")] * 3
+    states = LocalUserStates(tmp_path / "s.sqlite", ttl_s=60, max_tokens=8, attributes=1)
+    builder = UserStateBuilder(states, Budget(8, 4, 0.5), lambda ids: ids[:, None] * 1.0, 100, 0.0)
+    builder.ingest(events)
+    builder.flush(force=True)
+    (state,) = states.fetch(np.array([user_key("u-1")])).states
+    assert state is not None and state.tokens.items.tolist() == [5, 5]  # (5, 3) then (5, 2), by last use
+    assert state.attribute_array[:, 0].tolist() == [3, 2] and state.tokens.counts.tolist() == [1, 2]
+    append_events(tmp_path / "again.jsonl", events, ("cate",))  # written back as they were read
+    assert FileEventLog(tmp_path / "again.jsonl", attributes=("cate",)).read().attributes.tolist() == [
+        [2],
+        [3],
+        [2],
+    ]
