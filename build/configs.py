@@ -23,7 +23,9 @@ from recserve.build.step_tensors import (
     model_input,
     model_output,
     request_inputs,
+    served_spec_parameter,
     step_io,
+    with_degrade,
 )
 from recserve.core.contract import sequence_inputs
 from recserve.core.gpu_batches import gpu_spec
@@ -202,7 +204,7 @@ def step_config(
         step == EMBEDDING_LOOKUP and profile == "cuda"
     ):  # L1 and the looked-up vectors stay on the GPU for dense
         config.parameters[L1_DEVICE_PARAMETER].string_value = "cuda"
-    return config
+    return with_degrade(spec, config)
 
 
 def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
@@ -224,7 +226,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
                 output_map={t.name: t.name for t in outputs},
             )
         )
-    return mc.ModelConfig(
+    config = mc.ModelConfig(
         name=spec.name,
         platform="ensemble",
         max_batch_size=spec.model.max_batch_size,
@@ -233,11 +235,7 @@ def ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.ModelConfig:
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
         parameters=served_spec_parameter(spec),
     )
-
-
-def served_spec_parameter(spec: ModelSpec) -> dict[str, mc.ModelParameter]:
-    """An ensemble's ``spec`` parameter: clients of the public models read the served spec from it."""
-    return {"spec": mc.ModelParameter(string_value=spec.to_json())}
+    return with_degrade(spec, config, profile)
 
 
 def single_form_ensemble(spec: ModelSpec, form: str, profile: str = "cpu") -> mc.ModelConfig:
@@ -302,7 +300,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
     unbatched = [dataclasses.replace(t, dims=(-1, *t.dims)) for t in users]
     unbatched += [dataclasses.replace(t, dims=(-1, -1, *t.dims)) for t in candidates]
     outputs = (*dense_outputs, intermediate_tensors(spec)[EMBEDDING_VERSION])
-    return mc.ModelConfig(
+    config = mc.ModelConfig(
         name=spec.candidates_model,
         platform="ensemble",
         max_batch_size=0,
@@ -311,6 +309,7 @@ def candidates_ensemble_config(spec: ModelSpec, profile: str = "cpu") -> mc.Mode
         ensemble_scheduling=mc.ModelEnsembling(step=steps),
         parameters=served_spec_parameter(spec),
     )
+    return with_degrade(spec, config, profile)
 
 
 def ensemble_names(spec: ModelSpec) -> tuple[str, ...]:

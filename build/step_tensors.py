@@ -21,6 +21,7 @@ from recserve.core.names import (
     PROBABILITY,
     WIRE_FORMS,
 )
+from recserve.core.sections.degrade import DEGRADE_LEVEL, REQUESTED_CANDIDATES
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.types import WireTensor
 from recserve.core.user_state_wire import user_state_inputs
@@ -110,6 +111,11 @@ def candidate_io(spec: ModelSpec) -> dict[str, tuple[tuple[WireTensor, ...], tup
     }
 
 
+def served_spec_parameter(spec: ModelSpec) -> dict[str, mc.ModelParameter]:
+    """An ensemble's ``spec`` parameter: clients of the public models read the served spec from it."""
+    return {"spec": mc.ModelParameter(string_value=spec.to_json())}
+
+
 def model_input(t: WireTensor) -> mc.ModelInput:
     """A config ``input`` entry for a tensor."""
     return mc.ModelInput(
@@ -124,3 +130,30 @@ def model_input(t: WireTensor) -> mc.ModelInput:
 def model_output(t: WireTensor) -> mc.ModelOutput:
     """A config ``output`` entry for a tensor."""
     return mc.ModelOutput(name=t.name, data_type=CONFIG_DTYPES[t.dtype], dims=list(t.dims))
+
+
+def with_degrade(spec: ModelSpec, config: mc.ModelConfig, profile: str = "cpu") -> mc.ModelConfig:
+    """``config`` with ``[degrade]``'s tensors added (as it is when the section is off).
+
+    ``embedding_lookup`` returns each request's served level (``degrade_level``: a row per row, or
+    per user of a list), an output of both ensembles. In the candidates ensemble ``dense`` also
+    takes the list's targets as requested (``requested_candidates``), so a list scored only in part
+    is answered for every candidate; a TensorRT ``dense`` (profile ``gpu``) scores what it gets.
+    """
+    if not spec.degrade.enabled:
+        return config
+    level = WireTensor(DEGRADE_LEVEL, "INT32", (1,))
+    requested = WireTensor(REQUESTED_CANDIDATES, "INT64", (-1, 1), ragged=True, optional=True)
+    lists = spec.candidates_model is not None and profile != "gpu"
+    if config.name == EMBEDDING_LOOKUP:
+        config.output.append(model_output(level))
+    elif config.name == DENSE and config.backend == "python" and lists:
+        config.input.append(model_input(requested))
+    elif config.platform == "ensemble":
+        steps = {step.model_name: step for step in config.ensemble_scheduling.step}
+        steps[EMBEDDING_LOOKUP].output_map[DEGRADE_LEVEL] = DEGRADE_LEVEL
+        batched = config.max_batch_size > 0  # the candidates ensemble: [users, 1]
+        config.output.append(model_output(level if batched else dataclasses.replace(level, dims=(-1, 1))))
+        if not batched and lists:
+            steps[DENSE].input_map[REQUESTED_CANDIDATES] = spec.target_names[0]
+    return config

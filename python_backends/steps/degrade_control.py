@@ -2,12 +2,13 @@
 
 Each level ``l`` (0: full, then the spec's ``[[degrade.levels]]``, last the refusal) has a cost
 ``c_l`` and a quality ``q_l`` against the full level's (1, 1; the refusal's are 0, 0). A request of
-value ``v`` (over the spec's default value) is served at the level that maximises
-``v x q_l - lambda x c_l``: at ``lambda = 0`` every request is served in full; as lambda grows the
-lowest values move to cheaper levels first, and are refused last (DCAF's choice of how much to compute
-per request). Lambda follows the load through a multiplicative feedback loop: every
-``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with ``target_queue_ms`` and
-``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update); below a floor lambda is 0.
+value ``v`` (in the units of ``[degrade.tiers]``; lambda in value per unit of cost) is served at
+the level that maximises ``v x q_l - lambda x c_l``: at ``lambda = 0`` every request is served in
+full; as lambda grows the lowest values move to cheaper levels first, and are refused last (DCAF's
+choice of how much to compute per request). Lambda follows the load through a multiplicative
+feedback loop: every ``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with
+``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update);
+below a floor lambda is 0.
 
 Plain Python, without Triton: the first step's adapter feeds it the measured wait
 (recserve.backends.steps.queue_wait) and asks it for each request's level.
@@ -43,7 +44,6 @@ class DegradeController:
         levels = section.levels
         self.costs = (1.0, *(level.cost for level in levels), *((0.0,) if section.refuse else ()))
         self.qualities = (1.0, *(level.quality for level in levels), *((0.0,) if section.refuse else ()))
-        self.scale = section.default_value or 1.0
         self.fixed = section.fixed_lambda >= 0
         self._lambda = max(section.fixed_lambda, 0.0)
         self.load = 0.0  # the latest wait over the target
@@ -79,8 +79,7 @@ class DegradeController:
         lam = self._lambda
         if lam == 0.0:
             return 0
-        v = value / self.scale
-        gains = [v * q - lam * c for q, c in zip(self.qualities, self.costs, strict=True)]
+        gains = [value * q - lam * c for q, c in zip(self.qualities, self.costs, strict=True)]
         best = max(gains)
         return gains.index(best)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.core.names import GPU_PROFILES, TRAFFIC_HEADER, VARIANT_HEADER
+from recserve.core.sections.degrade import METRICS_URL_ENV, VALUE_HEADER
 from recserve.server.child import ChildProcess, read_tail
 from recserve.server.mps import visible_gpus
 from recserve.server.runtime import ServerProcessError, prepare_runtime, server_env
@@ -84,9 +85,15 @@ def config_arguments(config_name: str | None) -> list[str]:
 
 
 #: The request headers tritonserver hands every step as request parameters: the variant the access
-#: layer routed a request to and its traffic kind (the request log's). Anchored: no other header (the
-#: admin key least of all) reaches a model.
-FORWARDED_HEADERS = f"^({VARIANT_HEADER}|{TRAFFIC_HEADER})$"
+#: layer routed a request to and its traffic kind (the request log's), and the request's value
+#: (``[degrade]``). Anchored: no other header (the admin key least of all) reaches a model.
+FORWARDED_HEADERS = f"^({VARIANT_HEADER}|{TRAFFIC_HEADER}|{VALUE_HEADER})$"
+
+
+def metrics_env(ports: Ports, host: str = LOOPBACK) -> dict[str, str]:
+    """The steps' way to the server's own metrics endpoint (``[degrade]`` reads the queue wait there)."""
+    reachable = LOOPBACK if host in ("", "0.0.0.0", "::") else host  # noqa: S104 (a listening address)
+    return {METRICS_URL_ENV: f"http://{reachable}:{ports.metrics}/metrics"}
 
 
 def server_command(
@@ -204,7 +211,7 @@ class TritonServer(ChildProcess):
                 security=self.security,
                 exit_timeout_s=self.exit_timeout_s,
             ),
-            env=server_env(),
+            env={**server_env(), **metrics_env(self.ports, self.host)},
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         if self.log_path is None:

@@ -7,8 +7,17 @@ import pytest
 import tomllib
 
 from recserve.backends.steps.degrade_control import LAMBDA_FLOOR, DegradeController
+from recserve.build.configs import all_configs
 from recserve.core.sections.base import SpecError
-from recserve.core.sections.degrade import FULL, REFUSED, VALUE_HEADER, DegradeLevel, DegradeSection
+from recserve.core.sections.degrade import (
+    DEGRADE_LEVEL,
+    FULL,
+    REFUSED,
+    REQUESTED_CANDIDATES,
+    VALUE_HEADER,
+    DegradeLevel,
+    DegradeSection,
+)
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
 
@@ -38,6 +47,33 @@ def section(**changes) -> DegradeSection:
 def test_without_the_section_nothing_is_degraded_and_the_served_spec_is_unchanged(spec):
     assert not spec.degrade.enabled and "degrade" not in spec.to_json()
     assert DegradeController(spec.degrade).level(0.0) == 0
+
+
+def served_tensors(spec) -> dict[str, set[str]]:
+    """Each config's inputs, outputs and step mappings, by model (the spec parameter left out)."""
+    out = {}
+    for name, config in all_configs(spec).items():
+        names = {f"in:{i.name}" for i in config.input} | {f"out:{o.name}" for o in config.output}
+        for step in config.ensemble_scheduling.step:
+            names |= {f"{step.model_name}:{k}<-{v}" for k, v in step.input_map.items()}
+            names |= {f"{step.model_name}:{k}->{v}" for k, v in step.output_map.items()}
+        out[name] = names
+    return out
+
+
+def test_the_section_adds_the_level_output_and_a_lists_requested_candidates_and_nothing_when_off(spec):
+    plain = served_tensors(spec)
+    assert served_tensors(parse_spec(ctr_doc(degrade={**DEGRADE, "enabled": False}))) == plain
+    on = served_tensors(parse_spec(ctr_doc(degrade=DEGRADE)))
+    added = {name: on[name] - plain[name] for name in on}
+    level = {f"out:{DEGRADE_LEVEL}", f"embedding_lookup:{DEGRADE_LEVEL}->{DEGRADE_LEVEL}"}
+    assert added == {
+        "embedding_lookup": {f"out:{DEGRADE_LEVEL}"},
+        "dense": {f"in:{REQUESTED_CANDIDATES}"},
+        "ctr": level,
+        "ctr_candidates": level | {f"dense:{REQUESTED_CANDIDATES}<-target_item"},
+    }
+    assert all(not plain[name] - on[name] for name in on)
 
 
 def test_the_section_names_levels_tiers_and_the_default():

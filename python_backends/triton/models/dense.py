@@ -5,6 +5,7 @@ from recserve.backends.dense.compatibility import check_dense_fits, onnx_input_d
 from recserve.backends.dense.runner import DenseStep
 from recserve.backends.request_log.step_log import score_log
 from recserve.backends.triton.adapter import ModelContext, instance_device
+from recserve.backends.triton.degrade_requests import answer_lists
 from recserve.backends.triton.dense_requests import DenseRequests
 from recserve.backends.triton.publisher import MetricsPublisher
 from recserve.core.names import DENSE_DEVICE_PARAMETER
@@ -30,6 +31,8 @@ class TritonPythonModel:
         self.requests = DenseRequests(
             context.spec, self.step, context.version, context.warmup_requests, self.log
         )
+        # [degrade]: a candidate list cut short is answered for every candidate it asked for
+        self.fallback = context.spec.degrade.fallback_score if context.spec.degrade.enabled else None
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
@@ -39,6 +42,8 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         """Finite probabilities for every valid request (see DenseRequests)."""
         responses, served = self.requests.execute(requests)
+        if self.fallback is not None:
+            responses = answer_lists(requests, responses, self.fallback)
         if not served:  # published after every warm-up batch, so the counts are whole once READY
             self.metrics.publish_now(self.samples)
         return responses

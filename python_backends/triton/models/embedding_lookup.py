@@ -12,6 +12,7 @@ from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
 from recserve.backends.steps.user_history import UserHistories
 from recserve.backends.store.served import ServedStore
 from recserve.backends.triton.adapter import ModelContext, instance_device
+from recserve.backends.triton.degrade_requests import DegradeGate
 from recserve.backends.triton.lookup_requests import LookupRequests
 from recserve.backends.triton.publisher import MetricsPublisher
 from recserve.core.names import L1_DEVICE_PARAMETER
@@ -41,6 +42,11 @@ class TritonPythonModel:
             self.step = self.stateful = StatefulFeaturesToEmbeddings(context.spec, lookup, histories)
         self.log = feature_log(context.spec)  # None unless [logging] or serve --log-dir turn it on
         self.requests = LookupRequests(self.step, self.stateful, self.log)
+        self.degrade: DegradeGate | None = None  # [degrade]: each request's level chosen at this door
+        if context.spec.degrade.enabled:
+            names = (*self.step.input_names, *self.step.candidate_input_names)
+            self.degrade = DegradeGate(context.spec, self.requests.execute, names)
+            self.degrade.start()
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request
         self.metrics.publish_now(self.samples)
@@ -51,6 +57,8 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         """One response per request (a bad request fails alone with INVALID_ARG); see LookupRequests."""
+        if self.degrade is not None:
+            return self.degrade.execute(requests)
         return self.requests.execute(requests)
 
     def samples(self) -> list:
@@ -60,6 +68,7 @@ class TritonPythonModel:
             *(self.stateful.samples() if self.stateful else ()),
             *(self.step.copies.samples() if self.step.lookup.device_l1 is not None else ()),
             *(self.log.writer.samples() if self.log is not None else ()),
+            *(self.degrade.samples() if self.degrade is not None else ()),
         ]
 
     def is_ready(self) -> bool:
@@ -69,6 +78,8 @@ class TritonPythonModel:
     def finalize(self) -> None:
         """Stop the upkeep and metrics threads; publish the last counts."""
         self.metrics.stop()
+        if self.degrade is not None:
+            self.degrade.stop()
         self.served.close()
         if self.stateful is not None:
             self.stateful.users.close()

@@ -28,9 +28,25 @@ DEGRADE_LEVEL = "degrade_level"
 #: ``dense``'s input in the candidates ensemble with ``[degrade]`` on: the list's targets as the
 #: caller sent them, ``[users, candidates, 1]``, so a list scored only in part is answered in full.
 REQUESTED_CANDIDATES = "requested_candidates"
+#: The environment variable holding the server's metrics endpoint (``http://host:port/metrics``), set
+#: by ``TritonServer`` for its steps: the first step reads the queue wait there.
+METRICS_URL_ENV = "RECSERVE_METRICS_URL"
 #: The names of the levels around the spec's own: the first and the last.
 FULL = "full"
 REFUSED = "refused"
+
+
+def value_text(value: float | str) -> str:
+    """A request's value as its header carries it: a tier name, or a number >= 0.
+
+    Raises:
+        ValueError: neither a tier-like name (an identifier) nor a finite number >= 0.
+    """
+    if isinstance(value, str) and value.isidentifier():
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return repr(float(value))
+    raise ValueError(f"value must be a tier name or a number >= 0, got {shorten(value)}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,104 @@
+"""``[degrade]`` on a real tritonserver: a request's value reaches the steps, and its level serves it.
+
+One server over a variant of the default repository whose spec has ``[degrade]`` with lambda held
+(``fixed_lambda``), so each tier lands on a known level: premium in full, standard with its list
+capped, basic capped with a short history, low refused. The value travels as the SDK's header and
+as a plain request parameter; both reach the steps through the ensemble.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from recserve.build.configs import write_variant
+from recserve.build.synthetic import generate
+from recserve.clients import CTRClient, read_rows
+from recserve.clients.errors import InvalidRequestError, ServerUnavailableError
+from recserve.clients.writers import write_tsv
+from recserve.core.sections.degrade import DEGRADE_LEVEL, VALUE_HEADER
+from recserve.core.spec.parse import parse_spec
+from recserve.server import Ports, TritonServer
+from tests.integration.helpers import infer_inputs, metrics_text, wait_for
+
+#: lambda 0.1: v >= 2.5 full, >= 0.375 capped, >= 0.022 short, below refused (v x q - lambda x c)
+DEGRADE = {
+    "enabled": True,
+    "tiers": {"low": 0.01, "basic": 0.1, "standard": 1.0, "premium": 5.0},
+    "default": "premium",
+    "levels": [
+        {"name": "capped", "cost": 0.5, "quality": 0.98, "max_candidates": 4},
+        {"name": "short", "cost": 0.2, "quality": 0.9, "max_candidates": 2, "history_length": 8},
+    ],
+    "fallback_score": 0.0,
+    "fixed_lambda": 0.1,
+}
+
+
+@pytest.fixture(scope="module")
+def degraded(spec, repository, tmp_path_factory):
+    """A server of the default model with [degrade] on, and the rows to send."""
+    folder = tmp_path_factory.mktemp("degrade")
+    degrade_spec = parse_spec({**spec.source, "degrade": DEGRADE})
+    variant = write_variant(degrade_spec, repository, folder / "repository")
+    rows = read_rows(write_tsv(folder / "rows.tsv", generate(spec, 40, seed=47), spec), spec)
+    with TritonServer(variant, Ports.free(), log_path=folder / "server.log") as server:
+        yield server, degrade_spec, rows
+
+
+def test_each_tier_is_served_at_its_level_and_a_list_cut_short_is_answered_in_full(degraded):
+    server, spec, rows = degraded
+    longest = int(np.argmax(rows.lengths))
+    user = {"history_items": rows.history[longest, : rows.lengths[longest]].tolist()}
+    assert len(user["history_items"]) > 8  # the short level cuts it
+    candidates = rows.take(slice(0, 10))
+    scores, levels = {}, {}
+    with CTRClient(server.grpc_url, timeout_s=30, spec=spec) as client:
+        for tier in ("premium", "standard", "basic"):
+            client.value = tier
+            scores[tier] = client.score_candidates(user, candidates)
+            levels[tier] = client.last_level
+        client.value = None  # the default: premium
+        assert np.array_equal(client.score_candidates(user, candidates), scores["premium"])
+        assert client.last_level == 0
+        client.value = "low"
+        with pytest.raises(ServerUnavailableError, match="refused under load"):
+            client.score_candidates(user, candidates)
+        client.value = "gold"  # a tier-like name the spec does not have
+        with pytest.raises(InvalidRequestError, match=f"parameter '{VALUE_HEADER}'.*one of the tiers"):
+            client.score_candidates(user, candidates)
+    assert levels == {"premium": 0, "standard": 1, "basic": 2}
+    full, capped, short = scores["premium"], scores["standard"], scores["basic"]
+    assert full.shape == capped.shape == short.shape == (10,) and (full > 0).all()
+    np.testing.assert_allclose(capped[:4], full[:4], rtol=1e-5)
+    assert (capped[4:] == 0.0).all() and (short[2:] == 0.0).all()
+    assert not np.allclose(short[:2], full[:2], rtol=1e-5)  # scored over the newest 8 items only
+
+
+def test_a_request_parameter_reaches_the_steps_through_the_ensemble(degraded):
+    server, spec, rows = degraded
+    inputs = rows.take(slice(0, 3)).to_inputs(spec)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        for value, level in (("premium", 0), ("standard", 1), (0.2, 2)):
+            result = client.infer(
+                spec.name,
+                infer_inputs(grpcclient, inputs),
+                outputs=[grpcclient.InferRequestedOutput(n) for n in ("probability", DEGRADE_LEVEL)],
+                parameters={VALUE_HEADER: value},
+            )
+            assert result.as_numpy(DEGRADE_LEVEL).reshape(-1).tolist() == [level] * 3
+
+
+def test_the_levels_served_are_counted_per_tier_on_the_metrics_endpoint(degraded):
+    server, _, _ = degraded
+    capped = 'recserve_degrade_requests_total{level="capped",tier="standard"}'
+
+    def counted() -> bool:
+        lines = [line for line in metrics_text(server).splitlines() if line.startswith(capped)]
+        return bool(lines) and float(lines[0].split()[-1]) >= 1
+
+    wait_for(counted, 10.0, "the capped level counted")
+    text = metrics_text(server)
+    assert 'recserve_degrade_requests_total{level="refused",tier="low"}' in text
+    assert "recserve_degrade_lambda 0.1" in text
