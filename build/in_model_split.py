@@ -112,7 +112,8 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
     if unread:
         raise SplitError(f"{label} looks up no row of table(s) {unread}; each table of the spec is looked up")
 
-    widths = {t.name: t.shape[-1] for t in dense_contract(spec)[0]}
+    shapes = {t.name: t.shape for t in dense_contract(spec)[0]}
+    widths = {name: shape[-1] for name, shape in shapes.items()}
     constants: dict[str, np.ndarray] = {}
 
     def constant(value: list[int] | int) -> str:
@@ -133,6 +134,7 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
             node = helper.make_node("Slice", [row.embedding, *ends], [output], where)
         replaced[index] = node
     nodes = [replaced.get(i, node) for i, node in enumerate(graph.node)]
+    nodes = _reassembled(nodes, {output: row for _, row, output in lookups}, shapes, _constants(graph))
     del graph.node[:]
     graph.node.extend(_live(nodes, {o.name for o in graph.output}))
     used = {name for node in graph.node for name in node.input}
@@ -140,9 +142,10 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
     infos = [v for v in graph.value_info if v.name in made]
     del graph.value_info[:]
     graph.value_info.extend(infos)
-    kept = [w for w in graph.initializer if w.name in used]
+    made_constants = [numpy_helper.from_array(value, name) for name, value in constants.items()]
+    kept = [w for w in [*graph.initializer, *made_constants] if w.name in used]
     del graph.initializer[:]
-    graph.initializer.extend([*kept, *(numpy_helper.from_array(v, n) for n, v in constants.items())])
+    graph.initializer.extend(kept)
     present = {v.name: v for v in graph.input if v.name not in rows and v.name not in weights}
     sequences = set(sequence_inputs(spec))
     inputs = []
@@ -158,6 +161,81 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
     graph.input.extend([*inputs, *present.values()])
     onnx.checker.check_model(model)
     return SplitModel(tables, read, model.SerializeToString(), len(lookups))
+
+
+def _constants(graph) -> dict[str, np.ndarray]:
+    """The values of the graph's weights and ``Constant`` nodes, by name."""
+    from onnx import helper, numpy_helper
+
+    values = {w.name: numpy_helper.to_array(w) for w in graph.initializer}
+    for node in graph.node:
+        value = next((a for a in node.attribute if a.name == "value"), None)
+        if node.op_type == "Constant" and value is not None:
+            values[node.output[0]] = numpy_helper.to_array(helper.get_attribute_value(value))
+    return values
+
+
+def _reassembled(
+    nodes: list, reads: Mapping[str, RowInput], shapes: Mapping[str, tuple[int, ...]], values: Mapping
+) -> list:
+    """``nodes`` with each ``Concat`` that puts a dense input back together replaced by that input.
+
+    A network stacks its profile's embeddings (``Unsqueeze`` at axis 1 of each slot, in slot order)
+    and lays a behaviour's item and category side by side (its columns, in order): after the split,
+    that rebuilds the packed input the lookup step sends. An ``Identity`` of the input takes its place,
+    so the split network computes no more than a network written over the dense contract.
+    """
+    from onnx import helper
+
+    stacked = {}  # an Unsqueeze at axis 1 of a slot's read -> that read
+    for node in nodes:
+        row = reads.get(node.input[0]) if node.input else None
+        if node.op_type == "Unsqueeze" and row is not None and row.slot >= 0:
+            axes = values.get(node.input[1]) if len(node.input) > 1 else _attribute(node, "axes")
+            if axes is not None and np.atleast_1d(axes).tolist() == [1]:
+                stacked[node.output[0]] = row
+    out = []
+    for node in nodes:
+        whole = _whole_input(node, reads, stacked, shapes) if node.op_type == "Concat" else ""
+        out.append(helper.make_node("Identity", [whole], list(node.output), node.name) if whole else node)
+    return out
+
+
+def _whole_input(
+    concat,
+    reads: Mapping[str, RowInput],
+    stacked: Mapping[str, RowInput],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> str:
+    """The dense input a ``Concat`` rebuilds from its reads, whole and in order (``""``: none)."""
+    axis = _attribute(concat, "axis")
+    for parts, packed in ((reads, False), (stacked, True)):
+        rows = [parts.get(name) for name in concat.input]
+        named = [row for row in rows if row is not None]
+        if len(named) < len(rows) or len({row.embedding for row in named}) != 1:
+            continue
+        name = named[0].embedding
+        if packed:
+            in_order = axis == 1 and [row.slot for row in named] == list(range(shapes[name][1]))
+        else:
+            spans = [row.columns for row in named if row.slot < 0]
+            ends = [0, *(stop for _, stop in spans)]
+            in_order = (
+                axis in (-1, len(shapes[name]) - 1)
+                and len(spans) == len(named)
+                and [start for start, _ in spans] == ends[:-1]
+                and ends[-1] == shapes[name][-1]
+            )
+        if in_order:
+            return name
+    return ""
+
+
+def _attribute(node, name: str):
+    """The value of a node's attribute (None: it has none of that name)."""
+    from onnx import helper
+
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
 
 def _live(nodes: list, outputs: set[str]) -> list:
