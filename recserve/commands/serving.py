@@ -137,6 +137,10 @@ def _verify(args: argparse.Namespace) -> int:
     from recserve.clients import CTRClient, RecserveClientError, read_rows
 
     spec = command_spec(args)  # without --spec: the one the repository carries
+    if args.log is not None:
+        return _verify_log(args, spec)
+    if args.rows is None or args.expected is None:
+        raise ValueError("verify takes --rows and --expected (your rows and your scores), or --log DIR")
     rows = verify.read_named(args.rows, lambda path: read_rows(path, spec))
     expected = verify.read_named(args.expected, verify.read_expected)
     pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
@@ -162,6 +166,35 @@ def _verify(args: argparse.Namespace) -> int:
     if failed and verify.rounding_note(spec):
         print("\n" + verify.rounding_note(spec))
     return 1 if failed else 0
+
+
+def _verify_log(args: argparse.Namespace, spec) -> int:
+    """``verify --log DIR``: the logged records scored again offline against their logged scores."""
+    from recserve.build.repository import reference_pipeline, version_dir
+    from recserve.core.names import DENSE
+    from recserve.verify_log import rescore_log
+
+    if not args.log.is_dir():
+        raise ValueError(f"--log {args.log}: not a folder")
+    pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
+    dense_version = int(version_dir(args.repository, DENSE, spec).name)
+    check = rescore_log(spec, pipeline.embeddings, pipeline.dense, dense_version, args.log)
+    tolerance = LOG_TOLERANCE if args.tolerance is None else args.tolerance
+    print(
+        f"{check.records} logged rows; {check.rescored} scored again ({args.runtime}), "
+        f"{check.other_versions} served by other versions than the repository's; "
+        f"max |delta| {check.max_abs:.2e} (tolerance {tolerance:g})"
+    )
+    for request_id, row, logged, rescored in check.worst:
+        print(f"  request {request_id} row {row}: logged {logged!r}, scored again {rescored!r}")
+    if not check.rescored:
+        print("error: no logged row was served by the repository's versions", file=sys.stderr)
+        return 1
+    return 0 if check.max_abs <= tolerance else 1
+
+
+#: ``verify --log``'s tolerance: the same features through the same network, so the same score.
+LOG_TOLERANCE = 1e-6
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -250,8 +283,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser(
         "verify", help="compare recserve's scores of your rows with your own framework's scores"
     )
-    check.add_argument("--rows", type=Path, required=True, help="raw rows, as predict reads them")
-    check.add_argument("--expected", type=Path, required=True, help="your scores, one probability per line")
+    check.add_argument("--rows", type=Path, default=None, help="raw rows, as predict reads them")
+    check.add_argument("--expected", type=Path, default=None, help="your scores, one probability per line")
+    check.add_argument(
+        "--log",
+        type=Path,
+        default=None,
+        help="instead: score the request log in this folder again and compare with its logged scores",
+    )
     check.add_argument("--url", default=None, help="also score through this server (host:port)")
     check.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     check.add_argument("--repository", type=Path, default=None)

@@ -8,6 +8,8 @@ and the Parquet segments read back with pyarrow.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -27,7 +29,7 @@ from recserve.core.names import (
 )
 from recserve.core.sections.logging import LOG_DIR_ENV
 from recserve.server import Ports, TritonServer
-from tests.integration.helpers import infer_inputs
+from tests.integration.helpers import infer_inputs, recserve
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +128,16 @@ def test_the_access_layer_headers_reach_the_steps_and_nothing_else_does(served):
         assert marks == {("canary", "shadow")}
         assert others == {("", "live")}
     assert segment_paths(log_dir, "scores") and not list(log_dir.rglob(".*.tmp"))
+
+
+def test_the_logged_rows_scored_again_offline_give_the_logged_scores(served, repository):
+    """No training/serving skew: ``recserve verify --log`` rescores every logged row from its logged keys,
+    dense values and history through the repository's store and network, and gets the logged score."""
+    _, _, log_dir = served
+    done = recserve("verify", "--log", str(log_dir), "--repository", str(repository))
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(done.stdout)
+    counts = re.search(r"(\d+) logged rows; (\d+) scored again .* max \|delta\| (\S+)", done.stdout)
+    assert counts is not None, done.stdout
+    logged, rescored, delta = int(counts[1]), int(counts[2]), float(counts[3])
+    assert logged == rescored == 20 + 300 + 7 + 3 and delta <= 1e-6, done.stdout

@@ -1,0 +1,151 @@
+"""``recserve verify --log DIR``: the logged features, scored again offline, give the logged scores.
+
+A request log (``[logging]``, ``recserve serve --log-dir``) holds, per served row, the keys of its
+slots, the numeric values as the network received them, its history's keys and the versions that
+served it, and its score. Scoring those records again through the repository's store and dense
+network, outside the server, must give the logged scores: what a trainer reads from the log is then
+what the model saw (no training/serving skew). Records served by other table or dense versions than
+the repository's are counted and left out.
+
+What the log cannot say is not guessed: a spec with multi-hot features (their pooling weights are
+not logged), with behaviours of different lengths (the history is logged as one list), or with
+``[user_state]`` (the logged history is the request's tail, not the merged state) is refused with
+the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recserve.backends.features.hashing import missing_key
+from recserve.backends.request_log.read import read_log
+from recserve.backends.steps.lookup import FeaturesToEmbeddings
+from recserve.core.contract import attention_inputs
+from recserve.core.names import DENSE_NORMALIZED, EMBEDDING_VERSION, HISTORY_KEYS, SPARSE_KEYS, TARGET_KEY
+from recserve.core.spec.model import ModelSpec
+
+#: Records scored together.
+BATCH = 256
+#: The worst records reported.
+WORST = 5
+
+
+@dataclass(frozen=True)
+class LogCheck:
+    """The logged scores against the same records scored again."""
+
+    records: int  # joined records (features with their score) in the log
+    rescored: int
+    other_versions: int  # served by table or dense versions other than the repository's
+    max_abs: float  # over the rescored records (0 without any)
+    worst: tuple[tuple[str, int, float, float], ...]  # (request id, row, logged, rescored), worst first
+
+
+def unrescorable(spec: ModelSpec) -> str | None:
+    """Why the records of ``spec`` cannot be scored again from the log (None: they can)."""
+    if spec.categorical.multi_hot:
+        return "its multi-hot features' pooling weights are not in the log"
+    if len(spec.attention_groups) > 1:
+        return "its behaviours have lengths of their own, and the log holds a row's history as one list"
+    if spec.user_state.enabled:
+        return "with [user_state] the log holds each request's tail, not the history merged with its state"
+    return None
+
+
+def rescore_log(
+    spec: ModelSpec,
+    embeddings: FeaturesToEmbeddings,
+    dense: Callable[[Mapping[str, np.ndarray]], np.ndarray],
+    dense_version: int,
+    directory: Path,
+) -> LogCheck:
+    """The records of the log in ``directory`` scored again and compared with their logged scores.
+
+    ``embeddings`` looks the keys up in the repository's store; ``dense`` is its network, version
+    ``dense_version``.
+
+    Raises:
+        ValueError: the spec's records cannot be scored again (:func:`unrescorable`).
+    """
+    reason = unrescorable(spec)
+    if reason is not None:
+        raise ValueError(f"the log of spec {spec.name!r} cannot be scored again: {reason}")
+    table = read_log(directory)
+    ids = table["request_id"].to_pylist()
+    rows = table["row"].to_pylist()
+    history_rows = table["history_row"].to_pylist()
+    histories = {
+        (request, row): history
+        for request, row, history in zip(ids, rows, table["history"].to_pylist(), strict=True)
+        if history is not None
+    }
+    keys = table["keys"].to_pylist()
+    values = table["dense"].to_pylist()
+    logged = np.asarray(table["score"].to_numpy(), np.float32)
+    versions = np.array(table["embedding_version"].to_pylist(), np.int64).reshape(len(ids), -1)
+    served_by = np.asarray(table["dense_version"].to_numpy(), np.int64) == dense_version
+    rescored = np.full(len(ids), np.nan, np.float32)
+    for start in range(0, len(ids), BATCH):
+        part = slice(start, min(start + BATCH, len(ids)))
+        features = _features(
+            spec,
+            np.array(keys[part], np.int64).reshape(part.stop - part.start, -1),
+            np.array(values[part], np.float32).reshape(part.stop - part.start, -1),
+            [
+                histories.get((request, at), []) if at >= 0 else []
+                for request, at in zip(ids[part], history_rows[part], strict=True)
+            ],
+        )
+        looked = embeddings.lookup.lookup(features)
+        inputs = {n: features[n] for n in embeddings.passed if n in features}
+        inputs.update({n: np.asarray(v) for n, v in looked.items() if n != EMBEDDING_VERSION})
+        same = served_by[part] & (versions[part] == np.asarray(looked[EMBEDDING_VERSION])[:1]).all(axis=1)
+        if same.any():
+            scores = np.asarray(dense(inputs), np.float32).reshape(-1)
+            rescored[part] = np.where(same, scores, np.nan)
+    done = ~np.isnan(rescored)
+    deltas = np.abs(rescored - logged)
+    order = np.argsort(-np.where(done, deltas, -1.0), kind="stable")[: min(WORST, int(done.sum()))]
+    return LogCheck(
+        records=len(ids),
+        rescored=int(done.sum()),
+        other_versions=int((~done).sum()),
+        max_abs=float(deltas[done].max(initial=0.0)),
+        worst=tuple((ids[i], rows[i], float(logged[i]), float(rescored[i])) for i in order.tolist()),
+    )
+
+
+def _features(
+    spec: ModelSpec, keys: np.ndarray, dense: np.ndarray, histories: list[list[int]]
+) -> dict[str, np.ndarray]:
+    """The transform's output for logged records: the row block's keys split, histories padded."""
+    count, single = keys.shape[0], len(spec.categorical.features)
+    features = {SPARSE_KEYS: keys[:, :single]}
+    if spec.normalized_columns:
+        features[DENSE_NORMALIZED] = dense
+    if not spec.sequences:
+        return features
+    features[TARGET_KEY] = keys[:, single:]
+    sequences = spec.attention_groups[0].sequences
+    lengths = np.array([len(h) // len(sequences) for h in histories], np.int64)
+    width = spec.sequence_bucket(max(int(lengths.max(initial=0)), 1))
+    left = sequences[0].padding == "left"
+    columns = np.arange(width)
+    real = columns >= width - lengths[:, None] if left else columns < lengths[:, None]
+    blocks = []
+    for s, sequence in enumerate(sequences):
+        block = np.full((count, width), missing_key(spec.hashing.namespace, sequence.name), np.int64)
+        block[real] = np.concatenate(
+            [
+                np.asarray(h[s * n : (s + 1) * n], np.int64)
+                for h, n in zip(histories, lengths.tolist(), strict=True)
+            ]
+        )
+        blocks.append(block)
+    features[HISTORY_KEYS] = np.concatenate(blocks, axis=1)
+    features[attention_inputs(spec)[0].mask] = real.astype(np.float32)
+    return features
