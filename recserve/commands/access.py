@@ -7,6 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from recserve.commands.serving import add_log_arguments, log_environment
 from recserve.core.spec.parse import load_spec
 
 
@@ -15,6 +16,8 @@ def _access(args: argparse.Namespace) -> int:
     from recserve.build.repository import is_built
 
     spec = load_spec(args.spec)
+    if not log_environment(args):  # every variant's servers log there, each record with its variant
+        return 2
     if not is_built(spec, args.repository):
         message = f"{args.repository} is not built from this spec; run 'recserve build'"
         print(f"error: {message}", file=sys.stderr)
@@ -74,6 +77,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="keep the Envoy config, the logs and a canary's decision here (default: a temp folder)",
     )
+    add_log_arguments(access)
     access.set_defaults(func=_access)
     canary = sub.add_parser(
         "canary",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -13,9 +14,6 @@ ADMIN_KEY_ENV = "RECSERVE_ADMIN_KEY"
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
-    from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV
     from recserve.server import (
         MpsDaemon,
         Ports,
@@ -35,14 +33,8 @@ def _serve(args: argparse.Namespace) -> int:
     if not (args.repository / DENSE).is_dir():
         print(f"error: {args.repository} holds no built model; run 'recserve build'", file=sys.stderr)
         return 2
-    if args.log_sample_rate is not None and not 0.0 <= args.log_sample_rate <= 1.0:
-        print(f"error: --log-sample-rate lies in 0..1, got {args.log_sample_rate}", file=sys.stderr)
+    if not log_environment(args):
         return 2
-    if args.log_dir is not None:  # the steps read it at load: the server inherits this environment
-        args.log_dir.mkdir(parents=True, exist_ok=True)
-        os.environ[LOG_DIR_ENV] = str(args.log_dir.resolve())
-        if args.log_sample_rate is not None:
-            os.environ[LOG_SAMPLE_RATE_ENV] = repr(args.log_sample_rate)
     if args.mps and args.profile == "cpu":
         print(
             "error: --mps shares a GPU between instances; use it with --profile gpu or cuda", file=sys.stderr
@@ -117,6 +109,38 @@ def _predict(args: argparse.Namespace) -> int:
         args.request_ids.write_text("".join(f"{rid}\n" for rid in request_ids))
     sys.stdout.write("".join(f"{score_text(p, args.digits)}\n" for p in probabilities))
     return 0
+
+
+def log_environment(args: argparse.Namespace) -> bool:
+    """``--log-dir`` and ``--log-sample-rate`` into the environment the servers inherit; False when bad.
+
+    The steps read them when they load, whatever the spec's ``[logging]`` says.
+    """
+    from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV
+
+    if args.log_sample_rate is not None and not 0.0 <= args.log_sample_rate <= 1.0:
+        print(f"error: --log-sample-rate lies in 0..1, got {args.log_sample_rate}", file=sys.stderr)
+        return False
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+        os.environ[LOG_DIR_ENV] = str(args.log_dir.resolve())
+        if args.log_sample_rate is not None:
+            os.environ[LOG_SAMPLE_RATE_ENV] = repr(args.log_sample_rate)
+    return True
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--log-dir`` and ``--log-sample-rate`` (``serve`` and ``access``)."""
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="log the requests served (features and scores) as Parquet segments in this folder, "
+        "whatever the spec's [logging] says (docs/design/loop.md)",
+    )
+    parser.add_argument(
+        "--log-sample-rate", type=float, default=None, help="with --log-dir: the share of requests logged"
+    )
 
 
 def score_text(score: float, digits: int | None) -> str:
@@ -240,16 +264,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="let every client register shared memory (locked by default)",
     )
-    serve.add_argument(
-        "--log-dir",
-        type=Path,
-        default=None,
-        help="log the requests served (features and scores) as Parquet segments in this folder, "
-        "whatever the spec's [logging] says (docs/design/loop.md)",
-    )
-    serve.add_argument(
-        "--log-sample-rate", type=float, default=None, help="with --log-dir: the share of requests logged"
-    )
+    add_log_arguments(serve)
     serve.set_defaults(func=_serve)
 
     predict = sub.add_parser(
