@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -80,16 +81,21 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
     }
     read: dict[str, str] = {}  # table -> weight
     lookups: list[tuple[int, RowInput, str]] = []  # (node index, row input, output)
+    measured: dict[int, Any] = {}  # a Shape of a row input -> the same Shape of its embedding
     for index, node in enumerate(graph.node):
         for position, name in enumerate(node.input):
             if name not in rows:
+                continue
+            if node.op_type == "Shape":  # the rows' dims lead the embedding's: its batch (and positions)
+                measured[index] = _shape_of_embedding(node, rows[name])
                 continue
             axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
             weight = aliases.get(node.input[0], node.input[0])
             if node.op_type != "Gather" or position != 1 or axis != 0 or weight not in weights:
                 raise SplitError(
                     f"{label}: input {name!r} feeds node {node.name or index!r} ({node.op_type}); a row "
-                    "input may only be looked up: a Gather (axis 0) of a weight of the graph at its rows"
+                    "input may only be looked up (a Gather, axis 0, of a weight of the graph at its rows) "
+                    "or measured (a Shape)"
                 )
             row = rows[name]
             if read.setdefault(row.table, weight) != weight:
@@ -133,6 +139,7 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
             ends = [constant([start]), constant([stop]), constant([-1])]
             node = helper.make_node("Slice", [row.embedding, *ends], [output], where)
         replaced[index] = node
+    replaced |= measured
     nodes = [replaced.get(i, node) for i, node in enumerate(graph.node)]
     nodes = _reassembled(nodes, {output: row for _, row, output in lookups}, shapes, _constants(graph))
     del graph.node[:]
@@ -161,6 +168,24 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
     graph.input.extend([*inputs, *present.values()])
     onnx.checker.check_model(model)
     return SplitModel(tables, read, model.SerializeToString(), len(lookups))
+
+
+def _shape_of_embedding(node, row: RowInput):
+    """A ``Shape`` of ``row``'s embedding input giving what ``node`` gives of the rows themselves.
+
+    The rows' dims (``[batch]``, or ``[batch, positions]``) are the leading dims of the embedding
+    input that carries them, so the same span of its dims is read.
+    """
+    from onnx import helper
+
+    rank = 2 if row.sequence else 1
+    start, end = _attribute(node, "start") or 0, _attribute(node, "end")
+    start, end = (
+        (start + rank if start < 0 else start),
+        (rank if end is None else end + rank if end < 0 else end),
+    )
+    start, end = max(0, min(start, rank)), max(0, min(end, rank))
+    return helper.make_node("Shape", [row.embedding], list(node.output), node.name, start=start, end=end)
 
 
 def _constants(graph) -> dict[str, np.ndarray]:

@@ -14,6 +14,8 @@ one JSON document: the import seconds, every round, the medians and the load ave
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -157,20 +159,12 @@ class Head(nn.Module):
         return self.model.head(profile, target, history, mask)
 
 
-def _export(module: nn.Module, example: tuple, names: list[str], sequences: list[str], path: Path) -> None:
-    axes = {name: {0: BATCH_AXIS} for name in [*names, "logit"]}
-    axes |= {name: {0: BATCH_AXIS, 1: SEQUENCE_AXIS} for name in sequences}
-    with warnings.catch_warnings():
+def _export(module: nn.Module, example: tuple, names: list[str], shapes: tuple, path: Path) -> None:
+    """``module`` exported with torch.onnx.export's current exporter (torch.export)."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # its progress lines
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            module,
-            example,
-            str(path),
-            input_names=names,
-            output_names=["logit"],
-            dynamic_axes=axes,
-            opset_version=17,
-            dynamo=False,
+            module, example, str(path), input_names=names, output_names=["logit"], dynamic_shapes=shapes
         )
 
 
@@ -179,6 +173,7 @@ def build(folder: Path) -> dict[str, tuple[ModelSpec, Path, float]]:
     torch.manual_seed(3)
     model = DIN().eval()
     made = {}
+    batch, sequence = torch.export.Dim(BATCH_AXIS), torch.export.Dim(SEQUENCE_AXIS)
     for form in ("split", "in_model"):
         root = folder / form
         (root / "tables").mkdir(parents=True)
@@ -195,11 +190,20 @@ def build(folder: Path) -> dict[str, tuple[ModelSpec, Path, float]]:
         if form == "split":
             names = ["sparse_embeddings", "target_embedding", "history_embeddings", "history_mask"]
             example = (torch.zeros(2, 3, 8), torch.zeros(2, 12), torch.zeros(2, 5, 12), torch.ones(2, 5))
-            _export(Head(model), example, names, names[2:], root / "din.onnx")
+            shapes = ({0: batch}, {0: batch}, {0: batch, 1: sequence}, {0: batch, 1: sequence})
+            _export(Head(model), example, names, shapes, root / "din.onnx")
         else:
             ids = {name: torch.zeros(2, dtype=torch.long) for name in NAMES[:5]}
             ids |= {name: torch.zeros(2, 5, dtype=torch.long) for name in NAMES[5:7]}
-            _export(model, (ids, torch.ones(2, 5)), NAMES, NAMES[5:], root / "din.onnx")
+            per_feature = {name: {0: batch} for name in NAMES[:5]}
+            per_feature |= {name: {0: batch, 1: sequence} for name in NAMES[5:7]}
+            _export(
+                model,
+                (ids, torch.ones(2, 5)),
+                NAMES,
+                (per_feature, {0: batch, 1: sequence}),
+                root / "din.onnx",
+            )
         started = time.perf_counter()
         import_repository(spec, root / "tables", root / "din.onnx", root / "repository", lambda _: None)
         made[form] = (spec, root / "repository", time.perf_counter() - started)
