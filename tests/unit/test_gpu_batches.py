@@ -25,8 +25,9 @@ def with_gpu_batches(spec, largest):
 def test_buckets_double_up_to_the_gpu_maximum(spec):
     cpu = tuple(spec.serving.batch_buckets)
     assert cpu[-1] == spec.model.max_batch_size == 256
-    assert gpu_batch_buckets(spec) == cpu  # not set: the CPU's
-    assert gpu_spec(spec) is spec
+    unset = with_gpu_batches(spec, 0)
+    assert gpu_batch_buckets(unset) == cpu  # not set: the CPU's
+    assert gpu_spec(unset) is unset
     assert gpu_batch_buckets(with_gpu_batches(spec, 4096)) == (*cpu, 512, 1024, 2048, 4096)
     assert gpu_batch_buckets(with_gpu_batches(spec, 3000)) == (*cpu, 512, 1024, 2048, 3000)
     assert gpu_batch_buckets(with_gpu_batches(spec, 256)) == cpu
@@ -43,6 +44,16 @@ def test_the_gpu_spec_serves_the_larger_batches_and_derives_to_itself(spec):
     )
     assert gpu_spec(wide).model.max_batch_size == 8192 and "gpu_max_batch_size" not in wide.to_json()
     assert max(b.rows for b in spec_buckets(wide)) == 8192
+
+
+def test_the_bundled_spec_serves_one_users_list_of_4096_on_the_gpu_profiles(spec):
+    assert spec.serving.gpu_max_batch_size == 4096
+    for profile in ("gpu", "cuda"):
+        carried = spec_from_json(
+            configs.all_configs(spec, profile)[EMBEDDING_LOOKUP].parameters["spec"].string_value
+        )
+        assert carried.model.max_batch_size == 4096  # a list of 4,096 candidates is one request
+    assert configs.all_configs(spec)[EMBEDDING_LOOKUP].max_batch_size == 256  # the cpu profile keeps its own
 
 
 def test_only_the_gpu_profiles_configs_take_them(spec):

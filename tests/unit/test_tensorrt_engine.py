@@ -17,6 +17,7 @@ from recserve.backends.dense.tensorrt_engine import (
     tensorrt_available,
 )
 from recserve.build import configs
+from recserve.core.gpu_batches import gpu_spec
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
 from tests.unit.conftest import COMMITTED_CONFIGS, TINY_SPEC
 
@@ -73,15 +74,14 @@ def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(tiny_repos
 
 def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
     config = configs.step_config(spec, DENSE, profile="gpu")
+    gpu = gpu_spec(spec)  # the GPU profiles' buckets: up to [serving] gpu_max_batch_size
     assert config.platform == "tensorrt_plan" and config.default_model_filename == configs.TENSORRT_PLAN
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.instance_group[0].count == spec.serving.instances["dense"]
-    assert list(config.dynamic_batching.preferred_batch_size) == list(spec.serving.batch_buckets)
-    assert config.max_batch_size == max(spec.serving.batch_buckets)
+    assert list(config.dynamic_batching.preferred_batch_size) == list(gpu.serving.batch_buckets)
+    assert config.max_batch_size == max(gpu.serving.batch_buckets) == spec.serving.gpu_max_batch_size
     assert not any(i.allow_ragged_batch for i in config.input)
-    assert [w.name for w in config.model_warmup] == [
-        f"bucket_{b.rows}x{b.length}" for b in spec_buckets(spec)
-    ]
+    assert [w.name for w in config.model_warmup] == [f"bucket_{b.rows}x{b.length}" for b in spec_buckets(gpu)]
     assert (COMMITTED_CONFIGS / "dense" / "configs" / "gpu.pbtxt").read_text() == configs.render(config)
 
 
@@ -97,7 +97,7 @@ def test_cpu_dense_config_warms_every_bucket_at_load(spec):
 
 def test_cuda_dense_config_is_the_python_step_on_gpu_instances(spec):
     config = configs.step_config(spec, DENSE, profile="cuda")
-    cpu = configs.step_config(spec, DENSE)
+    cpu = configs.step_config(gpu_spec(spec), DENSE)  # the CPU profile's config at the GPU's batches
     assert config.backend == "python" and config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"  # lookups arrive on the GPU
     cpu.instance_group[0].kind = mc.ModelInstanceGroup.KIND_GPU
@@ -118,15 +118,18 @@ def test_the_lookup_step_differs_between_profiles_only_in_instance_kind_and_devi
             l1_device = config.parameters[L1_DEVICE_PARAMETER].string_value
             del config.parameters[L1_DEVICE_PARAMETER]
         assert l1_device == ("cuda" if (step, profile) == (EMBEDDING_LOOKUP, "cuda") else "")
-        assert config == configs.step_config(spec, step)
-    # the ensemble differs on gpu only because a TensorRT plan has no dense_version output
+        assert config == configs.step_config(spec if profile == "cpu" else gpu_spec(spec), step)
+    # the ensembles differ on the GPU profiles by their batches; on gpu also because a TensorRT plan
+    # has no dense_version output
     hardware = [
         p.as_posix()
         for p in configs.profile_configs(spec)
         if p.parent.name == "configs" and p.stem in configs.PROFILES
     ]
     assert sorted(hardware) == [
+        "ctr/configs/cuda.pbtxt",
         "ctr/configs/gpu.pbtxt",
+        "ctr_candidates/configs/cuda.pbtxt",
         "ctr_candidates/configs/gpu.pbtxt",
         *(
             f"{model}/configs/{profile}.pbtxt"
