@@ -23,7 +23,14 @@ from recserve.build.synthetic import generate
 from recserve.cli import main
 from recserve.core.contract import dense_contract
 from recserve.core.in_model import in_model_contract, in_model_problems
-from recserve.core.names import DENSE, DENSE_NORMALIZED, HISTORY_MASK, LOGIT
+from recserve.core.names import (
+    DENSE,
+    DENSE_NORMALIZED,
+    HISTORY_MASK,
+    LOGIT,
+    SPARSE_EMBEDDINGS,
+    TARGET_EMBEDDING,
+)
 from recserve.core.sections.base import SpecError
 from recserve.core.spec.parse import load_spec, parse_spec, spec_path
 
@@ -86,7 +93,7 @@ def test_what_an_in_model_network_cannot_take_is_named():
 
 
 def _graph(spec, tables: dict[str, np.ndarray], misuse: str = "") -> onnx.ModelProto:
-    """A small network over its own tables: every embedding and the masked history sum into a logit.
+    """A small network over its own tables: the stacked profile, the target and the masked history sum.
 
     ``misuse``: ``"add"`` also adds a row input to a number; ``"copy"`` reads the target from a copy
     of the item table.
@@ -102,14 +109,19 @@ def _graph(spec, tables: dict[str, np.ndarray], misuse: str = "") -> onnx.ModelP
     if misuse == "copy":
         weights.append(numpy_helper.from_array(tables["item"], item))
     nodes = [helper.make_node("Gather", [f"C{i}.weight", f"C{i}"], [f"e{i}"]) for i in range(1, 5)]
-    nodes += [
+    nodes += [helper.make_node("Unsqueeze", [f"e{i}", "positions"], [f"s{i}"]) for i in range(1, 5)]
+    nodes += [  # the profile stacked and flattened to the batch (measured on a row input), as exporters do
+        helper.make_node("Concat", ["s1", "s2", "s3", "s4"], ["profile"], axis=1),
+        helper.make_node("Shape", ["target_item"], ["batch"]),
+        helper.make_node("Concat", ["batch", "last"], ["flat_shape"], axis=0),
+        helper.make_node("Reshape", ["profile", "flat_shape"], ["flat"]),
         helper.make_node("Gather", [item, "target_item"], ["target"]),
         helper.make_node("Identity", ["item.weight"], ["items"]),  # exporters alias shared weights so
         helper.make_node("Gather", ["items", "history_items"], ["history"]),
         helper.make_node("Unsqueeze", [HISTORY_MASK, "last"], ["mask3"]),
         helper.make_node("Mul", ["history", "mask3"], ["kept"]),
         helper.make_node("ReduceSum", ["kept", "positions"], ["pooled"], keepdims=0),
-        helper.make_node("Concat", ["e1", "e2", "e3", "e4", "target", "pooled"], ["x"], axis=1),
+        helper.make_node("Concat", ["flat", "target", "pooled"], ["x"], axis=1),
         helper.make_node("MatMul", ["x", "out"], [LOGIT]),
     ]
     if misuse == "add":
@@ -171,6 +183,9 @@ def test_a_network_with_its_own_tables_imports_and_serves_its_own_scores(spec, t
 
     graph = onnx.load(str(version_dir(tmp_path / "repo", DENSE, spec) / "model.onnx")).graph
     assert not {w.name for w in graph.initializer} & {f"{t}.weight" for t in tables}  # the tables left
+    read = {node.output[0]: (node.op_type, list(node.input)) for node in graph.node}
+    assert read["profile"] == ("Identity", [SPARSE_EMBEDDINGS])  # the stack is the packed input itself
+    assert read["batch"] == ("Shape", [TARGET_EMBEDDING])
     assert {i.name for i in graph.input} == {t.name for t in dense_contract(spec)[0]}
 
 
