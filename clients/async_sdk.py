@@ -134,20 +134,21 @@ class AsyncCTRClient(ClientBase):
     ) -> np.ndarray:
         """Score one user's candidate list (see :meth:`CTRClient.score_candidates`, ids too).
 
+        A list over the served limit (:attr:`max_batch_size`) goes in several requests, sent together.
+
         Returns:
             float32 ``[N]`` click probabilities, in the order of ``candidates``.
         """
         model = self.spec.candidates_model
         requests = list(self._candidate_requests(user, candidates))
         ids = part_ids(request_id, len(requests))
-        with self._collect_ids():
-            parts = [
-                self._probabilities(
-                    await self._infer(arrays, (PROBABILITY,), model, rid),
-                    arrays[self.spec.target_names[0]].shape[1],
-                )
-                for arrays, rid in zip(requests, ids, strict=True)
-            ]
+
+        async def send(arrays: dict[str, np.ndarray], rid: str) -> np.ndarray:
+            result = await self._infer(arrays, (PROBABILITY,), model, rid)
+            return self._probabilities(result, arrays[self.spec.target_names[0]].shape[1])
+
+        with self._collect_ids():  # the parts of a list over the served limit go out together
+            parts = await asyncio.gather(*(send(a, rid) for a, rid in zip(requests, ids, strict=True)))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
 
     async def _infer(
@@ -184,7 +185,7 @@ class AsyncCTRClient(ClientBase):
 
         Args:
             rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
-            batch_size: rows per request, ``1..spec.model.max_batch_size``.
+            batch_size: rows per request, ``1..max_batch_size`` (the server's limit).
             max_in_flight: concurrent requests, at least 1.
 
         Returns:

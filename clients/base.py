@@ -9,6 +9,7 @@ The transports are :class:`~recserve.clients.sdk.CTRClient` and
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.clients.errors import InvalidRequestError, ServerError
+from recserve.clients.errors import InvalidRequestError, RecserveClientError, ServerError
 from recserve.clients.rows import Rows
 from recserve.core.candidate_lists import candidate_list_inputs
 from recserve.core.names import (
@@ -35,6 +36,8 @@ from recserve.core.spec.types import NUMPY_DTYPES
 from recserve.core.user_state_wire import user_keys, user_state_inputs
 from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
 from recserve.errors import InvalidInput, cap_message, shorten, shorten_all
+
+LOGGER = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
@@ -137,6 +140,7 @@ class ClientBase:
         self._headers = {USER_HEADER: user_id} if user_id is not None else None
         #: the ids of the requests the latest call sent, in order (one per request it made)
         self.last_request_ids: list[str] = []
+        self._limit: int | None = None  # the served max_batch_size, read at first use
         self._collecting: list[str] | None = None
 
     @contextlib.contextmanager
@@ -176,6 +180,51 @@ class ClientBase:
             scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
             self._spec = served_spec(scheme + self.url, self.protocol, self.timeout_s, self._model_name)
         return self._spec
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most rows, or one user's candidates, one request may carry: the server's own limit.
+
+        Read from the served model's config at first use (its spec's ``max_batch_size``): the GPU
+        profiles take larger batches than the spec file says (``[serving] gpu_max_batch_size``),
+        so a client made with the spec still asks the server; the spec names the features, the
+        server the limit. Where the server does not say (its model carries no spec), the given
+        spec's; while it cannot be reached, the given spec's too (asked again at the next use).
+        May be set, e.g. to send smaller requests.
+        """
+        if self._limit is None:
+            if self._spec is None:  # the spec is the served one
+                self._limit = self.spec.model.max_batch_size
+            else:
+                served = self._served_limit()
+                if served is None:
+                    return self._spec.model.max_batch_size
+                self._limit = served
+        return self._limit
+
+    @max_batch_size.setter
+    def max_batch_size(self, rows: int) -> None:
+        if rows < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {rows}")
+        self._limit = int(rows)
+
+    def _served_limit(self) -> int | None:
+        """The served spec's ``max_batch_size`` (the given spec's where the server carries none).
+
+        None while the server cannot be reached.
+        """
+        from recserve.clients.served_spec import served_spec
+
+        scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
+        try:
+            served = served_spec(scheme + self.url, self.protocol, self.timeout_s, self.model_name)
+        except ServerError as exc:  # a model without a spec: the given spec's limit
+            LOGGER.warning("the server's limits are unknown (%s); using the spec's max_batch_size", exc)
+            return self.spec.model.max_batch_size
+        except RecserveClientError as exc:  # unreachable now: the request itself will say so
+            LOGGER.debug("the server's limits cannot be read now: %s", exc)
+            return None
+        return served.model.max_batch_size
 
     @property
     def model_name(self) -> str:
@@ -236,7 +285,7 @@ class ClientBase:
             except InvalidInput as exc:
                 raise InvalidRequestError(str(exc)) from None
         batch = rows.pop()
-        limit = self.spec.model.max_batch_size
+        limit = self.max_batch_size
         if batch > limit:
             raise InvalidRequestError(f"batch of {batch} rows exceeds max_batch_size {limit}; use predict()")
         return arrays
@@ -273,7 +322,10 @@ class ClientBase:
     def _candidate_requests(
         self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: Rows
     ) -> Iterator[dict[str, np.ndarray]]:
-        """The candidates ensemble's requests for one user: at most ``max_batch_size`` candidates each.
+        """The candidates ensemble's requests for one user: at most :attr:`max_batch_size` candidates each.
+
+        One request where the server takes the whole list; else the parts, which the callers send
+        concurrently.
 
         The user's sequences travel once per request (``[1, L]``, the length ``[1, 1]``), each
         per-candidate input as ``[1, N, ...]``; with ``[user_state]``, ``user_id`` and ``user_seq``
@@ -316,7 +368,7 @@ class ClientBase:
                 user_arrays[sequence.name] = np.zeros((1, max(length, 1)), np.int64)
                 user_arrays[sequence.name][0, :length] = histories[sequence.name]
             user_arrays[group.length_input] = np.array([[length]], np.int32)
-        for part in candidates.batches(spec.model.max_batch_size):
+        for part in candidates.batches(self.max_batch_size):
             try:
                 rows = replace(part, users=None, user_seqs=None).to_inputs(spec, self.wire)  # no states
             except InvalidInput as exc:
@@ -372,5 +424,5 @@ class ClientBase:
         return Scores(np.zeros(0, np.float32), 0, np.zeros(len(tables), np.int64), tables, request_id)
 
     def _check_batch_size(self, batch_size: int) -> None:
-        if not 1 <= batch_size <= self.spec.model.max_batch_size:
-            raise ValueError(f"batch_size must be in 1..{self.spec.model.max_batch_size}, got {batch_size}")
+        if not 1 <= batch_size <= self.max_batch_size:
+            raise ValueError(f"batch_size must be in 1..{self.max_batch_size}, got {batch_size}")

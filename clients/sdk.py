@@ -20,7 +20,8 @@ every embedding table's version). Every transport error is raised as a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -40,6 +41,8 @@ from recserve.core.sections.degrade import DEGRADE_LEVEL, VALUE_HEADER, value_te
 from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
+#: the most parts of one candidate list in flight at once (a list over the served limit)
+PARTS_IN_FLIGHT = 8
 
 
 class CTRClient(ClientBase):
@@ -96,8 +99,8 @@ class CTRClient(ClientBase):
                 self._client = self._module.InferenceServerClient(
                     self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s, ssl=self._ssl
                 )
-            if shared_memory:
-                self._shm = SharedMemoryIO(self._client, self.spec)
+            if shared_memory:  # sized for the largest request the server takes
+                self._shm = SharedMemoryIO(self._client, self.spec, self.max_batch_size)
         except Exception as exc:
             raise map_exception(exc) from exc
         self._closed = False
@@ -167,7 +170,7 @@ class CTRClient(ClientBase):
 
         Args:
             inputs: one array per wire input of the spec (see :meth:`Rows.to_inputs`), at most
-                ``spec.model.max_batch_size`` rows.
+                :attr:`max_batch_size` rows (the server's limit).
             request_id: the request's id (printable ASCII, at most 128 characters); None: a new
                 random one. Either way it is in :attr:`last_request_ids` after the call.
 
@@ -228,8 +231,9 @@ class CTRClient(ClientBase):
                 sequence number): the sequence is then the real-time tail, merged into the user's
                 state by the server.
             candidates: the candidate rows (their own sequence columns are ignored, and the user's
-                profile columns, ``[inputs] profile``, are read from the first row). More than
-                ``spec.model.max_batch_size`` candidates go in several requests.
+                profile columns, ``[inputs] profile``, are read from the first row). A list the
+                server takes whole (:attr:`max_batch_size`, read from the server) is one request;
+                a longer one goes in several, sent concurrently (over gRPC).
             request_id: the list's id (as for :meth:`predict_inputs`); a list sent as several
                 requests sends ``<id>.0``, ``<id>.1``, ... (:attr:`last_request_ids`).
 
@@ -244,15 +248,35 @@ class CTRClient(ClientBase):
         model = self.spec.candidates_model
         requests = list(self._candidate_requests(user, candidates))
         ids = part_ids(request_id, len(requests))
+
+        def send(arrays: dict[str, np.ndarray], rid: str) -> np.ndarray:
+            result = self._infer(arrays, 0, (), model, request_id=rid)
+            return self._probabilities(result, arrays[self.spec.target_names[0]].shape[1])
+
         with self._collect_ids():
-            parts = [
-                self._probabilities(
-                    self._infer(arrays, 0, (), model, request_id=rid),
-                    arrays[self.spec.target_names[0]].shape[1],
-                )
-                for arrays, rid in zip(requests, ids, strict=True)
-            ]
+            parts = self._send_parts(send, requests, ids)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+    def _send_parts(
+        self,
+        send: Callable[[dict[str, np.ndarray], str], np.ndarray],
+        requests: list[dict[str, np.ndarray]],
+        ids: list[str],
+    ) -> list[np.ndarray]:
+        """A list's requests (its parts when it is over the served limit), the answers in order.
+
+        Over gRPC the parts go out together from a few threads (the gRPC transport is thread-safe);
+        the HTTP transport is gevent based and not, so there they go one after another (the asyncio
+        client sends them together over either protocol).
+        """
+        if len(requests) == 1 or self.protocol != "grpc":
+            return [send(arrays, rid) for arrays, rid in zip(requests, ids, strict=True)]
+        LOGGER.info("a list over the served limit of %d goes in %d requests", self.max_batch_size, len(ids))
+        with ThreadPoolExecutor(min(len(requests), PARTS_IN_FLIGHT), "recserve-parts") as pool:
+            parts = list(pool.map(send, requests, ids))
+        if self._collecting is not None:  # the ids in the order of the parts, not of their sending
+            self._collecting[-len(ids) :] = ids
+        return parts
 
     def predict_by_user(self, rows: Rows, batch_size: int = 64) -> np.ndarray:
         """Score all rows; each user's consecutive rows that share their sequences as one candidate list.
@@ -341,7 +365,7 @@ class CTRClient(ClientBase):
 
         Args:
             rows: the rows, e.g. from :func:`~recserve.clients.rows.read_rows`.
-            batch_size: rows per request, ``1..spec.model.max_batch_size``.
+            batch_size: rows per request, ``1..max_batch_size`` (the server's limit).
 
         Returns:
             float32 ``[N]`` probabilities in the order of ``rows``.

@@ -24,15 +24,16 @@ ALIGN = 64
 class SharedMemoryIO:
     """One system shared-memory region holding a request's inputs and its output (same host only).
 
-    The region is sized for the largest request the spec allows, registered with the server once,
+    The region is sized for the largest request the server takes (``rows``; the spec's
+    ``max_batch_size`` by default), registered with the server once,
     and reused by every request of its client: tensors are copied into it instead of being
     serialised into the request message.
     """
 
-    def __init__(self, client: Any, spec: ModelSpec) -> None:
+    def __init__(self, client: Any, spec: ModelSpec, rows: int | None = None) -> None:
         from multiprocessing import shared_memory
 
-        rows = spec.model.max_batch_size
+        rows = rows or spec.model.max_batch_size
         group = spec.categorical
         per_row = {  # a BYTES element takes 4 bytes of length and its text
             group.name: sum(4 + group.raw_columns[i].max_bytes for i in group.wire_columns),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -139,3 +140,28 @@ def test_perf_sends_candidate_lists_to_the_candidates_ensemble(server, spec, tmp
     assert f"{spec.candidates_model} over grpc, one user's 40 candidates per request" in done.stdout
     (point,) = out.read_text().splitlines()[1:]
     assert float(point.split(",")[2]) > 0
+
+
+def test_the_client_reads_the_served_limit_and_sends_a_longer_lists_parts_together(server, spec, candidates):
+    """A client made with a spec still asks the server for its limit; a list over it goes in parts at once."""
+    smaller = dataclasses.replace(spec, model=dataclasses.replace(spec.model, max_batch_size=64))
+    user, rows = user_of(candidates), candidates.take(slice(0, 200))
+    with CTRClient(server.grpc_url, timeout_s=30, spec=smaller) as client:
+        assert client.max_batch_size == spec.model.max_batch_size == 256  # the server's, not the file's 64
+        whole = client.score_candidates(user, rows, request_id="whole")
+        assert client.last_request_ids == ["whole"]  # 200 candidates: one request, no split
+        client.max_batch_size = 90
+        parts = client.score_candidates(user, rows, request_id="parts")
+        assert client.last_request_ids == ["parts.0", "parts.1", "parts.2"]  # in the order of the parts
+
+    async def run_async():
+        async with AsyncCTRClient(server.http_url, protocol="http", timeout_s=30, spec=smaller) as client:
+            assert client.max_batch_size == 256
+            client.max_batch_size = 50
+            got = await client.score_candidates(user, rows, request_id="async")
+            return got, client.last_request_ids
+
+    together, ids = asyncio.run(run_async())
+    assert ids == [f"async.{k}" for k in range(4)]
+    np.testing.assert_allclose(parts, whole, atol=1e-6)
+    np.testing.assert_allclose(together, whole, atol=1e-6)

@@ -156,3 +156,13 @@ def test_local_refusals_name_huge_values_shortened(spec):
         CTRClient(spec=spec, user_id="u" * 99_999 + "\n")
     assert len(str(err.value)) < 200
     client.close()
+
+
+def test_the_limit_is_the_specs_while_the_server_cannot_tell_and_may_be_set(spec):
+    with CTRClient(f"127.0.0.1:{_closed_port()}", timeout_s=2, spec=spec) as client:
+        assert client.max_batch_size == spec.model.max_batch_size  # unreachable: the spec's, for now
+        assert client._limit is None  # the server is asked again at the next use
+        client.max_batch_size = 32
+        assert client.max_batch_size == 32
+        with pytest.raises(ValueError, match="at least 1"):
+            client.max_batch_size = 0
