@@ -144,7 +144,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     imported.add_argument("--tables", type=Path, required=True, help="one file or folder per table")
     imported.add_argument(
-        "--dense", type=Path, required=True, help="the dense network, following the contract"
+        "--dense",
+        type=Path,
+        required=True,
+        help='the dense network, following the contract (lookups = "in_model": the whole model)',
     )
     imported.add_argument("--repository", type=Path, default=None)
     imported.add_argument("--replace", action="store_true", help="replace an existing repository")
