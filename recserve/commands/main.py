@@ -14,7 +14,7 @@ import logging
 import sys
 import textwrap
 
-from recserve.commands import access, lab, model, perf, serving, store, user_state
+from recserve.commands import access, lab, loop, model, perf, serving, store, user_state
 from recserve.core.spec.types import DEFAULT_SPEC, default_repository
 from recserve.errors import ArtifactError
 
@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
         help=f"{SPEC_HELP} (default: {DEFAULT_SPEC}, or the spec a named repository or the server carries)",
     )
     sub = top.add_subparsers(dest="command", required=True, title="user commands", metavar="COMMAND")
-    for group in (model, serving, store, user_state, access, perf):
+    for group in (model, serving, store, user_state, loop, access, perf):
         group.add_commands(sub)
     lab_parser = sub.add_parser("lab", help=f"{LAB_HELP} (listed below)", description=LAB_HELP)
     lab_commands = lab_parser.add_subparsers(

@@ -1,4 +1,5 @@
-"""The Redis Streams sink on a real Redis Cluster: sharded, capped, read by a consumer group that resumes.
+"""The Redis Streams sink on a real Redis Cluster: sharded, capped, read by a consumer group that resumes;
+the joiner reading the log and the feedback from streams.
 
 The step's writer thread sends records of many requests (each to the stream of its id's shard),
 a consumer of a group reads part of them and dies without acknowledging; started again under the
@@ -11,12 +12,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from recserve.backends.request_log.records import FEATURES, SCORES, Identity
+from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity
 from recserve.backends.request_log.step_log import ScoreLog, open_writer
 from recserve.backends.request_log.streams import StreamGroup, cluster_client, read_records
 from recserve.backends.request_log.writer import Entry
+from recserve.clients.feedback import FeedbackStream
+from recserve.core.feedback import FeedbackEvent
 from recserve.core.sections.logging import LoggingSection
 from recserve.core.streams import stream_keys, stream_shard
+from recserve.loop.join import Join
+from recserve.loop.joiner import Joiner, read_examples
+from recserve.loop.sources import feedback_streams, log_streams
 from recserve.perf.harness.redis_cluster import RedisCluster
 
 
@@ -105,3 +111,58 @@ def read_records_of(stream, fields):
     got = read_records(StreamEntry(stream, "0-0", {k.decode(): v for k, v in fields.items()}))
     assert got is not None
     return got
+
+
+def features_batch(request_id: str, rows: int, t: float) -> pa.RecordBatch:
+    schema = SCHEMAS[FEATURES]
+    columns = {
+        "request_id": [request_id] * rows, "row": list(range(rows)), "variant": [""] * rows,
+        "traffic": ["live"] * rows,
+        "keys": [[r, 1] for r in range(rows)], "dense": [[0.5]] * rows, "embedding_version": [[1]] * rows,
+        "history_row": [-1] * rows, "history": [None] * rows,
+    }  # fmt: skip
+    columns["time"] = pa.array([int(t * 1e6)] * rows, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    return pa.RecordBatch.from_pydict({name: columns[name] for name in schema.names}, schema=schema)
+
+
+def test_the_joiner_reads_the_log_and_feedback_streams_and_resumes_its_group(cluster, tmp_path):
+    settings = LoggingSection(enabled=True, sink="redis", streams=2, stream_prefix="rs:j", stream_flush_ms=1)
+    store = cluster.store_section()
+    writer = open_writer(settings, store=store)
+    for k in range(4):
+        writer.offer(Entry(FEATURES, 3, lambda k=k: features_batch(f"q{k}", 3, 1000.0)))
+        writer.offer(Entry(SCORES, 3, lambda k=k: scores(f"q{k}", 3)))
+    writer.close()
+    client = cluster_client(store)
+    feedback = FeedbackStream(client, "rs:jf", 2)
+    feedback.write([FeedbackEvent("q1", 2, "click", 1001.0), FeedbackEvent("q3", 0, "click", 1002.0)])
+    now = [1005.0]
+
+    def joiner():
+        made = Joiner(
+            Join(10.0, 10.0),
+            log_streams(cluster_client(store), "rs:j", 2, "c"),
+            feedback_streams(cluster_client(store), "rs:jf", 2, "c"),
+            tmp_path / "examples",
+            1.0,
+            lambda: now[0],
+        )
+        made.recover()
+        return made
+
+    first = joiner()
+    first.step()
+    first.commit()
+    feedback.write([FeedbackEvent("q0", 1, "click", 1003.0)])
+    first.step()  # read, never committed: the joiner dies
+    second = joiner()
+    now[0] = 1011.0
+    second.step()
+    second.commit()
+    got = sorted(
+        (e["request_id"], e["row"], e["label"]) for e in read_examples(tmp_path / "examples").to_pylist()
+    )
+    clicked = {("q1", 2), ("q3", 0), ("q0", 1)}
+    assert got == sorted((f"q{k}", r, int((f"q{k}", r) in clicked)) for k in range(4) for r in range(3))
+    assert next(iter(read_examples(tmp_path / "examples").to_pylist()))["score"] is not None
+    assert all(client.xpending(key, "join")["pending"] == 0 for key in stream_keys("rs:j", FEATURES, 2))

@@ -56,6 +56,7 @@ ALLOWED = {
     "recserve.clients": BOTTOM,
     "recserve.server": BOTTOM,  # the tritonserver processes: started, supervised, stopped
     "recserve.access": (*BOTTOM, "recserve.server"),  # the proxy in front of the servers
+    "recserve.loop": (*BOTTOM, "recserve.backends"),  # the joiner: reads what the steps logged
     "recserve.verify": (*BOTTOM, "recserve.backends", "recserve.build", "recserve.clients"),
     "recserve.commands": ("recserve",),  # the top: the command line may import anything
     "recserve.cli": ("recserve.commands",),  # the console script's entry point

@@ -1,0 +1,1 @@
+"""The closed loop's processes after serving: the joiner (``recserve join``) of logged rows and feedback."""

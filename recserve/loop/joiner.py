@@ -1,0 +1,214 @@
+"""``recserve join`` as a process: read, join, and commit examples and progress together.
+
+Every ``commit_seconds`` the joiner commits: the examples emitted since the last commit go to one
+new segment ``<examples>/examples-<seq>.parquet`` (written under a hidden name, fsynced, renamed),
+then its state (the rows it holds, feedback waiting for its row) goes to ``<examples>/.state/``,
+and last ``checkpoint.json`` names that ``seq``, the sources' positions and the counts (written
+the same way: its rename is the commit). Only then are stream entries acknowledged.
+
+Killed (``kill -9``) at any point and started again, it loads the last checkpoint, deletes the
+segments written after it (their examples are emitted again from the restored state and the
+inputs read again from the saved positions), and goes on: no example is lost, none is emitted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recserve.core.feedback import FEEDBACK
+from recserve.loop.join import Join
+from recserve.loop.sources import Source
+from recserve.loop.tables import examples_table, restore, snapshot
+
+LOGGER = logging.getLogger(__name__)
+STATE = ".state"
+CHECKPOINT = "checkpoint.json"
+SEGMENT = re.compile(r"examples-(\d{10})\.parquet")
+#: how long the joiner sleeps when nothing came
+IDLE_S = 0.1
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """Write ``path`` under a hidden name, fsync it, rename it into place."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def example_segments(folder: Path) -> list[Path]:
+    """The committed and uncommitted example segments of ``folder``, in order."""
+    return sorted(p for p in Path(folder).glob("examples-*.parquet") if SEGMENT.fullmatch(p.name))
+
+
+def read_examples(folder: Path) -> pa.Table:
+    """Every example in ``folder``'s segments, in the order they were emitted."""
+    from recserve.loop.tables import EXAMPLES
+
+    paths = example_segments(folder)
+    if not paths:
+        return EXAMPLES.empty_table()
+    return pa.concat_tables([pq.read_table(p, schema=EXAMPLES) for p in paths])
+
+
+class Joiner:
+    """The long-running joiner: sources in, :class:`Join` in the middle, committed segments out.
+
+    Args:
+        join: the join (its rules: window, late horizon, rate w).
+        log: the logged records' source.
+        feedback: the feedback's source.
+        output: the examples' folder (its state in ``.state/``).
+        commit_s: how often it commits.
+        clock: seconds since the epoch (the rows' times are the servers' clocks).
+    """
+
+    def __init__(
+        self,
+        join: Join,
+        log: Source,
+        feedback: Source,
+        output: Path,
+        commit_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.join = join
+        self.log = log
+        self.feedback = feedback
+        self.output = Path(output)
+        self.state = self.output / STATE
+        self.commit_s = commit_s
+        self.clock = clock
+        self.seq = 0
+        self.examples_written = 0
+        self._dirty = False
+        self.state.mkdir(parents=True, exist_ok=True)
+
+    # ---- recovery ------------------------------------------------------------------------
+    def recover(self) -> int:
+        """Start from the last checkpoint (none: from the start); the segments deleted as uncommitted."""
+        checkpoint = self.state / CHECKPOINT
+        counts: dict[str, int] = {}
+        if checkpoint.exists():
+            saved = json.loads(checkpoint.read_text())
+            self.seq = int(saved["seq"])
+            self.log.restore(saved["log"])
+            self.feedback.restore(saved["feedback"])
+            self.examples_written = int(saved.get("examples", 0))
+            counts = saved.get("counts", {})
+            self.log.refused = int(saved.get("refused", {}).get("log", 0))
+            self.feedback.refused = int(saved.get("refused", {}).get("feedback", 0))
+            tables = {
+                n: pq.read_table(self.state / f"{self.seq:010d}-{n}.parquet")
+                for n in ("rows", "feedback", "scores")
+            }
+            restore(self.join, tables, counts)
+        dropped = 0
+        for path in example_segments(self.output):
+            if int(SEGMENT.fullmatch(path.name).group(1)) > self.seq:  # type: ignore[union-attr]
+                path.unlink()  # written, never committed: its examples come again
+                dropped += 1
+        for stale in (*self.output.glob(".*.tmp"), *self.state.glob(".*.tmp")):
+            stale.unlink(missing_ok=True)
+        if dropped:
+            LOGGER.info("removed %d uncommitted example segment(s) after checkpoint %d", dropped, self.seq)
+        return self.seq
+
+    # ---- work ----------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Read what is new from both sources, join it, close the windows due. Whether anything came.
+
+        A source that cannot be read (Redis away) is logged and tried again at the next step.
+        """
+        came = False
+        before = dict(self.join.counts)
+        for source in (self.log, self.feedback):
+            try:
+                items = source.poll()
+            except Exception as exc:  # nothing was handed out: the same entries come next time
+                LOGGER.warning("%s could not be read (%s); trying again", type(source).__name__, exc)
+                items = []
+            for kind, batch in items:
+                came = True
+                if kind == FEEDBACK:
+                    self.join.add_feedback(batch)
+                elif kind == "features":
+                    self.join.add_features(batch)
+                else:
+                    self.join.add_scores(batch)
+        self.join.advance(self.clock())
+        self._dirty = self._dirty or came or bool(self.join.emitted) or self.join.counts != before
+        return came
+
+    def commit(self) -> None:
+        """Write the new examples, the state and the checkpoint (its rename commits); then acknowledge.
+
+        A failure here (a full disk) is raised: the examples taken are no longer held, so the process
+        must stop, and started again it emits them from the last checkpoint.
+        """
+        if not self._dirty:
+            return
+        seq = self.seq + 1
+        examples = self.join.take()
+        if examples:
+            table = examples_table(examples)
+            _write_atomically(
+                self.output / f"examples-{seq:010d}.parquet",
+                lambda h: pq.write_table(table, h, compression="zstd"),
+            )
+        for name, table in snapshot(self.join).items():
+            _write_atomically(
+                self.state / f"{seq:010d}-{name}.parquet", lambda h, t=table: pq.write_table(t, h)
+            )
+        saved = {
+            "seq": seq,
+            "log": self.log.position(),
+            "feedback": self.feedback.position(),
+            "examples": self.examples_written + len(examples),
+            "counts": self.join.counts,
+            "refused": {"log": self.log.refused, "feedback": self.feedback.refused},
+        }
+        _sync_folder(self.output)
+        _write_atomically(self.state / CHECKPOINT, lambda h: h.write(json.dumps(saved).encode()))
+        _sync_folder(self.state)
+        self.seq, self.examples_written, self._dirty = seq, saved["examples"], False
+        self.log.acknowledge()
+        self.feedback.acknowledge()
+        for old in self.state.glob("*.parquet"):
+            if not old.name.startswith(f"{seq:010d}-"):
+                old.unlink(missing_ok=True)
+
+    def run(self, stop: threading.Event, for_s: float | None = None) -> None:
+        """Join until ``stop`` is set (or ``for_s`` elapsed), committing every ``commit_s`` and at the end."""
+        self.recover()
+        started = last = time.monotonic()
+        while not stop.is_set() and (for_s is None or time.monotonic() - started < for_s):
+            came = self.step()
+            if time.monotonic() - last >= self.commit_s:
+                self.commit()
+                last = time.monotonic()
+            if not came:
+                stop.wait(IDLE_S)
+        self.step()
+        self.commit()

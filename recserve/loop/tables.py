@@ -1,0 +1,139 @@
+"""The joiner's tables: logged records in, training examples out, and its state as a snapshot.
+
+The examples' schema (one row per example, Parquet segments of ``recserve join``):
+
+| column | meaning |
+| --- | --- |
+| ``request_id``, ``row``, ``time``, ``variant`` | the served row (as logged) |
+| ``label`` | 1: clicked, 0: not clicked within W |
+| ``late`` | a positive for a click after W (the row was emitted before as a negative, or sampled out) |
+| ``sample_rate`` | the rate the example was kept at: w for a negative, 1 for a positive |
+| ``labelled_at`` | the click's time, or the window's end for a negative |
+| ``keys``, ``dense``, ``embedding_version``, ``history`` | the features as served (the row's own history) |
+| ``score``, ``dense_version`` | the probability served and the dense version (null: its record never came) |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from recserve.core.feedback import FeedbackEvent
+from recserve.loop.join import Join, Row
+
+_TIME = pa.timestamp("us", tz="UTC")
+EXAMPLES = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("row", pa.int32(), nullable=False),
+        pa.field("time", _TIME, nullable=False),
+        pa.field("variant", pa.string(), nullable=False),
+        pa.field("label", pa.int8(), nullable=False),
+        pa.field("late", pa.bool_(), nullable=False),
+        pa.field("sample_rate", pa.float32(), nullable=False),
+        pa.field("labelled_at", _TIME, nullable=False),
+        pa.field("keys", pa.list_(pa.int64()), nullable=False),
+        pa.field("dense", pa.list_(pa.float32()), nullable=False),
+        pa.field("embedding_version", pa.list_(pa.int64()), nullable=False),
+        pa.field("history", pa.list_(pa.int64())),
+        pa.field("score", pa.float32()),
+        pa.field("dense_version", pa.int64()),
+    ]
+)
+#: the record columns a held row keeps (``time`` as seconds)
+_RECORD = ("request_id", "row", "time", "variant", "traffic", "keys", "dense", "embedding_version", "history")
+ROWS = pa.schema(
+    [
+        pa.field("state", pa.string()),  # open or closed
+        pa.field("outcome", pa.string()),
+        pa.field("impressed", pa.bool_()),
+        pa.field("score", pa.float64()),
+        pa.field("dense_version", pa.int64()),
+        pa.field("request_id", pa.string()),
+        pa.field("row", pa.int32()),
+        pa.field("time", pa.float64()),
+        pa.field("variant", pa.string()),
+        pa.field("traffic", pa.string()),
+        pa.field("keys", pa.list_(pa.int64())),
+        pa.field("dense", pa.list_(pa.float32())),
+        pa.field("embedding_version", pa.list_(pa.int64())),
+        pa.field("history", pa.list_(pa.int64())),
+    ]
+)
+FEEDBACK_ROWS = pa.schema(
+    [("request_id", pa.string()), ("row", pa.int32()), ("event", pa.string()), ("time", pa.float64())]
+)
+SCORE_ROWS = pa.schema(
+    [("request_id", pa.string()), ("row", pa.int32()), ("score", pa.float64()), ("dense_version", pa.int64()),
+     ("time", pa.float64())]
+)  # fmt: skip
+
+
+def _seconds(column: pa.ChunkedArray) -> list[float]:
+    return [v / 1e6 for v in pc.cast(column, pa.int64()).to_pylist()]
+
+
+def records(table: pa.Table) -> list[dict[str, Any]]:
+    """A logged table's rows as dicts, ``time`` in seconds since the epoch."""
+    out = table.drop_columns(["time"]).to_pylist()
+    for record, seconds in zip(out, _seconds(table["time"]), strict=True):
+        record["time"] = seconds
+    return out
+
+
+def examples_table(examples: list[dict[str, Any]]) -> pa.Table:
+    """Emitted examples (:meth:`Join.take`) as a table of :data:`EXAMPLES`."""
+    columns = {}
+    for name in EXAMPLES.names:
+        values = [e.get(name) for e in examples]
+        if name in ("time", "labelled_at"):
+            values = [int(round(v * 1e6)) for v in values]
+            columns[name] = pa.array(values, pa.int64()).cast(_TIME)
+        else:
+            columns[name] = pa.array(values, EXAMPLES.field(name).type)
+    return pa.Table.from_pydict(columns, schema=EXAMPLES)
+
+
+def snapshot(join: Join) -> dict[str, pa.Table]:
+    """The join's held state as tables (rows open and closed, feedback and scores waiting)."""
+    rows = []
+    for state, held in (("open", join.open), ("closed", join.closed)):
+        for row in held.values():
+            rows.append(
+                {
+                    "state": state, "outcome": row.outcome, "impressed": row.impressed, "score": row.score,
+                    "dense_version": row.dense_version, **{n: row.record.get(n) for n in _RECORD},
+                }
+            )  # fmt: skip
+    feedback = [
+        {"request_id": e.request_id, "row": e.row, "event": e.event, "time": e.time}
+        for events in join.waiting_feedback.values()
+        for e in events
+    ]
+    scores = [
+        {"request_id": k[0], "row": k[1], "score": s, "dense_version": v, "time": t}
+        for k, (s, v, t) in join.waiting_scores.items()
+    ]
+    return {
+        "rows": pa.Table.from_pylist(rows, schema=ROWS),
+        "feedback": pa.Table.from_pylist(feedback, schema=FEEDBACK_ROWS),
+        "scores": pa.Table.from_pylist(scores, schema=SCORE_ROWS),
+    }
+
+
+def restore(join: Join, tables: dict[str, pa.Table], counts: dict[str, int]) -> None:
+    """Put a :func:`snapshot` (and the counts saved with it) back into an empty ``join``."""
+    for item in tables["rows"].to_pylist():
+        row = Row({n: item[n] for n in _RECORD}, item["score"], item["dense_version"], item["impressed"])
+        row.outcome = item["outcome"]
+        (join.open if item["state"] == "open" else join.closed)[(item["request_id"], item["row"])] = row
+    for item in tables["feedback"].to_pylist():
+        event = FeedbackEvent(item["request_id"], item["row"], item["event"], item["time"])
+        join.waiting_feedback.setdefault((event.request_id, event.row), []).append(event)
+    for item in tables["scores"].to_pylist():
+        join.waiting_scores[(item["request_id"], item["row"])] = (
+            item["score"], item["dense_version"], item["time"]
+        )  # fmt: skip
+    join.counts.update({k: int(v) for k, v in counts.items() if k in join.counts})

@@ -1,0 +1,224 @@
+"""The join's rules (windows, late positives, duplicates, out of order, unknown ids, down-sampling),
+the feedback files' reader, and the joiner's commit and recovery on files."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity
+from recserve.backends.request_log.segments import ParquetSegments
+from recserve.backends.request_log.step_log import ScoreLog
+from recserve.clients.feedback import FeedbackFile
+from recserve.core.feedback import FeedbackEvent
+from recserve.loop.join import Join, kept_negative
+from recserve.loop.joiner import Joiner, example_segments, read_examples
+from recserve.loop.sources import FeedbackFiles, LogSegments
+from recserve.loop.tables import EXAMPLES, examples_table, restore, snapshot
+
+W, LATE = 10.0, 100.0
+
+
+def features(request_id, rows, t, traffic="live"):
+    return [
+        {
+            "request_id": request_id, "row": r, "time": t, "variant": "", "traffic": traffic, "keys": [r, 7],
+            "dense": [0.5], "embedding_version": [1], "history_row": 0, "history": [3, 4] if r == 0 else None,
+        }
+        for r in range(rows)
+    ]  # fmt: skip
+
+
+def click(request_id, row, t, event="click"):
+    return FeedbackEvent(request_id, row, event, t)
+
+
+def labels(examples):
+    return [(e["request_id"], e["row"], e["label"], e["late"]) for e in examples]
+
+
+def test_a_click_within_the_window_is_a_positive_at_once_and_the_rest_close_as_negatives():
+    join = Join(W, LATE)
+    join.add_features(features("a", 3, 100.0))
+    join.add_scores([{"request_id": "a", "row": 1, "score": 0.4, "dense_version": 2, "time": 100.0}])
+    join.add_feedback([click("a", 1, 105.0)])
+    first = join.take()
+    assert labels(first) == [("a", 1, 1, False)]
+    assert first[0]["score"] == 0.4 and first[0]["history"] == [3, 4]  # the request's history, resolved
+    join.advance(109.9)
+    assert join.take() == []
+    join.advance(110.0)
+    closed = join.take()
+    assert labels(closed) == [("a", 0, 0, False), ("a", 2, 0, False)]
+    assert closed[0]["labelled_at"] == 110.0 and closed[0]["score"] is None
+    assert join.counts["positives"] == 1 and join.counts["negatives"] == 2
+
+
+def test_a_click_after_the_window_re_emits_the_row_as_a_late_positive_until_the_late_horizon():
+    join = Join(W, LATE)
+    join.add_features(features("a", 2, 100.0))
+    join.advance(111.0)
+    join.add_feedback([click("a", 0, 150.0), click("a", 0, 151.0), click("a", 1, 100.0 + W + LATE + 1)])
+    assert labels(join.take()) == [("a", 0, 0, False), ("a", 1, 0, False), ("a", 0, 1, True)]
+    assert join.counts["late_positives"] == 1 and join.counts["duplicate_feedback"] == 1
+    assert join.counts["unknown_feedback"] == 1  # past the late horizon
+    # an open row clicked after W (not closed yet): the negative first, then the late positive
+    join.add_features(features("b", 1, 200.0))
+    join.add_feedback([click("b", 0, 200.0 + W + 5)])
+    assert labels(join.take()) == [("b", 0, 0, False), ("b", 0, 1, True)]
+    join.advance(200.0 + W + LATE)
+    assert not join.closed and not join.open
+
+
+def test_duplicates_out_of_order_unknown_and_shadow_are_counted_never_fatal():
+    join = Join(W, LATE)
+    join.add_feedback([click("a", 0, 101.0), click("ghost", 4, 101.0)])  # before their rows
+    join.add_features(features("a", 1, 100.0))
+    join.add_features(features("a", 1, 100.0))  # logged twice
+    join.add_features(features("s", 2, 100.0, traffic="shadow"))
+    join.add_feedback([click("s", 0, 101.0), click("a", 0, 102.0), click("a", 0, 103.0, "impression")])
+    assert labels(join.take()) == [("a", 0, 1, False)]
+    join.advance(100.0 + W + LATE + 2)
+    assert join.take() == []
+    counts = join.counts
+    assert counts["out_of_order"] == 1 and counts["duplicate_records"] == 1 and counts["shadow_rows"] == 2
+    assert counts["duplicate_feedback"] == 1 and counts["late_impressions"] == 1
+    assert counts["unknown_feedback"] == 2  # the ghost, and the shadow row's click
+    assert not join.waiting_feedback
+
+
+def test_negatives_are_down_sampled_at_the_recorded_rate_the_same_on_every_run():
+    join = Join(W, LATE, negative_rate=0.25)
+    join.add_features(features("r", 4000, 100.0))
+    join.add_feedback([click("r", r, 101.0) for r in range(0, 4000, 10)])
+    join.advance(200.0)
+    out = join.take()
+    negatives = [e for e in out if e["label"] == 0]
+    assert len([e for e in out if e["label"] == 1]) == 400  # every positive kept, at rate 1
+    assert {e["sample_rate"] for e in out if e["label"] == 1} == {1.0}
+    assert 0.22 < len(negatives) / 3600 < 0.28 and {e["sample_rate"] for e in negatives} == {0.25}
+    assert join.counts["negatives"] + join.counts["negatives_sampled_out"] == 3600
+    again = [r for r in range(4000) if r % 10 and kept_negative("r", r, 0.25)]
+    assert [e["row"] for e in negatives] == again
+
+
+def test_with_impressions_required_an_unshown_row_makes_no_example():
+    join = Join(W, LATE, require_impression=True)
+    join.add_features(features("a", 3, 100.0))
+    join.add_feedback([click("a", 0, 101.0, "impression"), click("a", 1, 102.0)])
+    join.advance(111.0)
+    assert labels(join.take()) == [("a", 1, 1, False), ("a", 0, 0, False)]
+    assert join.counts["unshown"] == 1
+
+
+def test_a_restored_snapshot_joins_on_exactly_as_the_original():
+    def fed(join):
+        join.add_features(features("a", 5, 100.0))
+        join.add_feedback([click("a", 1, 101.0), click("b", 0, 102.0)])
+        join.add_scores([{"request_id": "c", "row": 0, "score": 0.5, "dense_version": 1, "time": 100.0}])
+        join.advance(105.0)
+        return join
+
+    original = fed(Join(W, LATE, 0.5))
+    original.take()
+    copy = Join(W, LATE, 0.5)
+    restore(copy, snapshot(original), original.counts)
+    for join in (original, copy):
+        join.add_features(features("b", 1, 100.5))
+        join.add_feedback([click("a", 2, 150.0)])
+        join.advance(300.0)
+    assert labels(copy.take()) == labels(original.take()) and copy.counts == original.counts
+    assert examples_table(original.emitted).schema == EXAMPLES
+
+
+def test_feedback_files_are_read_whole_lines_only_and_bad_lines_are_counted(tmp_path):
+    folder = tmp_path / "feedback"
+    FeedbackFile(folder / "a.jsonl").write([click("r", 0, 1.0)])
+    with open(folder / "a.jsonl", "a") as handle:
+        handle.write('{"request_id": "r", "row": 9, "event": "nope"}\n{"request_id": "r", "ro')
+    source = FeedbackFiles(folder)
+    assert source.poll() == [("feedback", [click("r", 0, 1.0)])] and source.refused == 1
+    with open(folder / "a.jsonl", "a") as handle:
+        handle.write('w": 1, "event": "click", "time": 2.0}\n')
+    again = FeedbackFiles(folder)
+    again.restore(json.loads(json.dumps(source.position())))
+    assert again.poll() == [("feedback", [click("r", 1, 2.0)])]
+
+
+def log_request(sink, request_id, rows, t):
+    """One request's two record kinds, as the steps log them, in their own segments."""
+    records = features(request_id, rows, 0.0)
+    columns = {name: [r[name] for r in records] for name in SCHEMAS[FEATURES].names if name != "time"}
+    columns["time"] = pa.array([int(t * 1e6)] * rows, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
+    sink.add(FEATURES, pa.RecordBatch.from_pydict(columns, schema=SCHEMAS[FEATURES]))
+    scores = np.full(rows, 0.5, np.float32)
+    sink.add(SCORES, ScoreLog.build(Identity(request_id), int(t * 1e6), scores, np.ones(rows, np.int64)))
+    sink.flush()
+
+
+def make_joiner(tmp_path, now):
+    made = Joiner(
+        Join(W, LATE),
+        LogSegments(tmp_path / "log"),
+        FeedbackFiles(tmp_path / "feedback"),
+        tmp_path / "examples",
+        1.0,
+        lambda: now[0],
+    )
+    made.recover()
+    return made
+
+
+def test_a_joiner_started_again_goes_on_from_its_last_commit(tmp_path):
+    now = [1000.0]
+    sink = ParquetSegments(tmp_path / "log", 1 << 30, 3600.0)
+    feedback = FeedbackFile(tmp_path / "feedback" / "f.jsonl")
+    first = make_joiner(tmp_path, now)
+    log_request(sink, "a", 4, 1000.0)
+    feedback.write([click("a", 1, 1001.0)])
+    first.step()
+    first.commit()  # a/1's positive; a/0, a/2, a/3 held open in the state
+    log_request(sink, "b", 2, 1002.0)  # read by the first joiner, never committed: it dies
+    first.step()
+    second = make_joiner(tmp_path, now)  # from the checkpoint: a's rows held, b's not read yet
+    feedback.write([click("b", 0, 1003.0)])
+    now[0] = 1013.0
+    second.step()
+    second.commit()
+    feedback.write([click("a", 2, 1020.0)])  # late
+    second.step()
+    second.commit()
+    got = labels(read_examples(tmp_path / "examples").to_pylist())
+    assert sorted(got) == sorted(
+        [("a", 1, 1, False), ("a", 0, 0, False), ("a", 2, 0, False), ("a", 3, 0, False), ("b", 0, 1, False),
+         ("b", 1, 0, False), ("a", 2, 1, True)]
+    )  # fmt: skip
+    assert len(example_segments(tmp_path / "examples")) == 3
+    assert not list((tmp_path / "examples").rglob(".*.tmp"))
+
+
+def test_a_segment_written_after_the_last_checkpoint_is_removed_and_its_examples_come_again(tmp_path):
+    now = [1000.0]
+    out = tmp_path / "examples"
+    sink = ParquetSegments(tmp_path / "log", 1 << 30, 3600.0)
+    first = make_joiner(tmp_path, now)
+    log_request(sink, "a", 3, 1000.0)
+    first.step()
+    first.commit()
+    checkpoint = (out / ".state" / "checkpoint.json").read_bytes()
+    state_files = {p.name: p.read_bytes() for p in (out / ".state").glob("*.parquet")}
+    now[0] = 1011.0
+    first.step()
+    first.commit()  # three negatives in segment 2 ...
+    assert len(example_segments(out)) == 1
+    # ... but the process dies before its checkpoint lands: put the earlier one back
+    (out / ".state" / "checkpoint.json").write_bytes(checkpoint)
+    for name, data in state_files.items():
+        (out / ".state" / name).write_bytes(data)
+    second = make_joiner(tmp_path, now)
+    assert example_segments(out) == []  # the uncommitted segment is gone
+    second.step()
+    second.commit()
+    assert sorted(labels(read_examples(out).to_pylist())) == [("a", r, 0, False) for r in range(3)]
+    assert pq.read_table(example_segments(out)[0]).schema == EXAMPLES
