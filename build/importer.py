@@ -353,6 +353,13 @@ def read_in_model_tables(
         if not vocabulary.is_file():
             raise TableImportError(f"table {table!r}: no {vocabulary.name} in {folder}")
         tables[table] = vocabulary_table(spec, table, split.tables[table], vocabulary)
+    for feature, named in split.shared.items():  # one row input, several tables: one vocabulary
+        vocabularies = [_vocabulary(t, folder / f"{t}{VOCAB_SUFFIX}", len(split.tables[t])) for t in named]
+        if any(v != vocabularies[0] for v in vocabularies):
+            raise TableImportError(
+                f"feature {feature!r} feeds tables {list(named)} through one row input: their "
+                f"vocabularies must be the same, row for row (they differ)"
+            )
     return tables, dict.fromkeys(tables, f"vocabulary ({IN_MODEL})")
 
 

@@ -49,6 +49,7 @@ class SplitModel:
     weights: dict[str, str]  # each table's weight in the graph
     model: bytes  # the network over the dense contract's inputs (a serialized ONNX model)
     lookups: int  # how many lookups were replaced
+    shared: dict[str, tuple[str, ...]]  # the features with several tables: their tables
 
 
 def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
@@ -74,7 +75,9 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
         )
     model = onnx.load(str(path))
     graph = model.graph
-    rows = {r.name: r for r in row_inputs(spec)}
+    rows: dict[str, list[RowInput]] = {}
+    for row in row_inputs(spec):
+        rows.setdefault(row.name, []).append(row)
     weights = {w.name: w for w in graph.initializer}
     aliases = {
         n.output[0]: n.input[0] for n in graph.node if n.op_type == "Identity" and n.input[0] in weights
@@ -87,7 +90,7 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
             if name not in rows:
                 continue
             if node.op_type == "Shape":  # the rows' dims lead the embedding's: its batch (and positions)
-                measured[index] = _shape_of_embedding(node, rows[name])
+                measured[index] = _shape_of_embedding(node, rows[name][0])
                 continue
             axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
             weight = aliases.get(node.input[0], node.input[0])
@@ -97,7 +100,14 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
                     "input may only be looked up (a Gather, axis 0, of a weight of the graph at its rows) "
                     "or measured (a Shape)"
                 )
-            row = rows[name]
+            found = _row_of(rows[name], weights[weight])
+            if found is None:
+                named = ", ".join(f"{r.table!r} ({spec.tables[r.table].dim} wide)" for r in rows[name])
+                raise SplitError(
+                    f"{label}: input {name!r} looks up weight {weight!r} of shape "
+                    f"{list(weights[weight].dims)}; its table(s): {named}"
+                )
+            row = found
             if read.setdefault(row.table, weight) != weight:
                 raise SplitError(
                     f"{label}: table {row.table!r} is read from two weights, {read[row.table]!r} and "
@@ -114,10 +124,17 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
                 f"expected float32 [rows, {dim}] (the spec's dim)"
             )
         tables[table] = array
-    unread = [t for t in dict.fromkeys(r.table for r in rows.values()) if t not in read]
+    unread = [t for t in dict.fromkeys(r.table for named in rows.values() for r in named) if t not in read]
     if unread:
         raise SplitError(f"{label} looks up no row of table(s) {unread}; each table of the spec is looked up")
 
+    for name, feature_rows in rows.items():
+        sizes = {r.table: len(tables[r.table]) for r in feature_rows}
+        if len(set(sizes.values())) > 1:
+            raise SplitError(
+                f"{label}: input {name!r} indexes tables of different rows {sizes}; a feature's tables "
+                "share its vocabulary, row for row"
+            )
     shapes = {t.name: t.shape for t in dense_contract(spec)[0]}
     widths = {name: shape[-1] for name, shape in shapes.items()}
     constants: dict[str, np.ndarray] = {}
@@ -167,7 +184,14 @@ def split_at_lookups(spec: ModelSpec, path: Path) -> SplitModel:
     del graph.input[:]
     graph.input.extend([*inputs, *present.values()])
     onnx.checker.check_model(model)
-    return SplitModel(tables, read, model.SerializeToString(), len(lookups))
+    shared = {name: tuple(r.table for r in named) for name, named in rows.items() if len(named) > 1}
+    return SplitModel(tables, read, model.SerializeToString(), len(lookups), shared)
+
+
+def _row_of(rows: list[RowInput], weight) -> RowInput | None:
+    """Which of a feature's tables a lookup reads: the one as wide as the weight (None: none is)."""
+    width = weight.dims[-1] if len(weight.dims) == 2 else -1
+    return next((row for row in rows if row.columns[1] - row.columns[0] == width), None)
 
 
 def _shape_of_embedding(node, row: RowInput):
@@ -322,10 +346,11 @@ def check_split(
 def _random_rows(
     spec: ModelSpec, tables: Mapping[str, np.ndarray], length: int, rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
-    return {
-        r.name: rng.integers(0, len(tables[r.table]), (3, length) if r.sequence else 3).astype(np.int64)
-        for r in row_inputs(spec)
-    }
+    rows: dict[str, np.ndarray] = {}
+    for r in row_inputs(spec):  # a feature's tables have the same rows (split_at_lookups checks it)
+        shape = (3, length) if r.sequence else 3
+        rows.setdefault(r.name, rng.integers(0, len(tables[r.table]), shape).astype(np.int64))
+    return rows
 
 
 def _embeddings(

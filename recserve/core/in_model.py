@@ -43,7 +43,10 @@ class RowInput:
 
 
 def row_inputs(spec: ModelSpec) -> tuple[RowInput, ...]:
-    """Each feature's row input, once, in the order of the dense contract's embedding inputs.
+    """Each feature's row input per table it feeds, in the order of the dense contract's embedding inputs.
+
+    A feature with several tables (an embedding and a first-order weight) has one input, read once
+    per table: its entries share the name.
 
     Raises:
         SpecError: the spec has what an in-model network cannot take (see :func:`in_model_problems`).
@@ -51,23 +54,25 @@ def row_inputs(spec: ModelSpec) -> tuple[RowInput, ...]:
     problems = in_model_problems(spec)
     if problems:
         raise SpecError(
-            f'spec {spec.name!r}: [model] lookups = "{IN_MODEL}" cannot serve ' + "; ".join(problems)
+            f'spec {spec.name!r}: [model] lookups = "{IN_MODEL}" cannot take: ' + "; ".join(problems)
         )
     group = spec.categorical
-    rows: dict[str, RowInput] = {}
+    rows: dict[tuple[str, str], RowInput] = {}
     for name, width, indices in sparse_inputs(spec):
         for k, i in enumerate(indices):
             feature, table = group.slot_names[i], group.slot_tables[i]
-            rows.setdefault(feature, RowInput(feature, table, False, name, k, (0, width)))
+            rows.setdefault((feature, table), RowInput(feature, table, False, name, k, (0, width)))
     for attention, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
         start = 0
         for sequence, target in zip(attention.sequences, attention.targets, strict=True):
             stop = start + spec.tables[sequence.table].dim
             rows.setdefault(
-                target.name, RowInput(target.name, target.table, False, names.target, -1, (start, stop))
+                (target.name, target.table),
+                RowInput(target.name, target.table, False, names.target, -1, (start, stop)),
             )
             rows.setdefault(
-                sequence.name, RowInput(sequence.name, sequence.table, True, names.history, -1, (start, stop))
+                (sequence.name, sequence.table),
+                RowInput(sequence.name, sequence.table, True, names.history, -1, (start, stop)),
             )
             start = stop
     return tuple(rows.values())
@@ -77,8 +82,8 @@ def in_model_problems(spec: ModelSpec) -> list[str]:
     """Why an in-model network cannot be served under ``spec`` (empty: it can).
 
     recserve hands such a network, once split, each feature's embedding as the lookup step serves it:
-    a pooled multi-hot feature, sequences summed at each position, a bucketized number or a feature
-    with several tables has no one row per feature to take.
+    a pooled multi-hot feature, sequences summed at each position or a bucketized number has no one
+    row per feature to take, and a feature's tables of one width could not be told apart.
     """
     group, problems = spec.categorical, []
     problems += [
@@ -92,11 +97,13 @@ def in_model_problems(spec: ModelSpec) -> list[str]:
     tables: dict[str, list[str]] = {}
     for feature, table in zip(group.slot_names, group.slot_tables, strict=True):
         tables.setdefault(feature, []).append(table)
-    several = [name for name, named in tables.items() if len(named) > 1]
-    if several:
-        problems.append(
-            f"feature(s) with several tables: {', '.join(several)} (one row input a feature: one table each)"
-        )
+    for name, named in tables.items():
+        widths = [spec.tables[t].dim for t in named]
+        if len(set(widths)) < len(widths):
+            problems.append(
+                f"feature {name!r}, whose tables {named} have the same width (the split tells a feature's "
+                "lookups apart by their width)"
+            )
     for attention in spec.attention_groups:
         if len(attention.sequences) > 1 and attention.combine != "concat":
             problems.append(
@@ -127,6 +134,9 @@ def in_model_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tupl
         SpecError: the spec has what an in-model network cannot take.
     """
     rows = row_inputs(spec)
+    tables: dict[str, list[str]] = {}
+    for row in rows:
+        tables.setdefault(row.name, []).append(row.table)
     dense_inputs, outputs = dense_contract(spec)
     inputs: list[ContractTensor] = []
     for tensor in dense_inputs:
@@ -134,6 +144,8 @@ def in_model_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tupl
         if not carried:
             inputs.append(tensor)
         for row in carried:
+            if row.table != tables[row.name][0]:  # a further table of a feature: the same input
+                continue
             if row.sequence:
                 sequence = next(s for s in spec.sequences if s.name == row.name)
                 holds = (
@@ -142,6 +154,13 @@ def in_model_contract(spec: ModelSpec) -> tuple[tuple[ContractTensor, ...], tupl
                 )
                 inputs.append(ContractTensor(row.name, "INT64", (-1, -1), holds))
             else:
-                holds = f"{row.name}: its value's row in table {row.table!r} (an unknown value: the oov row)"
+                named = " and ".join(repr(t) for t in tables[row.name])
+                if len(tables[row.name]) == 1:
+                    holds = f"{row.name}: its value's row in table {named} (an unknown value: the oov row)"
+                else:
+                    holds = (
+                        f"{row.name}: its value's row in tables {named}, the same in each (their "
+                        "vocabularies are one; an unknown value: the oov row)"
+                    )
                 inputs.append(ContractTensor(row.name, "INT64", (-1,), holds))
     return tuple(inputs), outputs

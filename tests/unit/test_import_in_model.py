@@ -83,9 +83,12 @@ def test_what_an_in_model_network_cannot_take_is_named():
     taobao = in_model_problems(load_spec("taobao"))
     assert any("multi-hot feature 'tags'" in p for p in taobao)
     assert any("hist_item_ids + hist_cate_ids summed" in p for p in taobao)
-    assert any("with several tables: C1, banner_pos" in p for p in in_model_problems(load_spec("avazu")))
-    with pytest.raises(SpecError, match='lookups = "in_model" cannot serve'):
-        in_model_contract(load_spec("avazu"))
+    with pytest.raises(SpecError, match='lookups = "in_model" cannot take: multi-hot feature'):
+        in_model_contract(load_spec("taobao"))
+    avazu = load_spec("avazu")  # an embedding and a first-order weight per feature: one row input each
+    assert in_model_problems(avazu) == []
+    site = next(t for t in in_model_contract(avazu)[0] if t.name == "site_id")
+    assert "tables 'site_id' and 'site_id_linear', the same in each" in site.holds
     doc = tomllib.loads(spec_path("tiny").read_text())
     doc["model"]["lookups"] = "inside"
     with pytest.raises(SpecError, match="model.lookups must be one of store, in_model"):
@@ -212,3 +215,84 @@ def test_an_in_model_import_takes_vocabularies_only(spec, tmp_path):
     with pytest.raises(TableImportError, match="the tables are the model's own weights"):
         import_repository(spec, folder, tmp_path / "model.onnx", tmp_path / "repo", quiet)
     assert not (tmp_path / "repo").exists()
+
+
+FM_SPEC = """
+[model]
+name = "fm"
+output = "logit"
+lookups = "in_model"
+
+[[features]]
+name = "site"
+kind = "categorical"
+value_type = "string"
+tables = ["site", "site_linear"]
+
+[[features]]
+name = "app"
+kind = "categorical"
+value_type = "string"
+
+[tables]
+site = { dim = 8 }
+site_linear = { dim = 1 }
+app = { dim = 8 }
+"""
+
+
+def _fm_graph(tables: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """An FM of two fields, the site with its first-order weight: both read at the site's one row input."""
+    weights = [numpy_helper.from_array(rows, f"{name}.weight") for name, rows in tables.items()]
+    weights.append(numpy_helper.from_array(np.array([1], np.int64), "features"))
+    nodes = [
+        helper.make_node("Gather", ["site.weight", "site"], ["site_vector"]),
+        helper.make_node("Gather", ["site_linear.weight", "site"], ["site_weight"]),
+        helper.make_node("Gather", ["app.weight", "app"], ["app_vector"]),
+        helper.make_node("Mul", ["site_vector", "app_vector"], ["product"]),
+        helper.make_node("ReduceSum", ["product", "features"], ["interaction"], keepdims=1),
+        helper.make_node("Add", ["interaction", "site_weight"], [LOGIT]),
+    ]
+    inputs = [helper.make_tensor_value_info(f, TensorProto.INT64, ["batch"]) for f in ("site", "app")]
+    output = helper.make_tensor_value_info(LOGIT, TensorProto.FLOAT, ["batch", 1])
+    graph = helper.make_graph(nodes, "fm", inputs, [output], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_feature_with_an_embedding_and_a_first_order_weight_is_one_row_input_read_twice(tmp_path):
+    spec = parse_spec(tomllib.loads(FM_SPEC))
+    assert [t.name for t in in_model_contract(spec)[0]] == ["site", "app"]
+    rows = generate(spec, ROWS, seed=6)
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    index = {}
+    for column, field in enumerate(("site", "app")):
+        tokens = [t for k, t in enumerate(sorted({v.decode() for v in rows.categorical[:, column]})) if k % 4]
+        index[field] = {t: r + 1 for r, t in enumerate(tokens)}
+        for table in (field, f"{field}_linear") if field == "site" else (field,):
+            (folder / f"{table}.vocab.json").write_text(json.dumps({"tokens": [None, *tokens], "oov": 0}))
+    rng = np.random.default_rng(7)
+    widths = {"site": 8, "site_linear": 1, "app": 8}
+    tables = {
+        t: rng.normal(0, 0.5, (len(index[t.split("_")[0]]) + 1, w)).astype(np.float32)
+        for t, w in widths.items()
+    }
+    onnx.save(_fm_graph(tables), tmp_path / "fm.onnx")
+    import_repository(spec, folder, tmp_path / "fm.onnx", tmp_path / "repo", quiet)
+
+    served = reference_pipeline(spec, tmp_path / "repo", "onnx").predict(rows.to_wire(spec))
+    feeds = {
+        field: np.array([index[field].get(v.decode(), 0) for v in rows.categorical[:, column]], np.int64)
+        for column, field in enumerate(("site", "app"))
+    }
+    session = ort.InferenceSession(str(tmp_path / "fm.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(None, feeds)[0]
+    np.testing.assert_allclose(served, 1 / (1 + np.exp(-logits[:, 0])), atol=1e-6)
+
+    (folder / "site_linear.vocab.json").write_text(
+        json.dumps({"tokens": [None, *reversed(index["site"])], "oov": 0})
+    )
+    with pytest.raises(
+        TableImportError, match="feature 'site' feeds tables .* their vocabularies must be the same"
+    ):
+        import_repository(spec, folder, tmp_path / "fm.onnx", tmp_path / "again", quiet)
