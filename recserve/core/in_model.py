@@ -118,9 +118,11 @@ def in_model_problems(spec: ModelSpec) -> list[str]:
                 f"sequence {attention.primary.name!r}, wider than embedding_dim (served cut to it)"
             )
     contract = {t.name for t in dense_contract(spec)[0]}
-    named = dict.fromkeys([*tables, *(t.name for t in spec.targets), *(s.name for s in spec.sequences)])
+    features = dict.fromkeys([*tables, *(t.name for t in spec.targets), *(s.name for s in spec.sequences)])
     problems += [
-        f"feature {name!r}, named like an input of the dense contract" for name in named if name in contract
+        f"feature {name!r}, named like an input of the dense contract"
+        for name in features
+        if name in contract
     ]
     return problems
 
