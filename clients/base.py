@@ -9,7 +9,6 @@ The transports are :class:`~recserve.clients.sdk.CTRClient` and
 from __future__ import annotations
 
 import contextlib
-import logging
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -19,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.clients.errors import InvalidRequestError, RecserveClientError, ServerError
+from recserve.clients.errors import InvalidRequestError, ServerError
 from recserve.clients.rows import Rows
 from recserve.core.candidate_lists import candidate_list_inputs
 from recserve.core.names import (
@@ -36,8 +35,6 @@ from recserve.core.spec.types import NUMPY_DTYPES
 from recserve.core.user_state_wire import user_keys, user_state_inputs
 from recserve.core.wire_forms import check_form, ids_from_bytes, request_form
 from recserve.errors import InvalidInput, cap_message, shorten, shorten_all
-
-LOGGER = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
@@ -60,11 +57,9 @@ class Scores:
 
     Attributes:
         probabilities: float32 ``[B]`` click probabilities.
-        dense_version: the ``dense`` model version that scored the request's rows (0 for an empty
-            request: nothing served it).
-        embedding_version: int64 ``[T]``: the version of each embedding table in the store
-            snapshot that served the request, in the order of :attr:`tables` (a request is served by
-            one snapshot; zeros for an empty request).
+        dense_version: the ``dense`` model version that scored the request (0: an empty request).
+        embedding_version: int64 ``[T]``: each embedding table's version in the store snapshot that
+            served the request, in the order of :attr:`tables` (zeros: an empty request).
         tables: table names, the order of ``embedding_version`` (the spec's ``table_names``).
         request_id: the id the request was sent with (the caller's, or one the client made): the
             server's request log and click events name the request by it.
@@ -185,46 +180,24 @@ class ClientBase:
     def max_batch_size(self) -> int:
         """The most rows, or one user's candidates, one request may carry: the server's own limit.
 
-        Read from the served model's config at first use (its spec's ``max_batch_size``): the GPU
-        profiles take larger batches than the spec file says (``[serving] gpu_max_batch_size``),
-        so a client made with the spec still asks the server; the spec names the features, the
-        server the limit. Where the server does not say (its model carries no spec), the given
-        spec's; while it cannot be reached, the given spec's too (asked again at the next use).
-        May be set, e.g. to send smaller requests.
+        Read from the served spec at first use, also by a client made with a spec (the GPU profiles
+        take more than the file's ``max_batch_size``); the spec's while the server cannot be reached
+        (asked again next time: :func:`~recserve.clients.served_spec.served_limit`). May be set.
         """
         if self._limit is None:
-            if self._spec is None:  # the spec is the served one
-                self._limit = self.spec.model.max_batch_size
-            else:
-                served = self._served_limit()
-                if served is None:
-                    return self._spec.model.max_batch_size
-                self._limit = served
-        return self._limit
+            from recserve.clients.served_spec import served_limit
+
+            scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
+            self._limit = served_limit(
+                scheme + self.url, self.protocol, self.timeout_s, self.model_name, self._spec
+            )
+        return self._limit or self.spec.model.max_batch_size
 
     @max_batch_size.setter
     def max_batch_size(self, rows: int) -> None:
         if rows < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {rows}")
         self._limit = int(rows)
-
-    def _served_limit(self) -> int | None:
-        """The served spec's ``max_batch_size`` (the given spec's where the server carries none).
-
-        None while the server cannot be reached.
-        """
-        from recserve.clients.served_spec import served_spec
-
-        scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
-        try:
-            served = served_spec(scheme + self.url, self.protocol, self.timeout_s, self.model_name)
-        except ServerError as exc:  # a model without a spec: the given spec's limit
-            LOGGER.warning("the server's limits are unknown (%s); using the spec's max_batch_size", exc)
-            return self.spec.model.max_batch_size
-        except RecserveClientError as exc:  # unreachable now: the request itself will say so
-            LOGGER.debug("the server's limits cannot be read now: %s", exc)
-            return None
-        return served.model.max_batch_size
 
     @property
     def model_name(self) -> str:
@@ -323,9 +296,6 @@ class ClientBase:
         self, user: Mapping[str, Sequence[int] | np.ndarray], candidates: Rows
     ) -> Iterator[dict[str, np.ndarray]]:
         """The candidates ensemble's requests for one user: at most :attr:`max_batch_size` candidates each.
-
-        One request where the server takes the whole list; else the parts, which the callers send
-        concurrently.
 
         The user's sequences travel once per request (``[1, L]``, the length ``[1, 1]``), each
         per-candidate input as ``[1, N, ...]``; with ``[user_state]``, ``user_id`` and ``user_seq``

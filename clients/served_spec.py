@@ -9,13 +9,16 @@ so a client there names its model.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from recserve.clients.base import DEFAULT_URLS
-from recserve.clients.errors import ServerError, map_exception
+from recserve.clients.errors import RecserveClientError, ServerError, map_exception
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import spec_from_json
+
+LOGGER = logging.getLogger(__name__)
 
 
 def _config(url: str | None, protocol: str, timeout_s: float, model: str) -> dict[str, Any]:
@@ -59,3 +62,24 @@ def served_spec(
         return spec_from_json(text)
     except (ValueError, json.JSONDecodeError) as exc:
         raise ServerError(f"the served spec cannot be read: {exc}") from None
+
+
+def served_limit(
+    url: str | None, protocol: str, timeout_s: float, model: str, given: ModelSpec | None
+) -> int | None:
+    """The most rows one request to ``model`` may carry: its served spec's ``max_batch_size``.
+
+    0 where the served model carries no spec (the client keeps its own spec's limit); None where the
+    client was given no spec (the spec it reads is the served one) or the server cannot be reached
+    now (asked again at the next use).
+    """
+    if given is None:
+        return None
+    try:
+        return served_spec(url, protocol, timeout_s, model).model.max_batch_size
+    except ServerError as exc:  # a model without a spec: the given spec's limit
+        LOGGER.warning("the server's limits are unknown (%s); using the spec's max_batch_size", exc)
+        return 0
+    except RecserveClientError as exc:  # unreachable now: the request itself will say so
+        LOGGER.debug("the server's limits cannot be read now: %s", exc)
+        return None
