@@ -8,7 +8,7 @@ full; as lambda grows the lowest values move to cheaper levels first, and are re
 choice of how much to compute per request). Lambda follows the load through a multiplicative
 feedback loop: every ``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with
 ``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update);
-below a floor lambda is 0.
+below a floor lambda is 0, and it never passes ``[degrade] max_lambda``.
 
 Plain Python, without Triton: the first step's adapter feeds it the measured wait
 (recserve.backends.steps.queue_wait) and asks it for each request's level.
@@ -24,10 +24,8 @@ from recserve.core.sections.degrade import DegradeSection
 
 #: Below this lambda is 0: every request is served in full.
 LAMBDA_FLOOR = 1e-3
-#: The highest lambda: every request of a positive value refused (or at the cheapest level).
-LAMBDA_CEILING = 1e6
 #: The most lambda grows in one update (``exp(gain x MAX_EXCESS)``): a burst moves it by steps.
-MAX_EXCESS = 3.0
+MAX_EXCESS = 2.0
 
 
 class DegradeController:
@@ -71,7 +69,7 @@ class DegradeController:
                 lam = max(lam, LAMBDA_FLOOR) * math.exp(self.section.gain * min(load - 1.0, MAX_EXCESS))
             else:
                 lam *= math.exp(self.section.gain * (load - 1.0))
-            self._lambda = 0.0 if lam < LAMBDA_FLOOR else min(lam, LAMBDA_CEILING)
+            self._lambda = 0.0 if lam < LAMBDA_FLOOR else min(lam, self.section.max_lambda)
             return self._lambda
 
     def level(self, value: float) -> int:

@@ -1,9 +1,9 @@
 """``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
 
 ``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``, ``fuzz``,
-``chaos``, ``candidate-lists``, ``queue-stall`` and ``device-ops``. Each but the last used to be a
-top-level command; :data:`FLAT_NAMES`
-maps those old names to the new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
+``chaos``, ``candidate-lists``, ``queue-stall``, ``device-ops`` and ``degrade``. Each but the last two
+used to be a top-level command; :data:`FLAT_NAMES` maps those old names to the new ones, which
+:mod:`recserve.commands.main` keeps as hidden aliases.
 """
 
 from __future__ import annotations
@@ -113,6 +113,12 @@ def _overload(args: argparse.Namespace) -> int:
     )
 
 
+def _degrade(args: argparse.Namespace) -> int:
+    from recserve.perf.lab.degrade import degrade_command
+
+    return degrade_command(load_spec(args.spec), args.repository, args.quick, args.json)
+
+
 def _bench_hops(args: argparse.Namespace) -> int:
     from recserve.perf.bench.hops import hops_command
 
@@ -182,6 +188,15 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     overload.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
     overload.set_defaults(func=_overload)
+
+    degrade = lab.add_parser(
+        "degrade",
+        help="a 2x and 4x spike of valued candidate lists, shed-only and with [degrade], side by side",
+    )
+    degrade.add_argument("--repository", type=Path, default=None)
+    degrade.add_argument("--quick", action="store_true", help="the short form CI runs (under a minute)")
+    degrade.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
+    degrade.set_defaults(func=_degrade)
 
     outage = lab.add_parser(
         "redis-outage",

@@ -3,15 +3,20 @@
 One server over a variant of the default repository whose spec has ``[degrade]`` with lambda held
 (``fixed_lambda``), so each tier lands on a known level: premium in full, standard with its list
 capped, basic capped with a short history, low refused. The value travels as the SDK's header and
-as a plain request parameter; both reach the steps through the ensemble.
+as a plain request parameter; both reach the steps through the ensemble. Last, the quick form of
+``recserve lab degrade`` (its own two servers, under a minute).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from recserve.access import AccessLayer, ProxyPorts
 from recserve.build.configs import write_variant
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, read_rows
@@ -20,7 +25,7 @@ from recserve.clients.writers import write_tsv
 from recserve.core.sections.degrade import DEGRADE_LEVEL, VALUE_HEADER
 from recserve.core.spec.parse import parse_spec
 from recserve.server import Ports, TritonServer
-from tests.integration.helpers import infer_inputs, metrics_text, wait_for
+from tests.integration.helpers import infer_inputs, metrics_text, recserve, wait_for
 
 #: lambda 0.1: v >= 2.5 full, >= 0.375 capped, >= 0.022 short, below refused (v x q - lambda x c)
 DEGRADE = {
@@ -102,3 +107,37 @@ def test_the_levels_served_are_counted_per_tier_on_the_metrics_endpoint(degraded
     text = metrics_text(server)
     assert 'recserve_degrade_requests_total{level="refused",tier="low"}' in text
     assert "recserve_degrade_lambda 0.1" in text
+
+
+def test_the_quick_lab_puts_shedding_and_degradation_side_by_side(tmp_path):
+    """``recserve lab degrade --quick``: both policies through a 2x and a 4x spike, bounded in time."""
+    out = tmp_path / "degrade.json"
+    done = recserve("lab", "degrade", "--quick", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(out.read_text())
+    for policy in ("degrade", "shed"):
+        for suffix in ("", "_4x"):
+            assert summary[f"{policy}_p99_ratio{suffix}"] > 0
+            assert 0.0 <= summary[f"{policy}_value_retained{suffix}"] <= 1.0
+        names = [phase["name"] for phase in summary["phases"][policy]]
+        assert names == ["normal", "spike_2x", "after_2x", "spike_4x", "after_4x"]
+    assert summary["failed"] == 0
+    # at normal load nothing is degraded (a little slack: CI machines are shared)
+    assert summary["degrade_normal_degraded_share"] < 0.1
+    assert summary["lambda_timeline"]
+
+
+def test_the_value_header_passes_the_access_layer(degraded, tmp_path):
+    """Through Envoy (``recserve access``), the SDK's value header reaches the steps as it does directly."""
+    server, spec, rows = degraded
+    access = dataclasses.replace(spec.access, weights={"stable": 100}, shadow_fraction=0.0)
+    variant = server.repository
+    with AccessLayer(access, {"stable": variant}, tmp_path / "access", ProxyPorts.free()) as layer:
+        with CTRClient(layer.grpc_url, timeout_s=30, spec=spec, model_name=spec.name) as client:
+            for tier, level in (("premium", 0), ("standard", 1), ("basic", 2)):
+                client.value = tier
+                client.predict_inputs(rows.take(slice(0, 2)).to_inputs(spec))
+                assert client.last_level == level
+            client.value = "low"
+            with pytest.raises(ServerUnavailableError, match="refused under load"):
+                client.predict_inputs(rows.take(slice(0, 2)).to_inputs(spec))

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 import tomllib
 
+from recserve.backends.steps.degrade import LevelCounts, LevelInputs, newest, pad_list
 from recserve.backends.steps.degrade_control import LAMBDA_FLOOR, DegradeController
+from recserve.backends.steps.queue_wait import StepCounts, expected_wait_ms, step_counts
 from recserve.build.configs import all_configs
+from recserve.core.names import STEPS
 from recserve.core.sections.base import SpecError
 from recserve.core.sections.degrade import (
     DEGRADE_LEVEL,
@@ -20,6 +23,8 @@ from recserve.core.sections.degrade import (
 )
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
+from recserve.perf.lab.degrade_report import clicks, phase_figures
+from recserve.perf.lab.degrade_traffic import SERVED, Sent
 
 DEGRADE = {
     "enabled": True,
@@ -175,3 +180,81 @@ def test_the_top_decile_is_untouched_at_moderate_load():
 def test_a_fixed_lambda_ignores_the_load():
     controller = DegradeController(section(fixed_lambda=0.5))
     assert run(controller, [100.0, 0.0]) == [0.5, 0.5] and controller.load == 0.0
+
+
+METRICS = """# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="dense",version="1"} 300
+nv_inference_request_success{model="embedding_lookup",version="1"} 310
+nv_inference_request_failure{model="embedding_lookup",reason="REJECTED",version="1"} 10
+nv_inference_request_success{model="ctr",version="1"} 999
+nv_inference_queue_duration_us{model="dense",version="1"} 5000
+nv_inference_pending_request_count{model="dense",version="1"} 12
+nv_inference_pending_request_count{model="embedding_lookup",version="1"} 0
+"""
+
+
+def test_the_expected_wait_is_the_backlog_over_the_rate_each_step_drains_it():
+    after = step_counts(METRICS, STEPS)
+    assert after["embedding_lookup"] == StepCounts(320.0, 0.0, 0.0)
+    assert after["dense"] == StepCounts(300.0, 5000.0, 12.0)
+    before = {"dense": StepCounts(200.0), "embedding_lookup": StepCounts(200.0)}
+    assert expected_wait_ms(before, after, 0.5) == pytest.approx(12 / 200 * 1e3)  # 200 finished/s
+    assert expected_wait_ms(after, after, 0.5) == pytest.approx(500.0)  # none finished: the interval
+    idle = {step: StepCounts(5.0) for step in STEPS}
+    assert expected_wait_ms(idle, idle, 0.5) is None
+
+
+def test_a_level_keeps_each_rows_newest_items_and_a_lists_first_candidates():
+    sequence = np.array([[1, 2, 3, 4, 0, 0], [5, 6, 0, 0, 0, 0], [7, 8, 9, 10, 11, 12]], np.int64)
+    lengths = np.array([[4], [2], [6]], np.int32)
+    kept, kept_lengths = newest(sequence, lengths, 3)
+    assert kept.tolist() == [[2, 3, 4], [5, 6, 0], [10, 11, 12]] and kept_lengths.tolist() == [[3], [2], [3]]
+    assert newest(sequence, lengths, 8)[0] is sequence
+    spec = parse_spec(ctr_doc(degrade=DEGRADE))
+    arrays = {
+        "history_items": np.tile(np.arange(1, 41), (1, 1)),
+        "history_items__length": np.array([[40]], np.int32),
+        "candidate_target_item": np.arange(100).reshape(1, 100, 1),
+        "categorical__ids": np.zeros((1, 26), np.int64),
+    }
+    changed = LevelInputs(spec).changed(2, arrays)  # minimal: 16 candidates, 8 items
+    assert changed["history_items"].tolist() == [list(range(33, 41))]
+    assert changed["candidate_target_item"].shape == (1, 16, 1) and set(changed) == {
+        "history_items",
+        "history_items__length",
+        "candidate_target_item",
+    }
+    assert LevelInputs(spec).changed(0, arrays) == {} == LevelInputs(spec).changed(3, arrays)
+
+
+def test_a_list_cut_short_is_answered_for_every_candidate_with_the_fallback():
+    scored = np.array([[0.5], [0.4], [0.3], [0.2]], np.float32)  # two users, two scored each
+    padded = pad_list(scored, users=2, requested=3, fallback=0.01)
+    assert padded.reshape(-1).tolist() == pytest.approx([0.5, 0.4, 0.01, 0.3, 0.2, 0.01])
+    assert pad_list(scored, 2, 2, 0.0) is scored
+
+
+def test_the_counts_declare_every_level_and_tier_at_zero():
+    counts = LevelCounts(section())
+    counts.count(1, counts.tier_of({VALUE_HEADER: "premium"}))
+    found = {(s.name, s.labels): s.value for s in counts.samples(0.5, 2.0)}
+    assert len(found) == 4 * 5 + 2
+    assert found[("recserve_degrade_requests_total", (("level", "trimmed"), ("tier", "premium")))] == 1
+    assert counts.tier_of({VALUE_HEADER: "2.5"}) == 3 and counts.tier_of({}) == 4
+    assert found[("recserve_degrade_lambda", ())] == 0.5 and found[("recserve_degrade_load", ())] == 2.0
+
+
+def test_the_lab_weighs_the_clicks_served_by_value():
+    labels = [np.array([1.0, 0.0, 0.0, 1.0])]
+    full = [np.array([0.9, 0.1, 0.2, 0.8])]
+    assert clicks(full[0], labels[0], k=2) == 2.0
+    outcomes = [
+        Sent(1, 0.0, 5.0, SERVED, 4.0, 0, 0, full[0]),
+        Sent(1, 0.1, 9.0, SERVED, 1.0, 0, 1, np.array([0.9, 0.1, 0.0, 0.0])),  # capped at two
+        Sent(1, 0.2, 1.0, REFUSED, 1.0, 0),
+    ]
+    figures = phase_figures("spike", 10.0, outcomes, full, labels, normal_p99_ms=5.0, top_value=4.0)
+    assert figures.value_full == pytest.approx(4 / 6) and figures.value_degraded == pytest.approx(1 / 6)
+    # clicks (top 8 of 4 = all): every served list keeps both clicks; the refused one none
+    assert figures.value_retained == pytest.approx(5 / 6)
+    assert figures.top_decile_degraded == 0.0 and figures.top_decile_refused == 0.0 and figures.refused == 1

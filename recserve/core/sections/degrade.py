@@ -74,10 +74,12 @@ class DegradeSection:
     levels: tuple[DegradeLevel, ...] = ()
     refuse: bool = True  # the last level: refusal (false: the cheapest level serves everything)
     fallback_score: float = 0.0  # the score of a candidate past a level's cap
-    target_queue_ms: float = 5.0  # lambda rises while the steps' mean queue wait is above this
+    target_queue_ms: float = 5.0  # lambda rises while the steps' expected queue wait is above this
     interval_s: float = 0.25  # how often lambda is updated from the measured queue wait
     gain: float = 0.5  # lambda's step per update: lambda *= exp(gain x (load - 1)), load = wait / target
     fixed_lambda: float = -1.0  # >= 0: lambda held there, no feedback (a drill; tests); < 0: feedback
+    # lambda's ceiling, in value per unit of cost (past the top values, everything is refused)
+    max_lambda: float = 100.0
 
     @property
     def level_names(self) -> tuple[str, ...]:
@@ -155,11 +157,11 @@ class DegradeSection:
             previous_cost, previous_quality = level.cost, level.quality
         if not self.levels and not self.refuse:
             raise SpecError("[degrade] needs levels or refuse = true: there is nothing cheaper to serve")
-        positive = (self.target_queue_ms, self.interval_s, self.gain)
+        positive = (self.target_queue_ms, self.interval_s, self.gain, self.max_lambda)
         finite = math.isfinite(self.fallback_score) and math.isfinite(self.fixed_lambda)
         if not all(math.isfinite(x) and x > 0 for x in positive) or not finite:
             raise SpecError(
-                "[degrade] target_queue_ms, interval_s and gain must be > 0, fallback_score and fixed_lambda "
-                f"finite, got {self.target_queue_ms}, {self.interval_s}, {self.gain}, {self.fallback_score}, "
-                f"{self.fixed_lambda}"
+                "[degrade] target_queue_ms, interval_s, gain and max_lambda must be > 0, fallback_score and "
+                f"fixed_lambda finite, got {self.target_queue_ms}, {self.interval_s}, {self.gain}, "
+                f"{self.max_lambda}, {self.fallback_score}, {self.fixed_lambda}"
             )

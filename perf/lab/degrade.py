@@ -1,0 +1,238 @@
+"""``recserve lab degrade``: a spike over measured capacity, shed-only and with degradation, side by side.
+
+Traffic is candidate lists (generated rows with click labels) whose values follow a lognormal
+distribution (a few requests are worth most). The caller orders each list by its prior (the lab's
+stand-in: the full-compute logit plus unit normal noise), so a level's cap keeps its head. Two
+servers of the same built repository run one after the other, each pinned to the same cores (the
+load generator on the others):
+
+* ``shed``: today's shedding, the ``latency_first`` queue policy (a request that could not start
+  the first step within its budget is refused, whatever it was worth);
+* ``degrade``: the repository served with the spec's ``[degrade]`` (the lab's levels where the spec
+  has none): each request at the level its value pays for, lambda following the queue wait.
+
+Capacity (lists per second) is measured closed-loop on the shed server; then each server gets the
+same open-loop schedule: normal load (half of capacity), a 2x spike, normal, a 4x spike, normal.
+Per policy and phase the report gives the served p99 over the first normal phase's, the shares of
+value served in full, degraded and refused, the value-weighted quality retained against full compute
+(:mod:`recserve.perf.lab.degrade_report`), the top value decile's share degraded and refused, and
+lambda over time. Figures depend on the machine's other load: a single run is provisional.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from recserve.build.configs import write_variant
+from recserve.core.names import PROBABILITY
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
+from recserve.perf.bench.candidates import closed_loop_rate
+from recserve.perf.harness.traffic import infer_inputs
+from recserve.perf.lab.degrade_report import PhaseFigures, phase_figures, table
+from recserve.perf.lab.degrade_traffic import ListPool, send_phases
+from recserve.perf.lab.overload import Cores, pinned
+from recserve.server import Ports, TritonServer
+
+#: The ``[degrade]`` the lab serves where the spec has none (lambda updated ten times a second).
+LAB_DEGRADE = {
+    "enabled": True,
+    "levels": [
+        {"name": "trimmed", "cost": 0.5, "quality": 0.97, "max_candidates": 32, "history_length": 32},
+        {"name": "minimal", "cost": 0.2, "quality": 0.85, "max_candidates": 8, "history_length": 8},
+    ],
+    "target_queue_ms": 5.0,
+    "interval_s": 0.1,
+    "gain": 0.5,
+    "max_lambda": 20.0,
+}
+SHED_QUEUE = "latency_first"
+#: The caller's prior: its order is the full-compute logit plus normal noise of this deviation.
+PRIOR_NOISE = 1.0
+
+
+@dataclass(frozen=True)
+class LabShape:
+    """The traffic and schedule: lists, candidates, history length, seconds per phase."""
+
+    lists: int = 32
+    candidates: int = 64
+    length: int = 64
+    normal_s: float = 4.0
+    spike_s: float = 4.0
+    capacity_s: float = 4.0
+
+    @classmethod
+    def quick(cls) -> LabShape:
+        """The CI form: a minute at most."""
+        return cls(lists=16, candidates=64, length=64, normal_s=1.5, spike_s=2.0, capacity_s=2.0)
+
+    def phases(self, capacity: float) -> list[tuple[str, float, float]]:
+        """(name, rate, seconds) of the schedule: normal, 2x, normal, 4x, normal."""
+        normal = ("normal", 0.5 * capacity, self.normal_s)
+        return [
+            normal,
+            ("spike_2x", 2.0 * capacity, self.spike_s),
+            ("after_2x", 0.5 * capacity, self.normal_s),
+            ("spike_4x", 4.0 * capacity, self.spike_s),
+            ("after_4x", 0.5 * capacity, self.normal_s),
+        ]
+
+
+def degrade_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec with ``[degrade]`` on: its own section where enabled, else the lab's."""
+    return spec if spec.degrade.enabled else parse_spec({**spec.source, "degrade": LAB_DEGRADE})
+
+
+def full_scores(url: str, spec: ModelSpec, pool: ListPool) -> list[np.ndarray]:
+    """Each list's scores at full compute, one request at a time on an idle server."""
+    assert spec.candidates_model is not None
+    with grpcclient.InferenceServerClient(url) as client:
+        return [
+            client.infer(spec.candidates_model, infer_inputs(grpcclient, r)).as_numpy(PROBABILITY).reshape(-1)
+            for r in pool.requests
+        ]
+
+
+class LambdaTimeline:
+    """Lambda and the load read from the metrics endpoint every ``every_s`` while the block runs."""
+
+    def __init__(self, metrics_url: str, every_s: float = 0.25) -> None:
+        self.url, self.every_s = metrics_url, every_s
+        self.points: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        origin = time.monotonic()
+        while not self._stop.wait(self.every_s):
+            try:
+                text = urllib.request.urlopen(self.url, timeout=1).read().decode()  # noqa: S310 (loopback)
+            except OSError:
+                continue
+            found = dict(re.findall(r"^recserve_degrade_(lambda|load)\S* ([0-9.eE+-]+)$", text, re.MULTILINE))
+            if found:
+                point = (
+                    time.monotonic() - origin,
+                    float(found.get("lambda", 0)),
+                    float(found.get("load", 0)),
+                )
+                self.points.append(tuple(round(x, 4) for x in point))  # type: ignore[arg-type]
+
+    def __enter__(self) -> LambdaTimeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def run_policy(
+    server: TritonServer,
+    spec: ModelSpec,
+    pool: ListPool,
+    full: list[np.ndarray],
+    schedule: list[tuple[str, float, float]],
+    values: np.ndarray,
+    cores: Cores,
+) -> list[PhaseFigures]:
+    """One server through the schedule; the figures of each phase."""
+    with pinned(cores.client):
+        sent = send_phases(
+            server.grpc_url, spec, pool, [(r, s) for _, r, s in schedule], values, spec.degrade.enabled
+        )
+    top_value = float(np.quantile(values, 0.9))
+    by_phase = [[o for o in sent if o.phase == i] for i in range(len(schedule))]
+    normal = phase_figures("normal", schedule[0][1], by_phase[0], full, pool.labels, float("nan"), top_value)
+    return [
+        phase_figures(name, rate, outcomes, full, pool.labels, normal.served_p99_ms, top_value)
+        for (name, rate, _), outcomes in zip(schedule, by_phase, strict=True)
+    ]
+
+
+def run_degrade_lab(
+    spec: ModelSpec, repository: Path, workdir: Path, shape: LabShape, seed: int = 47
+) -> tuple[dict[str, list[PhaseFigures]], dict]:
+    """Both policies through the same schedule; each one's figures per phase, and the JSON summary."""
+    cores = Cores.split()
+    pool = ListPool.generate(spec, shape.lists, shape.candidates, shape.length, seed)
+    values = np.random.default_rng(seed).lognormal(0.0, 1.0, 20_000)
+    policies: dict[str, list[PhaseFigures]] = {}
+    queue = SHED_QUEUE if SHED_QUEUE in spec.serving.queue_policies else None
+    log = workdir / "shed.log"
+    with TritonServer(repository, Ports.free(), log_path=log, config_name=queue, cpus=cores.server) as server:
+        pool, full = pool.ordered(spec, full_scores(server.grpc_url, spec, pool), PRIOR_NOISE, seed)
+        with pinned(cores.client):
+            assert spec.candidates_model is not None
+            measured = closed_loop_rate(
+                server.grpc_url, spec.candidates_model, pool.requests[0], 1, 8, shape.capacity_s
+            )
+        capacity = measured["rows_per_s"]
+        schedule = shape.phases(capacity)
+        policies["shed"] = run_policy(server, spec, pool, full, schedule, values, cores)
+    served = degrade_spec(spec)
+    variant = write_variant(served, repository, workdir / "degrade")
+    log = workdir / "degrade.log"
+    with TritonServer(variant, Ports.free(), log_path=log, cpus=cores.server) as server:
+        with LambdaTimeline(f"http://127.0.0.1:{server.ports.metrics}/metrics") as timeline:
+            policies["degrade"] = run_policy(server, served, pool, full, schedule, values, cores)
+    return policies, summarise(policies, capacity, shape, cores, timeline.points)
+
+
+def summarise(
+    policies: dict[str, list[PhaseFigures]],
+    capacity: float,
+    shape: LabShape,
+    cores: Cores,
+    timeline: list[tuple[float, float, float]],
+) -> dict:
+    """The JSON summary: the headline figures at 2x and 4x, then every phase of each policy."""
+    phase = {p: {f.name: f for f in figures} for p, figures in policies.items()}
+    out: dict = {}
+    for spike in ("2x", "4x"):
+        suffix = "" if spike == "2x" else "_4x"
+        for p in ("degrade", "shed"):
+            f = phase[p][f"spike_{spike}"]
+            out[f"{p}_p99_ratio{suffix}"] = round(f.p99_ratio, 3)
+            out[f"{p}_value_retained{suffix}"] = round(f.value_retained, 3)
+            out[f"{p}_top_decile_degraded_or_refused{suffix}"] = round(
+                f.top_decile_degraded + f.top_decile_refused, 3
+            )
+    normal = phase["degrade"]["normal"]
+    out["degrade_normal_degraded_share"] = round(normal.value_degraded + normal.value_refused, 4)
+    out["failed"] = sum(f.failed for figures in policies.values() for f in figures)
+    out.update(
+        capacity_lists_per_s=round(capacity, 1),
+        shape=shape.__dict__,
+        top_k=8,
+        values="lognormal(0, 1)",
+        cores=cores.describe(),
+        load_average=[round(x, 2) for x in os.getloadavg()],
+        phases={p: [f.summary() for f in figures] for p, figures in policies.items()},
+        lambda_timeline=[list(point) for point in timeline],
+    )
+    return out
+
+
+def degrade_command(spec: ModelSpec, repository: Path, quick: bool, json_path: Path | None = None) -> int:
+    """``recserve lab degrade``: prints the table and the headline figures; writes the JSON summary."""
+    shape = LabShape.quick() if quick else LabShape()
+    with tempfile.TemporaryDirectory(prefix="recserve-degrade-") as scratch:
+        policies, summary = run_degrade_lab(spec, repository, Path(scratch), shape)
+    print(table(policies))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape")}))
+    if json_path is not None:
+        json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["failed"] == 0 else 1
