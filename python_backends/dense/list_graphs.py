@@ -201,6 +201,7 @@ class ListGraphs:
 
     def __init__(self, spec: ModelSpec, eager: TorchEager, prepare: tuple[ListBucket, ...] = ()) -> None:
         self.spec, self.eager = spec, eager
+        self.per_user = sequence_inputs(spec)
         self._lock = threading.Lock()
         self._failed: set[ListBucket] = set()
         self._compiled: dict[ListBucket, StaticList] = {}
@@ -236,7 +237,7 @@ class ListGraphs:
         Raises:
             NonFiniteOutput: a probability of a real row is NaN or infinite.
         """
-        names = [n for n in sequence_inputs(self.spec) if n in inputs]
+        names = [n for n in self.per_user if n in inputs]
         users, length = (inputs[names[0]].shape[0], inputs[names[0]].shape[1]) if names else (1, 1)
         bucket = fitting_bucket(self.spec, owners.size, int(users), int(length))
         made = None if bucket is None else self._made(bucket)
