@@ -44,8 +44,73 @@ def _join(args: argparse.Namespace) -> int:
     return 0
 
 
+def _learn(args: argparse.Namespace) -> int:
+    import time
+
+    import pyarrow.parquet as pq
+    import torch
+    from safetensors.torch import load_file
+
+    from recserve.backends.dense.network import CTRNet
+    from recserve.backends.store.served import ServedStore
+    from recserve.commands.spec_source import command_spec
+    from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+    from recserve.loop.joiner import committed_segments
+    from recserve.loop.learner import Learner
+
+    spec = command_spec(args)
+    served = ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=False)
+    net = CTRNet(spec)
+    net.load_state_dict(load_file(str(args.repository / DENSE / str(spec.version) / "weights.safetensors")))
+    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
+    learner = Learner(spec, served.store, net, args.learning_rate)
+    examples = args.examples_dir or Path(spec.loop.examples_directory)
+    progress = examples / ".state" / "learner.json"
+    trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
+    log = served.updater.log
+
+    def publish(table: str, keys, vectors) -> int:  # through the update log, as recserve update does
+        version = log.publish(
+            table, keys, vectors, served.store.table_dim(table),
+            check=lambda: served.updater.check_publishable(table, keys),
+        )  # fmt: skip
+        if served.maintainer.stream is not None:
+            served.maintainer.stream.publish(table, version)
+        return version
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    started = last_publish = time.monotonic()
+    pending = trained
+    published: dict[str, int] = {}
+    while not stop.is_set():
+        segments = committed_segments(examples, pending)
+        for seq, path in segments:
+            table = pq.read_table(path)
+            for start in range(0, table.num_rows, args.batch_size):
+                figures = learner.train(table.slice(start, args.batch_size))
+                line = {"segment": seq, "examples": figures.examples, "rows": figures.rows}
+                print(json.dumps({**line, "log_loss": round(figures.log_loss, 5)}), flush=True)
+            pending = seq
+        done = args.once and not segments
+        if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
+            published = learner.publish(publish)
+            last_publish = time.monotonic()
+            progress.parent.mkdir(parents=True, exist_ok=True)
+            temporary = progress.with_name(".learner.json.tmp")
+            temporary.write_text(json.dumps({"trained": pending, "versions": published}))
+            temporary.replace(progress)  # what was trained up to the rows just published
+            print(json.dumps({"published": published, "trained": pending}), flush=True)
+        if done or (args.for_seconds is not None and time.monotonic() - started >= args.for_seconds):
+            break
+        if not segments:
+            stop.wait(1.0)
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``join``."""
+    """Add ``join`` and ``learn``."""
     join = sub.add_parser(
         "join",
         help="pair logged rows with their feedback (clicks, impressions) into training examples",
@@ -86,3 +151,29 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--for-seconds", type=float, default=None, help="stop after this long (default: run on)"
     )
     join.set_defaults(func=_join)
+    learn = sub.add_parser(
+        "learn",
+        help="train the served embedding rows on the joiner's examples; publish the touched rows as deltas",
+        description=(
+            "Follow the examples recserve join commits, train the served embedding rows on them through the "
+            "served dense network (kept frozen), and publish only the rows touched as embedding deltas "
+            "through the update log every --publish-seconds (servers apply them within their poll)."
+        ),
+    )
+    learn.add_argument("--repository", type=Path, default=None)
+    learn.add_argument(
+        "--examples-dir",
+        type=Path,
+        default=None,
+        help="the joiner's examples (default: [loop] examples_directory)",
+    )
+    learn.add_argument(
+        "--publish-seconds", type=float, default=60.0, help="publish the touched rows this often"
+    )
+    learn.add_argument("--learning-rate", type=float, default=0.05)
+    learn.add_argument("--batch-size", type=int, default=256)
+    learn.add_argument("--once", action="store_true", help="train on what is committed, publish, and stop")
+    learn.add_argument(
+        "--for-seconds", type=float, default=None, help="stop after this long (default: run on)"
+    )
+    learn.set_defaults(func=_learn)

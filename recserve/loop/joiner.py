@@ -62,6 +62,22 @@ def example_segments(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).glob("examples-*.parquet") if SEGMENT.fullmatch(p.name))
 
 
+def committed_segments(folder: Path, after: int = 0) -> list[tuple[int, Path]]:
+    """The segments the joiner's last checkpoint committed, numbered after ``after``, in order.
+
+    A segment written but not committed yet (the joiner may be killed before its checkpoint and
+    write those examples again) is left out: a reader following the joiner reads each example once.
+    """
+    path = Path(folder) / STATE / CHECKPOINT
+    committed = int(json.loads(path.read_text())["seq"]) if path.exists() else 0
+    out = []
+    for segment in example_segments(folder):
+        seq = int(SEGMENT.fullmatch(segment.name).group(1))  # type: ignore[union-attr]
+        if after < seq <= committed:
+            out.append((seq, segment))
+    return out
+
+
 def read_examples(folder: Path) -> pa.Table:
     """Every example in ``folder``'s segments, in the order they were emitted."""
     from recserve.loop.tables import EXAMPLES

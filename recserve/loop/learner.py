@@ -1,0 +1,172 @@
+"""``recserve learn``, minimal form: the served rows trained on joined examples, the touched ones published.
+
+The learner starts from what is served: the store's rows as the update log has them (every
+published version applied) and the served dense network's weights, which it keeps **frozen** (the
+dense network's own training and hot swap are not built). For each batch of examples it
+
+1. scores the batch with the rows it has now (progressive validation: the log loss *before* the
+   batch is trained on, :attr:`Learner.progressive_loss`);
+2. takes one step of SGD on the embedding rows the batch touched (each example weighted by
+   ``1 / sample_rate``: a negative kept at rate w stands for 1/w negatives, so the trained model
+   stays calibrated on the full traffic and the served score needs no ln w correction);
+3. keeps the new rows; :meth:`Learner.publish` writes **only the rows touched** since the last
+   publish as one embedding delta per table, through the store's update log (versions, checksums,
+   rollback), which every server applies within its poll interval.
+
+What it trains: specs whose tables are all ``embedding_dim`` wide, without multi-hot features,
+with at most one behaviour sequence (the bundled ``ctr`` spec). Anything else is refused at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from recserve.backends.dense.network import CTRNet
+from recserve.backends.store.tiered import TieredStore
+from recserve.core.contract import attention_inputs
+from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
+from recserve.core.spec.model import ModelSpec
+
+LOGGER = logging.getLogger(__name__)
+#: publishes one table's delta: (table, keys, vectors) -> the version published
+Publish = Callable[[str, np.ndarray, np.ndarray], int]
+
+
+def trainable(spec: ModelSpec) -> str:
+    """Why the learner cannot train ``spec`` (empty: it can)."""
+    if spec.categorical.multi_hot:
+        return "multi-hot features"
+    if spec.other_widths:
+        return "tables narrower or wider than embedding_dim"
+    if len(spec.sequences) > 1:
+        return "more than one behaviour sequence"
+    return ""
+
+
+@dataclass
+class BatchFigures:
+    """One trained batch: its examples, its weighted log loss before the step, the rows it touched."""
+
+    examples: int
+    log_loss: float
+    rows: int
+
+
+class Learner:
+    """Trains the rows of ``store`` through the frozen ``net`` (see the module).
+
+    Args:
+        spec: the served spec.
+        store: the served rows (read for rows the learner has not trained yet).
+        net: the served dense network (its weights are not trained).
+        learning_rate: the SGD step on the rows.
+    """
+
+    def __init__(self, spec: ModelSpec, store: TieredStore, net: CTRNet, learning_rate: float = 0.05) -> None:
+        reason = trainable(spec)
+        if reason:
+            raise ValueError(f"recserve learn does not train specs with {reason} yet")
+        self.spec = spec
+        self.store = store
+        self.net = net.eval()
+        for parameter in self.net.parameters():
+            parameter.requires_grad_(False)
+        self.learning_rate = learning_rate
+        self.single = len(spec.categorical.features)
+        self.targets = len(spec.targets)
+        tables = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
+        self.column_tables = np.array([store.table_id(t) for t in tables], np.int16)
+        self.history_table = store.table_id(spec.sequences[0].table) if spec.sequences else -1
+        self.group = attention_inputs(spec)[0] if spec.sequences else None
+        self.rows: dict[tuple[int, int], np.ndarray] = {}  # (table id, key) -> the row as trained
+        self.touched: set[tuple[int, int]] = set()  # trained since the last publish
+        self.progressive_loss: list[float] = []
+
+    # ---- one batch ---------------------------------------------------------------------------
+    def _layout(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Keys ``[B, F + T + L]``, their table ids and the history mask ``[B, L]`` of a batch."""
+        keys = np.array(examples["keys"].to_pylist(), np.int64).reshape(examples.num_rows, -1)
+        keys = keys[:, : self.single + self.targets]
+        tables = np.broadcast_to(self.column_tables, keys.shape)
+        if self.group is None:
+            return keys, np.array(tables), np.zeros((keys.shape[0], 0), np.float32)
+        histories = [h or [] for h in examples["history"].to_pylist()]
+        length = max(1, *(len(h) for h in histories))
+        history = np.zeros((len(histories), length), np.int64)
+        mask = np.zeros((len(histories), length), np.float32)
+        for b, items in enumerate(histories):  # left-aligned: the attention ignores position
+            history[b, : len(items)] = items
+            mask[b, : len(items)] = 1.0
+        return (
+            np.concatenate([keys, history], axis=1),
+            np.concatenate([tables, np.full(history.shape, self.history_table, np.int16)], axis=1),
+            mask,
+        )
+
+    def _vectors(self, keys: np.ndarray, tables: np.ndarray) -> np.ndarray:
+        """The rows as the learner has them: trained ones from :attr:`rows`, the rest from the store."""
+        flat_keys, flat_tables = keys.reshape(-1), tables.reshape(-1)
+        vectors = np.array(self.store.lookup(flat_keys, flat_tables, record=False).vectors, np.float32)
+        vectors = vectors[:, : self.spec.model.embedding_dim]
+        for i, (table, key) in enumerate(zip(flat_tables.tolist(), flat_keys.tolist(), strict=True)):
+            row = self.rows.get((table, key))
+            if row is not None:
+                vectors[i] = row
+        return vectors.reshape(*keys.shape, -1)
+
+    def train(self, examples: pa.Table) -> BatchFigures:
+        """Score the batch (its progressive log loss), then one SGD step on the rows it touched."""
+        keys, tables, mask = self._layout(examples)
+        vectors = torch.tensor(self._vectors(keys, tables), requires_grad=True)
+        named = {SPARSE_EMBEDDINGS: vectors[:, : self.single]}
+        if self.group is not None:
+            named[self.group.target] = vectors[:, self.single]
+            named[self.group.history] = vectors[:, self.single + self.targets :]
+            named[self.group.mask] = torch.tensor(mask)
+        if self.net.has_dense:
+            named[DENSE_NORMALIZED] = torch.tensor(np.array(examples["dense"].to_pylist(), np.float32))
+        labels = torch.tensor(np.asarray(examples["label"], np.float32))
+        weights = 1.0 / torch.tensor(np.asarray(examples["sample_rate"], np.float32))
+        probability = self.net.score(named).reshape(-1).clamp(1e-7, 1 - 1e-7)
+        losses = -(labels * probability.log() + (1 - labels) * (1 - probability).log())
+        loss = (weights * losses).sum() / weights.sum()
+        loss.backward()
+        assert vectors.grad is not None
+        grads = vectors.grad.numpy()
+        valid = np.concatenate([np.ones((keys.shape[0], self.single + self.targets), bool), mask > 0], axis=1)
+        pairs = np.stack([tables[valid].astype(np.int64), keys[valid]], axis=1)
+        unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
+        summed = np.zeros((len(unique), grads.shape[-1]), np.float32)
+        np.add.at(summed, inverse.reshape(-1), grads[valid])
+        current = vectors.detach().numpy()[valid]
+        first = np.zeros(len(unique), np.int64)
+        first[inverse.reshape(-1)[::-1]] = np.arange(len(inverse.reshape(-1)))[::-1]
+        for (table, key), row, grad in zip(unique.tolist(), current[first], summed, strict=True):
+            self.rows[(table, key)] = row - self.learning_rate * grad
+            self.touched.add((table, key))
+        figures = BatchFigures(examples.num_rows, float(loss.detach()), len(unique))
+        self.progressive_loss.append(figures.log_loss)
+        return figures
+
+    # ---- publishing ----------------------------------------------------------------------
+    def publish(self, publish: Publish) -> dict[str, int]:
+        """Publish the rows touched since the last publish, one delta per table; table -> version."""
+        versions: dict[str, int] = {}
+        by_table: dict[int, list[int]] = {}
+        for table, key in sorted(self.touched):
+            by_table.setdefault(table, []).append(key)
+        for table, keys in by_table.items():
+            name = self.store.table_names[table]
+            vectors = np.stack([self.rows[(table, k)] for k in keys]).astype(np.float32)
+            width = self.store.table_dim(name)
+            if vectors.shape[1] < width:  # the store keeps rows at its widest width
+                vectors = np.pad(vectors, ((0, 0), (0, width - vectors.shape[1])))
+            versions[name] = publish(name, np.array(keys, np.int64), vectors)
+        self.touched.clear()
+        return versions

@@ -1,0 +1,79 @@
+"""The minimal learner: only the touched rows train and are published, progressive loss, the 1/w weights."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from recserve.backends.dense.network import CTRNet
+from recserve.loop.learner import Learner, trainable
+from recserve.loop.tables import examples_table
+from tests.store_tables import spec_store
+
+
+def examples(spec, tables, labels, rates=None, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, label in enumerate(labels):
+        keys = [int(rng.choice(tables[f.table].keys)) for f in spec.categorical.features]
+        keys += [int(rng.choice(tables[t.table].keys)) for t in spec.targets]
+        history = [int(k) for k in rng.choice(tables[spec.sequences[0].table].keys, 3)] if i % 2 else None
+        rows.append(
+            {
+                "request_id": f"r{i}", "row": 0, "time": 1.0, "variant": "", "label": label, "late": False,
+                "sample_rate": 1.0 if rates is None else rates[i], "labelled_at": 2.0, "keys": keys,
+                "dense": [0.1] * len(spec.normalized_columns), "embedding_version": [1], "history": history,
+                "score": None, "dense_version": None,
+            }
+        )  # fmt: skip
+    return examples_table(rows)
+
+
+def learner(spec, lr=0.5):
+    torch.manual_seed(0)
+    tables, store = spec_store(spec)
+    return tables, Learner(spec, store, CTRNet(spec), learning_rate=lr)
+
+
+def test_training_moves_only_the_touched_rows_and_publishes_just_those(spec):
+    tables, learn = learner(spec)
+    batch = examples(spec, tables, [1, 1, 1, 1])
+    for _ in range(5):
+        learn.train(batch)
+    assert learn.progressive_loss[-1] < learn.progressive_loss[0]  # scored before each step
+    published = {}
+    versions = learn.publish(lambda table, keys, vectors: published.setdefault(table, (keys, vectors)) and 7)
+    assert set(versions) == set(published) and not learn.touched
+    used: dict[str, set[int]] = {}
+    names = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
+    for keys, history in zip(batch["keys"].to_pylist(), batch["history"].to_pylist(), strict=True):
+        for name, key in zip(names, keys, strict=True):
+            used.setdefault(name, set()).add(key)
+        used.setdefault(spec.sequences[0].table, set()).update(history or [])
+    assert {t: set(k.tolist()) for t, (k, _) in published.items()} == used
+    for table, (keys, vectors) in published.items():
+        ids = np.full(len(keys), learn.store.table_id(table), np.int16)
+        served = learn.store.lookup(keys, ids, record=False).vectors
+        assert vectors.shape == served.shape and not np.allclose(vectors, served)
+    assert learn.publish(lambda *a: 1) == {}  # nothing touched since
+
+
+def test_a_negative_kept_at_rate_w_weighs_as_1_over_w_negatives(spec):
+    tables, sampled = learner(spec)
+    _, full = learner(spec)
+    base = examples(spec, tables, [1, 0], rates=[1.0, 0.5])
+    sampled.train(base)
+    doubled = examples(spec, tables, [1, 0, 0], rates=[1.0, 1.0, 1.0])
+    doubled = doubled.take([0, 1, 1])  # the negative twice, at rate 1
+    full.train(doubled)
+    assert sampled.rows.keys() == full.rows.keys()
+    for key, row in sampled.rows.items():
+        np.testing.assert_allclose(row, full.rows[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_spec_the_learner_cannot_train_is_refused(spec):
+    two = dataclasses.replace(spec, sequences=spec.sequences * 2)
+    assert trainable(spec) == "" and "sequence" in trainable(two)
+    with pytest.raises(ValueError, match="sequence"):
+        Learner(two, None, None)  # type: ignore[arg-type]
