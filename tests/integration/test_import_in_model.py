@@ -12,7 +12,7 @@ import json
 import numpy as np
 import torch
 
-import tests.integration.test_import_din as din
+import tests.din_model as din
 from recserve.clients import CTRClient
 from recserve.core.names import BATCH_AXIS, SEQUENCE_AXIS
 from recserve.core.spec.parse import load_spec
@@ -71,8 +71,8 @@ def test_a_din_exported_as_written_with_its_own_tables_serves_its_own_pytorch_sc
     assert imported.returncode == 0, imported.stderr
     assert "split at its 7 lookups" in imported.stderr
 
-    rows = din._rows(np.random.default_rng(5), 128)
-    want = din._reference(model, rows)
+    rows = din.din_rows(np.random.default_rng(5), 128)
+    want = din.din_reference(model, rows)
     assert want.std() > 0.05
     chunks = [slice(s, s + 1) for s in range(0, 8)] + [slice(0, 64), slice(64, 128)]
     with private_server(tmp_path / "repository", tmp_path / "serve", model_control="none") as server:
