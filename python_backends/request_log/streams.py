@@ -207,13 +207,23 @@ class StreamGroup:
         self._backlog = dict.fromkeys(self.streams, "0")
 
     def read(self) -> list[StreamEntry]:
-        """Entries of every stream: the consumer's unacknowledged ones first, then new ones."""
+        """Entries of every stream: the consumer's unacknowledged ones first, then new ones.
+
+        When a read fails (Redis away), the entries delivered by this call are pending for this
+        consumer: the next call starts again from its unacknowledged entries (a caller skips those
+        it has applied, by id).
+        """
         entries: list[StreamEntry] = []
-        for stream in self.streams:
-            got = self._read(stream)
-            for entry_id, fields in got:
-                values = None if fields is None else {_text(k): v for k, v in fields.items()}
-                entries.append(StreamEntry(stream, _text(entry_id), values))
+        try:
+            for stream in self.streams:
+                got = self._read(stream)
+                for entry_id, fields in got:
+                    values = None if fields is None else {_text(k): v for k, v in fields.items()}
+                    entries.append(StreamEntry(stream, _text(entry_id), values))
+        except Exception:
+            # what this call delivered is pending for this consumer: the next call reads it again
+            self._backlog = dict.fromkeys(self.streams, "0")
+            raise
         return entries
 
     def _read(self, stream: str) -> list[Any]:

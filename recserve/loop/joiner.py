@@ -158,7 +158,7 @@ class Joiner:
         A source that cannot be read (Redis away) is logged and tried again at the next step.
         """
         came = False
-        before = dict(self.join.counts)
+        before = (dict(self.join.counts), self.log.refused, self.feedback.refused)
         for source in (self.log, self.feedback):
             try:
                 items = source.poll()
@@ -174,7 +174,8 @@ class Joiner:
                 else:
                     self.join.add_scores(batch)
         self.join.advance(self.clock())
-        self._dirty = self._dirty or came or bool(self.join.emitted) or self.join.counts != before
+        after = (self.join.counts, self.log.refused, self.feedback.refused)
+        self._dirty = self._dirty or came or bool(self.join.emitted) or after != before
         return came
 
     def commit(self) -> None:
@@ -183,7 +184,9 @@ class Joiner:
         A failure here (a full disk) is raised: the examples taken are no longer held, so the process
         must stop, and started again it emits them from the last checkpoint.
         """
-        if not self._dirty:
+        if not self._dirty:  # nothing applied since the last commit: what was handed out is committed
+            self.log.acknowledge()
+            self.feedback.acknowledge()
             return
         seq = self.seq + 1
         examples = self.join.take()

@@ -32,7 +32,7 @@ Item = tuple[str, list[Any]]
 class Source(Protocol):
     """What the joiner reads from (see the module)."""
 
-    refused: int  # lines or entries that were not records or feedback (skipped)
+    refused: int  # lines, entries or segments that were not records or feedback (skipped)
 
     def poll(self) -> list[Item]:
         """What is new."""
@@ -140,7 +140,8 @@ class Streams:
     The position is the last entry id applied per stream: after a restart, the consumer's
     unacknowledged entries come again (:class:`StreamGroup`), and those at or before the position
     (applied and committed, killed before the acknowledgement) are acknowledged, not applied twice.
-    ``trimmed`` counts entries the stream's length cap removed before they were read.
+    ``trimmed`` counts entries the stream's length cap removed before they were read (``refused``
+    counts them too).
     """
 
     def __init__(self, group: StreamGroup, feedback: bool) -> None:
@@ -161,8 +162,9 @@ class Streams:
             if seen is not None and entry_order(entry.entry_id) <= entry_order(seen):
                 continue  # applied before the last commit
             self.last[entry.stream] = entry.entry_id
-            if entry.fields is None:
+            if entry.fields is None:  # trimmed by the length cap before it was read
                 self.trimmed += 1
+                self.refused += 1
             elif self.feedback:
                 try:
                     events.append(parse_feedback(entry.fields))
@@ -170,7 +172,11 @@ class Streams:
                     self.refused += 1
                     LOGGER.warning("%s %s: feedback entry refused: %s", entry.stream, entry.entry_id, exc)
             else:
-                got = read_records(entry)
+                try:
+                    got = read_records(entry)
+                except Exception:  # not the log's schema: skipped, counted
+                    LOGGER.exception("%s %s: records entry refused", entry.stream, entry.entry_id)
+                    got = None
                 if got is None:
                     self.refused += 1
                 else:
