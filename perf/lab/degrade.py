@@ -45,12 +45,15 @@ from recserve.perf.lab.degrade_traffic import ListPool, send_phases
 from recserve.perf.lab.overload import Cores, pinned
 from recserve.server import Ports, TritonServer
 
-#: The ``[degrade]`` the lab serves where the spec has none (lambda updated ten times a second).
+#: The ``[degrade]`` the lab serves where the spec has none (lambda updated ten times a second). The
+#: costs are measured, not guessed: closed-loop capacity on one core of 64-candidate lists, full
+#: 623-659 lists/s, 32 candidates and items 666, 8 and 8 834 (2026-12-05, docs/design/degrade.md):
+#: a request's fixed cost dominates, so the first level saves little and the second a quarter.
 LAB_DEGRADE = {
     "enabled": True,
     "levels": [
-        {"name": "trimmed", "cost": 0.5, "quality": 0.97, "max_candidates": 32, "history_length": 32},
-        {"name": "minimal", "cost": 0.2, "quality": 0.85, "max_candidates": 8, "history_length": 8},
+        {"name": "trimmed", "cost": 0.95, "quality": 0.97, "max_candidates": 32, "history_length": 32},
+        {"name": "minimal", "cost": 0.75, "quality": 0.85, "max_candidates": 8, "history_length": 8},
     ],
     "target_queue_ms": 5.0,
     "interval_s": 0.1,

@@ -7,7 +7,8 @@ the level that maximises ``v x q_l - lambda x c_l``: at ``lambda = 0`` every req
 full; as lambda grows the lowest values move to cheaper levels first, and are refused last (DCAF's
 choice of how much to compute per request). Lambda follows the load through a multiplicative
 feedback loop: every ``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with
-``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update);
+``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update,
+the fall ``FALL`` times as steep);
 below a floor lambda is 0, and it never passes ``[degrade] max_lambda``.
 
 Plain Python, without Triton: the first step's adapter feeds it the measured wait
@@ -26,6 +27,9 @@ from recserve.core.sections.degrade import DegradeSection
 LAMBDA_FLOOR = 1e-3
 #: The most lambda grows in one update (``exp(gain x MAX_EXCESS)``): a burst moves it by steps.
 MAX_EXCESS = 2.0
+#: Lambda falls this many times faster than it rises: once the queue is drained, the requests after a
+#: spike are served in full again within a few updates.
+FALL = 4.0
 
 
 class DegradeController:
@@ -68,7 +72,7 @@ class DegradeController:
             if load > 1.0:
                 lam = max(lam, LAMBDA_FLOOR) * math.exp(self.section.gain * min(load - 1.0, MAX_EXCESS))
             else:
-                lam *= math.exp(self.section.gain * (load - 1.0))
+                lam *= math.exp(self.section.gain * FALL * (load - 1.0))
             self._lambda = 0.0 if lam < LAMBDA_FLOOR else min(lam, self.section.max_lambda)
             return self._lambda
 

@@ -35,7 +35,10 @@ class Panel:
 
 
 def panels(spec: ModelSpec) -> tuple[Panel, ...]:
-    """The dashboard's panels for ``spec``'s ensemble and its steps (the L3 series with Redis only)."""
+    """The dashboard's panels for ``spec``'s ensemble and its steps.
+
+    The L3 series only with Redis, the degradation's only with ``[degrade]``.
+    """
     model = f'model="{spec.name}"'
     w = WINDOW
     keys = f"rate(recserve_embedding_keys_total[{w}])"
@@ -47,6 +50,23 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
             (f"sum by (reason) (rate(recserve_store_l3_errors_total[{w}]))", "L3 {{reason}}"),
         )
         if spec.store.redis_nodes
+        else ()
+    )
+    degrade = (  # exported only with [degrade]
+        (
+            Panel(
+                "Degradation: requests by level and value tier, and lambda",
+                "reqps",
+                (
+                    (
+                        f"sum by (level, tier) (rate(recserve_degrade_requests_total[{w}]))",
+                        "{{level}} {{tier}}",
+                    ),
+                    ("max(recserve_degrade_lambda)", "lambda"),
+                ),
+            ),
+        )
+        if spec.degrade.enabled
         else ()
     )
     return (
@@ -155,6 +175,7 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
             ),
         ),
         Panel("Store health", "short", (("min(recserve_store_healthy)", "healthy"), *redis)),
+        *degrade,
     )
 
 

@@ -3,8 +3,9 @@
 One server over a variant of the default repository whose spec has ``[degrade]`` with lambda held
 (``fixed_lambda``), so each tier lands on a known level: premium in full, standard with its list
 capped, basic capped with a short history, low refused. The value travels as the SDK's header and
-as a plain request parameter; both reach the steps through the ensemble. Last, the quick form of
-``recserve lab degrade`` (its own two servers, under a minute).
+as a plain request parameter; both reach the steps through the ensemble, and through the access
+layer. A priority set on the ensemble request reaches the steps' batchers too. Last, the quick form
+of ``recserve lab degrade`` (its own two servers, under a minute).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import json
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.utils import InferenceServerException
 
 from recserve.access import AccessLayer, ProxyPorts
 from recserve.build.configs import write_variant
@@ -141,3 +145,29 @@ def test_the_value_header_passes_the_access_layer(degraded, tmp_path):
             client.value = "low"
             with pytest.raises(ServerUnavailableError, match="refused under load"):
                 client.predict_inputs(rows.take(slice(0, 2)).to_inputs(spec))
+
+
+def test_a_priority_set_on_the_ensemble_request_reaches_its_steps(spec, repository, tmp_path):
+    """tritonserver 2.51 hands the ensemble request's priority to the steps' dynamic batchers.
+
+    The lookup step gets two priority levels: level 1 refused once it waited 1 us (its batcher
+    waits 20 ms for batch-mates), level 2 (the default) unlimited. Sent to the ensemble, a
+    priority-1 request is refused by the step's queue and the others are served.
+    """
+    variant = write_variant(spec, repository, tmp_path / "repository")
+    path = variant / "embedding_lookup" / "config.pbtxt"
+    config = text_format.Parse(path.read_text(), mc.ModelConfig())
+    batching = config.dynamic_batching
+    batching.priority_levels, batching.default_priority_level = 2, 2
+    batching.max_queue_delay_microseconds = 20_000
+    batching.priority_queue_policy[1].CopyFrom(
+        mc.ModelQueuePolicy(timeout_action=mc.ModelQueuePolicy.REJECT, default_timeout_microseconds=1)
+    )
+    path.write_text(text_format.MessageToString(config))
+    inputs = generate(spec, 2, seed=3).to_wire(spec)
+    with TritonServer(variant, Ports.free(), log_path=tmp_path / "server.log") as server:
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            for priority in (0, 2):
+                client.infer(spec.name, infer_inputs(grpcclient, inputs), priority=priority)
+            with pytest.raises(InferenceServerException, match="in ensemble 'ctr', Request timeout expired"):
+                client.infer(spec.name, infer_inputs(grpcclient, inputs), priority=1)

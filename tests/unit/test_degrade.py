@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tomllib
 
+from recserve.access.observe import panels
 from recserve.backends.steps.degrade import LevelCounts, LevelInputs, newest, pad_list
 from recserve.backends.steps.degrade_control import LAMBDA_FLOOR, DegradeController
 from recserve.backends.steps.queue_wait import StepCounts, expected_wait_ms, step_counts
@@ -258,3 +259,10 @@ def test_the_lab_weighs_the_clicks_served_by_value():
     # clicks (top 8 of 4 = all): every served list keeps both clicks; the refused one none
     assert figures.value_retained == pytest.approx(5 / 6)
     assert figures.top_decile_degraded == 0.0 and figures.top_decile_refused == 0.0 and figures.refused == 1
+
+
+def test_the_dashboard_shows_the_levels_with_the_section_only(spec):
+    titles = {panel.title for panel in panels(parse_spec(ctr_doc(degrade=DEGRADE)))} - {
+        panel.title for panel in panels(spec)
+    }
+    assert titles == {"Degradation: requests by level and value tier, and lambda"}
