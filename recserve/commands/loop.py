@@ -7,9 +7,23 @@ import json
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
+from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
+
+
+def item_key(spec: ModelSpec) -> Callable[[int], int] | None:
+    """An item id's target key, made by the step's own transform (None: the spec has no target)."""
+    if not spec.targets:
+        return None
+    import numpy as np
+
+    from recserve.backends.features.transform import FeatureTransform
+
+    transform = FeatureTransform(spec)
+    return lambda item: int(transform.target_keys(np.array([[item]], np.int64))[0, 0])
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -32,7 +46,14 @@ def _join(args: argparse.Namespace) -> int:
         feedback: Source = feedback_streams(client, loop.feedback_prefix, loop.feedback_streams, consumer)
     else:
         feedback = FeedbackFiles(args.feedback_dir or Path(loop.feedback_directory))
-    join = Join(loop.window_seconds, loop.late_seconds, loop.negative_rate, loop.require_impression)
+    join = Join(
+        loop.window_seconds,
+        loop.late_seconds,
+        loop.negative_rate,
+        loop.require_impression,
+        item_key(spec),
+        -len(spec.targets),
+    )
     joiner = Joiner(
         join, log, feedback, args.examples_dir or Path(loop.examples_directory), loop.commit_seconds
     )

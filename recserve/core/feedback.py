@@ -7,7 +7,9 @@ file) or as the fields of a Redis stream entry::
 
 * ``request_id``: the id the request was served under (``Scores.request_id``; a candidate list
   sent in parts has ``<id>.0``, ``<id>.1``, ...: name the part, as ``client.last_request_ids`` lists them);
-* ``row``: the row's index in that request (a candidate's position in its part);
+* ``row``: the row's index in that request (a candidate's position in its part); or, instead,
+  ``item``: the item's id as the request sent it (the target feature's int64 value): the joiner finds
+  the request's row that scored that item;
 * ``event``: ``impression`` (the row was shown) or ``click``;
 * ``time``: when it happened, seconds since the epoch (UTC); optional: the time it was reported.
 
@@ -47,22 +49,22 @@ class FeedbackEvent:
     """One feedback event (see the module)."""
 
     request_id: str
-    row: int
+    row: int  # -1: named by ``item``
     event: str
     time: float
+    item: int | None = None  # the target item's id, when the event names the item, not the row
+
+    def _where(self) -> dict[str, int]:
+        return {"row": self.row} if self.item is None else {"item": self.item}
 
     def fields(self) -> dict[str, str]:
         """As a Redis stream entry's fields (and, as JSON, a line of a feedback file)."""
-        return {
-            "request_id": self.request_id,
-            "row": str(self.row),
-            "event": self.event,
-            "time": repr(self.time),
-        }
+        where = {name: str(value) for name, value in self._where().items()}
+        return {"request_id": self.request_id, **where, "event": self.event, "time": repr(self.time)}
 
     def json_line(self) -> str:
         """As one line of a feedback file (with its newline)."""
-        record = {"request_id": self.request_id, "row": self.row, "event": self.event, "time": self.time}
+        record = {"request_id": self.request_id, **self._where(), "event": self.event, "time": self.time}
         return json.dumps(record, separators=(",", ":")) + "\n"
 
 
@@ -90,11 +92,14 @@ def parse_feedback(raw: Mapping[str, Any], now: float | None = None) -> Feedback
         )
     if not request_id.isprintable() or not request_id.isascii():
         raise FeedbackError(f"request_id: printable ASCII, got {shorten(request_id)}")
-    row = values.get("row")
-    if isinstance(row, str) and row.isdigit():
-        row = int(row)
-    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < MAX_ROW:
-        raise FeedbackError(f"row: an integer in 0..{MAX_ROW - 1}, got {shorten(row)}")
+    row, item = _integer(values.get("row")), _integer(values.get("item"))
+    if (row is None) == (item is None):
+        raise FeedbackError("an event names its row or its item (one of the two)")
+    if row is not None:
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < MAX_ROW:
+            raise FeedbackError(f"row: an integer in 0..{MAX_ROW - 1}, got {shorten(row)}")
+    elif isinstance(item, bool) or not isinstance(item, int) or not -(1 << 63) <= item < 1 << 63:
+        raise FeedbackError(f"item: an int64 item id, got {shorten(item)}")
     event = values.get("event")
     if event not in FEEDBACK_KINDS:
         raise FeedbackError(f"event: one of {', '.join(FEEDBACK_KINDS)}, got {shorten(event)}")
@@ -107,7 +112,14 @@ def parse_feedback(raw: Mapping[str, Any], now: float | None = None) -> Feedback
         seconds = math.nan
     if not math.isfinite(seconds) or seconds < 0:
         raise FeedbackError(f"time: seconds since the epoch, got {shorten(when)}")
-    return FeedbackEvent(request_id, row, str(event), seconds)
+    return FeedbackEvent(request_id, -1 if row is None else row, str(event), seconds, item)
+
+
+def _integer(value: Any) -> Any:
+    """An integer written as text (a stream entry's field) as an int; anything else as it is."""
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return value
 
 
 def parse_feedback_line(line: str | bytes, now: float | None = None) -> FeedbackEvent:

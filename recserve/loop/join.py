@@ -15,6 +15,10 @@ examples (:meth:`Join.take`):
 * with ``require_impression``, a row that closes without an impression was not shown: no example
   (counted ``unshown``); a click counts as an impression.
 
+Feedback may name the item instead of the row (``item``: the target's id): the join finds the row of
+that request whose target key is the item's (``item_key`` makes the key as the step's transform
+does, ``target_slot`` says where the target's key sits among a record's ``keys``).
+
 Nothing is fatal, everything odd is counted (:data:`COUNTS`): feedback for a row not (yet) logged is
 held until its own time + W + late (``out_of_order`` once its row comes, else ``unknown``); a
 second click or impression of a row is ``duplicate_feedback``; a record logged twice is
@@ -25,7 +29,8 @@ second click or impression of a row is ``duplicate_feedback``; a record logged t
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from recserve.core.feedback import CLICK, IMPRESSION, FeedbackEvent
@@ -84,12 +89,17 @@ class Join:
         late_s: how long a closed row is kept for late clicks.
         negative_rate: w, the share of negatives kept.
         require_impression: only rows with an impression (or a click) make examples.
+        item_key: an item id's target key (None: feedback naming an item is unknown).
+        target_slot: the index of the (first) target's key in a record's ``keys``.
     """
 
     window_s: float
     late_s: float
     negative_rate: float = 1.0
     require_impression: bool = False
+    item_key: Callable[[int], int] | None = None
+    target_slot: int = -1
+    by_item: dict[tuple[str, int], int] = field(default_factory=dict)  # (request id, target key) -> row
     open: dict[Key, Row] = field(default_factory=dict)
     closed: dict[Key, Row] = field(default_factory=dict)
     waiting_feedback: dict[Key, list[FeedbackEvent]] = field(default_factory=dict)
@@ -116,12 +126,43 @@ class Join:
             row = Row(record)
             self.counts["rows"] += 1
             self.open[key] = row
+            self._index(key, row)
             score = self.waiting_scores.pop(key, None)
             if score is not None:
                 row.score, row.dense_version = score[0], score[1]
             for event in self.waiting_feedback.pop(key, []):
                 self.counts["out_of_order"] += 1
                 self._feedback(key, event)
+        for request_id in dict.fromkeys(str(r["request_id"]) for r in records):
+            for event in self.waiting_feedback.pop((request_id, -1), []):  # named by item, before its row
+                row = self._item_row(event)
+                if row is None:
+                    self.waiting_feedback.setdefault((request_id, -1), []).append(event)
+                else:
+                    self.counts["out_of_order"] += 1
+                    self._feedback((request_id, row), replace(event, row=row, item=None))
+
+    def _item_row(self, event: FeedbackEvent) -> int | None:
+        """The row of the event's request that scored its item (None: not known, yet)."""
+        if event.item is None or self.item_key is None:
+            return None
+        try:
+            key = self.item_key(event.item)
+        except Exception:  # an id the transform refuses: no row ever has it (ends unknown)
+            return None
+        return self.by_item.get((event.request_id, key))
+
+    def _index(self, key: Key, row: Row) -> None:
+        keys = row.record.get("keys") or []
+        if self.item_key is not None and -len(keys) <= self.target_slot < len(keys):
+            self.by_item.setdefault((key[0], int(keys[self.target_slot])), key[1])
+
+    def reindex(self) -> None:
+        """Rebuild the item index from the rows held (after a restore)."""
+        self.by_item.clear()
+        for held in (self.open, self.closed):
+            for key, row in held.items():
+                self._index(key, row)
 
     def add_scores(self, records: list[dict[str, Any]]) -> None:
         """Take ``scores`` records in (``time`` in seconds)."""
@@ -144,6 +185,9 @@ class Join:
     def add_feedback(self, events: list[FeedbackEvent]) -> None:
         """Take feedback events in, in arrival order."""
         for event in events:
+            row = self._item_row(event)
+            if row is not None:
+                event = replace(event, row=row, item=None)
             key = (event.request_id, event.row)
             if key in self.open or key in self.closed:
                 self._feedback(key, event)
@@ -189,6 +233,9 @@ class Join:
         for key, row in list(self.closed.items()):
             if row.time + horizon <= now:
                 del self.closed[key]
+                keys = row.record.get("keys") or []
+                if -len(keys) <= self.target_slot < len(keys):
+                    self.by_item.pop((key[0], int(keys[self.target_slot])), None)
         for key, events in list(self.waiting_feedback.items()):
             if all(e.time + horizon <= now for e in events):
                 self.counts["unknown_feedback"] += len(events)

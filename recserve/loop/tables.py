@@ -63,8 +63,9 @@ ROWS = pa.schema(
     ]
 )
 FEEDBACK_ROWS = pa.schema(
-    [("request_id", pa.string()), ("row", pa.int32()), ("event", pa.string()), ("time", pa.float64())]
-)
+    [("request_id", pa.string()), ("row", pa.int32()), ("event", pa.string()), ("time", pa.float64()),
+     ("item", pa.int64())]
+)  # fmt: skip
 SCORE_ROWS = pa.schema(
     [("request_id", pa.string()), ("row", pa.int32()), ("score", pa.float64()), ("dense_version", pa.int64()),
      ("time", pa.float64())]
@@ -108,7 +109,7 @@ def snapshot(join: Join) -> dict[str, pa.Table]:
                 }
             )  # fmt: skip
     feedback = [
-        {"request_id": e.request_id, "row": e.row, "event": e.event, "time": e.time}
+        {"request_id": e.request_id, "row": e.row, "event": e.event, "time": e.time, "item": e.item}
         for events in join.waiting_feedback.values()
         for e in events
     ]
@@ -130,10 +131,11 @@ def restore(join: Join, tables: dict[str, pa.Table], counts: dict[str, int]) -> 
         row.outcome = item["outcome"]
         (join.open if item["state"] == "open" else join.closed)[(item["request_id"], item["row"])] = row
     for item in tables["feedback"].to_pylist():
-        event = FeedbackEvent(item["request_id"], item["row"], item["event"], item["time"])
+        event = FeedbackEvent(item["request_id"], item["row"], item["event"], item["time"], item["item"])
         join.waiting_feedback.setdefault((event.request_id, event.row), []).append(event)
     for item in tables["scores"].to_pylist():
         join.waiting_scores[(item["request_id"], item["row"])] = (
             item["score"], item["dense_version"], item["time"]
         )  # fmt: skip
     join.counts.update({k: int(v) for k, v in counts.items() if k in join.counts})
+    join.reindex()

@@ -89,13 +89,17 @@ def test_a_joiner_killed_mid_run_and_started_again_loses_no_example_and_emits_no
             stream_key("rs:loop", FEEDBACK, 0), {"request_id": "x", "row": "0", "event": "view"}
         )
 
+        items = rows.take(slice(4 * ROWS, 5 * ROWS)).to_inputs(spec)[spec.target.name].reshape(-1).tolist()
+        item_of_9 = int(items[9])  # a click naming the item: the joiner finds its row
+        row_of_9 = items.index(item_of_9)
         late_row = read_kind(tmp_path / "log", "features").filter(pc.equal(pc.field("request_id"), ids[5]))
         late_at = late_row["time"][0].value / 1e6 + WINDOW_S + 1  # after its window
 
         joiner = start_joiner(spec_path, tmp_path)
         try:
             wait_for(lambda: checkpoint(tmp_path)["examples"] >= 1, 60, "the first positive committed")
-            sink.write(_events([(ids[2], 0), (ids[3], 4), (ids[4], 9)], at=served))
+            by_item = {"request_id": ids[4], "item": item_of_9, "event": "click", "time": served}
+            sink.write([*_events([(ids[2], 0), (ids[3], 4)], at=served), *to_events([by_item])])
             time.sleep(0.3)
             joiner.send_signal(
                 signal.SIGKILL
@@ -122,7 +126,7 @@ def test_a_joiner_killed_mid_run_and_started_again_loses_no_example_and_emits_no
     examples = read_examples(tmp_path / "examples").to_pylist()
     emitted = Counter((e["request_id"], e["row"], e["label"], e["late"]) for e in examples)
     assert max(emitted.values()) == 1, [k for k, n in emitted.items() if n > 1]  # none twice
-    positives = {(ids[0], 1), (ids[2], 0), (ids[3], 4), (ids[4], 9)}
+    positives = {(ids[0], 1), (ids[2], 0), (ids[3], 4), (ids[4], row_of_9)}
     expected = {(rid, r, int((rid, r) in positives), False) for rid in ids for r in range(ROWS)}
     expected.add((ids[5], 5, 1, True))
     assert set(emitted) == expected  # none lost

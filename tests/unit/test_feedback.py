@@ -16,11 +16,17 @@ def test_the_feedback_form_is_checked_field_by_field():
     assert event == FeedbackEvent("r1", 3, "click", 12.5)
     assert parse_feedback_line(event.json_line()) == event
     assert parse_feedback({"request_id": "r", "row": 0, "event": "impression"}, now=7.0).time == 7.0
+    by_item = parse_feedback({"request_id": "r", "item": "-12", "event": "click", "time": 1})
+    assert by_item == FeedbackEvent("r", -1, "click", 1.0, -12)
+    assert parse_feedback_line(by_item.json_line()) == by_item == parse_feedback(by_item.fields())
     for bad, field in [
         ({"row": 0, "event": "click"}, "request_id"),
         ({"request_id": "r", "row": -1, "event": "click"}, "row"),
         ({"request_id": "r", "row": True, "event": "click"}, "row"),
         ({"request_id": "r", "row": 0, "event": "view"}, "event"),
+        ({"request_id": "r", "event": "click"}, "row or its item"),
+        ({"request_id": "r", "row": 1, "item": 2, "event": "click"}, "row or its item"),
+        ({"request_id": "r", "item": 1 << 64, "event": "click"}, "item"),
         ({"request_id": "r", "row": 0, "event": "click", "time": "nan"}, "time"),
         ({"request_id": "r\n", "row": 0, "event": "click"}, "request_id"),
     ]:

@@ -132,6 +132,23 @@ def test_a_restored_snapshot_joins_on_exactly_as_the_original():
     assert examples_table(original.emitted).schema == EXAMPLES
 
 
+def test_feedback_naming_the_item_finds_the_row_that_scored_it_even_before_the_row_came():
+    def by_item(request_id, item, t):
+        return FeedbackEvent(request_id, -1, "click", t, item)
+
+    join = Join(W, LATE, item_key=lambda item: item - 100 if item >= 0 else 1 / 0, target_slot=0)
+    join.add_feedback([by_item("b", 101, 101.0)])  # before b's rows
+    join.add_features(features("a", 3, 100.0))  # keys [row, 7]: the "target key" is the row
+    join.add_feedback([by_item("a", 102, 101.0), by_item("a", 109, 101.0), by_item("a", -5, 101.0)])
+    assert labels(join.take()) == [("a", 2, 1, False)]
+    copy = Join(W, LATE, item_key=join.item_key, target_slot=0)
+    restore(copy, snapshot(join), join.counts)  # the item index comes back with the rows
+    copy.add_features(features("b", 2, 100.0))
+    assert labels(copy.take()) == [("b", 1, 1, False)] and copy.counts["out_of_order"] == 1
+    copy.advance(100.0 + W + LATE + 1)
+    assert copy.counts["unknown_feedback"] == 2 and not copy.by_item  # item 109, and the refused id
+
+
 def test_feedback_files_are_read_whole_lines_only_and_bad_lines_are_counted(tmp_path):
     folder = tmp_path / "feedback"
     FeedbackFile(folder / "a.jsonl").write([click("r", 0, 1.0)])
