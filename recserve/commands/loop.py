@@ -57,6 +57,10 @@ def _join(args: argparse.Namespace) -> int:
     joiner = Joiner(
         join, log, feedback, args.examples_dir or Path(loop.examples_directory), loop.commit_seconds
     )
+    if args.metrics_port is not None:
+        from recserve.loop.metrics import join_samples, serve_metrics
+
+        serve_metrics(args.metrics_port, lambda: join_samples(joiner))
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -99,6 +103,10 @@ def _learn(args: argparse.Namespace) -> int:
             served.maintainer.stream.publish(table, version)
         return version
 
+    if args.metrics_port is not None:
+        from recserve.loop.metrics import learn_samples, serve_metrics
+
+        serve_metrics(args.metrics_port, lambda: learn_samples(learner))
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -122,7 +130,9 @@ def _learn(args: argparse.Namespace) -> int:
             temporary = progress.with_name(".learner.json.tmp")
             temporary.write_text(json.dumps({"trained": pending, "versions": published}))
             temporary.replace(progress)  # what was trained up to the rows just published
-            print(json.dumps({"published": published, "trained": pending}), flush=True)
+            fresh = [round(f, 3) for f in learner.freshness]
+            line = {"published": published, "trained": pending}
+            print(json.dumps({**line, "freshness_p50_s": fresh[0], "freshness_p99_s": fresh[1]}), flush=True)
         if done or (args.for_seconds is not None and time.monotonic() - started >= args.for_seconds):
             break
         if not segments:
@@ -171,6 +181,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     join.add_argument(
         "--for-seconds", type=float, default=None, help="stop after this long (default: run on)"
     )
+    join.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     join.set_defaults(func=_join)
     learn = sub.add_parser(
         "learn",
@@ -197,4 +208,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     learn.add_argument(
         "--for-seconds", type=float, default=None, help="stop after this long (default: run on)"
     )
+    learn.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     learn.set_defaults(func=_learn)

@@ -20,6 +20,7 @@ with at most one behaviour sequence (the bundled ``ctr`` spec). Anything else is
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,6 +88,13 @@ class Learner:
         self.rows: dict[tuple[int, int], np.ndarray] = {}  # (table id, key) -> the row as trained
         self.touched: set[tuple[int, int]] = set()  # trained since the last publish
         self.progressive_loss: list[float] = []
+        self.examples_trained = 0
+        self.rows_published = 0
+        self.versions_published = 0
+        # when the examples trained since the last publish were labelled (their click or window end)
+        self._labelled: list[float] = []
+        #: seconds from an example's label to the publish of the rows trained on it: (p50, p99) of the last
+        self.freshness: tuple[float, float] = (0.0, 0.0)
 
     # ---- one batch ---------------------------------------------------------------------------
     def _layout(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -152,11 +160,16 @@ class Learner:
             self.touched.add((table, key))
         figures = BatchFigures(examples.num_rows, float(loss.detach()), len(unique))
         self.progressive_loss.append(figures.log_loss)
+        self.examples_trained += examples.num_rows
+        self._labelled += [t.timestamp() for t in examples["labelled_at"].to_pylist()]
         return figures
 
     # ---- publishing ----------------------------------------------------------------------
-    def publish(self, publish: Publish) -> dict[str, int]:
-        """Publish the rows touched since the last publish, one delta per table; table -> version."""
+    def publish(self, publish: Publish, now: float | None = None) -> dict[str, int]:
+        """Publish the rows touched since the last publish, one delta per table; table -> version.
+
+        Also measures the freshness of what it published (``now``: seconds since the epoch).
+        """
         versions: dict[str, int] = {}
         by_table: dict[int, list[int]] = {}
         for table, key in sorted(self.touched):
@@ -168,5 +181,11 @@ class Learner:
             if vectors.shape[1] < width:  # the store keeps rows at its widest width
                 vectors = np.pad(vectors, ((0, 0), (0, width - vectors.shape[1])))
             versions[name] = publish(name, np.array(keys, np.int64), vectors)
+            self.rows_published += len(keys)
+        self.versions_published += len(versions)
+        if versions and self._labelled:
+            ages = (time.time() if now is None else now) - np.array(self._labelled)
+            self.freshness = (float(np.percentile(ages, 50)), float(np.percentile(ages, 99)))
         self.touched.clear()
+        self._labelled = []
         return versions

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 
 import pyarrow.compute as pc
@@ -33,11 +34,11 @@ WINDOW_S, LATE_S = 15.0, 4.0
 REQUESTS, ROWS = 12, 10
 
 
-def start_joiner(spec_path, folder):
+def start_joiner(spec_path, folder, *options):
     command = [sys.executable, "-m", "recserve.cli", "--spec", str(spec_path), "join", "--consumer", "j-a",
                "--log-dir", str(folder / "log"), "--examples-dir", str(folder / "examples")]  # fmt: skip
     return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "ab"), text=True
+        [*command, *options], stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "ab"), text=True
     )
 
 
@@ -107,7 +108,8 @@ def test_a_joiner_killed_mid_run_and_started_again_loses_no_example_and_emits_no
             joiner.wait(10)
             killed_at = checkpoint(tmp_path)
 
-            joiner = start_joiner(spec_path, tmp_path)
+            port = Ports.free().http
+            joiner = start_joiner(spec_path, tmp_path, "--metrics-port", str(port))
             wait_for(lambda: time.time() > late_at, 60, "the late click's time")
             sink.write(_events([(ids[5], 5)], at=late_at))
             wait_for(
@@ -118,6 +120,8 @@ def test_a_joiner_killed_mid_run_and_started_again_loses_no_example_and_emits_no
                 60,
                 "the late positive and the unknown id's expiry committed",
             )
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+                scraped = response.read().decode()
             joiner.send_signal(signal.SIGTERM)
             summary = json.loads(joiner.communicate(timeout=30)[0].strip().splitlines()[-1])
         finally:
@@ -134,6 +138,7 @@ def test_a_joiner_killed_mid_run_and_started_again_loses_no_example_and_emits_no
     assert summary["duplicate_feedback"] == 1 and summary["unknown_feedback"] == 1
     assert checkpoint(tmp_path)["refused"]["feedback"] == 1  # the malformed entry, counted across the restart
     assert killed_at["seq"] >= 1
+    assert 'recserve_join_total{count="late_positives"} 1' in scraped
     late = next(e for e in examples if e["late"])
     assert late["score"] is not None and len(late["keys"]) > 0 and late["sample_rate"] == 1.0
 

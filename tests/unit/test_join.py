@@ -14,6 +14,7 @@ from recserve.clients.feedback import FeedbackFile
 from recserve.core.feedback import FeedbackEvent
 from recserve.loop.join import Join, kept_negative
 from recserve.loop.joiner import Joiner, example_segments, read_examples
+from recserve.loop.metrics import join_samples, text
 from recserve.loop.sources import FeedbackFiles, LogSegments
 from recserve.loop.tables import EXAMPLES, examples_table, restore, snapshot
 
@@ -239,3 +240,20 @@ def test_a_segment_written_after_the_last_checkpoint_is_removed_and_its_examples
     second.commit()
     assert sorted(labels(read_examples(out).to_pylist())) == [("a", r, 0, False) for r in range(3)]
     assert pq.read_table(example_segments(out)[0]).schema == EXAMPLES
+
+
+def test_the_joiner_declares_every_series_from_the_start_and_counts_into_them(tmp_path):
+    now = [1000.0]
+    joiner = make_joiner(tmp_path, now)
+    first = text(join_samples(joiner))
+    assert 'recserve_join_total{count="late_positives"} 0' in first
+    assert first.count("# TYPE recserve_join_total counter") == 1
+    sink = ParquetSegments(tmp_path / "log", 1 << 30, 3600.0)
+    log_request(sink, "a", 2, 1000.0)
+    joiner.step()
+    joiner.commit()
+    found = text(join_samples(joiner))
+    assert (
+        'recserve_join_total{count="rows"} 2' in found and 'recserve_join_held_rows{state="open"} 2' in found
+    )
+    assert "recserve_join_checkpoint 1" in found

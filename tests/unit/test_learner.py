@@ -8,6 +8,7 @@ import torch
 
 from recserve.backends.dense.network import CTRNet
 from recserve.loop.learner import Learner, trainable
+from recserve.loop.metrics import learn_samples, text
 from recserve.loop.tables import examples_table
 from tests.store_tables import spec_store
 
@@ -43,7 +44,10 @@ def test_training_moves_only_the_touched_rows_and_publishes_just_those(spec):
         learn.train(batch)
     assert learn.progressive_loss[-1] < learn.progressive_loss[0]  # scored before each step
     published = {}
-    versions = learn.publish(lambda table, keys, vectors: published.setdefault(table, (keys, vectors)) and 7)
+    versions = learn.publish(
+        lambda table, keys, vectors: published.setdefault(table, (keys, vectors)) and 7, now=12.0
+    )
+    assert learn.freshness == (10.0, 10.0)  # labelled at 2.0, published at 12.0
     assert set(versions) == set(published) and not learn.touched
     used: dict[str, set[int]] = {}
     names = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
@@ -57,6 +61,11 @@ def test_training_moves_only_the_touched_rows_and_publishes_just_those(spec):
         served = learn.store.lookup(keys, ids, record=False).vectors
         assert vectors.shape == served.shape and not np.allclose(vectors, served)
     assert learn.publish(lambda *a: 1) == {}  # nothing touched since
+    found = text(learn_samples(learn))
+    assert (
+        "recserve_learn_examples_total 20" in found
+        and f"recserve_learn_published_rows_total {sum(map(len, used.values()))}" in found
+    )
 
 
 def test_a_negative_kept_at_rate_w_weighs_as_1_over_w_negatives(spec):

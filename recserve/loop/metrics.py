@@ -1,0 +1,156 @@
+"""The joiner's and the learner's figures in the Prometheus text format, served on ``--metrics-port``.
+
+``recserve join --metrics-port N`` and ``recserve learn --metrics-port N`` serve
+``http://127.0.0.1:N/metrics`` from a daemon thread. Every series is declared from the start (at 0).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from recserve.backends.base.metrics import MetricSample
+from recserve.loop.join import COUNTS
+from recserve.loop.joiner import Joiner
+from recserve.loop.learner import Learner
+
+LOOPBACK = "127.0.0.1"
+
+
+def text(samples: Iterable[MetricSample]) -> str:
+    """Samples in the Prometheus text format (HELP and TYPE once per name)."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for s in samples:
+        if s.name not in seen:
+            seen.add(s.name)
+            lines += [f"# HELP {s.name} {s.description}", f"# TYPE {s.name} {s.kind}"]
+        labels = ",".join(f'{k}="{v}"' for k, v in s.labels)
+        lines.append(f"{s.name}{{{labels}}} {s.value:g}" if labels else f"{s.name} {s.value:g}")
+    return "\n".join(lines) + "\n"
+
+
+def join_samples(joiner: Joiner) -> list[MetricSample]:
+    """``recserve_join_*``: the join's counts, refusals, examples committed, rows held, the last commit."""
+    join = joiner.join
+    counts = dict(join.counts)
+    return [
+        *(
+            MetricSample(
+                "recserve_join_total",
+                "counter",
+                "What the join counted (docs/design/loop.md)",
+                (("count", name),),
+                float(counts.get(name, 0)),
+            )
+            for name in COUNTS
+        ),
+        *(
+            MetricSample(
+                "recserve_join_refused_total",
+                "counter",
+                "Lines, entries or segments that were not records or feedback, by source",
+                (("source", name),),
+                float(source.refused),
+            )
+            for name, source in (("log", joiner.log), ("feedback", joiner.feedback))
+        ),
+        MetricSample(
+            "recserve_join_examples_total",
+            "counter",
+            "Examples committed",
+            (),
+            float(joiner.examples_written),
+        ),
+        *(
+            MetricSample(
+                "recserve_join_held_rows",
+                "gauge",
+                "Logged rows the join holds, by window state",
+                (("state", state),),
+                float(len(held)),
+            )
+            for state, held in (("open", join.open), ("closed", join.closed))
+        ),
+        MetricSample(
+            "recserve_join_waiting_feedback",
+            "gauge",
+            "Feedback waiting for its row's record",
+            (),
+            float(sum(len(v) for v in list(join.waiting_feedback.values()))),
+        ),
+        MetricSample(
+            "recserve_join_checkpoint",
+            "gauge",
+            "The last committed checkpoint's number",
+            (),
+            float(joiner.seq),
+        ),
+    ]
+
+
+def learn_samples(learner: Learner) -> list[MetricSample]:
+    """``recserve_learn_*``: examples trained, the progressive log loss, what was published, its freshness."""
+    loss = learner.progressive_loss[-1] if learner.progressive_loss else 0.0
+    return [
+        MetricSample(
+            "recserve_learn_examples_total",
+            "counter",
+            "Examples trained on",
+            (),
+            float(learner.examples_trained),
+        ),
+        MetricSample(
+            "recserve_learn_progressive_log_loss",
+            "gauge",
+            "The last batch's weighted log loss, scored before it was trained on",
+            (),
+            loss,
+        ),
+        MetricSample(
+            "recserve_learn_published_versions_total",
+            "counter",
+            "Embedding deltas published",
+            (),
+            float(learner.versions_published),
+        ),
+        MetricSample(
+            "recserve_learn_published_rows_total",
+            "counter",
+            "Rows published in them",
+            (),
+            float(learner.rows_published),
+        ),
+        *(
+            MetricSample(
+                "recserve_learn_freshness_seconds",
+                "gauge",
+                "Seconds from an example's label to the publish of its rows (the last publish)",
+                (("quantile", q),),
+                value,
+            )
+            for q, value in zip(("0.5", "0.99"), learner.freshness, strict=True)
+        ),
+    ]
+
+
+def serve_metrics(port: int, samples: Callable[[], list[MetricSample]]) -> ThreadingHTTPServer:
+    """Serve ``samples()`` at ``http://127.0.0.1:<port>/metrics`` on a daemon thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+            body = text(samples()).encode() if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+            pass
+
+    server = ThreadingHTTPServer((LOOPBACK, port), Handler)
+    threading.Thread(target=server.serve_forever, name="loop-metrics", daemon=True).start()
+    return server
