@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -17,6 +17,7 @@ from recserve.clients.errors import (
     ServerUnavailableError,
     map_exception,
 )
+from recserve.clients.feedback import FeedbackLike, FeedbackSink, to_events
 from recserve.clients.rows import Rows
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from recserve.core.spec.model import ModelSpec
@@ -40,8 +41,10 @@ class AsyncCTRClient(ClientBase):
         model_name: str | None = None,
         user_id: str | None = None,
         wire: str = IDS_WIRE,
+        feedback: FeedbackSink | None = None,
     ) -> None:
         super().__init__(url, protocol, timeout_s, spec, model_name, user_id, wire)
+        self.feedback = feedback
         self._module = self._import_module()
         self._client: Any = None
         self._closed = False
@@ -82,6 +85,12 @@ class AsyncCTRClient(ClientBase):
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
+
+    async def report_feedback(self, events: Iterable[FeedbackLike]) -> int:
+        """Report feedback (see :meth:`CTRClient.report_feedback`); the sink writes on a worker thread."""
+        if self.feedback is None:
+            raise ValueError("this client has no feedback sink: pass feedback=feedback_sink(spec)")
+        return await asyncio.to_thread(self.feedback.write, to_events(events))
 
     async def is_ready(self) -> bool:
         """Whether the server answers and the model is ready (see :meth:`CTRClient.is_ready`)."""

@@ -1,9 +1,11 @@
 """Feedback events: the documented form checked field by field, the SDK's sinks, the [loop] section."""
 
+import asyncio
 import json
 
 import pytest
 
+from recserve.clients import AsyncCTRClient
 from recserve.clients.feedback import FeedbackFile, to_events
 from recserve.core.feedback import FeedbackError, FeedbackEvent, parse_feedback, parse_feedback_line
 from recserve.core.sections.base import SpecError
@@ -59,3 +61,12 @@ def test_the_loop_section_in_a_spec():
     doc["loop"] = {"window": 60}
     with pytest.raises(SpecError, match="window"):
         parse_spec(doc)
+
+
+def test_the_async_client_reports_feedback_on_a_worker_thread(tmp_path):
+    sink = FeedbackFile(tmp_path / "a.jsonl")
+    client = AsyncCTRClient("127.0.0.1:1", feedback=sink)
+    assert asyncio.run(client.report_feedback([("r", 1, "click", 3.0)])) == 1
+    assert parse_feedback_line((tmp_path / "a.jsonl").read_text()) == FeedbackEvent("r", 1, "click", 3.0)
+    with pytest.raises(ValueError, match="feedback sink"):
+        asyncio.run(AsyncCTRClient("127.0.0.1:1").report_feedback([("r", 1, "click")]))
