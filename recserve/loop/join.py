@@ -106,6 +106,10 @@ class Join:
     waiting_scores: dict[Key, tuple[float, int, float]] = field(default_factory=dict)  # score, version, time
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     emitted: list[dict[str, Any]] = field(default_factory=list)
+    # since the last commit: rows taken in, and rows held before whose state changed (what a commit writes)
+    new_keys: set[Key] = field(default_factory=set)
+    changed_keys: set[Key] = field(default_factory=set)
+    now: float = 0.0  # the time of the last advance
 
     # ---- input ---------------------------------------------------------------------------
     def add_features(self, records: list[dict[str, Any]]) -> None:
@@ -126,6 +130,7 @@ class Join:
             row = Row(record)
             self.counts["rows"] += 1
             self.open[key] = row
+            self.new_keys.add(key)
             self._index(key, row)
             score = self.waiting_scores.pop(key, None)
             if score is not None:
@@ -175,6 +180,7 @@ class Join:
                 if row.score is not None:
                     self.counts["duplicate_records"] += 1
                 row.score, row.dense_version = float(record["score"]), int(record["dense_version"])
+                self._changed(key)
             elif key in self.closed:
                 self.counts["late_scores"] += 1
             else:
@@ -194,7 +200,12 @@ class Join:
             else:
                 self.waiting_feedback.setdefault(key, []).append(event)
 
+    def _changed(self, key: Key) -> None:
+        if key not in self.new_keys:
+            self.changed_keys.add(key)
+
     def _feedback(self, key: Key, event: FeedbackEvent) -> None:
+        self._changed(key)
         row = self.open.get(key)
         if row is not None and event.event == CLICK and event.time > row.time + self.window_s:
             self._close(key, row, row.time + self.window_s)  # clicked after W: the window had closed
@@ -226,16 +237,12 @@ class Join:
     # ---- time ----------------------------------------------------------------------------
     def advance(self, now: float) -> None:
         """Close the windows that ended by ``now``; forget rows and waiting feedback past the late horizon."""
+        self.now = max(self.now, now)
         for key, row in list(self.open.items()):
             if row.time + self.window_s <= now:
                 self._close(key, row, row.time + self.window_s)
+        self.forget(now)
         horizon = self.window_s + self.late_s
-        for key, row in list(self.closed.items()):
-            if row.time + horizon <= now:
-                del self.closed[key]
-                keys = row.record.get("keys") or []
-                if -len(keys) <= self.target_slot < len(keys):
-                    self.by_item.pop((key[0], int(keys[self.target_slot])), None)
         for key, events in list(self.waiting_feedback.items()):
             if all(e.time + horizon <= now for e in events):
                 self.counts["unknown_feedback"] += len(events)
@@ -245,7 +252,20 @@ class Join:
                 self.counts["unknown_scores"] += 1
                 del self.waiting_scores[key]
 
+    def forget(self, now: float) -> None:
+        """Forget the closed rows past the late horizon at ``now`` (nothing is emitted or counted)."""
+        horizon = self.window_s + self.late_s
+        for key, row in list(self.closed.items()):
+            if row.time + horizon <= now:
+                del self.closed[key]
+                self.new_keys.discard(key)
+                self.changed_keys.discard(key)
+                keys = row.record.get("keys") or []
+                if -len(keys) <= self.target_slot < len(keys):
+                    self.by_item.pop((key[0], int(keys[self.target_slot])), None)
+
     def _close(self, key: Key, row: Row, at: float) -> None:
+        self._changed(key)
         del self.open[key]
         self.closed[key] = row
         if self.require_impression and not row.impressed:

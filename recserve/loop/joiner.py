@@ -29,12 +29,24 @@ import pyarrow.parquet as pq
 from recserve.core.feedback import FEEDBACK
 from recserve.loop.join import Join
 from recserve.loop.sources import Source
-from recserve.loop.tables import examples_table, restore, snapshot
+from recserve.loop.tables import (
+    apply_marks,
+    examples_table,
+    load_rows,
+    load_waiting,
+    marks_table,
+    rows_table,
+    waiting_tables,
+)
 
 LOGGER = logging.getLogger(__name__)
 STATE = ".state"
 CHECKPOINT = "checkpoint.json"
 SEGMENT = re.compile(r"examples-(\d{10})\.parquet")
+#: the state a commit writes: the rows taken in since the last commit (whole), the changed state of
+#: rows held before, and the feedback and scores waiting for their rows (whole, small)
+ROWS_FILE, MARKS_FILE = "rows", "marks"
+WAITING_FILES = ("feedback", "scores")
 #: how long the joiner sleeps when nothing came
 IDLE_S = 0.1
 
@@ -119,27 +131,37 @@ class Joiner:
         self.seq = 0
         self.examples_written = 0
         self._dirty = False
+        #: the state files the last checkpoint names: (commit, kind, its newest row's time)
+        self.live: list[tuple[int, str, float]] = []
         self.state.mkdir(parents=True, exist_ok=True)
 
     # ---- recovery ------------------------------------------------------------------------
     def recover(self) -> int:
         """Start from the last checkpoint (none: from the start); the segments deleted as uncommitted."""
         checkpoint = self.state / CHECKPOINT
-        counts: dict[str, int] = {}
         if checkpoint.exists():
             saved = json.loads(checkpoint.read_text())
             self.seq = int(saved["seq"])
             self.log.restore(saved["log"])
             self.feedback.restore(saved["feedback"])
             self.examples_written = int(saved.get("examples", 0))
-            counts = saved.get("counts", {})
             self.log.refused = int(saved.get("refused", {}).get("log", 0))
             self.feedback.refused = int(saved.get("refused", {}).get("feedback", 0))
-            tables = {
-                n: pq.read_table(self.state / f"{self.seq:010d}-{n}.parquet")
-                for n in ("rows", "feedback", "scores")
-            }
-            restore(self.join, tables, counts)
+            self.live = [(int(seq), str(kind), float(until)) for seq, kind, until in saved["state"]]
+            for seq, kind, _ in sorted(self.live, key=lambda e: (e[0], e[1] != ROWS_FILE)):
+                table = pq.read_table(self.state / f"{seq:010d}-{kind}.parquet")
+                (load_rows if kind == ROWS_FILE else apply_marks)(self.join, table)
+            waiting = {n: pq.read_table(self.state / f"{self.seq:010d}-{n}.parquet") for n in WAITING_FILES}
+            load_waiting(self.join, waiting)
+            self.join.counts.update(
+                {k: int(v) for k, v in saved.get("counts", {}).items() if k in self.join.counts}
+            )
+            self.join.now = float(saved.get("now", 0.0))
+            self.join.forget(self.join.now)  # rows a kept file still holds, forgotten before the commit
+            self.join.reindex()
+            self.join.new_keys.clear()
+            self.join.changed_keys.clear()
+        self._remove_unreferenced()
         dropped = 0
         for path in example_segments(self.output):
             if int(SEGMENT.fullmatch(path.name).group(1)) > self.seq:  # type: ignore[union-attr]
@@ -150,6 +172,14 @@ class Joiner:
         if dropped:
             LOGGER.info("removed %d uncommitted example segment(s) after checkpoint %d", dropped, self.seq)
         return self.seq
+
+    def _remove_unreferenced(self) -> None:
+        """Delete the state files the checkpoint does not name (forgotten, or of an uncommitted commit)."""
+        keep = {f"{seq:010d}-{kind}.parquet" for seq, kind, _ in self.live}
+        keep |= {f"{self.seq:010d}-{name}.parquet" for name in WAITING_FILES}
+        for path in self.state.glob("*.parquet"):
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
 
     # ---- work ----------------------------------------------------------------------------
     def step(self) -> bool:
@@ -196,10 +226,26 @@ class Joiner:
                 self.output / f"examples-{seq:010d}.parquet",
                 lambda h: pq.write_table(table, h, compression="zstd"),
             )
-        for name, table in snapshot(self.join).items():
+        join, horizon = self.join, self.join.window_s + self.join.late_s
+        written: list[tuple[int, str, float]] = []
+        for kind, keys, table_of in (
+            (ROWS_FILE, join.new_keys, rows_table),
+            (MARKS_FILE, join.changed_keys, marks_table),
+        ):
+            held = [k for k in keys if k in join.open or k in join.closed]
+            if held:
+                table = table_of(join, held)
+                _write_atomically(
+                    self.state / f"{seq:010d}-{kind}.parquet", lambda h, t=table: pq.write_table(t, h)
+                )
+                until = max((join.open.get(k) or join.closed[k]).time for k in held)
+                written.append((seq, kind, until))
+        for name, table in waiting_tables(join).items():
             _write_atomically(
                 self.state / f"{seq:010d}-{name}.parquet", lambda h, t=table: pq.write_table(t, h)
             )
+        # a file whose newest row is past the late horizon holds only forgotten rows: no longer needed
+        live = [entry for entry in self.live if entry[2] + horizon > join.now] + written
         saved = {
             "seq": seq,
             "log": self.log.position(),
@@ -207,16 +253,18 @@ class Joiner:
             "examples": self.examples_written + len(examples),
             "counts": self.join.counts,
             "refused": {"log": self.log.refused, "feedback": self.feedback.refused},
+            "state": live,
+            "now": join.now,
         }
         _sync_folder(self.output)
         _write_atomically(self.state / CHECKPOINT, lambda h: h.write(json.dumps(saved).encode()))
         _sync_folder(self.state)
-        self.seq, self.examples_written, self._dirty = seq, saved["examples"], False
+        self.seq, self.examples_written, self._dirty, self.live = seq, saved["examples"], False, live
+        join.new_keys.clear()
+        join.changed_keys.clear()
         self.log.acknowledge()
         self.feedback.acknowledge()
-        for old in self.state.glob("*.parquet"):
-            if not old.name.startswith(f"{seq:010d}-"):
-                old.unlink(missing_ok=True)
+        self._remove_unreferenced()
 
     def run(self, stop: threading.Event, for_s: float | None = None) -> None:
         """Join until ``stop`` is set (or ``for_s`` elapsed), committing every ``commit_s`` and at the end."""

@@ -15,13 +15,14 @@ The examples' schema (one row per example, Parquet segments of ``recserve join``
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from recserve.core.feedback import FeedbackEvent
-from recserve.loop.join import Join, Row
+from recserve.loop.join import Join, Key, Row
 
 _TIME = pa.timestamp("us", tz="UTC")
 EXAMPLES = pa.schema(
@@ -97,17 +98,43 @@ def examples_table(examples: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=EXAMPLES)
 
 
-def snapshot(join: Join) -> dict[str, pa.Table]:
-    """The join's held state as tables (rows open and closed, feedback and scores waiting)."""
-    rows = []
-    for state, held in (("open", join.open), ("closed", join.closed)):
-        for row in held.values():
-            rows.append(
-                {
-                    "state": state, "outcome": row.outcome, "impressed": row.impressed, "score": row.score,
-                    "dense_version": row.dense_version, **{n: row.record.get(n) for n in _RECORD},
-                }
-            )  # fmt: skip
+MARKS = pa.schema(
+    [ROWS.field(n) for n in ("request_id", "row", "state", "outcome", "impressed", "score", "dense_version")]
+)
+
+
+def _held(join: Join, keys: Iterable[Key]) -> list[tuple[str, Key, Row]]:
+    out = []
+    for key in keys:
+        if key in join.open:
+            out.append(("open", key, join.open[key]))
+        elif key in join.closed:
+            out.append(("closed", key, join.closed[key]))
+    return out
+
+
+def rows_table(join: Join, keys: Iterable[Key]) -> pa.Table:
+    """The held rows of ``keys`` whole: their records and their state."""
+    rows = [
+        {"state": state, "outcome": row.outcome, "impressed": row.impressed, "score": row.score,
+         "dense_version": row.dense_version, **{n: row.record.get(n) for n in _RECORD}}
+        for state, _, row in _held(join, keys)
+    ]  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=ROWS)
+
+
+def marks_table(join: Join, keys: Iterable[Key]) -> pa.Table:
+    """The state of the held rows of ``keys`` (window, outcome, impression, score), without their records."""
+    rows = [
+        {"request_id": key[0], "row": key[1], "state": state, "outcome": row.outcome,
+         "impressed": row.impressed, "score": row.score, "dense_version": row.dense_version}
+        for state, key, row in _held(join, keys)
+    ]  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=MARKS)
+
+
+def waiting_tables(join: Join) -> dict[str, pa.Table]:
+    """The feedback and the score records waiting for their rows."""
     feedback = [
         {"request_id": e.request_id, "row": e.row, "event": e.event, "time": e.time, "item": e.item}
         for events in join.waiting_feedback.values()
@@ -118,18 +145,41 @@ def snapshot(join: Join) -> dict[str, pa.Table]:
         for k, (s, v, t) in join.waiting_scores.items()
     ]
     return {
-        "rows": pa.Table.from_pylist(rows, schema=ROWS),
         "feedback": pa.Table.from_pylist(feedback, schema=FEEDBACK_ROWS),
         "scores": pa.Table.from_pylist(scores, schema=SCORE_ROWS),
     }
 
 
-def restore(join: Join, tables: dict[str, pa.Table], counts: dict[str, int]) -> None:
-    """Put a :func:`snapshot` (and the counts saved with it) back into an empty ``join``."""
-    for item in tables["rows"].to_pylist():
+def snapshot(join: Join) -> dict[str, pa.Table]:
+    """The join's whole held state as tables (rows open and closed, feedback and scores waiting)."""
+    return {"rows": rows_table(join, [*join.open, *join.closed]), **waiting_tables(join)}
+
+
+def load_rows(join: Join, table: pa.Table) -> None:
+    """Hold the rows of a :func:`rows_table` (a row held already is replaced)."""
+    for item in table.to_pylist():
         row = Row({n: item[n] for n in _RECORD}, item["score"], item["dense_version"], item["impressed"])
         row.outcome = item["outcome"]
-        (join.open if item["state"] == "open" else join.closed)[(item["request_id"], item["row"])] = row
+        key = (item["request_id"], item["row"])
+        join.open.pop(key, None)
+        join.closed.pop(key, None)
+        (join.open if item["state"] == "open" else join.closed)[key] = row
+
+
+def apply_marks(join: Join, table: pa.Table) -> None:
+    """Set the state a :func:`marks_table` holds on the rows held (rows forgotten since are passed over)."""
+    for item in table.to_pylist():
+        key = (item["request_id"], item["row"])
+        row = join.open.pop(key, None) or join.closed.pop(key, None)
+        if row is None:
+            continue
+        row.outcome, row.impressed = item["outcome"], item["impressed"]
+        row.score, row.dense_version = item["score"], item["dense_version"]
+        (join.open if item["state"] == "open" else join.closed)[key] = row
+
+
+def load_waiting(join: Join, tables: dict[str, pa.Table]) -> None:
+    """Put the :func:`waiting_tables` back."""
     for item in tables["feedback"].to_pylist():
         event = FeedbackEvent(item["request_id"], item["row"], item["event"], item["time"], item["item"])
         join.waiting_feedback.setdefault((event.request_id, event.row), []).append(event)
@@ -137,5 +187,11 @@ def restore(join: Join, tables: dict[str, pa.Table], counts: dict[str, int]) -> 
         join.waiting_scores[(item["request_id"], item["row"])] = (
             item["score"], item["dense_version"], item["time"]
         )  # fmt: skip
+
+
+def restore(join: Join, tables: dict[str, pa.Table], counts: dict[str, int]) -> None:
+    """Put a :func:`snapshot` (and the counts saved with it) back into an empty ``join``."""
+    load_rows(join, tables["rows"])
+    load_waiting(join, tables)
     join.counts.update({k: int(v) for k, v in counts.items() if k in join.counts})
     join.reindex()

@@ -257,3 +257,38 @@ def test_the_joiner_declares_every_series_from_the_start_and_counts_into_them(tm
         'recserve_join_total{count="rows"} 2' in found and 'recserve_join_held_rows{state="open"} 2' in found
     )
     assert "recserve_join_checkpoint 1" in found
+
+
+def held(join):
+    rows = {("open", k): (r.outcome, r.impressed, r.score) for k, r in join.open.items()}
+    return rows | {("closed", k): (r.outcome, r.impressed, r.score) for k, r in join.closed.items()}
+
+
+def test_each_commit_writes_what_changed_and_forgotten_rows_leave_with_their_files(tmp_path):
+    now = [1000.0]
+    sink = ParquetSegments(tmp_path / "log", 1 << 30, 3600.0)
+    feedback = FeedbackFile(tmp_path / "feedback" / "f.jsonl")
+    joiner = make_joiner(tmp_path, now)
+    state = tmp_path / "examples" / ".state"
+    log_request(sink, "a", 3, 1000.0)  # features and scores
+    joiner.step()
+    joiner.commit()
+    feedback.write([click("a", 1, 1001.0)])
+    joiner.step()
+    joiner.commit()  # a/1's state changed: a mark, not the row again
+    now[0] = 1011.0
+    joiner.step()
+    joiner.commit()  # a's windows closed
+    assert sorted(p.name.split("-")[1] for p in state.glob("*.parquet")) == [
+        "feedback.parquet", "marks.parquet", "marks.parquet", "rows.parquet", "scores.parquet"
+    ]  # fmt: skip
+    again = make_joiner(tmp_path, now)
+    assert held(again.join) == held(joiner.join) and len(again.join.closed) == 3
+    now[0] = 1000.0 + W + LATE
+    log_request(sink, "b", 2, 1105.0)  # open until 1115
+    joiner.step()
+    joiner.commit()  # a's rows are forgotten: their files go
+    assert sorted(p.name for p in state.glob("*rows.parquet")) == ["0000000004-rows.parquet"]
+    assert not list(state.glob("*marks.parquet"))
+    last = make_joiner(tmp_path, now)
+    assert held(last.join) == held(joiner.join) and set(last.join.open) == {("b", 0), ("b", 1)}
