@@ -124,14 +124,20 @@ def _learn(args: argparse.Namespace) -> int:
             pending = seq
         done = args.once and not segments
         if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
-            published = learner.publish(publish)
+            published = learner.publish(publish, max_loss_increase=args.max_loss_increase)
             last_publish = time.monotonic()
             progress.parent.mkdir(parents=True, exist_ok=True)
             temporary = progress.with_name(".learner.json.tmp")
             temporary.write_text(json.dumps({"trained": pending, "versions": published}))
             temporary.replace(progress)  # what was trained up to the rows just published
             fresh = [round(f, 3) for f in learner.freshness]
-            line = {"published": published, "trained": pending}
+            checked = [round(f, 5) for f in learner.last_check]
+            line = {
+                "published": published,
+                "trained": pending,
+                "log_loss": checked[0],
+                "served_log_loss": checked[1],
+            }
             print(json.dumps({**line, "freshness_p50_s": fresh[0], "freshness_p99_s": fresh[1]}), flush=True)
         if done or (args.for_seconds is not None and time.monotonic() - started >= args.for_seconds):
             break
@@ -207,6 +213,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     learn.add_argument("--once", action="store_true", help="train on what is committed, publish, and stop")
     learn.add_argument(
         "--for-seconds", type=float, default=None, help="stop after this long (default: run on)"
+    )
+    learn.add_argument(
+        "--max-loss-increase",
+        type=float,
+        default=0.02,
+        help="publish only when the learner's progressive log loss is at most this much above the served "
+        "scores' on the same examples (default 0.02); otherwise the rows go back to what is served",
     )
     learn.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     learn.set_defaults(func=_learn)

@@ -11,7 +11,10 @@ dense network's own training and hot swap are not built). For each batch of exam
    stays calibrated on the full traffic and the served score needs no ln w correction);
 3. keeps the new rows; :meth:`Learner.publish` writes **only the rows touched** since the last
    publish as one embedding delta per table, through the store's update log (versions, checksums,
-   rollback), which every server applies within its poll interval.
+   rollback), which every server applies within its poll interval;
+4. but first compares, on the examples since the last publish that carry their served score, the
+   learner's progressive log loss with the served scores' log loss: when the learner's is worse by
+   more than a margin, nothing is published and the touched rows go back to what is served.
 
 What it trains: specs whose tables are all ``embedding_dim`` wide, without multi-hot features,
 with at most one behaviour sequence (the bundled ``ctr`` spec). Anything else is refused at start.
@@ -95,6 +98,13 @@ class Learner:
         self._labelled: list[float] = []
         #: seconds from an example's label to the publish of the rows trained on it: (p50, p99) of the last
         self.freshness: tuple[float, float] = (0.0, 0.0)
+        self.published: dict[tuple[int, int], np.ndarray] = {}  # the rows as last published
+        self.refused_publishes = 0
+        #: the last publish decision's log losses on the examples with a served score: (learner, served)
+        self.last_check: tuple[float, float] = (0.0, 0.0)
+        self._scored: list[
+            np.ndarray
+        ] = []  # per batch: progressive p, label, weight, served score (NaN: none)
 
     # ---- one batch ---------------------------------------------------------------------------
     def _layout(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -162,14 +172,59 @@ class Learner:
         self.progressive_loss.append(figures.log_loss)
         self.examples_trained += examples.num_rows
         self._labelled += [t.timestamp() for t in examples["labelled_at"].to_pylist()]
+        served = np.array([np.nan if v is None else v for v in examples["score"].to_pylist()], np.float64)
+        progressive = probability.detach().numpy().astype(np.float64)
+        self._scored.append(np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1))
         return figures
 
+    def check(self) -> tuple[float, float]:
+        """The weighted log losses (learner's progressive scores, served scores) since the last publish.
+
+        Measured on the examples that carry their served score (NaN, NaN: none does).
+        """
+        if not self._scored:
+            return float("nan"), float("nan")
+        scored = np.concatenate(self._scored)
+        scored = scored[~np.isnan(scored[:, 3])]
+        if not len(scored):
+            return float("nan"), float("nan")
+        labels, weights = scored[:, 1], scored[:, 2]
+
+        def log_loss(p: np.ndarray) -> float:
+            p = np.clip(p, 1e-7, 1 - 1e-7)
+            return float(
+                np.sum(weights * -(labels * np.log(p) + (1 - labels) * np.log(1 - p))) / weights.sum()
+            )
+
+        return log_loss(scored[:, 0]), log_loss(scored[:, 3])
+
     # ---- publishing ----------------------------------------------------------------------
-    def publish(self, publish: Publish, now: float | None = None) -> dict[str, int]:
+    def publish(
+        self, publish: Publish, now: float | None = None, max_loss_increase: float | None = None
+    ) -> dict[str, int]:
         """Publish the rows touched since the last publish, one delta per table; table -> version.
 
-        Also measures the freshness of what it published (``now``: seconds since the epoch).
+        With ``max_loss_increase``, first :meth:`check`: when the learner's log loss exceeds the
+        served one by more, nothing is published (``refused_publishes``) and the touched rows go
+        back to what is served. Also measures the freshness of what it published (``now``: seconds
+        since the epoch).
         """
+        learner_loss, served_loss = self.last_check = self.check()
+        self._scored = []
+        if max_loss_increase is not None and learner_loss > served_loss + max_loss_increase:
+            LOGGER.warning(
+                "not published: log loss %.5f against the served %.5f (margin %g); the rows go back",
+                learner_loss, served_loss, max_loss_increase,
+            )  # fmt: skip
+            self.refused_publishes += 1
+            for key in self.touched:
+                if key in self.published:
+                    self.rows[key] = self.published[key]
+                else:
+                    self.rows.pop(key, None)
+            self.touched.clear()
+            self._labelled = []
+            return {}
         versions: dict[str, int] = {}
         by_table: dict[int, list[int]] = {}
         for table, key in sorted(self.touched):
@@ -182,6 +237,7 @@ class Learner:
                 vectors = np.pad(vectors, ((0, 0), (0, width - vectors.shape[1])))
             versions[name] = publish(name, np.array(keys, np.int64), vectors)
             self.rows_published += len(keys)
+            self.published.update({(table, k): self.rows[(table, k)] for k in keys})
         self.versions_published += len(versions)
         if versions and self._labelled:
             ages = (time.time() if now is None else now) - np.array(self._labelled)

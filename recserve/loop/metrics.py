@@ -123,6 +123,23 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
             (),
             float(learner.rows_published),
         ),
+        MetricSample(
+            "recserve_learn_refused_publishes_total",
+            "counter",
+            "Publishes refused: the learner's log loss above the served one by more than the margin",
+            (),
+            float(learner.refused_publishes),
+        ),
+        *(
+            MetricSample(
+                "recserve_learn_check_log_loss",
+                "gauge",
+                "The last publish decision's log loss, of the learner's and of the served scores",
+                (("scores", who),),
+                value,
+            )
+            for who, value in zip(("learner", "served"), learner.last_check, strict=True)
+        ),
         *(
             MetricSample(
                 "recserve_learn_freshness_seconds",

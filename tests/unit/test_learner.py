@@ -13,7 +13,7 @@ from recserve.loop.tables import examples_table
 from tests.store_tables import spec_store
 
 
-def examples(spec, tables, labels, rates=None, seed=0):
+def examples(spec, tables, labels, rates=None, seed=0, served=None):
     rng = np.random.default_rng(seed)
     rows = []
     for i, label in enumerate(labels):
@@ -25,7 +25,7 @@ def examples(spec, tables, labels, rates=None, seed=0):
                 "request_id": f"r{i}", "row": 0, "time": 1.0, "variant": "", "label": label, "late": False,
                 "sample_rate": 1.0 if rates is None else rates[i], "labelled_at": 2.0, "keys": keys,
                 "dense": [0.1] * len(spec.normalized_columns), "embedding_version": [1], "history": history,
-                "score": None, "dense_version": None,
+                "score": served, "dense_version": None,
             }
         )  # fmt: skip
     return examples_table(rows)
@@ -86,3 +86,19 @@ def test_a_spec_the_learner_cannot_train_is_refused(spec):
     assert trainable(spec) == "" and "sequence" in trainable(two)
     with pytest.raises(ValueError, match="sequence"):
         Learner(two, None, None)  # type: ignore[arg-type]
+
+
+def test_a_version_worse_than_the_served_scores_is_not_published_and_its_rows_go_back(spec):
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 1, 1, 1], served=0.01))  # the served scores were poor
+    published = {}
+    assert learn.publish(lambda t, k, v: published.setdefault(t, v) is not None and 3, max_loss_increase=0.0)
+    assert learn.last_check[0] < learn.last_check[1]
+    before = {key: row.copy() for key, row in learn.rows.items()}
+    learn.train(examples(spec, tables, [1, 1, 1, 1], seed=1, served=0.999))  # the served scores were right
+    assert learn.publish(lambda *a: 1 / 0, max_loss_increase=0.0) == {}  # refused: nothing published
+    assert learn.refused_publishes == 1 and not learn.touched
+    assert learn.rows.keys() == before.keys()  # rows trained only since are dropped ...
+    for key, row in learn.rows.items():  # ... and the published ones are as published
+        np.testing.assert_array_equal(row, before[key])
+    assert "recserve_learn_refused_publishes_total 1" in text(learn_samples(learn))
