@@ -139,12 +139,16 @@ def with_degrade(spec: ModelSpec, config: mc.ModelConfig, profile: str = "cpu") 
     per user of a list), an output of both ensembles. In the candidates ensemble ``dense`` also
     takes the list's targets as requested (``requested_candidates``), so a list scored only in part
     is answered for every candidate; a TensorRT ``dense`` (profile ``gpu``) scores what it gets.
+    With ``priority_value``, the Python steps' batchers get two priority levels (the default: 2).
     """
     if not spec.degrade.enabled:
         return config
     level = WireTensor(DEGRADE_LEVEL, "INT32", (1,))
     requested = WireTensor(REQUESTED_CANDIDATES, "INT64", (-1, 1), ragged=True, optional=True)
     lists = spec.candidates_model is not None and profile != "gpu"
+    if config.backend == "python" and config.HasField("dynamic_batching") and spec.degrade.priority_value > 0:
+        config.dynamic_batching.priority_levels = 2  # the requests worth most are batched first
+        config.dynamic_batching.default_priority_level = 2
     if config.name == EMBEDDING_LOOKUP:
         config.output.append(model_output(level))
     elif config.name == DENSE and config.backend == "python" and lists:

@@ -70,7 +70,8 @@ class CTRClient(ClientBase):
         value: what the requests are worth, a number or a tier name of the spec's ``[degrade.tiers]``,
             sent with each request as the ``recserve-value`` header (:attr:`value` may be changed
             between calls); None: no header, the spec's default value. With ``[degrade]`` on,
-            :attr:`last_level` is the level that served the latest request (0: full).
+            :attr:`last_level` is the level that served the latest request (0: full), and a
+            request worth at least its ``priority_value`` is sent at Triton priority 1.
     """
 
     def __init__(
@@ -332,6 +333,7 @@ class CTRClient(ClientBase):
         if self.value is not None:  # [degrade]: what the request is worth
             headers = {**(headers or {}), VALUE_HEADER: value_text(self.value)}
         leveled = self.spec.degrade.enabled  # the served level comes back with every response
+        priority = self.spec.degrade.priority_of(self.value)  # the requests worth most batched first
         extra_outputs = (*extra_outputs, DEGRADE_LEVEL) if leveled else extra_outputs
         if self._shm is not None and model is None:
             infer_inputs = self._shm.place(self._module, arrays)
@@ -349,10 +351,16 @@ class CTRClient(ClientBase):
                     client_timeout=self.timeout_s,
                     headers=headers,
                     request_id=request_id,
+                    priority=priority,
                 )
             else:
                 result = self._client.infer(
-                    model, infer_inputs, outputs=outputs, headers=headers, request_id=request_id
+                    model,
+                    infer_inputs,
+                    outputs=outputs,
+                    headers=headers,
+                    request_id=request_id,
+                    priority=priority,
                 )
         except Exception as exc:
             raise map_exception(exc) from exc

@@ -114,7 +114,8 @@ def send_phases(
     """Send the pool's lists at ``rate`` per second for ``seconds``, phase after phase, open loop.
 
     Request ``i`` carries ``values[i]`` (cycled) and list ``i mod len(pool)``; ``leveled``: the
-    server serves ``[degrade]`` (its responses carry ``degrade_level``).
+    server serves ``[degrade]`` (its responses carry ``degrade_level``). Each request goes at the
+    Triton priority the SDK would send its value at (``[degrade] priority_value``).
     """
     import grpc
     from tritonclient.grpc import service_pb2_grpc
@@ -122,6 +123,14 @@ def send_phases(
     assert spec.candidates_model is not None
     outputs = (PROBABILITY, DEGRADE_LEVEL) if leveled else (PROBABILITY,)
     messages = [infer_request(spec.candidates_model, r, outputs) for r in pool.requests]
+    by_priority = {0: messages}
+    for priority in (1, 2):
+        by_priority[priority] = []
+        for message in messages:
+            copy = type(message)()
+            copy.CopyFrom(message)
+            copy.parameters["priority"].uint64_param = priority
+            by_priority[priority].append(copy)
     sent: list[Sent] = []
     lock, pending = threading.Lock(), threading.Semaphore(0)
     origin, count = time.monotonic(), 0
@@ -152,8 +161,9 @@ def send_phases(
                     time.sleep(delay)
                 value, index = float(values[count % len(values)]), count % len(messages)
                 sent_at = time.monotonic()
+                message = by_priority[spec.degrade.priority_of(value)][index]
                 future = stub.ModelInfer.future(
-                    messages[index], timeout=30, metadata=((VALUE_HEADER, f"{value:.6g}"),)
+                    message, timeout=30, metadata=((VALUE_HEADER, f"{value:.6g}"),)
                 )
                 future.add_done_callback(
                     lambda f, p=phase, s=sent_at, v=value, x=index: record(f, p, s, v, x)

@@ -7,8 +7,8 @@ the level that maximises ``v x q_l - lambda x c_l``: at ``lambda = 0`` every req
 full; as lambda grows the lowest values move to cheaper levels first, and are refused last (DCAF's
 choice of how much to compute per request). Lambda follows the load through a multiplicative
 feedback loop: every ``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with
-``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update,
-the fall ``FALL`` times as steep);
+``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update and
+held while the wait is already falling, the fall ``FALL`` times as steep);
 below a floor lambda is 0, and it never passes ``[degrade] max_lambda``.
 
 Plain Python, without Triton: the first step's adapter feeds it the measured wait
@@ -30,6 +30,8 @@ MAX_EXCESS = 2.0
 #: Lambda falls this many times faster than it rises: once the queue is drained, the requests after a
 #: spike are served in full again within a few updates.
 FALL = 4.0
+#: A wait under this share of the previous one is draining: lambda is held, not raised.
+DRAINING = 0.9
 
 
 class DegradeController:
@@ -62,15 +64,23 @@ class DegradeController:
         return len(self.costs) - 1 if self.section.refuse else None
 
     def update(self, wait_ms: float | None) -> float:
-        """Lambda after one measurement of the mean queue wait (None: no request since: no load)."""
+        """Lambda after one measurement of the expected queue wait (None: idle, no load).
+
+        Over the target lambda rises, unless the wait is already falling (by a tenth or more since the
+        last measurement): the requests queued before lambda rose are still being drained, and
+        raising it further would refuse what the steps can now serve (the overshoot of a loop whose
+        measurement lags).
+        """
         load = 0.0 if wait_ms is None else max(wait_ms, 0.0) / self.section.target_queue_ms
         with self._lock:
-            self.load = load
+            previous, self.load = self.load, load
             if self.fixed:
                 return self._lambda
             lam = self._lambda
-            if load > 1.0:
+            if load > 1.0 and load >= DRAINING * previous:
                 lam = max(lam, LAMBDA_FLOOR) * math.exp(self.section.gain * min(load - 1.0, MAX_EXCESS))
+            elif load > 1.0:  # over the target but draining: held
+                pass
             else:
                 lam *= math.exp(self.section.gain * FALL * (load - 1.0))
             self._lambda = 0.0 if lam < LAMBDA_FLOOR else min(lam, self.section.max_lambda)

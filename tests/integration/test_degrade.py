@@ -42,6 +42,7 @@ DEGRADE = {
     ],
     "fallback_score": 0.0,
     "fixed_lambda": 0.1,
+    "priority_value": 2.5,  # premium is sent at priority 1: the steps' batchers have two levels
 }
 
 

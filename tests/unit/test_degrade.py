@@ -82,6 +82,17 @@ def test_the_section_adds_the_level_output_and_a_lists_requested_candidates_and_
     assert all(not plain[name] - on[name] for name in on)
 
 
+def test_a_priority_value_gives_the_python_steps_two_levels_and_the_requests_worth_most_the_first():
+    configs = all_configs(parse_spec(ctr_doc(degrade={**DEGRADE, "priority_value": 3.0})))
+    for step in STEPS:
+        batching = configs[step].dynamic_batching
+        assert (batching.priority_levels, batching.default_priority_level) == (2, 2)
+    assert all_configs(parse_spec(ctr_doc(degrade=DEGRADE)))["dense"].dynamic_batching.priority_levels == 0
+    degrade = section(priority_value=3.0)
+    assert [degrade.priority_of(v) for v in ("premium", 3.0, "standard", None, "gold")] == [1, 1, 2, 2, 0]
+    assert section().priority_of("premium") == 0
+
+
 def test_the_section_names_levels_tiers_and_the_default():
     degrade = section()
     assert degrade.level_names == (FULL, "trimmed", "minimal", REFUSED)
@@ -176,6 +187,14 @@ def test_the_top_decile_is_untouched_at_moderate_load():
     top = values >= np.quantile(values, 0.9)
     assert (levels[top] == 0).all()
     assert (levels[~top] == 0).mean() < 0.9 and (levels == controller.refused_level).mean() < 0.05
+
+
+def test_lambda_is_held_while_the_queue_drains_and_never_passes_its_ceiling():
+    controller = DegradeController(section(max_lambda=0.01))
+    run(controller, [40.0, 40.0])
+    held = controller.lam
+    assert run(controller, [30.0, 20.0]) == [held, held]  # over the target, but falling: held
+    assert run(controller, [25.0] * 20)[-1] == 0.01  # rising again up to max_lambda, not past it
 
 
 def test_a_fixed_lambda_ignores_the_load():

@@ -9,7 +9,8 @@ candidates scored per list (the caller's order is its prior: the first ``max_can
 the rest get ``fallback_score``) and the history (its newest ``history_length`` items). The level
 is chosen by the controller (recserve.backends.steps.degrade_control), which maximises
 ``value x quality - lambda x cost`` with lambda following the steps' queue wait against
-``target_queue_ms``. See docs/design/degrade.md.
+``target_queue_ms``. With ``priority_value``, the requests worth most are also batched first (Triton
+priority levels in both steps). See docs/design/degrade.md.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class DegradeSection:
     fixed_lambda: float = -1.0  # >= 0: lambda held there, no feedback (a drill; tests); < 0: feedback
     # lambda's ceiling, in value per unit of cost (past the top values, everything is refused)
     max_lambda: float = 100.0
+    # > 0: the steps' batchers get two priority levels, and a request worth at least this is sent
+    # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before
+    priority_value: float = 0.0
 
     @property
     def level_names(self) -> tuple[str, ...]:
@@ -114,6 +118,18 @@ class DegradeSection:
             tiers = f"one of the tiers {', '.join(self.tiers)} or " if self.tiers else ""
             raise InvalidParameter(VALUE_HEADER, f"must be {tiers}a number >= 0, got {shorten(raw)}")
         return number
+
+    def priority_of(self, raw: object) -> int:
+        """The Triton priority a request of value ``raw`` is sent at: 1 (first) or 2; 0 (the default) off.
+
+        A value the server would refuse gets 0: the server names what is wrong with it.
+        """
+        if not self.enabled or self.priority_value <= 0:
+            return 0
+        try:
+            return 1 if self.value_of(raw) >= self.priority_value else 2
+        except InvalidParameter:
+            return 0
 
     def value_from(self, parameters: Mapping[str, object]) -> float:
         """The value named by a request's parameters (Triton's ``request.parameters()``, parsed)."""
@@ -158,10 +174,11 @@ class DegradeSection:
         if not self.levels and not self.refuse:
             raise SpecError("[degrade] needs levels or refuse = true: there is nothing cheaper to serve")
         positive = (self.target_queue_ms, self.interval_s, self.gain, self.max_lambda)
-        finite = math.isfinite(self.fallback_score) and math.isfinite(self.fixed_lambda)
+        finite = all(math.isfinite(x) for x in (self.fallback_score, self.fixed_lambda, self.priority_value))
         if not all(math.isfinite(x) and x > 0 for x in positive) or not finite:
             raise SpecError(
-                "[degrade] target_queue_ms, interval_s, gain and max_lambda must be > 0, fallback_score and "
-                f"fixed_lambda finite, got {self.target_queue_ms}, {self.interval_s}, {self.gain}, "
-                f"{self.max_lambda}, {self.fallback_score}, {self.fixed_lambda}"
+                "[degrade] target_queue_ms, interval_s, gain and max_lambda must be > 0, fallback_score, "
+                f"fixed_lambda and priority_value finite, got {self.target_queue_ms}, {self.interval_s}, "
+                f"{self.gain}, {self.max_lambda}, {self.fallback_score}, {self.fixed_lambda}, "
+                f"{self.priority_value}"
             )
