@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, InvalidRequestError, read_rows
 from recserve.clients.writers import write_tsv
-from recserve.core.names import EMBEDDING_LOOKUP, IDS_WIRE, PROBABILITY
+from recserve.core.names import DENSE_VERSION, EMBEDDING_LOOKUP, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from tests.integration.helpers import run_perf
 
 
@@ -165,3 +165,29 @@ def test_the_client_reads_the_served_limit_and_sends_a_longer_lists_parts_togeth
     assert ids == [f"async.{k}" for k in range(4)]
     np.testing.assert_allclose(parts, whole, atol=1e-6)
     np.testing.assert_allclose(together, whole, atol=1e-6)
+
+
+def test_a_list_answers_its_versions_once_not_per_candidate(server, spec, candidates):
+    """Lists looked up and scored together still get one row of versions each, the rows' own."""
+    user, rows = user_of(candidates), candidates.take(slice(0, 120))
+    names = (PROBABILITY, DENSE_VERSION, EMBEDDING_VERSION)
+    with CTRClient(server.grpc_url, timeout_s=30, spec=spec) as client:
+        (arrays,) = client._candidate_requests(user, rows)
+        served_rows = client.score_inputs(rows.take(slice(0, 3)).to_inputs(spec))
+
+        def send(_):
+            with grpcclient.InferenceServerClient(server.grpc_url) as raw:
+                result = raw.infer(
+                    spec.candidates_model,
+                    client._infer_inputs(grpcclient, arrays),
+                    outputs=[grpcclient.InferRequestedOutput(name) for name in names],
+                )
+            return [result.as_numpy(name) for name in names]
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(send, range(8)))
+    for probability, dense, embedding in answers:
+        assert probability.shape == (120, 1)
+        assert dense.shape == (1, 1) and embedding.shape == (1, len(spec.table_names))
+        assert dense[0, 0] == served_rows.dense_version
+        np.testing.assert_array_equal(embedding[0], served_rows.embedding_version)
