@@ -103,6 +103,12 @@ def _learn(args: argparse.Namespace) -> int:
             served.maintainer.stream.publish(table, version)
         return version
 
+    def rollback(table: str, version: int) -> int:  # serve again what ``version`` replaced
+        revert = log.rollback(table, log.record(table, version).parent)
+        if served.maintainer.stream is not None:
+            served.maintainer.stream.publish(table, revert)
+        return revert
+
     if args.metrics_port is not None:
         from recserve.loop.metrics import learn_samples, serve_metrics
 
@@ -122,6 +128,9 @@ def _learn(args: argparse.Namespace) -> int:
                 line = {"segment": seq, "examples": figures.examples, "rows": figures.rows}
                 print(json.dumps({**line, "log_loss": round(figures.log_loss, 5)}), flush=True)
             pending = seq
+            reverted = learner.watch(rollback, args.watch_examples, args.max_loss_increase)
+            if reverted:
+                print(json.dumps({"rolled_back": reverted}), flush=True)
         done = args.once and not segments
         if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
             published = learner.publish(publish, max_loss_increase=args.max_loss_increase)
@@ -220,6 +229,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=0.02,
         help="publish only when the learner's progressive log loss is at most this much above the served "
         "scores' on the same examples (default 0.02); otherwise the rows go back to what is served",
+    )
+    learn.add_argument(
+        "--watch-examples",
+        type=int,
+        default=256,
+        help="after a publish, judge it on this many examples its versions served: when their served log "
+        "loss rose by more than --max-loss-increase, roll the versions back (default 256)",
     )
     learn.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     learn.set_defaults(func=_learn)

@@ -14,7 +14,10 @@ dense network's own training and hot swap are not built). For each batch of exam
    rollback), which every server applies within its poll interval;
 4. but first compares, on the examples since the last publish that carry their served score, the
    learner's progressive log loss with the served scores' log loss: when the learner's is worse by
-   more than a margin, nothing is published and the touched rows go back to what is served.
+   more than a margin, nothing is published and the touched rows go back to what is served;
+5. and after a publish, watches the examples the new versions served (their ``embedding_version``):
+   once ``watch_examples`` of them came, when their served log loss is worse than the served one
+   before the publish by more than the margin, it rolls the versions back (:meth:`Learner.watch`).
 
 What it trains: specs whose tables are all ``embedding_dim`` wide, without multi-hot features,
 with at most one behaviour sequence (the bundled ``ctr`` spec). Anything else is refused at start.
@@ -40,6 +43,20 @@ from recserve.core.spec.model import ModelSpec
 LOGGER = logging.getLogger(__name__)
 #: publishes one table's delta: (table, keys, vectors) -> the version published
 Publish = Callable[[str, np.ndarray, np.ndarray], int]
+#: serves again what a published version replaced: (table, version) -> the new (revert) version
+Rollback = Callable[[str, int], int]
+
+
+@dataclass
+class Watch:
+    """A publish being watched: its versions, the served log loss before it, the rows it replaced."""
+
+    versions: dict[str, int]
+    baseline: float
+    replaced: dict[
+        tuple[int, int], np.ndarray | None
+    ]  # each published row's value before (None: the store's)
+    scored: list[np.ndarray]  # label, weight, served score of the examples the new versions served
 
 
 def trainable(spec: ModelSpec) -> str:
@@ -102,9 +119,11 @@ class Learner:
         self.refused_publishes = 0
         #: the last publish decision's log losses on the examples with a served score: (learner, served)
         self.last_check: tuple[float, float] = (0.0, 0.0)
-        self._scored: list[
-            np.ndarray
-        ] = []  # per batch: progressive p, label, weight, served score (NaN: none)
+        # per batch: progressive p, label, weight, served score (NaN: none)
+        self._scored: list[np.ndarray] = []
+        self.watching: list[Watch] = []
+        self.rollbacks = 0
+        self.table_columns = {name: i for i, name in enumerate(spec.table_names)}  # embedding_version's order
 
     # ---- one batch ---------------------------------------------------------------------------
     def _layout(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -175,7 +194,47 @@ class Learner:
         served = np.array([np.nan if v is None else v for v in examples["score"].to_pylist()], np.float64)
         progressive = probability.detach().numpy().astype(np.float64)
         self._scored.append(np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1))
+        versions = np.array(examples["embedding_version"].to_pylist(), np.int64).reshape(
+            examples.num_rows, -1
+        )
+        if self.watching and versions.shape[1] == len(self.table_columns):
+            for watch in self.watching:
+                columns = [self.table_columns[t] for t in watch.versions]
+                wanted = np.array(list(watch.versions.values()), np.int64)
+                mine = (versions[:, columns] >= wanted).any(axis=1) & ~np.isnan(served)
+                watch.scored.append(np.stack([labels.numpy(), weights.numpy(), served], axis=1)[mine])
         return figures
+
+    def watch(self, rollback: Rollback, watch_examples: int, max_loss_increase: float) -> dict[str, int]:
+        """Roll back a watched publish whose served log loss rose by more than the margin; table -> revert.
+
+        A publish is judged once ``watch_examples`` examples served by its versions came (with their
+        served scores); then it is kept, or its versions are rolled back and the learner's rows of it
+        go back to what they were before it.
+        """
+        reverted: dict[str, int] = {}
+        for watch in list(self.watching):
+            scored = np.concatenate(watch.scored) if watch.scored else np.zeros((0, 3))
+            if len(scored) < watch_examples:
+                continue
+            self.watching.remove(watch)
+            served = _log_loss(scored[:, 2], scored[:, 0], scored[:, 1])
+            if not served > watch.baseline + max_loss_increase:
+                continue
+            LOGGER.warning(
+                "rolling back %s: served log loss %.5f against %.5f before it (margin %g)",
+                watch.versions, served, watch.baseline, max_loss_increase,
+            )  # fmt: skip
+            for table, version in watch.versions.items():
+                reverted[table] = rollback(table, version)
+            for key, value in watch.replaced.items():
+                for held in (self.rows, self.published):
+                    if value is None:
+                        held.pop(key, None)
+                    else:
+                        held[key] = value
+            self.rollbacks += 1
+        return reverted
 
     def check(self) -> tuple[float, float]:
         """The weighted log losses (learner's progressive scores, served scores) since the last publish.
@@ -189,14 +248,7 @@ class Learner:
         if not len(scored):
             return float("nan"), float("nan")
         labels, weights = scored[:, 1], scored[:, 2]
-
-        def log_loss(p: np.ndarray) -> float:
-            p = np.clip(p, 1e-7, 1 - 1e-7)
-            return float(
-                np.sum(weights * -(labels * np.log(p) + (1 - labels) * np.log(1 - p))) / weights.sum()
-            )
-
-        return log_loss(scored[:, 0]), log_loss(scored[:, 3])
+        return _log_loss(scored[:, 0], labels, weights), _log_loss(scored[:, 3], labels, weights)
 
     # ---- publishing ----------------------------------------------------------------------
     def publish(
@@ -226,6 +278,7 @@ class Learner:
             self._labelled = []
             return {}
         versions: dict[str, int] = {}
+        replaced = {key: self.published.get(key) for key in self.touched}
         by_table: dict[int, list[int]] = {}
         for table, key in sorted(self.touched):
             by_table.setdefault(table, []).append(key)
@@ -239,9 +292,17 @@ class Learner:
             self.rows_published += len(keys)
             self.published.update({(table, k): self.rows[(table, k)] for k in keys})
         self.versions_published += len(versions)
+        if versions and not np.isnan(served_loss):
+            self.watching.append(Watch(versions, served_loss, replaced, []))
         if versions and self._labelled:
             ages = (time.time() if now is None else now) - np.array(self._labelled)
             self.freshness = (float(np.percentile(ages, 50)), float(np.percentile(ages, 99)))
         self.touched.clear()
         self._labelled = []
         return versions
+
+
+def _log_loss(p: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
+    """The weighted log loss of probabilities ``p``."""
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    return float(np.sum(weights * -(labels * np.log(p) + (1 - labels) * np.log(1 - p))) / weights.sum())

@@ -124,6 +124,13 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
             float(learner.rows_published),
         ),
         MetricSample(
+            "recserve_learn_rollbacks_total",
+            "counter",
+            "Published versions rolled back: their served log loss rose by more than the margin",
+            (),
+            float(learner.rollbacks),
+        ),
+        MetricSample(
             "recserve_learn_refused_publishes_total",
             "counter",
             "Publishes refused: the learner's log loss above the served one by more than the margin",

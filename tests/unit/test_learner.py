@@ -13,7 +13,8 @@ from recserve.loop.tables import examples_table
 from tests.store_tables import spec_store
 
 
-def examples(spec, tables, labels, rates=None, seed=0, served=None):
+def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=None):
+    versions = versions or {}
     rng = np.random.default_rng(seed)
     rows = []
     for i, label in enumerate(labels):
@@ -24,7 +25,8 @@ def examples(spec, tables, labels, rates=None, seed=0, served=None):
             {
                 "request_id": f"r{i}", "row": 0, "time": 1.0, "variant": "", "label": label, "late": False,
                 "sample_rate": 1.0 if rates is None else rates[i], "labelled_at": 2.0, "keys": keys,
-                "dense": [0.1] * len(spec.normalized_columns), "embedding_version": [1], "history": history,
+                "dense": [0.1] * len(spec.normalized_columns), "history": history,
+                "embedding_version": [versions.get(t, 1) for t in spec.table_names],
                 "score": served, "dense_version": None,
             }
         )  # fmt: skip
@@ -102,3 +104,21 @@ def test_a_version_worse_than_the_served_scores_is_not_published_and_its_rows_go
     for key, row in learn.rows.items():  # ... and the published ones are as published
         np.testing.assert_array_equal(row, before[key])
     assert "recserve_learn_refused_publishes_total 1" in text(learn_samples(learn))
+
+
+def test_a_published_version_whose_served_scores_got_worse_is_rolled_back(spec):
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 1, 1, 1], served=0.01))
+    published = learn.publish(lambda table, keys, vectors: 5, max_loss_increase=0.0)
+    assert published and len(learn.watching) == 1
+    before = {key: value.copy() for key, value in learn.published.items()}
+    reverted = []
+    # served by the old versions (1): not counted; served by the new ones (5), much worse: rolled back
+    learn.train(examples(spec, tables, [1] * 3, seed=2, served=0.0001))
+    assert learn.watch(lambda table, version: reverted.append((table, version)) or 6, 4, 0.1) == {}
+    learn.train(examples(spec, tables, [1] * 4, seed=3, served=0.0001, versions=dict.fromkeys(published, 5)))
+    assert learn.watch(
+        lambda table, version: reverted.append((table, version)) or 6, 4, 0.1
+    ) == dict.fromkeys(published, 6)
+    assert sorted(reverted) == sorted(published.items()) and learn.rollbacks == 1 and not learn.watching
+    assert not learn.published and all(key not in learn.rows for key in before)  # back to the store's rows
