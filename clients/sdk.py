@@ -20,8 +20,7 @@ every embedding table's version). Every transport error is raised as a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any
 
@@ -34,6 +33,7 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.feedback import FeedbackLike, FeedbackSink, to_events
+from recserve.clients.list_parts import ListParts
 from recserve.clients.rows import Rows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
@@ -41,8 +41,6 @@ from recserve.core.sections.degrade import DEGRADE_LEVEL, VALUE_HEADER, value_te
 from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
-#: the most parts of one candidate list in flight at once (a list over the served limit)
-PARTS_IN_FLIGHT = 8
 
 
 class CTRClient(ClientBase):
@@ -93,18 +91,22 @@ class CTRClient(ClientBase):
         self.feedback = feedback
         self._shm: SharedMemoryIO | None = None
         self._module = self._import_module()
+        self._parts = ListParts(self.protocol == "grpc", self._new_transport)
         try:
-            if self.protocol == "grpc":
-                self._client = self._module.InferenceServerClient(self.url, ssl=self._ssl)
-            else:
-                self._client = self._module.InferenceServerClient(
-                    self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s, ssl=self._ssl
-                )
+            self._client = self._new_transport()
             if shared_memory:  # sized for the largest request the server takes
                 self._shm = SharedMemoryIO(self._client, self.spec, self.max_batch_size)
         except Exception as exc:
             raise map_exception(exc) from exc
         self._closed = False
+
+    def _new_transport(self) -> Any:
+        """A tritonclient transport of the client's protocol and address."""
+        if self.protocol == "grpc":
+            return self._module.InferenceServerClient(self.url, ssl=self._ssl)
+        return self._module.InferenceServerClient(
+            self.url, connection_timeout=self.timeout_s, network_timeout=self.timeout_s, ssl=self._ssl
+        )
 
     def _import_module(self) -> ModuleType:
         if self.protocol == "grpc":
@@ -234,7 +236,8 @@ class CTRClient(ClientBase):
             candidates: the candidate rows (their own sequence columns are ignored, and the user's
                 profile columns, ``[inputs] profile``, are read from the first row). A list the
                 server takes whole (:attr:`max_batch_size`, read from the server) is one request;
-                a longer one goes in several, sent concurrently (over gRPC).
+                a longer one goes in several, sent together
+                (:class:`~recserve.clients.list_parts.ListParts`).
             request_id: the list's id (as for :meth:`predict_inputs`); a list sent as several
                 requests sends ``<id>.0``, ``<id>.1``, ... (:attr:`last_request_ids`).
 
@@ -254,30 +257,11 @@ class CTRClient(ClientBase):
             result = self._infer(arrays, 0, (), model, request_id=rid)
             return self._probabilities(result, arrays[self.spec.target_names[0]].shape[1])
 
-        with self._collect_ids():
-            parts = self._send_parts(send, requests, ids)
+        with self._collect_ids():  # a list over the served limit: its parts sent together
+            parts = self._parts.send(send, requests, ids)
+            if self._collecting is not None:  # the ids in the order of the parts, not of their sending
+                self._collecting[-len(ids) :] = ids
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-
-    def _send_parts(
-        self,
-        send: Callable[[dict[str, np.ndarray], str], np.ndarray],
-        requests: list[dict[str, np.ndarray]],
-        ids: list[str],
-    ) -> list[np.ndarray]:
-        """A list's requests (its parts when it is over the served limit), the answers in order.
-
-        Over gRPC the parts go out together from a few threads (the gRPC transport is thread-safe);
-        the HTTP transport is gevent based and not, so there they go one after another (the asyncio
-        client sends them together over either protocol).
-        """
-        if len(requests) == 1 or self.protocol != "grpc":
-            return [send(arrays, rid) for arrays, rid in zip(requests, ids, strict=True)]
-        LOGGER.info("a list over the served limit of %d goes in %d requests", self.max_batch_size, len(ids))
-        with ThreadPoolExecutor(min(len(requests), PARTS_IN_FLIGHT), "recserve-parts") as pool:
-            parts = list(pool.map(send, requests, ids))
-        if self._collecting is not None:  # the ids in the order of the parts, not of their sending
-            self._collecting[-len(ids) :] = ids
-        return parts
 
     def predict_by_user(self, rows: Rows, batch_size: int = 64) -> np.ndarray:
         """Score all rows; each user's consecutive rows that share their sequences as one candidate list.
@@ -342,9 +326,10 @@ class CTRClient(ClientBase):
             infer_inputs = self._infer_inputs(self._module, arrays)
             outputs = self._outputs(self._module, (PROBABILITY, *extra_outputs))
         model = model or self.model_name
+        transport = self._parts.transport() or self._client  # a part's own, from a worker thread
         try:
             if self.protocol == "grpc":
-                result = self._client.infer(
+                result = transport.infer(
                     model,
                     infer_inputs,
                     outputs=outputs,
@@ -354,7 +339,7 @@ class CTRClient(ClientBase):
                     priority=priority,
                 )
             else:
-                result = self._client.infer(
+                result = transport.infer(
                     model,
                     infer_inputs,
                     outputs=outputs,

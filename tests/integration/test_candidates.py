@@ -153,6 +153,10 @@ def test_the_client_reads_the_served_limit_and_sends_a_longer_lists_parts_togeth
         client.max_batch_size = 90
         parts = client.score_candidates(user, rows, request_id="parts")
         assert client.last_request_ids == ["parts.0", "parts.1", "parts.2"]  # in the order of the parts
+    with CTRClient(server.http_url, protocol="http", timeout_s=30, spec=smaller) as client:
+        client.max_batch_size = 60  # over HTTP each part goes on its worker thread's own transport
+        np.testing.assert_allclose(client.score_candidates(user, rows), whole, atol=1e-6)
+        assert len(client.last_request_ids) == 4
 
     async def run_async():
         async with AsyncCTRClient(server.http_url, protocol="http", timeout_s=30, spec=smaller) as client:
