@@ -30,7 +30,7 @@ from recserve.perf.harness.redis_cluster import RedisCluster
 from recserve.server import Ports, TritonServer
 from tests.integration.helpers import wait_for
 
-WINDOW_S, LATE_S = 15.0, 4.0
+WINDOW_S, LATE_S = 15.0, 8.0
 REQUESTS, ROWS = 12, 10
 
 
