@@ -1,4 +1,4 @@
-"""``recserve join``: the closed loop's joiner of logged rows and feedback, a long-running process."""
+"""``recserve join`` and ``recserve learn``: the closed loop's joiner and learner, long-running processes."""
 
 from __future__ import annotations
 
