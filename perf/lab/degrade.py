@@ -16,7 +16,8 @@ same open-loop schedule: normal load (half of capacity), a 2x spike, normal, a 4
 Per policy and phase the report gives the served p99 over the first normal phase's, the shares of
 value served in full, degraded and refused, the value-weighted quality retained against full compute
 (:mod:`recserve.perf.lab.degrade_report`), the top value decile's share degraded and refused, and
-lambda over time. Figures depend on the machine's other load: a single run is provisional.
+lambda over time (``--plot FILE``: a PNG of lambda, the p99 and the levels per quarter second).
+Figures depend on the machine's other load: a single run is provisional.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
 from recserve.perf.bench.candidates import closed_loop_rate
 from recserve.perf.harness.traffic import infer_inputs
-from recserve.perf.lab.degrade_report import PhaseFigures, phase_figures, table
+from recserve.perf.lab.degrade_report import PhaseFigures, phase_figures, table, windows
 from recserve.perf.lab.degrade_traffic import ListPool, send_phases
 from recserve.perf.lab.overload import Cores, pinned
 from recserve.server import Ports, TritonServer
@@ -151,8 +152,8 @@ def run_policy(
     schedule: list[tuple[str, float, float]],
     values: np.ndarray,
     cores: Cores,
-) -> list[PhaseFigures]:
-    """One server through the schedule; the figures of each phase."""
+) -> tuple[list[PhaseFigures], list[list[float | None]]]:
+    """One server through the schedule; the figures of each phase, and the windows over time."""
     with pinned(cores.client):
         sent = send_phases(
             server.grpc_url, spec, pool, [(r, s) for _, r, s in schedule], values, spec.degrade.enabled
@@ -160,10 +161,11 @@ def run_policy(
     top_value = float(np.quantile(values, 0.9))
     by_phase = [[o for o in sent if o.phase == i] for i in range(len(schedule))]
     normal = phase_figures("normal", schedule[0][1], by_phase[0], full, pool.labels, float("nan"), top_value)
-    return [
+    figures = [
         phase_figures(name, rate, outcomes, full, pool.labels, normal.served_p99_ms, top_value)
         for (name, rate, _), outcomes in zip(schedule, by_phase, strict=True)
     ]
+    return figures, windows(sent)
 
 
 def run_degrade_lab(
@@ -174,6 +176,7 @@ def run_degrade_lab(
     pool = ListPool.generate(spec, shape.lists, shape.candidates, shape.length, seed)
     values = np.random.default_rng(seed).lognormal(0.0, 1.0, 20_000)
     policies: dict[str, list[PhaseFigures]] = {}
+    series: dict[str, list[list[float | None]]] = {}
     queue = SHED_QUEUE if SHED_QUEUE in spec.serving.queue_policies else None
     log = workdir / "shed.log"
     with TritonServer(repository, Ports.free(), log_path=log, config_name=queue, cpus=cores.server) as server:
@@ -185,14 +188,17 @@ def run_degrade_lab(
             )
         capacity = measured["rows_per_s"]
         schedule = shape.phases(capacity)
-        policies["shed"] = run_policy(server, spec, pool, full, schedule, values, cores)
+        policies["shed"], series["shed"] = run_policy(server, spec, pool, full, schedule, values, cores)
     served = degrade_spec(spec)
     variant = write_variant(served, repository, workdir / "degrade")
     log = workdir / "degrade.log"
     with TritonServer(variant, Ports.free(), log_path=log, cpus=cores.server) as server:
         with LambdaTimeline(f"http://127.0.0.1:{server.ports.metrics}/metrics") as timeline:
-            policies["degrade"] = run_policy(server, served, pool, full, schedule, values, cores)
-    return policies, summarise(policies, capacity, shape, cores, timeline.points)
+            policies["degrade"], series["degrade"] = run_policy(
+                server, served, pool, full, schedule, values, cores
+            )
+    summary = summarise(policies, capacity, shape, cores, timeline.points)
+    return policies, {**summary, "windows": series}
 
 
 def summarise(
@@ -230,13 +236,24 @@ def summarise(
     return out
 
 
-def degrade_command(spec: ModelSpec, repository: Path, quick: bool, json_path: Path | None = None) -> int:
-    """``recserve lab degrade``: prints the table and the headline figures; writes the JSON summary."""
+def degrade_command(
+    spec: ModelSpec,
+    repository: Path,
+    quick: bool,
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+) -> int:
+    """``recserve lab degrade``: prints the table and the headline figures; the JSON summary, the plot."""
     shape = LabShape.quick() if quick else LabShape()
     with tempfile.TemporaryDirectory(prefix="recserve-degrade-") as scratch:
         policies, summary = run_degrade_lab(spec, repository, Path(scratch), shape)
     print(table(policies))
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape")}))
+    shown = {k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape", "windows")}
+    print(json.dumps(shown))
     if json_path is not None:
         json_path.write_text(json.dumps(summary, indent=2) + "\n")
+    if plot_path is not None:
+        from recserve.perf.lab.degrade_plot import plot
+
+        print(f"plot: {plot(summary, plot_path)}")
     return 0 if summary["failed"] == 0 else 1

@@ -115,3 +115,27 @@ def table(policies: dict[str, list[PhaseFigures]]) -> str:
                 f"{f.top_decile_degraded:4.2f}/{f.top_decile_refused:4.2f}"
             )
     return "\n".join(lines)
+
+
+def windows(outcomes: list[Sent], width_s: float = 0.25) -> list[list[float | None]]:
+    """Per window of ``width_s`` (when requests left): start, served p99 ms, share full, degraded, refused.
+
+    The p99 is None in a window that served nothing.
+    """
+    if not outcomes:
+        return []
+    out = []
+    end = max(o.sent_s for o in outcomes)
+    start = 0.0
+    while start <= end:
+        inside = [o for o in outcomes if start <= o.sent_s < start + width_s]
+        if inside:
+            served = [o for o in inside if o.result == SERVED]
+            full = sum(o.level == 0 for o in served) / len(inside)
+            degraded = sum(o.level > 0 for o in served) / len(inside)
+            p99 = _p99([o.latency_ms for o in served])
+            refused = 1.0 - full - degraded
+            p99_ms = round(p99, 2) if served else None
+            out.append([round(start, 3), p99_ms, round(full, 4), round(degraded, 4), round(refused, 4)])
+        start += width_s
+    return out

@@ -116,8 +116,8 @@ def test_the_levels_served_are_counted_per_tier_on_the_metrics_endpoint(degraded
 
 def test_the_quick_lab_puts_shedding_and_degradation_side_by_side(tmp_path):
     """``recserve lab degrade --quick``: both policies through a 2x and a 4x spike, bounded in time."""
-    out = tmp_path / "degrade.json"
-    done = recserve("lab", "degrade", "--quick", "--json", str(out))
+    out, picture = tmp_path / "degrade.json", tmp_path / "degrade.png"
+    done = recserve("lab", "degrade", "--quick", "--json", str(out), "--plot", str(picture))
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(out.read_text())
     for policy in ("degrade", "shed"):
@@ -129,7 +129,8 @@ def test_the_quick_lab_puts_shedding_and_degradation_side_by_side(tmp_path):
     assert summary["failed"] == 0
     # at normal load nothing is degraded (a little slack: CI machines are shared)
     assert summary["degrade_normal_degraded_share"] < 0.1
-    assert summary["lambda_timeline"]
+    assert summary["lambda_timeline"] and summary["windows"]["degrade"] and summary["windows"]["shed"]
+    assert picture.read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_value_header_passes_the_access_layer(degraded, tmp_path):

@@ -24,7 +24,7 @@ from recserve.core.sections.degrade import (
 )
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
-from recserve.perf.lab.degrade_report import clicks, phase_figures
+from recserve.perf.lab.degrade_report import clicks, phase_figures, windows
 from recserve.perf.lab.degrade_traffic import SERVED, Sent
 
 DEGRADE = {
@@ -278,6 +278,8 @@ def test_the_lab_weighs_the_clicks_served_by_value():
     # clicks (top 8 of 4 = all): every served list keeps both clicks; the refused one none
     assert figures.value_retained == pytest.approx(5 / 6)
     assert figures.top_decile_degraded == 0.0 and figures.top_decile_refused == 0.0 and figures.refused == 1
+    over_time = windows([*outcomes, Sent(1, 0.6, 1.0, REFUSED, 1.0, 0)], width_s=0.25)
+    assert over_time == [[0.0, pytest.approx(8.96), 0.3333, 0.3333, 0.3333], [0.5, None, 0.0, 0.0, 1.0]]
 
 
 def test_the_dashboard_shows_the_levels_with_the_section_only(spec):
