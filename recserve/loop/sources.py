@@ -8,7 +8,9 @@ source acknowledges its entries to the consumer group then, never before).
 
 from __future__ import annotations
 
+import calendar
 import logging
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +27,9 @@ LOGGER = logging.getLogger(__name__)
 #: what one poll reads at most: segment files, feedback bytes
 SEGMENTS_PER_POLL = 16
 FEEDBACK_BYTES_PER_POLL = 4 << 20
+#: a log segment is written and renamed within this long of the stamp it is named for (generously)
+SETTLE_S = 3600
+STAMP = "%Y%m%dT%H%M%S"
 #: an item handed out: ("features" | "scores", records) or ("feedback", events)
 Item = tuple[str, list[Any]]
 
@@ -51,12 +56,27 @@ class Source(Protocol):
         ...
 
 
+def _stamp(name: str) -> float | None:
+    """The seconds since the epoch a segment's name starts with (None: not a segment's name)."""
+    try:
+        return float(calendar.timegm(time.strptime(name[:15], STAMP)))
+    except ValueError:
+        return None
+
+
 class LogSegments:
-    """The Parquet log's finished segments (``<directory>/<kind>/*.parquet``), each read once."""
+    """The Parquet log's finished segments (``<directory>/<kind>/*.parquet``), each read once.
+
+    The position names the segments read, and a watermark: a segment is named for the time it was
+    written (``<YYYYmmddTHHMMSS>-<pid>-<n>``) and appears as it is, so once a segment
+    :data:`SETTLE_S` newer has been read, every older one has been, and the position keeps only
+    the names since (it does not grow with the log).
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.done: dict[str, set[str]] = {kind: set() for kind in KINDS}
+        self.before = dict.fromkeys(KINDS, "")  # segments named before this stamp were all read
         self.refused = 0
 
     def poll(self) -> list[Item]:
@@ -65,7 +85,7 @@ class LogSegments:
         budget = SEGMENTS_PER_POLL
         for kind in KINDS:
             for path in segment_paths(self.directory, kind):
-                if path.name in self.done[kind] or budget == 0:
+                if path.name in self.done[kind] or path.name < self.before[kind] or budget == 0:
                     continue
                 budget -= 1
                 try:
@@ -80,13 +100,19 @@ class LogSegments:
 
     def position(self) -> dict[str, Any]:
         """Where the next poll starts."""
-        # segments removed from the folder are forgotten (they cannot be read again)
-        present = {kind: {p.name for p in segment_paths(self.directory, kind)} for kind in KINDS}
-        return {kind: sorted(self.done[kind] & present[kind]) for kind in KINDS}
+        for kind in KINDS:
+            stamps = [_stamp(name) for name in self.done[kind]]
+            newest = max((t for t in stamps if t is not None), default=None)
+            if newest is not None:
+                settled = time.strftime(STAMP, time.gmtime(newest - SETTLE_S))
+                self.before[kind] = max(self.before[kind], settled)
+                self.done[kind] = {n for n in self.done[kind] if n >= self.before[kind]}
+        return {kind: {"before": self.before[kind], "done": sorted(self.done[kind])} for kind in KINDS}
 
     def restore(self, position: dict[str, Any]) -> None:
         """Start from ``position``."""
-        self.done = {kind: set(position.get(kind, ())) for kind in KINDS}
+        self.before = {kind: str(position.get(kind, {}).get("before", "")) for kind in KINDS}
+        self.done = {kind: set(position.get(kind, {}).get("done", ())) for kind in KINDS}
 
     def acknowledge(self) -> None:
         """Everything handed out so far is durable."""

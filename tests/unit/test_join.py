@@ -292,3 +292,22 @@ def test_each_commit_writes_what_changed_and_forgotten_rows_leave_with_their_fil
     assert not list(state.glob("*marks.parquet"))
     last = make_joiner(tmp_path, now)
     assert held(last.join) == held(joiner.join) and set(last.join.open) == {("b", 0), ("b", 1)}
+
+
+def test_the_log_position_keeps_only_the_segments_of_the_last_hour(tmp_path):
+    folder = tmp_path / "log" / "scores"
+    folder.mkdir(parents=True)
+    table = pa.Table.from_batches(
+        [ScoreLog.build(Identity("r"), 0, np.ones(1, np.float32), np.ones(1, np.int64))]
+    )
+    for name in ("20260101T100000-1-000001", "20260101T103000-1-000002", "20260101T120000-1-000003"):
+        pq.write_table(table, folder / f"{name}.parquet")
+    source = LogSegments(tmp_path / "log")
+    assert len(source.poll()) == 3
+    position = json.loads(json.dumps(source.position()))
+    assert position["scores"] == {"before": "20260101T110000", "done": ["20260101T120000-1-000003.parquet"]}
+    again = LogSegments(tmp_path / "log")
+    again.restore(position)
+    assert again.poll() == []  # the older ones were read: never again
+    pq.write_table(table, folder / "20260101T115959-2-000001.parquet")  # within the hour: still read
+    assert len(again.poll()) == 1
