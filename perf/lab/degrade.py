@@ -242,11 +242,17 @@ def degrade_command(
     quick: bool,
     json_path: Path | None = None,
     plot_path: Path | None = None,
+    workdir: Path | None = None,
 ) -> int:
-    """``recserve lab degrade``: prints the table and the headline figures; the JSON summary, the plot."""
+    """``recserve lab degrade``: prints the table and the headline figures; the JSON summary, the plot.
+
+    ``workdir``: where the servers' logs and the variant repository stay (None: a temporary folder).
+    """
     shape = LabShape.quick() if quick else LabShape()
     with tempfile.TemporaryDirectory(prefix="recserve-degrade-") as scratch:
-        policies, summary = run_degrade_lab(spec, repository, Path(scratch), shape)
+        folder = Path(scratch) if workdir is None else workdir
+        folder.mkdir(parents=True, exist_ok=True)
+        policies, summary = run_degrade_lab(spec, repository, folder, shape)
     print(table(policies))
     shown = {k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape", "windows")}
     print(json.dumps(shown))

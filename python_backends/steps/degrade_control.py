@@ -26,7 +26,7 @@ from recserve.core.sections.degrade import DegradeSection
 #: Below this lambda is 0: every request is served in full.
 LAMBDA_FLOOR = 1e-3
 #: The most lambda grows in one update (``exp(gain x MAX_EXCESS)``): a burst moves it by steps.
-MAX_EXCESS = 2.0
+MAX_EXCESS = 6.0
 #: Lambda falls this many times faster than it rises: once the queue is drained, the requests after a
 #: spike are served in full again within a few updates.
 FALL = 4.0

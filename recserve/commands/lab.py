@@ -116,7 +116,9 @@ def _overload(args: argparse.Namespace) -> int:
 def _degrade(args: argparse.Namespace) -> int:
     from recserve.perf.lab.degrade import degrade_command
 
-    return degrade_command(load_spec(args.spec), args.repository, args.quick, args.json, args.plot)
+    return degrade_command(
+        load_spec(args.spec), args.repository, args.quick, args.json, args.plot, args.workdir
+    )
 
 
 def _bench_hops(args: argparse.Namespace) -> int:
@@ -197,6 +199,9 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     degrade.add_argument("--quick", action="store_true", help="the short form CI runs (under a minute)")
     degrade.add_argument("--json", type=Path, default=None, help="also write the summary as JSON here")
     degrade.add_argument("--plot", type=Path, default=None, help="a PNG of lambda, p99 and levels over time")
+    degrade.add_argument(
+        "--workdir", type=Path, default=None, help="keep the servers' logs here (default: a temporary folder)"
+    )
     degrade.set_defaults(func=_degrade)
 
     outage = lab.add_parser(
