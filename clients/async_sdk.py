@@ -20,6 +20,7 @@ from recserve.clients.errors import (
 from recserve.clients.feedback import FeedbackLike, FeedbackSink, to_events
 from recserve.clients.rows import Rows
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
+from recserve.core.sections.degrade import VALUE_HEADER, value_text
 from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ LOGGER = logging.getLogger(__name__)
 
 class AsyncCTRClient(ClientBase):
     """asyncio client of the CTR ensemble, same arguments as :class:`CTRClient` (but ``shared_memory``).
+
+    ``value`` is sent as :class:`CTRClient` sends it; there is no ``last_level`` (requests overlap).
 
     The transport is created on first use inside the running event loop; use ``async with`` or
     ``await client.close()``.
@@ -42,9 +45,11 @@ class AsyncCTRClient(ClientBase):
         user_id: str | None = None,
         wire: str = IDS_WIRE,
         feedback: FeedbackSink | None = None,
+        value: float | str | None = None,
     ) -> None:
         super().__init__(url, protocol, timeout_s, spec, model_name, user_id, wire)
         self.feedback = feedback
+        self.value = value  # [degrade]: what the requests are worth (as CTRClient's)
         self._module = self._import_module()
         self._client: Any = None
         self._closed = False
@@ -173,6 +178,10 @@ class AsyncCTRClient(ClientBase):
         infer_inputs = self._infer_inputs(self._module, arrays)
         outputs = self._outputs(self._module, names)
         model = model or self.model_name
+        headers = self._headers
+        if self.value is not None:  # [degrade]: what the request is worth
+            headers = {**(headers or {}), VALUE_HEADER: value_text(self.value)}
+        priority = self.spec.degrade.priority_of(self.value)  # the requests worth most batched first
         try:
             if self.protocol == "grpc":
                 return await client.infer(
@@ -180,11 +189,17 @@ class AsyncCTRClient(ClientBase):
                     infer_inputs,
                     outputs=outputs,
                     client_timeout=self.timeout_s,
-                    headers=self._headers,
+                    headers=headers,
                     request_id=request_id,
+                    priority=priority,
                 )
             return await client.infer(
-                model, infer_inputs, outputs=outputs, headers=self._headers, request_id=request_id
+                model,
+                infer_inputs,
+                outputs=outputs,
+                headers=headers,
+                request_id=request_id,
+                priority=priority,
             )
         except Exception as exc:
             raise map_exception(exc) from exc

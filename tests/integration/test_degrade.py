@@ -10,6 +10,7 @@ of ``recserve lab degrade`` (its own two servers, under a minute).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -23,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 from recserve.access import AccessLayer, ProxyPorts
 from recserve.build.configs import write_variant
 from recserve.build.synthetic import generate
-from recserve.clients import CTRClient, read_rows
+from recserve.clients import AsyncCTRClient, CTRClient, read_rows
 from recserve.clients.errors import InvalidRequestError, ServerUnavailableError
 from recserve.clients.writers import write_tsv
 from recserve.core.sections.degrade import DEGRADE_LEVEL, VALUE_HEADER
@@ -176,3 +177,16 @@ def test_a_priority_set_on_the_ensemble_request_reaches_its_steps(spec, reposito
                 client.infer(spec.name, infer_inputs(grpcclient, inputs), priority=priority)
             with pytest.raises(InferenceServerException, match="in ensemble 'ctr', Request timeout expired"):
                 client.infer(spec.name, infer_inputs(grpcclient, inputs), priority=1)
+
+
+def test_the_asyncio_client_sends_the_value_too(degraded):
+    server, spec, rows = degraded
+    inputs = rows.take(slice(0, 2)).to_inputs(spec)
+
+    async def send(value: str) -> np.ndarray:
+        async with AsyncCTRClient(server.grpc_url, timeout_s=30, spec=spec, value=value) as client:
+            return await client.predict_inputs(inputs)
+
+    assert asyncio.run(send("premium")).shape == (2,)
+    with pytest.raises(ServerUnavailableError, match="refused under load"):
+        asyncio.run(send("low"))
