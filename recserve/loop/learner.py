@@ -228,6 +228,7 @@ class Learner:
             for table, version in watch.versions.items():
                 reverted[table] = rollback(table, version)
             for key, value in watch.replaced.items():
+                self.touched.discard(key)  # what it trained since, on the rolled-back row, goes too
                 for held in (self.rows, self.published):
                     if value is None:
                         held.pop(key, None)

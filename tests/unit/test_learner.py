@@ -122,3 +122,15 @@ def test_a_published_version_whose_served_scores_got_worse_is_rolled_back(spec):
     ) == dict.fromkeys(published, 6)
     assert sorted(reverted) == sorted(published.items()) and learn.rollbacks == 1 and not learn.watching
     assert not learn.published and all(key not in learn.rows for key in before)  # back to the store's rows
+
+
+def test_rows_trained_after_a_publish_that_is_rolled_back_go_back_with_it(spec):
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 1, 1, 1], served=0.01))
+    published = learn.publish(lambda table, keys, vectors: 5, max_loss_increase=0.0)
+    rolled = set(learn.published)
+    learn.train(examples(spec, tables, [1] * 4, served=0.0001, versions=dict.fromkeys(published, 5)))
+    assert rolled & learn.touched  # the same rows, trained again on top of the published ones
+    assert learn.watch(lambda table, version: 6, 4, 0.1) == dict.fromkeys(published, 6)
+    assert not rolled & learn.touched
+    learn.publish(lambda table, keys, vectors: 7)  # the rows left to publish are all there
