@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.clients.base import ClientBase, Scores, part_ids, request_id_of
+from recserve.clients.base import ClientBase, Scores
 from recserve.clients.errors import (
     RequestTimeoutError,
     ServerError,
@@ -18,6 +18,7 @@ from recserve.clients.errors import (
     map_exception,
 )
 from recserve.clients.feedback import FeedbackLike, FeedbackSink, to_events
+from recserve.clients.request_ids import part_ids, request_id_of
 from recserve.clients.rows import Rows
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY
 from recserve.core.sections.degrade import VALUE_HEADER, value_text

@@ -9,7 +9,6 @@ The transports are :class:`~recserve.clients.sdk.CTRClient` and
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -74,31 +73,6 @@ class Scores:
     def table_versions(self) -> dict[str, int]:
         """Table name -> version that served the request."""
         return dict(zip(self.tables, (int(v) for v in self.embedding_version), strict=True))
-
-
-#: The longest request id the client sends (Triton takes any string; a log keys its records by it).
-MAX_REQUEST_ID = 128
-
-
-def request_id_of(given: str | None) -> str:
-    """``given`` checked (printable ASCII, 1..128 characters), or a new random id (32 hex digits).
-
-    Raises:
-        ValueError: ``given`` is empty, too long or not printable ASCII.
-    """
-    if given is None:
-        return uuid.uuid4().hex
-    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isascii() or not given.isprintable():
-        raise ValueError(
-            f"request_id must be 1..{MAX_REQUEST_ID} printable ASCII characters, got {shorten(given)}"
-        )
-    return given
-
-
-def part_ids(request_id: str | None, parts: int) -> list[str]:
-    """The ids of a call sent as ``parts`` requests: ``request_id`` itself for one, else ``<id>.<k>``."""
-    base = request_id_of(request_id)
-    return [base] if parts == 1 else [f"{base}.{k}" for k in range(parts)]
 
 
 def _check_protocol(protocol: str) -> str:
@@ -172,9 +146,13 @@ class ClientBase:
         if self._spec is None:
             from recserve.clients.served_spec import served_spec
 
-            scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
-            self._spec = served_spec(scheme + self.url, self.protocol, self.timeout_s, self._model_name)
+            self._spec = served_spec(self._schemed_url, self.protocol, self.timeout_s, self._model_name)
         return self._spec
+
+    @property
+    def _schemed_url(self) -> str:
+        """The url with its TLS scheme, as :mod:`~recserve.clients.served_spec` reads it."""
+        return (("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else "") + self.url
 
     @property
     def max_batch_size(self) -> int:
@@ -187,9 +165,8 @@ class ClientBase:
         if self._limit is None:
             from recserve.clients.served_spec import served_limit
 
-            scheme = ("grpcs://" if self.protocol == "grpc" else "https://") if self._ssl else ""
             self._limit = served_limit(
-                scheme + self.url, self.protocol, self.timeout_s, self.model_name, self._spec
+                self._schemed_url, self.protocol, self.timeout_s, self.model_name, self._spec
             )
         return self._limit or self.spec.model.max_batch_size
 
@@ -198,6 +175,12 @@ class ClientBase:
         if rows < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {rows}")
         self._limit = int(rows)
+
+    def limit_for(self, rows: int) -> int:
+        """What ``rows`` rows are held to: the given spec's limit while they fit it, else the served one."""
+        if self._limit is None and self._spec is not None and rows <= self._spec.model.max_batch_size:
+            return self._spec.model.max_batch_size
+        return self.max_batch_size
 
     @property
     def model_name(self) -> str:
@@ -258,7 +241,7 @@ class ClientBase:
             except InvalidInput as exc:
                 raise InvalidRequestError(str(exc)) from None
         batch = rows.pop()
-        limit = self.max_batch_size
+        limit = self.limit_for(batch)
         if batch > limit:
             raise InvalidRequestError(f"batch of {batch} rows exceeds max_batch_size {limit}; use predict()")
         return arrays
@@ -338,7 +321,7 @@ class ClientBase:
                 user_arrays[sequence.name] = np.zeros((1, max(length, 1)), np.int64)
                 user_arrays[sequence.name][0, :length] = histories[sequence.name]
             user_arrays[group.length_input] = np.array([[length]], np.int32)
-        for part in candidates.batches(self.max_batch_size):
+        for part in candidates.batches(self.limit_for(len(candidates))):
             try:
                 rows = replace(part, users=None, user_seqs=None).to_inputs(spec, self.wire)  # no states
             except InvalidInput as exc:
@@ -394,5 +377,5 @@ class ClientBase:
         return Scores(np.zeros(0, np.float32), 0, np.zeros(len(tables), np.int64), tables, request_id)
 
     def _check_batch_size(self, batch_size: int) -> None:
-        if not 1 <= batch_size <= self.max_batch_size:
+        if not 1 <= batch_size <= self.limit_for(batch_size):
             raise ValueError(f"batch_size must be in 1..{self.max_batch_size}, got {batch_size}")

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.clients.base import DEFAULT_URLS, PROTOCOLS, ClientBase, Scores, part_ids, request_id_of
+from recserve.clients.base import DEFAULT_URLS, PROTOCOLS, ClientBase, Scores
 from recserve.clients.errors import (
     RequestTimeoutError,
     ServerUnavailableError,
@@ -34,6 +34,7 @@ from recserve.clients.errors import (
 )
 from recserve.clients.feedback import FeedbackLike, FeedbackSink, to_events
 from recserve.clients.list_parts import ListParts
+from recserve.clients.request_ids import part_ids, request_id_of
 from recserve.clients.rows import Rows
 from recserve.clients.shared_memory import SharedMemoryIO
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, IDS_WIRE, PROBABILITY

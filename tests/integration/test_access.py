@@ -27,9 +27,12 @@ from tritonclient.grpc import service_pb2_grpc
 
 from recserve.access import AccessLayer, ProxyPorts, behind_proxy, observe
 from recserve.access.canary import controller as canary
+from recserve.backends.request_log.read import read_kind
+from recserve.backends.request_log.records import FEATURES, SCORES, SHADOW
 from recserve.build.repository import build_repository
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, RecserveClientError, ServerUnavailableError
+from recserve.core.sections.logging import LOG_DIR_ENV
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
 from recserve.perf.harness.traffic import add_version, infer_request, scratch_repository
@@ -67,7 +70,13 @@ def _ports() -> ProxyPorts:
 
 
 @pytest.fixture(scope="module")
-def layer(tiny: ModelSpec, served: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the layer's servers log what they serve (``recserve access --log-dir``)."""
+    return tmp_path_factory.mktemp("request_log")
+
+
+@pytest.fixture(scope="module")
+def layer(tiny: ModelSpec, served: dict[str, Path], log_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     access = dataclasses.replace(
         tiny.access,
         weights={"stable": 50, "canary": 50},
@@ -75,8 +84,10 @@ def layer(tiny: ModelSpec, served: dict[str, Path], tmp_path_factory: pytest.Tem
         shadow_max_requests=2,
         request_timeout_s=10.0,
     )
-    with AccessLayer(access, served, tmp_path_factory.mktemp("run"), _ports()) as running:
-        yield running
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LOG_DIR_ENV, str(log_dir))  # what `access --log-dir` sets; the servers inherit it
+        with AccessLayer(access, served, tmp_path_factory.mktemp("run"), _ports()) as running:
+            yield running
 
 
 def _request(spec: ModelSpec, rows: int = 4, seed: int = 1) -> dict[str, np.ndarray]:
@@ -249,7 +260,9 @@ def test_weights_change_under_traffic_with_no_failed_request(layer, tiny):
     assert runtime["access.weights.grpc.canary_grpc"] == "0"
 
 
-def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live_traffic(layer, tiny):
+def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live_traffic(
+    layer, tiny, log_dir
+):
     admin = layer.admin
     admin.set_weights({"stable": 100, "canary": 0})
     admin.set_shadow_fraction(1.0)
@@ -266,8 +279,8 @@ def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live
     live_before = live_candidate()
     try:
         with CTRClient(layer.grpc_url, spec=tiny) as client:
-            versions = {_dense_version(client, request) for _ in range(30)}
-        assert versions == {STABLE}, "a client saw a mirrored response"
+            answers = [client.score_inputs(request) for _ in range(30)]
+        assert {a.dense_version for a in answers} == {STABLE}, "a client saw a mirrored response"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # completed counts answered and dropped copies alike
             if shadow("upstream_rq_completed") - before["upstream_rq_completed"] >= 30:
@@ -298,6 +311,28 @@ def test_shadow_copies_reach_the_candidate_and_a_stalled_shadow_never_holds_live
         admin.set_shadow_fraction(0.0)
     with CTRClient(layer.grpc_url, spec=tiny, user_id="after") as client:
         assert _dense_version(client, request) == STABLE
+    # the copies were logged as shadow traffic of the canary (a stopping server writes its log)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(LOG_DIR_ENV, str(log_dir))
+        layer.restart("canary", 0)
+    ids = {a.request_id for a in answers}
+    for kind in (FEATURES, SCORES):
+        logged = read_kind(log_dir, kind).to_pydict()
+        copies = {
+            (variant, traffic)
+            for request_id, variant, traffic in zip(
+                logged["request_id"], logged["variant"], logged["traffic"], strict=True
+            )
+            if request_id in ids and variant != "stable"
+        }
+        assert copies == {("canary", SHADOW)}, (kind, copies)
+        assert (
+            len(
+                {r for r, v in zip(logged["request_id"], logged["variant"], strict=True) if v == "canary"}
+                & ids
+            )
+            >= 10
+        )
 
 
 def test_every_dashboard_query_reads_a_series_the_running_stack_exports(layer, tiny, tmp_path):

@@ -16,7 +16,7 @@ from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Ide
 from recserve.backends.request_log.segments import ParquetSegments
 from recserve.backends.request_log.step_log import FeatureLog, ScoreLog
 from recserve.backends.request_log.writer import Entry, RecordWriter
-from recserve.clients.base import part_ids, request_id_of
+from recserve.clients.request_ids import part_ids, request_id_of
 from recserve.core.names import TRAFFIC_HEADER, VARIANT_HEADER
 from recserve.core.sections.base import SpecError
 from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
