@@ -57,6 +57,10 @@ class Watch:
         tuple[int, int], np.ndarray | None
     ]  # each published row's value before (None: the store's)
     scored: list[np.ndarray]  # label, weight, served score of the examples the new versions served
+    # the positives' weighted share of the examples before it: the watched examples' log loss is
+    # weighed to it, since the positives of a serving come at once and its negatives only as their
+    # windows close, so the first examples a new version served are mostly clicks
+    positive_share: float = 0.0
 
 
 def trainable(spec: ModelSpec) -> str:
@@ -215,10 +219,18 @@ class Learner:
         reverted: dict[str, int] = {}
         for watch in list(self.watching):
             scored = np.concatenate(watch.scored) if watch.scored else np.zeros((0, 3))
-            if len(scored) < watch_examples:
-                continue
+            positive = scored[:, 0] > 0.5
+            share = watch.positive_share
+            if len(scored) < watch_examples or (share > 0 and not positive.any()) or (
+                share < 1 and positive.all()
+            ):  # fmt: skip
+                continue  # not yet, or not both kinds of label when both weigh
             self.watching.remove(watch)
-            served = _log_loss(scored[:, 2], scored[:, 0], scored[:, 1])
+            served = sum(
+                part * _log_loss(scored[kind, 2], scored[kind, 0], scored[kind, 1])
+                for part, kind in ((share, positive), (1 - share, ~positive))
+                if part > 0
+            )
             if not served > watch.baseline + max_loss_increase:
                 continue
             LOGGER.warning(
@@ -251,6 +263,13 @@ class Learner:
         labels, weights = scored[:, 1], scored[:, 2]
         return _log_loss(scored[:, 0], labels, weights), _log_loss(scored[:, 3], labels, weights)
 
+    def _positive_share(self) -> float:
+        """The positives' weighted share of the examples since the last publish with a served score."""
+        scored = np.concatenate(self._scored) if self._scored else np.zeros((0, 4))
+        scored = scored[~np.isnan(scored[:, 3])]
+        weights = scored[:, 2].sum()
+        return float((scored[:, 2] * scored[:, 1]).sum() / weights) if weights > 0 else 0.0
+
     # ---- publishing ----------------------------------------------------------------------
     def publish(
         self, publish: Publish, now: float | None = None, max_loss_increase: float | None = None
@@ -263,6 +282,7 @@ class Learner:
         since the epoch).
         """
         learner_loss, served_loss = self.last_check = self.check()
+        share = self._positive_share()
         self._scored = []
         if max_loss_increase is not None and learner_loss > served_loss + max_loss_increase:
             LOGGER.warning(
@@ -294,7 +314,7 @@ class Learner:
             self.published.update({(table, k): self.rows[(table, k)] for k in keys})
         self.versions_published += len(versions)
         if versions and not np.isnan(served_loss):
-            self.watching.append(Watch(versions, served_loss, replaced, []))
+            self.watching.append(Watch(versions, served_loss, replaced, [], share))
         if versions and self._labelled:
             ages = (time.time() if now is None else now) - np.array(self._labelled)
             self.freshness = (float(np.percentile(ages, 50)), float(np.percentile(ages, 99)))

@@ -134,3 +134,16 @@ def test_rows_trained_after_a_publish_that_is_rolled_back_go_back_with_it(spec):
     assert learn.watch(lambda table, version: 6, 4, 0.1) == dict.fromkeys(published, 6)
     assert not rolled & learn.touched
     learn.publish(lambda table, keys, vectors: 7)  # the rows left to publish are all there
+
+
+def test_a_new_versions_clicks_coming_before_its_negatives_do_not_roll_it_back(spec):
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 0, 0, 0], served=0.25))  # a quarter clicked
+    published = learn.publish(lambda table, keys, vectors: 5, max_loss_increase=0.5)
+    assert published and learn.watching[0].positive_share == 0.25
+    new = dict.fromkeys(published, 5)
+    rollback = lambda table, version: 6  # noqa: E731
+    learn.train(examples(spec, tables, [1] * 4, seed=2, served=0.25, versions=new))  # the clicks first
+    assert learn.watch(rollback, 4, 0.1) == {} and learn.watching  # not judged on clicks alone
+    learn.train(examples(spec, tables, [0] * 4, seed=3, served=0.25, versions=new))  # windows closed
+    assert learn.watch(rollback, 4, 0.1) == {} and not learn.watching  # as good as before: kept
