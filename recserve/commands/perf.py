@@ -131,6 +131,60 @@ def _longseq_steps(spec: ModelSpec, args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_loop(args: argparse.Namespace) -> int:
+    import datetime
+
+    from recserve.build.repository import is_built
+    from recserve.loop.joiner import committed_segments
+    from recserve.perf.bench.loop.bench import LoopGrid, run_loop
+    from recserve.perf.bench.loop.figures import describe, summarize, write_plots
+
+    spec = load_spec(args.spec)
+    if not is_built(spec, args.repository):
+        print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
+        return 2
+    grid = LoopGrid.quick() if args.quick else LoopGrid()
+    overrides = {"rounds": args.rounds, "round_seconds": args.round_seconds, "rate": args.rate}
+    grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    name = args.run_name or datetime.datetime.now(datetime.UTC).strftime("loop-%Y%m%dT%H%M%SZ")
+    recorded = run_loop(spec, args.repository, args.output / name, grid, progress=_progress)
+    _progress("[bench-loop] the log scored again offline (recserve verify --log)")
+    skew = _log_skew(recorded.loop_repository, recorded.log_dir)
+    summary, freshness = summarize(recorded, committed_segments, skew)
+    run_json = recorded.folder / "summary.json"
+    run_json.write_text(json.dumps(summary, indent=1) + "\n")
+    plots = write_plots(summary, freshness, (args.json or run_json).parent)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    print(describe(summary))
+    print(f"\nresults in {recorded.folder}; plots {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def _log_skew(repository: Path, log: Path) -> dict:
+    """``recserve verify --log``'s check, against the repository's store as served: updates applied."""
+    from recserve.backends.steps.pipeline import InProcessPipeline
+    from recserve.backends.store.served import ServedStore
+    from recserve.build.repository import reference_pipeline, version_dir
+    from recserve.build.repository_spec import repository_spec
+    from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+    from recserve.verify_log import rescore_log
+
+    spec = repository_spec(repository)
+    network = reference_pipeline(spec, repository, runtime="onnx").dense  # as served on CPUs
+    served = ServedStore.open(spec, version_dir(repository, EMBEDDING_LOOKUP, spec), start=False)
+    pipeline = InProcessPipeline(spec, served.store, network)  # the last published versions applied
+    check = rescore_log(
+        spec, pipeline.embeddings, pipeline.dense, int(version_dir(repository, DENSE, spec).name), log
+    )
+    return {
+        "skew_max_abs": check.max_abs if check.rescored else None,
+        "skew_rows_rescored": check.rescored,
+        "skew_rows_other_versions": check.other_versions,
+    }
+
+
 def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -237,3 +291,19 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="the configs served: cuda puts both steps' instances on the GPU (needs one)",
     )
     longseq.set_defaults(func=_bench_longseq)
+
+    loop = sub.add_parser(
+        "bench-loop",
+        help="the closed loop (log, join, learn, publish) against a frozen copy on a drifting stream",
+    )
+    loop.add_argument("--repository", type=Path, default=None, help="the built model both servers start from")
+    loop.add_argument(
+        "--output", type=Path, default=Path("perf/results"), help="a run folder is created in here"
+    )
+    loop.add_argument("--run-name", default=None, help="folder name of this run (default: loop-<UTC time>)")
+    loop.add_argument("--quick", action="store_true", help="six 8-second rounds (about 2 minutes in all)")
+    loop.add_argument("--rounds", type=int, default=None)
+    loop.add_argument("--round-seconds", type=float, default=None)
+    loop.add_argument("--rate", type=float, default=None, help="requests per second to each server")
+    loop.add_argument("--json", type=Path, default=None, help="also write the summary here (plots beside it)")
+    loop.set_defaults(func=_bench_loop)

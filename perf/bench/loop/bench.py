@@ -1,0 +1,356 @@
+"""``recserve bench-loop``: the loop served beside a frozen copy of the same model, on the same requests.
+
+Two tritonservers serve copies of one built repository under a bench-local spec: the **loop** one
+logs every request (``[logging]`` at rate 1.0, Parquet segments of one second) and follows the
+update log that ``recserve learn`` publishes to; the **frozen** one has logging off and an update
+log of its own that nothing writes. ``recserve join`` and ``recserve learn`` run as separate
+processes, as a user runs them. In rounds, one client sends each request of the drifting stream
+(:mod:`.stream`) to both servers (which one goes first alternates) and reports the rows'
+impressions and clicks as feedback, as the SDK does. Then the joiner and the learner stop and, in a
+closed loop, the servers are driven alone by turns (loop, frozen, frozen, loop, ...) for the
+throughput with and without logging. :mod:`.figures` reads what this module recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from recserve.build import configs
+from recserve.build.repository import reference_pipeline
+from recserve.clients import CTRClient
+from recserve.clients.feedback import FeedbackFile
+from recserve.core.rows import Rows
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
+from recserve.perf.bench.loop.stream import DriftingStream, StreamSettings
+from recserve.server import Ports, TritonServer
+
+#: The bench-local spec of the loop side, written beside its repository (``recserve --spec FILE``).
+SPEC_FILE = "loop_spec.json"
+
+
+@dataclass(frozen=True)
+class LoopGrid:
+    """How long and how hard the bench runs, and the loop's settings."""
+
+    rounds: int = 12
+    round_seconds: float = 20.0
+    rate: float = 8.0  # requests per second to each server during the rounds
+    rows: int = 32  # rows per request
+    window_seconds: float = 4.0  # [loop] W: clicks are reported at once; W covers the log segments' delay
+    commit_seconds: float = 1.0  # the joiner's
+    segment_seconds: float = 1.0  # [logging]: a log segment closes this old
+    publish_seconds: float = 5.0  # the learner's
+    learning_rate: float = 0.1  # plain SGD on every touched row: higher rates harm the shared rows
+    batch_size: int = 128
+    throughput_seconds: float = 4.0  # one turn of the throughput phase
+    throughput_turns: int = 4  # per server, in the order loop, frozen, frozen, loop, ...
+    throughput_clients: int = 2  # requests in flight during a turn
+    stream: StreamSettings = field(default_factory=StreamSettings)
+
+    @classmethod
+    def quick(cls) -> LoopGrid:
+        """Six 8-second rounds and two turns of 3 s per server (about 100 s on 2 cores)."""
+        return cls(rounds=6, round_seconds=8.0, throughput_seconds=3.0, throughput_turns=2)
+
+
+@dataclass
+class Served:
+    """One request as both servers answered it."""
+
+    round: int
+    sent: float  # seconds since the epoch
+    clicks: np.ndarray
+    loop_scores: np.ndarray
+    frozen_scores: np.ndarray
+    loop_latency_s: float
+    frozen_latency_s: float
+    loop_first: bool
+    item_version: int  # the target table's version that the loop server answered with
+
+
+@dataclass
+class Recorded:
+    """What a run recorded, for :mod:`.figures`."""
+
+    grid: LoopGrid
+    folder: Path
+    log_dir: Path
+    examples_dir: Path
+    loop_repository: Path
+    item_table: str
+    served: list[Served] = field(default_factory=list)
+    learner_lines: list[tuple[float, dict]] = field(default_factory=list)  # (seen at, the line)
+    loop_rows_sent: int = 0
+    throughput_rows: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
+    throughput_seconds: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
+    joiner_summary: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def bench_specs(spec: ModelSpec, folder: Path, grid: LoopGrid) -> tuple[ModelSpec, ModelSpec]:
+    """The loop side's spec (logging on, ``[loop]`` settings) and the frozen side's (logging off)."""
+    doc = copy.deepcopy(spec.source)
+    doc["loop"] = {
+        **doc.get("loop", {}),
+        "window_seconds": grid.window_seconds,
+        "late_seconds": 10.0,
+        "commit_seconds": grid.commit_seconds,
+        "feedback": "files",
+        "feedback_directory": str(folder / "feedback"),
+        "examples_directory": str(folder / "examples"),
+    }
+    frozen = {**doc, "logging": {"enabled": False}}
+    doc["logging"] = {
+        "enabled": True,
+        "sample_rate": 1.0,
+        "sink": "parquet",
+        "directory": str(folder / "log"),
+        "segment_seconds": grid.segment_seconds,
+    }
+    return parse_spec(doc), parse_spec(frozen)
+
+
+def copy_served(source: Path, target: Path, spec: ModelSpec) -> Path:
+    """``source``'s model (without its update log) at ``target``, its configs written for ``spec``."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("updates", "__pycache__"))
+    configs.write_configs(spec, target)
+    return target
+
+
+def starting_logits(spec: ModelSpec, repository: Path) -> Callable[[Rows], np.ndarray]:
+    """The logits that ``repository``'s model gives rows, in process (ONNX Runtime, as served)."""
+    pipeline = reference_pipeline(spec, repository, runtime="onnx")
+
+    def logits(rows: Rows) -> np.ndarray:
+        parts = []
+        for start in range(0, len(rows), spec.model.max_batch_size):
+            part = rows.take(slice(start, start + spec.model.max_batch_size))
+            parts.append(np.asarray(pipeline.predict(part.to_inputs(spec)), np.float64).reshape(-1))
+        p = np.clip(np.concatenate(parts), 1e-6, 1 - 1e-6)
+        return np.log(p / (1 - p))
+
+    return logits
+
+
+def _recserve(spec_file: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "recserve.cli", "--spec", str(spec_file), *args]
+
+
+def run_loop(
+    spec: ModelSpec, source: Path, folder: Path, grid: LoopGrid, progress: Callable[[str], None]
+) -> Recorded:
+    """Serve the drifting stream through the loop and the frozen copy; what was recorded.
+
+    ``source`` is a repository built from ``spec``; ``folder`` (new or empty) receives the two
+    repositories, the log, the feedback, the examples and the processes' logs.
+    """
+    started = time.monotonic()
+    folder.mkdir(parents=True, exist_ok=True)
+    loop_spec, frozen_spec = bench_specs(spec, folder.resolve(), grid)
+    loop_repository = copy_served(source, folder / "loop_repository", loop_spec)
+    frozen_repository = copy_served(source, folder / "frozen_repository", frozen_spec)
+    spec_file = folder / SPEC_FILE
+    spec_file.write_text(json.dumps(loop_spec.source, indent=1))
+    stream = DriftingStream(spec, grid.rounds, grid.stream, row_logits=starting_logits(spec, source))
+    item_table = loop_spec.targets[0].table  # DriftingStream checked there is one
+    recorded = Recorded(grid, folder, folder / "log", folder / "examples", loop_repository, item_table)
+    servers = {
+        "loop": TritonServer(loop_repository, Ports.free(), log_path=folder / "loop_server.log"),
+        "frozen": TritonServer(frozen_repository, Ports.free(), log_path=folder / "frozen_server.log"),
+    }
+    with ExitStack() as stack:
+        for server in servers.values():
+            stack.callback(server.stop)
+        progress("[bench-loop] starting the loop and the frozen tritonservers")
+        _start_all(list(servers.values()))
+        joiner, learner = _start_loop(spec_file, recorded, stack)
+        reader = threading.Thread(
+            target=_read_lines, args=(learner, recorded.learner_lines, folder / "learner.jsonl"), daemon=True
+        )
+        reader.start()
+        feedback = FeedbackFile(folder / "feedback" / "bench.jsonl")
+        with (
+            CTRClient(servers["loop"].grpc_url, timeout_s=30, spec=spec, feedback=feedback) as loop_client,
+            CTRClient(servers["frozen"].grpc_url, timeout_s=30, spec=spec) as frozen_client,
+        ):
+            for round_ in range(grid.rounds):
+                _serve_round(spec, stream, round_, loop_client, frozen_client, recorded)
+                published = [line for _, line in recorded.learner_lines if line.get("published")]
+                progress(
+                    f"[bench-loop] round {round_ + 1}/{grid.rounds}: {len(recorded.served)} requests, "
+                    f"{len(published)} versions published"
+                )
+            for process in (learner, joiner):  # they commit and stop
+                process.send_signal(signal.SIGTERM)
+            learner.wait(60)
+            reader.join(10)
+            out = joiner.communicate(timeout=60)[0].strip().splitlines()
+            recorded.joiner_summary = json.loads(out[-1]) if out else {}
+            time.sleep(2 * loop_spec.store.update_poll_s + 0.5)  # the last publish served
+            progress("[bench-loop] throughput: each server alone by turns, logging on and off")
+            _throughput(spec, stream, servers, recorded)
+        for server in servers.values():
+            server.stop()  # the loop server's steps write what they hold
+    recorded.seconds = time.monotonic() - started
+    (folder / "grid.json").write_text(json.dumps(asdict(grid), indent=1))
+    return recorded
+
+
+def _start_all(servers: list[TritonServer]) -> None:
+    errors: list[BaseException] = []
+
+    def start(server: TritonServer) -> None:
+        try:
+            server.start()
+        except BaseException as exc:  # reported below, with the server it came from
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _start_loop(
+    spec_file: Path, recorded: Recorded, stack: ExitStack
+) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """``recserve join`` and ``recserve learn``, as separate processes (killed if the bench fails)."""
+    folder, grid = recorded.folder, recorded.grid
+    joiner = subprocess.Popen(
+        _recserve(spec_file, "join", "--consumer", "bench-loop", "--log-dir", str(recorded.log_dir),
+                  "--feedback-dir", str(folder / "feedback"), "--examples-dir", str(recorded.examples_dir)),
+        stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "wb"), text=True,
+    )  # fmt: skip
+    stack.callback(joiner.kill)
+    learner = subprocess.Popen(
+        _recserve(spec_file, "learn", "--repository", str(recorded.loop_repository),
+                  "--examples-dir", str(recorded.examples_dir),
+                  "--publish-seconds", str(grid.publish_seconds),
+                  "--learning-rate", str(grid.learning_rate), "--batch-size", str(grid.batch_size)),
+        stdout=subprocess.PIPE, stderr=open(folder / "learner.log", "wb"), text=True,
+    )  # fmt: skip
+    stack.callback(learner.kill)
+    return joiner, learner
+
+
+def _read_lines(process: subprocess.Popen, into: list[tuple[float, dict]], copy: Path) -> None:
+    """The learner's JSON lines, each with when it was read (a publish line: just after the publish).
+
+    They are copied to ``copy`` too, each with ``"seen"``.
+    """
+    assert process.stdout is not None
+    with copy.open("w") as out:
+        for line in process.stdout:
+            try:
+                into.append((time.time(), json.loads(line)))
+            except json.JSONDecodeError:
+                continue
+            out.write(json.dumps({"seen": round(into[-1][0], 3), **into[-1][1]}) + "\n")
+            out.flush()
+
+
+def _serve_round(
+    spec: ModelSpec,
+    stream: DriftingStream,
+    round_: int,
+    loop_client: CTRClient,
+    frozen_client: CTRClient,
+    recorded: Recorded,
+) -> None:
+    """One round at the grid's rate: each request to both servers, then its feedback."""
+    grid = recorded.grid
+    count = max(1, round(grid.rate * grid.round_seconds))
+    start = time.monotonic()
+    for k in range(count):
+        wait = start + k / grid.rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        rows, _, clicks = stream.request(round_ + k / count, grid.rows)
+        inputs = rows.to_inputs(spec)
+        request_id = f"r{round_}-{k}"
+        loop_first = len(recorded.served) % 2 == 0
+        answers = {}
+        for side in ("loop", "frozen") if loop_first else ("frozen", "loop"):
+            client = loop_client if side == "loop" else frozen_client
+            sent = time.perf_counter()
+            scores = client.score_inputs(inputs, request_id)
+            answers[side] = (scores, time.perf_counter() - sent)
+        now = time.time()
+        recorded.loop_rows_sent += grid.rows
+        events: list[tuple[str, int, str, float]] = [
+            (request_id, r, "impression", now) for r in range(grid.rows)
+        ]
+        events += [(request_id, int(r), "click", now) for r in np.flatnonzero(clicks)]
+        loop_client.report_feedback(events)
+        loop_scores, loop_latency = answers["loop"]
+        recorded.served.append(
+            Served(
+                round=round_,
+                sent=now,
+                clicks=clicks,
+                loop_scores=np.asarray(loop_scores.probabilities, np.float64).reshape(-1),
+                frozen_scores=np.asarray(answers["frozen"][0].probabilities, np.float64).reshape(-1),
+                loop_latency_s=loop_latency,
+                frozen_latency_s=answers["frozen"][1],
+                loop_first=loop_first,
+                item_version=loop_scores.table_versions()[recorded.item_table],
+            )
+        )
+
+
+def _throughput(
+    spec: ModelSpec, stream: DriftingStream, servers: dict[str, TritonServer], recorded: Recorded
+) -> None:
+    """Closed-loop turns of each server alone (loop, frozen, frozen, loop, ...): rows answered per second."""
+    grid = recorded.grid
+    requests = [stream.request(grid.rounds, grid.rows)[0].to_inputs(spec) for _ in range(16)]
+    order = [
+        ("loop", "frozen") if turn % 2 == 0 else ("frozen", "loop") for turn in range(grid.throughput_turns)
+    ]
+    for turn, sides in enumerate(order):
+        for side in sides:
+            began = time.monotonic()
+            answered = _turn(spec, servers[side].grpc_url, requests, grid, f"t{turn}-{side}")
+            recorded.throughput_seconds[side] += time.monotonic() - began
+            recorded.throughput_rows[side] += answered * grid.rows
+            if side == "loop":
+                recorded.loop_rows_sent += answered * grid.rows
+
+
+def _turn(
+    spec: ModelSpec, url: str, requests: list[dict[str, np.ndarray]], grid: LoopGrid, prefix: str
+) -> int:
+    """``throughput_clients`` closed loops against ``url`` for ``throughput_seconds``: requests answered."""
+    counts = [0] * grid.throughput_clients
+    deadline = time.monotonic() + grid.throughput_seconds
+
+    def drive(worker: int) -> None:
+        with CTRClient(url, timeout_s=30, spec=spec) as client:
+            while time.monotonic() < deadline:
+                k = counts[worker]
+                client.score_inputs(requests[k % len(requests)], f"{prefix}-{worker}-{k}")
+                counts[worker] += 1
+
+    threads = [threading.Thread(target=drive, args=(w,)) for w in range(grid.throughput_clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts)

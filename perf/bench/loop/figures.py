@@ -1,0 +1,224 @@
+"""What ``recserve bench-loop`` reports: the summary's figures from a recorded run, and its plots.
+
+* ``loop_auc``, ``frozen_auc``, ``loop_auc_gain``: the AUC of the scores each server returned,
+  against the clicks the hidden model made, pooled over the later rounds (the second half: the
+  first is the loop's warm-up). The scores were served before their clicks were known, so the AUC
+  is progressive. ``auc_by_round`` has both per round.
+* ``loop_freshness_p50_s`` / ``p99_s``: for each click, from its time to the first response of the
+  loop server carrying a table version trained on it (the first publish whose examples include the
+  click's, as the learner reports; its item table's version). A click whose training was refused,
+  or whose version came after the last round, is counted in ``loop_freshness_unserved``.
+  ``loop_publish_freshness_*``: the same to the publish alone.
+* ``logging_p99_ratio``: the loop server's p99 latency over the frozen one's on the same requests
+  (the servers alternate going first); ``logging_aa_p99_ratio``: the frozen server's p99 over its
+  even requests against its odd ones (the spread of a p99 of that many requests).
+  ``logging_throughput_ratio``: rows per second answered by the loop server alone against the frozen
+  one alone, closed loop, in alternating turns.
+* ``log_records_lost``: rows sent to the loop server without their features record, plus those
+  without their score record, in the log once the server stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from recserve.backends.request_log.read import read_kind
+from recserve.build.evaluation import roc_auc
+from recserve.perf.bench.loop.bench import Recorded
+
+#: The summary's keys, in order (the integration test checks them).
+KEYS = (
+    "loop_auc",
+    "frozen_auc",
+    "loop_auc_gain",
+    "loop_freshness_p50_s",
+    "loop_freshness_p99_s",
+    "logging_p99_ratio",
+    "logging_aa_p99_ratio",
+    "logging_throughput_ratio",
+    "log_records_lost",
+    "skew_max_abs",
+    "loop_published_versions",
+)
+#: (seq, path) of the committed example segments in a folder (``recserve.loop.joiner.committed_segments``).
+Segments = Callable[[Path], list[tuple[int, Path]]]
+
+
+def _auc(labels: np.ndarray, scores: np.ndarray) -> float | None:
+    value = roc_auc(labels.astype(np.float64), scores)
+    return None if value is None else round(float(value), 4)
+
+
+def auc_figures(recorded: Recorded) -> dict:
+    """AUC per round and pooled over the later rounds, of both servers' scores."""
+    rounds = recorded.grid.rounds
+    later_from = rounds // 2
+    by_round: list[dict] = []
+    for round_ in range(rounds):
+        served = [s for s in recorded.served if s.round == round_]
+        labels = np.concatenate([s.clicks for s in served])
+        by_round.append(
+            {
+                "round": round_,
+                "rows": int(labels.size),
+                "click_rate": round(float(labels.mean()), 4),
+                "loop_auc": _auc(labels, np.concatenate([s.loop_scores for s in served])),
+                "frozen_auc": _auc(labels, np.concatenate([s.frozen_scores for s in served])),
+            }
+        )
+    later = [s for s in recorded.served if s.round >= later_from]
+    labels = np.concatenate([s.clicks for s in later])
+    loop = _auc(labels, np.concatenate([s.loop_scores for s in later]))
+    frozen = _auc(labels, np.concatenate([s.frozen_scores for s in later]))
+    gain = None if loop is None or frozen is None else round(loop - frozen, 4)
+    return {"loop_auc": loop, "frozen_auc": frozen, "loop_auc_gain": gain, "later_rounds_from": later_from,
+            "auc_by_round": by_round}  # fmt: skip
+
+
+def publishes(recorded: Recorded) -> list[dict]:
+    """The learner's publish decisions in order: when read, the last segment trained, the item version."""
+    out = []
+    for seen, line in recorded.learner_lines:
+        if "published" in line:
+            version = line["published"].get(recorded.item_table)
+            out.append({"seen": seen, "trained": int(line["trained"]), "item_version": version})
+    return out
+
+
+def freshness_figures(recorded: Recorded, segments: Segments) -> tuple[dict, list[float]]:
+    """Each click's time to the first served version trained on it (see the module); the seconds too."""
+    decisions = publishes(recorded)
+    answered = sorted((s.sent, s.item_version) for s in recorded.served)
+    served_at = []
+    for decision in decisions:
+        version = decision["item_version"]
+        first = next((t for t, v in answered if version is not None and v >= version), None)
+        served_at.append(first)
+    to_served: list[float] = []
+    to_publish: list[float] = []
+    unserved = 0
+    for seq, path in segments(recorded.examples_dir):
+        table = pq.read_table(path, columns=["label", "labelled_at"])
+        clicks = table.filter(pc.equal(table["label"], 1))["labelled_at"].to_pylist()
+        index = next((i for i, d in enumerate(decisions) if d["trained"] >= seq), None)
+        at = None if index is None or decisions[index]["item_version"] is None else served_at[index]
+        for clicked in (c.timestamp() for c in clicks):
+            if index is None or at is None:
+                unserved += 1
+                continue
+            to_publish.append(decisions[index]["seen"] - clicked)
+            to_served.append(at - clicked)
+
+    def quantiles(values: list[float], name: str) -> dict:
+        if not values:
+            return {f"{name}_p50_s": None, f"{name}_p99_s": None}
+        return {f"{name}_p50_s": round(float(np.percentile(values, 50)), 2),
+                f"{name}_p99_s": round(float(np.percentile(values, 99)), 2)}  # fmt: skip
+
+    figures = {
+        **quantiles(to_served, "loop_freshness"),
+        **quantiles(to_publish, "loop_publish_freshness"),
+        "loop_freshness_clicks": len(to_served),
+        "loop_freshness_unserved": unserved,
+        "loop_published_versions": sum(1 for d in decisions if d["item_version"] is not None),
+        "loop_refused_publishes": sum(1 for d in decisions if d["item_version"] is None),
+        "loop_rollbacks": sum(1 for _, line in recorded.learner_lines if line.get("rolled_back")),
+    }
+    return figures, to_served
+
+
+def cost_figures(recorded: Recorded) -> dict:
+    """Logging's cost: latency against the frozen server and an A/A split of it, and throughput."""
+    loop = np.array([s.loop_latency_s for s in recorded.served])
+    frozen = np.array([s.frozen_latency_s for s in recorded.served])
+    p99 = {name: float(np.percentile(values, 99)) for name, values in (("loop", loop), ("frozen", frozen))}
+    rates = {
+        side: recorded.throughput_rows[side] / recorded.throughput_seconds[side]
+        for side in ("loop", "frozen")
+        if recorded.throughput_seconds[side] > 0
+    }
+    return {
+        "logging_p99_ratio": round(p99["loop"] / p99["frozen"], 3),
+        "logging_aa_p99_ratio": round(
+            float(np.percentile(frozen[0::2], 99) / np.percentile(frozen[1::2], 99)), 3
+        ),
+        "logging_throughput_ratio": round(rates["loop"] / rates["frozen"], 3) if len(rates) == 2 else None,
+        "loop_p99_ms": round(1e3 * p99["loop"], 2),
+        "frozen_p99_ms": round(1e3 * p99["frozen"], 2),
+        "loop_rows_per_s": round(rates.get("loop", 0.0), 1),
+        "frozen_rows_per_s": round(rates.get("frozen", 0.0), 1),
+    }
+
+
+def lost_figures(recorded: Recorded) -> dict:
+    """Rows sent to the loop server against the rows each record kind holds for them."""
+    held = {}
+    for kind in ("features", "scores"):
+        table = read_kind(recorded.log_dir, kind)
+        held[kind] = len(set(zip(table["request_id"].to_pylist(), table["row"].to_pylist(), strict=True)))
+    sent = recorded.loop_rows_sent
+    return {
+        "log_rows_sent": sent,
+        "log_feature_records": held["features"],
+        "log_score_records": held["scores"],
+        "log_records_lost": max(sent - held["features"], 0) + max(sent - held["scores"], 0),
+    }
+
+
+def summarize(recorded: Recorded, segments: Segments, skew: dict) -> tuple[dict, list[float]]:
+    """The summary of a run (:data:`KEYS` first) and each click's freshness in seconds."""
+    freshness, seconds = freshness_figures(recorded, segments)
+    figures = {
+        **auc_figures(recorded),
+        **freshness,
+        **cost_figures(recorded),
+        **lost_figures(recorded),
+        **skew,
+    }
+    figures["joiner"] = recorded.joiner_summary
+    figures["seconds"] = round(recorded.seconds, 1)
+    ordered = {key: figures.pop(key) for key in KEYS}
+    return {**ordered, **figures}, seconds
+
+
+def write_plots(summary: dict, freshness: list[float], folder: Path) -> list[Path]:
+    """``loop_auc.png`` (AUC per round, loop and frozen) and ``loop_freshness.png`` in ``folder``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rounds = summary["auc_by_round"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for side in ("loop", "frozen"):
+        ax.plot([r["round"] + 1 for r in rounds], [r[f"{side}_auc"] for r in rounds], marker="o", label=side)
+    ax.axvline(summary["later_rounds_from"] + 0.5, color="grey", linestyle=":", label="later rounds")
+    ax.set_xlabel("round")
+    ax.set_ylabel("AUC of the served scores")
+    ax.set_title(f"loop {summary['loop_auc']} vs frozen {summary['frozen_auc']} (later rounds)")
+    ax.legend()
+    fig.tight_layout()
+    paths = [folder / "loop_auc.png"]
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    if freshness:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.hist(freshness, bins=30)
+        ax.set_xlabel("seconds from a click to the first served version trained on it")
+        ax.set_ylabel("clicks")
+        fig.tight_layout()
+        paths.append(folder / "loop_freshness.png")
+        fig.savefig(paths[1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def describe(summary: dict) -> str:
+    """The summary's main figures, one a line."""
+    return "\n".join(f"{key:28s} {summary[key]}" for key in KEYS)
