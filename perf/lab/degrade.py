@@ -16,7 +16,8 @@ same open-loop schedule: normal load (half of capacity), a 2x spike, normal, a 4
 Per policy and phase the report gives the served p99 over the first normal phase's, the shares of
 value served in full, degraded and refused, the value-weighted quality retained against full compute
 (:mod:`recserve.perf.lab.degrade_report`), the top value decile's share degraded and refused, and
-lambda over time (``--plot FILE``: a PNG of lambda, the p99 and the levels per quarter second).
+lambda over time (``--plot FILE``: a PNG of lambda, the p99 and the levels per quarter second), and
+with ``--costs`` what each level really costs.
 Figures depend on the machine's other load: a single run is provisional.
 """
 
@@ -41,6 +42,7 @@ from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
 from recserve.perf.bench.candidates import closed_loop_rate
 from recserve.perf.harness.traffic import infer_inputs
+from recserve.perf.lab.degrade_costs import measure_costs
 from recserve.perf.lab.degrade_report import PhaseFigures, phase_figures, table, windows
 from recserve.perf.lab.degrade_traffic import ListPool, send_phases
 from recserve.perf.lab.overload import Cores, pinned
@@ -169,9 +171,12 @@ def run_policy(
 
 
 def run_degrade_lab(
-    spec: ModelSpec, repository: Path, workdir: Path, shape: LabShape, seed: int = 47
+    spec: ModelSpec, repository: Path, workdir: Path, shape: LabShape, seed: int = 47, costs: bool = False
 ) -> tuple[dict[str, list[PhaseFigures]], dict]:
-    """Both policies through the same schedule; each one's figures per phase, and the JSON summary."""
+    """Both policies through the same schedule; each one's figures per phase, and the JSON summary.
+
+    ``costs``: also measure what each level costs (:mod:`recserve.perf.lab.degrade_costs`).
+    """
     cores = Cores.split()
     pool = ListPool.generate(spec, shape.lists, shape.candidates, shape.length, seed)
     values = np.random.default_rng(seed).lognormal(0.0, 1.0, 20_000)
@@ -190,6 +195,7 @@ def run_degrade_lab(
         schedule = shape.phases(capacity)
         policies["shed"], series["shed"] = run_policy(server, spec, pool, full, schedule, values, cores)
     served = degrade_spec(spec)
+    level_costs = measure_costs(served, repository, workdir, pool, shape.capacity_s, cores) if costs else None
     variant = write_variant(served, repository, workdir / "degrade")
     log = workdir / "degrade.log"
     with TritonServer(variant, Ports.free(), log_path=log, cpus=cores.server) as server:
@@ -198,6 +204,8 @@ def run_degrade_lab(
                 server, served, pool, full, schedule, values, cores
             )
     summary = summarise(policies, capacity, shape, cores, timeline.points)
+    if level_costs is not None:
+        summary["level_costs"] = level_costs
     return policies, {**summary, "windows": series}
 
 
@@ -243,6 +251,7 @@ def degrade_command(
     json_path: Path | None = None,
     plot_path: Path | None = None,
     workdir: Path | None = None,
+    costs: bool = False,
 ) -> int:
     """``recserve lab degrade``: prints the table and the headline figures; the JSON summary, the plot.
 
@@ -252,7 +261,7 @@ def degrade_command(
     with tempfile.TemporaryDirectory(prefix="recserve-degrade-") as scratch:
         folder = Path(scratch) if workdir is None else workdir
         folder.mkdir(parents=True, exist_ok=True)
-        policies, summary = run_degrade_lab(spec, repository, folder, shape)
+        policies, summary = run_degrade_lab(spec, repository, folder, shape, costs=costs)
     print(table(policies))
     shown = {k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape", "windows")}
     print(json.dumps(shown))

@@ -117,7 +117,7 @@ def _degrade(args: argparse.Namespace) -> int:
     from recserve.perf.lab.degrade import degrade_command
 
     return degrade_command(
-        load_spec(args.spec), args.repository, args.quick, args.json, args.plot, args.workdir
+        load_spec(args.spec), args.repository, args.quick, args.json, args.plot, args.workdir, args.costs
     )
 
 
@@ -201,6 +201,9 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     degrade.add_argument("--plot", type=Path, default=None, help="a PNG of lambda, p99 and levels over time")
     degrade.add_argument(
         "--workdir", type=Path, default=None, help="keep the servers' logs here (default: a temporary folder)"
+    )
+    degrade.add_argument(
+        "--costs", action="store_true", help="also measure each level's capacity and cost against full"
     )
     degrade.set_defaults(func=_degrade)
 

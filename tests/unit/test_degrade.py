@@ -24,6 +24,7 @@ from recserve.core.sections.degrade import (
 )
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
+from recserve.perf.lab.degrade_costs import alone
 from recserve.perf.lab.degrade_report import clicks, phase_figures, windows
 from recserve.perf.lab.degrade_traffic import SERVED, Sent
 
@@ -287,3 +288,9 @@ def test_the_dashboard_shows_the_levels_with_the_section_only(spec):
         panel.title for panel in panels(spec)
     }
     assert titles == {"Degradation: requests by level and value tier, and lambda"}
+
+
+def test_a_level_served_alone_serves_every_value_at_it():
+    lone = alone(parse_spec(ctr_doc(degrade=DEGRADE)), 1)
+    assert lone.degrade.level_names == (FULL, "minimal") and lone.degrade.levels[0].max_candidates == 16
+    assert DegradeController(lone.degrade).levels([0.0, 1.0, 1e6]) == [1, 1, 1]

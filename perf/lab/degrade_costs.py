@@ -1,0 +1,61 @@
+"""``recserve lab degrade --costs``: what each level of ``[degrade]`` really costs, measured.
+
+A level's ``cost`` in the spec is a fraction of the full level's compute, and the controller trusts
+it. Here each level is served alone (a variant whose only level is that one, never refusing, lambda
+held past every value, so every request is served at it) and its closed-loop capacity measured on
+the same pinned core as the full level's: a level's cost is the full capacity over its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from recserve.build.configs import write_variant
+from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import parse_spec
+from recserve.perf.bench.candidates import closed_loop_rate
+from recserve.perf.lab.degrade_traffic import ListPool
+from recserve.perf.lab.overload import Cores, pinned
+from recserve.server import Ports, TritonServer
+
+#: Lambda for a level served alone: past every value, so the level (never the full one) serves all.
+ALONE_LAMBDA = 1e12
+
+
+def alone(spec: ModelSpec, index: int) -> ModelSpec:
+    """``spec`` serving every request at its ``[degrade]`` level ``index`` (0: the first cheaper one)."""
+    level = dataclasses.asdict(spec.degrade.levels[index])
+    section = {**spec.source["degrade"], "levels": [level], "refuse": False, "fixed_lambda": ALONE_LAMBDA}
+    return parse_spec({**spec.source, "degrade": section})
+
+
+def measure_costs(
+    spec: ModelSpec, repository: Path, workdir: Path, pool: ListPool, seconds: float, cores: Cores
+) -> dict[str, dict[str, float]]:
+    """Per level (``full`` first): lists per second closed-loop (8 in flight) and the cost against full.
+
+    ``spec`` has ``[degrade]`` enabled (its own source section).
+    """
+    assert spec.candidates_model is not None
+    variants = {"full": repository}
+    for i, level in enumerate(spec.degrade.levels):
+        variants[level.name] = write_variant(alone(spec, i), repository, workdir / f"level-{level.name}")
+    rates = {}
+    for name, root in variants.items():
+        log = workdir / f"level-{name}.log"
+        with (
+            TritonServer(root, Ports.free(), log_path=log, cpus=cores.server) as server,
+            pinned(cores.client),
+        ):
+            measured = closed_loop_rate(
+                server.grpc_url, spec.candidates_model, pool.requests[0], 1, 8, seconds
+            )
+        rates[name] = measured["rows_per_s"]
+    return {
+        name: {
+            "lists_per_s": round(rate, 1),
+            "cost": round(rates["full"] / rate, 3) if rate > 0 else float("inf"),
+        }
+        for name, rate in rates.items()
+    }
