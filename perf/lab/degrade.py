@@ -62,7 +62,7 @@ LAB_DEGRADE = {
     "interval_s": 0.1,
     "gain": 0.5,
     "max_lambda": 4.0,  # at most values under 4 x 0.75 / 0.85 = 3.5 are refused: never the top decile
-    "priority_value": 3.6,  # the top decile of lognormal(0, 1) values is batched first
+    # no priority_value: on tritonserver 2.51 priority levels stall the batcher (docs/design/degrade.md)
 }
 SHED_QUEUE = "latency_first"
 #: The caller's prior: its order is the full-compute logit plus normal noise of this deviation.

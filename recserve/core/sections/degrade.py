@@ -82,7 +82,8 @@ class DegradeSection:
     # lambda's ceiling, in value per unit of cost (past the top values, everything is refused)
     max_lambda: float = 100.0
     # > 0: the steps' batchers get two priority levels, and a request worth at least this is sent
-    # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before
+    # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before.
+    # On tritonserver 2.51 priority levels stall the batcher (docs/design/degrade.md): leave it 0
     priority_value: float = 0.0
 
     @property
