@@ -27,6 +27,7 @@ def test_the_quick_loop_bench_writes_its_keys_and_loses_no_record(repository, tm
     assert summary["log_records_lost"] == 0 and summary["log_rows_sent"] > 0
     assert summary["skew_rows_rescored"] > 0 and summary["skew_max_abs"] <= 1e-6
     assert summary["loop_published_versions"] >= 1
+    assert summary["exits"] == {"joiner": 0, "learner": 0}  # both ran to the end
     assert len(summary["auc_by_round"]) == 6
     assert (written.parent / "loop_auc.png").stat().st_size > 0
     assert "loop_auc_gain" in result.stdout

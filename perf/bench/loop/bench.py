@@ -98,6 +98,7 @@ class Recorded:
     throughput_rows: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
     throughput_seconds: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
     joiner_summary: dict = field(default_factory=dict)
+    exits: dict[str, int | None] = field(default_factory=dict)  # the joiner's and the learner's exit status
     seconds: float = 0.0
 
 
@@ -199,6 +200,7 @@ def run_loop(
             learner.wait(60)
             reader.join(10)
             out = joiner.communicate(timeout=60)[0].strip().splitlines()
+            recorded.exits = {"joiner": joiner.returncode, "learner": learner.returncode}
             recorded.joiner_summary = json.loads(out[-1]) if out else {}
             time.sleep(2 * loop_spec.store.update_poll_s + 0.5)  # the last publish served
             progress("[bench-loop] throughput: each server alone by turns, logging on and off")

@@ -181,6 +181,7 @@ def summarize(recorded: Recorded, segments: Segments, skew: dict) -> tuple[dict,
         **skew,
     }
     figures["joiner"] = recorded.joiner_summary
+    figures["exits"] = recorded.exits  # 0: stopped by the bench; else it died (its log is in the run folder)
     figures["seconds"] = round(recorded.seconds, 1)
     ordered = {key: figures.pop(key) for key in KEYS}
     return {**ordered, **figures}, seconds
