@@ -58,9 +58,10 @@ def _join(args: argparse.Namespace) -> int:
         join, log, feedback, args.examples_dir or Path(loop.examples_directory), loop.commit_seconds
     )
     if args.metrics_port is not None:
-        from recserve.loop.metrics import join_samples, serve_metrics
+        from recserve.loop.metrics import join_samples, text
+        from recserve.server.metrics_endpoint import serve_metrics
 
-        serve_metrics(args.metrics_port, lambda: join_samples(joiner))
+        serve_metrics(args.metrics_port, lambda: text(join_samples(joiner)), "loop-metrics")
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
@@ -110,9 +111,10 @@ def _learn(args: argparse.Namespace) -> int:
         return revert
 
     if args.metrics_port is not None:
-        from recserve.loop.metrics import learn_samples, serve_metrics
+        from recserve.loop.metrics import learn_samples, text
+        from recserve.server.metrics_endpoint import serve_metrics
 
-        serve_metrics(args.metrics_port, lambda: learn_samples(learner))
+        serve_metrics(args.metrics_port, lambda: text(learn_samples(learner)), "loop-metrics")
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

@@ -6,17 +6,12 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from collections.abc import Iterable
 
 from recserve.backends.base.metrics import MetricSample
 from recserve.loop.join import COUNTS
 from recserve.loop.joiner import Joiner
 from recserve.loop.learner import Learner
-
-LOOPBACK = "127.0.0.1"
 
 
 def text(samples: Iterable[MetricSample]) -> str:
@@ -158,23 +153,3 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
             for q, value in zip(("0.5", "0.99"), learner.freshness, strict=True)
         ),
     ]
-
-
-def serve_metrics(port: int, samples: Callable[[], list[MetricSample]]) -> ThreadingHTTPServer:
-    """Serve ``samples()`` at ``http://127.0.0.1:<port>/metrics`` on a daemon thread."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
-            body = text(samples()).encode() if self.path == "/metrics" else b""
-            self.send_response(200 if body else 404)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-            pass
-
-    server = ThreadingHTTPServer((LOOPBACK, port), Handler)
-    threading.Thread(target=server.serve_forever, name="loop-metrics", daemon=True).start()
-    return server

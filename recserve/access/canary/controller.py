@@ -48,7 +48,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,9 @@ from recserve.access.canary.rules import (
     routed,
     stages,
 )
-from recserve.access.config import LOOPBACK, PROTOCOLS, AccessError, cluster_name
+from recserve.access.config import PROTOCOLS, AccessError, cluster_name
 from recserve.core.sections.serving import CanarySection
+from recserve.server.metrics_endpoint import serve_metrics
 
 LOGGER = logging.getLogger(__name__)
 
@@ -373,20 +374,6 @@ class CanaryController:
 
     def serve_metrics(self, port: int | None = None) -> ThreadingHTTPServer:
         """Serve :meth:`exposition` at ``http://127.0.0.1:<port>/metrics`` on a daemon thread."""
-        controller = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (the handler's API)
-                body = controller.exposition().encode() if self.path == "/metrics" else b""
-                self.send_response(200 if body else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-                pass
-
-        server = ThreadingHTTPServer((LOOPBACK, self.rules.metrics_port if port is None else port), Handler)
-        threading.Thread(target=server.serve_forever, name="canary-metrics", daemon=True).start()
-        return server
+        return serve_metrics(
+            self.rules.metrics_port if port is None else port, self.exposition, "canary-metrics"
+        )
