@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,8 @@ class Events:
     seqs: np.ndarray  # int64
     items: np.ndarray  # int64
     ts: np.ndarray  # float64, seconds since the epoch
-    #: int64 [n, k]: each event's attributes, the aligned sequences' values (k = 0: none)
-    attributes: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    #: int64 [n, k]: each event's attributes, the aligned sequences' values (None: none)
+    attributes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.users.size)
@@ -56,7 +56,7 @@ class Events:
         if not table:
             empty = np.zeros(0, np.int64)
             return cls(empty, empty, empty, np.zeros(0, np.float64), np.zeros((0, attributes), np.int64))
-        users, seqs, items, ts = (column for column in zip(*(r[:4] for r in table), strict=True))
+        users, seqs, items, ts = zip(*(r[:4] for r in table), strict=True)
         extra = [r[4] if len(r) > 4 else () for r in table]
         return cls(
             np.array(users, np.int64),
@@ -69,7 +69,7 @@ class Events:
     @property
     def attribute_rows(self) -> list[tuple[int, ...]]:
         """Each event's attributes as a tuple (empty tuples without)."""
-        if self.attributes.shape[0] != len(self) or not self.attributes.shape[1]:
+        if self.attributes is None or not self.attributes.shape[1]:
             return [()] * len(self)
         return [tuple(row) for row in self.attributes.tolist()]
 
