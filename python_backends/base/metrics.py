@@ -24,6 +24,8 @@ class MetricSample:
 PROBABILITY_EDGES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 PROBABILITY_METRIC = "recserve_served_probability"
 PROBABILITY_HELP = "Probabilities served by the dense step, by dense version (a Prometheus histogram)"
+#: Observed batches a :class:`ScoreHistogram` keeps before counting them on the request path.
+FOLD_EVERY = 4096
 
 
 class ScoreHistogram:
@@ -39,23 +41,44 @@ class ScoreHistogram:
 
     def __init__(self, labels: tuple[tuple[str, str], ...]) -> None:
         self.labels = labels
-        self.counts = np.zeros(len(PROBABILITY_EDGES) + 1, dtype=np.int64)  # per bucket, not cumulative
-        self.total = 0.0
+        self._counts = np.zeros(len(PROBABILITY_EDGES) + 1, dtype=np.int64)  # per bucket, not cumulative
+        self._total = 0.0
+        self._pending: list[np.ndarray] = []  # observed, not yet counted
         self.lock = threading.Lock()
 
     def observe(self, probabilities: np.ndarray) -> None:
-        """Count served probabilities (any shape)."""
-        values = np.asarray(probabilities, dtype=np.float64).ravel()
-        buckets = np.searchsorted(PROBABILITY_EDGES, values, side="left")  # value <= edge: that bucket
-        counts = np.bincount(buckets, minlength=len(self.counts))
+        """Keep served probabilities (any shape, copied) to count when the histogram is next read.
+
+        The bucketing runs then, on the metrics thread, not on the request path; at most
+        :data:`FOLD_EVERY` batches wait.
+        """
+        values = np.array(probabilities, dtype=np.float32).ravel()
         with self.lock:
-            self.counts += counts
-            self.total += float(values.sum())
+            self._pending.append(values)
+            if len(self._pending) >= FOLD_EVERY:
+                self._fold()
+
+    def _fold(self) -> None:  # under the lock
+        if not self._pending:
+            return
+        values = np.concatenate(self._pending).astype(np.float64)
+        self._pending = []
+        buckets = np.searchsorted(PROBABILITY_EDGES, values, side="left")  # value <= edge: that bucket
+        self._counts += np.bincount(buckets, minlength=len(self._counts))
+        self._total += float(values.sum())
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Rows counted per bucket (not cumulative), everything observed included."""
+        with self.lock:
+            self._fold()
+            return self._counts.copy()
 
     def samples(self) -> list[MetricSample]:
         """The histogram as counters: cumulative buckets, sum and count."""
         with self.lock:
-            cumulative, total = np.cumsum(self.counts), self.total
+            self._fold()
+            cumulative, total = np.cumsum(self._counts), self._total
         edges = [*(f"{edge:g}" for edge in PROBABILITY_EDGES), "+Inf"]
         return [
             *(

@@ -60,10 +60,20 @@ if TYPE_CHECKING:
 LOGGER = logging.getLogger(__name__)
 
 
+#: Buckets of fewer rows run on one intra-op thread whatever the cores: waking a second thread costs
+#: more than it saves there (``recserve lab dense-bench``; docs/performance.md, 2026-12-05).
+PARALLEL_FROM_ROWS = 32
+
+
 def session_threads(instances: int) -> int:
     """Intra-op threads per session so that all instances together fit the machine's cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(instances, 1))
+
+
+def bucket_threads(bucket: Bucket, threads: int) -> int:
+    """Intra-op threads of one bucket's session: ``threads``, or one below :data:`PARALLEL_FROM_ROWS` rows."""
+    return threads if bucket.rows >= PARALLEL_FROM_ROWS else 1
 
 
 def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -> ort.InferenceSession:
@@ -95,43 +105,53 @@ def open_session(model_path: Path, threads: int, bucket: Bucket | None = None) -
     return session
 
 
-def check_inputs(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Validate the dense step's inputs (shapes must agree with each other and the spec)."""
-    names = dense_net_inputs(spec)
-    sparse = inputs.get(SPARSE_EMBEDDINGS)
-    if sparse is None:
-        raise InvalidInput(SPARSE_EMBEDDINGS, "is required but missing")
-    rows = sparse.shape[0]
-    checked: dict[str, np.ndarray] = {}
-    length = 0
-    if HISTORY_MASK in names:
-        checked[HISTORY_MASK] = require(inputs, HISTORY_MASK, "FP32", rows, None)
-        length = checked[HISTORY_MASK].shape[1]
-    expected: dict[str, tuple[int, ...]] = {DENSE_NORMALIZED: (rows, len(spec.normalized_columns))}
-    for name, width, slots in sparse_inputs(spec):
-        expected[name] = (rows, len(slots), width)
-    for group in attention_inputs(spec):  # every group's positions: as many as the first's
-        expected.update(
-            {
-                group.target: (rows, group.width),
-                group.history: (rows, length, group.width),
-                group.mask: (rows, length),
-            }
-        )
-    expected[HISTORY_LOG_WEIGHTS] = (rows, length)  # with [user_state] on: the first group's
-    expected.pop(HISTORY_MASK, None)  # checked above
-    for name, shape in expected.items():
-        if name not in names:
-            continue
-        array = inputs.get(name)
-        if array is None:
-            raise InvalidInput(name, "is required but missing")
-        if dtype_name(array) != "float32" or tuple(array.shape) != shape:
-            raise InvalidInput(
-                name, f"is {dtype_name(array)}{list(array.shape)}, expected float32{list(shape)}"
+#: In a shape expected of a dense input: the history length (the mask's width, one per request).
+LENGTH = -1
+
+
+class InputChecks:
+    """The dense step's input checks: shapes must agree with each other and the spec.
+
+    What the spec decides (the inputs, their widths) is worked out once, here; a request costs a
+    dtype and shape comparison per input.
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.names = dense_net_inputs(spec)
+        trailing: dict[str, tuple[int, ...]] = {DENSE_NORMALIZED: (len(spec.normalized_columns),)}
+        for name, width, slots in sparse_inputs(spec):
+            trailing[name] = (len(slots), width)
+        for group in attention_inputs(spec):  # every group's positions: as many as the first's
+            trailing.update(
+                {group.target: (group.width,), group.history: (LENGTH, group.width), group.mask: (LENGTH,)}
             )
-        checked[name] = array
-    return checked
+        trailing[HISTORY_LOG_WEIGHTS] = (LENGTH,)  # with [user_state] on: the first group's
+        trailing.pop(HISTORY_MASK, None)  # checked first: it gives the length
+        self.has_mask = HISTORY_MASK in self.names
+        self.expected = tuple((name, shape) for name, shape in trailing.items() if name in self.names)
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The inputs the network takes, checked (raises ``InvalidInput`` naming the first bad one)."""
+        sparse = inputs.get(SPARSE_EMBEDDINGS)
+        if sparse is None:
+            raise InvalidInput(SPARSE_EMBEDDINGS, "is required but missing")
+        rows = sparse.shape[0]
+        checked: dict[str, np.ndarray] = {}
+        length = 0
+        if self.has_mask:
+            checked[HISTORY_MASK] = require(inputs, HISTORY_MASK, "FP32", rows, None)
+            length = checked[HISTORY_MASK].shape[1]
+        for name, trailing in self.expected:
+            array = inputs.get(name)
+            if array is None:
+                raise InvalidInput(name, "is required but missing")
+            shape = (rows, *(length if d == LENGTH else d for d in trailing))
+            if (array.dtype != np.float32 and dtype_name(array) != "float32") or array.shape != shape:
+                raise InvalidInput(
+                    name, f"is {dtype_name(array)}{list(array.shape)}, expected float32{list(shape)}"
+                )
+            checked[name] = array
+        return checked
 
 
 class OnnxDenseRunner:
@@ -140,10 +160,6 @@ class OnnxDenseRunner:
     def __init__(self, spec: ModelSpec, model_path: Path, threads: int = 1) -> None:
         self.spec = spec
         self.session = open_session(model_path, threads)
-
-    def check(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Validate the dense step's inputs (see :func:`check_inputs`)."""
-        return check_inputs(self.spec, inputs)
 
     def predict(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
         """Click probabilities ``[B, 1]`` for checked inputs."""
@@ -183,7 +199,8 @@ def bucketed_onnx_runner(
     Args:
         spec: the model spec (buckets, shapes).
         model_path: the verified ONNX file.
-        threads: intra-op threads of every session (see :func:`session_threads`).
+        threads: intra-op threads of the sessions (see :func:`session_threads`; small buckets take
+            one, :func:`bucket_threads`).
         policy: the bucket policy; the spec's by default.
         prepare: buckets compiled at load; the spec's grid by default.
         background: compile missing buckets on a worker thread.
@@ -191,7 +208,7 @@ def bucketed_onnx_runner(
     generic = OnnxDenseRunner(spec, model_path, threads)
     return BucketedRunner(
         policy or BucketPolicy.from_spec(spec),
-        lambda bucket: OnnxBucket(spec, model_path, bucket, threads),
+        lambda bucket: OnnxBucket(spec, model_path, bucket, bucket_threads(bucket, threads)),
         generic.predict,
         spec_buckets(spec) if prepare is None else prepare,
         background,
@@ -226,9 +243,11 @@ class DenseStep:
         self.tensors = copies is not None
         self.copies = copies or DeviceCopies(DENSE)
         self.scores = ScoreHistogram((("dense_version", version),))
+        #: validates one request's inputs (raises ``InvalidInput``)
+        self.check = InputChecks(spec)
         #: candidate lists (the candidates ensemble), with the candidate-list graph when given
         self.lists = CandidateLists(
-            spec, lambda rows: self.runner.predict(check_inputs(spec, rows)), candidates, scorer
+            spec, lambda rows: self.runner.predict(self.check(rows)), candidates, scorer
         )
 
     @classmethod
@@ -283,10 +302,6 @@ class DenseStep:
         scorer = list_scorer(spec, TorchEager(net, device, copies=copies)) if net.has_attention else None
         return cls(spec, runner, version, copies=copies, scorer=scorer)
 
-    def check(self, inputs: Arrays) -> dict[str, np.ndarray]:
-        """Validate one request's inputs (raises ``InvalidInput``)."""
-        return check_inputs(self.spec, inputs)
-
     def compute(self, merged: Arrays) -> dict[str, np.ndarray]:
         """Probabilities of a merged dynamic batch."""
         return {PROBABILITY: self.runner.predict(merged)}
@@ -311,6 +326,18 @@ class DenseStep:
         for probability in scores:
             self.accept({PROBABILITY: probability})
         return scores
+
+    def accept_all(self, outputs: Mapping[str, object], count: bool = True) -> bool:
+        """Count a merged batch's probabilities when all are finite (True); False: none is counted.
+
+        One check for a dynamic batch; where it fails, :meth:`accept` finds the requests to refuse.
+        """
+        probability = outputs[PROBABILITY]
+        if not isinstance(probability, np.ndarray) or not np.isfinite(probability).all():
+            return False  # a torch tensor, or a batch to look into request by request
+        if count:
+            self.scores.observe(probability)
+        return True
 
     def accept(self, outputs: Mapping[str, object], count: bool = True) -> None:
         """Let one request's probabilities out only when all are finite; count the ones served.

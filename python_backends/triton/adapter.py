@@ -308,6 +308,7 @@ def execute_checked_merged(
     left_padded: Collection[str] = (),
     tensors: bool = False,
     observe: Observer | None = None,
+    accept_merged: Callable[[Mapping[str, Any]], bool] | None = None,
 ) -> list:
     """Check each request alone, then compute all valid ones in one call and split the results.
 
@@ -323,6 +324,8 @@ def execute_checked_merged(
         tensors: read the inputs as torch tensors where Triton holds them (:func:`read_inputs`); the
             merge then concatenates them on their device.
         observe: sees each served request (:data:`Observer`; its inputs as checked).
+        accept_merged: checks the merged outputs at once; True: every request's are accepted
+            (``accept`` is skipped), False: ``accept`` checks each request's.
     """
     responses: list = [None] * len(requests)
     valid, checked = [], []
@@ -336,7 +339,10 @@ def execute_checked_merged(
         merged, sizes = batching.merge(checked, left_padded)
         widths = {out: [c[src].shape[1] for c in checked] for out, src in (ragged_outputs or {}).items()}
         try:
-            parts = batching.split(compute(merged), sizes, widths)
+            outputs = compute(merged)
+            if accept_merged is not None and accept_merged(outputs):
+                accept = None
+            parts = batching.split(outputs, sizes, widths)
         except Exception as exc:  # the merged call failed: each of its requests gets the error
             for i in valid:
                 responses[i] = error_response(exc)

@@ -44,6 +44,7 @@ class DenseRequests:
         served = self.warmup_left <= 0
         self.warmup_left -= len(requests)
         accept = self.step.accept if served else functools.partial(self.step.accept, count=False)
+        accept_all = self.step.accept_all if served else functools.partial(self.step.accept_all, count=False)
         observe = self.log if served else None  # Triton's warm-up is not logged
         responses = execute_by_input(
             requests,
@@ -57,6 +58,7 @@ class DenseRequests:
                 left_padded=self.left_padded,
                 tensors=self.step.tensors,
                 observe=observe,
+                accept_merged=accept_all,
             ),
             lambda lists: execute_alone(
                 lists,

@@ -257,26 +257,27 @@ def categorical_values(
     """
     out = np.zeros(values.shape, dtype=np.uint64)
     empty = np.zeros(values.shape, dtype=bool)
-    single = [not c.separator for c in group.raw_columns]  # multi-hot columns: multi_hot_values
-    hex_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "hex" and single[i]]
+    columns = group.raw_columns
+    by_type = group.single_by_type  # multi-hot columns: multi_hot_values
+    hex_columns = by_type.get("hex", [])
     if hex_columns:
         parse = hex_parser or parse_hex
-        digits = max(group.raw_columns[i].max_hex_digits for i in hex_columns)
-        if any(group.raw_columns[i].max_hex_digits != digits for i in hex_columns):
+        digits = max(columns[i].max_hex_digits for i in hex_columns)
+        if any(columns[i].max_hex_digits != digits for i in hex_columns):
             for i in hex_columns:
-                out[:, i], empty[:, i] = parse(values[:, i], group.raw_columns[i].max_hex_digits, group.name)
+                out[:, i], empty[:, i] = parse(values[:, i], columns[i].max_hex_digits, group.name)
         else:
             out[:, hex_columns], empty[:, hex_columns] = parse(values[:, hex_columns], digits, group.name)
-    string_columns = [i for i, c in enumerate(group.raw_columns) if c.value_type == "string" and single[i]]
+    string_columns = by_type.get("string", [])
     if string_columns:
         out[:, string_columns], empty[:, string_columns] = hash_strings(values[:, string_columns])
     for value_type in ("int64", "uint64"):
-        index = [i for i, c in enumerate(group.raw_columns) if c.value_type == value_type and single[i]]
+        index = by_type.get(value_type, [])
         if index:
-            names = tuple(group.raw_columns[i].name for i in index)
+            names = tuple(columns[i].name for i in index)
             parsed = parse_decimal(values[:, index], value_type == "int64", group.name, names)
             out[:, index], empty[:, index] = parsed
-    for i, column in enumerate(group.raw_columns):
+    for i, column in enumerate(columns):
         if column.value_type == "time":
             out[:, i], empty[:, i] = parse_times(values[:, i], column, group.name)
     return out, empty

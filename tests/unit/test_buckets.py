@@ -7,10 +7,17 @@ import pytest
 
 from recserve.backends.base.artifacts import read_manifest, verified_path
 from recserve.backends.dense.buckets import Bucket, BucketedRunner, BucketPolicy, pad_to_bucket, spec_buckets
-from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner
+from recserve.backends.dense.runner import (
+    PARALLEL_FROM_ROWS,
+    InputChecks,
+    OnnxDenseRunner,
+    bucket_threads,
+    bucketed_onnx_runner,
+)
 from recserve.build.export import example_inputs
 from recserve.build.repository import version_dir
 from recserve.core.names import DENSE_NET_INPUTS, HISTORY_EMBEDDINGS, HISTORY_MASK, SPARSE_EMBEDDINGS
+from recserve.errors import InvalidInput
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +163,22 @@ def test_one_compile_per_bucket_under_concurrent_misses(tiny_spec, generic):
     assert runner.wait_compiled(timeout_s=10)
     runner.close()
     assert calls == [Bucket(16, 8)]
+
+
+def test_small_buckets_run_on_one_thread_whatever_the_cores():
+    assert bucket_threads(Bucket(PARALLEL_FROM_ROWS - 1, 256), 2) == 1
+    assert bucket_threads(Bucket(PARALLEL_FROM_ROWS, 8), 2) == 2
+
+
+def test_the_input_checks_name_the_input_whose_shape_disagrees(spec):
+    check = InputChecks(spec)
+    inputs = example_inputs(spec, 3, 8, seed=4)
+    assert set(check(inputs)) == set(check.names)
+    shorter = {**inputs, HISTORY_EMBEDDINGS: inputs[HISTORY_EMBEDDINGS][:, :5]}
+    with pytest.raises(InvalidInput, match=rf"{HISTORY_EMBEDDINGS}.*expected float32\[3, 8, "):
+        check(shorter)
+    wrong = {**inputs, SPARSE_EMBEDDINGS: inputs[SPARSE_EMBEDDINGS].astype(np.float64)}
+    with pytest.raises(InvalidInput, match=rf"'{SPARSE_EMBEDDINGS}': is float64"):
+        check(wrong)
+    with pytest.raises(InvalidInput, match="is required but missing"):
+        check({k: v for k, v in inputs.items() if k != HISTORY_MASK})

@@ -468,3 +468,22 @@ def test_steps_count_the_errors_they_answer_with_by_code():
         "INTERNAL": 0,
         "UNAVAILABLE": 1,
     }
+
+
+def test_the_score_histogram_counts_what_waits_to_be_folded():
+    histogram = ScoreHistogram((("dense_version", "3"),))
+    batch = np.array([[0.25]], np.float32)
+    histogram.observe(batch)
+    batch[0, 0] = 0.95  # the caller's buffer may be reused: what was served is what is counted
+    histogram.observe(np.full((2, 1), 0.005, np.float32))
+    assert histogram.counts.tolist() == [2, 0, 0, 0, 0, 1, 0, 0, 0, 0]
+    samples = {(s.name, dict(s.labels).get("le")): s.value for s in histogram.samples()}
+    assert samples[("recserve_served_probability_sum", None)] == pytest.approx(0.26, abs=1e-6)
+
+
+def test_a_merged_batch_is_accepted_at_once_only_when_every_probability_is_finite():
+    step = DenseStep(load_spec("tiny"), runner=None, version="2")  # type: ignore[arg-type]
+    assert step.accept_all({PROBABILITY: np.array([[0.2], [0.4]], np.float32)})
+    assert not step.accept_all({PROBABILITY: np.array([[0.2], [np.nan]], np.float32)})
+    assert step.accept_all({PROBABILITY: np.array([[0.5]], np.float32)}, count=False)
+    assert step.scores.counts.sum() == 2  # neither the refused batch nor the uncounted one

@@ -238,6 +238,15 @@ class CategoricalGroup:
         """Indices of the multi-hot columns sent as BYTES list tensors of their own (named like them)."""
         return tuple(i for i, c in enumerate(self.raw_columns) if c.as_list)
 
+    @cached_property  # read on every request
+    def single_by_type(self) -> dict[str, list[int]]:
+        """Indices of the single-valued raw columns (multi-hot ones apart) by value type."""
+        by_type: dict[str, list[int]] = {}
+        for i, column in enumerate(self.raw_columns):
+            if not column.separator:
+                by_type.setdefault(column.value_type, []).append(i)
+        return by_type
+
 
 @dataclass(frozen=True)
 class SequenceFeature:
