@@ -32,7 +32,8 @@ from recserve.server import Ports, TritonServer
 LOGGER = logging.getLogger(__name__)
 
 DEFAULT_WORKLOADS = ((1, 4), (1, 8), (1, 16), (64, 1), (64, 2), (64, 4))
-DEFAULT_DELAYS = (100, 500, 1000, 2000, 4000)
+# 0: a batch is whatever waits when the instance frees up (no wait at low load; docs/performance.md)
+DEFAULT_DELAYS = (0, 100, 500, 1000, 2000, 4000)
 DEFAULT_INSTANCES = (1, 2)
 
 
