@@ -1,8 +1,8 @@
 """``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
 
 ``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``, ``fuzz``,
-``chaos``, ``candidate-lists``, ``queue-stall``, ``device-ops`` and ``degrade``. Each but the last two
-used to be a top-level command; :data:`FLAT_NAMES` maps those old names to the new ones, which
+``chaos``, ``candidate-lists``, ``queue-stall``, ``device-ops``, ``degrade`` and ``versions``. Those of
+:data:`FLAT_NAMES` used to be top-level commands; it maps those old names to the new ones, which
 :mod:`recserve.commands.main` keeps as hidden aliases.
 """
 
@@ -327,3 +327,11 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     chaos.add_arguments(killer)
     killer.set_defaults(func=chaos.run_from_args)
+
+    from recserve.perf.lab import versions_ab
+
+    versions = lab.add_parser(
+        "versions", help="today's server against another checkout's, taking turns: batch-1 p50/p99, rows/s"
+    )
+    versions_ab.add_arguments(versions)
+    versions.set_defaults(func=versions_ab.run_from_args)
