@@ -1,9 +1,9 @@
 """``recserve lab ...``: measurements and experiments on private loopback servers, not needed to serve.
 
 ``soak``, ``overload``, ``redis-outage``, ``tune``, ``store-bench``, ``dense-bench``, ``hops``, ``fuzz``,
-``chaos``, ``candidate-lists``, ``queue-stall``, ``device-ops``, ``degrade`` and ``versions``. Those of
-:data:`FLAT_NAMES` used to be top-level commands; it maps those old names to the new ones, which
-:mod:`recserve.commands.main` keeps as hidden aliases.
+``chaos``, ``candidate-lists``, ``queue-stall``, ``device-ops``, ``degrade``, ``versions`` and
+``stages``. Those of :data:`FLAT_NAMES` used to be top-level commands; it maps those old names to the
+new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
 """
 
 from __future__ import annotations
@@ -43,6 +43,15 @@ def _bench_dense(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _stages(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from recserve.perf.lab.stage_budget import stages_command
+
+    with tempfile.TemporaryDirectory(prefix="recserve-stages-") as scratch:
+        return stages_command(load_spec(args.spec), args.repository, Path(scratch), args.requests, args.json)
 
 
 def _workloads(text: str) -> tuple[tuple[int, int], ...]:
@@ -232,6 +241,12 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     hops.add_argument("--json", type=Path, default=None, help="also write the summary here")
     hops.add_argument("--repository", type=Path, default=None)
     hops.set_defaults(func=_bench_hops)
+
+    stages = lab.add_parser("stages", help="one request's time stage by stage, batch 1 and 64 (µs)")
+    stages.add_argument("--requests", type=int, default=500, help="requests per batch size, one in flight")
+    stages.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    stages.add_argument("--repository", type=Path, default=None)
+    stages.set_defaults(func=_stages)
 
     lists = lab.add_parser(
         "candidate-lists",

@@ -15,7 +15,7 @@ USER_COMMANDS = (
     "redis-load", "access", "canary", "observe", "k8s", "perf", "bench", "lab",
 )  # fmt: skip
 # the lab commands that never had a top-level name too
-LAB_COMMANDS = (*FLAT_NAMES.values(), "fuzz", "chaos", "device-ops", "degrade", "versions")
+LAB_COMMANDS = (*FLAT_NAMES.values(), "fuzz", "chaos", "device-ops", "degrade", "versions", "stages")
 
 
 def help_text(argv, capsys):
