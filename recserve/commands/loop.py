@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import socket
@@ -89,7 +90,14 @@ def _learn(args: argparse.Namespace) -> int:
     net = CTRNet(spec)
     net.load_state_dict(load_file(str(args.repository / DENSE / str(spec.version) / "weights.safetensors")))
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
-    learner = Learner(spec, served.store, net, args.learning_rate)
+    given = {
+        "learning_rate": args.learning_rate,
+        "max_loss_increase": args.max_loss_increase,
+        "watch_examples": args.watch_examples,
+    }
+    settings = dataclasses.replace(spec.loop, **{k: v for k, v in given.items() if v is not None})
+    settings.check()
+    learner = Learner(spec, served.store, net, settings.learning_rate)
     examples = args.examples_dir or Path(spec.loop.examples_directory)
     progress = examples / ".state" / "learner.json"
     trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
@@ -130,12 +138,12 @@ def _learn(args: argparse.Namespace) -> int:
                 line = {"segment": seq, "examples": figures.examples, "rows": figures.rows}
                 print(json.dumps({**line, "log_loss": round(figures.log_loss, 5)}), flush=True)
             pending = seq
-            reverted = learner.watch(rollback, args.watch_examples, args.max_loss_increase)
+            reverted = learner.watch(rollback, settings.watch_examples, settings.max_loss_increase)
             if reverted:
                 print(json.dumps({"rolled_back": reverted}), flush=True)
         done = args.once and not segments
         if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
-            published = learner.publish(publish, max_loss_increase=args.max_loss_increase)
+            published = learner.publish(publish, max_loss_increase=settings.max_loss_increase)
             last_publish = time.monotonic()
             progress.parent.mkdir(parents=True, exist_ok=True)
             temporary = progress.with_name(".learner.json.tmp")
@@ -143,13 +151,15 @@ def _learn(args: argparse.Namespace) -> int:
             temporary.replace(progress)  # what was trained up to the rows just published
             fresh = [round(f, 3) for f in learner.freshness]
             checked = [round(f, 5) for f in learner.last_check]
-            line = {
+            decision: dict[str, object] = {
                 "published": published,
                 "trained": pending,
                 "log_loss": checked[0],
                 "served_log_loss": checked[1],
+                "freshness_p50_s": fresh[0],
+                "freshness_p99_s": fresh[1],
             }
-            print(json.dumps({**line, "freshness_p50_s": fresh[0], "freshness_p99_s": fresh[1]}), flush=True)
+            print(json.dumps(decision), flush=True)
         if done or (args.for_seconds is not None and time.monotonic() - started >= args.for_seconds):
             break
         if not segments:
@@ -205,8 +215,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="train the served embedding rows on the joiner's examples; publish the touched rows as deltas",
         description=(
             "Follow the examples recserve join commits, train the served embedding rows on them through the "
-            "served dense network (kept frozen), and publish only the rows touched as embedding deltas "
-            "through the update log every --publish-seconds (servers apply them within their poll)."
+            "served dense network (kept frozen) with a per-row adaptive step (Adagrad), and publish only "
+            "the rows touched as embedding deltas through the update log every --publish-seconds "
+            "(servers apply them within their poll)."
         ),
     )
     learn.add_argument("--repository", type=Path, default=None)
@@ -219,7 +230,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     learn.add_argument(
         "--publish-seconds", type=float, default=60.0, help="publish the touched rows this often"
     )
-    learn.add_argument("--learning-rate", type=float, default=0.05)
+    learn.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="the rows' Adagrad step (default: [loop] learning_rate)",
+    )
     learn.add_argument("--batch-size", type=int, default=256)
     learn.add_argument("--once", action="store_true", help="train on what is committed, publish, and stop")
     learn.add_argument(
@@ -228,16 +244,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     learn.add_argument(
         "--max-loss-increase",
         type=float,
-        default=0.02,
+        default=None,
         help="publish only when the learner's progressive log loss is at most this much above the served "
-        "scores' on the same examples (default 0.02); otherwise the rows go back to what is served",
+        "scores' on the same examples; otherwise the rows go back to what is served "
+        "(default: [loop] max_loss_increase)",
     )
     learn.add_argument(
         "--watch-examples",
         type=int,
-        default=256,
+        default=None,
         help="after a publish, judge it on this many examples its versions served: when their served log "
-        "loss rose by more than --max-loss-increase, roll the versions back (default 256)",
+        "loss rose by more than --max-loss-increase, roll the versions back (default: [loop] watch_examples)",
     )
     learn.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     learn.set_defaults(func=_learn)

@@ -7,10 +7,14 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recserve.commands.spec_source import command_spec
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
+
+if TYPE_CHECKING:
+    from recserve.perf.bench.loop.bench import LoopGrid
 
 
 def _perf(args: argparse.Namespace) -> int:
@@ -146,6 +150,8 @@ def _bench_loop(args: argparse.Namespace) -> int:
     grid = LoopGrid.quick() if args.quick else LoopGrid()
     overrides = {"rounds": args.rounds, "round_seconds": args.round_seconds, "rate": args.rate}
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
+    if args.replay is not None:
+        return _replay_loop(spec, args, grid)
     name = args.run_name or datetime.datetime.now(datetime.UTC).strftime("loop-%Y%m%dT%H%M%SZ")
     recorded = run_loop(spec, args.repository, args.output / name, grid, progress=_progress)
     _progress("[bench-loop] the log scored again offline (recserve verify --log)")
@@ -159,6 +165,25 @@ def _bench_loop(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
     print(describe(summary))
     print(f"\nresults in {recorded.folder}; plots {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def _replay_loop(spec: ModelSpec, args: argparse.Namespace, grid: LoopGrid) -> int:
+    """``bench-loop --replay RATES``: the loop emulated in process on the bench's stream, per rate."""
+    from recserve.perf.bench.loop.bench import starting_logits
+    from recserve.perf.bench.loop.replay import as_json, describe, open_served, replay, stream_requests
+
+    _progress(f"[bench-loop] the stream's {grid.rounds} rounds logged in process")
+    requests = stream_requests(spec, grid, starting_logits(spec, args.repository))
+    store, net = open_served(spec, args.repository)
+    figures = []
+    for rate in args.replay or [spec.loop.learning_rate]:
+        _progress(f"[bench-loop] replay at learning rate {rate:g}")
+        figures.append(replay(spec, store, net, grid, rate, requests))
+    print(describe(figures))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(as_json(figures), indent=1) + "\n")
     return 0
 
 
@@ -306,4 +331,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     loop.add_argument("--round-seconds", type=float, default=None)
     loop.add_argument("--rate", type=float, default=None, help="requests per second to each server")
     loop.add_argument("--json", type=Path, default=None, help="also write the summary here (plots beside it)")
+    loop.add_argument(
+        "--replay",
+        type=_floats,
+        nargs="?",
+        const=[],
+        default=None,
+        metavar="RATES",
+        help="no servers: the loop emulated in one process on the same stream, at each learning rate "
+        "(e.g. 0.01,0.03,0.1; none given: [loop] learning_rate); prints the AUC gain of each",
+    )
     loop.set_defaults(func=_bench_loop)

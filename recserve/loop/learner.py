@@ -6,9 +6,12 @@ dense network's own training and hot swap are not built). For each batch of exam
 
 1. scores the batch with the rows it has now (progressive validation: the log loss *before* the
    batch is trained on, :attr:`Learner.progressive_loss`);
-2. takes one step of SGD on the embedding rows the batch touched (each example weighted by
+2. takes one step on the embedding rows the batch touched (each example weighted by
    ``1 / sample_rate``: a negative kept at rate w stands for 1/w negatives, so the trained model
-   stays calibrated on the full traffic and the served score needs no ln w correction);
+   stays calibrated on the full traffic and the served score needs no ln w correction). The step is
+   row-wise Adagrad: each row keeps the sum of its gradients' mean squares (:attr:`Learner.accumulators`)
+   and moves by ``learning_rate / sqrt(sum + eps)`` times its gradient, so a rare row (a new item)
+   takes large steps while a row every example shares (a low-cardinality category) slows down;
 3. keeps the new rows; :meth:`Learner.publish` writes **only the rows touched** since the last
    publish as one embedding delta per table, through the store's update log (versions, checksums,
    rollback), which every server applies within its poll interval;
@@ -27,11 +30,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from recserve.backends.dense.network import CTRNet
@@ -41,6 +45,12 @@ from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
 from recserve.core.spec.model import ModelSpec
 
 LOGGER = logging.getLogger(__name__)
+#: Adagrad's epsilon, under the square root of a row's accumulated squared gradient
+EPSILON = 1e-10
+#: (table id, key): a row
+Key = tuple[int, int]
+#: rows that stand in for the store's (None: the store's row)
+Overlay = Mapping[Key, "np.ndarray | None"]
 #: publishes one table's delta: (table, keys, vectors) -> the version published
 Publish = Callable[[str, np.ndarray, np.ndarray], int]
 #: serves again what a published version replaced: (table, version) -> the new (revert) version
@@ -53,9 +63,8 @@ class Watch:
 
     versions: dict[str, int]
     baseline: float
-    replaced: dict[
-        tuple[int, int], np.ndarray | None
-    ]  # each published row's value before (None: the store's)
+    # each published row's value and accumulator before (None: the store's row, a new accumulator)
+    replaced: dict[Key, tuple[np.ndarray, float] | None]
     scored: list[np.ndarray]  # label, weight, served score of the examples the new versions served
     # the positives' weighted share of the examples before it: the watched examples' log loss is
     # weighed to it, since the positives of a serving come at once and its negatives only as their
@@ -90,10 +99,12 @@ class Learner:
         spec: the served spec.
         store: the served rows (read for rows the learner has not trained yet).
         net: the served dense network (its weights are not trained).
-        learning_rate: the SGD step on the rows.
+        learning_rate: Adagrad's step on the rows (None: ``[loop] learning_rate``).
     """
 
-    def __init__(self, spec: ModelSpec, store: TieredStore, net: CTRNet, learning_rate: float = 0.05) -> None:
+    def __init__(
+        self, spec: ModelSpec, store: TieredStore, net: CTRNet, learning_rate: float | None = None
+    ) -> None:
         reason = trainable(spec)
         if reason:
             raise ValueError(f"recserve learn does not train specs with {reason} yet")
@@ -102,15 +113,17 @@ class Learner:
         self.net = net.eval()
         for parameter in self.net.parameters():
             parameter.requires_grad_(False)
-        self.learning_rate = learning_rate
+        self.learning_rate = spec.loop.learning_rate if learning_rate is None else learning_rate
         self.single = len(spec.categorical.features)
         self.targets = len(spec.targets)
         tables = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
         self.column_tables = np.array([store.table_id(t) for t in tables], np.int16)
         self.history_table = store.table_id(spec.sequences[0].table) if spec.sequences else -1
         self.group = attention_inputs(spec)[0] if spec.sequences else None
-        self.rows: dict[tuple[int, int], np.ndarray] = {}  # (table id, key) -> the row as trained
-        self.touched: set[tuple[int, int]] = set()  # trained since the last publish
+        self.rows: dict[Key, np.ndarray] = {}  # (table id, key) -> the row as trained
+        #: each trained row's accumulated squared gradient (Adagrad), kept and reverted with its row
+        self.accumulators: dict[Key, float] = {}
+        self.touched: set[Key] = set()  # trained since the last publish
         self.progressive_loss: list[float] = []
         self.examples_trained = 0
         self.rows_published = 0
@@ -119,7 +132,8 @@ class Learner:
         self._labelled: list[float] = []
         #: seconds from an example's label to the publish of the rows trained on it: (p50, p99) of the last
         self.freshness: tuple[float, float] = (0.0, 0.0)
-        self.published: dict[tuple[int, int], np.ndarray] = {}  # the rows as last published
+        self.published: dict[Key, np.ndarray] = {}  # the rows as last published
+        self.published_accumulators: dict[Key, float] = {}  # their accumulators then
         self.refused_publishes = 0
         #: the last publish decision's log losses on the examples with a served score: (learner, served)
         self.last_check: tuple[float, float] = (0.0, 0.0)
@@ -132,69 +146,105 @@ class Learner:
     # ---- one batch ---------------------------------------------------------------------------
     def _layout(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Keys ``[B, F + T + L]``, their table ids and the history mask ``[B, L]`` of a batch."""
-        keys = np.array(examples["keys"].to_pylist(), np.int64).reshape(examples.num_rows, -1)
+        rows = examples.num_rows
+        keys = pc.list_flatten(examples["keys"]).to_numpy().astype(np.int64).reshape(rows, -1)
         keys = keys[:, : self.single + self.targets]
         tables = np.broadcast_to(self.column_tables, keys.shape)
         if self.group is None:
-            return keys, np.array(tables), np.zeros((keys.shape[0], 0), np.float32)
-        histories = [h or [] for h in examples["history"].to_pylist()]
-        length = max(1, *(len(h) for h in histories))
-        history = np.zeros((len(histories), length), np.int64)
-        mask = np.zeros((len(histories), length), np.float32)
-        for b, items in enumerate(histories):  # left-aligned: the attention ignores position
-            history[b, : len(items)] = items
-            mask[b, : len(items)] = 1.0
+            return keys, np.array(tables), np.zeros((rows, 0), np.float32)
+        lengths = pc.fill_null(pc.list_value_length(examples["history"]), 0).to_numpy().astype(np.int64)
+        values = pc.list_flatten(examples["history"]).to_numpy().astype(np.int64)
+        history = np.zeros((rows, max(1, int(lengths.max(initial=0)))), np.int64)
+        mask = np.zeros(history.shape, np.float32)
+        owner = np.repeat(np.arange(rows), lengths)
+        position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        history[owner, position] = values  # left-aligned: the attention ignores position
+        mask[owner, position] = 1.0
         return (
             np.concatenate([keys, history], axis=1),
             np.concatenate([tables, np.full(history.shape, self.history_table, np.int16)], axis=1),
             mask,
         )
 
-    def _vectors(self, keys: np.ndarray, tables: np.ndarray) -> np.ndarray:
-        """The rows as the learner has them: trained ones from :attr:`rows`, the rest from the store."""
-        flat_keys, flat_tables = keys.reshape(-1), tables.reshape(-1)
-        vectors = np.array(self.store.lookup(flat_keys, flat_tables, record=False).vectors, np.float32)
-        vectors = vectors[:, : self.spec.model.embedding_dim]
-        for i, (table, key) in enumerate(zip(flat_tables.tolist(), flat_keys.tolist(), strict=True)):
-            row = self.rows.get((table, key))
-            if row is not None:
-                vectors[i] = row
-        return vectors.reshape(*keys.shape, -1)
+    def _vectors(
+        self, keys: np.ndarray, tables: np.ndarray, *overlays: Overlay
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The distinct rows of ``keys`` (structured: table, key), their vectors, and where each key is.
 
-    def train(self, examples: pa.Table) -> BatchFigures:
-        """Score the batch (its progressive log loss), then one SGD step on the rows it touched."""
-        keys, tables, mask = self._layout(examples)
-        vectors = torch.tensor(self._vectors(keys, tables), requires_grad=True)
+        A row comes from the first of ``overlays`` holding it (None there: the store's), else from
+        the store. Without overlays: the rows as trained (:attr:`rows`).
+        """
+        overlays = overlays or (self.rows,)
+        flat_keys, flat_tables = keys.reshape(-1), tables.reshape(-1)
+        order = np.lexsort((flat_keys, flat_tables))
+        sorted_keys, sorted_tables = flat_keys[order], flat_tables[order]
+        first = np.ones(len(order), bool)
+        first[1:] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_tables[1:] != sorted_tables[:-1])
+        inverse = np.empty(len(order), np.int64)
+        inverse[order] = np.cumsum(first) - 1
+        unique = np.empty(int(first.sum()), [("table", np.int16), ("key", np.int64)])
+        unique["table"], unique["key"] = sorted_tables[first], sorted_keys[first]
+        found = self.store.lookup(unique["key"], unique["table"], record=False).vectors
+        vectors = np.array(found[:, : self.spec.model.embedding_dim], np.float32)
+        for i, key in enumerate(zip(unique["table"].tolist(), unique["key"].tolist(), strict=True)):
+            for overlay in overlays:
+                if key in overlay:
+                    row = overlay[key]
+                    if row is not None:
+                        vectors[i] = row
+                    break
+        return unique, vectors, inverse
+
+    def _probability(self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
+        """The frozen network's probabilities of a batch whose rows are ``vectors``."""
         named = {SPARSE_EMBEDDINGS: vectors[:, : self.single]}
         if self.group is not None:
             named[self.group.target] = vectors[:, self.single]
             named[self.group.history] = vectors[:, self.single + self.targets :]
             named[self.group.mask] = torch.tensor(mask)
         if self.net.has_dense:
-            named[DENSE_NORMALIZED] = torch.tensor(np.array(examples["dense"].to_pylist(), np.float32))
+            dense = pc.list_flatten(examples["dense"]).to_numpy().astype(np.float32)
+            named[DENSE_NORMALIZED] = torch.tensor(dense.reshape(examples.num_rows, -1))
+        return self.net.score(named).reshape(-1).clamp(1e-7, 1 - 1e-7)
+
+    def score(self, examples: pa.Table, *overlays: Overlay) -> np.ndarray:
+        """Probabilities of ``examples`` with the rows of ``overlays`` (see :meth:`_vectors`).
+
+        ``score(batch)`` scores with the rows as trained, ``score(batch, learner.published)`` as
+        published, ``score(batch, {})`` with the store's rows alone.
+        """
+        keys, tables, mask = self._layout(examples)
+        _, vectors, where = self._vectors(keys, tables, *overlays)
+        with torch.no_grad():
+            batch = torch.tensor(vectors[where].reshape(*keys.shape, -1))
+            return self._probability(examples, batch, mask).numpy().astype(np.float64)
+
+    def train(self, examples: pa.Table) -> BatchFigures:
+        """Score the batch (its progressive log loss), then one Adagrad step on the rows it touched."""
+        keys, tables, mask = self._layout(examples)
+        unique, rows, where = self._vectors(keys, tables)
+        vectors = torch.tensor(rows[where].reshape(*keys.shape, -1), requires_grad=True)
+        probability = self._probability(examples, vectors, mask)
         labels = torch.tensor(np.asarray(examples["label"], np.float32))
         weights = 1.0 / torch.tensor(np.asarray(examples["sample_rate"], np.float32))
-        probability = self.net.score(named).reshape(-1).clamp(1e-7, 1 - 1e-7)
         losses = -(labels * probability.log() + (1 - labels) * (1 - probability).log())
         loss = (weights * losses).sum() / weights.sum()
         loss.backward()
         assert vectors.grad is not None
-        grads = vectors.grad.numpy()
+        grads = vectors.grad.numpy().reshape(len(where), -1)
         valid = np.concatenate([np.ones((keys.shape[0], self.single + self.targets), bool), mask > 0], axis=1)
-        pairs = np.stack([tables[valid].astype(np.int64), keys[valid]], axis=1)
-        unique, inverse = np.unique(pairs, axis=0, return_inverse=True)
-        summed = np.zeros((len(unique), grads.shape[-1]), np.float32)
-        np.add.at(summed, inverse.reshape(-1), grads[valid])
-        current = vectors.detach().numpy()[valid]
-        first = np.zeros(len(unique), np.int64)
-        first[inverse.reshape(-1)[::-1]] = np.arange(len(inverse.reshape(-1)))[::-1]
-        for (table, key), row, grad in zip(unique.tolist(), current[first], summed, strict=True):
-            self.rows[(table, key)] = row - self.learning_rate * grad
-            self.touched.add((table, key))
+        valid = valid.reshape(-1)  # padding is never trained
+        summed = np.zeros(rows.shape, np.float32)
+        np.add.at(summed, where[valid], grads[valid])
+        touched = np.zeros(len(unique), bool)
+        touched[where[valid]] = True
+        unique = unique[touched]
+        pairs = list(zip(unique["table"].tolist(), unique["key"].tolist(), strict=True))
+        self._step(pairs, rows[touched], summed[touched])
         figures = BatchFigures(examples.num_rows, float(loss.detach()), len(unique))
         self.progressive_loss.append(figures.log_loss)
         self.examples_trained += examples.num_rows
-        self._labelled += [t.timestamp() for t in examples["labelled_at"].to_pylist()]
+        self._labelled += (pc.cast(examples["labelled_at"], pa.int64()).to_numpy() / 1e6).tolist()
         served = np.array([np.nan if v is None else v for v in examples["score"].to_pylist()], np.float64)
         progressive = probability.detach().numpy().astype(np.float64)
         self._scored.append(np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1))
@@ -208,6 +258,17 @@ class Learner:
                 mine = (versions[:, columns] >= wanted).any(axis=1) & ~np.isnan(served)
                 watch.scored.append(np.stack([labels.numpy(), weights.numpy(), served], axis=1)[mine])
         return figures
+
+    def _step(self, keys: list[Key], rows: np.ndarray, gradients: np.ndarray) -> None:
+        """Row-wise Adagrad: each row's accumulator grows by its gradient's mean square, its step shrinks."""
+        accumulated = np.array([self.accumulators.get(k, 0.0) for k in keys], np.float64)
+        accumulated += np.mean(np.square(gradients, dtype=np.float64), axis=1)
+        steps = (self.learning_rate / np.sqrt(accumulated + EPSILON)).astype(np.float32)
+        moved = rows - steps[:, None] * gradients
+        for key, row, total in zip(keys, moved, accumulated.tolist(), strict=True):
+            self.rows[key] = row
+            self.accumulators[key] = total
+        self.touched.update(keys)
 
     def watch(self, rollback: Rollback, watch_examples: int, max_loss_increase: float) -> dict[str, int]:
         """Roll back a watched publish whose served log loss rose by more than the margin; table -> revert.
@@ -241,11 +302,7 @@ class Learner:
                 reverted[table] = rollback(table, version)
             for key, value in watch.replaced.items():
                 self.touched.discard(key)  # what it trained since, on the rolled-back row, goes too
-                for held in (self.rows, self.published):
-                    if value is None:
-                        held.pop(key, None)
-                    else:
-                        held[key] = value
+                self._revert(key, value, published=True)
             self.rollbacks += 1
         return reverted
 
@@ -290,16 +347,13 @@ class Learner:
                 learner_loss, served_loss, max_loss_increase,
             )  # fmt: skip
             self.refused_publishes += 1
-            for key in self.touched:
-                if key in self.published:
-                    self.rows[key] = self.published[key]
-                else:
-                    self.rows.pop(key, None)
+            for row in self.touched:
+                self._revert(row, self._published_state(row))
             self.touched.clear()
             self._labelled = []
             return {}
         versions: dict[str, int] = {}
-        replaced = {key: self.published.get(key) for key in self.touched}
+        replaced = {key: self._published_state(key) for key in self.touched}
         by_table: dict[int, list[int]] = {}
         for table, key in sorted(self.touched):
             by_table.setdefault(table, []).append(key)
@@ -312,6 +366,7 @@ class Learner:
             versions[name] = publish(name, np.array(keys, np.int64), vectors)
             self.rows_published += len(keys)
             self.published.update({(table, k): self.rows[(table, k)] for k in keys})
+            self.published_accumulators.update({(table, k): self.accumulators[(table, k)] for k in keys})
         self.versions_published += len(versions)
         if versions and not np.isnan(served_loss):
             self.watching.append(Watch(versions, served_loss, replaced, [], share))
@@ -321,6 +376,26 @@ class Learner:
         self.touched.clear()
         self._labelled = []
         return versions
+
+    def _published_state(self, key: Key) -> tuple[np.ndarray, float] | None:
+        """A row as last published, with its accumulator then (None: never published, the store's)."""
+        row = self.published.get(key)
+        return None if row is None else (row, self.published_accumulators[key])
+
+    def _revert(self, key: Key, state: tuple[np.ndarray, float] | None, published: bool = False) -> None:
+        """Put a row and its accumulator back to ``state`` (None: the store's row, a new accumulator).
+
+        With ``published``, what the learner holds as published goes back too (a rollback).
+        """
+        held: list[tuple[dict, dict]] = [(self.rows, self.accumulators)]
+        if published:
+            held.append((self.published, self.published_accumulators))
+        for rows, accumulators in held:
+            if state is None:
+                rows.pop(key, None)
+                accumulators.pop(key, None)
+            else:
+                rows[key], accumulators[key] = state
 
 
 def _log_loss(p: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:

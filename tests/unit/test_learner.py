@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recserve.backends.dense.network import CTRNet
+from recserve.core.sections.base import SpecError
 from recserve.loop.learner import Learner, trainable
 from recserve.loop.metrics import learn_samples, text
 from recserve.loop.tables import examples_table
@@ -147,3 +148,47 @@ def test_a_new_versions_clicks_coming_before_its_negatives_do_not_roll_it_back(s
     assert learn.watch(rollback, 4, 0.1) == {} and learn.watching  # not judged on clicks alone
     learn.train(examples(spec, tables, [0] * 4, seed=3, served=0.25, versions=new))  # windows closed
     assert learn.watch(rollback, 4, 0.1) == {} and not learn.watching  # as good as before: kept
+
+
+def stored(learn, key):
+    table, row_key = key
+    vectors = learn.store.lookup(np.array([row_key]), np.array([table], np.int16), record=False).vectors
+    return np.array(vectors[0, : learn.spec.model.embedding_dim])
+
+
+def test_each_row_steps_by_its_own_accumulated_squared_gradient(spec):
+    tables, learn = learner(spec, lr=0.05)
+    batch = examples(spec, tables, [1, 0, 1, 0])
+    learn.train(batch)
+    before = {key: stored(learn, key) for key in learn.touched}
+    first = {key: learn.rows[key] - before[key] for key in learn.touched}
+    for key, step in first.items():  # the first step of every row is the rate, whatever its gradient's size
+        assert np.sqrt(np.mean(step**2)) == pytest.approx(0.05, rel=1e-3)
+        assert learn.accumulators[key] > 0
+    kept = dict(learn.accumulators)
+    learn.train(batch)
+    for key in first:  # the accumulator grew: the same batch again moves every row less
+        assert learn.accumulators[key] > kept[key]
+        assert np.sqrt(np.mean((learn.rows[key] - before[key] - first[key]) ** 2)) < 0.05
+
+
+def test_the_learning_rate_is_the_specs_unless_given(spec):
+    _, store = spec_store(spec)
+    assert Learner(spec, store, CTRNet(spec)).learning_rate == spec.loop.learning_rate
+    assert Learner(spec, store, CTRNet(spec), learning_rate=0.2).learning_rate == 0.2
+    with pytest.raises(SpecError, match="learning_rate"):
+        dataclasses.replace(spec.loop, learning_rate=0.0).check()
+
+
+def test_a_refused_publish_and_a_rollback_put_the_accumulators_back_with_their_rows(spec):
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 1, 1, 1], served=0.01))
+    published = learn.publish(lambda table, keys, vectors: 5, max_loss_increase=0.0)
+    assert learn.published_accumulators == learn.accumulators  # published with their rows
+    at_publish = dict(learn.accumulators)
+    learn.train(examples(spec, tables, [1, 1, 1, 1], seed=1, served=0.999))
+    assert learn.publish(lambda *a: 1 / 0, max_loss_increase=0.0) == {}  # refused
+    assert learn.accumulators == at_publish  # the published rows' as published; the new rows' dropped
+    learn.train(examples(spec, tables, [1] * 4, seed=3, served=0.0001, versions=dict.fromkeys(published, 5)))
+    assert learn.watch(lambda table, version: 6, 4, 0.1) == dict.fromkeys(published, 6)
+    assert not learn.published_accumulators and not set(at_publish) & set(learn.accumulators)  # as before

@@ -115,3 +115,25 @@ def test_logging_cost_figures(tmp_path):
     assert figures["logging_throughput_ratio"] == 0.9
     assert figures["logging_p99_ratio"] == pytest.approx(2.0, abs=0.02)
     assert figures["logging_aa_p99_ratio"] == 1.0
+
+
+def test_the_replay_runs_the_benchs_stream_through_the_join_and_the_learner(spec):
+    import torch
+
+    from recserve.backends.dense.network import CTRNet
+    from recserve.perf.bench.loop.replay import replay, stream_requests
+    from tests.store_tables import spec_store
+
+    torch.manual_seed(0)
+    _, store = spec_store(spec)
+    settings = StreamSettings(items=10, new_items=3)
+    grid = LoopGrid(rounds=2, round_seconds=6.0, rate=2.0, rows=8, stream=settings)
+    requests = stream_requests(spec, grid)
+    assert len(requests) == 24 and requests[0].features[0]["request_id"] == "r0-0"  # the bench's ids
+    first = stream_requests(spec, grid)[0]
+    assert first.features == requests[0].features and (first.clicks == requests[0].clicks).all()  # seeded
+    figures = replay(spec, store, CTRNet(spec), grid, 0.05, requests)
+    assert figures.examples == 24 * 8  # every row labelled: its click, or its window's end
+    assert figures.published_versions > 0 and figures.frozen_auc is not None
+    still = replay(spec, store, CTRNet(spec), grid, 1e-9, requests)
+    assert still.loop_auc_gain == 0.0  # nothing learned: the loop serves what the frozen side does

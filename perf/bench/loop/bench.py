@@ -54,7 +54,7 @@ class LoopGrid:
     commit_seconds: float = 1.0  # the joiner's
     segment_seconds: float = 1.0  # [logging]: a log segment closes this old
     publish_seconds: float = 5.0  # the learner's
-    learning_rate: float = 0.1  # plain SGD on every touched row: higher rates harm the shared rows
+    learning_rate: float | None = None  # the learner's step (None: its default, [loop] learning_rate)
     batch_size: int = 128
     throughput_seconds: float = 4.0  # one turn of the throughput phase
     throughput_turns: int = 4  # per server, in the order loop, frozen, frozen, loop, ...
@@ -241,11 +241,12 @@ def _start_loop(
         stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "wb"), text=True,
     )  # fmt: skip
     stack.callback(joiner.kill)
+    rate = () if grid.learning_rate is None else ("--learning-rate", str(grid.learning_rate))
     learner = subprocess.Popen(
         _recserve(spec_file, "learn", "--repository", str(recorded.loop_repository),
                   "--examples-dir", str(recorded.examples_dir),
                   "--publish-seconds", str(grid.publish_seconds),
-                  "--learning-rate", str(grid.learning_rate), "--batch-size", str(grid.batch_size)),
+                  *rate, "--batch-size", str(grid.batch_size)),
         stdout=subprocess.PIPE, stderr=open(folder / "learner.log", "wb"), text=True,
     )  # fmt: skip
     stack.callback(learner.kill)

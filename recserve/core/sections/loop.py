@@ -1,7 +1,8 @@
-"""``[loop]``: the closed loop's joiner: the feedback it reads, its window, down-sampling and output.
+"""``[loop]``: the closed loop's joiner (its feedback, window, down-sampling, output) and learner.
 
 ``recserve join`` pairs the records the steps logged (``[logging]``: where it reads them) with the
-feedback events that follow (:mod:`recserve.core.feedback`). See docs/design/loop.md.
+feedback events that follow (:mod:`recserve.core.feedback`); ``recserve learn`` trains the served
+rows on its examples. See docs/design/loop.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ FEEDBACK_SOURCES = ("files", "redis")
 
 @dataclass(frozen=True)
 class LoopSection:
-    """``[loop]``: the join window, the late horizon, the negatives' rate, the feedback and the output."""
+    """``[loop]``: the join window, late horizon, negatives' rate, feedback and output; the learner's step."""
 
     # a click within this many seconds of the row being served makes a positive; a row whose
     # window closes unclicked makes a negative
@@ -34,6 +35,13 @@ class LoopSection:
     feedback_streams: int = 4
     examples_directory: str = "examples"  # the joiner's output segments (and its state, in .state/)
     commit_seconds: float = 5.0  # examples are written (and inputs acknowledged) this often
+    # recserve learn's step on the embedding rows (row-wise Adagrad: each row's step is this over the
+    # square root of its accumulated squared gradient); chosen by `recserve bench-loop --replay`
+    learning_rate: float = 0.005
+    # a publish is refused when the learner's log loss is above the served scores' by more than this,
+    # and a published version is rolled back when it scores worse than the rows before it by more
+    max_loss_increase: float = 0.02
+    watch_examples: int = 256  # a published version is judged on this many examples it served
 
     def check(self) -> None:
         """Raise :class:`SpecError` on a value out of range."""
@@ -43,6 +51,12 @@ class LoopSection:
                 raise SpecError(f"[loop] {name} lies in (0, 30 days], got {value}")
         if not 0.0 < self.negative_rate <= 1.0 or math.isnan(self.negative_rate):
             raise SpecError(f"[loop] negative_rate lies in (0, 1], got {self.negative_rate}")
+        if not 0.0 < self.learning_rate <= 10.0 or math.isnan(self.learning_rate):
+            raise SpecError(f"[loop] learning_rate lies in (0, 10], got {self.learning_rate}")
+        if not 0.0 <= self.max_loss_increase <= 10.0 or math.isnan(self.max_loss_increase):
+            raise SpecError(f"[loop] max_loss_increase lies in [0, 10], got {self.max_loss_increase}")
+        if not 1 <= self.watch_examples <= 10_000_000:
+            raise SpecError(f"[loop] watch_examples lies in 1..10000000, got {self.watch_examples}")
         if self.feedback not in FEEDBACK_SOURCES:
             raise SpecError(
                 f"[loop] feedback must be one of {', '.join(FEEDBACK_SOURCES)}, got {self.feedback!r}"
