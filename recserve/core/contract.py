@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from recserve.core.spec.types import AttentionGroup, CategoricalFeature, Sequenc
 from recserve.core.user_state_wire import log_weight_inputs
 
 
+@functools.lru_cache(maxsize=256)  # asked per tensor of every request; the names are few
 def is_dense_net_input(name: str) -> bool:
     """True for a name the dense network may take (:data:`DENSE_NET_INPUTS`, a further group's or width's)."""
     return name in (*DENSE_NET_INPUTS, HISTORY_LOG_WEIGHTS) or name.partition("__")[0] in (
@@ -42,6 +44,7 @@ def sparse_inputs(spec: ModelSpec) -> tuple[tuple[str, int, tuple[int, ...]], ..
     )
 
 
+@functools.lru_cache(maxsize=256)  # asked per tensor of every request; the names are few
 def is_sequence_input(name: str) -> bool:
     """True for a dense input with a sequence axis (axis 1): a history, a mask or the log-weights."""
     return name.partition("__")[0] in (HISTORY_EMBEDDINGS, HISTORY_MASK, HISTORY_LOG_WEIGHTS)
