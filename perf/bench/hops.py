@@ -50,11 +50,14 @@ from recserve.core.names import (
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.types import WireTensor
 from recserve.perf.harness.inprocess import measure_inprocess
+from recserve.perf.harness.process_cpu import cpu_per_request
 from recserve.perf.harness.stats import StepTimes, difference, snapshot
 from recserve.perf.harness.traffic import closed_loop, interleaved
 from recserve.server import Ports, TritonServer
 
 ECHO_ADAPTER = "echo_model.py"
+#: Requests in flight at which ``--cpu-seconds`` measures each process's CPU per request.
+CPU_CONCURRENCY = (1, 16)
 #: The echo ensemble whose steps pass the dense network's inputs packed into one FP32 tensor.
 PACKED, PACKED_TENSOR = "echo_2_hops_packed", "packed"
 
@@ -215,9 +218,18 @@ class Latency:
 
 
 def run_hops(
-    spec: ModelSpec, repository: Path, scratch: Path, requests: int = 300, rounds: int = 3
+    spec: ModelSpec,
+    repository: Path,
+    scratch: Path,
+    requests: int = 300,
+    rounds: int = 3,
+    cpu_seconds: float = 0.0,
 ) -> dict[str, object]:
-    """Measure the served ensemble, the echo ensembles and the in-process pipeline; the summary."""
+    """Measure the served ensemble, the echo ensembles and the in-process pipeline; the summary.
+
+    With ``cpu_seconds``, also each process's CPU per request, served and echo, with 1 and 16
+    requests in flight (:func:`recserve.perf.harness.process_cpu.cpu_per_request`).
+    """
     systems = write_hops_repository(spec, repository, scratch / "repository")
     rows = generate(spec, 64, seed=5)
     pool = [rows.take(slice(i, i + 1)).to_wire(spec) for i in range(len(rows))]
@@ -233,8 +245,18 @@ def run_hops(
                 for system, models in systems.items():
                     p50, p99 = (float(v) for v in np.percentile(latencies[system], [50, 99]))
                     results[system].append(Latency(system, p50, p99, difference(before, after, models)))
+        cpu = {
+            system: {
+                str(n): cpu_per_request(
+                    server.grpc_url, scratch / "repository", system, pool, n, cpu_seconds, systems[system]
+                )
+                for n in CPU_CONCURRENCY
+            }
+            for system in (spec.name, "echo_2_hops")
+            if cpu_seconds > 0
+        }
     inprocess = [measure_inprocess(spec, repository, 1, seconds=2.0).p50_ms for _ in range(rounds)]
-    return summarize(spec, results, inprocess)
+    return {**summarize(spec, results, inprocess), **({"cpu_per_request": cpu} if cpu else {})}
 
 
 def _median(values: list[float]) -> float:
@@ -293,15 +315,31 @@ def format_report(summary: dict[str, object]) -> str:
         f"packing the tensors between the steps into one would save {summary['packing_saving_ms']:.2f} ms "
         "at the floor"
     )
+    cpu = summary.get("cpu_per_request")
+    if isinstance(cpu, dict):
+        lines.append("CPU µs per request by process (requests in flight: requests/s; tritonserver, steps)")
+        for system, by_concurrency in cpu.items():
+            for n, figures in by_concurrency.items():
+                spent = ", ".join(
+                    f"{name.removeprefix(system + '_')} {us:.0f}" for name, us in figures["cpu_us"].items()
+                )
+                lines.append(f"  {system:<18}{n:>3}: {figures['requests_per_s']:7.0f}/s; {spent}")
     return "\n".join(lines)
 
 
-def hops_command(spec: ModelSpec, repository: Path, requests: int, rounds: int, output: Path | None) -> int:
+def hops_command(
+    spec: ModelSpec,
+    repository: Path,
+    requests: int,
+    rounds: int,
+    output: Path | None,
+    cpu_seconds: float = 0.0,
+) -> int:
     """``recserve lab hops``: print the report; write the summary as JSON to ``output`` if given."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="recserve-hops-") as scratch:
-        summary = run_hops(spec, repository, Path(scratch), requests, rounds)
+        summary = run_hops(spec, repository, Path(scratch), requests, rounds, cpu_seconds)
     print(format_report(summary))
     if output is not None:
         output.write_text(json.dumps(summary, indent=2) + "\n")

@@ -133,7 +133,9 @@ def _degrade(args: argparse.Namespace) -> int:
 def _bench_hops(args: argparse.Namespace) -> int:
     from recserve.perf.bench.hops import hops_command
 
-    return hops_command(load_spec(args.spec), args.repository, args.requests, args.rounds, args.json)
+    return hops_command(
+        load_spec(args.spec), args.repository, args.requests, args.rounds, args.json, args.cpu_seconds
+    )
 
 
 def _bench_candidates(args: argparse.Namespace) -> int:
@@ -239,6 +241,12 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     hops.add_argument("--requests", type=int, default=300, help="batch-1 requests per system and round")
     hops.add_argument("--rounds", type=int, default=3, help="the systems take turns; medians over rounds")
     hops.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    hops.add_argument(
+        "--cpu-seconds",
+        type=float,
+        default=0.0,
+        help="also measure each process's CPU per request, served and echo, 1 and 16 in flight, this long",
+    )
     hops.add_argument("--repository", type=Path, default=None)
     hops.set_defaults(func=_bench_hops)
 

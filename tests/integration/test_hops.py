@@ -4,7 +4,7 @@ from recserve.perf.bench.hops import PACKED, format_report, run_hops
 
 
 def test_the_echo_ensembles_serve_and_the_report_splits_the_time(spec, repository, tmp_path):
-    summary = run_hops(spec, repository, tmp_path, requests=40, rounds=1)
+    summary = run_hops(spec, repository, tmp_path, requests=40, rounds=1, cpu_seconds=1.0)
     systems = summary["systems"]
     assert set(systems) == {spec.name, "echo_2_hops", "echo_3_hops", PACKED}
     served, floor = systems[spec.name], systems["echo_2_hops"]
@@ -21,4 +21,11 @@ def test_the_echo_ensembles_serve_and_the_report_splits_the_time(spec, repositor
     assert summary["inprocess_p50_ms"] > 0 and summary["hop_floor_ratio"] == (
         (served["p50_ms"] - summary["inprocess_p50_ms"]) / floor["p50_ms"]
     )
+    cpu = summary["cpu_per_request"]
+    for system, steps in ((spec.name, ("embedding_lookup", "dense")), ("echo_2_hops", floor["steps"])):
+        for figures in cpu[system].values():  # every process of the system did some work per request
+            assert figures["requests_per_s"] > 0 and set(figures["cpu_us"]) == {"tritonserver", *steps}
+            assert all(us > 0 for us in figures["cpu_us"].values()), cpu
+    # the served steps compute: each costs more CPU per request than its echo, one in flight
+    assert cpu[spec.name]["1"]["cpu_us"]["dense"] > cpu["echo_2_hops"]["1"]["cpu_us"]["echo_2_hops_dense"]
     print(format_report(summary))
