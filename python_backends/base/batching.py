@@ -35,11 +35,27 @@ def merge(
     merged = {}
     for name in batch[0]:
         parts = [item[name] for item in batch]
-        width = max(p.shape[1] for p in parts) if parts[0].ndim >= 2 else None
-        if width is not None and any(p.shape[1] != width for p in parts):
-            parts = [_pad_axis1(p, width, name in left) for p in parts]
-        merged[name] = np.concatenate(parts, axis=0) if isinstance(parts[0], np.ndarray) else _cat(parts)
+        width = max(p.shape[1] for p in parts) if parts[0].ndim >= 2 else 0
+        ragged = parts[0].ndim >= 2 and any(p.shape[1] != width for p in parts)
+        if isinstance(parts[0], np.ndarray):
+            merged[name] = _padded(parts, width, name in left) if ragged else np.concatenate(parts)
+        else:
+            merged[name] = _cat([_pad_axis1(p, width, name in left) for p in parts] if ragged else parts)
     return merged, sizes
+
+
+def _padded(parts: Sequence[np.ndarray], width: int, left: bool) -> np.ndarray:
+    """The parts, of different widths (axis 1), in one array: one allocation, one copy per part."""
+    first = parts[0]
+    rows = sum(part.shape[0] for part in parts)  # a tensor's own rows (a list's history: one per user)
+    # BYTES (object) tensors: padded with empty elements, the padding of a multi-hot list
+    out = np.full((rows, width, *first.shape[2:]), b"" if first.dtype == object else 0, first.dtype)
+    row = 0
+    for part in parts:
+        start = width - part.shape[1] if left else 0
+        out[row : row + part.shape[0], start : start + part.shape[1]] = part
+        row += part.shape[0]
+    return out
 
 
 def _cat(parts: Sequence[Any]) -> Any:
@@ -55,18 +71,12 @@ def _cat(parts: Sequence[Any]) -> Any:
 
 
 def _pad_axis1(array: Any, width: int, left: bool) -> Any:
-    if not isinstance(array, np.ndarray):  # a torch tensor: padded on its device
-        import torch
+    """A torch tensor padded with zeros on its device to ``width`` along axis 1."""
+    import torch
 
-        missing = width - array.shape[1]
-        zeros = torch.zeros(
-            (array.shape[0], missing, *array.shape[2:]), dtype=array.dtype, device=array.device
-        )
-        return torch.cat([zeros, array] if left else [array, zeros], dim=1)
-    pad = [(0, 0)] * array.ndim
-    pad[1] = (width - array.shape[1], 0) if left else (0, width - array.shape[1])
-    # BYTES (object) tensors: padded with empty elements, the padding of a multi-hot list
-    return np.pad(array, pad, constant_values=b"" if array.dtype == object else 0)
+    missing = width - array.shape[1]
+    zeros = torch.zeros((array.shape[0], missing, *array.shape[2:]), dtype=array.dtype, device=array.device)
+    return torch.cat([zeros, array] if left else [array, zeros], dim=1)
 
 
 def split(

@@ -55,3 +55,13 @@ def test_the_versions_made_once_for_a_merged_batch_go_whole_to_every_request():
     parts = split({"probability": np.arange(8.0)[:, None], "embedding_version": versions}, sizes)
     assert [p["probability"].shape for p in parts] == [(3, 1), (5, 1)]
     assert all(p["embedding_version"] is versions for p in parts)
+
+
+def test_ragged_parts_are_padded_on_their_side_in_one_array():
+    a = {"h": np.ones((2, 2, 3), np.float32)}
+    b = {"h": np.full((1, 4, 3), 2, np.float32)}
+    right, _ = merge([a, b])
+    left, _ = merge([a, b], left={"h"})
+    assert right["h"].shape == left["h"].shape == (3, 4, 3)
+    assert (right["h"][:2, :2] == 1).all() and (right["h"][:2, 2:] == 0).all() and (right["h"][2] == 2).all()
+    assert (left["h"][:2, 2:] == 1).all() and (left["h"][:2, :2] == 0).all() and (left["h"][2] == 2).all()
