@@ -1,25 +1,42 @@
 """The degradation controller: which level serves a request, and lambda following the load.
 
 Each level ``l`` (0: full, then the spec's ``[[degrade.levels]]``, last the refusal) has a cost
-``c_l`` and a quality ``q_l`` against the full level's (1, 1; the refusal's are 0, 0). A request of
-value ``v`` (in the units of ``[degrade.tiers]``; lambda in value per unit of cost) is served at
-the level that maximises ``v x q_l - lambda x c_l``: at ``lambda = 0`` every request is served in
-full; as lambda grows the lowest values move to cheaper levels first, and are refused last (DCAF's
-choice of how much to compute per request). Lambda follows the load through a multiplicative
-feedback loop: every ``[degrade] interval_s`` the steps' mean queue wait ``w`` is compared with
-``target_queue_ms`` and ``lambda *= exp(gain x (w / target - 1))`` (the rise bounded per update and
-held while the wait is already falling, the fall ``FALL`` times as steep);
-below a floor lambda is 0, and it never passes ``[degrade] max_lambda``.
+``c_l`` and a quality ``q_l`` against the full level's (1, 1; the refusal's quality is 0, its cost
+``[degrade] refuse_cost``: what refusing at the first step still spends). A request of value ``v``
+(in the units of ``[degrade.tiers]``; lambda in value per unit of cost) is served at the level that
+maximises ``v x q_l - lambda x c_l``, unless it is worth at least ``full_value`` (then always in
+full): at ``lambda = 0`` every request is served in full; as lambda grows the lowest values move to
+cheaper levels first, and are refused last (DCAF's choice of how much to compute per request).
 
-Plain Python, without Triton: the first step's adapter feeds it the measured wait
-(recserve.backends.steps.queue_wait) and asks it for each request's level.
+Lambda is set at the first step's door, at every batch, from the arrivals it sees
+(:meth:`DegradeController.arrived`): the values of the requests that reached it in the last
+``WINDOW_S`` against the capacity the steps showed (:meth:`DegradeController.capacity`). It is the
+smallest lambda at which what those arrivals would cost, each at the level lambda gives it, fits
+``HEADROOM`` of that capacity: so it follows a change of rate within a batch or two, falls back as
+soon as the arrivals do, and between the two spends the capacity on the highest values per unit of
+cost. The capacity is learned from tritonserver's counters, read every ``[degrade] interval_s``
+(recserve.backends.steps.queue_wait): the cost the steps served per second while a backlog kept
+them busy; without a backlog it is at least what they served, and it is probed upwards while the
+door held arrivals back.
+
+Until a backlog has shown the capacity, lambda follows the steps' expected queue wait ``w`` from
+the same readings through a multiplicative feedback loop: ``lambda *= exp(gain x (w / target -
+1))`` against ``target_queue_ms`` (the rise bounded per update and held while the wait is already
+falling, the fall ``FALL`` times as steep); below a floor lambda is 0, and it never passes
+``[degrade] max_lambda``.
+
+Plain Python, without Triton: the first step's adapter feeds it the readings and each batch's
+values and asks it for each request's level; times are passed in, so tests run on a synthetic clock.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Sequence
+
+import numpy as np
 
 from recserve.core.sections.degrade import DegradeSection
 
@@ -32,10 +49,36 @@ MAX_EXCESS = 6.0
 FALL = 4.0
 #: A wait under this share of the previous one is draining: lambda is held, not raised.
 DRAINING = 0.9
+#: The door's window of arrivals, in seconds.
+WINDOW_S = 0.05
+#: The share of the measured capacity the door's floor lets the arrivals cost.
+HEADROOM = 0.9
+#: A capacity reading's weight against the ones before (an exponential average).
+CAPACITY_WEIGHT = 0.5
+#: While the door's floor held arrivals back and no backlog formed, the capacity may be more than
+#: measured: it is raised by this factor per reading until a backlog says where it is.
+PROBE = 1.1
+#: The lambdas the door's floor is chosen among, as multiples of ``max_lambda``.
+GRID = np.geomspace(LAMBDA_FLOOR, 1.0, 64)
+
+
+class ArrivalRate:
+    """The values of the requests that reached the door in the last ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = WINDOW_S) -> None:
+        self.window_s = window_s
+        self._seen: deque[tuple[float, float]] = deque()
+
+    def add(self, now: float, values: Sequence[float]) -> np.ndarray:
+        """Record a batch's values at ``now``; the values seen within the window, this batch's included."""
+        self._seen.extend((now, v) for v in values)
+        while self._seen and self._seen[0][0] < now - self.window_s:
+            self._seen.popleft()
+        return np.fromiter((v for _, v in self._seen), float, len(self._seen))
 
 
 class DegradeController:
-    """Chooses each request's level; lambda is updated from the measured queue wait.
+    """Chooses each request's level; lambda follows the arrivals against the capacity (or the queue wait).
 
     Thread-safe: the wait arrives from a background thread, levels are asked for on the request path.
 
@@ -46,17 +89,27 @@ class DegradeController:
     def __init__(self, section: DegradeSection) -> None:
         self.section = section
         levels = section.levels
-        self.costs = (1.0, *(level.cost for level in levels), *((0.0,) if section.refuse else ()))
+        refusal = (section.refuse_cost,) if section.refuse else ()
+        self.costs = (1.0, *(level.cost for level in levels), *refusal)
         self.qualities = (1.0, *(level.quality for level in levels), *((0.0,) if section.refuse else ()))
         self.fixed = section.fixed_lambda >= 0
         self._lambda = max(section.fixed_lambda, 0.0)
         self.load = 0.0  # the latest wait over the target
+        self.capacity_per_s = math.inf  # full-cost requests the steps serve per second (inf: not known)
+        self.floor = 0.0  # the door's floor under lambda, from the latest batch's arrivals
+        self.arrivals = ArrivalRate()
+        self._passed_cost = 0.0  # cost spent at the door's choices since the last capacity reading
+        self._passed = 0  # requests let through (not refused) since then
+        self._limited = False  # the door's floor held arrivals back since the last capacity reading
         self._lock = threading.Lock()
 
     @property
     def lam(self) -> float:
-        """The current lambda (value per unit of cost a level must earn)."""
-        return self._lambda
+        """The current lambda (value per unit of cost a level must earn).
+
+        The door's floor, or the loop's where a backlog still holds it higher.
+        """
+        return max(self._lambda, self.floor)
 
     @property
     def refused_level(self) -> int | None:
@@ -86,14 +139,67 @@ class DegradeController:
             self._lambda = 0.0 if lam < LAMBDA_FLOOR else min(lam, self.section.max_lambda)
             return self._lambda
 
+    def capacity(self, served_per_s: float, busy: bool) -> float:
+        """The capacity after one reading: ``served_per_s`` requests finished per second by the steps.
+
+        ``busy``: a backlog kept the steps busy through the reading, so what they served is what they
+        can serve: in full-cost requests, their rate times the cost spent per request let through
+        since the last reading, refusals' included (the average over busy readings). Without a
+        backlog what they served fitted: the capacity is at least that over ``HEADROOM`` (so the
+        floor never holds back a rate that was just served without a backlog); and where the door's
+        floor held arrivals back meanwhile, the capacity is probed upwards (``PROBE``), so that a low
+        reading (taken as lambda rose, or a slow start) does not hold it low.
+        """
+        with self._lock:
+            mean_cost = self._passed_cost / self._passed if self._passed else 1.0
+            limited, self._passed_cost, self._passed, self._limited = self._limited, 0.0, 0, False
+            measured = served_per_s * mean_cost
+            known = self.capacity_per_s
+            if busy and measured > 0:
+                self.capacity_per_s = (
+                    measured if math.isinf(known) else known + CAPACITY_WEIGHT * (measured - known)
+                )
+            elif not math.isinf(known):
+                self.capacity_per_s = max(known * PROBE if limited else known, measured / HEADROOM)
+            return self.capacity_per_s
+
+    def arrived(self, now: float, values: Sequence[float]) -> float:
+        """The door's floor under lambda after a batch of ``values`` reached it at ``now``.
+
+        The smallest lambda of a grid up to ``max_lambda`` at which the window's arrivals, each at the
+        level that lambda gives it, cost at most ``HEADROOM`` of the capacity per second (0 while the
+        capacity is not known or they fit in full; ``max_lambda`` when nothing on the grid fits).
+        """
+        window = self.arrivals.add(now, values)
+        budget = HEADROOM * self.capacity_per_s * self.arrivals.window_s
+        if self.fixed or len(window) <= budget:  # every one in full costs 1: it fits
+            self.floor = 0.0
+            return 0.0
+        lams = GRID * self.section.max_lambda
+        costs, qualities = np.asarray(self.costs), np.asarray(self.qualities)
+        gains = window[:, None, None] * qualities[None, None, :] - lams[None, :, None] * costs[None, None, :]
+        chosen = gains.argmax(axis=2)  # per value and lambda of the grid (argmax: the fuller)
+        if self.section.full_value > 0:
+            chosen[window >= self.section.full_value] = 0
+        spent = costs[chosen].sum(axis=0)
+        fits = np.flatnonzero(spent <= budget)
+        self.floor = float(lams[fits[0]]) if len(fits) else float(lams[-1])
+        self._limited = True
+        return self.floor
+
     def level(self, value: float) -> int:
         """The level serving a request of ``value``: best ``v x quality - lambda x cost`` (ties: fuller)."""
-        lam = self._lambda
-        if lam == 0.0:
+        lam = self.lam
+        if lam == 0.0 or 0 < self.section.full_value <= value:
+            self._passed_cost += 1.0
+            self._passed += 1
             return 0
         gains = [value * q - lam * c for q, c in zip(self.qualities, self.costs, strict=True)]
         best = max(gains)
-        return gains.index(best)
+        level = gains.index(best)
+        self._passed_cost += self.costs[level]  # a refusal's too: the compute it took is not served
+        self._passed += level != self.refused_level
+        return level
 
     def levels(self, values: Sequence[float]) -> list[int]:
         """:meth:`level` of each value."""

@@ -6,7 +6,8 @@ tritonserver counts, per model, the requests waiting in its dynamic batcher's qu
 server's metrics endpoint (its address in the environment variable
 :data:`~recserve.core.sections.degrade.METRICS_URL_ENV`, set by ``TritonServer``) and returns, per
 call, the wait a request arriving now can expect: per step, its pending requests over the rate it
-finished requests since the previous call, summed over the steps.
+finished requests since the previous call, summed over the steps; and the rate the steps finished
+requests at (the slowest step's), which is what they can serve while a backlog keeps them busy.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def expected_wait_ms(
     return total if busy else None
 
 
+def served_per_s(before: dict[str, StepCounts], after: dict[str, StepCounts], elapsed_s: float) -> float:
+    """Requests the slowest of the steps finished per second from one reading to the next."""
+    if elapsed_s <= 0 or not after:
+        return 0.0
+    return min((now.finished - before.get(m, StepCounts()).finished) / elapsed_s for m, now in after.items())
+
+
 class QueueWait:
     """The expected queue wait over the steps, from one reading of the counters to the next.
 
@@ -78,6 +86,7 @@ class QueueWait:
     def __init__(self, url: str, models: Sequence[str], timeout_s: float = 0.5) -> None:
         self.url, self.models, self.timeout_s = url, tuple(models), timeout_s
         self.previous: tuple[float, dict[str, StepCounts]] | None = None
+        self.served_per_s = 0.0  # the slowest step's finished requests per second, at the last sample
 
     def read(self) -> str:
         """The endpoint's text."""
@@ -88,4 +97,7 @@ class QueueWait:
         """Milliseconds a request arriving now would wait in the steps' queues (None: idle, or a first)."""
         now, counts = time.monotonic(), step_counts(self.read(), self.models)
         previous, self.previous = self.previous, (now, counts)
-        return expected_wait_ms(previous[1], counts, now - previous[0]) if previous is not None else None
+        if previous is None:
+            return None
+        self.served_per_s = served_per_s(previous[1], counts, now - previous[0])
+        return expected_wait_ms(previous[1], counts, now - previous[0])

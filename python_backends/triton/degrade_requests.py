@@ -4,9 +4,10 @@
 value (the ``recserve-value`` parameter, or header forwarded as one), asks the controller for its
 level, refuses the requests whose level is the refusal (UNAVAILABLE, before any work is spent on
 them), hands the others on with their tensors as their level changes them, and adds
-``degrade_level`` to each response. A background thread feeds the controller the steps' measured
-queue wait every ``[degrade] interval_s``. :func:`answer_lists` lets ``dense`` answer a list cut
-short with a score for every requested candidate.
+``degrade_level`` to each response. A background thread feeds the controller the steps' expected
+queue wait and the rate they serve at, from the metrics endpoint every ``[degrade] interval_s``;
+each batch's values set the door's floor under lambda as they arrive. :func:`answer_lists` lets
+``dense`` answer a list cut short with a score for every requested candidate.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,15 +92,24 @@ class DegradeGate:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Update lambda from the measured queue wait every ``interval_s``, from a daemon thread."""
+        """Update lambda and the capacity from the steps' counters every ``interval_s``, from a daemon thread.
+
+        A reading is busy when the expected wait was over the target at it and at the one before: a
+        backlog kept the steps serving all the while, so their rate is their capacity.
+        """
         if self.wait is None or self.controller.fixed:
             return
         wait = self.wait
 
         def run() -> None:
+            over = False
             while not self._stop.wait(self.section.interval_s):
                 try:
-                    self.controller.update(wait.sample())
+                    waited = wait.sample()
+                    busy = over and waited is not None and waited > self.section.target_queue_ms
+                    over = waited is not None and waited > self.section.target_queue_ms
+                    self.controller.update(waited)
+                    self.controller.capacity(wait.served_per_s, busy)
                 except Exception:  # a missed reading leaves lambda where it is
                     LOGGER.debug("reading the queue wait failed", exc_info=True)
 
@@ -116,14 +127,22 @@ class DegradeGate:
         responses: list = [None] * len(requests)
         passed, levels = [], []
         refused = self.controller.refused_level
+        parameters: list[dict[str, Any]] = []
+        values: list[float | None] = []
         for i, request in enumerate(requests):
-            parameters = parameters_of(request)
+            parameters.append(parameters_of(request))
             try:
-                level = self.controller.level(self.section.value_from(parameters))
+                values.append(self.section.value_from(parameters[-1]))
             except InvalidParameter as exc:
                 responses[i] = error_response(exc)
+                values.append(None)
+        self.controller.arrived(time.monotonic(), [v for v in values if v is not None])
+        for i, request in enumerate(requests):
+            value = values[i]
+            if value is None:
                 continue
-            self.counts.count(level, self.counts.tier_of(parameters))
+            level = self.controller.level(value)
+            self.counts.count(level, self.counts.tier_of(parameters[i]))
             if level == refused:
                 responses[i] = pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(

@@ -8,8 +8,8 @@ import tomllib
 
 from recserve.access.observe import panels
 from recserve.backends.steps.degrade import LevelCounts, LevelInputs, newest, pad_list
-from recserve.backends.steps.degrade_control import LAMBDA_FLOOR, DegradeController
-from recserve.backends.steps.queue_wait import StepCounts, expected_wait_ms, step_counts
+from recserve.backends.steps.degrade_control import HEADROOM, LAMBDA_FLOOR, WINDOW_S, DegradeController
+from recserve.backends.steps.queue_wait import StepCounts, expected_wait_ms, served_per_s, step_counts
 from recserve.build.configs import all_configs
 from recserve.core.names import STEPS
 from recserve.core.sections.base import SpecError
@@ -25,7 +25,7 @@ from recserve.core.sections.degrade import (
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
 from recserve.perf.lab.degrade_costs import alone
-from recserve.perf.lab.degrade_report import clicks, phase_figures, windows
+from recserve.perf.lab.degrade_report import clicks, level_quality, phase_figures, windows
 from recserve.perf.lab.degrade_traffic import SERVED, Sent
 
 DEGRADE = {
@@ -178,7 +178,7 @@ def test_the_lowest_values_are_degraded_first_and_refused_last():
 
 
 def test_the_top_decile_is_untouched_at_moderate_load():
-    values = np.random.default_rng(4).lognormal(0.0, 1.0, 10_000)
+    values = np.random.default_rng(4).lognormal(0.0, 1.0, 2_000)
     controller = DegradeController(section())
     while True:  # raise lambda by measured overload until a fifth of the traffic is degraded
         controller.update(15.0)
@@ -196,6 +196,49 @@ def test_lambda_is_held_while_the_queue_drains_and_never_passes_its_ceiling():
     held = controller.lam
     assert run(controller, [30.0, 20.0]) == [held, held]  # over the target, but falling: held
     assert run(controller, [25.0] * 20)[-1] == 0.01  # rising again up to max_lambda, not past it
+
+
+def test_the_door_raises_lambda_at_the_first_batches_of_a_spike_and_drops_it_with_the_arrivals():
+    """Synthetic clock: a capacity of 100 full-cost requests/s; 50/s arrive, then 800/s, then 50/s."""
+    controller = DegradeController(section(max_lambda=50.0))
+    values = np.random.default_rng(5).lognormal(0.0, 1.0, 400).tolist()
+    assert controller.arrived(0.0, values[:40]) == 0.0  # capacity not measured yet: nothing
+    controller.capacity(100.0, busy=True)
+    now = 1.0
+    for v in values[:10]:  # normal load: one every 20 ms, half the capacity
+        now += 0.02
+        assert controller.arrived(now, [v]) == 0.0 and controller.lam == 0.0
+    floors = []
+    for i in range(10):  # a spike: 8 every 10 ms, eight times the capacity
+        now += 0.01
+        floors.append(controller.arrived(now, values[8 * i : 8 * i + 8]))
+    assert floors[0] > 0.0  # the first batch of the spike already raises the floor
+    window = np.asarray(values[32:80])  # the spike's last 50 ms
+    levels = np.asarray(controller.levels(window.tolist()))
+    assert np.asarray(controller.costs)[levels].sum() <= HEADROOM * 100.0 * WINDOW_S  # it fits
+    order = np.argsort(window)
+    assert (np.diff(levels[order]) <= 0).all()  # the lowest values pay first
+    now += 0.2  # the spike is over: the next batch is alone in its window
+    assert controller.arrived(now, values[:1]) == 0.0 and controller.lam == 0.0
+
+
+def test_the_capacity_is_learned_from_busy_readings_only():
+    controller = DegradeController(section())
+    controller.capacity(50.0, busy=False)
+    assert controller.capacity_per_s == float("inf")  # idle readings say nothing of the ceiling
+    for _ in range(3):
+        controller.level(0.5)  # three let through in full: mean cost 1
+    controller.capacity(200.0, busy=True)
+    assert controller.capacity_per_s == 200.0
+    controller.floor = 10.0  # most now served cheaper (the door's floor): the same rate is less compute
+    for v in (0.1, 0.2, 100.0):
+        controller.level(v)
+    mean_cost = controller._passed_cost / controller._passed
+    assert mean_cost < 1.0
+    controller.capacity(200.0, busy=True)
+    assert controller.capacity_per_s == pytest.approx(200.0 + 0.5 * (200.0 * mean_cost - 200.0))
+    controller.capacity(900.0, busy=False)  # served more without a backlog: that fits, with headroom
+    assert controller.capacity_per_s == pytest.approx(900.0 / HEADROOM)
 
 
 def test_a_fixed_lambda_ignores_the_load():
@@ -223,6 +266,7 @@ def test_the_expected_wait_is_the_backlog_over_the_rate_each_step_drains_it():
     assert expected_wait_ms(after, after, 0.5) == pytest.approx(500.0)  # none finished: the interval
     idle = {step: StepCounts(5.0) for step in STEPS}
     assert expected_wait_ms(idle, idle, 0.5) is None
+    assert served_per_s(before, after, 0.5) == pytest.approx(200.0)  # the slower step: dense
 
 
 def test_a_level_keeps_each_rows_newest_items_and_a_lists_first_candidates():
@@ -281,6 +325,14 @@ def test_the_lab_weighs_the_clicks_served_by_value():
     assert figures.top_decile_degraded == 0.0 and figures.top_decile_refused == 0.0 and figures.refused == 1
     over_time = windows([*outcomes, Sent(1, 0.6, 1.0, REFUSED, 1.0, 0)], width_s=0.25)
     assert over_time == [[0.0, pytest.approx(8.96), 0.3333, 0.3333, 0.3333], [0.5, None, 0.0, 0.0, 1.0]]
+    # per level served, the clicks kept (the top 8 of 4 is all of them, whatever the scores)
+    assert level_quality(outcomes, full, labels) == {
+        0: {"requests": 1, "quality": 1.0},
+        1: {"requests": 1, "quality": 1.0},
+    }
+    label, reference = np.eye(10)[9], np.where(np.arange(10) == 9, 1.0, 0.5)  # the click ranked first
+    missed = Sent(1, 0.0, 5.0, SERVED, 2.0, 0, 2, np.where(np.arange(10) == 9, 0.0, 0.5))  # ranked last
+    assert level_quality([missed], [reference], [label]) == {2: {"requests": 1, "quality": 0.0}}
 
 
 def test_the_dashboard_shows_the_levels_with_the_section_only(spec):
@@ -294,3 +346,32 @@ def test_a_level_served_alone_serves_every_value_at_it():
     lone = alone(parse_spec(ctr_doc(degrade=DEGRADE)), 1)
     assert lone.degrade.level_names == (FULL, "minimal") and lone.degrade.levels[0].max_candidates == 16
     assert DegradeController(lone.degrade).levels([0.0, 1.0, 1e6]) == [1, 1, 1]
+
+
+def test_the_capacity_is_probed_upwards_while_the_door_holds_arrivals_back_without_a_backlog():
+    controller = DegradeController(section(max_lambda=50.0))
+    controller.capacity(100.0, busy=True)
+    controller.arrived(0.0, [1.0] * 20)  # 400/s in the window against 100: held back
+    controller.capacity(80.0, busy=False)  # no backlog formed
+    assert controller.capacity_per_s == pytest.approx(110.0)
+    controller.capacity(80.0, busy=False)  # the floor did not hold anything back since: left as it is
+    assert controller.capacity_per_s == pytest.approx(110.0)
+
+
+def test_a_value_of_at_least_full_value_is_always_served_in_full_and_counted_at_full_cost():
+    controller = DegradeController(section(full_value=5.0, max_lambda=1000.0))
+    controller._lambda = 1000.0
+    assert controller.levels([0.1, 4.9, 5.0, 50.0]) == [3, 3, 0, 0]
+    controller.capacity(100.0, busy=True)  # 100 full-cost requests/s: 4.5 in the door's window
+    floor = controller.arrived(1.0, [10.0] * 4 + [0.5] * 40)
+    assert floor > 0.0 and controller.levels([10.0, 0.5]) == [0, 3]  # the protected four fit alone
+
+
+def test_a_refusal_that_still_costs_makes_degrading_the_better_choice_for_longer():
+    free, costly = DegradeController(section()), DegradeController(section(refuse_cost=0.1))
+    free._lambda = costly._lambda = 1.0
+    # at v = 0.1, minimal (cost 0.15, quality 0.85) gains -0.065: under a free refusal (0), over -0.1
+    assert free.level(0.1) == 3 and costly.level(0.1) == 2
+    assert costly.costs[-1] == 0.1
+    with pytest.raises(SpecError, match="refuse_cost must be >= 0 and under the cheapest level's cost"):
+        section(refuse_cost=0.15)

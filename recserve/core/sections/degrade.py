@@ -74,6 +74,12 @@ class DegradeSection:
     default: str = ""  # the value of a request without one: a tier name or a number ("": 1.0)
     levels: tuple[DegradeLevel, ...] = ()
     refuse: bool = True  # the last level: refusal (false: the cheapest level serves everything)
+    # what a refusal at the first step still costs, of the full level's compute (the request is
+    # received, queued and answered): measure it (recserve lab degrade --costs)
+    refuse_cost: float = 0.0
+    # > 0: a request worth at least this is always served in full (never degraded nor refused by
+    # the controller): the traffic that must not be touched, whatever degrading it would save
+    full_value: float = 0.0
     fallback_score: float = 0.0  # the score of a candidate past a level's cap
     target_queue_ms: float = 5.0  # lambda rises while the steps' expected queue wait is above this
     interval_s: float = 0.25  # how often lambda is updated from the measured queue wait
@@ -172,6 +178,12 @@ class DegradeSection:
                     f"got {level.max_candidates}, {level.history_length}"
                 )
             previous_cost, previous_quality = level.cost, level.quality
+        cheapest = self.levels[-1].cost if self.levels else 1.0
+        if not 0.0 <= self.refuse_cost < cheapest or not 0.0 <= self.full_value < math.inf:
+            raise SpecError(
+                f"[degrade] refuse_cost must be >= 0 and under the cheapest level's cost ({cheapest}), "
+                f"full_value >= 0 and finite; got {self.refuse_cost}, {self.full_value}"
+            )
         if not self.levels and not self.refuse:
             raise SpecError("[degrade] needs levels or refuse = true: there is nothing cheaper to serve")
         positive = (self.target_queue_ms, self.interval_s, self.gain, self.max_lambda)
