@@ -98,6 +98,21 @@ def phase_figures(
     )
 
 
+def level_quality(outcomes: list[Sent], full: list[np.ndarray], labels: list[np.ndarray]) -> dict[int, dict]:
+    """Per level served: requests, and the clicks of the scores served over those at full compute.
+
+    What a level really keeps, to set its ``quality`` in the spec from (the spec's is a guess until
+    measured): value-weighted as the phases' figures are.
+    """
+    out = {}
+    for level in sorted({o.level for o in outcomes if o.result == SERVED}):
+        at = [o for o in outcomes if o.result == SERVED and o.level == level and o.scores is not None]
+        kept = sum(o.value * clicks(o.scores, labels[o.list_index]) for o in at if o.scores is not None)
+        reference = sum(o.value * clicks(full[o.list_index], labels[o.list_index]) for o in at)
+        out[level] = {"requests": len(at), "quality": round(kept / reference, 4) if reference > 0 else None}
+    return out
+
+
 def table(policies: dict[str, list[PhaseFigures]]) -> str:
     """A text table: one line per policy and phase."""
     head = (
