@@ -228,12 +228,12 @@ def execute_merged_or_alone(
     except Exception:  # redone per request below, where each error is mapped
         LOGGER.debug("merged batch of %d requests refused; handling them one by one", len(inputs))
         return [_handle_one(handle, *pair, observe) for pair in zip(inputs, requests, strict=True)]
-    widths = (
-        {name: [ragged_width(item) for item in inputs] for name in ragged_outputs} if ragged_width else {}
-    )
+    own = None  # each request's width, the same for every ragged output
     if output_width is not None:
         own = [output_width(part) for part in batching.split(outputs, sizes)]
-        widths = {name: own for name in ragged_outputs}
+    elif ragged_width is not None:
+        own = [ragged_width(item) for item in inputs]
+    widths = {name: own for name in ragged_outputs} if own is not None else {}
     parts = batching.split(outputs, sizes, widths, left_padded)
     return [
         respond(observed(observe, request, item, part))
@@ -276,20 +276,28 @@ def execute_alone(
     ]
 
 
+def input_names(requests: Sequence[Any]) -> dict[int, frozenset[str]]:
+    """The names of each request's inputs, by ``id(request)``: read once for several markers."""
+    return {id(request): frozenset([tensor.name() for tensor in request.inputs()]) for request in requests}
+
+
 def execute_by_input(
     requests: Sequence[Any],
     marker: str,
     rows: Callable[[list], list],
     other: Callable[[list], list],
+    names: Mapping[int, frozenset[str]] | None = None,
 ) -> list:
     """Requests holding the input ``marker`` go to ``other``, the rest to ``rows``; responses in order.
 
     For a step taking two request layouts (rows, and one user's candidate list), or both wire forms
-    (ids, text), in one dynamic batch.
+    (ids, text), in one dynamic batch. ``names``: :func:`input_names` of the requests, when the
+    caller splits them by more than one marker.
     """
     if not marker:  # a step with one layout
         return rows(list(requests))
-    forms = [any(tensor.name() == marker for tensor in request.inputs()) for request in requests]
+    names = names or input_names(requests)
+    forms = [marker in names[id(request)] for request in requests]
     if not any(forms):
         return rows(list(requests))
     marked = iter(other([r for r, f in zip(requests, forms, strict=True) if f]))

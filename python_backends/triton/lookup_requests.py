@@ -10,7 +10,12 @@ from __future__ import annotations
 from recserve.backends.request_log.step_log import FeatureLog
 from recserve.backends.steps.lookup import FeaturesToEmbeddings
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
-from recserve.backends.triton.adapter import execute_alone, execute_by_input, execute_merged_or_alone
+from recserve.backends.triton.adapter import (
+    execute_alone,
+    execute_by_input,
+    execute_merged_or_alone,
+    input_names,
+)
 from recserve.core.names import CANDIDATE_PREFIX, SPARSE_EMBEDDINGS, USER_ID
 
 
@@ -33,11 +38,13 @@ class LookupRequests:
 
     def execute(self, requests: list) -> list:
         """Row-form requests as one merged batch per wire form; candidate lists likewise."""
+        names = input_names(requests)  # read once: the requests are split by two markers
         responses = execute_by_input(
             requests,
             self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
-            lambda rows: execute_by_input(rows, self.step.ids_marker, self.merged, self.merged),
-            lambda lists: execute_by_input(lists, self.step.ids_marker, self.lists, self.lists),
+            lambda rows: execute_by_input(rows, self.step.ids_marker, self.merged, self.merged, names),
+            lambda lists: execute_by_input(lists, self.step.ids_marker, self.lists, self.lists, names),
+            names,
         )
         self.step.copies.executed()
         return responses
