@@ -253,8 +253,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--watch-examples",
         type=int,
         default=None,
-        help="after a publish, judge it on this many examples its versions served: when their served log "
-        "loss rose by more than --max-loss-increase, roll the versions back (default: [loop] watch_examples)",
+        help="after a publish, judge it on this many examples its versions served: when its log loss on them "
+        "is above that of the rows it replaced by more than --max-loss-increase, roll the versions back "
+        "(default: [loop] watch_examples)",
     )
     learn.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     learn.set_defaults(func=_learn)

@@ -19,8 +19,10 @@ dense network's own training and hot swap are not built). For each batch of exam
    learner's progressive log loss with the served scores' log loss: when the learner's is worse by
    more than a margin, nothing is published and the touched rows go back to what is served;
 5. and after a publish, watches the examples the new versions served (their ``embedding_version``):
-   once ``watch_examples`` of them came, when their served log loss is worse than the served one
-   before the publish by more than the margin, it rolls the versions back (:meth:`Learner.watch`).
+   each is scored by the new version and by the rows it replaced, on the same features; once
+   ``watch_examples`` of them came, when the new version's log loss is worse than the replaced
+   rows' by more than the margin, it rolls the versions back (:meth:`Learner.watch`,
+   :mod:`recserve.loop.watch`).
 
 What it trains: specs whose tables are all ``embedding_dim`` wide, without multi-hot features,
 with at most one behaviour sequence (the bundled ``ctr`` spec). Anything else is refused at start.
@@ -43,33 +45,18 @@ from recserve.backends.store.tiered import TieredStore
 from recserve.core.contract import attention_inputs
 from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
 from recserve.core.spec.model import ModelSpec
+from recserve.loop.batch import BatchLayout, distinct_rows
+from recserve.loop.watch import Key, Watch, log_loss
 
 LOGGER = logging.getLogger(__name__)
 #: Adagrad's epsilon, under the square root of a row's accumulated squared gradient
 EPSILON = 1e-10
-#: (table id, key): a row
-Key = tuple[int, int]
 #: rows that stand in for the store's (None: the store's row)
 Overlay = Mapping[Key, "np.ndarray | None"]
 #: publishes one table's delta: (table, keys, vectors) -> the version published
 Publish = Callable[[str, np.ndarray, np.ndarray], int]
 #: serves again what a published version replaced: (table, version) -> the new (revert) version
 Rollback = Callable[[str, int], int]
-
-
-@dataclass
-class Watch:
-    """A publish being watched: its versions, the served log loss before it, the rows it replaced."""
-
-    versions: dict[str, int]
-    baseline: float
-    # each published row's value and accumulator before (None: the store's row, a new accumulator)
-    replaced: dict[Key, tuple[np.ndarray, float] | None]
-    scored: list[np.ndarray]  # label, weight, served score of the examples the new versions served
-    # the positives' weighted share of the examples before it: the watched examples' log loss is
-    # weighed to it, since the positives of a serving come at once and its negatives only as their
-    # windows close, so the first examples a new version served are mostly clicks
-    positive_share: float = 0.0
 
 
 def trainable(spec: ModelSpec) -> str:
@@ -117,8 +104,8 @@ class Learner:
         self.single = len(spec.categorical.features)
         self.targets = len(spec.targets)
         tables = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
-        self.column_tables = np.array([store.table_id(t) for t in tables], np.int16)
-        self.history_table = store.table_id(spec.sequences[0].table) if spec.sequences else -1
+        history = store.table_id(spec.sequences[0].table) if spec.sequences else None
+        self.layout = BatchLayout(np.array([store.table_id(t) for t in tables], np.int16), history)
         self.group = attention_inputs(spec)[0] if spec.sequences else None
         self.rows: dict[Key, np.ndarray] = {}  # (table id, key) -> the row as trained
         #: each trained row's accumulated squared gradient (Adagrad), kept and reverted with its row
@@ -139,33 +126,13 @@ class Learner:
         self.last_check: tuple[float, float] = (0.0, 0.0)
         # per batch: progressive p, label, weight, served score (NaN: none)
         self._scored: list[np.ndarray] = []
-        self.watching: list[Watch] = []
+        self.watching: list[Watch] = []  # in the order published
         self.rollbacks = 0
+        #: the last watch judged: the log losses (its own, the replaced rows') on the examples it served
+        self.last_watch: tuple[float, float] = (0.0, 0.0)
         self.table_columns = {name: i for i, name in enumerate(spec.table_names)}  # embedding_version's order
 
     # ---- one batch ---------------------------------------------------------------------------
-    def _layout(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Keys ``[B, F + T + L]``, their table ids and the history mask ``[B, L]`` of a batch."""
-        rows = examples.num_rows
-        keys = pc.list_flatten(examples["keys"]).to_numpy().astype(np.int64).reshape(rows, -1)
-        keys = keys[:, : self.single + self.targets]
-        tables = np.broadcast_to(self.column_tables, keys.shape)
-        if self.group is None:
-            return keys, np.array(tables), np.zeros((rows, 0), np.float32)
-        lengths = pc.fill_null(pc.list_value_length(examples["history"]), 0).to_numpy().astype(np.int64)
-        values = pc.list_flatten(examples["history"]).to_numpy().astype(np.int64)
-        history = np.zeros((rows, max(1, int(lengths.max(initial=0)))), np.int64)
-        mask = np.zeros(history.shape, np.float32)
-        owner = np.repeat(np.arange(rows), lengths)
-        position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        history[owner, position] = values  # left-aligned: the attention ignores position
-        mask[owner, position] = 1.0
-        return (
-            np.concatenate([keys, history], axis=1),
-            np.concatenate([tables, np.full(history.shape, self.history_table, np.int16)], axis=1),
-            mask,
-        )
-
     def _vectors(
         self, keys: np.ndarray, tables: np.ndarray, *overlays: Overlay
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -175,15 +142,7 @@ class Learner:
         the store. Without overlays: the rows as trained (:attr:`rows`).
         """
         overlays = overlays or (self.rows,)
-        flat_keys, flat_tables = keys.reshape(-1), tables.reshape(-1)
-        order = np.lexsort((flat_keys, flat_tables))
-        sorted_keys, sorted_tables = flat_keys[order], flat_tables[order]
-        first = np.ones(len(order), bool)
-        first[1:] = (sorted_keys[1:] != sorted_keys[:-1]) | (sorted_tables[1:] != sorted_tables[:-1])
-        inverse = np.empty(len(order), np.int64)
-        inverse[order] = np.cumsum(first) - 1
-        unique = np.empty(int(first.sum()), [("table", np.int16), ("key", np.int64)])
-        unique["table"], unique["key"] = sorted_tables[first], sorted_keys[first]
+        unique, inverse = distinct_rows(keys, tables)
         found = self.store.lookup(unique["key"], unique["table"], record=False).vectors
         vectors = np.array(found[:, : self.spec.model.embedding_dim], np.float32)
         for i, key in enumerate(zip(unique["table"].tolist(), unique["key"].tolist(), strict=True)):
@@ -213,7 +172,7 @@ class Learner:
         ``score(batch)`` scores with the rows as trained, ``score(batch, learner.published)`` as
         published, ``score(batch, {})`` with the store's rows alone.
         """
-        keys, tables, mask = self._layout(examples)
+        keys, tables, mask = self.layout.of(examples)
         _, vectors, where = self._vectors(keys, tables, *overlays)
         with torch.no_grad():
             batch = torch.tensor(vectors[where].reshape(*keys.shape, -1))
@@ -221,7 +180,7 @@ class Learner:
 
     def train(self, examples: pa.Table) -> BatchFigures:
         """Score the batch (its progressive log loss), then one Adagrad step on the rows it touched."""
-        keys, tables, mask = self._layout(examples)
+        keys, tables, mask = self.layout.of(examples)
         unique, rows, where = self._vectors(keys, tables)
         vectors = torch.tensor(rows[where].reshape(*keys.shape, -1), requires_grad=True)
         probability = self._probability(examples, vectors, mask)
@@ -255,9 +214,25 @@ class Learner:
             for watch in self.watching:
                 columns = [self.table_columns[t] for t in watch.versions]
                 wanted = np.array(list(watch.versions.values()), np.int64)
-                mine = (versions[:, columns] >= wanted).any(axis=1) & ~np.isnan(served)
-                watch.scored.append(np.stack([labels.numpy(), weights.numpy(), served], axis=1)[mine])
+                mine = np.flatnonzero((versions[:, columns] >= wanted).any(axis=1))
+                if len(mine):
+                    watch.scored.append(self._watched(watch, examples.take(mine), served[mine]))
         return figures
+
+    def _watched(self, watch: Watch, examples: pa.Table, served: np.ndarray) -> np.ndarray:
+        """Label, weight, the new version's score and the replaced rows' of examples ``watch`` served.
+
+        The new version's is the score served (scored again with its rows where the example carries
+        none); the replaced rows' is scored with them in its rows' place, the rows served now elsewhere.
+        """
+        new = served.copy()
+        missing = np.isnan(new)
+        if missing.any():
+            new[missing] = self.score(examples.filter(pa.array(missing)), watch.rows, self.published)
+        before = self.score(examples, watch.previous, self.published)
+        labels = np.asarray(examples["label"], np.float64)
+        weights = 1.0 / np.asarray(examples["sample_rate"], np.float64)
+        return np.stack([labels, weights, new, before], axis=1)
 
     def _step(self, keys: list[Key], rows: np.ndarray, gradients: np.ndarray) -> None:
         """Row-wise Adagrad: each row's accumulator grows by its gradient's mean square, its step shrinks."""
@@ -271,39 +246,48 @@ class Learner:
         self.touched.update(keys)
 
     def watch(self, rollback: Rollback, watch_examples: int, max_loss_increase: float) -> dict[str, int]:
-        """Roll back a watched publish whose served log loss rose by more than the margin; table -> revert.
+        """Roll back a watched publish that scored worse than the rows it replaced; table -> revert.
 
-        A publish is judged once ``watch_examples`` examples served by its versions came (with their
-        served scores); then it is kept, or its versions are rolled back and the learner's rows of it
-        go back to what they were before it.
+        A publish is judged once ``watch_examples`` examples served by its versions came (see
+        :mod:`recserve.loop.watch`): it is kept, or rolled back when its log loss on them is above
+        the replaced rows' by more than ``max_loss_increase``. A rollback serves again what the
+        version replaced, which undoes the versions published after it on the same tables too: the
+        watches of those go with it, and the learner's rows of all of them go back (with what it
+        trained on them since).
         """
         reverted: dict[str, int] = {}
         for watch in list(self.watching):
-            scored = np.concatenate(watch.scored) if watch.scored else np.zeros((0, 3))
-            positive = scored[:, 0] > 0.5
-            share = watch.positive_share
-            if len(scored) < watch_examples or (share > 0 and not positive.any()) or (
-                share < 1 and positive.all()
-            ):  # fmt: skip
-                continue  # not yet, or not both kinds of label when both weigh
-            self.watching.remove(watch)
-            served = sum(
-                part * _log_loss(scored[kind, 2], scored[kind, 0], scored[kind, 1])
-                for part, kind in ((share, positive), (1 - share, ~positive))
-                if part > 0
-            )
-            if not served > watch.baseline + max_loss_increase:
+            if watch not in self.watching:
+                continue  # undone with an earlier one
+            judged = watch.judge(watch_examples)
+            if judged is None:
+                continue
+            self.last_watch = judged
+            if not judged[0] > judged[1] + max_loss_increase:
+                self.watching.remove(watch)
                 continue
             LOGGER.warning(
-                "rolling back %s: served log loss %.5f against %.5f before it (margin %g)",
-                watch.versions, served, watch.baseline, max_loss_increase,
+                "rolling back %s: log loss %.5f on the examples it served against %.5f by the rows it "
+                "replaced (margin %g)", watch.versions, judged[0], judged[1], max_loss_increase,
             )  # fmt: skip
-            for table, version in watch.versions.items():
-                reverted[table] = rollback(table, version)
-            for key, value in watch.replaced.items():
+            reverted.update(self._roll_back(watch, rollback))
+        return reverted
+
+    def _roll_back(self, watch: Watch, rollback: Rollback) -> dict[str, int]:
+        """Serve again what ``watch``'s versions replaced; the later watches on its tables go with it."""
+        later = self.watching[self.watching.index(watch) + 1 :]
+        undone = [watch] + [w for w in later if set(w.versions) & set(watch.versions)]
+        first: dict[str, int] = {}  # per table, the earliest version undone
+        for each in undone:
+            self.watching.remove(each)
+            for table, version in each.versions.items():
+                first.setdefault(table, version)
+        reverted = {table: rollback(table, version) for table, version in first.items()}
+        for each in reversed(undone):  # the newest first: each row ends as it was before the first
+            for key, value in each.replaced.items():
                 self.touched.discard(key)  # what it trained since, on the rolled-back row, goes too
                 self._revert(key, value, published=True)
-            self.rollbacks += 1
+        self.rollbacks += 1
         return reverted
 
     def check(self) -> tuple[float, float]:
@@ -318,12 +302,11 @@ class Learner:
         if not len(scored):
             return float("nan"), float("nan")
         labels, weights = scored[:, 1], scored[:, 2]
-        return _log_loss(scored[:, 0], labels, weights), _log_loss(scored[:, 3], labels, weights)
+        return log_loss(scored[:, 0], labels, weights), log_loss(scored[:, 3], labels, weights)
 
     def _positive_share(self) -> float:
-        """The positives' weighted share of the examples since the last publish with a served score."""
+        """The positives' weighted share of the examples since the last publish."""
         scored = np.concatenate(self._scored) if self._scored else np.zeros((0, 4))
-        scored = scored[~np.isnan(scored[:, 3])]
         weights = scored[:, 2].sum()
         return float((scored[:, 2] * scored[:, 1]).sum() / weights) if weights > 0 else 0.0
 
@@ -368,8 +351,9 @@ class Learner:
             self.published.update({(table, k): self.rows[(table, k)] for k in keys})
             self.published_accumulators.update({(table, k): self.accumulators[(table, k)] for k in keys})
         self.versions_published += len(versions)
-        if versions and not np.isnan(served_loss):
-            self.watching.append(Watch(versions, served_loss, replaced, [], share))
+        if versions:
+            rows = {key: self.published[key] for key in replaced}
+            self.watching.append(Watch(versions, rows, replaced, share))
         if versions and self._labelled:
             ages = (time.time() if now is None else now) - np.array(self._labelled)
             self.freshness = (float(np.percentile(ages, 50)), float(np.percentile(ages, 99)))
@@ -396,9 +380,3 @@ class Learner:
                 accumulators.pop(key, None)
             else:
                 rows[key], accumulators[key] = state
-
-
-def _log_loss(p: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
-    """The weighted log loss of probabilities ``p``."""
-    p = np.clip(p, 1e-7, 1 - 1e-7)
-    return float(np.sum(weights * -(labels * np.log(p) + (1 - labels) * np.log(1 - p))) / weights.sum())

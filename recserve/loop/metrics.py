@@ -121,7 +121,7 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
         MetricSample(
             "recserve_learn_rollbacks_total",
             "counter",
-            "Published versions rolled back: their served log loss rose by more than the margin",
+            "Published versions rolled back: worse than the rows they replaced by more than the margin",
             (),
             float(learner.rollbacks),
         ),
@@ -141,6 +141,16 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
                 value,
             )
             for who, value in zip(("learner", "served"), learner.last_check, strict=True)
+        ),
+        *(
+            MetricSample(
+                "recserve_learn_watch_log_loss",
+                "gauge",
+                "The last judged publish's log loss on the examples it served: its rows', the replaced ones'",
+                (("rows", who),),
+                value,
+            )
+            for who, value in zip(("published", "replaced"), learner.last_watch, strict=True)
         ),
         *(
             MetricSample(

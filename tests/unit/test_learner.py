@@ -28,7 +28,7 @@ def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=Non
                 "sample_rate": 1.0 if rates is None else rates[i], "labelled_at": 2.0, "keys": keys,
                 "dense": [0.1] * len(spec.normalized_columns), "history": history,
                 "embedding_version": [versions.get(t, 1) for t in spec.table_names],
-                "score": served, "dense_version": None,
+                "score": served[i] if isinstance(served, list) else served, "dense_version": None,
             }
         )  # fmt: skip
     return examples_table(rows)
@@ -192,3 +192,48 @@ def test_a_refused_publish_and_a_rollback_put_the_accumulators_back_with_their_r
     learn.train(examples(spec, tables, [1] * 4, seed=3, served=0.0001, versions=dict.fromkeys(published, 5)))
     assert learn.watch(lambda table, version: 6, 4, 0.1) == dict.fromkeys(published, 6)
     assert not learn.published_accumulators and not set(at_publish) & set(learn.accumulators)  # as before
+
+
+def test_a_good_version_is_kept_on_a_stretch_of_harder_rows(spec):
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 0, 1, 0], served=[0.99, 0.01, 0.99, 0.01]))  # an easy stretch
+    published = learn.publish(lambda table, keys, vectors: 5, max_loss_increase=None)
+    watch, new = learn.watching[0], dict.fromkeys(published, 5)
+    labels = [0, 1, 0, 1]
+    before = learn.score(examples(spec, tables, labels, seed=2), watch.previous, learn.published)
+    better = [float(p + 0.05 * (y - p)) for p, y in zip(before, labels, strict=True)]  # a little better
+    learn.train(examples(spec, tables, labels, seed=2, served=better, versions=new))
+    # its served log loss is far above the easy stretch's before it, but below the replaced rows'
+    assert learn.watch(lambda table, version: 1 / 0, 4, 0.02) == {} and not learn.watching
+    assert learn.last_watch[0] < learn.last_watch[1] and learn.rollbacks == 0
+
+
+def test_a_version_whose_rows_score_worse_than_those_it_replaced_is_rolled_back(spec):
+    tables, learn = learner(spec)
+    for _ in range(5):
+        learn.train(examples(spec, tables, [1, 1, 0, 0]))  # no served scores: they never came
+    published = learn.publish(lambda table, keys, vectors: 5)
+    watched = examples(spec, tables, [0, 0, 1, 1], versions=dict.fromkeys(published, 5))  # the same rows
+    learn.train(watched)
+    reverted = []
+    assert learn.watch(lambda table, version: reverted.append(version) or 6, 4, 0.02) == dict.fromkeys(
+        published, 6
+    )
+    assert learn.last_watch[0] > learn.last_watch[1] + 0.02 and set(reverted) == {5}
+    assert not learn.published and not learn.accumulators
+
+
+def test_a_rollback_takes_the_later_versions_of_its_tables_with_it(spec):
+    tables, learn = learner(spec)
+    batch = examples(spec, tables, [1, 1, 0, 0])
+    for _ in range(5):
+        learn.train(batch)
+    first = learn.publish(lambda table, keys, vectors: 5)
+    learn.train(batch)
+    second = learn.publish(lambda table, keys, vectors: 6)
+    assert set(first) == set(second) and len(learn.watching) == 2
+    learn.train(examples(spec, tables, [0, 0, 1, 1], versions=dict.fromkeys(second, 6)))  # served by both
+    calls = []
+    assert learn.watch(lambda table, version: calls.append(version) or 7, 4, 0.02) == dict.fromkeys(first, 7)
+    assert calls == [5] * len(first)  # one revert per table, to before the first: the log drops both
+    assert not learn.watching and learn.rollbacks == 1 and not learn.published

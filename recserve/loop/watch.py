@@ -1,0 +1,69 @@
+"""The rollback watch of ``recserve learn``: a published version judged against the rows it replaced.
+
+After a publish the learner watches the examples its new versions served. Each is scored twice on
+the same features through the same frozen network: by the new version (the score served, or, where
+the example carries none, the published rows scored again) and by the rows the publish replaced
+(scored again: the rows as served before it, the store's where it published a row for the first
+time). Once ``watch_examples`` came, with both labels where both weigh, the two weighted log losses
+are compared: the version is rolled back when its own is worse by more than the margin.
+
+Both losses are measured on the same examples, so a stretch of harder rows on a drifting stream
+raises them together and does not read as a worse version (the watch once compared the served loss
+after a publish with the served loss before it, on different examples, and rolled back good
+versions for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: (table id, key): a row
+Key = tuple[int, int]
+
+
+@dataclass
+class Watch:
+    """A publish being watched: its versions, the rows it published and those it replaced, what it scored."""
+
+    versions: dict[str, int]
+    rows: dict[Key, np.ndarray]  # each row as this publish published it
+    # each published row's value and accumulator before (None: the store's row, a new accumulator)
+    replaced: dict[Key, tuple[np.ndarray, float] | None]
+    # the positives' weighted share of the examples before it: the watched examples' log loss is
+    # weighed to it, since the positives of a serving come at once and its negatives only as their
+    # windows close, so the first examples a new version served are mostly clicks
+    positive_share: float = 0.0
+    # label, weight, the new version's score, the replaced rows' score: per example it served
+    scored: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def previous(self) -> dict[Key, np.ndarray | None]:
+        """The rows before the publish, as a learner's overlay (None: the store's)."""
+        return {key: None if value is None else value[0] for key, value in self.replaced.items()}
+
+    def judge(self, watch_examples: int) -> tuple[float, float] | None:
+        """The weighted log losses (the new version's, the replaced rows') once enough came; else None."""
+        scored = np.concatenate(self.scored) if self.scored else np.zeros((0, 4))
+        positive = scored[:, 0] > 0.5
+        share = self.positive_share
+        if len(scored) < watch_examples or (share > 0 and not positive.any()) or (
+            share < 1 and positive.all()
+        ):  # fmt: skip
+            return None  # not yet, or not both kinds of label when both weigh
+        losses = [
+            sum(
+                part * log_loss(scored[kind, column], scored[kind, 0], scored[kind, 1])
+                for part, kind in ((share, positive), (1 - share, ~positive))
+                if part > 0
+            )
+            for column in (2, 3)
+        ]
+        return float(losses[0]), float(losses[1])
+
+
+def log_loss(p: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
+    """The weighted log loss of probabilities ``p``."""
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    return float(np.sum(weights * -(labels * np.log(p) + (1 - labels) * np.log(1 - p))) / weights.sum())
