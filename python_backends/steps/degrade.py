@@ -115,8 +115,8 @@ class LevelCounts:
         with self.lock:
             self.counts[level, tier] += 1
 
-    def samples(self, lam: float, load: float) -> list[MetricSample]:
-        """Every level and tier's count (declared at 0), lambda and the load over the target."""
+    def samples(self, lam: float, load: float, capacity: float = 0.0) -> list[MetricSample]:
+        """Every level and tier's count (declared at 0), lambda, the load over the target, the capacity."""
         with self.lock:
             counts = self.counts.copy()
         out = [
@@ -142,6 +142,15 @@ class LevelCounts:
                 "The steps' mean queue wait over [degrade] target_queue_ms, as last measured",
                 (),
                 load,
+            )
+        )
+        out.append(
+            MetricSample(
+                "recserve_degrade_capacity",
+                "gauge",
+                "Full-cost requests per second the steps serve, as learned from backlogs (0: not yet known)",
+                (),
+                capacity,
             )
         )
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -163,8 +164,11 @@ class DegradeGate:
         return responses
 
     def samples(self) -> list[MetricSample]:
-        """Requests per level and tier, lambda and the load."""
-        return self.counts.samples(self.controller.lam, self.controller.load)
+        """Requests per level and tier, lambda, the load and the capacity (0 until known)."""
+        capacity = self.controller.capacity_per_s
+        return self.counts.samples(
+            self.controller.lam, self.controller.load, 0.0 if math.isinf(capacity) else capacity
+        )
 
 
 def with_level(response: Any, request: Any, level: int) -> Any:

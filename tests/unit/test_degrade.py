@@ -302,8 +302,8 @@ def test_a_list_cut_short_is_answered_for_every_candidate_with_the_fallback():
 def test_the_counts_declare_every_level_and_tier_at_zero():
     counts = LevelCounts(section())
     counts.count(1, counts.tier_of({VALUE_HEADER: "premium"}))
-    found = {(s.name, s.labels): s.value for s in counts.samples(0.5, 2.0)}
-    assert len(found) == 4 * 5 + 2
+    found = {(s.name, s.labels): s.value for s in counts.samples(0.5, 2.0, 300.0)}
+    assert len(found) == 4 * 5 + 3 and found[("recserve_degrade_capacity", ())] == 300.0
     assert found[("recserve_degrade_requests_total", (("level", "trimmed"), ("tier", "premium")))] == 1
     assert counts.tier_of({VALUE_HEADER: "2.5"}) == 3 and counts.tier_of({}) == 4
     assert found[("recserve_degrade_lambda", ())] == 0.5 and found[("recserve_degrade_load", ())] == 2.0
