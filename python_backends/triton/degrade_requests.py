@@ -2,8 +2,8 @@
 
 :class:`DegradeGate` stands before ``embedding_lookup``'s request loop: it reads each request's
 value (the ``recserve-value`` parameter, or header forwarded as one), asks the controller for its
-level, refuses the requests whose level is the refusal (UNAVAILABLE, before any work is spent on
-them), hands the others on with their tensors as their level changes them, and adds
+level, refuses the requests whose level is the refusal (UNAVAILABLE, before the step's own work
+is spent on them), hands the others on with their tensors as their level changes them, and adds
 ``degrade_level`` to each response. A background thread feeds the controller the steps' expected
 queue wait and the rate they serve at, from the metrics endpoint every ``[degrade] interval_s``;
 each batch's values set the door's floor under lambda as they arrive. :func:`answer_lists` lets
