@@ -47,6 +47,9 @@ def _join(args: argparse.Namespace) -> int:
         feedback: Source = feedback_streams(client, loop.feedback_prefix, loop.feedback_streams, consumer)
     else:
         feedback = FeedbackFiles(args.feedback_dir or Path(loop.feedback_directory))
+    if args.score_wait_seconds is not None:
+        loop = dataclasses.replace(loop, score_wait_seconds=args.score_wait_seconds)
+        loop.check()
     join = Join(
         loop.window_seconds,
         loop.late_seconds,
@@ -54,6 +57,7 @@ def _join(args: argparse.Namespace) -> int:
         loop.require_impression,
         item_key(spec),
         -len(spec.targets),
+        loop.score_wait_seconds,
     )
     joiner = Joiner(
         join, log, feedback, args.examples_dir or Path(loop.examples_directory), loop.commit_seconds
@@ -204,6 +208,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="this joiner's name in the streams' consumer group "
         "(default: the host name); the same name after a restart resumes its entries",
+    )
+    join.add_argument(
+        "--score-wait-seconds",
+        type=float,
+        default=None,
+        help="a click waits at most this long for its row's score record, then its positive goes without "
+        "it (default: [loop] score_wait_seconds)",
     )
     join.add_argument(
         "--for-seconds", type=float, default=None, help="stop after this long (default: run on)"

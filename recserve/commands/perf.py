@@ -170,9 +170,12 @@ def _bench_loop(args: argparse.Namespace) -> int:
 
 def _replay_loop(spec: ModelSpec, args: argparse.Namespace, grid: LoopGrid) -> int:
     """``bench-loop --replay RATES``: the loop emulated in process on the bench's stream, per rate."""
+    import torch
+
     from recserve.perf.bench.loop.bench import starting_logits
     from recserve.perf.bench.loop.replay import as_json, describe, open_served, replay, stream_requests
 
+    torch.set_num_threads(1)  # small batches, one after the other: more threads only wait for each other
     _progress(f"[bench-loop] the stream's {grid.rounds} rounds logged in process")
     requests = stream_requests(spec, grid, starting_logits(spec, args.repository))
     store, net = open_served(spec, args.repository)

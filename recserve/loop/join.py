@@ -5,7 +5,9 @@ Plain Python, no I/O: :class:`Join` is fed the logged records (``features`` and 
 in whatever order they arrive, and told the time (:meth:`Join.advance`). It emits training
 examples (:meth:`Join.take`):
 
-* a click within W of the row being served makes a **positive** at once;
+* a click within W of the row being served makes a **positive** at once when the row's score record
+  is in; without it, the row waits for its score at most ``score_wait_s`` (of the join's clock,
+  from when the click met its row), then is emitted without (counted ``examples_without_score``);
 * a row whose window closes unclicked makes a **negative**, kept at the rate w
   (``negative_rate``, decided by a hash of request id and row, so the same on a replay); each
   example records its rate (``sample_rate``: w for a negative, 1 for a positive);
@@ -51,6 +53,7 @@ COUNTS = (
     "late_impressions",  # an impression after the row's window closed
     "late_scores",  # a score record after its row's window closed
     "unknown_scores",  # a score record whose features never came
+    "examples_without_score",  # emitted with no score record: none came in time (the wait, or W)
 )
 Key = tuple[str, int]
 
@@ -73,6 +76,9 @@ class Row:
     impressed: bool = False
     # open: "" ; closed: "positive", "negative", "sampled_out" or "unshown"
     outcome: str = ""
+    # a click waiting for the row's score record: the click's time, and the join's time it waits until
+    clicked_at: float | None = None
+    wait_until: float = 0.0
 
     @property
     def time(self) -> float:
@@ -91,6 +97,7 @@ class Join:
         require_impression: only rows with an impression (or a click) make examples.
         item_key: an item id's target key (None: feedback naming an item is unknown).
         target_slot: the index of the (first) target's key in a record's ``keys``.
+        score_wait_s: how long a clicked row waits for its score record at most (0: not at all).
     """
 
     window_s: float
@@ -99,6 +106,7 @@ class Join:
     require_impression: bool = False
     item_key: Callable[[int], int] | None = None
     target_slot: int = -1
+    score_wait_s: float = 0.0
     by_item: dict[tuple[str, int], int] = field(default_factory=dict)  # (request id, target key) -> row
     open: dict[Key, Row] = field(default_factory=dict)
     closed: dict[Key, Row] = field(default_factory=dict)
@@ -140,12 +148,12 @@ class Join:
                 self._feedback(key, event)
         for request_id in dict.fromkeys(str(r["request_id"]) for r in records):
             for event in self.waiting_feedback.pop((request_id, -1), []):  # named by item, before its row
-                row = self._item_row(event)
-                if row is None:
+                found = self._item_row(event)
+                if found is None:
                     self.waiting_feedback.setdefault((request_id, -1), []).append(event)
                 else:
                     self.counts["out_of_order"] += 1
-                    self._feedback((request_id, row), replace(event, row=row, item=None))
+                    self._feedback((request_id, found), replace(event, row=found, item=None))
 
     def _item_row(self, event: FeedbackEvent) -> int | None:
         """The row of the event's request that scored its item (None: not known, yet)."""
@@ -181,6 +189,8 @@ class Join:
                     self.counts["duplicate_records"] += 1
                 row.score, row.dense_version = float(record["score"]), int(record["dense_version"])
                 self._changed(key)
+                if row.clicked_at is not None:  # its click waited for it
+                    self._positive(key, row, row.clicked_at)
             elif key in self.closed:
                 self.counts["late_scores"] += 1
             else:
@@ -207,6 +217,9 @@ class Join:
     def _feedback(self, key: Key, event: FeedbackEvent) -> None:
         self._changed(key)
         row = self.open.get(key)
+        if row is not None and row.clicked_at is not None:  # clicked, waiting for its score
+            self.counts["late_impressions" if event.event == IMPRESSION else "duplicate_feedback"] += 1
+            return
         if row is not None and event.event == CLICK and event.time > row.time + self.window_s:
             self._close(key, row, row.time + self.window_s)  # clicked after W: the window had closed
             row = None
@@ -217,10 +230,10 @@ class Join:
                 row.impressed = True
                 return
             row.impressed = True
-            self.counts["positives"] += 1
-            self._emit(row, 1, False, event.time)
-            row.outcome = "positive"
-            self.closed[key] = self.open.pop(key)
+            if row.score is None and self.score_wait_s > 0:
+                row.clicked_at, row.wait_until = event.time, max(self.now, event.time) + self.score_wait_s
+                return
+            self._positive(key, row, event.time)
             return
         row = self.closed[key]
         if event.event == IMPRESSION:
@@ -234,12 +247,25 @@ class Join:
             self._emit(row, 1, True, event.time)
             row.outcome = "positive"
 
+    def _positive(self, key: Key, row: Row, clicked_at: float) -> None:
+        self._changed(key)
+        self.counts["positives"] += 1
+        self._emit(row, 1, False, clicked_at)
+        row.outcome, row.clicked_at = "positive", None
+        self.closed[key] = self.open.pop(key)
+
     # ---- time ----------------------------------------------------------------------------
     def advance(self, now: float) -> None:
-        """Close the windows that ended by ``now``; forget rows and waiting feedback past the late horizon."""
+        """Close the windows that ended by ``now``; forget rows and waiting feedback past the late horizon.
+
+        A clicked row waiting for its score is emitted once its wait ended (whatever W), not before.
+        """
         self.now = max(self.now, now)
         for key, row in list(self.open.items()):
-            if row.time + self.window_s <= now:
+            if row.clicked_at is not None:
+                if row.wait_until <= now:
+                    self._positive(key, row, row.clicked_at)
+            elif row.time + self.window_s <= now:
                 self._close(key, row, row.time + self.window_s)
         self.forget(now)
         horizon = self.window_s + self.late_s
@@ -281,6 +307,8 @@ class Join:
 
     # ---- output --------------------------------------------------------------------------
     def _emit(self, row: Row, label: int, late: bool, at: float) -> None:
+        if row.score is None:
+            self.counts["examples_without_score"] += 1
         self.emitted.append(
             {
                 **row.record,

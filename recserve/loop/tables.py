@@ -52,6 +52,8 @@ ROWS = pa.schema(
         pa.field("impressed", pa.bool_()),
         pa.field("score", pa.float64()),
         pa.field("dense_version", pa.int64()),
+        pa.field("clicked_at", pa.float64()),  # a click waiting for the row's score (null: none)
+        pa.field("wait_until", pa.float64()),
         pa.field("request_id", pa.string()),
         pa.field("row", pa.int32()),
         pa.field("time", pa.float64()),
@@ -89,18 +91,18 @@ def examples_table(examples: list[dict[str, Any]]) -> pa.Table:
     """Emitted examples (:meth:`Join.take`) as a table of :data:`EXAMPLES`."""
     columns = {}
     for name in EXAMPLES.names:
-        values = [e.get(name) for e in examples]
         if name in ("time", "labelled_at"):
-            values = [int(round(v * 1e6)) for v in values]
-            columns[name] = pa.array(values, pa.int64()).cast(_TIME)
+            micros = [int(round(e[name] * 1e6)) for e in examples]
+            columns[name] = pa.array(micros, pa.int64()).cast(_TIME)
         else:
-            columns[name] = pa.array(values, EXAMPLES.field(name).type)
+            columns[name] = pa.array([e.get(name) for e in examples], EXAMPLES.field(name).type)
     return pa.Table.from_pydict(columns, schema=EXAMPLES)
 
 
 MARKS = pa.schema(
-    [ROWS.field(n) for n in ("request_id", "row", "state", "outcome", "impressed", "score", "dense_version")]
-)
+    [ROWS.field(n) for n in ("request_id", "row", "state", "outcome", "impressed", "score", "dense_version",
+                             "clicked_at", "wait_until")]
+)  # fmt: skip
 
 
 def _held(join: Join, keys: Iterable[Key]) -> list[tuple[str, Key, Row]]:
@@ -117,7 +119,8 @@ def rows_table(join: Join, keys: Iterable[Key]) -> pa.Table:
     """The held rows of ``keys`` whole: their records and their state."""
     rows = [
         {"state": state, "outcome": row.outcome, "impressed": row.impressed, "score": row.score,
-         "dense_version": row.dense_version, **{n: row.record.get(n) for n in _RECORD}}
+         "dense_version": row.dense_version, "clicked_at": row.clicked_at, "wait_until": row.wait_until,
+         **{n: row.record.get(n) for n in _RECORD}}
         for state, _, row in _held(join, keys)
     ]  # fmt: skip
     return pa.Table.from_pylist(rows, schema=ROWS)
@@ -127,7 +130,8 @@ def marks_table(join: Join, keys: Iterable[Key]) -> pa.Table:
     """The state of the held rows of ``keys`` (window, outcome, impression, score), without their records."""
     rows = [
         {"request_id": key[0], "row": key[1], "state": state, "outcome": row.outcome,
-         "impressed": row.impressed, "score": row.score, "dense_version": row.dense_version}
+         "impressed": row.impressed, "score": row.score, "dense_version": row.dense_version,
+         "clicked_at": row.clicked_at, "wait_until": row.wait_until}
         for state, key, row in _held(join, keys)
     ]  # fmt: skip
     return pa.Table.from_pylist(rows, schema=MARKS)
@@ -160,6 +164,7 @@ def load_rows(join: Join, table: pa.Table) -> None:
     for item in table.to_pylist():
         row = Row({n: item[n] for n in _RECORD}, item["score"], item["dense_version"], item["impressed"])
         row.outcome = item["outcome"]
+        _waiting(row, item)
         key = (item["request_id"], item["row"])
         join.open.pop(key, None)
         join.closed.pop(key, None)
@@ -175,7 +180,13 @@ def apply_marks(join: Join, table: pa.Table) -> None:
             continue
         row.outcome, row.impressed = item["outcome"], item["impressed"]
         row.score, row.dense_version = item["score"], item["dense_version"]
+        _waiting(row, item)
         (join.open if item["state"] == "open" else join.closed)[key] = row
+
+
+def _waiting(row: Row, item: dict[str, Any]) -> None:
+    """A held row's click waiting for its score (state written before the wait existed: none)."""
+    row.clicked_at, row.wait_until = item.get("clicked_at"), item.get("wait_until") or 0.0
 
 
 def load_waiting(join: Join, tables: dict[str, pa.Table]) -> None:

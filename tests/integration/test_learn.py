@@ -51,7 +51,7 @@ def test_clicked_rows_score_higher_once_the_learner_published_their_rows(spec, r
 
     examples = str(tmp_path / "examples")
     done = recserve("learn", "--repository", str(copy), "--examples-dir", examples, "--once",
-                    "--learning-rate", "1.0", "--batch-size", "8")  # fmt: skip
+                    "--learning-rate", "0.1", "--batch-size", "8")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     published = lines[-1]["published"]

@@ -6,12 +6,15 @@ import json
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity
 from recserve.backends.request_log.segments import ParquetSegments
 from recserve.backends.request_log.step_log import ScoreLog
 from recserve.clients.feedback import FeedbackFile
 from recserve.core.feedback import FeedbackEvent
+from recserve.core.sections.base import SpecError
+from recserve.core.sections.loop import LoopSection
 from recserve.loop.join import Join, kept_negative
 from recserve.loop.joiner import Joiner, example_segments, read_examples
 from recserve.loop.metrics import join_samples, text
@@ -164,20 +167,21 @@ def test_feedback_files_are_read_whole_lines_only_and_bad_lines_are_counted(tmp_
     assert again.poll() == [("feedback", [click("r", 1, 2.0)])]
 
 
-def log_request(sink, request_id, rows, t):
-    """One request's two record kinds, as the steps log them, in their own segments."""
+def log_request(sink, request_id, rows, t, scores=True):
+    """One request's two record kinds (or its features alone), as the steps log them, each in a segment."""
     records = features(request_id, rows, 0.0)
     columns = {name: [r[name] for r in records] for name in SCHEMAS[FEATURES].names if name != "time"}
     columns["time"] = pa.array([int(t * 1e6)] * rows, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
     sink.add(FEATURES, pa.RecordBatch.from_pydict(columns, schema=SCHEMAS[FEATURES]))
-    scores = np.full(rows, 0.5, np.float32)
-    sink.add(SCORES, ScoreLog.build(Identity(request_id), int(t * 1e6), scores, np.ones(rows, np.int64)))
+    if scores:
+        served = np.full(rows, 0.5, np.float32)
+        sink.add(SCORES, ScoreLog.build(Identity(request_id), int(t * 1e6), served, np.ones(rows, np.int64)))
     sink.flush()
 
 
-def make_joiner(tmp_path, now):
+def make_joiner(tmp_path, now, score_wait_s=0.0):
     made = Joiner(
-        Join(W, LATE),
+        Join(W, LATE, score_wait_s=score_wait_s),
         LogSegments(tmp_path / "log"),
         FeedbackFiles(tmp_path / "feedback"),
         tmp_path / "examples",
@@ -311,3 +315,84 @@ def test_the_log_position_keeps_only_the_segments_of_the_last_hour(tmp_path):
     assert again.poll() == []  # the older ones were read: never again
     pq.write_table(table, folder / "20260101T115959-2-000001.parquet")  # within the hour: still read
     assert len(again.poll()) == 1
+
+
+def score(request_id, row, value=0.4, t=100.0):
+    return {"request_id": request_id, "row": row, "score": value, "dense_version": 2, "time": t}
+
+
+def test_a_click_waits_a_bounded_time_for_its_rows_score_record():
+    join = Join(W, LATE, score_wait_s=2.0)
+    join.advance(100.0)
+    join.add_features(features("a", 4, 100.0))
+    join.add_feedback([click("a", 0, 100.5), click("a", 1, 101.0)])
+    assert join.take() == []  # no score yet: both wait
+    join.add_scores([score("a", 0)])
+    came = join.take()
+    assert (
+        labels(came) == [("a", 0, 1, False)] and came[0]["score"] == 0.4 and came[0]["labelled_at"] == 100.5
+    )
+    join.add_feedback([click("a", 1, 101.5)])  # a second click while it waits
+    join.advance(102.9)
+    assert join.take() == []
+    join.advance(103.0)  # a/1's wait is over (from its click at 101.0): emitted without its score
+    late = join.take()
+    assert (
+        labels(late) == [("a", 1, 1, False)] and late[0]["score"] is None and late[0]["labelled_at"] == 101.0
+    )
+    join.add_scores([score("a", 1)])
+    join.advance(109.5)
+    join.add_feedback([click("a", 2, 109.5)])  # the window ends while it waits: still a positive
+    join.advance(110.0)
+    assert labels(join.take()) == [("a", 3, 0, False)]
+    join.advance(111.5)
+    assert labels(join.take()) == [("a", 2, 1, False)]
+    counts = join.counts
+    assert counts["examples_without_score"] == 3 and counts["late_scores"] == 1  # a/1, a/2, a/3
+    assert counts["duplicate_feedback"] == 1 and counts["positives"] == 3 and counts["negatives"] == 1
+
+
+def test_without_a_wait_a_click_closes_its_row_at_once_and_a_restored_wait_goes_on():
+    assert LoopSection().score_wait_seconds == 2.0
+    with pytest.raises(SpecError, match="score_wait_seconds"):
+        LoopSection(score_wait_seconds=-1.0).check()
+    join = Join(W, LATE)
+    join.add_features(features("a", 1, 100.0))
+    join.add_feedback([click("a", 0, 101.0)])
+    assert labels(join.take()) == [("a", 0, 1, False)] and join.counts["examples_without_score"] == 1
+    waiting = Join(W, LATE, score_wait_s=5.0)
+    waiting.advance(100.0)
+    waiting.add_features(features("b", 2, 100.0))
+    waiting.add_feedback([click("b", 0, 101.0), click("b", 1, 101.0)])
+    copy = Join(W, LATE, score_wait_s=5.0)
+    restore(copy, snapshot(waiting), waiting.counts)
+    copy.now = waiting.now
+    for join in (waiting, copy):
+        join.add_scores([score("b", 0)])
+        join.advance(106.0)
+    assert labels(copy.take()) == labels(waiting.take()) == [("b", 0, 1, False), ("b", 1, 1, False)]
+    assert copy.counts == waiting.counts and copy.counts["examples_without_score"] == 1
+
+
+def test_a_joiner_killed_while_a_click_waits_emits_it_once_after_its_restart(tmp_path):
+    now = [1000.0]
+    sink = ParquetSegments(tmp_path / "log", 1 << 30, 3600.0)
+    feedback = FeedbackFile(tmp_path / "feedback" / "f.jsonl")
+    first = make_joiner(tmp_path, now, score_wait_s=3.0)
+    log_request(sink, "a", 2, 1000.0, scores=False)
+    feedback.write([click("a", 1, 1000.5)])
+    first.step()
+    first.commit()  # a/1 waits for its score, in the state
+    assert first.join.open[("a", 1)].clicked_at == 1000.5
+    second = make_joiner(tmp_path, now, score_wait_s=3.0)  # the first one dies
+    assert second.join.open[("a", 1)].wait_until == 1003.5
+    sink.add(
+        SCORES, ScoreLog.build(Identity("a"), int(1000e6), np.full(2, 0.5, np.float32), np.ones(2, np.int64))
+    )
+    sink.flush()
+    now[0] = 1011.0
+    second.step()
+    second.commit()
+    got = read_examples(tmp_path / "examples").to_pylist()
+    assert sorted(labels(got)) == [("a", 0, 0, False), ("a", 1, 1, False)]
+    assert all(e["score"] == 0.5 for e in got) and second.join.counts["examples_without_score"] == 0

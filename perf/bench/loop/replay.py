@@ -111,7 +111,10 @@ def replay(
 ) -> ReplayFigures:
     """The loop on ``requests`` (:func:`stream_requests`) at ``learning_rate``; see the module."""
     loop = bench_specs(spec, Path("replay"), grid)[0].loop  # the bench's W, late horizon and w
-    join = Join(loop.window_seconds, loop.late_seconds, loop.negative_rate, target_slot=-len(spec.targets))
+    join = Join(
+        loop.window_seconds, loop.late_seconds, loop.negative_rate,
+        target_slot=-len(spec.targets), score_wait_s=loop.score_wait_seconds,
+    )  # fmt: skip
     learner = Learner(spec, store, net, learning_rate)
     versions = dict.fromkeys(spec.table_names, 1)
 

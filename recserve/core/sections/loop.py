@@ -35,6 +35,9 @@ class LoopSection:
     feedback_streams: int = 4
     examples_directory: str = "examples"  # the joiner's output segments (and its state, in .state/)
     commit_seconds: float = 5.0  # examples are written (and inputs acknowledged) this often
+    # a click waits at most this long for its row's score record (the dense step logs it apart from
+    # the features) before its positive is emitted without it (counted examples_without_score)
+    score_wait_seconds: float = 2.0
     # recserve learn's step on the embedding rows (row-wise Adagrad: each row's step is this over the
     # square root of its accumulated squared gradient); chosen by `recserve bench-loop --replay`
     learning_rate: float = 0.005
@@ -49,6 +52,8 @@ class LoopSection:
             value = getattr(self, name)
             if not 0.0 < value <= 30 * 86400.0 or math.isnan(value):
                 raise SpecError(f"[loop] {name} lies in (0, 30 days], got {value}")
+        if not 0.0 <= self.score_wait_seconds <= 600.0 or math.isnan(self.score_wait_seconds):
+            raise SpecError(f"[loop] score_wait_seconds lies in [0, 600], got {self.score_wait_seconds}")
         if not 0.0 < self.negative_rate <= 1.0 or math.isnan(self.negative_rate):
             raise SpecError(f"[loop] negative_rate lies in (0, 1], got {self.negative_rate}")
         if not 0.0 < self.learning_rate <= 10.0 or math.isnan(self.learning_rate):
