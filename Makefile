@@ -64,7 +64,7 @@ lint: install
 typecheck: install
 	@tree=$$(mktemp -d .typecheck/run-XXXXXX 2>/dev/null || { mkdir -p .typecheck && mktemp -d .typecheck/run-XXXXXX; }) && \
 	mkdir -p $$tree/recserve && \
-	for f in recserve/*.py recserve/commands recserve/core recserve/server recserve/access; do ln -s $(CURDIR)/$$f $$tree/recserve/; done && \
+	for f in recserve/*.py recserve/commands recserve/core recserve/server recserve/access recserve/loop; do ln -s $(CURDIR)/$$f $$tree/recserve/; done && \
 	ln -s $(CURDIR)/python_backends $$tree/recserve/backends && \
 	for d in build clients perf; do ln -s $(CURDIR)/$$d $$tree/recserve/$$d; done && \
 	cd $$tree && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml --cache-dir $(CURDIR)/.mypy_cache -p recserve; \

@@ -20,6 +20,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -235,22 +236,19 @@ class Joiner:
             held = [k for k in keys if k in join.open or k in join.closed]
             if held:
                 table = table_of(join, held)
-                _write_atomically(
-                    self.state / f"{seq:010d}-{kind}.parquet", lambda h, t=table: pq.write_table(t, h)
-                )
+                _write_atomically(self.state / f"{seq:010d}-{kind}.parquet", partial(pq.write_table, table))
                 until = max((join.open.get(k) or join.closed[k]).time for k in held)
                 written.append((seq, kind, until))
         for name, table in waiting_tables(join).items():
-            _write_atomically(
-                self.state / f"{seq:010d}-{name}.parquet", lambda h, t=table: pq.write_table(t, h)
-            )
+            _write_atomically(self.state / f"{seq:010d}-{name}.parquet", partial(pq.write_table, table))
         # a file whose newest row is past the late horizon holds only forgotten rows: no longer needed
         live = [entry for entry in self.live if entry[2] + horizon > join.now] + written
+        written_total = self.examples_written + len(examples)
         saved = {
             "seq": seq,
             "log": self.log.position(),
             "feedback": self.feedback.position(),
-            "examples": self.examples_written + len(examples),
+            "examples": written_total,
             "counts": self.join.counts,
             "refused": {"log": self.log.refused, "feedback": self.feedback.refused},
             "state": live,
@@ -259,7 +257,7 @@ class Joiner:
         _sync_folder(self.output)
         _write_atomically(self.state / CHECKPOINT, lambda h: h.write(json.dumps(saved).encode()))
         _sync_folder(self.state)
-        self.seq, self.examples_written, self._dirty, self.live = seq, saved["examples"], False, live
+        self.seq, self.examples_written, self._dirty, self.live = seq, written_total, False, live
         join.new_keys.clear()
         join.changed_keys.clear()
         self.log.acknowledge()
