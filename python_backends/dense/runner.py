@@ -61,7 +61,7 @@ LOGGER = logging.getLogger(__name__)
 
 
 #: Buckets of fewer rows run on one intra-op thread whatever the cores: waking a second thread costs
-#: more than it saves there (``recserve lab dense-bench``; docs/performance.md, 2026-12-05).
+#: more than it saves there (docs/performance.md, "The CPU budget, 2026-12-05").
 PARALLEL_FROM_ROWS = 32
 
 
