@@ -98,10 +98,11 @@ def _learn(args: argparse.Namespace) -> int:
         "learning_rate": args.learning_rate,
         "max_loss_increase": args.max_loss_increase,
         "watch_examples": args.watch_examples,
+        "train_tables": args.train_tables,
     }
     settings = dataclasses.replace(spec.loop, **{k: v for k, v in given.items() if v is not None})
-    settings.check()
-    learner = Learner(spec, served.store, net, settings.learning_rate)
+    settings.check(spec.table_names)
+    learner = Learner(spec, served.store, net, settings.learning_rate, settings.train_tables)
     examples = args.examples_dir or Path(spec.loop.examples_directory)
     progress = examples / ".state" / "learner.json"
     trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
@@ -169,6 +170,11 @@ def _learn(args: argparse.Namespace) -> int:
         if not segments:
             stop.wait(1.0)
     return 0
+
+
+def table_names(text: str) -> tuple[str, ...]:
+    """``item,C3`` as ``("item", "C3")``; an empty text as no table (``[loop] train_tables``: all)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -246,6 +252,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="the rows' Adagrad step (default: [loop] learning_rate)",
+    )
+    learn.add_argument(
+        "--train-tables",
+        type=table_names,
+        default=None,
+        metavar="TABLES",
+        help="train only these tables' rows, e.g. item or item,C3 ('' : all tables; "
+        "default: [loop] train_tables)",
     )
     learn.add_argument("--batch-size", type=int, default=256)
     learn.add_argument("--once", action="store_true", help="train on what is committed, publish, and stop")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from recserve.commands.loop import table_names
 from recserve.commands.spec_source import command_spec
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
@@ -148,7 +149,12 @@ def _bench_loop(args: argparse.Namespace) -> int:
         print(f"error: {args.repository} is not built from this spec; run 'recserve build'", file=sys.stderr)
         return 2
     grid = LoopGrid.quick() if args.quick else LoopGrid()
-    overrides = {"rounds": args.rounds, "round_seconds": args.round_seconds, "rate": args.rate}
+    overrides = {
+        "rounds": args.rounds,
+        "round_seconds": args.round_seconds,
+        "rate": args.rate,
+        "train_tables": args.train_tables,
+    }
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if args.replay is not None:
         return _replay_loop(spec, args, grid)
@@ -333,6 +339,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     loop.add_argument("--rounds", type=int, default=None)
     loop.add_argument("--round-seconds", type=float, default=None)
     loop.add_argument("--rate", type=float, default=None, help="requests per second to each server")
+    loop.add_argument(
+        "--train-tables",
+        type=table_names,
+        default=None,
+        metavar="TABLES",
+        help="the learner trains only these tables' rows, e.g. item ('' : all; default: [loop] train_tables)",
+    )
     loop.add_argument("--json", type=Path, default=None, help="also write the summary here (plots beside it)")
     loop.add_argument(
         "--replay",

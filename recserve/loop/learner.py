@@ -11,7 +11,9 @@ dense network's own training and hot swap are not built). For each batch of exam
    stays calibrated on the full traffic and the served score needs no ln w correction). The step is
    row-wise Adagrad: each row keeps the sum of its gradients' mean squares (:attr:`Learner.accumulators`)
    and moves by ``learning_rate / sqrt(sum + eps)`` times its gradient, so a rare row (a new item)
-   takes large steps while a row every example shares (a low-cardinality category) slows down;
+   takes large steps while a row every example shares (a low-cardinality category) slows down.
+   Only the rows of ``[loop] train_tables`` move (empty: every table's); the others are served as
+   they are;
 3. keeps the new rows; :meth:`Learner.publish` writes **only the rows touched** since the last
    publish as one embedding delta per table, through the store's update log (versions, checksums,
    rollback), which every server applies within its poll interval;
@@ -87,10 +89,16 @@ class Learner:
         store: the served rows (read for rows the learner has not trained yet).
         net: the served dense network (its weights are not trained).
         learning_rate: Adagrad's step on the rows (None: ``[loop] learning_rate``).
+        train_tables: the tables whose rows it trains, empty: all (None: ``[loop] train_tables``).
     """
 
     def __init__(
-        self, spec: ModelSpec, store: TieredStore, net: CTRNet, learning_rate: float | None = None
+        self,
+        spec: ModelSpec,
+        store: TieredStore,
+        net: CTRNet,
+        learning_rate: float | None = None,
+        train_tables: tuple[str, ...] | None = None,
     ) -> None:
         reason = trainable(spec)
         if reason:
@@ -101,6 +109,9 @@ class Learner:
         for parameter in self.net.parameters():
             parameter.requires_grad_(False)
         self.learning_rate = spec.loop.learning_rate if learning_rate is None else learning_rate
+        names = (spec.loop.train_tables if train_tables is None else train_tables) or spec.table_names
+        #: the ids of the tables whose rows it trains
+        self.trained_tables = np.array(sorted(store.table_id(name) for name in names), np.int16)
         self.single = len(spec.categorical.features)
         self.targets = len(spec.targets)
         tables = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
@@ -197,6 +208,7 @@ class Learner:
         np.add.at(summed, where[valid], grads[valid])
         touched = np.zeros(len(unique), bool)
         touched[where[valid]] = True
+        touched &= np.isin(unique["table"], self.trained_tables)  # the other tables' rows stay as served
         unique = unique[touched]
         pairs = list(zip(unique["table"].tolist(), unique["key"].tolist(), strict=True))
         self._step(pairs, rows[touched], summed[touched])

@@ -55,6 +55,7 @@ class LoopGrid:
     segment_seconds: float = 1.0  # [logging]: a log segment closes this old
     publish_seconds: float = 5.0  # the learner's
     learning_rate: float | None = None  # the learner's step (None: its default, [loop] learning_rate)
+    train_tables: tuple[str, ...] | None = None  # the tables it trains (None: the spec's [loop] train_tables)
     batch_size: int = 128
     throughput_seconds: float = 4.0  # one turn of the throughput phase
     throughput_turns: int = 4  # per server, in the order loop, frozen, frozen, loop, ...
@@ -114,6 +115,8 @@ def bench_specs(spec: ModelSpec, folder: Path, grid: LoopGrid) -> tuple[ModelSpe
         "feedback_directory": str(folder / "feedback"),
         "examples_directory": str(folder / "examples"),
     }
+    if grid.train_tables is not None:
+        doc["loop"]["train_tables"] = list(grid.train_tables)
     frozen = {**doc, "logging": {"enabled": False}}
     doc["logging"] = {
         "enabled": True,

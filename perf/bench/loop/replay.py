@@ -12,9 +12,10 @@ rate) go through the loop's own parts, without servers or processes, on the stre
   is advanced and the :class:`Learner` trains on what it emitted, watches its publishes and, every
   ``publish_seconds``, publishes (with its check), as ``recserve learn`` does.
 
-It reports, per learning rate, ``loop_auc``, ``frozen_auc`` and ``loop_auc_gain`` as the bench
-defines them (the served scores against the clicks over the later half of the rounds), and the
-learner's publishes, refusals and rollbacks. What it leaves out: the servers' poll of the update
+It reports, per learning rate (the tables trained: the bench's ``[loop] train_tables``),
+``loop_auc``, ``frozen_auc`` and ``loop_auc_gain`` as the bench defines them (the served scores
+against the clicks over the later half of the rounds), and the learner's publishes, refusals and
+rollbacks. What it leaves out: the servers' poll of the update
 log, the processes' own delays and the machine's load (the bench's figures are lower for them).
 """
 
@@ -64,6 +65,7 @@ class ReplayFigures:
     """One learning rate's replay."""
 
     learning_rate: float
+    train_tables: tuple[str, ...]  # empty: all
     loop_auc: float | None
     frozen_auc: float | None
     loop_auc_gain: float | None
@@ -110,12 +112,13 @@ def replay(
     log_delay_s: float = 1.0,
 ) -> ReplayFigures:
     """The loop on ``requests`` (:func:`stream_requests`) at ``learning_rate``; see the module."""
-    loop = bench_specs(spec, Path("replay"), grid)[0].loop  # the bench's W, late horizon and w
+    loop_spec = bench_specs(spec, Path("replay"), grid)[0]  # the bench's W, late horizon, w, tables
+    loop = loop_spec.loop
     join = Join(
         loop.window_seconds, loop.late_seconds, loop.negative_rate,
         target_slot=-len(spec.targets), score_wait_s=loop.score_wait_seconds,
     )  # fmt: skip
-    learner = Learner(spec, store, net, learning_rate)
+    learner = Learner(loop_spec, store, net, learning_rate)
     versions = dict.fromkeys(spec.table_names, 1)
 
     def publish(table: str, keys: np.ndarray, vectors: np.ndarray) -> int:
@@ -174,7 +177,7 @@ def replay(
     loop_auc, frozen_auc = (None if a is None else round(float(a), 4) for a in auc)
     gain = None if loop_auc is None or frozen_auc is None else round(loop_auc - frozen_auc, 4)
     return ReplayFigures(
-        learning_rate, loop_auc, frozen_auc, gain, learner.examples_trained,
+        learning_rate, loop.train_tables, loop_auc, frozen_auc, gain, learner.examples_trained,
         learner.versions_published, learner.refused_publishes, learner.rollbacks,
     )  # fmt: skip
 
@@ -195,11 +198,14 @@ def open_served(spec: ModelSpec, repository: Path) -> tuple[TieredStore, CTRNet]
 
 def describe(figures: list[ReplayFigures]) -> str:
     """One line per learning rate."""
-    lines = ["learning_rate  loop_auc  frozen_auc  gain     examples  published  refused  rolled back"]
+    lines = [
+        "learning_rate  loop_auc  frozen_auc  gain     examples  published  refused  rolled back  tables"
+    ]
     for f in figures:
         lines.append(
             f"{f.learning_rate:<13g}  {f.loop_auc}  {f.frozen_auc}    {f.loop_auc_gain:<+7}  "
-            f"{f.examples:<8}  {f.published_versions:<9}  {f.refused_publishes:<7}  {f.rollbacks}"
+            f"{f.examples:<8}  {f.published_versions:<9}  {f.refused_publishes:<7}  {f.rollbacks:<11}  "
+            f"{','.join(f.train_tables) or 'all'}"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ rows on its examples. See docs/design/loop.md.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from recserve.core.sections.base import SpecError
@@ -45,9 +46,13 @@ class LoopSection:
     # and a published version is rolled back when it scores worse than the rows before it by more
     max_loss_increase: float = 0.02
     watch_examples: int = 256  # a published version is judged on this many examples it served
+    # the tables whose rows recserve learn trains (the others are served as they are); empty: all.
+    # Name those whose ids drift (items, ads): a low-cardinality table's rows are in nearly every
+    # example, each takes a full step per batch, and their steps add up in every example's logit
+    train_tables: tuple[str, ...] = ()
 
-    def check(self) -> None:
-        """Raise :class:`SpecError` on a value out of range."""
+    def check(self, tables: Iterable[str] = ()) -> None:
+        """Raise :class:`SpecError` on a value out of range or a ``train_tables`` name not in ``tables``."""
         for name in ("window_seconds", "late_seconds", "commit_seconds"):
             value = getattr(self, name)
             if not 0.0 < value <= 30 * 86400.0 or math.isnan(value):
@@ -74,3 +79,12 @@ class LoopSection:
             raise SpecError(
                 f"[loop] feedback_prefix: non-empty, no braces or spaces, got {self.feedback_prefix!r}"
             )
+        known = tuple(tables)
+        unknown = [name for name in self.train_tables if name not in known]
+        if unknown:
+            raise SpecError(
+                f"[loop] train_tables names {', '.join(map(repr, unknown))}, not a table of the spec "
+                f"(its tables: {', '.join(known) or 'none'})"
+            )
+        if len(set(self.train_tables)) < len(self.train_tables):
+            raise SpecError(f"[loop] train_tables names a table twice: {list(self.train_tables)}")

@@ -169,7 +169,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     request_log = parse_section(LoggingSection, doc.get("logging", {}), "logging")
     request_log.check()
     loop = parse_section(LoopSection, doc.get("loop", {}), "loop")
-    loop.check()
+    loop.check(tables)
     degrade = parse_section(DegradeSection, doc.get("degrade", {}), "degrade")
     degrade.check(seq_buckets)
     numeric = tuple(features.numeric)
