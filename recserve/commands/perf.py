@@ -154,6 +154,7 @@ def _bench_loop(args: argparse.Namespace) -> int:
         "round_seconds": args.round_seconds,
         "rate": args.rate,
         "train_tables": args.train_tables,
+        "learning_rate": args.learning_rate,
     }
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if args.replay is not None:
@@ -339,6 +340,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     loop.add_argument("--rounds", type=int, default=None)
     loop.add_argument("--round-seconds", type=float, default=None)
     loop.add_argument("--rate", type=float, default=None, help="requests per second to each server")
+    loop.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="the learner's Adagrad step (default: [loop] learning_rate; --replay takes its own)",
+    )
     loop.add_argument(
         "--train-tables",
         type=table_names,
