@@ -187,7 +187,7 @@ def _replay_loop(spec: ModelSpec, args: argparse.Namespace, grid: LoopGrid) -> i
     requests = stream_requests(spec, grid, starting_logits(spec, args.repository))
     store, net = open_served(spec, args.repository)
     figures = []
-    for rate in args.replay or [spec.loop.learning_rate]:
+    for rate in args.replay or [grid.learning_rate or spec.loop.learning_rate]:
         _progress(f"[bench-loop] replay at learning rate {rate:g}")
         figures.append(replay(spec, store, net, grid, rate, requests))
     print(describe(figures))
@@ -344,14 +344,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--learning-rate",
         type=float,
         default=None,
-        help="the learner's Adagrad step (default: [loop] learning_rate; --replay takes its own)",
+        help="the learner's Adagrad step (default: 0.03, the replay's choice for the drifting items; "
+        "--replay takes its own)",
     )
     loop.add_argument(
         "--train-tables",
         type=table_names,
         default=None,
         metavar="TABLES",
-        help="the learner trains only these tables' rows, e.g. item ('' : all; default: [loop] train_tables)",
+        help="the learner trains only these tables' rows, e.g. item ('' : all; default: the table of the "
+        "items the stream drifts)",
     )
     loop.add_argument("--json", type=Path, default=None, help="also write the summary here (plots beside it)")
     loop.add_argument(
@@ -362,6 +364,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="RATES",
         help="no servers: the loop emulated in one process on the same stream, at each learning rate "
-        "(e.g. 0.01,0.03,0.1; none given: [loop] learning_rate); prints the AUC gain of each",
+        "(e.g. 0.01,0.03,0.1; none given: the bench's rate); prints the AUC gain of each",
     )
     loop.set_defaults(func=_bench_loop)

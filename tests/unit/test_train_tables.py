@@ -69,7 +69,8 @@ def test_the_flag_reads_names_by_commas_and_an_empty_one_as_all():
     assert table_names("") == ()
 
 
-def test_the_bench_names_its_tables_in_its_specs_only_when_given(spec):
-    loop, frozen = bench_specs(spec, Path("bench"), LoopGrid(train_tables=("item",)))
-    assert loop.loop.train_tables == ("item",) and frozen.loop.train_tables == ("item",)
-    assert bench_specs(spec, Path("bench"), LoopGrid())[0].loop.train_tables == spec.loop.train_tables
+def test_the_bench_trains_the_items_its_stream_drifts_unless_told_otherwise(spec):
+    loop, frozen = bench_specs(spec, Path("bench"), LoopGrid(train_tables=("C3",)))
+    assert loop.loop.train_tables == ("C3",) and frozen.loop.train_tables == ("C3",)
+    assert bench_specs(spec, Path("bench"), LoopGrid())[0].loop.train_tables == (spec.targets[0].table,)
+    assert bench_specs(spec, Path("bench"), LoopGrid(train_tables=()))[0].loop.train_tables == ()

@@ -54,8 +54,10 @@ class LoopGrid:
     commit_seconds: float = 1.0  # the joiner's
     segment_seconds: float = 1.0  # [logging]: a log segment closes this old
     publish_seconds: float = 5.0  # the learner's
-    learning_rate: float | None = None  # the learner's step (None: its default, [loop] learning_rate)
-    train_tables: tuple[str, ...] | None = None  # the tables it trains (None: the spec's [loop] train_tables)
+    # The stream drifts its items' clicks, so the bench trains the item rows, at the rate the replay
+    # chose for them (docs/design/loop.md): a user's [loop] names the tables that move for them.
+    learning_rate: float | None = 0.03  # the learner's step (None: [loop] learning_rate)
+    train_tables: tuple[str, ...] | None = None  # None: the drifting items' table; (): every table
     batch_size: int = 128
     throughput_seconds: float = 4.0  # one turn of the throughput phase
     throughput_turns: int = 4  # per server, in the order loop, frozen, frozen, loop, ...
@@ -115,8 +117,11 @@ def bench_specs(spec: ModelSpec, folder: Path, grid: LoopGrid) -> tuple[ModelSpe
         "feedback_directory": str(folder / "feedback"),
         "examples_directory": str(folder / "examples"),
     }
-    if grid.train_tables is not None:
-        doc["loop"]["train_tables"] = list(grid.train_tables)
+    tables = grid.train_tables
+    if tables is None and spec.targets:
+        tables = (spec.targets[0].table,)  # the items the stream drifts
+    if tables is not None:
+        doc["loop"]["train_tables"] = list(tables)
     frozen = {**doc, "logging": {"enabled": False}}
     doc["logging"] = {
         "enabled": True,
