@@ -66,7 +66,8 @@ ALLOWED = {
     "recserve.perf.harness": PERF_BASE,
     "recserve.perf.gpu_check": (*PERF_BASE, *PERF_FLOORS),  # the GPU kit runs what users run
     "recserve.perf.peers": (*PERF_BASE, "recserve.perf.harness"),
-    "recserve.perf.bench": (*PERF_BASE, "recserve.perf.harness", "recserve.perf.peers"),
+    # the loop's bench replays the joiner and the learner in process (bench-loop --replay)
+    "recserve.perf.bench": (*PERF_BASE, "recserve.loop", "recserve.perf.harness", "recserve.perf.peers"),
     "recserve.perf.lab": (*PERF_BASE, "recserve.access", *PERF_FLOORS),
 }
 

@@ -12,8 +12,8 @@ from recserve.core.sections.base import SpecError
 from recserve.core.spec.parse import parse_spec
 from recserve.loop.learner import Learner
 from recserve.perf.bench.loop.bench import LoopGrid, bench_specs
+from tests.loop_examples import examples
 from tests.store_tables import spec_store
-from tests.unit.test_learner import examples
 
 
 def with_loop(spec, **loop):

@@ -1,0 +1,25 @@
+"""Joined examples for the learner's tests: rows of the spec's tables with labels, rates and served scores."""
+
+import numpy as np
+
+from recserve.loop.tables import examples_table
+
+
+def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=None):
+    versions = versions or {}
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i, label in enumerate(labels):
+        keys = [int(rng.choice(tables[f.table].keys)) for f in spec.categorical.features]
+        keys += [int(rng.choice(tables[t.table].keys)) for t in spec.targets]
+        history = [int(k) for k in rng.choice(tables[spec.sequences[0].table].keys, 3)] if i % 2 else None
+        rows.append(
+            {
+                "request_id": f"r{i}", "row": 0, "time": 1.0, "variant": "", "label": label, "late": False,
+                "sample_rate": 1.0 if rates is None else rates[i], "labelled_at": 2.0, "keys": keys,
+                "dense": [0.1] * len(spec.normalized_columns), "history": history,
+                "embedding_version": [versions.get(t, 1) for t in spec.table_names],
+                "score": served[i] if isinstance(served, list) else served, "dense_version": None,
+            }
+        )  # fmt: skip
+    return examples_table(rows)
