@@ -26,7 +26,7 @@ from recserve.build.synthetic import generate
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
 from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.stats import difference, snapshot
-from recserve.perf.harness.traffic import infer_inputs
+from recserve.perf.harness.traffic import closed_loop, infer_inputs
 from recserve.server import Ports, TritonServer
 
 MODEL = "ctr"
@@ -64,17 +64,11 @@ def in_process(spec: ModelSpec, repository: Path, pool: list[dict[str, np.ndarra
 
 
 def served(server: TritonServer, pool: list[dict[str, np.ndarray]], requests: int) -> dict[str, Any]:
-    """Batch-``len(rows)`` requests one in flight: the p50 and each step's µs per request."""
+    """The pool's requests one in flight: the p50, the mean and each step's µs per request."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        inputs = [infer_inputs(grpcclient, w) for w in pool]
-        for i in range(50):  # warm-up
-            client.infer(MODEL, inputs[i % len(inputs)])
+        closed_loop(client, MODEL, pool, 50)  # warm-up
         before = snapshot(server.http_url)
-        latencies = []
-        for i in range(requests):
-            started = time.perf_counter()
-            client.infer(MODEL, inputs[i % len(inputs)])
-            latencies.append(time.perf_counter() - started)
+        latencies = closed_loop(client, MODEL, pool, requests) / 1e3  # seconds
         steps = difference(before, snapshot(server.http_url), STEPS)
     return {
         "p50_us": float(np.percentile(latencies, 50)) * 1e6,
