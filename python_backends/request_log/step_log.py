@@ -3,28 +3,29 @@
 Both are observers of the Triton adapter's request loops: called once per successful request with
 its inputs and its own part of the outputs, right before the response is sent. On the request
 path they only decide (sampling by request id), copy what they keep and queue it; the records are
-built on the writer thread. The keys are made there by the step's own transform from the copied
-request tensors: the same code on the same values as served, so the same keys, without holding
-the request up (the dense values and versions are taken from what the step returned).
+built on the writer thread. The keys are the ones served: the lookup step taps them from its
+transform into its outputs (:meth:`FeatureLog.tap`), split per request with the rest of a dynamic
+batch, and the observer takes them out before the response is sent. The dense values and the
+versions are what the step returned.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.base.arrays import side_by_side
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
 from recserve.backends.request_log.segments import ParquetSegments
 from recserve.backends.request_log.streams import RedisStreams, cluster_client
 from recserve.backends.request_log.writer import Entry, RecordWriter
-from recserve.core.candidate_lists import candidate_rows
 from recserve.core.contract import attention_inputs
 from recserve.core.names import (
     CANDIDATE_PREFIX,
@@ -40,7 +41,15 @@ from recserve.core.names import (
 )
 from recserve.core.sections.logging import LoggingSection
 from recserve.core.spec.model import ModelSpec
-from recserve.core.wire_forms import request_form
+
+#: the names under which the lookup step hands the log what it served; never sent (:meth:`FeatureLog.tap`)
+TAPPED_KEYS = "__logged_keys"
+TAPPED_HISTORY = "__logged_history"
+TAPPED_HISTORY_MASK = "__logged_history_mask"
+TAPPED = (TAPPED_KEYS, TAPPED_HISTORY, TAPPED_HISTORY_MASK)
+#: ... those with one row per history owner (a list's: per user) rather than per row
+TAPPED_PER_OWNER = (TAPPED_HISTORY, TAPPED_HISTORY_MASK)
+TIME = pa.timestamp("us", tz="UTC")
 
 
 def open_writer(settings: LoggingSection, base: Path | None = None, store: Any = None) -> RecordWriter:
@@ -89,13 +98,28 @@ def _lists(values: np.ndarray, dtype: pa.DataType) -> pa.Array:
     return pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), dtype))
 
 
-def _common(identity: Identity, time_us: int, rows: int) -> list[pa.Array]:
+@dataclass(frozen=True)
+class _Part:
+    """What the observer of one logged request copied for its records."""
+
+    identity: Identity
+    time_us: int
+    columns: tuple[np.ndarray, ...]  # the kind's per-request arrays, rows first (see each ``build``)
+
+
+def _common(parts: Sequence[_Part], counts: np.ndarray) -> list[pa.Array]:
+    """The columns every record has, for the requests of ``parts`` with ``counts`` rows each."""
+    starts = np.cumsum(counts) - counts
+
+    def each(values: list[Any]) -> np.ndarray:
+        return np.repeat(np.array(values, dtype=object), counts)
+
     return [
-        pa.array([identity.request_id] * rows, pa.string()),
-        pa.array(np.arange(rows, dtype=np.int32)),
-        pa.array(np.full(rows, time_us, np.int64)).cast(pa.timestamp("us", tz="UTC")),
-        pa.array([identity.variant] * rows, pa.string()),
-        pa.array([identity.traffic] * rows, pa.string()),
+        pa.array(each([p.identity.request_id for p in parts]), pa.string()),
+        pa.array((np.arange(int(counts.sum())) - np.repeat(starts, counts)).astype(np.int32)),
+        pa.array(np.repeat(np.array([p.time_us for p in parts], np.int64), counts), TIME),
+        pa.array(each([p.identity.variant for p in parts]), pa.string()),
+        pa.array(each([p.identity.traffic for p in parts]), pa.string()),
     ]
 
 
@@ -118,99 +142,170 @@ class _Observer:
 
 
 class FeatureLog(_Observer):
-    """The ``features`` records of the ``embedding_lookup`` step (see :mod:`.records`)."""
+    """The ``features`` records of the ``embedding_lookup`` step (see :mod:`.records`).
+
+    The step taps what its transform made (:meth:`tap`: the record's keys, and the history keys
+    with their mask, one row per history owner) into its outputs under names that are never sent;
+    the observer takes them back out of every response, so the log reuses the served keys instead
+    of transforming the request a second time.
+    """
 
     def __init__(self, spec: ModelSpec, settings: LoggingSection, writer: RecordWriter) -> None:
         super().__init__(settings, writer)
         self.spec = spec
-        self.transform = FeatureTransform(spec)
         self.key_inputs = (SPARSE_KEYS,) + ((MULTI_HOT_KEYS,) if spec.categorical.multi_hot else ())
         self.key_inputs += (TARGET_KEY,) if spec.sequences else ()
         # each sequence's mask, sequence after sequence (the sequences of a group share their mask)
-        self.sequence_masks = [
+        self.sequence_masks = tuple(
             names.mask
             for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True)
             for _ in group.sequences
-        ]
+        )
+        self.logs_history = bool(spec.sequences) and settings.history
 
-    def rows(self, request: Any, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
-        """Observe a row-layout request."""
-        self._observe(request, inputs, outputs, False)
+    def tap(self, features: Mapping[str, Any]) -> dict[str, Any]:
+        """What the step adds to its outputs for the log (numpy arrays or torch tensors, on their device).
 
-    def lists(self, request: Any, inputs: Mapping[str, Any], outputs: Mapping[str, Any]) -> None:
-        """Observe a candidate-list request."""
-        self._observe(request, inputs, outputs, True)
+        ``features``: the transform's (:meth:`FeatureTransform.transform`), users' states merged.
+        """
+        tapped = {TAPPED_KEYS: side_by_side([features[n] for n in self.key_inputs])}
+        if self.logs_history:
+            tapped[TAPPED_HISTORY] = features[HISTORY_KEYS]
+            tapped[TAPPED_HISTORY_MASK] = side_by_side([features[m] for m in self.sequence_masks])
+        return tapped
 
-    def _observe(
-        self, request: Any, inputs: Mapping[str, Any], outputs: Mapping[str, Any], is_list: bool
-    ) -> None:
+    def __call__(self, request: Any, inputs: Mapping[str, Any], outputs: dict[str, Any]) -> None:
+        """Observe one request, of either layout (a list's rows are its candidates, user by user)."""
+        tapped = [outputs.pop(name, None) for name in TAPPED]  # never sent, logged or not
         rows = served_rows(outputs)
         identity = self.identify(request, rows)
-        if identity is None:
+        if identity is None or tapped[0] is None:
             return
-        # the request's one row of versions, every row's (a record per row keeps them)
-        versions = np.broadcast_to(host(outputs[EMBEDDING_VERSION])[:1], (rows, len(self.spec.table_names)))
         dense = outputs.get(DENSE_NORMALIZED, outputs.get(CANDIDATE_PREFIX + DENSE_NORMALIZED))
-        copied = {name: host(value) for name, value in inputs.items()}
-        build = functools.partial(
-            self.build,
-            identity,
-            time.time_ns() // 1000,
-            copied,
-            None if dense is None else host(dense).reshape(rows, -1),
-            versions,
-            is_list,
+        part = _Part(
+            identity, time.time_ns() // 1000, _copied(rows, tapped, dense, outputs[EMBEDDING_VERSION])
         )
-        self.writer.offer(Entry(FEATURES, rows, build))
+        self.writer.offer(Entry(FEATURES, rows, self.build, part))
 
-    def build(
-        self,
-        identity: Identity,
-        time_us: int,
-        inputs: Mapping[str, np.ndarray],
-        dense: np.ndarray | None,
-        versions: np.ndarray,
-        is_list: bool,
+    def records(
+        self, identity: Identity, time_us: int, features: Mapping[str, Any], versions: np.ndarray
     ) -> pa.RecordBatch:
-        """The request's ``features`` records (on the writer thread)."""
-        if is_list:
-            rows_in, owners = candidate_rows(self.spec, inputs, request_form(self.spec, inputs))
-            features = self.transform.transform(rows_in, users=int(owners[-1]) + 1)
+        """One row-layout request's records from its transform's ``features``, as the step logs them.
+
+        For a replay in process (the loop's bench); ``versions``: the embedding versions served.
+        """
+        tapped = self.tap(features)
+        rows = tapped[TAPPED_KEYS].shape[0]
+        columns = _copied(rows, [tapped.get(n) for n in TAPPED], features.get(DENSE_NORMALIZED), versions)
+        return self.build([_Part(identity, time_us, columns)])
+
+    @staticmethod
+    def build(parts: Sequence[_Part]) -> pa.RecordBatch:
+        """The ``features`` records of the requests of ``parts``, in order (on the writer thread).
+
+        Each part's columns: the keys ``[rows, K]``, the dense values ``[rows, D]``, the versions
+        ``[1, tables]`` and, when the history is logged, its keys and mask ``[owners, positions]``,
+        one row per history owner (a row; a list's user, whose candidates are consecutive rows).
+        """
+        counts = np.array([p.columns[0].shape[0] for p in parts])
+        rows = int(counts.sum())
+        if len(parts[0].columns) == 3:
+            history_row = np.full(rows, -1, np.int32)
+            history_column = pa.nulls(rows, pa.list_(pa.int64()))
         else:
-            features = self.transform.transform(inputs)
-            owners = np.arange(versions.shape[0])
-        rows = versions.shape[0]
-        keys = np.concatenate([np.asarray(features[n]).reshape(rows, -1) for n in self.key_inputs], axis=1)
-        if dense is None:
-            dense = np.asarray(features.get(DENSE_NORMALIZED, np.zeros((rows, 0), np.float32)))
-        history_row = np.full(rows, -1, np.int32)
-        history: list[list[int] | None] = [None] * rows
-        if self.spec.sequences and self.settings.history:
-            per_owner = self.histories(features)
-            first: dict[bytes, int] = {}  # a history's bytes -> the first row that has it
-            for row, owner in enumerate(owners.tolist()):
-                seen = first.setdefault(per_owner[owner].tobytes(), row)
-                history_row[row] = seen
-                if seen == row:
-                    history[row] = per_owner[owner].tolist()
+            history_row, history_column = _histories(parts, counts)
+        versions = np.repeat(np.concatenate([p.columns[2] for p in parts]), counts, axis=0)
         columns = [
-            *_common(identity, time_us, rows),
-            _lists(keys.astype(np.int64), pa.int64()),
-            _lists(dense.astype(np.float32), pa.float32()),
-            _lists(versions.astype(np.int64), pa.int64()),
+            *_common(parts, counts),
+            _lists(np.concatenate([p.columns[0] for p in parts]).astype(np.int64, copy=False), pa.int64()),
+            _lists(
+                np.concatenate([p.columns[1] for p in parts]).astype(np.float32, copy=False), pa.float32()
+            ),
+            _lists(versions.astype(np.int64, copy=False), pa.int64()),
             pa.array(history_row),
-            pa.array(history, pa.list_(pa.int64())),
+            history_column,
         ]
         return pa.RecordBatch.from_arrays(columns, schema=SCHEMAS[FEATURES])
 
-    def histories(self, features: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """Each history owner's valid keys: each sequence's unpadded positions, sequence after sequence."""
-        keys = np.asarray(features[HISTORY_KEYS])
-        count = len(self.sequence_masks)
-        owners, width = keys.shape[0], keys.shape[1] // count
-        blocks = keys.reshape(owners, count, width)
-        valid = np.stack([np.asarray(features[m]) > 0 for m in self.sequence_masks], axis=1)
-        return [blocks[o][valid[o]] for o in range(owners)]
+
+def _copied(rows: int, tapped: Sequence[Any], dense: Any, versions: Any) -> tuple[np.ndarray, ...]:
+    """A request's columns for :meth:`FeatureLog.build`, copied to the host.
+
+    ``tapped``: the arrays under :data:`TAPPED` (None where absent); ``dense``: the dense values
+    served (None: the spec has none); ``versions``: the embedding versions, the request's first row.
+    """
+    return (
+        host(tapped[0]).reshape(rows, -1),
+        np.zeros((rows, 0), np.float32) if dense is None else host(dense).reshape(rows, -1),
+        host(versions)[:1],
+        *(host(array) for array in tapped[1:] if array is not None),
+    )
+
+
+def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, pa.Array]:
+    """``history_row`` and ``history`` of the rows of ``parts`` (``counts`` rows each), from their owners'.
+
+    Within a request, a history is written once, on the first row that has it (an owner's rows are
+    consecutive, so a list's user's is on its first candidate); every other row names that row.
+    """
+    owners = np.array([p.columns[3].shape[0] for p in parts])
+    history, valid = _joined([p.columns[3] for p in parts]), _joined([p.columns[4] for p in parts]) > 0
+    row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
+    rows = int(counts.sum())
+    row_in_request = np.arange(rows) - np.repeat(row_start, counts)
+    owner_of_row = row_in_request * np.repeat(owners, counts) // np.repeat(counts, counts)
+    owner_of_row += np.repeat(owner_start, counts)
+    first_row = np.searchsorted(owner_of_row, np.arange(history.shape[0]))
+    lengths = valid.sum(axis=1)
+    first = first_row[_first_equal(history, valid, lengths, np.repeat(np.arange(len(parts)), owners))]
+    first = first[owner_of_row]
+    carriers = first == np.arange(rows)  # the rows that carry a history
+    offsets = np.zeros(rows + 1, np.int32)
+    np.cumsum(np.where(carriers, lengths[owner_of_row], 0), out=offsets[1:])
+    if carriers.all() and owner_of_row.shape[0] == history.shape[0]:  # every row its own owner, all apart
+        values = history[valid]
+    else:
+        carrying = owner_of_row[carriers]
+        values = history[carrying][valid[carrying]]
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(~carriers))
+    return (first - np.repeat(row_start, counts)).astype(np.int32), column
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """``[rows, width]`` arrays one under the other, the narrower padded with zeros on the right."""
+    width = max(a.shape[1] for a in arrays)
+    if all(a.shape[1] == width for a in arrays):
+        return np.concatenate(arrays)
+    out = np.zeros((sum(a.shape[0] for a in arrays), width), arrays[0].dtype)
+    start = 0
+    for array in arrays:
+        out[start : start + array.shape[0], : array.shape[1]] = array
+        start += array.shape[0]
+    return out
+
+
+def _first_equal(
+    history: np.ndarray, valid: np.ndarray, lengths: np.ndarray, request: np.ndarray
+) -> np.ndarray:
+    """For each owner, the first owner of its request with the same history (itself when none).
+
+    A history is its ``valid`` keys in place. Owners are grouped by a cheap digest (the request,
+    the length and the sum of the valid keys) and each is checked against its group's first, so
+    two different histories are never merged.
+    """
+    sums = np.add.reduce(history.view(np.uint64), axis=1, where=valid, initial=np.uint64(0))
+    digest = sums ^ (lengths.astype(np.uint64) << np.uint64(40)) ^ request.astype(np.uint64)
+    _, first, which = np.unique(digest, return_index=True, return_inverse=True)
+    found = first[which.reshape(-1)]
+    claimed = np.flatnonzero(found != np.arange(found.shape[0]))
+    if claimed.size:
+        other = found[claimed]
+        same = (request[claimed] == request[other]) & (valid[claimed] == valid[other]).all(axis=1)
+        same &= (
+            np.where(valid[claimed], history[claimed], 0) == np.where(valid[other], history[other], 0)
+        ).all(axis=1)
+        found[claimed[~same]] = claimed[~same]
+    return found
 
 
 class ScoreLog(_Observer):
@@ -222,17 +317,25 @@ class ScoreLog(_Observer):
         identity = self.identify(request, scores.shape[0])
         if identity is None:
             return
-        versions = np.broadcast_to(host(outputs[DENSE_VERSION]).reshape(-1)[:1], scores.shape)
-        build = functools.partial(self.build, identity, time.time_ns() // 1000, scores, versions)
-        self.writer.offer(Entry(SCORES, scores.shape[0], build))
+        version = host(outputs[DENSE_VERSION]).reshape(-1)[:1]
+        part = _Part(identity, time.time_ns() // 1000, (scores, version))
+        self.writer.offer(Entry(SCORES, scores.shape[0], self.build, part))
+
+    @classmethod
+    def records(
+        cls, identity: Identity, time_us: int, scores: np.ndarray, versions: np.ndarray
+    ) -> pa.RecordBatch:
+        """One request's ``scores`` records (``versions``: the request's, one per row or one)."""
+        return cls.build([_Part(identity, time_us, (scores, np.asarray(versions).reshape(-1)[:1]))])
 
     @staticmethod
-    def build(identity: Identity, time_us: int, scores: np.ndarray, versions: np.ndarray) -> pa.RecordBatch:
-        """The request's ``scores`` records (on the writer thread)."""
+    def build(parts: Sequence[_Part]) -> pa.RecordBatch:
+        """The ``scores`` records of the requests of ``parts`` (each: its scores and its ``[1]`` version)."""
+        counts = np.array([p.columns[0].shape[0] for p in parts])
         columns = [
-            *_common(identity, time_us, scores.shape[0]),
-            pa.array(scores.astype(np.float32)),
-            pa.array(versions.astype(np.int64)),
+            *_common(parts, counts),
+            pa.array(np.concatenate([p.columns[0] for p in parts]).astype(np.float32, copy=False)),
+            pa.array(np.repeat(np.concatenate([p.columns[1] for p in parts]), counts).astype(np.int64)),
         ]
         return pa.RecordBatch.from_arrays(columns, schema=SCHEMAS[SCORES])
 

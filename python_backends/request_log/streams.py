@@ -102,11 +102,14 @@ class RedisStreams:
         self.entries_written = 0
 
     def add(self, kind: str, batch: pa.RecordBatch) -> int:
-        """Keep ``batch`` (one request's records) for the shard of its request id. Returns 0."""
+        """Keep each request's records of ``batch`` for the shard of its request id. Returns 0."""
         if batch.num_rows == 0:
             return 0
-        shard = stream_shard(str(batch.column(0)[0].as_py()), self.shards)
-        self._pending.setdefault((kind, shard), []).append(batch)
+        ids = batch.column(0).to_pylist()
+        starts = [0, *(i for i in range(1, len(ids)) if ids[i] != ids[i - 1])]
+        for start, end in zip(starts, [*starts[1:], len(ids)], strict=True):
+            shard = stream_shard(str(ids[start]), self.shards)
+            self._pending.setdefault((kind, shard), []).append(batch.slice(start, end - start))
         if self._since is None:
             self._since = self.clock()
         return 0

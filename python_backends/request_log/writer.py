@@ -2,7 +2,8 @@
 
 A step hands each logged request over with :meth:`RecordWriter.offer` and never waits: when the
 queue is full the request's records are dropped and counted, never the request. The writer thread
-builds the records (the part that costs: columns, keys) and hands them to the sink (:class:`Sink`:
+wakes at most every ``LINGER_S``, takes every request queued, builds their records together (the
+part that costs: columns, once for all of them) and hands them to the sink (:class:`Sink`:
 Parquet segments, :class:`~recserve.backends.request_log.segments.ParquetSegments`, or Redis
 Streams, :class:`~recserve.backends.request_log.streams.RedisStreams`). Every record ends in
 one outcome of ``recserve_log_records_total{outcome}``: ``written`` (in a segment on disk),
@@ -15,9 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -32,18 +34,23 @@ DEPTH_METRIC = "recserve_log_queue_depth"
 DEPTH_HELP = "Requests waiting in the log's queue for its writer"
 #: how often the writer wakes to close segments that are due by time
 POLL_S = 0.2
+#: how long the writer lets requests gather once one is queued: their records are built together
+LINGER_S = 0.05
+#: requests built together at most
+GATHER = 256
 
 
 class Sink(Protocol):
     """Where the writer thread hands built batches; a Kafka or NATS sink would be one more of these.
 
-    ``add`` keeps a batch and may write; ``due`` writes what has waited long enough; ``flush`` writes
-    everything kept. Each returns the rows it wrote; on failure it raises, having dropped what it
-    tried to write (``pending_rows`` no longer counts them), so the writer counts them as failed.
+    ``add`` keeps a batch (the records of one request or more, each request's rows consecutive)
+    and may write; ``due`` writes what has waited long enough; ``flush`` writes everything kept.
+    Each returns the rows it wrote; on failure it raises, having dropped what it tried to write
+    (``pending_rows`` no longer counts them), so the writer counts them as failed.
     """
 
     def add(self, kind: str, batch: pa.RecordBatch) -> int:
-        """Keep one request's records of ``kind``."""
+        """Keep records of ``kind`` (one request's or more: each request's rows consecutive)."""
         ...
 
     def due(self) -> int:
@@ -61,11 +68,17 @@ class Sink(Protocol):
 
 @dataclass(frozen=True)
 class Entry:
-    """One request's records, built on the writer thread."""
+    """One request's records, built on the writer thread.
+
+    ``build`` makes the records of several requests at once from their ``part``s (what each
+    request's observer copied), in order; the writer builds the entries queued together that share
+    ``build`` in one call.
+    """
 
     kind: str
     rows: int
-    build: Callable[[], pa.RecordBatch]
+    build: Callable[[Sequence[Any]], pa.RecordBatch]
+    part: Any = None
 
 
 class RecordWriter:
@@ -118,22 +131,50 @@ class RecordWriter:
     def _run(self) -> None:
         while True:
             try:
-                entry = self._queue.get(timeout=POLL_S)
+                first = self._queue.get(timeout=POLL_S)
             except queue.Empty:
                 self._write(self.sink.due)
                 continue
-            if entry is None:
-                self._write(self.sink.flush)
+            if first is not None:
+                time.sleep(LINGER_S)  # let the requests in flight join it
+            entries, stop = self._gathered(first)
+            start = 0
+            for end in range(1, len(entries) + 1):  # runs of entries built by one call
+                if end == len(entries) or entries[end].build is not entries[start].build:
+                    self._add(entries[start:end])
+                    start = end
+            self._write(self.sink.flush if stop else self.sink.due)
+            if stop:
                 return
+
+    def _gathered(self, first: Entry | None) -> tuple[list[Entry], bool]:
+        """``first`` and the entries queued after it (up to :data:`GATHER`); whether to stop after them."""
+        entries: list[Entry] = []
+        entry: Entry | None = first
+        while entry is not None:
+            entries.append(entry)
+            if len(entries) == GATHER:
+                return entries, False
             try:
-                batch = entry.build()
-            except Exception:  # a record that cannot be built costs itself only
-                LOGGER.exception("a logged request's records could not be built")
-                self.count("failed", entry.rows)
-                continue
-            self._pending_rows += batch.num_rows
-            self._write(lambda e=entry, b=batch: self.sink.add(e.kind, b))  # type: ignore[misc]
-            self._write(self.sink.due)
+                entry = self._queue.get_nowait()
+            except queue.Empty:
+                return entries, False
+        return entries, True
+
+    def _add(self, entries: Sequence[Entry]) -> None:
+        """Build ``entries``' records in one call and hand them to the sink; a failure costs its own."""
+        try:
+            batch = entries[0].build([e.part for e in entries])
+        except Exception:
+            if len(entries) > 1:  # built one by one: only the entry that cannot be built is lost
+                for entry in entries:
+                    self._add([entry])
+                return
+            LOGGER.exception("a logged request's records could not be built")
+            self.count("failed", entries[0].rows)
+            return
+        self._pending_rows += batch.num_rows
+        self._write(lambda: self.sink.add(entries[0].kind, batch))
 
     def _write(self, step: Callable[[], int]) -> None:
         """Run a sink step; what it wrote counts as written, what a failure lost as failed."""

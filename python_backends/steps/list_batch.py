@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from recserve.backends.base import batching
+from recserve.backends.request_log.step_log import TAPPED_PER_OWNER
 from recserve.core.candidate_lists import candidate_rows, per_candidate_dense_inputs
 from recserve.core.names import CANDIDATE_PREFIX
 from recserve.core.wire_forms import request_form
@@ -55,12 +56,18 @@ def _joined(
     starts = np.cumsum(users) - users
     owners = np.concatenate([o + start for (_, o), start in zip(flat, starts.tolist(), strict=True)])
     features = step.list_features(joined, lists, sum(users))
-    out: dict[str, Any] = {n: features[n] for n in step.passed if n in features}
+    out: dict[str, Any] = step.passed_on(features)
     out.update(step.lookup.lookup(features, owners))
-    # histories and masks have a row per user, cut to each list's own width; the rest a row per candidate
+    # histories and masks have a row per user, cut to each list's own width (what the log taps of
+    # them: as served, whole); the rest a row per candidate
+    tapped = {n: out.pop(n) for n in TAPPED_PER_OWNER if n in out}
     per_user = {n: a for n, a in out.items() if n in {*step.histories, *step.masks}}
     widths = step.list_widths(lists, out, users)
     by_user = batching.split(per_user, users, dict.fromkeys(per_user, widths), step.left_padded)
+    if tapped:
+        by_user = [
+            {**cut, **whole} for cut, whole in zip(by_user, batching.split(tapped, users), strict=True)
+        ]
     by_row = batching.split({n: a for n, a in out.items() if n not in per_user}, rows)
     per_candidate = set(per_candidate_dense_inputs(step.spec))
     answers = []

@@ -5,7 +5,7 @@ The step hands ``dense`` exactly the inputs of the dense contract.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
@@ -13,6 +13,7 @@ import numpy as np
 from recserve.backends.base.arrays import joined, side_by_side, take_rows
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.request_log.step_log import TAPPED_PER_OWNER
 from recserve.backends.steps.list_batch import candidate_lists
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.core.candidate_lists import candidate_rows, candidate_step_inputs
@@ -117,10 +118,8 @@ class EmbeddingLookup:
             concat = widths if attention.combine == "concat" else ()
             self.groups.append((names, slice(start, start + len(attention.sequences)), concat))
             start += len(attention.sequences)
-        self._versions: tuple[tuple[int, ...], np.ndarray] = (
-            (),
-            np.empty(0, np.int64),
-        )  # (snapshot versions, in spec order)
+        #: (a snapshot's versions, those versions in spec order)
+        self._versions: tuple[tuple[int, ...], np.ndarray] = ((), np.empty(0, np.int64))
 
     @classmethod
     def for_instance(
@@ -171,10 +170,8 @@ class EmbeddingLookup:
             return (row_keys, row_tables), None
         history = inputs[HISTORY_KEYS]
         width = history.shape[1] // len(self.sequence_tables)
-        return (row_keys, row_tables), (
-            history,
-            np.broadcast_to(np.repeat(self.sequence_tables, width), tuple(history.shape)),
-        )
+        history_tables = np.broadcast_to(np.repeat(self.sequence_tables, width), tuple(history.shape))
+        return (row_keys, row_tables), (history, history_tables)
 
     def keys_and_tables(self, inputs: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """The key and table-id matrices of the transform's row-layout inputs, side by side.
@@ -200,12 +197,8 @@ class EmbeddingLookup:
             histories, count = inputs.get(HISTORY_KEYS), len(self.sequence_tables)
             owners, width = (0, 0) if histories is None else (histories.shape[0], histories.shape[1] // count)
             tier = cast("DeviceTier", self.device_l1)
-            layout = tier.layout(
-                self.column_tables,
-                inputs[SPARSE_KEYS].shape[0],
-                np.repeat(self.sequence_tables, width),
-                owners,
-            )
+            sequence_tables = np.repeat(self.sequence_tables, width)
+            layout = tier.layout(self.column_tables, inputs[SPARSE_KEYS].shape[0], sequence_tables, owners)
             return tier.lookup(inputs[ALL_KEYS], layout)
         (keys, table_ids), history = self.key_blocks(inputs)
         if history is not None:
@@ -311,6 +304,8 @@ class FeaturesToEmbeddings:
         #: what the transform computes that goes on to ``dense`` as it is: dense values and masks
         self.masks = tuple(g.mask for g in attention_inputs(spec))
         self.passed = (DENSE_NORMALIZED, *self.masks)
+        #: the request log's tap (:meth:`FeatureLog.tap`): what it adds to the outputs; None: logging off
+        self.log_tap: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
         self.histories = sequence_inputs(spec)
         self.left_padded = left_padded_inputs(spec)
         #: a request of the candidate-list layout carries these instead of the per-candidate wire inputs
@@ -327,8 +322,12 @@ class FeaturesToEmbeddings:
             InvalidInput: naming the first offending input and value.
         """
         features = self.features(inputs)
+        return {**self.passed_on(features), **self.lookup.lookup(features)}
+
+    def passed_on(self, features: Mapping[str, Any]) -> dict[str, Any]:
+        """What of the transform's ``features`` goes on as it is: to ``dense``, and to the log's tap."""
         passed = {n: features[n] for n in self.passed if n in features}
-        return {**passed, **self.lookup.lookup(features)}
+        return passed if self.log_tap is None else {**passed, **self.log_tap(features)}
 
     def features(
         self, inputs: Mapping[str, np.ndarray], users: int | None = None
@@ -361,10 +360,11 @@ class FeaturesToEmbeddings:
             return candidate_lists(self, [inputs])[0]
         rows, users = candidate_rows(self.spec, inputs, request_form(self.spec, inputs))
         features = self.list_features(rows, [inputs], int(users[-1]) + 1)
-        out: dict[str, np.ndarray | torch.Tensor] = {n: features[n] for n in self.passed if n in features}
+        out: dict[str, np.ndarray | torch.Tensor] = self.passed_on(features)
         out.update(self.lookup.lookup(features, users))
-        for name in self.histories:
-            out[name] = take_rows(out[name], users)
+        for name in (*self.histories, *TAPPED_PER_OWNER):  # a row per user to a row per candidate
+            if name in out:
+                out[name] = take_rows(out[name], users)
         return out
 
     def candidate_lists(self, lists: list[Mapping[str, np.ndarray]]) -> list[dict]:

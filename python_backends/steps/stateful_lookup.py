@@ -147,8 +147,7 @@ class StatefulFeaturesToEmbeddings(FeaturesToEmbeddings):
         with self.users.serving():
             features = self.transform.transform(inputs)
             self.merge_states(inputs, features)
-            passed = {n: features[n] for n in self.passed if n in features}
-            return {**passed, **self.lookup.lookup(features)}
+            return {**self.passed_on(features), **self.lookup.lookup(features)}
 
     def merge_states(self, inputs: Mapping[str, np.ndarray], features: dict[str, np.ndarray]) -> None:
         """Merge the users' states into ``features`` (one row per user of ``inputs``) and count them."""

@@ -37,8 +37,9 @@ LOGGER = logging.getLogger(__name__)
 
 Arrays = dict[str, np.ndarray]
 #: Called once per successful request with its inputs and its own outputs, before the response is
-#: sent (the request log); whatever it raises is logged, never the request's failure.
-Observer = Callable[[Any, Arrays, Mapping[str, Any]], None]
+#: sent (the request log); whatever it raises is logged, never the request's failure. It takes out
+#: of the outputs what the step added for it alone (never sent).
+Observer = Callable[[Any, Arrays, dict[str, Any]], None]
 #: The errors this stub process (one model instance) answered with, by code; every
 #: :class:`~recserve.backends.triton.publisher.MetricsPublisher` of the process publishes them.
 REQUEST_ERRORS = RequestErrorCounts()
@@ -171,6 +172,7 @@ def respond(outputs: Mapping[str, Any]) -> pb_utils.InferenceResponse:
 def observed(observe: Observer | None, request: Any, inputs: Arrays, outputs: Mapping[str, Any]) -> Any:
     """``outputs`` after ``observe`` saw them (a failing observer is logged, the request unharmed)."""
     if observe is not None:
+        outputs = outputs if isinstance(outputs, dict) else dict(outputs)
         try:
             observe(request, inputs, outputs)
         except Exception:  # the observer's failure is never the request's

@@ -35,6 +35,8 @@ class LookupRequests:
         log: FeatureLog | None,
     ) -> None:
         self.step, self.stateful, self.log = step, stateful, log
+        if log is not None:  # the step hands the log the keys it served; the log takes them out
+            step.log_tap = log.tap
 
     def execute(self, requests: list) -> list:
         """Row-form requests as one merged batch per wire form; candidate lists likewise."""
@@ -74,7 +76,7 @@ class LookupRequests:
             ragged_width=self.step.history_width,
             left_padded=self.step.left_padded,
             output_width=output_width,
-            observe=self.log.rows if self.log is not None else None,
+            observe=self.log,
         )
 
     def lists(self, requests: list) -> list:
@@ -84,7 +86,7 @@ class LookupRequests:
             self.step.candidate_input_names,
             self.candidate_list,
             together=self.together,
-            observe=self.log.lists if self.log is not None else None,
+            observe=self.log,
         )
 
     def together(self, inputs: list, requested: list) -> list | None:

@@ -14,7 +14,7 @@ import pytest
 
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity
 from recserve.backends.request_log.step_log import ScoreLog, open_writer
-from recserve.backends.request_log.streams import StreamGroup, cluster_client, read_records
+from recserve.backends.request_log.streams import RedisStreams, StreamGroup, cluster_client, read_records
 from recserve.backends.request_log.writer import Entry
 from recserve.clients.feedback import FeedbackStream
 from recserve.core.feedback import FeedbackEvent
@@ -33,7 +33,7 @@ def cluster(tmp_path_factory):
 
 
 def scores(request_id: str, rows: int) -> pa.RecordBatch:
-    return ScoreLog.build(
+    return ScoreLog.records(
         Identity(request_id), 1_000, np.arange(rows, dtype=np.float32) / rows, np.ones(rows, np.int64)
     )
 
@@ -46,7 +46,7 @@ def test_records_go_to_their_shard_and_a_consumer_that_dies_resumes(cluster):
     writer = open_writer(settings, store=store)
     ids = [f"request-{i}" for i in range(60)]
     for request_id in ids:
-        writer.offer(Entry(SCORES, 4, lambda r=request_id: scores(r, 4)))
+        writer.offer(Entry(SCORES, 4, lambda _, r=request_id: scores(r, 4)))
     writer.close()
     assert writer.counts() == {"written": 240, "dropped": 0, "failed": 0, "unidentified": 0}
 
@@ -91,16 +91,15 @@ def test_a_stream_is_capped_and_records_sent_while_redis_is_away_count_as_failed
     settings = LoggingSection(
         enabled=True, sink="redis", streams=1, stream_prefix="rs:cap", stream_max_len=10, stream_flush_ms=1
     )
-    writer = open_writer(settings, store=cluster.store_section())
+    sink = RedisStreams(lambda: cluster_client(cluster.store_section()), "rs:cap", 1, 10, 0.001)
     for i in range(300):
-        writer.offer(Entry(SCORES, 1, lambda i=i: scores(f"r{i}", 1)))
-    writer.close()
-    assert writer.counts()["written"] == 300
+        sink.add(SCORES, scores(f"r{i}", 1))
+        assert sink.flush() == 1
     length = cluster_client(cluster.store_section()).xlen(stream_keys("rs:cap", SCORES, 1)[0])
     assert 10 <= length < 300  # MAXLEN ~: trimmed by whole nodes, never below the cap
     away = cluster.store_section(redis_nodes=("127.0.0.1:1",))
     writer = open_writer(settings, store=away)
-    writer.offer(Entry(SCORES, 3, lambda: scores("lost", 3)))
+    writer.offer(Entry(SCORES, 3, lambda _: scores("lost", 3)))
     writer.close()
     assert writer.counts() == {"written": 0, "dropped": 0, "failed": 3, "unidentified": 0}
 
@@ -130,8 +129,8 @@ def test_the_joiner_reads_the_log_and_feedback_streams_and_resumes_its_group(clu
     store = cluster.store_section()
     writer = open_writer(settings, store=store)
     for k in range(4):
-        writer.offer(Entry(FEATURES, 3, lambda k=k: features_batch(f"q{k}", 3, 1000.0)))
-        writer.offer(Entry(SCORES, 3, lambda k=k: scores(f"q{k}", 3)))
+        writer.offer(Entry(FEATURES, 3, lambda _, k=k: features_batch(f"q{k}", 3, 1000.0)))
+        writer.offer(Entry(SCORES, 3, lambda _, k=k: scores(f"q{k}", 3)))
     writer.close()
     client = cluster_client(store)
     feedback = FeedbackStream(client, "rs:jf", 2)

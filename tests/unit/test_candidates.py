@@ -292,3 +292,35 @@ def test_perf_input_data_for_candidate_lists_holds_one_users_list_per_entry(name
             assert len(value["content"]) == int(np.prod(value["shape"]))
     with pytest.raises(ValueError, match="no candidate-list layout"):
         candidate_input_data(load_spec("avazu"), candidates=5)
+
+
+@pytest.mark.parametrize("name", ["ctr", "taobao"])
+def test_the_log_records_a_list_as_its_rows_each_users_history_once(name, tmp_path):
+    """Rows, a list answered alone as rows, lists answered together: the same records logged."""
+    from recserve.backends.request_log.read import read_kind
+    from recserve.backends.request_log.records import FEATURES
+    from recserve.backends.request_log.segments import ParquetSegments
+    from recserve.backends.request_log.step_log import FeatureLog
+    from recserve.backends.request_log.writer import RecordWriter
+    from recserve.core.sections.logging import LoggingSection
+    from tests.triton_requests import Request
+
+    spec = load_spec(name)
+    rows, lists = user_rows(spec)
+    step = FeaturesToEmbeddings(spec, EmbeddingLookup(spec, served_store(spec, rows)))
+    logged = {}
+    for layout in ("rows", "expanded", "listed"):
+        writer = RecordWriter(ParquetSegments(tmp_path / layout, 1 << 30, 3600.0), capacity=4)
+        log = FeatureLog(spec, LoggingSection(enabled=True), writer)
+        step.log_tap = log.tap
+        outputs = {
+            "rows": lambda: step(rows),
+            "expanded": lambda: step.candidates(lists, expand=True),
+            "listed": lambda: step.candidate_lists([lists])[0],
+        }[layout]()
+        log(Request("r"), {}, outputs)
+        assert not any(n.startswith("__") for n in outputs)  # what the log took is never sent
+        writer.close()
+        logged[layout] = read_kind(tmp_path / layout, FEATURES).drop_columns(["time"]).to_pydict()
+    assert logged["rows"]["history_row"] == [0, 0, 0, 3, 3, 3]  # two users, three candidates each
+    assert logged["expanded"] == logged["rows"] and logged["listed"] == logged["rows"]

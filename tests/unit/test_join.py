@@ -175,7 +175,9 @@ def log_request(sink, request_id, rows, t, scores=True):
     sink.add(FEATURES, pa.RecordBatch.from_pydict(columns, schema=SCHEMAS[FEATURES]))
     if scores:
         served = np.full(rows, 0.5, np.float32)
-        sink.add(SCORES, ScoreLog.build(Identity(request_id), int(t * 1e6), served, np.ones(rows, np.int64)))
+        sink.add(
+            SCORES, ScoreLog.records(Identity(request_id), int(t * 1e6), served, np.ones(rows, np.int64))
+        )
     sink.flush()
 
 
@@ -302,7 +304,7 @@ def test_the_log_position_keeps_only_the_segments_of_the_last_hour(tmp_path):
     folder = tmp_path / "log" / "scores"
     folder.mkdir(parents=True)
     table = pa.Table.from_batches(
-        [ScoreLog.build(Identity("r"), 0, np.ones(1, np.float32), np.ones(1, np.int64))]
+        [ScoreLog.records(Identity("r"), 0, np.ones(1, np.float32), np.ones(1, np.int64))]
     )
     for name in ("20260101T100000-1-000001", "20260101T103000-1-000002", "20260101T120000-1-000003"):
         pq.write_table(table, folder / f"{name}.parquet")
@@ -387,7 +389,8 @@ def test_a_joiner_killed_while_a_click_waits_emits_it_once_after_its_restart(tmp
     second = make_joiner(tmp_path, now, score_wait_s=3.0)  # the first one dies
     assert second.join.open[("a", 1)].wait_until == 1003.5
     sink.add(
-        SCORES, ScoreLog.build(Identity("a"), int(1000e6), np.full(2, 0.5, np.float32), np.ones(2, np.int64))
+        SCORES,
+        ScoreLog.records(Identity("a"), int(1000e6), np.full(2, 0.5, np.float32), np.ones(2, np.int64)),
     )
     sink.flush()
     now[0] = 1011.0

@@ -14,32 +14,34 @@ from recserve.access import ProxyPorts, Upstream, envoy_config, validate, write_
 from recserve.backends.request_log.read import read_kind, read_log, segment_paths
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
 from recserve.backends.request_log.segments import ParquetSegments
-from recserve.backends.request_log.step_log import FeatureLog, ScoreLog
+from recserve.backends.request_log.step_log import (
+    TAPPED_HISTORY,
+    TAPPED_HISTORY_MASK,
+    TAPPED_KEYS,
+    FeatureLog,
+    ScoreLog,
+)
 from recserve.backends.request_log.writer import Entry, RecordWriter
 from recserve.clients.request_ids import part_ids, request_id_of
-from recserve.core.names import TRAFFIC_HEADER, VARIANT_HEADER
+from recserve.core.names import (
+    CANDIDATE_PREFIX,
+    EMBEDDING_VERSION,
+    SPARSE_EMBEDDINGS,
+    SPARSE_KEYS,
+    TARGET_KEY,
+    TRAFFIC_HEADER,
+    VARIANT_HEADER,
+)
 from recserve.core.sections.base import SpecError
 from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
 from recserve.core.sections.serving import AccessSection
 from recserve.core.streams import stream_keys, stream_shard
 from recserve.server.process import FORWARDED_HEADERS
-
-
-class Request:
-    """The two calls of a Triton request the log makes (the adapter hands it the real ones)."""
-
-    def __init__(self, request_id: str, parameters: str = "{}") -> None:
-        self._id, self._parameters = request_id, parameters
-
-    def request_id(self) -> str:
-        return self._id
-
-    def parameters(self) -> str:
-        return self._parameters
+from tests.triton_requests import Request
 
 
 def scores_batch(request_id: str, rows: int) -> pa.RecordBatch:
-    return ScoreLog.build(
+    return ScoreLog.records(
         Identity(request_id), 1_000, np.full(rows, 0.25, np.float32), np.ones(rows, np.int64)
     )
 
@@ -67,31 +69,77 @@ def test_score_records_follow_the_schema():
     assert {"request_id", "row", "score"} <= set(SCHEMAS[FEATURES].names) | set(SCHEMAS[SCORES].names)
 
 
-def test_feature_records_hold_keys_dense_values_and_each_history_once(spec, tmp_path):
+def test_feature_records_hold_the_served_keys_dense_values_and_each_history_once(spec, tmp_path):
+    """The step taps its transform's keys into its outputs; the observer takes them out and logs them."""
+    from recserve.backends.features.transform import FeatureTransform
     from recserve.build.synthetic import generate
     from recserve.clients import read_rows
     from recserve.clients.writers import write_tsv
 
-    log = FeatureLog(spec, LoggingSection(enabled=True), writer=None)  # builds only
+    writer = RecordWriter(ParquetSegments(tmp_path / "log", 1 << 30, 3600.0), capacity=8)
+    log = FeatureLog(spec, LoggingSection(enabled=True), writer)
     rows = read_rows(write_tsv(tmp_path / "rows.tsv", generate(spec, 4, seed=5), spec), spec)
     inputs = rows.to_inputs(spec)
     inputs[spec.sequences[0].name][2] = inputs[spec.sequences[0].name][0]  # row 2 shares row 0's history
     inputs[spec.sequence_length_input][2] = inputs[spec.sequence_length_input][0]
-    versions = np.ones((4, len(spec.table_names)), np.int64)
-    batch = log.build(Identity("r"), 0, inputs, None, versions, False)
-    assert batch.schema == SCHEMAS[FEATURES]
-    table = batch.to_pydict()
-    assert table["history_row"][2] == 0 and table["history"][2] is None
+    features = FeatureTransform(spec).transform(inputs)
+    outputs = {
+        SPARSE_EMBEDDINGS: np.zeros((4, 2, 3), np.float32),
+        EMBEDDING_VERSION: np.ones((1, len(spec.table_names)), np.int64),
+        **log.tap(features),
+    }
+    log(Request("r"), inputs, outputs)
+    assert set(outputs) == {SPARSE_EMBEDDINGS, EMBEDDING_VERSION}  # the tapped names are never sent
+    writer.close()
+    table = read_kind(tmp_path / "log", FEATURES).to_pydict()
+    assert table["row"] == [0, 1, 2, 3]
+    assert table["history_row"] == [0, 1, 0, 3] and table["history"][2] is None
     assert table["history"][0] is not None and len(table["history"][0]) == int(rows.lengths[0])
-    assert len(table["keys"][0]) == len(spec.categorical.features) + len(spec.targets)
+    assert table["keys"][1] == [*features[SPARSE_KEYS][1].tolist(), *features[TARGET_KEY][1].tolist()]
+
+
+def test_requests_built_together_keep_their_own_rows_and_a_lists_history_is_on_its_users_first_row(
+    spec, tmp_path
+):
+    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
+    log = FeatureLog(spec, LoggingSection(enabled=True), writer)
+    tables, keys = len(spec.table_names), len(spec.categorical.features) + len(spec.targets)
+    served = {
+        CANDIDATE_PREFIX + SPARSE_EMBEDDINGS: np.zeros((2, 3, 1)),
+        EMBEDDING_VERSION: np.ones((1, tables)),
+    }
+    a_list = {  # two users, three candidates each; a history as wide as the bucket it was served in
+        **served,
+        TAPPED_KEYS: np.arange(6 * keys).reshape(6, keys),
+        TAPPED_HISTORY: np.array([[7, 8, 0, 0], [7, 8, 9, 0]]),
+        TAPPED_HISTORY_MASK: np.array([[1, 1, 0, 0], [1, 1, 1, 0]], np.float32),
+    }
+    rows = {  # rows of a narrower bucket, the first two with one history
+        SPARSE_EMBEDDINGS: np.zeros((3, 1)),
+        EMBEDDING_VERSION: np.full((1, tables), 2),
+        TAPPED_KEYS: np.zeros((3, keys)),
+        TAPPED_HISTORY: np.array([[5, 0], [5, 0], [5, 6]]),
+        TAPPED_HISTORY_MASK: np.array([[1, 0], [1, 0], [1, 1]], np.float32),
+    }
+    log(Request("list"), {}, a_list)
+    log(Request("rows"), {}, rows)
+    assert TAPPED_KEYS not in a_list and TAPPED_HISTORY not in rows
+    writer.close()
+    table = read_kind(tmp_path, FEATURES).to_pydict()
+    assert table["request_id"] == ["list"] * 6 + ["rows"] * 3
+    assert table["row"] == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert table["history_row"] == [0, 0, 0, 3, 3, 3, 0, 0, 2]
+    assert table["history"] == [[7, 8], None, None, [7, 8, 9], None, None, [5], None, [5, 6]]
+    assert table["embedding_version"][0] == [1] * tables and table["embedding_version"][8] == [2] * tables
+    assert table["keys"][5] == list(range(5 * keys, 6 * keys))
 
 
 def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
     sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
     release = threading.Event()
     writer = RecordWriter(sink, capacity=2)
-    writer.offer(Entry(SCORES, 1, lambda: (release.wait(10), scores_batch("held", 1))[1]))
-    offered = [writer.offer(Entry(SCORES, 5, lambda i=i: scores_batch(f"r{i}", 5))) for i in range(6)]
+    writer.offer(Entry(SCORES, 1, lambda _: (release.wait(10), scores_batch("held", 1))[1]))
+    offered = [writer.offer(Entry(SCORES, 5, lambda _, i=i: scores_batch(f"r{i}", 5))) for i in range(6)]
     assert offered.count(False) >= 3
     release.set()
     writer.close()
@@ -105,8 +153,8 @@ def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
 
 def test_a_record_that_cannot_be_built_or_written_is_counted_as_failed(tmp_path):
     writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
-    writer.offer(Entry(SCORES, 4, lambda: 1 / 0))
-    writer.offer(Entry(SCORES, 2, lambda: scores_batch("ok", 2)))
+    writer.offer(Entry(SCORES, 4, lambda _: 1 / 0))
+    writer.offer(Entry(SCORES, 2, lambda _: scores_batch("ok", 2)))
     writer.close()
     assert writer.counts() == {"written": 2, "dropped": 0, "failed": 4, "unidentified": 0}
 

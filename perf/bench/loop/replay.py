@@ -5,7 +5,7 @@ rate) go through the loop's own parts, without servers or processes, on the stre
 
 * each request is scored twice through the served dense network: with the rows the learner last
   published (the **loop** side) and with the store's rows alone (the **frozen** side);
-* its rows are logged as the lookup step logs them (:meth:`FeatureLog.build`, the same keys and
+* its rows are logged as the lookup step logs them (:meth:`FeatureLog.records`, the same keys and
   history) with the loop side's scores, and reach the join ``log_delay_s`` later (a log segment's
   age); its impressions and clicks are reported at once, as the bench does;
 * every ``commit_seconds`` the join (:class:`Join`, the bench's ``[loop]``: W, the late horizon, w)
@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from recserve.backends.dense.network import CTRNet
+from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.request_log.records import Identity
 from recserve.backends.request_log.step_log import FeatureLog
 from recserve.backends.request_log.writer import RecordWriter
@@ -81,17 +82,17 @@ def stream_requests(
     """The bench's requests (the same stream, in the same order), their rows logged as served."""
     stream = DriftingStream(spec, grid.rounds, grid.stream, row_logits=row_logits)
     settings = LoggingSection(enabled=True, history=True)
-    log = FeatureLog(spec, settings, cast(RecordWriter, None))  # its build() alone: no writer
-    versions = np.ones((grid.rows, len(spec.table_names)), np.int64)
+    log = FeatureLog(spec, settings, cast(RecordWriter, None))  # its records() alone: no writer
+    transform = FeatureTransform(spec)
+    versions = np.ones((1, len(spec.table_names)), np.int64)
     count = max(1, round(grid.rate * grid.round_seconds))
     out = []
     for round_ in range(grid.rounds):
         for k in range(count):
             rows, _, clicks = stream.request(round_ + k / count, grid.rows)
             sent = START + round_ * grid.round_seconds + k / grid.rate
-            batch = log.build(
-                Identity(f"r{round_}-{k}"), int(sent * 1e6), rows.to_inputs(spec), None, versions, False
-            )
+            features = transform.transform(rows.to_inputs(spec))
+            batch = log.records(Identity(f"r{round_}-{k}"), int(sent * 1e6), features, versions)
             logged = records(pa.Table.from_batches([batch]))
             scoring = pa.Table.from_pylist(
                 [{"keys": r["keys"], "dense": r["dense"],  # each row's own history, as the join resolves it
