@@ -86,6 +86,7 @@ def _learn(args: argparse.Namespace) -> int:
     from recserve.backends.store.served import ServedStore
     from recserve.commands.spec_source import command_spec
     from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+    from recserve.loop import learner_state
     from recserve.loop.joiner import committed_segments
     from recserve.loop.learner import Learner
 
@@ -106,6 +107,8 @@ def _learn(args: argparse.Namespace) -> int:
     examples = args.examples_dir or Path(spec.loop.examples_directory)
     progress = examples / ".state" / "learner.json"
     trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
+    kept = progress.with_name("learner-accumulators.npz")  # what a restart keeps of the learner
+    learner_state.restore(learner, kept)
     log = served.updater.log
 
     def publish(table: str, keys, vectors) -> int:  # through the update log, as recserve update does
@@ -154,6 +157,7 @@ def _learn(args: argparse.Namespace) -> int:
             temporary = progress.with_name(".learner.json.tmp")
             temporary.write_text(json.dumps({"trained": pending, "versions": published}))
             temporary.replace(progress)  # what was trained up to the rows just published
+            learner_state.save(learner, kept)
             fresh = [round(f, 3) for f in learner.freshness]
             checked = [round(f, 5) for f in learner.last_check]
             decision: dict[str, object] = {

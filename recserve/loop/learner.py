@@ -132,6 +132,7 @@ class Learner:
         self.freshness: tuple[float, float] = (0.0, 0.0)
         self.published: dict[Key, np.ndarray] = {}  # the rows as last published
         self.published_accumulators: dict[Key, float] = {}  # their accumulators then
+        self.restored: dict[Key, float] = {}  # accumulators a restart kept (:mod:`.learner_state`)
         self.refused_publishes = 0
         #: the last publish decision's log losses on the examples with a served score: (learner, served)
         self.last_check: tuple[float, float] = (0.0, 0.0)
@@ -390,5 +391,7 @@ class Learner:
             if state is None:
                 rows.pop(key, None)
                 accumulators.pop(key, None)
+                if key in self.restored:  # published before a restart: its accumulator then
+                    accumulators[key] = self.restored[key]
             else:
                 rows[key], accumulators[key] = state

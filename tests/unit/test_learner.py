@@ -217,3 +217,22 @@ def test_a_rollback_takes_the_later_versions_of_its_tables_with_it(spec):
     assert learn.watch(lambda table, version: calls.append(version) or 7, 4, 0.02) == dict.fromkeys(first, 7)
     assert calls == [5] * len(first)  # one revert per table, to before the first: the log drops both
     assert not learn.watching and learn.rollbacks == 1 and not learn.published
+
+
+def test_a_restarted_learner_keeps_the_published_rows_accumulators(spec, tmp_path):
+    from recserve.loop import learner_state
+
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 1, 1, 1], served=0.01))
+    learn.publish(lambda table, keys, vectors: 5, max_loss_increase=0.0)
+    learn.train(examples(spec, tables, [1, 0, 1, 0], seed=2))  # trained after the publish: not kept
+    learner_state.save(learn, tmp_path / "kept.npz")
+    _, again = learner(spec)
+    assert learner_state.restore(again, tmp_path / "kept.npz") == len(learn.published_accumulators)
+    assert again.accumulators == learn.published_accumulators
+    again.train(examples(spec, tables, [1, 1, 1, 1], seed=1, served=0.999))
+    assert again.publish(lambda *a: 1 / 0, max_loss_increase=0.0) == {}  # refused: back to as kept
+    assert again.accumulators == learn.published_accumulators
+    learner_state.save(again, tmp_path / "kept.npz")  # what it kept is saved again with what it publishes
+    assert learner_state.restore(learner(spec)[1], tmp_path / "kept.npz") == len(learn.published_accumulators)
+    assert learner_state.restore(again, tmp_path / "none.npz") == 0

@@ -70,6 +70,7 @@ def _recorded(tmp_path: Path) -> Recorded:
         recorded.served.append(
             Served(
                 k // 4,
+                f"r{k // 4}-{k % 4}",
                 100.0 + k,
                 clicks,
                 np.array([0.9, 0.1, 0.8, 0.2]),

@@ -6,9 +6,10 @@ update log that ``recserve learn`` publishes to; the **frozen** one has logging 
 log of its own that nothing writes. ``recserve join`` and ``recserve learn`` run as separate
 processes, as a user runs them. In rounds, one client sends each request of the drifting stream
 (:mod:`.stream`) to both servers (which one goes first alternates) and reports the rows'
-impressions and clicks as feedback, as the SDK does. Then the joiner and the learner stop and, in a
-closed loop, the servers are driven alone by turns (loop, frozen, frozen, loop, ...) for the
-throughput with and without logging. :mod:`.figures` reads what this module recorded.
+impressions and clicks as feedback, as the SDK does; a third of the way through the joiner is killed
+with SIGKILL and started again, two thirds through the learner (``LoopGrid.kill``). Then the joiner
+and the learner stop and, in a closed loop, the servers are driven alone by turns (loop, frozen,
+frozen, loop, ...) for the throughput with and without logging. :mod:`.figures` reads what this module recorded.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class LoopGrid:
     throughput_seconds: float = 4.0  # one turn of the throughput phase
     throughput_turns: int = 4  # per server, in the order loop, frozen, frozen, loop, ...
     throughput_clients: int = 2  # requests in flight during a turn
+    kill: bool = True  # kill -9 the joiner a third of the way and the learner two thirds; each starts again
     stream: StreamSettings = field(default_factory=StreamSettings)
 
     @classmethod
@@ -75,6 +77,7 @@ class Served:
     """One request as both servers answered it."""
 
     round: int
+    request_id: str
     sent: float  # seconds since the epoch
     clicks: np.ndarray
     loop_scores: np.ndarray
@@ -102,6 +105,9 @@ class Recorded:
     throughput_seconds: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
     joiner_summary: dict = field(default_factory=dict)
     exits: dict[str, int | None] = field(default_factory=dict)  # the joiner's and the learner's exit status
+    kills: list[dict] = field(default_factory=list)  # each kill -9: the process, the round, its time
+    joiner_stopped: float = 0.0  # when the last joiner was told to stop (seconds since the epoch)
+    negative_rate: float = 1.0  # the loop's w: the share of negatives the joiner keeps
     seconds: float = 0.0
 
 
@@ -177,6 +183,7 @@ def run_loop(
     stream = DriftingStream(spec, grid.rounds, grid.stream, row_logits=starting_logits(spec, source))
     item_table = loop_spec.targets[0].table  # DriftingStream checked there is one
     recorded = Recorded(grid, folder, folder / "log", folder / "examples", loop_repository, item_table)
+    recorded.negative_rate = loop_spec.loop.negative_rate
     servers = {
         "loop": TritonServer(loop_repository, Ports.free(), log_path=folder / "loop_server.log"),
         "frozen": TritonServer(frozen_repository, Ports.free(), log_path=folder / "frozen_server.log"),
@@ -186,23 +193,28 @@ def run_loop(
             stack.callback(server.stop)
         progress("[bench-loop] starting the loop and the frozen tritonservers")
         _start_all(list(servers.values()))
-        joiner, learner = _start_loop(spec_file, recorded, stack)
-        reader = threading.Thread(
-            target=_read_lines, args=(learner, recorded.learner_lines, folder / "learner.jsonl"), daemon=True
-        )
-        reader.start()
+        joiner = _start_joiner(spec_file, recorded, stack)
+        learner, reader = _start_learner(spec_file, recorded, stack)
         feedback = FeedbackFile(folder / "feedback" / "bench.jsonl")
         with (
             CTRClient(servers["loop"].grpc_url, timeout_s=30, spec=spec, feedback=feedback) as loop_client,
             CTRClient(servers["frozen"].grpc_url, timeout_s=30, spec=spec) as frozen_client,
         ):
             for round_ in range(grid.rounds):
+                if grid.kill and round_ == max(grid.rounds // 3, 1):
+                    _kill(joiner, "joiner", round_, recorded, progress)
+                    joiner = _start_joiner(spec_file, recorded, stack)
+                if grid.kill and round_ == max(2 * grid.rounds // 3, 2):
+                    _kill(learner, "learner", round_, recorded, progress)
+                    reader.join(10)
+                    learner, reader = _start_learner(spec_file, recorded, stack)
                 _serve_round(spec, stream, round_, loop_client, frozen_client, recorded)
                 published = [line for _, line in recorded.learner_lines if line.get("published")]
                 progress(
                     f"[bench-loop] round {round_ + 1}/{grid.rounds}: {len(recorded.served)} requests, "
                     f"{len(published)} versions published"
                 )
+            recorded.joiner_stopped = time.time()
             for process in (learner, joiner):  # they commit and stop
                 process.send_signal(signal.SIGTERM)
             learner.wait(60)
@@ -238,27 +250,47 @@ def _start_all(servers: list[TritonServer]) -> None:
         raise errors[0]
 
 
-def _start_loop(
-    spec_file: Path, recorded: Recorded, stack: ExitStack
-) -> tuple[subprocess.Popen, subprocess.Popen]:
-    """``recserve join`` and ``recserve learn``, as separate processes (killed if the bench fails)."""
-    folder, grid = recorded.folder, recorded.grid
+def _start_joiner(spec_file: Path, recorded: Recorded, stack: ExitStack) -> subprocess.Popen:
+    """``recserve join`` as a process of its own (killed if the bench fails); it resumes from its commit."""
+    folder = recorded.folder
     joiner = subprocess.Popen(
         _recserve(spec_file, "join", "--consumer", "bench-loop", "--log-dir", str(recorded.log_dir),
                   "--feedback-dir", str(folder / "feedback"), "--examples-dir", str(recorded.examples_dir)),
-        stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "wb"), text=True,
+        stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "ab"), text=True,
     )  # fmt: skip
     stack.callback(joiner.kill)
+    return joiner
+
+
+def _start_learner(
+    spec_file: Path, recorded: Recorded, stack: ExitStack
+) -> tuple[subprocess.Popen, threading.Thread]:
+    """``recserve learn`` as a process of its own, and the thread reading its lines into ``recorded``."""
+    folder, grid = recorded.folder, recorded.grid
     rate = () if grid.learning_rate is None else ("--learning-rate", str(grid.learning_rate))
     learner = subprocess.Popen(
         _recserve(spec_file, "learn", "--repository", str(recorded.loop_repository),
                   "--examples-dir", str(recorded.examples_dir),
                   "--publish-seconds", str(grid.publish_seconds),
                   *rate, "--batch-size", str(grid.batch_size)),
-        stdout=subprocess.PIPE, stderr=open(folder / "learner.log", "wb"), text=True,
+        stdout=subprocess.PIPE, stderr=open(folder / "learner.log", "ab"), text=True,
     )  # fmt: skip
     stack.callback(learner.kill)
-    return joiner, learner
+    reader = threading.Thread(
+        target=_read_lines, args=(learner, recorded.learner_lines, folder / "learner.jsonl"), daemon=True
+    )
+    reader.start()
+    return learner, reader
+
+
+def _kill(
+    process: subprocess.Popen, name: str, round_: int, recorded: Recorded, progress: Callable[[str], None]
+) -> None:
+    """``kill -9`` of ``process`` mid-run, recorded."""
+    process.kill()
+    process.wait(30)
+    recorded.kills.append({"process": name, "round": round_, "at": round(time.time(), 3)})
+    progress(f"[bench-loop] {name} killed (SIGKILL) before round {round_ + 1}; started again")
 
 
 def _read_lines(process: subprocess.Popen, into: list[tuple[float, dict]], copy: Path) -> None:
@@ -267,7 +299,7 @@ def _read_lines(process: subprocess.Popen, into: list[tuple[float, dict]], copy:
     They are copied to ``copy`` too, each with ``"seen"``.
     """
     assert process.stdout is not None
-    with copy.open("w") as out:
+    with copy.open("a") as out:
         for line in process.stdout:
             try:
                 into.append((time.time(), json.loads(line)))
@@ -314,6 +346,7 @@ def _serve_round(
         recorded.served.append(
             Served(
                 round=round_,
+                request_id=request_id,
                 sent=now,
                 clicks=clicks,
                 loop_scores=np.asarray(loop_scores.probabilities, np.float64).reshape(-1),

@@ -16,6 +16,12 @@
   one alone, closed loop, in alternating turns.
 * ``log_records_lost``: rows sent to the loop server without their features record, plus those
   without their score record, in the log once the server stopped.
+* ``loop_examples_lost``: across the bench's ``kill -9`` of the joiner and of the learner (each
+  started again), the examples the joiner owed and never emitted: every row served early enough
+  for its window to have closed before the joiner was stopped (its click makes a positive; unclicked,
+  a negative where the join's hash keeps it at ``negative_rate``), without that example in the
+  output; plus the committed example segments up to the last one trained that no learner trained.
+  ``loop_examples_duplicated``: examples emitted more than once.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import pyarrow.parquet as pq
 
 from recserve.backends.request_log.read import read_kind
 from recserve.build.evaluation import roc_auc
+from recserve.loop.join import kept_negative
+from recserve.loop.joiner import read_examples
 from recserve.perf.bench.loop.bench import Recorded
 
 #: The summary's keys, in order (the integration test checks them).
@@ -42,6 +50,7 @@ KEYS = (
     "logging_aa_p99_ratio",
     "logging_throughput_ratio",
     "log_records_lost",
+    "loop_examples_lost",
     "skew_max_abs",
     "loop_published_versions",
 )
@@ -170,6 +179,43 @@ def lost_figures(recorded: Recorded) -> dict:
     }
 
 
+def kill_figures(recorded: Recorded, segments: Segments) -> dict:
+    """What the ``kill -9`` of the joiner and of the learner lost or doubled (see the module)."""
+    emitted = read_examples(recorded.examples_dir)
+    keys = list(
+        zip(
+            emitted["request_id"].to_pylist(),
+            emitted["row"].to_pylist(),
+            emitted["label"].to_pylist(),
+            strict=True,
+        )
+    )
+    # a row's window closes W after it is served, and its record reaches the joiner a segment later
+    grid = recorded.grid
+    closed_by = (
+        recorded.joiner_stopped - grid.window_seconds - grid.segment_seconds - 2 * grid.commit_seconds - 1.0
+    )
+    owed = set()
+    for served in recorded.served:
+        if served.sent >= closed_by:
+            continue
+        for row, clicked in enumerate(served.clicks.tolist()):
+            if clicked or kept_negative(served.request_id, row, recorded.negative_rate):
+                owed.add((served.request_id, row, int(clicked)))
+    # late positives re-emit a row with its click: an example is its (request, row, label)
+    examples_lost = len(owed - set(keys))
+    trained = {line["segment"] for _, line in recorded.learner_lines if "segment" in line}
+    last = max(trained, default=0)
+    untrained = [seq for seq, _ in segments(recorded.examples_dir) if seq <= last and seq not in trained]
+    return {
+        "loop_examples_lost": examples_lost + len(untrained),
+        "loop_examples_owed": len(owed),
+        "loop_examples_duplicated": len(keys) - len(set(keys)),
+        "loop_segments_untrained": len(untrained),
+        "loop_kills": recorded.kills,
+    }
+
+
 def summarize(recorded: Recorded, segments: Segments, skew: dict) -> tuple[dict, list[float]]:
     """The summary of a run (:data:`KEYS` first) and each click's freshness in seconds."""
     freshness, seconds = freshness_figures(recorded, segments)
@@ -178,6 +224,7 @@ def summarize(recorded: Recorded, segments: Segments, skew: dict) -> tuple[dict,
         **freshness,
         **cost_figures(recorded),
         **lost_figures(recorded),
+        **kill_figures(recorded, segments),
         **skew,
     }
     figures["joiner"] = recorded.joiner_summary
