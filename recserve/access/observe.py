@@ -37,7 +37,8 @@ class Panel:
 def panels(spec: ModelSpec) -> tuple[Panel, ...]:
     """The dashboard's panels for ``spec``'s ensemble and its steps.
 
-    The L3 series only with Redis, the degradation's only with ``[degrade]``.
+    The L3 series only with Redis, the loop's only with ``[logging]``, the degradation's only with
+    ``[degrade]``.
     """
     model = f'model="{spec.name}"'
     w = WINDOW
@@ -50,6 +51,47 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
             (f"sum by (reason) (rate(recserve_store_l3_errors_total[{w}]))", "L3 {{reason}}"),
         )
         if spec.store.redis_nodes
+        else ()
+    )
+    loop = (  # the steps' log with [logging]; the joiner's and the learner's from their own endpoints
+        (
+            Panel(
+                "Request log: records by outcome, and the writer's queue",
+                "short",
+                (
+                    (f"sum by (outcome) (rate(recserve_log_records_total[{w}]))", "{{outcome}} /s"),
+                    ("max(recserve_log_queue_depth)", "requests queued"),
+                ),
+            ),
+            Panel(
+                "Loop: examples joined and trained; versions published, refused, rolled back",
+                "short",
+                (
+                    (f"sum(rate(recserve_join_examples_total[{w}]))", "joined /s"),
+                    (f"sum(rate(recserve_learn_examples_total[{w}]))", "trained /s"),
+                    (f"sum(increase(recserve_learn_published_versions_total[{w}]))", "published"),
+                    (f"sum(increase(recserve_learn_refused_publishes_total[{w}]))", "refused"),
+                    (f"sum(increase(recserve_learn_rollbacks_total[{w}]))", "rolled back"),
+                ),
+            ),
+            Panel(
+                "Loop: freshness, a label to the publish trained on it",
+                "s",
+                (
+                    ('max(recserve_learn_freshness_seconds{quantile="0.99"})', "p99"),
+                    ('max(recserve_learn_freshness_seconds{quantile="0.5"})', "p50"),
+                ),
+            ),
+            Panel(
+                "Loop: log loss, progressive and at the last publish check (learner against served)",
+                "short",
+                (
+                    ("max(recserve_learn_progressive_log_loss)", "progressive"),
+                    ("max by (scores) (recserve_learn_check_log_loss)", "{{scores}}"),
+                ),
+            ),
+        )
+        if spec.logging.enabled
         else ()
     )
     degrade = (  # exported only with [degrade]
@@ -175,6 +217,7 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
             ),
         ),
         Panel("Store health", "short", (("min(recserve_store_healthy)", "healthy"), *redis)),
+        *loop,
         *degrade,
     )
 
@@ -219,7 +262,11 @@ def dashboard(spec: ModelSpec) -> dict[str, Any]:
 
 
 def prometheus_config(
-    triton: Sequence[str], envoy: Sequence[str], interval_s: int = 5, canary: Sequence[str] = ()
+    triton: Sequence[str],
+    envoy: Sequence[str],
+    interval_s: int = 5,
+    canary: Sequence[str] = (),
+    loop: Sequence[str] = (),
 ) -> str:
     """A Prometheus config (YAML) scraping tritonservers, Envoy's admin and the canary controller.
 
@@ -228,10 +275,15 @@ def prometheus_config(
         envoy: ``host:port`` of each Envoy admin interface (none: a stack without the proxy).
         interval_s: the scrape interval.
         canary: ``host:port`` of the canary controller's metrics (``recserve canary``).
+        loop: ``host:port`` of the joiner's and the learner's metrics (``--metrics-port``).
     """
     lines = ["global:", f"  scrape_interval: {interval_s}s", "scrape_configs:"]
     jobs = (("tritonserver", "/metrics", triton), ("envoy", "/stats/prometheus", envoy))
-    for job, path, targets in (*jobs, ("recserve_canary", "/metrics", canary)):
+    for job, path, targets in (
+        *jobs,
+        ("recserve_canary", "/metrics", canary),
+        ("recserve_loop", "/metrics", loop),
+    ):
         if targets:
             listed = ", ".join(json.dumps(t) for t in targets)
             lines += [
@@ -243,12 +295,17 @@ def prometheus_config(
     return "\n".join(lines) + "\n"
 
 
-def write(folder: Path, spec: ModelSpec, triton: Sequence[str], envoy: Sequence[str]) -> list[Path]:
-    """Write :data:`PROMETHEUS_FILE` and :data:`DASHBOARD_FILE` into ``folder``; their paths."""
+def write(
+    folder: Path, spec: ModelSpec, triton: Sequence[str], envoy: Sequence[str], loop: Sequence[str] = ()
+) -> list[Path]:
+    """Write :data:`PROMETHEUS_FILE` and :data:`DASHBOARD_FILE` into ``folder``; their paths.
+
+    ``loop``: ``host:port`` of ``recserve join`` and ``recserve learn`` metrics endpoints, scraped too.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     config, board = folder / PROMETHEUS_FILE, folder / DASHBOARD_FILE
     canary = [f"127.0.0.1:{spec.access.canary.metrics_port}"] if envoy else []  # beside the proxy
-    config.write_text(prometheus_config(triton, envoy, canary=canary))
+    config.write_text(prometheus_config(triton, envoy, canary=canary, loop=loop))
     board.write_text(json.dumps(dashboard(spec), indent=2) + "\n")
     return [config, board]
 

@@ -99,6 +99,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     watch.add_argument(
         "--envoy", nargs="*", default=None, help="host:port of Envoy's admin (default: the spec's [access])"
     )
+    watch.add_argument(
+        "--loop", nargs="*", default=[], help="host:port of recserve join's and learn's --metrics-port"
+    )
     watch.set_defaults(func=_observe)
     k8s = sub.add_parser(
         "k8s", help="write Kubernetes manifests of the stack (variants, proxy, Redis Cluster)"
@@ -158,6 +161,6 @@ def _observe(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec)
     envoy = [f"127.0.0.1:{spec.access.admin_port}"] if args.envoy is None else args.envoy
-    for path in observe.write(args.output, spec, args.triton, envoy):
+    for path in observe.write(args.output, spec, args.triton, envoy, args.loop):
         print(path)
     return 0

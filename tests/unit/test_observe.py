@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -55,3 +56,36 @@ def test_the_observe_command_writes_both_files(tmp_path, capsys):
     printed = capsys.readouterr().out.split()
     assert printed == [str(tmp_path / observe.PROMETHEUS_FILE), str(tmp_path / observe.DASHBOARD_FILE)]
     assert "127.0.0.1:9901" in (tmp_path / observe.PROMETHEUS_FILE).read_text()  # [access] admin_port
+
+
+def test_with_logging_the_dashboard_shows_the_loop_from_series_the_log_the_joiner_and_the_learner_export(
+    spec, tmp_path
+):
+    from recserve.backends.dense.network import CTRNet
+    from recserve.backends.request_log.segments import ParquetSegments
+    from recserve.backends.request_log.writer import RecordWriter
+    from recserve.core.sections.logging import LoggingSection
+    from recserve.loop.join import Join
+    from recserve.loop.joiner import Joiner
+    from recserve.loop.learner import Learner
+    from recserve.loop.metrics import join_samples, learn_samples, text
+    from recserve.loop.sources import FeedbackFiles, LogSegments
+    from tests.store_tables import spec_store
+
+    logged = dataclasses.replace(spec, logging=LoggingSection(enabled=True))
+    loop_panels = [p for p in observe.panels(logged) if p not in observe.panels(spec)]
+    assert len(loop_panels) == 4
+    writer = RecordWriter(ParquetSegments(tmp_path / "log", 1 << 20, 60.0), capacity=4)
+    joiner = Joiner(
+        Join(10.0, 100.0), LogSegments(tmp_path / "log"), FeedbackFiles(tmp_path / "fb"), tmp_path, 1.0
+    )
+    learner = Learner(spec, spec_store(spec)[1], CTRNet(spec))
+    exported = observe.exported_names(
+        text([*writer.samples(), *join_samples(joiner), *learn_samples(learner)])
+    )
+    writer.close()
+    for panel in loop_panels:
+        for expr, _ in panel.queries:
+            assert observe.metric_names(expr) <= exported, panel.title
+    config = observe.prometheus_config(["127.0.0.1:8002"], [], loop=["127.0.0.1:9500"])
+    assert "job_name: recserve_loop" in config and '"127.0.0.1:9500"' in config
