@@ -62,5 +62,6 @@ def timed_closed_loop(
         "p99_ms": p99,
         "requests": len(latencies),
         "failures": failures[0],
+        "failures_per_s": failures[0] / elapsed,
         "client_cpu": (time.process_time() - cpu) / elapsed,
     }

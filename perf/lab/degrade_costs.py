@@ -3,7 +3,9 @@
 A level's ``cost`` in the spec is a fraction of the full level's compute, and the controller trusts
 it. Here each level is served alone (a variant whose only level is that one, never refusing, lambda
 held past every value, so every request is served at it) and its closed-loop capacity measured on
-the same pinned core as the full level's: a level's cost is the full capacity over its own.
+the same pinned core as the full level's: a level's cost is the full capacity over its own. The
+refusal is measured the same way (``refused``: every request refused at the first step, the rate
+at which the server answers them): what ``refuse_cost`` should say.
 """
 
 from __future__ import annotations
@@ -30,10 +32,18 @@ def alone(spec: ModelSpec, index: int) -> ModelSpec:
     return parse_spec({**spec.source, "degrade": section})
 
 
+def refusing(spec: ModelSpec) -> ModelSpec:
+    """``spec`` refusing every request at its first step (lambda past every value, ``full_value`` off)."""
+    section = {**spec.source["degrade"], "refuse": True, "fixed_lambda": ALONE_LAMBDA, "full_value": 0.0}
+    return parse_spec({**spec.source, "degrade": section})
+
+
 def measure_costs(
     spec: ModelSpec, repository: Path, workdir: Path, pool: ListPool, seconds: float, cores: Cores
 ) -> dict[str, dict[str, float]]:
-    """Per level (``full`` first): lists per second closed-loop (8 in flight) and the cost against full.
+    """Per level (``full`` first, ``refused`` last): lists per second and the cost against full.
+
+    Closed loop, 8 lists in flight; for ``refused``, the lists answered (each with its refusal).
 
     ``spec`` has ``[degrade]`` enabled (its own source section).
     """
@@ -41,6 +51,7 @@ def measure_costs(
     variants = {"full": repository}
     for i, level in enumerate(spec.degrade.levels):
         variants[level.name] = write_variant(alone(spec, i), repository, workdir / f"level-{level.name}")
+    variants["refused"] = write_variant(refusing(spec), repository, workdir / "level-refused")
     rates = {}
     for name, root in variants.items():
         log = workdir / f"level-{name}.log"
@@ -51,7 +62,7 @@ def measure_costs(
             measured = closed_loop_rate(
                 server.grpc_url, spec.candidates_model, pool.requests[0], 1, 8, seconds
             )
-        rates[name] = measured["rows_per_s"]
+        rates[name] = measured["failures_per_s" if name == "refused" else "rows_per_s"]
     return {
         name: {
             "lists_per_s": round(rate, 1),

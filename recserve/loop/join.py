@@ -278,12 +278,19 @@ class Join:
                 self.counts["unknown_scores"] += 1
                 del self.waiting_scores[key]
 
-    def forget(self, now: float) -> None:
-        """Forget the closed rows past the late horizon at ``now`` (nothing is emitted or counted)."""
+    def forget(self, now: float, restored: bool = False) -> None:
+        """Forget the closed rows past the late horizon at ``now`` (nothing is emitted or counted).
+
+        ``restored`` (state loaded after a restart): the open ones past it too. A row open at a
+        checkpoint is never past its window (the commit's advance closed those), so one past the
+        horizon is a row whose closing mark was in a state file since dropped, as past the horizon
+        itself: it was closed, and emitted, before.
+        """
         horizon = self.window_s + self.late_s
-        for key, row in list(self.closed.items()):
+        held = {**self.closed, **self.open} if restored else self.closed
+        for key, row in list(held.items()):
             if row.time + horizon <= now:
-                del self.closed[key]
+                (self.closed if key in self.closed else self.open).pop(key)
                 self.new_keys.discard(key)
                 self.changed_keys.discard(key)
                 keys = row.record.get("keys") or []

@@ -158,7 +158,8 @@ class Joiner:
                 {k: int(v) for k, v in saved.get("counts", {}).items() if k in self.join.counts}
             )
             self.join.now = float(saved.get("now", 0.0))
-            self.join.forget(self.join.now)  # rows a kept file still holds, forgotten before the commit
+            # rows a kept file still holds, forgotten before the commit (closed, their mark dropped too)
+            self.join.forget(self.join.now, restored=True)
             self.join.reindex()
             self.join.new_keys.clear()
             self.join.changed_keys.clear()

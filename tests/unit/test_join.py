@@ -399,3 +399,34 @@ def test_a_joiner_killed_while_a_click_waits_emits_it_once_after_its_restart(tmp
     got = read_examples(tmp_path / "examples").to_pylist()
     assert sorted(labels(got)) == [("a", 0, 0, False), ("a", 1, 1, False)]
     assert all(e["score"] == 0.5 for e in got) and second.join.counts["examples_without_score"] == 0
+
+
+def test_a_row_whose_closing_mark_was_dropped_with_its_file_does_not_come_back_open(tmp_path):
+    """Rows first held in one state file close at different commits; the early mark's file goes first."""
+    now = [1000.0]
+    sink = ParquetSegments(tmp_path / "log", 1 << 30, 3600.0)
+    joiner = make_joiner(tmp_path, now)
+    log_request(sink, "a", 2, 1000.0)
+    log_request(sink, "b", 2, 1050.0)
+    joiner.step()
+    joiner.commit()  # one rows file holds a's rows and b's, kept until b's are past the late horizon
+    now[0] = 1011.0
+    joiner.step()
+    joiner.commit()  # a's windows closed: negatives, and a marks file of a's rows alone
+    now[0] = 1061.0
+    joiner.step()
+    joiner.commit()  # b's
+    now[0] = 1000.0 + W + LATE + 1.0
+    log_request(sink, "c", 1, now[0])
+    joiner.step()
+    joiner.commit()  # a's marks file is past the horizon and goes; the rows file stays for b
+    assert [kind for _, kind, _ in joiner.live] == ["rows", "marks", "rows"]
+    again = make_joiner(tmp_path, now)  # started again: a's rows must not come back open
+    assert held(again.join) == held(joiner.join)
+    now[0] += W
+    again.step()
+    again.commit()
+    emitted = labels(read_examples(tmp_path / "examples").to_pylist())
+    assert sorted(emitted) == [
+        ("a", 0, 0, False), ("a", 1, 0, False), ("b", 0, 0, False), ("b", 1, 0, False), ("c", 0, 0, False)
+    ]  # fmt: skip

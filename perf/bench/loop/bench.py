@@ -9,7 +9,8 @@ processes, as a user runs them. In rounds, one client sends each request of the 
 impressions and clicks as feedback, as the SDK does; a third of the way through the joiner is killed
 with SIGKILL and started again, two thirds through the learner (``LoopGrid.kill``). Then the joiner
 and the learner stop and, in a closed loop, the servers are driven alone by turns (loop, frozen,
-frozen, loop, ...) for the throughput with and without logging. :mod:`.figures` reads what this module recorded.
+frozen, loop, ...) for the throughput with and without logging. :mod:`.figures` reads what this
+module recorded.
 """
 
 from __future__ import annotations
