@@ -104,9 +104,10 @@ class LabShape:
         ]
 
 
-def degrade_spec(spec: ModelSpec) -> ModelSpec:
-    """The spec with ``[degrade]`` on: its own section where enabled, else the lab's."""
-    return spec if spec.degrade.enabled else parse_spec({**spec.source, "degrade": LAB_DEGRADE})
+def degrade_spec(spec: ModelSpec, overrides: dict | None = None) -> ModelSpec:
+    """The spec with ``[degrade]`` on: its own section where enabled, else the lab's; ``overrides`` on top."""
+    section = spec.source["degrade"] if spec.degrade.enabled else LAB_DEGRADE
+    return parse_spec({**spec.source, "degrade": {**section, **(overrides or {})}})
 
 
 def full_scores(url: str, spec: ModelSpec, pool: ListPool, tries: int = 3) -> list[np.ndarray]:
@@ -196,11 +197,18 @@ def run_policy(
 
 
 def run_degrade_lab(
-    spec: ModelSpec, repository: Path, workdir: Path, shape: LabShape, seed: int = 47, costs: bool = False
+    spec: ModelSpec,
+    repository: Path,
+    workdir: Path,
+    shape: LabShape,
+    seed: int = 47,
+    costs: bool = False,
+    overrides: dict | None = None,
 ) -> tuple[dict[str, list[PhaseFigures]], dict]:
     """Both policies through the same schedule; each one's figures per phase, and the JSON summary.
 
-    ``costs``: also measure what each level costs (:mod:`recserve.perf.lab.degrade_costs`).
+    ``costs``: also measure what each level costs (:mod:`recserve.perf.lab.degrade_costs`);
+    ``overrides``: ``[degrade]`` keys set on the degrade server's section (``--headroom``).
     """
     cores = Cores.split()
     pool = ListPool.generate(spec, shape.lists, shape.candidates, shape.length, seed)
@@ -219,7 +227,7 @@ def run_degrade_lab(
         capacity = measured["rows_per_s"]
         schedule = shape.phases(capacity)
         policies["shed"], series["shed"], _ = run_policy(server, spec, pool, full, schedule, values, cores)
-    served = degrade_spec(spec)
+    served = degrade_spec(spec, overrides)
     level_costs = measure_costs(served, repository, workdir, pool, shape.capacity_s, cores) if costs else None
     variant = write_variant(served, repository, workdir / "degrade")
     log = workdir / "degrade.log"
@@ -279,6 +287,7 @@ def degrade_command(
     plot_path: Path | None = None,
     workdir: Path | None = None,
     costs: bool = False,
+    overrides: dict | None = None,
 ) -> int:
     """``recserve lab degrade``: prints the table and the headline figures; the JSON summary, the plot.
 
@@ -288,7 +297,7 @@ def degrade_command(
     with tempfile.TemporaryDirectory(prefix="recserve-degrade-") as scratch:
         folder = Path(scratch) if workdir is None else workdir
         folder.mkdir(parents=True, exist_ok=True)
-        policies, summary = run_degrade_lab(spec, repository, folder, shape, costs=costs)
+        policies, summary = run_degrade_lab(spec, repository, folder, shape, costs=costs, overrides=overrides)
     print(table(policies))
     shown = {k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape", "windows")}
     print(json.dumps(shown))

@@ -12,7 +12,7 @@ Lambda is set at the first step's door, at every batch, from the arrivals it see
 (:meth:`DegradeController.arrived`): the values of the requests that reached it in the last
 ``WINDOW_S`` against the capacity the steps showed (:meth:`DegradeController.capacity`). It is the
 smallest lambda at which what those arrivals would cost, each at the level lambda gives it, fits
-``HEADROOM`` of that capacity: so it follows a change of rate within a batch or two, falls back as
+``[degrade] headroom`` of that capacity: so it follows a change of rate within a batch or two, falls back as
 soon as the arrivals do, and between the two spends the capacity on the highest values per unit of
 cost. The capacity is learned from tritonserver's counters, read every ``[degrade] interval_s``
 (recserve.backends.steps.queue_wait): the cost the steps served per second while a backlog kept
@@ -51,7 +51,7 @@ FALL = 4.0
 DRAINING = 0.9
 #: The door's window of arrivals, in seconds.
 WINDOW_S = 0.05
-#: The share of the measured capacity the door's floor lets the arrivals cost.
+#: Without a backlog the capacity is at least what the steps served over this share.
 HEADROOM = 0.9
 #: A capacity reading's weight against the ones before (an exponential average).
 CAPACITY_WEIGHT = 0.5
@@ -167,11 +167,11 @@ class DegradeController:
         """The door's floor under lambda after a batch of ``values`` reached it at ``now``.
 
         The smallest lambda of a grid up to ``max_lambda`` at which the window's arrivals, each at the
-        level that lambda gives it, cost at most ``HEADROOM`` of the capacity per second (0 while the
+        level that lambda gives it, cost at most ``headroom`` of the capacity per second (0 while the
         capacity is not known or they fit in full; ``max_lambda`` when nothing on the grid fits).
         """
         window = self.arrivals.add(now, values)
-        budget = HEADROOM * self.capacity_per_s * self.arrivals.window_s
+        budget = self.section.headroom * self.capacity_per_s * self.arrivals.window_s
         if self.fixed or len(window) <= budget:  # every one in full costs 1: it fits
             self.floor = 0.0
             return 0.0

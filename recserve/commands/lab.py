@@ -125,8 +125,16 @@ def _overload(args: argparse.Namespace) -> int:
 def _degrade(args: argparse.Namespace) -> int:
     from recserve.perf.lab.degrade import degrade_command
 
+    overrides = {} if args.headroom is None else {"headroom": args.headroom}
     return degrade_command(
-        load_spec(args.spec), args.repository, args.quick, args.json, args.plot, args.workdir, args.costs
+        load_spec(args.spec),
+        args.repository,
+        args.quick,
+        args.json,
+        args.plot,
+        args.workdir,
+        args.costs,
+        overrides,
     )
 
 
@@ -215,6 +223,12 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     )
     degrade.add_argument(
         "--costs", action="store_true", help="also measure each level's capacity and cost against full"
+    )
+    degrade.add_argument(
+        "--headroom",
+        type=float,
+        default=None,
+        help="[degrade] headroom for the degrade server (default: 0.9)",
     )
     degrade.set_defaults(func=_degrade)
 

@@ -87,6 +87,9 @@ class DegradeSection:
     fixed_lambda: float = -1.0  # >= 0: lambda held there, no feedback (a drill; tests); < 0: feedback
     # lambda's ceiling, in value per unit of cost (past the top values, everything is refused)
     max_lambda: float = 100.0
+    # the share of the measured capacity the door lets a spike's arrivals cost: lower keeps the
+    # steps' queues shorter through a spike, and degrades and refuses more
+    headroom: float = 0.9
     # > 0: the steps' batchers get two priority levels, and a request worth at least this is sent
     # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before.
     # On tritonserver 2.51 priority levels stall the batcher (docs/design/degrade.md): leave it 0
@@ -186,6 +189,8 @@ class DegradeSection:
             )
         if not self.levels and not self.refuse:
             raise SpecError("[degrade] needs levels or refuse = true: there is nothing cheaper to serve")
+        if not 0.0 < self.headroom <= 1.0:
+            raise SpecError(f"[degrade] headroom lies in (0, 1], got {self.headroom}")
         positive = (self.target_queue_ms, self.interval_s, self.gain, self.max_lambda)
         finite = all(math.isfinite(x) for x in (self.fallback_score, self.fixed_lambda, self.priority_value))
         if not all(math.isfinite(x) and x > 0 for x in positive) or not finite:
