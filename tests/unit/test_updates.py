@@ -155,7 +155,7 @@ def test_concurrent_readers_see_whole_versions_moving_forward(tmp_path, tables, 
                 failures.append(f"rows of version {version} are mixed")
             last = version
 
-    threads = [threading.Thread(target=reader) for _ in range(3)]
+    threads = [threading.Thread(target=reader) for _ in range(2)]
     for thread in threads:
         thread.start()
     rng = np.random.default_rng(0)

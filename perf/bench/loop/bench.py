@@ -6,11 +6,10 @@ update log that ``recserve learn`` publishes to; the **frozen** one has logging 
 log of its own that nothing writes. ``recserve join`` and ``recserve learn`` run as separate
 processes, as a user runs them. In rounds, one client sends each request of the drifting stream
 (:mod:`.stream`) to both servers (which one goes first alternates) and reports the rows'
-impressions and clicks as feedback, as the SDK does; a third of the way through the joiner is killed
-with SIGKILL and started again, two thirds through the learner (``LoopGrid.kill``). Then the joiner
-and the learner stop and, in a closed loop, the servers are driven alone by turns (loop, frozen,
-frozen, loop, ...) for the throughput with and without logging. :mod:`.figures` reads what this
-module recorded.
+impressions and clicks as feedback, as the SDK does; the joiner is killed with SIGKILL a third of
+the way and started again, the learner two thirds (``LoopGrid.kill``). Then both stop and, closed
+loop, the servers are driven alone by turns (loop, frozen, frozen, loop, ...) for the throughput
+with and without logging. :mod:`.figures` reads what this module recorded.
 """
 
 from __future__ import annotations
