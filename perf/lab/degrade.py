@@ -134,11 +134,11 @@ def full_scores(url: str, spec: ModelSpec, pool: ListPool, tries: int = 3) -> li
 
 
 class LambdaTimeline:
-    """Lambda and the load read from the metrics endpoint every ``every_s`` while the block runs."""
+    """Lambda, the load and the door's capacity, read from the metrics endpoint every ``every_s``."""
 
     def __init__(self, metrics_url: str, every_s: float = 0.25) -> None:
         self.url, self.every_s = metrics_url, every_s
-        self.points: list[tuple[float, float, float]] = []
+        self.points: list[tuple[float, float, float, float]] = []  # (t, lambda, load, capacity lists/s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -149,12 +149,15 @@ class LambdaTimeline:
                 text = urllib.request.urlopen(self.url, timeout=1).read().decode()  # noqa: S310 (loopback)
             except OSError:
                 continue
-            found = dict(re.findall(r"^recserve_degrade_(lambda|load)\S* ([0-9.eE+-]+)$", text, re.MULTILINE))
+            found = dict(
+                re.findall(r"^recserve_degrade_(lambda|load|capacity)\S* ([0-9.eE+-]+)$", text, re.MULTILINE)
+            )
             if found:
                 point = (
                     time.monotonic() - origin,
                     float(found.get("lambda", 0)),
                     float(found.get("load", 0)),
+                    float(found.get("capacity", 0)),
                 )
                 self.points.append(tuple(round(x, 4) for x in point))  # type: ignore[arg-type]
 

@@ -16,8 +16,9 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     fig, (lam, p99, levels) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     timeline = summary["lambda_timeline"]
     if timeline:
-        lam.step([t for t, _, _ in timeline], [x for _, x, _ in timeline], where="post", label="λ")
-        lam.step([t for t, _, _ in timeline], [x for _, _, x in timeline], where="post", label="load")
+        times = [point[0] for point in timeline]
+        lam.step(times, [point[1] for point in timeline], where="post", label="λ")
+        lam.step(times, [point[2] for point in timeline], where="post", label="load")
     lam.set(ylabel="λ, load (wait / target)", yscale="symlog", title="recserve lab degrade")
     for policy, rows in summary["windows"].items():
         points = [(t, v) for t, v, *_ in rows if v is not None]

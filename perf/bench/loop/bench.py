@@ -68,8 +68,8 @@ class LoopGrid:
 
     @classmethod
     def quick(cls) -> LoopGrid:
-        """Six 8-second rounds and two turns of 3 s per server (about 100 s on 2 cores)."""
-        return cls(rounds=6, round_seconds=8.0, throughput_seconds=3.0, throughput_turns=2)
+        """Six 8-second rounds and four turns of 3 s per server (about 110 s on 2 cores)."""
+        return cls(rounds=6, round_seconds=8.0, throughput_seconds=3.0, throughput_turns=4)
 
 
 @dataclass
