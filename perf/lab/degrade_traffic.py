@@ -10,6 +10,7 @@ what each policy served against what full compute would have served.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from recserve.core.sections.degrade import DEGRADE_LEVEL, REFUSED, VALUE_HEADER
 from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import infer_request
 
+LOGGER = logging.getLogger(__name__)
 #: How a request ended: served (at some level), refused (UNAVAILABLE: shed, or the refusal level), failed.
 SERVED, FAILED = "served", "failed"
 __all__ = ["FAILED", "REFUSED", "SERVED", "ListPool", "Sent", "send_phases"]
@@ -133,6 +135,7 @@ def send_phases(
             by_priority[priority].append(copy)
     sent: list[Sent] = []
     lock, pending = threading.Lock(), threading.Semaphore(0)
+    first_error: list[str] = []
     origin, count = time.monotonic(), 0
 
     def record(future: grpc.Future, phase: int, sent_at: float, value: float, index: int) -> None:
@@ -147,6 +150,9 @@ def send_phases(
             code = error.code() if isinstance(error, grpc.Call) else None
             result = REFUSED if code == grpc.StatusCode.UNAVAILABLE else FAILED
             outcome = Sent(*timing, result, value, index)
+            if not first_error:  # what the first refused or failed request was told, for a reader
+                first_error.append(str(error.details() if isinstance(error, grpc.Call) else error)[:300])
+                LOGGER.warning("first request not served (phase %d): %s", phase, first_error[0])
         with lock:
             sent.append(outcome)
         pending.release()

@@ -176,11 +176,8 @@ class DegradeController:
             self.floor = 0.0
             return 0.0
         lams = GRID * self.section.max_lambda
-        costs, qualities = np.asarray(self.costs), np.asarray(self.qualities)
-        gains = window[:, None, None] * qualities[None, None, :] - lams[None, :, None] * costs[None, None, :]
-        chosen = gains.argmax(axis=2)  # per value and lambda of the grid (argmax: the fuller)
-        if self.section.full_value > 0:
-            chosen[window >= self.section.full_value] = 0
+        chosen = self._chosen(window, lams)  # per value and lambda of the grid
+        costs = np.asarray(self.costs)
         spent = costs[chosen].sum(axis=0)
         fits = np.flatnonzero(spent <= budget)
         self.floor = float(lams[fits[0]]) if len(fits) else float(lams[-1])
@@ -188,19 +185,34 @@ class DegradeController:
         return self.floor
 
     def level(self, value: float) -> int:
-        """The level serving a request of ``value``: best ``v x quality - lambda x cost`` (ties: fuller)."""
-        lam = self.lam
-        if lam == 0.0 or 0 < self.section.full_value <= value:
-            self._passed_cost += 1.0
-            self._passed += 1
-            return 0
-        gains = [value * q - lam * c for q, c in zip(self.qualities, self.costs, strict=True)]
-        best = max(gains)
-        level = gains.index(best)
-        self._passed_cost += self.costs[level]  # a refusal's too: the compute it took is not served
-        self._passed += level != self.refused_level
-        return level
+        """The level serving a request of ``value`` (see :meth:`levels`)."""
+        return self.levels([value])[0]
 
     def levels(self, values: Sequence[float]) -> list[int]:
-        """:meth:`level` of each value."""
-        return [self.level(v) for v in values]
+        """The level serving each of ``values``: best ``v x quality - lambda x cost`` (ties: fuller).
+
+        What they cost (a refusal's too: the compute it took is not served) and how many pass are
+        counted for the capacity's next reading.
+        """
+        lam, refused = self.lam, self.refused_level
+        if lam == 0.0:  # normal load: everything in full, without the arithmetic
+            chosen = np.zeros(len(values), np.intp)
+        else:
+            chosen = self._chosen(np.asarray(values, np.float64), np.array([lam]))[:, 0]
+        with self._lock:
+            self._passed_cost += float(np.asarray(self.costs)[chosen].sum())
+            self._passed += len(chosen) if refused is None else int((chosen != refused).sum())
+        return chosen.tolist()
+
+    def _chosen(self, values: np.ndarray, lams: np.ndarray) -> np.ndarray:
+        """``[values, lams]``: each value's level at each lambda, the one rule of :meth:`levels`.
+
+        The best ``v x quality - lambda x cost``, ties to the fuller level (at lambda 0, full); a
+        value of at least ``full_value`` (when set) always full.
+        """
+        qualities, costs = np.asarray(self.qualities), np.asarray(self.costs)
+        gains = values[:, None, None] * qualities[None, None, :] - lams[None, :, None] * costs[None, None, :]
+        chosen = gains.argmax(axis=2)
+        if self.section.full_value > 0:
+            chosen[values >= self.section.full_value] = 0
+        return chosen

@@ -137,12 +137,13 @@ class DegradeGate:
             except InvalidParameter as exc:
                 responses[i] = error_response(exc)
                 values.append(None)
-        self.controller.arrived(time.monotonic(), [v for v in values if v is not None])
+        valued = [v for v in values if v is not None]
+        self.controller.arrived(time.monotonic(), valued)
+        chosen = iter(self.controller.levels(valued))  # one call for the batch
         for i, request in enumerate(requests):
-            value = values[i]
-            if value is None:
+            if values[i] is None:
                 continue
-            level = self.controller.level(value)
+            level = next(chosen)
             self.counts.count(level, self.counts.tier_of(parameters[i]))
             if level == refused:
                 responses[i] = pb_utils.InferenceResponse(

@@ -7,6 +7,8 @@ each user's sequences once, unless one asks for the row layout (a TensorRT ``den
 
 from __future__ import annotations
 
+import functools
+
 from recserve.backends.request_log.step_log import FeatureLog
 from recserve.backends.steps.lookup import FeaturesToEmbeddings
 from recserve.backends.steps.stateful_lookup import StatefulFeaturesToEmbeddings
@@ -40,22 +42,24 @@ class LookupRequests:
 
     def execute(self, requests: list) -> list:
         """Row-form requests as one merged batch per wire form; candidate lists likewise."""
-        names = input_names(requests)  # read once: the requests are split by two markers
+        names = input_names(requests)  # read once: the requests are split by two markers (three with users)
+        merged = functools.partial(self.merged, names=names)
         responses = execute_by_input(
             requests,
             self.step.candidate_input_names[0] if self.step.candidate_input_names else "",
-            lambda rows: execute_by_input(rows, self.step.ids_marker, self.merged, self.merged, names),
+            lambda rows: execute_by_input(rows, self.step.ids_marker, merged, merged, names),
             lambda lists: execute_by_input(lists, self.step.ids_marker, self.lists, self.lists, names),
             names,
         )
         self.step.copies.executed()
         return responses
 
-    def merged(self, requests: list) -> list:
+    def merged(self, requests: list, names: dict[int, frozenset[str]] | None = None) -> list:
         """Row-form requests of one wire form (ids, or bytes), transformed and looked up together.
 
         With ``[user_state]`` on, requests carrying a user and those without are merged apart, and
-        each gets its history back at the width its own rows were served with.
+        each gets its history back at the width its own rows were served with. ``names``: the
+        requests' input names (:func:`input_names`), when already read.
         """
         if self.stateful is not None:
             stateful = self.stateful
@@ -64,6 +68,7 @@ class LookupRequests:
                 USER_ID,
                 lambda plain: self._merged(plain, stateful.served_width),
                 lambda users: self._merged(users, stateful.served_width),
+                names,
             )
         return self._merged(requests, None)
 

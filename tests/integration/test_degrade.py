@@ -126,7 +126,7 @@ def test_the_quick_lab_puts_shedding_and_degradation_side_by_side(tmp_path):
     summary = json.loads(out.read_text())
     for policy in ("degrade", "shed"):
         for suffix in ("", "_4x"):
-            assert summary[f"{policy}_p99_ratio{suffix}"] > 0
+            assert summary[f"{policy}_p99_ratio{suffix}"] > 0, done.stderr[-3000:]
             assert 0.0 <= summary[f"{policy}_value_retained{suffix}"] <= 1.0
         names = [phase["name"] for phase in summary["phases"][policy]]
         assert names == ["normal", "spike_2x", "after_2x", "spike_4x", "after_4x"]
