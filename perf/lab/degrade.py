@@ -268,7 +268,7 @@ def summarise(
     capacity: float,
     shape: LabShape,
     cores: Cores,
-    timeline: list[tuple[float, float, float]],
+    timeline: list[tuple[float, float, float, float]],
 ) -> dict:
     """The JSON summary: the headline figures at 2x and 4x, then every phase of each policy."""
     phase = {p: {f.name: f for f in figures} for p, figures in policies.items()}
