@@ -155,8 +155,14 @@ def test_a_record_that_cannot_be_built_or_written_is_counted_as_failed(tmp_path)
     writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
     writer.offer(Entry(SCORES, 4, lambda _: 1 / 0))
     writer.offer(Entry(SCORES, 2, lambda _: scores_batch("ok", 2)))
+
+    def build(names):  # built together, the gathered requests fail together: then one by one
+        return pa.concat_batches([scores_batch(n, 3) if n != "bad" else 1 / 0 for n in names])
+
+    for name in ("a", "bad", "b"):
+        writer.offer(Entry(SCORES, 3, build, name))
     writer.close()
-    assert writer.counts() == {"written": 2, "dropped": 0, "failed": 4, "unidentified": 0}
+    assert writer.counts() == {"written": 8, "dropped": 0, "failed": 7, "unidentified": 0}
 
 
 def test_requests_without_an_id_or_not_sampled_are_not_logged(tmp_path):
