@@ -54,7 +54,8 @@ from recserve.server import Ports, TritonServer
 #: The costs and qualities are measured, not guessed (2026-12-05, docs/design/degrade.md): each
 #: level served alone against full (``--costs``), 32 candidates and items 0.67-0.86, 8 and 8
 #: 0.53-0.68; a refusal at the first step 0.13 of a full request (``--costs``: every request
-#: refused; a 4x spike's arrivals, refusals and served lists had suggested a quarter); the quality
+#: refused), left undeclared (``refuse_cost`` 0): declared, the 4x spike's p99 was two to three
+#: times as long in the lab's runs of 2026-12-05 (docs/design/degrade.md); the quality
 #: the lab measures of the 8-candidate level 0.989-0.996 (``level_quality``: the caller's prior is
 #: good, so its first 8 hold most of the clicks), of the 32-candidate level not yet (rarely
 #: chosen), put between full and the 8.
@@ -67,7 +68,6 @@ LAB_DEGRADE = {
         {"name": "minimal", "cost": 0.6, "quality": 0.97, "max_candidates": 8, "history_length": 8},
     ],
     "full_value": 3.5,
-    "refuse_cost": 0.13,
     "target_queue_ms": 15.0,
     "interval_s": 0.05,
     "gain": 0.5,
