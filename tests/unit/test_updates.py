@@ -1,6 +1,7 @@
 import json
 import os
 import threading
+import time
 import zipfile
 
 import numpy as np
@@ -154,6 +155,7 @@ def test_concurrent_readers_see_whole_versions_moving_forward(tmp_path, tables, 
             if version in content and not np.array_equal(result.vectors, content[version]):
                 failures.append(f"rows of version {version} are mixed")
             last = version
+            time.sleep(0)  # yield the GIL: the publishes and rollbacks go on between reads
 
     threads = [threading.Thread(target=reader) for _ in range(2)]
     for thread in threads:
