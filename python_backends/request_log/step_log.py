@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from recserve.backends.base import batching
 from recserve.backends.base.arrays import side_by_side
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
 from recserve.backends.request_log.segments import ParquetSegments
@@ -249,7 +250,9 @@ def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, 
     consecutive, so a list's user's is on its first candidate); every other row names that row.
     """
     owners = np.array([p.columns[3].shape[0] for p in parts])
-    history, valid = _joined([p.columns[3] for p in parts]), _joined([p.columns[4] for p in parts]) > 0
+    # the requests' histories one under the other, the narrower zero-padded: their mask 0 there
+    joined = batching.merge([{"keys": p.columns[3], "mask": p.columns[4]} for p in parts])[0]
+    history, valid = joined["keys"], joined["mask"] > 0
     row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
     rows = int(counts.sum())
     row_in_request = np.arange(rows) - np.repeat(row_start, counts)
@@ -269,19 +272,6 @@ def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, 
         values = history[carrying][valid[carrying]]
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(~carriers))
     return (first - np.repeat(row_start, counts)).astype(np.int32), column
-
-
-def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    """``[rows, width]`` arrays one under the other, the narrower padded with zeros on the right."""
-    width = max(a.shape[1] for a in arrays)
-    if all(a.shape[1] == width for a in arrays):
-        return np.concatenate(arrays)
-    out = np.zeros((sum(a.shape[0] for a in arrays), width), arrays[0].dtype)
-    start = 0
-    for array in arrays:
-        out[start : start + array.shape[0], : array.shape[1]] = array
-        start += array.shape[0]
-    return out
 
 
 def _first_equal(
