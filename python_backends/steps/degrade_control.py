@@ -90,8 +90,11 @@ class DegradeController:
         self.section = section
         levels = section.levels
         refusal = (section.refuse_cost,) if section.refuse else ()
-        self.costs = (1.0, *(level.cost for level in levels), *refusal)
-        self.qualities = (1.0, *(level.quality for level in levels), *((0.0,) if section.refuse else ()))
+        #: each level's cost and quality, by level number (arrays: the choice is made on whole batches)
+        self.costs = np.array((1.0, *(level.cost for level in levels), *refusal))
+        self.qualities = np.array(
+            (1.0, *(level.quality for level in levels), *((0.0,) if section.refuse else ()))
+        )
         self.fixed = section.fixed_lambda >= 0
         self._lambda = max(section.fixed_lambda, 0.0)
         self.load = 0.0  # the latest wait over the target
@@ -177,8 +180,7 @@ class DegradeController:
             return 0.0
         lams = GRID * self.section.max_lambda
         chosen = self._chosen(window, lams)  # per value and lambda of the grid
-        costs = np.asarray(self.costs)
-        spent = costs[chosen].sum(axis=0)
+        spent = self.costs[chosen].sum(axis=0)
         fits = np.flatnonzero(spent <= budget)
         self.floor = float(lams[fits[0]]) if len(fits) else float(lams[-1])
         self._limited = True
@@ -200,7 +202,7 @@ class DegradeController:
         else:
             chosen = self._chosen(np.asarray(values, np.float64), np.array([lam]))[:, 0]
         with self._lock:
-            self._passed_cost += float(np.asarray(self.costs)[chosen].sum())
+            self._passed_cost += float(self.costs[chosen].sum())
             self._passed += len(chosen) if refused is None else int((chosen != refused).sum())
         return chosen.tolist()
 
@@ -210,8 +212,7 @@ class DegradeController:
         The best ``v x quality - lambda x cost``, ties to the fuller level (at lambda 0, full); a
         value of at least ``full_value`` (when set) always full.
         """
-        qualities, costs = np.asarray(self.qualities), np.asarray(self.costs)
-        gains = values[:, None, None] * qualities[None, None, :] - lams[None, :, None] * costs[None, None, :]
+        gains = values[:, None, None] * self.qualities - lams[None, :, None] * self.costs
         chosen = gains.argmax(axis=2)
         if self.section.full_value > 0:
             chosen[values >= self.section.full_value] = 0
