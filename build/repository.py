@@ -24,7 +24,7 @@ from recserve.backends.dense import tensorrt_engine
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner, open_session
 from recserve.backends.dense.torch_runners import load_net
-from recserve.backends.steps.pipeline import InProcessPipeline
+from recserve.backends.steps.pipeline import DenseFn, InProcessPipeline
 from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
@@ -230,14 +230,62 @@ def add_tensorrt_engine(
 
 def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
     """The trained PyTorch network of a built repository (checked weights, no pickle)."""
-    root = version_dir(repository, DENSE, spec)
+    return load_net(spec, _weights(spec, version_dir(repository, DENSE, spec)))
+
+
+def _weights(spec: ModelSpec, root: Path) -> Path:
+    """The checked weights file of the dense version folder ``root``."""
     files = read_manifest(root)["files"]
     if "weights" not in files:
         raise ArtifactError(
-            f"the dense model in {repository} was imported from ONNX and has no PyTorch weights; "
+            f"the dense model in {root} was imported from ONNX and has no PyTorch weights; "
             "use the ONNX runtime (--runtime onnx)"
         )
-    return load_net(spec, verified_path(root, files["weights"]))
+    return verified_path(root, files["weights"])
+
+
+def dense_runner(spec: ModelSpec, root: Path, runtime: str = "torch") -> DenseFn:
+    """The dense version folder ``root`` in process: its PyTorch net, or ONNX Runtime as served (buckets)."""
+    if runtime == "torch":
+        net = load_net(spec, _weights(spec, root))
+        return lambda inputs: torch_predict(net, inputs)
+    if runtime == "onnx":
+        path = verified_path(root, read_manifest(root)["files"]["model"])
+        return bucketed_onnx_runner(spec, path, threads=1).predict
+    raise ValueError(f"unknown runtime {runtime!r}; use 'torch' or 'onnx'")
+
+
+def dense_versions(repository: Path) -> list[int]:
+    """The dense model's version folders in ``repository``, ascending."""
+    folder = repository / DENSE
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def load_served_net(spec: ModelSpec, repository: Path) -> tuple[int, CTRNet]:
+    """The newest dense version of a built repository (what the servers serve) and its network."""
+    version = dense_versions(repository)[-1]
+    return version, load_net(spec, _weights(spec, repository / DENSE / str(version)))
+
+
+def add_dense_version(spec: ModelSpec, net: CTRNet, repository: Path) -> int:
+    """Write ``net`` as the next dense version folder of ``repository``; returns its version.
+
+    The folder is written under a hidden name, checked (ONNX against PyTorch at every bucket, as
+    ``build`` checks), and renamed into place whole: a server loading the model never sees half a
+    version. Servers serve it once they load the model again (the model-repository API).
+    """
+    version = dense_versions(repository)[-1] + 1
+    staging = repository / DENSE / f".{version}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        write_dense(spec, net, staging, holdout_auc=None)
+        adapter = resources.files("recserve.backends.triton.models").joinpath(f"{DENSE}.py")
+        (staging / "model.py").write_text(adapter.read_text())
+        staging.rename(repository / DENSE / str(version))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return version
 
 
 def install_adapters(spec: ModelSpec, repository: Path) -> None:
@@ -271,14 +319,14 @@ def build_repository(
     return BuildReport(repository, trained.holdout_auc, diff)
 
 
+def dense_runners(spec: ModelSpec, repository: Path, runtime: str = "torch") -> dict[int, DenseFn]:
+    """Every dense version on disk in process, by version: the built one and those recserve learn wrote."""
+    return {v: dense_runner(spec, repository / DENSE / str(v), runtime) for v in dense_versions(repository)}
+
+
 def reference_pipeline(spec: ModelSpec, repository: Path, runtime: str = "torch") -> InProcessPipeline:
     """The in-process path over a built repository: the PyTorch net, or ONNX Runtime as served (buckets)."""
-    store = TieredStore.load(version_dir(repository, EMBEDDING_LOOKUP, spec), spec)
-    dense_dir = version_dir(repository, DENSE, spec)
-    if runtime == "torch":
-        net = load_reference_net(spec, repository)
-        return InProcessPipeline(spec, store, lambda inputs: torch_predict(net, inputs))
-    if runtime == "onnx":
-        path = verified_path(dense_dir, read_manifest(dense_dir)["files"]["model"])
-        return InProcessPipeline(spec, store, bucketed_onnx_runner(spec, path, threads=1).predict)
-    raise ValueError(f"unknown runtime {runtime!r}; use 'torch' or 'onnx'")
+    dense = dense_runner(spec, version_dir(repository, DENSE, spec), runtime)
+    return InProcessPipeline(
+        spec, TieredStore.load(version_dir(repository, EMBEDDING_LOOKUP, spec), spec), dense
+    )

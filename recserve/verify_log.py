@@ -40,7 +40,7 @@ class LogCheck:
 
     records: int  # joined records (features with their score) in the log
     rescored: int
-    other_versions: int  # served by table or dense versions other than the repository's
+    other_versions: int  # served by table versions other than the store's, or a dense version not on disk
     max_abs: float  # over the rescored records (0 without any)
     worst: tuple[tuple[str, int, float, float], ...]  # (request id, row, logged, rescored), worst first
 
@@ -59,14 +59,13 @@ def unrescorable(spec: ModelSpec) -> str | None:
 def rescore_log(
     spec: ModelSpec,
     embeddings: FeaturesToEmbeddings,
-    dense: Callable[[Mapping[str, np.ndarray]], np.ndarray],
-    dense_version: int,
+    dense: Mapping[int, Callable[[Mapping[str, np.ndarray]], np.ndarray]],
     directory: Path,
 ) -> LogCheck:
     """The records of the log in ``directory`` scored again and compared with their logged scores.
 
-    ``embeddings`` looks the keys up in the repository's store; ``dense`` is its network, version
-    ``dense_version``.
+    ``embeddings`` looks the keys up in the repository's store; ``dense`` holds its networks by
+    dense version: each record is scored by the version that served it.
 
     Raises:
         ValueError: the spec's records cannot be scored again (:func:`unrescorable`).
@@ -87,7 +86,7 @@ def rescore_log(
     values = table["dense"].to_pylist()
     logged = np.asarray(table["score"].to_numpy(), np.float32)
     versions = np.array(table["embedding_version"].to_pylist(), np.int64).reshape(len(ids), -1)
-    served_by = np.asarray(table["dense_version"].to_numpy(), np.int64) == dense_version
+    served_by = np.asarray(table["dense_version"].fill_null(-1).to_numpy(), np.int64)
     rescored = np.full(len(ids), np.nan, np.float32)
     for start in range(0, len(ids), BATCH):
         part = slice(start, min(start + BATCH, len(ids)))
@@ -103,10 +102,12 @@ def rescore_log(
         looked = embeddings.lookup.lookup(features)
         inputs = {n: features[n] for n in embeddings.passed if n in features}
         inputs.update({n: np.asarray(v) for n, v in looked.items() if n != EMBEDDING_VERSION})
-        same = served_by[part] & (versions[part] == np.asarray(looked[EMBEDDING_VERSION])[:1]).all(axis=1)
-        if same.any():
-            scores = np.asarray(dense(inputs), np.float32).reshape(-1)
-            rescored[part] = np.where(same, scores, np.nan)
+        same = (versions[part] == np.asarray(looked[EMBEDDING_VERSION])[:1]).all(axis=1)
+        for version, network in dense.items():
+            mine = same & (served_by[part] == version)
+            if mine.any():
+                scores = np.asarray(network(inputs), np.float32).reshape(-1)
+                rescored[part] = np.where(mine, scores, rescored[part])
     done = ~np.isnan(rescored)
     deltas = np.abs(rescored - logged)
     order = np.argsort(-np.where(done, deltas, -1.0), kind="stable")[: min(WORST, int(done.sum()))]

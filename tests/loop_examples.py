@@ -5,7 +5,7 @@ import numpy as np
 from recserve.loop.tables import examples_table
 
 
-def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=None):
+def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=None, dense_version=None):
     versions = versions or {}
     rng = np.random.default_rng(seed)
     rows = []
@@ -19,7 +19,7 @@ def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=Non
                 "sample_rate": 1.0 if rates is None else rates[i], "labelled_at": 2.0, "keys": keys,
                 "dense": [0.1] * len(spec.normalized_columns), "history": history,
                 "embedding_version": [versions.get(t, 1) for t in spec.table_names],
-                "score": served[i] if isinstance(served, list) else served, "dense_version": None,
+                "score": served[i] if isinstance(served, list) else served, "dense_version": dense_version,
             }
         )  # fmt: skip
     return examples_table(rows)

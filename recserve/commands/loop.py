@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import signal
 import socket
 import threading
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
+
+LOGGER = logging.getLogger(__name__)
 
 
 def item_key(spec: ModelSpec) -> Callable[[int], int] | None:
@@ -80,30 +83,35 @@ def _learn(args: argparse.Namespace) -> int:
 
     import pyarrow.parquet as pq
     import torch
-    from safetensors.torch import load_file
 
-    from recserve.backends.dense.network import CTRNet
     from recserve.backends.store.served import ServedStore
+    from recserve.build.repository import load_served_net
     from recserve.commands.spec_source import command_spec
-    from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+    from recserve.core.names import EMBEDDING_LOOKUP
     from recserve.loop import learner_state
+    from recserve.loop.dense import DenseTrainer
     from recserve.loop.joiner import committed_segments
     from recserve.loop.learner import Learner
 
     spec = command_spec(args)
     served = ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=False)
-    net = CTRNet(spec)
-    net.load_state_dict(load_file(str(args.repository / DENSE / str(spec.version) / "weights.safetensors")))
+    dense_version, net = load_served_net(spec, args.repository)
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     given = {
         "learning_rate": args.learning_rate,
         "max_loss_increase": args.max_loss_increase,
         "watch_examples": args.watch_examples,
         "train_tables": args.train_tables,
+        "dense_learning_rate": args.dense_learning_rate,
+        "dense_publish_seconds": args.dense_publish_seconds,
     }
     settings = dataclasses.replace(spec.loop, **{k: v for k, v in given.items() if v is not None})
     settings.check(spec.table_names)
-    learner = Learner(spec, served.store, net, settings.learning_rate, settings.train_tables)
+    dense = None
+    if settings.dense_learning_rate > 0:
+        dense = DenseTrainer(net, settings.dense_learning_rate, dense_version)
+        publish_dense = dense_publisher(spec, args.repository, args.servers)
+    learner = Learner(spec, served.store, net, settings.learning_rate, settings.train_tables, dense)
     examples = args.examples_dir or Path(spec.loop.examples_directory)
     progress = examples / ".state" / "learner.json"
     trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
@@ -134,7 +142,7 @@ def _learn(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    started = last_publish = time.monotonic()
+    started = last_publish = last_dense = time.monotonic()
     pending = trained
     published: dict[str, int] = {}
     while not stop.is_set():
@@ -149,7 +157,22 @@ def _learn(args: argparse.Namespace) -> int:
             reverted = learner.watch(rollback, settings.watch_examples, settings.max_loss_increase)
             if reverted:
                 print(json.dumps({"rolled_back": reverted}), flush=True)
+            if dense is not None:
+                revert = dense.watch(publish_dense, settings.watch_examples, settings.max_loss_increase)
+                if revert is not None:
+                    print(json.dumps({"dense_rolled_back": revert}), flush=True)
         done = args.once and not segments
+        dense_due = done or time.monotonic() - last_dense >= settings.dense_publish_seconds
+        if dense is not None and dense.pending and dense_due:
+            version = dense.publish(publish_dense, settings.max_loss_increase)
+            last_dense = time.monotonic()
+            checked = [round(f, 5) for f in dense.last_check]
+            print(
+                json.dumps(
+                    {"dense_published": version, "log_loss": checked[0], "served_log_loss": checked[1]}
+                ),
+                flush=True,
+            )
         if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
             published = learner.publish(publish, max_loss_increase=settings.max_loss_increase)
             last_publish = time.monotonic()
@@ -174,6 +197,58 @@ def _learn(args: argparse.Namespace) -> int:
         if not segments:
             stop.wait(1.0)
     return 0
+
+
+#: dense version folders a learner leaves beside the built one (older ones are deleted as it publishes):
+#: the servers serve the newest; the log's records name the version that scored them
+KEEP_DENSE_VERSIONS = 4
+
+
+def dense_publisher(spec: ModelSpec, repository: Path, servers: tuple[str, ...]) -> Callable[..., int]:
+    """Publishes dense weights: the next version folder written and checked, then loaded by ``servers``.
+
+    ``servers`` are gRPC ``host:port`` of tritonservers run with ``--model-control explicit`` on this
+    repository; the load goes with ``RECSERVE_ADMIN_KEY``. A server that cannot be reached is
+    logged and left: it serves the newest version when it loads the model again.
+    """
+    import os
+    import shutil
+
+    import tritonclient.grpc as grpcclient
+
+    from recserve.backends.dense.network import CTRNet
+    from recserve.build.repository import add_dense_version, dense_versions
+    from recserve.core.names import DENSE
+    from recserve.server.security import Security
+
+    key = os.environ.get("RECSERVE_ADMIN_KEY", "")
+    if servers and not key:
+        raise ValueError("--servers loads dense versions through the admin API: set RECSERVE_ADMIN_KEY")
+    headers = Security(admin_key=key or None).headers()
+
+    def publish(weights) -> int:
+        net = CTRNet(spec)
+        net.load_state_dict(weights)
+        version = add_dense_version(spec, net, repository)
+        for url in servers:
+            try:
+                with grpcclient.InferenceServerClient(url) as client:
+                    client.load_model(DENSE, headers=headers)
+            except Exception as error:  # noqa: BLE001 - one server down must not stop the publishes
+                logging.getLogger(__name__).warning(
+                    "dense version %d not loaded on %s: %s", version, url, error
+                )
+        for old in dense_versions(repository)[:-KEEP_DENSE_VERSIONS]:
+            if old != spec.version:
+                shutil.rmtree(repository / DENSE / str(old), ignore_errors=True)
+        return version
+
+    return publish
+
+
+def server_list(text: str) -> tuple[str, ...]:
+    """``host:port,host:port`` as a tuple (empty text: none)."""
+    return tuple(url.strip() for url in text.split(",") if url.strip())
 
 
 def table_names(text: str) -> tuple[str, ...]:
@@ -285,6 +360,28 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="after a publish, judge it on this many examples its versions served: when its log loss on them "
         "is above that of the rows it replaced by more than --max-loss-increase, roll the versions back "
         "(default: [loop] watch_examples)",
+    )
+    learn.add_argument(
+        "--dense-learning-rate",
+        type=float,
+        default=None,
+        help="train the dense network's weights too, with this Adagrad step (0: frozen; "
+        "default: [loop] dense_learning_rate)",
+    )
+    learn.add_argument(
+        "--dense-publish-seconds",
+        type=float,
+        default=None,
+        help="publish the trained weights as a new dense version this often "
+        "(default: [loop] dense_publish_seconds)",
+    )
+    learn.add_argument(
+        "--servers",
+        type=server_list,
+        default=(),
+        metavar="HOST:PORT,...",
+        help="gRPC endpoints of the servers (--model-control explicit) that load each new dense version "
+        "(the admin key from RECSERVE_ADMIN_KEY)",
     )
     learn.add_argument("--metrics-port", type=int, default=None, help="serve /metrics on 127.0.0.1 here")
     learn.set_defaults(func=_learn)

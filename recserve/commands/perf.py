@@ -162,7 +162,7 @@ def _bench_loop(args: argparse.Namespace) -> int:
     name = args.run_name or datetime.datetime.now(datetime.UTC).strftime("loop-%Y%m%dT%H%M%SZ")
     recorded = run_loop(spec, args.repository, args.output / name, grid, progress=_progress)
     _progress("[bench-loop] the log scored again offline (recserve verify --log)")
-    skew = _log_skew(recorded.loop_repository, recorded.log_dir)
+    skew = log_skew(recorded.loop_repository, recorded.log_dir)
     summary, freshness = summarize(recorded, committed_segments, skew)
     run_json = recorded.folder / "summary.json"
     run_json.write_text(json.dumps(summary, indent=1) + "\n")
@@ -197,22 +197,20 @@ def _replay_loop(spec: ModelSpec, args: argparse.Namespace, grid: LoopGrid) -> i
     return 0
 
 
-def _log_skew(repository: Path, log: Path) -> dict:
+def log_skew(repository: Path, log: Path) -> dict:
     """``recserve verify --log``'s check, against the repository's store as served: updates applied."""
     from recserve.backends.steps.pipeline import InProcessPipeline
     from recserve.backends.store.served import ServedStore
-    from recserve.build.repository import reference_pipeline, version_dir
+    from recserve.build.repository import dense_runners, version_dir
     from recserve.build.repository_spec import repository_spec
-    from recserve.core.names import DENSE, EMBEDDING_LOOKUP
+    from recserve.core.names import EMBEDDING_LOOKUP
     from recserve.verify_log import rescore_log
 
     spec = repository_spec(repository)
-    network = reference_pipeline(spec, repository, runtime="onnx").dense  # as served on CPUs
+    networks = dense_runners(spec, repository, runtime="onnx")  # as served on CPUs, every version on disk
     served = ServedStore.open(spec, version_dir(repository, EMBEDDING_LOOKUP, spec), start=False)
-    pipeline = InProcessPipeline(spec, served.store, network)  # the last published versions applied
-    check = rescore_log(
-        spec, pipeline.embeddings, pipeline.dense, int(version_dir(repository, DENSE, spec).name), log
-    )
+    pipeline = InProcessPipeline(spec, served.store, networks[spec.version])  # the last published rows
+    check = rescore_log(spec, pipeline.embeddings, networks, log)
     return {
         "skew_max_abs": check.max_abs if check.rescored else None,
         "skew_rows_rescored": check.rescored,

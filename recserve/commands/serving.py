@@ -194,15 +194,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _verify_log(args: argparse.Namespace, spec) -> int:
     """``verify --log DIR``: the logged records scored again offline against their logged scores."""
-    from recserve.build.repository import reference_pipeline, version_dir
-    from recserve.core.names import DENSE
+    from recserve.build.repository import dense_runners, reference_pipeline
     from recserve.verify_log import rescore_log
 
     if not args.log.is_dir():
         raise ValueError(f"--log {args.log}: not a folder")
     pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
-    dense_version = int(version_dir(args.repository, DENSE, spec).name)
-    check = rescore_log(spec, pipeline.embeddings, pipeline.dense, dense_version, args.log)
+    dense = dense_runners(spec, args.repository, args.runtime)  # each record by the version that served it
+    check = rescore_log(spec, pipeline.embeddings, dense, args.log)
     tolerance = LOG_TOLERANCE if args.tolerance is None else args.tolerance
     print(
         f"{check.records} logged rows; {check.rescored} scored again ({args.runtime}), "

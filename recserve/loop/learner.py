@@ -48,7 +48,8 @@ from recserve.core.contract import attention_inputs
 from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
 from recserve.core.spec.model import ModelSpec
 from recserve.loop.batch import BatchLayout, distinct_rows
-from recserve.loop.watch import Key, Watch, log_loss
+from recserve.loop.dense import DenseTrainer
+from recserve.loop.watch import Key, Watch, positive_share, progressive_check
 
 LOGGER = logging.getLogger(__name__)
 #: Adagrad's epsilon, under the square root of a row's accumulated squared gradient
@@ -90,6 +91,8 @@ class Learner:
         net: the served dense network (its weights are not trained).
         learning_rate: Adagrad's step on the rows (None: ``[loop] learning_rate``).
         train_tables: the tables whose rows it trains, empty: all (None: ``[loop] train_tables``).
+        dense: trains ``net``'s weights too, on the same batches (None: they stay frozen); its
+            network must be ``net``.
     """
 
     def __init__(
@@ -99,15 +102,20 @@ class Learner:
         net: CTRNet,
         learning_rate: float | None = None,
         train_tables: tuple[str, ...] | None = None,
+        dense: DenseTrainer | None = None,
     ) -> None:
         reason = trainable(spec)
         if reason:
             raise ValueError(f"recserve learn does not train specs with {reason} yet")
+        if dense is not None and dense.net is not net:
+            raise ValueError("the dense trainer must train the learner's network")
         self.spec = spec
         self.store = store
+        self.dense = dense
         self.net = net.eval()
-        for parameter in self.net.parameters():
-            parameter.requires_grad_(False)
+        if dense is None:
+            for parameter in self.net.parameters():
+                parameter.requires_grad_(False)
         self.learning_rate = spec.loop.learning_rate if learning_rate is None else learning_rate
         names = (spec.loop.train_tables if train_tables is None else train_tables) or spec.table_names
         #: the ids of the tables whose rows it trains
@@ -166,8 +174,10 @@ class Learner:
                     break
         return unique, vectors, inverse
 
-    def _probability(self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray) -> torch.Tensor:
-        """The frozen network's probabilities of a batch whose rows are ``vectors``."""
+    def _probability(
+        self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray, net: CTRNet | None = None
+    ) -> torch.Tensor:
+        """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's)."""
         named = {SPARSE_EMBEDDINGS: vectors[:, : self.single]}
         if self.group is not None:
             named[self.group.target] = vectors[:, self.single]
@@ -176,19 +186,19 @@ class Learner:
         if self.net.has_dense:
             dense = pc.list_flatten(examples["dense"]).to_numpy().astype(np.float32)
             named[DENSE_NORMALIZED] = torch.tensor(dense.reshape(examples.num_rows, -1))
-        return self.net.score(named).reshape(-1).clamp(1e-7, 1 - 1e-7)
+        return (net or self.net).score(named).reshape(-1).clamp(1e-7, 1 - 1e-7)
 
-    def score(self, examples: pa.Table, *overlays: Overlay) -> np.ndarray:
+    def score(self, examples: pa.Table, *overlays: Overlay, net: CTRNet | None = None) -> np.ndarray:
         """Probabilities of ``examples`` with the rows of ``overlays`` (see :meth:`_vectors`).
 
         ``score(batch)`` scores with the rows as trained, ``score(batch, learner.published)`` as
-        published, ``score(batch, {})`` with the store's rows alone.
+        published, ``score(batch, {})`` with the store's rows alone; ``net``: through another network.
         """
         keys, tables, mask = self.layout.of(examples)
         _, vectors, where = self._vectors(keys, tables, *overlays)
         with torch.no_grad():
             batch = torch.tensor(vectors[where].reshape(*keys.shape, -1))
-            return self._probability(examples, batch, mask).numpy().astype(np.float64)
+            return self._probability(examples, batch, mask, net).numpy().astype(np.float64)
 
     def train(self, examples: pa.Table) -> BatchFigures:
         """Score the batch (its progressive log loss), then one Adagrad step on the rows it touched."""
@@ -201,6 +211,8 @@ class Learner:
         losses = -(labels * probability.log() + (1 - labels) * (1 - probability).log())
         loss = (weights * losses).sum() / weights.sum()
         loss.backward()
+        if self.dense is not None:
+            self.dense.step()
         assert vectors.grad is not None
         grads = vectors.grad.numpy().reshape(len(where), -1)
         valid = np.concatenate([np.ones((keys.shape[0], self.single + self.targets), bool), mask > 0], axis=1)
@@ -219,7 +231,11 @@ class Learner:
         self._labelled += (pc.cast(examples["labelled_at"], pa.int64()).to_numpy() / 1e6).tolist()
         served = np.array([np.nan if v is None else v for v in examples["score"].to_pylist()], np.float64)
         progressive = probability.detach().numpy().astype(np.float64)
-        self._scored.append(np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1))
+        scored = np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1)
+        self._scored.append(scored)
+        if self.dense is not None:
+            self.dense.record(scored)
+            self._watch_dense(examples, scored)
         versions = np.array(examples["embedding_version"].to_pylist(), np.int64).reshape(
             examples.num_rows, -1
         )
@@ -231,6 +247,26 @@ class Learner:
                 if len(mine):
                     watch.scored.append(self._watched(watch, examples.take(mine), served[mine]))
         return figures
+
+    def _watch_dense(self, examples: pa.Table, scored: np.ndarray) -> None:
+        """Score the examples each watched dense version served by its weights and the replaced ones.
+
+        Both with the rows as published, so the two scores differ by the weights alone.
+        """
+        assert self.dense is not None
+        if not self.dense.watching:
+            return
+        served_by = pc.fill_null(examples["dense_version"], -1).to_numpy()
+        for watch in self.dense.watching:
+            mine = np.flatnonzero(served_by == watch.version)
+            if not len(mine):
+                continue
+            taken = examples.take(mine)
+            versions = [
+                self.score(taken, self.published, net=self.dense.with_weights(weights))
+                for weights in (watch.weights, watch.replaced[0])
+            ]
+            watch.scored.append(np.stack([scored[mine, 1], scored[mine, 2], *versions], axis=1))
 
     def _watched(self, watch: Watch, examples: pa.Table, served: np.ndarray) -> np.ndarray:
         """Label, weight, the new version's score and the replaced rows' of examples ``watch`` served.
@@ -308,20 +344,7 @@ class Learner:
 
         Measured on the examples that carry their served score (NaN, NaN: none does).
         """
-        if not self._scored:
-            return float("nan"), float("nan")
-        scored = np.concatenate(self._scored)
-        scored = scored[~np.isnan(scored[:, 3])]
-        if not len(scored):
-            return float("nan"), float("nan")
-        labels, weights = scored[:, 1], scored[:, 2]
-        return log_loss(scored[:, 0], labels, weights), log_loss(scored[:, 3], labels, weights)
-
-    def _positive_share(self) -> float:
-        """The positives' weighted share of the examples since the last publish."""
-        scored = np.concatenate(self._scored) if self._scored else np.zeros((0, 4))
-        weights = scored[:, 2].sum()
-        return float((scored[:, 2] * scored[:, 1]).sum() / weights) if weights > 0 else 0.0
+        return progressive_check(self._scored)
 
     # ---- publishing ----------------------------------------------------------------------
     def publish(
@@ -335,7 +358,7 @@ class Learner:
         since the epoch).
         """
         learner_loss, served_loss = self.last_check = self.check()
-        share = self._positive_share()
+        share = positive_share(self._scored)
         self._scored = []
         if max_loss_increase is not None and learner_loss > served_loss + max_loss_increase:
             LOGGER.warning(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from recserve.backends.base.metrics import MetricSample
+from recserve.loop.dense import DenseTrainer
 from recserve.loop.join import COUNTS
 from recserve.loop.joiner import Joiner
 from recserve.loop.learner import Learner
@@ -161,5 +162,22 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
                 value,
             )
             for q, value in zip(("0.5", "0.99"), learner.freshness, strict=True)
+        ),
+        *(dense_samples(learner.dense) if learner.dense is not None else ()),
+    ]
+
+
+def dense_samples(dense: DenseTrainer) -> list[MetricSample]:
+    """``recserve_learn_dense_*``: the dense versions the learner served, refused and rolled back."""
+    counts = (
+        ("published", "Dense versions published", dense.versions_published),
+        ("refused_publishes", "Dense publishes refused by the decision", dense.refused_publishes),
+        ("rollbacks", "Dense versions rolled back by their watch", dense.rollbacks),
+    )
+    return [
+        MetricSample("recserve_learn_dense_version", "gauge", "The dense version served", (), dense.version),
+        *(
+            MetricSample(f"recserve_learn_dense_{name}_total", "counter", help_, (), float(value))
+            for name, help_, value in counts
         ),
     ]

@@ -45,25 +45,55 @@ class Watch:
 
     def judge(self, watch_examples: int) -> tuple[float, float] | None:
         """The weighted log losses (the new version's, the replaced rows') once enough came; else None."""
-        scored = np.concatenate(self.scored) if self.scored else np.zeros((0, 4))
-        positive = scored[:, 0] > 0.5
-        share = self.positive_share
-        if len(scored) < watch_examples or (share > 0 and not positive.any()) or (
-            share < 1 and positive.all()
-        ):  # fmt: skip
-            return None  # not yet, or not both kinds of label when both weigh
-        losses = [
-            sum(
-                part * log_loss(scored[kind, column], scored[kind, 0], scored[kind, 1])
-                for part, kind in ((share, positive), (1 - share, ~positive))
-                if part > 0
-            )
-            for column in (2, 3)
-        ]
-        return float(losses[0]), float(losses[1])
+        return judge(self.scored, self.positive_share, watch_examples)
+
+
+def judge(scored_parts: list[np.ndarray], share: float, watch_examples: int) -> tuple[float, float] | None:
+    """The weighted log losses of columns 2 and 3 of ``scored_parts`` (label, weight, new, before).
+
+    None until ``watch_examples`` came with both kinds of label where both weigh; the positives
+    and negatives are weighed to ``share``, the positives' share before the publish.
+    """
+    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    positive = scored[:, 0] > 0.5
+    if len(scored) < watch_examples or (share > 0 and not positive.any()) or (
+        share < 1 and positive.all()
+    ):  # fmt: skip
+        return None  # not yet, or not both kinds of label when both weigh
+    losses = [
+        sum(
+            part * log_loss(scored[kind, column], scored[kind, 0], scored[kind, 1])
+            for part, kind in ((share, positive), (1 - share, ~positive))
+            if part > 0
+        )
+        for column in (2, 3)
+    ]
+    return float(losses[0]), float(losses[1])
 
 
 def log_loss(p: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> float:
     """The weighted log loss of probabilities ``p``."""
     p = np.clip(p, 1e-7, 1 - 1e-7)
     return float(np.sum(weights * -(labels * np.log(p) + (1 - labels) * np.log(1 - p))) / weights.sum())
+
+
+def progressive_check(scored_parts: list[np.ndarray]) -> tuple[float, float]:
+    """The weighted log losses (learner's progressive scores, served scores) of ``scored_parts``.
+
+    Each part holds, per example: the learner's progressive probability, the label, the weight and
+    the served score (NaN: none came). Measured on the examples that carry their served score
+    (NaN, NaN: none does).
+    """
+    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    scored = scored[~np.isnan(scored[:, 3])]
+    if not len(scored):
+        return float("nan"), float("nan")
+    labels, weights = scored[:, 1], scored[:, 2]
+    return log_loss(scored[:, 0], labels, weights), log_loss(scored[:, 3], labels, weights)
+
+
+def positive_share(scored_parts: list[np.ndarray]) -> float:
+    """The positives' weighted share of ``scored_parts`` (as :func:`progressive_check` reads them)."""
+    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    weights = scored[:, 2].sum()
+    return float((scored[:, 2] * scored[:, 1]).sum() / weights) if weights > 0 else 0.0

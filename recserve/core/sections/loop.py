@@ -50,6 +50,12 @@ class LoopSection:
     # Name those whose ids drift (items, ads): a low-cardinality table's rows are in nearly every
     # example, each takes a full step per batch, and their steps add up in every example's logit
     train_tables: tuple[str, ...] = ()
+    # recserve learn's Adagrad step on the dense network's weights, trained on the same batches as the
+    # rows; 0: the network stays frozen (as served)
+    dense_learning_rate: float = 0.0
+    # the trained weights are published as a new dense version this often (a version folder written,
+    # checked and loaded by the servers: slower than the rows' deltas)
+    dense_publish_seconds: float = 300.0
 
     def check(self, tables: Iterable[str] = ()) -> None:
         """Raise :class:`SpecError` on a value out of range or a ``train_tables`` name not in ``tables``."""
@@ -63,6 +69,12 @@ class LoopSection:
             raise SpecError(f"[loop] negative_rate lies in (0, 1], got {self.negative_rate}")
         if not 0.0 < self.learning_rate <= 10.0 or math.isnan(self.learning_rate):
             raise SpecError(f"[loop] learning_rate lies in (0, 10], got {self.learning_rate}")
+        if not 0.0 <= self.dense_learning_rate <= 10.0 or math.isnan(self.dense_learning_rate):
+            raise SpecError(f"[loop] dense_learning_rate lies in [0, 10], got {self.dense_learning_rate}")
+        if not 1.0 <= self.dense_publish_seconds <= 30 * 86400.0 or math.isnan(self.dense_publish_seconds):
+            raise SpecError(
+                f"[loop] dense_publish_seconds lies in [1, 30 days], got {self.dense_publish_seconds}"
+            )
         if not 0.0 <= self.max_loss_increase <= 10.0 or math.isnan(self.max_loss_increase):
             raise SpecError(f"[loop] max_loss_increase lies in [0, 10], got {self.max_loss_increase}")
         if not 1 <= self.watch_examples <= 10_000_000:

@@ -1,0 +1,146 @@
+"""The dense side of ``recserve learn``: the served network's weights trained with the rows, hot-swapped.
+
+With ``[loop] dense_learning_rate`` above 0, the learner also trains the dense network's weights on
+each batch, by the same progressive loss that moves the rows (one Adagrad step per batch:
+:meth:`DenseTrainer.step`). It publishes them on their own, slower interval
+(``[loop] dense_publish_seconds``) as a new ``dense`` version, through a callable the command
+gives (:data:`PublishDense`: the version folder written whole and checked, then loaded by the
+servers). What guards a rows' publish guards this one:
+
+* **the decision**: on the examples since the last dense publish that carry their served score, the
+  learner's progressive log loss against the served scores'; worse by more than the margin, nothing
+  is published and the weights (and the optimizer's state) go back to the served ones;
+* **the watch**: the examples the new version served (their ``dense_version``) are scored by its
+  weights and by the weights it replaced, with the same rows (:class:`DenseWatch`); once
+  ``watch_examples`` came and its log loss is worse by more than the margin, the replaced weights
+  are published again as a newer version (a rollback is a version like any other, so the servers'
+  latest-version policy serves it) and the learner's weights go back to them.
+
+The optimizer's state lives in the process: a restarted learner starts from the newest served
+version with a new one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from recserve.backends.dense.network import CTRNet
+from recserve.loop.watch import judge, positive_share, progressive_check
+
+#: a network's weights by name
+Weights = dict[str, torch.Tensor]
+#: writes these weights as the next dense version and puts it live; returns the version
+PublishDense = Callable[[Mapping[str, torch.Tensor]], int]
+
+
+@dataclass
+class DenseWatch:
+    """A dense version being watched: the weights it replaced, what the examples it served scored."""
+
+    version: int
+    weights: Weights  # its own
+    replaced: tuple[Weights, dict[str, Any]]  # the weights before it and the optimizer's state then
+    positive_share: float  # the positives' weighted share before it (see recserve.loop.watch)
+    # label, weight, this version's score, the replaced weights' score: per example it served
+    scored: list[np.ndarray] = field(default_factory=list)
+
+
+class DenseTrainer:
+    """Trains ``net`` (served as dense version ``version``) with Adagrad; publishes and watches versions."""
+
+    def __init__(self, net: CTRNet, learning_rate: float, version: int) -> None:
+        self.net = net.eval()  # the forward pass as served (no dropout), its weights trainable
+        for parameter in self.net.parameters():
+            parameter.requires_grad_(True)
+        self.optimizer = torch.optim.Adagrad(self.net.parameters(), lr=learning_rate)
+        #: the served dense version (the last published)
+        self.version = version
+        self.published = (self.weights(), self._optimizer_state())
+        self._scored: list[np.ndarray] = []  # per batch since the last publish: as Learner._scored
+        self.watching: list[DenseWatch] = []
+        self._scratch = copy.deepcopy(self.net).requires_grad_(False)  # scores other weights
+        self.versions_published = 0
+        self.refused_publishes = 0
+        self.rollbacks = 0
+        #: the last publish decision's log losses (learner, served)
+        self.last_check: tuple[float, float] = (0.0, 0.0)
+        #: the last watch judged: the log losses (the version's, the replaced weights')
+        self.last_watch: tuple[float, float] = (0.0, 0.0)
+
+    def weights(self) -> Weights:
+        """A copy of the network's weights now."""
+        return {name: value.detach().clone() for name, value in self.net.state_dict().items()}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return copy.deepcopy(self.optimizer.state_dict())
+
+    def _restore(self, state: tuple[Weights, dict[str, Any]]) -> None:
+        weights, optimizer = state
+        self.net.load_state_dict(weights)
+        # load_state_dict may keep the given tensors: a copy, so later steps never write into ``state``
+        self.optimizer.load_state_dict(copy.deepcopy(optimizer))
+
+    def step(self) -> None:
+        """One Adagrad step on the gradients the batch's loss left on the weights."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def record(self, scored: np.ndarray) -> None:
+        """A trained batch's progressive probability, label, weight and served score (for :meth:`publish`)."""
+        self._scored.append(scored)
+
+    @property
+    def pending(self) -> int:
+        """Examples trained on since the last publish."""
+        return sum(len(part) for part in self._scored)
+
+    def with_weights(self, weights: Mapping[str, torch.Tensor]) -> CTRNet:
+        """A network (not the trained one) holding ``weights``, to score with."""
+        self._scratch.load_state_dict(weights)
+        return self._scratch
+
+    def publish(self, write: PublishDense, max_loss_increase: float | None = None) -> int | None:
+        """Publish the weights as a new version (returned), or refuse (None) and go back to the served ones.
+
+        Refused when ``max_loss_increase`` is given and the learner's progressive log loss since the
+        last dense publish is above the served scores' by more.
+        """
+        learner_loss, served_loss = self.last_check = progressive_check(self._scored)
+        share = positive_share(self._scored)
+        self._scored = []
+        if max_loss_increase is not None and learner_loss > served_loss + max_loss_increase:
+            self.refused_publishes += 1
+            self._restore(self.published)
+            return None
+        replaced, self.published = self.published, (self.weights(), self._optimizer_state())
+        self.version = write(self.published[0])
+        self.versions_published += 1
+        self.watching.append(DenseWatch(self.version, self.published[0], replaced, share))
+        return self.version
+
+    def watch(self, write: PublishDense, watch_examples: int, max_loss_increase: float) -> int | None:
+        """Roll back a watched version that scored worse than the weights it replaced; the revert's version.
+
+        The versions published after it were trained on top of it: their watches go with it.
+        """
+        for watch in list(self.watching):
+            judged = judge(watch.scored, watch.positive_share, watch_examples)
+            if judged is None:
+                continue
+            self.last_watch = judged
+            self.watching.remove(watch)
+            if not judged[0] > judged[1] + max_loss_increase:
+                continue
+            self.watching.clear()
+            self.version = write(watch.replaced[0])
+            self.published = watch.replaced
+            self._restore(watch.replaced)
+            self.rollbacks += 1
+            return self.version
+        return None
