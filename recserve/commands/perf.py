@@ -155,6 +155,7 @@ def _bench_loop(args: argparse.Namespace) -> int:
         "rate": args.rate,
         "train_tables": args.train_tables,
         "learning_rate": args.learning_rate,
+        "dense_learning_rate": args.dense_learning_rate,
     }
     grid = replace(grid, **{k: v for k, v in overrides.items() if v is not None})
     if args.replay is not None:
@@ -344,6 +345,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the learner's Adagrad step (default: 0.03, the replay's choice for the drifting items; "
         "--replay takes its own)",
+    )
+    loop.add_argument(
+        "--dense-learning-rate",
+        type=float,
+        default=None,
+        help="the learner trains the dense network too, with this Adagrad step; the loop server loads "
+        "each dense version it publishes (default: 0, frozen)",
     )
     loop.add_argument(
         "--train-tables",

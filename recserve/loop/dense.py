@@ -1,8 +1,11 @@
 """The dense side of ``recserve learn``: the served network's weights trained with the rows, hot-swapped.
 
-With ``[loop] dense_learning_rate`` above 0, the learner also trains the dense network's weights on
-each batch, by the same progressive loss that moves the rows (one Adagrad step per batch:
-:meth:`DenseTrainer.step`). It publishes them on their own, slower interval
+With ``[loop] dense_learning_rate`` above 0, the learner also trains a copy of the dense network's
+weights on each batch (one Adagrad step per batch on its weighted log loss, the rows as the learner
+holds them: :meth:`DenseTrainer.train`). The rows go on training through the network **as served**
+(:attr:`DenseTrainer.served`), so the rows a delta publishes are always trained for the weights the
+servers hold: rows trained through unpublished weights scored worse on the served ones, and their
+watch rolled them back. The weights are published on their own, slower interval
 (``[loop] dense_publish_seconds``) as a new ``dense`` version, through a callable the command
 gives (:data:`PublishDense`: the version folder written whole and checked, then loaded by the
 servers). What guards a rows' publish guards this one:
@@ -15,6 +18,9 @@ servers). What guards a rows' publish guards this one:
   ``watch_examples`` came and its log loss is worse by more than the margin, the replaced weights
   are published again as a newer version (a rollback is a version like any other, so the servers'
   latest-version policy serves it) and the learner's weights go back to them.
+
+Each version published or rolled back is loaded into :attr:`DenseTrainer.served`, which the rows
+train through from then on.
 
 The optimizer's state lives in the process: a restarted learner starts from the newest served
 version with a new one.
@@ -51,11 +57,21 @@ class DenseWatch:
     scored: list[np.ndarray] = field(default_factory=list)
 
 
-class DenseTrainer:
-    """Trains ``net`` (served as dense version ``version``) with Adagrad; publishes and watches versions."""
+def weighted_log_loss(probability: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The batch's log loss, each example weighted (``1 / sample_rate``)."""
+    losses = -(labels * probability.log() + (1 - labels) * (1 - probability).log())
+    return (weights * losses).sum() / weights.sum()
 
-    def __init__(self, net: CTRNet, learning_rate: float, version: int) -> None:
-        self.net = net.eval()  # the forward pass as served (no dropout), its weights trainable
+
+class DenseTrainer:
+    """Trains a copy of ``served`` (dense version ``version``) with Adagrad; publishes and watches versions.
+
+    ``served`` is the learner's network as served: it takes each version's weights as it goes live.
+    """
+
+    def __init__(self, served: CTRNet, learning_rate: float, version: int) -> None:
+        self.served = served
+        self.net = copy.deepcopy(served).eval()  # the forward pass as served (no dropout), trainable
         for parameter in self.net.parameters():
             parameter.requires_grad_(True)
         self.optimizer = torch.optim.Adagrad(self.net.parameters(), lr=learning_rate)
@@ -86,14 +102,25 @@ class DenseTrainer:
         # load_state_dict may keep the given tensors: a copy, so later steps never write into ``state``
         self.optimizer.load_state_dict(copy.deepcopy(optimizer))
 
-    def step(self) -> None:
-        """One Adagrad step on the gradients the batch's loss left on the weights."""
+    def train(
+        self,
+        probability: Callable[[CTRNet], torch.Tensor],
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        served: np.ndarray,
+    ) -> np.ndarray:
+        """One Adagrad step on the batch; its probabilities before the step (progressive).
+
+        ``probability`` gives the batch's probabilities through a network; ``served`` holds the
+        scores served (NaN: none came), for the publish decision.
+        """
+        p = probability(self.net)
+        weighted_log_loss(p, labels, weights).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def record(self, scored: np.ndarray) -> None:
-        """A trained batch's progressive probability, label, weight and served score (for :meth:`publish`)."""
-        self._scored.append(scored)
+        progressive = p.detach().numpy().astype(np.float64)
+        self._scored.append(np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1))
+        return progressive
 
     @property
     def pending(self) -> int:
@@ -120,6 +147,7 @@ class DenseTrainer:
             return None
         replaced, self.published = self.published, (self.weights(), self._optimizer_state())
         self.version = write(self.published[0])
+        self.served.load_state_dict(self.published[0])
         self.versions_published += 1
         self.watching.append(DenseWatch(self.version, self.published[0], replaced, share))
         return self.version
@@ -141,6 +169,7 @@ class DenseTrainer:
             self.version = write(watch.replaced[0])
             self.published = watch.replaced
             self._restore(watch.replaced)
+            self.served.load_state_dict(watch.replaced[0])
             self.rollbacks += 1
             return self.version
         return None

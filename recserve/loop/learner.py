@@ -48,7 +48,7 @@ from recserve.core.contract import attention_inputs
 from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
 from recserve.core.spec.model import ModelSpec
 from recserve.loop.batch import BatchLayout, distinct_rows
-from recserve.loop.dense import DenseTrainer
+from recserve.loop.dense import DenseTrainer, weighted_log_loss
 from recserve.loop.watch import Key, Watch, positive_share, progressive_check
 
 LOGGER = logging.getLogger(__name__)
@@ -91,8 +91,8 @@ class Learner:
         net: the served dense network (its weights are not trained).
         learning_rate: Adagrad's step on the rows (None: ``[loop] learning_rate``).
         train_tables: the tables whose rows it trains, empty: all (None: ``[loop] train_tables``).
-        dense: trains ``net``'s weights too, on the same batches (None: they stay frozen); its
-            network must be ``net``.
+        dense: trains a copy of ``net``'s weights on the same batches and loads each version it
+            publishes into ``net`` (None: the weights stay as served); its ``served`` is ``net``.
     """
 
     def __init__(
@@ -107,15 +107,14 @@ class Learner:
         reason = trainable(spec)
         if reason:
             raise ValueError(f"recserve learn does not train specs with {reason} yet")
-        if dense is not None and dense.net is not net:
-            raise ValueError("the dense trainer must train the learner's network")
+        if dense is not None and dense.served is not net:
+            raise ValueError("the dense trainer must serve the learner's network")
         self.spec = spec
         self.store = store
         self.dense = dense
         self.net = net.eval()
-        if dense is None:
-            for parameter in self.net.parameters():
-                parameter.requires_grad_(False)
+        for parameter in self.net.parameters():
+            parameter.requires_grad_(False)
         self.learning_rate = spec.loop.learning_rate if learning_rate is None else learning_rate
         names = (spec.loop.train_tables if train_tables is None else train_tables) or spec.table_names
         #: the ids of the tables whose rows it trains
@@ -208,11 +207,8 @@ class Learner:
         probability = self._probability(examples, vectors, mask)
         labels = torch.tensor(np.asarray(examples["label"], np.float32))
         weights = 1.0 / torch.tensor(np.asarray(examples["sample_rate"], np.float32))
-        losses = -(labels * probability.log() + (1 - labels) * (1 - probability).log())
-        loss = (weights * losses).sum() / weights.sum()
+        loss = weighted_log_loss(probability, labels, weights)
         loss.backward()
-        if self.dense is not None:
-            self.dense.step()
         assert vectors.grad is not None
         grads = vectors.grad.numpy().reshape(len(where), -1)
         valid = np.concatenate([np.ones((keys.shape[0], self.single + self.targets), bool), mask > 0], axis=1)
@@ -234,7 +230,10 @@ class Learner:
         scored = np.stack([progressive, labels.numpy(), weights.numpy(), served], axis=1)
         self._scored.append(scored)
         if self.dense is not None:
-            self.dense.record(scored)
+            rows_now = vectors.detach()
+            self.dense.train(
+                lambda net: self._probability(examples, rows_now, mask, net), labels, weights, served
+            )
             self._watch_dense(examples, scored)
         versions = np.array(examples["embedding_version"].to_pylist(), np.int64).reshape(
             examples.num_rows, -1

@@ -33,11 +33,12 @@ def test_the_weights_train_with_the_rows_only_when_asked(spec):
     frozen.train(batch)
     assert same(before, frozen.net.state_dict())  # frozen: only rows moved
     _, learn = learner(spec)
-    assert same(before, learn.net.state_dict())  # the same start
+    assert same(before, learn.dense.net.state_dict())  # the same start
     for _ in range(5):
         learn.train(batch)
-    assert not same(before, learn.net.state_dict())
-    assert learn.progressive_loss[-1] < frozen.progressive_loss[0]
+    assert not same(before, learn.dense.net.state_dict())
+    assert same(before, learn.net.state_dict())  # the rows train through the weights as served
+    assert learn.dense.pending == 20
     with pytest.raises(ValueError, match="network"):
         Learner(spec, learn.store, CTRNet(spec), dense=learn.dense)
 
@@ -46,10 +47,11 @@ def test_a_dense_version_worse_than_the_served_scores_is_refused_and_the_weights
     tables, learn = learner(spec)
     served = learn.dense.weights()
     learn.train(examples(spec, tables, [1, 1, 1, 1], served=0.999))  # the served scores were right
-    assert not same(served, learn.net.state_dict())
+    assert not same(served, learn.dense.net.state_dict())
     written = []
     assert learn.dense.publish(written.append, max_loss_increase=0.0) is None and not written
-    assert same(served, learn.net.state_dict()) and learn.dense.refused_publishes == 1
+    assert same(served, learn.dense.net.state_dict()) and learn.dense.refused_publishes == 1
+    assert same(served, learn.net.state_dict())
     assert not learn.dense.optimizer.state_dict()["state"] or all(
         float(s["step"]) == 0 for s in learn.dense.optimizer.state_dict()["state"].values()
     )  # the optimizer's state as served, too
@@ -62,13 +64,15 @@ def test_a_published_dense_version_that_scores_worse_than_the_weights_it_replace
         learn.train(examples(spec, tables, [1, 1, 0, 0]))
     written = []
     assert learn.dense.publish(lambda w: written.append(w) or 2) == 2 and learn.dense.version == 2
-    assert same(written[0], learn.net.state_dict()) and len(learn.dense.watching) == 1
+    assert same(written[0], learn.dense.net.state_dict()) and len(learn.dense.watching) == 1
+    assert same(written[0], learn.net.state_dict())  # the rows train through it from now on
     learn.train(examples(spec, tables, [0, 0, 1, 1], dense_version=1))  # served by the old version
     assert learn.dense.watch(lambda w: 1 / 0, 4, 0.02) is None
     learn.train(examples(spec, tables, [0, 0, 1, 1], dense_version=2))  # the labels flipped
     assert learn.dense.watch(lambda w: written.append(w) or 3, 4, 0.02) == 3
     assert learn.dense.last_watch[0] > learn.dense.last_watch[1] + 0.02 and learn.dense.rollbacks == 1
-    assert same(written[1], start) and same(start, learn.net.state_dict()) and learn.dense.version == 3
+    assert same(written[1], start) and same(start, learn.dense.net.state_dict()) and learn.dense.version == 3
+    assert same(start, learn.net.state_dict())
     assert not learn.dense.watching
     found = text(learn_samples(learn))
     assert "recserve_learn_dense_version 3" in found and "recserve_learn_dense_rollbacks_total 1" in found

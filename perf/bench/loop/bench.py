@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -37,8 +38,10 @@ from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
 from recserve.perf.bench.loop.stream import DriftingStream, StreamSettings
-from recserve.server import Ports, TritonServer
+from recserve.server import Ports, Security, TritonServer
 
+#: The loop server's admin key (loopback only): the learner loads its dense versions with it.
+ADMIN_KEY = "bench-loop"
 #: The bench-local spec of the loop side, written beside its repository (``recserve --spec FILE``).
 SPEC_FILE = "loop_spec.json"
 
@@ -60,6 +63,10 @@ class LoopGrid:
     learning_rate: float | None = 0.03  # the learner's step (None: [loop] learning_rate)
     train_tables: tuple[str, ...] | None = None  # None: the drifting items' table; (): every table
     batch_size: int = 128
+    # the learner trains the dense network too (0: frozen), publishing a dense version this often: the
+    # loop server runs with model control explicit and loads each one (a hot swap during the rounds)
+    dense_learning_rate: float = 0.0
+    dense_publish_seconds: float = 20.0
     throughput_seconds: float = 4.0  # one turn of the throughput phase
     throughput_turns: int = 4  # per server, in the order loop, frozen, frozen, loop, ...
     throughput_clients: int = 2  # requests in flight during a turn
@@ -184,8 +191,13 @@ def run_loop(
     item_table = loop_spec.targets[0].table  # DriftingStream checked there is one
     recorded = Recorded(grid, folder, folder / "log", folder / "examples", loop_repository, item_table)
     recorded.negative_rate = loop_spec.loop.negative_rate
+    loop_security = (
+        Security(model_control="explicit", admin_key=ADMIN_KEY) if grid.dense_learning_rate else None
+    )
     servers = {
-        "loop": TritonServer(loop_repository, Ports.free(), log_path=folder / "loop_server.log"),
+        "loop": TritonServer(
+            loop_repository, Ports.free(), log_path=folder / "loop_server.log", security=loop_security
+        ),
         "frozen": TritonServer(frozen_repository, Ports.free(), log_path=folder / "frozen_server.log"),
     }
     with ExitStack() as stack:
@@ -194,7 +206,7 @@ def run_loop(
         progress("[bench-loop] starting the loop and the frozen tritonservers")
         _start_all(list(servers.values()))
         joiner = _start_joiner(spec_file, recorded, stack)
-        learner, reader = _start_learner(spec_file, recorded, stack)
+        learner, reader = _start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
         feedback = FeedbackFile(folder / "feedback" / "bench.jsonl")
         with (
             CTRClient(servers["loop"].grpc_url, timeout_s=30, spec=spec, feedback=feedback) as loop_client,
@@ -207,7 +219,7 @@ def run_loop(
                 if grid.kill and round_ == max(2 * grid.rounds // 3, 2):
                     _kill(learner, "learner", round_, recorded, progress)
                     reader.join(10)
-                    learner, reader = _start_learner(spec_file, recorded, stack)
+                    learner, reader = _start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
                 _serve_round(spec, stream, round_, loop_client, frozen_client, recorded)
                 published = [line for _, line in recorded.learner_lines if line.get("published")]
                 progress(
@@ -263,17 +275,26 @@ def _start_joiner(spec_file: Path, recorded: Recorded, stack: ExitStack) -> subp
 
 
 def _start_learner(
-    spec_file: Path, recorded: Recorded, stack: ExitStack
+    spec_file: Path, recorded: Recorded, stack: ExitStack, loop_server: str
 ) -> tuple[subprocess.Popen, threading.Thread]:
-    """``recserve learn`` as a process of its own, and the thread reading its lines into ``recorded``."""
+    """``recserve learn`` as a process of its own, and the thread reading its lines into ``recorded``.
+
+    With the grid's dense learning rate, it loads each dense version into ``loop_server`` (gRPC).
+    """
     folder, grid = recorded.folder, recorded.grid
     rate = () if grid.learning_rate is None else ("--learning-rate", str(grid.learning_rate))
+    dense: tuple[str, ...] = ()
+    if grid.dense_learning_rate:
+        every = str(grid.dense_publish_seconds)
+        dense = ("--dense-learning-rate", str(grid.dense_learning_rate), "--dense-publish-seconds", every,
+                 "--servers", loop_server)  # fmt: skip
     learner = subprocess.Popen(
         _recserve(spec_file, "learn", "--repository", str(recorded.loop_repository),
                   "--examples-dir", str(recorded.examples_dir),
                   "--publish-seconds", str(grid.publish_seconds),
-                  *rate, "--batch-size", str(grid.batch_size)),
+                  *rate, *dense, "--batch-size", str(grid.batch_size)),
         stdout=subprocess.PIPE, stderr=open(folder / "learner.log", "ab"), text=True,
+        env={**os.environ, "RECSERVE_ADMIN_KEY": ADMIN_KEY},
     )  # fmt: skip
     stack.callback(learner.kill)
     reader = threading.Thread(

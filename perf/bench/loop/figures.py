@@ -137,6 +137,13 @@ def freshness_figures(recorded: Recorded, segments: Segments) -> tuple[dict, lis
         "loop_published_versions": sum(1 for d in decisions if d["item_version"] is not None),
         "loop_refused_publishes": sum(1 for d in decisions if d["item_version"] is None),
         "loop_rollbacks": sum(1 for _, line in recorded.learner_lines if line.get("rolled_back")),
+        "loop_dense_versions": sum(1 for _, line in recorded.learner_lines if line.get("dense_published")),
+        "loop_dense_refused": sum(
+            1
+            for _, line in recorded.learner_lines
+            if "dense_published" in line and not line["dense_published"]
+        ),
+        "loop_dense_rollbacks": sum(1 for _, line in recorded.learner_lines if line.get("dense_rolled_back")),
     }
     return figures, to_served
 
