@@ -197,12 +197,16 @@ def write_dense(spec: ModelSpec, net: CTRNet, root: Path, holdout_auc: float | N
 
 
 def add_tensorrt_engine(
-    spec: ModelSpec, repository: Path, precision: str = "fp32", progress: Progress = stderr_progress
+    spec: ModelSpec,
+    repository: Path,
+    precision: str = "fp32",
+    progress: Progress = stderr_progress,
+    root: Path | None = None,
 ) -> Path | None:
     """Build the dense TensorRT engine (one profile per bucket) next to the ONNX file.
 
-    Returns the plan's path, or None (after one line saying so) where TensorRT is not installed:
-    the repository keeps its CPU path.
+    In the spec's dense version folder, or in ``root``. Returns the plan's path, or None (after one
+    line saying so) where TensorRT is not installed: the repository keeps its CPU path.
     """
     if not tensorrt_engine.tensorrt_available():
         progress(
@@ -210,7 +214,7 @@ def add_tensorrt_engine(
             "the dense step keeps the CPU path (ONNX Runtime)"
         )
         return None
-    root = version_dir(repository, DENSE, spec)
+    root = root or version_dir(repository, DENSE, spec)
     manifest = read_manifest(root)
     profiles = tensorrt_engine.spec_profiles(configs.profile_spec(spec, "gpu"))  # the gpu profile's batches
     options = tensorrt_engine.EngineOptions(precision=precision, timing_cache=root / TIMING_CACHE_FILE)
@@ -267,19 +271,42 @@ def load_served_net(spec: ModelSpec, repository: Path) -> tuple[int, CTRNet]:
     return version, load_net(spec, _weights(spec, repository / DENSE / str(version)))
 
 
+def new_version_engine(repository: Path) -> dict | None:
+    """The TensorRT engine settings a new dense version needs: the newest version's (None: no engine).
+
+    Raises:
+        ArtifactError: the newest version has an engine and TensorRT is not installed here.
+    """
+    newest = dense_versions(repository)[-1]
+    engine = read_manifest(repository / DENSE / str(newest)).get("tensorrt")
+    if engine is not None and not tensorrt_engine.tensorrt_available():
+        raise ArtifactError(
+            f"dense version {newest} has a TensorRT engine, which cannot be built for a new version "
+            "here: TensorRT is not installed"
+        )
+    return engine
+
+
 def add_dense_version(spec: ModelSpec, net: CTRNet, repository: Path) -> int:
     """Write ``net`` as the next dense version folder of ``repository``; returns its version.
 
     The folder is written under a hidden name, checked (ONNX against PyTorch at every bucket, as
     ``build`` checks), and renamed into place whole: a server loading the model never sees half a
-    version. Servers serve it once they load the model again (the model-repository API).
+    version. Servers serve it once they load the model again (the model-repository API). Where the
+    newest version has a TensorRT engine, the new one gets its own, at the same precision.
+
+    Raises:
+        ArtifactError: the newest version has an engine and TensorRT is not installed here.
     """
+    engine = new_version_engine(repository)
     version = dense_versions(repository)[-1] + 1
     staging = repository / DENSE / f".{version}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
         write_dense(spec, net, staging, holdout_auc=None)
+        if engine is not None:
+            add_tensorrt_engine(spec, repository, engine["precision"], root=staging)
         adapter = resources.files("recserve.backends.triton.models").joinpath(f"{DENSE}.py")
         (staging / "model.py").write_text(adapter.read_text())
         staging.rename(repository / DENSE / str(version))

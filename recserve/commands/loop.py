@@ -217,7 +217,7 @@ def dense_publisher(spec: ModelSpec, repository: Path, servers: tuple[str, ...])
     import tritonclient.grpc as grpcclient
 
     from recserve.backends.dense.network import CTRNet
-    from recserve.build.repository import add_dense_version, dense_versions
+    from recserve.build.repository import add_dense_version, dense_versions, new_version_engine
     from recserve.core.names import DENSE
     from recserve.server.security import Security
 
@@ -225,6 +225,7 @@ def dense_publisher(spec: ModelSpec, repository: Path, servers: tuple[str, ...])
     if servers and not key:
         raise ValueError("--servers loads dense versions through the admin API: set RECSERVE_ADMIN_KEY")
     headers = Security(admin_key=key or None).headers()
+    new_version_engine(repository)  # refused now, not at the first publish, where none can be built
 
     def publish(weights) -> int:
         net = CTRNet(spec)

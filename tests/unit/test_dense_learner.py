@@ -5,8 +5,12 @@ import dataclasses
 import pytest
 import torch
 
+from recserve.backends.base.artifacts import write_manifest
+from recserve.backends.dense import tensorrt_engine
 from recserve.backends.dense.network import CTRNet
+from recserve.build.repository import new_version_engine
 from recserve.core.sections.base import SpecError
+from recserve.errors import ArtifactError
 from recserve.loop.dense import DenseTrainer
 from recserve.loop.learner import Learner
 from recserve.loop.metrics import learn_samples, text
@@ -92,3 +96,16 @@ def test_the_dense_settings_are_checked(spec):
     for bad in ({"dense_learning_rate": -0.1}, {"dense_publish_seconds": 0.5}):
         with pytest.raises(SpecError, match=next(iter(bad))):
             dataclasses.replace(spec.loop, **bad).check()
+
+
+def test_a_dense_version_with_an_engine_is_not_trained_where_no_engine_can_be_built(tmp_path):
+    (tmp_path / "dense" / "1").mkdir(parents=True)
+    write_manifest(tmp_path / "dense" / "1", {"files": {}})
+    assert new_version_engine(tmp_path) is None
+    (tmp_path / "dense" / "2").mkdir()
+    write_manifest(tmp_path / "dense" / "2", {"files": {}, "tensorrt": {"precision": "fp16"}})
+    if tensorrt_engine.tensorrt_available():
+        assert new_version_engine(tmp_path) == {"precision": "fp16"}
+    else:
+        with pytest.raises(ArtifactError, match="TensorRT is not installed"):
+            new_version_engine(tmp_path)
