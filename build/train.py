@@ -22,10 +22,11 @@ from torch import nn
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.table_data import TableArrays
-from recserve.build.evaluation import figure, logloss, roc_auc
+from recserve.build.evaluation import figure, logloss
 from recserve.build.synthetic import generate
 from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED, HISTORY_KEYS, HISTORY_MASK
+from recserve.core.ranking import roc_auc
 from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.values import categorical_values

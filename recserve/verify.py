@@ -20,8 +20,9 @@ import numpy as np
 
 from recserve.backends.steps.explain import explain
 from recserve.backends.store.tiered import TieredStore
-from recserve.build.evaluation import logloss, roc_auc
+from recserve.build.evaluation import logloss
 from recserve.clients.rows import Rows
+from recserve.core.ranking import roc_auc
 from recserve.core.spec.model import ModelSpec
 from recserve.errors import shorten
 

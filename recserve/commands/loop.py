@@ -11,9 +11,14 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
+
+if TYPE_CHECKING:
+    from recserve.loop.dense import DenseTrainer
+    from recserve.loop.learner import Learner
 
 LOGGER = logging.getLogger(__name__)
 
@@ -100,6 +105,7 @@ def _learn(args: argparse.Namespace) -> int:
     given = {
         "learning_rate": args.learning_rate,
         "max_loss_increase": args.max_loss_increase,
+        "max_auc_drop": args.max_auc_drop,
         "watch_examples": args.watch_examples,
         "train_tables": args.train_tables,
         "dense_learning_rate": args.dense_learning_rate,
@@ -164,17 +170,13 @@ def _learn(args: argparse.Namespace) -> int:
         done = args.once and not segments
         dense_due = done or time.monotonic() - last_dense >= settings.dense_publish_seconds
         if dense is not None and dense.pending and dense_due:
-            version = dense.publish(publish_dense, settings.max_loss_increase)
+            version = dense.publish(publish_dense, settings.max_loss_increase, settings.max_auc_drop)
             last_dense = time.monotonic()
-            checked = [round(f, 5) for f in dense.last_check]
-            print(
-                json.dumps(
-                    {"dense_published": version, "log_loss": checked[0], "served_log_loss": checked[1]}
-                ),
-                flush=True,
-            )
+            print(json.dumps({"dense_published": version, **_checked(dense)}), flush=True)
         if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
-            published = learner.publish(publish, max_loss_increase=settings.max_loss_increase)
+            published = learner.publish(
+                publish, max_loss_increase=settings.max_loss_increase, max_auc_drop=settings.max_auc_drop
+            )
             last_publish = time.monotonic()
             progress.parent.mkdir(parents=True, exist_ok=True)
             temporary = progress.with_name(".learner.json.tmp")
@@ -182,12 +184,10 @@ def _learn(args: argparse.Namespace) -> int:
             temporary.replace(progress)  # what was trained up to the rows just published
             learner_state.save(learner, kept)
             fresh = [round(f, 3) for f in learner.freshness]
-            checked = [round(f, 5) for f in learner.last_check]
             decision: dict[str, object] = {
                 "published": published,
                 "trained": pending,
-                "log_loss": checked[0],
-                "served_log_loss": checked[1],
+                **_checked(learner),
                 "freshness_p50_s": fresh[0],
                 "freshness_p99_s": fresh[1],
             }
@@ -197,6 +197,17 @@ def _learn(args: argparse.Namespace) -> int:
         if not segments:
             stop.wait(1.0)
     return 0
+
+
+def _checked(trainer: Learner | DenseTrainer) -> dict[str, float]:
+    """A publish decision's figures (the learner's or its dense trainer's) for its JSON line."""
+    (loss, served_loss), (auc, served_auc) = trainer.last_check, trainer.last_auc
+    return {
+        "log_loss": round(loss, 5),
+        "served_log_loss": round(served_loss, 5),
+        "auc": round(auc, 4),
+        "served_auc": round(served_auc, 4),
+    }
 
 
 #: dense version folders a learner leaves beside the built one (older ones are deleted as it publishes):
@@ -353,6 +364,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="publish only when the learner's progressive log loss is at most this much above the served "
         "scores' on the same examples; otherwise the rows go back to what is served "
         "(default: [loop] max_loss_increase)",
+    )
+    learn.add_argument(
+        "--max-auc-drop",
+        type=float,
+        default=None,
+        help="and only when its progressive AUC is at most this much below the served scores' "
+        "(default: [loop] max_auc_drop)",
     )
     learn.add_argument(
         "--watch-examples",

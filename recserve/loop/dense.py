@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from recserve.backends.dense.network import CTRNet
-from recserve.loop.watch import judge, positive_share, progressive_check
+from recserve.loop.watch import judge, positive_share, progressive_auc, progressive_check, worse
 
 #: a network's weights by name
 Weights = dict[str, torch.Tensor]
@@ -84,8 +84,9 @@ class DenseTrainer:
         self.versions_published = 0
         self.refused_publishes = 0
         self.rollbacks = 0
-        #: the last publish decision's log losses (learner, served)
+        #: the last publish decision's log losses and AUCs (learner, served)
         self.last_check: tuple[float, float] = (0.0, 0.0)
+        self.last_auc: tuple[float, float] = (0.0, 0.0)
         #: the last watch judged: the log losses (the version's, the replaced weights')
         self.last_watch: tuple[float, float] = (0.0, 0.0)
 
@@ -132,16 +133,20 @@ class DenseTrainer:
         self._scratch.load_state_dict(weights)
         return self._scratch
 
-    def publish(self, write: PublishDense, max_loss_increase: float | None = None) -> int | None:
+    def publish(
+        self, write: PublishDense, max_loss_increase: float | None = None, max_auc_drop: float | None = None
+    ) -> int | None:
         """Publish the weights as a new version (returned), or refuse (None) and go back to the served ones.
 
-        Refused when ``max_loss_increase`` is given and the learner's progressive log loss since the
-        last dense publish is above the served scores' by more.
+        Refused when the progressive log loss since the last dense publish is above the served
+        scores' by more than ``max_loss_increase``, or its AUC below theirs by more than
+        ``max_auc_drop`` (None: not checked).
         """
-        learner_loss, served_loss = self.last_check = progressive_check(self._scored)
+        self.last_check = progressive_check(self._scored)
+        self.last_auc = progressive_auc(self._scored)
         share = positive_share(self._scored)
         self._scored = []
-        if max_loss_increase is not None and learner_loss > served_loss + max_loss_increase:
+        if worse(self.last_check, self.last_auc, max_loss_increase, max_auc_drop):
             self.refused_publishes += 1
             self._restore(self.published)
             return None

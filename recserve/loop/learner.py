@@ -49,7 +49,7 @@ from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
 from recserve.core.spec.model import ModelSpec
 from recserve.loop.batch import BatchLayout, distinct_rows
 from recserve.loop.dense import DenseTrainer, weighted_log_loss
-from recserve.loop.watch import Key, Watch, positive_share, progressive_check
+from recserve.loop.watch import Key, Watch, positive_share, progressive_auc, progressive_check, worse
 
 LOGGER = logging.getLogger(__name__)
 #: Adagrad's epsilon, under the square root of a row's accumulated squared gradient
@@ -143,6 +143,8 @@ class Learner:
         self.refused_publishes = 0
         #: the last publish decision's log losses on the examples with a served score: (learner, served)
         self.last_check: tuple[float, float] = (0.0, 0.0)
+        #: and its AUCs on them (NaN: one label alone)
+        self.last_auc: tuple[float, float] = (0.0, 0.0)
         # per batch: progressive p, label, weight, served score (NaN: none)
         self._scored: list[np.ndarray] = []
         self.watching: list[Watch] = []  # in the order published
@@ -347,23 +349,27 @@ class Learner:
 
     # ---- publishing ----------------------------------------------------------------------
     def publish(
-        self, publish: Publish, now: float | None = None, max_loss_increase: float | None = None
+        self,
+        publish: Publish,
+        now: float | None = None,
+        max_loss_increase: float | None = None,
+        max_auc_drop: float | None = None,
     ) -> dict[str, int]:
         """Publish the rows touched since the last publish, one delta per table; table -> version.
 
-        With ``max_loss_increase``, first :meth:`check`: when the learner's log loss exceeds the
-        served one by more, nothing is published (``refused_publishes``) and the touched rows go
-        back to what is served. Also measures the freshness of what it published (``now``: seconds
-        since the epoch).
+        First :meth:`check`, and the AUCs on the same examples: when the learner's log loss exceeds
+        the served one by more than ``max_loss_increase``, or its AUC falls below the served one by
+        more than ``max_auc_drop`` (None: not checked), nothing is published (``refused_publishes``)
+        and the touched rows go back to what is served. Also measures the freshness of what it
+        published (``now``: seconds since the epoch).
         """
-        learner_loss, served_loss = self.last_check = self.check()
+        self.last_check = self.check()
+        self.last_auc = progressive_auc(self._scored)
         share = positive_share(self._scored)
         self._scored = []
-        if max_loss_increase is not None and learner_loss > served_loss + max_loss_increase:
-            LOGGER.warning(
-                "not published: log loss %.5f against the served %.5f (margin %g); the rows go back",
-                learner_loss, served_loss, max_loss_increase,
-            )  # fmt: skip
+        reason = worse(self.last_check, self.last_auc, max_loss_increase, max_auc_drop)
+        if reason:
+            LOGGER.warning("not published: %s; the rows go back", reason)
             self.refused_publishes += 1
             for row in self.touched:
                 self._revert(row, self._published_state(row))

@@ -145,6 +145,16 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
         ),
         *(
             MetricSample(
+                "recserve_learn_check_auc",
+                "gauge",
+                "The last publish decision's AUC, of the learner's and of the served scores",
+                (("scores", who),),
+                value,
+            )
+            for who, value in zip(("learner", "served"), learner.last_auc, strict=True)
+        ),
+        *(
+            MetricSample(
                 "recserve_learn_watch_log_loss",
                 "gauge",
                 "The last judged publish's log loss on the examples it served: its rows', the replaced ones'",

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from recserve.core.ranking import roc_auc
+
 #: (table id, key): a row
 Key = tuple[int, int]
 
@@ -97,3 +99,32 @@ def positive_share(scored_parts: list[np.ndarray]) -> float:
     scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
     weights = scored[:, 2].sum()
     return float((scored[:, 2] * scored[:, 1]).sum() / weights) if weights > 0 else 0.0
+
+
+def progressive_auc(scored_parts: list[np.ndarray]) -> tuple[float, float]:
+    """The AUCs (learner's progressive scores, served scores) of ``scored_parts``.
+
+    As :func:`progressive_check`, on the examples that carry their served score; NaN, NaN where
+    they hold one label alone.
+    """
+    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    scored = scored[~np.isnan(scored[:, 3])]
+    learner, served = roc_auc(scored[:, 1], scored[:, 0]), roc_auc(scored[:, 1], scored[:, 3])
+    return (float("nan"), float("nan")) if learner is None or served is None else (learner, served)
+
+
+def worse(
+    losses: tuple[float, float],
+    aucs: tuple[float, float],
+    max_loss_increase: float | None,
+    max_auc_drop: float | None,
+) -> str:
+    """Why the learner's scores are worse than the served ones by more than a margin ('': they are not).
+
+    ``losses`` and ``aucs`` are (learner, served); a margin of None is not checked, nor a NaN figure.
+    """
+    if max_loss_increase is not None and losses[0] > losses[1] + max_loss_increase:
+        return f"log loss {losses[0]:.5f} against the served {losses[1]:.5f} (margin {max_loss_increase:g})"
+    if max_auc_drop is not None and aucs[0] < aucs[1] - max_auc_drop:
+        return f"AUC {aucs[0]:.4f} against the served {aucs[1]:.4f} (margin {max_auc_drop:g})"
+    return ""

@@ -5,9 +5,9 @@ Needs the built default repository, so it lives here rather than in tests/unit (
 
 import numpy as np
 
-from recserve.build.evaluation import roc_auc
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
+from recserve.core.ranking import roc_auc
 
 
 def test_held_out_auc_is_at_least_0_70(spec, repository):

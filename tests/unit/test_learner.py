@@ -236,3 +236,17 @@ def test_a_restarted_learner_keeps_the_published_rows_accumulators(spec, tmp_pat
     learner_state.save(again, tmp_path / "kept.npz")  # what it kept is saved again with what it publishes
     assert learner_state.restore(learner(spec)[1], tmp_path / "kept.npz") == len(learn.published_accumulators)
     assert learner_state.restore(again, tmp_path / "none.npz") == 0
+
+
+def test_a_version_ranking_worse_than_the_served_scores_is_not_published(spec):
+    tables, learn = learner(spec)
+    labels = [1, 0] * 8
+    served = [0.02, 0.01] * 8  # ranked perfectly, calibrated badly: its log loss is far above the learner's
+    learn.train(examples(spec, tables, labels, served=served))
+    assert learn.publish(lambda *a: 1 / 0, max_loss_increase=0.0, max_auc_drop=0.02) == {}
+    assert learn.last_check[0] < learn.last_check[1] and learn.last_auc[0] < 0.98 == learn.last_auc[1] - 0.02
+    assert learn.refused_publishes == 1 and 'recserve_learn_check_auc{scores="served"} 1\n' in text(
+        learn_samples(learn)
+    )
+    learn.train(examples(spec, tables, labels, served=served))
+    assert learn.publish(lambda t, k, v: 2, max_loss_increase=0.0)  # AUC not checked: published

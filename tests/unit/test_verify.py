@@ -3,12 +3,13 @@ import gzip
 import numpy as np
 import pytest
 
-from recserve.build.evaluation import logloss, roc_auc
+from recserve.build.evaluation import logloss
 from recserve.build.repository import reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.cli import main
 from recserve.clients.rows import read_rows
 from recserve.clients.writers import write_csv
+from recserve.core.ranking import roc_auc
 from recserve.verify import compare, read_expected, score_in_batches
 from tests.unit.conftest import TINY_SPEC
 

@@ -28,12 +28,12 @@ from recserve.backends.steps.user_state_keys import RepositoryKeySpace
 from recserve.backends.store.user_state.groups import Budget, build_state
 from recserve.backends.store.user_state.state import CLUSTERED, EXACT
 from recserve.backends.store.user_state.tokens import Tokens, merge
-from recserve.build.evaluation import roc_auc
 from recserve.build.repository import load_reference_net, reference_pipeline
 from recserve.build.synthetic import generate
 from recserve.build.synthetic_users import LongUsers
 from recserve.core.contract import attention_inputs
 from recserve.core.names import HISTORY_LOG_WEIGHTS, USER_ID, USER_SEQ
+from recserve.core.ranking import roc_auc
 from recserve.core.spec.model import ModelSpec
 
 #: Today's longest history: what truncation keeps.

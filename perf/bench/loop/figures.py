@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recserve.backends.request_log.read import read_kind
-from recserve.build.evaluation import roc_auc
+from recserve.core.ranking import roc_auc
 from recserve.loop.join import kept_negative
 from recserve.loop.joiner import read_examples
 from recserve.perf.bench.loop.bench import Recorded

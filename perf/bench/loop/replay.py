@@ -35,8 +35,8 @@ from recserve.backends.request_log.records import Identity
 from recserve.backends.request_log.step_log import FeatureLog
 from recserve.backends.request_log.writer import RecordWriter
 from recserve.backends.store.tiered import TieredStore
-from recserve.build.evaluation import roc_auc
 from recserve.core.feedback import CLICK, IMPRESSION, FeedbackEvent
+from recserve.core.ranking import roc_auc
 from recserve.core.rows import Rows
 from recserve.core.sections.logging import LoggingSection
 from recserve.core.spec.model import ModelSpec

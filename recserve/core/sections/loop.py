@@ -45,6 +45,8 @@ class LoopSection:
     # a publish is refused when the learner's log loss is above the served scores' by more than this,
     # and a published version is rolled back when it scores worse than the rows before it by more
     max_loss_increase: float = 0.02
+    # and when its progressive AUC is below the served scores' by more than this
+    max_auc_drop: float = 0.02
     watch_examples: int = 256  # a published version is judged on this many examples it served
     # the tables whose rows recserve learn trains (the others are served as they are); empty: all.
     # Name those whose ids drift (items, ads): a low-cardinality table's rows are in nearly every
@@ -77,6 +79,8 @@ class LoopSection:
             )
         if not 0.0 <= self.max_loss_increase <= 10.0 or math.isnan(self.max_loss_increase):
             raise SpecError(f"[loop] max_loss_increase lies in [0, 10], got {self.max_loss_increase}")
+        if not 0.0 <= self.max_auc_drop <= 1.0 or math.isnan(self.max_auc_drop):
+            raise SpecError(f"[loop] max_auc_drop lies in [0, 1], got {self.max_auc_drop}")
         if not 1 <= self.watch_examples <= 10_000_000:
             raise SpecError(f"[loop] watch_examples lies in 1..10000000, got {self.watch_examples}")
         if self.feedback not in FEEDBACK_SOURCES:
