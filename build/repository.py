@@ -22,6 +22,7 @@ from recserve.backends.base.artifacts import (
 )
 from recserve.backends.dense import tensorrt_engine
 from recserve.backends.dense.network import CTRNet
+from recserve.backends.dense.onnx_torch import OnnxNet
 from recserve.backends.dense.runner import OnnxDenseRunner, bucketed_onnx_runner, open_session
 from recserve.backends.dense.torch_runners import load_net
 from recserve.backends.steps.pipeline import DenseFn, InProcessPipeline
@@ -265,10 +266,18 @@ def dense_versions(repository: Path) -> list[int]:
     return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def load_served_net(spec: ModelSpec, repository: Path) -> tuple[int, CTRNet]:
-    """The newest dense version of a built repository (what the servers serve) and its network."""
+def load_served_net(spec: ModelSpec, repository: Path) -> tuple[int, CTRNet | OnnxNet]:
+    """The newest dense version of a built repository (what the servers serve) and its network.
+
+    An imported model's network (ONNX, no PyTorch weights) comes as its ONNX graph run under
+    PyTorch (:class:`~recserve.backends.dense.onnx_torch.OnnxNet`): its weights frozen.
+    """
     version = dense_versions(repository)[-1]
-    return version, load_net(spec, _weights(spec, repository / DENSE / str(version)))
+    root = repository / DENSE / str(version)
+    files = read_manifest(root)["files"]
+    if "weights" not in files:
+        return version, OnnxNet(verified_path(root, files["model"]))
+    return version, load_net(spec, verified_path(root, files["weights"]))
 
 
 def new_version_engine(repository: Path) -> dict | None:

@@ -89,6 +89,7 @@ def _learn(args: argparse.Namespace) -> int:
     import pyarrow.parquet as pq
     import torch
 
+    from recserve.backends.dense.network import CTRNet
     from recserve.backends.store.served import ServedStore
     from recserve.build.repository import load_served_net
     from recserve.commands.spec_source import command_spec
@@ -115,6 +116,10 @@ def _learn(args: argparse.Namespace) -> int:
     settings.check(spec.table_names)
     dense = None
     if settings.dense_learning_rate > 0:
+        if not isinstance(net, CTRNet):
+            raise ValueError(
+                "the dense network is an imported ONNX one, kept frozen: leave --dense-learning-rate at 0"
+            )
         dense = DenseTrainer(net, settings.dense_learning_rate, dense_version)
         publish_dense = dense_publisher(spec, args.repository, args.servers)
     learner = Learner(spec, served.store, net, settings.learning_rate, settings.train_tables, dense)

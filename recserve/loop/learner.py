@@ -43,6 +43,7 @@ import pyarrow.compute as pc
 import torch
 
 from recserve.backends.dense.network import CTRNet
+from recserve.backends.dense.onnx_torch import OnnxNet
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.contract import attention_inputs
 from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
@@ -54,6 +55,8 @@ from recserve.loop.watch import Key, Watch, positive_share, progressive_auc, pro
 LOGGER = logging.getLogger(__name__)
 #: Adagrad's epsilon, under the square root of a row's accumulated squared gradient
 EPSILON = 1e-10
+#: a dense network the learner scores through: the bundled one, or an imported one's ONNX graph
+Network = CTRNet | OnnxNet
 #: rows that stand in for the store's (None: the store's row)
 Overlay = Mapping[Key, "np.ndarray | None"]
 #: publishes one table's delta: (table, keys, vectors) -> the version published
@@ -88,7 +91,8 @@ class Learner:
     Args:
         spec: the served spec.
         store: the served rows (read for rows the learner has not trained yet).
-        net: the served dense network (its weights are not trained).
+        net: the served dense network, its weights frozen (an imported model's: its ONNX graph
+            under PyTorch, :class:`~recserve.backends.dense.onnx_torch.OnnxNet`).
         learning_rate: Adagrad's step on the rows (None: ``[loop] learning_rate``).
         train_tables: the tables whose rows it trains, empty: all (None: ``[loop] train_tables``).
         dense: trains a copy of ``net``'s weights on the same batches and loads each version it
@@ -99,7 +103,7 @@ class Learner:
         self,
         spec: ModelSpec,
         store: TieredStore,
-        net: CTRNet,
+        net: Network,
         learning_rate: float | None = None,
         train_tables: tuple[str, ...] | None = None,
         dense: DenseTrainer | None = None,
@@ -176,7 +180,7 @@ class Learner:
         return unique, vectors, inverse
 
     def _probability(
-        self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray, net: CTRNet | None = None
+        self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray, net: Network | None = None
     ) -> torch.Tensor:
         """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's)."""
         named = {SPARSE_EMBEDDINGS: vectors[:, : self.single]}
@@ -189,7 +193,7 @@ class Learner:
             named[DENSE_NORMALIZED] = torch.tensor(dense.reshape(examples.num_rows, -1))
         return (net or self.net).score(named).reshape(-1).clamp(1e-7, 1 - 1e-7)
 
-    def score(self, examples: pa.Table, *overlays: Overlay, net: CTRNet | None = None) -> np.ndarray:
+    def score(self, examples: pa.Table, *overlays: Overlay, net: Network | None = None) -> np.ndarray:
         """Probabilities of ``examples`` with the rows of ``overlays`` (see :meth:`_vectors`).
 
         ``score(batch)`` scores with the rows as trained, ``score(batch, learner.published)`` as

@@ -6,22 +6,29 @@ with the dense network trained too, a new dense version that the running server 
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from recserve.backends.base.artifacts import read_manifest
+from recserve.build.importer import import_repository
+from recserve.build.repository import version_dir
 from recserve.build.synthetic import generate
 from recserve.clients import CTRClient, read_rows
 from recserve.clients.feedback import FeedbackFile, to_events
 from recserve.clients.writers import write_tsv
 from recserve.commands.perf import log_skew
+from recserve.core.names import DENSE
 from recserve.core.sections.logging import LOG_DIR_ENV
 from recserve.loop.join import Join
 from recserve.loop.joiner import Joiner
 from recserve.loop.sources import FeedbackFiles, LogSegments
 from recserve.server import Ports, Security, TritonServer
 from tests.integration.helpers import copy_repository, recserve
+from tests.model_exports import export_tables
 
 ROWS = 24
 
@@ -52,8 +59,24 @@ def clicked_examples(tmp_path) -> str:
     return str(tmp_path / "examples")
 
 
-def test_clicked_rows_score_higher_once_the_learner_published_their_rows(spec, repository, tmp_path):
-    copy = copy_repository(repository, tmp_path / "repository")
+def imported(spec, repository, tmp_path) -> Path:
+    """The built model brought back as a user's: its tables exported, its ONNX alone (no PyTorch weights)."""
+    export_tables(spec, repository, tmp_path / "tables", dict.fromkeys(spec.table_names, "keyed"))
+    shutil.copy(version_dir(repository, DENSE, spec) / "model.onnx", tmp_path / "model.onnx")
+    import_repository(
+        spec, tmp_path / "tables", tmp_path / "model.onnx", tmp_path / "repository", lambda _: None
+    )
+    assert "weights" not in read_manifest(version_dir(tmp_path / "repository", DENSE, spec))["files"]
+    return tmp_path / "repository"
+
+
+@pytest.mark.parametrize("model", ["built", "imported"])
+def test_clicked_rows_score_higher_once_the_learner_published_their_rows(spec, repository, tmp_path, model):
+    # an imported model's rows train through its own ONNX network, run under PyTorch (frozen)
+    if model == "built":
+        copy = copy_repository(repository, tmp_path / "repository")
+    else:
+        copy = imported(spec, repository, tmp_path)
     rows = read_rows(write_tsv(tmp_path / "rows.tsv", generate(spec, ROWS, seed=7), spec), spec)
     before = score(copy, spec, rows, tmp_path, log_dir=tmp_path / "log")
     examples = clicked_examples(tmp_path)
