@@ -12,7 +12,9 @@ def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=Non
     for i, label in enumerate(labels):
         keys = [int(rng.choice(tables[f.table].keys)) for f in spec.categorical.features]
         keys += [int(rng.choice(tables[t.table].keys)) for t in spec.targets]
-        history = [int(k) for k in rng.choice(tables[spec.sequences[0].table].keys, 3)] if i % 2 else None
+        history = None
+        if spec.sequences and i % 2:
+            history = [int(k) for k in rng.choice(tables[spec.sequences[0].table].keys, 3)]
         rows.append(
             {
                 "request_id": f"r{i}", "row": 0, "time": 1.0, "variant": "", "label": label, "late": False,

@@ -26,6 +26,55 @@ from recserve.core.names import (
 from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 
+#: A user's DeepFM spec: 16- and 8-wide field tables, a 1-wide first-order table per field.
+DEEPFM_SPEC = """
+[model]
+name = "deepfm"
+max_batch_size = 64
+output = "logit"
+
+[[features]]
+name = "site_id"
+kind = "categorical"
+value_type = "string"
+tables = ["site_id", "site_id_linear"]
+
+[[features]]
+name = "app_id"
+kind = "categorical"
+value_type = "string"
+tables = ["app_id", "app_id_linear"]
+
+[[features]]
+name = "device_type"
+kind = "categorical"
+value_type = "int64"
+tables = ["device_type", "device_type_linear"]
+
+[[features]]
+name = "C15"
+kind = "categorical"
+value_type = "int64"
+tables = ["C15", "C15_linear"]
+
+[[features]]
+name = "C15_number"
+kind = "numeric"
+column = "C15"
+clip = [0, 2000]
+log1p = true
+
+[tables]
+site_id = { dim = 16 }
+app_id = { dim = 16 }
+device_type = { dim = 8 }
+C15 = { dim = 8 }
+site_id_linear = { dim = 1 }
+app_id_linear = { dim = 1 }
+device_type_linear = { dim = 1 }
+C15_linear = { dim = 1 }
+"""
+
 
 def table_tokens(spec: ModelSpec, table: str) -> list[str | int]:
     """Every raw value the synthetic rows can hold for ``table`` (hex strings, or item ids)."""

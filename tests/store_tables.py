@@ -40,10 +40,8 @@ def spec_store(spec: ModelSpec, base_version: int = 1) -> tuple[dict[str, TableA
     for name in spec.table_names:
         keys = np.arange(start, start + 10, dtype=np.int64)
         start += 10
+        dim = spec.tables[name].dim
         tables[name] = TableArrays(
-            name,
-            keys,
-            rng.normal(size=(10, spec.model.embedding_dim)).astype(np.float32),
-            np.zeros(spec.model.embedding_dim, np.float32),
+            name, keys, rng.normal(size=(10, dim)).astype(np.float32), np.zeros(dim, np.float32)
         )
     return tables, TieredStore.from_tables(tables, base_version=base_version)

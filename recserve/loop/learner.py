@@ -26,8 +26,11 @@ dense network's own training and hot swap are not built). For each batch of exam
    rows' by more than the margin, it rolls the versions back (:meth:`Learner.watch`,
    :mod:`recserve.loop.watch`).
 
-What it trains: specs whose tables are all ``embedding_dim`` wide, without multi-hot features,
-with at most one behaviour sequence (the bundled ``ctr`` spec). Anything else is refused at start.
+What it trains: specs without multi-hot features, with at most one behaviour sequence (the bundled
+``ctr`` spec; an imported DeepFM with its 1-wide first-order tables). Rows are held at the store's
+widest width; each slot reads its table's width of them, so the columns past it never move, and
+a row's Adagrad accumulator is the mean square of its table's columns alone. Anything else is
+refused at start.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ import torch
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.dense.onnx_torch import OnnxNet
 from recserve.backends.store.tiered import TieredStore
-from recserve.core.contract import attention_inputs
-from recserve.core.names import DENSE_NORMALIZED, SPARSE_EMBEDDINGS
+from recserve.core.contract import attention_inputs, sparse_inputs
+from recserve.core.names import DENSE_NORMALIZED
 from recserve.core.spec.model import ModelSpec
 from recserve.loop.batch import BatchLayout, distinct_rows
 from recserve.loop.dense import DenseTrainer, weighted_log_loss
@@ -69,8 +72,6 @@ def trainable(spec: ModelSpec) -> str:
     """Why the learner cannot train ``spec`` (empty: it can)."""
     if spec.categorical.multi_hot:
         return "multi-hot features"
-    if spec.other_widths:
-        return "tables narrower or wider than embedding_dim"
     if len(spec.sequences) > 1:
         return "more than one behaviour sequence"
     return ""
@@ -124,6 +125,9 @@ class Learner:
         #: the ids of the tables whose rows it trains
         self.trained_tables = np.array(sorted(store.table_id(name) for name in names), np.int16)
         self.single = len(spec.categorical.features)
+        self.sparse = sparse_inputs(spec)  # (input, width, its slots) per width of the slots' tables
+        #: each table's width, by table id: a row's columns past it are padding
+        self.widths = np.array([spec.tables[name].dim for name in store.table_names], np.int64)
         self.targets = len(spec.targets)
         tables = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
         history = store.table_id(spec.sequences[0].table) if spec.sequences else None
@@ -169,7 +173,7 @@ class Learner:
         overlays = overlays or (self.rows,)
         unique, inverse = distinct_rows(keys, tables)
         found = self.store.lookup(unique["key"], unique["table"], record=False).vectors
-        vectors = np.array(found[:, : self.spec.model.embedding_dim], np.float32)
+        vectors = np.array(found, np.float32)  # the store's widest width: each slot reads its own
         for i, key in enumerate(zip(unique["table"].tolist(), unique["key"].tolist(), strict=True)):
             for overlay in overlays:
                 if key in overlay:
@@ -183,10 +187,11 @@ class Learner:
         self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray, net: Network | None = None
     ) -> torch.Tensor:
         """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's)."""
-        named = {SPARSE_EMBEDDINGS: vectors[:, : self.single]}
+        named = {name: vectors[:, list(slots), :width] for name, width, slots in self.sparse}
         if self.group is not None:
-            named[self.group.target] = vectors[:, self.single]
-            named[self.group.history] = vectors[:, self.single + self.targets :]
+            width = self.spec.model.embedding_dim
+            named[self.group.target] = vectors[:, self.single, :width]
+            named[self.group.history] = vectors[:, self.single + self.targets :, :width]
             named[self.group.mask] = torch.tensor(mask)
         if self.net.has_dense:
             dense = pc.list_flatten(examples["dense"]).to_numpy().astype(np.float32)
@@ -291,7 +296,9 @@ class Learner:
     def _step(self, keys: list[Key], rows: np.ndarray, gradients: np.ndarray) -> None:
         """Row-wise Adagrad: each row's accumulator grows by its gradient's mean square, its step shrinks."""
         accumulated = np.array([self.accumulators.get(k, 0.0) for k in keys], np.float64)
-        accumulated += np.mean(np.square(gradients, dtype=np.float64), axis=1)
+        widths = self.widths[[table for table, _ in keys]] if keys else np.ones(0, np.int64)
+        # the mean over the row's table's columns (those past it are padding: their gradient is 0)
+        accumulated += np.sum(np.square(gradients, dtype=np.float64), axis=1) / widths
         steps = (self.learning_rate / np.sqrt(accumulated + EPSILON)).astype(np.float32)
         moved = rows - steps[:, None] * gradients
         for key, row, total in zip(keys, moved, accumulated.tolist(), strict=True):
@@ -387,10 +394,8 @@ class Learner:
             by_table.setdefault(table, []).append(key)
         for table, keys in by_table.items():
             name = self.store.table_names[table]
-            vectors = np.stack([self.rows[(table, k)] for k in keys]).astype(np.float32)
-            width = self.store.table_dim(name)
-            if vectors.shape[1] < width:  # the store keeps rows at its widest width
-                vectors = np.pad(vectors, ((0, 0), (0, width - vectors.shape[1])))
+            width = self.store.table_dim(name)  # rows are held at the store's widest: the table's part
+            vectors = np.stack([self.rows[(table, k)][:width] for k in keys]).astype(np.float32)
             versions[name] = publish(name, np.array(keys, np.int64), vectors)
             self.rows_published += len(keys)
             self.published.update({(table, k): self.rows[(table, k)] for k in keys})

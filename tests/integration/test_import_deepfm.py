@@ -21,54 +21,7 @@ from recserve.core.names import BATCH_AXIS, DENSE_NORMALIZED
 from recserve.core.spec.parse import load_spec
 from tests.integration.helpers import import_torch_model, recserve
 from tests.integration.private_server import private_server
-
-SPEC = """
-[model]
-name = "deepfm"
-max_batch_size = 64
-output = "logit"
-
-[[features]]
-name = "site_id"
-kind = "categorical"
-value_type = "string"
-tables = ["site_id", "site_id_linear"]
-
-[[features]]
-name = "app_id"
-kind = "categorical"
-value_type = "string"
-tables = ["app_id", "app_id_linear"]
-
-[[features]]
-name = "device_type"
-kind = "categorical"
-value_type = "int64"
-tables = ["device_type", "device_type_linear"]
-
-[[features]]
-name = "C15"
-kind = "categorical"
-value_type = "int64"
-tables = ["C15", "C15_linear"]
-
-[[features]]
-name = "C15_number"
-kind = "numeric"
-column = "C15"
-clip = [0, 2000]
-log1p = true
-
-[tables]
-site_id = { dim = 16 }
-app_id = { dim = 16 }
-device_type = { dim = 8 }
-C15 = { dim = 8 }
-site_id_linear = { dim = 1 }
-app_id_linear = { dim = 1 }
-device_type_linear = { dim = 1 }
-C15_linear = { dim = 1 }
-"""
+from tests.model_exports import DEEPFM_SPEC as SPEC
 
 #: The user's fields, their vocabularies (row 0 is the out-of-vocabulary row) and widths.
 FIELDS = {

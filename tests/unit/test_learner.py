@@ -4,13 +4,16 @@ import dataclasses
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 
 from recserve.backends.dense.network import CTRNet
 from recserve.core.sections.base import SpecError
+from recserve.core.spec.parse import parse_spec
 from recserve.loop.learner import Learner, trainable
 from recserve.loop.metrics import learn_samples, text
 from tests.loop_examples import examples
+from tests.model_exports import DEEPFM_SPEC
 from tests.store_tables import spec_store
 
 
@@ -250,3 +253,22 @@ def test_a_version_ranking_worse_than_the_served_scores_is_not_published(spec):
     )
     learn.train(examples(spec, tables, labels, served=served))
     assert learn.publish(lambda t, k, v: 2, max_loss_increase=0.0)  # AUC not checked: published
+
+
+def test_rows_of_tables_narrower_than_the_embeddings_train_in_their_own_columns():
+    deepfm = parse_spec(tomllib.loads(DEEPFM_SPEC))  # 16- and 8-wide tables, 1-wide first-order ones
+    assert trainable(deepfm) == "" and deepfm.other_widths
+    torch.manual_seed(0)
+    tables, store = spec_store(deepfm)
+    learn = Learner(deepfm, store, CTRNet(deepfm), learning_rate=0.05)
+    learn.train(examples(deepfm, tables, [1, 0, 1, 0]))
+    published = {}
+    learn.publish(lambda table, keys, vectors: published.setdefault(table, vectors) is not None and 2)
+    assert {"site_id", "site_id_linear", "C15"} <= set(published)
+    for name, vectors in published.items():
+        assert vectors.shape[1] == store.table_dim(name) == deepfm.tables[name].dim
+    for (table, key), row in learn.rows.items():
+        width = deepfm.tables[store.table_names[table]].dim
+        assert not row[width:].any()  # the padding past a table's width never moves
+        step = row[:width] - stored(learn, (table, key))[:width]
+        assert np.sqrt(np.mean(step**2)) == pytest.approx(0.05, rel=1e-3)  # a first step: the rate
