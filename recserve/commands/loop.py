@@ -328,8 +328,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="train the served embedding rows on the joiner's examples; publish the touched rows as deltas",
         description=(
             "Follow the examples recserve join commits, train the served embedding rows on them through the "
-            "served dense network (an imported model's ONNX graph too) with a per-row adaptive step (Adagrad), "
-            "and publish only the rows touched as embedding deltas through the update log every "
+            "served dense network (an imported model's ONNX graph too) with a per-row adaptive step "
+            "(Adagrad), and publish only the rows touched as embedding deltas through the update log every "
             "--publish-seconds (servers apply them within their poll). With --dense-learning-rate, the "
             "bundled network's weights train too and go live as new dense versions that --servers load."
         ),
