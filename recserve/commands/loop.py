@@ -128,6 +128,13 @@ def _learn(args: argparse.Namespace) -> int:
     trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
     kept = progress.with_name("learner-accumulators.npz")  # what a restart keeps of the learner
     learner_state.restore(learner, kept)
+    watches = progress.with_name("learner-watches.npz")
+    learner_state.restore_watches(learner, watches)
+
+    def keep() -> None:  # what a restart takes back: the published rows' accumulators, the watches
+        learner_state.save(learner, kept)
+        learner_state.save_watches(learner, watches)
+
     log = served.updater.log
 
     def publish(table: str, keys, vectors) -> int:  # through the update log, as recserve update does
@@ -165,9 +172,12 @@ def _learn(args: argparse.Namespace) -> int:
                 line = {"segment": seq, "examples": figures.examples, "rows": figures.rows}
                 print(json.dumps({**line, "log_loss": round(figures.log_loss, 5)}), flush=True)
             pending = seq
+            watched = len(learner.watching)
             reverted = learner.watch(rollback, settings.watch_examples, settings.max_loss_increase)
             if reverted:
                 print(json.dumps({"rolled_back": reverted}), flush=True)
+            if len(learner.watching) != watched:  # judged: kept or rolled back
+                keep()
             if dense is not None:
                 revert = dense.watch(publish_dense, settings.watch_examples, settings.max_loss_increase)
                 if revert is not None:
@@ -187,7 +197,7 @@ def _learn(args: argparse.Namespace) -> int:
             temporary = progress.with_name(".learner.json.tmp")
             temporary.write_text(json.dumps({"trained": pending, "versions": published}))
             temporary.replace(progress)  # what was trained up to the rows just published
-            learner_state.save(learner, kept)
+            keep()
             fresh = [round(f, 3) for f in learner.freshness]
             decision: dict[str, object] = {
                 "published": published,

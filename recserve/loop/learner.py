@@ -424,6 +424,8 @@ class Learner:
         held: list[tuple[dict, dict]] = [(self.rows, self.accumulators)]
         if published:
             held.append((self.published, self.published_accumulators))
+            if state is None:  # back to before its first publish (a watch kept over a restart)
+                self.restored.pop(key, None)
         for rows, accumulators in held:
             if state is None:
                 rows.pop(key, None)

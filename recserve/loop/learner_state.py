@@ -1,11 +1,16 @@
-"""What a restarted ``recserve learn`` keeps of the one before it: each published row's Adagrad accumulator.
+"""What a restarted ``recserve learn`` keeps of the one before it: accumulators and rollback watches.
 
 The rows themselves are the served ones (the update log has every publish), and what was trained
-is ``learner.json``'s segment; without the accumulators a restarted learner would take a new row's
-large first steps again on rows it had already slowed down. They are written with each publish, as
-they stood for the rows published (not what was trained after), to an ``.npz`` of plain arrays
-(no pickle), atomically. The rollback watches are not kept: a version published before a restart
-is no longer watched.
+is ``learner.json``'s segment. Kept besides, each to an ``.npz`` of plain arrays (no pickle),
+replaced atomically:
+
+* each published row's Adagrad accumulator (:func:`save`): without them a restarted learner would
+  take a new row's large first steps again on rows it had already slowed down. Written with each
+  publish, as they stood for the rows published (not what was trained after);
+* the publishes still watched (:func:`save_watches`): their versions, the rows they published and
+  those they replaced (with their accumulators), so a version published just before a restart is
+  still judged, and rolled back, after it. Not the examples they had scored: a restarted learner
+  trains again on the examples after its last publish, and scores them again then.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from recserve.loop.learner import Learner
+from recserve.loop.watch import Key, Watch
 
 
 def save(learner: Learner, path: Path) -> None:
@@ -45,3 +51,67 @@ def restore(learner: Learner, path: Path) -> int:
     learner.accumulators.update(restored)
     learner.restored.update(restored)
     return len(restored)
+
+
+def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as handle:
+        np.savez(handle, **arrays)
+    os.replace(temporary, path)
+
+
+def _rows(prefix: str, rows: dict[Key, np.ndarray | None], width: int) -> dict[str, np.ndarray]:
+    keys = list(rows)
+    return {
+        f"{prefix}tables": np.array([t for t, _ in keys], np.int16),
+        f"{prefix}keys": np.array([k for _, k in keys], np.int64),
+        f"{prefix}known": np.array([rows[k] is not None for k in keys], bool),  # False: the store's row
+        f"{prefix}vectors": np.array(
+            [np.zeros(width, np.float32) if rows[k] is None else rows[k] for k in keys], np.float32
+        ).reshape(len(keys), width),
+    }
+
+
+def save_watches(learner: Learner, path: Path) -> None:
+    """The publishes ``learner`` still watches, to ``path`` (replaced whole; none: an empty file)."""
+    width = learner.store.dim
+    arrays: dict[str, np.ndarray] = {"count": np.array(len(learner.watching), np.int64)}
+    for i, watch in enumerate(learner.watching):
+        arrays[f"w{i}_tables"] = np.array(list(watch.versions), np.str_)
+        arrays[f"w{i}_versions"] = np.array(list(watch.versions.values()), np.int64)
+        arrays[f"w{i}_share"] = np.array(watch.positive_share, np.float64)
+        arrays.update(_rows(f"w{i}_rows_", dict(watch.rows), width))
+        arrays.update(_rows(f"w{i}_replaced_", watch.previous, width))
+        arrays[f"w{i}_replaced_sums"] = np.array(
+            [0.0 if v is None else v[1] for v in watch.replaced.values()], np.float64
+        )
+    _write(path, arrays)
+
+
+def _read_rows(saved: np.lib.npyio.NpzFile, prefix: str) -> list[tuple[Key, np.ndarray | None]]:
+    tables, keys = saved[f"{prefix}tables"].tolist(), saved[f"{prefix}keys"].tolist()
+    known, vectors = saved[f"{prefix}known"], saved[f"{prefix}vectors"]
+    if not len(tables) == len(keys) == len(known) == len(vectors):
+        raise ValueError(f"the saved {prefix} rows do not line up")
+    return [
+        ((t, k), vectors[i] if known[i] else None) for i, (t, k) in enumerate(zip(tables, keys, strict=True))
+    ]
+
+
+def restore_watches(learner: Learner, path: Path) -> int:
+    """Give ``learner`` the watches saved at ``path`` (none there: nothing). Returns how many."""
+    if not path.exists():
+        return 0
+    with np.load(path, allow_pickle=False) as saved:
+        for i in range(int(saved["count"])):
+            versions = dict(
+                zip(saved[f"w{i}_tables"].tolist(), saved[f"w{i}_versions"].tolist(), strict=True)
+            )
+            rows = {key: row for key, row in _read_rows(saved, f"w{i}_rows_") if row is not None}
+            sums = saved[f"w{i}_replaced_sums"].tolist()
+            replaced = {
+                key: None if row is None else (row, sum_)
+                for (key, row), sum_ in zip(_read_rows(saved, f"w{i}_replaced_"), sums, strict=True)
+            }
+            learner.watching.append(Watch(versions, rows, replaced, float(saved[f"w{i}_share"])))
+    return len(learner.watching)

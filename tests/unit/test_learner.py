@@ -272,3 +272,31 @@ def test_rows_of_tables_narrower_than_the_embeddings_train_in_their_own_columns(
         assert not row[width:].any()  # the padding past a table's width never moves
         step = row[:width] - stored(learn, (table, key))[:width]
         assert np.sqrt(np.mean(step**2)) == pytest.approx(0.05, rel=1e-3)  # a first step: the rate
+
+
+def test_a_publish_watched_when_the_learner_restarts_is_judged_and_rolled_back_after_it(spec, tmp_path):
+    from recserve.loop import learner_state
+
+    tables, learn = learner(spec)
+    for _ in range(5):
+        learn.train(examples(spec, tables, [1, 1, 0, 0]))
+    published = learn.publish(lambda table, keys, vectors: 5)
+    learner_state.save(learn, tmp_path / "kept.npz")
+    learner_state.save_watches(learn, tmp_path / "watches.npz")
+    _, again = learner(spec)  # started again: the store would serve the published rows; here, as before
+    learner_state.restore(again, tmp_path / "kept.npz")
+    assert learner_state.restore_watches(again, tmp_path / "watches.npz") == 1
+    kept, watch = again.watching[0], learn.watching[0]
+    assert kept.versions == watch.versions and kept.positive_share == watch.positive_share
+    assert kept.rows.keys() == watch.rows.keys() and all(
+        np.array_equal(kept.rows[k], watch.rows[k]) for k in kept.rows
+    )
+    assert kept.replaced == dict.fromkeys(watch.replaced)  # all were the store's rows before it
+    again.train(examples(spec, tables, [0, 0, 1, 1], versions=dict.fromkeys(published, 5)))
+    reverted = []
+    assert again.watch(lambda table, version: reverted.append(version) or 6, 4, 0.02) == dict.fromkeys(
+        published, 6
+    )
+    assert set(reverted) == {5} and not again.watching and not again.restored
+    learner_state.save_watches(again, tmp_path / "watches.npz")
+    assert learner_state.restore_watches(learner(spec)[1], tmp_path / "watches.npz") == 0
