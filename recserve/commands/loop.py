@@ -114,6 +114,9 @@ def _learn(args: argparse.Namespace) -> int:
     }
     settings = dataclasses.replace(spec.loop, **{k: v for k, v in given.items() if v is not None})
     settings.check(spec.table_names)
+    examples = args.examples_dir or Path(spec.loop.examples_directory)
+    progress = examples / ".state" / "learner.json"  # what a restart keeps of the learner: beside it
+    dense_kept = progress.with_name("learner-dense-optimizer.safetensors")
     dense = None
     if settings.dense_learning_rate > 0:
         if not isinstance(net, CTRNet):
@@ -121,12 +124,11 @@ def _learn(args: argparse.Namespace) -> int:
                 "the dense network is an imported ONNX one, kept frozen: leave --dense-learning-rate at 0"
             )
         dense = DenseTrainer(net, settings.dense_learning_rate, dense_version)
+        learner_state.restore_dense(dense, dense_kept)
         publish_dense = dense_publisher(spec, args.repository, args.servers)
     learner = Learner(spec, served.store, net, settings.learning_rate, settings.train_tables, dense)
-    examples = args.examples_dir or Path(spec.loop.examples_directory)
-    progress = examples / ".state" / "learner.json"
     trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
-    kept = progress.with_name("learner-accumulators.npz")  # what a restart keeps of the learner
+    kept = progress.with_name("learner-accumulators.npz")
     learner_state.restore(learner, kept)
     watches = progress.with_name("learner-watches.npz")
     learner_state.restore_watches(learner, watches)
@@ -182,11 +184,15 @@ def _learn(args: argparse.Namespace) -> int:
                 revert = dense.watch(publish_dense, settings.watch_examples, settings.max_loss_increase)
                 if revert is not None:
                     print(json.dumps({"dense_rolled_back": revert}), flush=True)
+                    learner_state.save_dense(dense, dense_kept)
         done = args.once and not segments
         dense_due = done or time.monotonic() - last_dense >= settings.dense_publish_seconds
         if dense is not None and dense.pending and dense_due:
             version = dense.publish(publish_dense, settings.max_loss_increase, settings.max_auc_drop)
             last_dense = time.monotonic()
+            if version is not None:
+                dense_kept.parent.mkdir(parents=True, exist_ok=True)
+                learner_state.save_dense(dense, dense_kept)
             print(json.dumps({"dense_published": version, **_checked(dense)}), flush=True)
         if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
             published = learner.publish(

@@ -22,8 +22,8 @@ servers). What guards a rows' publish guards this one:
 Each version published or rolled back is loaded into :attr:`DenseTrainer.served`, which the rows
 train through from then on.
 
-The optimizer's state lives in the process: a restarted learner starts from the newest served
-version with a new one.
+A restarted learner starts from the newest served version, with the optimizer's state saved when
+it was published (``recserve.loop.learner_state``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class DenseTrainer:
         self.optimizer = torch.optim.Adagrad(self.net.parameters(), lr=learning_rate)
         #: the served dense version (the last published)
         self.version = version
-        self.published = (self.weights(), self._optimizer_state())
+        self.published = (self.weights(), self.optimizer_state())
         self._scored: list[np.ndarray] = []  # per batch since the last publish: as Learner._scored
         self.watching: list[DenseWatch] = []
         self._scratch = copy.deepcopy(self.net).requires_grad_(False)  # scores other weights
@@ -94,7 +94,8 @@ class DenseTrainer:
         """A copy of the network's weights now."""
         return {name: value.detach().clone() for name, value in self.net.state_dict().items()}
 
-    def _optimizer_state(self) -> dict[str, Any]:
+    def optimizer_state(self) -> dict[str, Any]:
+        """A copy of the optimizer's state now."""
         return copy.deepcopy(self.optimizer.state_dict())
 
     def _restore(self, state: tuple[Weights, dict[str, Any]]) -> None:
@@ -150,7 +151,7 @@ class DenseTrainer:
             self.refused_publishes += 1
             self._restore(self.published)
             return None
-        replaced, self.published = self.published, (self.weights(), self._optimizer_state())
+        replaced, self.published = self.published, (self.weights(), self.optimizer_state())
         self.version = write(self.published[0])
         self.served.load_state_dict(self.published[0])
         self.versions_published += 1

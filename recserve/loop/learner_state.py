@@ -7,6 +7,8 @@ replaced atomically:
 * each published row's Adagrad accumulator (:func:`save`): without them a restarted learner would
   take a new row's large first steps again on rows it had already slowed down. Written with each
   publish, as they stood for the rows published (not what was trained after);
+* the dense optimizer's state as its last dense version was published (:func:`save_dense`),
+  named with that version: taken back only when the newest served version is still that one;
 * the publishes still watched (:func:`save_watches`): their versions, the rows they published and
   those they replaced (with their accumulators), so a version published just before a restart is
   still judged, and rolled back, after it. Not the examples they had scored: a restarted learner
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from recserve.loop.dense import DenseTrainer
 from recserve.loop.learner import Learner
 from recserve.loop.watch import Key, Watch
 
@@ -115,3 +118,37 @@ def restore_watches(learner: Learner, path: Path) -> int:
             }
             learner.watching.append(Watch(versions, rows, replaced, float(saved[f"w{i}_share"])))
     return len(learner.watching)
+
+
+def save_dense(dense: DenseTrainer, path: Path) -> None:
+    """The dense optimizer's state as its served version was published, to ``path`` (safetensors)."""
+    from safetensors.torch import save_file
+
+    state = dense.published[1]["state"]
+    tensors = {f"{i}.{name}": (value.reshape(-1) if name == "step" else value).contiguous()
+               for i, entry in state.items() for name, value in entry.items()}  # fmt: skip
+    temporary = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(temporary), {"version": str(dense.version)})
+    os.replace(temporary, path)
+
+
+def restore_dense(dense: DenseTrainer, path: Path) -> bool:
+    """Give ``dense`` the optimizer's state saved at ``path`` if it was saved for its served version."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        return False
+    with safe_open(str(path), "pt") as saved:
+        if (saved.metadata() or {}).get("version") != str(dense.version):
+            return False  # saved for another version (a publish after it never got its state written)
+        state: dict[int, dict] = {}
+        for name in saved.keys():  # noqa: SIM118 - a safetensors file, not a dict
+            index, field = name.split(".")
+            value = saved.get_tensor(name)
+            state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else value
+    current = dense.optimizer.state_dict()
+    if set(state) != set(current["state"]):
+        raise ValueError(f"{path}: the saved optimizer state is not this network's")
+    dense.optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+    dense.published = (dense.published[0], dense.optimizer_state())
+    return True

@@ -109,3 +109,22 @@ def test_a_dense_version_with_an_engine_is_not_trained_where_no_engine_can_be_bu
     else:
         with pytest.raises(ArtifactError, match="TensorRT is not installed"):
             new_version_engine(tmp_path)
+
+
+def test_a_restarted_learner_takes_back_the_dense_optimizers_state_of_the_version_it_serves(spec, tmp_path):
+    from recserve.loop import learner_state
+
+    tables, learn = learner(spec)
+    learn.train(examples(spec, tables, [1, 0, 1, 0]))
+    learn.dense.publish(lambda w: 2)
+    learner_state.save_dense(learn.dense, tmp_path / "dense.safetensors")
+    sums = {i: s["sum"].clone() for i, s in learn.dense.optimizer.state_dict()["state"].items()}
+    served = CTRNet(spec)
+    served.load_state_dict(learn.dense.published[0])
+    restarted = DenseTrainer(served, 0.05, version=2)  # the newest served version, a fresh optimizer
+    assert learner_state.restore_dense(restarted, tmp_path / "dense.safetensors")
+    for i, entry in restarted.optimizer.state_dict()["state"].items():
+        assert torch.equal(entry["sum"], sums[i]) and float(entry["step"]) == 1
+    assert not learner_state.restore_dense(
+        DenseTrainer(served, 0.05, version=3), tmp_path / "dense.safetensors"
+    )
