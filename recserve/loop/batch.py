@@ -1,4 +1,4 @@
-"""A batch of joined examples as the learner reads it: its keys, their tables, the history mask.
+"""A batch of joined examples as the learner reads it (keys, tables, history mask), and the specs it trains.
 
 Columns are read whole (no row-by-row Python): an example's ``keys`` (its slots' keys, then its
 targets'), and its own ``history`` laid out left-aligned and masked (the attention ignores
@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from recserve.core.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,21 @@ def distinct_rows(keys: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.
     unique = np.empty(int(first.sum()), [("table", np.int16), ("key", np.int64)])
     unique["table"], unique["key"] = sorted_tables[first], sorted_keys[first]
     return unique, inverse
+
+
+def trainable(spec: ModelSpec) -> str:
+    """Why the learner cannot train ``spec`` (empty: it can)."""
+    if spec.categorical.multi_hot:
+        return "multi-hot features"
+    if len(spec.sequences) > 1:
+        return "more than one behaviour sequence"
+    return ""
+
+
+@dataclass
+class BatchFigures:
+    """One trained batch: its examples, its weighted log loss before the step, the rows it touched."""
+
+    examples: int
+    log_loss: float
+    rows: int

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from recserve.backends.dense.network import CTRNet
@@ -133,6 +135,25 @@ class DenseTrainer:
         """A network (not the trained one) holding ``weights``, to score with."""
         self._scratch.load_state_dict(weights)
         return self._scratch
+
+    def observe(
+        self, examples: pa.Table, scored: np.ndarray, score: Callable[[pa.Table, CTRNet], np.ndarray]
+    ) -> None:
+        """Score the examples each watched version served by its weights and by those it replaced.
+
+        ``scored`` is the batch's (progressive p, label, weight, served score); ``score`` scores
+        examples through a network with the rows as published, so the two scores differ by the
+        weights alone.
+        """
+        if not self.watching:
+            return
+        served_by = pc.fill_null(examples["dense_version"], -1).to_numpy()
+        for watch in self.watching:
+            mine = np.flatnonzero(served_by == watch.version)
+            if len(mine):
+                taken = examples.take(mine)
+                pair = [score(taken, self.with_weights(w)) for w in (watch.weights, watch.replaced[0])]
+                watch.scored.append(np.stack([scored[mine, 1], scored[mine, 2], *pair], axis=1))
 
     def publish(
         self, write: PublishDense, max_loss_increase: float | None = None, max_auc_drop: float | None = None

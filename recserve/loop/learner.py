@@ -1,36 +1,23 @@
-"""``recserve learn``, minimal form: the served rows trained on joined examples, the touched ones published.
+"""``recserve learn``: the served rows trained on joined examples, the touched ones published.
 
 The learner starts from what is served: the store's rows as the update log has them (every
-published version applied) and the served dense network's weights, which it keeps **frozen** (the
-dense network's own training and hot swap are not built). For each batch of examples it
-
-1. scores the batch with the rows it has now (progressive validation: the log loss *before* the
-   batch is trained on, :attr:`Learner.progressive_loss`);
-2. takes one step on the embedding rows the batch touched (each example weighted by
-   ``1 / sample_rate``: a negative kept at rate w stands for 1/w negatives, so the trained model
-   stays calibrated on the full traffic and the served score needs no ln w correction). The step is
-   row-wise Adagrad: each row keeps the sum of its gradients' mean squares (:attr:`Learner.accumulators`)
-   and moves by ``learning_rate / sqrt(sum + eps)`` times its gradient, so a rare row (a new item)
-   takes large steps while a row every example shares (a low-cardinality category) slows down.
-   Only the rows of ``[loop] train_tables`` move (empty: every table's); the others are served as
-   they are;
-3. keeps the new rows; :meth:`Learner.publish` writes **only the rows touched** since the last
-   publish as one embedding delta per table, through the store's update log (versions, checksums,
-   rollback), which every server applies within its poll interval;
-4. but first compares, on the examples since the last publish that carry their served score, the
-   learner's progressive log loss with the served scores' log loss: when the learner's is worse by
-   more than a margin, nothing is published and the touched rows go back to what is served;
-5. and after a publish, watches the examples the new versions served (their ``embedding_version``):
-   each is scored by the new version and by the rows it replaced, on the same features; once
-   ``watch_examples`` of them came, when the new version's log loss is worse than the replaced
-   rows' by more than the margin, it rolls the versions back (:meth:`Learner.watch`,
-   :mod:`recserve.loop.watch`).
+published version applied) and the newest dense version's network. For each batch of examples it
+scores the batch (progressive validation: the loss *before* the batch trains,
+:attr:`Learner.progressive_loss`), then takes one row-wise Adagrad step on the rows the batch
+touched, each example weighted by ``1 / sample_rate`` (a negative kept at rate w stands for 1/w, so
+the served score needs no ln w correction; :attr:`Learner.accumulators` hold each row's sum of
+squared gradients). Only ``[loop] train_tables`` move. :meth:`Learner.publish` writes **only the rows
+touched** since the last publish, one delta per table through the update log, unless their
+progressive log loss or AUC is worse than the served scores' by more than a margin (then they go
+back); after it, :meth:`Learner.watch` judges each version on the examples it served against the
+rows it replaced and rolls it back if worse (:mod:`recserve.loop.watch`). With a
+:class:`~recserve.loop.dense.DenseTrainer` the dense weights train too; the rows always train through
+the weights as served.
 
 What it trains: specs without multi-hot features, with at most one behaviour sequence (the bundled
-``ctr`` spec; an imported DeepFM with its 1-wide first-order tables). Rows are held at the store's
-widest width; each slot reads its table's width of them, so the columns past it never move, and
-a row's Adagrad accumulator is the mean square of its table's columns alone. Anything else is
-refused at start.
+``ctr`` spec; an imported DeepFM with its 1-wide first-order tables, through its ONNX graph). Rows are
+held at the store's widest width; each slot reads its table's width of them, and a row's accumulator
+is the mean square of its table's columns alone. See docs/design/loop.md.
 """
 
 from __future__ import annotations
@@ -38,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -51,7 +37,7 @@ from recserve.backends.store.tiered import TieredStore
 from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED
 from recserve.core.spec.model import ModelSpec
-from recserve.loop.batch import BatchLayout, distinct_rows
+from recserve.loop.batch import BatchFigures, BatchLayout, distinct_rows, trainable
 from recserve.loop.dense import DenseTrainer, weighted_log_loss
 from recserve.loop.watch import Key, Watch, positive_share, progressive_auc, progressive_check, worse
 
@@ -66,24 +52,6 @@ Overlay = Mapping[Key, "np.ndarray | None"]
 Publish = Callable[[str, np.ndarray, np.ndarray], int]
 #: serves again what a published version replaced: (table, version) -> the new (revert) version
 Rollback = Callable[[str, int], int]
-
-
-def trainable(spec: ModelSpec) -> str:
-    """Why the learner cannot train ``spec`` (empty: it can)."""
-    if spec.categorical.multi_hot:
-        return "multi-hot features"
-    if len(spec.sequences) > 1:
-        return "more than one behaviour sequence"
-    return ""
-
-
-@dataclass
-class BatchFigures:
-    """One trained batch: its examples, its weighted log loss before the step, the rows it touched."""
-
-    examples: int
-    log_loss: float
-    rows: int
 
 
 class Learner:
@@ -242,41 +210,25 @@ class Learner:
         self._scored.append(scored)
         if self.dense is not None:
             rows_now = vectors.detach()
-            self.dense.train(
-                lambda net: self._probability(examples, rows_now, mask, net), labels, weights, served
-            )
-            self._watch_dense(examples, scored)
+            probability_through = lambda net: self._probability(examples, rows_now, mask, net)  # noqa: E731
+            self.dense.train(probability_through, labels, weights, served)
+            self.dense.observe(examples, scored, lambda part, net: self.score(part, self.published, net=net))
+        self._observe(examples, served)
+        return figures
+
+    def _observe(self, examples: pa.Table, served: np.ndarray) -> None:
+        """Hand each watch the examples its versions served (their ``embedding_version``), scored."""
         versions = np.array(examples["embedding_version"].to_pylist(), np.int64).reshape(
             examples.num_rows, -1
         )
-        if self.watching and versions.shape[1] == len(self.table_columns):
-            for watch in self.watching:
-                columns = [self.table_columns[t] for t in watch.versions]
-                wanted = np.array(list(watch.versions.values()), np.int64)
-                mine = np.flatnonzero((versions[:, columns] >= wanted).any(axis=1))
-                if len(mine):
-                    watch.scored.append(self._watched(watch, examples.take(mine), served[mine]))
-        return figures
-
-    def _watch_dense(self, examples: pa.Table, scored: np.ndarray) -> None:
-        """Score the examples each watched dense version served by its weights and the replaced ones.
-
-        Both with the rows as published, so the two scores differ by the weights alone.
-        """
-        assert self.dense is not None
-        if not self.dense.watching:
+        if not self.watching or versions.shape[1] != len(self.table_columns):
             return
-        served_by = pc.fill_null(examples["dense_version"], -1).to_numpy()
-        for watch in self.dense.watching:
-            mine = np.flatnonzero(served_by == watch.version)
-            if not len(mine):
-                continue
-            taken = examples.take(mine)
-            versions = [
-                self.score(taken, self.published, net=self.dense.with_weights(weights))
-                for weights in (watch.weights, watch.replaced[0])
-            ]
-            watch.scored.append(np.stack([scored[mine, 1], scored[mine, 2], *versions], axis=1))
+        for watch in self.watching:
+            columns = [self.table_columns[t] for t in watch.versions]
+            wanted = np.array(list(watch.versions.values()), np.int64)
+            mine = np.flatnonzero((versions[:, columns] >= wanted).any(axis=1))
+            if len(mine):
+                watch.scored.append(self._watched(watch, examples.take(mine), served[mine]))
 
     def _watched(self, watch: Watch, examples: pa.Table, served: np.ndarray) -> np.ndarray:
         """Label, weight, the new version's score and the replaced rows' of examples ``watch`` served.

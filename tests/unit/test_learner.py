@@ -10,7 +10,8 @@ import torch
 from recserve.backends.dense.network import CTRNet
 from recserve.core.sections.base import SpecError
 from recserve.core.spec.parse import parse_spec
-from recserve.loop.learner import Learner, trainable
+from recserve.loop.batch import trainable
+from recserve.loop.learner import Learner
 from recserve.loop.metrics import learn_samples, text
 from tests.loop_examples import examples
 from tests.model_exports import DEEPFM_SPEC

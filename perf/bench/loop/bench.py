@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,11 +34,10 @@ from recserve.clients.feedback import FeedbackFile
 from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
+from recserve.perf.bench.loop.processes import ADMIN_KEY, kill, start_joiner, start_learner
 from recserve.perf.bench.loop.stream import DriftingStream, StreamSettings
 from recserve.server import Ports, Security, TritonServer
 
-#: The loop server's admin key (loopback only): the learner loads its dense versions with it.
-ADMIN_KEY = "bench-loop"
 #: The bench-local spec of the loop side, written beside its repository (``recserve --spec FILE``).
 SPEC_FILE = "loop_spec.json"
 
@@ -168,10 +164,6 @@ def starting_logits(spec: ModelSpec, repository: Path) -> Callable[[Rows], np.nd
     return logits
 
 
-def _recserve(spec_file: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "recserve.cli", "--spec", str(spec_file), *args]
-
-
 def run_loop(
     spec: ModelSpec, source: Path, folder: Path, grid: LoopGrid, progress: Callable[[str], None]
 ) -> Recorded:
@@ -205,8 +197,8 @@ def run_loop(
             stack.callback(server.stop)
         progress("[bench-loop] starting the loop and the frozen tritonservers")
         _start_all(list(servers.values()))
-        joiner = _start_joiner(spec_file, recorded, stack)
-        learner, reader = _start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
+        joiner = start_joiner(spec_file, recorded, stack)
+        learner, reader = start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
         feedback = FeedbackFile(folder / "feedback" / "bench.jsonl")
         with (
             CTRClient(servers["loop"].grpc_url, timeout_s=30, spec=spec, feedback=feedback) as loop_client,
@@ -214,12 +206,12 @@ def run_loop(
         ):
             for round_ in range(grid.rounds):
                 if grid.kill and round_ == max(grid.rounds // 3, 1):
-                    _kill(joiner, "joiner", round_, recorded, progress)
-                    joiner = _start_joiner(spec_file, recorded, stack)
+                    kill(joiner, "joiner", round_, recorded, progress)
+                    joiner = start_joiner(spec_file, recorded, stack)
                 if grid.kill and round_ == max(2 * grid.rounds // 3, 2):
-                    _kill(learner, "learner", round_, recorded, progress)
+                    kill(learner, "learner", round_, recorded, progress)
                     reader.join(10)
-                    learner, reader = _start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
+                    learner, reader = start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
                 _serve_round(spec, stream, round_, loop_client, frozen_client, recorded)
                 published = [line for _, line in recorded.learner_lines if line.get("published")]
                 progress(
@@ -260,74 +252,6 @@ def _start_all(servers: list[TritonServer]) -> None:
         thread.join()
     if errors:
         raise errors[0]
-
-
-def _start_joiner(spec_file: Path, recorded: Recorded, stack: ExitStack) -> subprocess.Popen:
-    """``recserve join`` as a process of its own (killed if the bench fails); it resumes from its commit."""
-    folder = recorded.folder
-    joiner = subprocess.Popen(
-        _recserve(spec_file, "join", "--consumer", "bench-loop", "--log-dir", str(recorded.log_dir),
-                  "--feedback-dir", str(folder / "feedback"), "--examples-dir", str(recorded.examples_dir)),
-        stdout=subprocess.PIPE, stderr=open(folder / "joiner.log", "ab"), text=True,
-    )  # fmt: skip
-    stack.callback(joiner.kill)
-    return joiner
-
-
-def _start_learner(
-    spec_file: Path, recorded: Recorded, stack: ExitStack, loop_server: str
-) -> tuple[subprocess.Popen, threading.Thread]:
-    """``recserve learn`` as a process of its own, and the thread reading its lines into ``recorded``.
-
-    With the grid's dense learning rate, it loads each dense version into ``loop_server`` (gRPC).
-    """
-    folder, grid = recorded.folder, recorded.grid
-    rate = () if grid.learning_rate is None else ("--learning-rate", str(grid.learning_rate))
-    dense: tuple[str, ...] = ()
-    if grid.dense_learning_rate:
-        every = str(grid.dense_publish_seconds)
-        dense = ("--dense-learning-rate", str(grid.dense_learning_rate), "--dense-publish-seconds", every,
-                 "--servers", loop_server)  # fmt: skip
-    learner = subprocess.Popen(
-        _recserve(spec_file, "learn", "--repository", str(recorded.loop_repository),
-                  "--examples-dir", str(recorded.examples_dir),
-                  "--publish-seconds", str(grid.publish_seconds),
-                  *rate, *dense, "--batch-size", str(grid.batch_size)),
-        stdout=subprocess.PIPE, stderr=open(folder / "learner.log", "ab"), text=True,
-        env={**os.environ, "RECSERVE_ADMIN_KEY": ADMIN_KEY},
-    )  # fmt: skip
-    stack.callback(learner.kill)
-    reader = threading.Thread(
-        target=_read_lines, args=(learner, recorded.learner_lines, folder / "learner.jsonl"), daemon=True
-    )
-    reader.start()
-    return learner, reader
-
-
-def _kill(
-    process: subprocess.Popen, name: str, round_: int, recorded: Recorded, progress: Callable[[str], None]
-) -> None:
-    """``kill -9`` of ``process`` mid-run, recorded."""
-    process.kill()
-    process.wait(30)
-    recorded.kills.append({"process": name, "round": round_, "at": round(time.time(), 3)})
-    progress(f"[bench-loop] {name} killed (SIGKILL) before round {round_ + 1}; started again")
-
-
-def _read_lines(process: subprocess.Popen, into: list[tuple[float, dict]], copy: Path) -> None:
-    """The learner's JSON lines, each with when it was read (a publish line: just after the publish).
-
-    They are copied to ``copy`` too, each with ``"seen"``.
-    """
-    assert process.stdout is not None
-    with copy.open("a") as out:
-        for line in process.stdout:
-            try:
-                into.append((time.time(), json.loads(line)))
-            except json.JSONDecodeError:
-                continue
-            out.write(json.dumps({"seen": round(into[-1][0], 3), **into[-1][1]}) + "\n")
-            out.flush()
 
 
 def _serve_round(
