@@ -218,7 +218,8 @@ def run_degrade_lab(
     """Both policies through the same schedule; each one's figures per phase, and the JSON summary.
 
     ``costs``: also measure what each level costs (:mod:`recserve.perf.lab.degrade_costs`);
-    ``overrides``: ``[degrade]`` keys set on the degrade server's section (``--headroom``).
+    ``overrides``: ``[degrade]`` keys set on the degrade server's section (``--headroom``); its
+    ``capacity`` is the one measured here unless they set it (0: learned, ``--learned-capacity``).
     """
     cores = Cores.split()
     pool = ListPool.generate(spec, shape.lists, shape.candidates, shape.length, seed)
@@ -246,7 +247,8 @@ def run_degrade_lab(
         capacity = measured["rows_per_s"]
         schedule = shape.phases(capacity)
         policies["shed"], series["shed"], _ = run_policy(server, spec, pool, full, schedule, values, cores)
-    served = degrade_spec(spec, overrides)
+    # the door knows the capacity the lab measured from the first batch, as a spec measured in advance
+    served = degrade_spec(spec, {"capacity": capacity, **(overrides or {})})
     level_costs = measure_costs(served, repository, workdir, pool, shape.capacity_s, cores) if costs else None
     variant = write_variant(served, repository, workdir / "degrade")
     log = workdir / "degrade.log"

@@ -98,7 +98,8 @@ class DegradeController:
         self.fixed = section.fixed_lambda >= 0
         self._lambda = max(section.fixed_lambda, 0.0)
         self.load = 0.0  # the latest wait over the target
-        self.capacity_per_s = math.inf  # full-cost requests the steps serve per second (inf: not known)
+        # full-cost requests the steps serve per second (inf: not known yet); [degrade] capacity: known
+        self.capacity_per_s = section.capacity if section.capacity > 0 else math.inf
         self.floor = 0.0  # the door's floor under lambda, from the latest batch's arrivals
         self.arrivals = ArrivalRate()
         self._passed_cost = 0.0  # cost spent at the door's choices since the last capacity reading

@@ -126,6 +126,8 @@ def _degrade(args: argparse.Namespace) -> int:
     from recserve.perf.lab.degrade import degrade_command
 
     overrides = {} if args.headroom is None else {"headroom": args.headroom}
+    if args.learned_capacity:
+        overrides["capacity"] = 0.0  # not the lab's measured capacity: learned from the first backlog
     return degrade_command(
         load_spec(args.spec),
         args.repository,
@@ -229,6 +231,12 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="[degrade] headroom for the degrade server (default: 0.9)",
+    )
+    degrade.add_argument(
+        "--learned-capacity",
+        action="store_true",
+        help="leave the degrade server's [degrade] capacity at 0 (learned from its first backlog) instead "
+        "of the capacity the lab measured",
     )
     degrade.set_defaults(func=_degrade)
 

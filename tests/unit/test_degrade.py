@@ -130,6 +130,7 @@ def test_a_request_value_is_a_tier_or_a_number_and_anything_else_is_refused_nami
         ({"levels": [], "refuse": False}, "nothing cheaper"),
         ({"target_queue_ms": 0.0}, "must be > 0"),
         ({"tiers": {"low": -1.0}}, "value >= 0"),
+        ({"capacity": -5.0}, "capacity lies in"),
     ],
 )
 def test_a_section_out_of_range_is_refused_with_what_is_wrong(changes, message):
@@ -220,6 +221,21 @@ def test_the_door_raises_lambda_at_the_first_batches_of_a_spike_and_drops_it_wit
     assert (np.diff(levels[order]) <= 0).all()  # the lowest values pay first
     now += 0.2  # the spike is over: the next batch is alone in its window
     assert controller.arrived(now, values[:1]) == 0.0 and controller.lam == 0.0
+
+
+def test_a_capacity_known_in_advance_holds_the_first_spike_from_its_first_batch():
+    values = np.random.default_rng(7).lognormal(0.0, 1.0, 64).tolist()
+    learning, known = (
+        DegradeController(section(max_lambda=50.0)),
+        DegradeController(section(max_lambda=50.0, capacity=100.0)),
+    )
+    assert learning.arrived(1.0, values) == 0.0  # no backlog seen yet: the door does not know the ceiling
+    assert known.capacity_per_s == 100.0 and known.arrived(1.0, values) > 0.0
+    levels = np.asarray(known.levels(values))
+    assert np.asarray(known.costs)[levels].sum() <= 0.9 * 100.0 * WINDOW_S
+    mean_cost = known._passed_cost / known._passed
+    known.capacity(150.0, busy=True)  # and it learns on from the steps' counters
+    assert known.capacity_per_s == pytest.approx(100.0 + 0.5 * (150.0 * mean_cost - 100.0))
 
 
 def test_less_headroom_lets_a_spike_cost_less_of_the_capacity():

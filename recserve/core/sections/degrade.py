@@ -90,6 +90,10 @@ class DegradeSection:
     # the share of the measured capacity the door lets a spike's arrivals cost: lower keeps the
     # steps' queues shorter through a spike, and degrades and refuses more
     headroom: float = 0.9
+    # > 0: the full-cost requests per second the server is known to serve (measured in advance: a
+    # list is a request), so the door holds a spike from its first batch; 0: learned from the first
+    # backlog (the first spike after a start is met by the queue-wait loop alone). Learning goes on
+    capacity: float = 0.0
     # > 0: the steps' batchers get two priority levels, and a request worth at least this is sent
     # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before.
     # On tritonserver 2.51 priority levels stall the batcher (docs/design/degrade.md): leave it 0
@@ -191,6 +195,8 @@ class DegradeSection:
             raise SpecError("[degrade] needs levels or refuse = true: there is nothing cheaper to serve")
         if not 0.0 < self.headroom <= 1.0:
             raise SpecError(f"[degrade] headroom lies in (0, 1], got {self.headroom}")
+        if not 0.0 <= self.capacity <= 1e9 or math.isnan(self.capacity):
+            raise SpecError(f"[degrade] capacity lies in [0, 1e9] requests per second, got {self.capacity}")
         positive = (self.target_queue_ms, self.interval_s, self.gain, self.max_lambda)
         finite = all(math.isfinite(x) for x in (self.fallback_score, self.fixed_lambda, self.priority_value))
         if not all(math.isfinite(x) and x > 0 for x in positive) or not finite:
