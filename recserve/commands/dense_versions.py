@@ -47,9 +47,7 @@ def dense_publisher(spec: ModelSpec, repository: Path, servers: tuple[str, ...])
                 with grpcclient.InferenceServerClient(url) as client:
                     client.load_model(DENSE, headers=headers)
             except Exception as error:  # noqa: BLE001 - one server down must not stop the publishes
-                logging.getLogger(__name__).warning(
-                    "dense version %d not loaded on %s: %s", version, url, error
-                )
+                LOGGER.warning("dense version %d not loaded on %s: %s", version, url, error)
         for old in dense_versions(repository)[:-KEEP_DENSE_VERSIONS]:
             if old != spec.version:
                 shutil.rmtree(repository / DENSE / str(old), ignore_errors=True)

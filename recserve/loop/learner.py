@@ -55,7 +55,7 @@ Rollback = Callable[[str, int], int]
 
 
 class Learner:
-    """Trains the rows of ``store`` through the frozen ``net`` (see the module).
+    """Trains the rows of ``store`` through ``net`` as served, its weights frozen (see the module).
 
     Args:
         spec: the served spec.
