@@ -175,13 +175,14 @@ def _learn(args: argparse.Namespace) -> int:
                 print(json.dumps({**line, "log_loss": round(figures.log_loss, 5)}), flush=True)
             pending = seq
             watched = len(learner.watching)
-            reverted = learner.watch(rollback, settings.watch_examples, settings.max_loss_increase)
+            margins = (settings.max_loss_increase, settings.max_auc_drop)
+            reverted = learner.watch(rollback, settings.watch_examples, *margins)
             if reverted:
                 print(json.dumps({"rolled_back": reverted}), flush=True)
             if len(learner.watching) != watched:  # judged: kept or rolled back
                 keep()
             if dense is not None:
-                revert = dense.watch(publish_dense, settings.watch_examples, settings.max_loss_increase)
+                revert = dense.watch(publish_dense, settings.watch_examples, *margins)
                 if revert is not None:
                     print(json.dumps({"dense_rolled_back": revert}), flush=True)
                     learner_state.save_dense(dense, dense_kept)

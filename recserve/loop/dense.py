@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import torch
 
 from recserve.backends.dense.network import CTRNet
-from recserve.loop.watch import judge, positive_share, progressive_auc, progressive_check, worse
+from recserve.loop.watch import judge, positive_share, progressive_auc, progressive_check, watched_auc, worse
 
 #: a network's weights by name
 Weights = dict[str, torch.Tensor]
@@ -179,10 +179,18 @@ class DenseTrainer:
         self.watching.append(DenseWatch(self.version, self.published[0], replaced, share))
         return self.version
 
-    def watch(self, write: PublishDense, watch_examples: int, max_loss_increase: float) -> int | None:
+    def watch(
+        self,
+        write: PublishDense,
+        watch_examples: int,
+        max_loss_increase: float,
+        max_auc_drop: float | None = None,
+    ) -> int | None:
         """Roll back a watched version that scored worse than the weights it replaced; the revert's version.
 
-        The versions published after it were trained on top of it: their watches go with it.
+        Worse: its log loss above theirs by more than ``max_loss_increase``, or its AUC below theirs by
+        more than ``max_auc_drop`` (None: not checked). The versions published after it were trained on
+        top of it: their watches go with it.
         """
         for watch in list(self.watching):
             judged = judge(watch.scored, watch.positive_share, watch_examples)
@@ -190,7 +198,7 @@ class DenseTrainer:
                 continue
             self.last_watch = judged
             self.watching.remove(watch)
-            if not judged[0] > judged[1] + max_loss_increase:
+            if not worse(judged, watched_auc(watch.scored), max_loss_increase, max_auc_drop):
                 continue
             self.watching.clear()
             self.version = write(watch.replaced[0])

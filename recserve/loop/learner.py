@@ -39,7 +39,15 @@ from recserve.core.names import DENSE_NORMALIZED
 from recserve.core.spec.model import ModelSpec
 from recserve.loop.batch import BatchFigures, BatchLayout, distinct_rows, trainable
 from recserve.loop.dense import DenseTrainer, weighted_log_loss
-from recserve.loop.watch import Key, Watch, positive_share, progressive_auc, progressive_check, worse
+from recserve.loop.watch import (
+    Key,
+    Watch,
+    positive_share,
+    progressive_auc,
+    progressive_check,
+    watched_auc,
+    worse,
+)
 
 LOGGER = logging.getLogger(__name__)
 #: Adagrad's epsilon, under the square root of a row's accumulated squared gradient
@@ -127,6 +135,7 @@ class Learner:
         self.rollbacks = 0
         #: the last watch judged: the log losses (its own, the replaced rows') on the examples it served
         self.last_watch: tuple[float, float] = (0.0, 0.0)
+        self.last_watch_auc: tuple[float, float] = (0.0, 0.0)  # and its AUCs (NaN: one label alone)
         self.table_columns = {name: i for i, name in enumerate(spec.table_names)}  # embedding_version's order
 
     # ---- one batch ---------------------------------------------------------------------------
@@ -258,12 +267,19 @@ class Learner:
             self.accumulators[key] = total
         self.touched.update(keys)
 
-    def watch(self, rollback: Rollback, watch_examples: int, max_loss_increase: float) -> dict[str, int]:
+    def watch(
+        self,
+        rollback: Rollback,
+        watch_examples: int,
+        max_loss_increase: float,
+        max_auc_drop: float | None = None,
+    ) -> dict[str, int]:
         """Roll back a watched publish that scored worse than the rows it replaced; table -> revert.
 
         A publish is judged once ``watch_examples`` examples served by its versions came (see
         :mod:`recserve.loop.watch`): it is kept, or rolled back when its log loss on them is above
-        the replaced rows' by more than ``max_loss_increase``. A rollback serves again what the
+        the replaced rows' by more than ``max_loss_increase``, or its AUC below theirs by more than
+        ``max_auc_drop`` (None: not checked). A rollback serves again what the
         version replaced, which undoes the versions published after it on the same tables too: the
         watches of those go with it, and the learner's rows of all of them go back (with what it
         trained on them since).
@@ -275,14 +291,12 @@ class Learner:
             judged = watch.judge(watch_examples)
             if judged is None:
                 continue
-            self.last_watch = judged
-            if not judged[0] > judged[1] + max_loss_increase:
+            self.last_watch, self.last_watch_auc = judged, watched_auc(watch.scored)
+            reason = worse(judged, self.last_watch_auc, max_loss_increase, max_auc_drop)
+            if not reason:
                 self.watching.remove(watch)
                 continue
-            LOGGER.warning(
-                "rolling back %s: log loss %.5f on the examples it served against %.5f by the rows it "
-                "replaced (margin %g)", watch.versions, judged[0], judged[1], max_loss_increase,
-            )  # fmt: skip
+            LOGGER.warning("rolling back %s: against the rows it replaced, %s", watch.versions, reason)
             reverted.update(self._roll_back(watch, rollback))
         return reverted
 
@@ -303,13 +317,6 @@ class Learner:
         self.rollbacks += 1
         return reverted
 
-    def check(self) -> tuple[float, float]:
-        """The weighted log losses (learner's progressive scores, served scores) since the last publish.
-
-        Measured on the examples that carry their served score (NaN, NaN: none does).
-        """
-        return progressive_check(self._scored)
-
     # ---- publishing ----------------------------------------------------------------------
     def publish(
         self,
@@ -320,19 +327,22 @@ class Learner:
     ) -> dict[str, int]:
         """Publish the rows touched since the last publish, one delta per table; table -> version.
 
-        First :meth:`check`, and the AUCs on the same examples: when the learner's log loss exceeds
+        First the decision, on the examples since the last publish that carry their served score
+        (:func:`~recserve.loop.watch.progressive_check`): when the learner's log loss exceeds
         the served one by more than ``max_loss_increase``, or its AUC falls below the served one by
         more than ``max_auc_drop`` (None: not checked), nothing is published (``refused_publishes``)
         and the touched rows go back to what is served. Also measures the freshness of what it
         published (``now``: seconds since the epoch).
         """
-        self.last_check = self.check()
+        self.last_check = progressive_check(self._scored)
         self.last_auc = progressive_auc(self._scored)
         share = positive_share(self._scored)
         self._scored = []
         reason = worse(self.last_check, self.last_auc, max_loss_increase, max_auc_drop)
         if reason:
-            LOGGER.warning("not published: %s; the rows go back", reason)
+            LOGGER.warning(
+                "not published: %s, the learner's against the served scores'; the rows go back", reason
+            )
             self.refused_publishes += 1
             for row in self.touched:
                 self._revert(row, self._published_state(row))

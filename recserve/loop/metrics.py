@@ -165,6 +165,16 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
         ),
         *(
             MetricSample(
+                "recserve_learn_watch_auc",
+                "gauge",
+                "The last judged publish's AUC on the examples it served: its rows', the replaced ones'",
+                (("rows", who),),
+                value,
+            )
+            for who, value in zip(("published", "replaced"), learner.last_watch_auc, strict=True)
+        ),
+        *(
+            MetricSample(
                 "recserve_learn_freshness_seconds",
                 "gauge",
                 "Seconds from an example's label to the publish of its rows (the last publish)",

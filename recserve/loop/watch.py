@@ -124,7 +124,18 @@ def worse(
     ``losses`` and ``aucs`` are (learner, served); a margin of None is not checked, nor a NaN figure.
     """
     if max_loss_increase is not None and losses[0] > losses[1] + max_loss_increase:
-        return f"log loss {losses[0]:.5f} against the served {losses[1]:.5f} (margin {max_loss_increase:g})"
+        return f"log loss {losses[0]:.5f} against {losses[1]:.5f} (margin {max_loss_increase:g})"
     if max_auc_drop is not None and aucs[0] < aucs[1] - max_auc_drop:
-        return f"AUC {aucs[0]:.4f} against the served {aucs[1]:.4f} (margin {max_auc_drop:g})"
+        return f"AUC {aucs[0]:.4f} against {aucs[1]:.4f} (margin {max_auc_drop:g})"
     return ""
+
+
+def watched_auc(scored_parts: list[np.ndarray]) -> tuple[float, float]:
+    """The AUCs (the new version's, the replaced one's) of a watch's examples; NaN with one label alone.
+
+    Unlike the log loss it needs no weighing to the positives' share: a rank statistic does not
+    move with the classes' proportions, so the clicks coming first do not bias it.
+    """
+    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    new, before = roc_auc(scored[:, 0], scored[:, 2]), roc_auc(scored[:, 0], scored[:, 3])
+    return (float("nan"), float("nan")) if new is None or before is None else (new, before)

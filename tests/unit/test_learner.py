@@ -13,6 +13,7 @@ from recserve.core.spec.parse import parse_spec
 from recserve.loop.batch import trainable
 from recserve.loop.learner import Learner
 from recserve.loop.metrics import learn_samples, text
+from recserve.loop.watch import Watch
 from tests.loop_examples import examples
 from tests.model_exports import DEEPFM_SPEC
 from tests.store_tables import spec_store
@@ -301,3 +302,15 @@ def test_a_publish_watched_when_the_learner_restarts_is_judged_and_rolled_back_a
     assert set(reverted) == {5} and not again.watching and not again.restored
     learner_state.save_watches(again, tmp_path / "watches.npz")
     assert learner_state.restore_watches(learner(spec)[1], tmp_path / "watches.npz") == 0
+
+
+def test_a_version_ranking_its_examples_worse_than_the_rows_it_replaced_is_rolled_back(spec):
+    for margin, rolled in ((None, False), (0.05, True)):
+        _, learn = learner(spec)
+        # label, weight, the version's score, the replaced rows': log loss within 0.3, AUC 0.5 against 1
+        scored = np.array([[1, 1, 0.4, 0.6], [1, 1, 0.6, 0.6], [0, 1, 0.6, 0.4], [0, 1, 0.4, 0.4]], float)
+        learn.watching.append(Watch({"item": 5}, {}, {}, 0.5, [scored]))
+        reverted = learn.watch(lambda table, version: 6, 4, 0.3, max_auc_drop=margin)
+        assert (reverted == {"item": 6}) is rolled and learn.last_watch_auc == (0.5, 1.0)
+        assert learn.last_watch[0] < learn.last_watch[1] + 0.3
+        assert 'recserve_learn_watch_auc{rows="replaced"} 1\n' in text(learn_samples(learn))
