@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from recserve.backends.base.artifacts import (
     file_entry,
     load_array,
+    model_versions,
     read_manifest,
     save_array,
     verified_path,
@@ -235,10 +236,10 @@ def add_tensorrt_engine(
 
 def load_reference_net(spec: ModelSpec, repository: Path) -> CTRNet:
     """The trained PyTorch network of a built repository (checked weights, no pickle)."""
-    return load_net(spec, _weights(spec, version_dir(repository, DENSE, spec)))
+    return load_net(spec, _weights(version_dir(repository, DENSE, spec)))
 
 
-def _weights(spec: ModelSpec, root: Path) -> Path:
+def _weights(root: Path) -> Path:
     """The checked weights file of the dense version folder ``root``."""
     files = read_manifest(root)["files"]
     if "weights" not in files:
@@ -252,7 +253,7 @@ def _weights(spec: ModelSpec, root: Path) -> Path:
 def dense_runner(spec: ModelSpec, root: Path, runtime: str = "torch") -> DenseFn:
     """The dense version folder ``root`` in process: its PyTorch net, or ONNX Runtime as served (buckets)."""
     if runtime == "torch":
-        net = load_net(spec, _weights(spec, root))
+        net = load_net(spec, _weights(root))
         return lambda inputs: torch_predict(net, inputs)
     if runtime == "onnx":
         path = verified_path(root, read_manifest(root)["files"]["model"])
@@ -262,8 +263,7 @@ def dense_runner(spec: ModelSpec, root: Path, runtime: str = "torch") -> DenseFn
 
 def dense_versions(repository: Path) -> list[int]:
     """The dense model's version folders in ``repository``, ascending."""
-    folder = repository / DENSE
-    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+    return model_versions(repository / DENSE)
 
 
 def load_served_net(spec: ModelSpec, repository: Path) -> tuple[int, CTRNet | OnnxNet]:
@@ -277,7 +277,7 @@ def load_served_net(spec: ModelSpec, repository: Path) -> tuple[int, CTRNet | On
     files = read_manifest(root)["files"]
     if "weights" not in files:
         return version, OnnxNet(verified_path(root, files["model"]))
-    return version, load_net(spec, verified_path(root, files["weights"]))
+    return version, load_net(spec, _weights(root))
 
 
 def new_version_engine(repository: Path) -> dict | None:

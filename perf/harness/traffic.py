@@ -21,6 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype, serialize_byte_tensor
 
+from recserve.backends.base.artifacts import model_versions
 from recserve.build.synthetic import generate
 from recserve.core.names import DENSE_VERSION, EMBEDDING_VERSION, PROBABILITY
 from recserve.core.spec.model import ModelSpec
@@ -71,14 +72,9 @@ class TrafficCounts:
                 self.failures.append(f"valid request failed: {error!s}"[:300])
 
 
-def served_versions(repository: Path, model: str) -> list[int]:
-    """Version folders of ``model`` in the repository, ascending."""
-    return sorted(int(p.name) for p in (repository / model).iterdir() if p.is_dir() and p.name.isdigit())
-
-
 def add_version(repository: Path, model: str, source_version: int | None = None) -> int:
     """Copy a version folder (the newest by default) to the next version number; returns it."""
-    versions = served_versions(repository, model)
+    versions = model_versions(repository / model)
     new = versions[-1] + 1
     shutil.copytree(repository / model / str(source_version or versions[-1]), repository / model / str(new))
     return new

@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from recserve.backends.base.artifacts import model_versions
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
 from recserve.core.spec.model import ModelSpec
 from recserve.perf.harness.traffic import (
     TrafficCounts,
     add_version,
     scratch_repository,
-    served_versions,
     traffic_worker,
 )
 from recserve.server import Ports, Security, TritonServer, expected_stubs
@@ -172,7 +172,7 @@ class DenseVersionUpdater:
 
     def __call__(self) -> str:
         """Load the next version through the model-repository API."""
-        old = served_versions(self.repository, self.model)
+        old = model_versions(self.repository / self.model)
         new = add_version(self.repository, self.model)
         with grpcclient.InferenceServerClient(self.grpc_url) as client:
             client.load_model(self.model, headers=self.headers)

@@ -230,3 +230,8 @@ def read_manifest(root: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{MANIFEST} is not valid JSON: {exc}") from None
+
+
+def model_versions(model_dir: Path) -> list[int]:
+    """The version folders of a model's folder in a Triton repository (numbered ones only), ascending."""
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
