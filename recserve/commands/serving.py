@@ -194,13 +194,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _verify_log(args: argparse.Namespace, spec) -> int:
     """``verify --log DIR``: the logged records scored again offline against their logged scores."""
-    from recserve.build.repository import dense_runners, reference_pipeline
+    from recserve.backends.steps.pipeline import InProcessPipeline
+    from recserve.backends.store.tiered import TieredStore
+    from recserve.build.repository import dense_runners, version_dir
+    from recserve.core.names import EMBEDDING_LOOKUP
     from recserve.verify_log import rescore_log
 
     if not args.log.is_dir():
         raise ValueError(f"--log {args.log}: not a folder")
-    pipeline = reference_pipeline(spec, args.repository, runtime=args.runtime)
     dense = dense_runners(spec, args.repository, args.runtime)  # each record by the version that served it
+    store = TieredStore.load(version_dir(args.repository, EMBEDDING_LOOKUP, spec), spec)
+    pipeline = InProcessPipeline(spec, store, dense[spec.version])  # the built version's loaded once
     check = rescore_log(spec, pipeline.embeddings, dense, args.log)
     tolerance = LOG_TOLERANCE if args.tolerance is None else args.tolerance
     print(
