@@ -31,15 +31,14 @@ def save(learner: Learner, path: Path) -> None:
     """The accumulators of the rows as last published, to ``path`` (replaced whole)."""
     published = {**learner.restored, **learner.published_accumulators}
     keys = list(published)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as handle:
-        np.savez(
-            handle,
-            tables=np.array([t for t, _ in keys], np.int16),
-            keys=np.array([k for _, k in keys], np.int64),
-            sums=np.array([published[k] for k in keys], np.float64),
-        )
-    os.replace(temporary, path)
+    _write(
+        path,
+        {
+            "tables": np.array([t for t, _ in keys], np.int16),
+            "keys": np.array([k for _, k in keys], np.int64),
+            "sums": np.array([published[k] for k in keys], np.float64),
+        },
+    )
 
 
 def restore(learner: Learner, path: Path) -> int:
@@ -57,6 +56,7 @@ def restore(learner: Learner, path: Path) -> int:
 
 
 def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``arrays`` as an ``.npz`` at ``path``, replaced whole (a reader never sees half of it)."""
     temporary = path.with_name(f".{path.name}.tmp")
     with open(temporary, "wb") as handle:
         np.savez(handle, **arrays)
