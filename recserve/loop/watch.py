@@ -56,7 +56,7 @@ def judge(scored_parts: list[np.ndarray], share: float, watch_examples: int) -> 
     None until ``watch_examples`` came with both kinds of label where both weigh; the positives
     and negatives are weighed to ``share``, the positives' share before the publish.
     """
-    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    scored = _joined(scored_parts)
     positive = scored[:, 0] > 0.5
     if len(scored) < watch_examples or (share > 0 and not positive.any()) or (
         share < 1 and positive.all()
@@ -86,8 +86,7 @@ def progressive_check(scored_parts: list[np.ndarray]) -> tuple[float, float]:
     the served score (NaN: none came). Measured on the examples that carry their served score
     (NaN, NaN: none does).
     """
-    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
-    scored = scored[~np.isnan(scored[:, 3])]
+    scored = _with_served(scored_parts)
     if not len(scored):
         return float("nan"), float("nan")
     labels, weights = scored[:, 1], scored[:, 2]
@@ -96,7 +95,7 @@ def progressive_check(scored_parts: list[np.ndarray]) -> tuple[float, float]:
 
 def positive_share(scored_parts: list[np.ndarray]) -> float:
     """The positives' weighted share of ``scored_parts`` (as :func:`progressive_check` reads them)."""
-    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    scored = _joined(scored_parts)
     weights = scored[:, 2].sum()
     return float((scored[:, 2] * scored[:, 1]).sum() / weights) if weights > 0 else 0.0
 
@@ -107,8 +106,7 @@ def progressive_auc(scored_parts: list[np.ndarray]) -> tuple[float, float]:
     As :func:`progressive_check`, on the examples that carry their served score; NaN, NaN where
     they hold one label alone.
     """
-    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
-    scored = scored[~np.isnan(scored[:, 3])]
+    scored = _with_served(scored_parts)
     learner, served = roc_auc(scored[:, 1], scored[:, 0]), roc_auc(scored[:, 1], scored[:, 3])
     return (float("nan"), float("nan")) if learner is None or served is None else (learner, served)
 
@@ -136,6 +134,17 @@ def watched_auc(scored_parts: list[np.ndarray]) -> tuple[float, float]:
     Unlike the log loss it needs no weighing to the positives' share: a rank statistic does not
     move with the classes' proportions, so the clicks coming first do not bias it.
     """
-    scored = np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+    scored = _joined(scored_parts)
     new, before = roc_auc(scored[:, 0], scored[:, 2]), roc_auc(scored[:, 0], scored[:, 3])
     return (float("nan"), float("nan")) if new is None or before is None else (new, before)
+
+
+def _joined(scored_parts: list[np.ndarray]) -> np.ndarray:
+    """The batches' ``[examples, 4]`` arrays one under the other (none: an empty one)."""
+    return np.concatenate(scored_parts) if scored_parts else np.zeros((0, 4))
+
+
+def _with_served(scored_parts: list[np.ndarray]) -> np.ndarray:
+    """The examples of ``scored_parts`` that carry their served score (column 3 not NaN)."""
+    scored = _joined(scored_parts)
+    return scored[~np.isnan(scored[:, 3])]
