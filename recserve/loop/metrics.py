@@ -133,46 +133,11 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
             (),
             float(learner.refused_publishes),
         ),
-        *(
-            MetricSample(
-                "recserve_learn_check_log_loss",
-                "gauge",
-                "The last publish decision's log loss, of the learner's and of the served scores",
-                (("scores", who),),
-                value,
-            )
-            for who, value in zip(("learner", "served"), learner.last_check, strict=True)
-        ),
-        *(
-            MetricSample(
-                "recserve_learn_check_auc",
-                "gauge",
-                "The last publish decision's AUC, of the learner's and of the served scores",
-                (("scores", who),),
-                value,
-            )
-            for who, value in zip(("learner", "served"), learner.last_auc, strict=True)
-        ),
-        *(
-            MetricSample(
-                "recserve_learn_watch_log_loss",
-                "gauge",
-                "The last judged publish's log loss on the examples it served: its rows', the replaced ones'",
-                (("rows", who),),
-                value,
-            )
-            for who, value in zip(("published", "replaced"), learner.last_watch, strict=True)
-        ),
-        *(
-            MetricSample(
-                "recserve_learn_watch_auc",
-                "gauge",
-                "The last judged publish's AUC on the examples it served: its rows', the replaced ones'",
-                (("rows", who),),
-                value,
-            )
-            for who, value in zip(("published", "replaced"), learner.last_watch_auc, strict=True)
-        ),
+        *_pair("check_log_loss", "The last publish decision's log loss", "scores", learner.last_check),
+        *_pair("check_auc", "The last publish decision's AUC", "scores", learner.last_auc),
+        # the watch: a publish judged on the examples it served
+        *_pair("watch_log_loss", "The last judged publish's log loss", "rows", learner.last_watch),
+        *_pair("watch_auc", "The last judged publish's AUC", "rows", learner.last_watch_auc),
         *(
             MetricSample(
                 "recserve_learn_freshness_seconds",
@@ -185,6 +150,21 @@ def learn_samples(learner: Learner) -> list[MetricSample]:
         ),
         *(dense_samples(learner.dense) if learner.dense is not None else ()),
     ]
+
+
+#: the two sides of a compared figure, by label: the learner's against the served scores (a publish
+#: decision), a publish's rows against those it replaced, on the examples it served (a watch)
+SIDES = {"scores": ("learner", "served"), "rows": ("published", "replaced")}
+
+
+def _pair(name: str, description: str, label: str, values: tuple[float, float]) -> list[MetricSample]:
+    """``recserve_learn_<name>{<label>=...}``: a figure of both sides of a comparison."""
+    first, second = SIDES[label]
+    return [
+        MetricSample(f"recserve_learn_{name}", "gauge", f"{description}: the {first} and the {second}",
+                     ((label, side),), value)
+        for side, value in zip(SIDES[label], values, strict=True)
+    ]  # fmt: skip
 
 
 def dense_samples(dense: DenseTrainer) -> list[MetricSample]:
