@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from recserve.backends.base import batching
 from recserve.backends.base.arrays import side_by_side
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
 from recserve.backends.request_log.segments import ParquetSegments
@@ -111,16 +110,18 @@ class _Part:
 def _common(parts: Sequence[_Part], counts: np.ndarray) -> list[pa.Array]:
     """The columns every record has, for the requests of ``parts`` with ``counts`` rows each."""
     starts = np.cumsum(counts) - counts
+    request = np.repeat(np.arange(len(parts), dtype=np.int32), counts)  # each row's request
+    which = pa.array(request)
 
-    def each(values: list[Any]) -> np.ndarray:
-        return np.repeat(np.array(values, dtype=object), counts)
+    def each(values: list[str]) -> pa.Array:
+        return pa.array(values, pa.string()).take(which)
 
     return [
-        pa.array(each([p.identity.request_id for p in parts]), pa.string()),
-        pa.array((np.arange(int(counts.sum())) - np.repeat(starts, counts)).astype(np.int32)),
-        pa.array(np.repeat(np.array([p.time_us for p in parts], np.int64), counts), TIME),
-        pa.array(each([p.identity.variant for p in parts]), pa.string()),
-        pa.array(each([p.identity.traffic for p in parts]), pa.string()),
+        each([p.identity.request_id for p in parts]),
+        pa.array((np.arange(request.shape[0]) - starts[request]).astype(np.int32)),
+        pa.array(np.array([p.time_us for p in parts], np.int64)[request], TIME),
+        each([p.identity.variant for p in parts]),
+        each([p.identity.traffic for p in parts]),
     ]
 
 
@@ -248,52 +249,62 @@ def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, 
 
     Within a request, a history is written once, on the first row that has it (an owner's rows are
     consecutive, so a list's user's is on its first candidate); every other row names that row.
+    Each owner's history is taken as its valid keys in order (what the column holds), so requests
+    of different history widths need no padding.
     """
     owners = np.array([p.columns[3].shape[0] for p in parts])
-    # the requests' histories one under the other, the narrower zero-padded: their mask 0 there
-    joined = batching.merge([{"keys": p.columns[3], "mask": p.columns[4]} for p in parts])[0]
-    history, valid = joined["keys"], joined["mask"] > 0
+    masks = [p.columns[4] > 0 for p in parts]
+    lengths = np.concatenate([v.sum(axis=1) for v in masks])
+    values = np.concatenate([p.columns[3][v] for p, v in zip(parts, masks, strict=True)]).astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
     row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
     rows = int(counts.sum())
     row_in_request = np.arange(rows) - np.repeat(row_start, counts)
     owner_of_row = row_in_request * np.repeat(owners, counts) // np.repeat(counts, counts)
     owner_of_row += np.repeat(owner_start, counts)
-    first_row = np.searchsorted(owner_of_row, np.arange(history.shape[0]))
-    lengths = valid.sum(axis=1)
-    first = first_row[_first_equal(history, valid, lengths, np.repeat(np.arange(len(parts)), owners))]
-    first = first[owner_of_row]
+    first_row = np.searchsorted(owner_of_row, np.arange(lengths.shape[0]))
+    request = np.repeat(np.arange(len(parts)), owners)
+    first = first_row[_first_equal(values, starts, lengths, request)][owner_of_row]
     carriers = first == np.arange(rows)  # the rows that carry a history
+    carrying = owner_of_row[carriers]  # their owners, in order
     offsets = np.zeros(rows + 1, np.int32)
     np.cumsum(np.where(carriers, lengths[owner_of_row], 0), out=offsets[1:])
-    if carriers.all() and owner_of_row.shape[0] == history.shape[0]:  # every row its own owner, all apart
-        values = history[valid]
-    else:
-        carrying = owner_of_row[carriers]
-        values = history[carrying][valid[carrying]]
+    if carrying.shape[0] < lengths.shape[0]:  # some owners' histories are written by others
+        values = values[_segments(starts[carrying], lengths[carrying])]
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(~carriers))
     return (first - np.repeat(row_start, counts)).astype(np.int32), column
 
 
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of the segments ``[start, start + length)``, one after the other."""
+    return np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+
+
 def _first_equal(
-    history: np.ndarray, valid: np.ndarray, lengths: np.ndarray, request: np.ndarray
+    values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, request: np.ndarray
 ) -> np.ndarray:
     """For each owner, the first owner of its request with the same history (itself when none).
 
-    A history is its ``valid`` keys in place. Owners are grouped by a cheap digest (the request,
-    the length and the sum of the valid keys) and each is checked against its group's first, so
-    two different histories are never merged.
+    An owner's history is ``values[start:start + length]``. Owners are grouped by a cheap digest
+    (the request, the length and a sum of the spread keys) and each is checked against its
+    group's first, so two different histories are never merged.
     """
-    sums = np.add.reduce(history.view(np.uint64), axis=1, where=valid, initial=np.uint64(0))
-    digest = sums ^ (lengths.astype(np.uint64) << np.uint64(40)) ^ request.astype(np.uint64)
+    spread = values.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    sums = np.zeros(values.shape[0] + 1, np.uint64)
+    np.cumsum(spread, out=sums[1:])
+    digest = sums[starts + lengths] - sums[starts]
+    digest ^= (lengths.astype(np.uint64) << np.uint64(40)) ^ request.astype(np.uint64)
     _, first, which = np.unique(digest, return_index=True, return_inverse=True)
     found = first[which.reshape(-1)]
     claimed = np.flatnonzero(found != np.arange(found.shape[0]))
     if claimed.size:
         other = found[claimed]
-        same = (request[claimed] == request[other]) & (valid[claimed] == valid[other]).all(axis=1)
-        same &= (
-            np.where(valid[claimed], history[claimed], 0) == np.where(valid[other], history[other], 0)
-        ).all(axis=1)
+        same = (request[claimed] == request[other]) & (lengths[claimed] == lengths[other])
+        checked, length = np.flatnonzero(same), lengths[claimed[same]]
+        differs = values[_segments(starts[claimed[checked]], length)]
+        differs = differs != values[_segments(starts[other[checked]], length)]
+        owner = np.repeat(np.arange(checked.shape[0]), length)
+        same[checked[np.bincount(owner[differs], minlength=checked.shape[0]) > 0]] = False
         found[claimed[~same]] = claimed[~same]
     return found
 

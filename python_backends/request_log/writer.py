@@ -35,7 +35,8 @@ DEPTH_HELP = "Requests waiting in the log's queue for its writer"
 #: how often the writer wakes to close segments that are due by time
 POLL_S = 0.2
 #: how long the writer lets requests gather once one is queued: their records are built together
-LINGER_S = 0.05
+#: (at 300 requests a second, about 60 a build: a third less of the writer's time a request than 15)
+LINGER_S = 0.2
 #: requests built together at most
 GATHER = 256
 

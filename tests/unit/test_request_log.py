@@ -134,6 +134,28 @@ def test_requests_built_together_keep_their_own_rows_and_a_lists_history_is_on_i
     assert table["keys"][5] == list(range(5 * keys, 6 * keys))
 
 
+def test_histories_with_the_same_keys_in_another_order_are_written_apart(spec, tmp_path):
+    """The history digest is order-blind (a sum): each match is checked, so none is merged wrongly."""
+    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
+    log = FeatureLog(spec, LoggingSection(enabled=True), writer)
+    keys = len(spec.categorical.features) + len(spec.targets)
+    log(
+        Request("r"),
+        {},
+        {
+            SPARSE_EMBEDDINGS: np.zeros((4, 1)),
+            EMBEDDING_VERSION: np.ones((1, len(spec.table_names))),
+            TAPPED_KEYS: np.zeros((4, keys)),
+            TAPPED_HISTORY: np.array([[1, 2, 0], [2, 1, 0], [1, 2, 0], [0, 1, 2]]),
+            TAPPED_HISTORY_MASK: np.array([[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 1, 1]], np.float32),
+        },
+    )
+    writer.close()
+    table = read_kind(tmp_path, FEATURES).to_pydict()
+    assert table["history_row"] == [0, 1, 0, 0]  # the last: the same valid keys, in other places
+    assert table["history"] == [[1, 2], [2, 1], None, None]
+
+
 def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
     sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
     release = threading.Event()
