@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from recserve.backends.base.artifacts import model_versions
 from recserve.backends.features.hashing import keys_for, table_salt
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP
@@ -78,8 +79,8 @@ class RepositoryKeySpace:
         folder = repository / DENSE
         if not self.dense_version:  # an imported network: the rows themselves, whatever its version
             return False
-        numbers = [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
-        for number in sorted((n for n in numbers if n > self.dense_version), reverse=True):
+        numbers = model_versions(folder) if folder.is_dir() else []
+        for number in reversed([n for n in numbers if n > self.dense_version]):
             try:
                 weight, bias = _key_projection(folder / str(number))
             except (OSError, ValueError, KeyError) as exc:
