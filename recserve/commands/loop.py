@@ -17,8 +17,7 @@ from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
 
 if TYPE_CHECKING:
-    from recserve.loop.dense import DenseTrainer
-    from recserve.loop.learner import Learner
+    pass
 
 
 def item_key(spec: ModelSpec) -> Callable[[int], int] | None:
@@ -82,154 +81,9 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _learn(args: argparse.Namespace) -> int:
-    import time
+    from recserve.commands.learn_loop import LearnLoop
 
-    import pyarrow.parquet as pq
-    import torch
-
-    from recserve.backends.dense.network import CTRNet
-    from recserve.backends.store.served import ServedStore
-    from recserve.build.repository import load_served_net
-    from recserve.commands.spec_source import command_spec
-    from recserve.core.names import EMBEDDING_LOOKUP
-    from recserve.loop import learner_state
-    from recserve.loop.dense import DenseTrainer
-    from recserve.loop.joiner import committed_segments
-    from recserve.loop.learner import Learner
-
-    spec = command_spec(args)
-    served = ServedStore.open(spec, args.repository / EMBEDDING_LOOKUP / str(spec.version), start=False)
-    dense_version, net = load_served_net(spec, args.repository)
-    torch.set_num_threads(max(1, torch.get_num_threads() // 2))
-    given = {
-        "learning_rate": args.learning_rate,
-        "max_loss_increase": args.max_loss_increase,
-        "max_auc_drop": args.max_auc_drop,
-        "watch_examples": args.watch_examples,
-        "train_tables": args.train_tables,
-        "dense_learning_rate": args.dense_learning_rate,
-        "dense_publish_seconds": args.dense_publish_seconds,
-    }
-    settings = dataclasses.replace(spec.loop, **{k: v for k, v in given.items() if v is not None})
-    settings.check(spec.table_names)
-    examples = args.examples_dir or Path(spec.loop.examples_directory)
-    progress = examples / ".state" / "learner.json"  # what a restart keeps of the learner: beside it
-    dense_kept = progress.with_name("learner-dense-optimizer.safetensors")
-    dense = None
-    if settings.dense_learning_rate > 0:
-        if not isinstance(net, CTRNet):
-            raise ValueError(
-                "the dense network is an imported ONNX one, kept frozen: leave --dense-learning-rate at 0"
-            )
-        dense = DenseTrainer(net, settings.dense_learning_rate, dense_version)
-        learner_state.restore_dense(dense, dense_kept)
-        from recserve.commands.dense_versions import dense_publisher
-
-        publish_dense = dense_publisher(spec, args.repository, args.servers)
-    learner = Learner(spec, served.store, net, settings.learning_rate, settings.train_tables, dense)
-    trained = json.loads(progress.read_text())["trained"] if progress.exists() else 0
-    kept = progress.with_name("learner-accumulators.npz")
-    learner_state.restore(learner, kept)
-    watches = progress.with_name("learner-watches.npz")
-    learner_state.restore_watches(learner, watches)
-
-    def keep() -> None:  # what a restart takes back: the published rows' accumulators, the watches
-        learner_state.save(learner, kept)
-        learner_state.save_watches(learner, watches)
-
-    log = served.updater.log
-
-    def publish(table: str, keys, vectors) -> int:  # through the update log, as recserve update does
-        version = log.publish(
-            table, keys, vectors, served.store.table_dim(table),
-            check=lambda: served.updater.check_publishable(table, keys),
-        )  # fmt: skip
-        if served.maintainer.stream is not None:
-            served.maintainer.stream.publish(table, version)
-        return version
-
-    def rollback(table: str, version: int) -> int:  # serve again what ``version`` replaced
-        revert = log.rollback(table, log.record(table, version).parent)
-        if served.maintainer.stream is not None:
-            served.maintainer.stream.publish(table, revert)
-        return revert
-
-    if args.metrics_port is not None:
-        from recserve.loop.metrics import learn_samples, text
-        from recserve.server.metrics_endpoint import serve_metrics
-
-        serve_metrics(args.metrics_port, lambda: text(learn_samples(learner)), "loop-metrics")
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    started = last_publish = last_dense = time.monotonic()
-    pending = trained
-    published: dict[str, int] = {}
-    while not stop.is_set():
-        segments = committed_segments(examples, pending)
-        for seq, path in segments:
-            table = pq.read_table(path)
-            for start in range(0, table.num_rows, args.batch_size):
-                figures = learner.train(table.slice(start, args.batch_size))
-                line = {"segment": seq, "examples": figures.examples, "rows": figures.rows}
-                print(json.dumps({**line, "log_loss": round(figures.log_loss, 5)}), flush=True)
-            pending = seq
-            watched = len(learner.watching)
-            margins = (settings.max_loss_increase, settings.max_auc_drop)
-            reverted = learner.watch(rollback, settings.watch_examples, *margins)
-            if reverted:
-                print(json.dumps({"rolled_back": reverted}), flush=True)
-            if len(learner.watching) != watched:  # judged: kept or rolled back
-                keep()
-            if dense is not None:
-                revert = dense.watch(publish_dense, settings.watch_examples, *margins)
-                if revert is not None:
-                    print(json.dumps({"dense_rolled_back": revert}), flush=True)
-                    learner_state.save_dense(dense, dense_kept)
-        done = args.once and not segments
-        dense_due = done or time.monotonic() - last_dense >= settings.dense_publish_seconds
-        if dense is not None and dense.pending and dense_due:
-            version = dense.publish(publish_dense, settings.max_loss_increase, settings.max_auc_drop)
-            last_dense = time.monotonic()
-            if version is not None:
-                dense_kept.parent.mkdir(parents=True, exist_ok=True)
-                learner_state.save_dense(dense, dense_kept)
-            print(json.dumps({"dense_published": version, **_checked(dense)}), flush=True)
-        if learner.touched and (done or time.monotonic() - last_publish >= args.publish_seconds):
-            published = learner.publish(
-                publish, max_loss_increase=settings.max_loss_increase, max_auc_drop=settings.max_auc_drop
-            )
-            last_publish = time.monotonic()
-            progress.parent.mkdir(parents=True, exist_ok=True)
-            temporary = progress.with_name(".learner.json.tmp")
-            temporary.write_text(json.dumps({"trained": pending, "versions": published}))
-            temporary.replace(progress)  # what was trained up to the rows just published
-            keep()
-            fresh = [round(f, 3) for f in learner.freshness]
-            decision: dict[str, object] = {
-                "published": published,
-                "trained": pending,
-                **_checked(learner),
-                "freshness_p50_s": fresh[0],
-                "freshness_p99_s": fresh[1],
-            }
-            print(json.dumps(decision), flush=True)
-        if done or (args.for_seconds is not None and time.monotonic() - started >= args.for_seconds):
-            break
-        if not segments:
-            stop.wait(1.0)
-    return 0
-
-
-def _checked(trainer: Learner | DenseTrainer) -> dict[str, float]:
-    """A publish decision's figures (the learner's or its dense trainer's) for its JSON line."""
-    (loss, served_loss), (auc, served_auc) = trainer.last_check, trainer.last_auc
-    return {
-        "log_loss": round(loss, 5),
-        "served_log_loss": round(served_loss, 5),
-        "auc": round(auc, 4),
-        "served_auc": round(served_auc, 4),
-    }
+    return LearnLoop(args).run()
 
 
 def table_names(text: str) -> tuple[str, ...]:
