@@ -80,6 +80,7 @@ class LearnLoop:
         self.examples = args.examples_dir or Path(spec.loop.examples_directory)
         self.progress = self.examples / ".state" / "learner.json"  # what a restart keeps: beside them
         self.dense_kept = self.progress.with_name("learner-dense-optimizer.safetensors")
+        self.dense_watches = self.progress.with_name("learner-dense-watches.safetensors")
         self.dense: DenseTrainer | None = None
         if settings.dense_learning_rate > 0:
             if not isinstance(net, CTRNet):
@@ -88,6 +89,7 @@ class LearnLoop:
                 )
             self.dense = DenseTrainer(net, settings.dense_learning_rate, dense_version)
             learner_state.restore_dense(self.dense, self.dense_kept)
+            learner_state.restore_dense_watches(self.dense, self.dense_watches)
             from recserve.commands.dense_versions import dense_publisher
 
             self.publish_dense = dense_publisher(spec, args.repository, args.servers)
@@ -164,10 +166,13 @@ class LearnLoop:
         if len(self.learner.watching) != watched:  # judged: kept or rolled back
             self.keep()
         if self.dense is not None:
+            watched = len(self.dense.watching)
             revert = self.dense.watch(self.publish_dense, self.settings.watch_examples, *self.margins)
             if revert is not None:
                 say({"dense_rolled_back": revert})
                 learner_state.save_dense(self.dense, self.dense_kept)
+            if len(self.dense.watching) != watched:  # judged: kept or rolled back
+                learner_state.save_dense_watches(self.dense, self.dense_watches)
 
     def publish_dense_when_due(self, done: bool) -> None:
         """A new dense version, when the weights trained and their interval passed (or at the end)."""
@@ -177,8 +182,8 @@ class LearnLoop:
         version = self.dense.publish(self.publish_dense, *self.margins)
         self.last_dense = time.monotonic()
         if version is not None:
-            self.dense_kept.parent.mkdir(parents=True, exist_ok=True)
             learner_state.save_dense(self.dense, self.dense_kept)
+            learner_state.save_dense_watches(self.dense, self.dense_watches)
         say({"dense_published": version, **checked(self.dense)})
 
     def publish_rows_when_due(self, done: bool) -> None:

@@ -11,18 +11,23 @@ replaced atomically:
   named with that version: taken back only when the newest served version is still that one;
 * the publishes still watched (:func:`save_watches`): their versions, the rows they published and
   those they replaced (with their accumulators), so a version published just before a restart is
-  still judged, and rolled back, after it. Not the examples they had scored: a restarted learner
-  trains again on the examples after its last publish, and scores them again then.
+  still judged, and rolled back, after it; and the dense versions still watched
+  (:func:`save_dense_watches`): their weights, those they replaced and the optimizer's state then.
+  Not the examples they had scored: a restarted learner trains again on the examples after its
+  last publish, and scores them again then.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
-from recserve.loop.dense import DenseTrainer
+from recserve.loop.dense import DenseTrainer, DenseWatch
 from recserve.loop.learner import Learner
 from recserve.loop.watch import Key, Watch
 
@@ -122,14 +127,72 @@ def restore_watches(learner: Learner, path: Path) -> int:
 
 def save_dense(dense: DenseTrainer, path: Path) -> None:
     """The dense optimizer's state as its served version was published, to ``path`` (safetensors)."""
+    _save_tensors(path, _optimizer_tensors(dense.published[1], ""), {"version": str(dense.version)})
+
+
+def _optimizer_tensors(optimizer_state: dict, prefix: str) -> dict[str, torch.Tensor]:
+    """An Adagrad ``state_dict()``'s per-parameter tensors by ``<prefix><index>.<field>``."""
+    return {f"{prefix}{i}.{name}": (value.reshape(-1) if name == "step" else value).contiguous()
+            for i, entry in optimizer_state["state"].items() for name, value in entry.items()}  # fmt: skip
+
+
+def _optimizer_state(saved: Any, prefix: str) -> dict[int, dict[str, torch.Tensor]]:
+    """The per-parameter state :func:`_optimizer_tensors` wrote under ``prefix``."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name in saved.keys():  # noqa: SIM118 - a safetensors file, not a dict
+        if name.startswith(prefix) and "/" not in name[len(prefix) :]:
+            index, field = name[len(prefix) :].split(".")
+            value = saved.get_tensor(name)
+            state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else value
+    return state
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    state = dense.published[1]["state"]
-    tensors = {f"{i}.{name}": (value.reshape(-1) if name == "step" else value).contiguous()
-               for i, entry in state.items() for name, value in entry.items()}  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(temporary), {"version": str(dense.version)})
+    save_file(tensors, str(temporary), metadata)
     os.replace(temporary, path)
+
+
+def save_dense_watches(dense: DenseTrainer, path: Path) -> None:
+    """The dense versions still watched, to ``path`` (safetensors), for a restarted learner to judge.
+
+    Each one's weights, those it replaced and the optimizer's state then.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    heads = []
+    for k, watch in enumerate(dense.watching):
+        tensors |= {f"{k}/weights/{name}": value.contiguous() for name, value in watch.weights.items()}
+        tensors |= {f"{k}/replaced/{name}": value.contiguous() for name, value in watch.replaced[0].items()}
+        tensors |= _optimizer_tensors(watch.replaced[1], f"{k}/optimizer/")
+        heads.append({"version": watch.version, "positive_share": watch.positive_share})
+    _save_tensors(path, tensors, {"watches": json.dumps(heads)})
+
+
+def restore_dense_watches(dense: DenseTrainer, path: Path) -> int:
+    """Give ``dense`` back the watches saved at ``path`` of the versions up to the one it serves; how many."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        return 0
+    with safe_open(str(path), "pt") as saved:
+        heads = json.loads((saved.metadata() or {}).get("watches", "[]"))
+        names = list(saved.keys())  # noqa: SIM118 - a safetensors file, not a dict
+
+        def weights(prefix: str) -> dict[str, torch.Tensor]:
+            return {n[len(prefix) :]: saved.get_tensor(n) for n in names if n.startswith(prefix)}
+
+        groups = dense.optimizer.state_dict()["param_groups"]
+        for k, head in enumerate(heads):
+            if head["version"] > dense.version:
+                continue  # a version this restart does not serve
+            replaced = (weights(f"{k}/replaced/"), {"state": _optimizer_state(saved, f"{k}/optimizer/"),
+                                                    "param_groups": groups})  # fmt: skip
+            watch = DenseWatch(head["version"], weights(f"{k}/weights/"), replaced, head["positive_share"])
+            dense.watching.append(watch)
+    return len(dense.watching)
 
 
 def restore_dense(dense: DenseTrainer, path: Path) -> bool:
@@ -141,11 +204,7 @@ def restore_dense(dense: DenseTrainer, path: Path) -> bool:
     with safe_open(str(path), "pt") as saved:
         if (saved.metadata() or {}).get("version") != str(dense.version):
             return False  # saved for another version (a publish after it never got its state written)
-        state: dict[int, dict] = {}
-        for name in saved.keys():  # noqa: SIM118 - a safetensors file, not a dict
-            index, field = name.split(".")
-            value = saved.get_tensor(name)
-            state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else value
+        state = _optimizer_state(saved, "")
     current = dense.optimizer.state_dict()
     if set(state) != set(current["state"]):
         raise ValueError(f"{path}: the saved optimizer state is not this network's")

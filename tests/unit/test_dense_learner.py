@@ -128,3 +128,31 @@ def test_a_restarted_learner_takes_back_the_dense_optimizers_state_of_the_versio
     assert not learner_state.restore_dense(
         DenseTrainer(served, 0.05, version=3), tmp_path / "dense.safetensors"
     )
+
+
+def test_a_restarted_learner_still_judges_and_rolls_back_the_dense_version_it_was_watching(spec, tmp_path):
+    from recserve.loop import learner_state
+
+    tables, learn = learner(spec, dense_lr=0.5)
+    start = learn.dense.weights()
+    for _ in range(5):
+        learn.train(examples(spec, tables, [1, 1, 0, 0]))
+    written = []
+    assert learn.dense.publish(lambda w: written.append(w) or 2) == 2
+    kept = tmp_path / "state" / "dense-watches.safetensors"
+    learner_state.save_dense_watches(learn.dense, kept)
+    served = CTRNet(spec)
+    served.load_state_dict(written[0])
+    # a new process: the newest served version, nothing watched
+    restarted = Learner(
+        spec, learn.store, served, learning_rate=0.05, dense=DenseTrainer(served, 0.5, version=2)
+    )
+    assert learner_state.restore_dense_watches(restarted.dense, kept) == 1
+    assert learner_state.restore_dense_watches(DenseTrainer(served, 0.5, version=1), kept) == 0
+    (watch,) = restarted.dense.watching
+    assert watch.version == 2 and same(watch.weights, written[0]) and same(watch.replaced[0], start)
+    restarted.train(examples(spec, tables, [0, 0, 1, 1], dense_version=2))  # the labels flipped
+    assert restarted.dense.watch(lambda w: written.append(w) or 3, 4, 0.02) == 3
+    assert same(written[1], start) and same(start, restarted.dense.net.state_dict())
+    learner_state.save_dense_watches(restarted.dense, kept)
+    assert learner_state.restore_dense_watches(DenseTrainer(served, 0.5, version=3), kept) == 0
