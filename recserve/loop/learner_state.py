@@ -164,8 +164,10 @@ def save_dense_watches(dense: DenseTrainer, path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     heads = []
     for k, watch in enumerate(dense.watching):
-        tensors |= {f"{k}/weights/{name}": value.contiguous() for name, value in watch.weights.items()}
-        tensors |= {f"{k}/replaced/{name}": value.contiguous() for name, value in watch.replaced[0].items()}
+        # copies: a watch's weights are the next watch's replaced ones, the same tensors, which
+        # safetensors refuses to write twice
+        tensors |= {f"{k}/weights/{name}": value.clone() for name, value in watch.weights.items()}
+        tensors |= {f"{k}/replaced/{name}": value.clone() for name, value in watch.replaced[0].items()}
         tensors |= _optimizer_tensors(watch.replaced[1], f"{k}/optimizer/")
         heads.append({"version": watch.version, "positive_share": watch.positive_share})
     _save_tensors(path, tensors, {"watches": json.dumps(heads)})

@@ -156,3 +156,20 @@ def test_a_restarted_learner_still_judges_and_rolls_back_the_dense_version_it_wa
     assert same(written[1], start) and same(start, restarted.dense.net.state_dict())
     learner_state.save_dense_watches(restarted.dense, kept)
     assert learner_state.restore_dense_watches(DenseTrainer(served, 0.5, version=3), kept) == 0
+
+
+def test_dense_watches_published_one_after_the_other_are_kept_and_taken_back(spec, tmp_path):
+    from recserve.loop import learner_state
+
+    tables, learn = learner(spec, dense_lr=0.05)
+    for version in (2, 3):  # the second replaces the first's weights: the same tensors in both watches
+        learn.train(examples(spec, tables, [1, 0, 1, 0]))
+        assert learn.dense.publish(lambda w, v=version: v) == version
+    learner_state.save_dense_watches(learn.dense, tmp_path / "watches.safetensors")
+    served = CTRNet(spec)
+    served.load_state_dict(learn.dense.published[0])
+    restarted = DenseTrainer(served, 0.05, version=3)
+    assert learner_state.restore_dense_watches(restarted, tmp_path / "watches.safetensors") == 2
+    for kept, before in zip(restarted.watching, learn.dense.watching, strict=True):
+        assert kept.version == before.version and same(kept.weights, before.weights)
+        assert same(kept.replaced[0], before.replaced[0])
