@@ -10,14 +10,10 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from recserve.commands.dense_versions import server_list
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import load_spec
-
-if TYPE_CHECKING:
-    pass
 
 
 def item_key(spec: ModelSpec) -> Callable[[int], int] | None:
