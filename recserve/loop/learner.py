@@ -219,8 +219,9 @@ class Learner:
         self._scored.append(scored)
         if self.dense is not None:
             rows_now = vectors.detach()
-            probability_through = lambda net: self._probability(examples, rows_now, mask, net)  # noqa: E731
-            self.dense.train(probability_through, labels, weights, served)
+            self.dense.train(
+                lambda net: self._probability(examples, rows_now, mask, net), labels, weights, served
+            )
             self.dense.observe(examples, scored, lambda part, net: self.score(part, self.published, net=net))
         self._observe(examples, served)
         return figures
