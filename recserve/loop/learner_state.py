@@ -140,7 +140,7 @@ def _optimizer_state(saved: Any, prefix: str) -> dict[int, dict[str, torch.Tenso
     """The per-parameter state :func:`_optimizer_tensors` wrote under ``prefix``."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name in saved.keys():  # noqa: SIM118 - a safetensors file, not a dict
-        if name.startswith(prefix) and "/" not in name[len(prefix) :]:
+        if name.startswith(prefix):
             index, field = name[len(prefix) :].split(".")
             value = saved.get_tensor(name)
             state.setdefault(int(index), {})[field] = value.reshape(()) if field == "step" else value
