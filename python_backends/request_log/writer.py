@@ -14,7 +14,9 @@ request had no id, so its records could never be joined: not logged).
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +41,10 @@ POLL_S = 0.2
 LINGER_S = 0.2
 #: requests built together at most
 GATHER = 256
+#: the writer thread's nice value (Linux, where a thread has its own): the lowest CPU priority, so
+#: that its bursts (a build, a segment's encoding) give way to the step's request threads and the
+#: dense step's intra-op threads instead of delaying them (docs/design/loop.md, "Logging's latency")
+WRITER_NICE = 19
 
 
 class Sink(Protocol):
@@ -130,6 +136,11 @@ class RecordWriter:
         ]
 
     def _run(self) -> None:
+        if sys.platform.startswith("linux"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+            except OSError:  # a sandbox that forbids it: the writer runs at the step's priority
+                LOGGER.warning("the request log's writer could not lower its CPU priority")
         while True:
             try:
                 first = self._queue.get(timeout=POLL_S)

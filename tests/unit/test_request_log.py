@@ -2,7 +2,9 @@
 the SDK's request ids and the access layer's variant headers."""
 
 import dataclasses
+import os
 import re
+import sys
 import threading
 
 import numpy as np
@@ -21,7 +23,7 @@ from recserve.backends.request_log.step_log import (
     FeatureLog,
     ScoreLog,
 )
-from recserve.backends.request_log.writer import Entry, RecordWriter
+from recserve.backends.request_log.writer import WRITER_NICE, Entry, RecordWriter
 from recserve.clients.request_ids import part_ids, request_id_of
 from recserve.core.names import (
     CANDIDATE_PREFIX,
@@ -171,6 +173,21 @@ def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
     assert {s.labels for s in writer.samples() if s.name == "recserve_log_records_total"} == {
         (("outcome", o),) for o in ("written", "dropped", "failed", "unidentified")
     }
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value is Linux's")
+def test_the_writer_thread_runs_at_the_lowest_cpu_priority_and_the_step_keeps_its_own(tmp_path):
+    seen = []
+
+    def build(_):  # runs on the writer thread
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return scores_batch("ok", 2)
+
+    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
+    writer.offer(Entry(SCORES, 2, build))
+    writer.close()
+    assert seen == [WRITER_NICE] and writer.counts()["written"] == 2
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < WRITER_NICE
 
 
 def test_a_record_that_cannot_be_built_or_written_is_counted_as_failed(tmp_path):
