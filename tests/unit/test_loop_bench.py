@@ -112,10 +112,14 @@ def test_logging_cost_figures(tmp_path):
     recorded = _recorded(tmp_path)
     recorded.throughput_rows = {"loop": 900.0, "frozen": 1000.0}
     recorded.throughput_seconds = {"loop": 1.0, "frozen": 1.0}
+    recorded.latency_s = {"loop": [0.004] * 98 + [0.012] * 2, "frozen": [0.004] * 100}
+    recorded.latency_s["control"] = [0.005] * 100
     figures = cost_figures(recorded)
     assert figures["logging_throughput_ratio"] == 0.9
-    assert figures["logging_p99_ratio"] == pytest.approx(2.0, abs=0.02)
-    assert figures["logging_aa_p99_ratio"] == 1.0
+    assert figures["logging_p99_ratio"] == 3.0  # the latency phase's
+    assert figures["logging_aa_p99_ratio"] == 1.25  # the control against the frozen server
+    assert figures["frozen_p50_ms"] == 4.0 and figures["control_p99_ms"] == 5.0
+    assert figures["rounds_p99_ratio"] == pytest.approx(2.0, abs=0.02)  # the rounds' requests
 
 
 def test_the_replay_runs_the_benchs_stream_through_the_join_and_the_learner(spec):

@@ -9,7 +9,8 @@ processes, as a user runs them. In rounds, one client sends each request of the 
 impressions and clicks as feedback, as the SDK does; the joiner is killed with SIGKILL a third of
 the way and started again, the learner two thirds (``LoopGrid.kill``). Then both stop and, closed
 loop, the servers are driven alone by turns (loop, frozen, frozen, loop, ...) for the throughput
-with and without logging. :mod:`.figures` reads what this module recorded.
+with and without logging, then paced, with a third server (the **control**, another frozen copy)
+for the latency and its A/A (:mod:`.phases`). :mod:`.figures` reads what this module recorded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from recserve.clients.feedback import FeedbackFile
 from recserve.core.rows import Rows
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
+from recserve.perf.bench.loop import phases
+from recserve.perf.bench.loop.phases import LATENCY_SIDES
 from recserve.perf.bench.loop.processes import ADMIN_KEY, kill, start_joiner, start_learner
 from recserve.perf.bench.loop.stream import DriftingStream, StreamSettings
 from recserve.server import Ports, Security, TritonServer
@@ -68,12 +71,17 @@ class LoopGrid:
     # two shared cores, so eight of them put a run's ratio within about 0.035 (four: 0.05)
     throughput_turns: int = 8
     throughput_clients: int = 2  # requests in flight during a turn
+    # the latency phase: per server, turns of one client sending this many requests a second; at 40 a
+    # second, eight turns of 3 s give each server 960 requests, a p99 over its ten slowest
+    latency_rate: float = 40.0
+    latency_seconds: float = 3.0
+    latency_turns: int = 8
     kill: bool = True  # kill -9 the joiner a third of the way and the learner two thirds; each starts again
     stream: StreamSettings = field(default_factory=StreamSettings)
 
     @classmethod
     def quick(cls) -> LoopGrid:
-        """Six 8-second rounds and eight turns of 3 s per server (about 135 s on 2 cores)."""
+        """Six 8-second rounds, then eight turns of 3 s per server in each phase (about 3.5 min here)."""
         return cls(rounds=6, round_seconds=8.0, throughput_seconds=3.0)
 
 
@@ -108,6 +116,8 @@ class Recorded:
     loop_rows_sent: int = 0
     throughput_rows: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
     throughput_seconds: dict[str, float] = field(default_factory=lambda: {"loop": 0.0, "frozen": 0.0})
+    #: each request's latency in the latency phase, per server (:data:`.phases.LATENCY_SIDES`)
+    latency_s: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in LATENCY_SIDES})
     joiner_summary: dict = field(default_factory=dict)
     exits: dict[str, int | None] = field(default_factory=dict)  # the joiner's and the learner's exit status
     kills: list[dict] = field(default_factory=list)  # each kill -9: the process, the round, its time
@@ -179,6 +189,7 @@ def run_loop(
     loop_spec, frozen_spec = bench_specs(spec, folder.resolve(), grid)
     loop_repository = copy_served(source, folder / "loop_repository", loop_spec)
     frozen_repository = copy_served(source, folder / "frozen_repository", frozen_spec)
+    control_repository = copy_served(source, folder / "control_repository", frozen_spec)
     spec_file = folder / SPEC_FILE
     spec_file.write_text(json.dumps(loop_spec.source, indent=1))
     stream = DriftingStream(spec, grid.rounds, grid.stream, row_logits=starting_logits(spec, source))
@@ -193,11 +204,12 @@ def run_loop(
             loop_repository, Ports.free(), log_path=folder / "loop_server.log", security=loop_security
         ),
         "frozen": TritonServer(frozen_repository, Ports.free(), log_path=folder / "frozen_server.log"),
+        "control": TritonServer(control_repository, Ports.free(), log_path=folder / "control_server.log"),
     }
     with ExitStack() as stack:
         for server in servers.values():
             stack.callback(server.stop)
-        progress("[bench-loop] starting the loop and the frozen tritonservers")
+        progress("[bench-loop] starting the loop, the frozen and the control tritonservers")
         _start_all(list(servers.values()))
         joiner = start_joiner(spec_file, recorded, stack)
         learner, reader = start_learner(spec_file, recorded, stack, servers["loop"].grpc_url)
@@ -229,8 +241,11 @@ def run_loop(
             recorded.exits = {"joiner": joiner.returncode, "learner": learner.returncode}
             recorded.joiner_summary = json.loads(out[-1]) if out else {}
             time.sleep(2 * loop_spec.store.update_poll_s + 0.5)  # the last publish served
+            requests = [stream.request(grid.rounds, grid.rows)[0].to_inputs(spec) for _ in range(16)]
             progress("[bench-loop] throughput: each server alone by turns, logging on and off")
-            _throughput(spec, stream, servers, recorded)
+            phases.throughput(spec, requests, servers, recorded)
+            progress("[bench-loop] latency: each server alone by turns, logging on, off and off again")
+            phases.latency(spec, requests, servers, recorded)
         for server in servers.values():
             server.stop()  # the loop server's steps write what they hold
     recorded.seconds = time.monotonic() - started
@@ -304,44 +319,3 @@ def _serve_round(
                 item_version=loop_scores.table_versions()[recorded.item_table],
             )
         )
-
-
-def _throughput(
-    spec: ModelSpec, stream: DriftingStream, servers: dict[str, TritonServer], recorded: Recorded
-) -> None:
-    """Closed-loop turns of each server alone (loop, frozen, frozen, loop, ...): rows answered per second."""
-    grid = recorded.grid
-    requests = [stream.request(grid.rounds, grid.rows)[0].to_inputs(spec) for _ in range(16)]
-    order = [
-        ("loop", "frozen") if turn % 2 == 0 else ("frozen", "loop") for turn in range(grid.throughput_turns)
-    ]
-    for turn, sides in enumerate(order):
-        for side in sides:
-            began = time.monotonic()
-            answered = _turn(spec, servers[side].grpc_url, requests, grid, f"t{turn}-{side}")
-            recorded.throughput_seconds[side] += time.monotonic() - began
-            recorded.throughput_rows[side] += answered * grid.rows
-            if side == "loop":
-                recorded.loop_rows_sent += answered * grid.rows
-
-
-def _turn(
-    spec: ModelSpec, url: str, requests: list[dict[str, np.ndarray]], grid: LoopGrid, prefix: str
-) -> int:
-    """``throughput_clients`` closed loops against ``url`` for ``throughput_seconds``: requests answered."""
-    counts = [0] * grid.throughput_clients
-    deadline = time.monotonic() + grid.throughput_seconds
-
-    def drive(worker: int) -> None:
-        with CTRClient(url, timeout_s=30, spec=spec) as client:
-            while time.monotonic() < deadline:
-                k = counts[worker]
-                client.score_inputs(requests[k % len(requests)], f"{prefix}-{worker}-{k}")
-                counts[worker] += 1
-
-    threads = [threading.Thread(target=drive, args=(w,)) for w in range(grid.throughput_clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(counts)

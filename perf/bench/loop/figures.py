@@ -9,9 +9,12 @@
   click's, as the learner reports; its item table's version). A click whose training was refused,
   or whose version came after the last round, is counted in ``loop_freshness_unserved``.
   ``loop_publish_freshness_*``: the same to the publish alone.
-* ``logging_p99_ratio``: the loop server's p99 latency over the frozen one's on the same requests
-  (the servers alternate going first); ``logging_aa_p99_ratio``: the frozen server's p99 over its
-  even requests against its odd ones (the spread of a p99 of that many requests).
+* ``logging_p99_ratio``: the loop server's p99 latency over the frozen one's in the latency phase
+  (:mod:`.phases`: each server alone by turns, paced, the joiner and the learner stopped);
+  ``logging_aa_p99_ratio``: the control server's (a second frozen copy, logging off) over the
+  frozen one's in the same turns, the A/A: what two servers of one repository differ by at p99.
+  ``rounds_p99_ratio``: the loop server's p99 over the frozen one's on the rounds' requests (each
+  sent to both), with the joiner, the learner and the publishes running beside them.
   ``logging_throughput_ratio``: rows per second answered by the loop server alone against the frozen
   one alone, closed loop, in alternating turns.
 * ``log_records_lost``: rows sent to the loop server without their features record, plus those
@@ -54,6 +57,8 @@ KEYS = (
     "skew_max_abs",
     "loop_published_versions",
 )
+#: the two servers the rounds and the throughput phase compare
+SIDES = ("loop", "frozen")
 #: (seq, path) of the committed example segments in a folder (``recserve.loop.joiner.committed_segments``).
 Segments = Callable[[Path], list[tuple[int, Path]]]
 
@@ -149,26 +154,36 @@ def freshness_figures(recorded: Recorded, segments: Segments) -> tuple[dict, lis
 
 
 def cost_figures(recorded: Recorded) -> dict:
-    """Logging's cost: latency against the frozen server and an A/A split of it, and throughput."""
-    loop = np.array([s.loop_latency_s for s in recorded.served])
-    frozen = np.array([s.frozen_latency_s for s in recorded.served])
-    p99 = {name: float(np.percentile(values, 99)) for name, values in (("loop", loop), ("frozen", frozen))}
+    """Logging's cost: latency against the frozen server and the control's A/A, and throughput."""
+    phase = {side: np.array(values) for side, values in recorded.latency_s.items()}
+    p99 = {side: _p99(values) for side, values in phase.items()}
+    rounds = [np.array([getattr(s, f"{side}_latency_s") for s in recorded.served]) for side in SIDES]
     rates = {
         side: recorded.throughput_rows[side] / recorded.throughput_seconds[side]
-        for side in ("loop", "frozen")
+        for side in SIDES
         if recorded.throughput_seconds[side] > 0
     }
     return {
-        "logging_p99_ratio": round(p99["loop"] / p99["frozen"], 3),
-        "logging_aa_p99_ratio": round(
-            float(np.percentile(frozen[0::2], 99) / np.percentile(frozen[1::2], 99)), 3
-        ),
+        "logging_p99_ratio": _ratio(p99["loop"], p99["frozen"]),
+        "logging_aa_p99_ratio": _ratio(p99["control"], p99["frozen"]),
         "logging_throughput_ratio": round(rates["loop"] / rates["frozen"], 3) if len(rates) == 2 else None,
-        "loop_p99_ms": round(1e3 * p99["loop"], 2),
-        "frozen_p99_ms": round(1e3 * p99["frozen"], 2),
+        **{f"{side}_p99_ms": None if p is None else round(1e3 * p, 2) for side, p in p99.items()},
+        **{
+            f"{side}_p50_ms": round(1e3 * float(np.median(values)), 2) if values.size else None
+            for side, values in phase.items()
+        },
+        "rounds_p99_ratio": _ratio(_p99(rounds[0]), _p99(rounds[1])),
         "loop_rows_per_s": round(rates.get("loop", 0.0), 1),
         "frozen_rows_per_s": round(rates.get("frozen", 0.0), 1),
     }
+
+
+def _p99(values: np.ndarray) -> float | None:
+    return float(np.percentile(values, 99)) if values.size else None
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else round(numerator / denominator, 3)
 
 
 def lost_figures(recorded: Recorded) -> dict:
