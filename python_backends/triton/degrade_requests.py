@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,8 @@ import triton_python_backend_utils as pb_utils
 
 from recserve.backends.base.metrics import MetricSample
 from recserve.backends.steps.degrade import LevelCounts, LevelInputs, pad_list
+from recserve.backends.steps.degrade_capacity import FILE_NAME as CAPACITY_FILE
+from recserve.backends.steps.degrade_capacity import CapacityFile
 from recserve.backends.steps.degrade_control import DegradeController
 from recserve.backends.steps.queue_wait import QueueWait
 from recserve.backends.triton.adapter import error_response, read_inputs
@@ -71,6 +74,8 @@ class DegradeGate:
         input_names: every input the step reads (what a level may change is read from them).
         metrics_url: the server's metrics endpoint; None: from the environment (no URL: no feedback,
             every request served in full unless ``fixed_lambda`` holds lambda).
+        keep_in: the folder where the learned capacity is kept for the next run, and read from at
+            this one's start where the spec sets none (:mod:`~recserve.backends.steps.degrade_capacity`).
     """
 
     def __init__(
@@ -79,10 +84,18 @@ class DegradeGate:
         handle: Callable[[list], list],
         input_names: Sequence[str],
         metrics_url: str | None = None,
+        keep_in: Path | None = None,
     ) -> None:
         self.section = spec.degrade
         self.handle, self.input_names = handle, tuple(input_names)
         self.controller = DegradeController(self.section)
+        self.kept: CapacityFile | None = None
+        if keep_in is not None and self.section.capacity <= 0:
+            self.kept = CapacityFile(keep_in / CAPACITY_FILE)
+            carried = self.kept.load()
+            if carried is not None:
+                self.controller.capacity_per_s = carried
+                LOGGER.info("[degrade]: the capacity the last run learned: %.1f per second", carried)
         self.level_inputs = LevelInputs(spec)
         self.counts = LevelCounts(self.section)
         url = metrics_url or os.environ.get(METRICS_URL_ENV, "")
@@ -110,7 +123,9 @@ class DegradeGate:
                     busy = over and waited is not None and waited > self.section.target_queue_ms
                     over = waited is not None and waited > self.section.target_queue_ms
                     self.controller.update(waited)
-                    self.controller.capacity(wait.served_per_s, busy)
+                    capacity = self.controller.capacity(wait.served_per_s, busy)
+                    if self.kept is not None:
+                        self.kept.keep(capacity)
                 except Exception:  # a missed reading leaves lambda where it is
                     LOGGER.debug("reading the queue wait failed", exc_info=True)
 
@@ -122,6 +137,8 @@ class DegradeGate:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self.kept is not None:
+            self.kept.keep(self.controller.capacity_per_s, force=True)
 
     def execute(self, requests: list) -> list:
         """One response per request: refused, or served at its level with ``degrade_level`` added."""

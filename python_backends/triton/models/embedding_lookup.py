@@ -45,7 +45,10 @@ class TritonPythonModel:
         self.degrade: DegradeGate | None = None  # [degrade]: each request's level chosen at this door
         if context.spec.degrade.enabled:
             names = (*self.step.input_names, *self.step.candidate_input_names)
-            self.degrade = DegradeGate(context.spec, self.requests.execute, names)
+            # the capacity it learns is kept in the model's folder for the next run
+            self.degrade = DegradeGate(
+                context.spec, self.requests.execute, names, keep_in=context.version_dir.parent
+            )
             self.degrade.start()
         self.metrics = MetricsPublisher()
         # every declared series exists (at 0) before the first request

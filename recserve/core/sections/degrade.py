@@ -92,7 +92,8 @@ class DegradeSection:
     headroom: float = 0.9
     # > 0: the full-cost requests per second the server is known to serve (measured in advance: a
     # list is a request), so the door holds a spike from its first batch; 0: learned from the first
-    # backlog (the first spike after a start is met by the queue-wait loop alone). Learning goes on
+    # backlog and kept for the next run (only a repository's first run meets its first spike with the
+    # queue-wait loop alone). Learning goes on
     capacity: float = 0.0
     # > 0: the steps' batchers get two priority levels, and a request worth at least this is sent
     # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before.
