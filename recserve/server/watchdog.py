@@ -159,26 +159,37 @@ class StubWatchdog(threading.Thread):
         return [model for model, count in self.expected.items() if counts.get(model, 0) < count]
 
     def run(self) -> None:
-        """Poll until stopped; reload each model with a dead stub (at most once per grace period)."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
+        """Poll until stopped or the server exits; reload a model with a dead stub (once per grace period).
 
+        A poll that fails for any reason (a process gone while it was read, a server that answered
+        nothing readable) is logged and the next one tries again: the watchdog never stops before
+        the server does.
+        """
         last: dict[str, float] = {}
         while not self._stop_event.wait(self.interval_s):
             process = self.server.process
             if process is None or process.poll() is not None:
+                code = process and process.returncode
+                LOGGER.warning("tritonserver exited (%s); the stub watchdog stops", code)
                 return
-            for model in self.missing():
-                if (
-                    time.monotonic() - last.get(model, -self.grace_s) < self.grace_s
-                    or not self.server.is_ready()
-                ):
-                    continue
-                last[model] = time.monotonic()
-                LOGGER.warning("a stub process of model %r died; reloading the model", model)
-                try:
-                    with grpcclient.InferenceServerClient(self.server.grpc_url) as client:
-                        client.load_model(model, headers=self.server.security.headers("grpc"))
-                    self.reloads.append((time.monotonic(), model))
-                except InferenceServerException as exc:
-                    LOGGER.error("reloading model %r failed: %s", model, exc)
+            try:
+                self._reload_missing(last)
+            except Exception:
+                LOGGER.exception("a poll of the stub watchdog failed; the next one tries again")
+
+    def _reload_missing(self, last: dict[str, float]) -> None:
+        """Reload each model short of a stub unless ``last`` (model -> when tried) is within the grace."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        for model in self.missing():
+            if time.monotonic() - last.get(model, -self.grace_s) < self.grace_s or not self.server.is_ready():
+                continue
+            last[model] = time.monotonic()
+            LOGGER.warning("a stub process of model %r died; reloading the model", model)
+            try:
+                with grpcclient.InferenceServerClient(self.server.grpc_url) as client:
+                    client.load_model(model, headers=self.server.security.headers("grpc"))
+                self.reloads.append((time.monotonic(), model))
+            except InferenceServerException as exc:
+                LOGGER.error("reloading model %r failed: %s", model, exc)

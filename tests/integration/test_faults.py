@@ -73,7 +73,11 @@ def test_a_killed_stub_fails_only_requests_until_its_model_is_reloaded(fault_ser
     stop.set()
     for thread in threads:
         thread.join(60)
-    assert len(fault_server.watchdog.reloads) == reloads_before + 1, fault_server.watchdog.reloads
+    assert len(fault_server.watchdog.reloads) == reloads_before + 1, (
+        fault_server.watchdog.reloads,
+        fault_server.process.poll(),  # None: the server still runs
+        fault_server.log_tail(30),
+    )
     reloaded_at, reloaded = fault_server.watchdog.reloads[-1]
     assert reloaded == model and reloaded_at - killed_at < RECOVERY_S
     failures = [entry for entry in log if entry[2] is not None]

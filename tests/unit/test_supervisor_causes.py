@@ -9,6 +9,7 @@ killed and not reaped yet, and a "server" whose children are named as the Python
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
@@ -27,7 +28,7 @@ from recserve.server.causes import (
     stub_cause,
 )
 from recserve.server.supervisor import Backoff, Supervisor
-from recserve.server.watchdog import stub_processes, zombie_returncode
+from recserve.server.watchdog import StubWatchdog, stub_processes, zombie_returncode
 
 SERVER_PID = 4659
 PORT_IN_USE_LOG = f"""\
@@ -252,3 +253,29 @@ def test_a_server_with_a_stub_watchdog_of_its_own_is_left_to_it(supervised, tmp_
     finally:
         own.stop(timeout_s=10)
         watched.stop()
+
+
+def test_the_stub_watchdog_outlives_a_poll_that_fails(tmp_path: Path):
+    server = FakeServer(tmp_path).start()
+    calls = []
+
+    def is_ready() -> bool:  # a server that first answers nothing readable, then is not ready
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise http.client.BadStatusLine("")
+        return False
+
+    server.is_ready = is_ready  # type: ignore[method-assign]
+    watchdog = StubWatchdog(server, {"embedding_lookup": 1, "dense": 1}, interval_s=0.02)  # type: ignore[arg-type]
+    watchdog.start()
+    try:
+        (victim,) = [pid for pid, model in server.stubs().items() if model == "dense"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(calls) >= 3 and watchdog.is_alive()
+    finally:
+        watchdog.stop()
+        server.stop()
+    assert not watchdog.is_alive()
