@@ -75,20 +75,26 @@ class ScoreHistogram:
             return self._counts.copy()
 
     def samples(self) -> list[MetricSample]:
-        """The histogram as counters: cumulative buckets, sum and count."""
+        """The histogram as counters: count and sum first, then the cumulative buckets up to ``+Inf``.
+
+        Published in this order, one message per counter, a scrape that falls inside a
+        publication sees ``_count`` ahead of ``le="+Inf"``: the canary re-reads until they agree
+        (:func:`recserve.access.canary.figures.scores_settled`), since half-published buckets
+        would put a second of rows on one side of an edge only.
+        """
         with self.lock:
             self._fold()
             cumulative, total = np.cumsum(self._counts), self._total
         edges = [*(f"{edge:g}" for edge in PROBABILITY_EDGES), "+Inf"]
         return [
+            MetricSample(
+                f"{PROBABILITY_METRIC}_count", "counter", PROBABILITY_HELP, self.labels, float(cumulative[-1])
+            ),
+            MetricSample(f"{PROBABILITY_METRIC}_sum", "counter", PROBABILITY_HELP, self.labels, total),
             *(
                 MetricSample(
                     f"{PROBABILITY_METRIC}_bucket", "counter", PROBABILITY_HELP, (*self.labels, ("le", le)), n
                 )
                 for le, n in zip(edges, cumulative.tolist(), strict=True)
-            ),
-            MetricSample(f"{PROBABILITY_METRIC}_sum", "counter", PROBABILITY_HELP, self.labels, total),
-            MetricSample(
-                f"{PROBABILITY_METRIC}_count", "counter", PROBABILITY_HELP, self.labels, float(cumulative[-1])
             ),
         ]

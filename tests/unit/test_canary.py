@@ -221,6 +221,18 @@ def test_the_ensembles_counters_and_the_score_histogram_are_read_from_tritons_me
     assert canary.envoy_latency(ENVOY, clusters) == {5.0: 4, INF: 5}  # live and mirrored, summed
 
 
+def test_a_half_published_score_histogram_is_read_again(tmp_path, monkeypatch):
+    # the step publishes _count first and le="+Inf" last: a read between them is inside a publication
+    half = TRITON.replace('_count{dense_version="1"} 40', '_count{dense_version="1"} 52')
+    assert canary_figures.scores_settled(TRITON) and not canary_figures.scores_settled(half)
+    reads = [half, half, TRITON]
+    monkeypatch.setattr(canary, "_get", lambda url, timeout_s: reads.pop(0))
+    monkeypatch.setattr(canary, "SETTLE_PAUSE_S", 0.0)
+    stack = canary.Stack("127.0.0.1:1", {"stable": [], "canary": ["127.0.0.1:1"]})
+    controller = canary.CanaryController("tiny", SETTINGS, stack, tmp_path)
+    assert controller._server_metrics("canary", "127.0.0.1:1") == TRITON and not reads
+
+
 def test_the_stack_file_round_trips_and_a_missing_one_says_what_to_run(tmp_path):
     stack = canary.Stack("127.0.0.1:9901", {"stable": ["127.0.0.1:8002"], "canary": ["127.0.0.1:18002"]})
     stack.save(tmp_path / canary.STACK_FILE)
@@ -350,6 +362,9 @@ def test_the_score_histogram_is_cumulative_with_sum_and_count():
     assert samples[("recserve_served_probability_count", None)] == 4
     assert samples[("recserve_served_probability_sum", None)] == pytest.approx(1.115, abs=1e-6)
     assert all(dict(s.labels)["dense_version"] == "3" for s in histogram.samples())
+    # published in this order, a scrape inside a publication reads _count ahead of +Inf
+    order = [(s.name.rsplit("_", 1)[1], dict(s.labels).get("le")) for s in histogram.samples()]
+    assert order[:2] == [("count", None), ("sum", None)] and order[-1] == ("bucket", "+Inf")
 
 
 def test_a_request_with_a_non_finite_probability_fails_alone_and_is_not_counted():

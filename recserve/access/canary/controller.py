@@ -64,6 +64,7 @@ from recserve.access.canary.figures import (
     plus,
     psi,
     quantile,
+    scores_settled,
     triton_window,
 )
 from recserve.access.canary.rules import (
@@ -121,6 +122,9 @@ LOG_FILE = "rules.log"
 STACK_FILE = "stack.json"
 #: Periods in a row without an answer from the canary's servers before it is rolled back.
 UNREACHABLE_PERIODS = 2
+#: A server's metrics read inside a publication of its score histogram are read again, this often
+#: and at most this many times (a publication is a few messages from the step to the server).
+SETTLE_PAUSE_S, SETTLE_READS = 0.02, 25
 
 
 # --- reading the running stack -----------------------------------------------------------------
@@ -237,13 +241,7 @@ class CanaryController:
         for variant in ("stable", "canary"):
             totals = Window()
             for target in self.stack.metrics.get(variant, ()):
-                try:
-                    text = _get(f"http://{target}/metrics", self.timeout_s)
-                except (urllib.error.URLError, OSError) as exc:
-                    raise Unreachable(
-                        variant, f"{variant}'s tritonserver metrics at {target}: {exc}"
-                    ) from exc
-                totals = plus(totals, triton_window(text, self.model))
+                totals = plus(totals, triton_window(self._server_metrics(variant, target), self.model))
             clusters = [cluster_name(variant, p, shadow) for p in PROTOCOLS for shadow in (False, True)]
             timeouts = envoy_timeouts(envoy, clusters)
             windows[variant] = dataclasses.replace(
@@ -253,6 +251,24 @@ class CanaryController:
                 latency=envoy_latency(envoy, clusters),
             )
         return windows
+
+    def _server_metrics(self, variant: str, target: str) -> str:
+        """One server's metrics, read whole where it can be.
+
+        A read inside a publication of the server's score histograms (buckets half counted, which
+        would move a second of rows across their edges) is made again, up to :data:`SETTLE_READS`
+        times.
+        """
+        for _ in range(SETTLE_READS):
+            try:
+                text = _get(f"http://{target}/metrics", self.timeout_s)
+            except (urllib.error.URLError, OSError) as exc:
+                raise Unreachable(variant, f"{variant}'s tritonserver metrics at {target}: {exc}") from exc
+            if scores_settled(text):
+                return text
+            time.sleep(SETTLE_PAUSE_S)
+        LOGGER.warning("%s's score histograms at %s did not settle: read half published", variant, target)
+        return text
 
     def tick(self) -> CanaryState:
         """One period: observe, compare, decide, save, and put the decision on the proxy."""

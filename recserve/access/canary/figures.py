@@ -180,6 +180,22 @@ def triton_window(text: str, ensembles: str | Sequence[str]) -> Window:
     return Window(served + failures, failures, {}, scores, score_sum, client)
 
 
+def scores_settled(text: str) -> bool:
+    """Whether the served-probability histograms in ``text`` were read whole.
+
+    A dense step publishes ``_count`` before its buckets and ``le="+Inf"`` last, one counter at a
+    time (:class:`recserve.backends.base.metrics.ScoreHistogram`): a scrape inside a publication
+    reads more rows in the counts than in the ``+Inf`` buckets.
+    """
+    counted = bucketed = 0.0
+    for name, labels, value in observe.parse_exposition(text):
+        if name == f"{PROBABILITY}_count":
+            counted += value
+        elif name == f"{PROBABILITY}_bucket" and labels.get("le") == "+Inf":
+            bucketed += value
+    return counted == bucketed
+
+
 def envoy_latency(text: str, clusters: Sequence[str]) -> dict[float, float]:
     """The summed request-time histogram (ms) of ``clusters`` from Envoy's ``/stats/prometheus``."""
     latency: dict[float, float] = {}
