@@ -52,29 +52,43 @@ def throughput(
 def latency(
     spec: ModelSpec, requests: Requests, servers: Mapping[str, TritonServer], recorded: Recorded
 ) -> None:
-    """Paced turns of each of :data:`LATENCY_SIDES` alone: each request's latency, per server."""
+    """Paced turns of each of :data:`LATENCY_SIDES` alone: each request's latency, per server.
+
+    A first turn of each, not recorded, warms them: the control server has served nothing before
+    this phase, and its first requests would be slow for it alone (its p99 and the A/A with it).
+    """
     grid = recorded.grid
     count = max(1, round(grid.latency_rate * grid.latency_seconds))
-    sent = 0
     with ExitStack() as stack:
         clients = {
             side: stack.enter_context(CTRClient(servers[side].grpc_url, timeout_s=30, spec=spec))
             for side in LATENCY_SIDES
         }
-        for turn in range(grid.latency_turns):
-            shift = turn % len(LATENCY_SIDES)
-            for side in LATENCY_SIDES[shift:] + LATENCY_SIDES[:shift]:
-                start = time.monotonic()
-                for k in range(count):
-                    wait = start + k / grid.latency_rate - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
-                    began = time.perf_counter()
-                    clients[side].score_inputs(requests[sent % len(requests)], f"p{turn}-{side}-{k}")
-                    recorded.latency_s[side].append(time.perf_counter() - began)
-                    sent += 1
-                if side == "loop":
+        turns: list[tuple[str, tuple[str, ...]]] = [("w", LATENCY_SIDES)]  # warm, then recorded ones
+        for k in range(grid.latency_turns):
+            shift = k % len(LATENCY_SIDES)
+            turns.append((str(k), LATENCY_SIDES[shift:] + LATENCY_SIDES[:shift]))
+        for turn, sides in turns:
+            for side in sides:
+                latencies = _paced(clients[side], requests, count, grid.latency_rate, f"p{turn}-{side}")
+                if turn != "w":
+                    recorded.latency_s[side] += latencies
+                if side == "loop":  # logged: every request sent to it counts
                     recorded.loop_rows_sent += count * grid.rows
+
+
+def _paced(client: CTRClient, requests: Requests, count: int, rate: float, prefix: str) -> list[float]:
+    """``count`` requests at ``rate`` a second, one at a time: each one's latency (s)."""
+    latencies = []
+    start = time.monotonic()
+    for k in range(count):
+        wait = start + k / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        began = time.perf_counter()
+        client.score_inputs(requests[k % len(requests)], f"{prefix}-{k}")
+        latencies.append(time.perf_counter() - began)
+    return latencies
 
 
 def _closed_loop(spec: ModelSpec, url: str, requests: Requests, grid: LoopGrid, prefix: str) -> int:
