@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recserve.backends.request_log.records import KINDS, SCHEMAS
+from recserve.core.files import write_atomically
 
 LOGGER = logging.getLogger(__name__)
 SEGMENT_SUFFIX = ".parquet"
@@ -109,15 +110,12 @@ class ParquetSegments:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         name = f"{stamp}-{os.getpid()}-{self._count:06d}{SEGMENT_SUFFIX}"
         final = self.directory / kind / name
-        temporary = final.with_name(f".{name}{TEMP_SUFFIX}")
-        try:
-            with open(temporary, "wb") as handle:
-                pq.write_table(table, handle, compression="zstd", use_dictionary=DICTIONARY_COLUMNS)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, final)
-        except BaseException:
-            temporary.unlink(missing_ok=True)
-            raise
+        write_atomically(
+            final,
+            lambda handle: pq.write_table(
+                table, handle, compression="zstd", use_dictionary=DICTIONARY_COLUMNS
+            ),
+            durable=True,
+        )
         self.segments_written += 1
         return final

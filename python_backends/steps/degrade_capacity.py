@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from recserve.core.files import write_text_atomically
 
 LOGGER = logging.getLogger(__name__)
 
@@ -79,13 +80,10 @@ class CapacityFile:
             or (self._kept is not None and abs(capacity - self._kept) <= MOVED * self._kept)
         ):
             return False
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            temporary.write_text(json.dumps({"capacity_per_s": capacity}))
-            os.replace(temporary, self.path)
+            write_text_atomically(self.path, json.dumps({"capacity_per_s": capacity}))
         except OSError as exc:
             LOGGER.warning("[degrade]: the capacity could not be kept in %s: %s", self.path, exc)
-            temporary.unlink(missing_ok=True)
             return False
         self._kept, self._at = capacity, now
         return True

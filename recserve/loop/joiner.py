@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recserve.core.feedback import FEEDBACK
+from recserve.core.files import write_atomically
 from recserve.loop.join import Join
 from recserve.loop.sources import Source
 from recserve.loop.tables import (
@@ -50,16 +50,8 @@ ROWS_FILE, MARKS_FILE = "rows", "marks"
 WAITING_FILES = ("feedback", "scores")
 #: how long the joiner sleeps when nothing came
 IDLE_S = 0.1
-
-
-def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Write ``path`` under a hidden name, fsync it, rename it into place."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+#: the joiner's outputs and state record its progress: each is written whole and synced before it counts
+_durably = partial(write_atomically, durable=True)
 
 
 def _sync_folder(folder: Path) -> None:
@@ -224,7 +216,7 @@ class Joiner:
         examples = self.join.take()
         if examples:
             table = examples_table(examples)
-            _write_atomically(
+            _durably(
                 self.output / f"examples-{seq:010d}.parquet",
                 lambda h: pq.write_table(table, h, compression="zstd"),
             )
@@ -237,11 +229,11 @@ class Joiner:
             held = [k for k in keys if k in join.open or k in join.closed]
             if held:
                 table = table_of(join, held)
-                _write_atomically(self.state / f"{seq:010d}-{kind}.parquet", partial(pq.write_table, table))
+                _durably(self.state / f"{seq:010d}-{kind}.parquet", partial(pq.write_table, table))
                 until = max((join.open.get(k) or join.closed[k]).time for k in held)
                 written.append((seq, kind, until))
         for name, table in waiting_tables(join).items():
-            _write_atomically(self.state / f"{seq:010d}-{name}.parquet", partial(pq.write_table, table))
+            _durably(self.state / f"{seq:010d}-{name}.parquet", partial(pq.write_table, table))
         # a file whose newest row is past the late horizon holds only forgotten rows: no longer needed
         live = [entry for entry in self.live if entry[2] + horizon > join.now] + written
         written_total = self.examples_written + len(examples)
@@ -256,7 +248,7 @@ class Joiner:
             "now": join.now,
         }
         _sync_folder(self.output)
-        _write_atomically(self.state / CHECKPOINT, lambda h: h.write(json.dumps(saved).encode()))
+        _durably(self.state / CHECKPOINT, lambda h: h.write(json.dumps(saved).encode()))
         _sync_folder(self.state)
         self.seq, self.examples_written, self._dirty, self.live = seq, written_total, False, live
         join.new_keys.clear()

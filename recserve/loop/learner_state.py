@@ -20,13 +20,13 @@ replaced atomically:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from recserve.core.files import write_atomically
 from recserve.loop.dense import DenseTrainer, DenseWatch
 from recserve.loop.learner import Learner
 from recserve.loop.watch import Key, Watch
@@ -62,10 +62,7 @@ def restore(learner: Learner, path: Path) -> int:
 
 def _write(path: Path, arrays: dict[str, np.ndarray]) -> None:
     """``arrays`` as an ``.npz`` at ``path``, replaced whole (a reader never sees half of it)."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as handle:
-        np.savez(handle, **arrays)
-    os.replace(temporary, path)
+    write_atomically(path, lambda handle: np.savez(handle, **arrays))
 
 
 def _rows(prefix: str, rows: dict[Key, np.ndarray | None], width: int) -> dict[str, np.ndarray]:
@@ -148,12 +145,10 @@ def _optimizer_state(saved: Any, prefix: str) -> dict[int, dict[str, torch.Tenso
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(temporary), metadata)
-    os.replace(temporary, path)
+    write_atomically(path, lambda handle: handle.write(save(tensors, metadata)))
 
 
 def save_dense_watches(dense: DenseTrainer, path: Path) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +12,7 @@ import numpy as np
 
 from recserve.backends.base.bounded_files import map_npy
 from recserve.backends.store.tiered import TieredStore
+from recserve.core.files import write_atomically
 from recserve.errors import ArtifactError
 
 if TYPE_CHECKING:
@@ -27,9 +26,9 @@ HOT_KEYS_FILE = "hot_keys.npy"
 def save_hot_keys(folder: Path, keys: np.ndarray) -> None:
     """Record the hot keys (hottest first) for the next start's warm-up; atomic replace."""
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".npy", delete=False) as fh:
-        np.save(fh, np.asarray(keys, np.int64), allow_pickle=False)
-    os.replace(fh.name, folder / HOT_KEYS_FILE)
+    write_atomically(
+        folder / HOT_KEYS_FILE, lambda handle: np.save(handle, np.asarray(keys, np.int64), allow_pickle=False)
+    )
 
 
 def load_hot_keys(folder: Path) -> np.ndarray:

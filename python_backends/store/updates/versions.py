@@ -66,6 +66,7 @@ from recserve.backends.store.updates.schema import (
     parse_manifest,
 )
 from recserve.backends.store.updates.upkeep import HOT_KEYS_FILE, Maintainer, load_hot_keys, save_hot_keys
+from recserve.core.files import write_text_atomically
 from recserve.errors import ArtifactError
 
 LOGGER = logging.getLogger(__name__)
@@ -291,9 +292,7 @@ class UpdateLog:
             return True
 
     def _write_head(self, table: str, version: int) -> None:
-        tmp = self._table_dir(table) / f".{HEAD_FILE}.tmp"
-        tmp.write_text(json.dumps({"version": version}) + "\n")
-        os.replace(tmp, self._table_dir(table) / HEAD_FILE)
+        write_text_atomically(self._table_dir(table) / HEAD_FILE, json.dumps({"version": version}) + "\n")
 
 
 __all__ = [

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from recserve.access.canary.figures import Window, psi
 from recserve.access.config import AccessError
+from recserve.core.files import write_text_atomically
 from recserve.core.sections.serving import AccessSection, CanarySection
 
 STATE_FILE = "rules.json"
@@ -161,9 +161,7 @@ class CanaryState:
 
     def save(self, path: Path) -> None:
         """Write atomically (a reader never sees half a file)."""
-        scratch = path.with_suffix(".tmp")
-        scratch.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
-        os.replace(scratch, path)
+        write_text_atomically(path, json.dumps(dataclasses.asdict(self), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> CanaryState:
