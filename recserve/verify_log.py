@@ -7,10 +7,11 @@ network, outside the server, must give the logged scores: what a trainer reads f
 what the model saw (no training/serving skew). Records served by other table or dense versions than
 the repository's are counted and left out.
 
-What the log cannot say is not guessed: a spec with multi-hot features (their pooling weights are
-not logged), with behaviours of different lengths (the history is logged as one list), or with
-``[user_state]`` (the logged history is the request's tail, not the merged state) is refused with
-the reason.
+A multi-hot feature's logged keys give back its pooling weights (a padding position holds the
+feature's missing key: :func:`~recserve.backends.features.pooling.logged_pooling_weights`). What
+the log cannot say is not guessed: a spec with behaviours of different lengths (the history is
+logged as one list) or with ``[user_state]`` (the logged history is the request's tail, not the
+merged state) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ from pathlib import Path
 import numpy as np
 
 from recserve.backends.features.hashing import missing_key
+from recserve.backends.features.pooling import logged_pooling_weights
 from recserve.backends.request_log.read import read_log
 from recserve.backends.steps.lookup import FeaturesToEmbeddings
 from recserve.core.contract import attention_inputs
-from recserve.core.names import DENSE_NORMALIZED, EMBEDDING_VERSION, HISTORY_KEYS, SPARSE_KEYS, TARGET_KEY
+from recserve.core.names import (
+    DENSE_NORMALIZED,
+    EMBEDDING_VERSION,
+    HISTORY_KEYS,
+    MULTI_HOT_KEYS,
+    MULTI_HOT_WEIGHTS,
+    SPARSE_KEYS,
+    TARGET_KEY,
+)
 from recserve.core.spec.model import ModelSpec
 
 #: Records scored together.
@@ -47,8 +57,6 @@ class LogCheck:
 
 def unrescorable(spec: ModelSpec) -> str | None:
     """Why the records of ``spec`` cannot be scored again from the log (None: they can)."""
-    if spec.categorical.multi_hot:
-        return "its multi-hot features' pooling weights are not in the log"
     if len(spec.attention_groups) > 1:
         return "its behaviours have lengths of their own, and the log holds a row's history as one list"
     if spec.user_state.enabled:
@@ -125,12 +133,16 @@ def _features(
 ) -> dict[str, np.ndarray]:
     """The transform's output for logged records: the row block's keys split, histories padded."""
     count, single = keys.shape[0], len(spec.categorical.features)
+    multi = sum(f.max_length for f in spec.categorical.multi_hot)
     features = {SPARSE_KEYS: keys[:, :single]}
+    if multi:
+        features[MULTI_HOT_KEYS] = keys[:, single : single + multi]
+        features[MULTI_HOT_WEIGHTS] = logged_pooling_weights(spec, features[MULTI_HOT_KEYS])
     if spec.normalized_columns:
         features[DENSE_NORMALIZED] = dense
     if not spec.sequences:
         return features
-    features[TARGET_KEY] = keys[:, single:]
+    features[TARGET_KEY] = keys[:, single + multi :]
     sequences = spec.attention_groups[0].sequences
     lengths = np.array([len(h) // len(sequences) for h in histories], np.int64)
     width = spec.sequence_bucket(max(int(lengths.max(initial=0)), 1))

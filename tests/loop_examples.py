@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from recserve.backends.features.hashing import missing_key
 from recserve.loop.tables import examples_table
 
 
@@ -11,6 +12,10 @@ def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=Non
     rows = []
     for i, label in enumerate(labels):
         keys = [int(rng.choice(tables[f.table].keys)) for f in spec.categorical.features]
+        for feature in spec.categorical.multi_hot:  # i % (max_length + 1) values, then padding
+            count = i % (feature.max_length + 1)
+            keys += [int(k) for k in rng.choice(tables[feature.table].keys, count)]
+            keys += [int(missing_key(spec.hashing.namespace, feature.name))] * (feature.max_length - count)
         keys += [int(rng.choice(tables[t.table].keys)) for t in spec.targets]
         history = None
         if spec.sequences and i % 2:

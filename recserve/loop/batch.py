@@ -1,8 +1,8 @@
 """A batch of joined examples as the learner reads it (keys, tables, history mask), and the specs it trains.
 
-Columns are read whole (no row-by-row Python): an example's ``keys`` (its slots' keys, then its
-targets'), and its own ``history`` laid out left-aligned and masked (the attention ignores
-position; padding is never trained).
+Columns are read whole (no row-by-row Python): an example's ``keys`` (its single-valued slots' keys,
+its multi-hot positions', then its targets'), and its own ``history`` laid out left-aligned and
+masked (the attention ignores position; padding is never trained).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from recserve.core.spec.model import ModelSpec
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Where a batch's keys go: the table of each slot and target column, the history's table.
+    """Where a batch's keys go: the table of each slot, multi-hot position and target column, the history's.
 
     Args:
-        column_tables: the table id of each single-valued slot, then of each target.
+        column_tables: the table id of each single-valued slot, each multi-hot position, each target.
         history_table: the behaviour sequence's table id (None: the spec has no sequence).
     """
 
@@ -67,8 +67,6 @@ def distinct_rows(keys: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.
 
 def trainable(spec: ModelSpec) -> str:
     """Why the learner cannot train ``spec`` (empty: it can)."""
-    if spec.categorical.multi_hot:
-        return "multi-hot features"
     if len(spec.sequences) > 1:
         return "more than one behaviour sequence"
     return ""

@@ -14,8 +14,9 @@ rows it replaced and rolls it back if worse (:mod:`recserve.loop.watch`). With a
 :class:`~recserve.loop.dense.DenseTrainer` the dense weights train too; the rows always train through
 the weights as served.
 
-What it trains: specs without multi-hot features, with at most one behaviour sequence (the bundled
-``ctr`` spec; an imported DeepFM with its 1-wide first-order tables, through its ONNX graph). Rows are
+What it trains: specs with at most one behaviour sequence (the bundled ``ctr`` spec, with multi-hot
+features too: each value's row through its pooling weight, read back from the logged keys; an
+imported DeepFM with its 1-wide first-order tables, through its ONNX graph). Rows are
 held at the store's widest width; each slot reads its table's width of them, and a row's accumulator
 is the mean square of its table's columns alone. See docs/design/loop.md.
 """
@@ -33,6 +34,7 @@ import torch
 
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.dense.onnx_torch import OnnxNet
+from recserve.backends.features.pooling import logged_pooling_weights, pooling_matrix
 from recserve.backends.store.tiered import TieredStore
 from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED
@@ -105,7 +107,12 @@ class Learner:
         #: each table's width, by table id: a row's columns past it are padding
         self.widths = np.array([spec.tables[name].dim for name in store.table_names], np.int64)
         self.targets = len(spec.targets)
-        tables = [f.table for f in spec.categorical.features] + [t.table for t in spec.targets]
+        #: multi-hot positions after the single-valued slots (each feature's, pooled into its slot)
+        self.multi = sum(f.max_length for f in spec.categorical.multi_hot)
+        self.pooling = torch.tensor(pooling_matrix(spec))
+        tables = [f.table for f in spec.categorical.features]
+        tables += [f.table for f in spec.categorical.multi_hot for _ in range(f.max_length)]
+        tables += [t.table for t in spec.targets]
         history = store.table_id(spec.sequences[0].table) if spec.sequences else None
         self.layout = BatchLayout(np.array([store.table_id(t) for t in tables], np.int16), history)
         self.group = attention_inputs(spec)[0] if spec.sequences else None
@@ -160,15 +167,33 @@ class Learner:
                     break
         return unique, vectors, inverse
 
+    def _weights(self, keys: np.ndarray) -> np.ndarray:
+        """The multi-hot positions' pooling weights of a batch's ``keys`` (as the transform gave them)."""
+        return logged_pooling_weights(self.spec, keys[:, self.single : self.single + self.multi])
+
     def _probability(
-        self, examples: pa.Table, vectors: torch.Tensor, mask: np.ndarray, net: Network | None = None
+        self,
+        examples: pa.Table,
+        vectors: torch.Tensor,
+        mask: np.ndarray,
+        weights: np.ndarray,
+        net: Network | None = None,
     ) -> torch.Tensor:
-        """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's)."""
-        named = {name: vectors[:, list(slots), :width] for name, width, slots in self.sparse}
+        """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's).
+
+        ``mask``: the history's; ``weights``: the multi-hot positions' (:meth:`_weights`), each
+        feature's weighted rows summed into its slot as the lookup step pools them.
+        """
+        slots = vectors[:, : self.single]
+        after = self.single + self.multi  # the targets' first column
+        if self.multi:
+            weighted = vectors[:, self.single : after] * torch.tensor(weights)[:, :, None]
+            slots = torch.cat([slots, torch.einsum("bmd,mk->bkd", weighted, self.pooling)], dim=1)
+        named = {name: slots[:, list(at), :width] for name, width, at in self.sparse}
         if self.group is not None:
             width = self.spec.model.embedding_dim
-            named[self.group.target] = vectors[:, self.single, :width]
-            named[self.group.history] = vectors[:, self.single + self.targets :, :width]
+            named[self.group.target] = vectors[:, after, :width]
+            named[self.group.history] = vectors[:, after + self.targets :, :width]
             named[self.group.mask] = torch.tensor(mask)
         if self.net.has_dense:
             dense = pc.list_flatten(examples["dense"]).to_numpy().astype(np.float32)
@@ -185,22 +210,25 @@ class Learner:
         _, vectors, where = self._vectors(keys, tables, *overlays)
         with torch.no_grad():
             batch = torch.tensor(vectors[where].reshape(*keys.shape, -1))
-            return self._probability(examples, batch, mask, net).numpy().astype(np.float64)
+            probability = self._probability(examples, batch, mask, self._weights(keys), net)
+            return probability.numpy().astype(np.float64)
 
     def train(self, examples: pa.Table) -> BatchFigures:
         """Score the batch (its progressive log loss), then one Adagrad step on the rows it touched."""
         keys, tables, mask = self.layout.of(examples)
         unique, rows, where = self._vectors(keys, tables)
         vectors = torch.tensor(rows[where].reshape(*keys.shape, -1), requires_grad=True)
-        probability = self._probability(examples, vectors, mask)
+        pooling = self._weights(keys)
+        probability = self._probability(examples, vectors, mask, pooling)
         labels = torch.tensor(np.asarray(examples["label"], np.float32))
         weights = 1.0 / torch.tensor(np.asarray(examples["sample_rate"], np.float32))
         loss = weighted_log_loss(probability, labels, weights)
         loss.backward()
         assert vectors.grad is not None
         grads = vectors.grad.numpy().reshape(len(where), -1)
-        valid = np.concatenate([np.ones((keys.shape[0], self.single + self.targets), bool), mask > 0], axis=1)
-        valid = valid.reshape(-1)  # padding is never trained
+        ones = np.ones((keys.shape[0], 1), bool)
+        parts = [ones.repeat(self.single, 1), pooling > 0, ones.repeat(self.targets, 1), mask > 0]
+        valid = np.concatenate(parts, axis=1).reshape(-1)  # padding is never trained
         summed = np.zeros(rows.shape, np.float32)
         np.add.at(summed, where[valid], grads[valid])
         touched = np.zeros(len(unique), bool)
@@ -220,7 +248,7 @@ class Learner:
         if self.dense is not None:
             rows_now = vectors.detach()
             self.dense.train(
-                lambda net: self._probability(examples, rows_now, mask, net), labels, weights, served
+                lambda net: self._probability(examples, rows_now, mask, pooling, net), labels, weights, served
             )
             self.dense.observe(examples, scored, lambda part, net: self.score(part, self.published, net=net))
         self._observe(examples, served)

@@ -27,6 +27,17 @@ def ctr_spec_document() -> dict:
         return tomllib.load(fh)
 
 
+def tagged_ctr_spec(pooling: str = "mean") -> ModelSpec:
+    """The bundled ``ctr`` spec with a multi-hot feature ``tags`` of 4 values (table ``tags``)."""
+    doc = ctr_spec_document()
+    doc["features"].append(
+        {"name": "tags", "kind": "multi_hot", "value_type": "int64", "separator": "|", "max_length": 4}
+        | {"pooling": pooling}
+    )
+    doc["tables"]["tags"] = {"cardinality": 1000}
+    return parse_spec(doc)
+
+
 DEVICES = [
     "cpu",
     pytest.param(

@@ -8,15 +8,20 @@ import tomllib
 import torch
 
 from recserve.backends.dense.network import CTRNet
+from recserve.backends.features.hashing import missing_key
+from recserve.backends.steps.lookup import EmbeddingLookup
+from recserve.core.names import DENSE_NORMALIZED, EMBEDDING_VERSION
 from recserve.core.sections.base import SpecError
 from recserve.core.spec.parse import parse_spec
 from recserve.loop.batch import trainable
 from recserve.loop.learner import Learner
 from recserve.loop.metrics import learn_samples, text
 from recserve.loop.watch import Watch
+from recserve.verify_log import _features
 from tests.loop_examples import examples
 from tests.model_exports import DEEPFM_SPEC
 from tests.store_tables import spec_store
+from tests.unit.helpers import tagged_ctr_spec
 
 
 def learner(spec, lr=0.5):
@@ -314,3 +319,28 @@ def test_a_version_ranking_its_examples_worse_than_the_rows_it_replaced_is_rolle
         assert (reverted == {"item": 6}) is rolled and learn.last_watch_auc == (0.5, 1.0)
         assert learn.last_watch[0] < learn.last_watch[1] + 0.3
         assert 'recserve_learn_watch_auc{rows="replaced"} 1\n' in text(learn_samples(learn))
+
+
+def test_multi_hot_rows_train_through_the_pooling_weights_the_lookup_step_served():
+    spec = tagged_ctr_spec()
+    tables, learn = learner(spec)
+    batch = examples(spec, tables, [1, 0, 1, 1, 0])  # rows with 0, 1, 2, 3 and 4 tags
+    keys = np.array(batch["keys"].to_pylist(), np.int64)  # as logged: slots, tags, target
+    features = _features(
+        spec,
+        keys,
+        np.array(batch["dense"].to_pylist(), np.float32),
+        [h or [] for h in batch["history"].to_pylist()],
+    )
+    looked = EmbeddingLookup(spec, learn.store).lookup(features)
+    named = {n: torch.as_tensor(np.asarray(v)) for n, v in looked.items() if n != EMBEDDING_VERSION}
+    named |= {n: torch.as_tensor(features[n]) for n in (DENSE_NORMALIZED, "history_mask")}
+    with torch.no_grad():
+        served = learn.net.score(named).reshape(-1).numpy()
+    np.testing.assert_allclose(learn.score(batch, {}), served, atol=1e-6)  # pooled as the step pools
+    learn.train(batch)
+    single, tags = len(spec.categorical.features), learn.store.table_id("tags")
+    logged = keys[:, single : single + 4]
+    padding = missing_key(spec.hashing.namespace, "tags")
+    trained = {key for table, key in learn.touched if table == tags}
+    assert trained == set(logged[logged != padding].tolist())  # each value's row; padding never
