@@ -31,6 +31,7 @@ from recserve.backends.features import hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.features.id_inputs import IdReader, RawValues
 from recserve.backends.features.numeric import NumericOps
+from recserve.backends.features.pooling import pooling_weights
 from recserve.backends.features.request_checks import check_history, check_rows, check_target
 from recserve.core.contract import attention_inputs
 from recserve.core.names import (
@@ -208,9 +209,7 @@ class FeatureTransform:
             keys.append(
                 np.where(mask, keys_for(values, self._salts[feature.table]), self._missing[feature.name])
             )
-            count = np.maximum(mask.sum(axis=1, keepdims=True), 1).astype(np.float32)
-            scale = {"sum": 1.0, "mean": count, "sqrtn": np.sqrt(count)}[feature.pooling]
-            weights.append((mask / scale).astype(np.float32))
+            weights.append(pooling_weights(mask, feature.pooling))
         return np.concatenate(keys, axis=1), np.concatenate(weights, axis=1)
 
     def dense_values(

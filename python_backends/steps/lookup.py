@@ -12,6 +12,7 @@ import numpy as np
 
 from recserve.backends.base.arrays import joined, side_by_side, take_rows
 from recserve.backends.base.device_copies import DeviceCopies
+from recserve.backends.features.pooling import pooling_matrix
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.request_log.step_log import TAPPED_PER_OWNER
 from recserve.backends.steps.list_batch import candidate_lists
@@ -96,10 +97,7 @@ class EmbeddingLookup:
         self.column_tables = np.array([store.table_id(t) for t in tables], np.int16)
         self.sequence_tables = np.array([store.table_id(s.table) for s in spec.sequences], np.int16)
         # pools each multi-hot feature's weighted vectors: [sum of max_length, multi-hot features]
-        self.pooling = np.zeros((self.multi_width, len(group.multi_hot)), np.float32)
-        starts = np.cumsum([0, *(f.max_length for f in group.multi_hot)])
-        for k, (start, end) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
-            self.pooling[start:end, k] = 1.0
+        self.pooling = pooling_matrix(spec)
         self.key_inputs = (SPARSE_KEYS,) + ((MULTI_HOT_KEYS,) if group.multi_hot else ())
         self.key_inputs += (TARGET_KEY, HISTORY_KEYS) if spec.sequences else ()
         self.version_columns = np.array([store.table_id(name) for name in spec.table_names], np.intp)
