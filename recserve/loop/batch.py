@@ -1,4 +1,4 @@
-"""A batch of joined examples as the learner reads it (keys, tables, history mask), and the specs it trains.
+"""A batch of joined examples as the learner reads it (keys, masks, network inputs); the specs it trains.
 
 Columns are read whole (no row-by-row Python): an example's ``keys`` (its single-valued slots' keys,
 its multi-hot positions', then its targets'), and its own ``history`` laid out left-aligned and
@@ -7,35 +7,58 @@ masked (the attention ignores position; padding is never trained).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import torch
 
+from recserve.backends.features.pooling import logged_pooling_weights, pooling_matrix
+from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.spec.model import ModelSpec
 
 
-@dataclass(frozen=True)
 class BatchLayout:
-    """Where a batch's keys go: the table of each slot, multi-hot position and target column, the history's.
+    """Where a batch's keys go, and how its rows become the network's inputs, as the lookup step makes them.
+
+    A batch's keys are laid out as logged: the single-valued slots, the multi-hot positions (each
+    feature's rows weighted and summed into its slot), the targets, then the history.
 
     Args:
-        column_tables: the table id of each single-valued slot, each multi-hot position, each target.
-        history_table: the behaviour sequence's table id (None: the spec has no sequence).
+        spec: the served spec.
+        table_id: a table's id in the store, by name.
     """
 
-    column_tables: np.ndarray
-    history_table: int | None
+    def __init__(self, spec: ModelSpec, table_id: Callable[[str], int]) -> None:
+        self.spec = spec
+        self.single = len(spec.categorical.features)
+        self.multi = sum(f.max_length for f in spec.categorical.multi_hot)
+        self.targets = len(spec.targets)
+        tables = [f.table for f in spec.categorical.features]
+        tables += [f.table for f in spec.categorical.multi_hot for _ in range(f.max_length)]
+        tables += [t.table for t in spec.targets]
+        #: the table id of each single-valued slot, each multi-hot position, each target
+        self.column_tables = np.array([table_id(t) for t in tables], np.int16)
+        self.history_table = table_id(spec.sequences[0].table) if spec.sequences else None
+        self.pooling = torch.tensor(pooling_matrix(spec))
+        self.sparse = sparse_inputs(spec)  # (input, width, its slots) per width of the slots' tables
+        self.group = attention_inputs(spec)[0] if spec.sequences else None
 
-    def of(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Keys ``[B, F + T + L]``, their table ids and the history mask ``[B, L]`` of a batch."""
+    def of(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A batch's keys ``[B, F + M + T + L]``, their table ids, and its masks.
+
+        The masks: the history's ``[B, L]`` and the multi-hot positions' pooling weights ``[B, M]``
+        (read back from their keys).
+        """
         rows = examples.num_rows
         keys = pc.list_flatten(examples["keys"]).to_numpy().astype(np.int64).reshape(rows, -1)
         keys = keys[:, : len(self.column_tables)]
         tables = np.broadcast_to(self.column_tables, keys.shape)
+        weights = logged_pooling_weights(self.spec, keys[:, self.single : self.single + self.multi])
         if self.history_table is None:
-            return keys, np.array(tables), np.zeros((rows, 0), np.float32)
+            return keys, np.array(tables), np.zeros((rows, 0), np.float32), weights
         lengths = pc.fill_null(pc.list_value_length(examples["history"]), 0).to_numpy().astype(np.int64)
         values = pc.list_flatten(examples["history"]).to_numpy().astype(np.int64)
         history = np.zeros((rows, max(1, int(lengths.max(initial=0)))), np.int64)
@@ -48,7 +71,29 @@ class BatchLayout:
             np.concatenate([keys, history], axis=1),
             np.concatenate([tables, np.full(history.shape, self.history_table, np.int16)], axis=1),
             mask,
+            weights,
         )
+
+    def named(self, vectors: torch.Tensor, mask: np.ndarray, weights: np.ndarray) -> dict[str, torch.Tensor]:
+        """The network's embedding inputs from a batch's rows ``[B, keys, width]`` (not its dense values)."""
+        slots = vectors[:, : self.single]
+        after = self.single + self.multi  # the targets' first column
+        if self.multi:
+            weighted = vectors[:, self.single : after] * torch.tensor(weights)[:, :, None]
+            slots = torch.cat([slots, torch.einsum("bmd,mk->bkd", weighted, self.pooling)], dim=1)
+        named = {name: slots[:, list(at), :width] for name, width, at in self.sparse}
+        if self.group is not None:
+            width = self.spec.model.embedding_dim
+            named[self.group.target] = vectors[:, after, :width]
+            named[self.group.history] = vectors[:, after + self.targets :, :width]
+            named[self.group.mask] = torch.tensor(mask)
+        return named
+
+    def trained(self, mask: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """The positions of a batch whose rows train, flat: never padding (a history's, a multi-hot's)."""
+        ones = np.ones((mask.shape[0], 1), bool)
+        parts = [ones.repeat(self.single, 1), weights > 0, ones.repeat(self.targets, 1), mask > 0]
+        return np.concatenate(parts, axis=1).reshape(-1)
 
 
 def distinct_rows(keys: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

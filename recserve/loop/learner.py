@@ -34,9 +34,7 @@ import torch
 
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.dense.onnx_torch import OnnxNet
-from recserve.backends.features.pooling import logged_pooling_weights, pooling_matrix
 from recserve.backends.store.tiered import TieredStore
-from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED
 from recserve.core.spec.model import ModelSpec
 from recserve.loop.batch import BatchFigures, BatchLayout, distinct_rows, trainable
@@ -102,20 +100,9 @@ class Learner:
         names = (spec.loop.train_tables if train_tables is None else train_tables) or spec.table_names
         #: the ids of the tables whose rows it trains
         self.trained_tables = np.array(sorted(store.table_id(name) for name in names), np.int16)
-        self.single = len(spec.categorical.features)
-        self.sparse = sparse_inputs(spec)  # (input, width, its slots) per width of the slots' tables
         #: each table's width, by table id: a row's columns past it are padding
         self.widths = np.array([spec.tables[name].dim for name in store.table_names], np.int64)
-        self.targets = len(spec.targets)
-        #: multi-hot positions after the single-valued slots (each feature's, pooled into its slot)
-        self.multi = sum(f.max_length for f in spec.categorical.multi_hot)
-        self.pooling = torch.tensor(pooling_matrix(spec))
-        tables = [f.table for f in spec.categorical.features]
-        tables += [f.table for f in spec.categorical.multi_hot for _ in range(f.max_length)]
-        tables += [t.table for t in spec.targets]
-        history = store.table_id(spec.sequences[0].table) if spec.sequences else None
-        self.layout = BatchLayout(np.array([store.table_id(t) for t in tables], np.int16), history)
-        self.group = attention_inputs(spec)[0] if spec.sequences else None
+        self.layout = BatchLayout(spec, store.table_id)
         self.rows: dict[Key, np.ndarray] = {}  # (table id, key) -> the row as trained
         #: each trained row's accumulated squared gradient (Adagrad), kept and reverted with its row
         self.accumulators: dict[Key, float] = {}
@@ -167,10 +154,6 @@ class Learner:
                     break
         return unique, vectors, inverse
 
-    def _weights(self, keys: np.ndarray) -> np.ndarray:
-        """The multi-hot positions' pooling weights of a batch's ``keys`` (as the transform gave them)."""
-        return logged_pooling_weights(self.spec, keys[:, self.single : self.single + self.multi])
-
     def _probability(
         self,
         examples: pa.Table,
@@ -181,20 +164,10 @@ class Learner:
     ) -> torch.Tensor:
         """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's).
 
-        ``mask``: the history's; ``weights``: the multi-hot positions' (:meth:`_weights`), each
-        feature's weighted rows summed into its slot as the lookup step pools them.
+        ``mask`` and ``weights``: the history's mask and the multi-hot positions' pooling weights
+        (:meth:`BatchLayout.of`).
         """
-        slots = vectors[:, : self.single]
-        after = self.single + self.multi  # the targets' first column
-        if self.multi:
-            weighted = vectors[:, self.single : after] * torch.tensor(weights)[:, :, None]
-            slots = torch.cat([slots, torch.einsum("bmd,mk->bkd", weighted, self.pooling)], dim=1)
-        named = {name: slots[:, list(at), :width] for name, width, at in self.sparse}
-        if self.group is not None:
-            width = self.spec.model.embedding_dim
-            named[self.group.target] = vectors[:, after, :width]
-            named[self.group.history] = vectors[:, after + self.targets :, :width]
-            named[self.group.mask] = torch.tensor(mask)
+        named = self.layout.named(vectors, mask, weights)
         if self.net.has_dense:
             dense = pc.list_flatten(examples["dense"]).to_numpy().astype(np.float32)
             named[DENSE_NORMALIZED] = torch.tensor(dense.reshape(examples.num_rows, -1))
@@ -206,19 +179,17 @@ class Learner:
         ``score(batch)`` scores with the rows as trained, ``score(batch, learner.published)`` as
         published, ``score(batch, {})`` with the store's rows alone; ``net``: through another network.
         """
-        keys, tables, mask = self.layout.of(examples)
+        keys, tables, mask, pooling = self.layout.of(examples)
         _, vectors, where = self._vectors(keys, tables, *overlays)
         with torch.no_grad():
             batch = torch.tensor(vectors[where].reshape(*keys.shape, -1))
-            probability = self._probability(examples, batch, mask, self._weights(keys), net)
-            return probability.numpy().astype(np.float64)
+            return self._probability(examples, batch, mask, pooling, net).numpy().astype(np.float64)
 
     def train(self, examples: pa.Table) -> BatchFigures:
         """Score the batch (its progressive log loss), then one Adagrad step on the rows it touched."""
-        keys, tables, mask = self.layout.of(examples)
+        keys, tables, mask, pooling = self.layout.of(examples)
         unique, rows, where = self._vectors(keys, tables)
         vectors = torch.tensor(rows[where].reshape(*keys.shape, -1), requires_grad=True)
-        pooling = self._weights(keys)
         probability = self._probability(examples, vectors, mask, pooling)
         labels = torch.tensor(np.asarray(examples["label"], np.float32))
         weights = 1.0 / torch.tensor(np.asarray(examples["sample_rate"], np.float32))
@@ -226,9 +197,7 @@ class Learner:
         loss.backward()
         assert vectors.grad is not None
         grads = vectors.grad.numpy().reshape(len(where), -1)
-        ones = np.ones((keys.shape[0], 1), bool)
-        parts = [ones.repeat(self.single, 1), pooling > 0, ones.repeat(self.targets, 1), mask > 0]
-        valid = np.concatenate(parts, axis=1).reshape(-1)  # padding is never trained
+        valid = self.layout.trained(mask, pooling)
         summed = np.zeros(rows.shape, np.float32)
         np.add.at(summed, where[valid], grads[valid])
         touched = np.zeros(len(unique), bool)
