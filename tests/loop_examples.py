@@ -18,8 +18,9 @@ def examples(spec, tables, labels, rates=None, seed=0, served=None, versions=Non
             keys += [int(missing_key(spec.hashing.namespace, feature.name))] * (feature.max_length - count)
         keys += [int(rng.choice(tables[t.table].keys)) for t in spec.targets]
         history = None
-        if spec.sequences and i % 2:
-            history = [int(k) for k in rng.choice(tables[spec.sequences[0].table].keys, 3)]
+        if spec.sequences and i % 2:  # 3 positions of each sequence of the attention group, in turn
+            group = spec.attention_groups[0].sequences
+            history = [int(k) for s in group for k in rng.choice(tables[s.table].keys, 3)]
         rows.append(
             {
                 "request_id": f"r{i}", "row": 0, "time": 1.0, "variant": "", "label": label, "late": False,

@@ -41,7 +41,15 @@ class BatchLayout:
         tables += [t.table for t in spec.targets]
         #: the table id of each single-valued slot, each multi-hot position, each target
         self.column_tables = np.array([table_id(t) for t in tables], np.int16)
-        self.history_table = table_id(spec.sequences[0].table) if spec.sequences else None
+        group = spec.attention_groups[0].sequences if spec.sequences else ()
+        #: the table id of each sequence of the attention group (they share their positions)
+        self.sequence_tables = np.array([table_id(s.table) for s in group], np.int16)
+        #: each sequence's width where the group sets them side by side (``combine = "concat"``)
+        self.concat = (
+            tuple(spec.tables[s.table].dim for s in group)
+            if group and spec.attention_groups[0].combine == "concat"
+            else ()
+        )
         self.pooling = torch.tensor(pooling_matrix(spec))
         self.sparse = sparse_inputs(spec)  # (input, width, its slots) per width of the slots' tables
         self.group = attention_inputs(spec)[0] if spec.sequences else None
@@ -57,19 +65,24 @@ class BatchLayout:
         keys = keys[:, : len(self.column_tables)]
         tables = np.broadcast_to(self.column_tables, keys.shape)
         weights = logged_pooling_weights(self.spec, keys[:, self.single : self.single + self.multi])
-        if self.history_table is None:
+        count = len(self.sequence_tables)
+        if not count:
             return keys, np.array(tables), np.zeros((rows, 0), np.float32), weights
+        # a row's history is each sequence's keys in turn, as many each (a group shares its positions)
         lengths = pc.fill_null(pc.list_value_length(examples["history"]), 0).to_numpy().astype(np.int64)
         values = pc.list_flatten(examples["history"]).to_numpy().astype(np.int64)
-        history = np.zeros((rows, max(1, int(lengths.max(initial=0)))), np.int64)
-        mask = np.zeros(history.shape, np.float32)
+        each = lengths // count
+        history = np.zeros((rows, count, max(1, int(each.max(initial=0)))), np.int64)
+        mask = np.zeros((rows, history.shape[2]), np.float32)
         owner = np.repeat(np.arange(rows), lengths)
-        position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        history[owner, position] = values  # left-aligned
-        mask[owner, position] = 1.0
+        at = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        per = np.maximum(np.repeat(each, lengths), 1)
+        history[owner, at // per, at % per] = values  # left-aligned
+        mask[owner, at % per] = 1.0
+        history_tables = np.repeat(self.sequence_tables, history.shape[2])
         return (
-            np.concatenate([keys, history], axis=1),
-            np.concatenate([tables, np.full(history.shape, self.history_table, np.int16)], axis=1),
+            np.concatenate([keys, history.reshape(rows, -1)], axis=1),
+            np.concatenate([tables, np.broadcast_to(history_tables, (rows, len(history_tables)))], axis=1),
             mask,
             weights,
         )
@@ -82,17 +95,26 @@ class BatchLayout:
             weighted = vectors[:, self.single : after] * torch.tensor(weights)[:, :, None]
             slots = torch.cat([slots, torch.einsum("bmd,mk->bkd", weighted, self.pooling)], dim=1)
         named = {name: slots[:, list(at), :width] for name, width, at in self.sparse}
-        if self.group is not None:
-            width = self.spec.model.embedding_dim
-            named[self.group.target] = vectors[:, after, :width]
-            named[self.group.history] = vectors[:, after + self.targets :, :width]
+        if self.group is not None:  # as the lookup step makes a group's query and keys
+            rows, count, dim = vectors.shape[0], len(self.sequence_tables), vectors.shape[2]
+            targets = vectors[:, after : after + self.targets]
+            histories = vectors[:, after + self.targets :].reshape(rows, count, -1, dim)
+            if self.concat:  # each sequence (and target) at its table's width, side by side
+                widths = list(enumerate(self.concat))
+                named[self.group.target] = torch.cat([targets[:, i, :w] for i, w in widths], -1)
+                named[self.group.history] = torch.cat([histories[:, i, :, :w] for i, w in widths], -1)
+            else:  # summed at embedding_dim
+                cut = self.spec.model.embedding_dim
+                named[self.group.target] = targets[:, :count, :cut].sum(1)
+                named[self.group.history] = histories[:, :, :, :cut].sum(1)
             named[self.group.mask] = torch.tensor(mask)
         return named
 
     def trained(self, mask: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The positions of a batch whose rows train, flat: never padding (a history's, a multi-hot's)."""
         ones = np.ones((mask.shape[0], 1), bool)
-        parts = [ones.repeat(self.single, 1), weights > 0, ones.repeat(self.targets, 1), mask > 0]
+        history = np.tile(mask > 0, (1, len(self.sequence_tables)))
+        parts = [ones.repeat(self.single, 1), weights > 0, ones.repeat(self.targets, 1), history]
         return np.concatenate(parts, axis=1).reshape(-1)
 
 
@@ -112,8 +134,8 @@ def distinct_rows(keys: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.
 
 def trainable(spec: ModelSpec) -> str:
     """Why the learner cannot train ``spec`` (empty: it can)."""
-    if len(spec.sequences) > 1:
-        return "more than one behaviour sequence"
+    if len(spec.attention_groups) > 1:
+        return "behaviours with lengths of their own (the log holds a row's history as one list)"
     return ""
 
 

@@ -14,9 +14,10 @@ rows it replaced and rolls it back if worse (:mod:`recserve.loop.watch`). With a
 :class:`~recserve.loop.dense.DenseTrainer` the dense weights train too; the rows always train through
 the weights as served.
 
-What it trains: specs with at most one behaviour sequence (the bundled ``ctr`` spec, with multi-hot
-features too: each value's row through its pooling weight, read back from the logged keys; an
-imported DeepFM with its 1-wide first-order tables, through its ONNX graph). Rows are
+What it trains: specs with at most one attention group (the bundled ``ctr`` spec; sequences sharing
+the group's positions, summed or side by side as the lookup step combines them; multi-hot features,
+each value's row through its pooling weight, read back from the logged keys; an imported DeepFM with
+its 1-wide first-order tables, through its ONNX graph). Rows are
 held at the store's widest width; each slot reads its table's width of them, and a row's accumulator
 is the mean square of its table's columns alone. See docs/design/loop.md.
 """

@@ -38,6 +38,32 @@ def tagged_ctr_spec(pooling: str = "mean") -> ModelSpec:
     return parse_spec(doc)
 
 
+def two_sequence_ctr_spec(combine: str = "sum") -> ModelSpec:
+    """The bundled ``ctr`` spec with a second sequence in its attention group: each history item's
+    category (``history_cates``, table ``cate``, 4 wide), and the candidate's (``target_cate``)."""
+    doc = ctr_spec_document()
+    doc["features"] += [
+        {"name": "history_cates", "kind": "sequence", "table": "cate", "positions": "history_items"},
+        {"name": "target_cate", "kind": "categorical", "value_type": "int64", "table": "cate"}
+        | {"attends": "history_cates"},
+    ]
+    doc["tables"]["cate"] = {"cardinality": 100} | ({"dim": 4} if combine == "concat" else {})
+    if combine == "concat":
+        next(f for f in doc["features"] if f["name"] == "history_items")["combine"] = "concat"
+    return parse_spec(doc)
+
+
+def two_behaviour_ctr_spec() -> ModelSpec:
+    """The bundled ``ctr`` spec with a second behaviour of positions of its own (``cart``, a second group)."""
+    doc = ctr_spec_document()
+    doc["features"] += [
+        {"name": "cart", "kind": "sequence", "table": "item", "max_length": 16},
+        {"name": "cart_target", "kind": "categorical", "value_type": "int64", "table": "item"}
+        | {"attends": "cart"},
+    ]
+    return parse_spec(doc)
+
+
 DEVICES = [
     "cpu",
     pytest.param(

@@ -21,7 +21,7 @@ from recserve.verify_log import _features
 from tests.loop_examples import examples
 from tests.model_exports import DEEPFM_SPEC
 from tests.store_tables import spec_store
-from tests.unit.helpers import tagged_ctr_spec
+from tests.unit.helpers import tagged_ctr_spec, two_behaviour_ctr_spec, two_sequence_ctr_spec
 
 
 def learner(spec, lr=0.5):
@@ -75,9 +75,9 @@ def test_a_negative_kept_at_rate_w_weighs_as_1_over_w_negatives(spec):
 
 
 def test_a_spec_the_learner_cannot_train_is_refused(spec):
-    two = dataclasses.replace(spec, sequences=spec.sequences * 2)
-    assert trainable(spec) == "" and "sequence" in trainable(two)
-    with pytest.raises(ValueError, match="sequence"):
+    two = two_behaviour_ctr_spec()  # a second behaviour, with positions of its own
+    assert trainable(spec) == trainable(two_sequence_ctr_spec()) == "" and "lengths" in trainable(two)
+    with pytest.raises(ValueError, match="lengths of their own"):
         Learner(two, None, None)  # type: ignore[arg-type]
 
 
@@ -321,26 +321,40 @@ def test_a_version_ranking_its_examples_worse_than_the_rows_it_replaced_is_rolle
         assert 'recserve_learn_watch_auc{rows="replaced"} 1\n' in text(learn_samples(learn))
 
 
-def test_multi_hot_rows_train_through_the_pooling_weights_the_lookup_step_served():
-    spec = tagged_ctr_spec()
-    tables, learn = learner(spec)
-    batch = examples(spec, tables, [1, 0, 1, 1, 0])  # rows with 0, 1, 2, 3 and 4 tags
-    keys = np.array(batch["keys"].to_pylist(), np.int64)  # as logged: slots, tags, target
-    features = _features(
-        spec,
-        keys,
-        np.array(batch["dense"].to_pylist(), np.float32),
-        [h or [] for h in batch["history"].to_pylist()],
-    )
+def served_scores(spec, learn, batch):
+    """``batch`` scored as the served steps score it: its logged features rebuilt as ``verify --log``
+    rebuilds them, the lookup step's outputs from the learner's store, through the learner's network."""
+    keys = np.array(batch["keys"].to_pylist(), np.int64)  # as logged: slots, multi-hot, targets
+    dense = np.array(batch["dense"].to_pylist(), np.float32)
+    features = _features(spec, keys, dense, [h or [] for h in batch["history"].to_pylist()])
     looked = EmbeddingLookup(spec, learn.store).lookup(features)
     named = {n: torch.as_tensor(np.asarray(v)) for n, v in looked.items() if n != EMBEDDING_VERSION}
     named |= {n: torch.as_tensor(features[n]) for n in (DENSE_NORMALIZED, "history_mask")}
     with torch.no_grad():
-        served = learn.net.score(named).reshape(-1).numpy()
-    np.testing.assert_allclose(learn.score(batch, {}), served, atol=1e-6)  # pooled as the step pools
+        return learn.net.score(named).reshape(-1).numpy()
+
+
+def test_multi_hot_rows_train_through_the_pooling_weights_the_lookup_step_served():
+    spec = tagged_ctr_spec()
+    tables, learn = learner(spec)
+    batch = examples(spec, tables, [1, 0, 1, 1, 0])  # rows with 0, 1, 2, 3 and 4 tags
+    np.testing.assert_allclose(learn.score(batch, {}), served_scores(spec, learn, batch), atol=1e-6)
     learn.train(batch)
+    keys = np.array(batch["keys"].to_pylist(), np.int64)
     single, tags = len(spec.categorical.features), learn.store.table_id("tags")
     logged = keys[:, single : single + 4]
     padding = missing_key(spec.hashing.namespace, "tags")
     trained = {key for table, key in learn.touched if table == tags}
     assert trained == set(logged[logged != padding].tolist())  # each value's row; padding never
+
+
+@pytest.mark.parametrize("combine", ["sum", "concat"])
+def test_two_sequences_of_one_attention_group_train_as_the_lookup_step_combines_them(combine):
+    spec = two_sequence_ctr_spec(combine)
+    tables, learn = learner(spec)
+    batch = examples(spec, tables, [1, 0, 1, 1, 0, 1])  # every other row with a history
+    np.testing.assert_allclose(learn.score(batch, {}), served_scores(spec, learn, batch), atol=1e-6)
+    learn.train(batch)
+    cates = {int(k[-1]) for k in batch["keys"].to_pylist()}  # the candidates' categories
+    cates |= {k for h in batch["history"].to_pylist() if h for k in h[len(h) // 2 :]}  # the histories'
+    assert {key for table, key in learn.touched if table == learn.store.table_id("cate")} == cates

@@ -11,23 +11,12 @@ from recserve.build.synthetic import generate
 from recserve.core.names import HISTORY_KEYS, MULTI_HOT_KEYS, MULTI_HOT_WEIGHTS, SPARSE_KEYS, TARGET_KEY
 from recserve.core.spec.parse import load_spec, parse_spec
 from recserve.verify_log import _features, unrescorable
-from tests.unit.helpers import ctr_spec_document, tagged_ctr_spec
+from tests.unit.helpers import ctr_spec_document, tagged_ctr_spec, two_behaviour_ctr_spec
 
 
 def test_specs_whose_log_cannot_say_what_the_model_saw_are_refused_with_the_reason():
     assert unrescorable(load_spec("ctr")) is None and unrescorable(tagged_ctr_spec()) is None
-    doc = ctr_spec_document()
-    doc["features"] += [
-        {"name": "cart", "kind": "sequence", "table": "item", "max_length": 256},
-        {
-            "name": "cart_target",
-            "kind": "categorical",
-            "value_type": "int64",
-            "table": "item",
-            "attends": "cart",
-        },
-    ]
-    assert "lengths of their own" in str(unrescorable(parse_spec(doc)))
+    assert "lengths of their own" in str(unrescorable(two_behaviour_ctr_spec()))
     doc = ctr_spec_document()
     doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": 32}
     assert "tail" in str(unrescorable(parse_spec(doc)))
