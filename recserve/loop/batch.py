@@ -136,6 +136,8 @@ def trainable(spec: ModelSpec) -> str:
     """Why the learner cannot train ``spec`` (empty: it can)."""
     if len(spec.attention_groups) > 1:
         return "behaviours with lengths of their own (the log holds a row's history as one list)"
+    if spec.user_state.enabled:  # trained on the tail, the rows would learn from what was not served
+        return "[user_state] (the log holds each request's tail, not the history merged with its state)"
     return ""
 
 

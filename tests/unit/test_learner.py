@@ -21,7 +21,12 @@ from recserve.verify_log import _features
 from tests.loop_examples import examples
 from tests.model_exports import DEEPFM_SPEC
 from tests.store_tables import spec_store
-from tests.unit.helpers import tagged_ctr_spec, two_behaviour_ctr_spec, two_sequence_ctr_spec
+from tests.unit.helpers import (
+    ctr_spec_document,
+    tagged_ctr_spec,
+    two_behaviour_ctr_spec,
+    two_sequence_ctr_spec,
+)
 
 
 def learner(spec, lr=0.5):
@@ -79,6 +84,9 @@ def test_a_spec_the_learner_cannot_train_is_refused(spec):
     assert trainable(spec) == trainable(two_sequence_ctr_spec()) == "" and "lengths" in trainable(two)
     with pytest.raises(ValueError, match="lengths of their own"):
         Learner(two, None, None)  # type: ignore[arg-type]
+    doc = ctr_spec_document()
+    doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": 32}
+    assert "tail" in trainable(parse_spec(doc))  # the model saw a merged state the log does not hold
 
 
 def test_a_version_worse_than_the_served_scores_is_not_published_and_its_rows_go_back(spec):
