@@ -22,11 +22,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recserve.backends.request_log.records import KINDS, SCHEMAS
-from recserve.core.files import write_atomically
+from recserve.core.files import SCRATCH_SUFFIX, write_atomically
 
 LOGGER = logging.getLogger(__name__)
 SEGMENT_SUFFIX = ".parquet"
-TEMP_SUFFIX = ".tmp"
 #: the columns of few distinct values, dictionary-encoded; the keys and scores are written plain
 #: (dictionary-encoding hashed keys costs a third of the write and saves nothing)
 DICTIONARY_COLUMNS = ["request_id", "variant", "traffic", "embedding_version", "dense_version"]
@@ -63,7 +62,7 @@ class ParquetSegments:
         for kind in KINDS:
             folder = self.directory / kind
             folder.mkdir(parents=True, exist_ok=True)
-            for stale in folder.glob(f".*{TEMP_SUFFIX}"):  # a writer killed mid-segment
+            for stale in folder.glob(f".*{SCRATCH_SUFFIX}"):  # a writer killed mid-segment
                 stale.unlink(missing_ok=True)
 
     def add(self, kind: str, batch: pa.RecordBatch) -> int:

@@ -27,6 +27,7 @@ from recserve.backends.dense.network import CTRNet
 from recserve.backends.store.served import ServedStore
 from recserve.build.repository import load_served_net
 from recserve.commands.spec_source import command_spec
+from recserve.core.files import write_text_atomically
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.loop import learner_state
 from recserve.loop.dense import DenseTrainer
@@ -197,9 +198,8 @@ class LearnLoop:
         )
         self.last_publish = time.monotonic()
         self.progress.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.progress.with_name(".learner.json.tmp")
-        temporary.write_text(json.dumps({"trained": self.trained, "versions": published}))
-        temporary.replace(self.progress)  # what was trained up to the rows just published
+        # what was trained up to the rows just published
+        write_text_atomically(self.progress, json.dumps({"trained": self.trained, "versions": published}))
         self.keep()
         fresh = [round(f, 3) for f in self.learner.freshness]
         decision: dict[str, object] = {

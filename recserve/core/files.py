@@ -7,6 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+#: the suffix of a file being written (``.<name>.<pid>.tmp``): a writer killed mid-file leaves one,
+#: which a folder's owner may remove at its start
+SCRATCH_SUFFIX = ".tmp"
+
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: bool = False) -> None:
     """Write ``path`` through ``write(handle)`` under a hidden name beside it, then rename it into place.
@@ -20,7 +24,7 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], object], durable: b
     The hidden name (``.<name>.<pid>.tmp``) carries the process id, so two processes replacing the
     same file never write into each other's. On failure it is removed and the error raised.
     """
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}{SCRATCH_SUFFIX}")
     try:
         with open(temporary, "wb") as handle:
             write(handle)

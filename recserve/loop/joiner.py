@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recserve.core.feedback import FEEDBACK
-from recserve.core.files import write_atomically
+from recserve.core.files import SCRATCH_SUFFIX, write_atomically
 from recserve.loop.join import Join
 from recserve.loop.sources import Source
 from recserve.loop.tables import (
@@ -161,7 +161,7 @@ class Joiner:
             if int(SEGMENT.fullmatch(path.name).group(1)) > self.seq:  # type: ignore[union-attr]
                 path.unlink()  # written, never committed: its examples come again
                 dropped += 1
-        for stale in (*self.output.glob(".*.tmp"), *self.state.glob(".*.tmp")):
+        for stale in (*self.output.glob(f".*{SCRATCH_SUFFIX}"), *self.state.glob(f".*{SCRATCH_SUFFIX}")):
             stale.unlink(missing_ok=True)
         if dropped:
             LOGGER.info("removed %d uncommitted example segment(s) after checkpoint %d", dropped, self.seq)
