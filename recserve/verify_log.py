@@ -8,10 +8,10 @@ what the model saw (no training/serving skew). Records served by other table or 
 the repository's are counted and left out.
 
 A multi-hot feature's logged keys give back its pooling weights (a padding position holds the
-feature's missing key: :func:`~recserve.backends.features.pooling.logged_pooling_weights`). What
-the log cannot say is not guessed: a spec with behaviours of different lengths (the history is
-logged as one list) or with ``[user_state]`` (the logged history is the request's tail, not the
-merged state) is refused with the reason.
+feature's missing key: :func:`~recserve.backends.features.pooling.logged_pooling_weights`), and a
+history its sequences' lengths (``history_lengths``; several attention groups have their own). What
+the log cannot say is not guessed: a spec with ``[user_state]`` (the logged history is the
+request's tail, not the merged state) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from recserve.backends.features.hashing import missing_key
 from recserve.backends.features.pooling import logged_pooling_weights
 from recserve.backends.request_log.read import read_log
+from recserve.backends.request_log.records import sequence_lengths
 from recserve.backends.steps.lookup import FeaturesToEmbeddings
 from recserve.core.contract import attention_inputs
 from recserve.core.names import (
@@ -57,8 +59,6 @@ class LogCheck:
 
 def unrescorable(spec: ModelSpec) -> str | None:
     """Why the records of ``spec`` cannot be scored again from the log (None: they can)."""
-    if len(spec.attention_groups) > 1:
-        return "its behaviours have lengths of their own, and the log holds a row's history as one list"
     if spec.user_state.enabled:
         return "with [user_state] the log holds each request's tail, not the history merged with its state"
     return None
@@ -84,12 +84,17 @@ def rescore_log(
     table = read_log(directory)
     ids = table["request_id"].to_pylist()
     rows = table["row"].to_pylist()
-    history_rows = table["history_row"].to_pylist()
-    histories = {
-        (request, row): history
-        for request, row, history in zip(ids, rows, table["history"].to_pylist(), strict=True)
-        if history is not None
-    }
+    at = {(request, row): i for i, (request, row) in enumerate(zip(ids, rows, strict=True))}
+    carrier = pa.array(  # each record's history is on its request's row history_row (none: null)
+        [
+            at.get((r, h)) if h >= 0 else None
+            for r, h in zip(ids, table["history_row"].to_pylist(), strict=True)
+        ],
+        pa.int64(),
+    )
+    history = table["history"].take(carrier)
+    histories = [h or [] for h in history.to_pylist()]
+    split = sequence_lengths(history, table["history_lengths"].take(carrier), len(spec.sequences))
     keys = table["keys"].to_pylist()
     values = table["dense"].to_pylist()
     logged = np.asarray(table["score"].to_numpy(), np.float32)
@@ -102,10 +107,8 @@ def rescore_log(
             spec,
             np.array(keys[part], np.int64).reshape(part.stop - part.start, -1),
             np.array(values[part], np.float32).reshape(part.stop - part.start, -1),
-            [
-                histories.get((request, at), []) if at >= 0 else []
-                for request, at in zip(ids[part], history_rows[part], strict=True)
-            ],
+            histories[part],
+            split[part],
         )
         looked = embeddings.lookup.lookup(features)
         inputs = {n: features[n] for n in embeddings.passed if n in features}
@@ -129,9 +132,17 @@ def rescore_log(
 
 
 def _features(
-    spec: ModelSpec, keys: np.ndarray, dense: np.ndarray, histories: list[list[int]]
+    spec: ModelSpec,
+    keys: np.ndarray,
+    dense: np.ndarray,
+    histories: list[list[int]],
+    split: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The transform's output for logged records: the row block's keys split, histories padded."""
+    """The transform's output for logged records: the row block's keys split, histories padded.
+
+    ``histories``: each record's history as logged (each sequence's valid keys in turn);
+    ``split``: their sequences' lengths ``[records, sequences]`` (None: each history split evenly).
+    """
     count, single = keys.shape[0], len(spec.categorical.features)
     multi = sum(f.max_length for f in spec.categorical.multi_hot)
     features = {SPARSE_KEYS: keys[:, :single]}
@@ -143,22 +154,26 @@ def _features(
     if not spec.sequences:
         return features
     features[TARGET_KEY] = keys[:, single + multi :]
-    sequences = spec.attention_groups[0].sequences
-    lengths = np.array([len(h) // len(sequences) for h in histories], np.int64)
-    width = spec.sequence_bucket(max(int(lengths.max(initial=0)), 1))
-    left = sequences[0].padding == "left"
-    columns = np.arange(width)
-    real = columns >= width - lengths[:, None] if left else columns < lengths[:, None]
-    blocks = []
-    for s, sequence in enumerate(sequences):
-        block = np.full((count, width), missing_key(spec.hashing.namespace, sequence.name), np.int64)
-        block[real] = np.concatenate(
-            [
-                np.asarray(h[s * n : (s + 1) * n], np.int64)
-                for h, n in zip(histories, lengths.tolist(), strict=True)
-            ]
-        )
-        blocks.append(block)
+    if split is None:
+        split = sequence_lengths(pa.array(histories, pa.list_(pa.int64())), None, len(spec.sequences))
+    # every group's positions padded to one bucket, that of the longest history (as the transform does)
+    width = spec.sequence_bucket(max(int(split.max(initial=0)), 1))
+    columns, ends = np.arange(width), np.cumsum(split, axis=1)
+    blocks, s = [], 0
+    for group, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
+        for sequence in group.sequences:
+            lengths = split[:, s]
+            left = sequence.padding == "left"
+            real = columns >= width - lengths[:, None] if left else columns < lengths[:, None]
+            block = np.full((count, width), missing_key(spec.hashing.namespace, sequence.name), np.int64)
+            block[real] = np.concatenate(
+                [
+                    np.asarray(h[e - n : e], np.int64)
+                    for h, e, n in zip(histories, ends[:, s], lengths, strict=True)
+                ]
+            )
+            blocks.append(block)
+            features[names.mask] = real.astype(np.float32)
+            s += 1
     features[HISTORY_KEYS] = np.concatenate(blocks, axis=1)
-    features[attention_inputs(spec)[0].mask] = real.astype(np.float32)
     return features

@@ -6,9 +6,10 @@ joined by ``request_id`` and ``row`` (:func:`~recserve.backends.request_log.read
 * ``features`` (the ``embedding_lookup`` step): the keys of the row's slots as the transform made
   them (single-valued features, multi-hot values, targets: the lookup's row block), the numeric
   values as the dense network receives them, the embedding table versions, and the history keys
-  (each sequence's valid positions, sequence after sequence) **once per request or list**: on the
-  first row that has that history (``history_row`` names it on every row; ``history`` is null on
-  the others);
+  (each sequence's valid positions, sequence after sequence, in the spec's order) with each
+  sequence's length (``history_lengths``: the sequences of an attention group share theirs, groups
+  differ), **once per request or list**: on the first row that has that history (``history_row``
+  names it on every row; ``history`` and ``history_lengths`` are null on the others);
 * ``scores`` (the ``dense`` step): the probability returned and the dense version that scored it.
 
 Every record also has the time it was served, the variant the access layer routed it to and
@@ -22,7 +23,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from recserve.core.names import TRAFFIC_HEADER, VARIANT_HEADER
 
@@ -49,6 +52,7 @@ SCHEMAS = {
             pa.field("embedding_version", pa.list_(pa.int64()), nullable=False),
             pa.field("history_row", pa.int32(), nullable=False),  # -1: the spec has no sequence
             pa.field("history", pa.list_(pa.int64()), nullable=True),
+            pa.field("history_lengths", pa.list_(pa.int32()), nullable=True),  # per sequence
         ]
     ),
     SCORES: pa.schema(
@@ -59,6 +63,15 @@ SCHEMAS = {
         ]
     ),
 }
+
+
+def conformed(table: pa.Table, kind: str) -> pa.Table:
+    """``table`` as records of ``kind``: a nullable column it lacks (written before it was added) is null."""
+    schema = SCHEMAS[kind]
+    for field in schema:
+        if field.nullable and field.name not in table.column_names:
+            table = table.append_column(field.name, pa.nulls(table.num_rows, field.type))
+    return table.select(schema.names).cast(schema)
 
 
 def sampled(request_id: str, rate: float) -> bool:
@@ -104,3 +117,23 @@ class Identity:
             variant if isinstance(variant, str) else "",
             SHADOW if traffic == SHADOW else LIVE,
         )
+
+
+def sequence_lengths(history: pa.Array | pa.ChunkedArray, lengths: Any, sequences: int) -> np.ndarray:
+    """Each record's sequences' lengths ``[records, sequences]``: as logged, or its history split.
+
+    A record without ``history_lengths`` (none logged, or a log written before the column) has its
+    history split evenly: it was written for one attention group, whose sequences share their length.
+
+    Raises:
+        ValueError: a record's lengths do not add up to its history's.
+    """
+    total = pc.fill_null(pc.list_value_length(history), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    split = np.repeat((total // max(sequences, 1))[:, None], sequences, axis=1)
+    if lengths is not None:
+        given = ~pc.is_null(lengths).to_numpy(zero_copy_only=False)
+        if given.any():
+            split[given] = pc.list_flatten(lengths.filter(pa.array(given))).to_numpy().reshape(-1, sequences)
+    if (split.sum(axis=1) != total).any():
+        raise ValueError("a logged history's history_lengths do not add up to its keys")
+    return split

@@ -185,7 +185,9 @@ class FeatureLog(_Observer):
             return
         dense = outputs.get(DENSE_NORMALIZED, outputs.get(CANDIDATE_PREFIX + DENSE_NORMALIZED))
         part = _Part(
-            identity, time.time_ns() // 1000, _copied(rows, tapped, dense, outputs[EMBEDDING_VERSION])
+            identity,
+            time.time_ns() // 1000,
+            _copied(rows, tapped, dense, outputs[EMBEDDING_VERSION], len(self.sequence_masks)),
         )
         self.writer.offer(Entry(FEATURES, rows, self.build, part))
 
@@ -198,7 +200,13 @@ class FeatureLog(_Observer):
         """
         tapped = self.tap(features)
         rows = tapped[TAPPED_KEYS].shape[0]
-        columns = _copied(rows, [tapped.get(n) for n in TAPPED], features.get(DENSE_NORMALIZED), versions)
+        columns = _copied(
+            rows,
+            [tapped.get(n) for n in TAPPED],
+            features.get(DENSE_NORMALIZED),
+            versions,
+            len(self.sequence_masks),
+        )
         return self.build([_Part(identity, time_us, columns)])
 
     @staticmethod
@@ -206,16 +214,17 @@ class FeatureLog(_Observer):
         """The ``features`` records of the requests of ``parts``, in order (on the writer thread).
 
         Each part's columns: the keys ``[rows, K]``, the dense values ``[rows, D]``, the versions
-        ``[1, tables]`` and, when the history is logged, its keys and mask ``[owners, positions]``,
-        one row per history owner (a row; a list's user, whose candidates are consecutive rows).
+        ``[1, tables]`` and, when the history is logged, its keys and each sequence's mask
+        ``[owners, sequences, positions]``, one row per history owner (a row; a list's user, whose
+        candidates are consecutive rows).
         """
         counts = np.array([p.columns[0].shape[0] for p in parts])
         rows = int(counts.sum())
         if len(parts[0].columns) == 3:
             history_row = np.full(rows, -1, np.int32)
-            history_column = pa.nulls(rows, pa.list_(pa.int64()))
+            history_columns = [pa.nulls(rows, pa.list_(pa.int64())), pa.nulls(rows, pa.list_(pa.int32()))]
         else:
-            history_row, history_column = _histories(parts, counts)
+            history_row, *history_columns = _histories(parts, counts)
         versions = np.repeat(np.concatenate([p.columns[2] for p in parts]), counts, axis=0)
         columns = [
             *_common(parts, counts),
@@ -225,36 +234,41 @@ class FeatureLog(_Observer):
             ),
             _lists(versions.astype(np.int64, copy=False), pa.int64()),
             pa.array(history_row),
-            history_column,
+            *history_columns,
         ]
         return pa.RecordBatch.from_arrays(columns, schema=SCHEMAS[FEATURES])
 
 
-def _copied(rows: int, tapped: Sequence[Any], dense: Any, versions: Any) -> tuple[np.ndarray, ...]:
+def _copied(
+    rows: int, tapped: Sequence[Any], dense: Any, versions: Any, sequences: int
+) -> tuple[np.ndarray, ...]:
     """A request's columns for :meth:`FeatureLog.build`, copied to the host.
 
     ``tapped``: the arrays under :data:`TAPPED` (None where absent); ``dense``: the dense values
-    served (None: the spec has none); ``versions``: the embedding versions, the request's first row.
+    served (None: the spec has none); ``versions``: the embedding versions, the request's first row;
+    ``sequences``: how many sequences the history holds side by side (its keys' and masks' blocks).
     """
     return (
         host(tapped[0]).reshape(rows, -1),
         np.zeros((rows, 0), np.float32) if dense is None else host(dense).reshape(rows, -1),
         host(versions)[:1],
-        *(host(array) for array in tapped[1:] if array is not None),
+        *(host(array).reshape(array.shape[0], sequences, -1) for array in tapped[1:] if array is not None),
     )
 
 
-def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, pa.Array]:
-    """``history_row`` and ``history`` of the rows of ``parts`` (``counts`` rows each), from their owners'.
+def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, pa.Array, pa.Array]:
+    """``history_row``, ``history`` and ``history_lengths`` of the rows of ``parts`` (``counts`` rows each).
 
     Within a request, a history is written once, on the first row that has it (an owner's rows are
     consecutive, so a list's user's is on its first candidate); every other row names that row.
-    Each owner's history is taken as its valid keys in order (what the column holds), so requests
-    of different history widths need no padding.
+    Each owner's history is taken as its valid keys in order, sequence after sequence (what the
+    column holds), with each sequence's count of them, so requests of different history widths
+    need no padding.
     """
     owners = np.array([p.columns[3].shape[0] for p in parts])
-    masks = [p.columns[4] > 0 for p in parts]
-    lengths = np.concatenate([v.sum(axis=1) for v in masks])
+    masks = [p.columns[4] > 0 for p in parts]  # [owners, sequences, positions]
+    split = np.concatenate([v.sum(axis=2) for v in masks]).astype(np.int32)  # each sequence's length
+    lengths = split.sum(axis=1, dtype=np.int64)
     values = np.concatenate([p.columns[3][v] for p, v in zip(parts, masks, strict=True)]).astype(np.int64)
     starts = np.cumsum(lengths) - lengths
     row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
@@ -264,15 +278,19 @@ def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, 
     owner_of_row += np.repeat(owner_start, counts)
     first_row = np.searchsorted(owner_of_row, np.arange(lengths.shape[0]))
     request = np.repeat(np.arange(len(parts)), owners)
-    first = first_row[_first_equal(values, starts, lengths, request)][owner_of_row]
+    first = first_row[_first_equal(values, starts, split, request)][owner_of_row]
     carriers = first == np.arange(rows)  # the rows that carry a history
     carrying = owner_of_row[carriers]  # their owners, in order
     offsets = np.zeros(rows + 1, np.int32)
     np.cumsum(np.where(carriers, lengths[owner_of_row], 0), out=offsets[1:])
     if carrying.shape[0] < lengths.shape[0]:  # some owners' histories are written by others
         values = values[_segments(starts[carrying], lengths[carrying])]
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=pa.array(~carriers))
-    return (first - np.repeat(row_start, counts)).astype(np.int32), column
+    absent = pa.array(~carriers)
+    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=absent)
+    sequences = split.shape[1]
+    split_offsets = pa.array(np.cumsum(np.r_[0, carriers]).astype(np.int32) * sequences)
+    split_column = pa.ListArray.from_arrays(split_offsets, pa.array(split[carrying].reshape(-1)), mask=absent)
+    return (first - np.repeat(row_start, counts)).astype(np.int32), column, split_column
 
 
 def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -281,25 +299,30 @@ def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _first_equal(
-    values: np.ndarray, starts: np.ndarray, lengths: np.ndarray, request: np.ndarray
+    values: np.ndarray, starts: np.ndarray, split: np.ndarray, request: np.ndarray
 ) -> np.ndarray:
     """For each owner, the first owner of its request with the same history (itself when none).
 
-    An owner's history is ``values[start:start + length]``. Owners are grouped by a cheap digest
-    (the request, the length and a sum of the spread keys) and each is checked against its
-    group's first, so two different histories are never merged.
+    An owner's history is ``values[start:start + length]``, ``split`` ``[owners, sequences]`` its
+    sequences' lengths (``length`` their sum). Owners are grouped by a cheap digest (the request,
+    the lengths and a sum of the spread keys) and each is checked against its group's first, so
+    two different histories are never merged.
     """
+    lengths = split.sum(axis=1, dtype=np.int64)
     spread = values.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     sums = np.zeros(values.shape[0] + 1, np.uint64)
     np.cumsum(spread, out=sums[1:])
     digest = sums[starts + lengths] - sums[starts]
-    digest ^= (lengths.astype(np.uint64) << np.uint64(40)) ^ request.astype(np.uint64)
+    shape = split.astype(np.uint64) * (
+        np.arange(split.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(3)
+    )
+    digest ^= (shape.sum(axis=1, dtype=np.uint64) << np.uint64(40)) ^ request.astype(np.uint64)
     _, first, which = np.unique(digest, return_index=True, return_inverse=True)
     found = first[which.reshape(-1)]
     claimed = np.flatnonzero(found != np.arange(found.shape[0]))
     if claimed.size:
         other = found[claimed]
-        same = (request[claimed] == request[other]) & (lengths[claimed] == lengths[other])
+        same = (request[claimed] == request[other]) & (split[claimed] == split[other]).all(axis=1)
         checked, length = np.flatnonzero(same), lengths[claimed[same]]
         differs = values[_segments(starts[claimed[checked]], length)]
         differs = differs != values[_segments(starts[other[checked]], length)]

@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from recserve.backends.request_log.records import SCHEMAS
+from recserve.backends.request_log.records import SCHEMAS, conformed
 from recserve.backends.store.redis_tier import connection_settings
 from recserve.core.streams import stream_key, stream_shard
 
@@ -257,4 +257,4 @@ def read_records(entry: StreamEntry) -> tuple[str, pa.Table] | None:
     kind = _text(entry.fields.get("kind", b""))
     if kind not in SCHEMAS:
         return None
-    return kind, decode_table(entry.fields["arrow"]).cast(SCHEMAS[kind])
+    return kind, conformed(decode_table(entry.fields["arrow"]), kind)

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import numpy as np
 
-from recserve.backends.base.arrays import joined, side_by_side, take_rows
+from recserve.backends.base.arrays import joined, take_rows
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.features.pooling import pooling_matrix
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.request_log.step_log import TAPPED_PER_OWNER
+from recserve.backends.steps.group_inputs import attention_spans, group_inputs
 from recserve.backends.steps.list_batch import candidate_lists
 from recserve.backends.store.tiered import Lookup, Snapshot, TieredStore
 from recserve.core.candidate_lists import candidate_rows, candidate_step_inputs
 from recserve.core.contract import (
-    AttentionInputs,
     attention_inputs,
     left_padded_inputs,
     sequence_inputs,
@@ -107,15 +107,7 @@ class EmbeddingLookup:
             if spec.other_widths
             else None
         )
-        # per attention group: its dense inputs, the span of its sequences (and targets), and the
-        # width of each of them when they are concatenated (empty: summed at embedding_dim)
-        self.groups: list[tuple[AttentionInputs, slice, tuple[int, ...]]] = []
-        start = 0
-        for attention, names in zip(spec.attention_groups, attention_inputs(spec), strict=True):
-            widths = tuple(spec.tables[s.table].dim for s in attention.sequences)
-            concat = widths if attention.combine == "concat" else ()
-            self.groups.append((names, slice(start, start + len(attention.sequences)), concat))
-            start += len(attention.sequences)
+        self.groups = attention_spans(spec)
         #: (a snapshot's versions, those versions in spec order)
         self._versions: tuple[tuple[int, ...], np.ndarray] = ((), np.empty(0, np.int64))
 
@@ -254,21 +246,7 @@ class EmbeddingLookup:
             targets = vectors[:, single + multi :]
             owners, positions = inputs[HISTORY_KEYS].shape
             histories = result.vectors[rows * width :].reshape(owners, count, positions // count, dim)
-            for names, span, concat in self.groups:
-                if concat:  # each sequence (and target) at its table's width, side by side
-                    out[names.target] = side_by_side(
-                        [targets[:, span.start + i, :w] for i, w in enumerate(concat)]
-                    )
-                    out[names.history] = side_by_side(
-                        [histories[:, span.start + i, :, :w] for i, w in enumerate(concat)]
-                    )
-                    continue
-                # summed at embedding_dim (the store's rows may be wider): one query, one sequence each
-                one, cut = span.stop - span.start == 1, self.spec.model.embedding_dim
-                out[names.target] = targets[:, span.start, :cut] if one else targets[:, span, :cut].sum(1)
-                out[names.history] = (
-                    histories[:, span.start, :, :cut] if one else histories[:, span, :, :cut].sum(1)
-                )
+            out.update(group_inputs(targets, histories, self.groups, self.spec.model.embedding_dim))
         return out
 
 

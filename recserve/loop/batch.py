@@ -2,7 +2,7 @@
 
 Columns are read whole (no row-by-row Python): an example's ``keys`` (its single-valued slots' keys,
 its multi-hot positions', then its targets'), and its own ``history`` laid out left-aligned and
-masked (the attention ignores position; padding is never trained).
+masked, each sequence at its logged length (the attention ignores position; padding is never trained).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import pyarrow.compute as pc
 import torch
 
 from recserve.backends.features.pooling import logged_pooling_weights, pooling_matrix
-from recserve.core.contract import attention_inputs, sparse_inputs
+from recserve.backends.request_log.records import sequence_lengths
+from recserve.backends.steps.group_inputs import attention_spans, group_inputs
+from recserve.core.contract import sparse_inputs
 from recserve.core.spec.model import ModelSpec
 
 
@@ -24,7 +26,8 @@ class BatchLayout:
     """Where a batch's keys go, and how its rows become the network's inputs, as the lookup step makes them.
 
     A batch's keys are laid out as logged: the single-valued slots, the multi-hot positions (each
-    feature's rows weighted and summed into its slot), the targets, then the history.
+    feature's rows weighted and summed into its slot), the targets, then the history: each sequence's
+    positions in turn, every attention group's at one width (a group's sequences share their length).
 
     Args:
         spec: the served spec.
@@ -41,24 +44,20 @@ class BatchLayout:
         tables += [t.table for t in spec.targets]
         #: the table id of each single-valued slot, each multi-hot position, each target
         self.column_tables = np.array([table_id(t) for t in tables], np.int16)
-        group = spec.attention_groups[0].sequences if spec.sequences else ()
-        #: the table id of each sequence of the attention group (they share their positions)
-        self.sequence_tables = np.array([table_id(s.table) for s in group], np.int16)
-        #: each sequence's width where the group sets them side by side (``combine = "concat"``)
-        self.concat = (
-            tuple(spec.tables[s.table].dim for s in group)
-            if group and spec.attention_groups[0].combine == "concat"
-            else ()
-        )
+        sequences = [s for group in spec.attention_groups for s in group.sequences]
+        #: the table id of each sequence, group after group
+        self.sequence_tables = np.array([table_id(s.table) for s in sequences], np.int16)
+        self.groups = attention_spans(spec)
+        #: each sequence's attention group
+        self.group_of = np.repeat(np.arange(len(self.groups)), [g.stop - g.start for _, g, _ in self.groups])
         self.pooling = torch.tensor(pooling_matrix(spec))
         self.sparse = sparse_inputs(spec)  # (input, width, its slots) per width of the slots' tables
-        self.group = attention_inputs(spec)[0] if spec.sequences else None
 
     def of(self, examples: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """A batch's keys ``[B, F + M + T + L]``, their table ids, and its masks.
+        """A batch's keys ``[B, F + M + T + S * L]``, their table ids, and its masks.
 
-        The masks: the history's ``[B, L]`` and the multi-hot positions' pooling weights ``[B, M]``
-        (read back from their keys).
+        The masks: each attention group's history mask ``[B, groups, L]`` and the multi-hot positions'
+        pooling weights ``[B, M]`` (read back from their keys).
         """
         rows = examples.num_rows
         keys = pc.list_flatten(examples["keys"]).to_numpy().astype(np.int64).reshape(rows, -1)
@@ -67,19 +66,20 @@ class BatchLayout:
         weights = logged_pooling_weights(self.spec, keys[:, self.single : self.single + self.multi])
         count = len(self.sequence_tables)
         if not count:
-            return keys, np.array(tables), np.zeros((rows, 0), np.float32), weights
-        # a row's history is each sequence's keys in turn, as many each (a group shares its positions)
-        lengths = pc.fill_null(pc.list_value_length(examples["history"]), 0).to_numpy().astype(np.int64)
+            return keys, np.array(tables), np.zeros((rows, 0, 0), np.float32), weights
+        logged = examples["history_lengths"] if "history_lengths" in examples.column_names else None
+        split = sequence_lengths(examples["history"], logged, count)  # [B, S]
         values = pc.list_flatten(examples["history"]).to_numpy().astype(np.int64)
-        each = lengths // count
-        history = np.zeros((rows, count, max(1, int(each.max(initial=0)))), np.int64)
-        mask = np.zeros((rows, history.shape[2]), np.float32)
-        owner = np.repeat(np.arange(rows), lengths)
-        at = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        per = np.maximum(np.repeat(each, lengths), 1)
-        history[owner, at // per, at % per] = values  # left-aligned
-        mask[owner, at % per] = 1.0
-        history_tables = np.repeat(self.sequence_tables, history.shape[2])
+        width = max(1, int(split.max(initial=0)))
+        history = np.zeros((rows, count, width), np.int64)
+        each = split.reshape(-1)  # (row, sequence) after (row, sequence)
+        pair = np.repeat(np.arange(rows * count), each)
+        history[
+            pair // count, pair % count, np.arange(len(values)) - np.repeat(np.cumsum(each) - each, each)
+        ] = values  # left-aligned
+        group_lengths = split[:, [span.start for _, span, _ in self.groups]]  # [B, groups]
+        mask = (np.arange(width) < group_lengths[:, :, None]).astype(np.float32)
+        history_tables = np.repeat(self.sequence_tables, width)
         return (
             np.concatenate([keys, history.reshape(rows, -1)], axis=1),
             np.concatenate([tables, np.broadcast_to(history_tables, (rows, len(history_tables)))], axis=1),
@@ -95,25 +95,19 @@ class BatchLayout:
             weighted = vectors[:, self.single : after] * torch.tensor(weights)[:, :, None]
             slots = torch.cat([slots, torch.einsum("bmd,mk->bkd", weighted, self.pooling)], dim=1)
         named = {name: slots[:, list(at), :width] for name, width, at in self.sparse}
-        if self.group is not None:  # as the lookup step makes a group's query and keys
+        if self.groups:  # as the lookup step makes each group's query and positions
             rows, count, dim = vectors.shape[0], len(self.sequence_tables), vectors.shape[2]
             targets = vectors[:, after : after + self.targets]
             histories = vectors[:, after + self.targets :].reshape(rows, count, -1, dim)
-            if self.concat:  # each sequence (and target) at its table's width, side by side
-                widths = list(enumerate(self.concat))
-                named[self.group.target] = torch.cat([targets[:, i, :w] for i, w in widths], -1)
-                named[self.group.history] = torch.cat([histories[:, i, :, :w] for i, w in widths], -1)
-            else:  # summed at embedding_dim
-                cut = self.spec.model.embedding_dim
-                named[self.group.target] = targets[:, :count, :cut].sum(1)
-                named[self.group.history] = histories[:, :, :, :cut].sum(1)
-            named[self.group.mask] = torch.tensor(mask)
+            named.update(group_inputs(targets, histories, self.groups, self.spec.model.embedding_dim))
+            for g, (names, _, _) in enumerate(self.groups):
+                named[names.mask] = torch.tensor(mask[:, g])
         return named
 
     def trained(self, mask: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """The positions of a batch whose rows train, flat: never padding (a history's, a multi-hot's)."""
         ones = np.ones((mask.shape[0], 1), bool)
-        history = np.tile(mask > 0, (1, len(self.sequence_tables)))
+        history = (mask[:, self.group_of] > 0).reshape(mask.shape[0], -1)  # each sequence: its group's
         parts = [ones.repeat(self.single, 1), weights > 0, ones.repeat(self.targets, 1), history]
         return np.concatenate(parts, axis=1).reshape(-1)
 
@@ -134,8 +128,6 @@ def distinct_rows(keys: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.
 
 def trainable(spec: ModelSpec) -> str:
     """Why the learner cannot train ``spec`` (empty: it can)."""
-    if len(spec.attention_groups) > 1:
-        return "behaviours with lengths of their own (the log holds a row's history as one list)"
     if spec.user_state.enabled:  # trained on the tail, the rows would learn from what was not served
         return "[user_state] (the log holds each request's tail, not the history merged with its state)"
     return ""

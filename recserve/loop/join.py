@@ -122,7 +122,7 @@ class Join:
     # ---- input ---------------------------------------------------------------------------
     def add_features(self, records: list[dict[str, Any]]) -> None:
         """Take ``features`` records in (``time``: seconds); a row's history is taken from its request."""
-        histories = {(r["request_id"], r["row"]): r.get("history") for r in records}
+        carriers = {(r["request_id"], r["row"]): r for r in records if r.get("history") is not None}
         for record in records:
             key = (str(record["request_id"]), int(record["row"]))
             if record.get("traffic") == "shadow":
@@ -134,7 +134,9 @@ class Join:
             record = dict(record)
             history_row = int(record.pop("history_row", -1))
             if history_row >= 0 and record.get("history") is None:
-                record["history"] = histories.get((key[0], history_row))
+                carrier = carriers.get((key[0], history_row), {})
+                record["history"] = carrier.get("history")
+                record["history_lengths"] = carrier.get("history_lengths")
             row = Row(record)
             self.counts["rows"] += 1
             self.open[key] = row

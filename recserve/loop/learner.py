@@ -14,12 +14,12 @@ rows it replaced and rolls it back if worse (:mod:`recserve.loop.watch`). With a
 :class:`~recserve.loop.dense.DenseTrainer` the dense weights train too; the rows always train through
 the weights as served.
 
-What it trains: specs with at most one attention group (the bundled ``ctr`` spec; sequences sharing
-the group's positions, summed or side by side as the lookup step combines them; multi-hot features,
-each value's row through its pooling weight, read back from the logged keys; an imported DeepFM with
-its 1-wide first-order tables, through its ONNX graph). Rows are
-held at the store's widest width; each slot reads its table's width of them, and a row's accumulator
-is the mean square of its table's columns alone. See docs/design/loop.md.
+What it trains: the bundled ``ctr`` spec; attention groups, several of them with lengths of their own,
+their sequences summed or side by side as the lookup step combines them; multi-hot features, each
+value's row through its pooling weight, read back from the logged keys; an imported DeepFM with its
+1-wide first-order tables, through its ONNX graph. Rows are held at the store's widest width; each
+slot reads its table's width of them, and a row's accumulator is the mean square of its table's
+columns alone. See docs/design/loop.md.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Learner:
     ) -> torch.Tensor:
         """The network's probabilities of a batch whose rows are ``vectors`` (``net``: another's).
 
-        ``mask`` and ``weights``: the history's mask and the multi-hot positions' pooling weights
+        ``mask`` and ``weights``: each group's history mask and the multi-hot positions' pooling weights
         (:meth:`BatchLayout.of`).
         """
         named = self.layout.named(vectors, mask, weights)

@@ -9,7 +9,8 @@ The examples' schema (one row per example, Parquet segments of ``recserve join``
 | ``late`` | a positive for a click after W (the row was emitted before as a negative, or sampled out) |
 | ``sample_rate`` | the rate the example was kept at: w for a negative, 1 for a positive |
 | ``labelled_at`` | the click's time, or the window's end for a negative |
-| ``keys``, ``dense``, ``embedding_version``, ``history`` | the features as served (the row's own history) |
+| ``keys``, ``dense``, ``embedding_version`` | the features as served |
+| ``history``, ``history_lengths`` | the row's own history as served, and each sequence's length |
 | ``score``, ``dense_version`` | the probability served and the dense version (null: its record never came) |
 """
 
@@ -39,12 +40,16 @@ EXAMPLES = pa.schema(
         pa.field("dense", pa.list_(pa.float32()), nullable=False),
         pa.field("embedding_version", pa.list_(pa.int64()), nullable=False),
         pa.field("history", pa.list_(pa.int64())),
+        pa.field("history_lengths", pa.list_(pa.int32())),
         pa.field("score", pa.float32()),
         pa.field("dense_version", pa.int64()),
     ]
 )
 #: the record columns a held row keeps (``time`` as seconds)
-_RECORD = ("request_id", "row", "time", "variant", "traffic", "keys", "dense", "embedding_version", "history")
+_RECORD = (
+    "request_id", "row", "time", "variant", "traffic", "keys", "dense", "embedding_version", "history",
+    "history_lengths",
+)  # fmt: skip
 ROWS = pa.schema(
     [
         pa.field("state", pa.string()),  # open or closed
@@ -63,6 +68,7 @@ ROWS = pa.schema(
         pa.field("dense", pa.list_(pa.float32())),
         pa.field("embedding_version", pa.list_(pa.int64())),
         pa.field("history", pa.list_(pa.int64())),
+        pa.field("history_lengths", pa.list_(pa.int32())),
     ]
 )
 FEEDBACK_ROWS = pa.schema(
@@ -160,9 +166,9 @@ def snapshot(join: Join) -> dict[str, pa.Table]:
 
 
 def load_rows(join: Join, table: pa.Table) -> None:
-    """Hold the rows of a :func:`rows_table` (a row held already is replaced)."""
+    """Hold the rows of a :func:`rows_table` (a row held already is replaced; a column it lacks: null)."""
     for item in table.to_pylist():
-        row = Row({n: item[n] for n in _RECORD}, item["score"], item["dense_version"], item["impressed"])
+        row = Row({n: item.get(n) for n in _RECORD}, item["score"], item["dense_version"], item["impressed"])
         row.outcome = item["outcome"]
         _waiting(row, item)
         key = (item["request_id"], item["row"])

@@ -118,7 +118,7 @@ def features_batch(request_id: str, rows: int, t: float) -> pa.RecordBatch:
         "request_id": [request_id] * rows, "row": list(range(rows)), "variant": [""] * rows,
         "traffic": ["live"] * rows,
         "keys": [[r, 1] for r in range(rows)], "dense": [[0.5]] * rows, "embedding_version": [[1]] * rows,
-        "history_row": [-1] * rows, "history": [None] * rows,
+        "history_row": [-1] * rows, "history": [None] * rows, "history_lengths": [None] * rows,
     }  # fmt: skip
     columns["time"] = pa.array([int(t * 1e6)] * rows, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
     return pa.RecordBatch.from_pydict({name: columns[name] for name in schema.names}, schema=schema)

@@ -170,7 +170,7 @@ def test_feedback_files_are_read_whole_lines_only_and_bad_lines_are_counted(tmp_
 def log_request(sink, request_id, rows, t, scores=True):
     """One request's two record kinds (or its features alone), as the steps log them, each in a segment."""
     records = features(request_id, rows, 0.0)
-    columns = {name: [r[name] for r in records] for name in SCHEMAS[FEATURES].names if name != "time"}
+    columns = {name: [r.get(name) for r in records] for name in SCHEMAS[FEATURES].names if name != "time"}
     columns["time"] = pa.array([int(t * 1e6)] * rows, pa.int64()).cast(pa.timestamp("us", tz="UTC"))
     sink.add(FEATURES, pa.RecordBatch.from_pydict(columns, schema=SCHEMAS[FEATURES]))
     if scores:

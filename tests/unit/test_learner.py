@@ -9,7 +9,9 @@ import torch
 
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.hashing import missing_key
+from recserve.backends.request_log.records import sequence_lengths
 from recserve.backends.steps.lookup import EmbeddingLookup
+from recserve.core.contract import attention_inputs
 from recserve.core.names import DENSE_NORMALIZED, EMBEDDING_VERSION
 from recserve.core.sections.base import SpecError
 from recserve.core.spec.parse import parse_spec
@@ -80,13 +82,12 @@ def test_a_negative_kept_at_rate_w_weighs_as_1_over_w_negatives(spec):
 
 
 def test_a_spec_the_learner_cannot_train_is_refused(spec):
-    two = two_behaviour_ctr_spec()  # a second behaviour, with positions of its own
-    assert trainable(spec) == trainable(two_sequence_ctr_spec()) == "" and "lengths" in trainable(two)
-    with pytest.raises(ValueError, match="lengths of their own"):
-        Learner(two, None, None)  # type: ignore[arg-type]
+    assert trainable(spec) == trainable(two_sequence_ctr_spec()) == trainable(two_behaviour_ctr_spec()) == ""
     doc = ctr_spec_document()
     doc["user_state"] = {"enabled": True, "tokens": 96, "exact_tokens": 64, "tail": 32}
     assert "tail" in trainable(parse_spec(doc))  # the model saw a merged state the log does not hold
+    with pytest.raises(ValueError, match="tail"):
+        Learner(parse_spec(doc), None, None)  # type: ignore[arg-type]
 
 
 def test_a_version_worse_than_the_served_scores_is_not_published_and_its_rows_go_back(spec):
@@ -334,10 +335,12 @@ def served_scores(spec, learn, batch):
     rebuilds them, the lookup step's outputs from the learner's store, through the learner's network."""
     keys = np.array(batch["keys"].to_pylist(), np.int64)  # as logged: slots, multi-hot, targets
     dense = np.array(batch["dense"].to_pylist(), np.float32)
-    features = _features(spec, keys, dense, [h or [] for h in batch["history"].to_pylist()])
+    split = sequence_lengths(batch["history"], batch["history_lengths"], len(spec.sequences))
+    features = _features(spec, keys, dense, [h or [] for h in batch["history"].to_pylist()], split)
     looked = EmbeddingLookup(spec, learn.store).lookup(features)
     named = {n: torch.as_tensor(np.asarray(v)) for n, v in looked.items() if n != EMBEDDING_VERSION}
-    named |= {n: torch.as_tensor(features[n]) for n in (DENSE_NORMALIZED, "history_mask")}
+    masks = tuple(group.mask for group in attention_inputs(spec))
+    named |= {n: torch.as_tensor(features[n]) for n in (DENSE_NORMALIZED, *masks)}
     with torch.no_grad():
         return learn.net.score(named).reshape(-1).numpy()
 
@@ -366,3 +369,16 @@ def test_two_sequences_of_one_attention_group_train_as_the_lookup_step_combines_
     cates = {int(k[-1]) for k in batch["keys"].to_pylist()}  # the candidates' categories
     cates |= {k for h in batch["history"].to_pylist() if h for k in h[len(h) // 2 :]}  # the histories'
     assert {key for table, key in learn.touched if table == learn.store.table_id("cate")} == cates
+
+
+def test_behaviours_with_lengths_of_their_own_train_as_the_lookup_step_serves_them():
+    spec = two_behaviour_ctr_spec()  # items viewed (3 a row here) and carted (4), both of table item
+    tables, learn = learner(spec)
+    batch = examples(spec, tables, [1, 0, 1, 1, 0, 1])  # every other row with its two histories
+    assert [n for n in batch["history_lengths"].to_pylist() if n] == [[3, 4]] * 3
+    np.testing.assert_allclose(learn.score(batch, {}), served_scores(spec, learn, batch), atol=1e-6)
+    learn.train(batch)
+    items = {int(k) for keys in batch["keys"].to_pylist() for k in keys[-2:]}  # both targets
+    items |= {k for h in batch["history"].to_pylist() if h for k in h}
+    # every position of both behaviours trains; the views' padding (as wide as the carts) never does
+    assert {key for table, key in learn.touched if table == learn.store.table_id("item")} == items

@@ -40,6 +40,7 @@ from recserve.core.sections.serving import AccessSection
 from recserve.core.streams import stream_keys, stream_shard
 from recserve.server.process import FORWARDED_HEADERS
 from tests.triton_requests import Request
+from tests.unit.helpers import two_behaviour_ctr_spec
 
 
 def scores_batch(request_id: str, rows: int) -> pa.RecordBatch:
@@ -158,6 +159,29 @@ def test_histories_with_the_same_keys_in_another_order_are_written_apart(spec, t
     assert table["history"] == [[1, 2], [2, 1], None, None]
 
 
+def test_each_behaviours_length_is_logged_and_histories_split_otherwise_are_written_apart(tmp_path):
+    """Two attention groups (views, carts): the same keys in turn, split otherwise, are other histories."""
+    spec = two_behaviour_ctr_spec()
+    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
+    log = FeatureLog(spec, LoggingSection(enabled=True), writer)
+    keys = len(spec.categorical.features) + len(spec.targets)
+    log(
+        Request("r"),
+        {},
+        {
+            SPARSE_EMBEDDINGS: np.zeros((3, 1)),
+            EMBEDDING_VERSION: np.ones((1, len(spec.table_names))),
+            TAPPED_KEYS: np.zeros((3, keys)),
+            TAPPED_HISTORY: np.array([[1, 2, 3, 0], [1, 0, 2, 3], [1, 2, 3, 0]]),  # views, then carts
+            TAPPED_HISTORY_MASK: np.array([[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 0]], np.float32),
+        },
+    )
+    writer.close()
+    table = read_kind(tmp_path, FEATURES).to_pydict()
+    assert table["history"] == [[1, 2, 3], [1, 2, 3], None] and table["history_row"] == [0, 1, 0]
+    assert table["history_lengths"] == [[2, 1], [1, 2], None]
+
+
 def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
     sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
     release = threading.Event()
@@ -246,19 +270,21 @@ def test_a_segment_appears_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 def test_read_log_joins_features_and_scores_by_request_and_row(tmp_path, spec):
+    """Also across a segment written before ``history_lengths`` was (its lengths read as null)."""
     sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
     sink.add(SCORES, scores_batch("r", 2))
+    sink.flush()
     columns = {
         "request_id": ["r", "r", "other"], "row": [1, 0, 0], "time": [0, 0, 0], "variant": [""] * 3,
         "traffic": ["live"] * 3, "keys": [[1], [2], [3]], "dense": [[0.5]] * 3,
         "embedding_version": [[1]] * 3, "history_row": [-1] * 3, "history": [None] * 3,
     }  # fmt: skip
-    table = pa.table(columns, schema=SCHEMAS[FEATURES].remove_metadata())
-    sink.add(FEATURES, table.to_batches()[0])
-    sink.flush()
+    earlier = pa.schema([f for f in SCHEMAS[FEATURES] if f.name != "history_lengths"])
+    (tmp_path / FEATURES).mkdir(exist_ok=True)
+    pq.write_table(pa.table(columns, schema=earlier), tmp_path / FEATURES / "0-1-000001.parquet")
     joined = read_log(tmp_path).to_pydict()
     assert joined["request_id"] == ["r", "r"] and joined["row"] == [0, 1] and joined["keys"] == [[2], [1]]
-    assert joined["score"] == [0.25, 0.25]
+    assert joined["score"] == [0.25, 0.25] and joined["history_lengths"] == [None, None]
 
 
 def test_logging_settings_from_the_spec_and_the_serve_flags():

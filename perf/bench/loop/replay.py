@@ -94,10 +94,11 @@ def stream_requests(
             features = transform.transform(rows.to_inputs(spec))
             batch = log.records(Identity(f"r{round_}-{k}"), int(sent * 1e6), features, versions)
             logged = records(pa.Table.from_batches([batch]))
+            carriers = [logged[r["history_row"]] if r["history_row"] >= 0 else {} for r in logged]
             scoring = pa.Table.from_pylist(
                 [{"keys": r["keys"], "dense": r["dense"],  # each row's own history, as the join resolves it
-                  "history": logged[r["history_row"]]["history"] if r["history_row"] >= 0 else None}
-                 for r in logged]
+                  "history": c.get("history"), "history_lengths": c.get("history_lengths")}
+                 for r, c in zip(logged, carriers, strict=True)]
             )  # fmt: skip
             out.append(Request(round_, sent, logged, scoring, clicks))
     return out
