@@ -137,47 +137,35 @@ def test_requests_built_together_keep_their_own_rows_and_a_lists_history_is_on_i
     assert table["keys"][5] == list(range(5 * keys, 6 * keys))
 
 
+def logged_histories(spec, folder, history, mask) -> dict:
+    """The features records of one row-layout request whose tapped history and mask are these."""
+    writer = RecordWriter(ParquetSegments(folder, 1 << 30, 3600.0), capacity=8)
+    rows, keys = len(history), len(spec.categorical.features) + len(spec.targets)
+    outputs = {
+        SPARSE_EMBEDDINGS: np.zeros((rows, 1)),
+        EMBEDDING_VERSION: np.ones((1, len(spec.table_names))),
+        TAPPED_KEYS: np.zeros((rows, keys)),
+        TAPPED_HISTORY: np.array(history),
+        TAPPED_HISTORY_MASK: np.array(mask, np.float32),
+    }
+    FeatureLog(spec, LoggingSection(enabled=True), writer)(Request("r"), {}, outputs)
+    writer.close()
+    return read_kind(folder, FEATURES).to_pydict()
+
+
 def test_histories_with_the_same_keys_in_another_order_are_written_apart(spec, tmp_path):
     """The history digest is order-blind (a sum): each match is checked, so none is merged wrongly."""
-    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
-    log = FeatureLog(spec, LoggingSection(enabled=True), writer)
-    keys = len(spec.categorical.features) + len(spec.targets)
-    log(
-        Request("r"),
-        {},
-        {
-            SPARSE_EMBEDDINGS: np.zeros((4, 1)),
-            EMBEDDING_VERSION: np.ones((1, len(spec.table_names))),
-            TAPPED_KEYS: np.zeros((4, keys)),
-            TAPPED_HISTORY: np.array([[1, 2, 0], [2, 1, 0], [1, 2, 0], [0, 1, 2]]),
-            TAPPED_HISTORY_MASK: np.array([[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 1, 1]], np.float32),
-        },
-    )
-    writer.close()
-    table = read_kind(tmp_path, FEATURES).to_pydict()
+    history = [[1, 2, 0], [2, 1, 0], [1, 2, 0], [0, 1, 2]]
+    table = logged_histories(spec, tmp_path, history, [[1, 1, 0], [1, 1, 0], [1, 1, 0], [0, 1, 1]])
     assert table["history_row"] == [0, 1, 0, 0]  # the last: the same valid keys, in other places
     assert table["history"] == [[1, 2], [2, 1], None, None]
 
 
 def test_each_behaviours_length_is_logged_and_histories_split_otherwise_are_written_apart(tmp_path):
     """Two attention groups (views, carts): the same keys in turn, split otherwise, are other histories."""
-    spec = two_behaviour_ctr_spec()
-    writer = RecordWriter(ParquetSegments(tmp_path, 1 << 30, 3600.0), capacity=8)
-    log = FeatureLog(spec, LoggingSection(enabled=True), writer)
-    keys = len(spec.categorical.features) + len(spec.targets)
-    log(
-        Request("r"),
-        {},
-        {
-            SPARSE_EMBEDDINGS: np.zeros((3, 1)),
-            EMBEDDING_VERSION: np.ones((1, len(spec.table_names))),
-            TAPPED_KEYS: np.zeros((3, keys)),
-            TAPPED_HISTORY: np.array([[1, 2, 3, 0], [1, 0, 2, 3], [1, 2, 3, 0]]),  # views, then carts
-            TAPPED_HISTORY_MASK: np.array([[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 0]], np.float32),
-        },
-    )
-    writer.close()
-    table = read_kind(tmp_path, FEATURES).to_pydict()
+    history = [[1, 2, 3, 0], [1, 0, 2, 3], [1, 2, 3, 0]]  # views, then carts
+    mask = [[1, 1, 1, 0], [1, 0, 1, 1], [1, 1, 1, 0]]
+    table = logged_histories(two_behaviour_ctr_spec(), tmp_path, history, mask)
     assert table["history"] == [[1, 2, 3], [1, 2, 3], None] and table["history_row"] == [0, 1, 0]
     assert table["history_lengths"] == [[2, 1], [1, 2], None]
 
