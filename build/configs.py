@@ -345,12 +345,15 @@ def profile_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
         for name, config in all_configs(spec, profile).items():
             if config != cpu[name]:
                 files[config_path(Path(), name, profile)] = config
-    for queue in spec.serving.queue_policies:
-        if queue in PROFILES:
-            raise ValueError(f"queue policy {queue!r} would overwrite the {queue} hardware profile's configs")
-        for step in STEPS:
-            files[config_path(Path(), step, queue)] = step_config(spec, step, queue=queue)
-    return files
+    return files | queue_configs(spec)
+
+
+def queue_configs(spec: ModelSpec) -> dict[Path, mc.ModelConfig]:
+    """Each queue policy's step configs, relative to the repository (``<step>/configs/<policy>.pbtxt``)."""
+    if clash := set(spec.serving.queue_policies) & set(PROFILES):
+        raise ValueError(f"queue policies {sorted(clash)} would overwrite hardware profiles' configs")
+    policies = spec.serving.queue_policies
+    return {config_path(Path(), s, q): step_config(spec, s, queue=q) for q in policies for s in STEPS}
 
 
 def render(config: mc.ModelConfig) -> str:
@@ -358,10 +361,12 @@ def render(config: mc.ModelConfig) -> str:
     return text_format.MessageToString(config)
 
 
-def write_configs(spec: ModelSpec, repository: Path) -> list[Path]:
-    """Write every ``config.pbtxt`` and profile variant (and the ensemble's empty version folder)."""
+def write_configs(
+    spec: ModelSpec, repository: Path, files: dict[Path, mc.ModelConfig] | None = None
+) -> list[Path]:
+    """Write the configs (``files``, by path; None: :func:`profile_configs`), the ensembles' versions."""
     written = []
-    for relative, config in profile_configs(spec).items():
+    for relative, config in (profile_configs(spec) if files is None else files).items():
         path = repository / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(render(config))
@@ -377,8 +382,9 @@ def write_variant(
     """A repository serving the built artifacts of ``source`` under other configs.
 
     Each step's version folder in ``target`` links to the one in ``source`` (nothing is copied);
-    only the ``config.pbtxt`` files (of ``profile``, scheduled by ``plan``) differ. An existing
-    ``target`` is replaced.
+    only the ``config.pbtxt`` files (of ``profile``, scheduled by ``plan``) differ. The ``cpu``
+    profile unscheduled also gets the spec's queue policies, as a built repository has them (served
+    with ``--model-config-name``). An existing ``target`` is replaced.
     """
     if target.resolve() == source.resolve():
         raise ValueError("a variant repository needs its own folder")
@@ -389,10 +395,6 @@ def write_variant(
             raise FileNotFoundError(f"{built} is missing; run 'recserve build' first")
         (target / step).mkdir(parents=True)
         (target / step / str(spec.version)).symlink_to(built, target_is_directory=True)
-    for name, config in all_configs(spec, profile, plan).items():
-        path = target / name / "config.pbtxt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(render(config))
-    for name in ensemble_names(spec):
-        (target / name / str(spec.version)).mkdir(parents=True, exist_ok=True)
+    files = {config_path(Path(), name): config for name, config in all_configs(spec, profile, plan).items()}
+    write_configs(spec, target, files | (queue_configs(spec) if profile == "cpu" and plan is None else {}))
     return target

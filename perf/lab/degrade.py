@@ -7,7 +7,8 @@ servers of the same built repository run one after the other, each pinned to the
 load generator on the others):
 
 * ``shed``: today's shedding, the ``latency_first`` queue policy (a request that could not start
-  the first step within its budget is refused, whatever it was worth);
+  the first step within its budget is refused, whatever it was worth), with ``[degrade]`` off even
+  where the spec and its repository have it on;
 * ``degrade``: the repository served with the spec's ``[degrade]`` (the lab's levels where the spec
   has none): each request at the level its value pays for, lambda following the queue wait.
 
@@ -115,6 +116,13 @@ def degrade_spec(spec: ModelSpec, overrides: dict | None = None) -> ModelSpec:
     """The spec with ``[degrade]`` on: its own section where enabled, else the lab's; ``overrides`` on top."""
     section = spec.source["degrade"] if spec.degrade.enabled else LAB_DEGRADE
     return parse_spec({**spec.source, "degrade": {**section, **(overrides or {})}})
+
+
+def shed_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec as shedding alone serves it: ``[degrade]`` off (the baseline, whatever the spec says)."""
+    if not spec.degrade.enabled:
+        return spec
+    return parse_spec({**spec.source, "degrade": {**spec.source["degrade"], "enabled": False}})
 
 
 def full_scores(url: str, spec: ModelSpec, pool: ListPool, tries: int = 3) -> list[np.ndarray]:
@@ -228,13 +236,15 @@ def run_degrade_lab(
     series: dict[str, list[list[float | None]]] = {}
     queue = SHED_QUEUE if SHED_QUEUE in spec.serving.queue_policies else None
     log = workdir / "shed.log"
-    with TritonServer(repository, Ports.free(), log_path=log, config_name=queue, cpus=cores.server) as server:
-        pool, full = pool.ordered(spec, full_scores(server.grpc_url, spec, pool), PRIOR_NOISE, seed)
+    shed = shed_spec(spec)
+    shedding = repository if shed is spec else write_variant(shed, repository, workdir / "shed")
+    with TritonServer(shedding, Ports.free(), log_path=log, config_name=queue, cpus=cores.server) as server:
+        pool, full = pool.ordered(shed, full_scores(server.grpc_url, shed, pool), PRIOR_NOISE, seed)
         with pinned(cores.client):
-            assert spec.candidates_model is not None
+            assert shed.candidates_model is not None
             for _ in range(CAPACITY_TRIES):  # a reading where most lists were refused is not a capacity
                 measured = closed_loop_rate(
-                    server.grpc_url, spec.candidates_model, pool.requests[0], 1, 8, shape.capacity_s
+                    server.grpc_url, shed.candidates_model, pool.requests[0], 1, 8, shape.capacity_s
                 )
                 if measured["failures"] <= measured["requests"]:
                     break
@@ -246,7 +256,7 @@ def run_degrade_lab(
                 time.sleep(1.0)
         capacity = measured["rows_per_s"]
         schedule = shape.phases(capacity)
-        policies["shed"], series["shed"], _ = run_policy(server, spec, pool, full, schedule, values, cores)
+        policies["shed"], series["shed"], _ = run_policy(server, shed, pool, full, schedule, values, cores)
     # the door knows the capacity the lab measured from the first batch, as a spec measured in advance
     served = degrade_spec(spec, {"capacity": capacity, **(overrides or {})})
     level_costs = measure_costs(served, repository, workdir, pool, shape.capacity_s, cores) if costs else None

@@ -24,6 +24,7 @@ from recserve.core.sections.degrade import (
 )
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
+from recserve.perf.lab.degrade import shed_spec
 from recserve.perf.lab.degrade_costs import alone
 from recserve.perf.lab.degrade_report import clicks, level_quality, phase_figures, windows
 from recserve.perf.lab.degrade_traffic import SERVED, Sent
@@ -377,6 +378,15 @@ def test_a_level_served_alone_serves_every_value_at_it():
     lone = alone(parse_spec(ctr_doc(degrade=DEGRADE)), 1)
     assert lone.degrade.level_names == (FULL, "minimal") and lone.degrade.levels[0].max_candidates == 16
     assert DegradeController(lone.degrade).levels([0.0, 1.0, 1e6]) == [1, 1, 1]
+
+
+def test_the_labs_shedding_baseline_serves_a_spec_with_the_section_without_it():
+    on = parse_spec(ctr_doc(degrade=DEGRADE))
+    shedding = shed_spec(on)
+    assert not shedding.degrade.enabled and shedding.source["features"] == on.source["features"]
+    assert served_tensors(shedding) == served_tensors(parse_spec(ctr_doc()))  # no level output, as built
+    plain = parse_spec(ctr_doc())
+    assert shed_spec(plain) is plain
 
 
 def test_the_capacity_is_probed_upwards_while_the_door_holds_arrivals_back_without_a_backlog():

@@ -77,6 +77,12 @@ def test_variant_links_artifacts_and_writes_its_own_configs(spec, tmp_path):
         assert parsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
         assert not parsed.HasField("dynamic_batching")
     assert (variant / spec.name / "config.pbtxt").is_file()
+    assert not (variant / STEPS[0] / "configs").exists()  # a scheduled variant has no queue policies
+    plain = configs.write_variant(spec, source, tmp_path / "plain")  # as built: served by policy name too
+    for queue in spec.serving.queue_policies:
+        for step in STEPS:
+            text = (plain / step / "configs" / f"{queue}.pbtxt").read_text()
+            assert text == configs.render(configs.step_config(spec, step, queue=queue))
     with pytest.raises(ValueError):
         configs.write_variant(spec, source, source)
     shutil.rmtree(source / STEPS[0])
