@@ -30,6 +30,7 @@ def item_key(spec: ModelSpec) -> Callable[[int], int] | None:
 
 def _join(args: argparse.Namespace) -> int:
     from recserve.backends.request_log.streams import cluster_client
+    from recserve.loop.batch import record_problem
     from recserve.loop.join import Join
     from recserve.loop.joiner import Joiner
     from recserve.loop.sources import FeedbackFiles, LogSegments, Source, feedback_streams, log_streams
@@ -59,6 +60,7 @@ def _join(args: argparse.Namespace) -> int:
         item_key(spec),
         -len(spec.targets),
         loop.score_wait_seconds,
+        record_problem(spec),
     )
     joiner = Joiner(
         join, log, feedback, args.examples_dir or Path(loop.examples_directory), loop.commit_seconds

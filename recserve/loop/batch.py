@@ -7,8 +7,9 @@ masked, each sequence at its logged length (the attention ignores position; padd
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -124,6 +125,31 @@ def distinct_rows(keys: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.
     unique = np.empty(int(first.sum()), [("table", np.int16), ("key", np.int64)])
     unique["table"], unique["key"] = sorted_tables[first], sorted_keys[first]
     return unique, inverse
+
+
+def record_problem(spec: ModelSpec) -> Callable[[Mapping[str, Any]], str]:
+    """What is wrong with a logged features record for ``spec`` ("": nothing), its history resolved.
+
+    A record the learner could not lay out (its keys, dense values, versions or history of another
+    shape than the spec's) names the first column that is not.
+    """
+    keys = len(spec.categorical.features) + sum(f.max_length for f in spec.categorical.multi_hot)
+    keys += len(spec.targets)
+    widths = {"keys": keys, "dense": len(spec.normalized_columns), "embedding_version": len(spec.table_names)}
+    sequences = len(spec.sequences)
+
+    def problem(record: Mapping[str, Any]) -> str:
+        for name, width in widths.items():
+            if len(record.get(name) or ()) != width:
+                return f"{name}: {len(record.get(name) or ())} values, the spec's are {width}"
+        lengths, keys = record.get("history_lengths"), len(record.get("history") or ())
+        if lengths is not None and (
+            len(lengths) != sequences or min(lengths, default=0) < 0 or sum(lengths) != keys
+        ):
+            return f"history_lengths {list(lengths)[:8]} do not split {keys} keys in {sequences}"
+        return ""
+
+    return problem
 
 
 def trainable(spec: ModelSpec) -> str:

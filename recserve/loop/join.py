@@ -54,6 +54,7 @@ COUNTS = (
     "late_scores",  # a score record after its row's window closed
     "unknown_scores",  # a score record whose features never came
     "examples_without_score",  # emitted with no score record: none came in time (the wait, or W)
+    "malformed_records",  # a features record not of the spec's shape (never held, never trained)
 )
 Key = tuple[str, int]
 
@@ -98,6 +99,8 @@ class Join:
         item_key: an item id's target key (None: feedback naming an item is unknown).
         target_slot: the index of the (first) target's key in a record's ``keys``.
         score_wait_s: how long a clicked row waits for its score record at most (0: not at all).
+        problem: what is wrong with a features record, its history resolved ("": nothing); one that
+            is not of the spec's shape is counted and dropped (None: every record is taken).
     """
 
     window_s: float
@@ -107,6 +110,7 @@ class Join:
     item_key: Callable[[int], int] | None = None
     target_slot: int = -1
     score_wait_s: float = 0.0
+    problem: Callable[[dict[str, Any]], str] | None = None
     by_item: dict[tuple[str, int], int] = field(default_factory=dict)  # (request id, target key) -> row
     open: dict[Key, Row] = field(default_factory=dict)
     closed: dict[Key, Row] = field(default_factory=dict)
@@ -137,6 +141,9 @@ class Join:
                 carrier = carriers.get((key[0], history_row), {})
                 record["history"] = carrier.get("history")
                 record["history_lengths"] = carrier.get("history_lengths")
+            if self.problem is not None and self.problem(record):
+                self.counts["malformed_records"] += 1
+                continue
             row = Row(record)
             self.counts["rows"] += 1
             self.open[key] = row
