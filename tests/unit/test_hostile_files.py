@@ -84,19 +84,19 @@ def run_import(inputs: Path, capsys) -> str:
     return errors[0]
 
 
-def run_import_limited(inputs: Path, limit: int = MEMORY_LIMIT) -> subprocess.CompletedProcess:
-    """``recserve import`` in a subprocess whose address space is capped at ``limit`` bytes."""
+def start_import_limited(inputs: Path, limit: int = MEMORY_LIMIT) -> subprocess.Popen:
+    """``recserve import`` started in a subprocess whose address space is capped at ``limit`` bytes."""
     script = (
         "import resource, sys\n"
         f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))\n"
         "from recserve.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", script, *import_args(inputs), "--repository", str(inputs.parent / "repo")],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
@@ -108,27 +108,13 @@ def assert_one_error_line(result: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-def test_a_decompression_bomb_npz_is_refused_before_inflating_under_a_memory_limit(inputs, tiny_spec):
-    tables = inputs / "tables"
-    table = keyed_table(tables)
-    (tables / f"{table}.safetensors").unlink()
-    rows, dim = 1 << 26, tiny_spec.tables[table].dim  # 512 MiB of keys and 1 GiB of vectors, all zeros
-    with zipfile.ZipFile(tables / f"{table}.npz", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
-        write_zero_member(archive, "keys.npy", (rows,), "<i8")
-        write_zero_member(archive, "vectors.npy", (rows, dim), "<f2")
-    assert (tables / f"{table}.npz").stat().st_size < 8 << 20
-    error = assert_one_error_line(run_import_limited(inputs))
-    assert f"{table}.npz inflates to 1.5 GiB" in error and f"table {table!r}" in error
-
-
-def test_an_onnx_over_two_gib_is_refused_up_front_under_a_memory_limit(inputs):
+def huge_onnx(inputs: Path, spec) -> str:
     with open(inputs / "model.onnx", "r+b") as fh:
         fh.truncate((2 << 30) + 1)  # sparse: nothing is written
-    error = assert_one_error_line(run_import_limited(inputs))
-    assert "dense model model.onnx has 2.0 GiB, over the 2 GiB" in error
+    return "model.onnx"
 
 
-def test_a_huge_sparse_hugectr_default_file_is_refused_before_reading_under_a_memory_limit(inputs):
+def huge_hugectr_default(inputs: Path, spec) -> str:
     tables = inputs / "tables"
     table = keyed_table(tables)
     arrays = map_safetensors(tables / f"{table}.safetensors")
@@ -138,12 +124,70 @@ def test_a_huge_sparse_hugectr_default_file_is_refused_before_reading_under_a_me
     with open(tables / table / "default", "wb") as fh:
         fh.truncate(16 << 30)  # sparse: nothing is written
     (tables / f"{table}.safetensors").unlink()
-    error = assert_one_error_line(run_import_limited(inputs))
+    return table
+
+
+def decompression_bomb(inputs: Path, spec) -> str:
+    tables = inputs / "tables"
+    table = keyed_table(tables)
+    (tables / f"{table}.safetensors").unlink()
+    rows, dim = 1 << 26, spec.tables[table].dim  # 512 MiB of keys and 1 GiB of vectors, all zeros
+    with zipfile.ZipFile(tables / f"{table}.npz", "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        write_zero_member(archive, "keys.npy", (rows,), "<i8")
+        write_zero_member(archive, "vectors.npy", (rows, dim), "<f2")
+    assert (tables / f"{table}.npz").stat().st_size < 8 << 20
+    return table
+
+
+#: the files each import under the memory limit is given (the bomb last: it takes longest to make)
+LIMITED = {
+    "honest": lambda inputs, spec: "",
+    "onnx": huge_onnx,
+    "default": huge_hugectr_default,
+    "bomb": decompression_bomb,
+}
+
+
+@pytest.fixture(scope="module")
+def limited(
+    exported, tiny_spec, tmp_path_factory
+) -> dict[str, tuple[Path, str, subprocess.CompletedProcess]]:
+    """Each of :data:`LIMITED` imported under the memory limit: its inputs, the table it names, the result.
+
+    The imports run side by side, each in its own process with its own limit.
+    """
+    started = {}
+    for name, damage in LIMITED.items():
+        inputs = tmp_path_factory.mktemp(f"limited-{name}") / "in"
+        shutil.copytree(exported, inputs)
+        table = damage(inputs, tiny_spec)
+        started[name] = (inputs, table, start_import_limited(inputs))
+    done = {}
+    for name, (inputs, table, process) in started.items():
+        out, err = process.communicate(timeout=300)
+        done[name] = (inputs, table, subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return done
+
+
+def test_a_decompression_bomb_npz_is_refused_before_inflating_under_a_memory_limit(limited):
+    _, table, result = limited["bomb"]
+    error = assert_one_error_line(result)
+    assert f"{table}.npz inflates to 1.5 GiB" in error and f"table {table!r}" in error
+
+
+def test_an_onnx_over_two_gib_is_refused_up_front_under_a_memory_limit(limited):
+    error = assert_one_error_line(limited["onnx"][2])
+    assert "dense model model.onnx has 2.0 GiB, over the 2 GiB" in error
+
+
+def test_a_huge_sparse_hugectr_default_file_is_refused_before_reading_under_a_memory_limit(limited):
+    _, table, result = limited["default"]
+    error = assert_one_error_line(result)
     assert f"table {table!r}: {table}/default has 17,179,869,184 bytes, not 8 float32s" in error
 
 
-def test_the_memory_limit_leaves_room_for_an_honest_import(inputs):
-    result = run_import_limited(inputs)
+def test_the_memory_limit_leaves_room_for_an_honest_import(limited):
+    inputs, _, result = limited["honest"]
     assert result.returncode == 0, result.stderr
     assert (inputs.parent / "repo").is_dir()
 
