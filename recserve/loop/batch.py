@@ -142,11 +142,11 @@ def record_problem(spec: ModelSpec) -> Callable[[Mapping[str, Any]], str]:
         for name, width in widths.items():
             if len(record.get(name) or ()) != width:
                 return f"{name}: {len(record.get(name) or ())} values, the spec's are {width}"
-        lengths, keys = record.get("history_lengths"), len(record.get("history") or ())
+        lengths, logged = record.get("history_lengths"), len(record.get("history") or ())
         if lengths is not None and (
-            len(lengths) != sequences or min(lengths, default=0) < 0 or sum(lengths) != keys
+            len(lengths) != sequences or min(lengths, default=0) < 0 or sum(lengths) != logged
         ):
-            return f"history_lengths {list(lengths)[:8]} do not split {keys} keys in {sequences}"
+            return f"history_lengths {list(lengths)[:8]} do not split {logged} keys in {sequences}"
         return ""
 
     return problem
