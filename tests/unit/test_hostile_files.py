@@ -156,16 +156,25 @@ def limited(
 
     The imports run side by side, each in its own process with its own limit.
     """
-    started = {}
-    for name, damage in LIMITED.items():
-        inputs = tmp_path_factory.mktemp(f"limited-{name}") / "in"
-        shutil.copytree(exported, inputs)
-        table = damage(inputs, tiny_spec)
-        started[name] = (inputs, table, start_import_limited(inputs))
-    done = {}
-    for name, (inputs, table, process) in started.items():
-        out, err = process.communicate(timeout=300)
-        done[name] = (inputs, table, subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    started, done = {}, {}
+    try:
+        for name, damage in LIMITED.items():
+            inputs = tmp_path_factory.mktemp(f"limited-{name}") / "in"
+            shutil.copytree(exported, inputs)
+            table = damage(inputs, tiny_spec)
+            started[name] = (inputs, table, start_import_limited(inputs))
+        for name, (inputs, table, process) in started.items():
+            out, err = process.communicate(timeout=300)
+            done[name] = (
+                inputs,
+                table,
+                subprocess.CompletedProcess(process.args, process.returncode, out, err),
+            )
+    finally:  # none is left running when one fails or hangs (as subprocess.run kills on its timeout)
+        for _, _, process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     return done
 
 
