@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +41,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from recserve.access import AccessLayer, ProxyPorts
 from recserve.build.configs import write_variant
 from recserve.core.names import PROBABILITY
+from recserve.core.sections.serving import AccessSection
 from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
 from recserve.perf.bench.candidates import closed_loop_rate
@@ -79,6 +83,8 @@ SHED_QUEUE = "latency_first"
 #: Closed-loop capacity runs at most: one where most lists were refused (the shed server's queue
 #: timeouts while it stalled) is run again.
 CAPACITY_TRIES = 3
+#: The access layer's admission cap per server in the lab (``--access``): out of the way of both policies.
+ACCESS_CAP = 4096
 LOGGER = logging.getLogger(__name__)
 #: The caller's prior: its order is the full-compute logit plus normal noise of this deviation.
 PRIOR_NOISE = 1.0
@@ -185,8 +191,39 @@ class LambdaTimeline:
         self._thread.join(5)
 
 
+@contextmanager
+def serving(
+    repository: Path, workdir: Path, name: str, config_name: str | None, cores: Cores, access: bool
+) -> Iterator[tuple[str, TritonServer]]:
+    """The gRPC address requests go to, and the tritonserver behind it.
+
+    ``access``: behind the access layer (Envoy pinned to the load generator's cores, its admission cap
+    out of the way: the policies are compared, not the cap), with the value door where the served
+    spec's ``[degrade]`` has one; else the server itself.
+    """
+    if not access:
+        log = workdir / f"{name}.log"
+        with TritonServer(
+            repository, Ports.free(), log_path=log, config_name=config_name, cpus=cores.server
+        ) as server:
+            yield server.grpc_url, server
+        return
+    section = AccessSection(max_requests=ACCESS_CAP, weights={"stable": 100})
+    layer = AccessLayer(
+        section,
+        {"stable": repository},
+        workdir / f"{name}-access",
+        ports=ProxyPorts.free(),
+        config_name=config_name,
+        server_cpus=cores.server,
+        proxy_cpus=cores.client,
+    )
+    with layer:
+        yield layer.grpc_url, layer.servers["stable"][0]
+
+
 def run_policy(
-    server: TritonServer,
+    url: str,
     spec: ModelSpec,
     pool: ListPool,
     full: list[np.ndarray],
@@ -199,9 +236,7 @@ def run_policy(
     Returns the figures of each phase, the windows over time and each level's measured quality.
     """
     with pinned(cores.client):
-        sent = send_phases(
-            server.grpc_url, spec, pool, [(r, s) for _, r, s in schedule], values, spec.degrade.enabled
-        )
+        sent = send_phases(url, spec, pool, [(r, s) for _, r, s in schedule], values, spec.degrade.enabled)
     top_value = float(np.quantile(values, 0.9))
     by_phase = [[o for o in sent if o.phase == i] for i in range(len(schedule))]
     normal = phase_figures("normal", schedule[0][1], by_phase[0], full, pool.labels, float("nan"), top_value)
@@ -222,12 +257,14 @@ def run_degrade_lab(
     seed: int = 47,
     costs: bool = False,
     overrides: dict | None = None,
+    access: bool = False,
 ) -> tuple[dict[str, list[PhaseFigures]], dict]:
     """Both policies through the same schedule; each one's figures per phase, and the JSON summary.
 
     ``costs``: also measure what each level costs (:mod:`recserve.perf.lab.degrade_costs`);
     ``overrides``: ``[degrade]`` keys set on the degrade server's section (``--headroom``); its
-    ``capacity`` is the one measured here unless they set it (0: learned, ``--learned-capacity``).
+    ``capacity`` is the one measured here unless they set it (0: learned, ``--learned-capacity``);
+    ``access``: both servers behind the access layer (:func:`serving`).
     """
     cores = Cores.split()
     pool = ListPool.generate(spec, shape.lists, shape.candidates, shape.length, seed)
@@ -235,16 +272,15 @@ def run_degrade_lab(
     policies: dict[str, list[PhaseFigures]] = {}
     series: dict[str, list[list[float | None]]] = {}
     queue = SHED_QUEUE if SHED_QUEUE in spec.serving.queue_policies else None
-    log = workdir / "shed.log"
     shed = shed_spec(spec)
     shedding = repository if shed is spec else write_variant(shed, repository, workdir / "shed")
-    with TritonServer(shedding, Ports.free(), log_path=log, config_name=queue, cpus=cores.server) as server:
-        pool, full = pool.ordered(shed, full_scores(server.grpc_url, shed, pool), PRIOR_NOISE, seed)
+    with serving(shedding, workdir, "shed", queue, cores, access) as (url, _):
+        pool, full = pool.ordered(shed, full_scores(url, shed, pool), PRIOR_NOISE, seed)
         with pinned(cores.client):
             assert shed.candidates_model is not None
             for _ in range(CAPACITY_TRIES):  # a reading where most lists were refused is not a capacity
                 measured = closed_loop_rate(
-                    server.grpc_url, shed.candidates_model, pool.requests[0], 1, 8, shape.capacity_s
+                    url, shed.candidates_model, pool.requests[0], 1, 8, shape.capacity_s
                 )
                 if measured["failures"] <= measured["requests"]:
                     break
@@ -256,19 +292,19 @@ def run_degrade_lab(
                 time.sleep(1.0)
         capacity = measured["rows_per_s"]
         schedule = shape.phases(capacity)
-        policies["shed"], series["shed"], _ = run_policy(server, shed, pool, full, schedule, values, cores)
+        policies["shed"], series["shed"], _ = run_policy(url, shed, pool, full, schedule, values, cores)
     # the door knows the capacity the lab measured from the first batch, as a spec measured in advance
     served = degrade_spec(spec, {"capacity": capacity, **(overrides or {})})
     level_costs = measure_costs(served, repository, workdir, pool, shape.capacity_s, cores) if costs else None
     variant = write_variant(served, repository, workdir / "degrade")
-    log = workdir / "degrade.log"
-    with TritonServer(variant, Ports.free(), log_path=log, cpus=cores.server) as server:
-        full_scores(server.grpc_url, served, pool)  # warmed up as the shed server was, one at a time
+    with serving(variant, workdir, "degrade", None, cores, access) as (url, server):
+        full_scores(url, served, pool)  # warmed up as the shed server was, one at a time
         with LambdaTimeline(f"http://127.0.0.1:{server.ports.metrics}/metrics") as timeline:
             policies["degrade"], series["degrade"], quality = run_policy(
-                server, served, pool, full, schedule, values, cores
+                url, served, pool, full, schedule, values, cores
             )
     summary = summarise(policies, capacity, shape, cores, timeline.points)
+    summary["access"] = access
     summary["level_quality"] = quality
     if level_costs is not None:
         summary["level_costs"] = level_costs
@@ -319,6 +355,7 @@ def degrade_command(
     workdir: Path | None = None,
     costs: bool = False,
     overrides: dict | None = None,
+    access: bool = False,
 ) -> int:
     """``recserve lab degrade``: prints the table and the headline figures; the JSON summary, the plot.
 
@@ -328,7 +365,9 @@ def degrade_command(
     with tempfile.TemporaryDirectory(prefix="recserve-degrade-") as scratch:
         folder = Path(scratch) if workdir is None else workdir
         folder.mkdir(parents=True, exist_ok=True)
-        policies, summary = run_degrade_lab(spec, repository, folder, shape, costs=costs, overrides=overrides)
+        policies, summary = run_degrade_lab(
+            spec, repository, folder, shape, costs=costs, overrides=overrides, access=access
+        )
     print(table(policies))
     shown = {k: v for k, v in summary.items() if k not in ("phases", "lambda_timeline", "shape", "windows")}
     print(json.dumps(shown))

@@ -38,10 +38,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recserve.core.sections.degrade import DegradeSection
+from recserve.core.sections.degrade import LAMBDA_FLOOR, WINDOW_S, DegradeSection
 
-#: Below this lambda is 0: every request is served in full.
-LAMBDA_FLOOR = 1e-3
 #: The most lambda grows in one update (``exp(gain x MAX_EXCESS)``): a burst moves it by steps.
 MAX_EXCESS = 6.0
 #: Lambda falls this many times faster than it rises: once the queue is drained, the requests after a
@@ -49,8 +47,6 @@ MAX_EXCESS = 6.0
 FALL = 4.0
 #: A wait under this share of the previous one is draining: lambda is held, not raised.
 DRAINING = 0.9
-#: The door's window of arrivals, in seconds.
-WINDOW_S = 0.05
 #: Without a backlog the capacity is at least what the steps served over this share.
 HEADROOM = 0.9
 #: A capacity reading's weight against the ones before (an exponential average).
@@ -58,8 +54,6 @@ CAPACITY_WEIGHT = 0.5
 #: While the door's floor held arrivals back and no backlog formed, the capacity may be more than
 #: measured: it is raised by this factor per reading until a backlog says where it is.
 PROBE = 1.1
-#: The lambdas the door's floor is chosen among, as multiples of ``max_lambda``.
-GRID = np.geomspace(LAMBDA_FLOOR, 1.0, 64)
 
 
 class ArrivalRate:
@@ -88,13 +82,10 @@ class DegradeController:
 
     def __init__(self, section: DegradeSection) -> None:
         self.section = section
-        levels = section.levels
-        refusal = (section.refuse_cost,) if section.refuse else ()
         #: each level's cost and quality, by level number (arrays: the choice is made on whole batches)
-        self.costs = np.array((1.0, *(level.cost for level in levels), *refusal))
-        self.qualities = np.array(
-            (1.0, *(level.quality for level in levels), *((0.0,) if section.refuse else ()))
-        )
+        self.costs = np.array(section.costs)
+        self.qualities = np.array(section.qualities)
+        self.grid = np.array(section.lambda_grid)  # the lambdas the door's floor is chosen among
         self.fixed = section.fixed_lambda >= 0
         self._lambda = max(section.fixed_lambda, 0.0)
         self.load = 0.0  # the latest wait over the target
@@ -179,11 +170,10 @@ class DegradeController:
         if self.fixed or len(window) <= budget:  # every one in full costs 1: it fits
             self.floor = 0.0
             return 0.0
-        lams = GRID * self.section.max_lambda
-        chosen = self._chosen(window, lams)  # per value and lambda of the grid
+        chosen = self._chosen(window[:, None], self.grid[None, :])  # per value and lambda of the grid
         spent = self.costs[chosen].sum(axis=0)
         fits = np.flatnonzero(spent <= budget)
-        self.floor = float(lams[fits[0]]) if len(fits) else float(lams[-1])
+        self.floor = float(self.grid[fits[0]]) if len(fits) else float(self.grid[-1])
         self._limited = True
         return self.floor
 
@@ -191,30 +181,33 @@ class DegradeController:
         """The level serving a request of ``value`` (see :meth:`levels`)."""
         return self.levels([value])[0]
 
-    def levels(self, values: Sequence[float]) -> list[int]:
+    def levels(self, values: Sequence[float], floors: Sequence[float] | None = None) -> list[int]:
         """The level serving each of ``values``: best ``v x quality - lambda x cost`` (ties: fuller).
 
-        What they cost (a refusal's too: the compute it took is not served) and how many pass are
-        counted for the capacity's next reading.
+        ``floors``: each request's lambda at least (the access layer's door chose its level at it:
+        :data:`~recserve.core.sections.degrade.LAMBDA_HEADER`); None: none. What they cost (a
+        refusal's too: the compute it took is not served) and how many pass are counted for the
+        capacity's next reading.
         """
-        lam, refused = self.lam, self.refused_level
-        if lam == 0.0:  # normal load: everything in full, without the arithmetic
+        lams = np.full(len(values), self.lam) if floors is None else np.maximum(self.lam, floors)
+        refused = self.refused_level
+        if not lams.any():  # normal load: everything in full, without the arithmetic
             chosen = np.zeros(len(values), np.intp)
         else:
-            chosen = self._chosen(np.asarray(values, np.float64), np.array([lam]))[:, 0]
+            chosen = self._chosen(np.asarray(values, np.float64), lams)
         with self._lock:
             self._passed_cost += float(self.costs[chosen].sum())
             self._passed += len(chosen) if refused is None else int((chosen != refused).sum())
         return chosen.tolist()
 
     def _chosen(self, values: np.ndarray, lams: np.ndarray) -> np.ndarray:
-        """``[values, lams]``: each value's level at each lambda, the one rule of :meth:`levels`.
+        """Each value's level at its lambda (the two broadcast together), the one rule of :meth:`levels`.
 
         The best ``v x quality - lambda x cost``, ties to the fuller level (at lambda 0, full); a
         value of at least ``full_value`` (when set) always full.
         """
-        gains = values[:, None, None] * self.qualities - lams[None, :, None] * self.costs
-        chosen = gains.argmax(axis=2)
+        gains = values[..., None] * self.qualities - lams[..., None] * self.costs
+        chosen = gains.argmax(axis=-1)
         if self.section.full_value > 0:
-            chosen[values >= self.section.full_value] = 0
+            chosen[np.broadcast_to(values >= self.section.full_value, chosen.shape)] = 0
         return chosen

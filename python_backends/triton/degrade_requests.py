@@ -2,8 +2,9 @@
 
 :class:`DegradeGate` stands before ``embedding_lookup``'s request loop: it reads each request's
 value (the ``recserve-value`` parameter, or header forwarded as one), asks the controller for its
-level, refuses the requests whose level is the refusal (UNAVAILABLE, before the step's own work
-is spent on them), hands the others on with their tensors as their level changes them, and adds
+level (at the lambda the access layer's door chose it at, at least: ``recserve-lambda``), refuses
+the requests whose level is the refusal (UNAVAILABLE, before the step's own work is spent on them),
+hands the others on with their tensors as their level changes them, and adds
 ``degrade_level`` to each response. A background thread feeds the controller the steps' expected
 queue wait and the rate they serve at, from the metrics endpoint every ``[degrade] interval_s``;
 each batch's values set the door's floor under lambda as they arrive. :func:`answer_lists` lets
@@ -27,13 +28,13 @@ import triton_python_backend_utils as pb_utils
 
 from recserve.backends.base.metrics import MetricSample
 from recserve.backends.steps.degrade import LevelCounts, LevelInputs, pad_list
-from recserve.backends.steps.degrade_capacity import FILE_NAME as CAPACITY_FILE
-from recserve.backends.steps.degrade_capacity import CapacityFile
 from recserve.backends.steps.degrade_control import DegradeController
 from recserve.backends.steps.queue_wait import QueueWait
 from recserve.backends.triton.adapter import error_response, read_inputs
+from recserve.core.degrade_capacity import FILE_NAME as CAPACITY_FILE
+from recserve.core.degrade_capacity import CapacityFile
 from recserve.core.names import DENSE_VERSION, PROBABILITY, STEPS
-from recserve.core.sections.degrade import DEGRADE_LEVEL, METRICS_URL_ENV, REQUESTED_CANDIDATES
+from recserve.core.sections.degrade import DEGRADE_LEVEL, LAMBDA_HEADER, METRICS_URL_ENV, REQUESTED_CANDIDATES
 from recserve.core.spec.model import ModelSpec
 from recserve.errors import InvalidParameter, Refused
 
@@ -75,7 +76,7 @@ class DegradeGate:
         metrics_url: the server's metrics endpoint; None: from the environment (no URL: no feedback,
             every request served in full unless ``fixed_lambda`` holds lambda).
         keep_in: the folder where the learned capacity is kept for the next run, and read from at
-            this one's start where the spec sets none (:mod:`~recserve.backends.steps.degrade_capacity`).
+            this one's start where the spec sets none (:mod:`~recserve.core.degrade_capacity`).
     """
 
     def __init__(
@@ -147,16 +148,19 @@ class DegradeGate:
         refused = self.controller.refused_level
         parameters: list[dict[str, Any]] = []
         values: list[float | None] = []
+        floors: list[float] = []  # the lambda the access layer's door chose each level at (0: none)
         for i, request in enumerate(requests):
             parameters.append(parameters_of(request))
             try:
+                floor = self.section.lambda_of(parameters[-1].get(LAMBDA_HEADER))
                 values.append(self.section.value_from(parameters[-1]))
+                floors.append(floor)
             except InvalidParameter as exc:
                 responses[i] = error_response(exc)
                 values.append(None)
         valued = [v for v in values if v is not None]
         self.controller.arrived(time.monotonic(), valued)
-        chosen = iter(self.controller.levels(valued))  # one call for the batch
+        chosen = iter(self.controller.levels(valued, floors))  # one call for the batch
         for i, request in enumerate(requests):
             if values[i] is None:
                 continue

@@ -29,7 +29,8 @@ shadow cluster per protocol for the mirrored copies. The parts:
   over what the served models take 413, inference bodies (JSON or gRPC) whose shapes or names Triton
   would allocate or echo unchecked 400, models that are not public 404, all by Envoy before any
   tritonserver sees them; only a refused or reset connection (a dead process) ejects a replica,
-  never a request's answer.
+  never a request's answer. With ``[degrade]`` on and the capacity known, its value door refuses the
+  lowest values under a spike before they queue (:mod:`recserve.access.value_door`).
 * **Admin** on 127.0.0.1 only, with an admin runtime layer (what ``/runtime_modify`` writes).
 """
 

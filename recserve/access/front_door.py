@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
@@ -39,6 +39,12 @@ from tritonclient.grpc import model_config_pb2 as mc
 from recserve.access.lua.frame import ENTRY, PRELUDE
 from recserve.access.lua.grpc_message import GRPC_MESSAGE
 from recserve.access.lua.json_body import JSON_BODY
+from recserve.access.lua.value_door import VALUE_DOOR
+from recserve.core.sections.degrade import LAMBDA_HEADER, VALUE_HEADER
+from recserve.core.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    from recserve.access.value_door import ValueDoor
 
 #: Request headers Envoy accepts, in KiB in all; Triton drops a connection on one line of 8 KiB.
 MAX_HEADERS_KB = 7
@@ -83,6 +89,8 @@ class FrontDoor:
             the whole name.
         max_body_bytes: the largest request body the proxy buffers; over it, 413.
         max_headers_kb: request headers in all, KiB; over it, 431.
+        value_door: the ``[degrade]`` door in front of the servers (:mod:`recserve.access.value_door`);
+            None: none (the first step decides alone).
     """
 
     inputs: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
@@ -91,6 +99,7 @@ class FrontDoor:
     max_elements: int = 256 * 256 * 16
     max_body_bytes: int = 8 * 1024 * 1024
     max_headers_kb: int = MAX_HEADERS_KB
+    value_door: ValueDoor | None = None
 
     def __post_init__(self) -> None:
         if self.max_elements < 1 or self.max_body_bytes < 1 or self.max_headers_kb < 1:
@@ -147,11 +156,8 @@ class FrontDoor:
         Raises:
             FrontDoorError: a repository without any model config.
         """
-        from recserve.core.spec.parse import spec_from_json
-
         repositories = list(repositories)
         configs: dict[str, mc.ModelConfig] = {}
-        longest = 0
         for repository in repositories:
             for path in sorted(repository.glob("*/config.pbtxt")):
                 config = text_format.Parse(path.read_text(), mc.ModelConfig())
@@ -159,9 +165,8 @@ class FrontDoor:
                 known = configs.get(config.name)
                 if known is None or config.max_batch_size > known.max_batch_size:
                     configs[config.name] = config
-                if "spec" in config.parameters and not longest:
-                    spec = spec_from_json(config.parameters["spec"].string_value)
-                    longest = max(spec.serving.sequence_buckets)
+        spec = next((s for s in map(served_spec, repositories) if s is not None), None)
+        longest = max(spec.serving.sequence_buckets) if spec is not None else 0
         if not configs:
             raise FrontDoorError(f"no model config (*/config.pbtxt) in {[str(r) for r in repositories]}")
         return cls.from_configs(
@@ -209,6 +214,17 @@ class FrontDoor:
         }
 
 
+def served_spec(repository: Path) -> ModelSpec | None:
+    """The spec a built repository serves (a Python-backend config's ``spec`` parameter); None: none."""
+    from recserve.core.spec.parse import spec_from_json
+
+    for path in sorted(repository.glob("*/config.pbtxt")):
+        config = text_format.Parse(path.read_text(), mc.ModelConfig())
+        if "spec" in config.parameters:
+            return spec_from_json(config.parameters["spec"].string_value)
+    return None
+
+
 def _row_elements(dims: Iterable[int], longest: int) -> int:
     return math.prod(d if d > 0 else longest for d in dims)
 
@@ -234,7 +250,10 @@ def lua_source(door: FrontDoor) -> str:
     """The front door's Lua (:mod:`recserve.access.lua`) with ``door``'s limits written in as literals."""
     outputs = {model: dict.fromkeys(names, "true") for model, names in door.outputs.items()}
     return (
-        (PRELUDE + JSON_BODY + GRPC_MESSAGE + ENTRY)
+        (PRELUDE + JSON_BODY + GRPC_MESSAGE + VALUE_DOOR + ENTRY)
+        .replace("@DOOR@", door.value_door.lua_table() if door.value_door is not None else "nil")
+        .replace("@LAMBDA_HEADER@", LAMBDA_HEADER)
+        .replace("@VALUE_HEADER@", VALUE_HEADER)
         .replace("@LIMITS@", _lua_table(door.inputs))
         .replace("@OUTPUTS@", _lua_table(outputs))
         .replace("@PUBLIC@", _lua_table(dict.fromkeys(door.public, "true")))
@@ -249,13 +268,13 @@ def lua_source(door: FrontDoor) -> str:
 def _lua_table(table: Mapping[str, Any]) -> str:
     """A Lua table literal of ``table``: string keys, values as they are or (mappings) nested tables."""
     items = (
-        f"[{_lua_string(key)}] = {_lua_table(item) if isinstance(item, Mapping) else item}"
+        f"[{lua_string(key)}] = {_lua_table(item) if isinstance(item, Mapping) else item}"
         for key, item in sorted(table.items())
     )
     return "{" + ", ".join(items) + "}"
 
 
-def _lua_string(text: str) -> str:
+def lua_string(text: str) -> str:
     r"""A Lua string literal: letters, digits and ``_-.`` as they are, every other byte as ``\\ddd``."""
     return (
         '"'

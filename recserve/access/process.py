@@ -7,6 +7,7 @@ dies (:meth:`AccessLayer.supervise`), and stops everything it started, proxy fir
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -27,7 +28,8 @@ from recserve.access.config import (
     write_config,
 )
 from recserve.access.envoy import EnvoyProxy, envoy_binary, validate
-from recserve.access.front_door import FrontDoor
+from recserve.access.front_door import FrontDoor, served_spec
+from recserve.access.value_door import ValueDoor
 from recserve.core.sections.serving import AccessSection
 from recserve.server import Backoff, Ports, Started, Supervisor, TritonServer, port_in_use
 from recserve.server.runtime import ServerProcessError
@@ -111,6 +113,9 @@ class AccessLayer(Started):
             for name, replicas in self.servers.items()
         }
         door = FrontDoor.from_repositories(path for paths in self.repositories.values() for path in paths)
+        stable = self.repositories["stable"]
+        value_door = ValueDoor.in_front_of(served_spec(stable[0]), stable, self.access.workers)
+        door = dataclasses.replace(door, value_door=value_door)
         return envoy_config(canary.routed(self.access, self.workdir), upstreams, self.ports, door)
 
     def start(self, timeout_s: float = 180.0) -> AccessLayer:

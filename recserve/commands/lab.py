@@ -137,6 +137,7 @@ def _degrade(args: argparse.Namespace) -> int:
         args.workdir,
         args.costs,
         overrides,
+        args.access,
     )
 
 
@@ -237,6 +238,12 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
         action="store_true",
         help="leave the degrade server's [degrade] capacity at 0 (learned from its first backlog) instead "
         "of the capacity the lab measured",
+    )
+    degrade.add_argument(
+        "--access",
+        action="store_true",
+        help="serve both policies through the access layer (Envoy on the load generator's core): the "
+        "degrade server's refusals by value are then made by the proxy's door, before its queue",
     )
     degrade.set_defaults(func=_degrade)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, read_rows
 from recserve.clients.errors import InvalidRequestError, ServerUnavailableError
 from recserve.clients.writers import write_tsv
-from recserve.core.sections.degrade import DEGRADE_LEVEL, VALUE_HEADER
+from recserve.core.sections.degrade import DEGRADE_LEVEL, LAMBDA_HEADER, VALUE_HEADER
 from recserve.core.spec.parse import parse_spec
 from recserve.server import Ports, TritonServer
 from tests.integration.helpers import infer_inputs, metrics_text, recserve, wait_for
@@ -45,6 +46,10 @@ DEGRADE = {
     "fixed_lambda": 0.1,
     "priority_value": 2.5,  # premium is sent at priority 1: the steps' batchers have two levels
 }
+
+
+#: a line of the steps' requests per level and tier: (level, tier, count)
+COUNTED = r'^recserve_degrade_requests_total\{level="(\w+)",tier="(\w+)"\} (\S+)$'
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +156,45 @@ def test_the_value_header_passes_the_access_layer(degraded, tmp_path):
             client.value = "low"
             with pytest.raises(ServerUnavailableError, match="refused under load"):
                 client.predict_inputs(rows.take(slice(0, 2)).to_inputs(spec))
+        # only the access layer's door sets the lambda a level is chosen at: the proxy drops a caller's
+        inputs = infer_inputs(grpcclient, rows.take(slice(0, 2)).to_wire(spec))
+        forged = {VALUE_HEADER: "standard", LAMBDA_HEADER: "1e9"}
+        with grpcclient.InferenceServerClient(layer.grpc_url) as proxied:
+            served = proxied.infer(spec.name, inputs, headers=forged)
+            assert served.as_numpy(DEGRADE_LEVEL).reshape(-1).tolist() == [1, 1]
+        with grpcclient.InferenceServerClient(server.grpc_url) as direct:  # the step serves at it
+            with pytest.raises(InferenceServerException, match="refused under load"):
+                direct.infer(spec.name, inputs, headers=forged)
+
+
+def test_the_access_layers_door_refuses_the_lowest_values_before_any_server(spec, repository, tmp_path):
+    """With the capacity known, Envoy's door refuses what the first step would, and the step never sees it.
+
+    A capacity of a thousandth of a request per second: every request is over the door's budget, so
+    it refuses all but the values it always serves in full (premium, over ``full_value``).
+    """
+    section = {k: v for k, v in DEGRADE.items() if k not in ("fixed_lambda", "priority_value")}
+    door_spec = parse_spec({**spec.source, "degrade": {**section, "capacity": 0.001, "full_value": 2.5}})
+    variant = write_variant(door_spec, repository, tmp_path / "repository")
+    access = dataclasses.replace(spec.access, weights={"stable": 100}, shadow_fraction=0.0)
+    inputs = generate(spec, 2, seed=3).to_inputs(spec)
+    with AccessLayer(access, {"stable": variant}, tmp_path / "access", ProxyPorts.free()) as layer:
+        with CTRClient(layer.grpc_url, timeout_s=30, spec=door_spec, model_name=spec.name) as client:
+            for tier in ("standard", "basic", "low"):
+                client.value = tier
+                with pytest.raises(ServerUnavailableError, match="refused under load at the access layer"):
+                    client.predict_inputs(inputs)
+            client.value = "premium"
+            client.predict_inputs(inputs)
+            assert client.last_level == 0
+        server = layer.servers["stable"][0]
+
+        def counted() -> dict[tuple[str, str], float]:
+            found = re.findall(COUNTED, metrics_text(server), re.MULTILINE)
+            return {(level, tier): float(n) for level, tier, n in found if float(n) > 0}
+
+        wait_for(lambda: bool(counted()), 10.0, "the served request counted")
+        assert counted() == {("full", "premium"): 1.0}  # the three refused never reached the step
 
 
 def test_a_priority_set_on_the_ensemble_request_reaches_its_steps(spec, repository, tmp_path):

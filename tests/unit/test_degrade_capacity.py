@@ -2,7 +2,7 @@
 
 import json
 
-from recserve.backends.steps.degrade_capacity import KEEP_EVERY_S, MAX_BYTES, CapacityFile
+from recserve.core.degrade_capacity import KEEP_EVERY_S, MAX_BYTES, CapacityFile
 
 
 class Clock:

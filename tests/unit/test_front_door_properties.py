@@ -47,7 +47,9 @@ return function(body, path, extra)
   for k, v in pairs(extra) do headers[k] = v end
   local result = {}
   local handle = {}
-  function handle:headers() return {get = function(_, k) return headers[k] end} end
+  local map = {get = function(_, k) return headers[k] end, remove = function(_, k) headers[k] = nil end,
+    replace = function(_, k, v) headers[k] = v end}
+  function handle:headers() return map end
   function handle:body()
     if #body == 0 then return nil end
     return {length = function() return #body end,

@@ -5,7 +5,9 @@ each (:mod:`recserve.access.lua.json_body`, :mod:`recserve.access.lua.grpc_messa
 what Triton will read. This part holds what both share: the limits (filled in for the served
 models), the checks of one input or output, and the rule that **only public models are public**: a
 path or call naming a model that is not served to clients (the steps of an ensemble) is answered
-404 (gRPC ``NOT_FOUND``). The gRPC stream call is refused before its body.
+404 (gRPC ``NOT_FOUND``). The gRPC stream call is refused before its body. An inference call
+passes the value door (:mod:`recserve.access.lua.value_door`) before its body is read; a
+``recserve-lambda`` header a caller sent is removed from every request.
 
 The walk is linear in the body: anchored ``string.find`` patterns, no backtracking, no value built
 but the few strings compared. A refusal is raised as a Lua table and answered as JSON
@@ -98,7 +100,7 @@ ENTRY = r"""local function escape(text)
   return (text:gsub('[%c"\\\128-\255]', function(c) return string.format("\\u%04x", c:byte()) end))
 end
 
-local GRPC_CODES = {[400] = "3", [404] = "5", [415] = "3", [501] = "12"}
+local GRPC_CODES = {[400] = "3", [404] = "5", [415] = "3", [501] = "12", [503] = "14"}
 
 local function answer(handle, status, message, grpc)
   if grpc then
@@ -117,12 +119,14 @@ local function refused(handle, failure, grpc, what)
   return answer(handle, type(failure) == "table" and failure[2] or 400, message, grpc)
 end
 
-local function check_grpc(handle, path)
+local function check_grpc(handle, headers, path)
   local method = path:sub(#GRPC_PREFIX + 1)
   if path:sub(1, #GRPC_PREFIX) ~= GRPC_PREFIX then return end
   if method == "ModelStreamInfer" then
     return answer(handle, 501, "the proxy serves unary ModelInfer calls, not ModelStreamInfer", true)
   end
+  local refusal = method == "ModelInfer" and door(handle, headers)
+  if refusal then return answer(handle, 503, refusal, true) end
   local body = handle:body()
   local ok, failure = pcall(scan_grpc, body and body:getBytes(0, body:length()) or "", method)
   if not ok then return refused(handle, failure, true, "the gRPC message") end
@@ -131,8 +135,11 @@ end
 -- Headers are read before handle:body(), which yields (a header map is not usable across it).
 local function check(handle)
   local headers = handle:headers()
+  headers:remove(LAMBDA_HEADER)  -- only the value door sets it
   local path = (headers:get(":path") or ""):gsub("%?.*$", "")
-  if (headers:get("content-type") or ""):find("^application/grpc") then return check_grpc(handle, path) end
+  if (headers:get("content-type") or ""):find("^application/grpc") then
+    return check_grpc(handle, headers, path)
+  end
   local model = path:match("^/v2/models/([^/]*)")
   if model == nil or path == "/v2/models/stats" then return end  -- every model's counters: readable
   local ok, failure = pcall(served, model)
@@ -147,6 +154,8 @@ local function check(handle)
     return answer(handle, 415, "the proxy takes uncompressed inference bodies, got content-encoding '"
       .. shorten(encoding) .. "'")
   end
+  local refusal = door(handle, headers)
+  if refusal then return answer(handle, 503, refusal) end
   local body = handle:body()
   local length = body and body:length() or 0
   if length == 0 then return answer(handle, 400, "an inference request needs a JSON body") end

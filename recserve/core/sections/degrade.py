@@ -24,6 +24,16 @@ from recserve.errors import InvalidParameter, shorten
 
 #: The request header (gRPC metadata key) and request parameter carrying a request's value.
 VALUE_HEADER = "recserve-value"
+#: The header the access layer's door sets on a request it lets through: the lambda it chose the
+#: request's level at (recserve.access.value_door); the first step serves it at that lambda at least.
+#: Only the door sets it: the proxy removes one a caller sent.
+LAMBDA_HEADER = "recserve-lambda"
+#: The smallest lambda a door chooses (below it every request is served in full), and how many
+#: lambdas it chooses among, spaced geometrically up to ``max_lambda``.
+LAMBDA_FLOOR = 1e-3
+LAMBDA_STEPS = 64
+#: A door's window of arrivals, in seconds: the rate it holds against the capacity.
+WINDOW_S = 0.05
 #: The served level of every response, ``[rows or users, 1]`` INT32 (0: full).
 DEGRADE_LEVEL = "degrade_level"
 #: ``dense``'s input in the candidates ensemble with ``[degrade]`` on: the list's targets as the
@@ -104,6 +114,40 @@ class DegradeSection:
     def level_names(self) -> tuple[str, ...]:
         """Every level's name by number: ``full``, the spec's, and ``refused`` where it refuses."""
         return (FULL, *(level.name for level in self.levels), *((REFUSED,) if self.refuse else ()))
+
+    @property
+    def costs(self) -> tuple[float, ...]:
+        """Each level's cost by number: full (1), the spec's, the refusal's (``refuse_cost``) if any."""
+        return (1.0, *(level.cost for level in self.levels), *((self.refuse_cost,) if self.refuse else ()))
+
+    @property
+    def qualities(self) -> tuple[float, ...]:
+        """Each level's quality by number: full (1), the spec's, the refusal's (0) where it refuses."""
+        return (1.0, *(level.quality for level in self.levels), *((0.0,) if self.refuse else ()))
+
+    @property
+    def lambda_grid(self) -> tuple[float, ...]:
+        """The lambdas a door chooses among: from :data:`LAMBDA_FLOOR` x ``max_lambda`` to ``max_lambda``."""
+        last = LAMBDA_STEPS - 1
+        return tuple(self.max_lambda * LAMBDA_FLOOR ** ((last - k) / last) for k in range(LAMBDA_STEPS))
+
+    def lambda_of(self, raw: object) -> float:
+        """The lambda a request's :data:`LAMBDA_HEADER` names (absent: 0), at most ``max_lambda``.
+
+        Raises:
+            InvalidParameter: not a finite number >= 0.
+        """
+        if raw is None or raw == "":
+            return 0.0
+        number = math.nan
+        if isinstance(raw, str | int | float) and not isinstance(raw, bool):
+            try:
+                number = float(raw)
+            except ValueError:
+                pass
+        if not math.isfinite(number) or number < 0:
+            raise InvalidParameter(LAMBDA_HEADER, f"must be a number >= 0, got {shorten(raw)}")
+        return min(number, self.max_lambda)
 
     @property
     def default_value(self) -> float:

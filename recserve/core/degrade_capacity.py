@@ -1,12 +1,14 @@
 """The capacity a ``[degrade]`` door learned, carried over to the server's next run.
 
-The door learns its capacity from a backlog (:mod:`.degrade_control`). Until one has shown it, a
-spike after a start is met by the queue-wait loop alone, and its first quarter second goes in at
-full cost (docs/design/degrade.md, "A capacity known in advance"). :class:`CapacityFile` keeps the
-learned capacity in a small JSON file beside the step's versions: written atomically while it
-moves (at most every :data:`KEEP_EVERY_S`) and when the step stops, and read when the step starts
-where the spec sets none (``[degrade] capacity = 0``). What it read is only a start: the counters go
-on correcting it, as they correct a capacity set in the spec.
+The first step's door learns its capacity from a backlog
+(:mod:`recserve.backends.steps.degrade_control`). Until one has shown it, a spike after a start is
+met by the queue-wait loop alone, and its first quarter second goes in at full cost
+(docs/design/degrade.md, "A capacity known in advance"). :class:`CapacityFile` keeps the learned
+capacity in a small JSON file beside the step's versions: written atomically while it moves (at
+most every :data:`KEEP_EVERY_S`) and when the step stops, and read when the step starts where the
+spec sets none (``[degrade] capacity = 0``), and by the access layer's door
+(:mod:`recserve.access.value_door`). What it read is only a start: the counters go on correcting
+it, as they correct a capacity set in the spec.
 
 Plain Python, without Triton; the clock is passed in, so tests run on a synthetic one.
 """

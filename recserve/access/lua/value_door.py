@@ -1,0 +1,80 @@
+"""The value door's Lua: under a spike, the lowest values refused before any tritonserver queues them.
+
+Filled in by :func:`recserve.access.front_door.lua_source` from :class:`recserve.access.value_door.ValueDoor`
+(``@DOOR@``: its table, or ``nil`` without a door). Per Envoy worker, the door keeps the arrivals of
+the last ``window_ms`` (a ring: a time and a value each). At every inference call it reads the
+request's value (the ``recserve-value`` header: a tier or a number; none: the default) and sets
+lambda as the first step's door does (``DegradeController.arrived``): the smallest lambda of the
+grid at which the window's arrivals, each at the level lambda gives it, cost the steps at most
+``budget`` (a refusal here costs them nothing). A request whose level is the refusal is answered at
+once (HTTP 503, gRPC ``UNAVAILABLE``); one let through carries that lambda in ``recserve-lambda``,
+so the first step serves it at the level the door counted it at. A ``recserve-lambda`` a caller
+sent is removed from every request: only the door sets it.
+"""
+
+VALUE_DOOR = r"""-- The value door ([degrade]): levels chosen as the first step chooses them, refusals here.
+local DOOR = @DOOR@
+local LAMBDA_HEADER = "@LAMBDA_HEADER@"
+local VALUE_HEADER = "@VALUE_HEADER@"
+local RING = 4096
+local seen_at, seen_value, seen_first, seen_next = {}, {}, 0, 0
+
+local function door_value(raw)
+  if raw == nil or raw == "" then return DOOR.default end
+  local tier = DOOR.tiers[raw]
+  if tier ~= nil then return tier end
+  local number = tonumber(raw)
+  if number == nil or number ~= number or number < 0 or number == math.huge then return nil end
+  return number
+end
+
+-- The best value x quality - lambda x cost (ties: the fuller level); full_value and above: full.
+local function door_level(value, lam)
+  if DOOR.full_value > 0 and value >= DOOR.full_value then return 1 end
+  local best, level = value * DOOR.qualities[1] - lam * DOOR.costs[1], 1
+  for l = 2, #DOOR.costs do
+    local gain = value * DOOR.qualities[l] - lam * DOOR.costs[l]
+    if gain > best then best, level = gain, l end
+  end
+  return level
+end
+
+local function door_spent(lam)
+  local spent = 0
+  for k = seen_first, seen_next - 1 do spent = spent + DOOR.spend[door_level(seen_value[k % RING], lam)] end
+  return spent
+end
+
+-- The window's arrivals with this one; the smallest lambda at which they fit the budget (0: in full).
+local function door_lambda(now, value)
+  seen_at[seen_next % RING], seen_value[seen_next % RING] = now, value
+  seen_next = seen_next + 1
+  if seen_next - seen_first > RING then seen_first = seen_next - RING end
+  while seen_at[seen_first % RING] < now - DOOR.window_ms do seen_first = seen_first + 1 end
+  if seen_next - seen_first <= DOOR.budget then return 0 end
+  local grid = DOOR.grid
+  local low, high = 1, #grid
+  if door_spent(grid[high]) > DOOR.budget then return grid[high] end
+  while low < high do  -- what the arrivals cost falls as lambda rises: the first grid point that fits
+    local middle = math.floor((low + high) / 2)
+    if door_spent(grid[middle]) <= DOOR.budget then high = middle else low = middle + 1 end
+  end
+  return grid[low]
+end
+
+-- An inference call at the door: the refusal's message, or nil (lambda set on the request for the steps).
+local function door(handle, headers)
+  if DOOR == nil then return nil end
+  local value = door_value(headers:get(VALUE_HEADER))
+  if value == nil then return nil end  -- the first step answers what is wrong with it
+  local lam = door_lambda(handle:timestamp(), value)
+  local level = door_level(value, lam)
+  if DOOR.refuses and level == #DOOR.costs then
+    return string.format("refused under load at the access layer (lambda %.3g, value %.3g); retry later",
+      lam, value)
+  end
+  if lam > 0 then headers:replace(LAMBDA_HEADER, string.format("%.17g", lam)) end
+  return nil
+end
+
+"""

@@ -1,0 +1,99 @@
+"""The access layer's value door: under a spike, the lowest values refused before any tritonserver.
+
+With ``[degrade]`` on, the first step chooses each request's level from its value and lambda
+(docs/design/degrade.md). A request it refuses has still been received, queued behind the backlog
+and handed to Python: about an eighth of a served request's compute, on the cores that serve. The
+door moves that choice in front of the servers: Envoy's Lua filter (:mod:`recserve.access.lua.value_door`)
+sees every request as it arrives, sets lambda from the arrivals of the last
+:data:`~recserve.core.sections.degrade.WINDOW_S` against the servers' capacity (the rule of the
+first step's own door), answers the requests whose level is the refusal at once, and hands the rest
+on with the lambda it chose their level at (``recserve-lambda``), which the first step serves them
+at, at least.
+
+The door stands in front of the ``stable`` variant's servers when their spec has ``[degrade]`` on
+and their capacity is known: ``[degrade] capacity`` (full-cost requests per second, per server), or
+the capacity the first step learned and kept (:mod:`recserve.core.degrade_capacity`), read when the
+access layer starts. Without either, or with lambda held (``fixed_lambda``), there is no door: the
+first step decides alone, as before.
+Each Envoy worker holds its share of the budget (``[access] workers``: one by default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from recserve.core.degrade_capacity import FILE_NAME, CapacityFile
+from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.core.sections.degrade import WINDOW_S, DegradeSection
+from recserve.core.spec.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class ValueDoor:
+    """What the door's Lua needs: the spec's ``[degrade]`` and the capacity it spends.
+
+    Attributes:
+        section: the served spec's ``[degrade]`` (enabled).
+        capacity_per_s: full-cost requests per second the variant's servers serve together.
+        workers: Envoy's worker threads; each holds its share of the capacity.
+    """
+
+    section: DegradeSection
+    capacity_per_s: float
+    workers: int = 1
+
+    @property
+    def budget(self) -> float:
+        """What one worker's window of arrivals may cost the steps, in full-cost requests."""
+        return self.section.headroom * self.capacity_per_s / self.workers * WINDOW_S
+
+    def lua_table(self) -> str:
+        """The Lua table of the door (``@DOOR@``); its levels by number from 1 (full), the step's from 0."""
+        from recserve.access.front_door import lua_string
+
+        section = self.section
+        spend = (*section.costs[:-1], 0.0) if section.refuse else section.costs  # refused here: free
+        tiers = ", ".join(f"[{lua_string(k)}] = {_number(v)}" for k, v in section.tiers.items())
+        fields = {
+            "tiers": "{" + tiers + "}",
+            "default": _number(section.default_value),
+            "costs": _numbers(section.costs),
+            "qualities": _numbers(section.qualities),
+            "spend": _numbers(spend),
+            "grid": _numbers(section.lambda_grid),
+            "full_value": _number(section.full_value),
+            "budget": _number(self.budget),
+            "window_ms": _number(WINDOW_S * 1000.0),
+            "refuses": "true" if section.refuse else "false",
+        }
+        return "{" + ", ".join(f"{k} = {v}" for k, v in fields.items()) + "}"
+
+    @classmethod
+    def in_front_of(
+        cls, spec: ModelSpec | None, repositories: Sequence[Path], workers: int
+    ) -> ValueDoor | None:
+        """The door of a variant served by ``repositories`` (one per server) under ``spec``; None: no door.
+
+        The capacity per server is the spec's ``[degrade] capacity``, else the one its first step
+        kept (each repository's own); a server of unknown capacity leaves the variant without a door.
+        """
+        if spec is None or not spec.degrade.enabled or spec.degrade.fixed_lambda >= 0 or not repositories:
+            return None  # off, or lambda held by the spec (a drill): the first step decides alone
+        section = spec.degrade
+        if section.capacity > 0:
+            return cls(section, section.capacity * len(repositories), workers)
+        kept = [CapacityFile(Path(r) / EMBEDDING_LOOKUP / FILE_NAME).load() for r in repositories]
+        if any(capacity is None for capacity in kept):
+            return None
+        return cls(section, sum(c for c in kept if c is not None), workers)
+
+
+def _number(value: float) -> str:
+    """A finite float as a Lua literal that reads back to the same double."""
+    return repr(float(value))
+
+
+def _numbers(values: Sequence[float]) -> str:
+    return "{" + ", ".join(_number(v) for v in values) + "}"

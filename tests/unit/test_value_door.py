@@ -1,0 +1,146 @@
+"""The access layer's value door: the Lua Envoy runs, in LuaJIT in process, against the first step's rule.
+
+The door sets lambda from the arrivals it sees as the first step's controller does from its own
+(``DegradeController.arrived``), and refuses what the controller would refuse at that lambda; a
+request it lets through carries the lambda, which the step serves it at, at least.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tomllib
+
+from recserve.access.front_door import FrontDoor, lua_source
+from recserve.access.value_door import ValueDoor
+from recserve.backends.steps.degrade_control import DegradeController
+from recserve.core.degrade_capacity import FILE_NAME
+from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.core.sections.degrade import LAMBDA_HEADER, VALUE_HEADER
+from recserve.core.spec.parse import parse_spec, spec_path
+from recserve.errors import InvalidParameter
+
+luajit = pytest.importorskip("lupa.luajit21")
+
+#: costs that add up exactly, so that the door's sums and numpy's agree to the last bit
+DEGRADE = {
+    "enabled": True,
+    "tiers": {"low": 0.25, "standard": 1.0},
+    "default": "standard",
+    "levels": [
+        {"name": "trimmed", "cost": 0.75, "quality": 0.97, "max_candidates": 32, "history_length": 32},
+        {"name": "minimal", "cost": 0.5, "quality": 0.9, "max_candidates": 8, "history_length": 8},
+    ],
+    "full_value": 3.5,
+    "max_lambda": 4.0,
+    "capacity": 400.0,
+}
+HARNESS = r"""
+return function(path, extra, now)
+  local headers = {[":method"] = "POST", [":path"] = path, ["content-type"] = "application/json"}
+  for k, v in pairs(extra) do headers[k] = v end
+  local body = '{"inputs": []}'
+  local result = {}
+  local handle = {}
+  local map = {get = function(_, k) return headers[k] end, remove = function(_, k) headers[k] = nil end,
+    replace = function(_, k, v) headers[k] = v end}
+  function handle:headers() return map end
+  function handle:timestamp() return now end
+  function handle:body()
+    return {length = function() return #body end,
+      getBytes = function(_, i, n) return body:sub(i + 1, i + n) end}
+  end
+  function handle:respond(h, b) result.status = h[":status"]; result.body = b end
+  function handle:logErr(m) result.logged = m end
+  envoy_on_request(handle)
+  return result.status, result.body, headers["@LAMBDA@"], result.logged
+end
+""".replace("@LAMBDA@", LAMBDA_HEADER)
+
+
+def spec(**changes):
+    with open(spec_path("ctr"), "rb") as fh:
+        doc = tomllib.load(fh)
+    return parse_spec({**doc, "degrade": {**DEGRADE, **changes}})
+
+
+def door_runner(value_door: ValueDoor | None):
+    runtime = luajit.LuaRuntime(unpack_returned_tuples=True)
+    runtime.execute(lua_source(FrontDoor(value_door=value_door)))
+    run = runtime.execute(HARNESS)
+
+    def send(value: str | None, now_ms: float, extra: dict[str, str] | None = None):
+        """(refused, lambda header) of one inference call at ``now_ms``."""
+        headers = {**({VALUE_HEADER: value} if value is not None else {}), **(extra or {})}
+        status, body, lam, logged = run("/v2/models/m/infer", runtime.table_from(headers), now_ms)
+        assert logged is None, logged
+        if status is not None:
+            assert int(status) == 503, body
+            return json.loads(body)["error"], lam
+        return None, lam
+
+    return send
+
+
+def test_the_door_sets_lambda_and_refuses_as_the_first_step_would():
+    served = spec()
+    section = served.degrade
+    send = door_runner(ValueDoor(section, section.capacity))
+    controller = DegradeController(section)
+    rng = np.random.default_rng(3)
+    now, refused, raised = 1000.0, 0, 0
+    for rate in (200, 1600, 200, 3200, 200):  # arrivals per second: normal, 2x and 4x the budget's
+        for _ in range(rate // 5):  # 0.2 s
+            now += rng.exponential(1000.0 / rate)
+            value = float(rng.lognormal(0.0, 1.0))
+            message, lam = send(repr(value), now)
+            floor = controller.arrived(now / 1000.0, [value])
+            level = controller.levels([value], [floor])[0]
+            assert (message is not None) == (level == controller.refused_level), (value, floor, message)
+            if message is None:
+                assert lam is None if floor == 0 else float(lam) == floor
+            refused += message is not None
+            raised += floor > 0
+    assert refused > 100 and raised > 300  # the spikes were held, the normal phases were not
+
+
+def test_a_callers_lambda_never_passes_and_a_value_the_door_cannot_read_is_left_to_the_step():
+    send = door_runner(None)
+    assert send("1.0", 0.0, {LAMBDA_HEADER: "1e9"}) == (None, None)  # no door: removed all the same
+    section = spec().degrade
+    send = door_runner(ValueDoor(section, 1.0))  # a budget of a twentieth of a request per window
+    assert send("premium?", 0.0) == (None, None)  # neither a tier nor a number: the step names it
+    message, _ = send("low", 1.0, {LAMBDA_HEADER: "0"})
+    assert message is not None and "refused under load at the access layer" in message
+    assert send("100", 2.0) == (None, "4")  # over full_value: in full, whatever the lambda
+    message, lam = send("3", 3.0)  # worth more than minimal costs at the ceiling: degraded, not refused
+    assert message is None and float(lam) == section.max_lambda
+    assert send(None, 4.0)[0] is not None  # the default, 1.0: refused
+
+
+def test_the_first_step_serves_at_the_doors_lambda_at_least():
+    section = spec().degrade
+    controller = DegradeController(section)
+    values = [0.5, 0.5, 0.5]
+    assert controller.levels(values) == [0, 0, 0]
+    assert controller.levels(values, [0.0, 0.6, 4.0]) == [0, 2, 3]  # full, minimal, refused
+    assert section.lambda_of(None) == 0.0 and section.lambda_of("1e9") == section.max_lambda
+    for bad in ("nan", "-1", "inf", "x" * 300):
+        with pytest.raises(InvalidParameter, match=LAMBDA_HEADER):
+            section.lambda_of(bad)
+
+
+def test_the_door_stands_where_the_capacity_is_known(tmp_path):
+    off = parse_spec({**spec().source, "degrade": {**DEGRADE, "enabled": False}})
+    assert ValueDoor.in_front_of(off, [tmp_path], 1) is None
+    assert ValueDoor.in_front_of(spec(fixed_lambda=0.1), [tmp_path], 1) is None  # a drill: the step holds it
+    door = ValueDoor.in_front_of(spec(), [tmp_path, tmp_path], 2)
+    assert door is not None and door.capacity_per_s == 800.0 and door.budget == 0.9 * 400.0 * 0.05
+    learned = spec(capacity=0.0)
+    assert ValueDoor.in_front_of(learned, [tmp_path], 1) is None  # nothing kept yet: no door
+    (tmp_path / EMBEDDING_LOOKUP).mkdir()
+    (tmp_path / EMBEDDING_LOOKUP / FILE_NAME).write_text(json.dumps({"capacity_per_s": 250.0}))
+    door = ValueDoor.in_front_of(learned, [tmp_path], 1)
+    assert door is not None and door.capacity_per_s == 250.0
