@@ -230,16 +230,6 @@ def format_report(results: list[KindResult]) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of ``recserve lab chaos``."""
-    parser.add_argument(
-        "--repository", type=Path, default=None, help="copied; the copy's item table goes to Redis"
-    )
-    parser.add_argument("--replicas", type=int, default=2, help="tritonservers behind the proxy")
-    parser.add_argument("--rate", type=float, default=40.0, help="requests per second through the proxy")
-    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     """Run, print the table (and write it as JSON); 0 when every kind passed."""
     from recserve.core.spec.parse import load_spec

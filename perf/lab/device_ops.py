@@ -30,7 +30,6 @@ import json
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -279,12 +278,6 @@ def measure(spec: ModelSpec, device: str = "cpu", sizes: tuple[int, ...] = SIZES
     finally:
         steps.close()
     return report
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``recserve lab device-ops``'s options."""
-    parser.add_argument("--json", type=Path, default=None, help="write the counts to this JSON file")
-    parser.add_argument("--device", default="cpu", help="torch device of the steps (default: cpu)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -9,7 +9,9 @@ new ones, which :mod:`recserve.commands.main` keeps as hidden aliases.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from recserve.core.spec.parse import load_spec
@@ -139,6 +141,11 @@ def _degrade(args: argparse.Namespace) -> int:
         overrides,
         args.access,
     )
+
+
+def _later(module: str) -> Callable[[argparse.Namespace], int]:
+    """A command run by ``module``'s ``run_from_args``, imported when it runs (it imports torch)."""
+    return lambda args: importlib.import_module(module).run_from_args(args)
 
 
 def _bench_hops(args: argparse.Namespace) -> int:
@@ -354,14 +361,13 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     store_bench.add_arguments(bench)
     bench.set_defaults(func=store_bench.run_from_args)
 
-    from recserve.perf.lab import device_ops
-
     counter = lab.add_parser(
         "device-ops",
         help="torch operators and host synchronisations per batch of the device path (lookup, dense)",
     )
-    device_ops.add_arguments(counter)
-    counter.set_defaults(func=device_ops.run_from_args)
+    counter.add_argument("--json", type=Path, default=None, help="write the counts to this JSON file")
+    counter.add_argument("--device", default="cpu", help="torch device of the steps (default: cpu)")
+    counter.set_defaults(func=_later("recserve.perf.lab.device_ops"))
 
     from recserve.perf.lab.fuzz import run as fuzz
 
@@ -372,13 +378,16 @@ def add_commands(lab: argparse._SubParsersAction) -> None:
     fuzz.add_arguments(fuzzer)
     fuzzer.set_defaults(func=fuzz.run_from_args)
 
-    from recserve.perf.lab import chaos
-
     killer = lab.add_parser(
         "chaos", help="kill each kind of process of the stack under bounded load (seconds to served again)"
     )
-    chaos.add_arguments(killer)
-    killer.set_defaults(func=chaos.run_from_args)
+    killer.add_argument(
+        "--repository", type=Path, default=None, help="copied; the copy's item table goes to Redis"
+    )
+    killer.add_argument("--replicas", type=int, default=2, help="tritonservers behind the proxy")
+    killer.add_argument("--rate", type=float, default=40.0, help="requests per second through the proxy")
+    killer.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    killer.set_defaults(func=_later("recserve.perf.lab.chaos"))
 
     from recserve.perf.lab import versions_ab
 

@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -121,3 +123,14 @@ def test_the_docs_index_lists_every_command():
     named = {m for row in rows for m in re.findall(r"`recserve ((?:lab )?[a-z0-9-]+)", row)}
     assert expected - named == set()
     assert {"user-state", "bench-longseq", "lab fuzz"} <= expected
+
+
+def test_the_command_line_starts_without_the_heavy_libraries():
+    """Building the parser imports no torch nor onnxruntime: every command (``recserve predict``) starts in
+    well under a second, and a command that needs them imports them when it runs."""
+    script = (
+        "import sys\nfrom recserve.cli import parser\nparser()\n"
+        "print(sorted(m for m in ('torch', 'onnxruntime') if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert loaded.stdout.split("\n")[-2] == "[]", loaded.stdout
