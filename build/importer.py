@@ -40,14 +40,7 @@ from recserve.build.import_values import (
     report_rounding,
     with_imported_cardinalities,
 )
-from recserve.build.imported_dense import write_imported_dense
-from recserve.build.in_model_split import check_split, split_at_lookups
-from recserve.build.repository import (
-    install_adapters,
-    version_dir,
-    write_tables,
-)
-from recserve.build.train import Progress, stderr_progress
+from recserve.build.progress import Progress, stderr_progress
 from recserve.build.vocabulary_tables import (
     VOCAB_SUFFIX,
     TableImportError,
@@ -288,6 +281,8 @@ def import_repository(
     check_onnx_file(dense)
     split = None
     if spec.model.lookups == IN_MODEL:  # the user's network as written: split at its lookups
+        from recserve.build.in_model_split import check_split, split_at_lookups  # torch
+
         split = split_at_lookups(spec, dense)
         tables, formats = read_in_model_tables(spec, tables_dir, split)
         check_split(spec, dense, split, progress)
@@ -297,6 +292,10 @@ def import_repository(
     rows = {name: len(t.keys) for name, t in tables.items()}
     spec = with_imported_cardinalities(spec, rows)
     rounded = report_rounding(spec, tables, progress)
+    # torch comes with the writers: an import refused above answered before it loaded
+    from recserve.build.imported_dense import write_imported_dense
+    from recserve.build.repository import install_adapters, version_dir, write_tables
+
     staging = repository.parent / f".{repository.name}.import-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:

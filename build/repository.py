@@ -39,7 +39,8 @@ from recserve.build.export import (
     export_onnx,
     torch_predict,
 )
-from recserve.build.train import Progress, stderr_progress, train
+from recserve.build.progress import Progress, stderr_progress
+from recserve.build.train import train
 from recserve.core.contract import sequence_inputs
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP, HISTORY_USER, PROBABILITY, STEPS
 from recserve.core.rows import Rows

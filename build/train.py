@@ -10,9 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +21,7 @@ from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
 from recserve.backends.store.table_data import TableArrays
 from recserve.build.evaluation import figure, logloss
+from recserve.build.progress import Progress, stderr_progress
 from recserve.build.synthetic import generate
 from recserve.core.contract import attention_inputs, sparse_inputs
 from recserve.core.names import DENSE_NORMALIZED, HISTORY_KEYS, HISTORY_MASK
@@ -33,13 +32,7 @@ from recserve.core.values import categorical_values
 
 LOGGER = logging.getLogger(__name__)
 
-Progress = Callable[[str], None]
 HOLDOUT_FRACTION = 0.1  # of the user's rows, held out to report AUC and logloss
-
-
-def stderr_progress(message: str) -> None:
-    """Default progress sink: one line per step on stderr."""
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass
