@@ -26,7 +26,7 @@ import pyarrow as pa
 from recserve.backends.features.hashing import missing_key
 from recserve.backends.features.pooling import logged_pooling_weights
 from recserve.backends.request_log.read import read_log
-from recserve.backends.request_log.records import sequence_lengths
+from recserve.backends.request_log.records import carried_histories, sequence_lengths
 from recserve.backends.steps.lookup import FeaturesToEmbeddings
 from recserve.core.contract import attention_inputs
 from recserve.core.names import (
@@ -82,19 +82,10 @@ def rescore_log(
     if reason is not None:
         raise ValueError(f"the log of spec {spec.name!r} cannot be scored again: {reason}")
     table = read_log(directory)
-    ids = table["request_id"].to_pylist()
-    rows = table["row"].to_pylist()
-    at = {(request, row): i for i, (request, row) in enumerate(zip(ids, rows, strict=True))}
-    carrier = pa.array(  # each record's history is on its request's row history_row (none: null)
-        [
-            at.get((r, h)) if h >= 0 else None
-            for r, h in zip(ids, table["history_row"].to_pylist(), strict=True)
-        ],
-        pa.int64(),
-    )
-    history = table["history"].take(carrier)
+    ids, rows = table["request_id"].to_pylist(), table["row"].to_pylist()
+    history, lengths = carried_histories(table)
     histories = [h or [] for h in history.to_pylist()]
-    split = sequence_lengths(history, table["history_lengths"].take(carrier), len(spec.sequences))
+    split = sequence_lengths(history, lengths, len(spec.sequences))
     keys = table["keys"].to_pylist()
     values = table["dense"].to_pylist()
     logged = np.asarray(table["score"].to_numpy(), np.float32)

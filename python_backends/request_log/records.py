@@ -119,6 +119,24 @@ class Identity:
         )
 
 
+def carried_histories(table: pa.Table) -> tuple[pa.ChunkedArray, pa.ChunkedArray]:
+    """Each features record's ``history`` and ``history_lengths``, from its request's row that carries them.
+
+    A history is written once per request or list (``history_row`` names its row; -1: the spec has
+    none): this gives every record its own, null where it has none.
+    """
+    ids = table["request_id"].to_pylist()
+    at = {(r, w): i for i, (r, w) in enumerate(zip(ids, table["row"].to_pylist(), strict=True))}
+    carrier = pa.array(
+        [
+            at.get((r, h)) if h >= 0 else None
+            for r, h in zip(ids, table["history_row"].to_pylist(), strict=True)
+        ],
+        pa.int64(),
+    )
+    return table["history"].take(carrier), table["history_lengths"].take(carrier)
+
+
 def sequence_lengths(history: pa.Array | pa.ChunkedArray, lengths: Any, sequences: int) -> np.ndarray:
     """Each record's sequences' lengths ``[records, sequences]``: as logged, or its history split.
 

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.transform import FeatureTransform
-from recserve.backends.request_log.records import Identity
+from recserve.backends.request_log.records import Identity, carried_histories
 from recserve.backends.request_log.step_log import FeatureLog
 from recserve.backends.request_log.writer import RecordWriter
 from recserve.backends.store.tiered import TieredStore
@@ -93,13 +93,17 @@ def stream_requests(
             sent = START + round_ * grid.round_seconds + k / grid.rate
             features = transform.transform(rows.to_inputs(spec))
             batch = log.records(Identity(f"r{round_}-{k}"), int(sent * 1e6), features, versions)
-            logged = records(pa.Table.from_batches([batch]))
-            carriers = [logged[r["history_row"]] if r["history_row"] >= 0 else {} for r in logged]
-            scoring = pa.Table.from_pylist(
-                [{"keys": r["keys"], "dense": r["dense"],  # each row's own history, as the join resolves it
-                  "history": c.get("history"), "history_lengths": c.get("history_lengths")}
-                 for r, c in zip(logged, carriers, strict=True)]
-            )  # fmt: skip
+            table = pa.Table.from_batches([batch])
+            logged = records(table)
+            history, lengths = carried_histories(table)  # each row's own, as the join resolves it
+            scoring = pa.table(
+                {
+                    "keys": table["keys"],
+                    "dense": table["dense"],
+                    "history": history,
+                    "history_lengths": lengths,
+                }
+            )
             out.append(Request(round_, sent, logged, scoring, clicks))
     return out
 
