@@ -15,12 +15,8 @@ import numpy as np
 
 from recserve.backends.base.metrics import MetricSample
 from recserve.core.names import CANDIDATE_PREFIX
-from recserve.core.sections.degrade import VALUE_HEADER, DegradeSection
+from recserve.core.sections.degrade import DEFAULT_TIER, NUMBER_TIER, VALUE_HEADER, DegradeSection
 from recserve.core.spec.model import ModelSpec
-
-#: The tier label of a request that named no tier: it gave a number, or no value (the default's).
-NUMBER_TIER = "number"
-DEFAULT_TIER = "default"
 
 
 def newest(sequence: np.ndarray, lengths: np.ndarray, keep: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,10 +106,10 @@ class LevelCounts:
             else len(self.tiers) - 2
         )
 
-    def count(self, level: int, tier: int) -> None:
-        """One request served at ``level`` of tier column ``tier``."""
+    def count(self, level: int, tier: int, requests: int = 1) -> None:
+        """``requests`` served at ``level`` of tier column ``tier``."""
         with self.lock:
-            self.counts[level, tier] += 1
+            self.counts[level, tier] += requests
 
     def samples(self, lam: float, load: float, capacity: float = 0.0) -> list[MetricSample]:
         """Every level and tier's count (declared at 0), lambda, the load over the target, the capacity."""

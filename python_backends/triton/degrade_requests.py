@@ -34,7 +34,13 @@ from recserve.backends.triton.adapter import error_response, read_inputs
 from recserve.core.degrade_capacity import FILE_NAME as CAPACITY_FILE
 from recserve.core.degrade_capacity import CapacityFile
 from recserve.core.names import DENSE_VERSION, PROBABILITY, STEPS
-from recserve.core.sections.degrade import DEGRADE_LEVEL, LAMBDA_HEADER, METRICS_URL_ENV, REQUESTED_CANDIDATES
+from recserve.core.sections.degrade import (
+    DEGRADE_LEVEL,
+    LAMBDA_HEADER,
+    METRICS_URL_ENV,
+    REFUSED_HEADER,
+    REQUESTED_CANDIDATES,
+)
 from recserve.core.spec.model import ModelSpec
 from recserve.errors import InvalidParameter, Refused
 
@@ -153,11 +159,16 @@ class DegradeGate:
             parameters.append(parameters_of(request))
             try:
                 floor = self.section.lambda_of(parameters[-1].get(LAMBDA_HEADER))
+                reported = self.section.refusals_of(parameters[-1].get(REFUSED_HEADER))
                 values.append(self.section.value_from(parameters[-1]))
                 floors.append(floor)
             except InvalidParameter as exc:
                 responses[i] = error_response(exc)
                 values.append(None)
+                continue
+            if refused is not None:  # the access layer's door's refusals, reported with this request
+                for tier, count in reported.items():
+                    self.counts.count(refused, self.counts.tiers.index(tier), count)
         valued = [v for v in values if v is not None]
         self.controller.arrived(time.monotonic(), valued)
         chosen = iter(self.controller.levels(valued, floors))  # one call for the batch

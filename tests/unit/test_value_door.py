@@ -18,7 +18,7 @@ from recserve.access.value_door import ValueDoor
 from recserve.backends.steps.degrade_control import DegradeController
 from recserve.core.degrade_capacity import FILE_NAME
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.sections.degrade import LAMBDA_HEADER, VALUE_HEADER
+from recserve.core.sections.degrade import LAMBDA_HEADER, REFUSED_HEADER, VALUE_HEADER
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
 
@@ -55,9 +55,9 @@ return function(path, extra, now)
   function handle:respond(h, b) result.status = h[":status"]; result.body = b end
   function handle:logErr(m) result.logged = m end
   envoy_on_request(handle)
-  return result.status, result.body, headers["@LAMBDA@"], result.logged
+  return result.status, result.body, headers["@LAMBDA@"], headers["@REFUSED@"], result.logged
 end
-""".replace("@LAMBDA@", LAMBDA_HEADER)
+""".replace("@LAMBDA@", LAMBDA_HEADER).replace("@REFUSED@", REFUSED_HEADER)
 
 
 def spec(**changes):
@@ -72,10 +72,12 @@ def door_runner(value_door: ValueDoor | None):
     run = runtime.execute(HARNESS)
 
     def send(value: str | None, now_ms: float, extra: dict[str, str] | None = None):
-        """(refused, lambda header) of one inference call at ``now_ms``."""
+        """(refusal message, lambda header) of one inference call at ``now_ms``; ``send.reported``: the
+        refusals it reports."""
         headers = {**({VALUE_HEADER: value} if value is not None else {}), **(extra or {})}
-        status, body, lam, logged = run("/v2/models/m/infer", runtime.table_from(headers), now_ms)
+        status, body, lam, reported, logged = run("/v2/models/m/infer", runtime.table_from(headers), now_ms)
         assert logged is None, logged
+        send.reported = reported
         if status is not None:
             assert int(status) == 503, body
             return json.loads(body)["error"], lam
@@ -108,16 +110,20 @@ def test_the_door_sets_lambda_and_refuses_as_the_first_step_would():
 
 def test_a_callers_lambda_never_passes_and_a_value_the_door_cannot_read_is_left_to_the_step():
     send = door_runner(None)
-    assert send("1.0", 0.0, {LAMBDA_HEADER: "1e9"}) == (None, None)  # no door: removed all the same
+    forged = {LAMBDA_HEADER: "1e9", REFUSED_HEADER: "low:1000"}
+    assert send("1.0", 0.0, forged) == (None, None) and send.reported is None  # no door: removed all the same
     section = spec().degrade
     send = door_runner(ValueDoor(section, 1.0))  # a budget of a twentieth of a request per window
     assert send("premium?", 0.0) == (None, None)  # neither a tier nor a number: the step names it
     message, _ = send("low", 1.0, {LAMBDA_HEADER: "0"})
     assert message is not None and "refused under load at the access layer" in message
     assert send("100", 2.0) == (None, "4")  # over full_value: in full, whatever the lambda
+    assert send.reported == "low:1"  # the refusal since the last request let through, reported with it
     message, lam = send("3", 3.0)  # worth more than minimal costs at the ceiling: degraded, not refused
-    assert message is None and float(lam) == section.max_lambda
-    assert send(None, 4.0)[0] is not None  # the default, 1.0: refused
+    assert message is None and float(lam) == section.max_lambda and send.reported is None
+    assert send(None, 4.0)[0] is not None and send("0.1", 5.0)[0] is not None  # refused: 1.0, 0.1
+    assert send("3", 6.0, forged)[0] is None and sorted(send.reported.split(",")) == ["default:1", "number:1"]
+    assert send("3", 7.0)[0] is None and send.reported is None
 
 
 def test_the_first_step_serves_at_the_doors_lambda_at_least():
@@ -130,6 +136,11 @@ def test_the_first_step_serves_at_the_doors_lambda_at_least():
     for bad in ("nan", "-1", "inf", "x" * 300):
         with pytest.raises(InvalidParameter, match=LAMBDA_HEADER):
             section.lambda_of(bad)
+    assert section.refusals_of("low:2,number:1") == {"low": 2, "number": 1}
+    assert section.refusals_of(None) == {}
+    for bad in ("premium:1", "low:0", "low:-1", "low:x", "low", "low:" + "9" * 40, "low:1," * 5, "low:1,"):
+        with pytest.raises(InvalidParameter, match=REFUSED_HEADER):
+            section.refusals_of(bad)
 
 
 def test_the_door_stands_where_the_capacity_is_known(tmp_path):

@@ -7,7 +7,7 @@ models), the checks of one input or output, and the rule that **only public mode
 path or call naming a model that is not served to clients (the steps of an ensemble) is answered
 404 (gRPC ``NOT_FOUND``). The gRPC stream call is refused before its body. An inference call
 passes the value door (:mod:`recserve.access.lua.value_door`) before its body is read; a
-``recserve-lambda`` header a caller sent is removed from every request.
+``recserve-lambda`` or ``recserve-door-refused`` header a caller sent is removed from every request.
 
 The walk is linear in the body: anchored ``string.find`` patterns, no backtracking, no value built
 but the few strings compared. A refusal is raised as a Lua table and answered as JSON
@@ -135,7 +135,8 @@ end
 -- Headers are read before handle:body(), which yields (a header map is not usable across it).
 local function check(handle)
   local headers = handle:headers()
-  headers:remove(LAMBDA_HEADER)  -- only the value door sets it
+  headers:remove(LAMBDA_HEADER)  -- only the value door sets these
+  headers:remove(REFUSED_HEADER)
   local path = (headers:get(":path") or ""):gsub("%?.*$", "")
   if (headers:get("content-type") or ""):find("^application/grpc") then
     return check_grpc(handle, headers, path)

@@ -8,16 +8,19 @@ lambda as the first step's door does (``DegradeController.arrived``): the smalle
 grid at which the window's arrivals, each at the level lambda gives it, cost the steps at most
 ``budget`` (a refusal here costs them nothing). A request whose level is the refusal is answered at
 once (HTTP 503, gRPC ``UNAVAILABLE``); one let through carries that lambda in ``recserve-lambda``,
-so the first step serves it at the level the door counted it at. A ``recserve-lambda`` a caller
-sent is removed from every request: only the door sets it.
+so the first step serves it at the level the door counted it at, and the door's refusals since
+the last request it let through, by tier (``recserve-door-refused``), which the first step counts
+with its own. Either header sent by a caller is removed from every request: only the door sets them.
 """
 
 VALUE_DOOR = r"""-- The value door ([degrade]): levels chosen as the first step chooses them, refusals here.
 local DOOR = @DOOR@
 local LAMBDA_HEADER = "@LAMBDA_HEADER@"
 local VALUE_HEADER = "@VALUE_HEADER@"
+local REFUSED_HEADER = "@REFUSED_HEADER@"
 local RING = 4096
 local seen_at, seen_value, seen_first, seen_next = {}, {}, 0, 0
+local refused_by_tier = {}  -- since the last request let through, reported with the next one
 
 local function door_value(raw)
   if raw == nil or raw == "" then return DOOR.default end
@@ -65,15 +68,24 @@ end
 -- An inference call at the door: the refusal's message, or nil (lambda set on the request for the steps).
 local function door(handle, headers)
   if DOOR == nil then return nil end
-  local value = door_value(headers:get(VALUE_HEADER))
+  local raw = headers:get(VALUE_HEADER)
+  local value = door_value(raw)
   if value == nil then return nil end  -- the first step answers what is wrong with it
   local lam = door_lambda(handle:timestamp(), value)
   local level = door_level(value, lam)
   if DOOR.refuses and level == #DOOR.costs then
+    local tier = (raw == nil or raw == "") and "default" or (DOOR.tiers[raw] ~= nil and raw or "number")
+    refused_by_tier[tier] = (refused_by_tier[tier] or 0) + 1
     return string.format("refused under load at the access layer (lambda %.3g, value %.3g); retry later",
       lam, value)
   end
   if lam > 0 then headers:replace(LAMBDA_HEADER, string.format("%.17g", lam)) end
+  if next(refused_by_tier) ~= nil then
+    local reported = {}
+    for tier, count in pairs(refused_by_tier) do reported[#reported + 1] = tier .. ":" .. count end
+    headers:replace(REFUSED_HEADER, table.concat(reported, ","))
+    refused_by_tier = {}
+  end
   return nil
 end
 

@@ -28,6 +28,15 @@ VALUE_HEADER = "recserve-value"
 #: request's level at (recserve.access.value_door); the first step serves it at that lambda at least.
 #: Only the door sets it: the proxy removes one a caller sent.
 LAMBDA_HEADER = "recserve-lambda"
+#: The header on which the door reports the requests it refused since the last one it let through (on
+#: that Envoy worker), by value tier: ``tier:count,...``; the first step counts them as refused.
+REFUSED_HEADER = "recserve-door-refused"
+#: The tier columns of the counts beside the spec's tiers: a request that gave a number, and one that
+#: gave no value (the default's).
+NUMBER_TIER = "number"
+DEFAULT_TIER = "default"
+#: The most refusals one report may carry.
+MAX_REPORTED = 1_000_000
 #: The smallest lambda a door chooses (below it every request is served in full), and how many
 #: lambdas it chooses among, spaced geometrically up to ``max_lambda``.
 LAMBDA_FLOOR = 1e-3
@@ -148,6 +157,26 @@ class DegradeSection:
         if not math.isfinite(number) or number < 0:
             raise InvalidParameter(LAMBDA_HEADER, f"must be a number >= 0, got {shorten(raw)}")
         return min(number, self.max_lambda)
+
+    def refusals_of(self, raw: object) -> dict[str, int]:
+        """The door's refusals a request reports (:data:`REFUSED_HEADER`; absent: none), by tier column.
+
+        Raises:
+            InvalidParameter: not ``tier:count`` pairs of known tier columns and counts in 1..1e6.
+        """
+        if raw is None or raw == "":
+            return {}
+        columns = {*self.tiers, NUMBER_TIER, DEFAULT_TIER}
+        pairs = [pair.partition(":") for pair in str(raw)[:4096].split(",")]
+        if len(pairs) > len(columns) or any(
+            tier not in columns or not count.isdigit() or not 0 < int(count[:8]) <= MAX_REPORTED
+            for tier, _, count in pairs
+        ):
+            raise InvalidParameter(REFUSED_HEADER, f"must be tier:count pairs, got {shorten(raw)}")
+        found: dict[str, int] = {}
+        for tier, _, count in pairs:
+            found[tier] = found.get(tier, 0) + int(count)
+        return found
 
     @property
     def default_value(self) -> float:
