@@ -26,7 +26,7 @@ from pathlib import Path
 
 from recserve.core.degrade_capacity import FILE_NAME, CapacityFile
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.sections.degrade import WINDOW_S, DegradeSection
+from recserve.core.sections.degrade import DEFAULT_TIER, NUMBER_TIER, WINDOW_S, DegradeSection
 from recserve.core.spec.model import ModelSpec
 
 
@@ -67,6 +67,8 @@ class ValueDoor:
             "budget": _number(self.budget),
             "window_ms": _number(WINDOW_S * 1000.0),
             "refuses": "true" if section.refuse else "false",
+            "number_tier": lua_string(NUMBER_TIER),  # the count columns of a number and of no value
+            "default_tier": lua_string(DEFAULT_TIER),
         }
         return "{" + ", ".join(f"{k} = {v}" for k, v in fields.items()) + "}"
 

@@ -74,7 +74,8 @@ local function door(handle, headers)
   local lam = door_lambda(handle:timestamp(), value)
   local level = door_level(value, lam)
   if DOOR.refuses and level == #DOOR.costs then
-    local tier = (raw == nil or raw == "") and "default" or (DOOR.tiers[raw] ~= nil and raw or "number")
+    local tier = DOOR.tiers[raw] ~= nil and raw or DOOR.number_tier
+    if raw == nil or raw == "" then tier = DOOR.default_tier end
     refused_by_tier[tier] = (refused_by_tier[tier] or 0) + 1
     return string.format("refused under load at the access layer (lambda %.3g, value %.3g); retry later",
       lam, value)
