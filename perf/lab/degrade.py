@@ -18,7 +18,8 @@ Per policy and phase the report gives the served p99 over the first normal phase
 value served in full, degraded and refused, the value-weighted quality retained against full compute
 (:mod:`recserve.perf.lab.degrade_report`), the top value decile's share degraded and refused, and
 lambda over time (``--plot FILE``: a PNG of lambda, the p99 and the levels per quarter second), and
-with ``--costs`` what each level really costs.
+with ``--costs`` what each level really costs. With ``--access`` both servers stand behind the access
+layer (:func:`serving`), so that the degrade server has the value door in front of it.
 Figures depend on the machine's other load: a single run is provisional.
 """
 
