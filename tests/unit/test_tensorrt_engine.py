@@ -1,8 +1,5 @@
 """TensorRT profiles from the bucket grid, the GPU dense config, and the build without TensorRT."""
 
-import subprocess
-import sys
-
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -17,6 +14,7 @@ from recserve.backends.dense.tensorrt_engine import (
     tensorrt_available,
 )
 from recserve.build import configs
+from recserve.cli import main
 from recserve.core.gpu_batches import gpu_spec
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
 from tests.unit.conftest import COMMITTED_CONFIGS, TINY_SPEC
@@ -58,15 +56,20 @@ def test_building_without_tensorrt_says_so(spec, tmp_path):
 
 
 @pytest.mark.skipif(tensorrt_available(), reason="checks the message where TensorRT is absent")
-def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(tiny_repository):
+def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(tiny_repository, capsys):
     before = (tiny_repository / "dense" / "config.pbtxt").read_text()
-    done = subprocess.run(
-        [sys.executable, "-m", "recserve.cli", "--spec", TINY_SPEC,
-         "build", "--if-missing", "--profile", "gpu", "--repository", str(tiny_repository)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    lines = [line for line in done.stderr.splitlines() if "TensorRT" in line]
+    argv = [
+        "--spec",
+        TINY_SPEC,
+        "build",
+        "--if-missing",
+        "--profile",
+        "gpu",
+        "--repository",
+        str(tiny_repository),
+    ]
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "TensorRT" in line]
     assert len(lines) == 1 and "not installed" in lines[0] and "CPU path" in lines[0]
     assert (tiny_repository / "dense" / "config.pbtxt").read_text() == before
     assert not list((tiny_repository / "dense").glob("*/model.plan"))
