@@ -15,7 +15,7 @@ import numpy as np
 
 from recserve.backends.base.metrics import MetricSample
 from recserve.core.names import CANDIDATE_PREFIX
-from recserve.core.sections.degrade import DEFAULT_TIER, NUMBER_TIER, VALUE_HEADER, DegradeSection
+from recserve.core.sections.degrade import VALUE_HEADER, DegradeSection
 from recserve.core.spec.model import ModelSpec
 
 
@@ -90,7 +90,7 @@ class LevelCounts:
 
     def __init__(self, section: DegradeSection) -> None:
         self.levels = section.level_names
-        self.tiers = (*section.tiers, NUMBER_TIER, DEFAULT_TIER)
+        self.tiers = section.tier_columns
         self.counts = np.zeros((len(self.levels), len(self.tiers)), dtype=np.int64)
         self.section = section
         self.lock = threading.Lock()

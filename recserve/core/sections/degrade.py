@@ -125,6 +125,11 @@ class DegradeSection:
         return (FULL, *(level.name for level in self.levels), *((REFUSED,) if self.refuse else ()))
 
     @property
+    def tier_columns(self) -> tuple[str, ...]:
+        """The tiers requests are counted by: the spec's, :data:`NUMBER_TIER` and :data:`DEFAULT_TIER`."""
+        return (*self.tiers, NUMBER_TIER, DEFAULT_TIER)
+
+    @property
     def costs(self) -> tuple[float, ...]:
         """Each level's cost by number: full (1), the spec's, the refusal's (``refuse_cost``) if any."""
         return (1.0, *(level.cost for level in self.levels), *((self.refuse_cost,) if self.refuse else ()))
@@ -166,7 +171,7 @@ class DegradeSection:
         """
         if raw is None or raw == "":
             return {}
-        columns = {*self.tiers, NUMBER_TIER, DEFAULT_TIER}
+        columns = set(self.tier_columns)
         pairs = [pair.partition(":") for pair in str(raw)[:4096].split(",")]
         if len(pairs) > len(columns) or any(
             tier not in columns or not count.isdigit() or not 0 < int(count[:8]) <= MAX_REPORTED
