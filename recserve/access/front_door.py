@@ -28,7 +28,7 @@ offending value (truncated), as Triton's own errors look.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -158,14 +158,14 @@ class FrontDoor:
         """
         repositories = list(repositories)
         configs: dict[str, mc.ModelConfig] = {}
+        spec: ModelSpec | None = None
         for repository in repositories:
-            for path in sorted(repository.glob("*/config.pbtxt")):
-                config = text_format.Parse(path.read_text(), mc.ModelConfig())
+            for path, config in _configs(repository):
                 config.name = config.name or path.parent.name
                 known = configs.get(config.name)
                 if known is None or config.max_batch_size > known.max_batch_size:
                     configs[config.name] = config
-        spec = next((s for s in map(served_spec, repositories) if s is not None), None)
+                spec = spec or _spec_of(config)
         longest = max(spec.serving.sequence_buckets) if spec is not None else 0
         if not configs:
             raise FrontDoorError(f"no model config (*/config.pbtxt) in {[str(r) for r in repositories]}")
@@ -216,13 +216,21 @@ class FrontDoor:
 
 def served_spec(repository: Path) -> ModelSpec | None:
     """The spec a built repository serves (a Python-backend config's ``spec`` parameter); None: none."""
+    specs = (_spec_of(config) for _, config in _configs(repository))
+    return next((spec for spec in specs if spec is not None), None)
+
+
+def _configs(repository: Path) -> Iterator[tuple[Path, mc.ModelConfig]]:
+    """Each model's ``config.pbtxt`` in ``repository``, parsed, in name order."""
+    for path in sorted(repository.glob("*/config.pbtxt")):
+        yield path, text_format.Parse(path.read_text(), mc.ModelConfig())
+
+
+def _spec_of(config: mc.ModelConfig) -> ModelSpec | None:
+    """The spec a model config carries (the Python backends' ``spec`` parameter), else None."""
     from recserve.core.spec.parse import spec_from_json
 
-    for path in sorted(repository.glob("*/config.pbtxt")):
-        config = text_format.Parse(path.read_text(), mc.ModelConfig())
-        if "spec" in config.parameters:
-            return spec_from_json(config.parameters["spec"].string_value)
-    return None
+    return spec_from_json(config.parameters["spec"].string_value) if "spec" in config.parameters else None
 
 
 def _row_elements(dims: Iterable[int], longest: int) -> int:
