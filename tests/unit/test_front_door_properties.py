@@ -28,9 +28,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve.access.front_door import MAX_DEPTH, MAX_DIMS, FrontDoor, lua_source
+from recserve.access.front_door import MAX_DEPTH, MAX_DIMS, FrontDoor
 from recserve.perf.lab.fuzz.bodies import HEADER_LENGTH, Limits, Members, Raw, Writer, depth, parse, problem
 from tests.unit.helpers import fast
+from tests.unit.lua_door import door_script
 
 luajit = pytest.importorskip("lupa.luajit21")
 
@@ -41,26 +42,6 @@ INPUTS = {
     "cat": ("BYTES", mc.TYPE_STRING, [2]),
 }
 LONGEST = 6
-HARNESS = r"""
-return function(body, path, extra)
-  local headers = {[":method"] = "POST", [":path"] = path, ["content-type"] = "application/json"}
-  for k, v in pairs(extra) do headers[k] = v end
-  local result = {}
-  local handle = {}
-  local map = {get = function(_, k) return headers[k] end, remove = function(_, k) headers[k] = nil end,
-    replace = function(_, k, v) headers[k] = v end}
-  function handle:headers() return map end
-  function handle:body()
-    if #body == 0 then return nil end
-    return {length = function() return #body end,
-      getBytes = function(_, i, n) return body:sub(i + 1, i + n) end}
-  end
-  function handle:respond(h, b) result.status = h[":status"]; result.body = b end
-  function handle:logErr(m) result.logged = m end
-  envoy_on_request(handle)
-  return result.status, result.body, result.logged
-end
-"""
 
 
 def _door() -> FrontDoor:
@@ -81,13 +62,11 @@ LIMITS = Limits(
 
 @pytest.fixture(scope="module")
 def front_door():
-    runtime = luajit.LuaRuntime(unpack_returned_tuples=True)
-    runtime.execute(lua_source(DOOR))
-    run = runtime.execute(HARNESS)
+    run = door_script(luajit, DOOR)
 
     def check(body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str] | None:
         """None when the body passes; else the status and the error message."""
-        status, answer, logged = run(body, "/v2/models/m/infer", runtime.table_from(headers or {}))
+        status, answer, logged, _ = run(body, "/v2/models/m/infer", headers)
         assert logged is None, f"the script failed: {logged}"
         if status is None:
             return None

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve.access.front_door import FrontDoor, lua_source
+from recserve.access.front_door import FrontDoor
 from recserve.access.value_door import ValueDoor
 from recserve.backends.steps.degrade_control import DegradeController
 from recserve.core.degrade_capacity import FILE_NAME
@@ -21,6 +21,7 @@ from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.sections.degrade import LAMBDA_HEADER, REFUSED_HEADER, VALUE_HEADER
 from recserve.core.spec.parse import parse_spec, spec_path
 from recserve.errors import InvalidParameter
+from tests.unit.lua_door import door_script
 
 luajit = pytest.importorskip("lupa.luajit21")
 
@@ -37,27 +38,6 @@ DEGRADE = {
     "max_lambda": 4.0,
     "capacity": 400.0,
 }
-HARNESS = r"""
-return function(path, extra, now)
-  local headers = {[":method"] = "POST", [":path"] = path, ["content-type"] = "application/json"}
-  for k, v in pairs(extra) do headers[k] = v end
-  local body = '{"inputs": []}'
-  local result = {}
-  local handle = {}
-  local map = {get = function(_, k) return headers[k] end, remove = function(_, k) headers[k] = nil end,
-    replace = function(_, k, v) headers[k] = v end}
-  function handle:headers() return map end
-  function handle:timestamp() return now end
-  function handle:body()
-    return {length = function() return #body end,
-      getBytes = function(_, i, n) return body:sub(i + 1, i + n) end}
-  end
-  function handle:respond(h, b) result.status = h[":status"]; result.body = b end
-  function handle:logErr(m) result.logged = m end
-  envoy_on_request(handle)
-  return result.status, result.body, headers["@LAMBDA@"], headers["@REFUSED@"], result.logged
-end
-""".replace("@LAMBDA@", LAMBDA_HEADER).replace("@REFUSED@", REFUSED_HEADER)
 
 
 def spec(**changes):
@@ -67,17 +47,16 @@ def spec(**changes):
 
 
 def door_runner(value_door: ValueDoor | None):
-    runtime = luajit.LuaRuntime(unpack_returned_tuples=True)
-    runtime.execute(lua_source(FrontDoor(value_door=value_door)))
-    run = runtime.execute(HARNESS)
+    run = door_script(luajit, FrontDoor(value_door=value_door))
 
     def send(value: str | None, now_ms: float, extra: dict[str, str] | None = None):
         """(refusal message, lambda header) of one inference call at ``now_ms``; ``send.reported``: the
         refusals it reports."""
         headers = {**({VALUE_HEADER: value} if value is not None else {}), **(extra or {})}
-        status, body, lam, reported, logged = run("/v2/models/m/infer", runtime.table_from(headers), now_ms)
+        status, body, logged, after = run(b'{"inputs": []}', "/v2/models/m/infer", headers, now_ms)
         assert logged is None, logged
-        send.reported = reported
+        lam = after.get(LAMBDA_HEADER)
+        send.reported = after.get(REFUSED_HEADER)
         if status is not None:
             assert int(status) == 503, body
             return json.loads(body)["error"], lam
