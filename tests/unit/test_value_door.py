@@ -11,7 +11,6 @@ import json
 
 import numpy as np
 import pytest
-import tomllib
 
 from recserve.access.front_door import FrontDoor
 from recserve.access.value_door import ValueDoor
@@ -19,8 +18,9 @@ from recserve.backends.steps.degrade_control import DegradeController
 from recserve.core.degrade_capacity import FILE_NAME
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.sections.degrade import LAMBDA_HEADER, REFUSED_HEADER, VALUE_HEADER
-from recserve.core.spec.parse import parse_spec, spec_path
+from recserve.core.spec.parse import parse_spec
 from recserve.errors import InvalidParameter
+from tests.unit.helpers import ctr_spec_document
 from tests.unit.lua_door import door_script
 
 luajit = pytest.importorskip("lupa.luajit21")
@@ -41,9 +41,7 @@ DEGRADE = {
 
 
 def spec(**changes):
-    with open(spec_path("ctr"), "rb") as fh:
-        doc = tomllib.load(fh)
-    return parse_spec({**doc, "degrade": {**DEGRADE, **changes}})
+    return parse_spec({**ctr_spec_document(), "degrade": {**DEGRADE, **changes}})
 
 
 def door_runner(value_door: ValueDoor | None):
