@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from recserve.backends.request_log.records import SCHEMAS, conformed
-from recserve.backends.store.redis_tier import connection_settings
+from recserve.backends.store.redis_connect import connection_settings
 from recserve.core.streams import stream_key, stream_shard
 
 LOGGER = logging.getLogger(__name__)

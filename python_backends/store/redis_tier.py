@@ -16,7 +16,6 @@ type (a hash, a list), so such a key reads as absent.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -27,6 +26,15 @@ from typing import Any
 import numpy as np
 
 from recserve.backends.base.metrics import MetricSample
+from recserve.backends.store.redis_connect import (
+    L3ConnectError,
+    auth_reason,
+    connection_settings,
+    host_port,
+    refused,
+    refused_credentials,
+    timed_out,
+)
 from recserve.backends.store.redis_values import decode_rows, describe_value
 from recserve.errors import shorten
 
@@ -42,13 +50,6 @@ L3_BAD_VALUE = "bad_value"
 L3_ERROR_REASONS = (L3_TIMEOUT, L3_ERROR, L3_BREAKER_OPEN, L3_BUSY, L3_BAD_VALUE)
 #: Seconds between two warnings about refused values (each says how many were refused since the last).
 BAD_VALUE_LOG_INTERVAL_S = 60.0
-
-
-class L3ConnectError(ValueError):
-    """The ``[store]`` Redis settings reach no usable cluster (credentials missing or refused, no node up).
-
-    A ValueError, as a wrong setting is: commands print it as one ``error:`` line.
-    """
 
 
 class CircuitBreaker:
@@ -79,6 +80,21 @@ class CircuitBreaker:
         """A call succeeded: close."""
         with self._lock:
             self.state, self.consecutive = CLOSED, 0
+
+    def trial(self, call: Callable[[], object]) -> None:
+        """Make the half-open breaker's trial call: close if it returns, open again if it raises.
+
+        Run on a worker, off the request path and without a call deadline: after an idle cooldown
+        the process and its connections are cold (a reconnect, a slot-map read), which on a slow
+        machine outlasts a tight deadline every time and would keep the breaker open for good.
+        """
+        try:
+            call()
+        except Exception as exc:  # the dependency is still away
+            self.failure()
+            LOGGER.info("trial call failed: %s", type(exc).__name__)
+        else:
+            self.success()
 
     def failure(self) -> None:
         """A call failed: open after enough failures in a row, or at once after a failed trial."""
@@ -149,7 +165,7 @@ class RedisTier:
         from redis.retry import Retry
 
         deadline = options.redis_deadline_ms / 1000.0
-        nodes = [ClusterNode(*_host_port(node)) for node in options.redis_nodes]
+        nodes = [ClusterNode(*host_port(node)) for node in options.redis_nodes]
         for attempt in range(STARTUP_ATTEMPTS):
             try:
                 client = RedisCluster(
@@ -165,9 +181,9 @@ class RedisTier:
                 )
                 break
             except (AuthenticationError, RedisClusterException, ResponseError) as exc:
-                if _refused_credentials(exc):
-                    raise _refused(options, exc) from None
-                if attempt + 1 < STARTUP_ATTEMPTS and _timed_out(exc):
+                if refused_credentials(exc):
+                    raise refused(options, exc) from None
+                if attempt + 1 < STARTUP_ATTEMPTS and timed_out(exc):
                     # the first answers (the slot map) come under the deadline too: on a busy
                     # machine they can be late, once, without the cluster being away
                     LOGGER.info("the Redis Cluster answered late (%s); connecting again", shorten(exc, 120))
@@ -175,7 +191,7 @@ class RedisTier:
                     continue
                 raise L3ConnectError(
                     f"no node of the Redis Cluster at {','.join(options.redis_nodes)} answered: "
-                    f"{_auth_reason(exc)[:200]}"
+                    f"{auth_reason(exc)[:200]}"
                 ) from None
         return cls(client, deadline, CircuitBreaker(options.breaker_failures, options.breaker_cooldown_s))
 
@@ -197,6 +213,11 @@ class RedisTier:
         if keys.size == 0:
             return vectors, found
         if not self.breaker.allow():
+            self.errors[L3_BREAKER_OPEN] += 1
+            return vectors, found
+        if self.breaker.state == HALF_OPEN:  # the trial, off the request path: these keys get defaults
+            names = redis_keys(keys, self.prefix)
+            self._inflight = self._pool.submit(self.breaker.trial, lambda: self._reconnect(names))
             self.errors[L3_BREAKER_OPEN] += 1
             return vectors, found
         if self._inflight is not None and not self._inflight.done():
@@ -231,10 +252,17 @@ class RedisTier:
         self.breaker.success()
         found[:], refused = decode_rows(values, vectors, widths)
         if refused.size:
-            self._count_refused(keys, values, refused)
+            self._countrefused(keys, values, refused)
         return vectors, found
 
-    def _count_refused(self, keys: np.ndarray, values: list, refused: np.ndarray) -> None:
+    def _reconnect(self, names: list[bytes]) -> None:
+        """The trial call: read the slot map again (the masters may have moved), then the keys."""
+        self.calls += 1
+        self.client.nodes_manager.initialize()
+        self.client.mget_nonatomic(names)
+        self._refresh_topology = False
+
+    def _countrefused(self, keys: np.ndarray, values: list, refused: np.ndarray) -> None:
         """Count refused values (``bad_value``); warn at most once a minute, naming one of them."""
         self.errors[L3_BAD_VALUE] += int(refused.size)
         self._unlogged_bad += int(refused.size)
@@ -329,72 +357,3 @@ CONNECT_TIMEOUT_S = 1.0
 #: all, and the first pause (doubled each time).
 STARTUP_ATTEMPTS = 3
 STARTUP_BACKOFF_S = 0.25
-
-
-def connection_settings(options: Any, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The credentials and TLS settings of ``[store]`` as ``redis.cluster.RedisCluster`` arguments.
-
-    The password is read from the environment variable named by ``redis_password_env``, never
-    from the spec (the spec is copied into every generated ``config.pbtxt``).
-
-    Raises:
-        L3ConnectError: ``redis_password_env`` names a variable that is not set (or is empty).
-    """
-    settings: dict[str, Any] = {}
-    if options.redis_username:
-        settings["username"] = options.redis_username
-    if options.redis_password_env:
-        password = (os.environ if environ is None else environ).get(options.redis_password_env, "")
-        if not password:
-            raise L3ConnectError(
-                f"[store] redis_password_env names {options.redis_password_env}, "
-                "which is not set in the server's environment"
-            )
-        settings["password"] = password
-    if options.redis_ssl:
-        settings["ssl"] = True
-        for name in ("ca_certs", "certfile", "keyfile"):
-            path = getattr(options, f"redis_ssl_{name}")
-            if path:
-                settings[f"ssl_{name}"] = path
-        settings["ssl_check_hostname"] = options.redis_ssl_check_hostname
-    return settings
-
-
-#: What redis-py's errors say when a node refuses the credentials (no password, a wrong one, no such user).
-_AUTH_WORDS = ("NOAUTH", "WRONGPASS", "authenticat", "Authenticat", "username-password", "invalid password")
-
-
-def _refused(options: Any, exc: BaseException) -> L3ConnectError:
-    """The error for credentials the cluster refused."""
-    who = f"user {options.redis_username!r}" if options.redis_username else "the default user"
-    how = (
-        f"the password in ${options.redis_password_env}"
-        if options.redis_password_env
-        else "no password ([store] redis_password_env is not set)"
-    )
-    return L3ConnectError(
-        f"the Redis Cluster at {','.join(options.redis_nodes)} refused {who} with {how}: "
-        f"{_auth_reason(exc)[:200]}"
-    )
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Did the cluster answer too late (rather than refuse, or not listen)?"""
-    text = str(exc).lower()
-    return "timeout" in text or "timed out" in text
-
-
-def _refused_credentials(exc: BaseException) -> bool:
-    """Did Redis refuse to authenticate (rather than being unreachable)?"""
-    return any(word in str(exc) for word in _AUTH_WORDS)
-
-
-def _auth_reason(exc: BaseException) -> str:
-    """The server's answer, without redis-py's "cannot be connected" preamble."""
-    return str(exc).rsplit("reachable node: ", 1)[-1].split("\n")[0]
-
-
-def _host_port(node: str) -> tuple[str, int]:
-    host, _, port = node.rpartition(":")
-    return host, int(port)

@@ -1,6 +1,7 @@
 """User states in a loopback Redis Cluster: compare-on-sequence writes, TTL, delete, untrusted values."""
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -81,6 +82,11 @@ def test_with_the_cluster_down_every_user_is_an_error_and_nothing_raises(tmp_pat
         cluster.kill_all()
         assert states.fetch(np.array([1, 2])).outcomes == [ERROR, ERROR]
         assert states.fetch(np.array([1])).outcomes == [ERROR]  # the breaker is open: no call
+        cluster.restart()
+        deadline = time.monotonic() + 30
+        while states.fetch(np.array([1])).outcomes != [ABSENT]:  # the nodes came back empty
+            assert time.monotonic() < deadline, "the user states never served again"
+            time.sleep(0.01)
 
 
 class Held:

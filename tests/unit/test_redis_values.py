@@ -11,11 +11,11 @@ import time
 import numpy as np
 import pytest
 
-from recserve.backends.store.redis_tier import (
+from recserve.backends.store.redis_connect import (
     L3ConnectError,
-    _auth_reason,
-    _refused_credentials,
+    auth_reason,
     connection_settings,
+    refused_credentials,
 )
 from recserve.backends.store.redis_values import decode_rows, describe_value
 from recserve.core.sections.base import SpecError
@@ -181,8 +181,8 @@ def test_a_refused_login_is_told_apart_from_an_unreachable_cluster():
         preamble + "HELLO must be called with the client already authenticated, otherwise ..."
     )
     down = Exception(preamble + "Error 111 connecting to 127.0.0.1:7000. Connection refused.")
-    assert _refused_credentials(wrong) and _refused_credentials(missing) and not _refused_credentials(down)
-    assert _auth_reason(wrong) == "invalid username-password pair or user is disabled."
+    assert refused_credentials(wrong) and refused_credentials(missing) and not refused_credentials(down)
+    assert auth_reason(wrong) == "invalid username-password pair or user is disabled."
 
 
 def _with_store(**settings):

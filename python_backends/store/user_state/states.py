@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from recserve.backends.store.redis_tier import CircuitBreaker, RedisTier, redis_keys
+from recserve.backends.store.redis_tier import HALF_OPEN, CircuitBreaker, RedisTier, redis_keys
 from recserve.backends.store.user_state.files import STATE_COLUMNS, opening_lock, set_aside_if_corrupt
 from recserve.backends.store.user_state.state import StateFormatError, UserState, decode_states, seq_bytes
 from recserve.core.sections.serving import StoreSection
@@ -253,6 +253,13 @@ class RedisUserStates:
             return StateFetch([], [])
         inflight: Future | None = getattr(self._calls, "inflight", None)
         if not self.breaker.allow() or (inflight is not None and not inflight.done()):
+            self.errors += 1
+            return failed
+        if self.breaker.state == HALF_OPEN:  # the trial, off the request path: served without states
+            keys = self._keys(users)
+            self._calls.inflight = self._pool.submit(
+                self.breaker.trial, lambda: self.client.mget_nonatomic(keys)
+            )
             self.errors += 1
             return failed
         self._calls.inflight = inflight = self._pool.submit(self.client.mget_nonatomic, self._keys(users))
