@@ -42,12 +42,12 @@ ALLOWED = {
     # the near-line user state: a room of the store, on the store's shared parts (kernels, Redis tier)
     USER_STATE: (*BOTTOM, *BACKEND_BASE, "recserve.backends.store"),
     # the request log reads requests with the feature transform; its Redis Streams sink reaches the
-    # cluster with the Redis tier's credentials; the steps and adapters hook it in
+    # cluster with the store's connection settings; the steps and adapters hook it in
     "recserve.backends.request_log": (
         *BOTTOM,
         *BACKEND_BASE,
         "recserve.backends.features",
-        "recserve.backends.store.redis_tier",
+        "recserve.backends.store.redis_connect",
     ),
     "recserve.backends.steps": (*BOTTOM, *BACKEND_BASE, *BACKEND_SUBSYSTEMS, "recserve.backends.request_log"),
     "recserve.backends.triton": (*BOTTOM, "recserve.backends"),
