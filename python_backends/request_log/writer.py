@@ -18,7 +18,6 @@ import os
 import queue
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -102,6 +101,7 @@ class RecordWriter:
         self._counts = dict.fromkeys(OUTCOMES, 0)
         self._lock = threading.Lock()
         self._pending_rows = 0  # handed to the sink, not yet in a segment
+        self._closing = threading.Event()  # set by close: stop letting requests gather
         self._thread = threading.Thread(target=self._run, name="recserve-request-log", daemon=True)
         self._thread.start()
 
@@ -148,7 +148,7 @@ class RecordWriter:
                 self._write(self.sink.due)
                 continue
             if first is not None:
-                time.sleep(LINGER_S)  # let the requests in flight join it
+                self._closing.wait(LINGER_S)  # let the requests in flight join it
             entries, stop = self._gathered(first)
             start = 0
             for end in range(1, len(entries) + 1):  # runs of entries built by one call
@@ -205,5 +205,6 @@ class RecordWriter:
         """Write what is queued and kept, then stop the thread."""
         if not self._thread.is_alive():
             return
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
