@@ -11,10 +11,11 @@ on with the lambda it chose their level at (``recserve-lambda``), which the firs
 at, at least.
 
 The door stands in front of the ``stable`` variant's servers when their spec has ``[degrade]`` on
-and their capacity is known: ``[degrade] capacity`` (full-cost requests per second, per server), or
-the capacity the first step learned and kept (:mod:`recserve.core.degrade_capacity`), read when the
-access layer starts. Without either, or with lambda held (``fixed_lambda``), there is no door: the
-first step decides alone, as before.
+and lambda is not held (``fixed_lambda``). It spends their capacity: ``[degrade] capacity``
+(full-cost requests per second, per server), or else the capacity each server's first step learns
+and keeps (:mod:`recserve.core.degrade_capacity`), which the door reads again every
+:data:`REREAD_S` while the proxy runs, so that it follows what the steps learn. Until every server
+has kept one, the door lets everything through and the first step decides alone, as before.
 Each Envoy worker holds its share of the budget (``[access] workers``: one by default).
 """
 
@@ -24,10 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from recserve.core.degrade_capacity import FILE_NAME, CapacityFile
+from recserve.core.degrade_capacity import FILE_NAME, LIMITS, MAX_BYTES, CapacityFile
 from recserve.core.names import EMBEDDING_LOOKUP
 from recserve.core.sections.degrade import DEFAULT_TIER, NUMBER_TIER, WINDOW_S, DegradeSection
 from recserve.core.spec.model import ModelSpec
+
+#: how often the door reads the servers' kept capacities again, in seconds (per Envoy worker)
+REREAD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,17 @@ class ValueDoor:
 
     Attributes:
         section: the served spec's ``[degrade]`` (enabled).
-        capacity_per_s: full-cost requests per second the variant's servers serve together.
+        capacity_per_s: full-cost requests per second the variant's servers serve together, as known
+            when the proxy starts (0: not yet: the door lets everything through until it is).
         workers: Envoy's worker threads; each holds its share of the capacity.
+        kept: each server's kept capacity file, read again while the proxy runs (absolute paths;
+            none where the spec sets the capacity). The capacity is their sum once each holds one.
     """
 
     section: DegradeSection
     capacity_per_s: float
     workers: int = 1
+    kept: tuple[str, ...] = ()
 
     @property
     def budget(self) -> float:
@@ -64,8 +72,15 @@ class ValueDoor:
             "spend": _numbers(spend),
             "grid": _numbers(section.lambda_grid),
             "full_value": _number(section.full_value),
-            "budget": _number(self.budget),
+            "capacity": _number(self.capacity_per_s),  # the budget: headroom x capacity / workers x window
+            "headroom": _number(section.headroom),
+            "workers": str(self.workers),
+            "window_s": _number(WINDOW_S),
             "window_ms": _number(WINDOW_S * 1000.0),
+            "kept": "{" + ", ".join(lua_string(path) for path in self.kept) + "}",
+            "reread_ms": _number(REREAD_S * 1000.0),
+            "limits": _numbers(LIMITS),
+            "max_bytes": str(MAX_BYTES),
             "refuses": "true" if section.refuse else "false",
             "number_tier": lua_string(NUMBER_TIER),  # the count columns of a number and of no value
             "default_tier": lua_string(DEFAULT_TIER),
@@ -79,17 +94,17 @@ class ValueDoor:
         """The door of a variant served by ``repositories`` (one per server) under ``spec``; None: no door.
 
         The capacity per server is the spec's ``[degrade] capacity``, else the one its first step
-        kept (each repository's own); a server of unknown capacity leaves the variant without a door.
+        keeps in its repository, read now and again while the proxy runs.
         """
         if spec is None or not spec.degrade.enabled or spec.degrade.fixed_lambda >= 0 or not repositories:
             return None  # off, or lambda held by the spec (a drill): the first step decides alone
         section = spec.degrade
         if section.capacity > 0:
             return cls(section, section.capacity * len(repositories), workers)
-        kept = [CapacityFile(Path(r) / EMBEDDING_LOOKUP / FILE_NAME).load() for r in repositories]
-        if any(capacity is None for capacity in kept):
-            return None
-        return cls(section, sum(c for c in kept if c is not None), workers)
+        files = tuple(Path(r).resolve() / EMBEDDING_LOOKUP / FILE_NAME for r in repositories)
+        kept = [CapacityFile(path).load() for path in files]
+        known = sum(c for c in kept if c is not None) if None not in kept else 0.0
+        return cls(section, known, workers, tuple(str(path) for path in files))
 
 
 def _number(value: float) -> str:

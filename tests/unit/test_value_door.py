@@ -120,15 +120,51 @@ def test_the_first_step_serves_at_the_doors_lambda_at_least():
             section.refusals_of(bad)
 
 
-def test_the_door_stands_where_the_capacity_is_known(tmp_path):
+def kept(repository, capacity) -> None:
+    """The capacity ``repository``'s first step keeps (a number, or any text as it is)."""
+    (repository / EMBEDDING_LOOKUP).mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"capacity_per_s": capacity}) if not isinstance(capacity, str) else capacity
+    (repository / EMBEDDING_LOOKUP / FILE_NAME).write_text(text)
+
+
+def test_the_door_stands_where_degrade_chooses_and_reads_the_kept_capacities(tmp_path):
     off = parse_spec({**spec().source, "degrade": {**DEGRADE, "enabled": False}})
     assert ValueDoor.in_front_of(off, [tmp_path], 1) is None
     assert ValueDoor.in_front_of(spec(fixed_lambda=0.1), [tmp_path], 1) is None  # a drill: the step holds it
     door = ValueDoor.in_front_of(spec(), [tmp_path, tmp_path], 2)
     assert door is not None and door.capacity_per_s == 800.0 and door.budget == 0.9 * 400.0 * 0.05
+    assert door.kept == ()  # set in the spec: nothing to read
     learned = spec(capacity=0.0)
-    assert ValueDoor.in_front_of(learned, [tmp_path], 1) is None  # nothing kept yet: no door
-    (tmp_path / EMBEDDING_LOOKUP).mkdir()
-    (tmp_path / EMBEDDING_LOOKUP / FILE_NAME).write_text(json.dumps({"capacity_per_s": 250.0}))
     door = ValueDoor.in_front_of(learned, [tmp_path], 1)
-    assert door is not None and door.capacity_per_s == 250.0
+    assert door is not None and door.capacity_per_s == 0.0  # nothing kept yet: the door waits for it
+    assert door.kept == (str((tmp_path / EMBEDDING_LOOKUP / FILE_NAME).resolve()),)
+    kept(tmp_path, 250.0)
+    assert ValueDoor.in_front_of(learned, [tmp_path], 1).capacity_per_s == 250.0
+
+
+def test_the_door_follows_the_capacities_the_servers_keep_while_the_proxy_runs(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    send = door_runner(ValueDoor.in_front_of(spec(capacity=0.0), [first, second], 1))
+    now = [0.0]
+
+    def spike() -> int:
+        """Refusals among 100 low-value arrivals 0.5 ms apart, a second after the last spike."""
+        now[0] += 1000.0
+        refused = 0
+        for _ in range(100):
+            now[0] += 0.5
+            refused += send("low", now[0])[0] is not None
+        return refused
+
+    assert spike() == 0  # no capacity kept: everything goes on, the first step decides
+    kept(first, 1.0)
+    assert spike() == 0  # one server of two: still not known
+    kept(second, 1.0)
+    assert spike() > 90  # 2 requests/s of capacity: the spike is refused
+    kept(first, "not json")
+    assert spike() > 90  # a damaged file: the last capacity stands
+    kept(first, 1e9)  # out of range: as damaged
+    assert spike() > 90
+    kept(first, 5e6)
+    kept(second, 5e6)
+    assert spike() == 0  # the capacity grew: the spike fits

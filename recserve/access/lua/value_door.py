@@ -1,7 +1,11 @@
 """The value door's Lua: under a spike, the lowest values refused before any tritonserver queues them.
 
 Filled in by :func:`recserve.access.front_door.lua_source` from :class:`recserve.access.value_door.ValueDoor`
-(``@DOOR@``: its table, or ``nil`` without a door). Per Envoy worker, the door keeps the arrivals of
+(``@DOOR@``: its table, or ``nil`` without a door). Its budget is ``headroom`` x the servers'
+capacity / workers x the window; where the servers keep the capacity they learn, each worker reads
+their files again every ``reread_ms`` (Envoy's Lua has ``io``; a file is written by a rename, so it is
+never read half-written) and spends their sum once every one holds a capacity within ``limits``;
+until then it lets every request through. Per Envoy worker, the door keeps the arrivals of
 the last ``window_ms`` (a ring: a time and a value each). At every inference call it reads the
 request's value (the ``recserve-value`` header: a tier or a number; none: the default) and sets
 lambda as the first step's door does (``DegradeController.arrived``): the smallest lambda of the
@@ -21,6 +25,37 @@ local REFUSED_HEADER = "@REFUSED_HEADER@"
 local RING = 4096
 local seen_at, seen_value, seen_first, seen_next = {}, {}, 0, 0
 local refused_by_tier = {}  -- since the last request let through, reported with the next one
+local door_budget, door_read_at = 0, -math.huge  -- what a window may cost (0: capacity not known)
+
+local function door_spends(capacity)
+  door_budget = DOOR.headroom * capacity / DOOR.workers * DOOR.window_s
+end
+if DOOR ~= nil then door_spends(DOOR.capacity) end
+
+-- One kept capacity file's figure, or nil (absent, too large, unreadable, out of range).
+local function door_kept(path)
+  local ok, file = pcall(io.open, path, "r")
+  if not ok or file == nil then return nil end
+  local text = file:read(DOOR.max_bytes + 1)
+  file:close()
+  if text == nil or #text > DOOR.max_bytes then return nil end
+  local capacity = tonumber(text:match('"capacity_per_s"%s*:%s*([-+%d.eE]+)'))
+  if capacity == nil or capacity < DOOR.limits[1] or capacity > DOOR.limits[2] then return nil end
+  return capacity
+end
+
+-- Every reread_ms: the servers' kept capacities again; their sum once each has one (else as it was).
+local function door_follow(now)
+  if #DOOR.kept == 0 or now - door_read_at < DOOR.reread_ms then return end
+  door_read_at = now
+  local total = 0
+  for _, path in ipairs(DOOR.kept) do
+    local capacity = door_kept(path)
+    if capacity == nil then return end
+    total = total + capacity
+  end
+  door_spends(total)
+end
 
 local function door_value(raw)
   if raw == nil or raw == "" then return DOOR.default end
@@ -54,13 +89,13 @@ local function door_lambda(now, value)
   seen_next = seen_next + 1
   if seen_next - seen_first > RING then seen_first = seen_next - RING end
   while seen_at[seen_first % RING] < now - DOOR.window_ms do seen_first = seen_first + 1 end
-  if seen_next - seen_first <= DOOR.budget then return 0 end
+  if seen_next - seen_first <= door_budget then return 0 end
   local grid = DOOR.grid
   local low, high = 1, #grid
-  if door_spent(grid[high]) > DOOR.budget then return grid[high] end
+  if door_spent(grid[high]) > door_budget then return grid[high] end
   while low < high do  -- what the arrivals cost falls as lambda rises: the first grid point that fits
     local middle = math.floor((low + high) / 2)
-    if door_spent(grid[middle]) <= DOOR.budget then high = middle else low = middle + 1 end
+    if door_spent(grid[middle]) <= door_budget then high = middle else low = middle + 1 end
   end
   return grid[low]
 end
@@ -71,7 +106,10 @@ local function door(handle, headers)
   local raw = headers:get(VALUE_HEADER)
   local value = door_value(raw)
   if value == nil then return nil end  -- the first step answers what is wrong with it
-  local lam = door_lambda(handle:timestamp(), value)
+  local now = handle:timestamp()
+  door_follow(now)
+  if door_budget <= 0 then return nil end  -- the capacity is not known yet: the first step decides
+  local lam = door_lambda(now, value)
   local level = door_level(value, lam)
   if DOOR.refuses and level == #DOOR.costs then
     local tier = DOOR.tiers[raw] ~= nil and raw or DOOR.number_tier
