@@ -13,6 +13,7 @@ import pytest
 from recserve.perf.bench.loop.bench import LoopGrid, Recorded, Served, bench_specs
 from recserve.perf.bench.loop.figures import auc_figures, cost_figures, freshness_figures
 from recserve.perf.bench.loop.stream import NEW_ITEM_BASE, DriftingStream, StreamSettings
+from tests.unit.helpers import two_behaviour_ctr_spec
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,15 @@ def test_the_stream_is_seeded_and_its_items_drift(spec, stream):
     assert (first[0].target == second[0].target).all() and (first[2] == second[2]).all()
     assert not np.allclose(stream.appeal(0.0), stream.appeal(1.5))  # appeal rises and falls
     assert not np.allclose(stream.popularity(0.0)[:10], stream.popularity(1.5)[:10])
+
+
+def test_the_candidate_is_the_query_of_every_behaviour_over_the_items():
+    """A cart's target is the candidate as the view's is: the items that drift are the ones scored."""
+    two = DriftingStream(two_behaviour_ctr_spec(), rounds=2, settings=StreamSettings(items=10))
+    rows, items, _ = two.request(0.5, 64)
+    assert two.also_candidate == ("cart_target",)
+    assert (rows.target == two.ids[items]).all() and (rows.target_ids("cart_target") == rows.target).all()
+    assert not (two.pool.target_ids("cart_target") == two.pool.target).all()  # drawn apart in the pool
 
 
 def test_new_items_appear_at_their_round_with_ids_training_never_saw(stream):

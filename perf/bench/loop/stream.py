@@ -2,7 +2,8 @@
 
 Every row of a request is a synthetic row of the spec (its numeric values, categories and history,
 from :func:`recserve.build.synthetic.generate`) with its target item replaced by one drawn from the
-items alive at that time, by their popularity. Each item's appeal and popularity rise and fall on
+items alive at that time, by their popularity (and so is every other attention target over the
+same table: the candidate is the query of each behaviour, a cart's as a view's). Each item's appeal and popularity rise and fall on
 periods of their own (a few rounds), and new items (ids never seen in training) appear every round
 with a launch boost to their popularity. The hidden model clicks with probability
 ``sigmoid(bias + row_logit_j + appeal_i(t))``: ``row_logit_j`` is the starting model's own logit of
@@ -83,6 +84,10 @@ class DriftingStream:
         logits = np.zeros(POOL_ROWS) if row_logits is None else np.asarray(row_logits(self.pool), np.float64)
         self.row_logits = np.clip(logits.reshape(-1), -LOGIT_BOUND, LOGIT_BOUND)
         self.rng = np.random.default_rng(s.seed + 1)
+        first = spec.targets[0]
+        self.also_candidate = tuple(  # the other targets that look up the same table as the first
+            dict.fromkeys(t.name for t in spec.targets if t.name != first.name and t.table == first.table)
+        )
 
     def appeal(self, t: float) -> np.ndarray:
         """Every item's appeal (its logit over the bias) at time ``t``."""
@@ -110,4 +115,7 @@ class DriftingStream:
         drawn = self.pool.take(pool_rows)
         items = self.rng.choice(len(self.ids), size=rows, p=self.popularity(t))
         clicks = self.rng.random(rows) < self.click_probability(pool_rows, items, t)
-        return replace(drawn, target=self.ids[items].copy(), labels=None), items, clicks
+        candidate = self.ids[items]
+        # the candidate is the query of every behaviour over its table (a cart's as a view's)
+        side = {**drawn.side, **dict.fromkeys(self.also_candidate, candidate)}
+        return replace(drawn, target=candidate.copy(), side=side, labels=None), items, clicks
