@@ -51,7 +51,7 @@ def connection_settings(options: Any, environ: Mapping[str, str] | None = None) 
 _AUTH_WORDS = ("NOAUTH", "WRONGPASS", "authenticat", "Authenticat", "username-password", "invalid password")
 
 
-def refused(options: Any, exc: BaseException) -> L3ConnectError:
+def refused_error(options: Any, exc: BaseException) -> L3ConnectError:
     """The error for credentials the cluster refused."""
     who = f"user {options.redis_username!r}" if options.redis_username else "the default user"
     how = (

@@ -31,8 +31,8 @@ from recserve.backends.store.redis_connect import (
     auth_reason,
     connection_settings,
     host_port,
-    refused,
     refused_credentials,
+    refused_error,
     timed_out,
 )
 from recserve.backends.store.redis_values import decode_rows, describe_value
@@ -182,7 +182,7 @@ class RedisTier:
                 break
             except (AuthenticationError, RedisClusterException, ResponseError) as exc:
                 if refused_credentials(exc):
-                    raise refused(options, exc) from None
+                    raise refused_error(options, exc) from None
                 if attempt + 1 < STARTUP_ATTEMPTS and timed_out(exc):
                     # the first answers (the slot map) come under the deadline too: on a busy
                     # machine they can be late, once, without the cluster being away
@@ -252,7 +252,7 @@ class RedisTier:
         self.breaker.success()
         found[:], refused = decode_rows(values, vectors, widths)
         if refused.size:
-            self._countrefused(keys, values, refused)
+            self._count_refused(keys, values, refused)
         return vectors, found
 
     def _reconnect(self, names: list[bytes]) -> None:
@@ -262,7 +262,7 @@ class RedisTier:
         self.client.mget_nonatomic(names)
         self._refresh_topology = False
 
-    def _countrefused(self, keys: np.ndarray, values: list, refused: np.ndarray) -> None:
+    def _count_refused(self, keys: np.ndarray, values: list, refused: np.ndarray) -> None:
         """Count refused values (``bad_value``); warn at most once a minute, naming one of them."""
         self.errors[L3_BAD_VALUE] += int(refused.size)
         self._unlogged_bad += int(refused.size)

@@ -3,13 +3,13 @@
 Every row of a request is a synthetic row of the spec (its numeric values, categories and history,
 from :func:`recserve.build.synthetic.generate`) with its target item replaced by one drawn from the
 items alive at that time, by their popularity (and so is every other attention target over the
-same table: the candidate is the query of each behaviour, a cart's as a view's). Each item's appeal and popularity rise and fall on
-periods of their own (a few rounds), and new items (ids never seen in training) appear every round
-with a launch boost to their popularity. The hidden model clicks with probability
-``sigmoid(bias + row_logit_j + appeal_i(t))``: ``row_logit_j`` is the starting model's own logit of
-the pool row ``j`` (as drawn, with its own item), so the starting model is right about the rows and
-blind to the drift; ``appeal_i(t)`` is item ``i``'s appeal now, which rises and falls. A frozen model
-cannot follow it; a model that learns from the clicks can.
+same table: the candidate is the query of each behaviour, a cart's as a view's). Each item's
+appeal and popularity rise and fall on periods of their own (a few rounds), and new items (ids
+never seen in training) appear every round with a launch boost to their popularity. The hidden
+model clicks with probability ``sigmoid(bias + row_logit_j + appeal_i(t))``: ``row_logit_j`` is the
+starting model's own logit of the pool row ``j`` (as drawn, with its own item), so the starting
+model is right about the rows and blind to the drift; ``appeal_i(t)`` is item ``i``'s appeal now,
+which rises and falls. A frozen model cannot follow it; a model that learns from the clicks can.
 
 ``t`` is the stream's time in rounds (round ``r`` covers ``[r, r + 1)``).
 """
