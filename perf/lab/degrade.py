@@ -156,11 +156,12 @@ def full_scores(url: str, spec: ModelSpec, pool: ListPool, tries: int = 3) -> li
 
 
 class LambdaTimeline:
-    """Lambda, the load and the door's capacity, read from the metrics endpoint every ``every_s``."""
+    """Lambda, the load, the capacity and the access layer's door's lambda, read every ``every_s``."""
 
     def __init__(self, metrics_url: str, every_s: float = 0.25) -> None:
         self.url, self.every_s = metrics_url, every_s
-        self.points: list[tuple[float, float, float, float]] = []  # (t, lambda, load, capacity lists/s)
+        # (t, lambda, load, capacity lists/s, the largest lambda the access layer's door set lately)
+        self.points: list[tuple[float, float, float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -172,7 +173,9 @@ class LambdaTimeline:
             except OSError:
                 continue
             found = dict(
-                re.findall(r"^recserve_degrade_(lambda|load|capacity)\S* ([0-9.eE+-]+)$", text, re.MULTILINE)
+                re.findall(
+                    r"^recserve_degrade_(lambda|load|capacity|door_lambda)\S* ([0-9.eE+-]+)$", text, re.MULTILINE
+                )
             )
             if found:
                 point = (
@@ -180,6 +183,7 @@ class LambdaTimeline:
                     float(found.get("lambda", 0)),
                     float(found.get("load", 0)),
                     float(found.get("capacity", 0)),
+                    float(found.get("door_lambda", 0)),
                 )
                 self.points.append(tuple(round(x, 4) for x in point))  # type: ignore[arg-type]
 
@@ -317,7 +321,7 @@ def summarise(
     capacity: float,
     shape: LabShape,
     cores: Cores,
-    timeline: list[tuple[float, float, float, float]],
+    timeline: list[tuple[float, float, float, float, float]],
 ) -> dict:
     """The JSON summary: the headline figures at 2x and 4x, then every phase of each policy."""
     phase = {p: {f.name: f for f in figures} for p, figures in policies.items()}

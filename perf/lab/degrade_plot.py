@@ -19,6 +19,8 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
         times = [point[0] for point in timeline]
         lam.step(times, [point[1] for point in timeline], where="post", label="λ")
         lam.step(times, [point[2] for point in timeline], where="post", label="load")
+        if any(point[4] for point in timeline):  # behind the access layer's door
+            lam.step(times, [point[4] for point in timeline], where="post", label="λ at the door")
     lam.set(ylabel="λ, load (wait / target)", yscale="symlog", title="recserve lab degrade")
     for policy, rows in summary["windows"].items():
         points = [(t, v) for t, v, *_ in rows if v is not None]

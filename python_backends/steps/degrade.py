@@ -86,7 +86,7 @@ class LevelInputs:
 
 
 class LevelCounts:
-    """Requests served per level and tier, and the controller's lambda and load, as metric samples."""
+    """Requests served per level and tier, the controller's lambda and load, the door's lambda, as samples."""
 
     def __init__(self, section: DegradeSection) -> None:
         self.levels = section.level_names
@@ -94,6 +94,13 @@ class LevelCounts:
         self.counts = np.zeros((len(self.levels), len(self.tiers)), dtype=np.int64)
         self.section = section
         self.lock = threading.Lock()
+        self.door_lambda = 0.0  # the largest lambda the access layer's door set since the last samples
+
+    def door(self, lam: float) -> None:
+        """A request came with the lambda the access layer's door chose its level at (0: none)."""
+        if lam > self.door_lambda:
+            with self.lock:
+                self.door_lambda = max(self.door_lambda, lam)
 
     def tier_of(self, parameters: Mapping[str, object]) -> int:
         """The tier column of a request's parameters."""
@@ -112,9 +119,14 @@ class LevelCounts:
             self.counts[level, tier] += requests
 
     def samples(self, lam: float, load: float, capacity: float = 0.0) -> list[MetricSample]:
-        """Every level and tier's count (declared at 0), lambda, the load over the target, the capacity."""
+        """Every level and tier's count (declared at 0), lambda, the load over the target, the capacity.
+
+        And the door's lambda: the largest the access layer's door set on a request since the last
+        call (the metrics are published once a second), then 0 again.
+        """
         with self.lock:
             counts = self.counts.copy()
+            door, self.door_lambda = self.door_lambda, 0.0
         out = [
             MetricSample(
                 "recserve_degrade_requests_total",
@@ -129,6 +141,15 @@ class LevelCounts:
         out.append(
             MetricSample(
                 "recserve_degrade_lambda", "gauge", "The value per unit of cost a level must earn", (), lam
+            )
+        )
+        out.append(
+            MetricSample(
+                "recserve_degrade_door_lambda",
+                "gauge",
+                "The largest lambda the access layer's door set on a request since the last publication",
+                (),
+                door,
             )
         )
         out.append(

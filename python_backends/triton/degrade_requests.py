@@ -170,6 +170,7 @@ class DegradeGate:
                 for tier, count in reported.items():
                     self.counts.count(refused, self.counts.tiers.index(tier), count)
         valued = [v for v in values if v is not None]
+        self.counts.door(max(floors, default=0.0))
         self.controller.arrived(time.monotonic(), valued)
         chosen = iter(self.controller.levels(valued, floors))  # one call for the batch
         for i, request in enumerate(requests):

@@ -105,6 +105,7 @@ def panels(spec: ModelSpec) -> tuple[Panel, ...]:
                         "{{level}} {{tier}}",
                     ),
                     ("max(recserve_degrade_lambda)", "lambda"),
+                    ("max(recserve_degrade_door_lambda)", "lambda at the door"),
                 ),
             ),
         )

@@ -334,11 +334,15 @@ def test_a_list_cut_short_is_answered_for_every_candidate_with_the_fallback():
 def test_the_counts_declare_every_level_and_tier_at_zero():
     counts = LevelCounts(section())
     counts.count(1, counts.tier_of({VALUE_HEADER: "premium"}))
+    for door in (0.0, 0.3, 0.2):  # the door's lambdas on the requests since the last publication
+        counts.door(door)
     found = {(s.name, s.labels): s.value for s in counts.samples(0.5, 2.0, 300.0)}
-    assert len(found) == 4 * 5 + 3 and found[("recserve_degrade_capacity", ())] == 300.0
+    assert len(found) == 4 * 5 + 4 and found[("recserve_degrade_capacity", ())] == 300.0
     assert found[("recserve_degrade_requests_total", (("level", "trimmed"), ("tier", "premium")))] == 1
     assert counts.tier_of({VALUE_HEADER: "2.5"}) == 3 and counts.tier_of({}) == 4
     assert found[("recserve_degrade_lambda", ())] == 0.5 and found[("recserve_degrade_load", ())] == 2.0
+    assert found[("recserve_degrade_door_lambda", ())] == 0.3  # the largest, then 0 until the next
+    assert {s.name: s.value for s in counts.samples(0.5, 2.0)}["recserve_degrade_door_lambda"] == 0.0
 
 
 def test_the_lab_weighs_the_clicks_served_by_value():
