@@ -172,11 +172,8 @@ class LambdaTimeline:
                 text = urllib.request.urlopen(self.url, timeout=1).read().decode()  # noqa: S310 (loopback)
             except OSError:
                 continue
-            found = dict(
-                re.findall(
-                    r"^recserve_degrade_(lambda|load|capacity|door_lambda)\S* ([0-9.eE+-]+)$", text, re.MULTILINE
-                )
-            )
+            named = r"^recserve_degrade_(lambda|load|capacity|door_lambda)\S* ([0-9.eE+-]+)$"
+            found = dict(re.findall(named, text, re.MULTILINE))
             if found:
                 point = (
                     time.monotonic() - origin,

@@ -8,8 +8,8 @@ capacity in a small JSON file beside the step's versions: written atomically whi
 most every :data:`KEEP_EVERY_S`) and when the step stops, and read when the step starts where the
 spec sets none (``[degrade] capacity = 0``), and by the access layer's door
 (:mod:`recserve.access.value_door`, every second while the proxy runs: its Lua reads the same
-``capacity_per_s`` within :data:`LIMITS` from at most :data:`MAX_BYTES`). What it read is only a start: the counters go on correcting
-it, as they correct a capacity set in the spec.
+``capacity_per_s`` within :data:`LIMITS` from at most :data:`MAX_BYTES`). What it read is only a
+start: the counters go on correcting it, as they correct a capacity set in the spec.
 
 Plain Python, without Triton; the clock is passed in, so tests run on a synthetic one.
 """
