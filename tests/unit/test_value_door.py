@@ -115,7 +115,10 @@ def test_the_first_step_serves_at_the_doors_lambda_at_least():
             section.lambda_of(bad)
     assert section.refusals_of("low:2,number:1") == {"low": 2, "number": 1}
     assert section.refusals_of(None) == {}
-    for bad in ("premium:1", "low:0", "low:-1", "low:x", "low", "low:" + "9" * 40, "low:1," * 5, "low:1,"):
+    malformed = ("premium:1", "low:0", "low:-1", "low:x", "low", "low:" + "9" * 40, "low:1," * 5, "low:1,")
+    # counts past the bound behind leading zeros, and digits that are not ASCII's
+    past = ("low:0000000100000000", "low:1" + "0" * 60, "low:1000001", "low:²", "low:١", "low: 1")
+    for bad in (*malformed, *past):
         with pytest.raises(InvalidParameter, match=REFUSED_HEADER):
             section.refusals_of(bad)
 

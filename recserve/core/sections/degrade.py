@@ -16,6 +16,7 @@ priority levels in both steps). See docs/design/degrade.md.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,8 +36,9 @@ REFUSED_HEADER = "recserve-door-refused"
 #: gave no value (the default's).
 NUMBER_TIER = "number"
 DEFAULT_TIER = "default"
-#: The most refusals one report may carry.
+#: The most refusals one report may carry, and a count's form (ASCII digits, no more than it has).
 MAX_REPORTED = 1_000_000
+_COUNT = re.compile(f"[0-9]{{1,{len(str(MAX_REPORTED))}}}")
 #: The smallest lambda a door chooses (below it every request is served in full), and how many
 #: lambdas it chooses among, spaced geometrically up to ``max_lambda``.
 LAMBDA_FLOOR = 1e-3
@@ -174,7 +176,7 @@ class DegradeSection:
         columns = set(self.tier_columns)
         pairs = [pair.partition(":") for pair in str(raw)[:4096].split(",")]
         if len(pairs) > len(columns) or any(
-            tier not in columns or not count.isdigit() or not 0 < int(count[:8]) <= MAX_REPORTED
+            tier not in columns or not _COUNT.fullmatch(count) or not 0 < int(count) <= MAX_REPORTED
             for tier, _, count in pairs
         ):
             raise InvalidParameter(REFUSED_HEADER, f"must be tier:count pairs, got {shorten(raw)}")
