@@ -82,18 +82,18 @@ def rescore_log(
     if reason is not None:
         raise ValueError(f"the log of spec {spec.name!r} cannot be scored again: {reason}")
     table = read_log(directory)
-    ids, rows = table["request_id"].to_pylist(), table["row"].to_pylist()
+    records = table.num_rows
     history, lengths = carried_histories(table)
     histories = [h or [] for h in history.to_pylist()]
     split = sequence_lengths(history, lengths, len(spec.sequences))
     keys = table["keys"].to_pylist()
     values = table["dense"].to_pylist()
     logged = np.asarray(table["score"].to_numpy(), np.float32)
-    versions = np.array(table["embedding_version"].to_pylist(), np.int64).reshape(len(ids), -1)
+    versions = np.array(table["embedding_version"].to_pylist(), np.int64).reshape(records, -1)
     served_by = np.asarray(table["dense_version"].fill_null(-1).to_numpy(), np.int64)
-    rescored = np.full(len(ids), np.nan, np.float32)
-    for start in range(0, len(ids), BATCH):
-        part = slice(start, min(start + BATCH, len(ids)))
+    rescored = np.full(records, np.nan, np.float32)
+    for start in range(0, records, BATCH):
+        part = slice(start, min(start + BATCH, records))
         features = _features(
             spec,
             np.array(keys[part], np.int64).reshape(part.stop - part.start, -1),
@@ -114,11 +114,14 @@ def rescore_log(
     deltas = np.abs(rescored - logged)
     order = np.argsort(-np.where(done, deltas, -1.0), kind="stable")[: min(WORST, int(done.sum()))]
     return LogCheck(
-        records=len(ids),
+        records=records,
         rescored=int(done.sum()),
         other_versions=int((~done).sum()),
         max_abs=float(deltas[done].max(initial=0.0)),
-        worst=tuple((ids[i], rows[i], float(logged[i]), float(rescored[i])) for i in order.tolist()),
+        worst=tuple(
+            (table["request_id"][i].as_py(), table["row"][i].as_py(), float(logged[i]), float(rescored[i]))
+            for i in order.tolist()
+        ),
     )
 
 
