@@ -52,11 +52,6 @@ class ValueDoor:
     workers: int = 1
     kept: tuple[str, ...] = ()
 
-    @property
-    def budget(self) -> float:
-        """What one worker's window of arrivals may cost the steps, in full-cost requests."""
-        return self.section.headroom * self.capacity_per_s / self.workers * WINDOW_S
-
     def lua_table(self) -> str:
         """The Lua table of the door (``@DOOR@``); its levels by number from 1 (full), the step's from 0."""
         from recserve.access.front_door import lua_string
