@@ -27,7 +27,13 @@ from pathlib import Path
 
 from recserve.core.degrade_capacity import FILE_NAME, LIMITS, MAX_BYTES, CapacityFile
 from recserve.core.names import EMBEDDING_LOOKUP
-from recserve.core.sections.degrade import DEFAULT_TIER, NUMBER_TIER, WINDOW_S, DegradeSection
+from recserve.core.sections.degrade import (
+    DEFAULT_TIER,
+    MAX_REPORTED,
+    NUMBER_TIER,
+    WINDOW_S,
+    DegradeSection,
+)
 from recserve.core.spec.model import ModelSpec
 
 #: how often the door reads the servers' kept capacities again, in seconds (per Envoy worker)
@@ -79,6 +85,7 @@ class ValueDoor:
             "refuses": "true" if section.refuse else "false",
             "number_tier": lua_string(NUMBER_TIER),  # the count columns of a number and of no value
             "default_tier": lua_string(DEFAULT_TIER),
+            "max_reported": str(MAX_REPORTED),  # a report's count per tier, as the step reads it
         }
         return "{" + ", ".join(f"{k} = {v}" for k, v in fields.items()) + "}"
 

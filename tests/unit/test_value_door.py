@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 
+from recserve.access import value_door
 from recserve.access.front_door import FrontDoor
 from recserve.access.value_door import ValueDoor
 from recserve.backends.steps.degrade_control import DegradeController
@@ -101,6 +102,19 @@ def test_a_callers_lambda_never_passes_and_a_value_the_door_cannot_read_is_left_
     assert send(None, 4.0)[0] is not None and send("0.1", 5.0)[0] is not None  # refused: 1.0, 0.1
     assert send("3", 6.0, forged)[0] is None and sorted(send.reported.split(",")) == ["default:1", "number:1"]
     assert send("3", 7.0)[0] is None and send.reported is None
+
+
+def test_refusals_past_what_one_report_may_carry_go_with_the_next_requests(monkeypatch):
+    monkeypatch.setattr(value_door, "MAX_REPORTED", 2)  # the step reads at most 1e6 a tier
+    section = spec().degrade
+    send = door_runner(ValueDoor(section, 1.0))
+    assert all(send("low", float(t))[0] is not None for t in range(5))
+    reports = []
+    for t in range(5, 9):
+        assert send("100", float(t))[0] is None  # over full_value: let through, with what is left
+        reports.append(send.reported)
+    assert reports == ["low:2", "low:2", "low:1", None]
+    assert [section.refusals_of(r) for r in reports[:3]] == [{"low": 2}, {"low": 2}, {"low": 1}]
 
 
 def test_the_first_step_serves_at_the_doors_lambda_at_least():

@@ -119,11 +119,15 @@ local function door(handle, headers)
       lam, value)
   end
   if lam > 0 then headers:replace(LAMBDA_HEADER, string.format("%.17g", lam)) end
-  if next(refused_by_tier) ~= nil then
-    local reported = {}
-    for tier, count in pairs(refused_by_tier) do reported[#reported + 1] = tier .. ":" .. count end
+  if next(refused_by_tier) ~= nil then  -- at most max_reported a tier per report; the rest with the next
+    local reported, left = {}, {}
+    for tier, count in pairs(refused_by_tier) do
+      local sent = math.min(count, DOOR.max_reported)
+      reported[#reported + 1] = tier .. ":" .. string.format("%d", sent)
+      if count > sent then left[tier] = count - sent end
+    end
     headers:replace(REFUSED_HEADER, table.concat(reported, ","))
-    refused_by_tier = {}
+    refused_by_tier = left
   end
   return nil
 end
