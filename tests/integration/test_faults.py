@@ -12,6 +12,7 @@ from tritonclient.utils import InferenceServerException
 
 from recserve.build.synthetic import generate
 from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.server.runtime import MALLOC_SETTINGS
 
 from .helpers import infer_inputs, infer_raw
 from .private_server import private_server
@@ -24,6 +25,16 @@ def fault_server(repository, tmp_path_factory):
     # exit timeout 5 s: the instances replaced after a kill never finish unloading (see the SIGTERM test)
     with private_server(repository, tmp_path_factory.mktemp("faults"), exit_timeout_s=5) as server:
         yield server
+
+
+def test_tritonserver_and_its_stubs_run_with_mallocs_thresholds(server):
+    """Without them, one server start in two took 50-65 page faults a request (runtime.MALLOC_SETTINGS)."""
+    pids = [server.process.pid, *server.stubs()]
+    assert len(pids) > 1
+    for pid in pids:
+        entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        environ = dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+        assert {name: environ.get(name) for name in MALLOC_SETTINGS} == MALLOC_SETTINGS, pid
 
 
 def _alive(pid: int) -> bool:
