@@ -76,11 +76,16 @@ def open_writer(settings: LoggingSection, base: Path | None = None, store: Any =
     return RecordWriter(sink, settings.queue_records)
 
 
+def on_host(array: Any) -> np.ndarray:
+    """A numpy array or a torch tensor (on any device) as a numpy array, sharing its memory where it can."""
+    if isinstance(array, np.ndarray):
+        return array
+    return np.asarray(array.detach().cpu().numpy())
+
+
 def host(array: Any) -> np.ndarray:
     """A host copy of a numpy array or a torch tensor (on any device)."""
-    if isinstance(array, np.ndarray):
-        return array.copy()
-    return np.asarray(array.detach().cpu().numpy()).copy()
+    return on_host(array).copy()
 
 
 def served_rows(outputs: Mapping[str, Any]) -> int:
@@ -214,9 +219,9 @@ class FeatureLog(_Observer):
         """The ``features`` records of the requests of ``parts``, in order (on the writer thread).
 
         Each part's columns: the keys ``[rows, K]``, the dense values ``[rows, D]``, the versions
-        ``[1, tables]`` and, when the history is logged, its keys and each sequence's mask
-        ``[owners, sequences, positions]``, one row per history owner (a row; a list's user, whose
-        candidates are consecutive rows).
+        ``[1, tables]`` and, when the history is logged, its valid keys (owner after owner, each
+        owner's sequence after sequence) and each owner's sequences' lengths ``[owners, sequences]``:
+        one owner per history (a row; a list's user, whose candidates are consecutive rows).
         """
         counts = np.array([p.columns[0].shape[0] for p in parts])
         rows = int(counts.sum())
@@ -247,13 +252,19 @@ def _copied(
     ``tapped``: the arrays under :data:`TAPPED` (None where absent); ``dense``: the dense values
     served (None: the spec has none); ``versions``: the embedding versions, the request's first row;
     ``sequences``: how many sequences the history holds side by side (its keys' and masks' blocks).
+    The history is kept as its valid keys alone (a few of its padded positions), with each
+    sequence's count of them: what the records hold, taken while the step's arrays are at hand.
     """
-    return (
+    columns = (
         host(tapped[0]).reshape(rows, -1),
         np.zeros((rows, 0), np.float32) if dense is None else host(dense).reshape(rows, -1),
         host(versions)[:1],
-        *(host(array).reshape(array.shape[0], sequences, -1) for array in tapped[1:] if array is not None),
     )
+    if tapped[1] is None:
+        return columns
+    keys = on_host(tapped[1])
+    valid = on_host(tapped[2]).reshape(keys.shape[0], sequences, -1) > 0  # [owners, sequences, positions]
+    return (*columns, keys.reshape(valid.shape)[valid], valid.sum(axis=2, dtype=np.int32))
 
 
 def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, pa.Array, pa.Array]:
@@ -265,11 +276,10 @@ def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, 
     column holds), with each sequence's count of them, so requests of different history widths
     need no padding.
     """
-    owners = np.array([p.columns[3].shape[0] for p in parts])
-    masks = [p.columns[4] > 0 for p in parts]  # [owners, sequences, positions]
-    split = np.concatenate([v.sum(axis=2) for v in masks]).astype(np.int32)  # each sequence's length
+    owners = np.array([p.columns[4].shape[0] for p in parts])
+    split = np.concatenate([p.columns[4] for p in parts])  # each owner's sequences' lengths
     lengths = split.sum(axis=1, dtype=np.int64)
-    values = np.concatenate([p.columns[3][v] for p, v in zip(parts, masks, strict=True)]).astype(np.int64)
+    values = np.concatenate([p.columns[3] for p in parts]).astype(np.int64, copy=False)
     starts = np.cumsum(lengths) - lengths
     row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
     rows = int(counts.sum())
