@@ -52,7 +52,7 @@ from recserve.perf.bench.candidates import closed_loop_rate
 from recserve.perf.harness.traffic import infer_inputs
 from recserve.perf.lab.degrade_costs import measure_costs
 from recserve.perf.lab.degrade_report import PhaseFigures, level_quality, phase_figures, table, windows
-from recserve.perf.lab.degrade_traffic import ListPool, send_phases
+from recserve.perf.lab.degrade_traffic import SERVED, ListPool, send_phases
 from recserve.perf.lab.overload import Cores, pinned
 from recserve.server import Ports, TritonServer
 
@@ -235,10 +235,20 @@ def run_policy(
 ) -> tuple[list[PhaseFigures], list[list[float | None]], dict[str, dict]]:
     """One server through the schedule.
 
+    A run whose first (normal) phase served no list is run again, up to :data:`CAPACITY_TRIES`
+    times: the shed server's queue policy can stall through a whole phase on a shared machine,
+    refusing every list, and then the phases have no normal latency to be compared with.
+
     Returns the figures of each phase, the windows over time and each level's measured quality.
     """
-    with pinned(cores.client):
-        sent = send_phases(url, spec, pool, [(r, s) for _, r, s in schedule], values, spec.degrade.enabled)
+    for _ in range(CAPACITY_TRIES):
+        with pinned(cores.client):
+            phases = [(r, s) for _, r, s in schedule]
+            sent = send_phases(url, spec, pool, phases, values, spec.degrade.enabled)
+        if any(o.phase == 0 and o.result == SERVED for o in sent):
+            break
+        LOGGER.warning("the normal phase served no list (a stalled queue); the schedule is run again")
+        time.sleep(1.0)
     top_value = float(np.quantile(values, 0.9))
     by_phase = [[o for o in sent if o.phase == i] for i in range(len(schedule))]
     normal = phase_figures("normal", schedule[0][1], by_phase[0], full, pool.labels, float("nan"), top_value)

@@ -420,3 +420,23 @@ def test_a_refusal_that_still_costs_makes_degrading_the_better_choice_for_longer
     assert costly.costs[-1] == 0.1
     with pytest.raises(SpecError, match="refuse_cost must be >= 0 and under the cheapest level's cost"):
         section(refuse_cost=0.15)
+
+
+def test_the_lab_runs_a_schedule_again_when_its_normal_phase_served_nothing(monkeypatch, spec):
+    """A queue that stalled through the normal phase leaves the phases nothing to be compared with."""
+    from recserve.perf.lab import degrade as lab
+    from recserve.perf.lab.overload import Cores
+
+    full, labels = [np.array([0.9, 0.1])], [np.array([1.0, 0.0])]
+    stalled = [Sent(0, 0.0, 6.0, REFUSED, 1.0, 0), Sent(1, 1.0, 3.0, SERVED, 1.0, 0, 0, full[0])]
+    served = [Sent(0, 0.0, 2.0, SERVED, 1.0, 0, 0, full[0]), Sent(1, 1.0, 3.0, SERVED, 1.0, 0, 0, full[0])]
+    runs = iter([stalled, stalled, served])
+    monkeypatch.setattr(lab, "send_phases", lambda *args: next(runs))
+    monkeypatch.setattr(lab.time, "sleep", lambda s: None)
+    schedule = [("normal", 1.0, 1.0), ("spike_2x", 2.0, 1.0)]
+    pool = lab.ListPool([{}], labels)
+    figures, _, _ = lab.run_policy("url", spec, pool, full, schedule, np.ones(4), Cores(None, None))
+    assert [f.served for f in figures] == [1, 1] and figures[1].p99_ratio == pytest.approx(1.5)
+    runs = iter([stalled] * lab.CAPACITY_TRIES)  # never served: the last run's figures, bounded
+    figures, _, _ = lab.run_policy("url", spec, pool, full, schedule, np.ones(4), Cores(None, None))
+    assert figures[0].served == 0
