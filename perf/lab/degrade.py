@@ -241,9 +241,9 @@ def run_policy(
 
     Returns the figures of each phase, the windows over time and each level's measured quality.
     """
+    phases = [(r, s) for _, r, s in schedule]
     for _ in range(CAPACITY_TRIES):
         with pinned(cores.client):
-            phases = [(r, s) for _, r, s in schedule]
             sent = send_phases(url, spec, pool, phases, values, spec.degrade.enabled)
         if any(o.phase == 0 and o.result == SERVED for o in sent):
             break

@@ -59,7 +59,7 @@ def prepare_runtime(target: Path | None = None) -> Path:
 #: glibc malloc's thresholds for tritonserver and its stubs, unless the environment sets its own.
 #: By default an allocation over 128 KiB is mapped afresh and unmapped when freed, and free memory
 #: over the heap's top is handed back; the thresholds then move with what was freed last. A
-#: server that fell into that cycle took 50-65 page faults and 110-150 µs more CPU a request
+#: server that fell into that cycle took 47-66 page faults and 110-150 µs more CPU a request
 #: (32 rows: the history embeddings alone are 512 KiB), one server start in two. Kept on the heap
 #: up to these sizes, the buffers are reused (docs/performance.md, "tritonserver's page faults").
 MALLOC_SETTINGS = {
