@@ -81,8 +81,8 @@ LAB_DEGRADE = {
     # no priority_value: on tritonserver 2.51 priority levels stall the batcher (docs/design/degrade.md)
 }
 SHED_QUEUE = "latency_first"
-#: Closed-loop capacity runs at most: one where most lists were refused (the shed server's queue
-#: timeouts while it stalled) is run again.
+#: Runs at most of a measurement a stalled queue spoiled (the shed server's queue timeouts): a
+#: closed-loop capacity run where most lists were refused, or a schedule whose normal phase served none.
 CAPACITY_TRIES = 3
 #: The access layer's admission cap per server in the lab (``--access``): out of the way of both policies.
 ACCESS_CAP = 4096
