@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from recserve.backends.base.bounded_files import read_json
-from recserve.backends.features.transform import vocabulary_keys
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.backends.store.table_data import TableArrays
 from recserve.build.import_values import canonical_tokens, time_part_problem
 from recserve.core.in_model import IN_MODEL

@@ -88,7 +88,7 @@ def table_tokens(spec: ModelSpec, table: str) -> list[str | int]:
 
 def export_tables(spec: ModelSpec, repository: Path, folder: Path, formats: dict[str, str]) -> None:
     """Write each table of a built repository in the format named (``vocabulary``, ``keyed``, ``hugectr``)."""
-    from recserve.backends.features.transform import vocabulary_keys
+    from recserve.backends.features.vocabulary import vocabulary_keys
 
     store = TieredStore.load(version_dir(repository, EMBEDDING_LOOKUP, spec), spec)
     folder.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from recserve.backends.features import compiled_keys
 from recserve.core.values import fnv1a64
 
 __all__ = ["combined_keys", "fnv1a64", "keys_for", "missing_key", "splitmix64", "table_salt"]
@@ -46,9 +47,13 @@ def table_salt(namespace: str, table: str) -> np.uint64:
 def keys_for(values: np.ndarray, salt: np.uint64 | np.ndarray) -> np.ndarray:
     """Keys (int64 view of the 64-bit hash) for unsigned raw values of one table.
 
-    ``salt`` is one table's salt, or an array of salts that broadcasts against ``values``.
+    ``salt`` is one table's salt, or an array of salts that broadcasts against ``values``. The
+    compiled loop computes it where it was built (:mod:`.compiled_keys`): the same keys.
     """
-    return splitmix64(np.asarray(values, dtype=np.uint64) ^ salt).view(np.int64)
+    values = np.asarray(values, dtype=np.uint64)
+    loops = compiled_keys.load()
+    keys = None if loops is None else loops.keys(values, np.asarray(salt))
+    return splitmix64(values ^ salt).view(np.int64) if keys is None else keys
 
 
 def missing_key(namespace: str, feature: str) -> np.int64:

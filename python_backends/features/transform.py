@@ -20,14 +20,12 @@ longest row (on each group's padding side), and a mask per group (1.0 on real po
 
 from __future__ import annotations
 
-import re
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Mapping
 
 import numpy as np
 
 from recserve.backends.base.inputs import require
-from recserve.backends.features import hex_parser
+from recserve.backends.features import compiled_keys, hex_parser
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
 from recserve.backends.features.id_inputs import IdReader, RawValues
 from recserve.backends.features.numeric import NumericOps
@@ -45,11 +43,10 @@ from recserve.core.names import (
     TARGET_KEY,
 )
 from recserve.core.spec.model import ModelSpec
-from recserve.core.spec.types import CategoricalFeature, CategoricalGroup, Feature, RawColumn, SequenceFeature
+from recserve.core.spec.types import CategoricalFeature, Feature, SequenceFeature
 from recserve.core.times import time_part
 from recserve.core.values import ABSENT_ITEM, categorical_values, join_list, multi_hot_values
 from recserve.core.wire_forms import request_form
-from recserve.errors import InvalidInput, shorten
 
 
 class FeatureTransform:
@@ -73,6 +70,12 @@ class FeatureTransform:
             if f.numeric >= 0
         ]
         self._hex_parser = hex_parser.load()  # None where the extension was not built: numpy's
+        self._loops = compiled_keys.load()  # likewise
+        self._categorical_loop = (
+            None
+            if self._loops is None
+            else self._loops.categorical_keys(self._cat_salts, self._identity, self._cat_missing)
+        )
         self._ids = IdReader(spec)  # the id form of the wire
         self._numeric = NumericOps(spec)  # the numeric features' values and ops
         named: list[Feature] = [*spec.targets, *spec.sequences, *spec.categorical.multi_hot]
@@ -245,6 +248,8 @@ class FeatureTransform:
         for index, column, edges in self._buckets:
             picked[:, index] = np.searchsorted(edges, numbers[:, column], side="right")
             absent[:, index] = unknown[:, column]
+        if self._categorical_loop is not None:
+            return self._categorical_loop(picked, absent)
         keys = keys_for(picked, self._cat_salts[None, :])
         keys = np.where(self._identity[None, :], picked.view(np.int64), keys)
         return np.where(absent, self._cat_missing[None, :], keys)
@@ -252,6 +257,12 @@ class FeatureTransform:
     def target_keys(self, target: np.ndarray, feature: CategoricalFeature | None = None) -> np.ndarray:
         """Keys ``[B, 1]`` of a target's item ids (-1: absent, its missing key); by default the first's."""
         feature = feature or self.spec.targets[0]
+        if self._loops is not None:  # None: an id the check below refuses
+            keys = self._loops.item_keys(
+                target, int(self._salts[feature.table]), int(self._missing[feature.name])
+            )
+            if keys is not None:
+                return keys
         check_target(target, feature)
         keys = keys_for(target.astype(np.uint64), self._salts[feature.table])
         return np.where(target == ABSENT_ITEM, self._missing[feature.name], keys)
@@ -270,6 +281,18 @@ class FeatureTransform:
         at the bucket's last positions.
         """
         seq = sequence or self.spec.sequences[0]
+        if self._loops is not None and bucket is not None:  # None: a row the checks below refuse
+            made = self._loops.history_keys(
+                items,
+                lengths,
+                bucket,
+                seq.max_length,
+                seq.padding == "left",
+                int(self._salts[seq.table]),
+                int(self._missing[seq.name]),
+            )
+            if made is not None:
+                return {HISTORY_KEYS: made[0], HISTORY_MASK: made[1]}
         check_history(items, lengths, seq, self._length_input[seq.name])
         bucket = bucket or self.spec.sequence_bucket(max(int(lengths.max()), 1))
         width = min(bucket, items.shape[1])
@@ -295,81 +318,3 @@ def right_align(array: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     real = source >= 0
     picked = array[np.arange(array.shape[0])[:, None], np.where(real, source, 0)]
     return np.where(real.reshape(*real.shape, *(1,) * (array.ndim - 2)), picked, 0).astype(array.dtype)
-
-
-#: An item id as a vocabulary writes it: decimal digits (at most 20, enough for any int64), maybe negative.
-_ITEM_ID = re.compile(r"-?[0-9]{1,20}")
-
-
-def vocabulary_keys(
-    spec: ModelSpec, table: str, tokens: Sequence[object], skip: Collection[int] = ()
-) -> np.ndarray:
-    """The keys serving computes for raw values of ``table``'s feature, written as clients send them.
-
-    A categorical table takes its column's values (hex strings: case and leading zeros do not
-    matter; int64 / uint64: ints or decimal strings; strings as they are; ``""`` is the feature's
-    empty value); a time part's table takes the part's numbers; the item table takes ids >= 0 (-1
-    is an absent target item). The same parsing and hashing as :class:`FeatureTransform`, so an
-    imported vocabulary row is served exactly for the values that name it.
-
-    Args:
-        spec: the model spec.
-        table: the table the tokens belong to.
-        tokens: the vocabulary, one token per row.
-        skip: rows that are no value (the ``oov`` and ``pad`` rows): not parsed, and left out of the
-            result. Errors name a token by its row in ``tokens``, skipped rows counted.
-
-    Returns:
-        int64 keys, one per row of ``tokens`` not in ``skip``, in order.
-
-    Raises:
-        InvalidInput: a token is not a value of that feature (named with its row and value shortened).
-    """
-    ns = spec.hashing.namespace
-    where = f"{table if len(table) <= 64 else table[:64] + '…'}.vocab"
-    feature = next((f for f in spec.categorical.features if f.table == table), None)
-    multi = next((f for f in spec.categorical.multi_hot if f.table == table), None)
-    target = next((f for f in spec.targets if f.table == table), None)
-    if feature is not None:
-        column = spec.categorical.raw_columns[feature.column]
-    elif multi is not None:  # one value of the list
-        element = replace(spec.categorical.raw_columns[multi.column], separator="", max_length=1)
-        feature, column = CategoricalFeature(multi.name, table), element
-    elif target is not None:
-        feature, column = target, RawColumn(target.name, "int64")
-    else:
-        raise InvalidInput(where, f"{shorten(table)} is not a table of spec {spec.name!r}")
-    if feature.part or feature.numeric >= 0:  # the part's or the bucket's number
-        column = RawColumn(feature.name, "uint64")
-    numbers = column.value_type in ("int64", "uint64")
-    kind = "strings" if column.value_type == "string" else f"{column.value_type} strings"
-    skipped = frozenset(skip)
-    kept = np.array([i for i in range(len(tokens)) if i not in skipped], dtype=np.intp)
-    texts = []
-    for i, token in enumerate(tokens):
-        if i in skipped:
-            token = ""  # parsed as the empty value, whose key is dropped below
-        elif numbers and isinstance(token, int) and not isinstance(token, bool):
-            token = str(token)
-        if not isinstance(token, str):
-            raise InvalidInput(where, f"token {i} is {shorten(token)}; this table's values are {kind}")
-        texts.append(token)
-    raw = np.array(texts, dtype=object).reshape(-1, 1)
-    if feature is target:
-        ids = [int(t) if _ITEM_ID.fullmatch(t) else -2 for t in texts]  # -2: not an id
-        bad = [int(i) for i in kept if not ABSENT_ITEM <= ids[i] < 1 << 63]
-        if bad:
-            raise InvalidInput(
-                where,
-                f"token {bad[0]} is {shorten(tokens[bad[0]])}; this table's values are ids >= 0 (-1: absent)",
-            )
-        ids64 = np.array([ids[i] for i in kept], dtype=np.int64)
-        keys = keys_for(ids64.astype(np.uint64), table_salt(ns, table))
-        return np.where(ids64 == ABSENT_ITEM, missing_key(ns, feature.name), keys)
-    group = CategoricalGroup(where, (column,), (replace(feature, column=0, part=""),))
-    values, empty = categorical_values(raw, group)
-    values, empty = values[kept], empty[kept]
-    keys = keys_for(values[:, 0], table_salt(ns, table))
-    if feature.encoder == "identity":
-        keys = values[:, 0].view(np.int64)
-    return np.where(empty[:, 0], missing_key(ns, feature.name), keys)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from recserve.backends.features.hashing import keys_for, table_salt
-from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.backends.steps.explain import explain
 from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.build.synthetic import generate
 from recserve.core.spec.parse import load_spec
 from recserve.core.values import categorical_values, hash_strings, parse_hex

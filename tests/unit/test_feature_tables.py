@@ -8,7 +8,8 @@ import torch
 
 from recserve.backends.dense.network import CTRNet
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
-from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.backends.steps.explain import explain
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.table_data import TableArrays

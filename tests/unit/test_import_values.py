@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve.backends.features.transform import vocabulary_keys
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.build.import_values import time_part_problem, with_imported_cardinalities
 from recserve.build.importer import TableImportError, TableSource, import_repository, read_vocabulary_table
 from recserve.build.repository import reference_pipeline

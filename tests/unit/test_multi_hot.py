@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import tomllib
 
-from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.backends.steps.lookup import EmbeddingLookup, FeaturesToEmbeddings
 from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore

@@ -11,7 +11,8 @@ import pytest
 import tomllib
 
 from recserve.backends.features.hashing import keys_for, missing_key, table_salt
-from recserve.backends.features.transform import FeatureTransform, vocabulary_keys
+from recserve.backends.features.transform import FeatureTransform
+from recserve.backends.features.vocabulary import vocabulary_keys
 from recserve.core.contract import dense_contract, dense_net_inputs
 from recserve.core.name_ranges import expand_names
 from recserve.core.names import (

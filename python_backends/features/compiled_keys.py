@@ -1,0 +1,135 @@
+"""The compiled key loops (``_keys.c``) behind the transform's numpy key paths.
+
+``pip install`` compiles ``_keys.c`` into the optional extension ``recserve.backends.features._keys``
+(plain C loaded with ctypes, like the hex parser and the store's kernels; it keeps the interpreter
+lock, the loops run for microseconds). Where it was not built, :func:`load` returns ``None`` and
+the callers keep their numpy paths, which give the same keys bit for bit. ``RECSERVE_KEY_LOOPS=numpy``
+forces the numpy paths. Each loop returns ``None`` where it does not apply or a request is one the
+numpy path refuses: the caller then runs its numpy path, which raises the error naming the value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from collections.abc import Callable
+from functools import lru_cache
+
+import numpy as np
+
+_POINTER, _SIZE, _INT, _KEY = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64
+_SIGNATURES = {
+    "recserve_keys": ([_POINTER, _SIZE, _POINTER, _SIZE, _POINTER], None),
+    "recserve_categorical_keys": (
+        [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _POINTER, _POINTER],
+        None,
+    ),
+    "recserve_item_keys": ([_POINTER, _SIZE, _KEY, _SIZE, _POINTER], _SIZE),
+    "recserve_history_keys": (
+        [_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _SIZE, _INT, _KEY, _SIZE, _POINTER, _POINTER],
+        _SIZE,
+    ),
+}
+
+
+class KeyLoops:
+    """The compiled loops of one loaded library; every array argument is converted and checked here."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        for name, (arguments, result) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, result
+        self._library = library
+
+    def keys(self, values: np.ndarray, salts: np.ndarray) -> np.ndarray | None:
+        """``keys_for(values, salts)`` for ``uint64`` values and one salt, or one per value of the last axis.
+
+        None: ``salts`` broadcasts another way (or ``values`` is a scalar).
+        """
+        salts = np.ascontiguousarray(salts, dtype=np.uint64)
+        if values.ndim == 0 or salts.ndim > values.ndim or salts.size not in (1, values.shape[-1]):
+            return None
+        if salts.ndim and salts.shape[-1] != salts.size:  # salts along another axis
+            return None
+        values = np.ascontiguousarray(values)
+        out = np.empty(values.shape, np.int64)
+        self._library.recserve_keys(
+            values.ctypes.data, values.size, salts.ctypes.data, salts.size, out.ctypes.data
+        )
+        return out
+
+    def categorical_keys(
+        self, salts: np.ndarray, identity: np.ndarray, missing: np.ndarray
+    ) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+        """A function of picked ``uint64`` values ``[B, F]`` and their absent mask: their keys.
+
+        Bound once to the F columns' ``salts``, ``identity`` flags and ``missing`` keys (see
+        ``recserve_categorical_keys``).
+        """
+        constants = (
+            np.ascontiguousarray(salts, dtype=np.uint64),
+            np.ascontiguousarray(identity, dtype=np.uint8),
+            np.ascontiguousarray(missing, dtype=np.int64),
+        )
+        addresses = [c.ctypes.data for c in constants]
+        function = self._library.recserve_categorical_keys
+
+        def keys(values: np.ndarray, absent: np.ndarray) -> np.ndarray:
+            values, absent = np.ascontiguousarray(values), np.ascontiguousarray(absent)
+            out = np.empty(values.shape, np.int64)
+            function(values.ctypes.data, absent.ctypes.data, *values.shape, *addresses, out.ctypes.data)
+            return out
+
+        keys.constants = constants  # type: ignore[attr-defined]  # alive as long as the addresses
+        return keys
+
+    def item_keys(self, items: np.ndarray, salt: int, missing: int) -> np.ndarray | None:
+        """Keys of ``int64`` item ids (-1: absent, ``missing``); None when an id is below -1."""
+        items = np.ascontiguousarray(items)
+        out = np.empty(items.shape, np.int64)
+        refused = self._library.recserve_item_keys(
+            items.ctypes.data, items.size, salt, missing, out.ctypes.data
+        )
+        return None if refused >= 0 else out
+
+    def history_keys(
+        self,
+        items: np.ndarray,
+        lengths: np.ndarray,
+        bucket: int,
+        max_length: int,
+        left: bool,
+        salt: int,
+        missing: int,
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """A sequence's keys and mask ``[H, bucket]``; None for a request the checks refuse."""
+        items = np.ascontiguousarray(items, dtype=np.int64)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int32)
+        keys = np.empty((items.shape[0], bucket), np.int64)
+        mask = np.empty((items.shape[0], bucket), np.float32)
+        refused = self._library.recserve_history_keys(
+            items.ctypes.data,
+            items.shape[0],
+            items.shape[1],
+            lengths.ctypes.data,
+            bucket,
+            max_length,
+            int(left),
+            salt,
+            missing,
+            keys.ctypes.data,
+            mask.ctypes.data,
+        )
+        return None if refused else (keys, mask)
+
+
+@lru_cache(maxsize=1)
+def load() -> KeyLoops | None:
+    """The compiled loops, or ``None`` where the extension was not built or the numpy path is forced."""
+    if os.environ.get("RECSERVE_KEY_LOOPS") == "numpy":
+        return None
+    spec = importlib.util.find_spec(f"{__package__}._keys")
+    if spec is None or not spec.origin:
+        return None
+    return KeyLoops(ctypes.PyDLL(spec.origin))  # keeps the GIL (see store.kernels)
