@@ -3,8 +3,8 @@
 A segment is written under a hidden temporary name in its kind's folder (``<dir>/<kind>/``),
 flushed to disk, then renamed to ``<time>-<pid>-<n>.parquet``: a reader that lists ``*.parquet``
 never sees half a file, and a crash leaves at most a hidden ``.tmp`` file (never read; removed by
-the next writer of that folder). Segments are zstd-compressed Parquet that pyarrow, pandas and
-duckdb read as they are.
+the next writer of that folder). Segments are compressed Parquet (``[logging] compression``:
+snappy by default) that pyarrow, pandas and duckdb read as they are.
 
 Segments rotate by size and by time: the sink keeps one kind's batches until they hold
 ``segment_bytes`` or the oldest is ``segment_seconds`` old, then writes them as one segment.
@@ -40,6 +40,7 @@ class ParquetSegments:
         directory: the log's folder; one sub-folder per record kind.
         segment_bytes: a kind's batches are written once they hold this many bytes.
         segment_seconds: ... or once the oldest of them is this old.
+        compression: the segments' codec (``[logging] compression``).
         clock: seconds, monotonic (tests pass their own).
     """
 
@@ -48,9 +49,11 @@ class ParquetSegments:
         directory: Path,
         segment_bytes: int,
         segment_seconds: float,
+        compression: str = "snappy",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.directory = Path(directory)
+        self.compression = compression
         self.segment_bytes = segment_bytes
         self.segment_seconds = segment_seconds
         self.clock = clock
@@ -112,7 +115,7 @@ class ParquetSegments:
         write_atomically(
             final,
             lambda handle: pq.write_table(
-                table, handle, compression="zstd", use_dictionary=DICTIONARY_COLUMNS
+                table, handle, compression=self.compression, use_dictionary=DICTIONARY_COLUMNS
             ),
             durable=True,
         )

@@ -72,7 +72,9 @@ def open_writer(settings: LoggingSection, base: Path | None = None, store: Any =
     directory = Path(settings.directory)
     if base is not None and not directory.is_absolute():
         directory = base / directory
-    sink = ParquetSegments(directory, int(settings.segment_mib * (1 << 20)), settings.segment_seconds)
+    sink = ParquetSegments(
+        directory, int(settings.segment_mib * (1 << 20)), settings.segment_seconds, settings.compression
+    )
     return RecordWriter(sink, settings.queue_records)
 
 

@@ -22,6 +22,7 @@ from recserve.backends.request_log.step_log import (
     TAPPED_KEYS,
     FeatureLog,
     ScoreLog,
+    open_writer,
 )
 from recserve.backends.request_log.writer import WRITER_NICE, Entry, RecordWriter
 from recserve.clients.request_ids import part_ids, request_id_of
@@ -37,6 +38,7 @@ from recserve.core.names import (
 from recserve.core.sections.base import SpecError
 from recserve.core.sections.logging import LOG_DIR_ENV, LOG_SAMPLE_RATE_ENV, LoggingSection
 from recserve.core.sections.serving import AccessSection
+from recserve.core.spec.parse import load_spec
 from recserve.core.streams import stream_keys, stream_shard
 from recserve.server.process import FORWARDED_HEADERS
 from tests.triton_requests import Request
@@ -241,6 +243,19 @@ def test_segments_rotate_by_size_and_by_time(tmp_path):
     assert read_kind(tmp_path, SCORES).num_rows == 210
 
 
+@pytest.mark.parametrize("codec", ["snappy", "zstd", "none"])
+def test_segments_are_written_with_the_specs_codec(tmp_path, codec):
+    spec = load_spec("tiny")
+    settings = dataclasses.replace(spec.logging, enabled=True, directory=str(tmp_path), compression=codec)
+    writer = open_writer(settings)
+    writer.offer(Entry(SCORES, 10, lambda parts: scores_batch("a", 10)))
+    writer.close()
+    (path,) = segment_paths(tmp_path, SCORES)
+    written = pq.ParquetFile(path).metadata.row_group(0).column(0).compression
+    assert written == {"none": "UNCOMPRESSED"}.get(codec, codec.upper())
+    assert read_kind(tmp_path, SCORES).num_rows == 10
+
+
 def test_a_segment_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     sink = ParquetSegments(tmp_path, 1 << 30, 3600.0)
     sink.add(SCORES, scores_batch("a", 10))
@@ -280,6 +295,8 @@ def test_logging_settings_from_the_spec_and_the_serve_flags():
         LoggingSection(sample_rate=1.5).check()
     with pytest.raises(SpecError, match="sink"):
         LoggingSection(sink="kafka").check()
+    with pytest.raises(SpecError, match="compression"):
+        LoggingSection(compression="brotli").check()
     assert LoggingSection().from_environment({}) == LoggingSection()
     on = LoggingSection().from_environment({LOG_DIR_ENV: "/logs", LOG_SAMPLE_RATE_ENV: "0.25"})
     assert on.enabled and on.directory == "/logs" and on.sample_rate == 0.25
