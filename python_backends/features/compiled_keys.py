@@ -13,8 +13,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -61,32 +61,13 @@ class KeyLoops:
 
     def categorical_keys(
         self, salts: np.ndarray, identity: np.ndarray, missing: np.ndarray
-    ) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-        """A function of picked ``uint64`` values ``[B, F]`` and their absent mask: their keys.
-
-        Bound once to the F columns' ``salts``, ``identity`` flags and ``missing`` keys (see
-        ``recserve_categorical_keys``).
-        """
-        constants = (
-            np.ascontiguousarray(salts, dtype=np.uint64),
-            np.ascontiguousarray(identity, dtype=np.uint8),
-            np.ascontiguousarray(missing, dtype=np.int64),
-        )
-        addresses = [c.ctypes.data for c in constants]
-        function = self._library.recserve_categorical_keys
-
-        def keys(values: np.ndarray, absent: np.ndarray) -> np.ndarray:
-            values, absent = np.ascontiguousarray(values), np.ascontiguousarray(absent)
-            out = np.empty(values.shape, np.int64)
-            function(values.ctypes.data, absent.ctypes.data, *values.shape, *addresses, out.ctypes.data)
-            return out
-
-        keys.constants = constants  # type: ignore[attr-defined]  # alive as long as the addresses
-        return keys
+    ) -> CategoricalKeys:
+        """The categorical keys' loop bound to the columns' salts, identity flags and missing keys."""
+        return CategoricalKeys(self._library.recserve_categorical_keys, salts, identity, missing)
 
     def item_keys(self, items: np.ndarray, salt: int, missing: int) -> np.ndarray | None:
         """Keys of ``int64`` item ids (-1: absent, ``missing``); None when an id is below -1."""
-        items = np.ascontiguousarray(items)
+        items = np.ascontiguousarray(items, dtype=np.int64)
         out = np.empty(items.shape, np.int64)
         refused = self._library.recserve_item_keys(
             items.ctypes.data, items.size, salt, missing, out.ctypes.data
@@ -122,6 +103,32 @@ class KeyLoops:
             mask.ctypes.data,
         )
         return None if refused else (keys, mask)
+
+
+class CategoricalKeys:
+    """Keys ``[B, F]`` of picked categorical values and their absent mask (``recserve_categorical_keys``).
+
+    The columns' constants are converted, and their addresses taken, once: a call converts only the
+    request's two arrays.
+    """
+
+    def __init__(self, function: Any, salts: np.ndarray, identity: np.ndarray, missing: np.ndarray) -> None:
+        self._function = function
+        self._constants = (  # alive as long as the addresses are used
+            np.ascontiguousarray(salts, dtype=np.uint64),
+            np.ascontiguousarray(identity, dtype=np.uint8),
+            np.ascontiguousarray(missing, dtype=np.int64),
+        )
+        self._addresses = [c.ctypes.data for c in self._constants]
+
+    def __call__(self, values: np.ndarray, absent: np.ndarray) -> np.ndarray:
+        """The keys of ``values`` (``uint64`` ``[B, F]``) where ``absent`` (bool ``[B, F]``) is False."""
+        values = np.ascontiguousarray(values, dtype=np.uint64)
+        absent = np.ascontiguousarray(absent, dtype=np.bool_)
+        out = np.empty(values.shape, np.int64)
+        pointers = (values.ctypes.data, absent.ctypes.data)
+        self._function(*pointers, *values.shape, *self._addresses, out.ctypes.data)
+        return out
 
 
 @lru_cache(maxsize=1)
