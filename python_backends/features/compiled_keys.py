@@ -52,7 +52,7 @@ class KeyLoops:
             return None
         if salts.ndim and salts.shape[-1] != salts.size:  # salts along another axis
             return None
-        values = np.ascontiguousarray(values)
+        values = np.ascontiguousarray(values, dtype=np.uint64)
         out = np.empty(values.shape, np.int64)
         self._library.recserve_keys(
             values.ctypes.data, values.size, salts.ctypes.data, salts.size, out.ctypes.data
