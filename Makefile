@@ -13,7 +13,8 @@ APT_PACKAGES := libb64-0d redis-server gcc libc6-dev
 .PHONY: install system-packages build serve access canary test lint typecheck unit integration clean gpu-check
 
 # Debian packages: libb64 for perf_analyzer, redis-server (and redis-cli) for the L3 tier tests,
-# gcc for the compiled loops (python_backends/store/_kernels.c, features/_hex.c and _keys.c; built by pip install).
+# gcc for the compiled loops (python_backends/store/_kernels.c, features/_hex.c and _keys.c,
+# request_log/_histories.c; built by pip install).
 system-packages:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -21,7 +22,7 @@ system-packages:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(VENV)/.installed: pyproject.toml python_backends/store/_kernels.c python_backends/features/_hex.c python_backends/features/_keys.c
+$(VENV)/.installed: pyproject.toml python_backends/store/_kernels.c python_backends/features/_hex.c python_backends/features/_keys.c python_backends/request_log/_histories.c
 	$(MAKE) system-packages
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from recserve.backends.base.arrays import side_by_side
+from recserve.backends.request_log.histories import history_columns
 from recserve.backends.request_log.records import FEATURES, SCHEMAS, SCORES, Identity, sampled
 from recserve.backends.request_log.segments import ParquetSegments
 from recserve.backends.request_log.streams import RedisStreams, cluster_client
@@ -229,9 +230,11 @@ class FeatureLog(_Observer):
         rows = int(counts.sum())
         if len(parts[0].columns) == 3:
             history_row = np.full(rows, -1, np.int32)
-            history_columns = [pa.nulls(rows, pa.list_(pa.int64())), pa.nulls(rows, pa.list_(pa.int32()))]
+            carried = [pa.nulls(rows, pa.list_(pa.int64())), pa.nulls(rows, pa.list_(pa.int32()))]
         else:
-            history_row, *history_columns = _histories(parts, counts)
+            history_row, *carried = history_columns(
+                [p.columns[3] for p in parts], [p.columns[4] for p in parts], counts
+            )
         versions = np.repeat(np.concatenate([p.columns[2] for p in parts]), counts, axis=0)
         columns = [
             *_common(parts, counts),
@@ -241,7 +244,7 @@ class FeatureLog(_Observer):
             ),
             _lists(versions.astype(np.int64, copy=False), pa.int64()),
             pa.array(history_row),
-            *history_columns,
+            *carried,
         ]
         return pa.RecordBatch.from_arrays(columns, schema=SCHEMAS[FEATURES])
 
@@ -267,81 +270,6 @@ def _copied(
     keys = on_host(tapped[1])
     valid = on_host(tapped[2]).reshape(keys.shape[0], sequences, -1) > 0  # [owners, sequences, positions]
     return (*columns, keys.reshape(valid.shape)[valid], valid.sum(axis=2, dtype=np.int32))
-
-
-def _histories(parts: Sequence[_Part], counts: np.ndarray) -> tuple[np.ndarray, pa.Array, pa.Array]:
-    """``history_row``, ``history`` and ``history_lengths`` of the rows of ``parts`` (``counts`` rows each).
-
-    Within a request, a history is written once, on the first row that has it (an owner's rows are
-    consecutive, so a list's user's is on its first candidate); every other row names that row.
-    Each owner's history is taken as its valid keys in order, sequence after sequence (what the
-    column holds), with each sequence's count of them, so requests of different history widths
-    need no padding.
-    """
-    owners = np.array([p.columns[4].shape[0] for p in parts])
-    split = np.concatenate([p.columns[4] for p in parts])  # each owner's sequences' lengths
-    lengths = split.sum(axis=1, dtype=np.int64)
-    values = np.concatenate([p.columns[3] for p in parts]).astype(np.int64, copy=False)
-    starts = np.cumsum(lengths) - lengths
-    row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
-    rows = int(counts.sum())
-    row_in_request = np.arange(rows) - np.repeat(row_start, counts)
-    owner_of_row = row_in_request * np.repeat(owners, counts) // np.repeat(counts, counts)
-    owner_of_row += np.repeat(owner_start, counts)
-    first_row = np.searchsorted(owner_of_row, np.arange(lengths.shape[0]))
-    request = np.repeat(np.arange(len(parts)), owners)
-    first = first_row[_first_equal(values, starts, split, request)][owner_of_row]
-    carriers = first == np.arange(rows)  # the rows that carry a history
-    carrying = owner_of_row[carriers]  # their owners, in order
-    offsets = np.zeros(rows + 1, np.int32)
-    np.cumsum(np.where(carriers, lengths[owner_of_row], 0), out=offsets[1:])
-    if carrying.shape[0] < lengths.shape[0]:  # some owners' histories are written by others
-        values = values[_segments(starts[carrying], lengths[carrying])]
-    absent = pa.array(~carriers)
-    column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values), mask=absent)
-    sequences = split.shape[1]
-    split_offsets = pa.array(np.cumsum(np.r_[0, carriers]).astype(np.int32) * sequences)
-    split_column = pa.ListArray.from_arrays(split_offsets, pa.array(split[carrying].reshape(-1)), mask=absent)
-    return (first - np.repeat(row_start, counts)).astype(np.int32), column, split_column
-
-
-def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The indices of the segments ``[start, start + length)``, one after the other."""
-    return np.arange(int(lengths.sum())) + np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
-
-
-def _first_equal(
-    values: np.ndarray, starts: np.ndarray, split: np.ndarray, request: np.ndarray
-) -> np.ndarray:
-    """For each owner, the first owner of its request with the same history (itself when none).
-
-    An owner's history is ``values[start:start + length]``, ``split`` ``[owners, sequences]`` its
-    sequences' lengths (``length`` their sum). Owners are grouped by a cheap digest (the request,
-    the lengths and a sum of the spread keys) and each is checked against its group's first, so
-    two different histories are never merged.
-    """
-    lengths = split.sum(axis=1, dtype=np.int64)
-    spread = values.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    sums = np.zeros(values.shape[0] + 1, np.uint64)
-    np.cumsum(spread, out=sums[1:])
-    digest = sums[starts + lengths] - sums[starts]
-    shape = split.astype(np.uint64) * (
-        np.arange(split.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(3)
-    )
-    digest ^= (shape.sum(axis=1, dtype=np.uint64) << np.uint64(40)) ^ request.astype(np.uint64)
-    _, first, which = np.unique(digest, return_index=True, return_inverse=True)
-    found = first[which.reshape(-1)]
-    claimed = np.flatnonzero(found != np.arange(found.shape[0]))
-    if claimed.size:
-        other = found[claimed]
-        same = (request[claimed] == request[other]) & (split[claimed] == split[other]).all(axis=1)
-        checked, length = np.flatnonzero(same), lengths[claimed[same]]
-        differs = values[_segments(starts[claimed[checked]], length)]
-        differs = differs != values[_segments(starts[other[checked]], length)]
-        owner = np.repeat(np.arange(checked.shape[0]), length)
-        same[checked[np.bincount(owner[differs], minlength=checked.shape[0]) > 0]] = False
-        found[claimed[~same]] = claimed[~same]
-    return found
 
 
 class ScoreLog(_Observer):
