@@ -80,7 +80,7 @@ def history_columns(keys: Sequence[np.ndarray], splits: Sequence[np.ndarray], co
 def numpy_history_columns(
     values: np.ndarray, split: np.ndarray, counts: np.ndarray, owners: np.ndarray
 ) -> Columns:
-    """:func:`history_columns` in whole-array passes (``values`` and ``split`` concatenated, ``owners`` per request)."""
+    """:func:`history_columns` in whole-array passes (the requests' arrays concatenated)."""
     lengths = split.sum(axis=1, dtype=np.int64)
     starts = np.cumsum(lengths) - lengths
     row_start, owner_start = np.cumsum(counts) - counts, np.cumsum(owners) - owners
@@ -142,5 +142,3 @@ def _first_equal(
         same[checked[np.bincount(owner[differs], minlength=checked.shape[0]) > 0]] = False
         found[claimed[~same]] = claimed[~same]
     return found
-
-

@@ -21,9 +21,7 @@ def requests(rng, count, sequences):
         ]
         picked = [pool[int(rng.integers(len(pool)))] for _ in range(owners)]
         splits.append(np.array([split for split, _ in picked], np.int32).reshape(owners, sequences))
-        keys.append(
-            np.concatenate([values[: int(split.sum())] for split, values in picked]).astype(np.int64)
-        )
+        keys.append(np.concatenate([values[: int(split.sum())] for split, values in picked]).astype(np.int64))
         counts.append(rows)
     return keys, splits, np.array(counts)
 
