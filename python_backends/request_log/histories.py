@@ -49,6 +49,10 @@ def history_columns(keys: Sequence[np.ndarray], splits: Sequence[np.ndarray], co
     split = np.ascontiguousarray(np.concatenate(splits), dtype=np.int32)
     values = np.ascontiguousarray(np.concatenate(keys), dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if split.ndim != 2 or split.min(initial=0) < 0 or int(split.sum()) != values.shape[0]:
+        raise ValueError(f"history lengths {split.shape} do not split the {values.shape[0]} history keys")
+    if np.any((owners == 0) & (counts > 0)):
+        raise ValueError("a request with rows has no history owner")
     loop = _loop()
     if loop is None:
         return numpy_history_columns(values, split, counts, owners)

@@ -58,3 +58,16 @@ def test_a_list_writes_its_users_history_on_its_first_candidate_only():
     row, column, _ = history_columns(keys, splits, np.array([3, 2]))
     assert row.tolist() == [0, 0, 0, 0, 0]
     assert column.to_pylist() == [[7, 8], None, None, [5], None]
+
+
+@pytest.mark.parametrize(
+    ("keys", "split", "counts"),
+    [
+        ([1, 2, 3], [[2]], [1]),  # the lengths do not cover the keys
+        ([1, 2], [[-1], [3]], [2]),
+        ([], np.zeros((0, 1)), [2]),  # rows without an owner
+    ],
+)
+def test_columns_that_do_not_fit_together_are_refused_before_the_loop_reads_them(keys, split, counts):
+    with pytest.raises(ValueError, match="history"):
+        history_columns([np.array(keys, np.int64)], [np.array(split, np.int32)], np.array(counts))
