@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
-_ARGUMENTS = [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE] + [_POINTER] * 6
+_ARGUMENTS: list[Any] = [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE] + [_POINTER] * 6
 Columns = tuple[np.ndarray, pa.Array, pa.Array]
 
 
