@@ -13,10 +13,8 @@ request had no id, so its records could never be joined: not logged).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import platform
 import queue
 import sys
 import threading
@@ -46,12 +44,6 @@ GATHER = 256
 #: that its bursts (a build, a segment's encoding) give way to the step's request threads and the
 #: dense step's intra-op threads instead of delaying them (docs/design/loop.md, "Logging's latency")
 WRITER_NICE = 19
-#: ... and its time slice (Linux 6.12 and later, ``sched_setattr``; the default is 0.7 ms x (1 + log2
-#: cores)): a waking request thread takes the core back from the writer within this, instead of
-#: waiting for the writer's slice to run out (docs/design/loop.md, "The writer's slice")
-WRITER_SLICE_NS = 100_000
-#: ``sched_setattr``'s number where it is known (``os`` does not wrap it)
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}
 
 
 class Sink(Protocol):
@@ -149,7 +141,6 @@ class RecordWriter:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
             except OSError:  # a sandbox that forbids it: the writer runs at the step's priority
                 LOGGER.warning("the request log's writer could not lower its CPU priority")
-            shorten_slice(WRITER_NICE, WRITER_SLICE_NS)
         while True:
             try:
                 first = self._queue.get(timeout=POLL_S)
@@ -217,28 +208,3 @@ class RecordWriter:
         self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout_s)
-
-
-class _SchedAttr(ctypes.Structure):
-    """``struct sched_attr`` (``include/uapi/linux/sched/types.h``)."""
-
-    _fields_ = [
-        ("size", ctypes.c_uint32),
-        ("sched_policy", ctypes.c_uint32),
-        ("sched_flags", ctypes.c_uint64),
-        ("sched_nice", ctypes.c_int32),
-        ("sched_priority", ctypes.c_uint32),
-        ("sched_runtime", ctypes.c_uint64),
-        ("sched_deadline", ctypes.c_uint64),
-        ("sched_period", ctypes.c_uint64),
-    ]
-
-
-def shorten_slice(nice: int, slice_ns: int) -> bool:
-    """Set the calling thread's time slice to ``slice_ns`` at ``nice`` (Linux 6.12+); False if it cannot."""
-    number = _SCHED_SETATTR.get(platform.machine())
-    if number is None:
-        return False
-    attr = _SchedAttr(ctypes.sizeof(_SchedAttr), 0, 0, nice, 0, slice_ns, 0, 0)  # SCHED_OTHER
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(number, threading.get_native_id(), ctypes.byref(attr), 0) == 0
