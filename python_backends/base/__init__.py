@@ -1,1 +1,1 @@
-"""What the backends' subsystems stand on: artifact files, bounded readers, metric samples, error counts."""
+"""What the backends' subsystems stand on: artifacts, bounded readers, metrics, errors, compiled loops."""

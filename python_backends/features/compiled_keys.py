@@ -11,12 +11,13 @@ numpy path refuses: the caller then runs its numpy path, which raises the error 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
+
+from recserve.backends.base.compiled import compiled_library
 
 _POINTER, _SIZE, _INT, _KEY = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64
 _SIGNATURES = {
@@ -136,7 +137,5 @@ def load() -> KeyLoops | None:
     """The compiled loops, or ``None`` where the extension was not built or the numpy path is forced."""
     if os.environ.get("RECSERVE_KEY_LOOPS") == "numpy":
         return None
-    spec = importlib.util.find_spec(f"{__package__}._keys")
-    if spec is None or not spec.origin:
-        return None
-    return KeyLoops(ctypes.PyDLL(spec.origin))  # keeps the GIL (see store.kernels)
+    library = compiled_library(__package__, "_keys", keep_gil=True)  # keeps the GIL (see store.kernels)
+    return None if library is None else KeyLoops(library)

@@ -9,11 +9,11 @@ loop refuses is parsed again by the numpy path, which raises the error naming th
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from functools import lru_cache
 
 import numpy as np
 
+from recserve.backends.base.compiled import compiled_library
 from recserve.core.values import HexParser, hex_bytes, parse_hex
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
@@ -22,10 +22,10 @@ _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 @lru_cache(maxsize=1)
 def load() -> HexParser | None:
     """The compiled parser, or ``None`` where the extension was not built."""
-    spec = importlib.util.find_spec(f"{__package__}._hex")
-    if spec is None or not spec.origin:
+    library = compiled_library(__package__, "_hex", keep_gil=True)  # keeps the GIL (see store.kernels)
+    if library is None:
         return None
-    function = ctypes.PyDLL(spec.origin).recserve_parse_hex  # keeps the GIL (see store.kernels)
+    function = library.recserve_parse_hex
     function.argtypes = [_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER]
     function.restype = ctypes.c_int64
 

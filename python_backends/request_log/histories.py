@@ -15,13 +15,14 @@ lock, so that the step's request threads never wait on the writer's build) where
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from recserve.backends.base.compiled import compiled_library
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _ARGUMENTS: list[Any] = [_POINTER, _POINTER, _SIZE, _SIZE, _POINTER, _POINTER, _SIZE] + [_POINTER] * 6
@@ -31,10 +32,10 @@ Columns = tuple[np.ndarray, pa.Array, pa.Array]
 @lru_cache(maxsize=1)
 def _loop() -> Any:
     """``recserve_history_columns``, or None where the extension was not built."""
-    spec = importlib.util.find_spec(f"{__package__}._histories")
-    if spec is None or not spec.origin:
+    library = compiled_library(__package__, "_histories", keep_gil=False)  # lets go of the interpreter lock
+    if library is None:
         return None
-    function = ctypes.CDLL(spec.origin).recserve_history_columns  # lets go of the interpreter lock
+    function = library.recserve_history_columns
     function.argtypes, function.restype = _ARGUMENTS, _SIZE
     return function
 

@@ -13,7 +13,6 @@ once, when a probe is bound; a call only converts the per-batch buffers.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +20,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
+
+from recserve.backends.base.compiled import compiled_library
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -374,12 +375,11 @@ def load() -> Kernels | None:
     if os.environ.get("RECSERVE_STORE_KERNELS", "").lower() == "numpy":
         LOGGER.debug("store kernels: numpy (RECSERVE_STORE_KERNELS=numpy)")
         return None
-    spec = importlib.util.find_spec(f"{__package__}._kernels")
-    if spec is None or not spec.origin:
+    # keep_gil (a PyDLL): the loops run for microseconds and keep the GIL; a CDLL call would hand it
+    # to any busy background thread (the L1 refresh, an update) and wait up to a switch interval for it
+    library = compiled_library(__package__, "_kernels", keep_gil=True)
+    if library is None:
         LOGGER.debug("store kernels: the compiled extension is not built; the store uses its numpy path")
         return None
-    # PyDLL: the loops run for microseconds and keep the GIL; a CDLL call would hand it to any
-    # busy background thread (the L1 refresh, an update) and wait up to a switch interval for it
-    kernels = Kernels(ctypes.PyDLL(spec.origin))
-    LOGGER.debug("store kernels: compiled (%s)", os.path.basename(spec.origin))
-    return kernels
+    LOGGER.debug("store kernels: compiled")
+    return Kernels(library)
