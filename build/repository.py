@@ -31,6 +31,7 @@ from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
+from recserve.build.distill import distill
 from recserve.build.evaluation import figure
 from recserve.build.export import (
     candidate_inputs,
@@ -42,10 +43,11 @@ from recserve.build.export import (
 from recserve.build.progress import Progress, stderr_progress
 from recserve.build.train import train
 from recserve.core.contract import sequence_inputs
-from recserve.core.names import DENSE, EMBEDDING_LOOKUP, HISTORY_USER, PROBABILITY, STEPS
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP, HISTORY_USER, PROBABILITY, SMALL_DENSE_DIR, STEPS
 from recserve.core.rows import Rows
 from recserve.core.sections.serving import StoreSection
 from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import small_dense_spec
 from recserve.errors import ArtifactError
 
 DENSE_FORMAT = "recserve-dense/1"
@@ -81,13 +83,17 @@ def version_dir(repository: Path, model: str, spec: ModelSpec) -> Path:
 def is_built(spec: ModelSpec, repository: Path) -> bool:
     """True when the repository is built for this spec.
 
-    Both artifact manifests exist, were built from this spec and the tables have the current format.
+    Both artifact manifests exist, were built from this spec and the tables have the current format;
+    so was the smaller network where a ``[degrade]`` level is scored by one.
     """
+    folders = {version_dir(repository, model, spec): spec for model in (EMBEDDING_LOOKUP, DENSE)}
+    small = small_dense_spec(spec)
+    if small is not None:
+        folders[version_dir(repository, DENSE, spec) / SMALL_DENSE_DIR] = small
     try:
         tables = read_manifest(version_dir(repository, EMBEDDING_LOOKUP, spec))
         return tables.get("format") == MANIFEST_FORMAT and all(
-            read_manifest(version_dir(repository, model, spec)).get("spec_sha256") == spec_digest(spec)
-            for model in (EMBEDDING_LOOKUP, DENSE)
+            read_manifest(path).get("spec_sha256") == spec_digest(built) for path, built in folders.items()
         )
     except ArtifactError:
         return False
@@ -315,6 +321,9 @@ def add_dense_version(spec: ModelSpec, net: CTRNet, repository: Path) -> int:
     staging.mkdir()
     try:
         write_dense(spec, net, staging, holdout_auc=None)
+        small = repository / DENSE / str(version - 1) / SMALL_DENSE_DIR
+        if small.is_dir():  # [degrade]'s smaller network stays served beside the new one
+            shutil.copytree(small, staging / SMALL_DENSE_DIR)
         if engine is not None:
             add_tensorrt_engine(spec, repository, engine["precision"], root=staging)
         adapter = resources.files("recserve.backends.triton.models").joinpath(f"{DENSE}.py")
@@ -347,6 +356,7 @@ def build_repository(
     write_tables(spec, trained.tables, tables_dir)
     progress(f"[build] exporting ONNX to {dense_dir}")
     diff = write_dense(spec, trained.net, dense_dir, trained.holdout_auc)
+    add_small_dense(spec, repository, progress, rows)
     install_adapters(spec, repository)
     configs.write_configs(spec, repository)
     progress(
@@ -354,6 +364,25 @@ def build_repository(
         f"(held-out AUC {figure(trained.holdout_auc)}, ONNX max diff {diff:.1e})"
     )
     return BuildReport(repository, trained.holdout_auc, diff)
+
+
+def add_small_dense(
+    spec: ModelSpec, repository: Path, progress: Progress = stderr_progress, rows: Rows | None = None
+) -> None:
+    """Distil ``[degrade.small_dense]``'s network from the built one into its dense version folder.
+
+    Nothing where no level of the spec is scored by a smaller network. ``rows``: the user's (else
+    the spec's synthetic rows).
+    """
+    small = small_dense_spec(spec)
+    if small is None:
+        return
+    root = version_dir(repository, DENSE, spec) / SMALL_DENSE_DIR
+    progress(f"[build] distilling the smaller network of [degrade.small_dense] into {root}")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    pipeline = reference_pipeline(spec, repository, runtime="onnx")  # the teacher: the network as served
+    write_dense(small, distill(spec, small, pipeline, progress, rows).net, root, holdout_auc=None)
 
 
 def dense_runners(spec: ModelSpec, repository: Path, runtime: str = "torch") -> dict[int, DenseFn]:

@@ -139,6 +139,8 @@ def with_degrade(spec: ModelSpec, config: mc.ModelConfig, profile: str = "cpu") 
     per user of a list), an output of both ensembles. In the candidates ensemble ``dense`` also
     takes the list's targets as requested (``requested_candidates``), so a list scored only in part
     is answered for every candidate; a TensorRT ``dense`` (profile ``gpu``) scores what it gets.
+    Where a level is scored by ``[degrade.small_dense]``'s network, the Python ``dense`` also takes
+    each request's level (``degrade_level``), to score those requests with it.
     With ``priority_value``, the Python steps' batchers get two priority levels (the default: 2).
     """
     if not spec.degrade.enabled:
@@ -149,10 +151,14 @@ def with_degrade(spec: ModelSpec, config: mc.ModelConfig, profile: str = "cpu") 
     if config.backend == "python" and config.HasField("dynamic_batching") and spec.degrade.priority_value > 0:
         config.dynamic_batching.priority_levels = 2  # the requests worth most are batched first
         config.dynamic_batching.default_priority_level = 2
+    small = bool(spec.degrade.small_levels) and profile != "gpu"
     if config.name == EMBEDDING_LOOKUP:
         config.output.append(model_output(level))
-    elif config.name == DENSE and config.backend == "python" and lists:
-        config.input.append(model_input(requested))
+    elif config.name == DENSE and config.backend == "python":
+        if lists:
+            config.input.append(model_input(requested))
+        if small:
+            config.input.append(model_input(dataclasses.replace(level, optional=True)))
     elif config.platform == "ensemble":
         steps = {step.model_name: step for step in config.ensemble_scheduling.step}
         steps[EMBEDDING_LOOKUP].output_map[DEGRADE_LEVEL] = DEGRADE_LEVEL
@@ -160,4 +166,6 @@ def with_degrade(spec: ModelSpec, config: mc.ModelConfig, profile: str = "cpu") 
         config.output.append(model_output(level if batched else dataclasses.replace(level, dims=(-1, 1))))
         if not batched and lists:
             steps[DENSE].input_map[REQUESTED_CANDIDATES] = spec.target_names[0]
+        if small:
+            steps[DENSE].input_map[DEGRADE_LEVEL] = DEGRADE_LEVEL
     return config

@@ -35,7 +35,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,29 +49,35 @@ from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
 from recserve.perf.bench.candidates import closed_loop_rate
 from recserve.perf.harness.traffic import infer_inputs
-from recserve.perf.lab.degrade_costs import measure_costs
+from recserve.perf.lab.degrade_costs import measure_costs, with_small_dense
 from recserve.perf.lab.degrade_report import PhaseFigures, level_quality, phase_figures, table, windows
-from recserve.perf.lab.degrade_traffic import SERVED, ListPool, send_phases
+from recserve.perf.lab.degrade_traffic import SERVED, LabShape, ListPool, send_phases
 from recserve.perf.lab.overload import Cores, pinned
 from recserve.server import Ports, TritonServer
 
 #: The ``[degrade]`` the lab serves where the spec has none (lambda's loop read ten times a second).
-#: The costs and qualities are measured, not guessed (2026-12-05, docs/design/degrade.md): each
-#: level served alone against full (``--costs``), 32 candidates and items 0.67-0.86, 8 and 8
-#: 0.53-0.68; a refusal at the first step 0.13 of a full request (``--costs``: every request
-#: refused), left undeclared (``refuse_cost`` 0): declared, the 4x spike's p99 was two to three
-#: times as long in the lab's runs of 2026-12-05 (docs/design/degrade.md); the quality
-#: the lab measures of the 8-candidate level 0.989-0.996 (``level_quality``: the caller's prior is
-#: good, so its first 8 hold most of the clicks), of the 32-candidate level not yet (rarely
-#: chosen), put between full and the 8.
-#: ``full_value``: the top value decile (lognormal(0, 1)'s 90th percentile is 3.6) is always served
-#: in full.
+#: Costs and qualities measured (docs/design/degrade.md): each level served alone against full
+#: (``--costs``: 32 candidates and items 0.67-0.86, 8 and 8 0.53-0.68, the same with the smaller
+#: network 0.61; a refusal at the first step 0.13-0.19, left undeclared: declared, the 4x spike's p99
+#: was two to three times as long); the caller's prior is good, so the first 8 candidates hold most
+#: of the clicks (``level_quality``). The smaller network alone (all candidates) costs about as much
+#: as full here, so it is not a level of the lab's. ``full_value``: the top value decile
+#: (lognormal(0, 1)'s 90th percentile is 3.6) is always served in full.
 LAB_DEGRADE = {
     "enabled": True,
     "levels": [
         {"name": "trimmed", "cost": 0.8, "quality": 0.99, "max_candidates": 32, "history_length": 32},
-        {"name": "minimal", "cost": 0.6, "quality": 0.97, "max_candidates": 8, "history_length": 8},
+        {"name": "minimal", "cost": 0.64, "quality": 0.97, "max_candidates": 8, "history_length": 8},
+        {
+            "name": "lean",
+            "cost": 0.6,
+            "quality": 0.96,
+            "max_candidates": 8,
+            "history_length": 8,
+            "small_dense": True,
+        },
     ],
+    "small_dense": {"bottom_mlp": [16], "top_mlp": [32], "attention_heads": 1},
     "full_value": 3.5,
     "target_queue_ms": 15.0,
     "interval_s": 0.05,
@@ -92,34 +97,6 @@ ACCESS_CAP = 4096
 LOGGER = logging.getLogger(__name__)
 #: The caller's prior: its order is the full-compute logit plus normal noise of this deviation.
 PRIOR_NOISE = 1.0
-
-
-@dataclass(frozen=True)
-class LabShape:
-    """The traffic and schedule: lists, candidates, history length, seconds per phase."""
-
-    lists: int = 32
-    candidates: int = 64
-    length: int = 64
-    normal_s: float = 4.0
-    spike_s: float = 4.0
-    capacity_s: float = 4.0
-
-    @classmethod
-    def quick(cls) -> LabShape:
-        """The CI form: a minute at most."""
-        return cls(lists=16, candidates=64, length=64, normal_s=1.5, spike_s=2.0, capacity_s=2.0)
-
-    def phases(self, capacity: float) -> list[tuple[str, float, float]]:
-        """(name, rate, seconds) of the schedule: normal, 2x, normal, 4x, normal."""
-        normal = ("normal", 0.5 * capacity, self.normal_s)
-        return [
-            normal,
-            ("spike_2x", 2.0 * capacity, self.spike_s),
-            ("after_2x", 0.5 * capacity, self.normal_s),
-            ("spike_4x", 4.0 * capacity, self.spike_s),
-            ("after_4x", 0.5 * capacity, self.normal_s),
-        ]
 
 
 def degrade_spec(spec: ModelSpec, overrides: dict | None = None) -> ModelSpec:
@@ -315,6 +292,7 @@ def run_degrade_lab(
         policies["shed"], series["shed"], _ = run_policy(url, shed, pool, full, schedule, values, cores)
     # the door knows the capacity the lab measured from the first batch, as a spec measured in advance
     served = degrade_spec(spec, {"capacity": capacity, **(overrides or {})})
+    repository = with_small_dense(served, repository, workdir / "distilled", LOGGER.info)
     level_costs = measure_costs(served, repository, workdir, pool, shape.capacity_s, cores) if costs else None
     variant = write_variant(served, repository, workdir / "degrade")
     with serving(variant, workdir, "degrade", None, cores, access) as (url, server):

@@ -11,11 +11,16 @@ at which the server answers them): what ``refuse_cost`` should say.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from pathlib import Path
 
 from recserve.build.configs import write_variant
+from recserve.build.progress import Progress
+from recserve.build.repository import add_small_dense, version_dir
+from recserve.core.names import DENSE
 from recserve.core.spec.model import ModelSpec
-from recserve.core.spec.parse import parse_spec
+from recserve.core.spec.parse import parse_spec, small_dense_spec
 from recserve.perf.bench.candidates import closed_loop_rate
 from recserve.perf.lab.degrade_traffic import ListPool
 from recserve.perf.lab.overload import Cores, pinned
@@ -23,6 +28,32 @@ from recserve.server import Ports, TritonServer
 
 #: Lambda for a level served alone: past every value, so the level (never the full one) serves all.
 ALONE_LAMBDA = 1e12
+
+
+def with_small_dense(spec: ModelSpec, repository: Path, target: Path, progress: Progress) -> Path:
+    """``repository`` with ``spec``'s ``[degrade.small_dense]`` network distilled beside its own.
+
+    A copy whose version folders are links, but for the dense one's (the built repository is not
+    changed); ``repository`` itself where ``spec`` has no such level.
+    """
+    if small_dense_spec(spec) is None:
+        return repository
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(repository, target, ignore=lambda folder, names: _versions(repository, folder, names))
+    for model in target.iterdir():
+        source = repository / model.name
+        for version in _versions(repository, str(source), os.listdir(source)):
+            (model / version).symlink_to((source / version).resolve(), target_is_directory=True)
+    dense = version_dir(target, DENSE, spec)
+    dense.unlink()
+    shutil.copytree(version_dir(repository, DENSE, spec).resolve(), dense)
+    add_small_dense(spec, target, progress)
+    return target
+
+
+def _versions(repository: Path, folder: str, names: list[str]) -> list[str]:
+    """The version folders among ``names`` where ``folder`` is a model folder of ``repository``."""
+    return [n for n in names if n.isdigit()] if Path(folder).parent == repository else []
 
 
 def alone(spec: ModelSpec, index: int) -> ModelSpec:

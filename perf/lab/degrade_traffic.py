@@ -178,3 +178,31 @@ def send_phases(
         for _ in range(count):
             pending.acquire(timeout=60)
     return sorted(sent, key=lambda o: o.sent_s)
+
+
+@dataclass(frozen=True)
+class LabShape:
+    """The traffic and schedule: lists, candidates, history length, seconds per phase."""
+
+    lists: int = 32
+    candidates: int = 64
+    length: int = 64
+    normal_s: float = 4.0
+    spike_s: float = 4.0
+    capacity_s: float = 4.0
+
+    @classmethod
+    def quick(cls) -> LabShape:
+        """The CI form: a minute at most."""
+        return cls(lists=16, candidates=64, length=64, normal_s=1.5, spike_s=2.0, capacity_s=2.0)
+
+    def phases(self, capacity: float) -> list[tuple[str, float, float]]:
+        """(name, rate, seconds) of the schedule: normal, 2x, normal, 4x, normal."""
+        normal = ("normal", 0.5 * capacity, self.normal_s)
+        return [
+            normal,
+            ("spike_2x", 2.0 * capacity, self.spike_s),
+            ("after_2x", 0.5 * capacity, self.normal_s),
+            ("spike_4x", 4.0 * capacity, self.spike_s),
+            ("after_4x", 0.5 * capacity, self.normal_s),
+        ]

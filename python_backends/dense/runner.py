@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recserve.backends.base.artifacts import read_manifest, verified_path
+from recserve.backends.base.artifacts import MANIFEST, read_manifest, verified_path
 from recserve.backends.base.device_copies import DeviceCopies
 from recserve.backends.base.inputs import dtype_name, require
 from recserve.backends.base.metrics import ScoreHistogram
@@ -49,9 +49,11 @@ from recserve.core.names import (
     HISTORY_USER,
     PROBABILITY,
     SEQUENCE_AXIS,
+    SMALL_DENSE_DIR,
     SPARSE_EMBEDDINGS,
 )
 from recserve.core.spec.model import ModelSpec
+from recserve.core.spec.parse import small_dense_spec
 from recserve.errors import ArtifactError, InvalidInput, NonFiniteOutput
 
 if TYPE_CHECKING:
@@ -249,9 +251,34 @@ class DenseStep:
         self.lists = CandidateLists(
             spec, lambda rows: self.runner.predict(self.check(rows)), candidates, scorer
         )
+        #: the smaller network of [degrade.small_dense], served beside this one (None: none)
+        self.small: DenseStep | None = None
 
     @classmethod
     def load(
+        cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu", torch_device: str = ""
+    ) -> DenseStep:
+        """The step of a version folder (:meth:`load_one`), with its smaller network where the spec has one.
+
+        A version without it (an imported network; one written before the spec asked for it) scores
+        the levels of the smaller network with the full one, and says so in the log.
+        """
+        step = cls.load_one(spec, version_dir, instances, device, torch_device)
+        small = small_dense_spec(spec)
+        if small is not None and (version_dir / SMALL_DENSE_DIR / MANIFEST).is_file():
+            step.small = cls.load_one(small, version_dir / SMALL_DENSE_DIR, instances, device, torch_device)
+        elif small is not None:
+            LOGGER.warning(
+                "dense version %s has no smaller network (%s/): its [degrade] levels %s are scored by the "
+                "full one; run 'recserve build' to distil it",
+                version_dir.name,
+                SMALL_DENSE_DIR,
+                sorted(spec.degrade.small_levels),
+            )
+        return step
+
+    @classmethod
+    def load_one(
         cls, spec: ModelSpec, version_dir: Path, instances: int, device: str = "cpu", torch_device: str = ""
     ) -> DenseStep:
         """Verify the artifacts of a version folder and prepare every bucket of the spec's grid.
@@ -365,3 +392,5 @@ class DenseStep:
     def close(self) -> None:
         """Stop background compiles."""
         self.runner.close()
+        if self.small is not None:
+            self.small.close()

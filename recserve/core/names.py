@@ -11,6 +11,8 @@ from __future__ import annotations
 #: (:func:`recserve.core.contract.dense_contract`).
 EMBEDDING_LOOKUP = "embedding_lookup"
 DENSE = "dense"
+#: In a ``dense`` version folder: the smaller network of ``[degrade.small_dense]`` (its own manifest).
+SMALL_DENSE_DIR = "small"
 STEPS = (EMBEDDING_LOOKUP, DENSE)
 
 #: Config profiles: ``cpu`` (Python backends, ONNX Runtime buckets), ``gpu`` (``dense`` as a

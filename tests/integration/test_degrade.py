@@ -23,28 +23,35 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from recserve.access import AccessLayer, ProxyPorts
+from recserve.backends.steps.pipeline import InProcessPipeline
+from recserve.backends.store.tiered import TieredStore
 from recserve.build.configs import write_variant
+from recserve.build.repository import dense_runner, version_dir
 from recserve.build.synthetic import generate
 from recserve.clients import AsyncCTRClient, CTRClient, read_rows
 from recserve.clients.errors import InvalidRequestError, ServerUnavailableError
 from recserve.clients.writers import write_tsv
 from recserve.core.degrade_capacity import FILE_NAME
 from recserve.core.files import write_text_atomically
-from recserve.core.names import EMBEDDING_LOOKUP
+from recserve.core.names import DENSE, EMBEDDING_LOOKUP, SMALL_DENSE_DIR
 from recserve.core.sections.degrade import DEGRADE_LEVEL, LAMBDA_HEADER, VALUE_HEADER
-from recserve.core.spec.parse import parse_spec
+from recserve.core.spec.parse import parse_spec, small_dense_spec
+from recserve.perf.lab.degrade_costs import with_small_dense
 from recserve.server import Ports, TritonServer
 from tests.integration.helpers import infer_inputs, metrics_text, recserve, wait_for
 
-#: lambda 0.1: v >= 2.5 full, >= 0.375 capped, >= 0.022 short, below refused (v x q - lambda x c)
+#: lambda 0.1: v >= 2.5 full, >= 0.375 capped, >= 0.08 short, >= 0.019 lean (every candidate, by the
+#: smaller network), below refused (v x q - lambda x c)
 DEGRADE = {
     "enabled": True,
-    "tiers": {"low": 0.01, "basic": 0.1, "standard": 1.0, "premium": 5.0},
+    "tiers": {"low": 0.01, "thrifty": 0.05, "basic": 0.1, "standard": 1.0, "premium": 5.0},
     "default": "premium",
     "levels": [
         {"name": "capped", "cost": 0.5, "quality": 0.98, "max_candidates": 4},
         {"name": "short", "cost": 0.2, "quality": 0.9, "max_candidates": 2, "history_length": 8},
+        {"name": "lean", "cost": 0.16, "quality": 0.85, "small_dense": True},
     ],
+    "small_dense": {"bottom_mlp": [16], "top_mlp": [32], "attention_heads": 1},
     "fallback_score": 0.0,
     "fixed_lambda": 0.1,
     "priority_value": 2.5,  # premium is sent at priority 1: the steps' batchers have two levels
@@ -60,7 +67,8 @@ def degraded(spec, repository, tmp_path_factory):
     """A server of the default model with [degrade] on, and the rows to send."""
     folder = tmp_path_factory.mktemp("degrade")
     degrade_spec = parse_spec({**spec.source, "degrade": DEGRADE})
-    variant = write_variant(degrade_spec, repository, folder / "repository")
+    distilled = with_small_dense(degrade_spec, repository, folder / "distilled", lambda _: None)
+    variant = write_variant(degrade_spec, distilled, folder / "repository")
     rows = read_rows(write_tsv(folder / "rows.tsv", generate(spec, 40, seed=47), spec), spec)
     with TritonServer(variant, Ports.free(), log_path=folder / "server.log") as server:
         yield server, degrade_spec, rows
@@ -93,6 +101,28 @@ def test_each_tier_is_served_at_its_level_and_a_list_cut_short_is_answered_in_fu
     np.testing.assert_allclose(capped[:4], full[:4], rtol=1e-5)
     assert (capped[4:] == 0.0).all() and (short[2:] == 0.0).all()
     assert not np.allclose(short[:2], full[:2], rtol=1e-5)  # scored over the newest 8 items only
+
+
+def test_a_level_of_the_smaller_network_is_scored_by_it_rows_and_lists_alike(degraded):
+    server, spec, rows = degraded
+    part = rows.take(slice(0, 5))
+    root = server.repository
+    small = dense_runner(small_dense_spec(spec), version_dir(root, DENSE, spec) / SMALL_DENSE_DIR, "torch")
+    store = TieredStore.load(version_dir(root, EMBEDDING_LOOKUP, spec), spec)
+    expected = InProcessPipeline(spec, store, small).predict(part.to_wire(spec))
+    user = {"history_items": rows.history[0, : rows.lengths[0]].tolist()}
+    with CTRClient(server.grpc_url, timeout_s=30, spec=spec) as client:
+        client.value = "thrifty"
+        served = client.predict(part)
+        assert client.last_level == 3
+        listed = client.score_candidates(user, rows.take(slice(0, 10)))
+        assert client.last_level == 3
+        client.value = "premium"
+        full = client.predict(part)
+        full_list = client.score_candidates(user, rows.take(slice(0, 10)))
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(served, full, rtol=1e-3)  # not the full network's scores
+    assert listed.shape == (10,) and (listed > 0).all() and not np.allclose(listed, full_list, rtol=1e-3)
 
 
 def test_a_request_parameter_reaches_the_steps_through_the_ensemble(degraded):

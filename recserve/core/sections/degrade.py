@@ -6,7 +6,9 @@ header or request parameter: a number, or a tier name of ``[degrade.tiers]``; wi
 ``default``'s), and the first step serves it at one of the levels: ``full`` (level 0), the cheaper
 ``[[degrade.levels]]`` in order (1, 2, ...), and last ``refused`` (UNAVAILABLE). A level caps the
 candidates scored per list (the caller's order is its prior: the first ``max_candidates`` are scored,
-the rest get ``fallback_score``) and the history (its newest ``history_length`` items). The level
+the rest get ``fallback_score``), the history (its newest ``history_length`` items) and, with
+``small_dense``, the network: a smaller one of ``[degrade.small_dense]``'s sizes, distilled from the
+full one by ``recserve build`` and served beside it (recserve.build.distill). The level
 is chosen by the controller (recserve.backends.steps.degrade_control), which maximises
 ``value x quality - lambda x cost`` with lambda following the steps' queue wait against
 ``target_queue_ms``. With ``priority_value``, the requests worth most are also batched first (Triton
@@ -21,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from recserve.core.sections.base import SpecError
+from recserve.core.sections.serving import DenseNetSection
 from recserve.errors import InvalidParameter, shorten
 
 #: The request header (gRPC metadata key) and request parameter carrying a request's value.
@@ -83,6 +86,7 @@ class DegradeLevel:
     quality: float
     max_candidates: int = 0  # candidates scored per list (0: all)
     history_length: int = 0  # history items kept, the newest (0: all); one of the sequence buckets
+    small_dense: bool = False  # scored by the smaller network of [degrade.small_dense]
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ class DegradeSection:
     # at the first (the SDK sets it): it is batched ahead of the others; 0: one level, as before.
     # On tritonserver 2.51 priority levels stall the batcher (docs/design/degrade.md): leave it 0
     priority_value: float = 0.0
+    # the sizes of the smaller network a level with ``small_dense`` is scored by ([dense_net]'s keys;
+    # distilled from the full network by recserve build, served beside it); None: no such network
+    small_dense: DenseNetSection | None = None
+
+    @property
+    def small_levels(self) -> frozenset[int]:
+        """The numbers of the levels scored by the smaller network (1 is the first cheaper level)."""
+        if not self.enabled:
+            return frozenset()
+        return frozenset(i for i, level in enumerate(self.levels, start=1) if level.small_dense)
 
     @property
     def level_names(self) -> tuple[str, ...]:
@@ -265,6 +279,8 @@ class DegradeSection:
                     f"sequence buckets {list(sequence_buckets)}, "
                     f"got {level.max_candidates}, {level.history_length}"
                 )
+            if level.small_dense and self.small_dense is None:
+                raise SpecError(f"{where}: small_dense needs the network's sizes in [degrade.small_dense]")
             previous_cost, previous_quality = level.cost, level.quality
         cheapest = self.levels[-1].cost if self.levels else 1.0
         if not 0.0 <= self.refuse_cost < cheapest or not 0.0 <= self.full_value < math.inf:

@@ -173,7 +173,7 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
     degrade = parse_section(DegradeSection, doc.get("degrade", {}), "degrade")
     degrade.check(seq_buckets)
     numeric = tuple(features.numeric)
-    return ModelSpec(
+    spec = ModelSpec(
         model=model,
         dense_net=net,
         serving=replace(
@@ -200,6 +200,25 @@ def parse_spec(doc: dict[str, Any]) -> ModelSpec:
         loop=loop,
         degrade=degrade,
     )
+    try:
+        small_dense_spec(spec)  # the smaller network's sizes are checked as [dense_net]'s
+    except SpecError as exc:
+        raise SpecError(f"[degrade.small_dense]: {exc}") from None
+    return spec
+
+
+def small_dense_spec(spec: ModelSpec) -> ModelSpec | None:
+    """The spec of ``[degrade.small_dense]``'s network: ``spec`` with those sizes as its ``[dense_net]``.
+
+    The same features, tables and buckets (so the same inputs), ``first_order`` as the full network's
+    unless the section sets it, and ``[degrade]`` off (the smaller network has no smaller one).
+    None: no level of the spec is scored by a smaller network.
+    """
+    if not spec.degrade.small_levels:
+        return None
+    degrade = spec.source["degrade"]
+    net = {"first_order": spec.dense_net.first_order, **degrade["small_dense"]}
+    return parse_spec({**spec.source, "dense_net": net, "degrade": {**degrade, "enabled": False}})
 
 
 def spec_path(name: str = DEFAULT_SPEC) -> Path:
