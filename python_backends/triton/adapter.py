@@ -299,13 +299,22 @@ def execute_by_input(
     if not marker:  # a step with one layout
         return rows(list(requests))
     names = names or input_names(requests)
-    forms = [marker in names[id(request)] for request in requests]
-    if not any(forms):
-        return rows(list(requests))
-    marked = iter(other([r for r, f in zip(requests, forms, strict=True) if f]))
-    plain = [r for r, f in zip(requests, forms, strict=True) if not f]
-    unmarked = iter(rows(plain) if plain else [])
-    return [next(marked) if f else next(unmarked) for f in forms]
+    return execute_apart(requests, [marker in names[id(request)] for request in requests], other, rows)
+
+
+def execute_apart(
+    requests: Sequence[Any],
+    flags: Sequence[bool],
+    flagged: Callable[[list], list],
+    rest: Callable[[list], list],
+) -> list:
+    """The requests whose flag is set go to ``flagged``, the others to ``rest``; responses in order."""
+    if not any(flags):
+        return rest(list(requests))
+    marked = iter(flagged([r for r, f in zip(requests, flags, strict=True) if f]))
+    plain = [r for r, f in zip(requests, flags, strict=True) if not f]
+    unmarked = iter(rest(plain) if plain else [])
+    return [next(marked) if f else next(unmarked) for f in flags]
 
 
 def execute_checked_merged(

@@ -18,6 +18,7 @@ from recserve.backends.dense.runner import DenseStep
 from recserve.backends.request_log.step_log import ScoreLog
 from recserve.backends.triton.adapter import (
     execute_alone,
+    execute_apart,
     execute_by_input,
     execute_checked_merged,
     read_inputs,
@@ -46,32 +47,25 @@ class DenseRequests:
         self.input_names = dense_net_inputs(spec)
         self.version_row = np.full((1, 1), version, np.int64)
         self.left_padded = left_padded_inputs(spec)
-        #: [degrade]: the levels scored by the smaller network (none where this version lacks it)
-        self.small_levels = spec.degrade.small_levels if step.small is not None else frozenset()
+        #: [degrade]: the levels scored by the smaller network (by the full one where this version lacks it)
+        self.small_levels = spec.degrade.small_levels
 
     def execute(self, requests: list) -> tuple[list, bool]:
         """The responses, and whether these requests were served (not Triton's warm-up)."""
         served = self.warmup_left <= 0
         self.warmup_left -= len(requests)
-        small = self.small
-        if small is None:
+        small = self.step.small
+        if small is None or not self.small_levels:
             responses = self.run(requests, self.step, served)
         else:  # each request by the network of the level it was served at
-            at_small = [level_of(request) in self.small_levels for request in requests]
-            steps = {True: small, False: self.step}
-            answered = {
-                flag: iter(self.run(group, steps[flag], served))
-                for flag in (True, False)
-                if (group := [r for r, s in zip(requests, at_small, strict=True) if s is flag])
-            }
-            responses = [next(answered[flag]) for flag in at_small]
+            responses = execute_apart(
+                requests,
+                [level_of(request) in self.small_levels for request in requests],
+                lambda group: self.run(group, small, served),
+                lambda group: self.run(group, self.step, served),
+            )
         self.step.copies.executed()
         return responses, served
-
-    @property
-    def small(self) -> DenseStep | None:
-        """The smaller network's step, where a level is scored by it and this version has it."""
-        return self.step.small if self.small_levels else None
 
     def run(self, requests: list, step: DenseStep, served: bool) -> list:
         """The responses of ``requests`` scored by ``step`` (row-form requests and lists apart).
