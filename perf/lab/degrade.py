@@ -49,7 +49,7 @@ from recserve.core.spec.model import ModelSpec
 from recserve.core.spec.parse import parse_spec
 from recserve.perf.bench.candidates import closed_loop_rate
 from recserve.perf.harness.traffic import infer_inputs
-from recserve.perf.lab.degrade_costs import measure_costs, with_small_dense
+from recserve.perf.lab.degrade_costs import measure_costs, shed_spec, with_small_dense
 from recserve.perf.lab.degrade_report import PhaseFigures, level_quality, phase_figures, table, windows
 from recserve.perf.lab.degrade_traffic import SERVED, LabShape, ListPool, send_phases
 from recserve.perf.lab.overload import Cores, pinned
@@ -103,13 +103,6 @@ def degrade_spec(spec: ModelSpec, overrides: dict | None = None) -> ModelSpec:
     """The spec with ``[degrade]`` on: its own section where enabled, else the lab's; ``overrides`` on top."""
     section = spec.source["degrade"] if spec.degrade.enabled else LAB_DEGRADE
     return parse_spec({**spec.source, "degrade": {**section, **(overrides or {})}})
-
-
-def shed_spec(spec: ModelSpec) -> ModelSpec:
-    """The spec as shedding alone serves it: ``[degrade]`` off (the baseline, whatever the spec says)."""
-    if not spec.degrade.enabled:
-        return spec
-    return parse_spec({**spec.source, "degrade": {**spec.source["degrade"], "enabled": False}})
 
 
 def full_scores(url: str, spec: ModelSpec, pool: ListPool, tries: int = 3) -> list[np.ndarray]:

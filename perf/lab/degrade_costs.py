@@ -11,7 +11,6 @@ at which the server answers them): what ``refuse_cost`` should say.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from pathlib import Path
 
@@ -30,30 +29,28 @@ from recserve.server import Ports, TritonServer
 ALONE_LAMBDA = 1e12
 
 
+def shed_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec as shedding alone serves it: ``[degrade]`` off (the baseline, whatever the spec says)."""
+    if not spec.degrade.enabled:
+        return spec
+    return parse_spec({**spec.source, "degrade": {**spec.source["degrade"], "enabled": False}})
+
+
 def with_small_dense(spec: ModelSpec, repository: Path, target: Path, progress: Progress) -> Path:
     """``repository`` with ``spec``'s ``[degrade.small_dense]`` network distilled beside its own.
 
-    A copy whose version folders are links, but for the dense one's (the built repository is not
-    changed); ``repository`` itself where ``spec`` has no such level.
+    A variant of ``repository`` serving it as built (``[degrade]`` off), whose dense version folder
+    is a copy (the built repository is not changed); ``repository`` itself where ``spec`` has no such
+    level.
     """
     if small_dense_spec(spec) is None:
         return repository
-    shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(repository, target, ignore=lambda folder, names: _versions(repository, folder, names))
-    for model in target.iterdir():
-        source = repository / model.name
-        for version in _versions(repository, str(source), os.listdir(source)):
-            (model / version).symlink_to((source / version).resolve(), target_is_directory=True)
+    write_variant(shed_spec(spec), repository, target)
     dense = version_dir(target, DENSE, spec)
     dense.unlink()
     shutil.copytree(version_dir(repository, DENSE, spec).resolve(), dense)
     add_small_dense(spec, target, progress)
     return target
-
-
-def _versions(repository: Path, folder: str, names: list[str]) -> list[str]:
-    """The version folders among ``names`` where ``folder`` is a model folder of ``repository``."""
-    return [n for n in names if n.isdigit()] if Path(folder).parent == repository else []
 
 
 def alone(spec: ModelSpec, index: int) -> ModelSpec:
