@@ -15,9 +15,9 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from recserve.backends.dense.buckets import spec_buckets
+from recserve.build.caller_order import caller_order_config, install_caller_order
+from recserve.build.dense_configs import dense_tensorrt_config, dense_warmup
 from recserve.build.step_tensors import (
-    CONFIG_DTYPES,
     candidate_io,
     intermediate_tensors,
     model_input,
@@ -41,8 +41,6 @@ from recserve.core.names import (
 )
 from recserve.core.sections.serving import QueuePolicy
 from recserve.core.spec.model import ModelSpec
-
-TENSORRT_PLAN = "model.plan"
 
 
 def profile_spec(spec: ModelSpec, profile: str) -> ModelSpec:
@@ -73,52 +71,6 @@ def spec_queue(spec: ModelSpec, queue: str | None = None) -> QueuePolicy:
             f"unknown queue policy {queue!r}; the spec has {sorted(spec.serving.queue_policies)}"
         )
     return spec.serving.queue_policies[queue]
-
-
-def dense_warmup(spec: ModelSpec) -> list[mc.ModelWarmup]:
-    """One ``model_warmup`` sample per bucket of the spec's grid (zeros; mask 0 attends to nothing)."""
-    inputs = step_io(spec)[DENSE][0]
-    return [
-        mc.ModelWarmup(
-            name=f"bucket_{bucket.rows}x{bucket.length}",
-            batch_size=bucket.rows,
-            count=1,
-            inputs={
-                t.name: mc.ModelWarmup.Input(
-                    data_type=CONFIG_DTYPES[t.dtype],
-                    dims=[bucket.length if d == -1 else d for d in t.dims],
-                    zero_data=True,
-                )
-                for t in inputs
-            },
-        )
-        for bucket in spec_buckets(spec)
-    ]
-
-
-def dense_tensorrt_config(spec: ModelSpec) -> mc.ModelConfig:
-    """The GPU ``dense``: a TensorRT plan with one optimisation profile per bucket, batched to bucket sizes.
-
-    Requests of one sequence bucket batch together (the feature step pads every request to a sequence
-    bucket, so no ragged batching); the dynamic batcher prefers the batch buckets' sizes.
-    """
-    inputs, outputs = step_io(spec, "gpu")[DENSE]
-    return mc.ModelConfig(
-        name=DENSE,
-        platform="tensorrt_plan",
-        default_model_filename=TENSORRT_PLAN,
-        max_batch_size=spec.model.max_batch_size,
-        input=[model_input(dataclasses.replace(t, ragged=False)) for t in inputs],
-        output=[model_output(t) for t in outputs],
-        instance_group=[
-            mc.ModelInstanceGroup(count=spec.serving.instances[DENSE], kind=mc.ModelInstanceGroup.KIND_GPU)
-        ],
-        dynamic_batching=mc.ModelDynamicBatching(
-            preferred_batch_size=list(spec.serving.batch_buckets),
-            max_queue_delay_microseconds=spec.serving.max_queue_delay_microseconds,
-        ),
-        model_warmup=dense_warmup(spec),
-    )
 
 
 @dataclass(frozen=True)
@@ -325,6 +277,8 @@ def all_configs(
     configs[spec.name] = ensemble_config(spec, profile)
     if spec.candidates_model:
         configs[spec.candidates_model] = candidates_ensemble_config(spec, profile)
+    for ensemble, model in spec.caller_order_models.items():
+        configs[model] = caller_order_config(spec, configs[ensemble])
     return configs
 
 
@@ -364,7 +318,10 @@ def render(config: mc.ModelConfig) -> str:
 def write_configs(
     spec: ModelSpec, repository: Path, files: dict[Path, mc.ModelConfig] | None = None
 ) -> list[Path]:
-    """Write the configs (``files``, by path; None: :func:`profile_configs`), the ensembles' versions."""
+    """Write the configs (``files``, by path; None: :func:`profile_configs`) and the version folders.
+
+    The ensembles' (empty) and the caller's-order models' (their adapter) where a level asks for them.
+    """
     written = []
     for relative, config in (profile_configs(spec) if files is None else files).items():
         path = repository / relative
@@ -373,6 +330,7 @@ def write_configs(
         written.append(path)
     for name in ensemble_names(spec):
         (repository / name / str(spec.version)).mkdir(parents=True, exist_ok=True)
+    install_caller_order(spec, repository)
     return written
 
 

@@ -31,6 +31,7 @@ from recserve.backends.store.shards import MANIFEST_FORMAT, write_shards
 from recserve.backends.store.table_data import TableArrays
 from recserve.backends.store.tiered import TieredStore
 from recserve.build import configs
+from recserve.build.dense_configs import TENSORRT_PLAN
 from recserve.build.distill import distill
 from recserve.build.evaluation import figure
 from recserve.build.export import (
@@ -229,7 +230,7 @@ def add_tensorrt_engine(
     options = tensorrt_engine.EngineOptions(precision=precision, timing_cache=root / TIMING_CACHE_FILE)
     progress(f"[build] building the TensorRT engine: {len(profiles)} profiles, {precision}")
     plan = tensorrt_engine.build_engine(verified_path(root, manifest["files"]["model"]), profiles, options)
-    path = root / configs.TENSORRT_PLAN
+    path = root / TENSORRT_PLAN
     path.write_bytes(plan)
     manifest["files"]["plan"] = file_entry(root, path)
     manifest["tensorrt"] = {

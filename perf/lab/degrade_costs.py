@@ -3,7 +3,8 @@
 A level's ``cost`` in the spec is a fraction of the full level's compute, and the controller trusts
 it. Here each level is served alone (a variant whose only level is that one, never refusing, lambda
 held past every value, so every request is served at it) and its closed-loop capacity measured on
-the same pinned core as the full level's: a level's cost is the full capacity over its own. The
+the same pinned core as the full level's: a level's cost is the full capacity over its own (a level
+answered in the caller's order: its model beside the ensemble, called directly). The
 refusal is measured the same way (``refused``: every request refused at the first step, the rate
 at which the server answers them): what ``refuse_cost`` should say.
 """
@@ -75,21 +76,24 @@ def measure_costs(
 
     ``spec`` has ``[degrade]`` enabled (its own source section).
     """
-    assert spec.candidates_model is not None
-    variants = {"full": repository}
+    model = spec.candidates_model
+    assert model is not None
+    variants = {"full": (repository, model)}
     for i, level in enumerate(spec.degrade.levels):
-        variants[level.name] = write_variant(alone(spec, i), repository, workdir / f"level-{level.name}")
-    variants["refused"] = write_variant(refusing(spec), repository, workdir / "level-refused")
+        root = workdir / f"level-{level.name}"
+        if level.caller_order:  # answered beside the ensemble: its model, called as the door calls it
+            variants[level.name] = (write_variant(spec, repository, root), spec.caller_order_models[model])
+        else:
+            variants[level.name] = (write_variant(alone(spec, i), repository, root), model)
+    variants["refused"] = (write_variant(refusing(spec), repository, workdir / "level-refused"), model)
     rates = {}
-    for name, root in variants.items():
+    for name, (root, called) in variants.items():
         log = workdir / f"level-{name}.log"
         with (
             TritonServer(root, Ports.free(), log_path=log, cpus=cores.server) as server,
             pinned(cores.client),
         ):
-            measured = closed_loop_rate(
-                server.grpc_url, spec.candidates_model, pool.requests[0], 1, 8, seconds
-            )
+            measured = closed_loop_rate(server.grpc_url, called, pool.requests[0], 1, 8, seconds)
         rates[name] = measured["failures_per_s" if name == "refused" else "rows_per_s"]
     return {
         name: {

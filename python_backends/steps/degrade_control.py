@@ -78,13 +78,20 @@ class DegradeController:
 
     Args:
         section: the spec's ``[degrade]`` (its ``fixed_lambda``, when >= 0, holds lambda there).
+        at_steps: the steps' controller, which never chooses the level answered in the caller's
+            order (``caller_order``: the access layer's door sends requests there; one that reached
+            the steps is past it); False: every level, as the door chooses.
     """
 
-    def __init__(self, section: DegradeSection) -> None:
+    def __init__(self, section: DegradeSection, at_steps: bool = True) -> None:
         self.section = section
         #: each level's cost and quality, by level number (arrays: the choice is made on whole batches)
         self.costs = np.array(section.costs)
         self.qualities = np.array(section.qualities)
+        #: what choosing each level loses beyond its cost: -inf where the steps cannot serve it
+        self.excluded = np.zeros(len(self.costs))
+        if at_steps and section.order_level is not None:
+            self.excluded[section.order_level] = -np.inf
         self.grid = np.array(section.lambda_grid)  # the lambdas the door's floor is chosen among
         self.fixed = section.fixed_lambda >= 0
         self._lambda = max(section.fixed_lambda, 0.0)
@@ -206,7 +213,7 @@ class DegradeController:
         The best ``v x quality - lambda x cost``, ties to the fuller level (at lambda 0, full); a
         value of at least ``full_value`` (when set) always full.
         """
-        gains = values[..., None] * self.qualities - lams[..., None] * self.costs
+        gains = values[..., None] * self.qualities - lams[..., None] * self.costs + self.excluded
         chosen = gains.argmax(axis=-1)
         if self.section.full_value > 0:
             chosen[np.broadcast_to(values >= self.section.full_value, chosen.shape)] = 0

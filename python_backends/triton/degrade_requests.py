@@ -38,6 +38,7 @@ from recserve.core.sections.degrade import (
     DEGRADE_LEVEL,
     LAMBDA_HEADER,
     METRICS_URL_ENV,
+    ORDERED_HEADER,
     REFUSED_HEADER,
     REQUESTED_CANDIDATES,
 )
@@ -104,6 +105,11 @@ class DegradeGate:
                 self.controller.capacity_per_s = carried
                 LOGGER.info("[degrade]: the capacity the last run learned: %.1f per second", carried)
         self.level_inputs = LevelInputs(spec)
+        # what the access layer's door answered itself, reported on the next request it let through
+        self.door_reports = (
+            (self.controller.refused_level, REFUSED_HEADER),
+            (self.section.order_level, ORDERED_HEADER),
+        )
         self.counts = LevelCounts(self.section)
         url = metrics_url or os.environ.get(METRICS_URL_ENV, "")
         self.wait = QueueWait(url, STEPS) if url else None
@@ -159,16 +165,20 @@ class DegradeGate:
             parameters.append(parameters_of(request))
             try:
                 floor = self.section.lambda_of(parameters[-1].get(LAMBDA_HEADER))
-                reported = self.section.refusals_of(parameters[-1].get(REFUSED_HEADER))
+                reported = [
+                    (level, self.section.door_counts(parameters[-1].get(header), header))
+                    for level, header in self.door_reports
+                    if level is not None
+                ]
                 values.append(self.section.value_from(parameters[-1]))
                 floors.append(floor)
             except InvalidParameter as exc:
                 responses[i] = error_response(exc)
                 values.append(None)
                 continue
-            if refused is not None:  # the access layer's door's refusals, reported with this request
-                for tier, count in reported.items():
-                    self.counts.count(refused, self.counts.tiers.index(tier), count)
+            for level, counts in reported:  # what the access layer's door answered, reported with this
+                for tier, count in counts.items():
+                    self.counts.count(level, self.counts.tiers.index(tier), count)
         valued = [v for v in values if v is not None]
         self.counts.door(max(floors, default=0.0))
         self.controller.arrived(time.monotonic(), valued)

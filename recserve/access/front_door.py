@@ -40,7 +40,7 @@ from recserve.access.lua.frame import ENTRY, PRELUDE
 from recserve.access.lua.grpc_message import GRPC_MESSAGE
 from recserve.access.lua.json_body import JSON_BODY
 from recserve.access.lua.value_door import VALUE_DOOR
-from recserve.core.sections.degrade import LAMBDA_HEADER, REFUSED_HEADER, VALUE_HEADER
+from recserve.core.sections.degrade import LAMBDA_HEADER, ORDERED_HEADER, REFUSED_HEADER, VALUE_HEADER
 from recserve.core.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -262,6 +262,7 @@ def lua_source(door: FrontDoor) -> str:
         .replace("@DOOR@", door.value_door.lua_table() if door.value_door is not None else "nil")
         .replace("@LAMBDA_HEADER@", LAMBDA_HEADER)
         .replace("@REFUSED_HEADER@", REFUSED_HEADER)
+        .replace("@ORDERED_HEADER@", ORDERED_HEADER)
         .replace("@VALUE_HEADER@", VALUE_HEADER)
         .replace("@LIMITS@", _lua_table(door.inputs))
         .replace("@OUTPUTS@", _lua_table(outputs))

@@ -21,8 +21,8 @@ Each Envoy worker holds its share of the budget (``[access] workers``: one by de
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from recserve.core.degrade_capacity import FILE_NAME, LIMITS, MAX_BYTES, CapacityFile
@@ -51,12 +51,15 @@ class ValueDoor:
         workers: Envoy's worker threads; each holds its share of the capacity.
         kept: each server's kept capacity file, read again while the proxy runs (absolute paths;
             none where the spec sets the capacity). The capacity is their sum once each holds one.
+        ordered: by ensemble, the model answering its caller's-order level (``caller_order``),
+            which the door names instead of the ensemble for a request at that level.
     """
 
     section: DegradeSection
     capacity_per_s: float
     workers: int = 1
     kept: tuple[str, ...] = ()
+    ordered: Mapping[str, str] = field(default_factory=dict)
 
     def lua_table(self) -> str:
         """The Lua table of the door (``@DOOR@``); its levels by number from 1 (full), the step's from 0."""
@@ -86,6 +89,11 @@ class ValueDoor:
             "number_tier": lua_string(NUMBER_TIER),  # the count columns of a number and of no value
             "default_tier": lua_string(DEFAULT_TIER),
             "max_reported": str(MAX_REPORTED),  # a report's count per tier, as the step reads it
+            # the caller's-order level (0: none) and its model by ensemble, where the spec has one
+            "order": str(section.order_level + 1 if section.order_level is not None else 0),
+            "ordered": "{"
+            + ", ".join(f"[{lua_string(k)}] = {lua_string(v)}" for k, v in self.ordered.items())
+            + "}",
         }
         return "{" + ", ".join(f"{k} = {v}" for k, v in fields.items()) + "}"
 
@@ -100,13 +108,13 @@ class ValueDoor:
         """
         if spec is None or not spec.degrade.enabled or spec.degrade.fixed_lambda >= 0 or not repositories:
             return None  # off, or lambda held by the spec (a drill): the first step decides alone
-        section = spec.degrade
+        section, ordered = spec.degrade, spec.caller_order_models
         if section.capacity > 0:
-            return cls(section, section.capacity * len(repositories), workers)
+            return cls(section, section.capacity * len(repositories), workers, ordered=ordered)
         files = tuple(Path(r).resolve() / EMBEDDING_LOOKUP / FILE_NAME for r in repositories)
         kept = [CapacityFile(path).load() for path in files]
         known = sum(c for c in kept if c is not None) if None not in kept else 0.0
-        return cls(section, known, workers, tuple(str(path) for path in files))
+        return cls(section, known, workers, tuple(str(path) for path in files), ordered)
 
 
 def _number(value: float) -> str:

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recserve.core.names import GPU_PROFILES, TRAFFIC_HEADER, VARIANT_HEADER
-from recserve.core.sections.degrade import LAMBDA_HEADER, METRICS_URL_ENV, REFUSED_HEADER, VALUE_HEADER
+from recserve.core.sections.degrade import (
+    LAMBDA_HEADER,
+    METRICS_URL_ENV,
+    ORDERED_HEADER,
+    REFUSED_HEADER,
+    VALUE_HEADER,
+)
 from recserve.server.child import ChildProcess, read_tail
 from recserve.server.mps import visible_gpus
 from recserve.server.runtime import ServerProcessError, prepare_runtime, server_env
@@ -86,9 +92,11 @@ def config_arguments(config_name: str | None) -> list[str]:
 
 #: The request headers tritonserver hands every step as request parameters: the variant the access
 #: layer routed a request to and its traffic kind (the request log's), the request's value, the
-#: lambda the access layer's door chose its level at and the door's refusals it reports
-#: (``[degrade]``). Anchored: no other header (the admin key least of all) reaches a model.
-FORWARDED_HEADERS = f"^({VARIANT_HEADER}|{TRAFFIC_HEADER}|{VALUE_HEADER}|{LAMBDA_HEADER}|{REFUSED_HEADER})$"
+#: lambda the access layer's door chose its level at and what the door answered itself, which it
+#: reports (``[degrade]``). Anchored: no other header (the admin key least of all) reaches a model.
+FORWARDED_HEADERS = (
+    f"^({VARIANT_HEADER}|{TRAFFIC_HEADER}|{VALUE_HEADER}|{LAMBDA_HEADER}|{REFUSED_HEADER}|{ORDERED_HEADER})$"
+)
 
 
 def metrics_env(ports: Ports, host: str = LOOPBACK) -> dict[str, str]:

@@ -14,10 +14,12 @@ import asyncio
 import dataclasses
 import json
 import re
+import time
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
@@ -38,7 +40,7 @@ from recserve.core.sections.degrade import DEGRADE_LEVEL, LAMBDA_HEADER, VALUE_H
 from recserve.core.spec.parse import parse_spec, small_dense_spec
 from recserve.perf.lab.degrade_costs import with_small_dense
 from recserve.server import Ports, TritonServer
-from tests.integration.helpers import infer_inputs, metrics_text, recserve, wait_for
+from tests.integration.helpers import http_client, infer_inputs, metrics_text, recserve, wait_for
 
 #: lambda 0.1: v >= 2.5 full, >= 0.375 capped, >= 0.08 short, >= 0.019 lean (every candidate, by the
 #: smaller network), below refused (v x q - lambda x c)
@@ -249,6 +251,54 @@ def test_the_access_layers_door_refuses_the_lowest_values_before_any_server(spec
         assert refusals["standard"] == refusals["basic"] == 1
         assert counted()[("full", "low")] >= 1  # served while the door had no capacity
         assert ("full", "standard") not in counted()
+
+
+def test_the_door_sends_the_lowest_values_to_the_callers_order_model(degraded, spec, repository, tmp_path):
+    """A level with ``caller_order``: Envoy's door renames the request's model, and nothing is scored.
+
+    The kept capacity (10 requests a second) leaves each 50 ms window a budget under one full
+    request: a lone low value then costs least in the caller's order, answered by the model beside the
+    ensemble (rows and lists, gRPC and HTTP) with ``fallback_score`` for every row; the first step
+    counts it when the door reports it on the next request it lets through (each listener's door, gRPC
+    and HTTP, on its own).
+    """
+    _, _, rows = degraded
+    section = {k: v for k, v in DEGRADE.items() if k not in ("fixed_lambda", "priority_value", "levels")}
+    order = {"name": "order", "cost": 0.02, "quality": 0.8, "caller_order": True}
+    levels = [*(level for level in DEGRADE["levels"] if not level.get("small_dense")), order]
+    order_spec = parse_spec({**spec.source, "degrade": {**section, "levels": levels, "full_value": 2.5}})
+    variant = write_variant(order_spec, repository, tmp_path / "repository")
+    write_text_atomically(variant / EMBEDDING_LOOKUP / FILE_NAME, '{"capacity_per_s": 10.0}')
+    access = dataclasses.replace(spec.access, weights={"stable": 100}, shadow_fraction=0.0)
+    user = {"history_items": rows.history[0, : rows.lengths[0]].tolist()}
+    with AccessLayer(access, {"stable": variant}, tmp_path / "access", ProxyPorts.free()) as layer:
+        with CTRClient(layer.grpc_url, timeout_s=30, spec=order_spec) as client:
+            client.value = "low"
+            for _ in range(2):  # each alone in the door's window
+                time.sleep(0.06)
+                scores = client.score_candidates(user, rows.take(slice(0, 5)))
+                assert client.last_level == 3 and scores.tolist() == [0.0] * 5
+                time.sleep(0.06)
+                assert (
+                    client.predict_inputs(rows.take(slice(0, 3)).to_inputs(order_spec)).tolist() == [0.0] * 3
+                )
+                assert client.last_level == 3
+        time.sleep(0.06)
+        with http_client(layer) as proxied:
+            inputs = infer_inputs(httpclient, rows.take(slice(0, 2)).to_wire(spec))
+            answered = proxied.infer(spec.name, inputs, headers={VALUE_HEADER: "low"})
+            assert answered.as_numpy(DEGRADE_LEVEL).reshape(-1).tolist() == [3, 3]
+            premium = proxied.infer(spec.name, inputs, headers={VALUE_HEADER: "premium"})
+            assert premium.as_numpy(DEGRADE_LEVEL).reshape(-1).tolist() == [0, 0]
+        with CTRClient(layer.grpc_url, timeout_s=30, spec=order_spec, value="premium") as client:
+            client.predict_inputs(rows.take(slice(0, 1)).to_inputs(order_spec))  # each listener reports its own
+        server = layer.servers["stable"][0]
+
+        def ordered() -> float:
+            found = re.findall(COUNTED, metrics_text(server), re.MULTILINE)
+            return sum(float(n) for level, tier, n in found if (level, tier) == ("order", "low"))
+
+        wait_for(lambda: ordered() == 5.0, 10.0, "the door's caller's-order answers counted")
 
 
 def test_a_priority_set_on_the_ensemble_request_reaches_its_steps(spec, repository, tmp_path):

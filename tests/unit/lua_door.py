@@ -21,12 +21,13 @@ return function(body, path, extra, now)
   function handle:body()
     if #body == 0 then return nil end
     return {length = function() return #body end,
-      getBytes = function(_, i, n) return body:sub(i + 1, i + n) end}
+      getBytes = function(_, i, n) return body:sub(i + 1, i + n) end,
+      setBytes = function(_, bytes) body = bytes; result.sent = bytes end}
   end
   function handle:respond(h, b) result.status = h[":status"]; result.body = b end
   function handle:logErr(m) result.logged = m end
   envoy_on_request(handle)
-  return result.status, result.body, result.logged, headers
+  return result.status, result.body, result.logged, headers, result.sent
 end
 """
 #: what the script did with one request: the status and body it answered (None: passed on), the
@@ -41,7 +42,8 @@ def door_script(luajit: Any, door: FrontDoor) -> Callable[..., Answer]:
     handle = runtime.execute(HANDLE)
 
     def run(body: bytes, path: str, headers: dict[str, str] | None = None, now_ms: float = 0.0) -> Answer:
-        status, answer, logged, after = handle(body, path, runtime.table_from(headers or {}), now_ms)
+        status, answer, logged, after, sent = handle(body, path, runtime.table_from(headers or {}), now_ms)
+        run.sent = sent  # the body as the script set it (None: left as it came)
         return status, answer, logged, dict(after.items())
 
     return run

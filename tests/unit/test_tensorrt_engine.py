@@ -14,6 +14,7 @@ from recserve.backends.dense.tensorrt_engine import (
     tensorrt_available,
 )
 from recserve.build import configs
+from recserve.build.dense_configs import TENSORRT_PLAN
 from recserve.cli import main
 from recserve.core.gpu_batches import gpu_spec
 from recserve.core.names import DENSE, EMBEDDING_LOOKUP, L1_DEVICE_PARAMETER
@@ -78,7 +79,7 @@ def test_build_profile_gpu_says_so_in_one_line_and_keeps_the_cpu_path(tiny_repos
 def test_gpu_dense_config_is_a_tensorrt_plan_batched_to_the_buckets(spec):
     config = configs.step_config(spec, DENSE, profile="gpu")
     gpu = gpu_spec(spec)  # the GPU profiles' buckets: up to [serving] gpu_max_batch_size
-    assert config.platform == "tensorrt_plan" and config.default_model_filename == configs.TENSORRT_PLAN
+    assert config.platform == "tensorrt_plan" and config.default_model_filename == TENSORRT_PLAN
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert config.instance_group[0].count == spec.serving.instances["dense"]
     assert list(config.dynamic_batching.preferred_batch_size) == list(gpu.serving.batch_buckets)

@@ -114,7 +114,7 @@ def test_refusals_past_what_one_report_may_carry_go_with_the_next_requests(monke
         assert send("100", float(t))[0] is None  # over full_value: let through, with what is left
         reports.append(send.reported)
     assert reports == ["low:2", "low:2", "low:1", None]
-    assert [section.refusals_of(r) for r in reports[:3]] == [{"low": 2}, {"low": 2}, {"low": 1}]
+    assert [section.door_counts(r) for r in reports[:3]] == [{"low": 2}, {"low": 2}, {"low": 1}]
 
 
 def test_the_first_step_serves_at_the_doors_lambda_at_least():
@@ -127,14 +127,14 @@ def test_the_first_step_serves_at_the_doors_lambda_at_least():
     for bad in ("nan", "-1", "inf", "x" * 300):
         with pytest.raises(InvalidParameter, match=LAMBDA_HEADER):
             section.lambda_of(bad)
-    assert section.refusals_of("low:2,number:1") == {"low": 2, "number": 1}
-    assert section.refusals_of(None) == {}
+    assert section.door_counts("low:2,number:1") == {"low": 2, "number": 1}
+    assert section.door_counts(None) == {}
     malformed = ("premium:1", "low:0", "low:-1", "low:x", "low", "low:" + "9" * 40, "low:1," * 5, "low:1,")
     # counts past the bound behind leading zeros, and digits that are not ASCII's
     past = ("low:0000000100000000", "low:1" + "0" * 60, "low:1000001", "low:²", "low:١", "low: 1")
     for bad in (*malformed, *past):
         with pytest.raises(InvalidParameter, match=REFUSED_HEADER):
-            section.refusals_of(bad)
+            section.door_counts(bad)
 
 
 def kept(repository, capacity) -> None:

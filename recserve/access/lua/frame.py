@@ -6,8 +6,10 @@ what Triton will read. This part holds what both share: the limits (filled in fo
 models), the checks of one input or output, and the rule that **only public models are public**: a
 path or call naming a model that is not served to clients (the steps of an ensemble) is answered
 404 (gRPC ``NOT_FOUND``). The gRPC stream call is refused before its body. An inference call
-passes the value door (:mod:`recserve.access.lua.value_door`) before its body is read; a
-``recserve-lambda`` or ``recserve-door-refused`` header a caller sent is removed from every request.
+passes the value door (:mod:`recserve.access.lua.value_door`) before its body is read, and is sent
+to the caller's-order model where the door chose that level (the gRPC message renamed, or the HTTP
+path); a ``recserve-lambda``, ``recserve-door-refused`` or ``recserve-door-ordered`` header a caller
+sent is removed from every request.
 
 The walk is linear in the body: anchored ``string.find`` patterns, no backtracking, no value built
 but the few strings compared. A refusal is raised as a Lua table and answered as JSON
@@ -125,11 +127,19 @@ local function check_grpc(handle, headers, path)
   if method == "ModelStreamInfer" then
     return answer(handle, 501, "the proxy serves unary ModelInfer calls, not ModelStreamInfer", true)
   end
-  local refusal = method == "ModelInfer" and door(handle, headers)
+  local refusal, ordered
+  if method == "ModelInfer" then refusal, ordered = door(handle, headers) end
   if refusal then return answer(handle, 503, refusal, true) end
+  if ordered then headers:remove("content-length") end  -- the message may be renamed below
   local body = handle:body()
-  local ok, failure = pcall(scan_grpc, body and body:getBytes(0, body:length()) or "", method)
-  if not ok then return refused(handle, failure, true, "the gRPC message") end
+  local message = body and body:getBytes(0, body:length()) or ""
+  local ok, model, from, to = pcall(scan_grpc, message, method)
+  if not ok then return refused(handle, model, true, "the gRPC message") end
+  local order = ordered and DOOR.ordered[model]
+  if order then  -- answered in the caller's order, by the model beside the ensemble
+    body:setBytes(renamed(message, from, to, order))
+    door_ordered(ordered)
+  end
 end
 
 -- Headers are read before handle:body(), which yields (a header map is not usable across it).
@@ -137,6 +147,7 @@ local function check(handle)
   local headers = handle:headers()
   headers:remove(LAMBDA_HEADER)  -- only the value door sets these
   headers:remove(REFUSED_HEADER)
+  headers:remove(ORDERED_HEADER)
   local path = (headers:get(":path") or ""):gsub("%?.*$", "")
   if (headers:get("content-type") or ""):find("^application/grpc") then
     return check_grpc(handle, headers, path)
@@ -155,8 +166,12 @@ local function check(handle)
     return answer(handle, 415, "the proxy takes uncompressed inference bodies, got content-encoding '"
       .. shorten(encoding) .. "'")
   end
-  local refusal = door(handle, headers)
+  local refusal, ordered = door(handle, headers)
   if refusal then return answer(handle, 503, refusal) end
+  local order = ordered and DOOR.ordered[model]
+  if order then  -- answered in the caller's order, by the model beside the ensemble
+    headers:replace(":path", "/v2/models/" .. order .. headers:get(":path"):sub(#"/v2/models/" + #model + 1))
+  end
   local body = handle:body()
   local length = body and body:length() or 0
   if length == 0 then return answer(handle, 400, "an inference request needs a JSON body") end
@@ -170,6 +185,7 @@ local function check(handle)
   end
   ok, failure = pcall(scan_json, body:getBytes(0, size), model)
   if not ok then return refused(handle, failure, false, "the inference body") end
+  if order then door_ordered(ordered) end
 end
 
 -- Fails closed: a request the script could not check is refused, never passed on.

@@ -5,6 +5,7 @@ end. ``ModelInfer``: the model, each input's name and shape and each output's na
 JSON ones are; a singular field given twice is refused. ``ModelReady``, ``ModelMetadata``,
 ``ModelConfig``, ``ModelStatistics``: the model named must be public (the statistics of all models,
 no name given, stay readable: counters only, which perf_analyzer reads of an ensemble's steps).
+``renamed``: a ``ModelInfer`` message naming another model (the value door's caller's-order level).
 """
 
 GRPC_MESSAGE = r"""local function varint(s, i, limit)
@@ -18,11 +19,12 @@ GRPC_MESSAGE = r"""local function varint(s, i, limit)
   refuse("a protobuf varint runs past its message")
 end
 
--- Calls field(number, wire, a, b) for each field of the message s[i..limit]: for wire type 2,
--- a..b are its bytes; for wire type 0, a is its value.
+-- Calls field(number, wire, a, b, k) for each field of the message s[i..limit]: for wire type 2,
+-- a..b are its bytes; for wire type 0, a is its value; k is where its key starts.
 local function fields(s, i, limit, field)
   while i <= limit do
     local key
+    local k = i
     key, i = varint(s, i, limit)
     local number, wire = math.floor(key / 8), key % 8
     if wire == 0 then
@@ -33,7 +35,7 @@ local function fields(s, i, limit, field)
       local n
       n, i = varint(s, i, limit)
       if n > limit - i + 1 then refuse("a protobuf field runs past its message") end
-      field(number, 2, i, i + n - 1)
+      field(number, 2, i, i + n - 1, k)
       i = i + n
     elseif wire == 1 or wire == 5 then
       i = i + (wire == 1 and 8 or 4)
@@ -84,16 +86,32 @@ local function grpc_input(s, a, b, index, model)
   return name
 end
 
+-- The call's message s (one gRPC frame) with its model_name field (bytes from..to: key, length and
+-- name) naming model instead: the frame's length and the field's follow.
+local function renamed(s, from, to, model)
+  local length, n = {}, #model
+  repeat
+    local b = n % 128
+    n = math.floor(n / 128)
+    length[#length + 1] = string.char(n > 0 and b + 128 or b)
+  until n == 0
+  local message = s:sub(6, from - 1) .. "\10" .. table.concat(length) .. model .. s:sub(to + 1)
+  local size = #message
+  return string.char(0, math.floor(size / 16777216) % 256, math.floor(size / 65536) % 256,
+    math.floor(size / 256) % 256, size % 256) .. message
+end
+
+-- Checks a call's message; for ModelInfer returns the model it names and that field's bytes.
 local function scan_grpc(s, method)
   if #s < 5 or s:byte(1) ~= 0 then refuse("the proxy takes one uncompressed gRPC message per call") end
   local size = ((s:byte(2) * 256 + s:byte(3)) * 256 + s:byte(4)) * 256 + s:byte(5)
   if size ~= #s - 5 then refuse("the proxy takes one uncompressed gRPC message per call") end
   if method == "ModelInfer" then
-    local model, inputs, outputs, names = nil, {}, {}, {}
-    fields(s, 6, #s, function(number, wire, a, b)
+    local model, inputs, outputs, names, from, to = nil, {}, {}, {}, nil, nil
+    fields(s, 6, #s, function(number, wire, a, b, k)
       if wire ~= 2 then return end
       if number == 1 then
-        model = once(model, "model_name", s:sub(a, b))
+        model, from, to = once(model, "model_name", s:sub(a, b)), k, b
       elseif number == 2 then
         bounded("model version", s:sub(a, b))
       elseif number == 4 then
@@ -120,6 +138,7 @@ local function scan_grpc(s, method)
       end)
       check_output(model, name or "")
     end
+    return model, from, to
   elseif method == "ModelReady" or method == "ModelMetadata" or method == "ModelConfig"
       or method == "ModelStatistics" then
     local model

@@ -14,7 +14,10 @@ grid at which the window's arrivals, each at the level lambda gives it, cost the
 once (HTTP 503, gRPC ``UNAVAILABLE``); one let through carries that lambda in ``recserve-lambda``,
 so the first step serves it at the level the door counted it at, and the door's refusals since
 the last request it let through, by tier (``recserve-door-refused``), which the first step counts
-with its own. Either header sent by a caller is removed from every request: only the door sets them.
+with its own. A request whose level is answered in the caller's order (``caller_order``) goes to that
+model instead of the ensemble (the caller of :func:`door` rewrites the model name), and is reported
+the same way (``recserve-door-ordered``). Each of these headers sent by a caller is removed from
+every request: only the door sets them.
 """
 
 VALUE_DOOR = r"""-- The value door ([degrade]): levels chosen as the first step chooses them, refusals here.
@@ -22,9 +25,12 @@ local DOOR = @DOOR@
 local LAMBDA_HEADER = "@LAMBDA_HEADER@"
 local VALUE_HEADER = "@VALUE_HEADER@"
 local REFUSED_HEADER = "@REFUSED_HEADER@"
+local ORDERED_HEADER = "@ORDERED_HEADER@"
 local RING = 4096
 local seen_at, seen_value, seen_first, seen_next = {}, {}, 0, 0
 local refused_by_tier = {}  -- since the last request let through, reported with the next one
+local ordered_by_tier = {}  -- sent to a caller's-order model since then, reported the same way
+local REPORTS = {{REFUSED_HEADER, refused_by_tier}, {ORDERED_HEADER, ordered_by_tier}}
 local door_budget, door_read_at = 0, -math.huge  -- what a window may cost (0: capacity not known)
 
 local function door_spends(capacity)
@@ -100,7 +106,33 @@ local function door_lambda(now, value)
   return grid[low]
 end
 
--- An inference call at the door: the refusal's message, or nil (lambda set on the request for the steps).
+-- The tier column a request is counted in: its tier, a number's, or no value's.
+local function door_tier(raw)
+  if raw == nil or raw == "" then return DOOR.default_tier end
+  return DOOR.tiers[raw] ~= nil and raw or DOOR.number_tier
+end
+
+-- What the door answered itself, by tier, as the report header's text (at most max_reported a tier;
+-- the rest stay for the next request let through); nil: nothing to report.
+local function door_report(counts)
+  if next(counts) == nil then return nil end
+  local reported = {}
+  for tier, count in pairs(counts) do
+    local sent = math.min(count, DOOR.max_reported)
+    reported[#reported + 1] = tier .. ":" .. string.format("%d", sent)
+    counts[tier] = count > sent and count - sent or nil
+  end
+  return table.concat(reported, ",")
+end
+
+-- A request the door sent to a caller's-order model (a level with caller_order), counted.
+local function door_ordered(tier)
+  ordered_by_tier[tier] = (ordered_by_tier[tier] or 0) + 1
+end
+
+-- An inference call at the door: the refusal's message, or nil (lambda set on the request for the
+-- steps); second, the request's tier column where its level is answered in the caller's order (the
+-- caller rewrites the model it names, and counts it with door_ordered).
 local function door(handle, headers)
   if DOOR == nil then return nil end
   local raw = headers:get(VALUE_HEADER)
@@ -112,22 +144,16 @@ local function door(handle, headers)
   local lam = door_lambda(now, value)
   local level = door_level(value, lam)
   if DOOR.refuses and level == #DOOR.costs then
-    local tier = DOOR.tiers[raw] ~= nil and raw or DOOR.number_tier
-    if raw == nil or raw == "" then tier = DOOR.default_tier end
+    local tier = door_tier(raw)
     refused_by_tier[tier] = (refused_by_tier[tier] or 0) + 1
     return string.format("refused under load at the access layer (lambda %.3g, value %.3g); retry later",
       lam, value)
   end
   if lam > 0 then headers:replace(LAMBDA_HEADER, string.format("%.17g", lam)) end
-  if next(refused_by_tier) ~= nil then  -- at most max_reported a tier per report; the rest with the next
-    local reported, left = {}, {}
-    for tier, count in pairs(refused_by_tier) do
-      local sent = math.min(count, DOOR.max_reported)
-      reported[#reported + 1] = tier .. ":" .. string.format("%d", sent)
-      if count > sent then left[tier] = count - sent end
-    end
-    headers:replace(REFUSED_HEADER, table.concat(reported, ","))
-    refused_by_tier = left
+  if level == DOOR.order then return nil, door_tier(raw) end
+  for _, kind in ipairs(REPORTS) do
+    local report = door_report(kind[2])
+    if report ~= nil then headers:replace(kind[1], report) end
   end
   return nil
 end

@@ -35,6 +35,11 @@ LAMBDA_HEADER = "recserve-lambda"
 #: The header on which the door reports the requests it refused since the last one it let through (on
 #: that Envoy worker), by value tier: ``tier:count,...``; the first step counts them as refused.
 REFUSED_HEADER = "recserve-door-refused"
+#: The same report of the requests the door sent to the caller's-order model (a level with
+#: ``caller_order``) since the last one it let through; the first step counts them at that level.
+ORDERED_HEADER = "recserve-door-ordered"
+#: The model answering a level with ``caller_order`` in front of an ensemble: ``<ensemble>`` + this.
+CALLER_ORDER_SUFFIX = "__caller_order"
 #: The tier columns of the counts beside the spec's tiers: a request that gave a number, and one that
 #: gave no value (the default's).
 NUMBER_TIER = "number"
@@ -87,6 +92,10 @@ class DegradeLevel:
     max_candidates: int = 0  # candidates scored per list (0: all)
     history_length: int = 0  # history items kept, the newest (0: all); one of the sequence buckets
     small_dense: bool = False  # scored by the smaller network of [degrade.small_dense]
+    # answered by the access layer's door with the caller's order (every candidate fallback_score)
+    # from a one-step model beside the ensemble: no feature, lookup nor network runs. The last level;
+    # the steps never choose it (a request that reached them is past it)
+    caller_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +145,13 @@ class DegradeSection:
         return frozenset(i for i, level in enumerate(self.levels, start=1) if level.small_dense)
 
     @property
+    def order_level(self) -> int | None:
+        """The number of the level answered in the caller's order (the last spec level), or None."""
+        if self.enabled and self.levels and self.levels[-1].caller_order:
+            return len(self.levels)
+        return None
+
+    @property
     def level_names(self) -> tuple[str, ...]:
         """Every level's name by number: ``full``, the spec's, and ``refused`` where it refuses."""
         return (FULL, *(level.name for level in self.levels), *((REFUSED,) if self.refuse else ()))
@@ -179,8 +195,10 @@ class DegradeSection:
             raise InvalidParameter(LAMBDA_HEADER, f"must be a number >= 0, got {shorten(raw)}")
         return min(number, self.max_lambda)
 
-    def refusals_of(self, raw: object) -> dict[str, int]:
-        """The door's refusals a request reports (:data:`REFUSED_HEADER`; absent: none), by tier column.
+    def door_counts(self, raw: object, header: str = REFUSED_HEADER) -> dict[str, int]:
+        """The door's refusals (or caller's-order answers) a request reports in ``header``, by tier column.
+
+        Absent: none.
 
         Raises:
             InvalidParameter: not ``tier:count`` pairs of known tier columns and counts in 1..1e6.
@@ -193,7 +211,7 @@ class DegradeSection:
             tier not in columns or not _COUNT.fullmatch(count) or not 0 < int(count) <= MAX_REPORTED
             for tier, _, count in pairs
         ):
-            raise InvalidParameter(REFUSED_HEADER, f"must be tier:count pairs, got {shorten(raw)}")
+            raise InvalidParameter(header, f"must be tier:count pairs, got {shorten(raw)}")
         found: dict[str, int] = {}
         for tier, _, count in pairs:
             found[tier] = found.get(tier, 0) + int(count)
@@ -278,6 +296,12 @@ class DegradeSection:
                     f"{where}: max_candidates >= 0 (0: all) and history_length 0 (all) or one of the "
                     f"sequence buckets {list(sequence_buckets)}, "
                     f"got {level.max_candidates}, {level.history_length}"
+                )
+            scores = level.max_candidates or level.history_length or level.small_dense
+            if level.caller_order and (level is not self.levels[-1] or scores):
+                raise SpecError(
+                    f"{where}: caller_order is the last level, and scores nothing (no max_candidates, "
+                    "history_length nor small_dense)"
                 )
             if level.small_dense and self.small_dense is None:
                 raise SpecError(f"{where}: small_dense needs the network's sizes in [degrade.small_dense]")

@@ -15,7 +15,7 @@ from typing import Any
 from recserve.core.name_ranges import expand_names
 from recserve.core.names import BYTES_WIRE, IDS_WIRE
 from recserve.core.sections.base import SpecError
-from recserve.core.sections.degrade import DegradeSection
+from recserve.core.sections.degrade import CALLER_ORDER_SUFFIX, DegradeSection
 from recserve.core.sections.logging import LoggingSection
 from recserve.core.sections.loop import LoopSection
 from recserve.core.sections.serving import (
@@ -237,6 +237,14 @@ class ModelSpec:
         and every other wire input per candidate, ``[users, candidates, ...]``.
         """
         return f"{self.name}_candidates" if self.sequences else None
+
+    @property
+    def caller_order_models(self) -> dict[str, str]:
+        """By ensemble, the model answering its caller's-order level (``[degrade]``); none without one."""
+        if self.degrade.order_level is None:
+            return {}
+        ensembles = (self.name, *((self.candidates_model,) if self.candidates_model else ()))
+        return {name: name + CALLER_ORDER_SUFFIX for name in ensembles}
 
     @property
     def table_names(self) -> tuple[str, ...]:

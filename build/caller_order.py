@@ -1,0 +1,48 @@
+"""The caller's-order models beside the ensembles: configs and adapters, where a level asks for them.
+
+A ``[[degrade.levels]]`` entry with ``caller_order`` is answered by ``<ensemble>__caller_order``
+(recserve.backends.steps.caller_order): the access layer's door rewrites a request's model name to
+it. Its config takes exactly the ensemble's inputs and returns its outputs (the caller sends the
+same request either way), without a batch dimension of its own (a request is answered alone);
+one CPU instance of the Python backend, the served spec as its parameter.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from recserve.core.spec.model import ModelSpec
+
+ADAPTER = "caller_order.py"
+
+
+def caller_order_config(spec: ModelSpec, ensemble: mc.ModelConfig) -> mc.ModelConfig:
+    """The config of the model answering ``ensemble``'s requests in the caller's order."""
+    batch = [-1] if ensemble.max_batch_size > 0 else []  # the ensemble's batch dimension, spelled out
+    return mc.ModelConfig(
+        name=spec.caller_order_models[ensemble.name],
+        backend="python",
+        max_batch_size=0,
+        input=[
+            mc.ModelInput(name=i.name, data_type=i.data_type, dims=[*batch, *i.dims], optional=i.optional)
+            for i in ensemble.input
+        ],
+        output=[
+            mc.ModelOutput(name=o.name, data_type=o.data_type, dims=[*batch, *o.dims])
+            for o in ensemble.output
+        ],
+        instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)],
+        parameters={"spec": mc.ModelParameter(string_value=spec.to_json())},
+    )
+
+
+def install_caller_order(spec: ModelSpec, repository: Path) -> None:
+    """Copy the adapter into each caller's-order model's version folder (none without the level)."""
+    source = resources.files("recserve.backends.triton.models").joinpath(ADAPTER).read_text()
+    for model in spec.caller_order_models.values():
+        folder = repository / model / str(spec.version)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.py").write_text(source)
