@@ -4,7 +4,8 @@ A ``[[degrade.levels]]`` entry with ``caller_order`` is answered by ``<ensemble>
 (recserve.backends.steps.caller_order): the access layer's door rewrites a request's model name to
 it. Its config takes exactly the ensemble's inputs and returns its outputs (the caller sends the
 same request either way), without a batch dimension of its own (a request is answered alone);
-one CPU instance of the Python backend, the served spec as its parameter.
+one CPU instance of the Python backend, warmed up before it is ready, the served spec as its
+parameter.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ ADAPTER = "caller_order.py"
 def caller_order_config(spec: ModelSpec, ensemble: mc.ModelConfig) -> mc.ModelConfig:
     """The config of the model answering ``ensemble``'s requests in the caller's order."""
     batch = [-1] if ensemble.max_batch_size > 0 else []  # the ensemble's batch dimension, spelled out
+    # one request of every input, each dimension 1, before the model is ready: the first request of
+    # a spike is not the one that finds the Python step cold
+    warmup = mc.ModelWarmup(
+        name="one_row",
+        batch_size=1,
+        count=1,
+        inputs={
+            i.name: mc.ModelWarmup.Input(
+                data_type=i.data_type, dims=[1 for _ in batch] + [max(d, 1) for d in i.dims], zero_data=True
+            )
+            for i in ensemble.input
+        },
+    )
     return mc.ModelConfig(
         name=spec.caller_order_models[ensemble.name],
         backend="python",
@@ -36,6 +50,7 @@ def caller_order_config(spec: ModelSpec, ensemble: mc.ModelConfig) -> mc.ModelCo
         ],
         instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)],
         parameters={"spec": mc.ModelParameter(string_value=spec.to_json())},
+        model_warmup=[warmup],
     )
 
 

@@ -77,7 +77,7 @@ LAB_DEGRADE = {
             "small_dense": True,
         },
         # answered beside the ensemble by the access layer's door (--access); the steps never choose it
-        {"name": "order", "cost": 0.1, "quality": 0.95, "caller_order": True},
+        {"name": "order", "cost": 0.16, "quality": 0.95, "caller_order": True},
     ],
     "small_dense": {"bottom_mlp": [16], "top_mlp": [32], "attention_heads": 1},
     "full_value": 3.5,
