@@ -291,7 +291,7 @@ def test_the_door_sends_the_lowest_values_to_the_callers_order_model(degraded, s
             premium = proxied.infer(spec.name, inputs, headers={VALUE_HEADER: "premium"})
             assert premium.as_numpy(DEGRADE_LEVEL).reshape(-1).tolist() == [0, 0]
         with CTRClient(layer.grpc_url, timeout_s=30, spec=order_spec, value="premium") as client:
-            client.predict_inputs(rows.take(slice(0, 1)).to_inputs(order_spec))  # each listener reports its own
+            client.predict_inputs(rows.take(slice(0, 1)).to_inputs(order_spec))  # each listener reports
         server = layer.servers["stable"][0]
 
         def ordered() -> float:

@@ -92,11 +92,12 @@ def test_each_ensemble_gets_the_model_beside_it(tmp_path):
     configs = all_configs(served)
     for ensemble, model in served.caller_order_models.items():
         order, beside = configs[model], configs[ensemble]
-        assert order.backend == "python" and order.max_batch_size == 0
+        assert order.backend == "python" and order.max_batch_size > 0 and order.HasField("dynamic_batching")
         assert [i.name for i in order.input] == [i.name for i in beside.input]
         assert [o.name for o in order.output] == [o.name for o in beside.output]
-        batch = [-1] if beside.max_batch_size else []
-        assert [list(i.dims) for i in order.input] == [[*batch, *i.dims] for i in beside.input]
+        cut = 0 if beside.max_batch_size else 1  # a list's users are the batch dimension here
+        assert [list(i.dims) for i in order.input] == [list(i.dims)[cut:] for i in beside.input]
+        assert all(i.allow_ragged_batch for i in order.input)
     write_configs(served, tmp_path)
     for model in served.caller_order_models.values():
         assert (tmp_path / model / "config.pbtxt").read_text() == render(configs[model])
