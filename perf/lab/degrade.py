@@ -58,11 +58,13 @@ from recserve.server import Ports, TritonServer
 #: The ``[degrade]`` the lab serves where the spec has none (lambda's loop read ten times a second).
 #: Costs and qualities measured (docs/design/degrade.md): each level served alone against full
 #: (``--costs``: 32 candidates and items 0.67-0.86, 8 and 8 0.53-0.68, the same with the smaller
-#: network 0.61; a refusal at the first step 0.13-0.19, left undeclared: declared, the 4x spike's p99
-#: was two to three times as long); the caller's prior is good, so the first 8 candidates hold most
-#: of the clicks (``level_quality``). The smaller network alone (all candidates) costs about as much
-#: as full here, so it is not a level of the lab's. ``full_value``: the top value decile
-#: (lognormal(0, 1)'s 90th percentile is 3.6) is always served in full.
+#: network 0.61, the caller's order beside the ensemble 0.12-0.16; a refusal at the first step
+#: 0.10-0.19, left undeclared: declared, the 4x spike's p99 was two to three times as long); the
+#: caller's prior is good, so its first 8 candidates hold most of the clicks (``level_quality``: the
+#: 8-candidate levels and the caller's order 0.98-0.99). The smaller network alone (all
+#: candidates) costs about as much as full here, so it is not a level of the lab's.
+#: ``full_value``: the top value decile (lognormal(0, 1)'s 90th percentile is 3.6) is always served
+#: in full.
 LAB_DEGRADE = {
     "enabled": True,
     "levels": [
@@ -76,7 +78,7 @@ LAB_DEGRADE = {
             "history_length": 8,
             "small_dense": True,
         },
-        # answered beside the ensemble by the access layer's door (--access); the steps never choose it
+        # sent beside the ensemble by the access layer's door (--access); the steps never choose it
         {"name": "order", "cost": 0.16, "quality": 0.95, "caller_order": True},
     ],
     "small_dense": {"bottom_mlp": [16], "top_mlp": [32], "attention_heads": 1},
