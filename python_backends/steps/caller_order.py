@@ -11,7 +11,7 @@ Python call's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -46,15 +46,12 @@ class CallerOrder:
             InvalidInput: no input, inputs that disagree on the rows (users), or per-candidate
                 inputs that disagree on the candidates.
         """
-        if not shapes:
-            raise InvalidInput("inputs", "a request needs at least one input")
-        rows = _one(shapes, lambda shape: shape[0] if shape else None, "rows")
+        users = rows = _one(shapes, lambda shape: shape[0] if shape else None, "rows")
         if self.lists:
             listed = {n: s for n, s in shapes.items() if n in self.per_candidate}
             if not listed:
                 raise InvalidInput(next(iter(shapes)), "a candidate list carries its candidates' inputs")
             rows *= _one(listed, lambda shape: shape[1] if len(shape) > 1 else None, "candidates")
-        users = next(iter(shapes.values()))[0]
         return {
             PROBABILITY: np.full((rows, 1), self.fallback, np.float32),
             DENSE_VERSION: np.zeros((1, 1), np.int64),
@@ -63,11 +60,16 @@ class CallerOrder:
         }
 
 
-def _one(shapes: Mapping[str, tuple[int, ...]], size, what: str) -> int:
+def _one(
+    shapes: Mapping[str, tuple[int, ...]], size: Callable[[tuple[int, ...]], int | None], what: str
+) -> int:
     """The one size ``size`` reads from every shape; InvalidInput naming an input that differs."""
-    sizes = {name: size(shape) for name, shape in shapes.items()}
-    first = next(iter(sizes.values()))
-    for name, found in sizes.items():
-        if found is None or found != first:
-            raise InvalidInput(name, f"has shape {list(shapes[name])}: the inputs disagree on the {what}")
-    return int(first)
+    first: int | None = None
+    for name, shape in shapes.items():
+        found = size(shape)
+        if found is None or found != (found if first is None else first):
+            raise InvalidInput(name, f"has shape {list(shape)}: the inputs disagree on the {what}")
+        first = found
+    if first is None:
+        raise InvalidInput("inputs", "a request needs at least one input")
+    return first
