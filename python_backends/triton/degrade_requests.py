@@ -106,9 +106,13 @@ class DegradeGate:
                 LOGGER.info("[degrade]: the capacity the last run learned: %.1f per second", carried)
         self.level_inputs = LevelInputs(spec)
         # what the access layer's door answered itself, reported on the next request it let through
-        self.door_reports = (
-            (self.controller.refused_level, REFUSED_HEADER),
-            (self.section.order_level, ORDERED_HEADER),
+        self.door_reports = tuple(
+            (level, header)
+            for level, header in (
+                (self.controller.refused_level, REFUSED_HEADER),
+                (self.section.order_level, ORDERED_HEADER),
+            )
+            if level is not None
         )
         self.counts = LevelCounts(self.section)
         url = metrics_url or os.environ.get(METRICS_URL_ENV, "")
@@ -168,7 +172,6 @@ class DegradeGate:
                 reported = [
                     (level, self.section.door_counts(parameters[-1].get(header), header))
                     for level, header in self.door_reports
-                    if level is not None
                 ]
                 values.append(self.section.value_from(parameters[-1]))
                 floors.append(floor)
