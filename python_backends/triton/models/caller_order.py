@@ -5,7 +5,6 @@ See recserve.backends.steps.caller_order; only the access layer's door sends req
 
 from recserve.backends.steps.caller_order import CallerOrder
 from recserve.backends.triton.adapter import ModelContext, error_response, respond
-from recserve.core.sections.degrade import CALLER_ORDER_SUFFIX
 
 
 class TritonPythonModel:
@@ -14,7 +13,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         """The ensemble it stands beside decides the request layout (rows, or candidate lists)."""
         context = ModelContext.from_args(args)
-        lists = context.name.removesuffix(CALLER_ORDER_SUFFIX) == context.spec.candidates_model
+        lists = context.name == context.spec.caller_order_models.get(context.spec.candidates_model or "")
         self.order = CallerOrder(context.spec, lists)
 
     def execute(self, requests: list) -> list:
